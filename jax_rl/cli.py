@@ -1,0 +1,124 @@
+"""``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``serve``, ``plot``.
+
+Each subcommand has ``--help``. Config errors print one line naming the culprit and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from jax_rl.config import ConfigError, load_config
+
+EPILOG = "Overrides: key.sub=value, e.g. loss.correction=ppo async.max_staleness=0 mesh.fsdp=4"
+
+
+def _not_built(what: str) -> int:
+    print(f"jax-rl: '{what}' is not built yet in this version", file=sys.stderr)
+    return 3
+
+
+def _load(args) -> "object":
+    overrides = list(args.overrides)
+    if getattr(args, "resume", False):
+        overrides.append("resume=true")
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args) -> int:
+    cfg = _load(args)
+    try:
+        from jax_rl.runtime.train import run_train
+    except ImportError as e:  # pragma: no cover - only while the runtime is missing
+        return _not_built(f"train ({e})")
+    return run_train(cfg)
+
+
+def cmd_sft(args) -> int:
+    cfg = _load(args)
+    try:
+        from jax_rl.runtime.train import run_sft
+    except ImportError as e:  # pragma: no cover
+        return _not_built(f"sft ({e})")
+    return run_sft(cfg)
+
+
+def cmd_eval(args) -> int:
+    cfg = load_config(args.config, list(args.overrides))
+    try:
+        from jax_rl.runtime.train import run_eval
+    except ImportError as e:  # pragma: no cover
+        return _not_built(f"eval ({e})")
+    return run_eval(cfg, args.checkpoint_dir)
+
+
+def cmd_serve(args) -> int:
+    try:
+        from rollout.serve import main as serve_main
+    except ImportError as e:  # pragma: no cover
+        return _not_built(f"serve ({e})")
+    return serve_main(args)
+
+
+def cmd_plot(args) -> int:
+    try:
+        from jax_rl.plots import plot_runs
+    except ImportError as e:  # pragma: no cover
+        return _not_built(f"plot ({e})")
+    paths = plot_runs(args.run_dirs, out_dir=args.out)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jax-rl", description="Asynchronous RL for LLM agents in JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
+    t.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("sft", help="SFT on reference-solver demonstrations only", epilog=EPILOG)
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*")
+    s.set_defaults(func=cmd_sft)
+
+    e = sub.add_parser("eval", help="held-out avg@k / pass@k of a checkpoint", epilog=EPILOG)
+    e.add_argument("checkpoint_dir", help="a run dir or its checkpoints/ dir")
+    e.add_argument("config")
+    e.add_argument("overrides", nargs="*")
+    e.set_defaults(func=cmd_eval)
+
+    v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)")
+    v.add_argument("checkpoint", help="HF checkpoint dir (config.json + safetensors)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=9000)
+    v.add_argument("--tokenizer", default=None, help="tokenizer.json path or 'compact' (default: from checkpoint dir)")
+    v.add_argument("--slots", type=int, default=4)
+    v.add_argument("--max-len", type=int, default=256)
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
+    pl.add_argument("run_dirs", nargs="+")
+    pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:
+        print(f"jax-rl: config error: {e}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

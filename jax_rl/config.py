@@ -1,0 +1,519 @@
+"""Run configuration: pydantic v2 schema, YAML loading with inheritance, ``key=value`` overrides.
+
+MaxText style: ``configs/base.yaml`` holds every knob with a one-line comment; run and model
+files hold only deltas and name their parent with ``base_config: base.yaml``. The CLI takes
+``jax-rl train CONFIG.yaml key.sub=value ...``.
+
+Every section is a pydantic model with ``extra="forbid"``, so an unknown key is an error.
+:func:`load_config` turns pydantic's errors into one :class:`ConfigError` whose message
+names the dotted key, the bad value and the constraint, and suggests the closest valid key
+for a typo (``loss.corection`` -> ``loss.correction``).
+
+This module does not import jax: it is cheap to import from the CLI and from tests.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "Config",
+    "ModelConfig",
+    "MeshConfig",
+    "OptimConfig",
+    "LossConfig",
+    "AsyncConfig",
+    "RolloutConfig",
+    "EnvConfig",
+    "RuntimeConfig",
+    "CheckpointConfig",
+    "EvalConfig",
+    "RunConfig",
+    "SFTConfig",
+    "OldLogitsConfig",
+    "LoggingConfig",
+    "load_config",
+    "parse_overrides",
+    "apply_overrides",
+    "dump_config",
+    "config_hash",
+    "CONFIG_DIR",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem. The message names the dotted key, the value and the rule."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+# --------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------
+
+
+class ModelConfig(_Section):
+    """The policy model (Qwen3 dense or MoE)."""
+
+    preset: Optional[str] = "tiny_dense"
+    """Name of a preset in ``jax_rl.models.qwen3.PRESETS`` (ignored when ``checkpoint`` is set)."""
+    checkpoint: Optional[str] = None
+    """Path to an HF checkpoint dir (config.json + safetensors). Overrides ``preset``."""
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
+    """HF config.json field overrides applied on top of the preset, e.g. ``{hidden_size: 64}``."""
+    tokenizer: str = "compact"
+    """``compact`` (byte-level demo tokenizer) or a path to tokenizer.json / a dir holding it."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Learner compute dtype. Master params are always fp32; logits are always fp32."""
+    moe_dispatch: Literal["dense", "ragged"] = "dense"
+    """MoE dispatch path: dense one-hot (small/CPU) or grouped ``jax.lax.ragged_dot``."""
+    remat: bool = False
+    """Rematerialise each decoder layer in the backward pass (saves activation memory)."""
+
+
+class MeshConfig(_Section):
+    """Device mesh ``('data', 'fsdp', 'tensor', 'expert')``; -1 means "the remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+
+    @model_validator(mode="after")
+    def _one_wildcard(self) -> "MeshConfig":
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        if sum(1 for s in sizes if s == -1) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+        for name, s in zip(("data", "fsdp", "tensor", "expert"), sizes):
+            if s == 0 or s < -1:
+                raise ValueError(f"mesh.{name} must be a positive int or -1, got {s}")
+        return self
+
+
+class OptimConfig(_Section):
+    """Optimizer: optax chain of global-norm clipping then AdamW, warmup + constant|cosine."""
+
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    batch_size: int = Field(32, ge=1)
+    """Trajectories per learner step (a multiple of ``rollout.group_size``)."""
+    microbatches: int = Field(1, ge=1)
+    """Gradient accumulation: the batch is split into this many microbatches."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per epoch (each on 1/minibatches of the batch)."""
+    max_seq_len: int = Field(512, ge=8)
+    """Longest trajectory (tokens) the learner accepts; batches are padded to a bucket <= this."""
+
+
+class LossConfig(_Section):
+    """Policy loss and the source of pi_prox. See ``jax_rl.losses.policy_loss``.
+
+    Formula sources: paper 2605.12070 §2 (via research/paper_spec.md §2.1), AReaL
+    ``ppo_actor_loss_fn``, ROLL ``agg_loss`` / ``InferCorrectionHandler``.
+    """
+
+    correction: Literal["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"] = "ppo_ewma"
+    """Where pi_prox comes from (README: correction-mode table)."""
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float = Field(0.2, gt=0)
+    dual_clip_c: Optional[float] = Field(None, gt=1)
+    """Dual clip for negative advantages: loss <= -c * A (None = off)."""
+    train_infer_mode: Literal["none", "mask", "truncate"] = "mask"
+    """Train-infer correction on pi_prox/mu: mask = MIS, truncate = TIS weight."""
+    train_infer_level: Literal["token", "sequence", "geometric", "turn"] = "token"
+    train_infer_high: float = Field(2.0, gt=0)
+    train_infer_low: Optional[float] = Field(None, ge=0)
+    """Lower threshold; None means symmetric in log space: 1 / train_infer_high."""
+    catastrophic_logratio: Optional[float] = None
+    """Drop a whole sequence if any valid token has log(pi_prox/mu) below this (e.g. -9.2)."""
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    keep_masked_in_denominator: bool = True
+    """True = AReaL (masked tokens stay in the denominator), False = ROLL/verl."""
+    max_log_ratio: float = Field(20.0, gt=0)
+    """Clamp for every exp() argument (log-ratios), fp32."""
+    ewma_beta_rule: Literal["centre", "window", "halflife"] = "centre"
+    """beta from async.max_staleness K: centre K/(K+2), window K/(K+1), halflife 2^(-1/K)."""
+    ewma_beta: Optional[float] = Field(None, ge=0, lt=1)
+    """Explicit EWMA beta (weight on history); overrides ewma_beta_rule."""
+    ewma_bias_correction: bool = True
+    ewma_reset_threshold: float = Field(0.9, ge=0, le=1)
+    """Reset theta_bar <- theta when train_infer_retained < this for `patience` steps."""
+    ewma_reset_patience: int = Field(1, ge=1)
+    entropy_coef: float = 0.0
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> "LossConfig":
+        low = self.train_infer_low if self.train_infer_low is not None else 1.0 / self.train_infer_high
+        if low > self.train_infer_high:
+            raise ValueError(
+                f"loss.train_infer_low={self.train_infer_low} must be <= loss.train_infer_high={self.train_infer_high}"
+            )
+        return self
+
+    @property
+    def train_infer_bounds(self) -> tuple[float, float]:
+        """(low, high) thresholds on pi_prox/mu, low defaulting to 1/high."""
+        low = self.train_infer_low if self.train_infer_low is not None else 1.0 / self.train_infer_high
+        return float(low), float(self.train_infer_high)
+
+
+class AsyncConfig(_Section):
+    max_staleness: int = Field(2, ge=0)
+    """K: no consumed token is older than K versions. K=0 is synchronous on-policy training."""
+
+
+class RolloutConfig(_Section):
+    """Rollout engine, continuous batching and agent loop."""
+
+    threads: int = Field(1, ge=1)
+    """Rollout generator threads (embedded runtime) or worker actors (ray runtime)."""
+    slots: int = Field(16, ge=1)
+    """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
+    max_prefill_length: int = Field(256, ge=8)
+    max_cache_len: int = Field(512, ge=8)
+    """KV-cache length per slot (tokens): prompt + all turns must fit."""
+    max_new_tokens_per_turn: int = Field(64, ge=1)
+    max_tokens_per_episode: int = Field(256, ge=1)
+    """Budget of generated (policy) tokens over all turns of one episode."""
+    max_turns: int = Field(4, ge=1)
+    episode_timeout_s: float = Field(600.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    partial: Literal["continue", "recompute_kv", "abort"] = "continue"
+    """What happens to a sequence mid-generation when weights change."""
+    group_size: int = Field(8, ge=1)
+    """GRPO group: samples per task."""
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    advantage_std_normalize: bool = True
+    tool_latency_s: float = Field(0.0, ge=0)
+    tool_latency_dist: Literal["fixed", "lognormal"] = "fixed"
+
+
+class EnvConfig(_Section):
+    """Environments. ``name`` picks one; its knobs live under its own key."""
+
+    name: Literal["calculator", "retail"] = "calculator"
+    datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
+    """reasoning-gym datasets for ``calculator``."""
+    dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-dataset reasoning-gym kwargs, e.g. ``{chain_sum: {min_terms: 2, max_terms: 3}}``."""
+    retail: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the retail env (num_users, num_orders, ...)."""
+    train_seed_offset: int = Field(0, ge=0)
+
+
+class RuntimeConfig(_Section):
+    """``runtime=embedded`` (threads, one process) or ``runtime=ray``. A bare string sets kind."""
+
+    kind: Literal["embedded", "ray"] = "embedded"
+    ray_workers: int = Field(2, ge=1)
+    coordinator: Optional[str] = None
+    """jax.distributed coordinator address host:port (multi-process); None = single process."""
+    num_processes: Optional[int] = Field(None, ge=1)
+    process_id: Optional[int] = Field(None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_kind(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return {"kind": v}
+        return v
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Save every N learner steps (0 = only at the end and on Ctrl-C/SIGTERM)."""
+    max_to_keep: int = Field(2, ge=1)
+    async_save: bool = True
+    dir: Optional[str] = None
+    """Checkpoint dir; default ``<run.dir>/checkpoints``."""
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Evaluate every N learner steps (0 = only after SFT and at the end)."""
+    k: int = Field(4, ge=1)
+    num_tasks: int = Field(64, ge=1)
+    seed_offset: int = Field(1_000_000, ge=0)
+    """Held-out seeds start here; training seeds are below it."""
+    temperature: float = Field(1.0, gt=0)
+
+
+class RunConfig(_Section):
+    name: Optional[str] = None
+    """Run name; default: the config file's stem."""
+    dir: Optional[str] = None
+    """Output dir; default ``runs/<name>-<UTC timestamp>``."""
+    steps: int = Field(100, ge=0)
+    """RL learner steps."""
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+
+
+class SFTConfig(_Section):
+    steps: int = Field(0, ge=0)
+    """SFT warm-start steps on reference-solver demonstrations before RL (0 = skip)."""
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(32, ge=1)
+    num_demos: int = Field(2048, ge=1)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class OldLogitsConfig(_Section):
+    route: Literal["snapshot"] = "snapshot"
+    """Exact old-logit route for loss.correction=exact."""
+    store: Literal["host", "disk"] = "host"
+    measure_error: bool = False
+    """Also compute exact old logits under ppo_ewma/linear_prox and log the approximation error."""
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = True
+    wandb: bool = False
+    progress: bool = True
+
+
+class Config(_Section):
+    """The whole run configuration."""
+
+    base_config: Optional[str] = Field(None, exclude=True)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    old_logits: OldLogitsConfig = Field(default_factory=OldLogitsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resume: bool = False
+    """Continue from the latest checkpoint in run.dir (buffer included)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Config":
+        if self.optim.batch_size % self.rollout.group_size != 0:
+            raise ValueError(
+                f"optim.batch_size={self.optim.batch_size} must be a multiple of "
+                f"rollout.group_size={self.rollout.group_size}"
+            )
+        if self.optim.batch_size % (self.optim.microbatches * self.optim.minibatches) != 0:
+            raise ValueError(
+                f"optim.batch_size={self.optim.batch_size} must be divisible by "
+                f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
+            )
+        if self.rollout.max_cache_len > self.optim.max_seq_len:
+            raise ValueError(
+                f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "
+                f"optim.max_seq_len={self.optim.max_seq_len} (the learner must accept every trajectory)"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with YAML-friendly keys (``async`` not ``async_``)."""
+        return self.model_dump(mode="json", by_alias=True, exclude={"base_config"})
+
+
+# --------------------------------------------------------------------------------------
+# Loading, overrides, errors
+# --------------------------------------------------------------------------------------
+
+
+def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
+    out = {}
+    for name, f in model.model_fields.items():
+        out[f.alias or name] = f
+    return out
+
+
+def _valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """All dotted keys of the schema (``loss.correction``, ...)."""
+    keys = []
+    for key, f in _section_fields(model).items():
+        if key == "base_config":
+            continue
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_valid_keys(ann, dotted + "."))
+    return keys
+
+
+def _suggest(key: str) -> str:
+    valid = _valid_keys()
+    matches = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not matches:
+        leaf = key.split(".")[-1]
+        by_leaf = {k.split(".")[-1]: k for k in valid}
+        m = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        matches = [by_leaf[m[0]]] if m else []
+    return f"; did you mean '{matches[0]}'?" if matches else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) or True)
+        loc = loc.replace("async_", "async")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{loc}'{_suggest(loc)}")
+        else:
+            val = e.get("input")
+            msg = e["msg"]
+            if e["type"] == "literal_error" and "expected" in (e.get("ctx") or {}):
+                msg = f"must be one of {e['ctx']['expected']}"
+            where = f"'{loc}'" if loc else "config"
+            val_s = "" if isinstance(val, dict) else f"={val!r}"
+            lines.append(f"invalid value {where}{val_s}: {msg}")
+    return f"{source}: " + "; ".join(lines)
+
+
+def _deep_merge(base: dict, delta: dict) -> dict:
+    out = dict(base)
+    for k, v in delta.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("hf_overrides", "dataset_config"):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path, _seen: Optional[set] = None) -> dict:
+    """Read a YAML file, resolving ``base_config`` (relative to the file) recursively."""
+    _seen = _seen or set()
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: base_config cycle")
+    _seen.add(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    parent = data.pop("base_config", None)
+    if parent:
+        ppath = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
+        if not ppath.exists() and (CONFIG_DIR / parent).exists():
+            ppath = CONFIG_DIR / parent
+        data = _deep_merge(_read_yaml(ppath, _seen), data)
+    return data
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """Turn ``["loss.correction=ppo", "mesh.fsdp=4"]`` into a nested dict.
+
+    Values are parsed with YAML (so ``1e-4``, ``true``, ``null``, ``[a, b]`` work).
+
+    Raises:
+        ConfigError: an item without ``=`` or with an empty key.
+    """
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override '{item}' has an empty key")
+        try:
+            val = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            val = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{p}'")
+            node = nxt
+        node[parts[-1]] = val
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Merge ``key=value`` overrides into a raw config dict (before validation)."""
+    delta = parse_overrides(overrides)
+    # `runtime=ray` sets runtime.kind even when the YAML has a runtime mapping
+    if isinstance(delta.get("runtime"), str) and isinstance(data.get("runtime"), dict):
+        delta["runtime"] = {"kind": delta["runtime"]}
+    return _deep_merge(data, delta)
+
+
+def validate_config(data: dict, source: str = "config") -> Config:
+    """Validate a raw dict into a :class:`Config`; raise :class:`ConfigError` naming every culprit."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load ``path`` (default ``configs/base.yaml``) with its ``base_config`` chain and overrides.
+
+    Args:
+        path: a YAML file. Relative ``base_config`` entries resolve next to the file, then in
+            the packaged ``configs/`` dir.
+        overrides: ``key.sub=value`` strings, applied last.
+
+    Returns:
+        The validated :class:`Config`. ``run.name`` defaults to the file's stem.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key (with a suggestion), bad value
+            (naming key, value and constraint).
+    """
+    p = Path(path) if path else CONFIG_DIR / "base.yaml"
+    data = _read_yaml(p)
+    data = apply_overrides(data, list(overrides or []))
+    cfg = validate_config(data, source=str(path or p))
+    if cfg.run.name is None:
+        cfg.run.name = p.stem
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (``config.yaml`` in the run dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def config_hash(cfg: Config, sections: tuple[str, ...] = ("model", "loss")) -> str:
+    """Short sha256 over the given sections (stored in checkpoints to refuse mismatched restores)."""
+    d = cfg.to_dict()
+    blob = json.dumps({k: d[k] for k in sections}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
