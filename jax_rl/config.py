@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -87,9 +87,13 @@ class MeshConfig(_Section):
     """Device mesh ``('data', 'fsdp', 'tensor', 'expert')``; -1 means "the remaining devices"."""
 
     data: int = 1
+    """Pure data-parallel axis size."""
     fsdp: int = -1
+    """Fully-sharded data-parallel axis (params sharded on embed)."""
     tensor: int = 1
+    """Tensor-parallel axis (heads / mlp)."""
     expert: int = 1
+    """Expert-parallel axis (MoE experts)."""
 
     @model_validator(mode="after")
     def _one_wildcard(self) -> "MeshConfig":
@@ -106,14 +110,23 @@ class OptimConfig(_Section):
     """Optimizer: optax chain of global-norm clipping then AdamW, warmup + constant|cosine."""
 
     lr: float = Field(1e-4, gt=0)
+    """Peak learning rate of the RL AdamW."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to lr."""
     schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warmup."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Cosine floor as a fraction of lr."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
     b1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
     b2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
     eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Global-norm gradient clipping threshold."""
     batch_size: int = Field(32, ge=1)
     """Trajectories per learner step (a multiple of ``rollout.group_size``)."""
     microbatches: int = Field(1, ge=1)
@@ -179,6 +192,8 @@ class LossConfig(_Section):
 
 
 class AsyncConfig(_Section):
+    """Asynchrony: the staleness bound K."""
+
     max_staleness: int = Field(2, ge=0)
     """K: no consumed token is older than K versions. K=0 is synchronous on-policy training."""
 
@@ -191,31 +206,44 @@ class RolloutConfig(_Section):
     slots: int = Field(16, ge=1)
     """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
     max_prefill_length: int = Field(256, ge=8)
+    """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)
     """KV-cache length per slot (tokens): prompt + all turns must fit."""
     max_new_tokens_per_turn: int = Field(64, ge=1)
+    """Generated-token budget per assistant turn."""
     max_tokens_per_episode: int = Field(256, ge=1)
     """Budget of generated (policy) tokens over all turns of one episode."""
     max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode."""
     episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock budget per episode (seconds)."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the learner applies the same one to its log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1.0 = off; off by default in RL)."""
     top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Rollout compute dtype (bf16 default: a real train-infer gap)."""
     partial: Literal["continue", "recompute_kv", "abort"] = "continue"
     """What happens to a sequence mid-generation when weights change."""
     group_size: int = Field(8, ge=1)
     """GRPO group: samples per task."""
     advantage: Literal["grpo", "rloo"] = "grpo"
+    """Group advantage estimator."""
     advantage_std_normalize: bool = True
+    """GRPO: divide by the group's reward std."""
     tool_latency_s: float = Field(0.0, ge=0)
+    """Simulated tool latency in seconds (0 = none)."""
     tool_latency_dist: Literal["fixed", "lognormal"] = "fixed"
+    """fixed: exactly tool_latency_s; lognormal: median tool_latency_s."""
 
 
 class EnvConfig(_Section):
     """Environments. ``name`` picks one; its knobs live under its own key."""
 
     name: Literal["calculator", "retail"] = "calculator"
+    """Environment: calculator (reasoning-gym tasks + calculate tool) or retail (tau-bench style DB)."""
     datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
     """reasoning-gym datasets for ``calculator``."""
     dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -223,17 +251,22 @@ class EnvConfig(_Section):
     retail: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the retail env (num_users, num_orders, ...)."""
     train_seed_offset: int = Field(0, ge=0)
+    """First training task seed."""
 
 
 class RuntimeConfig(_Section):
     """``runtime=embedded`` (threads, one process) or ``runtime=ray``. A bare string sets kind."""
 
     kind: Literal["embedded", "ray"] = "embedded"
+    """embedded: one process, rollout + learner threads; ray: actors."""
     ray_workers: int = Field(2, ge=1)
+    """Rollout-worker actors for runtime=ray."""
     coordinator: Optional[str] = None
     """jax.distributed coordinator address host:port (multi-process); None = single process."""
     num_processes: Optional[int] = Field(None, ge=1)
+    """jax.distributed process count (multi-host)."""
     process_id: Optional[int] = Field(None, ge=0)
+    """This process's jax.distributed index."""
 
     @model_validator(mode="before")
     @classmethod
@@ -244,25 +277,36 @@ class RuntimeConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """Orbax checkpoints (state, EWMA, snapshots, buffer, metadata)."""
+
     every: int = Field(0, ge=0)
     """Save every N learner steps (0 = only at the end and on Ctrl-C/SIGTERM)."""
     max_to_keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
     async_save: bool = True
+    """Orbax async saves (training continues while writing)."""
     dir: Optional[str] = None
     """Checkpoint dir; default ``<run.dir>/checkpoints``."""
 
 
 class EvalConfig(_Section):
+    """Held-out evaluation (avg@k, pass@k) on seeds disjoint from training."""
+
     every: int = Field(0, ge=0)
     """Evaluate every N learner steps (0 = only after SFT and at the end)."""
     k: int = Field(4, ge=1)
+    """Samples per held-out task (avg@k, pass@k)."""
     num_tasks: int = Field(64, ge=1)
+    """Held-out tasks per evaluation."""
     seed_offset: int = Field(1_000_000, ge=0)
     """Held-out seeds start here; training seeds are below it."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for evaluation."""
 
 
 class RunConfig(_Section):
+    """Run identity, length, seed and output dir."""
+
     name: Optional[str] = None
     """Run name; default: the config file's stem."""
     dir: Optional[str] = None
@@ -270,30 +314,46 @@ class RunConfig(_Section):
     steps: int = Field(100, ge=0)
     """RL learner steps."""
     seed: int = 0
+    """Seed for params, sampling and task order (reproducible runs)."""
     log_every: int = Field(1, ge=1)
+    """Console progress refresh every N steps."""
 
 
 class SFTConfig(_Section):
+    """SFT warm start on reference-solver demonstrations (assistant tokens only)."""
+
     steps: int = Field(0, ge=0)
     """SFT warm-start steps on reference-solver demonstrations before RL (0 = skip)."""
     lr: float = Field(1e-3, gt=0)
+    """SFT learning rate."""
     batch_size: int = Field(32, ge=1)
+    """SFT sequences per step."""
     num_demos: int = Field(2048, ge=1)
+    """Reference-solver demonstrations generated for SFT."""
     warmup_steps: int = Field(0, ge=0)
+    """SFT warmup steps."""
 
 
 class OldLogitsConfig(_Section):
+    """Exact old logits (pi_v at each token's behaviour version) for loss.correction=exact."""
+
     route: Literal["snapshot"] = "snapshot"
     """Exact old-logit route for loss.correction=exact."""
     store: Literal["host", "disk"] = "host"
+    """Snapshot store: host (numpy in RAM) or disk (Orbax under the run dir)."""
     measure_error: bool = False
     """Also compute exact old logits under ppo_ewma/linear_prox and log the approximation error."""
 
 
 class LoggingConfig(_Section):
+    """Metric sinks and console."""
+
     tensorboard: bool = True
+    """Write TensorBoard event files (tensorboardX) under run.dir/tb."""
     wandb: bool = False
+    """Also log to Weights & Biases when installed."""
     progress: bool = True
+    """Live progress bar on the console."""
 
 
 class Config(_Section):
@@ -317,7 +377,7 @@ class Config(_Section):
     resume: bool = False
     """Continue from the latest checkpoint in run.dir (buffer included)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True)
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
@@ -517,3 +577,43 @@ def config_hash(cfg: Config, sections: tuple[str, ...] = ("model", "loss")) -> s
     d = cfg.to_dict()
     blob = json.dumps({k: d[k] for k in sections}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def render_base_yaml() -> str:
+    """Render ``configs/base.yaml``: every knob at its default with a one-line comment.
+
+    ``tests/test_config.py`` checks that the committed file equals this output, so the file and
+    the schema cannot drift apart. Regenerate with ``python -m jax_rl.config > configs/base.yaml``.
+    """
+
+    def fmt(v: Any) -> str:
+        s = yaml.safe_dump(v, default_flow_style=True, width=10_000).strip()
+        return s[:-4].strip() if s.endswith("...") else s
+
+    def doc(f) -> str:
+        return " ".join((f.description or "").split())
+
+    lines = [
+        "# jax-rl base config: every knob, at its default, with a one-line comment.",
+        "# Run/model files hold only deltas and start with `base_config: base.yaml`.",
+        "# Override anything on the command line: jax-rl train CONFIG.yaml loss.correction=ppo mesh.fsdp=4",
+        "# GENERATED from jax_rl/config.py by `python -m jax_rl.config > configs/base.yaml`.",
+        "",
+    ]
+    defaults = Config().to_dict()
+    for key, f in _section_fields(Config).items():
+        if key == "base_config":
+            continue
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(f"{key}:  # {(ann.__doc__ or '').strip().splitlines()[0]}")
+            for sub, sf in _section_fields(ann).items():
+                lines.append(f"  {sub}: {fmt(defaults[key][sub])}  # {doc(sf)}")
+            lines.append("")
+        else:
+            lines.append(f"{key}: {fmt(defaults[key])}  # {doc(f)}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(render_base_yaml(), end="")

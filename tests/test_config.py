@@ -1,0 +1,153 @@
+"""Config system: loading, inheritance, overrides, every class of bad value, CLI errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jax_rl.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    dump_config,
+    load_config,
+    parse_overrides,
+    render_base_yaml,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_base_yaml_in_sync_with_schema():
+    assert (CONFIG_DIR / "base.yaml").read_text() == render_base_yaml(), (
+        "configs/base.yaml is stale: run `python -m jax_rl.config > configs/base.yaml`"
+    )
+
+
+def test_base_yaml_every_knob_commented():
+    for line in (CONFIG_DIR / "base.yaml").read_text().splitlines():
+        if line.startswith("  ") and ":" in line:
+            comment = line.split("#", 1)[1].strip() if "#" in line else ""
+            assert comment, f"knob without a comment: {line!r}"
+
+
+def test_base_equals_defaults():
+    cfg = load_config(CONFIG_DIR / "base.yaml")
+    d = cfg.to_dict()
+    d.pop("run")
+    ref = Config().to_dict()
+    ref.pop("run")
+    assert d == ref
+
+
+def test_every_shipped_config_loads():
+    for p in sorted(CONFIG_DIR.glob("*.yaml")):
+        cfg = load_config(p)
+        assert cfg.run.name == p.stem
+
+
+def test_delta_file_inherits(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text(f"base_config: {CONFIG_DIR / 'base.yaml'}\nloss:\n  correction: exact\n")
+    cfg = load_config(p)
+    assert cfg.loss.correction == "exact"
+    assert cfg.loss.clip_eps_low == Config().loss.clip_eps_low  # inherited
+
+
+def test_overrides_types_and_nesting():
+    cfg = load_config(
+        CONFIG_DIR / "tiny_cpu.yaml",
+        ["loss.correction=ppo", "async.max_staleness=0", "optim.lr=3e-4", "loss.dual_clip_c=3",
+         "env.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "model.hf_overrides={hidden_size: 32}"],
+    )
+    assert cfg.loss.correction == "ppo"
+    assert cfg.async_.max_staleness == 0
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.loss.dual_clip_c == 3
+    assert cfg.env.datasets == ["chain_sum"]
+    assert cfg.logging.wandb is True
+    assert cfg.runtime.kind == "ray"
+    assert cfg.model.hf_overrides == {"hidden_size": 32}
+
+
+def test_parse_overrides_rejects_garbage():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_overrides(["loss.correction"])
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_overrides(["loss..x=1"])
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", ["loss.corection=ppo_ewma"])
+    msg = str(e.value)
+    assert "loss.corection" in msg and "loss.correction" in msg
+
+
+def test_unknown_section_suggests():
+    with pytest.raises(ConfigError, match="optim"):
+        load_config(None, ["optimm.lr=1"])
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("async.max_staleness=-1", ["async.max_staleness", "-1", "greater than or equal to 0"]),
+        ("loss.correction=foo", ["loss.correction", "'foo'", "ppo_ewma"]),
+        ("loss.train_infer_low=3.0", ["train_infer_low=3.0", "train_infer_high=2.0"]),
+        ("loss.dual_clip_c=0.5", ["loss.dual_clip_c", "0.5", "greater than 1"]),
+        ("optim.lr=0", ["optim.lr", "0", "greater than 0"]),
+        ("mesh.fsdp=0", ["mesh.fsdp", "0"]),
+        ("rollout.group_size=5", ["optim.batch_size=32", "rollout.group_size=5"]),
+        ("optim.microbatches=abc", ["optim.microbatches", "'abc'"]),
+    ],
+)
+def test_bad_values_name_key_value_constraint(override, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", [override])
+    for n in names:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_two_mesh_wildcards_rejected():
+    with pytest.raises(ConfigError, match="at most one mesh axis"):
+        load_config(None, ["mesh.data=-1"])
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("loss: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(p)
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["loss.correction=exact"])
+    out = dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(out)
+    assert again.to_dict() == cfg.to_dict()
+    assert "async" in yaml.safe_load(out.read_text())
+
+
+def test_cli_typo_exits_nonzero_with_suggestion():
+    r = subprocess.run(
+        [sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), "loss.corection=ppo_ewma"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert r.returncode == 2
+    assert "loss.corection" in r.stderr and "loss.correction" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sub", ["train", "sft", "eval", "serve", "plot"])
+def test_cli_help(sub):
+    r = subprocess.run([sys.executable, "-m", "jax_rl.cli", sub, "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "usage" in r.stdout
