@@ -163,6 +163,9 @@ class LossConfig(_Section):
     agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
     keep_masked_in_denominator: bool = True
     """True = AReaL (masked tokens stay in the denominator), False = ROLL/verl."""
+    seq_sum_norm_len: Optional[int] = Field(None, ge=1)
+    """Constant L of agg=seq_mean_token_sum_norm (Dr. GRPO): per-sequence token sum / L.
+    None = the padded length T of the batch (ROLL/verl ``loss_mask.shape[-1]``)."""
     max_log_ratio: float = Field(20.0, gt=0)
     """Clamp for every exp() argument (log-ratios), fp32."""
     ewma_beta_rule: Literal["centre", "window", "halflife"] = "centre"

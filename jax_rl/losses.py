@@ -1,0 +1,495 @@
+"""Policy losses with off-policy correction: train-infer factor + PPO clip on pi_prox.
+
+Pure, jit-able functions (no I/O, no host round-trips). Formula sources:
+paper 2605.12070 §1.3/§2.1 via ``research/paper_spec.md`` (the skeleton below), AReaL
+``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (decoupled loss, keep-in-denominator),
+ROLL ``agg_loss`` / ``InferCorrectionHandler`` (aggregations, MIS/TIS levels, catastrophic
+rejection).
+
+Per valid token t of row b (``loss_mask`` True)::
+
+    rho_t = exp(clamp(logp_t - sg(prox_logp_t), +-M))          staleness factor, PPO clip
+    s_t   = level statistic of log(pi_prox/mu) (see below)     train-infer factor, detached
+    m_t   = mask (MIS): low <= exp(s_t) <= high   [mode=mask]    else 1
+    w_t   = TIS weight: clamp(exp(s_t), low, high) [mode=truncate] else 1
+    l_t   = -A_t * rho_t, or -A_t * bound when the clipped branch is chosen (below),
+            then min(l_t, -c * A_t) for A_t < 0 when dual_clip_c = c is set
+    loss  = sum_bt [kept_bt] * c_bt * w_bt * l_bt / Z
+
+The two factors are never folded into one ratio: rho only sees pi_theta/pi_prox, m and w
+only see pi_prox/mu, and m/w do not depend on the sign of A (symmetric band in log space,
+``low`` defaults to ``1/high``).
+
+Levels of s_t (all computed in log space, fp32, over the row's *usable* tokens):
+    token      s_t = log(pi_prox/mu)_t
+    sequence   s_t = sum_t' log(pi_prox/mu)_t'   (product of ratios; the mask decision is
+               taken on the raw sum, exp() arguments are clamped to +-max_log_ratio, so a
+               long sequence saturates at exp(M) and is masked, never inf/NaN)
+    geometric  s_t = mean_t' log(pi_prox/mu)_t'  (length-normalised; AReaL sequence level)
+    turn       s_t = mean over the tokens of the same assistant turn (``turn_ids``); the
+               geometric mean per turn, so turns of different length are comparable
+               (ROLL "segment"-style). Valid tokens with turn_id < 0 form their own turn.
+               turn_ids must be < T.
+
+``catastrophic_logratio`` (any mode, also ``none``): drop the whole row when any usable
+token has log(pi_prox/mu) < catastrophic_logratio (ROLL ``infer_catastrophic_threshold``).
+
+Non-finite inputs: a valid token whose ``behav_logp`` or ``prox_logp`` is NaN/+-inf is
+masked (never reaches arithmetic) and counted in ``masked_nonfinite_behav`` /
+``masked_nonfinite_prox``; it is treated like a train-infer-rejected token (it stays in the
+denominator iff ``keep_masked_in_denominator``). Every input is passed through
+``jnp.where(mask, x, 0)`` *before* any arithmetic, so NaN/inf outside ``loss_mask`` change
+neither the loss nor the gradient by one bit (the cotangent of a where-ed-out entry is an
+exact 0, and no downstream value is ever non-finite).
+
+Gradient convention at the clip boundary (pinned, tested): the band is CLOSED. The clipped
+branch is chosen only strictly outside it: for A > 0 when rho > 1 + eps_high, for A < 0 when
+rho < 1 - eps_low; the dual clip only when rho > c (A < 0). Exactly at a boundary the
+unclipped branch is used, so d l_t / d logp_t = -A_t * rho_t (e.g. -(1+eps_high) for A = +1
+at rho = 1+eps_high, +(1-eps_low) for A = -1 at rho = 1-eps_low), and ``clip_frac`` does not
+count the token. (``jnp.maximum``/``jnp.clip`` would split the gradient 50/50 at ties;
+we use explicit ``jnp.where`` instead.) Tokens with |log rho| > max_log_ratio get zero
+gradient (the exp argument is clamped).
+
+Aggregation (``cfg.agg``; ROLL ``agg_loss`` names). Let D_bt = loss_mask if
+``keep_masked_in_denominator`` (AReaL) else kept (ROLL/verl), n_b = sum_t D_bt and
+N_seq = #{b : n_b > 0} (an all-padding row is never a sequence):
+
+    token_mean               c_bt = 1            Z = sum_b n_b
+    seq_mean_token_mean      c_bt = 1 / n_b      Z = N_seq
+    seq_mean_token_sum       c_bt = 1            Z = N_seq
+    seq_mean_token_sum_norm  c_bt = 1 / L        Z = N_seq   (Dr. GRPO; L = cfg.seq_sum_norm_len,
+                                                             default T = loss_mask.shape[-1] as in
+                                                             ROLL/verl; ROLL divides sum_b by T only,
+                                                             we also average over sequences)
+
+Microbatches and data shards: c_bt depends only on row b, so as long as the batch is split
+along rows (never along T), passing the full batch's Z (:func:`loss_denominator`) as
+``denominator`` to every piece makes ``sum(piece losses) == full-batch loss`` and likewise
+for gradients. For seq_mean_token_sum_norm with the default L = T every piece must keep the
+full padded T (or set ``seq_sum_norm_len``).
+
+Metrics: a dict of fp32 scalars with fixed keys for a given set of optional arguments.
+Token metrics are means over VALID tokens (loss_mask); at a valid token with non-finite
+behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Combine microbatch
+metrics with :func:`combine_metrics` (sums for counts, max/min for extremes, means weighted
+by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` is recomputed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_rl.config import LossConfig
+
+__all__ = [
+    "LossConfig",
+    "policy_loss",
+    "loss_denominator",
+    "train_infer_factor",
+    "TrainInfer",
+    "combine_metrics",
+    "metric_rule",
+    "STALENESS_MAX_BUCKET",
+]
+
+STALENESS_MAX_BUCKET = 8
+"""Staleness buckets ``staleness/0`` .. ``staleness/7`` and ``staleness/8+`` (>= 8)."""
+
+_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, dtype=jnp.float32)
+
+
+def _check_2d(name: str, x, shape: Optional[tuple] = None) -> None:
+    shp = tuple(jnp.shape(x))
+    if len(shp) != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {shp}")
+    if shape is not None and shp != tuple(shape):
+        raise ValueError(f"{name} has shape {shp}, expected {tuple(shape)} (the shape of loss_mask)")
+
+
+def _log_bound(x: float) -> float:
+    return -math.inf if x <= 0 else math.log(x)
+
+
+class TrainInfer(NamedTuple):
+    """Result of :func:`train_infer_factor` (all [B, T] unless noted; all detached)."""
+
+    valid: jax.Array  # bool, loss_mask
+    usable: jax.Array  # bool, valid & finite behav & finite prox
+    kept: jax.Array  # bool, usable & not catastrophic-dropped & (in band if mode=mask)
+    weight: jax.Array  # f32, TIS weight (1 unless mode=truncate)
+    level_logratio: jax.Array  # f32, s_t (0 where not usable)
+    token_logratio: jax.Array  # f32, log(pi_prox/mu)_t (0 where not usable)
+    in_band: jax.Array  # bool, low <= exp(s_t) <= high (computed in log space)
+    catastrophic_row: jax.Array  # bool [B]
+    prox: jax.Array  # f32, sanitised sg(prox_logp) (0 where not usable)
+    nonfinite_behav: jax.Array  # bool, valid & non-finite behav
+    nonfinite_prox: jax.Array  # bool, valid & non-finite prox
+
+
+def train_infer_factor(
+    prox_logp, behav_logp, loss_mask, cfg: LossConfig, *, turn_ids=None
+) -> TrainInfer:
+    """The train-infer factor pi_prox/mu: level statistic, MIS mask, TIS weight, catastrophic drop.
+
+    Args:
+        prox_logp, behav_logp: float [B, T] (any float dtype; computed in fp32, detached).
+        loss_mask: bool [B, T].
+        cfg: :class:`LossConfig` (uses train_infer_mode/level/low/high, catastrophic_logratio,
+            max_log_ratio).
+        turn_ids: int [B, T], required when ``train_infer_level == "turn"``.
+
+    Returns:
+        :class:`TrainInfer`.
+
+    Raises:
+        ValueError: shape mismatch, or level ``turn`` without ``turn_ids``.
+    """
+    _check_2d("loss_mask", loss_mask)
+    shape = tuple(jnp.shape(loss_mask))
+    _check_2d("prox_logp", prox_logp, shape)
+    _check_2d("behav_logp", behav_logp, shape)
+    B, T = shape
+    valid = jnp.asarray(loss_mask, dtype=bool)
+    prox = lax.stop_gradient(_f32(prox_logp))
+    behav = lax.stop_gradient(_f32(behav_logp))
+    fin_b = jnp.isfinite(behav)
+    fin_p = jnp.isfinite(prox)
+    usable = valid & fin_b & fin_p
+    prox0 = jnp.where(usable, prox, 0.0)
+    behav0 = jnp.where(usable, behav, 0.0)
+    lr = prox0 - behav0  # 0 where not usable
+    use_f = usable.astype(jnp.float32)
+
+    level = cfg.train_infer_level
+    if level == "token":
+        s = lr
+    elif level in ("sequence", "geometric"):
+        tot = jnp.sum(lr, axis=-1, keepdims=True)
+        if level == "geometric":
+            n = jnp.sum(use_f, axis=-1, keepdims=True)
+            tot = tot / jnp.maximum(n, 1.0)
+        s = jnp.broadcast_to(tot, shape)
+    elif level == "turn":
+        if turn_ids is None:
+            raise ValueError("loss.train_infer_level='turn' needs turn_ids [B, T]")
+        _check_2d("turn_ids", turn_ids, shape)
+        tid = jnp.asarray(turn_ids, dtype=jnp.int32)
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+        cols = jnp.arange(T, dtype=jnp.int32)[None, :]
+        seg = jnp.where(tid >= 0, rows * T + jnp.clip(tid, 0, T - 1), B * T + rows * T + cols)
+        nseg = 2 * B * T + 1
+        seg = jnp.where(usable, seg, nseg - 1).reshape(-1)  # non-usable -> dummy segment
+        sums = jax.ops.segment_sum(lr.reshape(-1), seg, num_segments=nseg)
+        cnts = jax.ops.segment_sum(use_f.reshape(-1), seg, num_segments=nseg)
+        s = (sums / jnp.maximum(cnts, 1.0))[seg].reshape(shape)
+    else:  # pragma: no cover - pydantic validates
+        raise ValueError(f"loss.train_infer_level={level!r} must be one of token, sequence, geometric, turn")
+    s = jnp.where(usable, s, 0.0)
+
+    low, high = cfg.train_infer_bounds
+    log_lo, log_hi = _log_bound(low), _log_bound(high)
+    in_band = (s >= log_lo) & (s <= log_hi)
+
+    if cfg.catastrophic_logratio is not None:
+        cat_row = jnp.any(usable & (lr < float(cfg.catastrophic_logratio)), axis=-1)
+    else:
+        cat_row = jnp.zeros((B,), dtype=bool)
+
+    kept = usable & ~cat_row[:, None]
+    if cfg.train_infer_mode == "mask":
+        kept = kept & in_band
+    M = float(cfg.max_log_ratio)
+    if cfg.train_infer_mode == "truncate":
+        weight = jnp.exp(jnp.clip(s, max(log_lo, -M), min(log_hi, M)))
+    else:
+        weight = jnp.ones(shape, jnp.float32)
+    return TrainInfer(
+        valid=valid,
+        usable=usable,
+        kept=kept,
+        weight=lax.stop_gradient(weight),
+        level_logratio=s,
+        token_logratio=lr,
+        in_band=in_band,
+        catastrophic_row=cat_row,
+        prox=prox0,
+        nonfinite_behav=valid & ~fin_b,
+        nonfinite_prox=valid & ~fin_p,
+    )
+
+
+def _agg_parts(denom_mask: jax.Array, cfg: LossConfig):
+    """(c [B,1] or scalar, Z scalar) of the aggregation; see the module docstring."""
+    T = denom_mask.shape[-1]
+    n_b = jnp.sum(denom_mask.astype(jnp.float32), axis=-1, keepdims=True)
+    has = n_b > 0
+    n_seq = jnp.sum(has.astype(jnp.float32))
+    agg = cfg.agg
+    if agg == "token_mean":
+        return jnp.float32(1.0), jnp.sum(n_b)
+    if agg == "seq_mean_token_mean":
+        return jnp.where(has, 1.0 / jnp.maximum(n_b, 1.0), 0.0), n_seq
+    if agg == "seq_mean_token_sum":
+        return jnp.float32(1.0), n_seq
+    if agg == "seq_mean_token_sum_norm":
+        L = cfg.seq_sum_norm_len if cfg.seq_sum_norm_len is not None else T
+        return jnp.float32(1.0 / float(L)), n_seq
+    raise ValueError(f"loss.agg={agg!r} must be one of {_AGGS}")  # pragma: no cover
+
+
+def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=None, turn_ids=None) -> jax.Array:
+    """The normaliser Z of the FULL batch, to pass as ``policy_loss(..., denominator=Z)``.
+
+    token_mean: the number of denominator tokens (valid tokens if
+    ``keep_masked_in_denominator`` else kept tokens); seq-mean modes: the number of rows with
+    at least one denominator token. With Z of the full batch, summing ``policy_loss`` over
+    row-microbatches / data shards reproduces the full-batch loss and gradient exactly.
+
+    Args:
+        loss_mask: bool [B, T] of the full batch.
+        cfg: :class:`LossConfig`.
+        prox_logp, behav_logp: float [B, T]; required when ``keep_masked_in_denominator`` is
+            False (the kept set depends on them).
+        turn_ids: int [B, T], needed for level ``turn`` with keep_masked_in_denominator False.
+
+    Returns:
+        fp32 scalar (may be 0 for an empty batch; policy_loss then returns 0).
+
+    Raises:
+        ValueError: missing prox/behav when they are needed; bad shapes.
+    """
+    _check_2d("loss_mask", loss_mask)
+    if cfg.keep_masked_in_denominator:
+        denom_mask = jnp.asarray(loss_mask, bool)
+    else:
+        if prox_logp is None or behav_logp is None:
+            raise ValueError(
+                "loss_denominator needs prox_logp and behav_logp when loss.keep_masked_in_denominator=False"
+            )
+        denom_mask = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids).kept
+    return _agg_parts(denom_mask, cfg)[1]
+
+
+def _vmean(x, valid, nv, empty: float = 0.0):
+    s = jnp.sum(jnp.where(valid, _f32(x), 0.0))
+    return jnp.where(nv > 0, s / jnp.maximum(nv, 1.0), jnp.float32(empty))
+
+
+def policy_loss(
+    logp,
+    prox_logp,
+    behav_logp,
+    advantages,
+    loss_mask,
+    cfg: LossConfig,
+    *,
+    turn_ids=None,
+    versions=None,
+    current_version=None,
+    exact_logp=None,
+    denominator=None,
+    entropy=None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO loss with a separate train-infer factor (see the module docstring).
+
+    Args:
+        logp: float [B, T], log pi_theta of the taken tokens, WITH gradient.
+        prox_logp: float [B, T], log pi_prox (stop-gradient applied inside).
+        behav_logp: float [B, T], log mu (rollout log-probs), detached.
+        advantages: float [B, T] (broadcast per trajectory, see ``advantages.py``).
+        loss_mask: bool [B, T], True on tokens the policy generated.
+        cfg: :class:`jax_rl.config.LossConfig` (static: Python values, closed over under jit).
+        turn_ids: int [B, T] assistant turn index (-1 elsewhere); needed for level ``turn``.
+        versions: int [B, T] behaviour version per token (-1 where not generated). With
+            ``current_version`` (int scalar g, may be traced) adds staleness metrics.
+        exact_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max``.
+        denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
+        entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
+            (same kept tokens, weights c_bt and Z as the policy term) and ``entropy_mean``.
+
+    Returns:
+        (loss fp32 scalar, metrics dict of fp32 scalars; keys documented in the module
+        docstring and in :func:`metric_rule`).
+
+    Raises:
+        ValueError: shapes differ from loss_mask's [B, T]; level ``turn`` without turn_ids;
+            ``versions`` without ``current_version`` or vice versa.
+    """
+    _check_2d("loss_mask", loss_mask)
+    shape = tuple(jnp.shape(loss_mask))
+    for name, x in (("logp", logp), ("advantages", advantages)):
+        _check_2d(name, x, shape)
+    if (versions is None) != (current_version is None):
+        raise ValueError("versions and current_version must be given together")
+    ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
+    valid, usable, kept = ti.valid, ti.usable, ti.kept
+    M = float(cfg.max_log_ratio)
+
+    # --- PPO clip on rho = pi_theta / pi_prox (gradient only through logp) ---
+    logp_s = jnp.where(usable, _f32(logp), 0.0)  # double-where: NaN/inf never reach arithmetic
+    log_ratio = logp_s - ti.prox  # 0 where not usable
+    ratio = jnp.exp(jnp.clip(log_ratio, -M, M))
+    adv = jnp.where(valid, _f32(advantages), 0.0)
+    lo = 1.0 - float(cfg.clip_eps_low)
+    hi = 1.0 + float(cfg.clip_eps_high)
+    pos, neg = adv > 0, adv < 0
+    above, below = ratio > hi, ratio < lo
+    clip_active = (pos & above) | (neg & below)
+    bound = jnp.where(above, hi, lo).astype(jnp.float32)
+    pg = jnp.where(clip_active, -adv * bound, -adv * ratio)
+    if cfg.dual_clip_c is not None:
+        cap = -float(cfg.dual_clip_c) * adv  # > 0 where A < 0
+        dual_active = neg & (pg > cap)
+        pg = jnp.where(dual_active, cap, pg)
+    else:
+        dual_active = jnp.zeros(shape, bool)
+
+    # --- aggregation ---
+    denom_mask = valid if cfg.keep_masked_in_denominator else kept
+    c, Z_local = _agg_parts(denom_mask, cfg)
+    Z = Z_local if denominator is None else _f32(denominator)
+    Z_safe = jnp.where(Z > 0, Z, 1.0)
+    tok_loss = jnp.where(kept, ti.weight * pg * c, 0.0)
+    loss = jnp.sum(tok_loss) / Z_safe
+    if entropy is not None:
+        _check_2d("entropy", entropy, shape)
+        ent = jnp.where(kept, jnp.where(kept, _f32(entropy), 0.0) * c, 0.0)
+        loss = loss - float(cfg.entropy_coef) * (jnp.sum(ent) / Z_safe)
+
+    # --- metrics (detached) ---
+    sg = lax.stop_gradient
+    ratio_d, lr_d = sg(ratio), sg(log_ratio)
+    nv = jnp.sum(valid.astype(jnp.float32))
+    raw_is = jnp.exp(jnp.clip(ti.level_logratio, -M, M))
+    tl = ti.token_logratio
+    clipped = (ratio_d < lo) | (ratio_d > hi)
+    m: dict[str, jax.Array] = {}
+    m["valid_tokens"] = nv
+    m["denominator"] = sg(Z)
+    m["train_infer_retained"] = _vmean(kept, valid, nv, empty=1.0)
+    m["train_infer_out_of_band_frac"] = _vmean(usable & ~ti.in_band, valid, nv)
+    m["train_infer_catastrophic_frac"] = _vmean(usable & ti.catastrophic_row[:, None], valid, nv)
+    m["masked_nonfinite_behav"] = jnp.sum(ti.nonfinite_behav.astype(jnp.float32))
+    m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
+    m["clip_frac"] = _vmean(clipped, valid, nv)
+    m["clip_active_frac"] = _vmean(clip_active, valid, nv)
+    m["dual_clip_frac"] = _vmean(dual_active, valid, nv)
+    m["is_weight_mean"] = _vmean(raw_is, valid, nv, empty=1.0)
+    m["is_weight_sq_mean"] = _vmean(raw_is * raw_is, valid, nv, empty=1.0)
+    m["is_weight_max"] = jnp.max(jnp.where(valid, raw_is, 0.0))
+    m["ess_frac"] = m["is_weight_mean"] ** 2 / jnp.maximum(m["is_weight_sq_mean"], 1e-30)
+    m["kl_train_infer_k1"] = _vmean(-tl, valid, nv)
+    m["kl_train_infer_k3"] = _vmean(jnp.exp(jnp.clip(tl, -M, M)) - 1.0 - tl, valid, nv)
+    m["kl_drift_k1"] = _vmean(-lr_d, valid, nv)
+    m["kl_drift_k3"] = _vmean(ratio_d - 1.0 - lr_d, valid, nv)
+    m["ratio_mean"] = _vmean(ratio_d, valid, nv, empty=1.0)
+    m["ratio_min"] = jnp.min(jnp.where(valid, ratio_d, jnp.float32(math.exp(min(M, 88.0)))))
+    m["ratio_max"] = jnp.max(jnp.where(valid, ratio_d, 0.0))
+    if entropy is not None:
+        m["entropy_mean"] = _vmean(jnp.where(valid, sg(_f32(entropy)), 0.0), valid, nv)
+
+    if versions is not None:
+        _check_2d("versions", versions, shape)
+        ver = jnp.asarray(versions, jnp.int32)
+        g = jnp.asarray(current_version, jnp.int32)
+        has_v = valid & (ver >= 0)
+        st = jnp.where(has_v, g - ver, 0)
+        stc = jnp.clip(st, 0, STALENESS_MAX_BUCKET)
+        n_v = jnp.sum(has_v.astype(jnp.float32))
+        m["staleness_tokens"] = n_v
+        m["staleness_mean"] = _vmean(st, has_v, n_v)
+        m["staleness_max"] = jnp.max(jnp.where(has_v, st, 0)).astype(jnp.float32)
+        for k in range(STALENESS_MAX_BUCKET + 1):
+            name = f"{k}+" if k == STALENESS_MAX_BUCKET else str(k)
+            in_k = has_v & (stc == k)
+            n_k = jnp.sum(in_k.astype(jnp.float32))
+            m[f"staleness/{name}/tokens"] = n_k
+            m[f"staleness/{name}/retained"] = _vmean(kept, in_k, n_k, empty=1.0)
+            m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
+
+    if exact_logp is not None:
+        _check_2d("exact_logp", exact_logp, shape)
+        ex = sg(_f32(exact_logp))
+        ok = usable & jnp.isfinite(ex)
+        err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
+        err = jnp.where(ok, err, 0.0)
+        m["prox_abs_err_mean"] = _vmean(err, valid, nv)
+        m["prox_abs_err_max"] = jnp.max(err)
+
+    m = {k: sg(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
+    return loss, m
+
+
+# --------------------------------------------------------------------------------------
+# Combining microbatch metrics
+# --------------------------------------------------------------------------------------
+
+_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox"}
+_MAX_KEYS = {"denominator"}
+
+
+def metric_rule(key: str) -> tuple[str, Optional[str]]:
+    """How to combine metric ``key`` over microbatches / shards.
+
+    Returns ``("sum", None)``, ``("max", None)``, ``("min", None)``, ``("ess", None)``
+    (recompute ``is_weight_mean**2 / is_weight_sq_mean``) or ``("mean", weight_key)``
+    (a weighted mean with weights ``metrics[weight_key]``).
+    """
+    if key in _SUM_KEYS or key.endswith("/tokens"):
+        return "sum", None
+    if key in _MAX_KEYS or key.endswith("_max"):
+        return "max", None
+    if key.endswith("_min"):
+        return "min", None
+    if key == "ess_frac":
+        return "ess", None
+    if key.startswith("staleness/"):
+        return "mean", key.rsplit("/", 1)[0] + "/tokens"
+    if key == "staleness_mean":
+        return "mean", "staleness_tokens"
+    return "mean", "valid_tokens"
+
+
+def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Combine per-microbatch metrics into full-batch metrics (jit-able).
+
+    Args:
+        parts: a list of metric dicts from :func:`policy_loss`, or one dict whose values are
+            stacked along a leading axis (e.g. the output of ``lax.scan``).
+
+    Returns:
+        dict with the same keys; counts are summed, extremes max/min-ed, means weighted by
+        their count (``valid_tokens``, ``staleness_tokens`` or ``staleness/<k>/tokens``),
+        ``ess_frac`` recomputed. A mean whose total weight is 0 takes the first part's value.
+    """
+    if isinstance(parts, Mapping):
+        stacked = {k: jnp.asarray(v, jnp.float32) for k, v in parts.items()}
+    else:
+        parts = list(parts)
+        stacked = {k: jnp.stack([jnp.asarray(p[k], jnp.float32) for p in parts]) for k in parts[0]}
+    out: dict[str, jax.Array] = {}
+    for k, v in stacked.items():
+        rule, wkey = metric_rule(k)
+        if rule == "sum":
+            out[k] = jnp.sum(v)
+        elif rule == "max":
+            out[k] = jnp.max(v)
+        elif rule == "min":
+            out[k] = jnp.min(v)
+        elif rule == "mean":
+            w = stacked[wkey]
+            W = jnp.sum(w)
+            out[k] = jnp.where(W > 0, jnp.sum(w * v) / jnp.maximum(W, 1e-30), v[0])
+    if "ess_frac" in stacked:
+        out["ess_frac"] = out["is_weight_mean"] ** 2 / jnp.maximum(out["is_weight_sq_mean"], 1e-30)
+    return out
