@@ -1,0 +1,956 @@
+"""Qwen3 dense and MoE decoder in Flax NNX, matching Hugging Face ``transformers`` exactly.
+
+Reference: ``transformers/models/qwen3/modeling_qwen3.py`` and ``qwen3_moe/modeling_qwen3_moe.py``.
+Notation in shapes and einsum strings:
+
+    B batch, T query length, S key/cache length, D hidden_size, V vocab_size,
+    N num_attention_heads, K num_key_value_heads, G = N // K, H head_dim,
+    F intermediate_size (dense MLP) or moe_intermediate_size (per expert),
+    E num_experts, k num_experts_per_tok, L num_hidden_layers.
+
+Parameter layout (HF name -> ours; HF Linear weights are [out, in], ours [in, out]):
+
+    model.embed_tokens.weight [V,D]            -> embed_tokens.embedding [V,D]   (vocab, embed)
+    self_attn.q_proj.weight [N*H,D]            -> attn.q_proj [D,N,H]            (embed, q_heads, head_dim)
+    self_attn.k_proj/v_proj.weight [K*H,D]     -> attn.k_proj/v_proj [D,K,H]     (embed, kv_heads, head_dim)
+    self_attn.o_proj.weight [D,N*H]            -> attn.o_proj [N,H,D]            (q_heads, head_dim, embed)
+    self_attn.q_norm/k_norm.weight [H]         -> attn.q_norm/k_norm.weight [H]  (head_dim,)
+    input_/post_attention_layernorm.weight [D] -> *.weight [D]                   (norm,)
+    mlp.gate_proj/up_proj.weight [F,D]         -> mlp.gate_proj/up_proj [D,F]    (embed, mlp)
+    mlp.down_proj.weight [D,F]                 -> mlp.down_proj [F,D]            (mlp, embed)
+    mlp.gate.weight [E,D] (router)             -> mlp.router [D,E]               (embed, router)
+    mlp.experts.{j}.gate_proj/up_proj [F,D]    -> mlp.gate_proj/up_proj [E,D,F]  (expert, embed, mlp)
+    mlp.experts.{j}.down_proj [D,F]            -> mlp.down_proj [E,F,D]          (expert, mlp, embed)
+    model.norm.weight [D]                      -> norm.weight [D]                (norm,)
+    lm_head.weight [V,D] (untied only)         -> lm_head [D,V]                  (embed, vocab)
+
+Every parameter carries its logical axis names in the ``out_sharding`` metadata (created with
+``eager_sharding=False``); ``jax_rl.sharding`` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+__all__ = [
+    "Qwen3Config",
+    "PRESETS",
+    "get_preset",
+    "RMSNorm",
+    "Attention",
+    "MLP",
+    "MoE",
+    "DecoderLayer",
+    "Qwen3ForCausalLM",
+    "KVCache",
+    "token_logprobs",
+    "sequence_logprobs",
+    "count_params",
+]
+
+_NEG_INF = -1e30  # finite "minus infinity" for masked attention scores (no NaN on empty rows)
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+
+# HF class defaults, used for keys missing from a config.json (transformers Qwen3Config /
+# Qwen3MoeConfig). Note Qwen3MoeConfig defaults norm_topk_prob=False although the released
+# checkpoints set it to true.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=(),
+    ),
+}
+
+# Keys of config.json that carry no numerics we implement (or only training-time knobs that
+# are off / irrelevant for us). Anything else unknown is an error.
+_IGNORED_HF_KEYS = frozenset({
+    "architectures", "transformers_version", "initializer_range", "use_cache", "pad_token_id",
+    "output_router_logits", "router_aux_loss_coef", "max_window_layers", "sliding_window",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "name_or_path",
+    "_name_or_path", "tokenizer_class", "torchscript", "use_return_dict", "pruned_heads",
+    "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "keys_to_ignore_at_inference", "base_model_tp_plan", "base_model_pp_plan",
+    "router_jitter_noise",  # only used in training-mode HF forward with jitter; not in Qwen3
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 / Qwen3-MoE hyper-parameters, named as in HF ``config.json``.
+
+    ``num_experts == 0`` means a dense model (HF ``model_type="qwen3"``). ``dtype`` is the
+    storage dtype written to / read from config.json (HF ``torch_dtype`` / ``dtype``); it does
+    not choose the compute dtype (that is ``Qwen3ForCausalLM(dtype=...)``).
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = True
+    # MoE (Qwen3-MoE); num_experts == 0 -> dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # informational
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen3Config.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"Qwen3Config.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                    f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("Qwen3Config.moe_intermediate_size must be > 0 for MoE")
+            if self.decoder_sparse_step <= 0:
+                raise ValueError("Qwen3Config.decoder_sparse_step must be > 0")
+
+    # ---- derived -----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.is_moe else "qwen3"
+
+    def layer_is_moe(self, i: int) -> bool:
+        """HF ``Qwen3MoeDecoderLayer`` rule: MoE iff not in mlp_only_layers, num_experts > 0
+        and ``(i + 1) % decoder_sparse_step == 0``."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_is_moe(i))
+
+    def replace(self, **kw) -> "Qwen3Config":
+        return dataclasses.replace(self, **kw)
+
+    # ---- HF conversion -----------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "Qwen3Config":
+        """Build from an HF ``config.json`` dict (transformers 4.x or 5.x form).
+
+        Accepts a top-level ``rope_theta`` or transformers-5 ``rope_parameters``
+        (``{"rope_type": "default", "rope_theta": ...}``), and ``dtype`` or ``torch_dtype``.
+        Raises ``ValueError`` naming the field for any value we do not implement (rope
+        scaling, sliding window, attention bias, non-silu activation, unknown keys, ...).
+        """
+        d = dict(hf)
+        model_type = d.pop("model_type", None)
+        archs = d.get("architectures")
+        if model_type is None:
+            model_type = "qwen3_moe" if "num_experts" in d else "qwen3"
+        if model_type not in _HF_DEFAULTS:
+            raise ValueError(f"config.model_type={model_type!r} is not supported "
+                             "(expected 'qwen3' or 'qwen3_moe')")
+        if archs is not None:
+            ok = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
+            bad = [a for a in archs if a != ok]
+            if bad:
+                raise ValueError(f"config.architectures={archs!r} is not supported (expected [{ok!r}])")
+        out = dict(_HF_DEFAULTS[model_type])
+
+        # --- rope
+        theta_top = d.pop("rope_theta", None)
+        theta = theta_top
+        for key in ("rope_parameters", "rope_scaling"):
+            rp = d.pop(key, None)
+            if rp is None:
+                continue
+            if not isinstance(rp, dict):
+                raise ValueError(f"config.{key}={rp!r} is not supported")
+            rp = dict(rp)
+            rtype = rp.pop("rope_type", rp.pop("type", "default"))
+            if rtype not in (None, "default"):
+                raise ValueError(f"config.{key}.rope_type={rtype!r} is not supported "
+                                 "(only 'default' RoPE is implemented)")
+            if "rope_theta" in rp:
+                t = float(rp.pop("rope_theta"))
+                if theta is not None and float(theta) != t:
+                    raise ValueError(f"config.{key}.rope_theta={t} disagrees with "
+                                     f"config.rope_theta={theta}")
+                theta = t
+            prf = rp.pop("partial_rotary_factor", 1.0)
+            if prf != 1.0:
+                raise ValueError(f"config.{key}.partial_rotary_factor={prf} is not supported")
+            if rp:
+                raise ValueError(f"config.{key} has unsupported entries {sorted(rp)}")
+        if theta is not None:
+            out["rope_theta"] = float(theta)
+
+        # --- dtype
+        dt = d.pop("dtype", None)
+        tdt = d.pop("torch_dtype", None)
+        dt = dt if dt is not None else tdt
+        if dt is not None:
+            out["dtype"] = str(dt).replace("torch.", "")
+
+        # --- values we do not implement
+        def _require(key, allowed, default):
+            v = d.pop(key, default)
+            if v not in allowed:
+                raise ValueError(f"config.{key}={v!r} is not supported (supported: {allowed})")
+
+        _require("hidden_act", ("silu",), "silu")
+        _require("attention_bias", (False,), False)
+        _require("use_sliding_window", (False,), False)
+        _require("attention_dropout", (0, 0.0), 0.0)
+        _require("mlp_bias", (False,), False)
+        lt = d.pop("layer_types", None)
+        if lt is not None and any(t != "full_attention" for t in lt):
+            raise ValueError(f"config.layer_types={lt!r} is not supported (only 'full_attention')")
+
+        fields = {f.name for f in dataclasses.fields(cls)} - {"dtype"}
+        if model_type == "qwen3":
+            fields -= {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
+        unknown = []
+        for key, v in d.items():
+            if key in fields:
+                out[key] = v
+            elif key not in _IGNORED_HF_KEYS:
+                unknown.append(key)
+        if unknown:
+            raise ValueError(f"config has unsupported keys {sorted(unknown)} for model_type "
+                             f"{model_type!r}")
+        if out.get("head_dim") is None:
+            out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+        if model_type == "qwen3_moe" and not out.get("num_experts"):
+            raise ValueError("config.num_experts must be > 0 for model_type 'qwen3_moe'")
+        return cls(**out)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (transformers-5 form, with a top-level ``rope_theta`` too)."""
+        d: dict[str, Any] = dict(
+            architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=False,
+            attention_dropout=0.0,
+            use_sliding_window=False,
+            dtype=self.dtype,
+        )
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            eos = self.eos_token_id
+            d["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+        if self.is_moe:
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        return d
+
+
+def _tiny_dense() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+        dtype="float32",
+    )
+
+
+def _tiny_moe() -> Qwen3Config:
+    return _tiny_dense().replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 norm_topk_prob=True)
+
+
+def _qwen3_0p6b() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+    )
+
+
+def _qwen3_4b() -> Qwen3Config:
+    return _qwen3_0p6b().replace(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                 num_attention_heads=32, num_key_value_heads=8)
+
+
+def _qwen3_30b_a3b() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), bos_token_id=151643, eos_token_id=151645,
+        dtype="bfloat16",
+    )
+
+
+PRESETS: dict[str, Callable[[], Qwen3Config]] = {
+    "tiny_dense": _tiny_dense,
+    "tiny_moe": _tiny_moe,
+    "qwen3_0p6b": _qwen3_0p6b,
+    "qwen3_4b": _qwen3_4b,
+    "qwen3_30b_a3b": _qwen3_30b_a3b,
+}
+
+
+def get_preset(name: str, **hf_overrides: Any) -> Qwen3Config:
+    """A preset config with HF-named field overrides (e.g. ``hidden_size=32``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    cfg = PRESETS[name]()
+    if not hf_overrides:
+        return cfg
+    bad = sorted(set(hf_overrides) - {f.name for f in dataclasses.fields(Qwen3Config)})
+    if bad:
+        raise ValueError(f"unknown Qwen3Config override(s) {bad}")
+    return cfg.replace(**hf_overrides)
+
+
+# --------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------
+
+_init_normal = jax.nn.initializers.normal(stddev=0.02)  # HF initializer_range=0.02
+
+
+def _param(rngs: nnx.Rngs | None, shape: Sequence[int], names: tuple[str | None, ...],
+           param_dtype, init=_init_normal) -> nnx.Param:
+    """A Param with logical axis names in ``out_sharding`` metadata (not eagerly sharded)."""
+    assert len(names) == len(shape), (names, shape)
+    if init is None:
+        value = jnp.ones(shape, param_dtype)
+    else:
+        value = init(rngs.params(), tuple(shape), param_dtype)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _constrain(x: Array, names: tuple[str | None, ...]) -> Array:
+    """Sharding constraint on an activation by logical names, when a mesh is set."""
+    from jax_rl.sharding import constrain  # local import: sharding imports this module lazily
+
+    return constrain(x, names)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with HF's cast order: normalise in fp32, cast back to the input dtype, then
+    multiply by ``weight`` (HF ``Qwen3RMSNorm``). ``x [..., dim] -> [..., dim]``."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32,
+                 names: tuple[str | None, ...] = ("norm",)):
+        self.eps = eps
+        self.weight = _param(None, (dim,), names, param_dtype, init=None)
+
+    def __call__(self, x: Array) -> Array:
+        dt = x.dtype
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(dt)
+        return self.weight[...].astype(dt) * y
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """HF default RoPE tables. ``positions [B,T] int -> cos, sin [B,T,H] float32``."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half RoPE. ``x [B,T,n,H]``, ``cos/sin [B,T,H]`` (cast to x.dtype as HF does)."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    h = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos + rot * sin
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """GQA softmax attention (HF eager numerics: scores scaled after the dot, fp32 softmax).
+
+    q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool (True = may attend) -> [B,T,N,H] (q.dtype).
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (H ** -0.5)
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v)
+    return o.reshape(B, T, N, H)
+
+
+class Attention(nnx.Module):
+    """Qwen3 attention: q/k/v projections, per-head q_norm/k_norm over head_dim (before RoPE),
+    rotate-half RoPE, GQA, o_proj. No biases."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, dtype, param_dtype):
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.dtype = dtype
+        self.theta = cfg.rope_theta
+        self.q_proj = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), param_dtype)
+        self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_proj = _param(rngs, (N, H, D), ("q_heads", "head_dim", "embed"), param_dtype)
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, param_dtype=param_dtype, names=("head_dim",))
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, param_dtype=param_dtype, names=("head_dim",))
+
+    def qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """x [B,T,D], positions [B,T] -> q [B,T,N,H], k/v [B,T,K,H] (normed + rotated)."""
+        dt = self.dtype
+        x = x.astype(dt)
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, q.shape[-1], self.theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: Array) -> Array:
+        """o [B,T,N,H] -> [B,T,D]."""
+        return jnp.einsum("btnh,nhd->btd", o, self.o_proj[...].astype(self.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``. x [B,T,D] -> [B,T,D]."""
+
+    def __init__(self, D: int, F: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.dtype = dtype
+        self.gate_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        dt = self.dtype
+        x = x.astype(dt)
+        g = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
+        u = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
+
+
+class MoE(nnx.Module):
+    """Qwen3-MoE sparse block (no shared expert), dropless.
+
+    Router (HF ``Qwen3MoeTopKRouter``): ``logits = x @ router`` in fp32, softmax over all E
+    experts, top-k, renormalise the k weights when ``norm_topk_prob``. Output
+    ``sum_k w_k * expert_{id_k}(x)``. ``dispatch="dense"`` computes every expert on every
+    token with one-hot combine weights (small/CPU); ``dispatch="ragged"`` sorts token copies by
+    expert and uses ``jax.lax.ragged_dot`` (grouped matmul). Both give the same result.
+    """
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 dispatch: str = "dense"):
+        if dispatch not in ("dense", "ragged"):
+            raise ValueError(f"moe_dispatch must be 'dense' or 'ragged', got {dispatch!r}")
+        D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.dtype = dtype
+        self.dispatch = dispatch
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.router = _param(rngs, (D, E), ("embed", "router"), param_dtype)
+        self.gate_proj = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (E, F, D), ("expert", "mlp", "embed"), param_dtype)
+
+    def route(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
+        """x [B,T,D] -> (weights [B,T,k] float32, expert ids [B,T,k] int32)."""
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32),
+                            self.router[...].astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        if forced_expert_ids is None:
+            w, ids = jax.lax.top_k(probs, self.top_k)
+        else:
+            ids = jnp.asarray(forced_expert_ids, jnp.int32)
+            if ids.shape != probs.shape[:-1] + (self.top_k,):
+                raise ValueError(f"forced_expert_ids shape {ids.shape} != "
+                                 f"{probs.shape[:-1] + (self.top_k,)}")
+            w = jnp.take_along_axis(probs, ids, axis=-1)
+        if self.norm_topk_prob:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return w, ids.astype(jnp.int32)
+
+    def __call__(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
+        """x [B,T,D] -> (y [B,T,D], expert ids [B,T,k] int32)."""
+        dt = self.dtype
+        x = x.astype(dt)
+        w, ids = self.route(x, forced_expert_ids)
+        wg = self.gate_proj[...].astype(dt)
+        wu = self.up_proj[...].astype(dt)
+        wd = self.down_proj[...].astype(dt)
+        if self.dispatch == "dense":
+            E = wg.shape[0]
+            combine = jnp.einsum("btk,btke->bte", w.astype(dt), jax.nn.one_hot(ids, E, dtype=dt))
+            g = jnp.einsum("btd,edf->btef", x, wg)
+            u = jnp.einsum("btd,edf->btef", x, wu)
+            a = jax.nn.silu(g) * u * combine[..., None]
+            y = jnp.einsum("btef,efd->btd", a, wd)
+        else:
+            y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
+        return y, ids
+
+    @staticmethod
+    def _ragged(x, w, ids, wg, wu, wd):
+        B, T, D = x.shape
+        k = ids.shape[-1]
+        E = wg.shape[0]
+        xf = x.reshape(B * T, D)
+        flat_ids = ids.reshape(-1)  # [B*T*k]
+        order = jnp.argsort(flat_ids, stable=True)
+        token_idx = order // k
+        xs = xf[token_idx]  # [B*T*k, D] sorted by expert
+        group_sizes = jnp.bincount(flat_ids, length=E).astype(jnp.int32)
+        g = jax.lax.ragged_dot(xs, wg, group_sizes)
+        u = jax.lax.ragged_dot(xs, wu, group_sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, group_sizes)  # [B*T*k, D]
+        ys = ys * w.reshape(-1)[order][:, None]
+        y = jnp.zeros_like(xf).at[token_idx].add(ys)
+        return y.reshape(B, T, D)
+
+
+AttendFn = Callable[[Array, Array, Array], Array]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``h = x + attn(norm_in(x))``; ``out = h + mlp(norm_post(h))``."""
+
+    def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 moe_dispatch: str = "dense"):
+        self.is_moe = cfg.layer_is_moe(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                param_dtype=param_dtype)
+        self.attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        if self.is_moe:
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                           dispatch=moe_dispatch)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype,
+                           param_dtype=param_dtype)
+
+    def __call__(self, x: Array, positions: Array, attend_fn: AttendFn,
+                 forced_expert_ids: Array | None = None) -> tuple[Array, Array | None]:
+        """x [B,T,D] -> (x [B,T,D], expert ids [B,T,k] or None). ``attend_fn(q,k,v)`` does
+        the attention core (full-sequence, prefill or cached decode)."""
+        q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
+        h = x + self.attn.out(attend_fn(q, k, v)).astype(x.dtype)
+        y = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, ids = self.mlp(y, forced_expert_ids)
+        else:
+            y, ids = self.mlp(y), None
+        out = h + y.astype(h.dtype)
+        return _constrain(out, ("activation_batch", "activation_length", "activation_embed")), ids
+
+
+# --------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-slot KV cache (a pytree).
+
+    k, v: [L,B,S,K,H] (cache dtype); lengths: [B] int32 = number of valid positions per slot
+    (the next token of slot b goes to position ``lengths[b]``).
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
+        """Copy row ``row`` of another cache (e.g. a batch-1 prefill) into slot ``slot``."""
+        s = other.k.shape[2]
+        k = self.k.at[:, slot, :s].set(other.k[:, row].astype(self.k.dtype))
+        v = self.v.at[:, slot, :s].set(other.v[:, row].astype(self.v.dtype))
+        return KVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    """Qwen3 / Qwen3-MoE causal LM (HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
+
+    ``dtype`` is the compute dtype (params are cast on use), ``param_dtype`` the storage
+    dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``.
+    ``remat``: rematerialise each decoder layer in the backward pass (full forward only).
+    """
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False):
+        cfg = config
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = remat
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                   param_dtype)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
+                         moe_dispatch=moe_dispatch)
+            for i in range(cfg.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                  param_dtype)
+        else:
+            self.lm_head = None
+
+    # ---- pieces --------------------------------------------------------------------------
+    def embed(self, input_ids: Array) -> Array:
+        """input_ids [B,T] int -> [B,T,D] (compute dtype)."""
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        return _constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+
+    def lm_logits(self, h: Array) -> Array:
+        """Final-normed hidden h [B,T,D] -> logits [B,T,V] float32 (tied: ``h @ embed.T``)."""
+        h = h.astype(self.dtype)
+        if self.lm_head is None:
+            return jnp.einsum("btd,vd->btv", h, self.embed_tokens[...].astype(self.dtype),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", h, self.lm_head[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def _forced_for(self, forced_expert_ids, moe_idx: int):
+        if forced_expert_ids is None:
+            return None
+        return forced_expert_ids[moe_idx]
+
+    def _trunk(self, x: Array, positions: Array, attend_for_layer: Callable[[int], AttendFn],
+               forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False):
+        """Runs the decoder stack. Returns (final-normed h, expert ids list, hidden list|None)."""
+        expert_ids: list[Array] = []
+        hidden = [x] if output_hidden_states else None
+        moe_idx = 0
+        for i, layer in enumerate(self.layers):
+            forced = None
+            if layer.is_moe:
+                forced = self._forced_for(forced_expert_ids, moe_idx)
+                moe_idx += 1
+            if remat:
+                graphdef, state = nnx.split(layer)
+                attend_fn = attend_for_layer(i)
+
+                @jax.checkpoint
+                def run(state, x, positions, forced, graphdef=graphdef, attend_fn=attend_fn):
+                    return nnx.merge(graphdef, state)(x, positions, attend_fn, forced)
+
+                x, ids = run(state, x, positions, forced)
+            else:
+                x, ids = layer(x, positions, attend_for_layer(i), forced)
+            if ids is not None:
+                expert_ids.append(ids)
+            if hidden is not None:
+                hidden.append(x)
+        return self.norm(x), expert_ids, hidden
+
+    @staticmethod
+    def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
+        """Causal mask [B,T,T], keys restricted to attention_mask when given."""
+        causal = jnp.tril(jnp.ones((T, T), bool))[None]
+        if attention_mask is None:
+            return jnp.broadcast_to(causal, (B, T, T))
+        return causal & jnp.asarray(attention_mask, bool)[:, None, :]
+
+    @staticmethod
+    def _default_positions(B: int, T: int) -> Array:
+        # HF default with no position_ids: arange(T) for every row (right padding is fine;
+        # left-padded callers must pass positions).
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+
+    def hidden_states(self, input_ids: Array, positions: Array | None = None,
+                      attention_mask: Array | None = None, *, forced_expert_ids=None,
+                      output_hidden_states: bool = False):
+        """Final-normed hidden [B,T,D] (compute dtype), expert ids, per-layer hidden list."""
+        input_ids = jnp.asarray(input_ids)
+        B, T = input_ids.shape
+        if positions is None:
+            positions = self._default_positions(B, T)
+        mask = self._full_mask(B, T, attention_mask)
+        return self._trunk(self.embed(input_ids), positions, lambda i: (
+            lambda q, k, v: attend(q, k, v, mask)), forced_expert_ids, output_hidden_states,
+            remat=self.remat)
+
+    # ---- public forward paths ----------------------------------------------------------------
+    def forward(self, input_ids: Array, positions: Array | None = None,
+                attention_mask: Array | None = None, *, forced_expert_ids=None,
+                output_hidden_states: bool = False) -> dict[str, Any]:
+        """Full-sequence forward.
+
+        input_ids [B,T] int32; positions [B,T] (default arange(T)); attention_mask [B,T] bool
+        (False = padding key). ``forced_expert_ids``: per MoE layer (in layer order) [B,T,k]
+        ids to use instead of the router's top-k (a list, or an array [n_moe_layers,B,T,k]).
+        Returns ``dict(logits [B,T,V] f32, expert_ids list of [B,T,k] int32 per MoE layer,
+        hidden_states)``; hidden_states (when requested) is the list
+        ``[embeddings, after layer 0, ..., after layer L-1]`` (L+1 arrays [B,T,D], un-normed).
+        """
+        h, ids, hs = self.hidden_states(input_ids, positions, attention_mask,
+                                        forced_expert_ids=forced_expert_ids,
+                                        output_hidden_states=output_hidden_states)
+        return dict(logits=self.lm_logits(h), expert_ids=ids, hidden_states=hs)
+
+    def __call__(self, input_ids: Array, positions: Array | None = None,
+                 attention_mask: Array | None = None) -> Array:
+        """input_ids [B,T] int32 -> logits [B,T,V] float32."""
+        return self.forward(input_ids, positions, attention_mask)["logits"]
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """Empty cache: k/v zeros [L,B,S,K,H] in ``dtype`` (default: compute dtype)."""
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        dt = self.dtype if dtype is None else jnp.dtype(dtype)
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                       lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    def prefill(self, input_ids: Array, lengths: Array, cache: KVCache
+                ) -> tuple[Array, KVCache]:
+        """Prompt pass writing K/V for positions 0..T-1 of every row.
+
+        input_ids [B,T] right-padded, lengths [B] int32 (valid tokens per row), cache with
+        S >= T. Returns (logits [B,T,V] f32, cache with ``lengths`` set). The next-token logit
+        of row b is ``logits[b, lengths[b]-1]``. Rows' previous cache contents are replaced.
+        """
+        input_ids = jnp.asarray(input_ids)
+        B, T = input_ids.shape
+        lengths = jnp.asarray(lengths, jnp.int32)
+        positions = self._default_positions(B, T)
+        valid = jnp.arange(T)[None, :] < lengths[:, None]
+        mask = self._full_mask(B, T, valid)
+        new_k: list[Array] = []
+        new_v: list[Array] = []
+
+        def attend_for_layer(i):
+            def fn(q, k, v):
+                new_k.append(k)
+                new_v.append(v)
+                return attend(q, k, v, mask)
+            return fn
+
+        h, _, _ = self._trunk(self.embed(input_ids), positions, attend_for_layer)
+        k = jnp.stack(new_k).astype(cache.k.dtype)  # [L,B,T,K,H]
+        v = jnp.stack(new_v).astype(cache.v.dtype)
+        cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
+                        v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
+                        lengths=lengths)
+        return self.lm_logits(h), cache
+
+    def decode_step(self, tokens: Array, cache: KVCache, *, forced_expert_ids=None,
+                    return_expert_ids: bool = False):
+        """One decode token per slot.
+
+        tokens [B] int32 is placed at position ``cache.lengths[b]`` and attends to cache
+        positions ``<= lengths[b]``; then lengths += 1. Returns (logits [B,V] f32, cache)
+        (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
+        caller's business (mask them; their lengths still advance).
+        """
+        tokens = jnp.asarray(tokens)
+        B = tokens.shape[0]
+        S = cache.max_len
+        pos = cache.lengths.astype(jnp.int32)
+        positions = pos[:, None]
+        write = (jnp.arange(S)[None, :] == pos[:, None])[:, :, None, None]  # [B,S,1,1]
+        mask = (jnp.arange(S)[None, :] <= pos[:, None])[:, None, :]  # [B,1,S]
+        new_k: list[Array] = []
+        new_v: list[Array] = []
+
+        def attend_for_layer(i):
+            def fn(q, k, v):
+                ki = jnp.where(write, k.astype(cache.k.dtype), cache.k[i])  # [B,S,K,H]
+                vi = jnp.where(write, v.astype(cache.v.dtype), cache.v[i])
+                new_k.append(ki)
+                new_v.append(vi)
+                return attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask)
+            return fn
+
+        forced = None
+        if forced_expert_ids is not None:
+            forced = [jnp.asarray(f)[:, None] for f in forced_expert_ids]
+        h, ids, _ = self._trunk(self.embed(tokens[:, None]), positions, attend_for_layer, forced)
+        cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v), lengths=pos + 1)
+        logits = self.lm_logits(h)[:, 0]
+        if return_expert_ids:
+            return logits, cache, [i[:, 0] for i in ids]
+        return logits, cache
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs
+# --------------------------------------------------------------------------------------
+
+_CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
+
+
+def _chunk_len(B: int, T: int, V: int, chunk_elems: int) -> int:
+    """Largest divisor of T with B*C*V <= chunk_elems (at least 1)."""
+    target = max(1, chunk_elems // max(1, B * V))
+    if target >= T:
+        return T
+    for c in range(target, 0, -1):
+        if T % c == 0:
+            return c
+    return 1
+
+
+def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: int, V: int,
+                chunk_elems: int) -> Array:
+    """Apply ``fn(*chunks) -> [B,C]`` over T-chunks of ``arrays`` (each [B,T,...]) with a
+    rematerialised lax.map, so neither the forward nor the backward keeps a [B,T,V]."""
+    C = _chunk_len(B, T, V, chunk_elems)
+    if C == T:
+        return fn(*arrays)
+    n = T // C
+
+    @jax.checkpoint
+    def body(i):
+        return fn(*[jax.lax.dynamic_slice_in_dim(a, i * C, C, axis=1) for a in arrays])
+
+    out = jax.lax.map(body, jnp.arange(n))  # [n,B,C]
+    return jnp.moveaxis(out, 0, 1).reshape(B, T)
+
+
+def _logp_from_logits(logits: Array, targets: Array, temperature) -> Array:
+    lg = logits.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(lg, axis=-1)
+    picked = jnp.take_along_axis(lg, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - lse
+
+
+def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1.0, *,
+                   chunk_elems: int = _CHUNK_ELEMS) -> Array:
+    """``log softmax(logits / temperature)[targets]``.
+
+    logits [B,T,V] (any float dtype), targets [B,T] int -> [B,T] float32. Chunked over T
+    (rematerialised ``lax.map``) when B*T*V exceeds ``chunk_elems``, so no second [B,T,V]
+    (log-softmax) array is kept alive in the forward or the backward.
+    """
+    B, T, V = logits.shape
+    return _map_over_t(lambda lg, tg: _logp_from_logits(lg, tg, temperature),
+                       (logits, targets), B, T, V, chunk_elems)
+
+
+def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
+                      positions: Array | None = None, forced_expert_ids=None,
+                      return_expert_ids: bool = False, chunk_elems: int = _CHUNK_ELEMS):
+    """Per-token log-probs of a sequence under the model (pure, jit-friendly).
+
+    Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
+    ``sequence_logprobs(graphdef, state, tokens, attention_mask=None, temperature=1.0)``.
+    tokens [B,T] int32, attention_mask [B,T] bool (right padding). Returns [B,T] float32 with
+    ``out[:, 0] = 0`` and ``out[:, t] = log p(tokens[t] | tokens[:t])`` (temperature applied),
+    zero where attention_mask is False - the alignment of ``behav_logp``. The LM head and
+    log-softmax run chunked over T, so the full [B,T,V] logits are never materialised.
+    With ``return_expert_ids`` also returns the per-MoE-layer expert ids.
+    """
+    if isinstance(model_or_graphdef, nnx.GraphDef):
+        state, *rest = args
+        model = nnx.merge(model_or_graphdef, state)
+    else:
+        model, rest = model_or_graphdef, list(args)
+    if not rest:
+        raise TypeError("sequence_logprobs needs tokens")
+    tokens = jnp.asarray(rest[0])
+    attention_mask = rest[1] if len(rest) > 1 else None
+    if len(rest) > 2:
+        temperature = rest[2]
+    if len(rest) > 3:
+        raise TypeError("too many positional arguments to sequence_logprobs")
+    B, T = tokens.shape
+    h, ids, _ = model.hidden_states(tokens, positions, attention_mask,
+                                    forced_expert_ids=forced_expert_ids)
+    V = model.config.vocab_size
+
+    def fn(hc, tc):
+        return _logp_from_logits(model.lm_logits(hc), tc, temperature)
+
+    if T > 1:
+        lp = _map_over_t(fn, (h[:, :-1], tokens[:, 1:]), B, T - 1, V, chunk_elems)
+        out = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp], axis=1)
+    else:
+        out = jnp.zeros((B, T), jnp.float32)
+    if attention_mask is not None:
+        out = jnp.where(jnp.asarray(attention_mask, bool), out, 0.0)
+    if return_expert_ids:
+        return out, ids
+    return out
+
+
+def count_params(config: Qwen3Config) -> int:
+    """Number of parameters, from ``nnx.eval_shape`` (nothing is allocated)."""
+    abs_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)))
+    state = nnx.state(abs_model, nnx.Param)
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
