@@ -1,0 +1,144 @@
+"""The environment protocol and shared helpers.
+
+An environment instance runs one episode at a time (the agent makes one per episode through
+a factory). Its contract:
+
+* ``reset(seed) -> (messages, tools)``: the initial chat (system + user dicts) and the JSON tool
+  schemas (``{"type": "function", "function": {name, description, parameters}}``). The same
+  seed gives the same task.
+* ``step(tool_call) -> str``: run one tool call ``{"name": str, "arguments": dict}`` and return the
+  observation text. A bad call the model could fix (bad arguments, a rule violation, an
+  unknown tool) raises :class:`ToolError`: the agent turns it into an error observation. Any
+  other exception is an environment failure: the agent fails that episode.
+* ``score(final_answer) -> (reward, info)``: reward in [0, 1] for the final assistant message
+  (text with ``<answer>...</answer>``) and the episode's state; ``info`` is JSON-safe.
+* ``reference_solution(seed) -> messages``: a demonstration, the messages that follow
+  ``reset(seed)``'s messages (assistant turns with ``tool_calls``, ``tool`` results, and the final
+  assistant answer). It resets the env to ``seed`` and plays the solution through ``step``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from typing import Any, Optional, Protocol, runtime_checkable
+
+__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema"]
+
+
+class ToolError(Exception):
+    """A tool call the model got wrong; its message becomes the observation ``Error: <msg>``."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    name: str
+
+    def reset(self, seed: int) -> tuple[list[dict], list[dict]]: ...
+
+    def step(self, tool_call: dict) -> str: ...
+
+    def score(self, final_answer: str) -> tuple[float, dict]: ...
+
+    def reference_solution(self, seed: int) -> list[dict]: ...
+
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_final_answer(text: str) -> Optional[str]:
+    """The content of the last ``<answer>...</answer>`` (stripped), or None.
+
+    Same rule as ``reasoning_gym.utils.extract_answer`` (last match, stripped).
+    """
+    m = _ANSWER_RE.findall(text or "")
+    return m[-1].strip() if m else None
+
+
+def tool_schema(name: str, description: str, properties: dict[str, dict], required: Optional[list[str]] = None) -> dict:
+    """A Qwen/OpenAI-style function tool schema."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": list(required if required is not None else properties),
+            },
+        },
+    }
+
+
+class BaseEnv:
+    """Shared plumbing: tool dispatch, argument checks and simulated tool latency.
+
+    Args:
+        tool_latency_s: mean simulated latency of each tool call in seconds (0 = none).
+        tool_latency_dist: ``"fixed"`` (always ``tool_latency_s``) or ``"lognormal"`` (sigma 0.5,
+            mean ``tool_latency_s``, drawn from an RNG seeded by the episode seed).
+        max_answer_chars: a final answer (the text inside ``<answer>``) longer than this scores 0.
+    """
+
+    name = "base"
+
+    def __init__(self, tool_latency_s: float = 0.0, tool_latency_dist: str = "fixed", max_answer_chars: int = 64):
+        if tool_latency_s < 0:
+            raise ValueError(f"tool_latency_s must be >= 0, got {tool_latency_s}")
+        if tool_latency_dist not in ("fixed", "lognormal"):
+            raise ValueError(f"tool_latency_dist must be fixed|lognormal, got {tool_latency_dist!r}")
+        self.tool_latency_s = float(tool_latency_s)
+        self.tool_latency_dist = tool_latency_dist
+        self.max_answer_chars = int(max_answer_chars)
+        self._latency_rng = random.Random(0)
+        self.tool_calls = 0
+
+    # subclasses: dict name -> bound method taking keyword arguments
+    def _tools(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _seed_latency(self, seed: int) -> None:
+        self._latency_rng = random.Random(seed * 7919 + 17)
+        self.tool_calls = 0
+
+    def _sleep(self) -> None:
+        if self.tool_latency_s <= 0:
+            return
+        if self.tool_latency_dist == "fixed":
+            d = self.tool_latency_s
+        else:
+            sigma = 0.5
+            d = self._latency_rng.lognormvariate(math.log(self.tool_latency_s) - sigma * sigma / 2, sigma)
+        time.sleep(d)
+
+    def step(self, tool_call: dict) -> str:
+        """Dispatch ``{"name", "arguments"}`` to the tool; ToolError for a bad call (see module doc)."""
+        if not isinstance(tool_call, dict):
+            raise ToolError("a tool call must be a JSON object with 'name' and 'arguments'")
+        name = tool_call.get("name")
+        tools = self._tools()
+        if name not in tools:
+            raise ToolError(f"unknown tool {name!r}; available: {', '.join(sorted(tools))}")
+        args = tool_call.get("arguments", {})
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ToolError(f"arguments of {name} must be a JSON object, got {type(args).__name__}")
+        self.tool_calls += 1
+        self._sleep()
+        try:
+            return tools[name](**args)
+        except TypeError as e:  # wrong / missing keyword arguments
+            raise ToolError(f"bad arguments for {name}: {e}") from None
+
+    def _answer_or_reason(self, final_answer: str) -> tuple[Optional[str], dict]:
+        """Extract the ``<answer>``; returns (answer or None, info with the reason when None)."""
+        ans = extract_final_answer(final_answer)
+        if ans is None:
+            return None, {"answer": None, "reason": "no <answer> tag"}
+        if len(ans) > self.max_answer_chars:
+            return None, {"answer": ans[: self.max_answer_chars], "reason": "answer too long"}
+        return ans, {"answer": ans}

@@ -1,0 +1,184 @@
+"""Data shared by the rollout side: :class:`Trajectory` (DESIGN.md §3) and :class:`Completion`.
+
+No jax here: everything is numpy on the host. Both classes convert to and from JSON-safe
+dicts (numpy arrays become lists); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["Trajectory", "Completion", "json_safe"]
+
+
+def json_safe(x: Any) -> Any:
+    """Recursively turn numpy scalars/arrays, tuples and sets into JSON-serialisable values.
+
+    Raises:
+        TypeError: a value that has no JSON form (e.g. an arbitrary object).
+    """
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"value of type {type(x).__name__} is not JSON-serialisable: {x!r}")
+
+
+@dataclass
+class Completion:
+    """One finished generation request (Generator -> agent), see docs/interfaces.md.
+
+    Attributes:
+        request_id: the generator's id of the request.
+        tokens: generated token ids (the stop token included when it was sampled).
+        logps: behaviour log-prob of each generated token under the sampling distribution
+            (temperature applied), float, len == len(tokens).
+        versions: policy version that produced each token, len == len(tokens).
+        finish_reason: ``"stop"`` (a stop id was sampled), ``"length"`` (max_new_tokens reached) or
+            ``"aborted"`` (the generator gave up on the request).
+        info: extra data, e.g. ``kept_mass`` when top-p/top-k is on, number of reissues.
+    """
+
+    request_id: int
+    tokens: list[int]
+    logps: list[float]
+    versions: list[int]
+    finish_reason: str = "stop"
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.tokens) == len(self.logps) == len(self.versions)):
+            raise ValueError(
+                f"Completion {self.request_id}: tokens/logps/versions lengths differ "
+                f"({len(self.tokens)}, {len(self.logps)}, {len(self.versions)})"
+            )
+        if self.finish_reason not in ("stop", "length", "aborted"):
+            raise ValueError(f"Completion.finish_reason must be stop|length|aborted, got {self.finish_reason!r}")
+
+
+@dataclass
+class Trajectory:
+    """One episode (possibly many turns), numpy on the host. DESIGN.md §3.
+
+    Attributes:
+        tokens: int32 [T], prompt + all turns in Qwen3 chat format; exactly the context the
+            generator saw, followed by what it generated.
+        loss_mask: bool [T], True only on tokens the policy generated (incl. its ``<|im_end|>``).
+        behav_logp: float32 [T], log mu of each generated token (0 elsewhere). The log-prob of
+            token t is stored at index t.
+        versions: int32 [T], policy version that generated each token; -1 where not generated.
+        turn_ids: int32 [T], assistant turn index (0, 1, ...) per generated token; -1 elsewhere.
+        reward: episode reward in [0, 1].
+        group_id: GRPO group id (all samples of one task share it).
+        env: environment name.
+        seed: environment (task) seed.
+        info: JSON-serialisable dict: truncation flags, tool errors, timings, failure reason.
+
+    Raises (on construction):
+        ValueError: arrays of different lengths, or a reward outside [0, 1].
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behav_logp: np.ndarray
+    versions: np.ndarray
+    turn_ids: np.ndarray
+    reward: float = 0.0
+    group_id: int = 0
+    env: str = ""
+    seed: int = 0
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=bool).reshape(-1)
+        self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32).reshape(-1)
+        self.versions = np.asarray(self.versions, dtype=np.int32).reshape(-1)
+        self.turn_ids = np.asarray(self.turn_ids, dtype=np.int32).reshape(-1)
+        n = self.tokens.shape[0]
+        for name in ("loss_mask", "behav_logp", "versions", "turn_ids"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(f"Trajectory.{name} has length {getattr(self, name).shape[0]}, tokens has {n}")
+        self.reward = float(self.reward)
+        if not (0.0 <= self.reward <= 1.0) or self.reward != self.reward:
+            raise ValueError(f"Trajectory.reward must be in [0, 1], got {self.reward}")
+        self.group_id = int(self.group_id)
+        self.seed = int(self.seed)
+
+    # ------------------------------------------------------------------ derived
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        """Number of policy-generated tokens (``loss_mask.sum()``)."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def failed(self) -> bool:
+        """True when the episode failed (env exception, aborted generation); never trained."""
+        return bool(self.info.get("failed", False))
+
+    def min_version(self) -> Optional[int]:
+        """Smallest policy version among generated tokens, or None if nothing was generated."""
+        v = self.versions[self.loss_mask & (self.versions >= 0)]
+        return int(v.min()) if v.size else None
+
+    def max_version(self) -> Optional[int]:
+        """Largest policy version among generated tokens, or None if nothing was generated."""
+        v = self.versions[self.loss_mask & (self.versions >= 0)]
+        return int(v.max()) if v.size else None
+
+    def staleness(self, current_version: int) -> int:
+        """``current_version - min_version()`` (0 when nothing was generated)."""
+        mv = self.min_version()
+        return 0 if mv is None else int(current_version) - mv
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        """JSON-safe dict (arrays -> lists). Inverse of :meth:`from_dict`."""
+        return {
+            "tokens": self.tokens.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "behav_logp": self.behav_logp.tolist(),
+            "versions": self.versions.tolist(),
+            "turn_ids": self.turn_ids.tolist(),
+            "reward": self.reward,
+            "group_id": self.group_id,
+            "env": self.env,
+            "seed": self.seed,
+            "info": json_safe(self.info),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        """Rebuild from :meth:`to_dict` output (float32 log-probs round-trip exactly)."""
+        return cls(
+            tokens=np.asarray(d["tokens"], dtype=np.int32),
+            loss_mask=np.asarray(d["loss_mask"], dtype=bool),
+            behav_logp=np.asarray(d["behav_logp"], dtype=np.float32),
+            versions=np.asarray(d["versions"], dtype=np.int32),
+            turn_ids=np.asarray(d["turn_ids"], dtype=np.int32),
+            reward=d["reward"],
+            group_id=d["group_id"],
+            env=d["env"],
+            seed=d["seed"],
+            info=dict(d.get("info") or {}),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, s: str) -> "Trajectory":
+        return cls.from_dict(json.loads(s))
