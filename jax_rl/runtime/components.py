@@ -1,0 +1,173 @@
+"""Build the pieces of a run from a :class:`~jax_rl.config.Config`.
+
+Shared by the embedded and Ray runtimes, ``jax-rl sft`` and ``jax-rl eval``. Nothing here
+starts threads; the runtimes own those.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from jax_rl.config import Config, ConfigError
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = [
+    "resolve_run_dir",
+    "build_tokenizer",
+    "build_model_config",
+    "build_env_factory",
+    "build_generator",
+    "sft_examples",
+    "compute_advantages",
+    "pad_examples",
+]
+
+
+def resolve_run_dir(cfg: Config, *, create: bool = True) -> Path:
+    """``run.dir`` or ``runs/<name>-<UTC timestamp>``; with ``resume`` and no ``run.dir``, the
+    newest existing ``runs/<name>-*`` dir.
+
+    Raises:
+        ConfigError: ``resume=true`` and no earlier run dir exists.
+    """
+    name = cfg.run.name or "run"
+    if cfg.run.dir:
+        d = Path(cfg.run.dir)
+    elif cfg.resume:
+        cands = sorted(Path("runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+        if not cands:
+            raise ConfigError(f"resume=true but no earlier run dir runs/{name}-* exists; set run.dir")
+        d = cands[-1]
+    else:
+        ts = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        d = Path("runs") / f"{name}-{ts}"
+    if cfg.resume and not d.exists():
+        raise ConfigError(f"resume=true but run.dir={str(d)!r} does not exist")
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(d)
+    return d
+
+
+def build_tokenizer(cfg: Config):
+    from jax_rl.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.model.tokenizer)
+
+
+def build_model_config(cfg: Config, tokenizer=None):
+    """The Qwen3Config: from ``model.checkpoint``'s config.json, else ``model.preset``, with
+    ``model.hf_overrides`` applied.
+
+    Raises:
+        ConfigError: unknown preset, bad override, or a vocab smaller than the tokenizer's.
+    """
+    import json
+
+    from jax_rl.models.qwen3 import PRESETS, Qwen3Config, get_preset
+
+    try:
+        if cfg.model.checkpoint:
+            hf = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text())
+            hf.update(cfg.model.hf_overrides)
+            mc = Qwen3Config.from_hf(hf)
+        else:
+            if cfg.model.preset not in PRESETS:
+                raise ConfigError(f"model.preset={cfg.model.preset!r}: unknown preset; known: {sorted(PRESETS)}")
+            mc = get_preset(cfg.model.preset, **cfg.model.hf_overrides)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"model: {e}") from None
+    if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, model.tokenizer={cfg.model.tokenizer!r})"
+        )
+    return mc
+
+
+def build_env_factory(cfg: Config) -> Callable[[], Any]:
+    from rollout.envs import env_factory_from_config
+
+    return env_factory_from_config(cfg.env, cfg.rollout)
+
+
+def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
+                    slots: Optional[int] = None, seed: int = 0):
+    """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`."""
+    from rollout.engine import Qwen3Engine
+    from rollout.generator import Generator
+
+    r = cfg.rollout
+    engine = Qwen3Engine(
+        model_config,
+        params,
+        slots=slots or r.slots,
+        max_cache_len=r.max_cache_len,
+        max_prefill_length=r.max_prefill_length,
+        dtype=r.dtype,
+        temperature=temperature if temperature is not None else r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+    )
+    gen = Generator(engine, partial=r.partial, version=version)
+    gen.start()
+    return gen
+
+
+def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Reference-solver demonstrations rendered with the chat template: (tokens, loss_mask) pairs,
+    assistant tokens only in the mask. Seeds are training seeds (below ``eval.seed_offset``)."""
+    from rollout.agent import sft_example
+
+    env = env_factory()
+    out = []
+    for i in range(n):
+        seed = cfg.env.train_seed_offset + seed_offset + i
+        toks, mask = sft_example(env, tokenizer, seed)
+        if len(toks) <= cfg.optim.max_seq_len:
+            out.append((np.asarray(toks, np.int32), np.asarray(mask, bool)))
+    if not out:
+        raise ConfigError(f"no SFT demonstration fits optim.max_seq_len={cfg.optim.max_seq_len}")
+    return out
+
+
+def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int = 0, multiple: int = 32) -> dict:
+    """Right-pad (tokens, loss_mask) pairs to [B, T] with T a multiple of ``multiple``."""
+    T = max(len(t) for t, _ in examples)
+    T = ((T + multiple - 1) // multiple) * multiple
+    B = len(examples)
+    tokens = np.full((B, T), pad_id, np.int32)
+    attn = np.zeros((B, T), bool)
+    lm = np.zeros((B, T), bool)
+    for i, (t, m) in enumerate(examples):
+        tokens[i, : len(t)] = t
+        attn[i, : len(t)] = True
+        lm[i, : len(m)] = m
+    return {"tokens": tokens, "attention_mask": attn, "loss_mask": lm}
+
+
+def compute_advantages(cfg: Config, groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+    """Per-trajectory advantages per group (GRPO or RLOO), as a list of float32 [G] arrays."""
+    from jax_rl.advantages import grpo_advantages, rloo_advantages
+
+    rewards = np.concatenate([np.asarray([t.reward for t in g], np.float32) for g in groups])
+    gids = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(groups)])
+    if cfg.rollout.advantage == "grpo":
+        adv = grpo_advantages(rewards, gids, normalize_std=cfg.rollout.advantage_std_normalize)
+    else:
+        adv = rloo_advantages(rewards, gids)
+    adv = np.asarray(adv, np.float32)
+    out, i = [], 0
+    for g in groups:
+        out.append(adv[i: i + len(g)])
+        i += len(g)
+    return out

@@ -1,0 +1,159 @@
+"""Embedded runtime: one process, rollout threads + the learner loop, weights handed over by version.
+
+Threads:
+
+* ``rollout`` producer threads (``rollout.threads`` generators; each keeps up to
+  ``ceil(slots / group_size) + 1`` GRPO groups in flight through one :class:`AgentLoop`).
+  A group starts only when the buffer admits it (AReaL-style admission for
+  ``async.max_staleness`` = K), so rollouts never run further ahead than K versions.
+* the learner loop (the caller's thread): take ``optim.batch_size / group_size`` groups from the
+  buffer, compute group advantages, train one step, publish the new params to every generator
+  (``update_params(params, version)``) and only then tell the buffer the new version.
+
+Task seeds are assigned by group index (``env.train_seed_offset + group_id``), and every sampling
+seed derives from (task seed, sample, turn), so with K = 0 a run is reproducible and a resumed run
+re-issues the in-flight groups identically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jax_rl.config import Config
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = ["RolloutManager"]
+
+
+class RolloutManager:
+    """Producer side of the embedded runtime.
+
+    Args:
+        cfg: the run config.
+        generators: started generators (one per rollout thread).
+        agents: one :class:`rollout.agent.AgentLoop` per generator.
+        buffer: the shared :class:`rollout.buffer.TrajectoryBuffer`.
+        version_fn: returns the version the generators currently run (the buffer's notion of "now").
+        next_group: first group index to start (from a checkpoint when resuming).
+        reissue: groups to re-issue first (in-flight at the checkpoint), as ``[(group_id, task_seed)]``.
+    """
+
+    def __init__(self, cfg: Config, generators: list, agents: list, buffer, version_fn: Callable[[], int],
+                 next_group: int = 0, reissue: Optional[list] = None):
+        self.cfg = cfg
+        self.generators = generators
+        self.agents = agents
+        self.buffer = buffer
+        self.version_fn = version_fn
+        self._lock = threading.Lock()
+        self._next_group = int(next_group)
+        self._reissue = list(reissue or [])
+        self._in_flight: dict[int, int] = {}  # group_id -> task seed
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.generated_tokens = 0
+        self.t_start = time.perf_counter()
+        self.errors: list[str] = []
+        self.groups_done = 0
+
+    # --------------------------------------------------------------- group ids
+    def _take_group(self) -> tuple[int, int]:
+        with self._lock:
+            if self._reissue:
+                gid, seed = self._reissue.pop(0)
+            else:
+                gid = self._next_group
+                self._next_group += 1
+                seed = self.cfg.env.train_seed_offset + gid
+            if seed >= self.cfg.eval.seed_offset:
+                raise RuntimeError(
+                    f"training task seed {seed} reached eval.seed_offset={self.cfg.eval.seed_offset}: "
+                    "raise eval.seed_offset so held-out tasks stay disjoint"
+                )
+            self._in_flight[gid] = seed
+            return gid, seed
+
+    def state(self) -> dict:
+        """JSON-safe producer state for checkpoints: next group id and the in-flight groups."""
+        with self._lock:
+            pending = sorted(self._in_flight.items()) + list(self._reissue)
+            return {"next_group": self._next_group, "reissue": [[int(g), int(s)] for g, s in sorted(pending)]}
+
+    # --------------------------------------------------------------- threads
+    def start(self) -> None:
+        per_gen = math.ceil(self.cfg.rollout.slots / self.cfg.rollout.group_size) + 1
+        for gi, agent in enumerate(self.agents):
+            for j in range(per_gen):
+                t = threading.Thread(target=self._producer, args=(agent,), name=f"rollout-{gi}-{j}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _producer(self, agent) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.buffer.admit(self.version_fn, block=True, timeout=0.2):
+                    continue
+            except Exception as e:  # buffer closed
+                if self._stop.is_set():
+                    return
+                self.errors.append(f"admit: {e!r}")
+                return
+            if self._stop.is_set():
+                self.buffer.cancel(1)
+                return
+            try:
+                gid, seed = self._take_group()
+            except Exception as e:
+                self.buffer.cancel(1)
+                self.errors.append(repr(e))
+                self._stop.set()
+                return
+            try:
+                trajs = agent.submit_group(seed, gid).result()
+            except Exception as e:  # never lose the slot: a failed group gives it back
+                log.exception("group %d failed", gid)
+                self.errors.append(f"group {gid}: {e!r}")
+                with self._lock:
+                    self._in_flight.pop(gid, None)
+                self.buffer.cancel(1)
+                continue
+            if self._stop.is_set():
+                # stopping: keep the group for re-issue after resume instead of a half-consumed state
+                self.buffer.cancel(1)
+                return
+            with self._lock:
+                self._in_flight.pop(gid, None)
+                self.generated_tokens += int(sum(t.num_generated for t in trajs))
+                self.groups_done += 1
+            self.buffer.put_group(trajs)
+
+    def rollout_tokens_per_s(self) -> float:
+        dt = time.perf_counter() - self.t_start
+        return self.generated_tokens / dt if dt > 0 else 0.0
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        try:
+            self.buffer.notify()
+        except Exception:
+            pass
+        for g in self.generators:
+            try:
+                g.stop()
+            except Exception:  # pragma: no cover
+                log.exception("generator stop failed")
+        for t in self._threads:
+            t.join(timeout=timeout)
+        for a in self.agents:
+            try:
+                a.close(wait=False)
+            except Exception:  # pragma: no cover
+                pass

@@ -1,0 +1,389 @@
+"""``jax-rl train`` / ``sft`` / ``eval``: the main job.
+
+``run_train(cfg)``:
+
+1. resolve ``run.dir``, write ``config.yaml``;
+2. build tokenizer, model config, mesh and :class:`~jax_rl.learner.Learner` (from
+   ``model.checkpoint`` or from scratch with ``run.seed``);
+3. SFT warm start for ``sft.steps`` on reference-solver demonstrations, then a held-out eval
+   (``sft_success``);
+4. asynchronous RL for ``run.steps`` learner steps (embedded threads or Ray actors), publishing
+   one version per step, with periodic eval and checkpoints;
+5. final eval, ``summary.json``, plots, a one-screen summary.
+
+Ctrl-C / SIGTERM finish the current step, save a checkpoint and stop rollouts cleanly;
+``resume=true`` continues from the latest checkpoint in ``run.dir`` with the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from jax_rl.config import Config, ConfigError, dump_config
+from jax_rl.runtime import components as C
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = ["run_train", "run_sft", "run_eval", "Trainer"]
+
+# metrics that depend on wall-clock time (excluded when comparing runs for reproducibility)
+TIMING_KEYS = ("wall_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s", "publish_s")
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM; the learner loop finishes its step, checkpoints and exits."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signum: Optional[int] = None
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.getsignal(s)
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if self.event.is_set():  # second Ctrl-C: give up immediately
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        log.warning("signal %d: finishing the current step, then checkpoint and stop", signum)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+class Trainer:
+    """Holds the pieces of one run; used by ``run_train``, ``run_sft`` and ``run_eval``."""
+
+    def __init__(self, cfg: Config, *, create_dir: bool = True):
+        self.cfg = cfg
+        self.t0 = time.perf_counter()
+        self.run_dir = C.resolve_run_dir(cfg, create=create_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.tokenizer = C.build_tokenizer(cfg)
+        self.model_config = C.build_model_config(cfg, self.tokenizer)
+        self.env_factory = C.build_env_factory(cfg)
+        from jax_rl.learner import Learner
+
+        self.learner = Learner(cfg, model_config=self.model_config)
+        self.meta: dict[str, Any] = {}
+        self._eval_gen = None
+        self.writer = None
+
+    # ---------------------------------------------------------------- outputs
+    def open_writer(self):
+        from jax_rl.metrics import MetricsWriter
+
+        self.writer = MetricsWriter(self.run_dir, tensorboard=self.cfg.logging.tensorboard,
+                                    wandb=self.cfg.logging.wandb, is_primary=self.learner.is_primary)
+        return self.writer
+
+    # ---------------------------------------------------------------- SFT
+    def sft(self, steps: Optional[int] = None, progress: bool = True) -> dict:
+        """Cross-entropy on reference-solver demos (assistant tokens only). Returns last metrics."""
+        cfg = self.cfg
+        steps = cfg.sft.steps if steps is None else steps
+        if steps <= 0:
+            return {}
+        t = time.perf_counter()
+        demos = C.sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
+        rng = np.random.default_rng(cfg.run.seed)
+        last: dict = {}
+        from jax_rl.console import TrainProgress
+
+        with TrainProgress(steps, enabled=progress and cfg.logging.progress, description="SFT") as bar:
+            for s in range(steps):
+                idx = rng.choice(len(demos), size=cfg.sft.batch_size, replace=len(demos) < cfg.sft.batch_size)
+                batch = C.pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
+                last = self.learner.sft_step(batch)
+                bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
+                if self.writer is not None and (s % 10 == 0 or s == steps - 1):
+                    self.writer.write(s, {f"sft/{k}": v for k, v in last.items()}, file="sft")
+        last["sft_wall_s"] = time.perf_counter() - t
+        return last
+
+    # ---------------------------------------------------------------- eval
+    def evaluate(self, step: int, label: str = "eval") -> dict:
+        """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
+        from jax_rl.evaluation import eval_seeds, summarize_eval
+        from rollout.agent import AgentLoop
+
+        cfg = self.cfg
+        t = time.perf_counter()
+        params = self.learner.get_params()
+        if self._eval_gen is None:
+            self._eval_gen = C.build_generator(cfg, self.model_config, params, self.learner.version,
+                                               temperature=cfg.eval.temperature)
+        else:
+            self._eval_gen.update_params(params, self.learner.version)
+        seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
+        agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
+                          max_workers=max(cfg.rollout.slots, cfg.eval.k))
+        try:
+            groups = agent.run_groups(seeds, group_size=cfg.eval.k, first_group_id=10**9)
+        finally:
+            agent.close()
+        results = [
+            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g]}
+            for s, g in zip(seeds, groups)
+        ]
+        summary = summarize_eval(results, cfg.eval.k)
+        summary["success"] = float(np.mean([r for res in results for r in res["rewards"]])) if results else 0.0
+        summary["eval_s"] = time.perf_counter() - t
+        summary["label"] = label
+        summary["version"] = self.learner.version
+        if self.writer is not None:
+            self.writer.write_eval(step, summary)
+        return summary
+
+    def close(self) -> None:
+        if self._eval_gen is not None:
+            self._eval_gen.stop()
+            self._eval_gen = None
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _staleness_stats(batch: dict, version: int) -> dict:
+    v = batch["versions"]
+    m = batch["loss_mask"] & (v >= 0)
+    if not m.any():
+        return {"staleness_mean": 0.0, "staleness_max": 0}
+    s = (version - v)[m]
+    out = {"staleness_mean": float(s.mean()), "staleness_max": int(s.max())}
+    for k in range(int(s.max()) + 1):
+        out[f"staleness_hist/{k}"] = int((s == k).sum())
+    return out
+
+
+def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
+    """The embedded asynchronous RL loop. Returns the last metrics row."""
+    from jax_rl.console import TrainProgress
+    from jax_rl.learner import collate
+    from rollout.agent import AgentLoop
+    from rollout.buffer import TrajectoryBuffer
+    from jax_rl.runtime.embedded import RolloutManager
+
+    cfg = tr.cfg
+    K = cfg.async_.max_staleness
+    n_groups = cfg.optim.batch_size // cfg.rollout.group_size
+    buffer = TrajectoryBuffer(cfg.rollout.group_size, K, groups_per_step=n_groups)
+    if tr.meta.get("buffer"):
+        buffer.import_state(tr.meta["buffer"])
+    params = tr.learner.get_params()
+    gens = [C.build_generator(cfg, tr.model_config, params, tr.learner.version) for _ in range(cfg.rollout.threads)]
+    agents = [AgentLoop(g, tr.tokenizer, tr.env_factory, cfg.rollout) for g in gens]
+    published = {"version": tr.learner.version}
+    prod = tr.meta.get("producer", {})
+    mgr = RolloutManager(cfg, gens, agents, buffer, lambda: published["version"],
+                         next_group=prod.get("next_group", 0), reissue=prod.get("reissue"))
+    mgr.start()
+    last: dict = {}
+    ckpt_every = cfg.checkpoint.every
+    eval_every = cfg.eval.every
+    try:
+        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress, initial=start_step) as bar:
+            for step in range(start_step, cfg.run.steps):
+                if stop.event.is_set():
+                    break
+                t_wait = time.perf_counter()
+                groups = None
+                while groups is None and not stop.event.is_set():
+                    groups = buffer.get_batch(n_groups, tr.learner.version, timeout=1.0)
+                    if mgr.errors and groups is None:
+                        raise RuntimeError("rollout failed: " + "; ".join(mgr.errors[-3:]))
+                if groups is None:
+                    break
+                wait_s = time.perf_counter() - t_wait
+                groups = sorted(groups, key=lambda g: g[0].group_id)
+                adv = C.compute_advantages(cfg, groups)
+                trajs = [t for g in groups for t in g]
+                batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=tr.tokenizer.pad_id)
+                v_train = tr.learner.version
+                st = _staleness_stats(batch, v_train)
+                metrics = tr.learner.train_step(batch)
+                t_pub = time.perf_counter()
+                new_params = tr.learner.get_params()
+                for g in gens:
+                    g.update_params(new_params, tr.learner.version)
+                published["version"] = tr.learner.version
+                buffer.notify()
+                rewards = np.asarray([t.reward for t in trajs], np.float32)
+                row = {
+                    "step": step + 1,
+                    "version": tr.learner.version,
+                    "reward_mean": float(rewards.mean()),
+                    "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
+                    **{k: v for k, v in metrics.items()},
+                    **{k: v for k, v in st.items() if k not in metrics or k.startswith("staleness_hist")},
+                    "rollout_tokens_per_s": mgr.rollout_tokens_per_s(),
+                    "wait_s": wait_s,
+                    "publish_s": time.perf_counter() - t_pub,
+                    "episode_len_mean": float(np.mean([len(t) for t in trajs])),
+                    "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+                    **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+                    "wall_s": time.perf_counter() - tr.t0,
+                }
+                row.setdefault("staleness_mean", st["staleness_mean"])
+                row.setdefault("staleness_max", st["staleness_max"])
+                tr.writer.write(step + 1, row)
+                last = row
+                bar.update(step + 1, row)
+                if eval_every and (step + 1) % eval_every == 0 and step + 1 < cfg.run.steps:
+                    ev = tr.evaluate(step + 1)
+                    bar.log(f"eval @ step {step + 1}: success {ev['success']:.3f}")
+                if ckpt_every and (step + 1) % ckpt_every == 0:
+                    _save(tr, buffer, mgr)
+    finally:
+        mgr.stop(timeout=5.0)
+        tr.meta["buffer_stats"] = buffer.stats()
+        tr.meta["buffer"] = buffer.export_state()
+        tr.meta["producer"] = mgr.state()
+        tr.meta["rollout_tokens_per_s"] = mgr.rollout_tokens_per_s()
+    return last
+
+
+def _save(tr: Trainer, buffer=None, mgr=None) -> None:
+    if buffer is not None:
+        tr.meta["buffer"] = buffer.export_state()
+        tr.meta["buffer_stats"] = buffer.stats()
+    if mgr is not None:
+        tr.meta["producer"] = mgr.state()
+    tr.learner.save(tr.ckpt_dir, extra_metadata=_json_safe(tr.meta))
+
+
+def _json_safe(d: Any) -> Any:
+    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def run_train(cfg: Config) -> int:
+    """The whole job (SFT, RL, eval, outputs). Returns a process exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if cfg.runtime.kind == "ray":
+        from jax_rl.runtime.ray_runtime import run_train_ray
+
+        return run_train_ray(cfg)
+    stop = _StopFlag()
+    stop.install()
+    tr = Trainer(cfg)
+    dump_config(cfg, tr.run_dir / "config.yaml")
+    tr.open_writer()
+    start_step = 0
+    try:
+        if cfg.resume:
+            meta = tr.learner.restore(tr.ckpt_dir)
+            tr.meta = dict(meta or {})
+            start_step = int(tr.meta.get("rl_steps", tr.learner.step))
+            print(f"resumed from {tr.ckpt_dir} at RL step {start_step} (version {tr.learner.version})")
+        if not tr.meta.get("sft_done"):
+            if cfg.sft.steps > 0:
+                sft_metrics = tr.sft()
+                tr.meta["sft_metrics"] = sft_metrics
+            tr.learner.finish_sft()
+            tr.meta["sft_done"] = True
+            ev = tr.evaluate(0, label="after_sft")
+            tr.meta["sft_success"] = ev["success"]
+            tr.meta["sft_eval"] = ev
+            print(f"held-out success after SFT: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})")
+        last = _rl_loop(tr, start_step, stop)
+        rl_steps = int(last.get("step", start_step))
+        tr.meta["rl_steps"] = rl_steps
+        _save(tr)
+        interrupted = stop.event.is_set()
+        final = tr.evaluate(rl_steps, label="final") if not interrupted else {}
+        summary = {
+            "sft_success": tr.meta.get("sft_success"),
+            "final_success": final.get("success"),
+            f"final_pass_at_{cfg.eval.k}": final.get(f"pass@{cfg.eval.k}"),
+            "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"),
+            f"final_avg_at_{cfg.eval.k}": final.get(f"avg@{cfg.eval.k}"),
+            "wall_s": time.perf_counter() - tr.t0,
+            "rl_steps": rl_steps,
+            "version": tr.learner.version,
+            "correction": cfg.loss.correction,
+            "max_staleness": cfg.async_.max_staleness,
+            "interrupted": interrupted,
+            "tokens_per_s_mean": _mean_metric(tr.run_dir, "tokens_per_s"),
+            "rollout_tokens_per_s": tr.meta.get("rollout_tokens_per_s"),
+            **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
+        }
+        (tr.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        plots = []
+        try:
+            from jax_rl.plots import plot_runs
+
+            plots = plot_runs([tr.run_dir])
+        except Exception as e:  # plotting must never lose a finished run
+            log.warning("plotting failed: %r", e)
+        from jax_rl.console import print_summary
+
+        print_summary(summary, {"run dir": tr.run_dir, "metrics": tr.run_dir / "metrics.jsonl",
+                                "eval": tr.run_dir / "eval.jsonl", "checkpoints": tr.ckpt_dir,
+                                "plots": tr.run_dir / "plots", "summary": tr.run_dir / "summary.json"})
+        return 0
+    finally:
+        tr.close()
+        tr.learner.close()
+        stop.restore()
+
+
+def _mean_metric(run_dir: Path, key: str) -> Optional[float]:
+    from jax_rl.metrics import read_jsonl
+
+    vals = [r[key] for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get(key), (int, float))]
+    return float(np.mean(vals)) if vals else None
+
+
+def run_sft(cfg: Config) -> int:
+    """``jax-rl sft``: SFT only, then a held-out eval and a checkpoint."""
+    logging.basicConfig(level=logging.WARNING)
+    if cfg.sft.steps <= 0:
+        raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
+    tr = Trainer(cfg)
+    dump_config(cfg, tr.run_dir / "config.yaml")
+    tr.open_writer()
+    try:
+        m = tr.sft()
+        tr.learner.finish_sft()
+        ev = tr.evaluate(0, label="after_sft")
+        tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, rl_steps=0)
+        _save(tr)
+        out = {"sft_success": ev["success"], "sft_loss": m.get("sft_loss"), "checkpoints": str(tr.ckpt_dir)}
+        (tr.run_dir / "summary.json").write_text(json.dumps(_json_safe(out), indent=2))
+        print(json.dumps(_json_safe(out), indent=2))
+        return 0
+    finally:
+        tr.close()
+        tr.learner.close()
+
+
+def run_eval(cfg: Config, checkpoint_dir: str) -> int:
+    """``jax-rl eval CHECKPOINT_DIR CONFIG``: restore and print held-out avg@k / pass@k."""
+    logging.basicConfig(level=logging.WARNING)
+    p = Path(checkpoint_dir)
+    ckpt = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    cfg.run.dir = str(ckpt.parent)
+    cfg.resume = False
+    tr = Trainer(cfg, create_dir=False)
+    try:
+        tr.learner.restore(ckpt)
+        ev = tr.evaluate(tr.learner.step, label="standalone")
+        print(json.dumps(_json_safe(ev), indent=2))
+        return 0
+    finally:
+        tr.close()
+        tr.learner.close()
