@@ -118,10 +118,7 @@ def format_number(x: Fraction) -> str:
     return format(float(x), ".10g")
 
 
-SYSTEM_PROMPT = (
-    "You are a careful assistant. You may use the calculate tool for arithmetic. "
-    "Give the final answer as <answer>N</answer>."
-)
+SYSTEM_PROMPT = "Use calculate for arithmetic. Answer as <answer>N</answer>."
 
 _DATASETS: dict[str, Any] = {}
 _DATASETS_LOCK = threading.Lock()
@@ -155,8 +152,8 @@ class CalculatorEnv(BaseEnv):
     TOOLS = [
         tool_schema(
             "calculate",
-            "Evaluate an arithmetic expression with numbers, + - * / and parentheses.",
-            {"expression": {"type": "string", "description": "e.g. (3 + 4) * 2"}},
+            "Evaluate numbers with + - * / and parentheses.",
+            {"expression": {"type": "string"}},
         )
     ]
 

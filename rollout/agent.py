@@ -1,0 +1,324 @@
+"""Multi-turn agent loop: many concurrent episodes over a generator, assembled into Trajectories.
+
+Token layout of an episode (what the generator saw is always a prefix of the trajectory)::
+
+    prompt      = render_chat(reset messages, tools, add_generation_prompt=True)     mask False
+    turn 0      = generated ids (incl. the <|im_end|> it sampled)                    mask True
+    obs 0       = "\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"   mask False
+    turn 1      = generated ids                                                      mask True
+    ...
+
+The context submitted for turn k is exactly ``tokens[:len(prompt) + |turn 0| + |obs 0| + ...]``
+so the learner's recomputed log-probs line up with ``behav_logp`` (the log-prob of token t is
+at index t). Generated ids are never re-tokenised. An episode ends when
+
+* the model answers (a turn ending in a stop id without ``<tool_call>``): ``env.score(text)``;
+* a turn hits ``max_new_tokens`` without a stop id (``truncated="turn_length"``, reward 0);
+* ``max_turns`` are used (``truncated="max_turns"``), the per-episode generated-token budget
+  (``truncated="token_budget"``), the context length ``max_cache_len`` (``"context"``), or the
+  wall-clock budget ``episode_timeout_s`` (``"time"``), all with reward 0;
+* the environment raises something other than :class:`ToolError` (or generation is aborted):
+  the episode *fails*: ``info["failed"]=True``, ``info["fail_reason"]``, reward 0; it is counted
+  (:attr:`AgentLoop.stats`) and the buffer never trains on it. Other episodes continue.
+
+Malformed tool calls (bad JSON, missing name) and unknown tools become error observations
+``Error: ...`` and the episode goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from .envs.base import Env, ToolError
+from .types import Completion, Trajectory
+
+__all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "build_sft_example", "episode_seed"]
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class GeneratorLike(Protocol):
+    def submit(self, prompt_ids: list[int], *, max_new_tokens: int, seed: int, stop_ids: Sequence[int]) -> "Future[Completion]": ...
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """Find ``<tool_call>{json}</tool_call>`` blocks in assistant text (``json.loads``, never eval).
+
+    Returns:
+        ``(calls, errors)``: ``calls`` are ``{"name": str, "arguments": dict}`` for well-formed blocks;
+        ``errors`` one message per malformed block (bad JSON, not an object, no string ``name``,
+        non-object ``arguments``, or an unclosed ``<tool_call>``).
+    """
+    calls: list[dict] = []
+    errors: list[str] = []
+    for body in _TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            errors.append(f"malformed tool call (invalid JSON: {e.msg} at char {e.pos})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append('malformed tool call (expected {"name": <function-name>, "arguments": {...}})')
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
+                continue
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
+            continue
+        calls.append({"name": obj["name"], "arguments": args})
+    tail = text.rsplit("</tool_call>", 1)[-1]
+    if "<tool_call>" in tail:
+        errors.append("malformed tool call (<tool_call> without </tool_call>)")
+    return calls, errors
+
+
+def episode_seed(task_seed: int, sample_idx: int, turn: int) -> int:
+    """Deterministic sampling seed of one generation request (non-negative int < 2**31)."""
+    return (int(task_seed) * 1_000_003 + int(sample_idx) * 10_007 + int(turn) * 101 + 12345) % (2**31 - 1)
+
+
+class AgentLoop:
+    """Runs episodes concurrently (a thread pool; each episode blocks on generator futures).
+
+    Args:
+        generator: any object with ``submit(prompt_ids, *, max_new_tokens, seed, stop_ids) ->
+            Future[Completion]`` (docs/interfaces.md "Generator <-> agent").
+        tokenizer: a :class:`jax_rl.models.tokenizer.ChatTokenizer`.
+        env_factory: zero-argument callable returning a fresh :class:`Env` (one per episode).
+        cfg: a ``RolloutConfig`` (uses max_turns, max_new_tokens_per_turn, max_tokens_per_episode,
+            max_cache_len, episode_timeout_s, group_size, slots, threads).
+        max_workers: concurrent episodes; default ``max(cfg.slots * cfg.threads, cfg.group_size)``.
+        env_name: name recorded in ``Trajectory.env`` (default: the env's ``name``).
+    """
+
+    def __init__(
+        self,
+        generator: GeneratorLike,
+        tokenizer: Any,
+        env_factory: Callable[[], Env],
+        cfg: Any,
+        *,
+        max_workers: Optional[int] = None,
+        env_name: Optional[str] = None,
+    ):
+        self.generator = generator
+        self.tok = tokenizer
+        self.env_factory = env_factory
+        self.cfg = cfg
+        self.env_name = env_name
+        self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, cfg.group_size))
+        self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
+        self._lock = threading.Lock()
+        self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "answered": 0, "truncated": 0, "tool_calls": 0,
+                                      "tool_errors": 0}
+
+    # ------------------------------------------------------------------ public
+    def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> "Future[Trajectory]":
+        """Start one episode in the pool."""
+        return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx)
+
+    def submit_group(self, task_seed: int, group_id: int, group_size: Optional[int] = None) -> "Future[list[Trajectory]]":
+        """Start ``group_size`` (default ``cfg.group_size``) samples of task ``task_seed``; the future
+        resolves to the list of trajectories (order = sample index) when all are done."""
+        n = int(group_size or self.cfg.group_size)
+        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i) for i in range(n)]
+        out: Future = Future()
+        remaining = [n]
+        lock = threading.Lock()
+
+        def done(_f: Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                try:
+                    out.set_result([f.result() for f in futs])
+                except BaseException as e:  # pragma: no cover - run_episode does not raise
+                    out.set_exception(e)
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+    def run_groups(self, task_seeds: Sequence[int], group_size: Optional[int] = None,
+                   first_group_id: int = 0) -> list[list[Trajectory]]:
+        """Run one group per task seed concurrently; blocking. Group ids are consecutive."""
+        futs = [self.submit_group(s, first_group_id + i, group_size) for i, s in enumerate(task_seeds)]
+        return [f.result() for f in futs]
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> "AgentLoop":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one episode
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] = self.stats.get(key, 0) + n
+
+    def run_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> Trajectory:
+        """Run one episode to completion; never raises (failures are recorded in ``info``)."""
+        cfg, tok = self.cfg, self.tok
+        t0 = time.monotonic()
+        deadline = t0 + float(cfg.episode_timeout_s)
+        tokens: list[int] = []
+        mask: list[bool] = []
+        logp: list[float] = []
+        vers: list[int] = []
+        turns: list[int] = []
+        info: dict[str, Any] = {"sample_idx": int(sample_idx), "turns": 0, "tool_calls": 0, "tool_errors": [],
+                                "truncated": None, "answered": False, "failed": False, "gen_s": 0.0, "tool_s": 0.0,
+                                "turn_starts": [], "finish_reasons": []}
+        reward = 0.0
+        env_name = self.env_name or ""
+
+        def append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
+            tokens.extend(int(i) for i in ids)
+            if gen is None:
+                mask.extend([False] * len(ids))
+                logp.extend([0.0] * len(ids))
+                vers.extend([-1] * len(ids))
+                turns.extend([-1] * len(ids))
+            else:
+                mask.extend([True] * len(ids))
+                logp.extend(float(x) for x in gen.logps)
+                vers.extend(int(v) for v in gen.versions)
+                turns.extend([turn] * len(ids))
+
+        try:
+            env = self.env_factory()
+            env_name = self.env_name or getattr(env, "name", "") or type(env).__name__
+            messages, tools = env.reset(int(task_seed))
+            tool_names = {(t.get("function") or t).get("name") for t in (tools or [])}
+            prompt, _ = tok.render_chat(messages, tools, add_generation_prompt=True)
+            append(prompt)
+            info["prompt_len"] = len(prompt)
+            budget = int(cfg.max_tokens_per_episode)
+            stop_ids = tuple(tok.stop_ids)
+            for turn in range(int(cfg.max_turns)):
+                room = int(cfg.max_cache_len) - len(tokens)
+                max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
+                if max_new <= 0:
+                    info["truncated"] = "token_budget" if budget <= 0 else "context"
+                    break
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    info["truncated"] = "time"
+                    break
+                ts = time.monotonic()
+                fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
+                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids)
+                try:
+                    comp: Completion = fut.result(timeout=remaining_s)
+                except FutureTimeout:
+                    fut.cancel()
+                    info["truncated"] = "time"
+                    break
+                info["gen_s"] += time.monotonic() - ts
+                if len(comp.tokens) > max_new:
+                    raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
+                info["finish_reasons"].append(comp.finish_reason)
+                if comp.finish_reason == "aborted":
+                    raise RuntimeError("generation aborted")
+                info["turn_starts"].append(len(tokens))
+                append(comp.tokens, comp, turn)
+                info["turns"] = turn + 1
+                budget -= len(comp.tokens)
+                ended = bool(comp.tokens) and comp.tokens[-1] in stop_ids
+                body_ids = comp.tokens[:-1] if ended else comp.tokens
+                text = tok.decode(body_ids)
+                if not ended:  # cut off mid-turn: no parseable action
+                    info["truncated"] = "turn_length"
+                    break
+                if "<tool_call>" not in text:  # a final answer
+                    ts = time.monotonic()
+                    r, sinfo = env.score(text)
+                    info["tool_s"] += time.monotonic() - ts
+                    reward = float(min(1.0, max(0.0, r)))
+                    info["score"] = sinfo
+                    info["answered"] = True
+                    break
+                calls, errors = parse_tool_calls(text)
+                observations = [f"Error: {e}" for e in errors]
+                ts = time.monotonic()
+                for call in calls:
+                    info["tool_calls"] += 1
+                    if call["name"] not in tool_names:
+                        observations.append(f"Error: unknown tool {call['name']!r}; available: {', '.join(sorted(tool_names))}")
+                        errors.append(f"unknown tool {call['name']!r}")
+                        continue
+                    try:
+                        observations.append(str(env.step(call)))
+                    except ToolError as e:
+                        observations.append(f"Error: {e}")
+                        errors.append(str(e))
+                info["tool_s"] += time.monotonic() - ts
+                info["tool_errors"].extend(errors)
+                if turn == int(cfg.max_turns) - 1:
+                    info["truncated"] = "max_turns"
+                    break
+                nxt = tok.tool_turn_ids(observations, add_generation_prompt=True)
+                if len(tokens) + len(nxt) >= int(cfg.max_cache_len):
+                    info["truncated"] = "context"
+                    break
+                append(nxt)
+        except Exception as e:  # env failure (or a broken generator): fail this episode only
+            info["failed"] = True
+            info["fail_reason"] = f"{type(e).__name__}: {e}"
+            info["traceback"] = traceback.format_exc(limit=4)
+            reward = 0.0
+        info["total_s"] = time.monotonic() - t0
+        self._count("episodes")
+        self._count("tool_calls", info["tool_calls"])
+        self._count("tool_errors", len(info["tool_errors"]))
+        if info["failed"]:
+            self._count("failed")
+        elif info["answered"]:
+            self._count("answered")
+        else:
+            self._count("truncated")
+        return Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, bool),
+                          behav_logp=np.asarray(logp, np.float32), versions=np.asarray(vers, np.int32),
+                          turn_ids=np.asarray(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
+                          seed=int(task_seed), info=info)
+
+
+def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int] = None) -> dict[str, np.ndarray]:
+    """An SFT demonstration: ``env.reset(seed)`` + ``env.reference_solution(seed)`` rendered with the
+    same template and token layout the agent loop produces (assistant turn bodies incl. their
+    ``<|im_end|>`` in the mask; nothing after the last ``<|im_end|>``).
+
+    Returns:
+        ``{"tokens": int32 [T], "loss_mask": bool [T]}``.
+
+    Raises:
+        ValueError: the example is longer than ``max_len`` tokens.
+    """
+    messages, tools = env.reset(int(seed))
+    demo = env.reference_solution(int(seed))
+    ids, mask = tokenizer.render_chat(list(messages) + list(demo), tools, preserve_thinking=True)
+    last = max((i for i, m in enumerate(mask) if m), default=len(ids) - 1)
+    ids, mask = ids[: last + 1], mask[: last + 1]
+    if max_len is not None and len(ids) > max_len:
+        raise ValueError(f"SFT example for seed {seed} has {len(ids)} tokens > max_len={max_len}")
+    return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, bool)}
