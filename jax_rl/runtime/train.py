@@ -111,10 +111,16 @@ class Trainer:
                 batch = C.pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
                 last = self.learner.sft_step(batch)
                 bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
-                if self.writer is not None and (s % 10 == 0 or s == steps - 1):
-                    self.writer.write(s, {f"sft/{k}": v for k, v in last.items()}, file="sft")
+                if s % 10 == 0 or s == steps - 1:
+                    self._sft_log(s + 1, last)
         last["sft_wall_s"] = time.perf_counter() - t
         return last
+
+    def _sft_log(self, step: int, metrics: dict) -> None:
+        from jax_rl.metrics import sanitize
+
+        with open(self.run_dir / "sft.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **sanitize(metrics)[0]}) + "\n")
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int, label: str = "eval") -> dict:
@@ -196,7 +202,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     ckpt_every = cfg.checkpoint.every
     eval_every = cfg.eval.every
     try:
-        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress, initial=start_step) as bar:
+        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
             for step in range(start_step, cfg.run.steps):
                 if stop.event.is_set():
                     break
@@ -245,7 +251,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 bar.update(step + 1, row)
                 if eval_every and (step + 1) % eval_every == 0 and step + 1 < cfg.run.steps:
                     ev = tr.evaluate(step + 1)
-                    bar.log(f"eval @ step {step + 1}: success {ev['success']:.3f}")
+                    print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
                 if ckpt_every and (step + 1) % ckpt_every == 0:
                     _save(tr, buffer, mgr)
     finally:
