@@ -1,0 +1,567 @@
+"""``Qwen3Engine``: JetStream 0.2.2 ``engine_api.Engine`` for our Qwen3, with per-token log-probs.
+
+Layout (MaxText ``MaxEngine`` style, adapted so that no token is lost and every emitted token
+is produced by the params passed to the ``generate`` call that emitted it):
+
+* ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]`` (bucketed, batch 1) and keeps the
+  last token as the slot's *pending* token. It samples nothing (0.2.2's API returns no token).
+* ``insert(prefix, state, slot)`` copies that prefix into row ``slot`` of the batched decode
+  state and arms the slot (seed, temperature, pending token).
+* ``generate(params, state)`` runs ONE jitted step for all slots: feed each active slot's pending
+  token at position ``lengths[b]`` (``decode_step``), sample the next token from the resulting
+  logits, and return per slot ``(token, valid, n_generated, logp, kept_mass)``. The sampled
+  token becomes the new pending token. So weights swapped between two ``generate`` calls take
+  effect on the very next token (there is no one-step lag).
+
+Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
+
+=============  ==================  ===========================================================
+key            shape / dtype       meaning
+=============  ==================  ===========================================================
+cache          KVCache             ``k``/``v`` [L,B,S,Hkv,Dh] compute dtype, ``lengths`` [B] i32
+tokens         [B] int32           pending token (in no cache yet) per slot
+active         [B] bool            slot is generating
+keys           [B,2] uint32        per-request PRNG key (from the request seed)
+temperature    [B] float32         per-request temperature; ``<= 0`` means greedy
+generated      [B] int32           tokens emitted so far in this slot
+=============  ==================  ===========================================================
+
+Sampling (``sample_tokens``): logits are fp32; ``logits / temperature``; optional top-k then
+top-p (HF warper order) truncation. The reported ``logp`` is the log-prob of the sampled token
+under the distribution actually sampled from (renormalised over the kept set), and
+``kept_mass`` is the probability mass (under the tempered, untruncated distribution) of the
+kept set, so the learner can reproduce ``logp = log_softmax(logits/T)[tok] - log(kept_mass)``.
+With truncation off, ``kept_mass == 1``. Greedy slots (temperature <= 0) report the log-prob of
+the argmax under T = 1. The key of the token sampled at absolute position ``p`` is
+``fold_in(PRNGKey(seed), p)``: reproducible from the seed regardless of slot, batch
+composition, or whether the KV cache was recomputed.
+
+``ResultTokens.data`` is int32 [B, 5]: columns token | valid | n_generated | logp bits |
+kept_mass bits (float32 bit-cast to int32; JetStream's Driver reads only the first three).
+Use :func:`unpack_result` to get numpy arrays back in one host transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rollout import jetstream_compat as _jc
+
+_engine_api = _jc.engine_api()
+_tokenizer_api = _jc.tokenizer_api()
+_tokenizer_pb2 = _jc.tokenizer_pb2()
+_token_utils = _jc.token_utils()
+
+Engine = _engine_api.Engine
+ResultTokens = _engine_api.ResultTokens
+
+__all__ = [
+    "Qwen3Engine",
+    "JetStreamTokenizer",
+    "sample_tokens",
+    "unpack_result",
+    "prefill_bucket",
+    "NO_BOS",
+]
+
+NO_BOS = -1
+"""BOS placeholder id given to JetStream (Qwen3 has no BOS); prefill drops leading negative ids."""
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+_N_COLS = 5
+_MIN_BUCKET = 16
+
+
+def _resolve_dtype(dtype: Union[str, Any]) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown rollout dtype {dtype!r}; expected 'bfloat16' or 'float32'")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def prefill_bucket(n: int, max_cache_len: int) -> int:
+    """Power-of-two bucket (>= 16, <= max_cache_len) holding ``n`` cache positions."""
+    b = _MIN_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, max_cache_len)
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sample one token per row and return its log-prob under the sampling distribution.
+
+    Args:
+      logits: [B, V] (any float dtype; computed in float32).
+      keys: [B, 2] uint32 raw PRNG keys, one per row.
+      temperature: [B] float32; rows with ``temperature <= 0`` take the argmax (greedy) and
+        report the log-prob under temperature 1.
+      top_k: static; 0 = off. Applied first (HF order).
+      top_p: static; 1.0 = off. Nucleus over the (top-k renormalised) distribution; the token
+        that crosses ``top_p`` is kept.
+
+    Returns:
+      ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
+      of the sampled token under the truncated, renormalised, tempered distribution;
+      ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    logp_full = jax.nn.log_softmax(logits / t[:, None], axis=-1)
+    if top_k > 0 or top_p < 1.0:
+        kept = jnp.ones_like(logp_full, dtype=bool)
+        if top_k > 0:
+            k = min(int(top_k), logits.shape[-1])
+            kth = jax.lax.top_k(logp_full, k)[0][:, -1:]
+            kept = logp_full >= kth
+        if top_p < 1.0:
+            lp = jnp.where(kept, logp_full, -jnp.inf)
+            lp = lp - jax.nn.logsumexp(lp, axis=-1, keepdims=True)
+            srt = jnp.sort(lp, axis=-1)[:, ::-1]
+            p = jnp.exp(srt)
+            before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each sorted token
+            keep_sorted = before < top_p
+            thresh = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
+            kept = kept & (lp >= thresh)
+        kept_mass = jnp.sum(jnp.where(kept, jnp.exp(logp_full), 0.0), axis=-1)
+        logp_s = jnp.where(kept, logp_full - jnp.log(kept_mass)[:, None], -jnp.inf)
+    else:
+        kept_mass = jnp.ones(logits.shape[:1], jnp.float32)
+        logp_s = logp_full
+    sampled = jax.vmap(jax.random.categorical)(keys, logp_s)
+    tokens = jnp.where(greedy, jnp.argmax(logp_s, axis=-1), sampled).astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_s, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logp.astype(jnp.float32), kept_mass.astype(jnp.float32)
+
+
+def unpack_result(result: Any) -> dict[str, np.ndarray]:
+    """One host transfer of a ``generate`` result.
+
+    Returns a dict of numpy arrays [B]: ``tokens`` int32, ``valid`` bool, ``lengths`` int32
+    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32.
+    """
+    data = np.asarray(result.data)
+    return {
+        "tokens": data[:, 0].astype(np.int32),
+        "valid": data[:, 1].astype(bool),
+        "lengths": data[:, 2].astype(np.int32),
+        "logps": np.ascontiguousarray(data[:, 3]).view(np.float32),
+        "kept_mass": np.ascontiguousarray(data[:, 4]).view(np.float32),
+    }
+
+
+# ---------------------------------------------------------------------------- tokenizer glue
+
+
+class JetStreamTokenizer(_tokenizer_api.Tokenizer):
+    """Our ``ChatTokenizer`` behind JetStream's ``tokenizer_api.Tokenizer`` (for the Driver).
+
+    ``bos_id`` is :data:`NO_BOS` (-1): JetStream prepends it to token requests; the engine's
+    prefill drops it. ``stop_tokens`` = {<|im_end|>, <|endoftext|>}.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def encode(self, s: str, **kwargs: Any) -> tuple[Union[jax.Array, np.ndarray], int]:
+        ids = np.asarray(self._tok.encode(s), dtype=np.int32)
+        return _token_utils.pad_tokens(
+            ids,
+            NO_BOS,
+            self.pad_id,
+            is_bos=False,
+            max_prefill_length=kwargs.get("max_prefill_length"),
+            jax_padding=kwargs.get("jax_padding", True),
+        )
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        return self._tok.decode([int(t) for t in token_ids if int(t) >= 0])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._tok.pad_id)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._tok.eos_id)
+
+    @property
+    def bos_id(self) -> int:
+        return NO_BOS
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return {int(self._tok.im_end_id), int(self._tok.eos_id)}
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class Qwen3Engine(Engine):
+    """JetStream ``Engine`` over ``jax_rl.models.qwen3.Qwen3ForCausalLM`` with log-probs.
+
+    Args:
+      model_config: ``Qwen3Config``.
+      params: the model's params (an ``nnx.State`` as from ``nnx.split(model, nnx.Param)`` /
+        ``Learner.get_params()``, fp32 or any float dtype). Cast to ``dtype`` by
+        :meth:`load_params`; ``None`` = load later.
+      slots: concurrent decode slots B (``max_concurrent_decodes``).
+      max_cache_len: KV positions per slot S; a sequence (prompt + generated) holds at most S
+        tokens in cache.
+      max_prefill_length: advertised to JetStream's Driver (rounded up to a power of two
+        >= 16, as JetStream's padding requires). Our own prefill accepts up to S - 1 cached
+        tokens (+1 pending), bucketed to powers of two.
+      dtype: compute + param + KV dtype, ``"bfloat16"`` (default) or ``"float32"``. Logits and
+        sampling are always float32.
+      temperature, top_p, top_k: default sampling; per-request temperature may override
+        (``prefill(..., temperature=)``). top_p/top_k are engine-wide (static in the jit).
+      mesh: optional ``jax.sharding.Mesh``; params and state are replicated on it. ``None``
+        runs on ``jax.devices()[0]``.
+      tokenizer: optional ``ChatTokenizer`` (needed only for JetStream serving / Driver).
+      model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (e.g. ``moe_dispatch``).
+    """
+
+    def __init__(
+        self,
+        model_config: Any,
+        params: Any = None,
+        *,
+        slots: int = 16,
+        max_cache_len: int = 512,
+        max_prefill_length: int = 256,
+        dtype: Union[str, Any] = "bfloat16",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        tokenizer: Any = None,
+        model_kwargs: Optional[dict] = None,
+    ) -> None:
+        from jax_rl.models import qwen3 as _q
+
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.config = model_config
+        self.dtype = _resolve_dtype(dtype)
+        self._slots = int(slots)
+        self.max_cache_len = int(max_cache_len)
+        mp = _MIN_BUCKET
+        while mp < max_prefill_length:
+            mp *= 2
+        self._max_prefill_length = mp
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.top_k = int(top_k)
+        self._mesh = mesh
+        self.tokenizer = tokenizer
+        self._seed_counter = itertools.count(1)
+        self._lock = threading.Lock()
+
+        kw = dict(model_kwargs or {})
+        dt = self.dtype
+        abstract = nnx.eval_shape(
+            lambda: _q.Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt, **kw)
+        )
+        self._graphdef, self._abstract_params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
+        if mesh is not None:
+            self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            self._sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self._rest = jax.device_put(
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_rest), self._sharding
+        )
+        self._build_jits()
+        self.params = self.load_params(params) if params is not None else None
+
+    # ------------------------------------------------------------------ model plumbing
+    def _model(self, params: Any) -> Any:
+        return nnx.merge(self._graphdef, params, self._rest)
+
+    def _build_jits(self) -> None:
+        S, B, dt = self.max_cache_len, self._slots, self.dtype
+        top_k, top_p = self.top_k, self.top_p
+
+        def prefill_fn(params, tokens, n):
+            # tokens [1, P] int32, n int32 scalar: cache positions to fill (0 <= n <= P).
+            model = self._model(params)
+            P = tokens.shape[1]
+            cache = model.init_cache(1, P, dtype=dt)
+            _, cache = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache)
+            keep = (jnp.arange(P) < n)[None, None, :, None, None]
+            # Zero the padded rows (jnp.where, not *, so NaNs from all-masked rows vanish too).
+            k = jnp.where(keep, cache.k, jnp.zeros((), cache.k.dtype))
+            v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
+            return k, v
+
+        def init_state_fn(params):
+            model = self._model(params)
+            cache = model.init_cache(B, S, dtype=dt)
+            return {
+                "cache": cache,
+                "tokens": jnp.zeros((B,), jnp.int32),
+                "active": jnp.zeros((B,), bool),
+                "keys": jnp.zeros((B, 2), jnp.uint32),
+                "temperature": jnp.ones((B,), jnp.float32),
+                "generated": jnp.zeros((B,), jnp.int32),
+            }
+
+        def insert_fn(k, v, n, token, seed, temperature, state, slot):
+            cache = state["cache"]
+            zero = jnp.zeros((), jnp.int32)
+            idx = (zero, slot, zero, zero, zero)
+            new_cache = _replace_cache(
+                cache,
+                k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx),
+                v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx),
+                lengths=cache.lengths.at[slot].set(n),
+            )
+            return {
+                "cache": new_cache,
+                "tokens": state["tokens"].at[slot].set(token),
+                "active": state["active"].at[slot].set(True),
+                "keys": state["keys"].at[slot].set(jax.random.PRNGKey(seed)),
+                "temperature": state["temperature"].at[slot].set(temperature),
+                "generated": state["generated"].at[slot].set(0),
+            }
+
+        def deactivate_fn(state, slot):
+            new = dict(state)
+            new["active"] = state["active"].at[slot].set(False)
+            return new
+
+        def generate_fn(params, state):
+            model = self._model(params)
+            cache = state["cache"]
+            active = state["active"] & (cache.lengths < S)  # room to write the pending token
+            lengths_in = jnp.where(active, cache.lengths, 0)
+            logits, cache = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in))
+            pos = lengths_in + 1  # absolute position of the token being sampled
+            keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
+            tok, logp, kept = sample_tokens(logits, keys, state["temperature"], top_k=top_k, top_p=top_p)
+            generated = state["generated"] + active.astype(jnp.int32)
+            cache = _replace_cache(cache, lengths=jnp.where(active, lengths_in + 1, 0))
+            new_state = {
+                "cache": cache,
+                "tokens": jnp.where(active, tok, state["tokens"]),
+                "active": active,
+                "keys": state["keys"],
+                "temperature": state["temperature"],
+                "generated": generated,
+            }
+            data = jnp.stack(
+                [
+                    tok,
+                    active.astype(jnp.int32),
+                    generated,
+                    jax.lax.bitcast_convert_type(logp, jnp.int32),
+                    jax.lax.bitcast_convert_type(kept, jnp.int32),
+                ],
+                axis=1,
+            )
+            return new_state, data
+
+        self._prefill_jit = jax.jit(prefill_fn)
+        self._init_state_jit = jax.jit(init_state_fn)
+        self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
+        self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
+        self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
+
+    # ------------------------------------------------------------------ Engine API
+    def load_params(self, params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Cast float leaves of ``params`` to the compute dtype and place them on the device(s).
+
+        ``params``: an ``nnx.State`` (or matching pytree) of the model's ``nnx.Param``s; with
+        no argument, returns the engine's current params. Raises ValueError on a tree mismatch.
+        """
+        if params is None:
+            if self.params is None:
+                raise ValueError("Qwen3Engine has no params; pass them to load_params(params)")
+            return self.params
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        dt = self.dtype
+
+        def cast(x):
+            x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+            return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        out = jax.tree.map(cast, params)
+        want = jax.tree.structure(self._abstract_params)
+        if jax.tree.structure(out) != want:
+            try:  # tolerate State-vs-pure-dict containers with the same leaves
+                out = jax.tree.unflatten(want, jax.tree.leaves(out))
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"params do not match the model's structure: {e}") from e
+        for got, exp in zip(jax.tree.leaves(out), jax.tree.leaves(self._abstract_params)):
+            if got.shape != exp.shape:
+                raise ValueError(f"param shape {got.shape} != model's {exp.shape}")
+        return jax.device_put(out, self._sharding)
+
+    def init_decode_state(self, *args: Any, **kwargs: Any) -> dict:
+        """Empty decode state for all slots (see module docstring for its layout)."""
+        params = kwargs.get("params", self.params)
+        if params is None:
+            params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_params)
+        return self._init_state_jit(params)
+
+    def prefill(
+        self,
+        *,
+        params: Any,
+        existing_prefix: Optional[Any] = None,
+        padded_tokens: Union[jax.Array, np.ndarray, Sequence[int]],
+        true_length: int,
+        seed: Optional[int] = None,
+        temperature: Optional[float] = None,
+    ) -> dict:
+        """KV cache of ``padded_tokens[:true_length][:-1]``; the last token stays pending.
+
+        Leading negative ids (JetStream's BOS placeholder :data:`NO_BOS`) are dropped.
+
+        Args:
+          params: engine params (from :meth:`load_params`).
+          padded_tokens: [T] int token ids (padding after ``true_length`` is ignored).
+          true_length: number of real tokens.
+          seed: sampling seed of this request (default: a fresh engine-local counter value).
+          temperature: per-request temperature (default: the engine's; <= 0 = greedy).
+
+        Returns:
+          Prefix dict: ``k``, ``v`` [L,1,P,Hkv,Dh] (P = power-of-two bucket), ``length`` int,
+          ``token`` int (pending), ``seed`` int, ``temperature`` float.
+
+        Raises:
+          NotImplementedError: ``existing_prefix`` given. ValueError: empty prompt or prompt
+          longer than ``max_cache_len``.
+        """
+        if existing_prefix is not None:
+            raise NotImplementedError("existing_prefix (chunked prefill) is not supported")
+        toks = np.asarray(padded_tokens).reshape(-1)[: int(true_length)].astype(np.int64)
+        start = 0
+        while start < len(toks) and toks[start] < 0:
+            start += 1
+        toks = toks[start:]
+        n_tok = len(toks)
+        if n_tok == 0:
+            raise ValueError("prefill needs at least one token")
+        if n_tok > self.max_cache_len:
+            raise ValueError(f"prompt of {n_tok} tokens exceeds max_cache_len={self.max_cache_len}")
+        n = n_tok - 1
+        P = prefill_bucket(max(n, 1), self.max_cache_len)
+        buf = np.zeros((1, P), np.int32)
+        buf[0, :n] = toks[:n]
+        k, v = self._prefill_jit(params, jnp.asarray(buf), jnp.int32(n))
+        if seed is None:
+            with self._lock:
+                seed = next(self._seed_counter)
+        return {
+            "k": k,
+            "v": v,
+            "length": n,
+            "token": int(toks[-1]),
+            "seed": int(seed) & 0xFFFFFFFF,
+            "temperature": float(self.temperature if temperature is None else temperature),
+        }
+
+    def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
+        """Copy ``prefix`` into row ``slot`` of ``decode_state`` (donated) and arm the slot."""
+        if not 0 <= int(slot) < self._slots:
+            raise ValueError(f"slot {slot} out of range [0, {self._slots})")
+        return self._insert_jit(
+            prefix["k"],
+            prefix["v"],
+            jnp.int32(prefix["length"]),
+            jnp.int32(prefix["token"]),
+            jnp.uint32(prefix["seed"]),
+            jnp.float32(prefix["temperature"]),
+            decode_state,
+            jnp.int32(slot),
+        )
+
+    def free_slot(self, decode_state: dict, slot: int) -> dict:
+        """Deactivate ``slot`` (not part of the 0.2.2 API; the generator uses it). Donates state."""
+        return self._deactivate_jit(decode_state, jnp.int32(slot))
+
+    def generate(self, params: Any, decode_state: dict) -> tuple[dict, Any]:
+        """One decode step for all slots (``decode_state`` is donated).
+
+        Returns ``(new_state, ResultTokens)`` with ``data`` int32 [B, 5] (see module doc).
+        A slot whose cache is full (``lengths == max_cache_len``) or that is inactive is
+        reported ``valid = 0`` and left inactive.
+        """
+        state, data = self._generate_jit(params, decode_state)
+        return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return self._sharding
+
+    def get_tokenizer(self) -> Any:
+        name = getattr(self.tokenizer, "name", "") if self.tokenizer is not None else ""
+        return _tokenizer_pb2.TokenizerParameters(path=str(name), extra_ids=0)
+
+    def build_tokenizer(self, metadata: Any) -> JetStreamTokenizer:
+        """Our tokenizer behind JetStream's Tokenizer API. Raises ValueError without one."""
+        if self.tokenizer is None:
+            raise ValueError("Qwen3Engine was built without a tokenizer")
+        return JetStreamTokenizer(self.tokenizer)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill_length
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        if self._mesh is None:
+            self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ conveniences
+    def prefill_tokens(self, params: Any, tokens: Sequence[int], *, seed: Optional[int] = None,
+                       temperature: Optional[float] = None) -> dict:
+        """:meth:`prefill` of an unpadded token list."""
+        toks = np.asarray(list(tokens), np.int32)
+        return self.prefill(params=params, padded_tokens=toks, true_length=len(toks), seed=seed, temperature=temperature)
+
+
+def _replace_cache(cache: Any, **kw: Any) -> Any:
+    """Functional update of a KVCache (dataclass / flax struct / NamedTuple)."""
+    if hasattr(cache, "replace"):
+        return cache.replace(**kw)
+    if hasattr(cache, "_replace"):
+        return cache._replace(**kw)
+    return dataclasses.replace(cache, **kw)
