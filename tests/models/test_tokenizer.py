@@ -214,9 +214,7 @@ def test_assistant_mask_text_is_exactly_assistant_bodies():
     assert asst == body1 + "<answer>27</answer><|im_end|>"
 
 
-def test_incremental_turns_equal_full_render():
-    """prompt + generated + tool_turn_ids == render of the whole chat (what the agent loop relies on)."""
-    t = compact_tokenizer()
+def _incremental_equals_full(t: ChatTokenizer):
     messages, tools, _ = CHATS[2]
     prompt, _ = t.render_chat(messages[:2], tools, add_generation_prompt=True)
     gen1 = t.encode('<tool_call>\n{"name": "calculate", "arguments": {"expression": "3 * (4 + 5)"}}\n</tool_call><|im_end|>')
@@ -225,6 +223,15 @@ def test_incremental_turns_equal_full_render():
     full, mask = t.render_chat(messages, tools, preserve_thinking=True)
     assert prompt + gen1 + obs + gen2 + t.encode("\n") == full
     assert mask == [False] * len(prompt) + [True] * len(gen1) + [False] * len(obs) + [True] * len(gen2) + [False]
+
+
+def test_incremental_turns_equal_full_render():
+    """prompt + generated + tool_turn_ids == render of the whole chat (what the agent loop relies on)."""
+    _incremental_equals_full(compact_tokenizer())
+
+
+def test_qwen3_incremental_turns_equal_full_render(qwen3):
+    _incremental_equals_full(qwen3)
 
 
 # ------------------------------------------------------------------ real Qwen3 vocab
