@@ -41,7 +41,7 @@ import numpy as np
 from .envs.base import Env, ToolError
 from .types import Completion, Trajectory
 
-__all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "build_sft_example", "episode_seed"]
+__all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "build_sft_example", "sft_example", "episode_seed"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -322,3 +322,9 @@ def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int
     if max_len is not None and len(ids) > max_len:
         raise ValueError(f"SFT example for seed {seed} has {len(ids)} tokens > max_len={max_len}")
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, bool)}
+
+
+def sft_example(env: Env, tokenizer: Any, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens int32 [T], loss_mask bool [T])`` of :func:`build_sft_example` (runtime's calling form)."""
+    ex = build_sft_example(env, seed, tokenizer)
+    return ex["tokens"], ex["loss_mask"]

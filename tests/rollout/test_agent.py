@@ -12,7 +12,7 @@ import pytest
 
 from jax_rl.config import RolloutConfig
 from jax_rl.models.tokenizer import compact_tokenizer, format_tool_call
-from rollout.agent import AgentLoop, build_sft_example, parse_tool_calls
+from rollout.agent import AgentLoop, build_sft_example, parse_tool_calls, sft_example
 from rollout.envs import CalculatorEnv, RetailEnv, make_env
 from rollout.types import Completion, Trajectory
 
@@ -138,6 +138,9 @@ def test_calculator_correct_tool_call_and_answer():
     sft = build_sft_example(CalculatorEnv(), 4, TOK)
     np.testing.assert_array_equal(sft["tokens"], traj.tokens)
     np.testing.assert_array_equal(sft["loss_mask"], traj.loss_mask)
+    toks, mask = sft_example(CalculatorEnv(), TOK, 4)
+    np.testing.assert_array_equal(toks, traj.tokens)
+    np.testing.assert_array_equal(mask, traj.loss_mask)
     # JSON round trip
     t2 = Trajectory.from_json(traj.to_json())
     np.testing.assert_array_equal(t2.behav_logp, traj.behav_logp)
