@@ -1,0 +1,386 @@
+"""In-process continuous batching over a :class:`rollout.engine.Qwen3Engine`, with version tags.
+
+This is the RL rollout loop (MaxText ``offline_engine`` style; JetStream's Driver does not carry
+log-probs). One loop iteration (:meth:`Generator.step`):
+
+1. apply a pending ``update_params(params, version)`` (weights swap only here, between decode
+   steps) and treat the sequences already in slots according to ``partial``;
+2. prefill queued requests into free slots (with the *current* params);
+3. one jitted ``engine.generate`` for all slots; tokens/log-probs come back in ONE host transfer;
+4. append per slot (token, logp, version), finish sequences that hit a stop id, their token
+   budget or the cache capacity, and resolve their futures.
+
+Version semantics: ``engine.generate`` feeds each slot's pending token and samples the next one
+in the same call, so a token is produced by exactly the params of the step that emitted it; its
+version is the generator's version at that step. A request waiting in the queue while weights
+change is prefilled with the new weights, and all its tokens carry the new version.
+
+``partial`` decides what happens to sequences in slots when weights change:
+
+* ``continue``: keep their KV cache (built by older weights); new tokens carry the new version.
+* ``recompute_kv``: re-prefill prompt + generated-so-far under the new weights, then continue.
+  Tokens generated before the swap keep their old version and log-prob.
+* ``abort``: drop the partial turn (its tokens, log-probs and versions) and re-issue it from the
+  prompt with the *remaining* budget ``max_new_tokens - dropped``; the dropped tokens count
+  against the budget, so re-issues terminate. A request whose budget is exhausted this way
+  finishes with ``finish_reason="aborted"`` (possibly with zero tokens).
+  ``info["reissues"]`` / ``info["dropped_tokens"]`` count it.
+
+Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``prompt_len``,
+``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s``; ``kept_mass`` (float per
+token) when top-k/top-p truncation is on.
+
+Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
+background decode thread and block on the futures from any thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Collection, Optional, Sequence
+
+import numpy as np
+
+from rollout.engine import unpack_result
+from rollout.types import Completion  # tokens, logps, versions, finish_reason, info
+
+__all__ = ["Completion", "Generator", "PARTIAL_MODES"]
+
+log = logging.getLogger(__name__)
+
+PARTIAL_MODES = ("continue", "recompute_kv", "abort")
+
+
+@dataclasses.dataclass
+class _Req:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int
+    stop_ids: frozenset
+    temperature: Optional[float]
+    future: concurrent.futures.Future
+    t_submit: float
+    budget: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    kept: list = dataclasses.field(default_factory=list)
+    reissues: int = 0
+    dropped: int = 0
+    recomputes: int = 0
+    t_start: float = 0.0
+
+
+class Generator:
+    """Continuous-batching generator over a JetStream-style engine.
+
+    Args:
+      engine: a :class:`rollout.engine.Qwen3Engine` (or any engine with the same
+        ``prefill_tokens`` / ``insert`` / ``generate`` / ``load_params`` /
+        ``init_decode_state`` / ``max_concurrent_decodes`` / ``max_cache_len``).
+      partial: ``"continue" | "recompute_kv" | "abort"`` (see module doc).
+      params: initial params (already loaded with ``engine.load_params``); default
+        ``engine.params``.
+      version: version of the initial params.
+
+    Raises:
+      ValueError: unknown ``partial`` or no params.
+    """
+
+    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0) -> None:
+        if partial not in PARTIAL_MODES:
+            raise ValueError(f"partial must be one of {PARTIAL_MODES}, got {partial!r}")
+        self.engine = engine
+        self.partial = partial
+        self._params = params if params is not None else engine.params
+        if self._params is None:
+            raise ValueError("Generator needs params (engine.params is None)")
+        self._version = int(version)
+        self._B = int(engine.max_concurrent_decodes)
+        self._S = int(engine.max_cache_len)
+        self._truncating = getattr(engine, "top_k", 0) > 0 or getattr(engine, "top_p", 1.0) < 1.0
+
+        self._lock = threading.Lock()  # guards queue, pending params, counters read by others
+        self._wake = threading.Condition(self._lock)
+        self._queue: collections.deque[_Req] = collections.deque()
+        self._pending: Optional[tuple[Any, int]] = None
+        self._step_lock = threading.Lock()  # one step at a time
+        self._slots: list[Optional[_Req]] = [None] * self._B
+        self._state = engine.init_decode_state()
+        self._ids = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._running = False
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int:
+        """Version of the params that produce tokens now (a pending update is not counted)."""
+        return self._version
+
+    @property
+    def num_active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def num_queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int = 0,
+        stop_ids: Collection[int] = (),
+        temperature: Optional[float] = None,
+    ) -> concurrent.futures.Future:
+        """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
+
+        Args:
+          prompt_ids: >= 1 token ids; ``len < max_cache_len`` (room for one generated token).
+          max_new_tokens: budget of generated tokens for this turn (>= 0).
+          seed: sampling seed (token at absolute position p uses ``fold_in(PRNGKey(seed), p)``).
+          stop_ids: generation stops after sampling any of these (e.g. <|im_end|>, EOS).
+          temperature: per-request override of the engine temperature (<= 0: greedy).
+
+        Raises:
+          ValueError: empty or too long prompt, negative budget.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token")
+        if len(prompt) >= self._S:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_cache_len={self._S}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        req = _Req(
+            request_id=next(self._ids),
+            prompt=prompt,
+            max_new_tokens=int(max_new_tokens),
+            seed=int(seed),
+            stop_ids=frozenset(int(s) for s in stop_ids),
+            temperature=temperature,
+            future=fut,
+            t_submit=time.monotonic(),
+            budget=int(max_new_tokens),
+        )
+        fut.request_id = req.request_id  # type: ignore[attr-defined]
+        if max_new_tokens == 0:
+            self._resolve(req, "length")
+            return fut
+        with self._lock:
+            self._queue.append(req)
+            self._wake.notify_all()
+        return fut
+
+    def update_params(self, params: Any, version: int) -> None:
+        """Swap weights before the next decode step; thread-safe.
+
+        ``params`` are cast/placed by ``engine.load_params`` in the caller's thread, so the
+        decode loop only swaps a reference. A second update before the swap replaces the first.
+        """
+        loaded = self.engine.load_params(params)
+        with self._lock:
+            self._pending = (loaded, int(version))
+            self._wake.notify_all()
+
+    def step(self) -> bool:
+        """One loop iteration (swap, admit, decode one token for all slots, finish).
+
+        Returns True if work remains (active slots, queued requests or a pending swap).
+        """
+        with self._step_lock:
+            self._apply_pending()
+            self._admit()
+            if self.num_active:
+                self._decode()
+            with self._lock:
+                return bool(self.num_active or self._queue or self._pending)
+
+    def run_until_idle(self, max_steps: Optional[int] = None) -> int:
+        """Call :meth:`step` until nothing is left (or ``max_steps``). Returns steps taken."""
+        n = 0
+        while max_steps is None or n < max_steps:
+            n += 1
+            if not self.step():
+                break
+        return n
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        seeds: Optional[Sequence[int]] = None,
+        stop_ids: Collection[int] = (),
+        temperature: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> list[Completion]:
+        """Run a list of prompts to completion (synchronous helper for eval and tests).
+
+        Uses the background thread when started, else steps the loop in this thread.
+        Returns completions in prompt order. Seeds default to ``0..n-1``.
+        """
+        seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        futs = [
+            self.submit(p, max_new_tokens=max_new_tokens, seed=s, stop_ids=stop_ids, temperature=temperature)
+            for p, s in zip(prompts, seeds)
+        ]
+        if self._thread is None:
+            while not all(f.done() for f in futs):
+                self.step()
+        return [f.result(timeout=timeout) for f in futs]
+
+    def start(self) -> "Generator":
+        """Start the background decode thread (idempotent)."""
+        if self._thread is not None:
+            return self
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="rollout-generator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: Optional[float] = 30.0) -> None:
+        """Stop the background thread; unfinished requests fail with RuntimeError."""
+        with self._lock:
+            self._running = False
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._step_lock:
+            self._fail_all(RuntimeError("generator stopped"))
+
+    def __enter__(self) -> "Generator":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ internals
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not (self._queue or self._pending or self.num_active):
+                    self._wake.wait(timeout=1.0)
+                if not self._running:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - keep the loop alive; fail affected requests
+                log.exception("generator step failed")
+                with self._step_lock:
+                    self._fail_all(e)
+                    self._state = self.engine.init_decode_state()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            queued, self._queue = list(self._queue), collections.deque()
+        for r in queued + [r for r in self._slots if r is not None]:
+            if not r.future.done():
+                r.future.set_exception(exc)
+        self._slots = [None] * self._B
+
+    def _prefill_into(self, slot: int, req: _Req, tokens: list[int]) -> None:
+        prefix = self.engine.prefill_tokens(self._params, tokens, seed=req.seed, temperature=req.temperature)
+        self._state = self.engine.insert(prefix, self._state, slot)
+        self._slots[slot] = req
+        self.stats["prefills"] += 1
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._params, self._version = pending
+        self.stats["updates"] += 1
+        if self.partial == "continue":
+            return
+        for slot, req in enumerate(self._slots):
+            if req is None:
+                continue
+            if self.partial == "recompute_kv":
+                req.recomputes += 1
+                self.stats["recomputes"] += 1
+                self._prefill_into(slot, req, req.prompt + req.tokens)
+            else:  # abort: drop the partial turn, re-issue with the remaining budget
+                n = len(req.tokens)
+                req.dropped += n
+                req.budget -= n
+                req.reissues += 1
+                req.tokens, req.logps, req.versions, req.kept = [], [], [], []
+                self.stats["reissues"] += 1
+                if req.budget <= 0:
+                    self._slots[slot] = None
+                    self._resolve(req, "aborted")
+                else:
+                    self._prefill_into(slot, req, req.prompt)
+
+    def _admit(self) -> None:
+        for slot in range(self._B):
+            if self._slots[slot] is not None:
+                continue
+            with self._lock:
+                if not self._queue:
+                    return
+                req = self._queue.popleft()
+            if req.future.cancelled():
+                continue
+            req.t_start = time.monotonic()
+            self._prefill_into(slot, req, req.prompt)
+
+    def _decode(self) -> None:
+        self._state, result = self.engine.generate(self._params, self._state)
+        r = unpack_result(result)  # the one host sync of the step
+        toks, valid, logps, kept = r["tokens"], r["valid"], r["logps"], r["kept_mass"]
+        v = self._version
+        self.stats["steps"] += 1
+        for slot, req in enumerate(self._slots):
+            if req is None:
+                continue
+            if not valid[slot]:  # cache full before this token (should not happen: see below)
+                self._slots[slot] = None
+                self._resolve(req, "length")
+                continue
+            tok = int(toks[slot])
+            req.tokens.append(tok)
+            req.logps.append(float(logps[slot]))
+            req.versions.append(v)
+            if self._truncating:
+                req.kept.append(float(kept[slot]))
+            self.stats["tokens"] += 1
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(req.tokens) >= req.budget or len(req.prompt) + len(req.tokens) >= self._S:
+                reason = "length"  # budget, or the sequence fills the cache
+            else:
+                continue
+            self._slots[slot] = None
+            self._resolve(req, reason)
+
+    def _resolve(self, req: _Req, reason: str) -> None:
+        now = time.monotonic()
+        info = {
+            "reissues": req.reissues,
+            "dropped_tokens": req.dropped,
+            "recomputes": req.recomputes,
+            "prompt_len": len(req.prompt),
+            "budget": req.budget,
+            "queue_s": (req.t_start or now) - req.t_submit,
+            "gen_s": now - (req.t_start or now),
+        }
+        if self._truncating:
+            info["kept_mass"] = list(req.kept)
+        comp = Completion(req.request_id, list(req.tokens), list(req.logps), list(req.versions), reason, info)
+        if not req.future.done():
+            req.future.set_result(comp)
