@@ -1,0 +1,241 @@
+"""``jax-rl serve CHECKPOINT``: JetStream 0.2.2 gRPC serving of a checkpoint with our engine.
+
+JetStream's orchestrator ``Driver`` (prefill / transfer / generate / detokenize threads) runs a
+:class:`rollout.engine.Qwen3Engine`; its ``LLMOrchestrator`` servicer is mounted on a gRPC
+``aio`` server that WE construct, because ``jetstream.core.server_lib`` hard-codes the bind
+address ``[::]`` (all interfaces). We bind ``--host`` (default 127.0.0.1) only.
+
+Any client of JetStream's ``Orchestrator.Decode`` works: a ``token_content`` request streams back
+token ids, a ``text_content`` request token ids + text. Decoding is greedy by default
+(``temperature=0``; JetStream 0.2.2's proto has no sampling fields and no log-probs). A request
+stops at ``<|im_end|>`` / ``<|endoftext|>`` or after ``max_tokens``.
+
+CHECKPOINT is an HF-format directory (config.json + safetensors, loaded with
+``jax_rl.models.hf_io.load_pretrained``) or ``preset:NAME`` (random init of a model preset, seed
+0; for smoke tests). The tokenizer is ``--tokenizer`` or the checkpoint dir's tokenizer.json,
+else the compact demo tokenizer.
+
+SIGTERM / SIGINT stop the Driver threads and the gRPC server gracefully (exit code 0). Note
+that JetStream's Driver SIGKILLs the whole process if one of its threads raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from rollout import jetstream_compat as jc
+from rollout.engine import Qwen3Engine
+
+__all__ = ["JetStreamGrpcServer", "build_engine", "load_checkpoint", "serve", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(checkpoint: str) -> tuple[Any, Any]:
+    """``(Qwen3Config, params nnx.State)`` of an HF dir or ``preset:NAME`` (random init, seed 0).
+
+    Raises:
+      FileNotFoundError: no such directory. ImportError: hf_io not available.
+    """
+    from flax import nnx
+
+    from jax_rl.models import qwen3 as q
+
+    if checkpoint.startswith("preset:"):
+        cfg = q.get_preset(checkpoint.split(":", 1)[1])
+        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+        return cfg, nnx.state(model, nnx.Param)
+    if not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"checkpoint dir not found: {checkpoint}")
+    from jax_rl.models import hf_io
+
+    out = hf_io.load_pretrained(checkpoint)
+    return _config_and_params(out)
+
+
+def _config_and_params(out: Any) -> tuple[Any, Any]:
+    """Normalise what ``hf_io.load_pretrained`` returns: a model, or a tuple holding a model /
+    a config and params."""
+    from flax import nnx
+
+    if isinstance(out, nnx.Module):
+        return out.config, nnx.state(out, nnx.Param)
+    if isinstance(out, (tuple, list)):
+        models = [o for o in out if isinstance(o, nnx.Module)]
+        if models:
+            return models[0].config, nnx.state(models[0], nnx.Param)
+        cfgs = [o for o in out if hasattr(o, "to_hf")]
+        rest = [o for o in out if not hasattr(o, "to_hf")]
+        if cfgs and rest:
+            return cfgs[0], rest[0]
+    raise TypeError(f"unexpected load_pretrained result of type {type(out).__name__}")
+
+
+def _load_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> Any:
+    from jax_rl.models.tokenizer import load_tokenizer
+
+    if tokenizer:
+        return load_tokenizer(tokenizer)
+    p = Path(checkpoint)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        return load_tokenizer(p)
+    return load_tokenizer("compact")
+
+
+class _ServingEngine(Qwen3Engine):
+    """Qwen3Engine that never raises on an empty request (a raise would SIGKILL the server)."""
+
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length, seed=None, temperature=None):
+        toks = np.asarray(padded_tokens).reshape(-1)[: int(true_length)]
+        toks = toks[toks >= 0][-(self.max_cache_len - 1):]  # drop BOS placeholder, keep the tail
+        if len(toks) == 0:
+            toks = np.asarray([self.tokenizer.eos_id if self.tokenizer is not None else 0])
+        return super().prefill(params=params, padded_tokens=toks, true_length=len(toks), seed=seed, temperature=temperature)
+
+
+def build_engine(checkpoint: str, *, tokenizer: Optional[str] = None, slots: int = 4, max_len: int = 256,
+                 dtype: str = "float32", temperature: float = 0.0) -> Qwen3Engine:
+    """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + generate)."""
+    cfg, params = load_checkpoint(checkpoint)
+    tok = _load_tokenizer(checkpoint, tokenizer)
+    mp = 16
+    while mp * 2 <= max(16, max_len - 1):
+        mp *= 2
+    eng = _ServingEngine(cfg, params, slots=slots, max_cache_len=max_len, max_prefill_length=mp, dtype=dtype,
+                         temperature=temperature, tokenizer=tok)
+    st = eng.init_decode_state()
+    st = eng.insert(eng.prefill_tokens(eng.params, [0, 1], seed=0), st, 0)
+    st, res = eng.generate(eng.params, st)
+    np.asarray(res.data)
+    return eng
+
+
+class JetStreamGrpcServer:
+    """JetStream's ``LLMOrchestrator`` on a ``grpc.aio`` server bound to ``host:port`` only.
+
+    Mirrors ``jetstream.core.server_lib.JetStreamServer`` (an asyncio loop in a thread), minus the
+    hard-coded ``[::]``. ``port=0`` picks a free port; :attr:`port` is the bound one.
+
+    Raises:
+      RuntimeError: the address could not be bound.
+    """
+
+    def __init__(self, driver: Any, host: str = "127.0.0.1", port: int = 9000, threads: int = 16) -> None:
+        import grpc
+
+        orch = jc.orchestrator()
+        pb2_grpc = jc.jetstream_pb2_grpc()
+        self._driver = driver
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._executor)
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
+        self._loop_thread.start()
+
+        async def make():
+            return grpc.aio.server(self._executor)
+
+        self._server = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        pb2_grpc.add_OrchestratorServicer_to_server(orch.LLMOrchestrator(driver=driver), self._server)
+        addr_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        try:
+            bound = self._server.add_insecure_port(f"{addr_host}:{port}")
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot bind {addr_host}:{port}: {e}") from e
+        if not bound:
+            raise RuntimeError(f"cannot bind {addr_host}:{port}")
+        self.host, self.port = host, int(bound)
+        self._stopped = False
+
+    def start(self) -> "JetStreamGrpcServer":
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the Driver threads, then the gRPC server and its loop. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._driver.stop()
+        asyncio.run_coroutine_threadsafe(self._server.stop(grace=grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(10)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def serve(engine: Qwen3Engine, *, host: str = "127.0.0.1", port: int = 9000, threads: Optional[int] = None) -> JetStreamGrpcServer:
+    """Start a JetStream Driver (interleaved mode: one engine prefills and generates) and the
+    gRPC server. Returns the started server; call ``.stop()`` to shut down."""
+    orch = jc.orchestrator()
+    driver = orch.Driver(
+        prefill_engines=[engine],
+        generate_engines=[engine],
+        prefill_params=[engine.params],
+        generate_params=[engine.params],
+        interleaved_mode=True,
+        jax_padding=False,
+    )
+    try:
+        server = JetStreamGrpcServer(driver, host, port, threads or max(16, 2 * engine.max_concurrent_decodes))
+    except Exception:
+        driver.stop()
+        raise
+    return server.start()
+
+
+def main(args: Any) -> int:
+    """Entry point of ``jax-rl serve`` (``args``: checkpoint, host, port, tokenizer, slots, max_len,
+    dtype; optional temperature). Blocks until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.monotonic()
+    engine = build_engine(
+        args.checkpoint,
+        tokenizer=getattr(args, "tokenizer", None),
+        slots=int(getattr(args, "slots", 4)),
+        max_len=int(getattr(args, "max_len", 256)),
+        dtype=str(getattr(args, "dtype", "float32")),
+        temperature=float(getattr(args, "temperature", 0.0) or 0.0),
+    )
+    stop = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = serve(engine, host=args.host, port=int(args.port))
+    print(f"jax-rl serve: listening on {server.host}:{server.port} "
+          f"(slots={engine.max_concurrent_decodes}, max_len={engine.max_cache_len}, "
+          f"ready in {time.monotonic() - t0:.1f}s)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    print("jax-rl serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    sys.exit(main(p.parse_args()))
