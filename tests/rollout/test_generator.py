@@ -206,3 +206,58 @@ def test_background_thread_with_concurrent_updates(engine, params1, params2):
         f = gen.submit([1, 2], max_new_tokens=2)
         gen.stop()
         f.result(timeout=5)
+
+
+def _params_from_hf(hf_model, abstract_params, tmp_path):
+    """Our params from an HF torch model: via ``jax_rl.models.hf_io`` when it exists, else by the
+    layout documented in ``jax_rl/models/qwen3.py`` (HF Linear [out, in] -> ours [in, ...])."""
+    try:
+        from jax_rl.models import hf_io
+    except ImportError:
+        hf_io = None
+    if hf_io is not None:
+        from rollout.serve import _config_and_params
+
+        hf_model.save_pretrained(tmp_path)
+        return _config_and_params(hf_io.load_pretrained(str(tmp_path)))[1]
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+
+    def conv(keys, shape):
+        keys = list(keys)
+        if keys == ["embed_tokens"]:
+            return sd["model.embed_tokens.weight"]
+        if keys == ["norm", "weight"]:
+            return sd["model.norm.weight"]
+        if keys[0] == "lm_head":
+            return sd["lm_head.weight"].T
+        pre = f"model.layers.{keys[1]}."
+        name = ".".join(str(k) for k in keys[2:]).replace("attn.", "self_attn.")
+        w = sd[pre + name + ("" if name.endswith("weight") else ".weight")]
+        return w if w.ndim == 1 else w.T.reshape(shape)
+
+    flat = [(k, v.replace(jnp.asarray(conv(k, v.shape)))) for k, v in nnx.to_flat_state(abstract_params)]
+    return nnx.from_flat_state(flat)
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_generate(model, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = model.config
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items()
+                                         if k not in ("architectures", "model_type", "dtype", "torch_dtype")})
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval().float()
+    with torch.no_grad():  # make the norms matter
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    params = _params_from_hf(hf, nnx.state(model, nnx.Param), tmp_path)
+    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=S, dtype="float32", temperature=0.0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [100, 200, 300, 12, 13, 14, 15, 16, 17]]
+    ours = Generator(eng).generate(prompts, max_new_tokens=12)
+    for p, c in zip(prompts, ours):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              use_cache=True, pad_token_id=0, eos_token_id=None)
+        assert c.tokens == out[0, len(p):].tolist()
