@@ -229,6 +229,13 @@ class Qwen3Config:
         if theta is not None:
             out["rope_theta"] = float(theta)
 
+        # --- aliases (transformers 5 writes num_local_experts next to num_experts)
+        if "num_local_experts" in d:
+            nle = d.pop("num_local_experts")
+            if d.setdefault("num_experts", nle) != nle:
+                raise ValueError(f"config.num_local_experts={nle} disagrees with "
+                                 f"config.num_experts={d['num_experts']}")
+
         # --- dtype
         dt = d.pop("dtype", None)
         tdt = d.pop("torch_dtype", None)
@@ -717,7 +724,10 @@ class Qwen3ForCausalLM(nnx.Module):
                 expert_ids.append(ids)
             if hidden is not None:
                 hidden.append(x)
-        return self.norm(x), expert_ids, hidden
+        h = self.norm(x)
+        if hidden is not None:
+            hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
+        return h, expert_ids, hidden
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -757,7 +767,8 @@ class Qwen3ForCausalLM(nnx.Module):
         ids to use instead of the router's top-k (a list, or an array [n_moe_layers,B,T,k]).
         Returns ``dict(logits [B,T,V] f32, expert_ids list of [B,T,k] int32 per MoE layer,
         hidden_states)``; hidden_states (when requested) is the list
-        ``[embeddings, after layer 0, ..., after layer L-1]`` (L+1 arrays [B,T,D], un-normed).
+        ``[embeddings, after layer 0, ..., after layer L-2, final norm(after layer L-1)]``
+        (L+1 arrays [B,T,D]; HF ``output_hidden_states`` convention).
         """
         h, ids, hs = self.hidden_states(input_ids, positions, attention_mask,
                                         forced_expert_ids=forced_expert_ids,
