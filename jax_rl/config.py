@@ -236,6 +236,9 @@ class RolloutConfig(_Section):
     """Group advantage estimator."""
     advantage_std_normalize: bool = True
     """GRPO: divide by the group's reward std."""
+    render_tools: bool = True
+    """Render the tool schemas in the system prompt (Qwen3 <tools> block). The byte-level CPU demo
+    turns it off to keep prompts short; its env system prompt names the tool instead."""
     tool_latency_s: float = Field(0.0, ge=0)
     """Simulated tool latency in seconds (0 = none)."""
     tool_latency_dist: Literal["fixed", "lognormal"] = "fixed"

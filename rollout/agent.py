@@ -210,7 +210,8 @@ class AgentLoop:
             env_name = self.env_name or getattr(env, "name", "") or type(env).__name__
             messages, tools = env.reset(int(task_seed))
             tool_names = {(t.get("function") or t).get("name") for t in (tools or [])}
-            prompt, _ = tok.render_chat(messages, tools, add_generation_prompt=True)
+            shown_tools = tools if getattr(self.cfg, "render_tools", True) else None
+            prompt, _ = tok.render_chat(messages, shown_tools, add_generation_prompt=True)
             append(prompt)
             info["prompt_len"] = len(prompt)
             budget = int(cfg.max_tokens_per_episode)
@@ -303,7 +304,8 @@ class AgentLoop:
                           seed=int(task_seed), info=info)
 
 
-def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int] = None) -> dict[str, np.ndarray]:
+def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int] = None,
+                      render_tools: bool = True) -> dict[str, np.ndarray]:
     """An SFT demonstration: ``env.reset(seed)`` + ``env.reference_solution(seed)`` rendered with the
     same template and token layout the agent loop produces (assistant turn bodies incl. their
     ``<|im_end|>`` in the mask; nothing after the last ``<|im_end|>``).
@@ -316,7 +318,8 @@ def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int
     """
     messages, tools = env.reset(int(seed))
     demo = env.reference_solution(int(seed))
-    ids, mask = tokenizer.render_chat(list(messages) + list(demo), tools, preserve_thinking=True)
+    ids, mask = tokenizer.render_chat(list(messages) + list(demo), tools if render_tools else None,
+                                      preserve_thinking=True)
     last = max((i for i, m in enumerate(mask) if m), default=len(ids) - 1)
     ids, mask = ids[: last + 1], mask[: last + 1]
     if max_len is not None and len(ids) > max_len:
@@ -324,7 +327,7 @@ def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, bool)}
 
 
-def sft_example(env: Env, tokenizer: Any, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def sft_example(env: Env, tokenizer: Any, seed: int, render_tools: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``(tokens int32 [T], loss_mask bool [T])`` of :func:`build_sft_example` (runtime's calling form)."""
-    ex = build_sft_example(env, seed, tokenizer)
+    ex = build_sft_example(env, seed, tokenizer, render_tools=render_tools)
     return ex["tokens"], ex["loss_mask"]

@@ -132,7 +132,7 @@ def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int =
     out = []
     for i in range(n):
         seed = cfg.env.train_seed_offset + seed_offset + i
-        toks, mask = sft_example(env, tokenizer, seed)
+        toks, mask = sft_example(env, tokenizer, seed, render_tools=cfg.rollout.render_tools)
         if len(toks) <= cfg.optim.max_seq_len:
             out.append((np.asarray(toks, np.int32), np.asarray(mask, bool)))
     if not out:
