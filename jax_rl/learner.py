@@ -103,6 +103,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# (config json, model config, mesh) + function key -> jitted function (see Learner._cached_jit)
+_JIT_CACHE: dict[Any, Any] = {}
+
 # name -> (kind, dtype); kind: "int" | "bool" | "float"
 BATCH_FIELDS: dict[str, tuple[str, Any]] = {
     "tokens": ("int", np.int32),
@@ -513,17 +516,34 @@ class Learner:
         self._sft_opt_state = None
         self._sft_count = 0
         self._ckptrs: dict[str, Any] = {}
+        self._jits: dict[Any, Any] = {}
 
-        model = create_sharded_model(
-            self.model_config, self.mesh, seed=cfg.run.seed,
-            dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32,
-            moe_dispatch=cfg.model.moe_dispatch, remat=cfg.model.remat,
-        )
-        self.graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
-        del model
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        model_kw = dict(dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32,
+                        moe_dispatch=cfg.model.moe_dispatch, remat=cfg.model.remat)
+        params = None
         if init_params is not None:
-            params = self._place_params(init_params, params)
+            # no random init: abstract model (eval_shape) + the given values on the mesh
+            from jax_rl.models.qwen3 import Qwen3ForCausalLM
+            from jax_rl.sharding import state_shardings
+
+            abs_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(self.model_config, rngs=nnx.Rngs(0), **model_kw))
+            self.graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
+            if not jax.tree.leaves(abs_rest):
+                self._rest = abs_rest
+                self.param_shardings = state_shardings(abs_params, self.mesh)
+                params = self._place_params(init_params, abs_params)
+        if params is None:
+            model = create_sharded_model(self.model_config, self.mesh, seed=cfg.run.seed, **model_kw)
+            self.graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
+            del model
+            self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+            if init_params is not None:
+                params = self._place_params(init_params, params)
+        # compiled functions are shared by learners with the same config, model and mesh
+        self._static_key = (
+            (cfg.model_dump_json(), repr(self.model_config), self.mesh)
+            if not jax.tree.leaves(self._rest) else None
+        )
 
         total_updates = max(1, cfg.run.steps) * self.E * self.U
         self.tx, self.schedule = make_optimizer(cfg.optim, total_updates)
@@ -534,11 +554,8 @@ class Learner:
 
         self.state_shardings = self._make_state_shardings(params)
         self.state = self._init_state(params)
-        self._jits: dict[Any, Any] = {}
-        self._logprob_jit = jax.jit(
-            self._chunk_logprobs,
-            in_shardings=(self.param_shardings, None, None),
-        )
+        self._logprob_jit = self._cached_jit(("logprobs",), lambda: jax.jit(
+            self._chunk_logprobs, in_shardings=(self.param_shardings, None, None)))
         self.store = None
         if self._use_store:
             from jax_rl.old_logits import SnapshotStore
@@ -601,8 +618,24 @@ class Learner:
                 rng=jax.random.PRNGKey(seed),
             )
 
+        fn = self._cached_jit(("init",), lambda: jax.jit(
+            init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings))
         with jax.set_mesh(self.mesh):
-            return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)(params)
+            return fn(params)
+
+    def _cached_jit(self, key: tuple, build):
+        """A jitted function for ``key``, shared with other learners of the same static key."""
+        if key in self._jits:
+            return self._jits[key]
+        full = None if self._static_key is None else (self._static_key, key)
+        if full is not None and full in _JIT_CACHE:
+            fn = _JIT_CACHE[full]
+        else:
+            fn = build()
+            if full is not None:
+                _JIT_CACHE[full] = fn
+        self._jits[key] = fn
+        return fn
 
     # ---------------------------------------------------------------------------------
     # properties
@@ -877,16 +910,13 @@ class Learner:
         return tuple(keys)
 
     def _train_jit(self, r: int, keys: tuple[str, ...]):
-        key = ("train", r, keys)
-        if key not in self._jits:
-            bsh = self.batch_sharding(r)
-            self._jits[key] = jax.jit(
-                self._train_core,
-                in_shardings=(self.state_shardings, {k: bsh for k in keys}),
-                out_shardings=(self.state_shardings, self._replicated),
-                donate_argnums=(0,),
-            )
-        return self._jits[key]
+        bsh = self.batch_sharding(r)
+        return self._cached_jit(("train", r, keys), lambda: jax.jit(
+            self._train_core,
+            in_shardings=(self.state_shardings, {k: bsh for k in keys}),
+            out_shardings=(self.state_shardings, self._replicated),
+            donate_argnums=(0,),
+        ))
 
     # ---------------------------------------------------------------------------------
     # public API
@@ -998,10 +1028,9 @@ class Learner:
         b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
                            row_divisor=self.U * self.m)
         dev, r = self._device_batch({k: b[k] for k in BATCH_FIELDS}, process_local=False)
-        key = ("grads", r)
-        if key not in self._jits:
-            bsh = self.batch_sharding(r)
+        bsh = self.batch_sharding(r)
 
+        def build():
             def fn(params, version, d):
                 mb = {k: v[0] for k, v in d.items()}
                 if self.correction == "decoupled" or (self.correction == "linear_prox" and self._needs_prox_forward_linear()):
@@ -1018,12 +1047,14 @@ class Learner:
                     prox = mb["behav_logp"]
                 return self._minibatch_grads(params, mb, prox, None, version)
 
-            self._jits[key] = jax.jit(
+            return jax.jit(
                 fn, in_shardings=(self.param_shardings, self._replicated, {k: bsh for k in BATCH_FIELDS}),
                 out_shardings=(self._replicated, self.param_shardings, self._replicated),
             )
+
+        fn = self._cached_jit(("grads", r), build)
         with jax.set_mesh(self.mesh):
-            loss, grads, metr = self._jits[key](self.state.params, self.state.version, dev)
+            loss, grads, metr = fn(self.state.params, self.state.version, dev)
         return float(loss), grads, {k: float(v) for k, v in metr.items()}
 
     # ---------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Shared helpers for the learner tests: tiny configs and synthetic batches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_rl.config import Config
+
+
+def make_cfg(correction: str = "ppo", preset: str = "tiny_dense", *, B: int = 8, T: int = 16, mesh=None,
+             hf=None, **sections) -> Config:
+    """A validated Config for tiny learner runs (rollout.group_size 4, max_seq_len 32)."""
+    d = {
+        "model": {"preset": preset, "hf_overrides": dict(hf or {})},
+        "loss": {"correction": correction},
+        "optim": {"batch_size": B, "max_seq_len": 32, "lr": 1e-3},
+        "rollout": {"group_size": 4, "max_cache_len": 32},
+        "mesh": dict(mesh or {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}),
+        "run": {"steps": 10},
+    }
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return Config.model_validate(d)
+
+
+def make_batch(seed: int = 0, B: int = 8, T: int = 16, vocab: int = 384, version: int = 0,
+               behav_offset: float = 0.0, prompt: int = 4) -> dict[str, np.ndarray]:
+    """Random right-padded batch: a prompt of ``prompt`` tokens, then generated tokens.
+
+    behav_logp is a plausible value (-log V + offset) on loss tokens; rows have different
+    lengths; versions = ``version`` on loss tokens.
+    """
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    lens = rng.integers(T // 2, T + 1, B)
+    lens[0] = T
+    am = np.arange(T)[None, :] < lens[:, None]
+    lm = am & (np.arange(T)[None, :] >= prompt)
+    behav = np.where(lm, -np.log(vocab) + behav_offset + 0.1 * rng.normal(size=(B, T)), 0.0).astype(np.float32)
+    adv = np.repeat(rng.normal(size=(B, 1)), T, 1).astype(np.float32) * lm
+    return {
+        "tokens": tokens,
+        "attention_mask": am,
+        "loss_mask": lm,
+        "behav_logp": behav,
+        "versions": np.where(lm, version, -1).astype(np.int32),
+        "turn_ids": np.where(lm, 0, -1).astype(np.int32),
+        "advantages": adv.astype(np.float32),
+    }
+
+
+def host(tree):
+    """numpy copy of a pytree of (possibly sharded) arrays."""
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+def max_abs_diff(a, b) -> float:
+    import jax
+
+    d = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) if np.size(x) else 0.0, a, b)
+    return max(jax.tree.leaves(d) or [0.0])
+
+
+_INIT_CACHE: dict = {}
+
+
+def init_params(cfg: Config, seed: int = 0):
+    """Cheap deterministic host init (numpy normal(0, 0.02), norms = 1) as a nested dict.
+
+    Avoids the model's jitted random init (seconds of RNG compile per learner on this CPU).
+    """
+    import jax
+    from flax import nnx
+
+    from jax_rl.learner import resolve_model_config
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM
+
+    mc = resolve_model_config(cfg.model)
+    key = (repr(mc), seed)
+    if key not in _INIT_CACHE:
+        abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0))), nnx.Param))
+        rng = np.random.default_rng(seed)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        leaves = []
+        for path, x in flat:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            if "norm" in name:
+                leaves.append(np.ones(x.shape, np.float32))
+            else:
+                leaves.append((0.02 * rng.standard_normal(x.shape)).astype(np.float32))
+        _INIT_CACHE[key] = jax.tree.unflatten(treedef, leaves)
+    return _INIT_CACHE[key]
