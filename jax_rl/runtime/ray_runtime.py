@@ -245,7 +245,8 @@ def run_train_ray(cfg: Config) -> int:
                 for w in workers:
                     w.set_params.remote(params_ref, version)
                 rewards = np.asarray([t.reward for t in trajs], np.float32)
-                row = {"step": step + 1, "version": version, "reward_mean": float(rewards.mean()),
+                row = {"step": step + 1, "version": version, "prox_source": cfg.loss.correction,
+                       "group_ids": [int(g[0].group_id) for g in groups], "reward_mean": float(rewards.mean()),
                        "success_rate": float((rewards >= 1.0 - 1e-6).mean()), **metrics,
                        **{k: v for k, v in st.items() if k not in metrics},
                        "wait_s": time.perf_counter() - t_wait,

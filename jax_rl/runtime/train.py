@@ -232,6 +232,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 row = {
                     "step": step + 1,
                     "version": tr.learner.version,
+                    "prox_source": cfg.loss.correction,
+                    "group_ids": [int(g[0].group_id) for g in groups],
                     "reward_mean": float(rewards.mean()),
                     "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
                     **{k: v for k, v in metrics.items()},

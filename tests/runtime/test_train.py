@@ -1,0 +1,201 @@
+"""End-to-end tests of ``jax-rl train`` (embedded runtime), resume, SIGTERM and plots.
+
+Everything runs a tiny dense Qwen3 on the compact tokenizer with a few RL steps; the configs
+below are the smallest that still exercise SFT, async RL, eval and checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_rl.config import CONFIG_DIR, load_config
+from jax_rl.metrics import read_jsonl
+from jax_rl.runtime.train import TIMING_KEYS, run_train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "run.steps=3",
+    "sft.steps=2",
+    "sft.batch_size=4",
+    "sft.num_demos=8",
+    "optim.batch_size=4",
+    "rollout.group_size=2",
+    "rollout.slots=4",
+    "rollout.max_new_tokens_per_turn=24",
+    "rollout.max_tokens_per_episode=48",
+    "rollout.max_turns=2",
+    "eval.num_tasks=2",
+    "eval.k=2",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "rollout.dtype=float32",
+]
+
+
+def _cfg(tmp_path, *extra, name="run"):
+    return load_config(CONFIG_DIR / "tiny_cpu.yaml", TINY + [f"run.dir={tmp_path / name}", *extra])
+
+
+def _rows(run_dir):
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def _finite(rows):
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, float):
+                assert math.isfinite(v), (k, v)
+        assert not r.get("nonfinite_keys"), r.get("nonfinite_keys")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("correction", ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"])
+def test_smoke_each_correction(tmp_path, correction):
+    cfg = _cfg(tmp_path, f"loss.correction={correction}", "run.steps=2")
+    assert run_train(cfg) == 0
+    d = Path(cfg.run.dir)
+    rows = _rows(d)
+    assert [r["step"] for r in rows] == [1, 2]
+    _finite(rows)
+    for key in ("reward_mean", "train_infer_retained", "clip_frac", "staleness_mean", "staleness_max",
+                "tokens_per_s", "rollout_tokens_per_s", "wall_s", "version"):
+        assert key in rows[-1], key
+    assert rows[-1]["prox_source"] == correction
+    if correction == "ppo_ewma":
+        assert "ewma_beta" in rows[-1] and "ewma_reset" in rows[-1]
+    if correction == "exact":
+        assert rows[-1]["old_logits_versions"] >= 1
+    summary = json.loads((d / "summary.json").read_text())
+    for key in ("sft_success", "final_success", "final_pass_at_k", "wall_s", "rl_steps"):
+        assert key in summary, key
+    assert summary["rl_steps"] == 2
+    assert (d / "config.yaml").exists() and (d / "eval.jsonl").exists()
+    assert list((d / "plots").glob("*.png"))
+
+
+@pytest.mark.slow
+def test_k0_is_on_policy(tmp_path):
+    cfg = _cfg(tmp_path, "async.max_staleness=0", "loss.correction=ppo")
+    assert run_train(cfg) == 0
+    rows = _rows(cfg.run.dir)
+    assert rows and all(r["staleness_max"] == 0 for r in rows)
+    assert all(r["buffer/dropped_stale"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_k2_slow_learner_bounded_and_stale(tmp_path, monkeypatch):
+    from jax_rl import learner as L
+
+    orig = L.Learner.train_step
+
+    def slow(self, batch):
+        time.sleep(1.5)  # rollouts run ahead while the learner is slow
+        return orig(self, batch)
+
+    monkeypatch.setattr(L.Learner, "train_step", slow)
+    cfg = _cfg(tmp_path, "async.max_staleness=2", "run.steps=5", "loss.correction=ppo_ewma")
+    assert run_train(cfg) == 0
+    rows = _rows(cfg.run.dir)
+    assert max(r["staleness_max"] for r in rows) <= 2
+    assert any(r["staleness_max"] >= 1 for r in rows), "expected some stale tokens with a slow learner"
+
+
+def _strip(row):
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS and not k.startswith("buffer/")
+            and not k.endswith("_s") and "per_s" not in k}
+
+
+@pytest.mark.slow
+def test_resume_k0_identical(tmp_path):
+    common = ["async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3", "checkpoint.every=2"]
+    a = _cfg(tmp_path, *common, "run.steps=4", name="straight")
+    assert run_train(a) == 0
+    b = _cfg(tmp_path, *common, "run.steps=2", name="resumed")
+    assert run_train(b) == 0
+    b2 = _cfg(tmp_path, *common, "run.steps=4", "resume=true", name="resumed")
+    assert run_train(b2) == 0
+    ra, rb = _rows(a.run.dir), _rows(b.run.dir)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    for x, y in zip(ra[2:4], rb[2:4]):
+        assert _strip(x) == _strip(y)
+
+
+@pytest.mark.slow
+def test_resume_k2_keeps_buffer_and_counters(tmp_path):
+    common = ["async.max_staleness=2", "loss.correction=ppo"]
+    c1 = _cfg(tmp_path, *common, "run.steps=2", name="r")
+    assert run_train(c1) == 0
+    meta1 = json.loads((Path(c1.run.dir) / "summary.json").read_text())
+    c2 = _cfg(tmp_path, *common, "run.steps=4", "resume=true", name="r")
+    assert run_train(c2) == 0
+    rows = _rows(c2.run.dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    s2 = json.loads((Path(c2.run.dir) / "summary.json").read_text())
+    # counters continue from the checkpoint, never restart from zero
+    assert s2["buffer_consumed"] == 4 * 4 >= meta1["buffer_consumed"]
+    # conservation: everything produced is consumed, dropped or still pending
+    assert s2["buffer_produced"] == s2["buffer_consumed"] + s2["buffer_dropped_stale"] + s2["buffer_pending"]
+    # each consumed group id is unique: no trajectory trained twice
+    ids = [g for r in rows for g in r.get("group_ids", [])]
+    assert len(ids) == len(set(ids)) == 4 * 2
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_restorable_checkpoint(tmp_path):
+    d = tmp_path / "sig"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    args = [sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY,
+            "run.steps=200", f"run.dir={d}"]
+    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (d / "metrics.jsonl").exists() and len(_rows(d)) >= 1:
+                break
+            if p.poll() is not None:
+                pytest.fail("train exited early:\n" + p.stdout.read()[-3000:])
+            time.sleep(0.5)
+        else:
+            pytest.fail("no training step within 240 s")
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-3000:]
+    steps = len(_rows(d))
+    assert steps < 200
+    from jax_rl.learner import Learner
+
+    cfg = load_config(d / "config.yaml")
+    lrn = Learner(cfg)
+    meta = lrn.restore(d / "checkpoints")
+    assert lrn.version == steps and meta["rl_steps"] == steps
+    lrn.close()
+
+
+@pytest.mark.slow
+def test_plot_cli_on_finished_run(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2", "loss.correction=ppo_ewma")
+    assert run_train(cfg) == 0
+    out = tmp_path / "figs"
+    r = subprocess.run([sys.executable, "-m", "jax_rl.cli", "plot", cfg.run.dir, "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pngs = sorted(out.glob("*.png"))
+    assert pngs
+    from PIL import Image
+
+    im = np.asarray(Image.open(pngs[0]).convert("RGB"))
+    assert im.shape[0] > 200 and len(np.unique(im.reshape(-1, 3), axis=0)) > 20
