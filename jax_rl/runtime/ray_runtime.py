@@ -139,7 +139,7 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.learner import collate
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import Trainer, _json_safe, _save, _staleness_stats
+    from jax_rl.runtime.train import Trainer, _finish_sft, _json_safe, _save, _staleness_stats
     from rollout.types import Trajectory
 
     tr = Trainer(cfg)
@@ -153,7 +153,7 @@ def run_train_ray(cfg: Config) -> int:
     try:
         if cfg.sft.steps > 0:
             tr.meta["sft_metrics"] = tr.sft()
-        tr.learner.finish_sft()
+        _finish_sft(tr.learner)
         ev = tr.evaluate(0, label="after_sft")
         tr.meta["sft_success"] = ev["success"]
         cfg_dict = cfg.to_dict()

@@ -89,7 +89,7 @@ class Trainer:
         from jax_rl.metrics import MetricsWriter
 
         self.writer = MetricsWriter(self.run_dir, tensorboard=self.cfg.logging.tensorboard,
-                                    wandb=self.cfg.logging.wandb, is_primary=self.learner.is_primary)
+                                    wandb=self.cfg.logging.wandb, is_primary=_is_primary())
         return self.writer
 
     # ---------------------------------------------------------------- SFT
@@ -164,16 +164,25 @@ class Trainer:
             self.writer.close()
 
 
+def _is_primary() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _finish_sft(learner) -> None:
+    """End the SFT stage: the learner's RL optimizer, EWMA and version start from the SFT params."""
+    fn = getattr(learner, "finish_sft", None) or getattr(learner, "_finish_sft")
+    fn()
+
+
 def _staleness_stats(batch: dict, version: int) -> dict:
     v = batch["versions"]
     m = batch["loss_mask"] & (v >= 0)
     if not m.any():
         return {"staleness_mean": 0.0, "staleness_max": 0}
     s = (version - v)[m]
-    out = {"staleness_mean": float(s.mean()), "staleness_max": int(s.max())}
-    for k in range(int(s.max()) + 1):
-        out[f"staleness_hist/{k}"] = int((s == k).sum())
-    return out
+    return {"staleness_mean": float(s.mean()), "staleness_max": int(s.max())}
 
 
 def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
@@ -230,14 +239,14 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 buffer.notify()
                 rewards = np.asarray([t.reward for t in trajs], np.float32)
                 row = {
+                    **{k: v for k, v in metrics.items()},
+                    **{k: v for k, v in st.items() if k not in metrics},
                     "step": step + 1,
                     "version": tr.learner.version,
                     "prox_source": cfg.loss.correction,
                     "group_ids": [int(g[0].group_id) for g in groups],
                     "reward_mean": float(rewards.mean()),
                     "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
-                    **{k: v for k, v in metrics.items()},
-                    **{k: v for k, v in st.items() if k not in metrics or k.startswith("staleness_hist")},
                     "rollout_tokens_per_s": mgr.rollout_tokens_per_s(),
                     "wait_s": wait_s,
                     "publish_s": time.perf_counter() - t_pub,
@@ -301,7 +310,7 @@ def run_train(cfg: Config) -> int:
             if cfg.sft.steps > 0:
                 sft_metrics = tr.sft()
                 tr.meta["sft_metrics"] = sft_metrics
-            tr.learner.finish_sft()
+            _finish_sft(tr.learner)
             tr.meta["sft_done"] = True
             ev = tr.evaluate(0, label="after_sft")
             tr.meta["sft_success"] = ev["success"]
@@ -366,7 +375,7 @@ def run_sft(cfg: Config) -> int:
     tr.open_writer()
     try:
         m = tr.sft()
-        tr.learner.finish_sft()
+        _finish_sft(tr.learner)
         ev = tr.evaluate(0, label="after_sft")
         tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, rl_steps=0)
         _save(tr)
