@@ -276,6 +276,7 @@ def test_token_logprobs_chunked_equals_direct_with_grad():
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sequence_logprobs_alignment_masking_and_graphdef_form():
     cfg, m = _model("tiny_moe", seed=2)
     B, T = 2, 8
