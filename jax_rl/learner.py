@@ -868,7 +868,7 @@ class Learner:
             take = lambda x: None if x is None else lax.dynamic_index_in_dim(x, u, 0, keepdims=False)  # noqa: E731
             mb = {k: take(b[k]) for k in BATCH_FIELDS}
             loss, grads, metr = self._minibatch_grads(params, mb, take(prox), take(exact), g)
-            gnorm = optax.global_norm(grads)
+            gnorm = optax.tree.norm(grads)
             finite = jnp.isfinite(gnorm) & jnp.isfinite(loss)
             updates, new_opt = self.tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -1118,7 +1118,7 @@ class Learner:
                     return (jax.tree.map(jnp.add, acc[0], gr), acc[1] + l), None
 
                 (grads, loss), _ = lax.scan(body, (jax.tree.map(jnp.zeros_like, params), jnp.float32(0)), xs)
-                gnorm = optax.global_norm(grads)
+                gnorm = optax.tree.norm(grads)
                 finite = jnp.isfinite(gnorm)
                 upd, new_opt = sft_tx.update(grads, opt_state, params)
                 new_p = optax.apply_updates(params, upd)

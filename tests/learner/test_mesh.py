@@ -26,7 +26,7 @@ def _logical(params):
     """Flat {path: (logical names, shape)} of an nnx.State of Params."""
     out = {}
     for path, v in nnx.to_flat_state(params):
-        out[path] = (v.get_metadata().get("out_sharding"), v.value.shape)
+        out[path] = (v.get_metadata().get("out_sharding"), v.get_value().shape)
     return out
 
 
@@ -57,14 +57,14 @@ def test_mesh_equivalence_and_shardings(reference, shape, devices):
     sharded = 0
     for path, x in nnx.to_flat_state(lrn.state.params):
         want = _expected_spec(lrn, logical[path])
-        assert x.value.sharding.spec == want, (path, x.value.sharding.spec, want)
-        assert x.value.sharding.mesh.shape == mesh.shape
+        assert x.get_value().sharding.spec == want, (path, x.get_value().sharding.spec, want)
+        assert x.get_value().sharding.mesh.shape == mesh.shape
         sharded += any(s is not None for s in want)
     if shape[0] < 8:
         assert sharded >= 5
     adam = lrn.state.opt_state[1][0]
     for tree in (adam.mu, adam.nu, grads):
         for path, x in nnx.to_flat_state(tree):
-            assert x.value.sharding.spec == _expected_spec(lrn, logical[path]), path
+            assert x.get_value().sharding.spec == _expected_spec(lrn, logical[path]), path
     for leaf in (lrn.state.version, lrn.state.step, lrn.state.rng, adam.count):
         assert all(s is None for s in leaf.sharding.spec)
