@@ -130,37 +130,94 @@ def _actors():
         def export_state(self) -> dict:
             return self.buf.export_state()
 
-    return RolloutWorker, BufferActor
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class LearnerActor:
+        """The learner (and the held-out evaluator, which needs its params) in its own process."""
+
+        def __init__(self, cfg_dict: dict):
+            import logging as _logging
+
+            from jax_rl.config import Config
+            from jax_rl.runtime.train import Trainer
+
+            _logging.basicConfig(level=_logging.WARNING)
+            self.cfg = Config.model_validate(cfg_dict)
+            self.tr = Trainer(self.cfg)
+
+        def model_config_hf(self) -> dict:
+            return self.tr.model_config.to_hf()
+
+        def pad_id(self) -> int:
+            return int(self.tr.tokenizer.pad_id)
+
+        def sft_and_eval(self) -> dict:
+            from jax_rl.runtime.train import _finish_sft
+
+            m = self.tr.sft(progress=False) if self.cfg.sft.steps > 0 else {}
+            _finish_sft(self.tr.learner)
+            ev = self.tr.evaluate(0, label="after_sft")
+            self.tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m)
+            return ev
+
+        def get_params(self):
+            return self.tr.learner.get_params(host=True)
+
+        def version(self) -> int:
+            return int(self.tr.learner.version)
+
+        def train_step(self, batch: dict) -> dict:
+            return self.tr.learner.train_step(batch)
+
+        def evaluate(self, step: int, label: str) -> dict:
+            return self.tr.evaluate(step, label=label)
+
+        def save(self, meta: dict) -> str:
+            from jax_rl.runtime.train import _save
+
+            self.tr.meta.update(meta)
+            _save(self.tr)
+            return str(self.tr.ckpt_dir)
+
+        def close(self) -> None:
+            self.tr.close()
+            self.tr.learner.close()
+
+    return RolloutWorker, BufferActor, LearnerActor
 
 
 def run_train_ray(cfg: Config) -> int:
-    """RL with Ray actors (SFT and eval run in the driver's learner, as in the embedded runtime)."""
+    """RL with Ray actors: SFT, eval and training run in the learner actor; the driver dispatches
+    groups to rollout workers, feeds the buffer actor, and broadcasts each version's params."""
     import ray
 
     from jax_rl.learner import collate
+    from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import Trainer, _finish_sft, _json_safe, _save, _staleness_stats
+    from jax_rl.runtime.train import _json_safe, _staleness_stats
     from rollout.types import Trajectory
 
-    tr = Trainer(cfg)
-    dump_config(cfg, tr.run_dir / "config.yaml")
-    tr.open_writer()
-    init_ray(tr.run_dir)
-    RolloutWorker, BufferActor = _actors()
+    t0 = time.perf_counter()
+    run_dir = C.resolve_run_dir(cfg)
+    dump_config(cfg, run_dir / "config.yaml")
+    if cfg.resume:
+        raise NotImplementedError("resume is supported by runtime=embedded only; runtime=ray starts fresh")
+    init_ray(run_dir)
+    RolloutWorker, BufferActor, LearnerActor = _actors()
     K = cfg.async_.max_staleness
     n_groups = cfg.optim.batch_size // cfg.rollout.group_size
     counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
+    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
+    cfg_dict = cfg.to_dict()
+    learner = LearnerActor.remote(cfg_dict)
+    workers: list = []
     try:
-        if cfg.sft.steps > 0:
-            tr.meta["sft_metrics"] = tr.sft()
-        _finish_sft(tr.learner)
-        ev = tr.evaluate(0, label="after_sft")
-        tr.meta["sft_success"] = ev["success"]
-        cfg_dict = cfg.to_dict()
-        hf = tr.model_config.to_hf()
+        hf = ray.get(learner.model_config_hf.remote())
+        pad_id = ray.get(learner.pad_id.remote())
+        sft_eval = ray.get(learner.sft_and_eval.remote())
+        print(f"held-out success after SFT: {sft_eval['success']:.3f}", flush=True)
         buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, None)
-        params_ref = ray.put(tr.learner.get_params())
-        version = tr.learner.version
+        version = ray.get(learner.version.remote())
+        params_ref = learner.get_params.remote()  # lives in the object store; every worker reads it
         workers = [RolloutWorker.remote(cfg_dict, hf, i) for i in range(cfg.runtime.ray_workers)]
         ray.get([w.set_params.remote(params_ref, version) for w in workers])
         in_flight: dict = {}  # ref -> (worker index, gid, seed)
@@ -181,8 +238,18 @@ def run_train_ray(cfg: Config) -> int:
                             return
                         gid, seed = next_gid, cfg.env.train_seed_offset + next_gid
                         next_gid += 1
-                    in_flight[w.run_group.remote(gid, seed)] = (wi, gid, seed)
+                    in_flight[workers[wi].run_group.remote(gid, seed)] = (wi, gid, seed)
                     busy += 1
+
+        def restart(wi: int):
+            for ref, (w2, gid, seed) in list(in_flight.items()):
+                if w2 == wi:
+                    in_flight.pop(ref)
+                    reissue.append((gid, seed))
+                    counters["reissued_groups"] += 1
+            workers[wi] = RolloutWorker.remote(cfg_dict, hf, wi)
+            ray.get(workers[wi].set_params.remote(params_ref, version))
+            counters["worker_restarts"] += 1
 
         def collect(timeout: float):
             refs = list(in_flight)
@@ -193,34 +260,21 @@ def run_train_ray(cfg: Config) -> int:
             for ref in ready:
                 if ref not in in_flight:  # already re-issued after its worker died
                     continue
-                wi, gid, seed = in_flight.pop(ref)
+                wi, gid, seed = in_flight[ref]
                 try:
                     group = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
-                        ray.exceptions.WorkerCrashedError) as e:
-                    log.warning("rollout worker %d died (%s); restarting it and re-issuing its groups", wi, type(e).__name__)
-                    _restart(wi)
-                    reissue.append((gid, seed))
-                    counters["reissued_groups"] += 1
+                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                    log.warning("rollout worker %d died (%s): restarting it, re-issuing its groups", wi,
+                                type(e).__name__)
+                    restart(wi)
                     continue
+                in_flight.pop(ref)
                 if gid in done_gids:
                     counters["duplicate_groups"] += 1
                     continue
                 done_gids.add(gid)
                 ray.get(buffer.put_group.remote(group))
 
-        def _restart(wi: int):
-            # re-issue the dead worker's other in-flight groups too
-            for ref, (w2, gid, seed) in list(in_flight.items()):
-                if w2 == wi:
-                    in_flight.pop(ref)
-                    reissue.append((gid, seed))
-                    counters["reissued_groups"] += 1
-            workers[wi] = RolloutWorker.remote(cfg_dict, hf, wi)
-            ray.get(workers[wi].set_params.remote(params_ref, version))
-            counters["worker_restarts"] += 1
-
-        tr.ray_workers = workers  # exposed for tests (kill a worker mid-run)
         last: dict = {}
         from jax_rl.console import TrainProgress
 
@@ -229,31 +283,32 @@ def run_train_ray(cfg: Config) -> int:
                 groups = None
                 t_wait = time.perf_counter()
                 while groups is None:
+                    _maybe_kill_for_test(step, workers)
+                    collect(0.0)
                     dispatch()
                     groups = ray.get(buffer.get_batch.remote(n_groups, version))
                     if groups is None:
                         collect(0.2)
-                        _maybe_kill_for_test(tr, step, workers)
+                wait_s = time.perf_counter() - t_wait
                 groups = sorted([[Trajectory.from_dict(d) for d in g] for g in groups], key=lambda g: g[0].group_id)
                 adv = C.compute_advantages(cfg, groups)
                 trajs = [t for g in groups for t in g]
-                batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=tr.tokenizer.pad_id)
+                batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
                 st = _staleness_stats(batch, version)
-                metrics = tr.learner.train_step(batch)
-                version = tr.learner.version
-                params_ref = ray.put(tr.learner.get_params())  # one object-store copy per version
+                metrics = ray.get(learner.train_step.remote(batch))
+                version = ray.get(learner.version.remote())
+                params_ref = learner.get_params.remote()  # one object-store copy per version
                 for w in workers:
                     w.set_params.remote(params_ref, version)
                 rewards = np.asarray([t.reward for t in trajs], np.float32)
-                row = {"step": step + 1, "version": version, "prox_source": cfg.loss.correction,
+                row = {**metrics, **{k: v for k, v in st.items() if k not in metrics},
+                       "step": step + 1, "version": version, "prox_source": cfg.loss.correction,
                        "group_ids": [int(g[0].group_id) for g in groups], "reward_mean": float(rewards.mean()),
-                       "success_rate": float((rewards >= 1.0 - 1e-6).mean()), **metrics,
-                       **{k: v for k, v in st.items() if k not in metrics},
-                       "wait_s": time.perf_counter() - t_wait,
+                       "success_rate": float((rewards >= 1.0 - 1e-6).mean()), "wait_s": wait_s,
                        **{f"buffer/{k}": v for k, v in ray.get(buffer.stats.remote()).items()},
                        **{f"ray/{k}": v for k, v in counters.items()},
-                       "wall_s": time.perf_counter() - tr.t0}
-                tr.writer.write(step + 1, row)
+                       "wall_s": time.perf_counter() - t0}
+                writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)
         for w in workers:
@@ -261,31 +316,38 @@ def run_train_ray(cfg: Config) -> int:
                 ray.get(w.stop.remote(), timeout=10)
             except Exception:
                 pass
-        tr.meta.update(rl_steps=int(last.get("step", 0)), buffer=ray.get(buffer.export_state.remote()),
-                       buffer_stats=ray.get(buffer.stats.remote()), ray_counters=counters)
-        _save(tr)
-        final = tr.evaluate(int(last.get("step", 0)), label="final")
-        summary = {"sft_success": tr.meta.get("sft_success"), "final_success": final.get("success"),
-                   "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"), "wall_s": time.perf_counter() - tr.t0,
-                   "rl_steps": int(last.get("step", 0)), "runtime": "ray", **counters,
-                   **{f"buffer_{k}": v for k, v in tr.meta["buffer_stats"].items()}}
-        (tr.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        bstats = ray.get(buffer.stats.remote())
+        rl_steps = int(last.get("step", 0))
+        ray.get(learner.save.remote(_json_safe({"rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
+                                                "buffer_stats": bstats, "ray_counters": counters})))
+        final = ray.get(learner.evaluate.remote(rl_steps, "final"))
+        summary = {"sft_success": sft_eval.get("success"), "final_success": final.get("success"),
+                   "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"), "wall_s": time.perf_counter() - t0,
+                   "rl_steps": rl_steps, "runtime": "ray", **counters,
+                   **{f"buffer_{k}": v for k, v in bstats.items()}}
+        (run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
         print(json.dumps(_json_safe(summary), indent=2))
         return 0
     finally:
-        tr.close()
-        tr.learner.close()
+        writer.close()
+        try:
+            ray.get(learner.close.remote(), timeout=30)
+        except Exception:
+            pass
         ray.shutdown()
 
 
-def _maybe_kill_for_test(tr, step: int, workers) -> None:
+_KILLED = {"done": False}
+
+
+def _maybe_kill_for_test(step: int, workers) -> None:
     """Fault injection for the Ray smoke test: ``JAX_RL_TEST_KILL_WORKER_AT_STEP=N`` kills worker 0
     once when step N is reached (a test hook; unset in normal runs)."""
     at = os.environ.get("JAX_RL_TEST_KILL_WORKER_AT_STEP")
-    if at is None or getattr(tr, "_killed", False) or step < int(at):
+    if at is None or _KILLED["done"] or step < int(at):
         return
     import ray
 
-    tr._killed = True
+    _KILLED["done"] = True
     log.warning("test hook: killing rollout worker 0 at step %d", step)
     ray.kill(workers[0], no_restart=True)
