@@ -143,6 +143,10 @@ def _actors():
             _logging.basicConfig(level=_logging.WARNING)
             self.cfg = Config.model_validate(cfg_dict)
             self.tr = Trainer(self.cfg)
+            from jax_rl.metrics import MetricsWriter
+
+            # eval.jsonl only: the driver writes metrics.jsonl and TensorBoard
+            self.tr.writer = MetricsWriter(self.tr.run_dir, tensorboard=False, wandb=False)
 
         def model_config_hf(self) -> dict:
             return self.tr.model_config.to_hf()
