@@ -1,0 +1,240 @@
+"""Learner train-step throughput: jax-rl vs transformers' Qwen3 (torch fp32) vs a plain matmul.
+
+    .venv/bin/python bench/learner_step.py [--configs tiny,small] [--B 8] [--T 256] [--steps 3]
+
+For each model config (``tiny`` = the tiny_dense preset; ``small`` = 4 layers, d=256, V=1024,
+8/4 heads, ff=768) it times, on ONE device, after a warm-up (compile) step:
+
+- jax-rl ``Learner.train_step`` with ``loss.correction`` = ``ppo`` (no extra forward),
+  ``decoupled`` (one no-grad forward) and ``ppo_ewma`` (one no-grad forward with the EWMA
+  params + the EWMA update), all fp32, every token a loss token;
+- transformers ``Qwen3ForCausalLM`` in torch fp32 with the same shapes: forward, token
+  log-probs, backward, AdamW step;
+- a jitted fp32 1024^3 matmul (the machine's attainable FLOP rate);
+- the bare model forward+backward (jitted value_and_grad of the summed log-probs), to
+  separate the learner's overhead (loss, AdamW, metrics) from the model's own speed;
+- the EWMA bookkeeping alone (reset select + update over the params, jitted).
+
+``decoupled`` with one update per step costs no extra forward here: its no-grad forward at the
+step-start params is the same computation as the gradient forward and XLA merges the two.
+
+FLOPs of a step: 6 * N_params_nonembedding * tokens + attention 12 * L * T * H * Dh * tokens / 2
+(causal) + the LM head 6 * V * d * tokens; the no-grad forward of ppo_ewma/decoupled adds
+1/3 of that (not counted in "model TFLOP/s", so those rows show the useful rate).
+Prints one table; no assertion. Numbers depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_rl.config import Config  # noqa: E402
+from jax_rl.learner import Learner, resolve_model_config  # noqa: E402
+
+CONFIGS = {
+    "tiny": {"preset": "tiny_dense", "hf_overrides": {}},
+    "small": {"preset": "tiny_dense", "hf_overrides": {
+        "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}},
+}
+
+
+def _cfg(model: dict, correction: str, B: int, T: int) -> Config:
+    return Config.model_validate({
+        "model": model, "loss": {"correction": correction},
+        "optim": {"batch_size": B, "max_seq_len": T, "lr": 1e-4},
+        "rollout": {"group_size": 1, "max_cache_len": T},
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
+    })
+
+
+def _batch(V: int, B: int, T: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    lm = np.ones((B, T), bool)
+    lm[:, 0] = False
+    return {
+        "tokens": rng.integers(0, V, (B, T)).astype(np.int32),
+        "attention_mask": np.ones((B, T), bool),
+        "loss_mask": lm,
+        "behav_logp": np.where(lm, -np.log(V), 0).astype(np.float32),
+        "versions": np.where(lm, 0, -1).astype(np.int32),
+        "turn_ids": np.where(lm, 0, -1).astype(np.int32),
+        "advantages": np.where(lm, rng.normal(size=(B, 1)), 0).astype(np.float32),
+    }
+
+
+def step_flops(mc, tokens: int, T: int) -> float:
+    d, L, V = mc.hidden_size, mc.num_hidden_layers, mc.vocab_size
+    H, K, Dh, F = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
+    per_layer = d * (H * Dh) * 2 + d * (K * Dh) * 2 + 3 * d * F
+    dense = 6 * (L * per_layer + V * d) * tokens
+    attn = 12 * L * T * H * Dh * tokens / 2
+    return dense + attn
+
+
+def bench_jax(model: dict, correction: str, B: int, T: int, steps: int) -> dict:
+    cfg = _cfg(model, correction, B, T)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+    lrn = Learner(cfg, mesh=mesh)
+    V = lrn.model_config.vocab_size
+    b = _batch(V, B, T)
+    t0 = time.perf_counter()
+    lrn.train_step(b)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(steps):
+        b["versions"] = np.where(b["loss_mask"], lrn.version, -1).astype(np.int32)
+        times.append(lrn.train_step(b)["step_time_s"])
+    extra = {}
+    if correction == "ppo_ewma":
+        extra["ewma_update_s"] = _time_ewma_update(lrn)
+    if correction == "ppo":
+        extra["fwdbwd_s"] = _time_model_fwd_bwd(lrn, b)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(lrn.state))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(lrn.state.params))
+    dt = statistics.median(times)
+    return {"step_s": dt, "tok_s": B * T / dt, "compile_s": compile_s, "state_MB": state_bytes / 2**20,
+            "param_MB": param_bytes / 2**20, "mc": lrn.model_config, **extra}
+
+
+def _median_time(fn, *args, reps: int = 3) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_ewma_update(lrn) -> float:
+    """Seconds of the EWMA bookkeeping alone (reset select + bias-corrected update, jitted)."""
+    from jax_rl import proximal
+
+    def f(ew, p, W):
+        ew, W = proximal.ewma_reset(ew, p, W < 0, W)
+        return proximal.ewma_update(ew, p, 0.5, W)
+
+    return _median_time(jax.jit(f), lrn.state.ewma_params, lrn.state.params, lrn.state.ewma_count)
+
+
+def _time_model_fwd_bwd(lrn, b) -> float:
+    """Seconds of a bare jitted value_and_grad of the model's summed log-probs (no loss/optimizer)."""
+    tok, am = jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"])
+    f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(lrn._logprobs(p, tok, am))))
+    return _median_time(f, lrn.state.params)
+
+
+def bench_torch(mc, B: int, T: int, steps: int) -> dict:
+    """Best of torch with 1 thread and with all cores (OpenMP oversubscription on a loaded
+    machine can make the multi-threaded run 30x slower, which would flatter us)."""
+    import torch
+
+    best = None
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        r = _bench_torch_once(mc, B, T, steps)
+        r["threads"] = threads
+        if best is None or r["step_s"] < best["step_s"]:
+            best = r
+    return best
+
+
+def _bench_torch_once(mc, B: int, T: int, steps: int) -> dict:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = mc.to_hf()
+    hf.pop("dtype", None)
+    hf.pop("torch_dtype", None)
+    conf = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    model = transformers.Qwen3ForCausalLM(conf).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, mc.vocab_size, (B, T))
+
+    def step():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(lp.mean())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    return {"step_s": dt, "tok_s": B * T / dt}
+
+
+def bench_matmul(n: int = 1024, reps: int = 10) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f(a, a).block_until_ready()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="tiny,small")
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--T", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")
+    mm = bench_matmul()
+    print(f"devices: {jax.devices()}  cpu count: {os.cpu_count()}  load: {os.getloadavg()[0]:.1f}")
+    print(f"plain jitted fp32 matmul 1024^3: {mm / 1e9:.1f} GFLOP/s")
+    print(f"batch B={args.B} T={args.T} ({args.B * args.T} tokens), median of {args.steps} steps after warm-up\n")
+    hdr = f"{'config':6} {'impl':22} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>8} {'vs mm':>6} {'vs torch':>8} {'state MB':>9} {'compile s':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name in args.configs.split(","):
+        model = CONFIGS[name]
+        mc = resolve_model_config(Config.model_validate({"model": model}).model)
+        flops = step_flops(mc, args.B * args.T, args.T)
+        tor = None if args.no_torch else bench_torch(mc, args.B, args.T, args.steps)
+        rows = []
+        for corr in ("ppo", "decoupled", "ppo_ewma"):
+            r = bench_jax(model, corr, args.B, args.T, args.steps)
+            rows.append((f"jax-rl {corr}", r))
+        for label, r in rows:
+            vs_t = f"{r['tok_s'] / tor['tok_s']:.2f}x" if tor else "-"
+            rate = flops / r["step_s"]
+            print(f"{name:6} {label:22} {r['step_s']:8.3f} {r['tok_s']:9.0f} {rate / 1e9:8.1f} {rate / mm:6.0%} "
+                  f"{vs_t:>8} {r['state_MB']:9.2f} {r['compile_s']:9.1f}")
+        if tor:
+            rate = flops / tor["step_s"]
+            print(f"{name:6} {'torch fp32 HF Qwen3 t' + str(tor['threads']):22} {tor['step_s']:8.3f} {tor['tok_s']:9.0f} {rate / 1e9:8.1f} "
+                  f"{rate / mm:6.0%} {'1.00x':>8} {'':>9} {'':>9}")
+        d = dict(rows)
+        fb = d["jax-rl ppo"]["fwdbwd_s"]
+        rate = flops / fb
+        print(f"{name:6} {'bare model fwd+bwd':22} {fb:8.3f} {args.B * args.T / fb:9.0f} {rate / 1e9:8.1f} "
+              f"{rate / mm:6.0%} {'':>8} {'':>9} {'':>9}")
+        ew, dc = d["jax-rl ppo_ewma"], d["jax-rl decoupled"]
+        print(f"{name:6} ppo_ewma vs ppo: {ew['step_s'] / d['jax-rl ppo']['step_s'] - 1:+.1%} step time (one extra "
+              f"forward with theta_bar); EWMA bookkeeping alone {ew['ewma_update_s'] * 1e3:.1f} ms = "
+              f"{ew['ewma_update_s'] / ew['step_s']:.1%} of the step; state +{ew['state_MB'] - dc['state_MB']:.2f} MB "
+              f"(params {ew['param_MB']:.2f} MB: one fp32 copy)\n")
+
+
+if __name__ == "__main__":
+    main()
