@@ -69,8 +69,8 @@ read cooperatively by Orbax.
 
 from __future__ import annotations
 
+import copy
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -515,6 +515,7 @@ class Learner:
         self._sft_pending = False
         self._sft_opt_state = None
         self._sft_count = 0
+        self._resets = 0  # EWMA resets so far (host counter, checkpointed in metadata)
         self._ckptrs: dict[str, Any] = {}
         self._jits: dict[Any, Any] = {}
 
@@ -554,8 +555,8 @@ class Learner:
 
         self.state_shardings = self._make_state_shardings(params)
         self.state = self._init_state(params)
-        self._logprob_jit = self._cached_jit(("logprobs",), lambda: jax.jit(
-            self._chunk_logprobs, in_shardings=(self.param_shardings, None, None)))
+        self._logprob_jit = self._cached_jit(("logprobs",), lambda s: jax.jit(
+            s._chunk_logprobs, in_shardings=(s.param_shardings, None, None)))
         self.store = None
         if self._use_store:
             from jax_rl.old_logits import SnapshotStore
@@ -603,35 +604,46 @@ class Learner:
             ewma_count=rep, ewma_streak=rep, version=rep, step=rep, rng=rep,
         )
 
+    def _init_fn(self, params: Any) -> TrainState:
+        return TrainState(
+            params=params,
+            opt_state=self.tx.init(params),
+            ewma_params=jax.tree.map(lambda x: x.astype(jnp.float32), params) if self._use_ewma else None,
+            ewma_count=jnp.float32(1.0),
+            ewma_streak=jnp.int32(0),
+            version=jnp.int32(0),
+            step=jnp.int32(0),
+            rng=jax.random.PRNGKey(self.cfg.run.seed),
+        )
+
     def _init_state(self, params: Any) -> TrainState:
-        seed = self.cfg.run.seed
-
-        def init(params):
-            return TrainState(
-                params=params,
-                opt_state=self.tx.init(params),
-                ewma_params=jax.tree.map(lambda x: x.astype(jnp.float32), params) if self._use_ewma else None,
-                ewma_count=jnp.float32(1.0),
-                ewma_streak=jnp.int32(0),
-                version=jnp.int32(0),
-                step=jnp.int32(0),
-                rng=jax.random.PRNGKey(seed),
-            )
-
-        fn = self._cached_jit(("init",), lambda: jax.jit(
-            init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings))
+        fn = self._cached_jit(("init",), lambda s: jax.jit(
+            s._init_fn, in_shardings=(s.param_shardings,), out_shardings=s.state_shardings))
         with jax.set_mesh(self.mesh):
             return fn(params)
 
+    def _static_view(self) -> "Learner":
+        """A shallow copy without the train state, store and checkpointers: what a cached
+        jitted function may keep alive (traces read only config-derived attributes)."""
+        v = copy.copy(self)
+        for name in ("state", "store", "_sft_opt_state"):
+            v.__dict__.pop(name, None)
+        v._ckptrs, v._jits = {}, {}
+        return v
+
     def _cached_jit(self, key: tuple, build):
-        """A jitted function for ``key``, shared with other learners of the same static key."""
+        """A jitted function for ``key``, shared with other learners of the same static key.
+
+        ``build(view)`` makes the function from a :meth:`_static_view` of this learner, so the
+        module-level cache never keeps a learner's arrays alive.
+        """
         if key in self._jits:
             return self._jits[key]
         full = None if self._static_key is None else (self._static_key, key)
         if full is not None and full in _JIT_CACHE:
             fn = _JIT_CACHE[full]
         else:
-            fn = build()
+            fn = build(self._static_view())
             if full is not None:
                 _JIT_CACHE[full] = fn
         self._jits[key] = fn
@@ -738,15 +750,15 @@ class Learner:
         nproc = jax.process_count()
         if process_local and nproc > 1:
             U_, m_, r_local = self._layout(B_local, U, m)
-            # every process owns an equal slice of the rows: r = r_local * (share)
-            r = None
-            for cand in range(r_local, r_local * nproc + 1, r_local):
-                lo, hi = self._local_row_range(cand, T)
-                if hi - lo == r_local:
-                    r = cand
-                    break
-            if r is None:
-                raise BatchError("process-local batch rows do not match the mesh's batch sharding")
+            # every process owns an equal slice of each chunk's rows
+            r = r_local * nproc
+            lo, hi = self._local_row_range(r, T)
+            if hi - lo != r_local:
+                raise BatchError(
+                    f"process-local batch: {r_local} rows per chunk on each of {nproc} processes do not match the "
+                    f"mesh's batch sharding ({self.batch_sharding(r).spec} over {r} rows); pass the global batch "
+                    "or a row count divisible by the batch axes"
+                )
             U, m = U_, m_
         else:
             U, m, r = self._layout(B_local, U, m)
@@ -911,10 +923,10 @@ class Learner:
 
     def _train_jit(self, r: int, keys: tuple[str, ...]):
         bsh = self.batch_sharding(r)
-        return self._cached_jit(("train", r, keys), lambda: jax.jit(
-            self._train_core,
-            in_shardings=(self.state_shardings, {k: bsh for k in keys}),
-            out_shardings=(self.state_shardings, self._replicated),
+        return self._cached_jit(("train", r, keys), lambda s: jax.jit(
+            s._train_core,
+            in_shardings=(s.state_shardings, {k: bsh for k in keys}),
+            out_shardings=(s.state_shardings, s._replicated),
             donate_argnums=(0,),
         ))
 
@@ -986,7 +998,7 @@ class Learner:
         out.update(step_time_s=dt, tokens_per_s=out["tokens"] / max(dt, 1e-9), version=float(g + 1),
                    step=float(self.step), skipped=0.0, skipped_steps=float(self.skipped_steps))
         if self._use_ewma:
-            self._resets = getattr(self, "_resets", 0) + int(out.get("ewma_reset", 0.0) > 0)
+            self._resets += int(out.get("ewma_reset", 0.0) > 0)
             out["ewma_resets"] = float(self._resets)
         return out
 
@@ -1030,26 +1042,26 @@ class Learner:
         dev, r = self._device_batch({k: b[k] for k in BATCH_FIELDS}, process_local=False)
         bsh = self.batch_sharding(r)
 
-        def build():
+        def build(s):
             def fn(params, version, d):
                 mb = {k: v[0] for k, v in d.items()}
-                if self.correction == "decoupled" or (self.correction == "linear_prox" and self._needs_prox_forward_linear()):
-                    lp0 = lax.stop_gradient(self._chunk_logprobs(params, d["tokens"], d["attention_mask"]))[0]
-                    if self.correction == "linear_prox":
+                if s.correction == "decoupled" or (s.correction == "linear_prox" and s._needs_prox_forward_linear()):
+                    lp0 = lax.stop_gradient(s._chunk_logprobs(params, d["tokens"], d["attention_mask"]))[0]
+                    if s.correction == "linear_prox":
                         T = lp0.shape[-1]
                         prox = proximal.linear_prox_logp(mb["behav_logp"].reshape(-1, T), lp0.reshape(-1, T),
                                                          mb["versions"].reshape(-1, T), version).reshape(lp0.shape)
                     else:
                         prox = lp0
-                elif self.correction == "linear_prox":
+                elif s.correction == "linear_prox":
                     prox = None
                 else:
                     prox = mb["behav_logp"]
-                return self._minibatch_grads(params, mb, prox, None, version)
+                return s._minibatch_grads(params, mb, prox, None, version)
 
             return jax.jit(
-                fn, in_shardings=(self.param_shardings, self._replicated, {k: bsh for k in BATCH_FIELDS}),
-                out_shardings=(self._replicated, self.param_shardings, self._replicated),
+                fn, in_shardings=(s.param_shardings, s._replicated, {k: bsh for k in BATCH_FIELDS}),
+                out_shardings=(s._replicated, s.param_shardings, s._replicated),
             )
 
         fn = self._cached_jit(("grads", r), build)
@@ -1185,7 +1197,7 @@ class Learner:
             "correction": self.correction,
             "skipped_steps": self.skipped_steps,
             "snapshot_versions": self.store.versions if self.store is not None else [],
-            "ewma_resets": getattr(self, "_resets", 0),
+            "ewma_resets": self._resets,
             "process_count": jax.process_count(),
             "runtime": dict(extra or {}),
         }

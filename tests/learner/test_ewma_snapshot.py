@@ -21,6 +21,7 @@ def _ewma_expected(ewma, params, beta, W):
     return host(out)
 
 
+@pytest.mark.slow
 def test_ewma_shardings_reset_and_beta(devices):
     cfg = make_cfg("ppo_ewma", mesh={"data": 2, "fsdp": 4}, old_logits={"measure_error": True},
                    **{"async": {"max_staleness": 2}})

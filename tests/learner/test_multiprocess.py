@@ -1,5 +1,6 @@
 """2 jax processes on 127.0.0.1 (gloo CPU collectives, 2 fake devices each) give the same
-loss and params as 1 process on 4 devices; Orbax saves and restores across processes."""
+loss and params as 1 process on 4 devices (computed in this pytest process on 4 of its 8 fake
+devices); Orbax saves and restores across processes."""
 
 from __future__ import annotations
 
@@ -48,17 +49,38 @@ def _wait(procs, timeout=400):
         assert p.returncode == 0, o[-4000:]
 
 
-def test_two_processes_match_one(tmp_path):
+def _reference(devices):
+    """The same run in this process on a 4-device mesh (one process)."""
+    import jax
+    from flax import nnx
+
+    from jax_rl.learner import Learner
+    from jax_rl.sharding import make_mesh
+
+    from ._util import init_params, make_batch, make_cfg
+
+    cfg = make_cfg("ppo_ewma", mesh={"data": 1, "fsdp": -1})
+    lrn = Learner(cfg, mesh=make_mesh(fsdp=4, devices=jax.devices()[:4]), init_params=init_params(cfg))
+    metrics = [lrn.train_step(make_batch(40 + i, B=8, T=16, version=i)) for i in range(2)]
+    flat = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(lrn.state.params)}
+    flat.update({"ewma/" + "/".join(map(str, k)): np.asarray(v.get_value())
+                 for k, v in nnx.to_flat_state(lrn.state.ewma_params)})
+    return metrics, flat
+
+
+def test_two_processes_match_one(tmp_path, devices):
     port = _free_port()
-    _wait([_spawn(i, 2, port, 2, tmp_path) for i in range(2)])
-    _wait([_spawn(0, 1, 0, 4, tmp_path)])
-    r1 = json.loads((tmp_path / "result_1.json").read_text())
+    procs = [_spawn(i, 2, port, 2, tmp_path) for i in range(2)]
+    try:
+        m1, p1 = _reference(devices)
+    finally:
+        _wait(procs)
     r2 = json.loads((tmp_path / "result_2.json").read_text())
-    assert r2["restore_ok"] and r1["restore_ok"] and r2["process_count"] == 2 and r2["meta_version"] == 2
-    for m1, m2 in zip(r1["metrics"], r2["metrics"]):
+    assert r2["restore_ok"] and r2["process_count"] == 2 and r2["meta_version"] == 2
+    for a, b in zip(m1, r2["metrics"]):
         for k in ("loss", "grad_norm", "tokens", "train_infer_retained", "ewma_retained"):
-            assert m1[k] == pytest.approx(m2[k], abs=1e-5), k
-    p1, p2 = np.load(tmp_path / "result_1.npz"), np.load(tmp_path / "result_2.npz")
-    assert sorted(p1.files) == sorted(p2.files) and any(k.startswith("ewma/") for k in p1.files)
-    for k in p1.files:
+            assert a[k] == pytest.approx(b[k], abs=1e-5), k
+    p2 = np.load(tmp_path / "result_2.npz")
+    assert sorted(p1) == sorted(p2.files) and any(k.startswith("ewma/") for k in p1)
+    for k in p1:
         np.testing.assert_allclose(p1[k], p2[k], atol=1e-5, err_msg=k)

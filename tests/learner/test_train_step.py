@@ -23,6 +23,7 @@ def single():
     return _learner()
 
 
+@pytest.mark.slow
 def test_microbatch_accumulation_is_exact(single):
     batch = make_batch(3, B=8, T=16)
     four = _learner(microbatches=4)
