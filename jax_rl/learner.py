@@ -57,6 +57,13 @@ m = ``optim.microbatches``) into an array [U, m, r, T] whose row axis ``r`` is s
 the mesh axes of the logical name ``activation_batch`` (mesh axes that do not divide r are
 dropped). Minibatch u, microbatch j is rows ``(u*m + j)*r : (u*m + j + 1)*r`` of the batch.
 
+Compiled functions (init, train step, log-prob forward, grads) are cached at module level
+by (config, model config, mesh) and shared between learners with equal keys (a restore into a
+fresh learner compiles nothing); the cache holds only a static view of the learner, no arrays.
+All log-prob forwards (proximal, EWMA, snapshot, the gradient forward) go through one
+function, :meth:`Learner._logprobs` (``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits,
+temperature ``rollout.temperature``).
+
 Multi-process (TPU pods, or CPU processes with gloo collectives): call
 :func:`initialize_distributed` (done by :class:`Learner` when ``runtime.coordinator`` /
 ``runtime.num_processes`` are set, or on a TPU pod) before anything touches jax. Each process

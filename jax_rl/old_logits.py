@@ -105,6 +105,7 @@ class SnapshotStore:
         self._disk: dict[int, Path] = {}
         self._own_dir = False
         self._ckptr = None
+        self._shapes = None  # tree of ShapeDtypeStruct of the stored params (disk store)
         if store == "disk":
             import orbax.checkpoint as ocp
 
@@ -152,6 +153,7 @@ class SnapshotStore:
                 shutil.rmtree(path)
             self._ckptr.save(path, params, force=True)
             self._disk[version] = path
+            self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         evicted = []
         while len(self.versions) > self.keep:
             old = self.versions[0]
@@ -189,7 +191,7 @@ class SnapshotStore:
         from jax_rl.checkpoint import abstract_like
 
         self._wait()
-        target = abstract_like(self._abstract_tree(shardings), shardings)
+        target = abstract_like(self._shapes, shardings)
         return self._ckptr.restore(self._disk[version], target)
 
     def export(self, shardings: Any) -> dict[str, Any]:
@@ -216,14 +218,6 @@ class SnapshotStore:
     def _wait(self) -> None:
         if self._ckptr is not None:
             self._ckptr.wait_until_finished()
-
-    def _abstract_tree(self, shardings: Any) -> Any:
-        # shapes/dtypes are read from the Orbax metadata of the newest version
-        newest = self._disk[self.versions[-1]]
-        meta = self._ckptr.metadata(newest)
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        return jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree, shardings)
 
 
 def _is_host_leaf(x: Any) -> bool:

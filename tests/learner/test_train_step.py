@@ -85,3 +85,18 @@ def test_sft_step_reduces_loss(single):
     losses = [single.sft_step(sft)["sft_loss"] for _ in range(4)]
     assert losses[-1] < losses[0] and single.version == v
     assert single.train_step(b)["version"] == v + 1
+
+
+def test_linear_prox_default_init_and_disk_store(tmp_path):
+    """linear_prox (no extra forward) with measure_error on a disk snapshot store, from the
+    model's own random init (no init_params)."""
+    cfg = make_cfg("linear_prox", old_logits={"measure_error": True, "store": "disk"},
+                   run={"dir": str(tmp_path), "steps": 10})
+    lrn = Learner(cfg, mesh=make_mesh(devices=jax.devices()[:1]))
+    m = lrn.train_step(make_batch(11, B=8, T=16, version=0))
+    # fresh tokens (staleness 0): pi_prox = mu exactly, and the exact old logits are pi_0
+    assert m["prox_abs_err_mean"] > 0 and np.isfinite(m["loss"]) and m["old_logits_versions"] == 2
+    assert lrn.store.kind == "disk" and (tmp_path / "old_logits" / "v1").exists()
+    m = lrn.train_step(make_batch(12, B=8, T=16, version=0))  # staleness 1: alpha = 1/2
+    assert m["staleness_mean"] == 1.0 and lrn.version == 2
+    lrn.close()
