@@ -87,6 +87,7 @@ def test_sft_step_reduces_loss(single):
     assert single.train_step(b)["version"] == v + 1
 
 
+@pytest.mark.slow
 def test_linear_prox_default_init_and_disk_store(tmp_path):
     """linear_prox (no extra forward) with measure_error on a disk snapshot store, from the
     model's own random init (no init_params)."""
