@@ -15,8 +15,8 @@ For each model config (``tiny`` = the tiny_dense preset; ``small`` = 4 layers, d
   separate the learner's overhead (loss, AdamW, metrics) from the model's own speed;
 - the EWMA bookkeeping alone (reset select + update over the params, jitted).
 
-``decoupled`` with one update per step costs no extra forward here: its no-grad forward at the
-step-start params is the same computation as the gradient forward and XLA merges the two.
+``decoupled`` with one update per step: its no-grad forward at the step-start params is the
+same computation as the gradient forward, which XLA may or may not merge (runs vary).
 
 FLOPs of a step: 6 * N_params_nonembedding * tokens + attention 12 * L * T * H * Dh * tokens / 2
 (causal) + the LM head 6 * V * d * tokens; the no-grad forward of ppo_ewma/decoupled adds
