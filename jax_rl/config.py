@@ -149,18 +149,23 @@ class LossConfig(_Section):
     correction: Literal["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"] = "ppo_ewma"
     """Where pi_prox comes from (README: correction-mode table)."""
     clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip: ratio lower bound 1 - clip_eps_low (pi_theta/pi_prox)."""
     clip_eps_high: float = Field(0.2, gt=0)
+    """PPO clip: ratio upper bound 1 + clip_eps_high (clip-higher when > clip_eps_low)."""
     dual_clip_c: Optional[float] = Field(None, gt=1)
     """Dual clip for negative advantages: loss <= -c * A (None = off)."""
     train_infer_mode: Literal["none", "mask", "truncate"] = "mask"
     """Train-infer correction on pi_prox/mu: mask = MIS, truncate = TIS weight."""
     train_infer_level: Literal["token", "sequence", "geometric", "turn"] = "token"
+    """Granularity of the train-infer factor: token, sequence (log-space product), geometric (length-normalised), turn."""
     train_infer_high: float = Field(2.0, gt=0)
+    """Upper threshold on pi_prox/mu (mask bound or truncation cap)."""
     train_infer_low: Optional[float] = Field(None, ge=0)
     """Lower threshold; None means symmetric in log space: 1 / train_infer_high."""
     catastrophic_logratio: Optional[float] = None
     """Drop a whole sequence if any valid token has log(pi_prox/mu) below this (e.g. -9.2)."""
     agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    """Loss aggregation (ROLL names)."""
     keep_masked_in_denominator: bool = True
     """True = AReaL (masked tokens stay in the denominator), False = ROLL/verl."""
     seq_sum_norm_len: Optional[int] = Field(None, ge=1)
@@ -173,10 +178,13 @@ class LossConfig(_Section):
     ewma_beta: Optional[float] = Field(None, ge=0, lt=1)
     """Explicit EWMA beta (weight on history); overrides ewma_beta_rule."""
     ewma_bias_correction: bool = True
+    """Hilton's bias-corrected EWMA (theta_bar starts exactly at theta)."""
     ewma_reset_threshold: float = Field(0.9, ge=0, le=1)
     """Reset theta_bar <- theta when train_infer_retained < this for `patience` steps."""
     ewma_reset_patience: int = Field(1, ge=1)
+    """Consecutive low-R steps before theta_bar resets."""
     entropy_coef: float = 0.0
+    """Entropy bonus coefficient (not supported by the learner yet; must be 0)."""
 
     @model_validator(mode="after")
     def _thresholds(self) -> "LossConfig":
@@ -347,6 +355,8 @@ class OldLogitsConfig(_Section):
     """Exact old-logit route for loss.correction=exact."""
     store: Literal["host", "disk"] = "host"
     """Snapshot store: host (numpy in RAM) or disk (Orbax under the run dir)."""
+    dir: Optional[str] = None
+    """Snapshot dir for store=disk; default <run.dir>/old_logits."""
     measure_error: bool = False
     """Also compute exact old logits under ppo_ewma/linear_prox and log the approximation error."""
 
@@ -458,9 +468,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = e["msg"]
             if e["type"] == "literal_error" and "expected" in (e.get("ctx") or {}):
                 msg = f"must be one of {e['ctx']['expected']}"
-            where = f"'{loc}'" if loc else "config"
-            val_s = "" if isinstance(val, dict) else f"={val!r}"
-            lines.append(f"invalid value {where}{val_s}: {msg}")
+            msg = msg.removeprefix("Value error, ")
+            if not loc or isinstance(val, dict):  # a section-level rule: its message names the keys
+                lines.append(f"invalid config{' in ' + repr(loc) if loc else ''}: {msg}")
+            else:
+                lines.append(f"invalid value '{loc}'={val!r}: {msg}")
     return f"{source}: " + "; ".join(lines)
 
 
