@@ -31,6 +31,7 @@ Every parameter carries its logical axis names in the ``out_sharding`` metadata 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -436,6 +437,60 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rot * sin
 
 
+def _to_heads(x: Array, K: int) -> Array:
+    """[B,T,N,H] -> [B,K,G*T,H] (kv-head major; the G query heads of a kv head stacked on T)."""
+    B, T, N, H = x.shape
+    return x.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
+
+
+def _from_heads(o: Array, T: int) -> Array:
+    """[B,K,G*T,H] -> [B,T,N,H] (inverse of ``_to_heads``)."""
+    B, K, M, H = o.shape
+    G = M // T
+    return o.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+
+
+def _attn_probs(qh: Array, kh: Array, mask: Array, G: int) -> Array:
+    """Softmax probabilities [B,K,G*T,S] float32 (HF eager: scale after the dot, fp32)."""
+    B, K, M, H = qh.shape
+    S = kh.shape[2]
+    s = jnp.einsum("bkmh,bksh->bkms", qh, kh, preferred_element_type=jnp.float32) * (H ** -0.5)
+    s = jnp.where(mask[:, None, None], s.reshape(B, K, G, M // G, S), _NEG_INF)
+    return jax.nn.softmax(s, axis=-1).reshape(B, K, M, S)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attn_core(qh: Array, kh: Array, vh: Array, mask: Array, G: int) -> Array:
+    """Grouped attention in head-major layout: qh [B,K,G*T,H], kh/vh [B,K,S,H], mask [B,T,S]
+    -> [B,K,G*T,H] (vh.dtype). A hand-written backward (same maths as autodiff) whose dots all
+    take their operands in row-major order, so XLA:CPU inserts no transposes of [T,S] arrays."""
+    return jnp.einsum("bkms,bksh->bkmh", _attn_probs(qh, kh, mask, G).astype(vh.dtype), vh)
+
+
+def _attn_core_fwd(qh, kh, vh, mask, G):
+    p = _attn_probs(qh, kh, mask, G).astype(vh.dtype)
+    return jnp.einsum("bkms,bksh->bkmh", p, vh), (qh, kh, vh, mask, p)
+
+
+def _attn_core_bwd(G, res, do):
+    qh, kh, vh, mask, p = res
+    B, K, M, H = qh.shape
+    S = kh.shape[2]
+    do = do.astype(vh.dtype)
+    dp = jnp.einsum("bkmh,bksh->bkms", do, vh, preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bkhm,bkms->bkhs", do.swapaxes(-1, -2), p).swapaxes(-1, -2)
+    pf = p.astype(jnp.float32)
+    ds = pf * (dp - jnp.sum(dp * pf, axis=-1, keepdims=True))  # softmax vjp
+    ds = jnp.where(mask[:, None, None], ds.reshape(B, K, G, M // G, S), 0.0)  # where vjp
+    ds = (ds.reshape(B, K, M, S) * (H ** -0.5)).astype(qh.dtype)
+    dq = jnp.einsum("bkms,bksh->bkmh", ds, kh)
+    dk = jnp.einsum("bkhm,bkms->bkhs", qh.swapaxes(-1, -2), ds).swapaxes(-1, -2)
+    return dq, dk.astype(kh.dtype), dv.astype(vh.dtype), None
+
+
+_attn_core.defvjp(_attn_core_fwd, _attn_core_bwd)
+
+
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """GQA softmax attention (HF eager numerics: scores scaled after the dot, fp32 softmax).
 
@@ -443,13 +498,80 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """
     B, T, N, H = q.shape
     K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (H ** -0.5)
-    s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v)
-    return o.reshape(B, T, N, H)
+    if T == 1:  # decode: no transpose of the cache
+        qg = q.reshape(B, K, N // K, H)
+        s = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32)
+        s = jnp.where(mask[:, :, None, :], s * (H ** -0.5), _NEG_INF)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgs,bskh->bkgh", p, v).reshape(B, 1, N, H).astype(q.dtype)
+    kh = k.transpose(0, 2, 1, 3)
+    vh = v.transpose(0, 2, 1, 3)
+    o = _attn_core(_to_heads(q, K), kh, vh, mask, N // K)
+    return _from_heads(o, T).astype(q.dtype)
+
+
+_CAUSAL_BLOCK = 80  # query rows per block of the causal attention (see _attend_causal)
+
+
+def _attend_causal(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """``attend`` for a mask that is causal (``mask[b,t,s]`` False for ``s > t``) with S == T:
+    the queries are split into blocks and block i only scores keys ``< end_i``, skipping the
+    upper triangle (~40% of the work at 4 blocks). Same values as ``attend``."""
+    B, T, N, H = q.shape
+    nb = max(1, min(8, T // _CAUSAL_BLOCK))
+    if nb == 1:
+        return attend(q, k, v, mask)
+    K = k.shape[2]
+    kh = k.transpose(0, 2, 1, 3)
+    vh = v.transpose(0, 2, 1, 3)
+    bounds = [round(i * T / nb) for i in range(nb + 1)]
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o = _attn_core(_to_heads(q[:, a:b], K), kh[:, :, :b], vh[:, :, :b], mask[:, a:b, :b],
+                       N // K)
+        outs.append(_from_heads(o, b - a))
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
+
+
+def _wgrad(x: Array, dy: Array) -> Array:
+    """``x^T @ dy`` for x [M,I], dy [M,O] -> [I,O]. XLA:CPU's fast GEMM wants row-major
+    operands, so the smaller of the two is transposed explicitly (the barrier stops XLA from
+    folding the transpose back into the dot and transposing - or fusing elementwise producers
+    into a transpose of - the larger one)."""
+    if x.shape[1] <= dy.shape[1]:
+        return jnp.dot(jax.lax.optimization_barrier(x.T), dy)
+    return jnp.dot(jax.lax.optimization_barrier(dy.T), x).T
+
+
+@jax.custom_vjp
+def _dense(x: Array, w: Array) -> Array:
+    """``x [..., I] @ w [I, O]`` (x.dtype); same values and gradients as the plain dot, with a
+    backward laid out for XLA:CPU (see ``_wgrad``)."""
+    return jnp.dot(x, w)
+
+
+def _dense_fwd(x, w):
+    return jnp.dot(x, w), (x, w)
+
+
+def _dense_bwd(res, dy):
+    x, w = res
+    dy = dy.astype(x.dtype)
+    dx = jnp.dot(dy, w.T)
+    dw = _wgrad(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
+    return dx, dw.astype(w.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _proj(x: Array, w: Array, n_in: int = 1) -> Array:
+    """Contract the last ``n_in`` dims of x with the first ``n_in`` of w (an einsum such as
+    ``btd,dnh->btnh``) as one 2-D ``_dense``."""
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    y = _dense(x.reshape(*x.shape[:x.ndim - n_in], math.prod(in_shape)),
+               w.reshape(math.prod(in_shape), math.prod(out_shape)))
+    return y.reshape(*x.shape[:x.ndim - n_in], *out_shape)
 
 
 class Attention(nnx.Module):
@@ -471,9 +593,9 @@ class Attention(nnx.Module):
         """x [B,T,D], positions [B,T] -> q [B,T,N,H], k/v [B,T,K,H] (normed + rotated)."""
         dt = self.dtype
         x = x.astype(dt)
-        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+        q = _proj(x, self.q_proj[...].astype(dt))
+        k = _proj(x, self.k_proj[...].astype(dt))
+        v = _proj(x, self.v_proj[...].astype(dt))
         q = self.q_norm(q)
         k = self.k_norm(k)
         cos, sin = rope_cos_sin(positions, q.shape[-1], self.theta)
@@ -481,7 +603,7 @@ class Attention(nnx.Module):
 
     def out(self, o: Array) -> Array:
         """o [B,T,N,H] -> [B,T,D]."""
-        return jnp.einsum("btnh,nhd->btd", o, self.o_proj[...].astype(self.dtype))
+        return _proj(o.astype(self.dtype), self.o_proj[...].astype(self.dtype), n_in=2)
 
 
 class MLP(nnx.Module):
@@ -496,9 +618,9 @@ class MLP(nnx.Module):
     def __call__(self, x: Array) -> Array:
         dt = self.dtype
         x = x.astype(dt)
-        g = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
-        u = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
+        g = _proj(x, self.gate_proj[...].astype(dt))
+        u = _proj(x, self.up_proj[...].astype(dt))
+        return _proj(jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
 
 
 class MoE(nnx.Module):
@@ -753,7 +875,7 @@ class Qwen3ForCausalLM(nnx.Module):
             positions = self._default_positions(B, T)
         mask = self._full_mask(B, T, attention_mask)
         return self._trunk(self.embed(input_ids), positions, lambda i: (
-            lambda q, k, v: attend(q, k, v, mask)), forced_expert_ids, output_hidden_states,
+            lambda q, k, v: _attend_causal(q, k, v, mask)), forced_expert_ids, output_hidden_states,
             remat=self.remat)
 
     # ---- public forward paths ----------------------------------------------------------------
@@ -809,7 +931,7 @@ class Qwen3ForCausalLM(nnx.Module):
             def fn(q, k, v):
                 new_k.append(k)
                 new_v.append(v)
-                return attend(q, k, v, mask)
+                return _attend_causal(q, k, v, mask)
             return fn
 
         h, _, _ = self._trunk(self.embed(input_ids), positions, attend_for_layer)
