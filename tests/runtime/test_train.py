@@ -60,6 +60,7 @@ def _finite(rows):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("correction", ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"])
 def test_smoke_each_correction(tmp_path, correction):
     cfg = _cfg(tmp_path, f"loss.correction={correction}", "run.steps=2")
@@ -105,6 +106,7 @@ def _check_plot_cli(run_dir, out):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_k2_slow_learner_bounded_and_stale(tmp_path, monkeypatch):
     from jax_rl import learner as L
 
@@ -128,6 +130,7 @@ def _strip(row):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_resume_k0_identical(tmp_path):
     common = ["async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3", "checkpoint.every=2"]
     a = _cfg(tmp_path, *common, "run.steps=4", name="straight")
@@ -146,6 +149,7 @@ def test_resume_k0_identical(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_resume_k2_keeps_buffer_and_counters(tmp_path):
     common = ["async.max_staleness=2", "loss.correction=ppo"]
     c1 = _cfg(tmp_path, *common, "run.steps=2", name="r")
@@ -166,6 +170,7 @@ def test_resume_k2_keeps_buffer_and_counters(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sigterm_leaves_restorable_checkpoint(tmp_path):
     d = tmp_path / "sig"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
