@@ -79,7 +79,10 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         from jax_rl.learner import Learner
 
-        self.learner = Learner(cfg, model_config=self.model_config)
+        mesh, init_params = None, None
+        if cfg.model.checkpoint:
+            init_params, mesh = _load_hf_params(cfg, self.model_config)
+        self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         self.meta: dict[str, Any] = {}
         self._eval_gen = None
         self.writer = None
@@ -162,6 +165,19 @@ class Trainer:
             self._eval_gen = None
         if self.writer is not None:
             self.writer.close()
+
+
+def _load_hf_params(cfg: Config, model_config):
+    """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_rl.models.hf_io import load_pretrained
+    from jax_rl.sharding import make_mesh
+
+    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
+    model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    return nnx.state(model, nnx.Param), mesh
 
 
 def _is_primary() -> bool:

@@ -1,0 +1,66 @@
+"""Runtime wiring that needs no rollout: HF checkpoint loading, model config errors, advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_rl.config import CONFIG_DIR, ConfigError, load_config
+from jax_rl.runtime import components as C
+
+
+def test_trainer_starts_from_hf_checkpoint(tmp_path):
+    import jax
+    from flax import nnx
+
+    from jax_rl.models.hf_io import save_pretrained
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+    from jax_rl.runtime.train import Trainer
+
+    mc = get_preset("tiny_dense")
+    model = Qwen3ForCausalLM(mc, rngs=nnx.Rngs(123))
+    save_pretrained(model, mc, tmp_path / "hf")
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [f"model.checkpoint={tmp_path / 'hf'}", "model.hf_overrides={}",
+                                                     f"run.dir={tmp_path / 'run'}", "logging.tensorboard=false"])
+    tr = Trainer(cfg)
+    try:
+        got = tr.learner.get_params(host=True)
+        want = nnx.state(model, nnx.Param)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    finally:
+        tr.close()
+        tr.learner.close()
+
+
+def test_model_config_errors_name_the_culprit(tmp_path):
+    tok = C.build_tokenizer(load_config(CONFIG_DIR / "tiny_cpu.yaml"))
+    with pytest.raises(ConfigError, match="model.preset='nope'"):
+        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.preset=nope"]), tok)
+    with pytest.raises(ConfigError, match="vocab"):
+        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={vocab_size: 100}"]), tok)
+    with pytest.raises(ConfigError, match="model"):
+        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={hiden_size: 8}"]), tok)
+
+
+def test_group_advantages_per_group():
+    from rollout.types import Trajectory
+
+    def traj(r, g):
+        z = np.zeros(3)
+        return Trajectory(tokens=z.astype(np.int32), loss_mask=z.astype(bool), behav_logp=z.astype(np.float32),
+                          versions=z.astype(np.int32) - 1, turn_ids=z.astype(np.int32) - 1, reward=r, group_id=g,
+                          env="calculator", seed=g, info={})
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml")
+    groups = [[traj(1.0, 0), traj(0.0, 0)], [traj(1.0, 1), traj(1.0, 1)]]
+    adv = C.compute_advantages(cfg, groups)
+    assert adv[0][0] > 0 > adv[0][1]
+    np.testing.assert_array_equal(adv[1], [0.0, 0.0])  # equal rewards: exactly zero
+
+
+def test_resume_without_run_dir_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["resume=true"])
+    with pytest.raises(ConfigError, match="resume=true"):
+        C.resolve_run_dir(cfg)
