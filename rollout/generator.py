@@ -179,6 +179,9 @@ class Generator:
             self._resolve(req, "length")
             return fut
         with self._lock:
+            if getattr(self, "_closed", False):  # stopped: never leave a caller waiting forever
+                fut.set_exception(RuntimeError("generator stopped"))
+                return fut
             self._queue.append(req)
             self._wake.notify_all()
         return fut
@@ -245,6 +248,7 @@ class Generator:
         """Start the background decode thread (idempotent)."""
         if self._thread is not None:
             return self
+        self._closed = False
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="rollout-generator", daemon=True)
         self._thread.start()
@@ -254,6 +258,7 @@ class Generator:
         """Stop the background thread; unfinished requests fail with RuntimeError."""
         with self._lock:
             self._running = False
+            self._closed = True
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
