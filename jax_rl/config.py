@@ -533,6 +533,8 @@ def parse_overrides(items: list[str]) -> dict:
         node = out
         parts = key.split(".")
         for p in parts[:-1]:
+            if p == "runtime" and isinstance(node.get(p), str):  # `runtime=ray runtime.ray_workers=2`
+                node[p] = {"kind": node[p]}
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{p}'")

@@ -60,7 +60,8 @@ def test_overrides_types_and_nesting():
     cfg = load_config(
         CONFIG_DIR / "tiny_cpu.yaml",
         ["loss.correction=ppo", "async.max_staleness=0", "optim.lr=3e-4", "loss.dual_clip_c=3",
-         "env.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "model.hf_overrides={hidden_size: 32}"],
+         "env.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "runtime.ray_workers=3",
+         "model.hf_overrides={hidden_size: 32}"],
     )
     assert cfg.loss.correction == "ppo"
     assert cfg.async_.max_staleness == 0
@@ -68,7 +69,7 @@ def test_overrides_types_and_nesting():
     assert cfg.loss.dual_clip_c == 3
     assert cfg.env.datasets == ["chain_sum"]
     assert cfg.logging.wandb is True
-    assert cfg.runtime.kind == "ray"
+    assert cfg.runtime.kind == "ray" and cfg.runtime.ray_workers == 3
     assert cfg.model.hf_overrides == {"hidden_size": 32}
 
 

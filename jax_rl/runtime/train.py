@@ -318,8 +318,8 @@ def run_train(cfg: Config) -> int:
     start_step = 0
     try:
         if cfg.resume:
-            meta = tr.learner.restore(tr.ckpt_dir)
-            tr.meta = dict(meta or {})
+            meta = tr.learner.restore(tr.ckpt_dir) or {}
+            tr.meta = dict(meta.get("runtime") or {})  # what _save handed in as extra_metadata
             start_step = int(tr.meta.get("rl_steps", tr.learner.step))
             print(f"resumed from {tr.ckpt_dir} at RL step {start_step} (version {tr.learner.version})")
         if not tr.meta.get("sft_done"):

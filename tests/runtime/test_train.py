@@ -200,5 +200,5 @@ def test_sigterm_leaves_restorable_checkpoint(tmp_path):
     cfg = load_config(d / "config.yaml")
     lrn = Learner(cfg)
     meta = lrn.restore(d / "checkpoints")
-    assert lrn.version == steps and meta["rl_steps"] == steps
+    assert lrn.version == steps and meta["runtime"]["rl_steps"] == steps
     lrn.close()
