@@ -344,19 +344,14 @@ class MetricsWriter:
         Returns:
             The row as written (``None`` on non-primary processes or after :meth:`close`).
         """
-        if not self.is_primary:
-            return None
-        with self._lock:
-            if self._closed:
-                _warn_once("closed", "MetricsWriter.write after close(); ignored")
-                return None
-            row = self._record(step, metrics)
-            self._append(self.metrics_path, row)
-            self._mirror(int(step), row, prefix="")
-            return row
+        return self._write_row(self.metrics_path, step, metrics, prefix="")
 
     def write_eval(self, step: int, metrics: Mapping[str, Any]) -> Optional[dict[str, Any]]:
         """Append one line to ``eval.jsonl``; scalars go to TensorBoard / W&B under ``eval/``."""
+        return self._write_row(self.eval_path, step, metrics, prefix="eval/")
+
+    def _write_row(self, path: Path, step: int, metrics: Mapping[str, Any], prefix: str) -> Optional[dict[str, Any]]:
+        """Append one sanitised row to ``path`` and mirror it to TensorBoard / W&B under ``prefix``."""
         if not self.is_primary:
             return None
         with self._lock:
@@ -364,8 +359,8 @@ class MetricsWriter:
                 _warn_once("closed", "MetricsWriter.write after close(); ignored")
                 return None
             row = self._record(step, metrics)
-            self._append(self.eval_path, row)
-            self._mirror(int(step), row, prefix="eval/")
+            self._append(path, row)
+            self._mirror(int(step), row, prefix=prefix)
             return row
 
     def write_summary(self, summary: Mapping[str, Any], name: str = "summary.json") -> Optional[Path]:
