@@ -27,6 +27,8 @@ __all__ = [
     "sft_examples",
     "compute_advantages",
     "pad_examples",
+    "learner_batch",
+    "step_row",
 ]
 
 
@@ -171,3 +173,53 @@ def compute_advantages(cfg: Config, groups: Sequence[Sequence[Any]]) -> list[np.
         out.append(adv[i: i + len(g)])
         i += len(g)
     return out
+
+
+def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
+    """Turn GRPO groups from the buffer into a learner batch.
+
+    Groups are sorted by ``group_id`` so the row order (hence fp32 summation order) does not
+    depend on which rollout thread finished first.
+
+    Returns:
+        ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
+        the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
+        advantages broadcast over each row.
+
+    Raises:
+        jax_rl.learner.BatchError: a trajectory longer than ``optim.max_seq_len``.
+    """
+    from jax_rl.learner import collate
+
+    groups = sorted(groups, key=lambda g: g[0].group_id)
+    adv = compute_advantages(cfg, groups)
+    trajs = [t for g in groups for t in g]
+    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
+    return groups, trajs, batch
+
+
+def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, groups, trajs,
+             version_trained: int) -> dict:
+    """The ``metrics.jsonl`` fields every runtime writes for one learner step.
+
+    ``staleness_mean`` / ``staleness_max`` (versions) come from the learner's metrics; they are
+    computed here from ``batch["versions"]`` against ``version_trained`` only when missing.
+    """
+    row = dict(metrics)
+    v = batch["versions"]
+    m = batch["loss_mask"] & (v >= 0)
+    s = (version_trained - v)[m]
+    row.setdefault("staleness_mean", float(s.mean()) if s.size else 0.0)
+    row.setdefault("staleness_max", int(s.max()) if s.size else 0)
+    rewards = np.asarray([t.reward for t in trajs], np.float32)
+    row.update({
+        "step": step,
+        "version": version,
+        "prox_source": cfg.loss.correction,
+        "group_ids": [int(g[0].group_id) for g in groups],
+        "reward_mean": float(rewards.mean()),
+        "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
+        "episode_len_mean": float(np.mean([len(t) for t in trajs])),
+        "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+    })
+    return row

@@ -155,10 +155,7 @@ def _actors():
             return int(self.tr.tokenizer.pad_id)
 
         def sft_and_eval(self) -> dict:
-            from jax_rl.runtime.train import _finish_sft
-
             m = self.tr.sft(progress=False) if self.cfg.sft.steps > 0 else {}
-            _finish_sft(self.tr.learner)
             ev = self.tr.evaluate(0, label="after_sft")
             self.tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m)
             return ev
@@ -194,10 +191,9 @@ def run_train_ray(cfg: Config) -> int:
     groups to rollout workers, feeds the buffer actor, and broadcasts each version's params."""
     import ray
 
-    from jax_rl.learner import collate
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import _json_safe, _staleness_stats
+    from jax_rl.runtime.train import _json_safe
     from rollout.types import Trajectory
 
     t0 = time.perf_counter()
@@ -294,24 +290,19 @@ def run_train_ray(cfg: Config) -> int:
                     if groups is None:
                         collect(0.2)
                 wait_s = time.perf_counter() - t_wait
-                groups = sorted([[Trajectory.from_dict(d) for d in g] for g in groups], key=lambda g: g[0].group_id)
-                adv = C.compute_advantages(cfg, groups)
-                trajs = [t for g in groups for t in g]
-                batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-                st = _staleness_stats(batch, version)
+                groups = [[Trajectory.from_dict(d) for d in g] for g in groups]
+                groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
+                v_train = version
                 metrics = ray.get(learner.train_step.remote(batch))
                 version = ray.get(learner.version.remote())
                 params_ref = learner.get_params.remote()  # one object-store copy per version
                 for w in workers:
                     w.set_params.remote(params_ref, version)
-                rewards = np.asarray([t.reward for t in trajs], np.float32)
-                row = {**metrics, **{k: v for k, v in st.items() if k not in metrics},
-                       "step": step + 1, "version": version, "prox_source": cfg.loss.correction,
-                       "group_ids": [int(g[0].group_id) for g in groups], "reward_mean": float(rewards.mean()),
-                       "success_rate": float((rewards >= 1.0 - 1e-6).mean()), "wait_s": wait_s,
-                       **{f"buffer/{k}": v for k, v in ray.get(buffer.stats.remote()).items()},
-                       **{f"ray/{k}": v for k, v in counters.items()},
-                       "wall_s": time.perf_counter() - t0}
+                row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
+                row.update({"wait_s": wait_s,
+                            **{f"buffer/{k}": v for k, v in ray.get(buffer.stats.remote()).items()},
+                            **{f"ray/{k}": v for k, v in counters.items()},
+                            "wall_s": time.perf_counter() - t0})
                 writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)

@@ -186,25 +186,9 @@ def _is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def _finish_sft(learner) -> None:
-    """End the SFT stage: the learner's RL optimizer, EWMA and version start from the SFT params."""
-    fn = getattr(learner, "finish_sft", None) or getattr(learner, "_finish_sft")
-    fn()
-
-
-def _staleness_stats(batch: dict, version: int) -> dict:
-    v = batch["versions"]
-    m = batch["loss_mask"] & (v >= 0)
-    if not m.any():
-        return {"staleness_mean": 0.0, "staleness_max": 0}
-    s = (version - v)[m]
-    return {"staleness_mean": float(s.mean()), "staleness_max": int(s.max())}
-
-
 def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     """The embedded asynchronous RL loop. Returns the last metrics row."""
     from jax_rl.console import TrainProgress
-    from jax_rl.learner import collate
     from rollout.agent import AgentLoop
     from rollout.buffer import TrajectoryBuffer
     from jax_rl.runtime.embedded import RolloutManager
@@ -240,12 +224,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
-                groups = sorted(groups, key=lambda g: g[0].group_id)
-                adv = C.compute_advantages(cfg, groups)
-                trajs = [t for g in groups for t in g]
-                batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=tr.tokenizer.pad_id)
+                groups, trajs, batch = C.learner_batch(cfg, groups, tr.tokenizer.pad_id)
                 v_train = tr.learner.version
-                st = _staleness_stats(batch, v_train)
                 metrics = tr.learner.train_step(batch)
                 t_pub = time.perf_counter()
                 new_params = tr.learner.get_params()
@@ -253,26 +233,14 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                     g.update_params(new_params, tr.learner.version)
                 published["version"] = tr.learner.version
                 buffer.notify()
-                rewards = np.asarray([t.reward for t in trajs], np.float32)
-                row = {
-                    **{k: v for k, v in metrics.items()},
-                    **{k: v for k, v in st.items() if k not in metrics},
-                    "step": step + 1,
-                    "version": tr.learner.version,
-                    "prox_source": cfg.loss.correction,
-                    "group_ids": [int(g[0].group_id) for g in groups],
-                    "reward_mean": float(rewards.mean()),
-                    "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
+                row = C.step_row(cfg, step + 1, tr.learner.version, metrics, batch, groups, trajs, v_train)
+                row.update({
                     "rollout_tokens_per_s": mgr.rollout_tokens_per_s(),
                     "wait_s": wait_s,
                     "publish_s": time.perf_counter() - t_pub,
-                    "episode_len_mean": float(np.mean([len(t) for t in trajs])),
-                    "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
                     **{f"buffer/{k}": v for k, v in buffer.stats().items()},
                     "wall_s": time.perf_counter() - tr.t0,
-                }
-                row.setdefault("staleness_mean", st["staleness_mean"])
-                row.setdefault("staleness_max", st["staleness_max"])
+                })
                 tr.writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)
@@ -326,8 +294,7 @@ def run_train(cfg: Config) -> int:
             if cfg.sft.steps > 0:
                 sft_metrics = tr.sft()
                 tr.meta["sft_metrics"] = sft_metrics
-            _finish_sft(tr.learner)
-            tr.meta["sft_done"] = True
+            tr.meta["sft_done"] = True  # the learner ends SFT (EWMA <- params) at its next get_params
             ev = tr.evaluate(0, label="after_sft")
             tr.meta["sft_success"] = ev["success"]
             tr.meta["sft_eval"] = ev
@@ -391,7 +358,6 @@ def run_sft(cfg: Config) -> int:
     tr.open_writer()
     try:
         m = tr.sft()
-        _finish_sft(tr.learner)
         ev = tr.evaluate(0, label="after_sft")
         tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, rl_steps=0)
         _save(tr)
