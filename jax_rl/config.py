@@ -74,7 +74,12 @@ class ModelConfig(_Section):
     hf_overrides: dict[str, Any] = Field(default_factory=dict)
     """HF config.json field overrides applied on top of the preset, e.g. ``{hidden_size: 64}``."""
     tokenizer: str = "compact"
-    """``compact`` (byte-level demo tokenizer) or a path to tokenizer.json / a dir holding it."""
+    """``compact`` (byte-level demo tokenizer), ``bpe`` (a byte-level BPE trained at startup on the
+    environment's reference demonstrations of training seeds, saved as ``<run.dir>/tokenizer.json``),
+    or a path to tokenizer.json / a dir holding it."""
+    bpe_vocab_size: int = Field(1024, ge=282)
+    """Upper bound on the ``bpe`` tokenizer's vocabulary (incl. 256 bytes and 26 added tokens);
+    must not exceed the model's ``vocab_size``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype. Master params are always fp32; logits are always fp32."""
     moe_dispatch: Literal["dense", "ragged"] = "dense"

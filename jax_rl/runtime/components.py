@@ -58,10 +58,31 @@ def resolve_run_dir(cfg: Config, *, create: bool = True) -> Path:
     return d
 
 
-def build_tokenizer(cfg: Config):
-    from jax_rl.models.tokenizer import load_tokenizer
+# Reference demonstrations (training seeds) the ``bpe`` tokenizer is trained on.
+BPE_CORPUS_DEMOS = 2000
 
-    return load_tokenizer(cfg.model.tokenizer)
+
+def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None):
+    """The :class:`~jax_rl.models.tokenizer.ChatTokenizer` of ``model.tokenizer``.
+
+    ``bpe`` trains :func:`~jax_rl.models.tokenizer.train_bpe_tokenizer` (vocab at most
+    ``model.bpe_vocab_size``) on the chat transcripts of :data:`BPE_CORPUS_DEMOS` reference
+    demonstrations from training seeds, so held-out eval seeds never shape the vocabulary. It is
+    deterministic, so every process (Ray workers, ``jax-rl eval``) rebuilds the same one.
+    """
+    from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
+
+    if cfg.model.tokenizer != "bpe":
+        return load_tokenizer(cfg.model.tokenizer)
+    env = (env_factory or build_env_factory(cfg))()
+    texts = []
+    for i in range(BPE_CORPUS_DEMOS):
+        seed = cfg.env.train_seed_offset + i
+        messages, tools = env.reset(seed)
+        demo = env.reference_solution(seed)
+        texts.append(render_chat_text(list(messages) + list(demo), tools if cfg.rollout.render_tools else None,
+                                      preserve_thinking=True))
+    return train_bpe_tokenizer(texts, cfg.model.bpe_vocab_size, name="bpe")
 
 
 def build_model_config(cfg: Config, tokenizer=None):

@@ -74,9 +74,11 @@ class Trainer:
         self.t0 = time.perf_counter()
         self.run_dir = C.resolve_run_dir(cfg, create=create_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.tokenizer = C.build_tokenizer(cfg)
-        self.model_config = C.build_model_config(cfg, self.tokenizer)
         self.env_factory = C.build_env_factory(cfg)
+        self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
+        if cfg.model.tokenizer == "bpe" and create_dir and _is_primary():
+            self.tokenizer.save(self.run_dir / "tokenizer.json")
+        self.model_config = C.build_model_config(cfg, self.tokenizer)
         from jax_rl.learner import Learner
 
         mesh, init_params = None, None
