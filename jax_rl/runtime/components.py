@@ -70,11 +70,26 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
     demonstrations from training seeds, so held-out eval seeds never shape the vocabulary. It is
     deterministic, so every process (Ray workers, ``jax-rl eval``) rebuilds the same one.
     """
-    from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
+    from jax_rl.models.tokenizer import load_tokenizer
 
     if cfg.model.tokenizer != "bpe":
         return load_tokenizer(cfg.model.tokenizer)
-    env = (env_factory or build_env_factory(cfg))()
+    key = (cfg.env.model_dump_json(), cfg.rollout.render_tools, cfg.model.bpe_vocab_size)
+    tok = _BPE_CACHE.get(key)
+    if tok is None:
+        tok = _BPE_CACHE[key] = _train_bpe(cfg, env_factory or build_env_factory(cfg))
+    return tok
+
+
+# One trained ``bpe`` tokenizer per (env config, render_tools, vocab) in this process: tests and
+# ``jax-rl eval`` build several Trainers from one config.
+_BPE_CACHE: dict[tuple, Any] = {}
+
+
+def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
+    from jax_rl.models.tokenizer import render_chat_text, train_bpe_tokenizer
+
+    env = env_factory()
     texts = []
     for i in range(BPE_CORPUS_DEMOS):
         seed = cfg.env.train_seed_offset + i

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_rl.models.tokenizer import (
     QWEN3_SPECIAL_TOKENS,
@@ -13,6 +15,7 @@ from jax_rl.models.tokenizer import (
     compact_tokenizer,
     load_tokenizer,
     render_chat_text,
+    train_bpe_tokenizer,
 )
 
 # Qwen3's chat_template (tokenizer_config.json of the Qwen3 instruct/hybrid releases).
@@ -261,3 +264,72 @@ def test_qwen3_chat_prompt_ids(qwen3):
     ids, mask = qwen3.render_chat([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
     assert ids == [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
     assert not any(mask)
+
+
+# ------------------------------------------------------------------ bpe
+
+
+def _bpe_corpus(n: int = 300) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        terms = [rng.randint(0, 99) for _ in range(rng.randint(2, 3))]
+        signs = [rng.choice((1, -1)) for _ in terms[1:]]
+        expr = str(terms[0]) + "".join(f" {'+' if s > 0 else '-'} {t}" for s, t in zip(signs, terms[1:]))
+        value = terms[0] + sum(s * t for s, t in zip(signs, terms[1:]))
+        msgs = [
+            {"role": "system", "content": "Use calculate for arithmetic."},
+            {"role": "user", "content": f"State the final answer to the following arithmetic problem: {expr} ="},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "calculate", "arguments": {"expression": expr}}]},
+            {"role": "tool", "content": str(value)},
+            {"role": "assistant", "content": f"<answer>{value}</answer>"},
+        ]
+        out.append(render_chat_text(msgs, None, preserve_thinking=True))
+    return out + [render_chat_text(m, t, add_generation_prompt=a) for m, t, a in CHATS]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_bpe_tokenizer(_bpe_corpus(), 600)
+
+
+def test_bpe_is_deterministic_and_bounded(bpe):
+    again = train_bpe_tokenizer(_bpe_corpus(), 600)
+    assert again.tokenizer.to_str() == bpe.tokenizer.to_str()
+    assert 282 < bpe.vocab_size <= 600
+    small = train_bpe_tokenizer(_bpe_corpus(), 300)
+    assert small.vocab_size == 300
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        train_bpe_tokenizer(_bpe_corpus(10), 100)
+
+
+def test_bpe_numbers_and_operators_are_single_tokens(bpe):
+    """The point of the BPE: a number reads the same in the question and in the tool-call JSON."""
+    q = bpe.encode("problem: 15 - 43 =")
+    call = bpe.encode('{"expression": "15 - 43"}')
+    n15, op, n43 = bpe.encode("15"), bpe.encode(" - "), bpe.encode("43")
+    assert len(n15) == len(op) == len(n43) == 1
+    for ids in (q, call):
+        i = ids.index(n15[0])
+        assert ids[i : i + 3] == n15 + op + n43
+    for i, s in enumerate(QWEN3_SPECIAL_TOKENS):
+        assert bpe.encode(s) == [bpe.token_to_id(s)] and bpe.token_to_id(s) == i
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_bpe_roundtrips_any_text(bpe, s):
+    ids = bpe.encode(s)
+    assert all(0 <= i < bpe.vocab_size for i in ids)
+    assert bpe.decode(ids) == s
+
+
+@pytest.mark.parametrize("ci", range(len(CHATS)))
+def test_bpe_render_roundtrip_mask_and_incremental(bpe, ci, tmp_path):
+    messages, tools, agp = CHATS[ci]
+    _check_mask(bpe, messages, tools, agp, preserve_thinking=True)
+    _incremental_equals_full(bpe)
+    loaded = load_tokenizer(bpe.save(tmp_path / "tokenizer.json"))
+    assert loaded.encode(render_chat_text(messages, tools)) == bpe.encode(render_chat_text(messages, tools))

@@ -21,6 +21,7 @@ def test_trainer_starts_from_hf_checkpoint(tmp_path):
     model = Qwen3ForCausalLM(mc, rngs=nnx.Rngs(123))
     save_pretrained(model, mc, tmp_path / "hf")
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [f"model.checkpoint={tmp_path / 'hf'}", "model.hf_overrides={}",
+                                                     "model.tokenizer=compact",
                                                      f"run.dir={tmp_path / 'run'}", "logging.tensorboard=false"])
     tr = Trainer(cfg)
     try:
@@ -41,6 +42,22 @@ def test_model_config_errors_name_the_culprit(tmp_path):
         C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={vocab_size: 100}"]), tok)
     with pytest.raises(ConfigError, match="model"):
         C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={hiden_size: 8}"]), tok)
+
+
+def test_bpe_tokenizer_from_config_is_reproducible_and_compact():
+    """``model.tokenizer=bpe``: the same vocabulary in every process (rebuilt, not cached), and a
+    demo of the default config is well under a third of its byte length."""
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml")
+    tok = C.build_tokenizer(cfg)
+    assert C.build_tokenizer(cfg) is tok  # cached in-process
+    rebuilt = C._train_bpe(cfg, C.build_env_factory(cfg))
+    assert rebuilt.tokenizer.to_str() == tok.tokenizer.to_str()
+    assert tok.vocab_size <= cfg.model.bpe_vocab_size
+    assert tok.vocab_size <= C.build_model_config(cfg, tok).vocab_size
+    toks, mask = C.sft_examples(cfg, tok, C.build_env_factory(cfg), 1, seed_offset=10**6)[0]
+    text = tok.decode(toks.tolist())
+    assert len(toks) * 3 < len(text.encode())
+    assert tok.decode(toks[mask].tolist()).startswith("<tool_call>")
 
 
 def test_group_advantages_per_group():
