@@ -189,7 +189,9 @@ class LossConfig(_Section):
     ewma_reset_patience: int = Field(1, ge=1)
     """Consecutive low-R steps before theta_bar resets."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient (not supported by the learner yet; must be 0)."""
+    """Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
+    over the policy term's kept tokens, H the per-token entropy (nats) of the temperature-scaled
+    next-token distribution; logs ``entropy_mean``. 0 skips the entropy computation."""
 
     @model_validator(mode="after")
     def _thresholds(self) -> "LossConfig":

@@ -504,8 +504,6 @@ class Learner:
         initialize_distributed(cfg.runtime)
         self.cfg = cfg
         lc = cfg.loss
-        if lc.entropy_coef != 0.0:
-            raise NotImplementedError("loss.entropy_coef != 0 is not supported by the learner yet")
         self.mesh = mesh if mesh is not None else make_mesh(
             data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert
         )
@@ -695,11 +693,14 @@ class Learner:
     def _model(self, params: Any):
         return nnx.merge(self.graphdef, params, self._rest)
 
-    def _logprobs(self, params: Any, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """[r, T] training-numerics log-probs (fp32 logits, temperature), out[:, 0] = 0."""
+    def _logprobs(self, params: Any, tokens: jax.Array, attention_mask: jax.Array,
+                  return_entropy: bool = False):
+        """[r, T] training-numerics log-probs (fp32 logits, temperature), out[:, 0] = 0; with
+        ``return_entropy`` also the [r, T] entropy (nats) of each predicting distribution."""
         from jax_rl.models.qwen3 import sequence_logprobs
 
-        return sequence_logprobs(self._model(params), tokens, attention_mask, temperature=self.temperature)
+        return sequence_logprobs(self._model(params), tokens, attention_mask, temperature=self.temperature,
+                                 return_entropy=return_entropy)
 
     def _chunk_logprobs(self, params: Any, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """Log-probs of a chunked batch [U, m, r, T] (one microbatch forward at a time)."""
@@ -818,12 +819,16 @@ class Learner:
         )
 
         def micro_loss(p, x, prox_j, exact_j):
-            logp = self._logprobs(p, x["tokens"], x["attention_mask"])
+            ent = None
+            if lc.entropy_coef != 0.0:  # entropy bonus: one pass over the same logits
+                logp, ent = self._logprobs(p, x["tokens"], x["attention_mask"], return_entropy=True)
+            else:
+                logp = self._logprobs(p, x["tokens"], x["attention_mask"])
             pl = prox_j if prox_j is not None else proximal.linear_prox_logp(x["behav_logp"], logp, x["versions"], g)
             return losses.policy_loss(
                 logp, pl, x["behav_logp"], x["advantages"], x["loss_mask"], lc,
                 turn_ids=x["turn_ids"], versions=x["versions"], current_version=g,
-                exact_logp=exact_j, denominator=denom,
+                exact_logp=exact_j, denominator=denom, entropy=ent,
             )
 
         vg = jax.value_and_grad(micro_loss, has_aux=True)

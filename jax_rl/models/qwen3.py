@@ -1001,7 +1001,7 @@ def _chunk_len(B: int, T: int, V: int, chunk_elems: int) -> int:
 
 def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: int, V: int,
                 chunk_elems: int) -> Array:
-    """Apply ``fn(*chunks) -> [B,C]`` over T-chunks of ``arrays`` (each [B,T,...]) with a
+    """Apply ``fn(*chunks) -> [B,C,...]`` over T-chunks of ``arrays`` (each [B,T,...]) with a
     rematerialised lax.map, so neither the forward nor the backward keeps a [B,T,V]."""
     C = _chunk_len(B, T, V, chunk_elems)
     if C == T:
@@ -1012,8 +1012,8 @@ def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: in
     def body(i):
         return fn(*[jax.lax.dynamic_slice_in_dim(a, i * C, C, axis=1) for a in arrays])
 
-    out = jax.lax.map(body, jnp.arange(n))  # [n,B,C]
-    return jnp.moveaxis(out, 0, 1).reshape(B, T)
+    out = jax.lax.map(body, jnp.arange(n))  # [n,B,C,...]
+    return jnp.moveaxis(out, 0, 1).reshape(B, T, *out.shape[3:])
 
 
 def _logp_from_logits(logits: Array, targets: Array, temperature) -> Array:
@@ -1021,6 +1021,16 @@ def _logp_from_logits(logits: Array, targets: Array, temperature) -> Array:
     lse = jax.nn.logsumexp(lg, axis=-1)
     picked = jnp.take_along_axis(lg, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked - lse
+
+
+def _logp_entropy_from_logits(logits: Array, targets: Array, temperature) -> Array:
+    """[..., 2]: log-prob of ``targets`` and the entropy ``H = lse - sum softmax * logits`` (nats)
+    of ``softmax(logits / temperature)``."""
+    lg = logits.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(lg, axis=-1)
+    picked = jnp.take_along_axis(lg, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ent = lse - jnp.sum(jax.nn.softmax(lg, axis=-1) * lg, axis=-1)
+    return jnp.stack([picked - lse, ent], axis=-1)
 
 
 def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1.0, *,
@@ -1038,7 +1048,8 @@ def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1
 
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
-                      return_expert_ids: bool = False, chunk_elems: int = _CHUNK_ELEMS):
+                      return_expert_ids: bool = False, return_entropy: bool = False,
+                      chunk_elems: int = _CHUNK_ELEMS):
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
@@ -1047,7 +1058,10 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     ``out[:, 0] = 0`` and ``out[:, t] = log p(tokens[t] | tokens[:t])`` (temperature applied),
     zero where attention_mask is False - the alignment of ``behav_logp``. The LM head and
     log-softmax run chunked over T, so the full [B,T,V] logits are never materialised.
-    With ``return_expert_ids`` also returns the per-MoE-layer expert ids.
+    With ``return_entropy`` returns ``(logp, entropy)``: entropy [B,T] float32 in nats of the
+    temperature-scaled next-token distribution that predicts ``tokens[t]`` (same alignment and
+    zeros as logp; verl's ``entropy_from_logits``). With ``return_expert_ids`` the per-MoE-layer
+    expert ids come last.
     """
     if isinstance(model_or_graphdef, nnx.GraphDef):
         state, *rest = args
@@ -1067,19 +1081,24 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
                                     forced_expert_ids=forced_expert_ids)
     V = model.config.vocab_size
 
-    def fn(hc, tc):
-        return _logp_from_logits(model.lm_logits(hc), tc, temperature)
+    per_token = _logp_entropy_from_logits if return_entropy else _logp_from_logits
 
+    def fn(hc, tc):
+        return per_token(model.lm_logits(hc), tc, temperature)
+
+    k = (2,) if return_entropy else ()
     if T > 1:
         lp = _map_over_t(fn, (h[:, :-1], tokens[:, 1:]), B, T - 1, V, chunk_elems)
-        out = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp], axis=1)
+        out = jnp.concatenate([jnp.zeros((B, 1, *k), jnp.float32), lp], axis=1)
     else:
-        out = jnp.zeros((B, T), jnp.float32)
+        out = jnp.zeros((B, T, *k), jnp.float32)
     if attention_mask is not None:
-        out = jnp.where(jnp.asarray(attention_mask, bool), out, 0.0)
+        am = jnp.asarray(attention_mask, bool)
+        out = jnp.where(am[..., None] if k else am, out, 0.0)
+    res = (out[..., 0], out[..., 1]) if return_entropy else (out,)
     if return_expert_ids:
-        return out, ids
-    return out
+        res = (*res, ids)
+    return res if len(res) > 1 else res[0]
 
 
 def count_params(config: Qwen3Config) -> int:

@@ -311,3 +311,25 @@ def test_remat_forward_and_grad_match():
     np.testing.assert_allclose(float(v1), float(v2), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_logprobs_entropy_matches_softmax_formula_chunked_and_direct():
+    """H_t = -sum_v p_v log p_v of softmax(logits_t / temperature), aligned like logp (the
+    distribution at t-1 that predicts tokens[t]), zero on padding; chunking does not change it."""
+    cfg, m = _model("tiny_dense", seed=4)
+    B, T, temp = 2, 8, 0.8
+    toks = _ids(5, (B, T), cfg.vocab_size)
+    mask = jnp.arange(T)[None] < jnp.array([[8], [6]])
+    logp_np = np.asarray(jax.nn.log_softmax(_fwd(m, toks, mask).astype(jnp.float32) / temp, axis=-1))
+    want = -(np.exp(logp_np) * logp_np).sum(-1)  # [B,T] entropy of the distribution at t
+    gd, st = nnx.split(m)
+    for chunk in (1 << 22, 3 * B * cfg.vocab_size):  # direct, and 3-token chunks
+        lp, ent = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, temp, return_entropy=True,
+                                                                chunk_elems=chunk))(st, toks, mask)
+        assert ent.shape == (B, T) and ent.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(sequence_logprobs(gd, st, toks, mask, temp)), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ent[0, 1:]), want[0, :-1], atol=1e-4)
+        np.testing.assert_allclose(np.asarray(ent[1, 1:6]), want[1, :5], atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(ent[:, 0]), 0.0)
+        np.testing.assert_array_equal(np.asarray(ent[1, 6:]), 0.0)
+    assert 0 < float(ent.max()) <= np.log(cfg.vocab_size) + 1e-4
