@@ -10,20 +10,20 @@ The driver dispatches groups (after buffer admission), collects results with ``r
 after each learner step puts the new params into the object store **once** and hands the same
 ObjectRef to every worker. If a worker dies, it is replaced and its in-flight groups are re-issued
 (counted in ``reissued_groups``); results are de-duplicated by group id, so no group is trained
-twice. Ray runs with ``RAY_AUTH_MODE=disabled``, no dashboard, and its temp dir under the run dir.
+twice. Every ``checkpoint.every`` steps (and at the end, or on SIGTERM/Ctrl-C) the learner saves
+its state with the buffer, the next group id and the groups still in flight; ``--resume`` restores
+them and re-issues those groups. Ray runs with ``RAY_AUTH_MODE=disabled``, no dashboard, and its
+temp dir under the run dir.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
-
-import numpy as np
+from typing import Optional
 
 from jax_rl.config import Config, dump_config
 
@@ -154,10 +154,17 @@ def _actors():
         def pad_id(self) -> int:
             return int(self.tr.tokenizer.pad_id)
 
+        def restore(self) -> dict:
+            """Restore the latest checkpoint in the run's checkpoint dir; returns the runtime
+            metadata the driver saved with it (rl_steps, buffer, producer, counters)."""
+            meta = self.tr.learner.restore(self.tr.ckpt_dir) or {}
+            self.tr.meta = dict(meta.get("runtime") or {})
+            return self.tr.meta
+
         def sft_and_eval(self) -> dict:
             m = self.tr.sft(progress=False) if self.cfg.sft.steps > 0 else {}
             ev = self.tr.evaluate(0, label="after_sft")
-            self.tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m)
+            self.tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, sft_eval=ev)
             return ev
 
         def get_params(self):
@@ -193,14 +200,15 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import _json_safe
+    from jax_rl.runtime.train import _json_safe, _mean_metric, _StopFlag, write_outputs
     from rollout.types import Trajectory
 
     t0 = time.perf_counter()
     run_dir = C.resolve_run_dir(cfg)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     dump_config(cfg, run_dir / "config.yaml")
-    if cfg.resume:
-        raise NotImplementedError("resume is supported by runtime=embedded only; runtime=ray starts fresh")
+    stop = _StopFlag()
+    stop.install()
     init_ray(run_dir)
     RolloutWorker, BufferActor, LearnerActor = _actors()
     K = cfg.async_.max_staleness
@@ -213,17 +221,29 @@ def run_train_ray(cfg: Config) -> int:
     try:
         hf = ray.get(learner.model_config_hf.remote())
         pad_id = ray.get(learner.pad_id.remote())
-        sft_eval = ray.get(learner.sft_and_eval.remote())
-        print(f"held-out success after SFT: {sft_eval['success']:.3f}", flush=True)
-        buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, None)
+        meta: dict = {}
+        if cfg.resume:
+            meta = ray.get(learner.restore.remote())
+            print(f"resumed from {ckpt_dir} at RL step {int(meta.get('rl_steps', 0))} "
+                  f"(version {ray.get(learner.version.remote())})", flush=True)
+        start_step = int(meta.get("rl_steps", 0))
+        if meta.get("sft_done"):
+            sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
+        else:
+            sft_eval = ray.get(learner.sft_and_eval.remote())
+            print(f"held-out success after SFT: {sft_eval['success']:.3f}", flush=True)
+        counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in counters})
+        buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, meta.get("buffer"))
         version = ray.get(learner.version.remote())
         params_ref = learner.get_params.remote()  # lives in the object store; every worker reads it
         workers = [RolloutWorker.remote(cfg_dict, hf, i) for i in range(cfg.runtime.ray_workers)]
         ray.get([w.set_params.remote(params_ref, version) for w in workers])
         in_flight: dict = {}  # ref -> (worker index, gid, seed)
-        next_gid = 0
+        prod = meta.get("producer") or {}
+        next_gid = int(prod.get("next_group", 0))
         done_gids: set[int] = set()
-        reissue: list[tuple[int, int]] = []
+        # groups in flight at the checkpoint are re-issued first (their admission is in the buffer's state)
+        reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
         per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + 1
 
         def dispatch():
@@ -275,20 +295,32 @@ def run_train_ray(cfg: Config) -> int:
                 done_gids.add(gid)
                 ray.get(buffer.put_group.remote(group))
 
+        def save(rl_steps: int) -> None:
+            pending = sorted([(g, sd) for (_, g, sd) in in_flight.values()] + reissue)
+            ray.get(learner.save.remote(_json_safe({
+                "rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
+                "buffer_stats": ray.get(buffer.stats.remote()), "ray_counters": counters,
+                "producer": {"next_group": next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending]},
+            })))
+
         last: dict = {}
         from jax_rl.console import TrainProgress
 
         with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
-            for step in range(cfg.run.steps):
+            for step in range(start_step, cfg.run.steps):
+                if stop.event.is_set():
+                    break
                 groups = None
                 t_wait = time.perf_counter()
-                while groups is None:
+                while groups is None and not stop.event.is_set():
                     _maybe_kill_for_test(step, workers)
                     collect(0.0)
                     dispatch()
                     groups = ray.get(buffer.get_batch.remote(n_groups, version))
                     if groups is None:
                         collect(0.2)
+                if groups is None:
+                    break
                 wait_s = time.perf_counter() - t_wait
                 groups = [[Trajectory.from_dict(d) for d in g] for g in groups]
                 groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
@@ -306,22 +338,31 @@ def run_train_ray(cfg: Config) -> int:
                 writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
+                    ev = ray.get(learner.evaluate.remote(step + 1, "eval"))
+                    print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    save(step + 1)
         for w in workers:
             try:
                 ray.get(w.stop.remote(), timeout=10)
             except Exception:
                 pass
+        rl_steps = int(last.get("step", start_step))
+        save(rl_steps)
         bstats = ray.get(buffer.stats.remote())
-        rl_steps = int(last.get("step", 0))
-        ray.get(learner.save.remote(_json_safe({"rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
-                                                "buffer_stats": bstats, "ray_counters": counters})))
-        final = ray.get(learner.evaluate.remote(rl_steps, "final"))
+        interrupted = stop.event.is_set()
+        final = ray.get(learner.evaluate.remote(rl_steps, "final")) if not interrupted else {}
+        writer.close()
         summary = {"sft_success": sft_eval.get("success"), "final_success": final.get("success"),
-                   "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"), "wall_s": time.perf_counter() - t0,
-                   "rl_steps": rl_steps, "runtime": "ray", **counters,
+                   f"final_pass_at_{cfg.eval.k}": final.get(f"pass@{cfg.eval.k}"),
+                   "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"),
+                   f"final_avg_at_{cfg.eval.k}": final.get(f"avg@{cfg.eval.k}"),
+                   "wall_s": time.perf_counter() - t0, "rl_steps": rl_steps, "version": version,
+                   "correction": cfg.loss.correction, "max_staleness": K, "interrupted": interrupted,
+                   "runtime": "ray", "tokens_per_s_mean": _mean_metric(run_dir, "tokens_per_s"), **counters,
                    **{f"buffer_{k}": v for k, v in bstats.items()}}
-        (run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
-        print(json.dumps(_json_safe(summary), indent=2))
+        write_outputs(run_dir, ckpt_dir, _json_safe(summary))
         return 0
     finally:
         writer.close()
@@ -330,6 +371,7 @@ def run_train_ray(cfg: Config) -> int:
         except Exception:
             pass
         ray.shutdown()
+        stop.restore()
 
 
 _KILLED = {"done": False}

@@ -323,24 +323,28 @@ def run_train(cfg: Config) -> int:
             "rollout_tokens_per_s": tr.meta.get("rollout_tokens_per_s"),
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
-        (tr.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
-        plots = []
-        try:
-            from jax_rl.plots import plot_runs
-
-            plots = plot_runs([tr.run_dir])
-        except Exception as e:  # plotting must never lose a finished run
-            log.warning("plotting failed: %r", e)
-        from jax_rl.console import print_summary
-
-        print_summary(summary, {"run dir": tr.run_dir, "metrics": tr.run_dir / "metrics.jsonl",
-                                "eval": tr.run_dir / "eval.jsonl", "checkpoints": tr.ckpt_dir,
-                                "plots": tr.run_dir / "plots", "summary": tr.run_dir / "summary.json"})
+        write_outputs(tr.run_dir, tr.ckpt_dir, summary)
         return 0
     finally:
         tr.close()
         tr.learner.close()
         stop.restore()
+
+
+def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
+    """End of a train run (either runtime): ``summary.json``, the plots, the console summary."""
+    (run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+    try:
+        from jax_rl.plots import plot_runs
+
+        plot_runs([run_dir])
+    except Exception as e:  # plotting must never lose a finished run
+        log.warning("plotting failed: %r", e)
+    from jax_rl.console import print_summary
+
+    print_summary(summary, {"run dir": run_dir, "metrics": run_dir / "metrics.jsonl",
+                            "eval": run_dir / "eval.jsonl", "checkpoints": ckpt_dir,
+                            "plots": run_dir / "plots", "summary": run_dir / "summary.json"})
 
 
 def _mean_metric(run_dir: Path, key: str) -> Optional[float]:

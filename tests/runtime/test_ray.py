@@ -37,3 +37,32 @@ def test_ray_two_workers_survive_a_kill(tmp_path):
     ids = [g for x in rows for g in x["group_ids"]]
     assert len(ids) == len(set(ids)), "a group was trained twice"
     assert (d / "ray_tmp").exists() or (d / "ray").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ray_resume_keeps_buffer_counters_and_never_retrains(tmp_path):
+    d = tmp_path / "r"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    base = [sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY,
+            "runtime=ray", "runtime.ray_workers=1", "async.max_staleness=2", "checkpoint.every=1", f"run.dir={d}"]
+    r = subprocess.run(base + ["run.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    s1 = json.loads((d / "summary.json").read_text())
+    r = subprocess.run(base + ["run.steps=4", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "resumed from" in r.stdout and "held-out success after SFT" not in r.stdout
+    rows = read_jsonl(d / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert rows[2]["version"] == 3  # the learner continued from version 2
+    s2 = json.loads((d / "summary.json").read_text())
+    assert s2["rl_steps"] == 4 and s2["sft_success"] == s1["sft_success"]
+    # counters continue from the checkpoint; conservation of trajectories across the restart
+    assert s2["buffer_consumed"] == 4 * 4 > s1["buffer_consumed"]
+    assert s2["buffer_produced"] == s2["buffer_consumed"] + s2["buffer_dropped_stale"] + s2["buffer_pending"]
+    ids = [g for x in rows for g in x["group_ids"]]
+    assert len(ids) == len(set(ids)) == 4 * 2, "a group was trained twice"
+    assert (d / "plots" / "training_dynamics.png").exists()
