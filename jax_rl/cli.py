@@ -111,11 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``--resume`` may come anywhere (``train CONFIG --resume run.dir=D``): argparse would take
+    # what follows it for an unknown argument, so move the flag to the end
+    argv = [a for a in argv if a != "--resume"] + ["--resume"] * argv.count("--resume")
     args = build_parser().parse_args(argv)
+    from jax_rl.checkpoint import CheckpointMismatchError
+
     try:
         rc = args.func(args)
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, CheckpointMismatchError) as e:  # a missing/incompatible input: one line
+        print(f"jax-rl: error: {e}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -32,12 +32,13 @@ __all__ = [
 ]
 
 
-def resolve_run_dir(cfg: Config, *, create: bool = True) -> Path:
+def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = False) -> Path:
     """``run.dir`` or ``runs/<name>-<UTC timestamp>``; with ``resume`` and no ``run.dir``, the
     newest existing ``runs/<name>-*`` dir.
 
     Raises:
-        ConfigError: ``resume=true`` and no earlier run dir exists.
+        ConfigError: ``resume=true`` and no earlier run dir exists; ``check_fresh`` (a new train or
+            SFT run) and ``run.dir`` already holds metrics or checkpoints without ``resume``.
     """
     name = cfg.run.name or "run"
     if cfg.run.dir:
@@ -52,6 +53,11 @@ def resolve_run_dir(cfg: Config, *, create: bool = True) -> Path:
         d = Path("runs") / f"{name}-{ts}"
     if cfg.resume and not d.exists():
         raise ConfigError(f"resume=true but run.dir={str(d)!r} does not exist")
+    if check_fresh and not cfg.resume and d.is_dir() and (
+        (d / "metrics.jsonl").exists() or any((d / "checkpoints").glob("*"))
+    ):
+        raise ConfigError(f"run.dir={str(d)!r} already holds a run; pass --resume (resume=true) to continue "
+                          "it, or choose another run.dir")
     if create:
         d.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(d)
@@ -73,7 +79,13 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
     from jax_rl.models.tokenizer import load_tokenizer
 
     if cfg.model.tokenizer != "bpe":
-        return load_tokenizer(cfg.model.tokenizer)
+        try:
+            return load_tokenizer(cfg.model.tokenizer)
+        except FileNotFoundError as e:
+            raise ConfigError(
+                f"model.tokenizer={cfg.model.tokenizer!r}: {e}; point it at a checkpoint's tokenizer.json "
+                "(or use 'compact' / 'bpe')"
+            ) from None
     key = (cfg.env.model_dump_json(), cfg.rollout.render_tools, cfg.model.bpe_vocab_size)
     tok = _BPE_CACHE.get(key)
     if tok is None:
@@ -120,7 +132,9 @@ def build_model_config(cfg: Config, tokenizer=None):
             if cfg.model.preset not in PRESETS:
                 raise ConfigError(f"model.preset={cfg.model.preset!r}: unknown preset; known: {sorted(PRESETS)}")
             mc = get_preset(cfg.model.preset, **cfg.model.hf_overrides)
-    except (TypeError, ValueError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: no HF checkpoint there ({e})") from None
+    except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"model: {e}") from None

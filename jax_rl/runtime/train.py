@@ -276,13 +276,14 @@ def _json_safe(d: Any) -> Any:
 def run_train(cfg: Config) -> int:
     """The whole job (SFT, RL, eval, outputs). Returns a process exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    C.resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray
 
         return run_train_ray(cfg)
+    tr = Trainer(cfg)
     stop = _StopFlag()
     stop.install()
-    tr = Trainer(cfg)
     dump_config(cfg, tr.run_dir / "config.yaml")
     tr.open_writer()
     start_step = 0
@@ -359,6 +360,7 @@ def run_sft(cfg: Config) -> int:
     logging.basicConfig(level=logging.WARNING)
     if cfg.sft.steps <= 0:
         raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
+    C.resolve_run_dir(cfg, create=False, check_fresh=True)
     tr = Trainer(cfg)
     dump_config(cfg, tr.run_dir / "config.yaml")
     tr.open_writer()
@@ -376,16 +378,46 @@ def run_sft(cfg: Config) -> int:
         tr.learner.close()
 
 
+# Sections a checkpoint's train state depends on: ``jax-rl eval`` takes them from the run's own
+# config.yaml, so any CONFIG (e.g. the default tiny_cpu.yaml) can evaluate any run.
+_STATE_SECTIONS = ("model", "loss", "old_logits", "async_")
+
+
 def run_eval(cfg: Config, checkpoint_dir: str) -> int:
-    """``jax-rl eval CHECKPOINT_DIR CONFIG``: restore and print held-out avg@k / pass@k."""
+    """``jax-rl eval CHECKPOINT_DIR CONFIG``: restore and print held-out avg@k / pass@k.
+
+    ``CHECKPOINT_DIR`` is a run dir, its ``checkpoints/`` dir, or one step's dir
+    (``checkpoints/300``). When the run dir has a ``config.yaml``, the model, correction mode,
+    old-logit and staleness settings come from it (the eval and env settings from ``CONFIG``), and a
+    ``bpe`` run uses its saved ``tokenizer.json``.
+
+    Raises:
+        ConfigError: no such checkpoint dir.
+    """
+    from jax_rl.config import load_config
+
     logging.basicConfig(level=logging.WARNING)
     p = Path(checkpoint_dir)
+    step = None
+    if p.name.isdigit() and p.parent.name == "checkpoints":
+        p, step = p.parent, int(p.name)
     ckpt = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not ckpt.is_dir():
+        raise ConfigError(f"no checkpoint dir at {checkpoint_dir!r} (give a run dir, its checkpoints/ or a step dir)")
+    saved = ckpt.parent / "config.yaml"
+    if saved.is_file():
+        run_cfg = load_config(saved)
+        for sec in _STATE_SECTIONS:
+            if getattr(cfg, sec) != getattr(run_cfg, sec):
+                log.warning("eval: using %s from %s (the checkpoint's), not from the given config", sec.rstrip("_"), saved)
+                setattr(cfg, sec, getattr(run_cfg, sec))
+        if cfg.model.tokenizer == "bpe" and (ckpt.parent / "tokenizer.json").is_file():
+            cfg.model.tokenizer = str(ckpt.parent / "tokenizer.json")
     cfg.run.dir = str(ckpt.parent)
     cfg.resume = False
     tr = Trainer(cfg, create_dir=False)
     try:
-        tr.learner.restore(ckpt)
+        tr.learner.restore(ckpt, step=step)
         ev = tr.evaluate(tr.learner.step, label="standalone")
         print(json.dumps(_json_safe(ev), indent=2))
         return 0

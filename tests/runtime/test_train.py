@@ -62,7 +62,7 @@ def _finite(rows):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("correction", ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"])
-def test_smoke_each_correction(tmp_path, correction):
+def test_smoke_each_correction(tmp_path, correction, capsys):
     cfg = _cfg(tmp_path, f"loss.correction={correction}", "run.steps=2")
     assert run_train(cfg) == 0
     d = Path(cfg.run.dir)
@@ -77,6 +77,15 @@ def test_smoke_each_correction(tmp_path, correction):
         assert "ewma_beta" in rows[-1] and "ewma_reset" in rows[-1]
     if correction == "exact":
         assert rows[-1]["old_logits_versions"] >= 1
+        # `jax-rl eval` with the default config (ppo_ewma) restores this run's own mode, also
+        # from one step's dir; the same run.dir is refused for a new run without --resume
+        from jax_rl.cli import main
+
+        capsys.readouterr()
+        assert main(["eval", str(d / "checkpoints" / "2"), str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY]) == 0
+        assert '"version": 2' in capsys.readouterr().out
+        assert main(["train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY, f"run.dir={d}"]) == 2
+        assert "already holds a run" in capsys.readouterr().err
     summary = json.loads((d / "summary.json").read_text())
     for key in ("sft_success", "final_success", "final_pass_at_k", "wall_s", "rl_steps"):
         assert key in summary, key

@@ -1,0 +1,44 @@
+"""Bad inputs to the CLI end in one line on stderr naming the culprit, exit code 2, and leave no
+run dir behind where none existed."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_rl.cli import main
+from jax_rl.config import CONFIG_DIR
+
+TINY_CFG = str(CONFIG_DIR / "tiny_cpu.yaml")
+
+
+def _err(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jax-rl:") and "\n" not in err, err
+    return err
+
+
+def test_resume_flag_may_precede_overrides(tmp_path, capsys):
+    # argparse alone would reject "run.dir=..." after --resume as an unrecognized argument
+    err = _err(capsys, ["train", TINY_CFG, "--resume", f"run.dir={tmp_path / 'nope'}"])
+    assert "does not exist" in err and "nope" in err
+
+
+@pytest.mark.parametrize("override, key", [("model.tokenizer=/nonexistent/tok.json", "model.tokenizer"),
+                                           ("model.checkpoint=/nonexistent", "model.checkpoint")])
+def test_missing_paths_name_their_key(tmp_path, capsys, override, key):
+    err = _err(capsys, ["train", TINY_CFG, override, f"run.dir={tmp_path / 'r'}"])
+    assert key in err and "/nonexistent" in err
+
+
+def test_eval_of_a_missing_dir_creates_nothing(tmp_path, capsys):
+    err = _err(capsys, ["eval", str(tmp_path / "none"), TINY_CFG])
+    assert "no checkpoint dir" in err
+    assert not (tmp_path / "none").exists()
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    err = _err(capsys, ["train", TINY_CFG, f"run.dir={tmp_path / 'r'}", "--resume", "logging.tensorboard=false"])
+    assert "no checkpoint" in err
