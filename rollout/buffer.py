@@ -26,7 +26,11 @@ newest weights). Admission keeps drops rare; the hard bound makes them harmless.
 Counters (``stats()``), in trajectories unless suffixed ``_groups``: ``produced`` (accepted by
 ``put_group``), ``consumed`` (returned by ``get_batch``), ``dropped_stale``, ``failed``
 (``info["failed"]`` trajectories, never trained), ``in_flight`` (admitted, not yet put; in groups
-via ``in_flight_groups``), ``pending``. Invariant: ``produced == consumed + dropped_stale + pending``.
+via ``in_flight_groups``), ``pending``, ``admitted_groups`` and ``cancelled_groups`` (admitted slots
+given back by :meth:`cancel`: a group whose episode loop failed, or one in flight when the run stopped,
+which the runtime re-issues after ``--resume``). Invariants: ``produced == consumed + dropped_stale +
+pending``; within one session ``admitted_groups == produced_groups + failed_groups + cancelled_groups +
+in_flight_groups``.
 
 State export/import is JSON-safe (lists, numbers, strings), for the learner's checkpoint. In-flight
 groups are not exported (their partial work is lost on restart), so ``in_flight`` restarts at 0.
@@ -44,7 +48,7 @@ from .types import Trajectory
 __all__ = ["TrajectoryBuffer"]
 
 _COUNTERS = ("produced", "consumed", "dropped_stale", "failed", "produced_groups", "consumed_groups",
-             "dropped_stale_groups", "failed_groups", "admitted_groups")
+             "dropped_stale_groups", "failed_groups", "admitted_groups", "cancelled_groups")
 
 
 class TrajectoryBuffer:
@@ -124,7 +128,9 @@ class TrajectoryBuffer:
     def cancel(self, n_groups: int = 1) -> None:
         """Give back ``n_groups`` admitted slots that will not be produced."""
         with self._cv:
-            self._in_flight_groups = max(0, self._in_flight_groups - int(n_groups))
+            n = min(int(n_groups), self._in_flight_groups)
+            self._in_flight_groups -= n
+            self.counters["cancelled_groups"] += n
             self._cv.notify_all()
 
     def notify(self) -> None:

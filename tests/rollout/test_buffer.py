@@ -49,6 +49,8 @@ def test_admission_rule():
     assert buf.capacity(1) == 2
     s = buf.stats()
     assert (s["produced"], s["consumed"], s["pending"], s["consumed_groups"]) == (8, 4, 4, 2)
+    assert s["admitted_groups"] == s["produced_groups"] + s["failed_groups"] + s["cancelled_groups"] + s["in_flight_groups"]
+    assert s["cancelled_groups"] == 2
     assert buf.produced == 8 and buf.consumed == 4  # attribute access to counters
 
 
