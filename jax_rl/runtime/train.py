@@ -72,13 +72,15 @@ class Trainer:
     def __init__(self, cfg: Config, *, create_dir: bool = True):
         self.cfg = cfg
         self.t0 = time.perf_counter()
-        self.run_dir = C.resolve_run_dir(cfg, create=create_dir)
+        self.run_dir = C.resolve_run_dir(cfg, create=False)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
-        if cfg.model.tokenizer == "bpe" and create_dir and _is_primary():
-            self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.model_config = C.build_model_config(cfg, self.tokenizer)
+        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.model.tokenizer == "bpe" and _is_primary():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
         from jax_rl.learner import Learner
 
         mesh, init_params = None, None

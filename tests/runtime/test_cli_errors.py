@@ -30,6 +30,7 @@ def test_resume_flag_may_precede_overrides(tmp_path, capsys):
 def test_missing_paths_name_their_key(tmp_path, capsys, override, key):
     err = _err(capsys, ["train", TINY_CFG, override, f"run.dir={tmp_path / 'r'}"])
     assert key in err and "/nonexistent" in err
+    assert not (tmp_path / "r").exists()  # a config that cannot be built leaves no run dir
 
 
 def test_eval_of_a_missing_dir_creates_nothing(tmp_path, capsys):
