@@ -116,14 +116,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     # what follows it for an unknown argument, so move the flag to the end
     argv = [a for a in argv if a != "--resume"] + ["--resume"] * argv.count("--resume")
     args = build_parser().parse_args(argv)
-    from jax_rl.checkpoint import CheckpointMismatchError
-
     try:
         rc = args.func(args)
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, CheckpointMismatchError) as e:  # a missing/incompatible input: one line
+    except (FileNotFoundError, ValueError) as e:  # a missing / incompatible input: one line
+        # CheckpointMismatchError (a ValueError) can only exist once jax_rl.checkpoint is imported;
+        # looking it up here keeps that 2 s import (orbax) off the start of every command
+        ckpt = sys.modules.get("jax_rl.checkpoint")
+        if not isinstance(e, FileNotFoundError) and not (ckpt and isinstance(e, ckpt.CheckpointMismatchError)):
+            raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 2
     return int(rc or 0)

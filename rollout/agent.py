@@ -41,7 +41,8 @@ import numpy as np
 from .envs.base import Env, ToolError
 from .types import Completion, Trajectory
 
-__all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "build_sft_example", "sft_example", "episode_seed"]
+__all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build_sft_example", "sft_example",
+           "episode_seed"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -304,6 +305,14 @@ class AgentLoop:
                           seed=int(task_seed), info=info)
 
 
+def demo_chat(env: Env, seed: int, render_tools: bool = True) -> tuple[list[dict], Optional[list[dict]]]:
+    """``(messages, tools)`` of a reference demonstration: ``env.reset(seed)``'s prompt messages
+    followed by ``env.reference_solution(seed)``; ``tools`` is None unless ``render_tools``."""
+    messages, tools = env.reset(int(seed))
+    demo = env.reference_solution(int(seed))
+    return list(messages) + list(demo), (tools if render_tools else None)
+
+
 def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int] = None,
                       render_tools: bool = True) -> dict[str, np.ndarray]:
     """An SFT demonstration: ``env.reset(seed)`` + ``env.reference_solution(seed)`` rendered with the
@@ -316,10 +325,7 @@ def build_sft_example(env: Env, seed: int, tokenizer: Any, max_len: Optional[int
     Raises:
         ValueError: the example is longer than ``max_len`` tokens.
     """
-    messages, tools = env.reset(int(seed))
-    demo = env.reference_solution(int(seed))
-    ids, mask = tokenizer.render_chat(list(messages) + list(demo), tools if render_tools else None,
-                                      preserve_thinking=True)
+    ids, mask = tokenizer.render_chat(*demo_chat(env, seed, render_tools), preserve_thinking=True)
     last = max((i for i, m in enumerate(mask) if m), default=len(ids) - 1)
     ids, mask = ids[: last + 1], mask[: last + 1]
     if max_len is not None and len(ids) > max_len:

@@ -1016,19 +1016,23 @@ def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: in
     return jnp.moveaxis(out, 0, 1).reshape(B, T, *out.shape[3:])
 
 
-def _logp_from_logits(logits: Array, targets: Array, temperature) -> Array:
+def _scaled_lse_picked(logits: Array, targets: Array, temperature) -> tuple[Array, Array, Array]:
+    """fp32 ``logits / temperature`` [..., V], its logsumexp and the targets' scaled logits [...]."""
     lg = logits.astype(jnp.float32) / temperature
     lse = jax.nn.logsumexp(lg, axis=-1)
     picked = jnp.take_along_axis(lg, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return lg, lse, picked
+
+
+def _logp_from_logits(logits: Array, targets: Array, temperature) -> Array:
+    _, lse, picked = _scaled_lse_picked(logits, targets, temperature)
     return picked - lse
 
 
 def _logp_entropy_from_logits(logits: Array, targets: Array, temperature) -> Array:
     """[..., 2]: log-prob of ``targets`` and the entropy ``H = lse - sum softmax * logits`` (nats)
     of ``softmax(logits / temperature)``."""
-    lg = logits.astype(jnp.float32) / temperature
-    lse = jax.nn.logsumexp(lg, axis=-1)
-    picked = jnp.take_along_axis(lg, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    lg, lse, picked = _scaled_lse_picked(logits, targets, temperature)
     ent = lse - jnp.sum(jax.nn.softmax(lg, axis=-1) * lg, axis=-1)
     return jnp.stack([picked - lse, ent], axis=-1)
 

@@ -100,15 +100,12 @@ _BPE_CACHE: dict[tuple, Any] = {}
 
 def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
     from jax_rl.models.tokenizer import render_chat_text, train_bpe_tokenizer
+    from rollout.agent import demo_chat
 
     env = env_factory()
-    texts = []
-    for i in range(BPE_CORPUS_DEMOS):
-        seed = cfg.env.train_seed_offset + i
-        messages, tools = env.reset(seed)
-        demo = env.reference_solution(seed)
-        texts.append(render_chat_text(list(messages) + list(demo), tools if cfg.rollout.render_tools else None,
-                                      preserve_thinking=True))
+    texts = [render_chat_text(*demo_chat(env, cfg.env.train_seed_offset + i, cfg.rollout.render_tools),
+                              preserve_thinking=True)
+             for i in range(BPE_CORPUS_DEMOS)]
     return train_bpe_tokenizer(texts, cfg.model.bpe_vocab_size, name="bpe")
 
 

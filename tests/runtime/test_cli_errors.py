@@ -43,3 +43,13 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
     (tmp_path / "r").mkdir()
     err = _err(capsys, ["train", TINY_CFG, f"run.dir={tmp_path / 'r'}", "--resume", "logging.tensorboard=false"])
     assert "no checkpoint" in err
+
+
+def test_resume_into_another_correction_is_one_line(tmp_path, capsys):
+    from tests.runtime.test_train import TINY
+
+    d = tmp_path / "r"
+    capsys.readouterr()
+    assert main(["sft", TINY_CFG, *TINY, f"run.dir={d}"]) == 0  # a checkpoint written by ppo_ewma
+    err = _err(capsys, ["train", TINY_CFG, *TINY, f"run.dir={d}", "loss.correction=exact", "--resume"])
+    assert "loss.correction" in err and "ppo_ewma" in err
