@@ -288,6 +288,10 @@ class RuntimeConfig(_Section):
     """jax.distributed process count (multi-host)."""
     process_id: Optional[int] = Field(None, ge=0)
     """This process's jax.distributed index."""
+    ray_address: Optional[str] = None
+    """runtime=ray: address of an existing Ray cluster to join (host:port or ray://...); None = start a local Ray bound to bind_host. RISK: that cluster's own bind and auth settings apply."""
+    bind_host: str = "127.0.0.1"
+    """runtime=ray: node IP of the local Ray started when ray_address is None. Loopback = every Ray socket on 127.0.0.1; anything else (multi-host) makes Ray 2.60 listen on all interfaces with auth disabled: anyone who reaches the machine can submit jobs."""
 
     @model_validator(mode="before")
     @classmethod

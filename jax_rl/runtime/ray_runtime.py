@@ -32,19 +32,59 @@ log = logging.getLogger("jax_rl.runtime")
 __all__ = ["run_train_ray", "init_ray"]
 
 
-def init_ray(run_dir: Path, num_cpus: Optional[int] = None):
-    """Start a local Ray with auth off, no dashboard and its temp dir under ``run_dir``.
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
+    """Start (or join) Ray for ``runtime=ray``: auth off, no dashboard, temp dir under ``run_dir``.
+
+    Binding (``runtime``: a :class:`jax_rl.config.RuntimeConfig`; None = the defaults):
+
+    * ``ray_address`` None and ``bind_host`` loopback (default ``127.0.0.1``): a local Ray whose node
+      IP is 127.0.0.1, so gcs_server, raylet, the runtime-env agent, the autoscaler monitor, every
+      worker and the driver's core worker listen on loopback only (checked by
+      ``tests/runtime/test_ray_bind.py`` with the OS socket table).
+    * ``bind_host`` another address: a local Ray with that node IP (multi-host head). Ray 2.60 then
+      listens on all interfaces (its gRPC servers bind ``0.0.0.0``/``::`` whenever the node IP is not
+      loopback) with auth disabled; a warning says so.
+    * ``ray_address`` set: join that cluster (``ray.init(address=...)``); its own settings apply.
+
+    Ray 2.60 turns a loopback ``_node_ip_address`` back into the machine's routable IP unless
+    ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` (env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) is
+    off, so for loopback both are set before Ray starts.
 
     Unix socket paths are limited to ~107 bytes; when ``run_dir/ray`` is too long, Ray's temp dir
     goes to a short dir under the system temp folder and a ``ray_tmp`` link in the run dir points
     to it.
+
+    Raises:
+        RuntimeError: a loopback bind was asked for but Ray came up with another node IP.
     """
+    address = getattr(runtime, "ray_address", None)
+    host = getattr(runtime, "bind_host", None) or "127.0.0.1"
+    loopback = address is None and host in _LOOPBACK
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray_constants is imported
     import ray
 
     if ray.is_initialized():
         return ray
+    runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "JAX_PLATFORMS": "cpu"}}
+    if address is not None:
+        log.warning("runtime.ray_address=%s: joining an existing Ray cluster; its bind addresses and auth "
+                    "settings apply (RISK: a cluster reachable off this machine accepts jobs from anyone "
+                    "who reaches it)", address)
+        ray.init(address=address, log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+        return ray
+    from ray._private import ray_constants
+
+    if loopback:
+        ray_constants.ENABLE_RAY_CLUSTER = False  # ray was imported before the env var was set
+    else:
+        log.warning("runtime.bind_host=%s: Ray listens on all interfaces with auth disabled (RISK: anyone "
+                    "who reaches this machine can submit jobs); use only on a trusted network", host)
     tmp = (Path(run_dir) / "ray").resolve()
     if len(str(tmp)) > 40:
         short = Path(tempfile.mkdtemp(prefix="jxrl-ray-"))
@@ -54,8 +94,13 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None):
         tmp = short
     tmp.mkdir(parents=True, exist_ok=True)
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
-             log_to_driver=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "JAX_PLATFORMS": "cpu"}})
+             _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),
+             log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+    if loopback:
+        ip = ray.util.get_node_ip_address()
+        if ip != "127.0.0.1":
+            ray.shutdown()
+            raise RuntimeError(f"runtime.bind_host={host}: Ray started with node IP {ip}, not loopback")
     return ray
 
 
@@ -209,7 +254,7 @@ def run_train_ray(cfg: Config) -> int:
     dump_config(cfg, run_dir / "config.yaml")
     stop = _StopFlag()
     stop.install()
-    init_ray(run_dir)
+    init_ray(run_dir, runtime=cfg.runtime)
     RolloutWorker, BufferActor, LearnerActor = _actors()
     K = cfg.async_.max_staleness
     n_groups = cfg.optim.batch_size // cfg.rollout.group_size
