@@ -93,14 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.set_defaults(func=cmd_eval)
 
-    v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)")
-    v.add_argument("checkpoint", help="HF checkpoint dir (config.json + safetensors)")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=9000)
-    v.add_argument("--tokenizer", default=None, help="tokenizer.json path or 'compact' (default: from checkpoint dir)")
-    v.add_argument("--slots", type=int, default=4)
-    v.add_argument("--max-len", type=int, default=256)
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)",
+                       description="Serve a checkpoint over JetStream's gRPC Orchestrator API. A port already "
+                                   "in use ends with one line naming it (exit 1).")
+    v.add_argument("checkpoint", help="HF checkpoint dir (config.json + safetensors, e.g. from `jax-rl export`) "
+                                      "or preset:NAME (random init, smoke tests)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; anything else exposes the unauthenticated server)")
+    v.add_argument("--port", type=int, default=9000, help="TCP port (default 9000; 0 = a free port, printed)")
+    v.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json path or 'compact' (default: CHECKPOINT/tokenizer.json, else the compact "
+                        "demo tokenizer; the server prints which)")
+    v.add_argument("--slots", type=int, default=4, help="concurrent decode slots (requests served at once; default 4)")
+    v.add_argument("--max-len", type=int, default=256,
+                   help="KV-cache length per slot in tokens, prompt + generated (default 256)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute and KV-cache dtype (default float32)")
+    v.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature for every request (default 0 = greedy)")
     v.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")

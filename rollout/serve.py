@@ -6,14 +6,20 @@ JetStream's orchestrator ``Driver`` (prefill / transfer / generate / detokenize 
 address ``[::]`` (all interfaces). We bind ``--host`` (default 127.0.0.1) only.
 
 Any client of JetStream's ``Orchestrator.Decode`` works: a ``token_content`` request streams back
-token ids, a ``text_content`` request token ids + text. Decoding is greedy by default
-(``temperature=0``; JetStream 0.2.2's proto has no sampling fields and no log-probs). A request
-stops at ``<|im_end|>`` / ``<|endoftext|>`` or after ``max_tokens``.
+token ids, a ``text_content`` request token ids + text. Decoding is greedy by default;
+``--temperature T`` (> 0) samples every request at T (JetStream 0.2.2's proto has no per-request
+sampling fields and no log-probs). A request stops at ``<|im_end|>`` / ``<|endoftext|>`` or after
+``max_tokens``.
 
 CHECKPOINT is an HF-format directory (config.json + safetensors, loaded with
-``jax_rl.models.hf_io.load_pretrained``) or ``preset:NAME`` (random init of a model preset, seed
-0; for smoke tests). The tokenizer is ``--tokenizer`` or the checkpoint dir's tokenizer.json,
-else the compact demo tokenizer.
+``jax_rl.models.hf_io.load_pretrained``; ``jax-rl export`` writes one from a run) or
+``preset:NAME`` (random init of a model preset, seed 0; for smoke tests). The tokenizer is
+``--tokenizer`` or the checkpoint dir's tokenizer.json, else the compact demo tokenizer; the
+server prints which one it uses.
+
+The port is bound without ``SO_REUSEPORT``: a port already held (by another ``jax-rl serve`` or
+any program) ends the command with one line naming it and exit code 1, before the model is
+compiled.
 
 SIGTERM / SIGINT stop the Driver threads and the gRPC server gracefully (exit code 0). Note
 that JetStream's Driver SIGKILLs the whole process if one of its threads raises.
@@ -36,7 +42,8 @@ import numpy as np
 from rollout import jetstream_compat as jc
 from rollout.engine import Qwen3Engine
 
-__all__ = ["JetStreamGrpcServer", "build_engine", "load_checkpoint", "serve", "main"]
+__all__ = ["JetStreamGrpcServer", "PortInUseError", "build_engine", "check_port_free", "load_checkpoint",
+           "resolve_tokenizer", "serve", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +88,52 @@ def _config_and_params(out: Any) -> tuple[Any, Any]:
     raise TypeError(f"unexpected load_pretrained result of type {type(out).__name__}")
 
 
-def _load_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> Any:
+class PortInUseError(RuntimeError):
+    """The serve address is already bound (by another server or program)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast, before the model compiles, if ``host:port`` cannot be bound.
+
+    Binds a throw-away socket the way gRPC does (``SO_REUSEADDR``, no ``SO_REUSEPORT``), so a port
+    with a live listener fails and one in TIME_WAIT does not. ``port=0`` is always free.
+
+    Raises:
+      PortInUseError: the port is held (the message names host and port).
+    """
+    import socket
+
+    if int(port) == 0:
+        return
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            raise PortInUseError(f"cannot serve on {host}:{port}: port {port} is in use ({e.strerror})") from e
+
+
+def resolve_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> tuple[Any, str]:
+    """``(tokenizer, description)``: ``--tokenizer`` if given, else ``CHECKPOINT/tokenizer.json``,
+    else the compact demo tokenizer; the description says which, and why for the fallback.
+
+    Raises:
+      FileNotFoundError: ``tokenizer`` names a missing file.
+    """
     from jax_rl.models.tokenizer import load_tokenizer
 
     if tokenizer:
-        return load_tokenizer(tokenizer)
+        return load_tokenizer(tokenizer), f"tokenizer {tokenizer} (--tokenizer)"
     p = Path(checkpoint)
     if p.is_dir() and (p / "tokenizer.json").is_file():
-        return load_tokenizer(p)
-    return load_tokenizer("compact")
+        return load_tokenizer(p), f"tokenizer {p / 'tokenizer.json'}"
+    where = f"no tokenizer.json in {checkpoint}" if p.is_dir() else f"{checkpoint} has no tokenizer"
+    return load_tokenizer("compact"), f"the compact demo tokenizer ({where}; pass --tokenizer PATH to change)"
+
+
+def _load_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> Any:
+    return resolve_tokenizer(checkpoint, tokenizer)[0]
 
 
 class _ServingEngine(Qwen3Engine):
@@ -103,11 +147,14 @@ class _ServingEngine(Qwen3Engine):
         return super().prefill(params=params, padded_tokens=toks, true_length=len(toks), seed=seed, temperature=temperature)
 
 
-def build_engine(checkpoint: str, *, tokenizer: Optional[str] = None, slots: int = 4, max_len: int = 256,
+def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_len: int = 256,
                  dtype: str = "float32", temperature: float = 0.0) -> Qwen3Engine:
-    """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + generate)."""
+    """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + generate).
+
+    ``tokenizer``: a path / ``'compact'`` / None (see :func:`resolve_tokenizer`) or a loaded tokenizer.
+    ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy."""
     cfg, params = load_checkpoint(checkpoint)
-    tok = _load_tokenizer(checkpoint, tokenizer)
+    tok = _load_tokenizer(checkpoint, tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
         mp *= 2
@@ -126,8 +173,11 @@ class JetStreamGrpcServer:
     Mirrors ``jetstream.core.server_lib.JetStreamServer`` (an asyncio loop in a thread), minus the
     hard-coded ``[::]``. ``port=0`` picks a free port; :attr:`port` is the bound one.
 
+    The port is bound with ``grpc.so_reuseport=0`` (gRPC's default allows ``SO_REUSEPORT``, which
+    let a second server share the port and both report success).
+
     Raises:
-      RuntimeError: the address could not be bound.
+      PortInUseError: the address could not be bound (the message names host and port).
     """
 
     def __init__(self, driver: Any, host: str = "127.0.0.1", port: int = 9000, threads: int = 16) -> None:
@@ -143,7 +193,7 @@ class JetStreamGrpcServer:
         self._loop_thread.start()
 
         async def make():
-            return grpc.aio.server(self._executor)
+            return grpc.aio.server(self._executor, options=[("grpc.so_reuseport", 0)])
 
         self._server = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
         pb2_grpc.add_OrchestratorServicer_to_server(orch.LLMOrchestrator(driver=driver), self._server)
@@ -151,9 +201,16 @@ class JetStreamGrpcServer:
         try:
             bound = self._server.add_insecure_port(f"{addr_host}:{port}")
         except RuntimeError as e:
-            raise RuntimeError(f"cannot bind {addr_host}:{port}: {e}") from e
+            bound = 0
+            err = e
+        else:
+            err = None
         if not bound:
-            raise RuntimeError(f"cannot bind {addr_host}:{port}")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(10)
+            self._executor.shutdown(wait=False)
+            raise PortInUseError(f"cannot serve on {addr_host}:{port}: the port is in use or not bindable"
+                                 + (f" ({err})" if err else "")) from err
         self.host, self.port = host, int(bound)
         self._stopped = False
 
@@ -195,16 +252,28 @@ def serve(engine: Qwen3Engine, *, host: str = "127.0.0.1", port: int = 9000, thr
 
 def main(args: Any) -> int:
     """Entry point of ``jax-rl serve`` (``args``: checkpoint, host, port, tokenizer, slots, max_len,
-    dtype; optional temperature). Blocks until SIGTERM/SIGINT; returns the exit code."""
+    dtype; optional temperature). Blocks until SIGTERM/SIGINT; returns the exit code: 0 after a
+    clean stop, 1 when the port is in use (one line on stderr naming it)."""
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
+    temperature = float(getattr(args, "temperature", 0.0) or 0.0)
+    if temperature < 0:
+        print(f"jax-rl serve: error: --temperature must be >= 0, got {temperature}", file=sys.stderr)
+        return 2
+    try:
+        check_port_free(args.host, int(args.port))
+    except PortInUseError as e:
+        print(f"jax-rl serve: error: {e}", file=sys.stderr)
+        return 1
+    tok, tok_desc = resolve_tokenizer(args.checkpoint, getattr(args, "tokenizer", None))
+    print(f"jax-rl serve: using {tok_desc}", flush=True)
     engine = build_engine(
         args.checkpoint,
-        tokenizer=getattr(args, "tokenizer", None),
+        tokenizer=tok,
         slots=int(getattr(args, "slots", 4)),
         max_len=int(getattr(args, "max_len", 256)),
         dtype=str(getattr(args, "dtype", "float32")),
-        temperature=float(getattr(args, "temperature", 0.0) or 0.0),
+        temperature=temperature,
     )
     stop = threading.Event()
 
@@ -212,9 +281,16 @@ def main(args: Any) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    server = serve(engine, host=args.host, port=int(args.port))
+    try:
+        server = serve(engine, host=args.host, port=int(args.port))
+    except PortInUseError as e:  # taken between the check and the bind
+        for s, h in old.items():
+            signal.signal(s, h)
+        print(f"jax-rl serve: error: {e}", file=sys.stderr)
+        return 1
     print(f"jax-rl serve: listening on {server.host}:{server.port} "
           f"(slots={engine.max_concurrent_decodes}, max_len={engine.max_cache_len}, "
+          f"temperature={temperature:g}, "
           f"ready in {time.monotonic() - t0:.1f}s)", flush=True)
     try:
         while not stop.wait(0.5):
@@ -238,4 +314,5 @@ if __name__ == "__main__":  # pragma: no cover
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--temperature", type=float, default=0.0)
     sys.exit(main(p.parse_args()))

@@ -71,3 +71,72 @@ def test_serve_grpc_decode_and_clean_stop():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def _held_port():
+    """A 127.0.0.1 port held by a plain listening socket (another program)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s, s.getsockname()[1]
+
+
+def test_grpc_server_refuses_a_port_another_grpc_server_holds():
+    """Before the fix gRPC's default SO_REUSEPORT let a second server share the port and both
+    reported success. Our server binds without it: the second bind fails naming the port. No
+    JetStream Driver threads run here (a stand-in driver), so this is safe in-process."""
+    import concurrent.futures
+
+    import grpc
+
+    from rollout.serve import JetStreamGrpcServer, PortInUseError
+
+    first = grpc.server(concurrent.futures.ThreadPoolExecutor(1))  # gRPC defaults: SO_REUSEPORT on
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        class _Driver:
+            def stop(self):
+                pass
+
+        with pytest.raises(PortInUseError, match=f":{port}"):
+            JetStreamGrpcServer(_Driver(), "127.0.0.1", port, threads=1)
+    finally:
+        first.stop(0)
+
+
+def test_serve_cli_port_in_use_is_one_line_and_nonzero():
+    """A port held by another program: one line naming it, exit 1, before any compile."""
+    sock, port = _held_port()
+    try:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+        r = subprocess.run([sys.executable, "-m", "jax_rl.cli", "serve", "preset:tiny_dense", "--port", str(port),
+                            "--tokenizer", "compact"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        sock.close()
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"port {port} is in use" in lines[0], r.stderr
+    assert "listening" not in r.stdout
+
+
+def test_serve_names_its_tokenizer(tmp_path):
+    from rollout.serve import resolve_tokenizer
+
+    tok, desc = resolve_tokenizer(str(tmp_path), None)  # an HF dir without tokenizer.json
+    assert "compact demo tokenizer" in desc and f"no tokenizer.json in {tmp_path}" in desc
+    assert tok.vocab_size > 0
+    _, desc = resolve_tokenizer(str(tmp_path), "compact")
+    assert "--tokenizer" in desc
+
+
+def test_serve_help_documents_every_argument():
+    from jax_rl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    for a in sub._actions:
+        if a.dest != "help":
+            assert a.help, f"serve argument {a.dest} has no help"
+    assert any(a.dest == "temperature" for a in sub._actions)
