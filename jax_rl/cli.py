@@ -1,4 +1,4 @@
-"""``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``serve``, ``plot``.
+"""``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``serve``, ``plot``.
 
 Each subcommand has ``--help``. Config errors print one line naming the culprit and exit 2.
 """
@@ -61,6 +61,19 @@ def cmd_serve(args) -> int:
     return serve_main(args)
 
 
+def cmd_export(args) -> int:
+    from jax_rl.export import ExportError, export_checkpoint
+
+    try:
+        info = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
+    except ExportError as e:
+        print(f"jax-rl: error: {e}", file=sys.stderr)
+        return 2
+    print(f"jax-rl export: {args.out_dir} (checkpoint {info['step']}, version {info['version']}, "
+          f"{info['dtype']}; files: {', '.join(info['files'])})")
+    return 0
+
+
 def cmd_plot(args) -> int:
     try:
         from jax_rl.plots import plot_runs
@@ -92,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("config")
     e.add_argument("overrides", nargs="*")
     e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face dir (transformers, jax-rl serve)",
+                       description="Export a checkpoint to OUT_DIR: config.json, model.safetensors, tokenizer.json "
+                                   "and jax_rl_export.json. The model comes from the run's config.yaml.")
+    x.add_argument("checkpoint", help="a run dir (latest checkpoint), its checkpoints/ dir, or checkpoints/N")
+    x.add_argument("out_dir", help="new or empty output directory (refused if it holds anything)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="storage dtype of the weights (default float32, the learner's master copy)")
+    x.set_defaults(func=cmd_export)
 
     v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)",
                        description="Serve a checkpoint over JetStream's gRPC Orchestrator API. A port already "
