@@ -77,16 +77,18 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
-        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if cfg.model.tokenizer == "bpe" and _is_primary():
-                self.tokenizer.save(self.run_dir / "tokenizer.json")
+        C.check_mesh(cfg)
+        self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
         from jax_rl.learner import Learner
 
         mesh, init_params = None, None
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.model.tokenizer == "bpe" and _is_primary():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.meta: dict[str, Any] = {}
         self._eval_gen = None
         self.writer = None
@@ -179,8 +181,13 @@ def _load_hf_params(cfg: Config, model_config):
     from jax_rl.models.hf_io import load_pretrained
     from jax_rl.sharding import make_mesh
 
+    from jax_rl.models.hf_io import CheckpointError
+
     mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
-    model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    try:
+        model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
+        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
     return nnx.state(model, nnx.Param), mesh
 
 
