@@ -289,6 +289,11 @@ def run_train(cfg: Config) -> int:
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray
 
+        # the actors build these again; building them here first refuses a bad env, tokenizer or
+        # checkpoint in one line before the run dir and Ray exist
+        env_factory = C.build_env_factory(cfg)
+        C.build_model_config(cfg, C.build_tokenizer(cfg, env_factory))
+
         return run_train_ray(cfg)
     tr = Trainer(cfg)
     stop = _StopFlag()
