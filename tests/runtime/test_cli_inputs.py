@@ -53,6 +53,8 @@ BAD_INPUTS = [
     ("mesh_tensor_3_wildcard", lambda t: (TINY_CFG, ["mesh.tensor=3"]), ["mesh.tensor=3", "mesh.fsdp=-1", "8 available"]),
     ("dataset_unknown", lambda t: (TINY_CFG, ["env.datasets=[nope]", "env.dataset_config={}"]),
      ["env.datasets", "'nope'"]),
+    ("dataset_unknown_ray", lambda t: (TINY_CFG, ["runtime=ray", "env.datasets=[nope]", "env.dataset_config={}"]),
+     ["env.datasets", "'nope'"]),
     ("datasets_empty", lambda t: (TINY_CFG, ["env.datasets=[]"]), ["env.datasets=[]"]),
     ("dataset_config_typo", lambda t: (TINY_CFG, ["env.dataset_config={chain_sum: {min_termz: 2}}"]),
      ["env.dataset_config.chain_sum", "min_termz"]),
