@@ -77,9 +77,11 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
+        from jax_rl.learner import Learner, initialize_distributed
+
+        initialize_distributed(cfg.runtime)  # before anything asks jax about devices
         C.check_mesh(cfg)
         self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
-        from jax_rl.learner import Learner
 
         mesh, init_params = None, None
         if cfg.model.checkpoint:
@@ -178,10 +180,8 @@ def _load_hf_params(cfg: Config, model_config):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_rl.models.hf_io import load_pretrained
+    from jax_rl.models.hf_io import CheckpointError, load_pretrained
     from jax_rl.sharding import make_mesh
-
-    from jax_rl.models.hf_io import CheckpointError
 
     mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
     try:
