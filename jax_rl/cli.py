@@ -26,8 +26,30 @@ def _load(args) -> "object":
     return load_config(args.config, overrides)
 
 
+def _version() -> str:
+    """``jax-rl X (jax Y, flax Z)`` from the installed distributions' metadata (imports nothing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"jax-rl {v('jax-rl')} (jax {v('jax')}, flax {v('flax')})"
+
+
 def cmd_train(args) -> int:
     cfg = _load(args)
+    if args.print_config:  # the resolved config (base_config chain + overrides), then exit
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    if args.dry_run:
+        from jax_rl.runtime.dry_run import run_dry_run
+
+        return run_dry_run(cfg)
     try:
         from jax_rl.runtime.train import run_train
     except ImportError as e:  # pragma: no cover - only while the runtime is missing
@@ -87,23 +109,30 @@ def cmd_plot(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jax-rl", description="Asynchronous RL for LLM agents in JAX.")
+    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
     t.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (base_config chain + overrides) as YAML and exit; creates nothing")
+    t.add_argument("--dry-run", action="store_true",
+                   help="build tokenizer, model, mesh and learner, check the KV cache fits, compile one train "
+                        "step, print param count / KV-cache bytes / batch shape and exit; creates no run dir")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("sft", help="SFT on reference-solver demonstrations only", epilog=EPILOG)
-    s.add_argument("config")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml (sft.steps must be > 0)")
+    s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     s.set_defaults(func=cmd_sft)
 
     e = sub.add_parser("eval", help="held-out avg@k / pass@k of a checkpoint", epilog=EPILOG)
     e.add_argument("checkpoint_dir", help="a run dir or its checkpoints/ dir")
-    e.add_argument("config")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("config", help="YAML config giving the eval and env settings (model, correction and "
+                                  "staleness come from the run's config.yaml when it has one)")
+    e.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.num_tasks=16 eval.k=4")
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face dir (transformers, jax-rl serve)",
@@ -136,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
-    pl.add_argument("run_dirs", nargs="+")
+    pl.add_argument("run_dirs", nargs="+", help="run dirs holding metrics.jsonl")
     pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
     pl.set_defaults(func=cmd_plot)
     return p
@@ -144,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # ``--resume`` may come anywhere (``train CONFIG --resume run.dir=D``): argparse would take
-    # what follows it for an unknown argument, so move the flag to the end
-    argv = [a for a in argv if a != "--resume"] + ["--resume"] * argv.count("--resume")
+    # ``--resume`` (and the other train switches) may come anywhere (``train CONFIG --resume run.dir=D``):
+    # argparse would take what follows them for an unknown argument, so move the flags to the end
+    flags = ("--resume", "--print-config", "--dry-run")
+    argv = [a for a in argv if a not in flags] + [a for a in argv if a in flags]
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

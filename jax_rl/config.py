@@ -160,7 +160,7 @@ class LossConfig(_Section):
     dual_clip_c: Optional[float] = Field(None, gt=1)
     """Dual clip for negative advantages: loss <= -c * A (None = off)."""
     train_infer_mode: Literal["none", "mask", "truncate"] = "mask"
-    """Train-infer correction on pi_prox/mu: mask = MIS, truncate = TIS weight."""
+    """Train-infer correction on pi_prox/mu: none = off (no factor), mask = MIS, truncate = TIS weight."""
     train_infer_level: Literal["token", "sequence", "geometric", "turn"] = "token"
     """Granularity of the train-infer factor: token, sequence (log-space product), geometric (length-normalised), turn."""
     train_infer_high: float = Field(2.0, gt=0)
@@ -244,11 +244,14 @@ class RolloutConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Rollout compute dtype (bf16 default: a real train-infer gap)."""
     partial: Literal["continue", "recompute_kv", "abort"] = "continue"
-    """What happens to a sequence mid-generation when weights change."""
+    """What happens to a sequence mid-generation when weights change: continue (keep its KV cache; later
+    tokens carry the new version), recompute_kv (re-prefill it under the new weights), abort (drop the
+    partial turn and re-issue it)."""
     group_size: int = Field(8, ge=1)
     """GRPO group: samples per task."""
     advantage: Literal["grpo", "rloo"] = "grpo"
-    """Group advantage estimator."""
+    """Group advantage estimator: grpo (reward minus the group mean, see advantage_std_normalize) or rloo
+    (leave-one-out baseline)."""
     advantage_std_normalize: bool = True
     """GRPO: divide by the group's reward std."""
     render_tools: bool = True
@@ -273,6 +276,13 @@ class EnvConfig(_Section):
     """Knobs of the retail env (num_users, num_orders, ...)."""
     train_seed_offset: int = Field(0, ge=0)
     """First training task seed."""
+
+    @model_validator(mode="after")
+    def _has_datasets(self) -> "EnvConfig":
+        if self.name == "calculator" and not self.datasets:
+            raise ValueError("env.datasets=[] names no dataset: env.name=calculator needs at least one "
+                             "reasoning-gym dataset, e.g. env.datasets=[chain_sum]")
+        return self
 
 
 class RuntimeConfig(_Section):
@@ -418,6 +428,12 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
+        if self.old_logits.measure_error and self.loss.correction not in ("ppo_ewma", "linear_prox"):
+            raise ValueError(
+                f"old_logits.measure_error=true measures the ppo_ewma / linear_prox approximation of the "
+                f"exact old logits; it has nothing to measure under loss.correction={self.loss.correction!r}: "
+                "set old_logits.measure_error=false"
+            )
         if self.rollout.max_cache_len > self.optim.max_seq_len:
             raise ValueError(
                 f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "
@@ -497,27 +513,44 @@ def _deep_merge(base: dict, delta: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path, _seen: Optional[set] = None) -> dict:
-    """Read a YAML file, resolving ``base_config`` (relative to the file) recursively."""
+def _read_yaml(path: Path, _seen: Optional[set] = None, _what: str = "config file") -> dict:
+    """Read a YAML file, resolving ``base_config`` (relative to the file) recursively.
+
+    Raises:
+        ConfigError: naming the file (and ``base_config`` for a parent): missing, a directory,
+            unreadable, not UTF-8, invalid YAML, not a mapping, a ``base_config`` that is not a
+            file name, or a ``base_config`` cycle.
+    """
     _seen = _seen or set()
     path = path.resolve()
     if path in _seen:
         raise ConfigError(f"{path}: base_config cycle")
     _seen.add(path)
     if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{_what} not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{_what} {path} is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{_what} {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     parent = data.pop("base_config", None)
+    if parent is not None and (not isinstance(parent, str) or not parent.strip()):
+        raise ConfigError(f"{path}: base_config={parent!r} must be a YAML file name (a string), "
+                          "e.g. base_config: base.yaml")
     if parent:
         ppath = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
         if not ppath.exists() and (CONFIG_DIR / parent).exists():
             ppath = CONFIG_DIR / parent
-        data = _deep_merge(_read_yaml(ppath, _seen), data)
+        data = _deep_merge(_read_yaml(ppath, _seen, _what=f"base_config of {path.name}:"), data)
     return data
 
 
@@ -610,8 +643,18 @@ def config_hash(cfg: Config, sections: tuple[str, ...] = ("model", "loss")) -> s
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _literal_choices(ann: Any) -> tuple:
+    """The values of a ``Literal[...]`` annotation (also inside ``Optional``); () for any other."""
+    from typing import get_args, get_origin
+
+    if get_origin(ann) is Literal:
+        return get_args(ann)
+    return tuple(c for a in get_args(ann) for c in _literal_choices(a))
+
+
 def render_base_yaml() -> str:
-    """Render ``configs/base.yaml``: every knob at its default with a one-line comment.
+    """Render ``configs/base.yaml``: every knob at its default with a one-line comment; an enum's
+    comment ends with its choices (``Choices: a | b``).
 
     ``tests/test_config.py`` checks that the committed file equals this output, so the file and
     the schema cannot drift apart. Regenerate with ``python -m jax_rl.config > configs/base.yaml``.
@@ -622,7 +665,9 @@ def render_base_yaml() -> str:
         return s[:-4].strip() if s.endswith("...") else s
 
     def doc(f) -> str:
-        return " ".join((f.description or "").split())
+        text = " ".join((f.description or "").split())
+        choices = _literal_choices(f.annotation)
+        return f"{text} Choices: {' | '.join(map(str, choices))}." if choices else text
 
     lines = [
         "# jax-rl base config: every knob, at its default, with a one-line comment.",

@@ -33,6 +33,32 @@ def test_base_yaml_every_knob_commented():
             assert comment, f"knob without a comment: {line!r}"
 
 
+def test_base_yaml_lists_every_enum_choice():
+    from jax_rl.config import _literal_choices, _section_fields
+
+    lines, section = {}, None  # (section, key) -> line
+    for ln in (CONFIG_DIR / "base.yaml").read_text().splitlines():
+        if ln and not ln.startswith((" ", "#")):
+            section = ln.split(":", 1)[0]
+        elif ln.startswith("  ") and ":" in ln:
+            lines[(section, ln.split(":", 1)[0].strip())] = ln
+    n = 0
+    for section, f in _section_fields(Config).items():
+        sub = f.annotation
+        if not (isinstance(sub, type) and hasattr(sub, "model_fields")):
+            continue
+        for key, sf in _section_fields(sub).items():
+            choices = _literal_choices(sf.annotation)
+            if choices:
+                line = lines[(section, key)]
+                assert f"Choices: {' | '.join(choices)}." in line, (f"{section}.{key}", line)
+                n += 1
+    assert n == 16, n  # every Literal knob of the schema
+    for (section, key), choice in [(("rollout", "partial"), "recompute_kv"), (("rollout", "advantage"), "rloo"),
+                                   (("loss", "train_infer_mode"), "none")]:
+        assert choice in lines[(section, key)]
+
+
 def test_base_equals_defaults():
     cfg = load_config(CONFIG_DIR / "base.yaml")
     d = cfg.to_dict()

@@ -190,16 +190,16 @@ def _read_header(file: Path) -> dict[str, _TensorInfo]:
         with open(file, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise CheckpointError(f"{file.name}: not a safetensors file (too short)")
+                raise CheckpointError(f"{file}: not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", raw)
             size = os.fstat(f.fileno()).st_size
             if n > size - 8:
-                raise CheckpointError(f"{file.name}: bad safetensors header length {n}")
+                raise CheckpointError(f"{file}: bad safetensors header length {n}")
             header = json.loads(f.read(n))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"{file.name}: cannot read safetensors header: {e}") from e
+        raise CheckpointError(f"{file}: cannot read safetensors header: {e}") from e
     out = {}
     base = 8 + n
     for name, info in header.items():
@@ -209,29 +209,34 @@ def _read_header(file: Path) -> dict[str, _TensorInfo]:
             s, e = info["data_offsets"]
             out[name] = _TensorInfo(file, info["dtype"], tuple(info["shape"]), base + s, base + e)
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{file.name}: bad header entry for {name!r}") from err
+            raise CheckpointError(f"{file}: bad header entry for {name!r}") from err
         if base + e > size:
-            raise CheckpointError(f"{file.name}: tensor {name!r} extends past the end of file")
+            raise CheckpointError(f"{file}: tensor {name!r} extends past the end of file")
     return out
 
 
 def read_safetensors_index(path: str | os.PathLike) -> dict[str, _TensorInfo]:
-    """HF tensor name -> location, from ``model.safetensors`` or the sharded index."""
+    """HF tensor name -> location, from ``model.safetensors`` or the sharded index.
+
+    Reads only the headers. Raises:
+        CheckpointError: naming the file: no safetensors, a broken index, a truncated file or
+            header, a bad header entry.
+    """
     path = Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            data = json.loads(index.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"broken index {index.name}: {e}") from e
+            data = json.loads(index.read_bytes().decode("utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"broken index {index}: {e}") from e
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"broken index {index.name}: no 'weight_map' dict")
+            raise CheckpointError(f"broken index {index}: no 'weight_map' dict")
         files = sorted(set(wm.values()))
         missing_files = [f for f in files if not (path / f).is_file()]
         if missing_files:
-            raise CheckpointError(f"broken index {index.name}: shard file(s) not found: "
+            raise CheckpointError(f"broken index {index}: shard file(s) not found: "
                                   f"{missing_files}")
         headers = {f: _read_header(path / f) for f in files}
         out: dict[str, _TensorInfo] = {}
@@ -242,7 +247,7 @@ def read_safetensors_index(path: str | os.PathLike) -> dict[str, _TensorInfo]:
             else:
                 out[name] = headers[f][name]
         if misplaced:
-            raise CheckpointError(f"broken index {index.name}: tensors not in the file the "
+            raise CheckpointError(f"broken index {index}: tensors not in the file the "
                                   f"index names: {misplaced}")
         # tensors present in a shard but absent from the index are unexpected
         for f, h in headers.items():
@@ -259,7 +264,7 @@ def _load_np(info: _TensorInfo) -> np.ndarray:
     dt = SAFE_DTYPES[info.dtype]
     count = math.prod(info.shape)
     if info.end - info.start != count * dt.itemsize:
-        raise CheckpointError(f"{info.file.name}: byte size of a tensor does not match its "
+        raise CheckpointError(f"{info.file}: byte size of a tensor does not match its "
                               f"shape {info.shape} and dtype {info.dtype}")
     if count == 0:
         return np.zeros(info.shape, dt)
@@ -273,14 +278,22 @@ def _load_np(info: _TensorInfo) -> np.ndarray:
 
 
 def load_config(path: str | os.PathLike) -> Qwen3Config:
+    """The :class:`Qwen3Config` of ``path/config.json``.
+
+    Raises:
+        CheckpointError: naming the file: unreadable, not UTF-8 JSON, not an object, or a
+            field we do not implement.
+    """
     f = Path(path) / "config.json"
     try:
-        d = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        d = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {f}: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object, got {type(d).__name__}")
     try:
         return Qwen3Config.from_hf(d)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{f}: {e}") from e
 
 
@@ -305,7 +318,8 @@ def check_tensors(cfg: Qwen3Config, tensors: dict[str, _TensorInfo]) -> list[Par
         for title, items in (("missing", missing), ("unexpected", unexpected),
                              ("wrong shape", wrong_shape), ("wrong dtype", wrong_dtype)):
             if items:
-                parts.append(f"{title} ({len(items)}): " + ", ".join(items))
+                more = f", ... ({len(items) - 6} more)" if len(items) > 6 else ""
+                parts.append(f"{title} ({len(items)}): " + ", ".join(items[:6]) + more)
         raise CheckpointError("checkpoint does not match config: " + "; ".join(parts))
     return specs
 

@@ -441,7 +441,8 @@ def load_tokenizer(name_or_path: Union[str, os.PathLike] = "compact") -> ChatTok
 
     Raises:
         FileNotFoundError: no tokenizer.json at that path.
-        ValueError: the tokenizer lacks Qwen3's chat tokens.
+        ValueError: the file is not a ``tokenizers`` tokenizer.json (message naming it), or the
+            tokenizer lacks Qwen3's chat tokens.
     """
     if str(name_or_path) == "compact":
         return compact_tokenizer()
@@ -450,4 +451,8 @@ def load_tokenizer(name_or_path: Union[str, os.PathLike] = "compact") -> ChatTok
         p = p / "tokenizer.json"
     if not p.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {name_or_path!s} (expected 'compact', a tokenizer.json or a dir holding one)")
-    return ChatTokenizer(Tokenizer.from_file(str(p)), name=str(p))
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a bare Exception for bad JSON / a bad schema
+        raise ValueError(f"{p} is not a tokenizer.json ({' '.join(str(e).split())})") from None
+    return ChatTokenizer(tok, name=str(p))

@@ -23,6 +23,9 @@ __all__ = [
     "build_tokenizer",
     "build_model_config",
     "build_env_factory",
+    "check_mesh",
+    "check_kv_cache",
+    "kv_cache_bytes",
     "build_generator",
     "sft_examples",
     "compute_advantages",
@@ -75,6 +78,10 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
     ``model.bpe_vocab_size``) on the chat transcripts of :data:`BPE_CORPUS_DEMOS` reference
     demonstrations from training seeds, so held-out eval seeds never shape the vocabulary. It is
     deterministic, so every process (Ray workers, ``jax-rl eval``) rebuilds the same one.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``: no tokenizer.json at the path, a file that is not a
+            tokenizer.json, or a tokenizer without the Qwen3 chat tokens.
     """
     from jax_rl.models.tokenizer import load_tokenizer
 
@@ -86,6 +93,8 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
                 f"model.tokenizer={cfg.model.tokenizer!r}: {e}; point it at a checkpoint's tokenizer.json "
                 "(or use 'compact' / 'bpe')"
             ) from None
+        except ValueError as e:  # not a tokenizer.json, or one without the Qwen3 chat tokens
+            raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: {e}") from None
     key = (cfg.env.model_dump_json(), cfg.rollout.render_tools, cfg.model.bpe_vocab_size)
     tok = _BPE_CACHE.get(key)
     if tok is None:
@@ -109,32 +118,75 @@ def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
     return train_bpe_tokenizer(texts, cfg.model.bpe_vocab_size, name="bpe")
 
 
-def build_model_config(cfg: Config, tokenizer=None):
-    """The Qwen3Config: from ``model.checkpoint``'s config.json, else ``model.preset``, with
-    ``model.hf_overrides`` applied.
+# config.json fields that fix the architecture: a file without them is refused rather than
+# silently given Qwen3-8B's defaults
+HF_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size", "vocab_size")
 
-    Raises:
-        ConfigError: unknown preset, bad override, or a vocab smaller than the tokenizer's.
-    """
+
+def _read_hf_config(ckpt: str) -> dict:
     import json
 
+    d = Path(ckpt)
+    if not d.is_dir():
+        what = "not a directory" if d.exists() else "does not exist"
+        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({d} {what}; expected a dir "
+                          "holding config.json + model.safetensors)")
+    f = d / "config.json"
+    if not f.is_file():
+        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({f} not found)")
+    try:
+        hf = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"model.checkpoint: {f} is not UTF-8 text (offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.checkpoint: {f} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"model.checkpoint: cannot read {f} ({e.strerror or e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.checkpoint: {f} must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def build_model_config(cfg: Config, tokenizer=None):
+    """The Qwen3Config: from ``model.checkpoint``'s config.json, else ``model.preset``, with
+    ``model.hf_overrides`` applied. With a checkpoint, the safetensors headers are read and
+    checked against the config too (no tensor data is read), so a bad checkpoint is refused here,
+    before a run dir exists.
+
+    Raises:
+        ConfigError: unknown preset, bad override, a vocab smaller than the tokenizer's; for
+            ``model.checkpoint`` (message naming the file): a missing dir or config.json, a
+            config.json that is not a JSON object or lacks :data:`HF_REQUIRED_FIELDS`, or
+            safetensors that are missing, truncated or do not match the config.
+    """
     from jax_rl.models.qwen3 import PRESETS, Qwen3Config, get_preset
 
-    try:
-        if cfg.model.checkpoint:
-            hf = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text())
-            hf.update(cfg.model.hf_overrides)
+    if cfg.model.checkpoint:
+        from jax_rl.models.hf_io import CheckpointError, check_tensors, read_safetensors_index
+
+        hf = _read_hf_config(cfg.model.checkpoint)
+        f = Path(cfg.model.checkpoint) / "config.json"
+        hf.update(cfg.model.hf_overrides)
+        missing = [k for k in HF_REQUIRED_FIELDS if k not in hf]
+        if missing:
+            raise ConfigError(f"model.checkpoint: {f} lacks the field(s) {missing} (set them there or in "
+                              "model.hf_overrides)")
+        try:
             mc = Qwen3Config.from_hf(hf)
-        else:
-            if cfg.model.preset not in PRESETS:
-                raise ConfigError(f"model.preset={cfg.model.preset!r}: unknown preset; known: {sorted(PRESETS)}")
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.checkpoint: {f}: {e}") from None
+        try:
+            check_tensors(mc, read_safetensors_index(cfg.model.checkpoint))
+        except CheckpointError as e:
+            raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
+    else:
+        if cfg.model.preset not in PRESETS:
+            raise ConfigError(f"model.preset={cfg.model.preset!r}: unknown preset; known: {sorted(PRESETS)}")
+        try:
             mc = get_preset(cfg.model.preset, **cfg.model.hf_overrides)
-    except FileNotFoundError as e:
-        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: no HF checkpoint there ({e})") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"model: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model: {e}") from None
     if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(
             f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -143,10 +195,145 @@ def build_model_config(cfg: Config, tokenizer=None):
     return mc
 
 
+def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
+    """The mesh axis sizes ``mesh.*`` resolve to on ``n_devices`` (default: ``jax.device_count()``).
+
+    Raises:
+        ConfigError: naming every ``mesh.*`` key and the device count, when their product does
+            not equal the device count (or, with a -1 axis, does not divide it).
+    """
+    import math
+
+    if n_devices is None:
+        import jax
+
+        n_devices = jax.device_count()
+    sizes = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor", "expert")}
+    known = math.prod(v for v in sizes.values() if v != -1)
+    wild = [k for k, v in sizes.items() if v == -1]
+    shown = " ".join(f"mesh.{k}={v}" for k, v in sizes.items())
+    if wild and n_devices % known == 0:
+        sizes[wild[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        rule = (f"the product of the other axes ({known}) must divide it" if wild
+                else f"their product ({known}) must equal it; set one axis to -1 to take the remaining devices")
+        raise ConfigError(f"{shown} does not fit the {n_devices} available device(s): {rule}")
+    return sizes
+
+
+def kv_cache_bytes(cfg: Config, model_config, slots: Optional[int] = None) -> int:
+    """Bytes of one rollout engine's KV cache: layers x slots x max_cache_len x kv_heads x head_dim
+    x 2 (K and V) x the byte size of ``rollout.dtype``."""
+    itemsize = 2 if cfg.rollout.dtype == "bfloat16" else 4
+    mc = model_config
+    return (int(mc.num_hidden_layers) * int(slots or cfg.rollout.slots) * int(cfg.rollout.max_cache_len)
+            * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * itemsize)
+
+
+def available_memory_bytes() -> tuple[int, str]:
+    """(bytes, where): free host RAM on the CPU backend, else the summed ``bytes_limit`` minus
+    ``bytes_in_use`` of the local accelerators (host RAM when the backend reports no stats)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        total = 0
+        for d in jax.local_devices():
+            st = (d.memory_stats() or {}) if hasattr(d, "memory_stats") else {}
+            if "bytes_limit" in st:
+                total += int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0))
+        if total > 0:
+            return total, f"free memory on {jax.local_device_count()} {jax.default_backend()} device(s)"
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available), "available host RAM"
+    except ImportError:  # pragma: no cover - psutil ships with ray
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "available host RAM"
+
+
+def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> int:
+    """Refuse a rollout KV cache that cannot fit, before any is allocated.
+
+    ``engines`` defaults to ``rollout.threads`` plus the eval engine. Returns the total bytes.
+
+    Raises:
+        ConfigError: naming ``rollout.slots``, ``rollout.max_cache_len`` and the bytes needed and
+            available.
+    """
+    engines = engines if engines is not None else cfg.rollout.threads + 1
+    per = kv_cache_bytes(cfg, model_config)
+    need = per * engines
+    have, where = available_memory_bytes()
+    if need > have:
+        r, mc = cfg.rollout, model_config
+        raise ConfigError(
+            f"rollout KV cache needs {need:,} bytes ({_gib(need)}) but only {have:,} bytes ({_gib(have)}) of "
+            f"{where}: {engines} engine(s) x rollout.slots={r.slots} x rollout.max_cache_len={r.max_cache_len} x "
+            f"{mc.num_hidden_layers} layers x {mc.num_key_value_heads} kv heads x head_dim {mc.head_dim} x 2 (K, V) "
+            f"x {2 if r.dtype == 'bfloat16' else 4} bytes (rollout.dtype={r.dtype}); lower rollout.slots or "
+            "rollout.max_cache_len"
+        )
+    return need
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
 def build_env_factory(cfg: Config) -> Callable[[], Any]:
+    """A zero-argument env factory for ``env``, checked by building one env (and, for
+    ``calculator``, each reasoning-gym dataset with its ``env.dataset_config``).
+
+    Raises:
+        ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
+            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob.
+    """
     from rollout.envs import env_factory_from_config
 
-    return env_factory_from_config(cfg.env, cfg.rollout)
+    _check_env(cfg)
+    factory = env_factory_from_config(cfg.env, cfg.rollout)
+    try:
+        factory()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.{'retail' if cfg.env.name == 'retail' else 'dataset_config'}: {e}") from None
+    return factory
+
+
+def _check_env(cfg: Config) -> None:
+    import difflib
+    import inspect
+
+    def hint(name: str, known, prefix: str = "") -> str:
+        m = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        return f"; did you mean '{prefix}{m[0]}'?" if m else ""
+
+    env = cfg.env
+    if env.name == "retail":
+        from rollout.envs import RetailEnv
+        from rollout.envs.base import BaseEnv
+
+        known = {n for c in (RetailEnv, BaseEnv) for n, prm in inspect.signature(c.__init__).parameters.items()
+                 if n != "self" and prm.kind is prm.POSITIONAL_OR_KEYWORD} - {"tool_latency_s", "tool_latency_dist"}
+        for k in env.retail:
+            if k not in known:
+                raise ConfigError(f"unknown config key 'env.retail.{k}'{hint(k, known, 'env.retail.')} (env.retail takes "
+                                  f"{sorted(known)})")
+        return
+    import reasoning_gym.factory as rg
+    from rollout.envs.calculator import _get_dataset
+
+    for name in env.datasets:
+        if name not in rg.DATASETS:
+            raise ConfigError(f"env.datasets: {name!r} is not a reasoning-gym dataset{hint(name, rg.DATASETS)}")
+    for name in env.dataset_config:
+        if name not in env.datasets:
+            raise ConfigError(f"env.dataset_config.{name} names a dataset not in env.datasets={env.datasets}")
+    for name in env.datasets:
+        try:
+            _get_dataset(name, 0, dict(env.dataset_config.get(name, {})))
+        except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
+            raise ConfigError(f"env.dataset_config.{name}={env.dataset_config.get(name, {})}: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,

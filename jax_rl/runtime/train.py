@@ -77,16 +77,20 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
-        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if cfg.model.tokenizer == "bpe" and _is_primary():
-                self.tokenizer.save(self.run_dir / "tokenizer.json")
-        from jax_rl.learner import Learner
+        from jax_rl.learner import Learner, initialize_distributed
+
+        initialize_distributed(cfg.runtime)  # before anything asks jax about devices
+        C.check_mesh(cfg)
+        self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
 
         mesh, init_params = None, None
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.model.tokenizer == "bpe" and _is_primary():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.meta: dict[str, Any] = {}
         self._eval_gen = None
         self.writer = None
@@ -176,11 +180,14 @@ def _load_hf_params(cfg: Config, model_config):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_rl.models.hf_io import load_pretrained
+    from jax_rl.models.hf_io import CheckpointError, load_pretrained
     from jax_rl.sharding import make_mesh
 
     mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
-    model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    try:
+        model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
+        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
     return nnx.state(model, nnx.Param), mesh
 
 
@@ -281,6 +288,11 @@ def run_train(cfg: Config) -> int:
     C.resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray
+
+        # the actors build these again; building them here first refuses a bad env, tokenizer or
+        # checkpoint in one line before the run dir and Ray exist
+        env_factory = C.build_env_factory(cfg)
+        C.build_model_config(cfg, C.build_tokenizer(cfg, env_factory))
 
         return run_train_ray(cfg)
     tr = Trainer(cfg)
