@@ -69,7 +69,7 @@ class _StopFlag:
 class Trainer:
     """Holds the pieces of one run; used by ``run_train``, ``run_sft`` and ``run_eval``."""
 
-    def __init__(self, cfg: Config, *, create_dir: bool = True):
+    def __init__(self, cfg: Config, *, create_dir: bool = True, preflight: bool = False):
         self.cfg = cfg
         self.t0 = time.perf_counter()
         self.run_dir = C.resolve_run_dir(cfg, create=False)
@@ -77,6 +77,7 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
+        self.warnings = C.rollout_preflight(cfg, self.tokenizer, self.env_factory) if preflight else []
         if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.model.tokenizer == "bpe" and _is_primary():
@@ -200,7 +201,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     cfg = tr.cfg
     K = cfg.async_.max_staleness
     n_groups = cfg.optim.batch_size // cfg.rollout.group_size
-    buffer = TrajectoryBuffer(cfg.rollout.group_size, K, groups_per_step=n_groups)
+    buffer = TrajectoryBuffer(cfg.rollout.group_size, K, groups_per_step=n_groups, max_seq_len=cfg.optim.max_seq_len)
     if tr.meta.get("buffer"):
         buffer.import_state(tr.meta["buffer"])
     params = tr.learner.get_params()
@@ -209,7 +210,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     published = {"version": tr.learner.version}
     prod = tr.meta.get("producer", {})
     mgr = RolloutManager(cfg, gens, agents, buffer, lambda: published["version"],
-                         next_group=prod.get("next_group", 0), reissue=prod.get("reissue"))
+                         next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
+                         episode_errors=prod.get("episode_errors", 0))
     mgr.start()
     last: dict = {}
     ckpt_every = cfg.checkpoint.every
@@ -223,8 +225,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 groups = None
                 while groups is None and not stop.event.is_set():
                     groups = buffer.get_batch(n_groups, tr.learner.version, timeout=1.0)
-                    if mgr.errors and groups is None:
-                        raise RuntimeError("rollout failed: " + "; ".join(mgr.errors[-3:]))
+                    if mgr.fatal and groups is None:  # one bad episode is dropped; a failing rollout stops
+                        raise RuntimeError(mgr.fatal)
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
@@ -238,11 +240,14 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 published["version"] = tr.learner.version
                 buffer.notify()
                 row = C.step_row(cfg, step + 1, tr.learner.version, metrics, batch, groups, trajs, v_train)
+                bstats = buffer.stats()
                 row.update({
+                    "episode_errors": mgr.episode_errors,
+                    "dropped_overlong": bstats["dropped_overlong"],
                     "rollout_tokens_per_s": mgr.rollout_tokens_per_s(),
                     "wait_s": wait_s,
                     "publish_s": time.perf_counter() - t_pub,
-                    **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+                    **{f"buffer/{k}": v for k, v in bstats.items()},
                     "wall_s": time.perf_counter() - tr.t0,
                 })
                 tr.writer.write(step + 1, row)
@@ -259,6 +264,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
         tr.meta["buffer"] = buffer.export_state()
         tr.meta["producer"] = mgr.state()
         tr.meta["rollout_tokens_per_s"] = mgr.rollout_tokens_per_s()
+        tr.meta["episode_errors"] = mgr.episode_errors
     return last
 
 
@@ -283,7 +289,7 @@ def run_train(cfg: Config) -> int:
         from jax_rl.runtime.ray_runtime import run_train_ray
 
         return run_train_ray(cfg)
-    tr = Trainer(cfg)
+    tr = Trainer(cfg, preflight=True)  # start-of-run warnings; a config where no prompt fits ends here
     stop = _StopFlag()
     stop.install()
     dump_config(cfg, tr.run_dir / "config.yaml")
@@ -324,6 +330,8 @@ def run_train(cfg: Config) -> int:
             "interrupted": interrupted,
             "tokens_per_s_mean": _mean_metric(tr.run_dir, "tokens_per_s"),
             "rollout_tokens_per_s": tr.meta.get("rollout_tokens_per_s"),
+            "episode_errors": tr.meta.get("episode_errors", 0),
+            "dropped_overlong": (tr.meta.get("buffer_stats") or {}).get("dropped_overlong", 0),
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
         write_outputs(tr.run_dir, tr.ckpt_dir, summary)
