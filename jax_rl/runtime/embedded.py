@@ -10,6 +10,12 @@ Threads:
   buffer, compute group advantages, train one step, publish the new params to every generator
   (``update_params(params, version)``) and only then tell the buffer the new version.
 
+Bad episodes never end the run: an episode whose env or tool raises is failed and counted
+(``episode_errors``; the buffer's ``failed``), one whose prompt does not fit ``rollout.max_cache_len``
+is dropped and counted (``dropped_overlong``), and a group whose loop or put raises gives its slot
+back. Only ``rollout.max_consecutive_episode_errors`` unusable episodes in a row (no usable one in
+between: the env or the config is broken) stop the run, with the last reason (:attr:`RolloutManager.fatal`).
+
 Task seeds are assigned by group index (``env.train_seed_offset + group_id``), and every sampling
 seed derives from (task seed, sample, turn), so with K = 0 a run is reproducible and a resumed run
 re-issues the in-flight groups identically.

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ class Trainer:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         self.meta: dict[str, Any] = {}
+        self.rollout_failed: Optional[str] = None  # set by the RL loop when the rollout fails systematically
         self._eval_gen = None
         self.writer = None
 
@@ -226,7 +228,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 while groups is None and not stop.event.is_set():
                     groups = buffer.get_batch(n_groups, tr.learner.version, timeout=1.0)
                     if mgr.fatal and groups is None:  # one bad episode is dropped; a failing rollout stops
-                        raise RuntimeError(mgr.fatal)
+                        tr.rollout_failed = mgr.fatal
+                        break
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
@@ -315,7 +318,8 @@ def run_train(cfg: Config) -> int:
         tr.meta["rl_steps"] = rl_steps
         _save(tr)
         interrupted = stop.event.is_set()
-        final = tr.evaluate(rl_steps, label="final") if not interrupted else {}
+        failed = tr.rollout_failed
+        final = tr.evaluate(rl_steps, label="final") if not (interrupted or failed) else {}
         summary = {
             "sft_success": tr.meta.get("sft_success"),
             "final_success": final.get("success"),
@@ -334,7 +338,12 @@ def run_train(cfg: Config) -> int:
             "dropped_overlong": (tr.meta.get("buffer_stats") or {}).get("dropped_overlong", 0),
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
+        if failed:
+            summary["rollout_failed"] = failed
         write_outputs(tr.run_dir, tr.ckpt_dir, summary)
+        if failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
+            print(f"jax-rl: {failed}", file=sys.stderr)
+            return 1
         return 0
     finally:
         tr.close()
