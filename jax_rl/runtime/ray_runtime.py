@@ -303,7 +303,13 @@ def run_train_ray(cfg: Config) -> int:
                     counters["duplicate_groups"] += 1
                     continue
                 done_gids.add(gid)
-                ray.get(buffer.put_group.remote(group))
+                try:
+                    ray.get(buffer.put_group.remote(group))
+                except Exception as e:  # a malformed group: drop it, give its slot back, count it
+                    log.warning("group %d could not be put into the buffer: %r", gid, e)
+                    ray.get(buffer.cancel.remote(1))
+                    guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
+                    continue
                 guard.record(group)
 
         def save(rl_steps: int) -> None:
