@@ -216,6 +216,12 @@ class AsyncConfig(_Section):
     """K: no consumed token is older than K versions. K=0 is synchronous on-policy training."""
 
 
+# Upper bounds of the rollout's time knobs: finite, so ``time.sleep`` / ``Future.result(timeout=)``
+# never overflow in a rollout thread.
+MAX_TOOL_LATENCY_S = 600.0
+MAX_EPISODE_TIMEOUT_S = 86400.0
+
+
 class RolloutConfig(_Section):
     """Rollout engine, continuous batching and agent loop."""
 
@@ -233,8 +239,8 @@ class RolloutConfig(_Section):
     """Budget of generated (policy) tokens over all turns of one episode."""
     max_turns: int = Field(4, ge=1)
     """Assistant turns per episode."""
-    episode_timeout_s: float = Field(600.0, gt=0)
-    """Wall-clock budget per episode (seconds)."""
+    episode_timeout_s: float = Field(600.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
+    """Wall-clock budget per episode (seconds, at most 86400)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the learner applies the same one to its log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -257,10 +263,13 @@ class RolloutConfig(_Section):
     render_tools: bool = True
     """Render the tool schemas in the system prompt (Qwen3 <tools> block). The byte-level CPU demo
     turns it off to keep prompts short; its env system prompt names the tool instead."""
-    tool_latency_s: float = Field(0.0, ge=0)
-    """Simulated tool latency in seconds (0 = none)."""
+    tool_latency_s: float = Field(0.0, ge=0, le=MAX_TOOL_LATENCY_S)
+    """Simulated tool latency in seconds (0 = none, at most 600)."""
     tool_latency_dist: Literal["fixed", "lognormal"] = "fixed"
-    """fixed: exactly tool_latency_s; lognormal: median tool_latency_s."""
+    """fixed: exactly tool_latency_s; lognormal: mean tool_latency_s (sigma 0.5)."""
+    max_consecutive_episode_errors: int = Field(64, ge=0)
+    """Stop the run with an error after this many unusable episodes in a row (an env/tool exception, or a
+    prompt too long for max_cache_len); 0 = never stop. Isolated ones are dropped and counted."""
 
 
 class EnvConfig(_Section):

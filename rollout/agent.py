@@ -17,6 +17,9 @@ at index t). Generated ids are never re-tokenised. An episode ends when
 * ``max_turns`` are used (``truncated="max_turns"``), the per-episode generated-token budget
   (``truncated="token_budget"``), the context length ``max_cache_len`` (``"context"``), or the
   wall-clock budget ``episode_timeout_s`` (``"time"``), all with reward 0;
+* the prompt alone fills ``max_cache_len`` (no room for one generated token): ``info["overlong"]="prompt"``,
+  nothing is generated, reward 0; counted (``stats["overlong"]``) and the buffer drops it
+  (``dropped_overlong``): every sample of the task has the same prompt, so its whole group goes;
 * the environment raises something other than :class:`ToolError` (or generation is aborted):
   the episode *fails*: ``info["failed"]=True``, ``info["fail_reason"]``, reward 0; it is counted
   (:attr:`AgentLoop.stats`) and the buffer never trains on it. Other episodes continue.
@@ -27,6 +30,7 @@ Malformed tool calls (bad JSON, missing name) and unknown tools become error obs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -45,6 +49,10 @@ __all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build
            "episode_seed"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class _Overlong(Exception):
+    """The episode's prompt does not fit ``max_cache_len`` (ends the episode; not a failure)."""
 
 
 class GeneratorLike(Protocol):
@@ -126,8 +134,8 @@ class AgentLoop:
         self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, cfg.group_size))
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
         self._lock = threading.Lock()
-        self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "answered": 0, "truncated": 0, "tool_calls": 0,
-                                      "tool_errors": 0}
+        self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "overlong": 0, "answered": 0, "truncated": 0,
+                                      "tool_calls": 0, "tool_errors": 0}
 
     # ------------------------------------------------------------------ public
     def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> "Future[Trajectory]":
@@ -215,6 +223,11 @@ class AgentLoop:
             prompt, _ = tok.render_chat(messages, shown_tools, add_generation_prompt=True)
             append(prompt)
             info["prompt_len"] = len(prompt)
+            if len(prompt) >= int(cfg.max_cache_len):  # no room for one generated token: never trainable
+                info["overlong"] = "prompt"
+                info["truncated"] = "context"
+                raise _Overlong(f"prompt of {len(prompt)} tokens leaves no room in rollout.max_cache_len="
+                                f"{int(cfg.max_cache_len)}")
             budget = int(cfg.max_tokens_per_episode)
             stop_ids = tuple(tok.stop_ids)
             for turn in range(int(cfg.max_turns)):
@@ -284,6 +297,9 @@ class AgentLoop:
                     info["truncated"] = "context"
                     break
                 append(nxt)
+        except _Overlong as e:  # dropped by the buffer (counted as dropped_overlong), not an env failure
+            info["drop_reason"] = str(e)
+            reward = 0.0
         except Exception as e:  # env failure (or a broken generator): fail this episode only
             info["failed"] = True
             info["fail_reason"] = f"{type(e).__name__}: {e}"
@@ -295,6 +311,8 @@ class AgentLoop:
         self._count("tool_errors", len(info["tool_errors"]))
         if info["failed"]:
             self._count("failed")
+        elif info.get("overlong"):
+            self._count("overlong")
         elif info["answered"]:
             self._count("answered")
         else:
@@ -309,7 +327,9 @@ def demo_chat(env: Env, seed: int, render_tools: bool = True) -> tuple[list[dict
     """``(messages, tools)`` of a reference demonstration: ``env.reset(seed)``'s prompt messages
     followed by ``env.reference_solution(seed)``; ``tools`` is None unless ``render_tools``."""
     messages, tools = env.reset(int(seed))
-    demo = env.reference_solution(int(seed))
+    quiet = getattr(env, "no_latency", None)  # a demonstration is not an episode: no simulated tool latency
+    with (quiet() if callable(quiet) else contextlib.nullcontext()):
+        demo = env.reference_solution(int(seed))
     return list(messages) + list(demo), (tools if render_tools else None)
 
 

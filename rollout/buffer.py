@@ -25,11 +25,13 @@ newest weights). Admission keeps drops rare; the hard bound makes them harmless.
 
 Counters (``stats()``), in trajectories unless suffixed ``_groups``: ``produced`` (accepted by
 ``put_group``), ``consumed`` (returned by ``get_batch``), ``dropped_stale``, ``failed``
-(``info["failed"]`` trajectories, never trained), ``in_flight`` (admitted, not yet put; in groups
+(``info["failed"]`` trajectories, never trained), ``dropped_overlong`` (over-long trajectories: a
+prompt that filled the cache, or longer than ``max_seq_len``; never trained), ``in_flight`` (admitted, not yet put; in groups
 via ``in_flight_groups``), ``pending``, ``admitted_groups`` and ``cancelled_groups`` (admitted slots
 given back by :meth:`cancel`: a group whose episode loop failed, or one in flight when the run stopped,
 which the runtime re-issues after ``--resume``). Invariants: ``produced == consumed + dropped_stale +
-pending``; within one session ``admitted_groups == produced_groups + failed_groups + cancelled_groups +
+pending``; every finished episode put is ``produced + failed + dropped_overlong``; within one session
+``admitted_groups == produced_groups + failed_groups + dropped_overlong_groups + cancelled_groups +
 in_flight_groups``.
 
 State export/import is JSON-safe (lists, numbers, strings), for the learner's checkpoint. In-flight
@@ -47,8 +49,9 @@ from .types import Trajectory
 
 __all__ = ["TrajectoryBuffer"]
 
-_COUNTERS = ("produced", "consumed", "dropped_stale", "failed", "produced_groups", "consumed_groups",
-             "dropped_stale_groups", "failed_groups", "admitted_groups", "cancelled_groups")
+_COUNTERS = ("produced", "consumed", "dropped_stale", "failed", "dropped_overlong", "produced_groups",
+             "consumed_groups", "dropped_stale_groups", "failed_groups", "dropped_overlong_groups",
+             "admitted_groups", "cancelled_groups")
 
 
 class TrajectoryBuffer:
@@ -60,12 +63,14 @@ class TrajectoryBuffer:
         max_staleness: K >= 0.
         groups_per_step: B, groups the learner consumes per step (``optim.batch_size // group_size``).
         max_pending_groups: optional cap on groups waiting in the buffer (``admit`` refuses beyond).
+        max_seq_len: optional longest trainable trajectory (``optim.max_seq_len``); longer ones are
+            dropped by :meth:`put_group` and counted in ``dropped_overlong``.
     """
 
     STATE_VERSION = 1
 
     def __init__(self, group_size: int, max_staleness: int, groups_per_step: int = 1,
-                 max_pending_groups: Optional[int] = None):
+                 max_pending_groups: Optional[int] = None, max_seq_len: Optional[int] = None):
         if group_size < 1 or max_staleness < 0 or groups_per_step < 1:
             raise ValueError(f"bad buffer config group_size={group_size} max_staleness={max_staleness} "
                              f"groups_per_step={groups_per_step}")
@@ -73,6 +78,7 @@ class TrajectoryBuffer:
         self.max_staleness = int(max_staleness)
         self.groups_per_step = int(groups_per_step)
         self.max_pending_groups = max_pending_groups
+        self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self._cv = threading.Condition()
         self._pending: collections.deque[list[Trajectory]] = collections.deque()
         self._in_flight_groups = 0
@@ -142,8 +148,11 @@ class TrajectoryBuffer:
     def put_group(self, trajectories: Sequence[Trajectory], *, admitted: bool = True) -> int:
         """Add one finished group (all samples of one task).
 
-        Failed members (``info["failed"]``) are removed and counted in ``failed``; if none remains the
-        group is discarded (``failed_groups``). ``admitted=True`` releases one in-flight slot.
+        Failed members (``info["failed"]``) are removed and counted in ``failed``; over-long members
+        (``info["overlong"]``: the prompt did not fit the cache, or longer than ``max_seq_len``) are
+        removed and counted in ``dropped_overlong``. If none remains the group is discarded
+        (``dropped_overlong_groups`` when a member was over-long, else ``failed_groups``) and its
+        slot is free again. ``admitted=True`` releases one in-flight slot.
 
         Returns:
             The number of trajectories accepted.
@@ -156,19 +165,27 @@ class TrajectoryBuffer:
             raise ValueError(f"group of {len(trajs)} > group_size={self.group_size}")
         if len({t.group_id for t in trajs}) > 1:
             raise ValueError(f"mixed group ids in one group: {sorted({t.group_id for t in trajs})}")
-        ok = [t for t in trajs if not t.failed]
+        failed = [t for t in trajs if t.failed]
+        overlong = [t for t in trajs if not t.failed and self._overlong(t)]
+        ok = [t for t in trajs if not t.failed and not self._overlong(t)]
         with self._cv:
             if admitted:
                 self._in_flight_groups = max(0, self._in_flight_groups - 1)
-            self.counters["failed"] += len(trajs) - len(ok)
+            self.counters["failed"] += len(failed)
+            self.counters["dropped_overlong"] += len(overlong)
             if ok:
                 self._pending.append(ok)
                 self.counters["produced"] += len(ok)
                 self.counters["produced_groups"] += 1
+            elif overlong:
+                self.counters["dropped_overlong_groups"] += 1
             else:
                 self.counters["failed_groups"] += 1
             self._cv.notify_all()
         return len(ok)
+
+    def _overlong(self, t: Trajectory) -> bool:
+        return t.overlong or (self.max_seq_len is not None and len(t) > self.max_seq_len)
 
     @staticmethod
     def _group_staleness(group: Sequence[Trajectory], v: int) -> int:

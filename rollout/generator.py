@@ -342,7 +342,18 @@ class Generator:
             if req.future.cancelled():
                 continue
             req.t_start = time.monotonic()
-            self._prefill_into(slot, req, req.prompt)
+            try:
+                prefix = self.engine.prefill_tokens(self._params, req.prompt, seed=req.seed,
+                                                    temperature=req.temperature)
+            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone, not the batch
+                log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
+                self.stats["prefill_errors"] += 1
+                if not req.future.done():
+                    req.future.set_exception(e)
+                continue
+            self._state = self.engine.insert(prefix, self._state, slot)
+            self._slots[slot] = req
+            self.stats["prefills"] += 1
 
     def _decode(self) -> None:
         self._state, result = self.engine.generate(self._params, self._state)

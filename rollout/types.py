@@ -129,6 +129,11 @@ class Trajectory:
         """True when the episode failed (env exception, aborted generation); never trained."""
         return bool(self.info.get("failed", False))
 
+    @property
+    def overlong(self) -> bool:
+        """True when the prompt alone left no room to generate (``info["overlong"]``); never trained."""
+        return bool(self.info.get("overlong", False))
+
     def min_version(self) -> Optional[int]:
         """Smallest policy version among generated tokens, or None if nothing was generated."""
         v = self.versions[self.loss_mask & (self.versions >= 0)]

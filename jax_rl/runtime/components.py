@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,6 +33,8 @@ __all__ = [
     "pad_examples",
     "learner_batch",
     "step_row",
+    "rollout_preflight",
+    "EpisodeGuard",
 ]
 
 
@@ -457,3 +460,113 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
         "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
     })
     return row
+
+
+# Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.
+PREFLIGHT_SEEDS = 32
+
+
+def rollout_preflight(cfg: Config, tokenizer, env_factory, n_seeds: int = PREFLIGHT_SEEDS) -> list[str]:
+    """Start-of-run checks of the rollout config; logs each warning once and returns them.
+
+    * Renders the prompts of the first ``n_seeds`` training tasks: a prompt that fills
+      ``rollout.max_cache_len`` cannot generate and its group is dropped (``dropped_overlong``);
+      a warning gives the fraction and the lengths. When *every* sampled prompt is too long the
+      run could never train: :class:`ConfigError` (before anything is built or written).
+    * ``rollout.top_p`` < 1 or ``rollout.top_k`` > 0: the rollout samples from a truncated,
+      renormalised distribution but the learner's log-probs are over the full vocabulary, so the
+      train-infer ratio carries a systematic bias (the train-infer mask/weight then acts on it).
+
+    Raises:
+        ConfigError: no sampled prompt fits ``rollout.max_cache_len``.
+    """
+    r = cfg.rollout
+    out: list[str] = []
+    env = env_factory()
+    lens = []
+    for i in range(int(n_seeds)):
+        messages, tools = env.reset(cfg.env.train_seed_offset + i)
+        ids, _ = tokenizer.render_chat(messages, tools if r.render_tools else None, add_generation_prompt=True)
+        lens.append(len(ids))
+    lens_a = np.asarray(lens)
+    over = int((lens_a >= r.max_cache_len).sum())
+    fix = (f"raise rollout.max_cache_len (and optim.max_seq_len >= it) to at least "
+           f"{int(lens_a.max()) + r.max_new_tokens_per_turn}, or shorten the prompts (rollout.render_tools=false, "
+           f"model.tokenizer=bpe)")
+    if over == len(lens):
+        raise ConfigError(
+            f"rollout.max_cache_len={r.max_cache_len}: every sampled prompt is too long "
+            f"({int(lens_a.min())}..{int(lens_a.max())} tokens over {len(lens)} training tasks), nothing could "
+            f"be generated or trained; {fix}")
+    if over:
+        out.append(f"{over}/{len(lens)} sampled prompts ({int(lens_a.min())}..{int(lens_a.max())} tokens) do not fit "
+                   f"rollout.max_cache_len={r.max_cache_len}: their groups will be dropped and counted as "
+                   f"dropped_overlong; {fix}")
+    elif int(lens_a.max()) + r.max_new_tokens_per_turn > r.max_cache_len:
+        out.append(f"prompts of up to {int(lens_a.max())} tokens leave less than rollout.max_new_tokens_per_turn="
+                   f"{r.max_new_tokens_per_turn} tokens of rollout.max_cache_len={r.max_cache_len}: long episodes "
+                   f"end truncated at the context (reward 0)")
+    if r.top_p < 1.0 or r.top_k > 0:
+        out.append(f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k} truncate the sampling distribution, but the "
+                   "learner does not reproduce the truncation yet: its log-probs are over the full vocabulary, so "
+                   "behav_logp is biased against pi and the train-infer correction acts on that bias; use "
+                   "top_p=1.0, top_k=0 for RL")
+    for w in out:
+        log.warning("%s", w)
+    return out
+
+
+class EpisodeGuard:
+    """Counts unusable episodes for a runtime and decides when a rollout is failing systematically.
+
+    An episode is unusable when it failed (an env/tool exception, ``info["failed"]``; or its group's
+    loop raised) or its prompt did not fit (``info["overlong"]``). Each is dropped and counted and the
+    run goes on; ``rollout.max_consecutive_episode_errors`` of them in a row (no usable episode in
+    between) set :attr:`fatal`, the message the runtime stops with. Thread-safe.
+
+    Attributes:
+        episode_errors: failed episodes so far (overlong ones are counted by the buffer).
+        consecutive: unusable episodes since the last usable one.
+        fatal: None, or the reason to stop.
+    """
+
+    def __init__(self, limit: int, episode_errors: int = 0):
+        self.limit = int(limit)
+        self.episode_errors = int(episode_errors)
+        self.consecutive = 0
+        self.last: str = ""
+        self.fatal: Optional[str] = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _info(t: Any) -> dict:
+        return (t.get("info") if isinstance(t, dict) else getattr(t, "info", None)) or {}
+
+    def record(self, trajectories: Sequence[Any]) -> None:
+        """Account one finished group (Trajectory objects or their ``to_dict()``)."""
+        with self._lock:
+            for t in trajectories:
+                info = self._info(t)
+                if info.get("failed"):
+                    self.episode_errors += 1
+                    self.consecutive += 1
+                    self.last = f"episode failed: {info.get('fail_reason', '?')}"
+                elif info.get("overlong"):
+                    self.consecutive += 1
+                    self.last = f"over-long: {info.get('drop_reason', info.get('overlong'))}"
+                else:
+                    self.consecutive = 0
+            self._check()
+
+    def record_error(self, n_episodes: int, message: str) -> None:
+        """Account ``n_episodes`` lost to an exception outside an episode (a group's loop)."""
+        with self._lock:
+            self.episode_errors += int(n_episodes)
+            self.consecutive += int(n_episodes)
+            self.last = message
+            self._check()
+
+    def _check(self) -> None:
+        if self.limit and self.fatal is None and self.consecutive >= self.limit:
+            self.fatal = (f"rollout failed: {self.consecutive} episodes in a row were unusable (env/tool errors or "
+                          f"over-long prompts; rollout.max_consecutive_episode_errors={self.limit}); last: {self.last}")

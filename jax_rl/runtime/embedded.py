@@ -10,6 +10,12 @@ Threads:
   buffer, compute group advantages, train one step, publish the new params to every generator
   (``update_params(params, version)``) and only then tell the buffer the new version.
 
+Bad episodes never end the run: an episode whose env or tool raises is failed and counted
+(``episode_errors``; the buffer's ``failed``), one whose prompt does not fit ``rollout.max_cache_len``
+is dropped and counted (``dropped_overlong``), and a group whose loop or put raises gives its slot
+back. Only ``rollout.max_consecutive_episode_errors`` unusable episodes in a row (no usable one in
+between: the env or the config is broken) stop the run, with the last reason (:attr:`RolloutManager.fatal`).
+
 Task seeds are assigned by group index (``env.train_seed_offset + group_id``), and every sampling
 seed derives from (task seed, sample, turn), so with K = 0 a run is reproducible and a resumed run
 re-issues the in-flight groups identically.
@@ -27,6 +33,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jax_rl.config import Config
+from jax_rl.runtime.components import EpisodeGuard
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -47,7 +54,7 @@ class RolloutManager:
     """
 
     def __init__(self, cfg: Config, generators: list, agents: list, buffer, version_fn: Callable[[], int],
-                 next_group: int = 0, reissue: Optional[list] = None):
+                 next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0):
         self.cfg = cfg
         self.generators = generators
         self.agents = agents
@@ -61,8 +68,24 @@ class RolloutManager:
         self._threads: list[threading.Thread] = []
         self.generated_tokens = 0
         self.t_start = time.perf_counter()
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the last few errors (messages), for logs
         self.groups_done = 0
+        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, episode_errors)
+        self._fatal: Optional[str] = None
+
+    @property
+    def fatal(self) -> Optional[str]:
+        """Why the run must stop (a systematically failing rollout, or no more training seeds), else None."""
+        return self._fatal or self.guard.fatal
+
+    @property
+    def episode_errors(self) -> int:
+        """Failed episodes so far (env/tool exceptions; a group whose loop raised counts group_size)."""
+        return self.guard.episode_errors
+
+    def _error(self, msg: str) -> None:
+        with self._lock:
+            self.errors = (self.errors + [msg])[-20:]
 
     # --------------------------------------------------------------- group ids
     def _take_group(self) -> tuple[int, int]:
@@ -85,7 +108,8 @@ class RolloutManager:
         """JSON-safe producer state for checkpoints: next group id and the in-flight groups."""
         with self._lock:
             pending = sorted(self._in_flight.items()) + list(self._reissue)
-            return {"next_group": self._next_group, "reissue": [[int(g), int(s)] for g, s in sorted(pending)]}
+            return {"next_group": self._next_group, "reissue": [[int(g), int(s)] for g, s in sorted(pending)],
+                    "episode_errors": self.guard.episode_errors}
 
     # --------------------------------------------------------------- threads
     def start(self) -> None:
@@ -97,14 +121,17 @@ class RolloutManager:
                 self._threads.append(t)
 
     def _producer(self, agent) -> None:
+        """One rollout thread: admit, run a group, put it. No exception ends it silently: a group
+        whose loop or put raises is counted (``episode_errors``) and its slot given back; only a
+        broken buffer or running out of training seeds stops the run (:attr:`fatal`)."""
         while not self._stop.is_set():
             try:
                 if not self.buffer.admit(self.version_fn, block=True, timeout=0.2):
                     continue
-            except Exception as e:  # buffer closed
-                if self._stop.is_set():
-                    return
-                self.errors.append(f"admit: {e!r}")
+            except Exception as e:  # buffer closed or broken
+                if not self._stop.is_set():
+                    self._error(f"admit: {e!r}")
+                    self._fatal = self._fatal or f"rollout failed: buffer admission raised {e!r}"
                 return
             if self._stop.is_set():
                 self.buffer.cancel(1)
@@ -113,17 +140,19 @@ class RolloutManager:
                 gid, seed = self._take_group()
             except Exception as e:
                 self.buffer.cancel(1)
-                self.errors.append(repr(e))
+                self._error(repr(e))
+                self._fatal = self._fatal or f"rollout failed: {e}"
                 self._stop.set()
                 return
             try:
                 trajs = agent.submit_group(seed, gid).result()
             except Exception as e:  # never lose the slot: a failed group gives it back
                 log.exception("group %d failed", gid)
-                self.errors.append(f"group {gid}: {e!r}")
+                self._error(f"group {gid}: {e!r}")
                 with self._lock:
                     self._in_flight.pop(gid, None)
                 self.buffer.cancel(1)
+                self.guard.record_error(self.cfg.rollout.group_size, f"group {gid}: {e!r}")
                 continue
             if self._stop.is_set():
                 # stopping: keep the group for re-issue after resume instead of a half-consumed state
@@ -133,7 +162,15 @@ class RolloutManager:
                 self._in_flight.pop(gid, None)
                 self.generated_tokens += int(sum(t.num_generated for t in trajs))
                 self.groups_done += 1
-            self.buffer.put_group(trajs)
+            try:
+                self.buffer.put_group(trajs)
+            except Exception as e:  # a malformed group: drop it, give its slot back, go on
+                log.exception("group %d could not be put into the buffer", gid)
+                self._error(f"put group {gid}: {e!r}")
+                self.buffer.cancel(1)
+                self.guard.record_error(len(trajs), f"put group {gid}: {e!r}")
+                continue
+            self.guard.record(trajs)
 
     def rollout_tokens_per_s(self) -> float:
         dt = time.perf_counter() - self.t_start

@@ -147,10 +147,12 @@ def _actors():
 
     @ray.remote(num_cpus=0)
     class BufferActor:
-        def __init__(self, group_size: int, max_staleness: int, groups_per_step: int, state: Optional[dict]):
+        def __init__(self, group_size: int, max_staleness: int, groups_per_step: int, state: Optional[dict],
+                     max_seq_len: Optional[int] = None):
             from rollout.buffer import TrajectoryBuffer
 
-            self.buf = TrajectoryBuffer(group_size, max_staleness, groups_per_step=groups_per_step)
+            self.buf = TrajectoryBuffer(group_size, max_staleness, groups_per_step=groups_per_step,
+                                        max_seq_len=max_seq_len)
             if state:
                 self.buf.import_state(state)
 
@@ -249,6 +251,7 @@ def run_train_ray(cfg: Config) -> int:
     from rollout.types import Trajectory
 
     t0 = time.perf_counter()
+    C.rollout_preflight(cfg, C.build_tokenizer(cfg), C.build_env_factory(cfg))  # warnings; ConfigError if nothing fits
     run_dir = C.resolve_run_dir(cfg)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     dump_config(cfg, run_dir / "config.yaml")
@@ -278,7 +281,7 @@ def run_train_ray(cfg: Config) -> int:
             sft_eval = ray.get(learner.sft_and_eval.remote())
             print(f"held-out success after SFT: {sft_eval['success']:.3f}", flush=True)
         counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in counters})
-        buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, meta.get("buffer"))
+        buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, meta.get("buffer"), cfg.optim.max_seq_len)
         version = ray.get(learner.version.remote())
         params_ref = learner.get_params.remote()  # lives in the object store; every worker reads it
         workers = [RolloutWorker.remote(cfg_dict, hf, i) for i in range(cfg.runtime.ray_workers)]
@@ -286,6 +289,7 @@ def run_train_ray(cfg: Config) -> int:
         in_flight: dict = {}  # ref -> (worker index, gid, seed)
         prod = meta.get("producer") or {}
         next_gid = int(prod.get("next_group", 0))
+        guard = C.EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, int(prod.get("episode_errors", 0)))
         done_gids: set[int] = set()
         # groups in flight at the checkpoint are re-issued first (their admission is in the buffer's state)
         reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
@@ -333,19 +337,33 @@ def run_train_ray(cfg: Config) -> int:
                                 type(e).__name__)
                     restart(wi)
                     continue
+                except Exception as e:  # the group's loop raised: drop it, give its slot back, count it
+                    log.warning("group %d failed on rollout worker %d: %r", gid, wi, e)
+                    in_flight.pop(ref)
+                    ray.get(buffer.cancel.remote(1))
+                    guard.record_error(cfg.rollout.group_size, f"group {gid}: {type(e).__name__}")
+                    continue
                 in_flight.pop(ref)
                 if gid in done_gids:
                     counters["duplicate_groups"] += 1
                     continue
                 done_gids.add(gid)
-                ray.get(buffer.put_group.remote(group))
+                try:
+                    ray.get(buffer.put_group.remote(group))
+                except Exception as e:  # a malformed group: drop it, give its slot back, count it
+                    log.warning("group %d could not be put into the buffer: %r", gid, e)
+                    ray.get(buffer.cancel.remote(1))
+                    guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
+                    continue
+                guard.record(group)
 
         def save(rl_steps: int) -> None:
             pending = sorted([(g, sd) for (_, g, sd) in in_flight.values()] + reissue)
             ray.get(learner.save.remote(_json_safe({
                 "rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
                 "buffer_stats": ray.get(buffer.stats.remote()), "ray_counters": counters,
-                "producer": {"next_group": next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending]},
+                "producer": {"next_group": next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending],
+                             "episode_errors": guard.episode_errors},
             })))
 
         last: dict = {}
@@ -364,6 +382,8 @@ def run_train_ray(cfg: Config) -> int:
                     groups = ray.get(buffer.get_batch.remote(n_groups, version))
                     if groups is None:
                         collect(0.2)
+                    if groups is None and guard.fatal:  # one bad episode is dropped; a failing rollout stops
+                        raise RuntimeError(guard.fatal)
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
@@ -376,8 +396,10 @@ def run_train_ray(cfg: Config) -> int:
                 for w in workers:
                     w.set_params.remote(params_ref, version)
                 row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
-                row.update({"wait_s": wait_s,
-                            **{f"buffer/{k}": v for k, v in ray.get(buffer.stats.remote()).items()},
+                bstats = ray.get(buffer.stats.remote())
+                row.update({"wait_s": wait_s, "episode_errors": guard.episode_errors,
+                            "dropped_overlong": bstats["dropped_overlong"],
+                            **{f"buffer/{k}": v for k, v in bstats.items()},
                             **{f"ray/{k}": v for k, v in counters.items()},
                             "wall_s": time.perf_counter() - t0})
                 writer.write(step + 1, row)
@@ -406,6 +428,7 @@ def run_train_ray(cfg: Config) -> int:
                    "wall_s": time.perf_counter() - t0, "rl_steps": rl_steps, "version": version,
                    "correction": cfg.loss.correction, "max_staleness": K, "interrupted": interrupted,
                    "runtime": "ray", "tokens_per_s_mean": _mean_metric(run_dir, "tokens_per_s"), **counters,
+                   "episode_errors": guard.episode_errors, "dropped_overlong": bstats["dropped_overlong"],
                    **{f"buffer_{k}": v for k, v in bstats.items()}}
         write_outputs(run_dir, ckpt_dir, _json_safe(summary))
         return 0

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ class _StopFlag:
 class Trainer:
     """Holds the pieces of one run; used by ``run_train``, ``run_sft`` and ``run_eval``."""
 
-    def __init__(self, cfg: Config, *, create_dir: bool = True):
+    def __init__(self, cfg: Config, *, create_dir: bool = True, preflight: bool = False):
         self.cfg = cfg
         self.t0 = time.perf_counter()
         self.run_dir = C.resolve_run_dir(cfg, create=False)
@@ -77,6 +78,7 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
+        self.warnings = C.rollout_preflight(cfg, self.tokenizer, self.env_factory) if preflight else []
         from jax_rl.learner import Learner, initialize_distributed
 
         initialize_distributed(cfg.runtime)  # before anything asks jax about devices
@@ -92,6 +94,7 @@ class Trainer:
             if cfg.model.tokenizer == "bpe" and _is_primary():
                 self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.meta: dict[str, Any] = {}
+        self.rollout_failed: Optional[str] = None  # set by the RL loop when the rollout fails systematically
         self._eval_gen = None
         self.writer = None
 
@@ -207,7 +210,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     cfg = tr.cfg
     K = cfg.async_.max_staleness
     n_groups = cfg.optim.batch_size // cfg.rollout.group_size
-    buffer = TrajectoryBuffer(cfg.rollout.group_size, K, groups_per_step=n_groups)
+    buffer = TrajectoryBuffer(cfg.rollout.group_size, K, groups_per_step=n_groups, max_seq_len=cfg.optim.max_seq_len)
     if tr.meta.get("buffer"):
         buffer.import_state(tr.meta["buffer"])
     params = tr.learner.get_params()
@@ -216,7 +219,8 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     published = {"version": tr.learner.version}
     prod = tr.meta.get("producer", {})
     mgr = RolloutManager(cfg, gens, agents, buffer, lambda: published["version"],
-                         next_group=prod.get("next_group", 0), reissue=prod.get("reissue"))
+                         next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
+                         episode_errors=prod.get("episode_errors", 0))
     mgr.start()
     last: dict = {}
     ckpt_every = cfg.checkpoint.every
@@ -230,8 +234,9 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 groups = None
                 while groups is None and not stop.event.is_set():
                     groups = buffer.get_batch(n_groups, tr.learner.version, timeout=1.0)
-                    if mgr.errors and groups is None:
-                        raise RuntimeError("rollout failed: " + "; ".join(mgr.errors[-3:]))
+                    if mgr.fatal and groups is None:  # one bad episode is dropped; a failing rollout stops
+                        tr.rollout_failed = mgr.fatal
+                        break
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
@@ -245,11 +250,14 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                 published["version"] = tr.learner.version
                 buffer.notify()
                 row = C.step_row(cfg, step + 1, tr.learner.version, metrics, batch, groups, trajs, v_train)
+                bstats = buffer.stats()
                 row.update({
+                    "episode_errors": mgr.episode_errors,
+                    "dropped_overlong": bstats["dropped_overlong"],
                     "rollout_tokens_per_s": mgr.rollout_tokens_per_s(),
                     "wait_s": wait_s,
                     "publish_s": time.perf_counter() - t_pub,
-                    **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+                    **{f"buffer/{k}": v for k, v in bstats.items()},
                     "wall_s": time.perf_counter() - tr.t0,
                 })
                 tr.writer.write(step + 1, row)
@@ -266,6 +274,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
         tr.meta["buffer"] = buffer.export_state()
         tr.meta["producer"] = mgr.state()
         tr.meta["rollout_tokens_per_s"] = mgr.rollout_tokens_per_s()
+        tr.meta["episode_errors"] = mgr.episode_errors
     return last
 
 
@@ -295,7 +304,7 @@ def run_train(cfg: Config) -> int:
         C.build_model_config(cfg, C.build_tokenizer(cfg, env_factory))
 
         return run_train_ray(cfg)
-    tr = Trainer(cfg)
+    tr = Trainer(cfg, preflight=True)  # start-of-run warnings; a config where no prompt fits ends here
     stop = _StopFlag()
     stop.install()
     dump_config(cfg, tr.run_dir / "config.yaml")
@@ -321,7 +330,8 @@ def run_train(cfg: Config) -> int:
         tr.meta["rl_steps"] = rl_steps
         _save(tr)
         interrupted = stop.event.is_set()
-        final = tr.evaluate(rl_steps, label="final") if not interrupted else {}
+        failed = tr.rollout_failed
+        final = tr.evaluate(rl_steps, label="final") if not (interrupted or failed) else {}
         summary = {
             "sft_success": tr.meta.get("sft_success"),
             "final_success": final.get("success"),
@@ -336,9 +346,16 @@ def run_train(cfg: Config) -> int:
             "interrupted": interrupted,
             "tokens_per_s_mean": _mean_metric(tr.run_dir, "tokens_per_s"),
             "rollout_tokens_per_s": tr.meta.get("rollout_tokens_per_s"),
+            "episode_errors": tr.meta.get("episode_errors", 0),
+            "dropped_overlong": (tr.meta.get("buffer_stats") or {}).get("dropped_overlong", 0),
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
+        if failed:
+            summary["rollout_failed"] = failed
         write_outputs(tr.run_dir, tr.ckpt_dir, summary)
+        if failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
+            print(f"jax-rl: {failed}", file=sys.stderr)
+            return 1
         return 0
     finally:
         tr.close()

@@ -19,13 +19,18 @@ a factory). Its contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import re
 import time
 from typing import Any, Optional, Protocol, runtime_checkable
 
-__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema"]
+__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "MAX_TOOL_LATENCY_S"]
+
+# Longest simulated tool latency (seconds); also the cap on one lognormal draw. Matches
+# ``jax_rl.config.MAX_TOOL_LATENCY_S`` (this package does not import the config).
+MAX_TOOL_LATENCY_S = 600.0
 
 
 class ToolError(Exception):
@@ -86,14 +91,17 @@ class BaseEnv:
     name = "base"
 
     def __init__(self, tool_latency_s: float = 0.0, tool_latency_dist: str = "fixed", max_answer_chars: int = 64):
-        if tool_latency_s < 0:
-            raise ValueError(f"tool_latency_s must be >= 0, got {tool_latency_s}")
+        lat = float(tool_latency_s)
+        if not (math.isfinite(lat) and 0 <= lat <= MAX_TOOL_LATENCY_S):
+            raise ValueError(f"tool_latency_s must be a finite number in [0, {MAX_TOOL_LATENCY_S:g}] seconds, "
+                             f"got {tool_latency_s!r}")
         if tool_latency_dist not in ("fixed", "lognormal"):
             raise ValueError(f"tool_latency_dist must be fixed|lognormal, got {tool_latency_dist!r}")
         self.tool_latency_s = float(tool_latency_s)
         self.tool_latency_dist = tool_latency_dist
         self.max_answer_chars = int(max_answer_chars)
         self._latency_rng = random.Random(0)
+        self._latency_on = True
         self.tool_calls = 0
 
     # subclasses: dict name -> bound method taking keyword arguments
@@ -104,15 +112,24 @@ class BaseEnv:
         self._latency_rng = random.Random(seed * 7919 + 17)
         self.tool_calls = 0
 
+    @contextlib.contextmanager
+    def no_latency(self):
+        """Tool calls made inside skip the simulated latency (reference demonstrations, tokenizer corpus)."""
+        prev, self._latency_on = self._latency_on, False
+        try:
+            yield self
+        finally:
+            self._latency_on = prev
+
     def _sleep(self) -> None:
-        if self.tool_latency_s <= 0:
+        if self.tool_latency_s <= 0 or not self._latency_on:
             return
         if self.tool_latency_dist == "fixed":
             d = self.tool_latency_s
         else:
             sigma = 0.5
             d = self._latency_rng.lognormvariate(math.log(self.tool_latency_s) - sigma * sigma / 2, sigma)
-        time.sleep(d)
+        time.sleep(min(max(d, 0.0), MAX_TOOL_LATENCY_S))
 
     def step(self, tool_call: dict) -> str:
         """Dispatch ``{"name", "arguments"}`` to the tool; ToolError for a bad call (see module doc)."""

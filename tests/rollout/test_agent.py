@@ -246,6 +246,19 @@ class ExplodingEnv(CalculatorEnv):
         raise RuntimeError("database down")
 
 
+def test_overlong_prompt_is_dropped_not_generated():
+    # issue 16 item 4: a prompt that fills the cache became a prompt-only trajectory longer than
+    # optim.max_seq_len, and the learner's collate raised BatchError for the whole run
+    gen = ScriptedGenerator(reference_script("calculator"))
+    loop = AgentLoop(gen, TOK, CalculatorEnv, CFG.model_copy(update={"max_cache_len": 64}))
+    traj = loop.run_episode(0, group_id=1)
+    loop.close()
+    assert traj.overlong and not traj.failed and traj.info["overlong"] == "prompt"
+    assert "rollout.max_cache_len=64" in traj.info["drop_reason"] and traj.num_generated == 0
+    assert gen.requests == [] and traj.reward == 0.0
+    assert loop.stats["overlong"] == 1 and loop.stats["failed"] == 0
+
+
 def test_env_exception_fails_only_that_episode():
     script = reference_script("calculator")
     gen = ScriptedGenerator(script)

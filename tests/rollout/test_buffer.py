@@ -86,6 +86,32 @@ def test_failed_members_removed_and_counted():
         buf.put_group([make_traj([0], 1), make_traj([0], 2)])
 
 
+def test_overlong_dropped_counted_and_slot_given_back():
+    # issue 16 item 4: an over-long prompt (all samples of a task) drops the whole group and frees
+    # its admission slot; a member longer than max_seq_len is dropped alone
+    buf = TrajectoryBuffer(group_size=2, max_staleness=0, groups_per_step=1, max_seq_len=10)
+    long_prompt = [Trajectory(tokens=np.arange(12), loss_mask=np.zeros(12, bool), behav_logp=np.zeros(12),
+                              versions=np.full(12, -1), turn_ids=np.full(12, -1), group_id=0,
+                              info={"overlong": "prompt"}) for _ in range(2)]
+    assert buf.admit(0) and buf.capacity(0) == 0
+    assert buf.put_group(long_prompt) == 0
+    assert buf.capacity(0) == 1  # the slot is given back
+    s = buf.stats()
+    assert (s["dropped_overlong"], s["dropped_overlong_groups"], s["failed_groups"]) == (2, 1, 0)
+    assert buf.admit(0)
+    ok, too_long = make_traj([0], group_id=1), make_traj([0] * 8, group_id=1)  # 4 and 11 tokens
+    assert buf.put_group([ok, too_long]) == 1
+    s = buf.stats()
+    assert s["dropped_overlong"] == 3 and s["produced"] == 1
+    assert [len(t) for t in buf.get_batch(1, 0)[0]] == [4]
+    s = buf.stats()
+    assert s["produced"] == s["consumed"] + s["dropped_stale"] + s["pending"]
+    assert s["admitted_groups"] == (s["produced_groups"] + s["failed_groups"] + s["dropped_overlong_groups"]
+                                    + s["cancelled_groups"] + s["in_flight_groups"])
+    restored = TrajectoryBuffer.from_state(json.loads(json.dumps(buf.export_state())))
+    assert restored.stats()["dropped_overlong"] == 3
+
+
 def test_get_batch_blocks_until_produced():
     buf = TrajectoryBuffer(group_size=1, max_staleness=2)
     res = {}

@@ -217,3 +217,27 @@ def test_retail_exchange_rules():
     assert env.score(f"<answer>{t['answer']}</answer>")[0] == 1.0
     r, info = env.score("no tags")
     assert r == 0.0 and info["reason"] == "no <answer> tag"
+
+
+# ------------------------------------------------------------------ tool latency (issue 16 item 6)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, 1e9])
+def test_tool_latency_must_be_finite_and_in_range(bad):
+    # time.sleep(inf) raised OverflowError inside a rollout thread
+    for cls in (CalculatorEnv, RetailEnv):
+        with pytest.raises(ValueError, match="tool_latency_s must be a finite number"):
+            cls(tool_latency_s=bad)
+
+
+def test_demonstrations_skip_the_simulated_tool_latency():
+    # SFT demos and the bpe corpus play reference solutions through step(): with a latency they slept
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from rollout.agent import build_sft_example
+
+    env = CalculatorEnv(tool_latency_s=2.0)
+    env.reset(0)  # build the reasoning-gym dataset outside the timed part
+    t = time.perf_counter()
+    ex = build_sft_example(env, 0, compact_tokenizer())
+    assert time.perf_counter() - t < 1.0 and ex["loss_mask"].any()
+    assert env._latency_on  # latency is back on for episodes

@@ -173,6 +173,25 @@ def test_continuous_batching_more_requests_than_slots(engine):
     assert alone.tokens == outs[3].tokens
 
 
+def test_a_failing_prefill_fails_its_request_only(engine, monkeypatch):
+    # one bad request used to fail every request in the generator's slots and queue (_fail_all)
+    orig = engine.prefill_tokens
+
+    def prefill(params, tokens, **kw):
+        if list(tokens) == [9, 9, 9]:
+            raise OverflowError("bad request")
+        return orig(params, tokens, **kw)
+
+    monkeypatch.setattr(engine, "prefill_tokens", prefill)
+    gen = Generator(engine)
+    futs = [gen.submit(p, max_new_tokens=3, seed=i) for i, p in enumerate([[1, 2, 3], [9, 9, 9], [4, 5, 6]])]
+    gen.run_until_idle()
+    with pytest.raises(OverflowError):
+        futs[1].result(timeout=0)
+    assert [len(futs[i].result(timeout=0).tokens) for i in (0, 2)] == [3, 3]
+    assert gen.stats["prefill_errors"] == 1
+
+
 def test_background_thread_with_concurrent_updates(engine, params1, params2):
     gen = Generator(engine, partial="recompute_kv").start()
     results, errors = [], []

@@ -173,9 +173,66 @@ def test_resume_k2_keeps_buffer_and_counters(tmp_path):
     assert s2["buffer_consumed"] == 4 * 4 >= meta1["buffer_consumed"]
     # conservation: everything produced is consumed, dropped or still pending
     assert s2["buffer_produced"] == s2["buffer_consumed"] + s2["buffer_dropped_stale"] + s2["buffer_pending"]
+    _groups_conserved(s2)
     # each consumed group id is unique: no trajectory trained twice
     ids = [g for r in rows for g in r.get("group_ids", [])]
     assert len(ids) == len(set(ids)) == 4 * 2
+
+
+def _groups_conserved(summary):
+    """Every admitted group ends produced, failed, dropped over-long, cancelled (given back) or in flight."""
+    s = {k[len("buffer_"):]: v for k, v in summary.items() if k.startswith("buffer_")}
+    assert s["admitted_groups"] == (s["produced_groups"] + s["failed_groups"] + s["dropped_overlong_groups"]
+                                    + s["cancelled_groups"] + s["in_flight_groups"]), s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_overlong_prompts_are_dropped_and_the_run_goes_on(tmp_path):
+    # issue 16 item 4: prompts of 155..189 compact tokens against a 170-token cache: about half the
+    # tasks cannot fit; their groups are dropped and counted, the others train
+    cfg = _cfg(tmp_path, "model.tokenizer=compact", "sft.steps=0", "run.steps=2", "rollout.max_cache_len=170",
+               "optim.max_seq_len=170", "loss.correction=ppo",
+               "env.dataset_config={chain_sum: {min_terms: 2, max_terms: 6, min_digits: 1, max_digits: 4}}")
+    assert run_train(cfg) == 0
+    rows = _rows(cfg.run.dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    _finite(rows)
+    assert all(r["buffer/dropped_overlong"] == r["dropped_overlong"] for r in rows)
+    assert all(r["episode_errors"] == 0 for r in rows)
+    s = json.loads((Path(cfg.run.dir) / "summary.json").read_text())
+    assert s["dropped_overlong"] > 0 and s["dropped_overlong"] == s["buffer_dropped_overlong"]
+    assert s["buffer_dropped_overlong"] == 2 * s["buffer_dropped_overlong_groups"]  # whole groups (size 2)
+    assert s["buffer_produced"] == s["buffer_consumed"] + s["buffer_dropped_stale"] + s["buffer_pending"]
+    _groups_conserved(s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_failing_env_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch, capsys):
+    # every episode's env raises (e.g. time.sleep(inf) of a tool): the run used to wait forever for a
+    # batch; now it stops after rollout.max_consecutive_episode_errors with the reason, exit code 1
+    import threading
+
+    from rollout.envs import CalculatorEnv
+
+    orig = CalculatorEnv.reset
+
+    def reset(self, seed):
+        if threading.current_thread().name.startswith("agent"):  # episodes, not the start-of-run check
+            raise OverflowError("timestamp out of range for platform time_t")
+        return orig(self, seed)
+
+    monkeypatch.setattr(CalculatorEnv, "reset", reset)
+    cfg = _cfg(tmp_path, "sft.steps=0", "rollout.max_consecutive_episode_errors=8")
+    assert run_train(cfg) == 1
+    err = capsys.readouterr().err
+    assert "8 episodes in a row were unusable" in err and "OverflowError" in err
+    s = json.loads((Path(cfg.run.dir) / "summary.json").read_text())
+    assert s["episode_errors"] >= 8 and s["rl_steps"] == 0 and "OverflowError" in s["rollout_failed"]
+    assert s["buffer_failed"] == s["episode_errors"]
+    _groups_conserved(s)
+    assert (Path(cfg.run.dir) / "checkpoints").is_dir()
 
 
 @pytest.mark.slow

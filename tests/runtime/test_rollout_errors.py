@@ -1,0 +1,99 @@
+"""Bad episodes in the embedded runtime (issue 16 items 4 and 6), through RolloutManager with a
+scripted generator (no model), and the start-of-run preflight through the CLI."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from jax_rl.config import CONFIG_DIR, load_config
+from jax_rl.runtime import components as C
+from jax_rl.runtime.embedded import RolloutManager
+from rollout.agent import AgentLoop
+from rollout.buffer import TrajectoryBuffer
+from rollout.envs import CalculatorEnv
+from tests.rollout.test_agent import TOK, ScriptedGenerator, reference_script
+
+TINY_CFG = CONFIG_DIR / "tiny_cpu.yaml"
+
+
+class InfLatencyEnv(CalculatorEnv):
+    """A tool whose latency is ``inf`` for some tasks: ``time.sleep(inf)`` raises OverflowError."""
+
+    bad = staticmethod(lambda seed: True)
+
+    def _sleep(self):
+        if self.bad(self.seed):
+            time.sleep(float("inf"))
+
+
+def _manager(bad, limit=6):
+    cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=1024", "optim.max_seq_len=1024",
+                                 "rollout.group_size=2", "optim.batch_size=4", "rollout.slots=2",
+                                 "rollout.max_new_tokens_per_turn=200", "rollout.max_tokens_per_episode=400",
+                                 "async.max_staleness=0", f"rollout.max_consecutive_episode_errors={limit}"])
+    env_cls = type("Env", (InfLatencyEnv,), {"bad": staticmethod(bad)})
+    gen = ScriptedGenerator(reference_script("calculator"))
+    agent = AgentLoop(gen, TOK, env_cls, cfg.rollout, max_workers=4)
+    buf = TrajectoryBuffer(2, 0, groups_per_step=2, max_seq_len=cfg.optim.max_seq_len)
+    version = [0]
+    return RolloutManager(cfg, [], [agent], buf, lambda: version[0]), buf, version
+
+
+def test_one_bad_tool_fails_its_episode_only_and_the_rollout_goes_on():
+    mgr, buf, version = _manager(lambda seed: seed % 3 == 0)  # tasks 0, 3, 6, ...: both samples fail
+    mgr.start()
+    try:
+        got = []
+        for _ in range(3):
+            batch = buf.get_batch(2, version[0], timeout=30)
+            assert batch is not None, (mgr.fatal, mgr.errors, buf.stats())
+            got += [g[0].seed for g in batch]
+            version[0] += 1  # a learner step: frees admission capacity
+            buf.notify()
+        assert all(s % 3 for s in got) and mgr.fatal is None
+    finally:
+        mgr.stop(timeout=5)
+    s = buf.stats()
+    assert s["failed"] >= 2 and s["failed_groups"] >= 1 and mgr.episode_errors == s["failed"]
+    assert s["produced"] == s["consumed"] + s["dropped_stale"] + s["pending"]
+    assert mgr.state()["episode_errors"] == mgr.episode_errors  # checkpointed with the producer state
+
+
+def test_a_systematically_failing_rollout_stops_with_the_reason():
+    mgr, buf, _ = _manager(lambda seed: True, limit=6)
+    mgr.start()
+    try:
+        t = time.monotonic()
+        while mgr.fatal is None and time.monotonic() - t < 60:
+            assert buf.get_batch(2, 0, timeout=0.2) is None
+    finally:
+        mgr.stop(timeout=5)
+    assert mgr.fatal is not None, "an always-failing rollout must stop the run, not spin"
+    assert "OverflowError" in mgr.fatal and "rollout.max_consecutive_episode_errors=6" in mgr.fatal
+    s = buf.stats()
+    assert s["in_flight_groups"] == 0 and s["admitted_groups"] == s["failed_groups"] + s["cancelled_groups"]
+
+
+def test_preflight_warns_once_for_overlong_prompts_and_top_p(caplog):
+    cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=160", "optim.max_seq_len=160",
+                                 "rollout.top_p=0.9"])
+    with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"):
+        ws = C.rollout_preflight(cfg, TOK, C.build_env_factory(cfg))
+    assert len(ws) == 2 and len(caplog.records) == 2
+    assert "do not fit rollout.max_cache_len=160" in ws[0] and "dropped_overlong" in ws[0]
+    assert "rollout.top_p=0.9" in ws[1]
+
+
+def test_cli_prompts_that_never_fit_end_at_start_naming_the_key(tmp_path, capsys):
+    # issue 16 item 4's command: it died at RL step 1 with BatchError (162 tokens > max_seq_len=128)
+    from jax_rl.cli import main
+
+    d = tmp_path / "r"
+    assert main(["train", str(TINY_CFG), "model.tokenizer=compact", "sft.steps=0", "run.steps=2",
+                 f"run.dir={d}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "rollout.max_cache_len=128" in err and "every sampled prompt is too long" in err
+    assert not d.exists()
