@@ -78,12 +78,12 @@ class Trainer:
         self.env_factory = C.build_env_factory(cfg)
         self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
         self.model_config = C.build_model_config(cfg, self.tokenizer)
-        self.warnings = C.rollout_preflight(cfg, self.tokenizer, self.env_factory) if preflight else []
         from jax_rl.learner import Learner, initialize_distributed
 
         initialize_distributed(cfg.runtime)  # before anything asks jax about devices
         C.check_mesh(cfg)
         self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
+        self.warnings = C.rollout_preflight(cfg, self.tokenizer, self.env_factory) if preflight else []
 
         mesh, init_params = None, None
         if cfg.model.checkpoint:

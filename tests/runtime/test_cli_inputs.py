@@ -15,7 +15,9 @@ from jax_rl.config import CONFIG_DIR, load_config
 
 TINY_CFG = str(CONFIG_DIR / "tiny_cpu.yaml")
 # the compact byte tokenizer: no BPE training, so every case below fails within a second or two
-FAST = ["model.tokenizer=compact"]
+# (its prompts are ~160 tokens, so the cache is raised to fit them: otherwise the start-of-run prompt
+# check refuses every case first)
+FAST = ["model.tokenizer=compact", "rollout.max_cache_len=256", "optim.max_seq_len=256"]
 HF_CFG = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
           "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512}
 
@@ -71,7 +73,7 @@ BAD_INPUTS = [
     ("tokenizer_not_json", lambda t: (TINY_CFG, [f"model.tokenizer={_write(t, 'tok.json', 'not json')}"]),
      ["model.tokenizer", "tok.json", "not a tokenizer.json"]),
     # 2 engines x 1e8 slots x 128 positions x 2 layers x 1 kv head x 64 x 2 (K, V) x 2 bytes (bf16)
-    ("kv_cache_oom", lambda t: (TINY_CFG, ["rollout.slots=100000000"]),
+    ("kv_cache_oom", lambda t: (TINY_CFG, ["rollout.slots=100000000", "rollout.max_cache_len=128", "optim.max_seq_len=128"]),
      ["rollout.slots=100000000", "rollout.max_cache_len=128", "13,107,200,000,000 bytes"]),
     ("measure_error_with_ppo", lambda t: (TINY_CFG, ["loss.correction=ppo", "old_logits.measure_error=true"]),
      ["old_logits.measure_error", "'ppo'"]),
