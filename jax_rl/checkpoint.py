@@ -24,14 +24,18 @@ No pickle anywhere: arrays go through tensorstore, metadata through JSON.
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "ITEM_NAMES", "abstract_like"]
+__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
+           "ITEM_NAMES", "abstract_like", "tree_nbytes"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,74 @@ ITEM_NAMES = ("state", "ewma", "snapshots", "metadata")
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run whose model or correction mode differs from this one."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step is partial or unreadable (missing item, bad metadata JSON, failed restore).
+
+    The message is one line naming the step directory and what is wrong with it.
+    """
+
+
+class CheckpointDiskFullError(OSError):
+    """A checkpoint could not be written for lack of disk space.
+
+    The message is one line naming the checkpoint dir, the bytes needed and free, and the last
+    good step (left intact: a failed save never leaves a step directory behind).
+    """
+
+    def __init__(self, msg: str):
+        super().__init__(errno.ENOSPC, msg)
+        self.msg = msg
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+# Orbax's background-thread failures are logged by absl with full tracebacks before they
+# surface as an exception; for a full disk we report one line ourselves instead.
+_NOSPACE_MARKERS = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded")
+
+
+def _is_no_space(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(m in str(e) for m in _NOSPACE_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _NoSpaceLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and _is_no_space(record.exc_info[1]):
+            return False
+        return not any(m in str(record.getMessage()) for m in _NOSPACE_MARKERS)
+
+
+_NOSPACE_FILTER = _NoSpaceLogFilter()
+
+
+def tree_nbytes(*trees: Any) -> int:
+    """Total bytes of the array leaves of ``trees`` (global shapes; None trees count 0)."""
+    n = 0
+    for t in trees:
+        if t is None:
+            continue
+        for x in jax.tree.leaves(t):
+            size, dt = getattr(x, "size", None), getattr(x, "dtype", None)
+            if size is not None and dt is not None:
+                n += int(size) * int(getattr(dt, "itemsize", 0) or 4)
+    return n
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = msg if len(msg) <= limit else msg[: limit - 3] + "..."
+    return f"{type(e).__name__}: {msg}"
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -71,8 +143,12 @@ class Checkpointer:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step
         )
         self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEM_NAMES)
+        self._need = 0  # bytes of the last save attempted (for the disk-full message)
+        self._disk_full_reported = False
+        logging.getLogger("absl").addFilter(_NOSPACE_FILTER)  # idempotent
 
     # ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -100,12 +176,24 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             log.info("checkpoint for step %d already exists; skipping", step)
             return False
+        # a full disk is refused before Orbax starts writing (the estimate is the raw array
+        # bytes: an upper bound for float params, which barely compress)
+        need = tree_nbytes(state, ewma, snapshots) + len(json.dumps(metadata, default=str)) + (1 << 20)
+        self._need = need
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise self._disk_full(step, need, free)
         items = {"state": ocp.args.StandardSave(state), "metadata": ocp.args.JsonSave(metadata)}
         if ewma is not None:
             items["ewma"] = ocp.args.StandardSave(ewma)
         if snapshots:
             items["snapshots"] = ocp.args.StandardSave(snapshots)
-        return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        try:
+            return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as e:  # also surfaces the failure of the previous async save
+            if _is_no_space(e):
+                raise self._disk_full(step, need) from None
+            raise
 
     def latest_step(self) -> Optional[int]:
         """Newest saved step (committed or in flight from this process), or None."""
@@ -159,13 +247,103 @@ class Checkpointer:
         }
 
     def wait(self) -> None:
-        """Block until in-flight async saves are committed."""
-        self._mgr.wait_until_finished()
+        """Block until in-flight async saves are committed.
+
+        Raises:
+            CheckpointDiskFullError: the save in flight ran out of disk space (its partial
+                files are removed; the older steps are intact).
+        """
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            if _is_no_space(e):
+                raise self._disk_full(None, self._need) from None
+            raise
 
     def close(self) -> None:
-        """Wait for pending saves and release Orbax's threads."""
+        """Wait for pending saves and release Orbax's threads.
+
+        Raises:
+            CheckpointDiskFullError: as :meth:`wait`, unless that failure was already raised.
+        """
+        try:
+            self.wait()
+        except CheckpointDiskFullError:
+            if not self._disk_full_reported:
+                raise
+        finally:
+            try:
+                self._mgr.close()
+            except Exception as e:  # a failed background save is re-raised here by Orbax
+                if not _is_no_space(e):
+                    raise
+
+    # ---------------------------------------------------------------------------------
+    def check_step(self, step: int, items: tuple[str, ...] = ("state", "metadata")) -> dict:
+        """Cheap validation of one step: its item directories exist and its metadata parses.
+
+        Args:
+            step: a step in :meth:`all_steps`.
+            items: item names that must be present (``state`` and ``metadata`` always are;
+                the learner adds ``ewma`` / ``snapshots`` when its mode needs them).
+
+        Returns:
+            the metadata dict.
+
+        Raises:
+            CheckpointCorruptError: one line naming the step dir and the problem.
+        """
+        d = self.directory / str(step)
+        if not d.is_dir():
+            raise CheckpointCorruptError(f"checkpoint {d} does not exist")
+        missing = [i for i in dict.fromkeys(("state", "metadata", *items)) if not (d / i).is_dir()]
+        if missing:
+            raise CheckpointCorruptError(f"checkpoint {d} is missing item(s) {', '.join(missing)}")
+        try:
+            meta = self.restore_metadata(step)
+        except Exception as e:
+            raise CheckpointCorruptError(f"checkpoint {d} has unreadable metadata ({_one_line(e)})") from None
+        for k in ("version",):
+            if k not in meta:
+                raise CheckpointCorruptError(f"checkpoint {d} metadata has no {k!r} key")
+        return meta
+
+    def delete_after(self, step: int) -> list[int]:
+        """Delete every step newer than ``step`` (a resume from ``step`` supersedes them).
+
+        Returns the deleted steps.
+        """
         self._mgr.wait_until_finished()
-        self._mgr.close()
+        self._mgr.reload()
+        gone = [s for s in self._mgr.all_steps() if s > step]
+        for s in gone:
+            self._mgr.delete(s)
+        return sorted(gone)
+
+    def _disk_full(self, step: Optional[int], need: int, free: Optional[int] = None) -> CheckpointDiskFullError:
+        self._disk_full_reported = True
+        self._cleanup_tmp()
+        if free is None:
+            try:
+                free = shutil.disk_usage(self.directory).free
+            except OSError:
+                free = -1
+        try:
+            self._mgr.reload()
+            good = self._mgr.latest_step()
+        except Exception:
+            good = None
+        what = f"checkpoint step {step}" if step is not None else "checkpoint"
+        last = f"last good checkpoint: {self.directory / str(good)}" if good is not None else "no earlier checkpoint"
+        return CheckpointDiskFullError(
+            f"disk full: cannot write {what} in {self.directory}: needs ~{need} bytes, {free} free; {last}")
+
+    def _cleanup_tmp(self) -> None:
+        """Remove Orbax's uncommitted ``<step>.orbax-checkpoint-tmp*`` dirs (primary process)."""
+        if jax.process_index() != 0:
+            return
+        for p in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self) -> "Checkpointer":
         return self
