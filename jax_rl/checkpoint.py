@@ -329,6 +329,11 @@ class Checkpointer:
             except OSError:
                 free = -1
         try:
+            self._mgr.wait_until_finished()  # an earlier save still in flight may yet commit
+        except Exception:
+            pass
+        self._cleanup_tmp()
+        try:
             self._mgr.reload()
             good = self._mgr.latest_step()
         except Exception:
