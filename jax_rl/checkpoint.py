@@ -7,9 +7,25 @@ Items of one checkpoint (a step directory ``<dir>/<step>/``):
 - ``ewma``: ``{params, count, streak}`` (only when ``loss.correction=ppo_ewma``);
 - ``snapshots``: the snapshot store of :mod:`jax_rl.old_logits`, ``{"v<n>": params}``
   (only when the store holds something);
-- ``metadata``: JSON. ``version``, ``step``, ``config_hash`` (:func:`jax_rl.config.config_hash`),
-  ``model_arch`` (the model's HF config dict), ``correction``, ``snapshot_versions`` and
-  ``runtime`` (whatever JSON-able dict the runtime hands in: buffer state, rollout counters).
+- ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
+  from exactly this step), ``version`` (published versions), ``opt_step`` (optimizer updates;
+  ``ppo_epochs x minibatches`` per RL step; also under the old name ``step``),
+  ``config_hash`` (:func:`jax_rl.config.config_hash`), ``model_arch`` (the model's HF config
+  dict), ``correction``, ``snapshot_versions`` and ``runtime`` (whatever JSON-able dict the
+  runtime hands in: buffer state, rollout counters).
+
+The runtime names step directories by the RL step (``checkpoints/<rl_step>``); a learner used
+on its own names them by version.
+
+Faults. A save writes into ``<step>.orbax-checkpoint-tmp*`` and renames it when committed, so
+a killed or failed save never leaves a step a restore would pick (the tmp dir is removed on
+the next start or at once after a failure). :meth:`Checkpointer.check_step` validates a step
+(items present, metadata JSON parses); :meth:`jax_rl.learner.Learner.restore` adds the array
+restore and falls back past bad steps (:class:`CheckpointCorruptError`). A save that would not
+fit on the disk (raw array bytes vs ``shutil.disk_usage``), or that fails with ENOSPC /
+``RESOURCE_EXHAUSTED`` in Orbax's background thread, raises one
+:class:`CheckpointDiskFullError` line (Orbax's own tracebacks for it are filtered out of the
+``absl`` log); the older steps stay intact.
 
 Saves are asynchronous when ``checkpoint.async_save`` (Orbax writes in a background thread;
 :meth:`Checkpointer.save` returns after the device->host copy). Restores take abstract
@@ -178,7 +194,7 @@ class Checkpointer:
             return False
         # a full disk is refused before Orbax starts writing (the estimate is the raw array
         # bytes: an upper bound for float params, which barely compress)
-        need = tree_nbytes(state, ewma, snapshots) + len(json.dumps(metadata, default=str)) + (1 << 20)
+        need = tree_nbytes(state, ewma, snapshots) + len(json.dumps(metadata, default=str)) + (64 << 10)
         self._need = need
         free = shutil.disk_usage(self.directory).free
         if free < need:

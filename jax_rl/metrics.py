@@ -307,6 +307,10 @@ class MetricsWriter:
                 from tensorboardX import SummaryWriter
 
                 purge = None if resume_step is None else int(resume_step) + 1
+                # tensorboardX names the event file by the second; a writer opened within the
+                # same second as an earlier one would truncate that file: wait for the next second
+                while any(self.tb_dir.glob(f"events.out.tfevents.{str(time.time())[:10]}.*")):
+                    time.sleep(0.05)
                 self._tb = SummaryWriter(logdir=str(self.tb_dir), flush_secs=10, purge_step=purge)
             except Exception as e:  # ImportError or a writer failure
                 _warn_once("tensorboard", f"TensorBoard logging disabled: {type(e).__name__}: {e}")

@@ -96,6 +96,7 @@ class Trainer:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         self.meta: dict[str, Any] = {}
+        self.resume_line = ""
         self._eval_gen = None
         self.writer = None
 
@@ -131,8 +132,8 @@ class Trainer:
         self.meta = dict(meta.get("runtime") or {})  # what _save handed in as extra_metadata
         rl_step = resume_rl_step(meta)
         self.meta["rl_steps"] = rl_step
-        print(f"resumed from {self.ckpt_dir / str(meta['checkpoint_step'])} at RL step {rl_step} "
-              f"(version {self.learner.version}, optimizer step {self.learner.step})", flush=True)
+        self.resume_line = (f"resumed from {self.ckpt_dir / str(meta['checkpoint_step'])} at RL step {rl_step} "
+                            f"(version {self.learner.version}, optimizer step {self.learner.step})")
         return rl_step
 
     # ---------------------------------------------------------------- SFT
@@ -360,6 +361,7 @@ def run_train(cfg: Config) -> int:
     try:
         if cfg.resume:
             start_step = tr.resume()  # every check; raises before anything is written
+            print(tr.resume_line, flush=True)
         tr.materialize()
         if cfg.resume:
             drop_newer_checkpoints(tr.learner, tr.ckpt_dir, start_step)

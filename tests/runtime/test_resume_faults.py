@@ -239,3 +239,92 @@ rm {mnt}/filler
     assert restored, (r.stdout, r.stderr[-3000:])
     step = int(restored[0].split()[1])
     assert step >= 2 and str(d / "checkpoints" / str(step)) in lines[-1]
+
+
+# ----------------------------------------------------------------------------- fast tests
+
+
+def test_resumed_writer_drops_rows_after_the_restored_step(tmp_path):
+    """metrics.jsonl / eval.jsonl keep rows <= the restored step (a torn last line dropped too)
+    and TensorBoard purges the earlier session's events after it: each step shows once."""
+    from jax_rl.metrics import MetricsWriter
+
+    d = tmp_path / "run"
+    with MetricsWriter(d) as w:
+        w.write_eval(0, {"success": 0.5})
+        for s in range(1, 6):
+            w.write(s, {"loss": float(s)})
+        w.write_eval(5, {"success": 0.7})
+    with (d / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "loss"')  # cut by kill -9
+    with MetricsWriter(d, resume_step=3) as w:
+        for s in range(4, 7):
+            w.write(s, {"loss": 10.0 + s})
+    rows = read_jsonl(d / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows[3:]] == [14.0, 15.0, 16.0]
+    assert [r["step"] for r in read_jsonl(d / "eval.jsonl")] == [0]
+    tb = _tb_scalars(d / "tb")
+    assert sorted(tb["loss"]) == [1, 2, 3, 4, 5, 6] and tb["eval/success"] == [0]
+
+
+def test_step_needs_resume_exit_2(tmp_path):
+    r = _run(_cmd("train", str(CONFIG_DIR / "tiny_cpu.yaml"), f"run.dir={tmp_path / 'r'}", "--step", "3"))
+    assert r.returncode == 2 and "resume_step" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_checkpointer_disk_full_precheck_one_line(tmp_path, monkeypatch):
+    """The pre-check (array bytes vs free space) refuses the save before Orbax writes; the older
+    step is intact. Here free space is faked; the tmpfs tests below fill a real disk."""
+    import jax.numpy as jnp
+
+    import jax_rl.checkpoint as C
+
+    with C.Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, state={"w": jnp.ones((256, 256))}, metadata={"version": 1})
+        real = shutil.disk_usage
+        monkeypatch.setattr(C.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+        with pytest.raises(C.CheckpointDiskFullError) as e:
+            ck.save(2, state={"w": jnp.ones((256, 256))}, metadata={"version": 2})
+        monkeypatch.undo()
+        msg = str(e.value)
+        assert "\n" not in msg and str(tmp_path / "ck") in msg and "needs ~" in msg and "1000 free" in msg
+        assert f"last good checkpoint: {tmp_path / 'ck' / '1'}" in msg
+        assert ck.all_steps() == [1] and ck.restore_metadata() == {"version": 1}
+
+
+_ORBAX_ENOSPC = """
+import sys, shutil, jax, jax.numpy as jnp
+import jax_rl.checkpoint as C
+ck = C.Checkpointer(sys.argv[1], max_to_keep=5)
+ck.save(1, state={"w": jax.random.normal(jax.random.key(0), (64, 64))}, metadata={"version": 1})
+ck.wait()
+C.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40)  # let it past the pre-check
+try:
+    ck.save(2, state={"w": jax.random.normal(jax.random.key(1), (1024, 1024))}, metadata={"version": 2})
+    ck.wait()
+except C.CheckpointDiskFullError as e:
+    print("ERR", e)
+ck.close()
+import os; print("LS", sorted(os.listdir(sys.argv[1])))
+print("META", C.Checkpointer(sys.argv[1]).restore_metadata())
+"""
+
+
+@pytest.mark.slow
+def test_checkpointer_enospc_in_orbax_one_line(tmp_path):
+    """A real ENOSPC inside Orbax's background write (1 MiB tmpfs, 4 MiB array): one line, no
+    absl tracebacks, no tmp dir left, the older step restores."""
+    if not _unshare_ok():
+        pytest.skip("needs unshare -rm and tmpfs mounts (user namespaces)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (tmp_path / "s.py").write_text(_ORBAX_ENOSPC)
+    r = subprocess.run(["unshare", "-rm", "bash", "-c",
+                        f"mount -t tmpfs -o size=1m tmpfs {mnt} && {PY} {tmp_path / 's.py'} {mnt / 'ck'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = r.stdout
+    assert "ERR disk full" in out and "needs ~" in out, (out, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and "No space left" not in r.stderr, r.stderr[-3000:]
+    assert "LS ['1']" in out and "META {'version': 1}" in out, out
