@@ -51,7 +51,7 @@ import jax
 import orbax.checkpoint as ocp
 
 __all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
-           "ITEM_NAMES", "abstract_like", "tree_nbytes"]
+           "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error"]
 
 log = logging.getLogger(__name__)
 
@@ -338,26 +338,13 @@ class Checkpointer:
 
     def _disk_full(self, step: Optional[int], need: int, free: Optional[int] = None) -> CheckpointDiskFullError:
         self._disk_full_reported = True
-        self._cleanup_tmp()
-        if free is None:
-            try:
-                free = shutil.disk_usage(self.directory).free
-            except OSError:
-                free = -1
         try:
             self._mgr.wait_until_finished()  # an earlier save still in flight may yet commit
         except Exception:
             pass
         self._cleanup_tmp()
-        try:
-            self._mgr.reload()
-            good = self._mgr.latest_step()
-        except Exception:
-            good = None
-        what = f"checkpoint step {step}" if step is not None else "checkpoint"
-        last = f"last good checkpoint: {self.directory / str(good)}" if good is not None else "no earlier checkpoint"
-        return CheckpointDiskFullError(
-            f"disk full: cannot write {what} in {self.directory}: needs ~{need} bytes, {free} free; {last}")
+        what = f"cannot write checkpoint step {step}" if step is not None else "cannot write a checkpoint"
+        return disk_full_error(self.directory, need, what, free=free)
 
     def _cleanup_tmp(self) -> None:
         """Remove Orbax's uncommitted ``<step>.orbax-checkpoint-tmp*`` dirs (primary process)."""
@@ -383,6 +370,30 @@ class Checkpointer:
         if step not in self._mgr.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
         return int(step)
+
+
+def is_no_space(e: BaseException) -> bool:
+    """True when ``e`` (or its cause / context chain) is ENOSPC / EDQUOT / tensorstore's
+    ``RESOURCE_EXHAUSTED``."""
+    return _is_no_space(e)
+
+
+def disk_full_error(ckpt_dir: str | Path, need: int, what: str, *, free: Optional[int] = None,
+                    run_dir: Any = None) -> CheckpointDiskFullError:
+    """The one-line disk-full error: what failed, the bytes a checkpoint needs and those free
+    in ``ckpt_dir``, and the newest committed step there (uncommitted tmp dirs are not steps)."""
+    d = Path(ckpt_dir)
+    if free is None:
+        probe = d if d.exists() else d.parent
+        try:
+            free = shutil.disk_usage(probe).free
+        except OSError:
+            free = -1
+    steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
+    last = f"last good checkpoint: {d / str(steps[-1])}" if steps else "no checkpoint written yet"
+    where = f"run dir {run_dir}: " if run_dir is not None else ""
+    return CheckpointDiskFullError(
+        f"{where}disk full: {what}; a checkpoint needs ~{need} bytes, {free} free in {d}; {last}")
 
 
 def check_compatible(saved: dict, *, model_arch: dict, correction: str, directory: Any = "") -> None:

@@ -159,7 +159,7 @@ def _actors():
             metadata the driver saved with it (buffer, producer, counters) with ``rl_steps`` set
             to the RL step the checkpoint recorded, and ``resume_line``. Writes nothing."""
             self.tr.resume()
-            return {**self.tr.meta, "resume_line": self.tr.resume_line}
+            return {**self.tr.meta, "resume_line": self.tr.resume_line, "resumed_step": self.tr.resumed_step}
 
         def materialize(self, drop_after: Optional[int] = None) -> None:
             """After every check: write config.yaml (and the bpe tokenizer); on a resume, delete
@@ -210,7 +210,7 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import (_disk_full_error, _json_safe, _mean_metric, _StopFlag, signal_exit_code,
+    from jax_rl.runtime.train import (_json_safe, _raise_if_disk_full, _mean_metric, _StopFlag, signal_exit_code,
                                       write_outputs)
     from rollout.types import Trajectory
 
@@ -237,7 +237,7 @@ def run_train_ray(cfg: Config) -> int:
             meta = _ray_get(learner.restore.remote())  # one-line errors; nothing written yet
             print(meta.pop("resume_line"), flush=True)
         start_step = int(meta.get("rl_steps", 0))
-        _ray_get(learner.materialize.remote(start_step if cfg.resume else None))
+        _ray_get(learner.materialize.remote(meta.pop("resumed_step", None)))
         writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                resume_step=start_step if cfg.resume else None)
         if meta.get("sft_done"):
@@ -378,8 +378,9 @@ def run_train_ray(cfg: Config) -> int:
                    **{f"buffer_{k}": v for k, v in bstats.items()}}
         write_outputs(run_dir, ckpt_dir, _json_safe(summary))
         return signal_exit_code(stop)
-    except _disk_full_error() as e:
-        raise type(e)(f"run dir {run_dir}: {e}") from None
+    except Exception as e:
+        _raise_if_disk_full(e, run_dir, ckpt_dir)
+        raise
     finally:
         if writer is not None:
             writer.close()

@@ -97,6 +97,7 @@ class Trainer:
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         self.meta: dict[str, Any] = {}
         self.resume_line = ""
+        self.resumed_step: Optional[int] = None
         self._eval_gen = None
         self.writer = None
 
@@ -128,10 +129,13 @@ class Trainer:
         Raises:
             FileNotFoundError / CheckpointMismatchError / CheckpointCorruptError (one line).
         """
+        if not self.ckpt_dir.is_dir():  # (Orbax would create it: a refused resume must write nothing)
+            raise FileNotFoundError(f"no checkpoint found in {self.ckpt_dir} (nothing to resume)")
         meta = self.learner.restore(self.ckpt_dir, step=self.cfg.resume_step)
         self.meta = dict(meta.get("runtime") or {})  # what _save handed in as extra_metadata
         rl_step = resume_rl_step(meta)
         self.meta["rl_steps"] = rl_step
+        self.resumed_step = int(meta["checkpoint_step"])  # the step dir restored
         self.resume_line = (f"resumed from {self.ckpt_dir / str(meta['checkpoint_step'])} at RL step {rl_step} "
                             f"(version {self.learner.version}, optimizer step {self.learner.step})")
         return rl_step
@@ -358,13 +362,14 @@ def run_train(cfg: Config) -> int:
     stop = _StopFlag()
     stop.install()
     start_step = 0
+    failed = True
     try:
         if cfg.resume:
             start_step = tr.resume()  # every check; raises before anything is written
             print(tr.resume_line, flush=True)
         tr.materialize()
         if cfg.resume:
-            drop_newer_checkpoints(tr.learner, tr.ckpt_dir, start_step)
+            drop_newer_checkpoints(tr.learner, tr.ckpt_dir, tr.resumed_step)
         tr.open_writer(resume_step=start_step if cfg.resume else None)
         if not tr.meta.get("sft_done"):
             if cfg.sft.steps > 0:
@@ -399,12 +404,20 @@ def run_train(cfg: Config) -> int:
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
         write_outputs(tr.run_dir, tr.ckpt_dir, summary)
+        failed = False
         return signal_exit_code(stop)
-    except _disk_full_error() as e:
-        raise type(e)(f"run dir {tr.run_dir}: {e}") from None
+    except Exception as e:
+        _raise_if_disk_full(e, tr.run_dir, tr.ckpt_dir, tr.learner)
+        raise
     finally:
         tr.close()
-        tr.learner.close()
+        try:
+            tr.learner.close()  # waits for a save in flight
+        except Exception as e:
+            if not failed:
+                _raise_if_disk_full(e, tr.run_dir, tr.ckpt_dir, tr.learner)
+                raise
+            log.debug("while stopping a failed run: %r", e)  # the first error is the one reported
         stop.restore()
 
 
@@ -415,10 +428,22 @@ def signal_exit_code(stop: _StopFlag) -> int:
     return 0
 
 
-def _disk_full_error():
-    from jax_rl.checkpoint import CheckpointDiskFullError
+def _raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner=None) -> None:
+    """A full disk, wherever it struck (a checkpoint, metrics.jsonl, TensorBoard, summary), ends
+    the run with one line naming the run dir, the bytes a checkpoint needs and the last good
+    checkpoint (raised as ``CheckpointDiskFullError``). Anything else: returns."""
+    from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, tree_nbytes
 
-    return CheckpointDiskFullError
+    if isinstance(e, CheckpointDiskFullError):
+        raise CheckpointDiskFullError(f"run dir {run_dir}: {e}") from None
+    if not is_no_space(e):
+        return
+    need = 0
+    if learner is not None:
+        st = learner.state
+        need = tree_nbytes(st.params, st.opt_state, st.ewma_params)
+    what = f"{type(e).__name__} {getattr(e, 'filename', None) or ''}".strip()
+    raise disk_full_error(ckpt_dir, need, f"writing failed ({what})", run_dir=run_dir) from None
 
 
 def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
