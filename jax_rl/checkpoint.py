@@ -282,10 +282,11 @@ class Checkpointer:
         Raises:
             CheckpointDiskFullError: as :meth:`wait`, unless that failure was already raised.
         """
+        reported = self._disk_full_reported
         try:
             self.wait()
         except CheckpointDiskFullError:
-            if not self._disk_full_reported:
+            if not reported:
                 raise
         finally:
             try:
