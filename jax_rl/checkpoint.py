@@ -7,9 +7,25 @@ Items of one checkpoint (a step directory ``<dir>/<step>/``):
 - ``ewma``: ``{params, count, streak}`` (only when ``loss.correction=ppo_ewma``);
 - ``snapshots``: the snapshot store of :mod:`jax_rl.old_logits`, ``{"v<n>": params}``
   (only when the store holds something);
-- ``metadata``: JSON. ``version``, ``step``, ``config_hash`` (:func:`jax_rl.config.config_hash`),
-  ``model_arch`` (the model's HF config dict), ``correction``, ``snapshot_versions`` and
-  ``runtime`` (whatever JSON-able dict the runtime hands in: buffer state, rollout counters).
+- ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
+  from exactly this step), ``version`` (published versions), ``opt_step`` (optimizer updates;
+  ``ppo_epochs x minibatches`` per RL step; also under the old name ``step``),
+  ``config_hash`` (:func:`jax_rl.config.config_hash`), ``model_arch`` (the model's HF config
+  dict), ``correction``, ``snapshot_versions`` and ``runtime`` (whatever JSON-able dict the
+  runtime hands in: buffer state, rollout counters).
+
+The runtime names step directories by the RL step (``checkpoints/<rl_step>``); a learner used
+on its own names them by version.
+
+Faults. A save writes into ``<step>.orbax-checkpoint-tmp*`` and renames it when committed, so
+a killed or failed save never leaves a step a restore would pick (the tmp dir is removed on
+the next start or at once after a failure). :meth:`Checkpointer.check_step` validates a step
+(items present, metadata JSON parses); :meth:`jax_rl.learner.Learner.restore` adds the array
+restore and falls back past bad steps (:class:`CheckpointCorruptError`). A save that would not
+fit on the disk (raw array bytes vs ``shutil.disk_usage``), or that fails with ENOSPC /
+``RESOURCE_EXHAUSTED`` in Orbax's background thread, raises one
+:class:`CheckpointDiskFullError` line (Orbax's own tracebacks for it are filtered out of the
+``absl`` log); the older steps stay intact.
 
 Saves are asynchronous when ``checkpoint.async_save`` (Orbax writes in a background thread;
 :meth:`Checkpointer.save` returns after the device->host copy). Restores take abstract
@@ -24,14 +40,18 @@ No pickle anywhere: arrays go through tensorstore, metadata through JSON.
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "ITEM_NAMES", "abstract_like"]
+__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
+           "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +60,74 @@ ITEM_NAMES = ("state", "ewma", "snapshots", "metadata")
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run whose model or correction mode differs from this one."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step is partial or unreadable (missing item, bad metadata JSON, failed restore).
+
+    The message is one line naming the step directory and what is wrong with it.
+    """
+
+
+class CheckpointDiskFullError(OSError):
+    """A checkpoint could not be written for lack of disk space.
+
+    The message is one line naming the checkpoint dir, the bytes needed and free, and the last
+    good step (left intact: a failed save never leaves a step directory behind).
+    """
+
+    def __init__(self, msg: str):
+        super().__init__(errno.ENOSPC, msg)
+        self.msg = msg
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+# Orbax's background-thread failures are logged by absl with full tracebacks before they
+# surface as an exception; for a full disk we report one line ourselves instead.
+_NOSPACE_MARKERS = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded")
+
+
+def _is_no_space(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(m in str(e) for m in _NOSPACE_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _NoSpaceLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and _is_no_space(record.exc_info[1]):
+            return False
+        return not any(m in str(record.getMessage()) for m in _NOSPACE_MARKERS)
+
+
+_NOSPACE_FILTER = _NoSpaceLogFilter()
+
+
+def tree_nbytes(*trees: Any) -> int:
+    """Total bytes of the array leaves of ``trees`` (global shapes; None trees count 0)."""
+    n = 0
+    for t in trees:
+        if t is None:
+            continue
+        for x in jax.tree.leaves(t):
+            size, dt = getattr(x, "size", None), getattr(x, "dtype", None)
+            if size is not None and dt is not None:
+                n += int(size) * int(getattr(dt, "itemsize", 0) or 4)
+    return n
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = msg if len(msg) <= limit else msg[: limit - 3] + "..."
+    return f"{type(e).__name__}: {msg}"
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -71,8 +159,12 @@ class Checkpointer:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step
         )
         self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEM_NAMES)
+        self._need = 0  # bytes of the last save attempted (for the disk-full message)
+        self._disk_full_reported = False
+        logging.getLogger("absl").addFilter(_NOSPACE_FILTER)  # idempotent
 
     # ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -100,12 +192,24 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             log.info("checkpoint for step %d already exists; skipping", step)
             return False
+        # a full disk is refused before Orbax starts writing (the estimate is the raw array
+        # bytes: an upper bound for float params, which barely compress)
+        need = tree_nbytes(state, ewma, snapshots) + len(json.dumps(metadata, default=str)) + (64 << 10)
+        self._need = need
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise self._disk_full(step, need, free)
         items = {"state": ocp.args.StandardSave(state), "metadata": ocp.args.JsonSave(metadata)}
         if ewma is not None:
             items["ewma"] = ocp.args.StandardSave(ewma)
         if snapshots:
             items["snapshots"] = ocp.args.StandardSave(snapshots)
-        return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        try:
+            return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as e:  # also surfaces the failure of the previous async save
+            if _is_no_space(e):
+                raise self._disk_full(step, need) from None
+            raise
 
     def latest_step(self) -> Optional[int]:
         """Newest saved step (committed or in flight from this process), or None."""
@@ -159,13 +263,96 @@ class Checkpointer:
         }
 
     def wait(self) -> None:
-        """Block until in-flight async saves are committed."""
-        self._mgr.wait_until_finished()
+        """Block until in-flight async saves are committed.
+
+        Raises:
+            CheckpointDiskFullError: the save in flight ran out of disk space (its partial
+                files are removed; the older steps are intact).
+        """
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            if _is_no_space(e):
+                raise self._disk_full(None, self._need) from None
+            raise
 
     def close(self) -> None:
-        """Wait for pending saves and release Orbax's threads."""
+        """Wait for pending saves and release Orbax's threads.
+
+        Raises:
+            CheckpointDiskFullError: as :meth:`wait`, unless that failure was already raised.
+        """
+        reported = self._disk_full_reported
+        try:
+            self.wait()
+        except CheckpointDiskFullError:
+            if not reported:
+                raise
+        finally:
+            try:
+                self._mgr.close()
+            except Exception as e:  # a failed background save is re-raised here by Orbax
+                if not _is_no_space(e):
+                    raise
+
+    # ---------------------------------------------------------------------------------
+    def check_step(self, step: int, items: tuple[str, ...] = ("state", "metadata")) -> dict:
+        """Cheap validation of one step: its item directories exist and its metadata parses.
+
+        Args:
+            step: a step in :meth:`all_steps`.
+            items: item names that must be present (``state`` and ``metadata`` always are;
+                the learner adds ``ewma`` / ``snapshots`` when its mode needs them).
+
+        Returns:
+            the metadata dict.
+
+        Raises:
+            CheckpointCorruptError: one line naming the step dir and the problem.
+        """
+        d = self.directory / str(step)
+        if not d.is_dir():
+            raise CheckpointCorruptError(f"checkpoint {d} does not exist")
+        missing = [i for i in dict.fromkeys(("state", "metadata", *items)) if not (d / i).is_dir()]
+        if missing:
+            raise CheckpointCorruptError(f"checkpoint {d} is missing item(s) {', '.join(missing)}")
+        try:
+            meta = self.restore_metadata(step)
+        except Exception as e:
+            raise CheckpointCorruptError(f"checkpoint {d} has unreadable metadata ({_one_line(e)})") from None
+        for k in ("version",):
+            if k not in meta:
+                raise CheckpointCorruptError(f"checkpoint {d} metadata has no {k!r} key")
+        return meta
+
+    def delete_after(self, step: int) -> list[int]:
+        """Delete every step newer than ``step`` (a resume from ``step`` supersedes them).
+
+        Returns the deleted steps.
+        """
         self._mgr.wait_until_finished()
-        self._mgr.close()
+        self._mgr.reload()
+        gone = [s for s in self._mgr.all_steps() if s > step]
+        for s in gone:
+            self._mgr.delete(s)
+        return sorted(gone)
+
+    def _disk_full(self, step: Optional[int], need: int, free: Optional[int] = None) -> CheckpointDiskFullError:
+        self._disk_full_reported = True
+        try:
+            self._mgr.wait_until_finished()  # an earlier save still in flight may yet commit
+        except Exception:
+            pass
+        self._cleanup_tmp()
+        what = f"cannot write checkpoint step {step}" if step is not None else "cannot write a checkpoint"
+        return disk_full_error(self.directory, need, what, free=free)
+
+    def _cleanup_tmp(self) -> None:
+        """Remove Orbax's uncommitted ``<step>.orbax-checkpoint-tmp*`` dirs (primary process)."""
+        if jax.process_index() != 0:
+            return
+        for p in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -184,6 +371,30 @@ class Checkpointer:
         if step not in self._mgr.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
         return int(step)
+
+
+def is_no_space(e: BaseException) -> bool:
+    """True when ``e`` (or its cause / context chain) is ENOSPC / EDQUOT / tensorstore's
+    ``RESOURCE_EXHAUSTED``."""
+    return _is_no_space(e)
+
+
+def disk_full_error(ckpt_dir: str | Path, need: int, what: str, *, free: Optional[int] = None,
+                    run_dir: Any = None) -> CheckpointDiskFullError:
+    """The one-line disk-full error: what failed, the bytes a checkpoint needs and those free
+    in ``ckpt_dir``, and the newest committed step there (uncommitted tmp dirs are not steps)."""
+    d = Path(ckpt_dir)
+    if free is None:
+        probe = d if d.exists() else d.parent
+        try:
+            free = shutil.disk_usage(probe).free
+        except OSError:
+            free = -1
+    steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
+    last = f"last good checkpoint: {d / str(steps[-1])}" if steps else "no checkpoint written yet"
+    where = f"run dir {run_dir}: " if run_dir is not None else ""
+    return CheckpointDiskFullError(
+        f"{where}disk full: {what}; a checkpoint needs ~{need} bytes, {free} free in {d}; {last}")
 
 
 def check_compatible(saved: dict, *, model_arch: dict, correction: str, directory: Any = "") -> None:

@@ -1,6 +1,9 @@
 """``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``serve``, ``plot``.
 
-Each subcommand has ``--help``. Config errors print one line naming the culprit and exit 2.
+Each subcommand has ``--help``. Exit codes: 0 done; 1 a failed run (e.g. the disk filled up:
+one line naming the run dir and the bytes needed); 2 a config error or a bad input (missing
+path, incompatible or corrupt checkpoint: one line naming the culprit); 128 + signal number
+(130 Ctrl-C, 143 SIGTERM) for a run stopped by a signal after its checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ def _load(args) -> "object":
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
         overrides.append("resume=true")
+    if getattr(args, "step", None) is not None:
+        overrides.append(f"resume_step={args.step}")
     return load_config(args.config, overrides)
 
 
@@ -115,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
     t.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in run.dir")
+    t.add_argument("--step", type=int, default=None, metavar="N",
+                   help="with --resume: resume from checkpoints/N (the RL step) instead of the newest")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config (base_config chain + overrides) as YAML and exit; creates nothing")
     t.add_argument("--dry-run", action="store_true",
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_sft)
 
     e = sub.add_parser("eval", help="held-out avg@k / pass@k of a checkpoint", epilog=EPILOG)
-    e.add_argument("checkpoint_dir", help="a run dir or its checkpoints/ dir")
+    e.add_argument("checkpoint_dir", help="a run dir, its checkpoints/ dir, or one step's dir checkpoints/N")
     e.add_argument("config", help="YAML config giving the eval and env settings (model, correction and "
                                   "staleness come from the run's config.yaml when it has one)")
     e.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.num_tasks=16 eval.k=4")
@@ -171,23 +178,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag_to_end(argv: list[str], flag: str) -> list[str]:
+    """Move ``flag VALUE`` / ``flag=VALUE`` to the end, so it may come between overrides."""
+    rest, moved, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == flag and i + 1 < len(argv):
+            moved += argv[i:i + 2]
+            i += 2
+            continue
+        (moved if argv[i].startswith(flag + "=") else rest).append(argv[i])
+        i += 1
+    return rest + moved
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--resume`` (and the other train switches) may come anywhere (``train CONFIG --resume run.dir=D``):
     # argparse would take what follows them for an unknown argument, so move the flags to the end
     flags = ("--resume", "--print-config", "--dry-run")
     argv = [a for a in argv if a not in flags] + [a for a in argv if a in flags]
+    argv = _flag_to_end(argv, "--step")
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:  # a missing / incompatible input: one line
-        # CheckpointMismatchError (a ValueError) can only exist once jax_rl.checkpoint is imported;
-        # looking it up here keeps that 2 s import (orbax) off the start of every command
+    except KeyboardInterrupt:  # a second Ctrl-C: stop without the checkpoint
+        print("jax-rl: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as e:  # a missing / incompatible / corrupt input, a full disk: one line
+        # the checkpoint errors can only exist once jax_rl.checkpoint is imported; looking them
+        # up here keeps that 2 s import (orbax) off the start of every command
         ckpt = sys.modules.get("jax_rl.checkpoint")
-        if not isinstance(e, FileNotFoundError) and not (ckpt and isinstance(e, ckpt.CheckpointMismatchError)):
+        if ckpt and isinstance(e, ckpt.CheckpointDiskFullError):
+            print(f"jax-rl: error: {e}", file=sys.stderr)
+            return 1
+        bad_input = isinstance(e, FileNotFoundError) or (
+            ckpt and isinstance(e, (ckpt.CheckpointMismatchError, ckpt.CheckpointCorruptError)))
+        if not bad_input:
             raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 2

@@ -422,11 +422,15 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     resume: bool = False
     """Continue from the latest checkpoint in run.dir (buffer included)."""
+    resume_step: Optional[int] = Field(None, ge=0)
+    """With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True)
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
+        if self.resume_step is not None and not self.resume:
+            raise ValueError(f"resume_step={self.resume_step} needs resume=true (--resume --step N)")
         if self.optim.batch_size % self.rollout.group_size != 0:
             raise ValueError(
                 f"optim.batch_size={self.optim.batch_size} must be a multiple of "

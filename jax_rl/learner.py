@@ -1200,10 +1200,12 @@ class Learner:
             self._ckptrs[d] = Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save)
         return self._ckptrs[d]
 
-    def _metadata(self, extra: Optional[dict]) -> dict:
+    def _metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
         return {
+            "rl_step": int(self.version if rl_step is None else rl_step),
             "version": self.version,
-            "step": self.step,
+            "opt_step": self.step,
+            "step": self.step,  # = opt_step (kept for checkpoints read by older code)
             "config_hash": config_hash(self.cfg),
             "model_arch": self.model_config.to_hf(),
             "correction": self.correction,
@@ -1215,13 +1217,22 @@ class Learner:
         }
 
     def save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None, *,
-             wait: bool = False) -> bool:
-        """Save a checkpoint named by the current version (async unless ``wait``).
+             wait: bool = False, rl_step: Optional[int] = None) -> bool:
+        """Save a checkpoint (async unless ``wait``) in the step dir ``<ckpt_dir>/<rl_step>``.
 
         Items: state (params, opt_state, version, step, rng, ewma count/streak), ewma
-        (``ppo_ewma``), snapshots (snapshot store), metadata (JSON; ``extra_metadata`` goes
-        under ``"runtime"``: buffer state, rollout counters). Re-saving the same version
-        replaces that checkpoint. Every process must call it.
+        (``ppo_ewma``), snapshots (snapshot store), metadata (JSON: ``rl_step``, ``version``,
+        ``opt_step`` (optimizer updates), model/correction identity; ``extra_metadata`` goes
+        under ``"runtime"``: buffer state, rollout counters). Re-saving the same step replaces
+        that checkpoint. Every process must call it.
+
+        Args:
+            rl_step: the RL step this state is at (the runtime's loop counter); the step dir's
+                name. None (a learner used on its own) names it by the version.
+
+        Raises:
+            jax_rl.checkpoint.CheckpointDiskFullError: not enough disk space (one line; earlier
+                steps intact).
         """
         self._finish_sft()
         ck = self._checkpointer(ckpt_dir)
@@ -1233,11 +1244,12 @@ class Learner:
         snaps = None
         if self.store is not None and len(self.store):
             snaps = {k: _to_nested(v) for k, v in self.store.export(self.param_shardings).items()}
-        v = self.version
+        v = self.version if rl_step is None else int(rl_step)
         if v in ck.all_steps():
             ck.wait()
             ck._mgr.delete(v)
-        ok = ck.save(v, state=state_item, metadata=self._metadata(extra_metadata), ewma=ewma_item, snapshots=snaps)
+        ok = ck.save(v, state=state_item, metadata=self._metadata(extra_metadata, v), ewma=ewma_item,
+                     snapshots=snaps)
         if wait:
             ck.wait()
         return ok
@@ -1250,23 +1262,63 @@ class Learner:
         return False
 
     def restore(self, ckpt_dir: Optional[str | Path] = None, step: Optional[int] = None) -> dict:
-        """Restore the latest (or ``step``) checkpoint onto this learner's mesh (any shape).
+        """Restore a checkpoint onto this learner's mesh (any shape).
+
+        With ``step=None`` the newest step is validated (item dirs present, metadata JSON
+        parses, the arrays restore); a bad one is skipped with a one-line warning and the next
+        newest is tried, until one restores. With an explicit ``step`` only that one is tried.
 
         Returns:
-            the metadata dict (``version``, ``step``, ``config_hash``, ``correction``,
-            ``model_arch``, ``runtime`` = the ``extra_metadata`` given to :meth:`save`, ...).
+            the metadata dict (``rl_step``, ``version``, ``opt_step``, ``config_hash``,
+            ``correction``, ``model_arch``, ``runtime`` = the ``extra_metadata`` given to
+            :meth:`save`, ...) plus ``checkpoint_step`` (the step dir restored) and
+            ``skipped_checkpoints`` (``[[step, reason], ...]`` for bad newer steps passed over).
 
         Raises:
-            FileNotFoundError: no checkpoint. CheckpointMismatchError: the checkpoint is from a
-            different model architecture or correction mode.
+            FileNotFoundError: no checkpoint (or no such ``step``).
+            CheckpointMismatchError: the checkpoint is from a different model architecture or
+                correction mode (never skipped: the whole dir is another run's).
+            CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
         """
-        from jax_rl.checkpoint import abstract_like, check_compatible
+        from jax_rl.checkpoint import CheckpointCorruptError, CheckpointMismatchError, _one_line
 
         ck = self._checkpointer(ckpt_dir)
-        meta = ck.restore_metadata(step)
+        if step is not None:
+            ck._resolve(step)  # FileNotFoundError naming the steps there
+            candidates = [int(step)]
+        else:
+            ck._resolve(None)
+            candidates = sorted(ck.all_steps(), reverse=True)
+        skipped: list = []
+        for s in candidates:
+            try:
+                meta = self._restore_step(ck, s)
+            except (CheckpointMismatchError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                why = str(e) if isinstance(e, CheckpointCorruptError) else \
+                    f"checkpoint {ck.directory / str(s)} failed to restore ({_one_line(e)})"
+                if step is not None:
+                    raise CheckpointCorruptError(why) from None
+                log.warning("%s; trying an older step", why)
+                skipped.append([s, why])
+                continue
+            meta["checkpoint_step"] = s
+            meta["skipped_checkpoints"] = skipped
+            return meta
+        raise CheckpointCorruptError(
+            f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
+
+    def _restore_step(self, ck, step: int) -> dict:
+        from jax_rl.checkpoint import abstract_like, check_compatible
+
+        meta = ck.check_step(step)
         check_compatible(meta, model_arch=self.model_config.to_hf(), correction=self.correction,
                          directory=ck.directory)
-        step = int(meta["version"]) if step is None else step
+        snap_versions = [int(v) for v in meta.get("snapshot_versions", [])]
+        need = (("ewma",) if self._use_ewma else ()) + (("snapshots",) if self.store is not None and snap_versions else ())
+        if need:
+            ck.check_step(step, need)
         st, sh = self.state, self.state_shardings
         like = {"params": st.params, "opt_state": st.opt_state, "version": st.version, "step": st.step,
                 "rng": st.rng, "ewma_count": st.ewma_count, "ewma_streak": st.ewma_streak}
@@ -1274,7 +1326,6 @@ class Learner:
                    "rng": sh.rng, "ewma_count": sh.ewma_count, "ewma_streak": sh.ewma_streak}
         target = _to_nested(abstract_like(like, like_sh))
         ewma_t = _to_nested(abstract_like({"params": st.params}, {"params": sh.params})) if self._use_ewma else None
-        snap_versions = [int(v) for v in meta.get("snapshot_versions", [])]
         snap_t = None
         if self.store is not None and snap_versions:
             one = _to_nested(abstract_like(st.params, self.param_shardings))
@@ -1298,6 +1349,12 @@ class Learner:
         self._resets = int(meta.get("ewma_resets", 0))
         self._sft_pending = False
         return meta
+
+    def delete_checkpoints_after(self, step: int, ckpt_dir: Optional[str | Path] = None) -> list[int]:
+        """Delete the checkpoint steps newer than ``step`` (primary process); returns them."""
+        if jax.process_index() != 0:
+            return []
+        return self._checkpointer(ckpt_dir).delete_after(step)
 
     def wait_for_checkpoints(self) -> None:
         """Block until every async save has been committed."""

@@ -46,6 +46,7 @@ __all__ = [
     "iter_jsonl",
     "sanitize",
     "write_json",
+    "truncate_jsonl",
     "METRICS_FILE",
     "EVAL_FILE",
     "TB_DIR",
@@ -211,6 +212,40 @@ def read_jsonl(path: PathLike) -> list[dict[str, Any]]:
     return list(iter_jsonl(path))
 
 
+def truncate_jsonl(path: PathLike, max_step: int) -> int:
+    """Keep only the rows of a JSONL file whose ``step`` is ``<= max_step`` (and that parse).
+
+    The file is rewritten atomically (a temp file in the same dir, then ``os.replace``) and only
+    when something is dropped; a missing file is left missing. Returns the rows dropped.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    keep, dropped = [], 0
+    with p.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ok = isinstance(obj, dict) and int(obj.get("step", 0)) <= max_step
+            except (json.JSONDecodeError, TypeError, ValueError):
+                ok = False
+            if ok:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = p.with_name(p.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        log.info("%s: dropped %d row(s) after step %d (resumed run)", p, dropped, max_step)
+    return dropped
+
+
 # ----------------------------------------------------------------------------- writer
 
 
@@ -229,6 +264,12 @@ class MetricsWriter:
         wandb_project / wandb_name / wandb_config: passed to ``wandb.init`` (project defaults to
             ``"jax-rl"``, name to the run dir's basename).
 
+        resume_step: a resumed run's restored step N. Rows of ``metrics.jsonl`` / ``eval.jsonl``
+            with ``step > N`` (written by the interrupted run after its checkpoint, or a
+            malformed last line) are dropped first, each file rewritten atomically; TensorBoard
+            gets ``purge_step=N+1``, so it discards the earlier sessions' events at steps > N.
+            Each step then appears once.
+
     Files are opened in append mode, so a resumed run continues the same ``metrics.jsonl``.
     Each line is flushed as it is written, so ``jax-rl plot`` works on a running run.
     """
@@ -243,6 +284,7 @@ class MetricsWriter:
         wandb_project: Optional[str] = None,
         wandb_name: Optional[str] = None,
         wandb_config: Optional[Mapping[str, Any]] = None,
+        resume_step: Optional[int] = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.is_primary = bool(is_primary)
@@ -257,11 +299,19 @@ class MetricsWriter:
         if not self.is_primary:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            for path in (self.metrics_path, self.eval_path):
+                truncate_jsonl(path, int(resume_step))
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(logdir=str(self.tb_dir), flush_secs=10)
+                purge = None if resume_step is None else int(resume_step) + 1
+                # tensorboardX names the event file by the second; a writer opened within the
+                # same second as an earlier one would truncate that file: wait for the next second
+                while any(self.tb_dir.glob(f"events.out.tfevents.{str(time.time())[:10]}.*")):
+                    time.sleep(0.05)
+                self._tb = SummaryWriter(logdir=str(self.tb_dir), flush_secs=10, purge_step=purge)
             except Exception as e:  # ImportError or a writer failure
                 _warn_once("tensorboard", f"TensorBoard logging disabled: {type(e).__name__}: {e}")
                 self._tb = None

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from jax_rl.config import Config, dump_config
+from jax_rl.config import Config
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -189,7 +189,7 @@ def _actors():
 
             _logging.basicConfig(level=_logging.WARNING)
             self.cfg = Config.model_validate(cfg_dict)
-            self.tr = Trainer(self.cfg)
+            self.tr = Trainer(self.cfg, create_dir=False)
             from jax_rl.metrics import MetricsWriter
 
             # eval.jsonl only: the driver writes metrics.jsonl and TensorBoard
@@ -202,11 +202,20 @@ def _actors():
             return int(self.tr.tokenizer.pad_id)
 
         def restore(self) -> dict:
-            """Restore the latest checkpoint in the run's checkpoint dir; returns the runtime
-            metadata the driver saved with it (rl_steps, buffer, producer, counters)."""
-            meta = self.tr.learner.restore(self.tr.ckpt_dir) or {}
-            self.tr.meta = dict(meta.get("runtime") or {})
-            return self.tr.meta
+            """Restore the newest good (or ``resume_step``) checkpoint; returns the runtime
+            metadata the driver saved with it (buffer, producer, counters) with ``rl_steps`` set
+            to the RL step the checkpoint recorded, and ``resume_line``. Writes nothing."""
+            self.tr.resume()
+            return {**self.tr.meta, "resume_line": self.tr.resume_line, "resumed_step": self.tr.resumed_step}
+
+        def materialize(self, drop_after: Optional[int] = None) -> None:
+            """After every check: write config.yaml (and the bpe tokenizer); on a resume, delete
+            the checkpoints newer than the restored step."""
+            from jax_rl.runtime.train import drop_newer_checkpoints
+
+            self.tr.materialize()
+            if drop_after is not None:
+                drop_newer_checkpoints(self.tr.learner, self.tr.ckpt_dir, drop_after)
 
         def sft_and_eval(self) -> dict:
             m = self.tr.sft(progress=False) if self.cfg.sft.steps > 0 else {}
@@ -230,7 +239,8 @@ def _actors():
             from jax_rl.runtime.train import _save
 
             self.tr.meta.update(meta)
-            _save(self.tr)
+            _save(self.tr, rl_step=int(meta["rl_steps"]))
+            self.tr.learner.wait_for_checkpoints()
             return str(self.tr.ckpt_dir)
 
         def close(self) -> None:
@@ -247,14 +257,15 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import _json_safe, _mean_metric, _StopFlag, write_outputs
+    from jax_rl.runtime.train import (_json_safe, _raise_if_disk_full, _mean_metric, _StopFlag, signal_exit_code,
+                                      write_outputs)
     from rollout.types import Trajectory
 
     t0 = time.perf_counter()
     C.rollout_preflight(cfg, C.build_tokenizer(cfg), C.build_env_factory(cfg))  # warnings; ConfigError if nothing fits
     run_dir = C.resolve_run_dir(cfg)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    dump_config(cfg, run_dir / "config.yaml")
+    # config.yaml is written by the learner actor once the restore and its checks have passed
     stop = _StopFlag()
     stop.install()
     init_ray(run_dir, runtime=cfg.runtime)
@@ -262,19 +273,21 @@ def run_train_ray(cfg: Config) -> int:
     K = cfg.async_.max_staleness
     n_groups = cfg.optim.batch_size // cfg.rollout.group_size
     counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
-    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
+    writer = None
     cfg_dict = cfg.to_dict()
     learner = LearnerActor.remote(cfg_dict)
     workers: list = []
     try:
-        hf = ray.get(learner.model_config_hf.remote())
+        hf = _ray_get(learner.model_config_hf.remote())
         pad_id = ray.get(learner.pad_id.remote())
         meta: dict = {}
         if cfg.resume:
-            meta = ray.get(learner.restore.remote())
-            print(f"resumed from {ckpt_dir} at RL step {int(meta.get('rl_steps', 0))} "
-                  f"(version {ray.get(learner.version.remote())})", flush=True)
+            meta = _ray_get(learner.restore.remote())  # one-line errors; nothing written yet
+            print(meta.pop("resume_line"), flush=True)
         start_step = int(meta.get("rl_steps", 0))
+        _ray_get(learner.materialize.remote(meta.pop("resumed_step", None)))
+        writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                               resume_step=start_step if cfg.resume else None)
         if meta.get("sft_done"):
             sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
         else:
@@ -359,7 +372,8 @@ def run_train_ray(cfg: Config) -> int:
 
         def save(rl_steps: int) -> None:
             pending = sorted([(g, sd) for (_, g, sd) in in_flight.values()] + reissue)
-            ray.get(learner.save.remote(_json_safe({
+            writer.flush()  # every row up to rl_steps is on disk before its checkpoint
+            _ray_get(learner.save.remote(_json_safe({
                 "rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
                 "buffer_stats": ray.get(buffer.stats.remote()), "ray_counters": counters,
                 "producer": {"next_group": next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending],
@@ -431,15 +445,33 @@ def run_train_ray(cfg: Config) -> int:
                    "episode_errors": guard.episode_errors, "dropped_overlong": bstats["dropped_overlong"],
                    **{f"buffer_{k}": v for k, v in bstats.items()}}
         write_outputs(run_dir, ckpt_dir, _json_safe(summary))
-        return 0
+        return signal_exit_code(stop)
+    except Exception as e:
+        _raise_if_disk_full(e, run_dir, ckpt_dir)
+        raise
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         try:
             ray.get(learner.close.remote(), timeout=30)
         except Exception:
             pass
         ray.shutdown()
         stop.restore()
+
+
+def _ray_get(ref):
+    """``ray.get`` that re-raises an actor's exception as itself (its one-line message, not the
+    RayTaskError with the remote traceback), so the CLI reports it like the embedded runtime."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
 
 
 _KILLED = {"done": False}

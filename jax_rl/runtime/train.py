@@ -11,8 +11,15 @@
    one version per step, with periodic eval and checkpoints;
 5. final eval, ``summary.json``, plots, a one-screen summary.
 
-Ctrl-C / SIGTERM finish the current step, save a checkpoint and stop rollouts cleanly;
-``resume=true`` continues from the latest checkpoint in ``run.dir`` with the buffer.
+Ctrl-C / SIGTERM finish the current step, save a checkpoint and stop rollouts cleanly; the
+process then exits with 128 + the signal number (130 / 143), as schedulers expect.
+
+``resume=true`` continues from the newest restorable checkpoint in ``run.dir`` (a partial or
+corrupt newer step is reported in one line and skipped), or from ``resume_step``, with the
+buffer, at exactly the RL step that checkpoint recorded. Nothing in the run dir changes until
+the restore and every compatibility check have passed; then ``config.yaml`` is rewritten,
+``metrics.jsonl`` / ``eval.jsonl`` rows after the restored step are dropped, TensorBoard purges
+them (``purge_step``), and checkpoints newer than the restored step are deleted.
 """
 
 from __future__ import annotations
@@ -95,16 +102,49 @@ class Trainer:
                 self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.meta: dict[str, Any] = {}
         self.rollout_failed: Optional[str] = None  # set by the RL loop when the rollout fails systematically
+        self.resume_line = ""
+        self.resumed_step: Optional[int] = None
         self._eval_gen = None
         self.writer = None
 
     # ---------------------------------------------------------------- outputs
-    def open_writer(self):
+    def open_writer(self, resume_step: Optional[int] = None):
+        """Open the run's :class:`~jax_rl.metrics.MetricsWriter`; ``resume_step`` drops the rows
+        (JSONL and TensorBoard) of steps after it, left by the run being resumed."""
         from jax_rl.metrics import MetricsWriter
 
         self.writer = MetricsWriter(self.run_dir, tensorboard=self.cfg.logging.tensorboard,
-                                    wandb=self.cfg.logging.wandb, is_primary=_is_primary())
+                                    wandb=self.cfg.logging.wandb, is_primary=_is_primary(),
+                                    resume_step=resume_step)
         return self.writer
+
+    def materialize(self) -> None:
+        """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
+        only once every check (config, restore, compatibility) has passed."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if _is_primary():
+            if self.cfg.model.tokenizer == "bpe" and not (self.run_dir / "tokenizer.json").is_file():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
+            dump_config(self.cfg, self.run_dir / "config.yaml")
+
+    def resume(self) -> int:
+        """Restore the checkpoint to resume from (validated, with fallback; see
+        :meth:`jax_rl.learner.Learner.restore`), set ``self.meta`` to its runtime metadata and
+        return its RL step. Writes nothing.
+
+        Raises:
+            FileNotFoundError / CheckpointMismatchError / CheckpointCorruptError (one line).
+        """
+        if not self.ckpt_dir.is_dir():  # (Orbax would create it: a refused resume must write nothing)
+            raise FileNotFoundError(f"no checkpoint found in {self.ckpt_dir} (nothing to resume)")
+        meta = self.learner.restore(self.ckpt_dir, step=self.cfg.resume_step)
+        self.meta = dict(meta.get("runtime") or {})  # what _save handed in as extra_metadata
+        rl_step = resume_rl_step(meta)
+        self.meta["rl_steps"] = rl_step
+        self.resumed_step = int(meta["checkpoint_step"])  # the step dir restored
+        self.resume_line = (f"resumed from {self.ckpt_dir / str(meta['checkpoint_step'])} at RL step {rl_step} "
+                            f"(version {self.learner.version}, optimizer step {self.learner.step})")
+        return rl_step
 
     # ---------------------------------------------------------------- SFT
     def sft(self, steps: Optional[int] = None, progress: bool = True) -> dict:
@@ -267,7 +307,7 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
                     ev = tr.evaluate(step + 1)
                     print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
                 if ckpt_every and (step + 1) % ckpt_every == 0:
-                    _save(tr, buffer, mgr)
+                    _save(tr, buffer, mgr, rl_step=step + 1)
     finally:
         mgr.stop(timeout=5.0)
         tr.meta["buffer_stats"] = buffer.stats()
@@ -278,13 +318,37 @@ def _rl_loop(tr: Trainer, start_step: int, stop: _StopFlag) -> dict:
     return last
 
 
-def _save(tr: Trainer, buffer=None, mgr=None) -> None:
+def _save(tr: Trainer, buffer=None, mgr=None, *, rl_step: int) -> None:
+    """Checkpoint at ``rl_step`` (the step dir's name and the metadata's ``rl_step``), after
+    flushing TensorBoard so every row up to ``rl_step`` is on disk before the checkpoint is."""
     if buffer is not None:
         tr.meta["buffer"] = buffer.export_state()
         tr.meta["buffer_stats"] = buffer.stats()
     if mgr is not None:
         tr.meta["producer"] = mgr.state()
-    tr.learner.save(tr.ckpt_dir, extra_metadata=_json_safe(tr.meta))
+    tr.meta["rl_steps"] = int(rl_step)
+    if tr.writer is not None:
+        tr.writer.flush()
+    tr.learner.save(tr.ckpt_dir, extra_metadata=_json_safe(tr.meta), rl_step=int(rl_step))
+
+
+def resume_rl_step(meta: dict) -> int:
+    """The RL step a checkpoint's metadata records (``rl_step``). Checkpoints written before it
+    was recorded: their version (one published version per RL step), with a warning."""
+    if "rl_step" in meta:
+        return int(meta["rl_step"])
+    log.warning("checkpoint has no rl_step (written by an older jax-rl); resuming at RL step = version %s",
+                meta.get("version"))
+    return int(meta["version"])
+
+
+def drop_newer_checkpoints(learner, ckpt_dir: Path, restored_step: int) -> None:
+    """Once a resume has passed every check: delete the checkpoints newer than the restored one
+    (a corrupt step, or the future of an explicit ``resume_step``), each named on one line, so a
+    later ``--resume`` can never pick a step from the abandoned timeline."""
+    for s in learner.delete_checkpoints_after(restored_step, ckpt_dir):
+        print(f"removed checkpoint {Path(ckpt_dir) / str(s)} (newer than the restored step {restored_step})",
+              flush=True)
 
 
 def _json_safe(d: Any) -> Any:
@@ -292,7 +356,17 @@ def _json_safe(d: Any) -> Any:
 
 
 def run_train(cfg: Config) -> int:
-    """The whole job (SFT, RL, eval, outputs). Returns a process exit code."""
+    """The whole job (SFT, RL, eval, outputs).
+
+    Returns:
+        the process exit code: 0 when done; 128 + signal number (130 Ctrl-C, 143 SIGTERM) when
+        stopped by a signal, after the checkpoint at the last finished step is committed.
+
+    Raises:
+        ConfigError; FileNotFoundError / CheckpointMismatchError / CheckpointCorruptError (a
+        refused resume: nothing in the run dir has changed); CheckpointDiskFullError (one line
+        naming the run dir and the bytes needed; the last good checkpoint is intact).
+    """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     C.resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
@@ -304,18 +378,21 @@ def run_train(cfg: Config) -> int:
         C.build_model_config(cfg, C.build_tokenizer(cfg, env_factory))
 
         return run_train_ray(cfg)
-    tr = Trainer(cfg, preflight=True)  # start-of-run warnings; a config where no prompt fits ends here
+    # start-of-run warnings (a config where no prompt fits ends here); the run dir is created by
+    # materialize() once every check (resume included) has passed
+    tr = Trainer(cfg, create_dir=False, preflight=True)
     stop = _StopFlag()
     stop.install()
-    dump_config(cfg, tr.run_dir / "config.yaml")
-    tr.open_writer()
     start_step = 0
+    failed = True
     try:
         if cfg.resume:
-            meta = tr.learner.restore(tr.ckpt_dir) or {}
-            tr.meta = dict(meta.get("runtime") or {})  # what _save handed in as extra_metadata
-            start_step = int(tr.meta.get("rl_steps", tr.learner.step))
-            print(f"resumed from {tr.ckpt_dir} at RL step {start_step} (version {tr.learner.version})")
+            start_step = tr.resume()  # every check; raises before anything is written
+            print(tr.resume_line, flush=True)
+        tr.materialize()
+        if cfg.resume:
+            drop_newer_checkpoints(tr.learner, tr.ckpt_dir, tr.resumed_step)
+        tr.open_writer(resume_step=start_step if cfg.resume else None)
         if not tr.meta.get("sft_done"):
             if cfg.sft.steps > 0:
                 sft_metrics = tr.sft()
@@ -327,11 +404,11 @@ def run_train(cfg: Config) -> int:
             print(f"held-out success after SFT: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})")
         last = _rl_loop(tr, start_step, stop)
         rl_steps = int(last.get("step", start_step))
-        tr.meta["rl_steps"] = rl_steps
-        _save(tr)
+        _save(tr, rl_step=rl_steps)
+        tr.learner.wait_for_checkpoints()  # committed before we report or exit
         interrupted = stop.event.is_set()
-        failed = tr.rollout_failed
-        final = tr.evaluate(rl_steps, label="final") if not (interrupted or failed) else {}
+        rollout_failed = tr.rollout_failed
+        final = tr.evaluate(rl_steps, label="final") if not (interrupted or rollout_failed) else {}
         summary = {
             "sft_success": tr.meta.get("sft_success"),
             "final_success": final.get("success"),
@@ -341,6 +418,7 @@ def run_train(cfg: Config) -> int:
             "wall_s": time.perf_counter() - tr.t0,
             "rl_steps": rl_steps,
             "version": tr.learner.version,
+            "opt_step": tr.learner.step,
             "correction": cfg.loss.correction,
             "max_staleness": cfg.async_.max_staleness,
             "interrupted": interrupted,
@@ -350,17 +428,53 @@ def run_train(cfg: Config) -> int:
             "dropped_overlong": (tr.meta.get("buffer_stats") or {}).get("dropped_overlong", 0),
             **{f"buffer_{k}": v for k, v in (tr.meta.get("buffer_stats") or {}).items()},
         }
-        if failed:
-            summary["rollout_failed"] = failed
+        if rollout_failed:
+            summary["rollout_failed"] = rollout_failed
         write_outputs(tr.run_dir, tr.ckpt_dir, summary)
-        if failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
-            print(f"jax-rl: {failed}", file=sys.stderr)
+        if rollout_failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
+            print(f"jax-rl: {rollout_failed}", file=sys.stderr)
+            failed = False
             return 1
-        return 0
+        failed = False
+        return signal_exit_code(stop)
+    except Exception as e:
+        _raise_if_disk_full(e, tr.run_dir, tr.ckpt_dir, tr.learner)
+        raise
     finally:
         tr.close()
-        tr.learner.close()
+        try:
+            tr.learner.close()  # waits for a save in flight
+        except Exception as e:
+            if not failed:
+                _raise_if_disk_full(e, tr.run_dir, tr.ckpt_dir, tr.learner)
+                raise
+            log.debug("while stopping a failed run: %r", e)  # the first error is the one reported
         stop.restore()
+
+
+def signal_exit_code(stop: _StopFlag) -> int:
+    """0, or 128 + the signal that stopped the run (130 for Ctrl-C, 143 for SIGTERM)."""
+    if stop.event.is_set():
+        return 128 + int(stop.signum or signal.SIGINT)
+    return 0
+
+
+def _raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner=None) -> None:
+    """A full disk, wherever it struck (a checkpoint, metrics.jsonl, TensorBoard, summary), ends
+    the run with one line naming the run dir, the bytes a checkpoint needs and the last good
+    checkpoint (raised as ``CheckpointDiskFullError``). Anything else: returns."""
+    from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, tree_nbytes
+
+    if isinstance(e, CheckpointDiskFullError):
+        raise CheckpointDiskFullError(f"run dir {run_dir}: {e}") from None
+    if not is_no_space(e):
+        return
+    need = 0
+    if learner is not None:
+        st = learner.state
+        need = tree_nbytes(st.params, st.opt_state, st.ewma_params)
+    what = f"{type(e).__name__} {getattr(e, 'filename', None) or ''}".strip()
+    raise disk_full_error(ckpt_dir, need, f"writing failed ({what})", run_dir=run_dir) from None
 
 
 def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
@@ -392,14 +506,15 @@ def run_sft(cfg: Config) -> int:
     if cfg.sft.steps <= 0:
         raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
     C.resolve_run_dir(cfg, create=False, check_fresh=True)
-    tr = Trainer(cfg)
-    dump_config(cfg, tr.run_dir / "config.yaml")
+    tr = Trainer(cfg, create_dir=False)
+    tr.materialize()
     tr.open_writer()
     try:
         m = tr.sft()
         ev = tr.evaluate(0, label="after_sft")
-        tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, rl_steps=0)
-        _save(tr)
+        tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m)
+        _save(tr, rl_step=0)
+        tr.learner.wait_for_checkpoints()
         out = {"sft_success": ev["success"], "sft_loss": m.get("sft_loss"), "checkpoints": str(tr.ckpt_dir)}
         (tr.run_dir / "summary.json").write_text(json.dumps(_json_safe(out), indent=2))
         print(json.dumps(_json_safe(out), indent=2))
@@ -445,11 +560,14 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
         if cfg.model.tokenizer == "bpe" and (ckpt.parent / "tokenizer.json").is_file():
             cfg.model.tokenizer = str(ckpt.parent / "tokenizer.json")
     cfg.run.dir = str(ckpt.parent)
+    cfg.resume_step = None
     cfg.resume = False
     tr = Trainer(cfg, create_dir=False)
     try:
-        tr.learner.restore(ckpt, step=step)
-        ev = tr.evaluate(tr.learner.step, label="standalone")
+        meta = tr.learner.restore(ckpt, step=step)
+        print(f"evaluating {ckpt / str(meta['checkpoint_step'])} (RL step {resume_rl_step(meta)}, "
+              f"version {tr.learner.version})", file=sys.stderr, flush=True)
+        ev = tr.evaluate(resume_rl_step(meta), label="standalone")
         print(json.dumps(_json_safe(ev), indent=2))
         return 0
     finally:

@@ -48,19 +48,22 @@ def test_ray_resume_keeps_buffer_counters_and_never_retrains(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
     base = [sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY,
-            "runtime=ray", "runtime.ray_workers=1", "async.max_staleness=2", "checkpoint.every=1", f"run.dir={d}"]
+            "runtime=ray", "runtime.ray_workers=1", "async.max_staleness=2", "checkpoint.every=1", f"run.dir={d}",
+            "optim.ppo_epochs=2"]  # 2 optimizer updates per RL step: resume must use the RL step
     r = subprocess.run(base + ["run.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     s1 = json.loads((d / "summary.json").read_text())
     r = subprocess.run(base + ["run.steps=4", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert "resumed from" in r.stdout and "held-out success after SFT" not in r.stdout
+    assert "at RL step 2 (version 2, optimizer step 4)" in r.stdout and "held-out success after SFT" not in r.stdout
     rows = read_jsonl(d / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
     assert rows[2]["version"] == 3  # the learner continued from version 2
     s2 = json.loads((d / "summary.json").read_text())
     assert s2["rl_steps"] == 4 and s2["sft_success"] == s1["sft_success"]
+    meta = json.loads((d / "checkpoints" / "4" / "metadata" / "metadata").read_text())
+    assert (meta["rl_step"], meta["version"], meta["opt_step"]) == (4, 4, 8)
     # counters continue from the checkpoint; conservation of trajectories across the restart
     assert s2["buffer_consumed"] == 4 * 4 > s1["buffer_consumed"]
     assert s2["buffer_produced"] == s2["buffer_consumed"] + s2["buffer_dropped_stale"] + s2["buffer_pending"]
