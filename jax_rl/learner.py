@@ -45,7 +45,8 @@ One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod:
   the updates of the call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``
   (non-padding tokens), ``loss_tokens``, ``step_time_s`` (wall seconds of the call, host
   included), ``tokens_per_s``, ``updates``, ``nonfinite_updates``, ``version``, ``step``,
-  ``skipped``, ``nonfinite_streak``; with ``ppo_ewma`` also``nonfinite_ewma``, ``ewma_reset`` (0/1), ``ewma_beta``, ``ewma_streak``,
+  ``skipped``, ``nonfinite_streak`` (consecutive all-non-finite calls); with ``ppo_ewma`` also
+  ``nonfinite_ewma`` (0/1), ``ewma_reset`` (0/1), ``ewma_beta``, ``ewma_streak``,
   ``ewma_retained`` (R before the reset) and ``ewma_resets`` (total); with the snapshot route
   ``old_logits_bytes``, ``old_logits_versions``, ``old_logits_s``.
 
@@ -1062,8 +1063,9 @@ class Learner:
         if limit > 0 and self._nonfinite_streak >= limit:
             raise NonFiniteTrainingError(
                 f"{what}: {self._nonfinite_streak} steps in a row with every optimizer update non-finite "
-                f"(last at version {version}: {detail}); params kept at the last finite update. Check optim.lr, "
-                f"the loss.* settings and the batches, or set optim.max_skipped_steps=0 to keep going"
+                f"(last at version {version}: {detail}); params kept at the last finite update. Check "
+                f"{'sft.lr' if what == 'sft_step' else 'optim.lr, the loss.* settings'} and the batches, or set "
+                f"optim.max_skipped_steps=0 to keep going"
             )
 
     def _sync_global(self, b: dict) -> tuple[dict, int]:
