@@ -426,3 +426,39 @@ def check_compatible(saved: dict, *, model_arch: dict, correction: str, director
 
 
 __all__.append("check_compatible")
+
+
+def resolve_checkpoint_dir(where: Any, *, error: type = FileNotFoundError) -> tuple[Path, Path, Optional[int]]:
+    """``(run_dir, checkpoints_dir, step or None = latest)``: the one place a checkpoint dir is
+    resolved (the run context, ``jax-rl eval``, ``jax-rl export``, the learner's default).
+
+    Args:
+        where: a run config (``checkpoint.dir``, else ``run.dir/checkpoints``; the step is
+            ``resume_step``), or a path given by the user: a run dir, its ``checkpoints/`` dir, or
+            one step's dir ``checkpoints/N``.
+        error: the exception class raised (a CLI passes its one-line error type).
+
+    Raises:
+        error: a config with neither ``checkpoint.dir`` nor ``run.dir``; a path with no
+            checkpoint dir, or a step dir that does not exist.
+    """
+    if hasattr(where, "checkpoint") and hasattr(where, "run"):  # a Config (duck-typed: no import of config)
+        ck, rd = where.checkpoint.dir, where.run.dir
+        if not (ck or rd):
+            raise error("no checkpoint dir: pass ckpt_dir or set checkpoint.dir / run.dir")
+        ckpt = Path(ck) if ck else Path(rd) / "checkpoints"
+        return (Path(rd) if rd else ckpt.parent), ckpt, where.resume_step
+    p = Path(where)
+    step = None
+    if p.name.isdigit() and p.parent.name == "checkpoints":
+        p, step = p.parent, int(p.name)
+    ckpt = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not ckpt.is_dir():
+        raise error(f"no checkpoint dir at {str(where)!r}: no checkpoints there (give a run dir, its "
+                    "checkpoints/ or a step dir checkpoints/N)")
+    if step is not None and not (ckpt / str(step)).is_dir():
+        raise error(f"no checkpoint step dir {ckpt / str(step)}")
+    return ckpt.parent, ckpt, step
+
+
+__all__.append("resolve_checkpoint_dir")

@@ -40,16 +40,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path, Optional[in
     Raises:
       ExportError: no checkpoints dir there, or no ``config.yaml`` in the run dir.
     """
-    p = Path(path)
-    step = None
-    if p.name.isdigit() and p.parent.name == "checkpoints":
-        p, step = p.parent, int(p.name)
-    ckpt = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    if not ckpt.is_dir() or ckpt.name != "checkpoints":
+    from jax_rl.checkpoint import resolve_checkpoint_dir
+
+    run_dir, ckpt, step = resolve_checkpoint_dir(path, error=ExportError)
+    if ckpt.name != "checkpoints":  # the run dir (its config.yaml) must be the checkpoints dir's parent
         raise ExportError(f"no checkpoints at {str(path)!r} (give a run dir, its checkpoints/ or checkpoints/N)")
-    if step is not None and not (ckpt / str(step)).is_dir():
-        raise ExportError(f"no checkpoint step dir {ckpt / str(step)}")
-    run_dir = ckpt.parent
     if not (run_dir / "config.yaml").is_file():
         raise ExportError(f"no config.yaml in the run dir {run_dir} (needed for the model architecture)")
     return run_dir, ckpt, step

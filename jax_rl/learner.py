@@ -1228,6 +1228,9 @@ class Learner:
         self._note_nonfinite(out, "sft_step", 1, self.version)
         return out
 
+    def reset_proximal(self) -> None:  # TEMPORARY (r2): r1's Learner.reset_proximal replaces this at merge
+        self._finish_sft()
+
     def _finish_sft(self) -> None:
         """After SFT steps: theta_bar <- theta (W = 1, streak 0) and re-snapshot the current version."""
         if not self._sft_pending:
@@ -1249,12 +1252,9 @@ class Learner:
     # checkpoints
     # ---------------------------------------------------------------------------------
     def _checkpointer(self, ckpt_dir: Optional[str | Path]):
-        from jax_rl.checkpoint import Checkpointer
+        from jax_rl.checkpoint import Checkpointer, resolve_checkpoint_dir
 
-        d = ckpt_dir or self.cfg.checkpoint.dir or (
-            str(Path(self.cfg.run.dir) / "checkpoints") if self.cfg.run.dir else None)
-        if d is None:
-            raise ValueError("no checkpoint dir: pass ckpt_dir or set checkpoint.dir / run.dir")
+        d = ckpt_dir or resolve_checkpoint_dir(self.cfg, error=ValueError)[1]
         d = str(Path(d).absolute())
         if d not in self._ckptrs:
             c = self.cfg.checkpoint

@@ -106,7 +106,7 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
 
 
 # One trained ``bpe`` tokenizer per (env config, render_tools, vocab) in this process: tests and
-# ``jax-rl eval`` build several Trainers from one config.
+# ``jax-rl eval`` build several RunContexts from one config.
 _BPE_CACHE: dict[tuple, Any] = {}
 
 

@@ -34,12 +34,12 @@ def dry_run(cfg: Config) -> dict[str, Any]:
 
     from jax_rl.learner import BATCH_FIELDS
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import Trainer
+    from jax_rl.runtime.context import RunContext
 
     t0 = time.perf_counter()
     cfg = cfg.model_copy(deep=True)
     cfg.resume = False  # a dry run restores nothing
-    tr = Trainer(cfg, create_dir=False)
+    tr = RunContext(cfg, create_dir=False)
     try:
         lr = tr.learner
         build_s = time.perf_counter() - t0

@@ -33,11 +33,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jax_rl.config import Config
+from jax_rl.runtime import components as C
 from jax_rl.runtime.components import EpisodeGuard
+from jax_rl.runtime.loop import buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["RolloutManager"]
+__all__ = ["RolloutManager", "EmbeddedProducer"]
 
 
 class RolloutManager:
@@ -194,3 +196,72 @@ class RolloutManager:
                 a.close(wait=False)
             except Exception:  # pragma: no cover
                 pass
+
+
+class EmbeddedProducer:
+    """The embedded runtime's :class:`~jax_rl.runtime.loop.Producer`: ``rollout.threads``
+    generators with their agent loops, one :class:`~rollout.buffer.TrajectoryBuffer` and the
+    :class:`RolloutManager` threads, all in this process.
+
+    Args:
+        ctx: the :class:`~jax_rl.runtime.context.RunContext` (config, model config, tokenizer, env
+            factory, and the learner whose params are published).
+        meta: the run metadata restored on resume (``buffer``, ``producer``); empty for a new run.
+    """
+
+    def __init__(self, ctx, meta: Optional[dict] = None):
+        from rollout.agent import AgentLoop
+        from rollout.buffer import TrajectoryBuffer
+
+        cfg = ctx.cfg
+        meta = meta or {}
+        self._learner = ctx.learner
+        self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
+                                       groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size,
+                                       max_seq_len=cfg.optim.max_seq_len)
+        if meta.get("buffer"):
+            self.buffer.import_state(meta["buffer"])
+        params = ctx.learner.get_params()
+        self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version)
+                           for _ in range(cfg.rollout.threads)]
+        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout) for g in self.generators]
+        self._published = int(ctx.learner.version)
+        prod = meta.get("producer", {})
+        self.manager = RolloutManager(cfg, self.generators, agents, self.buffer, lambda: self._published,
+                                      next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
+                                      episode_errors=prod.get("episode_errors", 0))
+        self._started = False
+
+    @property
+    def fatal(self) -> Optional[str]:
+        return self.manager.fatal
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.manager.start()
+
+    def poll(self, n_groups: int, version: int) -> Optional[list]:
+        return self.buffer.get_batch(n_groups, version, timeout=1.0)
+
+    def publish(self, version: int) -> None:
+        params = self._learner.get_params()
+        for g in self.generators:
+            g.update_params(params, version)
+        self._published = int(version)
+        self.buffer.notify()
+
+    def row(self) -> dict:
+        return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
+                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+
+    def summary(self) -> dict:
+        return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
+                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+
+    def state(self) -> dict:
+        return {"buffer": self.buffer.export_state(), "buffer_stats": self.buffer.stats(),
+                "producer": self.manager.state()}
+
+    def stop(self) -> None:
+        self.manager.stop(timeout=5.0)

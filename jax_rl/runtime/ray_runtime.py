@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Optional
 
 from jax_rl.config import Config
+from jax_rl.runtime.loop import buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["run_train_ray", "init_ray"]
+__all__ = ["run_train_ray", "init_ray", "RayProducer", "RemoteLearner"]
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -179,281 +180,312 @@ def _actors():
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class LearnerActor:
-        """The learner (and the held-out evaluator, which needs its params) in its own process."""
+        """The :class:`~jax_rl.runtime.context.RunContext` (learner and held-out evaluator) in its
+        own process; the driver drives it through :class:`RemoteLearner`."""
 
         def __init__(self, cfg_dict: dict):
             import logging as _logging
 
             from jax_rl.config import Config
-            from jax_rl.runtime.train import Trainer
+            from jax_rl.runtime.context import RunContext
 
             _logging.basicConfig(level=_logging.WARNING)
             self.cfg = Config.model_validate(cfg_dict)
-            self.tr = Trainer(self.cfg, create_dir=False)
-            from jax_rl.metrics import MetricsWriter
-
+            self.ctx = RunContext(self.cfg, create_dir=False)
             # eval.jsonl only: the driver writes metrics.jsonl and TensorBoard
-            self.tr.writer = MetricsWriter(self.tr.run_dir, tensorboard=False, wandb=False)
+            self.ctx.open_writer(tensorboard=False, wandb=False)
 
         def model_config_hf(self) -> dict:
-            return self.tr.model_config.to_hf()
+            return self.ctx.model_config.to_hf()
 
         def pad_id(self) -> int:
-            return int(self.tr.tokenizer.pad_id)
+            return int(self.ctx.tokenizer.pad_id)
 
         def restore(self) -> dict:
             """Restore the newest good (or ``resume_step``) checkpoint; returns the runtime
             metadata the driver saved with it (buffer, producer, counters) with ``rl_steps`` set
             to the RL step the checkpoint recorded, and ``resume_line``. Writes nothing."""
-            self.tr.resume()
-            return {**self.tr.meta, "resume_line": self.tr.resume_line, "resumed_step": self.tr.resumed_step}
+            self.ctx.resume()
+            return {**self.ctx.meta, "resume_line": self.ctx.resume_line, "resumed_step": self.ctx.resumed_step}
 
         def materialize(self, drop_after: Optional[int] = None) -> None:
             """After every check: write config.yaml (and the bpe tokenizer); on a resume, delete
             the checkpoints newer than the restored step."""
-            from jax_rl.runtime.train import drop_newer_checkpoints
+            from jax_rl.runtime.context import drop_newer_checkpoints
 
-            self.tr.materialize()
+            self.ctx.materialize()
             if drop_after is not None:
-                drop_newer_checkpoints(self.tr.learner, self.tr.ckpt_dir, drop_after)
+                drop_newer_checkpoints(self.ctx.learner, self.ctx.ckpt_dir, drop_after)
 
         def sft_and_eval(self) -> dict:
-            m = self.tr.sft(progress=False) if self.cfg.sft.steps > 0 else {}
-            ev = self.tr.evaluate(0, label="after_sft")
-            self.tr.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, sft_eval=ev)
-            return ev
+            return self.ctx.sft_and_eval(progress=False)
 
         def get_params(self):
-            return self.tr.learner.get_params(host=True)
+            return self.ctx.learner.get_params(host=True)
 
         def version(self) -> int:
-            return int(self.tr.learner.version)
+            return self.ctx.version
+
+        def opt_step(self) -> int:
+            return self.ctx.opt_step
 
         def train_step(self, batch: dict) -> dict:
-            return self.tr.learner.train_step(batch)
+            return self.ctx.train_step(batch)
 
         def evaluate(self, step: int, label: str) -> dict:
-            return self.tr.evaluate(step, label=label)
+            return self.ctx.evaluate(step, label=label)
 
-        def save(self, meta: dict) -> str:
-            from jax_rl.runtime.train import _save
-
-            self.tr.meta.update(meta)
-            _save(self.tr, rl_step=int(meta["rl_steps"]))
-            self.tr.learner.wait_for_checkpoints()
-            return str(self.tr.ckpt_dir)
+        def save(self, rl_step: int, meta: dict) -> str:
+            self.ctx.save(rl_step, meta, wait=True)
+            return str(self.ctx.ckpt_dir)
 
         def close(self) -> None:
-            self.tr.close()
-            self.tr.learner.close()
+            self.ctx.close()
+            self.ctx.learner.close()
 
     return RolloutWorker, BufferActor, LearnerActor
 
 
+class RemoteLearner:
+    """The driver's :class:`~jax_rl.runtime.loop.LearnerHandle` over the learner actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @property
+    def version(self) -> int:
+        return int(_ray_get(self.actor.version.remote()))
+
+    @property
+    def opt_step(self) -> int:
+        return int(_ray_get(self.actor.opt_step.remote()))
+
+    def train_step(self, batch: dict) -> dict:
+        return _ray_get(self.actor.train_step.remote(batch))
+
+    def evaluate(self, step: int, label: str = "eval") -> dict:
+        return _ray_get(self.actor.evaluate.remote(step, label))
+
+    def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None:
+        """Always committed before it returns (the actor waits)."""
+        from jax_rl.runtime.context import json_safe
+
+        _ray_get(self.actor.save.remote(int(rl_step), json_safe(meta or {})))
+
+
+class RayProducer:
+    """The Ray runtime's :class:`~jax_rl.runtime.loop.Producer`: dispatches groups (after buffer
+    admission) to ``runtime.ray_workers`` :class:`RolloutWorker` actors, collects them with
+    ``ray.wait`` into the buffer actor, replaces a worker that died and re-issues its groups
+    (``reissued_groups``), and drops a group that arrives twice (``duplicate_groups``).
+
+    Args:
+        cfg: the run config.
+        learner_actor: the learner actor (its params are put in the object store once per version).
+        model_config_hf: the model config as an HF dict (the workers rebuild it).
+        meta: the run metadata restored on resume (``buffer``, ``producer``, ``ray_counters``).
+        actor_classes: ``(RolloutWorker, BufferActor)`` as returned by :func:`_actors`.
+    """
+
+    def __init__(self, cfg: Config, learner_actor, model_config_hf: dict, meta: Optional[dict] = None, *,
+                 actor_classes: tuple):
+        import ray
+
+        from jax_rl.runtime.components import EpisodeGuard
+
+        self._ray = ray
+        meta = meta or {}
+        self.cfg = cfg
+        self._cfg_dict = cfg.to_dict()
+        self._hf = model_config_hf
+        self._learner = learner_actor
+        self._worker_cls, buffer_cls = actor_classes
+        self.counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
+        self.counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in self.counters})
+        n_groups = cfg.optim.batch_size // cfg.rollout.group_size
+        self.buffer = buffer_cls.remote(cfg.rollout.group_size, cfg.async_.max_staleness, n_groups,
+                                        meta.get("buffer"), cfg.optim.max_seq_len)
+        prod = meta.get("producer") or {}
+        self.next_gid = int(prod.get("next_group", 0))
+        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, int(prod.get("episode_errors", 0)))
+        # groups in flight at the checkpoint are re-issued first (their admission is in the buffer's state)
+        self.reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
+        self.in_flight: dict = {}  # ref -> (worker index, gid, seed)
+        self.done_gids: set[int] = set()
+        self.per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + 1
+        self.workers: list = []
+        self.version = 0
+        self.params_ref = None
+
+    @property
+    def fatal(self) -> Optional[str]:
+        return self.guard.fatal
+
+    def start(self) -> None:
+        if self.workers:
+            return
+        ray = self._ray
+        self.version = int(ray.get(self._learner.version.remote()))
+        self.params_ref = self._learner.get_params.remote()  # lives in the object store; every worker reads it
+        self.workers = [self._worker_cls.remote(self._cfg_dict, self._hf, i) for i in range(self.cfg.runtime.ray_workers)]
+        ray.get([w.set_params.remote(self.params_ref, self.version) for w in self.workers])
+
+    def poll(self, n_groups: int, version: int) -> Optional[list]:
+        from rollout.types import Trajectory
+
+        ray = self._ray
+        self._collect(0.0)
+        self._dispatch()
+        groups = ray.get(self.buffer.get_batch.remote(n_groups, version))
+        if groups is None:
+            self._collect(0.2)
+            return None
+        return [[Trajectory.from_dict(d) for d in g] for g in groups]
+
+    def publish(self, version: int) -> None:
+        self.version = int(version)
+        self.params_ref = self._learner.get_params.remote()  # one object-store copy per version
+        for w in self.workers:
+            w.set_params.remote(self.params_ref, self.version)
+
+    def row(self) -> dict:
+        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=True),
+                **{f"ray/{k}": v for k, v in self.counters.items()}}
+
+    def summary(self) -> dict:
+        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=False),
+                **self.counters}
+
+    def state(self) -> dict:
+        ray = self._ray
+        pending = sorted([(g, sd) for (_, g, sd) in self.in_flight.values()] + self.reissue)
+        return {"buffer": ray.get(self.buffer.export_state.remote()), "buffer_stats": ray.get(self.buffer.stats.remote()),
+                "ray_counters": dict(self.counters),
+                "producer": {"next_group": self.next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending],
+                             "episode_errors": self.guard.episode_errors}}
+
+    def stop(self) -> None:
+        for w in self.workers:
+            try:
+                self._ray.get(w.stop.remote(), timeout=10)
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self) -> None:
+        ray = self._ray
+        for wi, w in enumerate(self.workers):
+            busy = sum(1 for v in self.in_flight.values() if v[0] == wi)
+            while busy < self.per_worker:
+                if self.reissue:
+                    gid, seed = self.reissue.pop(0)
+                else:
+                    if not ray.get(self.buffer.admit.remote(self.version)):
+                        return
+                    gid, seed = self.next_gid, self.cfg.env.train_seed_offset + self.next_gid
+                    self.next_gid += 1
+                self.in_flight[w.run_group.remote(gid, seed)] = (wi, gid, seed)
+                busy += 1
+
+    def _restart(self, wi: int) -> None:
+        for ref, (w2, gid, seed) in list(self.in_flight.items()):
+            if w2 == wi:
+                self.in_flight.pop(ref)
+                self.reissue.append((gid, seed))
+                self.counters["reissued_groups"] += 1
+        self.workers[wi] = self._worker_cls.remote(self._cfg_dict, self._hf, wi)
+        self._ray.get(self.workers[wi].set_params.remote(self.params_ref, self.version))
+        self.counters["worker_restarts"] += 1
+
+    def _collect(self, timeout: float) -> None:
+        ray = self._ray
+        refs = list(self.in_flight)
+        if not refs:
+            time.sleep(timeout)
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for ref in ready:
+            if ref not in self.in_flight:  # already re-issued after its worker died
+                continue
+            wi, gid, seed = self.in_flight[ref]
+            try:
+                group = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                log.warning("rollout worker %d died (%s): restarting it, re-issuing its groups", wi, type(e).__name__)
+                self._restart(wi)
+                continue
+            except Exception as e:  # the group's loop raised: drop it, give its slot back, count it
+                log.warning("group %d failed on rollout worker %d: %r", gid, wi, e)
+                self.in_flight.pop(ref)
+                ray.get(self.buffer.cancel.remote(1))
+                self.guard.record_error(self.cfg.rollout.group_size, f"group {gid}: {type(e).__name__}")
+                continue
+            self.in_flight.pop(ref)
+            if gid in self.done_gids:
+                self.counters["duplicate_groups"] += 1
+                continue
+            self.done_gids.add(gid)
+            try:
+                ray.get(self.buffer.put_group.remote(group))
+            except Exception as e:  # a malformed group: drop it, give its slot back, count it
+                log.warning("group %d could not be put into the buffer: %r", gid, e)
+                ray.get(self.buffer.cancel.remote(1))
+                self.guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
+                continue
+            self.guard.record(group)
+
+
 def run_train_ray(cfg: Config) -> int:
-    """RL with Ray actors: SFT, eval and training run in the learner actor; the driver dispatches
-    groups to rollout workers, feeds the buffer actor, and broadcasts each version's params."""
+    """RL with Ray actors: SFT, eval and training run in the learner actor; the driver runs the one
+    RL loop (:func:`jax_rl.runtime.loop.run_rl`) with a :class:`RayProducer` (rollout workers, the
+    buffer actor, one object-store copy of each version's params)."""
     import ray
 
+    from jax_rl.checkpoint import resolve_checkpoint_dir
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
-    from jax_rl.runtime.train import (_json_safe, _raise_if_disk_full, _mean_metric, _StopFlag, signal_exit_code,
-                                      write_outputs)
-    from rollout.types import Trajectory
+    from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
+    from jax_rl.runtime.loop import run_rl, sft_line
 
     t0 = time.perf_counter()
-    C.rollout_preflight(cfg, C.build_tokenizer(cfg), C.build_env_factory(cfg))  # warnings; ConfigError if nothing fits
+    start_of_run_lines(cfg, C.build_tokenizer(cfg), C.build_env_factory(cfg))  # ConfigError if nothing fits
     run_dir = C.resolve_run_dir(cfg)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
-    stop = _StopFlag()
+    stop = StopFlag()
     stop.install()
     init_ray(run_dir, runtime=cfg.runtime)
     RolloutWorker, BufferActor, LearnerActor = _actors()
-    K = cfg.async_.max_staleness
-    n_groups = cfg.optim.batch_size // cfg.rollout.group_size
-    counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
     writer = None
-    cfg_dict = cfg.to_dict()
-    learner = LearnerActor.remote(cfg_dict)
-    workers: list = []
+    actor = LearnerActor.remote(cfg.to_dict())
+    producer = None
     try:
-        hf = _ray_get(learner.model_config_hf.remote())
-        pad_id = ray.get(learner.pad_id.remote())
+        hf = _ray_get(actor.model_config_hf.remote())
+        pad_id = ray.get(actor.pad_id.remote())
         meta: dict = {}
         if cfg.resume:
-            meta = _ray_get(learner.restore.remote())  # one-line errors; nothing written yet
+            meta = _ray_get(actor.restore.remote())  # one-line errors; nothing written yet
             print(meta.pop("resume_line"), flush=True)
         start_step = int(meta.get("rl_steps", 0))
-        _ray_get(learner.materialize.remote(meta.pop("resumed_step", None)))
+        _ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
         writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                resume_step=start_step if cfg.resume else None)
         if meta.get("sft_done"):
             sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
         else:
-            sft_eval = ray.get(learner.sft_and_eval.remote())
-            print(f"held-out success after SFT: {sft_eval['success']:.3f}", flush=True)
-        counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in counters})
-        buffer = BufferActor.remote(cfg.rollout.group_size, K, n_groups, meta.get("buffer"), cfg.optim.max_seq_len)
-        version = ray.get(learner.version.remote())
-        params_ref = learner.get_params.remote()  # lives in the object store; every worker reads it
-        workers = [RolloutWorker.remote(cfg_dict, hf, i) for i in range(cfg.runtime.ray_workers)]
-        ray.get([w.set_params.remote(params_ref, version) for w in workers])
-        in_flight: dict = {}  # ref -> (worker index, gid, seed)
-        prod = meta.get("producer") or {}
-        next_gid = int(prod.get("next_group", 0))
-        guard = C.EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, int(prod.get("episode_errors", 0)))
-        done_gids: set[int] = set()
-        # groups in flight at the checkpoint are re-issued first (their admission is in the buffer's state)
-        reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
-        per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + 1
-
-        def dispatch():
-            nonlocal next_gid
-            for wi, w in enumerate(workers):
-                busy = sum(1 for v in in_flight.values() if v[0] == wi)
-                while busy < per_worker:
-                    if reissue:
-                        gid, seed = reissue.pop(0)
-                    else:
-                        if not ray.get(buffer.admit.remote(version)):
-                            return
-                        gid, seed = next_gid, cfg.env.train_seed_offset + next_gid
-                        next_gid += 1
-                    in_flight[workers[wi].run_group.remote(gid, seed)] = (wi, gid, seed)
-                    busy += 1
-
-        def restart(wi: int):
-            for ref, (w2, gid, seed) in list(in_flight.items()):
-                if w2 == wi:
-                    in_flight.pop(ref)
-                    reissue.append((gid, seed))
-                    counters["reissued_groups"] += 1
-            workers[wi] = RolloutWorker.remote(cfg_dict, hf, wi)
-            ray.get(workers[wi].set_params.remote(params_ref, version))
-            counters["worker_restarts"] += 1
-
-        def collect(timeout: float):
-            refs = list(in_flight)
-            if not refs:
-                time.sleep(timeout)
-                return
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            for ref in ready:
-                if ref not in in_flight:  # already re-issued after its worker died
-                    continue
-                wi, gid, seed = in_flight[ref]
-                try:
-                    group = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                    log.warning("rollout worker %d died (%s): restarting it, re-issuing its groups", wi,
-                                type(e).__name__)
-                    restart(wi)
-                    continue
-                except Exception as e:  # the group's loop raised: drop it, give its slot back, count it
-                    log.warning("group %d failed on rollout worker %d: %r", gid, wi, e)
-                    in_flight.pop(ref)
-                    ray.get(buffer.cancel.remote(1))
-                    guard.record_error(cfg.rollout.group_size, f"group {gid}: {type(e).__name__}")
-                    continue
-                in_flight.pop(ref)
-                if gid in done_gids:
-                    counters["duplicate_groups"] += 1
-                    continue
-                done_gids.add(gid)
-                try:
-                    ray.get(buffer.put_group.remote(group))
-                except Exception as e:  # a malformed group: drop it, give its slot back, count it
-                    log.warning("group %d could not be put into the buffer: %r", gid, e)
-                    ray.get(buffer.cancel.remote(1))
-                    guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
-                    continue
-                guard.record(group)
-
-        def save(rl_steps: int) -> None:
-            pending = sorted([(g, sd) for (_, g, sd) in in_flight.values()] + reissue)
-            writer.flush()  # every row up to rl_steps is on disk before its checkpoint
-            _ray_get(learner.save.remote(_json_safe({
-                "rl_steps": rl_steps, "buffer": ray.get(buffer.export_state.remote()),
-                "buffer_stats": ray.get(buffer.stats.remote()), "ray_counters": counters,
-                "producer": {"next_group": next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending],
-                             "episode_errors": guard.episode_errors},
-            })))
-
-        last: dict = {}
-        from jax_rl.console import TrainProgress
-
-        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
-            for step in range(start_step, cfg.run.steps):
-                if stop.event.is_set():
-                    break
-                groups = None
-                t_wait = time.perf_counter()
-                while groups is None and not stop.event.is_set():
-                    _maybe_kill_for_test(step, workers)
-                    collect(0.0)
-                    dispatch()
-                    groups = ray.get(buffer.get_batch.remote(n_groups, version))
-                    if groups is None:
-                        collect(0.2)
-                    if groups is None and guard.fatal:  # one bad episode is dropped; a failing rollout stops
-                        raise RuntimeError(guard.fatal)
-                if groups is None:
-                    break
-                wait_s = time.perf_counter() - t_wait
-                groups = [[Trajectory.from_dict(d) for d in g] for g in groups]
-                groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
-                v_train = version
-                metrics = ray.get(learner.train_step.remote(batch))
-                version = ray.get(learner.version.remote())
-                params_ref = learner.get_params.remote()  # one object-store copy per version
-                for w in workers:
-                    w.set_params.remote(params_ref, version)
-                row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
-                bstats = ray.get(buffer.stats.remote())
-                row.update({"wait_s": wait_s, "episode_errors": guard.episode_errors,
-                            "dropped_overlong": bstats["dropped_overlong"],
-                            **{f"buffer/{k}": v for k, v in bstats.items()},
-                            **{f"ray/{k}": v for k, v in counters.items()},
-                            "wall_s": time.perf_counter() - t0})
-                writer.write(step + 1, row)
-                last = row
-                bar.update(step + 1, row)
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
-                    ev = ray.get(learner.evaluate.remote(step + 1, "eval"))
-                    print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
-                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                    save(step + 1)
-        for w in workers:
-            try:
-                ray.get(w.stop.remote(), timeout=10)
-            except Exception:
-                pass
-        rl_steps = int(last.get("step", start_step))
-        save(rl_steps)
-        bstats = ray.get(buffer.stats.remote())
-        interrupted = stop.event.is_set()
-        final = ray.get(learner.evaluate.remote(rl_steps, "final")) if not interrupted else {}
-        writer.close()
-        summary = {"sft_success": sft_eval.get("success"), "final_success": final.get("success"),
-                   f"final_pass_at_{cfg.eval.k}": final.get(f"pass@{cfg.eval.k}"),
-                   "final_pass_at_k": final.get(f"pass@{cfg.eval.k}"),
-                   f"final_avg_at_{cfg.eval.k}": final.get(f"avg@{cfg.eval.k}"),
-                   "wall_s": time.perf_counter() - t0, "rl_steps": rl_steps, "version": version,
-                   "correction": cfg.loss.correction, "max_staleness": K, "interrupted": interrupted,
-                   "runtime": "ray", "tokens_per_s_mean": _mean_metric(run_dir, "tokens_per_s"), **counters,
-                   "episode_errors": guard.episode_errors, "dropped_overlong": bstats["dropped_overlong"],
-                   **{f"buffer_{k}": v for k, v in bstats.items()}}
-        write_outputs(run_dir, ckpt_dir, _json_safe(summary))
-        return signal_exit_code(stop)
+            sft_eval = _ray_get(actor.sft_and_eval.remote())
+            print(sft_line(cfg, sft_eval), flush=True)
+        producer = RayProducer(cfg, actor, hf, meta, actor_classes=(RolloutWorker, BufferActor))
+        return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
+                      sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
     except Exception as e:
-        _raise_if_disk_full(e, run_dir, ckpt_dir)
+        raise_if_disk_full(e, run_dir, ckpt_dir)
         raise
     finally:
         if writer is not None:
             writer.close()
         try:
-            ray.get(learner.close.remote(), timeout=30)
+            ray.get(actor.close.remote(), timeout=30)
         except Exception:
             pass
         ray.shutdown()
@@ -472,19 +504,3 @@ def _ray_get(ref):
         if isinstance(cause, Exception):
             raise cause from None
         raise
-
-
-_KILLED = {"done": False}
-
-
-def _maybe_kill_for_test(step: int, workers) -> None:
-    """Fault injection for the Ray smoke test: ``JAX_RL_TEST_KILL_WORKER_AT_STEP=N`` kills worker 0
-    once when step N is reached (a test hook; unset in normal runs)."""
-    at = os.environ.get("JAX_RL_TEST_KILL_WORKER_AT_STEP")
-    if at is None or _KILLED["done"] or step < int(at):
-        return
-    import ray
-
-    _KILLED["done"] = True
-    log.warning("test hook: killing rollout worker 0 at step %d", step)
-    ray.kill(workers[0], no_restart=True)

@@ -9,13 +9,13 @@ from jax_rl.config import CONFIG_DIR, ConfigError, load_config
 from jax_rl.runtime import components as C
 
 
-def test_trainer_starts_from_hf_checkpoint(tmp_path):
+def test_run_context_starts_from_hf_checkpoint(tmp_path):
     import jax
     from flax import nnx
 
     from jax_rl.models.hf_io import save_pretrained
     from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
-    from jax_rl.runtime.train import Trainer
+    from jax_rl.runtime.context import RunContext
 
     mc = get_preset("tiny_dense")
     model = Qwen3ForCausalLM(mc, rngs=nnx.Rngs(123))
@@ -23,7 +23,7 @@ def test_trainer_starts_from_hf_checkpoint(tmp_path):
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [f"model.checkpoint={tmp_path / 'hf'}", "model.hf_overrides={}",
                                                      "model.tokenizer=compact",
                                                      f"run.dir={tmp_path / 'run'}", "logging.tensorboard=false"])
-    tr = Trainer(cfg)
+    tr = RunContext(cfg)
     try:
         got = tr.learner.get_params(host=True)
         want = nnx.state(model, nnx.Param)

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_ray_two_workers_survive_a_kill(tmp_path):
     d = tmp_path / "r"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", JAX_RL_TEST_KILL_WORKER_AT_STEP="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # actors and the driver use 1 CPU device each
-    args = [sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY,
+    # jax-rl with a fault-injection hook that kills rollout worker 0 when step 1 starts
+    args = [sys.executable, "-m", "tests.runtime.ray_kill_worker", "1", "train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY,
             "runtime=ray", "runtime.ray_workers=2", "run.steps=3", "async.max_staleness=1", f"run.dir={d}"]
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])

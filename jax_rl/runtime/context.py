@@ -1,0 +1,337 @@
+"""The run context: what one ``jax-rl train`` / ``sft`` / ``eval`` holds, and its helpers.
+
+Both runtimes (the embedded one in :mod:`jax_rl.runtime.train` and the Ray one in
+:mod:`jax_rl.runtime.ray_runtime`) import this module by its public names; it imports neither.
+
+* :class:`RunContext`: config, run dir, checkpoint dir, tokenizer, model config, env factory and the
+  :class:`~jax_rl.learner.Learner`; SFT, held-out eval, checkpoint save / resume, the metrics writer.
+  It is also the learner handle the RL loop (:mod:`jax_rl.runtime.loop`) drives in the embedded
+  runtime.
+* :func:`start_of_run_lines`: the one place that prints the start-of-run lines (preflight warnings).
+* :class:`StopFlag`, :func:`signal_exit_code`: Ctrl-C / SIGTERM finish the step, then exit 130 / 143.
+* :func:`raise_if_disk_full`: a full disk anywhere ends the run in one line.
+* :func:`resume_rl_step`, :func:`drop_newer_checkpoints`, :func:`json_safe`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from jax_rl.checkpoint import resolve_checkpoint_dir
+from jax_rl.config import Config, ConfigError, dump_config
+from jax_rl.runtime import components as C
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = ["RunContext", "StopFlag", "TIMING_KEYS", "start_of_run_lines", "signal_exit_code", "raise_if_disk_full",
+           "resume_rl_step", "drop_newer_checkpoints", "json_safe", "is_primary"]
+
+# metrics that depend on wall-clock time (excluded when comparing runs for reproducibility)
+TIMING_KEYS = ("wall_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s", "publish_s")
+
+
+def start_of_run_lines(cfg: Config, tokenizer, env_factory) -> list[str]:
+    """The lines a train run prints before it starts (both runtimes call this, and only this):
+    the rollout preflight warnings (:func:`~jax_rl.runtime.components.rollout_preflight`, logged
+    once each). Returns them.
+
+    Raises:
+        ConfigError: no sampled prompt fits ``rollout.max_cache_len``.
+    """
+    return C.rollout_preflight(cfg, tokenizer, env_factory)
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the RL loop finishes its step, checkpoints and exits."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signum: Optional[int] = None
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.getsignal(s)
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if self.event.is_set():  # second Ctrl-C: give up immediately
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        log.warning("signal %d: finishing the current step, then checkpoint and stop", signum)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def signal_exit_code(stop: StopFlag) -> int:
+    """0, or 128 + the signal that stopped the run (130 for Ctrl-C, 143 for SIGTERM)."""
+    if stop.event.is_set():
+        return 128 + int(stop.signum or signal.SIGINT)
+    return 0
+
+
+class RunContext:
+    """The pieces of one run; used by ``run_train``, ``run_sft``, ``run_eval``, the dry run and the
+    Ray learner actor.
+
+    Args:
+        cfg: the run config.
+        create_dir: create the run dir once the config has proved buildable (a bad config leaves no
+            run dir). Train and SFT pass False and call :meth:`materialize` after every check.
+        preflight: run :func:`start_of_run_lines` (warnings; ConfigError when no prompt fits).
+    """
+
+    def __init__(self, cfg: Config, *, create_dir: bool = True, preflight: bool = False):
+        self.cfg = cfg
+        self.t0 = time.perf_counter()
+        self.run_dir = C.resolve_run_dir(cfg, create=False)
+        _, self.ckpt_dir, _ = resolve_checkpoint_dir(cfg)
+        self.env_factory = C.build_env_factory(cfg)
+        self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
+        self.model_config = C.build_model_config(cfg, self.tokenizer)
+        from jax_rl.learner import Learner, initialize_distributed
+
+        initialize_distributed(cfg.runtime)  # before anything asks jax about devices
+        C.check_mesh(cfg)
+        self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
+        self.warnings = start_of_run_lines(cfg, self.tokenizer, self.env_factory) if preflight else []
+
+        mesh, init_params = None, None
+        if cfg.model.checkpoint:
+            init_params, mesh = _load_hf_params(cfg, self.model_config)
+        self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.model.tokenizer == "bpe" and is_primary():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
+        self.meta: dict[str, Any] = {}
+        self.resume_line = ""
+        self.resumed_step: Optional[int] = None
+        self._eval_gen = None
+        self.writer = None
+
+    # ---------------------------------------------------------------- learner handle (the RL loop's)
+    @property
+    def version(self) -> int:
+        return int(self.learner.version)
+
+    @property
+    def opt_step(self) -> int:
+        return int(self.learner.step)
+
+    def train_step(self, batch: dict) -> dict:
+        return self.learner.train_step(batch)
+
+    def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None:
+        """Checkpoint at ``rl_step`` (the step dir's name and the metadata's ``rl_step``) with the
+        run metadata (``self.meta`` updated with ``meta``: buffer, producer state, counters), after
+        flushing the metrics writer so every row up to ``rl_step`` is on disk before the checkpoint
+        is. ``wait``: return once the checkpoint is committed."""
+        self.meta.update(meta or {})
+        self.meta["rl_steps"] = int(rl_step)
+        if self.writer is not None:
+            self.writer.flush()
+        self.learner.save(self.ckpt_dir, extra_metadata=json_safe(self.meta), rl_step=int(rl_step))
+        if wait:
+            self.learner.wait_for_checkpoints()
+
+    # ---------------------------------------------------------------- outputs
+    def open_writer(self, resume_step: Optional[int] = None, *, tensorboard: Optional[bool] = None,
+                    wandb: Optional[bool] = None):
+        """Open the run's :class:`~jax_rl.metrics.MetricsWriter`; ``resume_step`` drops the rows
+        (JSONL and TensorBoard) of steps after it, left by the run being resumed."""
+        from jax_rl.metrics import MetricsWriter
+
+        lg = self.cfg.logging
+        self.writer = MetricsWriter(self.run_dir, tensorboard=lg.tensorboard if tensorboard is None else tensorboard,
+                                    wandb=lg.wandb if wandb is None else wandb, is_primary=is_primary(),
+                                    resume_step=resume_step)
+        return self.writer
+
+    def materialize(self) -> None:
+        """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
+        only once every check (config, restore, compatibility) has passed."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if is_primary():
+            if self.cfg.model.tokenizer == "bpe" and not (self.run_dir / "tokenizer.json").is_file():
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
+            dump_config(self.cfg, self.run_dir / "config.yaml")
+
+    def resume(self) -> int:
+        """Restore the checkpoint to resume from (validated, with fallback; see
+        :meth:`jax_rl.learner.Learner.restore`), set ``self.meta`` to its runtime metadata and
+        return its RL step. Writes nothing.
+
+        Raises:
+            FileNotFoundError / CheckpointMismatchError / CheckpointCorruptError (one line).
+        """
+        if not self.ckpt_dir.is_dir():  # (Orbax would create it: a refused resume must write nothing)
+            raise FileNotFoundError(f"no checkpoint found in {self.ckpt_dir} (nothing to resume)")
+        meta = self.learner.restore(self.ckpt_dir, step=self.cfg.resume_step)
+        self.meta = dict(meta.get("runtime") or {})  # what save() handed in as extra_metadata
+        rl_step = resume_rl_step(meta)
+        self.meta["rl_steps"] = rl_step
+        self.resumed_step = int(meta["checkpoint_step"])  # the step dir restored
+        self.resume_line = (f"resumed from {self.ckpt_dir / str(meta['checkpoint_step'])} at RL step {rl_step} "
+                            f"(version {self.learner.version}, optimizer step {self.learner.step})")
+        return rl_step
+
+    # ---------------------------------------------------------------- SFT
+    def sft(self, steps: Optional[int] = None, progress: bool = True) -> dict:
+        """Cross-entropy on reference-solver demos (assistant tokens only), then the learner's
+        proximal state is reset to the SFT'd params. Returns the last metrics."""
+        cfg = self.cfg
+        steps = cfg.sft.steps if steps is None else steps
+        if steps <= 0:
+            return {}
+        t = time.perf_counter()
+        demos = C.sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
+        rng = np.random.default_rng(cfg.run.seed)
+        last: dict = {}
+        from jax_rl.console import TrainProgress
+
+        with TrainProgress(steps, enabled=progress and cfg.logging.progress, description="SFT") as bar:
+            for s in range(steps):
+                idx = rng.choice(len(demos), size=cfg.sft.batch_size, replace=len(demos) < cfg.sft.batch_size)
+                batch = C.pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
+                last = self.learner.sft_step(batch)
+                bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
+                if s % 10 == 0 or s == steps - 1:
+                    self._sft_log(s + 1, last)
+        self.learner.reset_proximal()  # SFT ends here: EWMA <- params, re-snapshot the version
+        last["sft_wall_s"] = time.perf_counter() - t
+        return last
+
+    def _sft_log(self, step: int, metrics: dict) -> None:
+        from jax_rl.metrics import sanitize
+
+        with open(self.run_dir / "sft.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **sanitize(metrics)[0]}) + "\n")
+
+    def sft_and_eval(self, progress: bool = True) -> dict:
+        """SFT (``sft.steps``; none when 0), then the held-out eval ``after_sft``; both recorded in
+        ``self.meta`` (``sft_done``, ``sft_success``, ``sft_metrics``, ``sft_eval``). Returns the eval."""
+        m = self.sft(progress=progress) if self.cfg.sft.steps > 0 else {}
+        ev = self.evaluate(0, label="after_sft")
+        self.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, sft_eval=ev)
+        return ev
+
+    # ---------------------------------------------------------------- eval
+    def evaluate(self, step: int, label: str = "eval") -> dict:
+        """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
+        from jax_rl.evaluation import eval_seeds, summarize_eval
+        from rollout.agent import AgentLoop
+
+        cfg = self.cfg
+        t = time.perf_counter()
+        params = self.learner.get_params()
+        if self._eval_gen is None:
+            self._eval_gen = C.build_generator(cfg, self.model_config, params, self.learner.version,
+                                               temperature=cfg.eval.temperature)
+        else:
+            self._eval_gen.update_params(params, self.learner.version)
+        seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
+        agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
+                          max_workers=max(cfg.rollout.slots, cfg.eval.k))
+        try:
+            groups = agent.run_groups(seeds, group_size=cfg.eval.k, first_group_id=10**9)
+        finally:
+            agent.close()
+        results = [
+            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g]}
+            for s, g in zip(seeds, groups)
+        ]
+        summary = summarize_eval(results, cfg.eval.k)
+        summary["success"] = float(np.mean([r for res in results for r in res["rewards"]])) if results else 0.0
+        summary["eval_s"] = time.perf_counter() - t
+        summary["label"] = label
+        summary["version"] = self.learner.version
+        if self.writer is not None:
+            self.writer.write_eval(step, summary)
+        return summary
+
+    def close(self) -> None:
+        """Stop the evaluator and close the writer (the learner is closed by its owner)."""
+        if self._eval_gen is not None:
+            self._eval_gen.stop()
+            self._eval_gen = None
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _load_hf_params(cfg: Config, model_config):
+    """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_rl.models.hf_io import CheckpointError, load_pretrained
+    from jax_rl.sharding import make_mesh
+
+    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
+    try:
+        model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+    except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
+        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
+    return nnx.state(model, nnx.Param), mesh
+
+
+def is_primary() -> bool:
+    """True on JAX process 0 (the one that writes run files)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def resume_rl_step(meta: dict) -> int:
+    """The RL step a checkpoint's metadata records (``rl_step``). Checkpoints written before it
+    was recorded: their version (one published version per RL step), with a warning."""
+    if "rl_step" in meta:
+        return int(meta["rl_step"])
+    log.warning("checkpoint has no rl_step (written by an older jax-rl); resuming at RL step = version %s",
+                meta.get("version"))
+    return int(meta["version"])
+
+
+def drop_newer_checkpoints(learner, ckpt_dir: Path, restored_step: int) -> None:
+    """Once a resume has passed every check: delete the checkpoints newer than the restored one
+    (a corrupt step, or the future of an explicit ``resume_step``), each named on one line, so a
+    later ``--resume`` can never pick a step from the abandoned timeline."""
+    for s in learner.delete_checkpoints_after(restored_step, ckpt_dir):
+        print(f"removed checkpoint {Path(ckpt_dir) / str(s)} (newer than the restored step {restored_step})",
+              flush=True)
+
+
+def json_safe(d: Any) -> Any:
+    """``d`` as plain JSON types (numpy scalars via ``.item()``, anything else as ``str``)."""
+    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner=None) -> None:
+    """A full disk, wherever it struck (a checkpoint, metrics.jsonl, TensorBoard, summary), ends
+    the run with one line naming the run dir, the bytes a checkpoint needs and the last good
+    checkpoint (raised as ``CheckpointDiskFullError``). Anything else: returns."""
+    from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, tree_nbytes
+
+    if isinstance(e, CheckpointDiskFullError):
+        raise CheckpointDiskFullError(f"run dir {run_dir}: {e}") from None
+    if not is_no_space(e):
+        return
+    need = 0
+    if learner is not None:
+        st = learner.state
+        need = tree_nbytes(st.params, st.opt_state, st.ewma_params)
+    what = f"{type(e).__name__} {getattr(e, 'filename', None) or ''}".strip()
+    raise disk_full_error(ckpt_dir, need, f"writing failed ({what})", run_dir=run_dir) from None

@@ -1,0 +1,218 @@
+"""The one RL loop, shared by the embedded and the Ray runtime, and the one run summary.
+
+:func:`run_rl` takes ``run.steps - start_step`` learner steps:
+
+1. wait for ``optim.batch_size / group_size`` GRPO groups trainable at the learner's version
+   (:meth:`Producer.poll`, repeated; a producer that fails systematically sets :attr:`Producer.fatal`
+   and the run stops with ``rollout_failed`` in its summary and exit code 1);
+2. group advantages and the padded batch; one learner step (:meth:`LearnerHandle.train_step`);
+3. publish the new version to the rollouts (:meth:`Producer.publish`);
+4. one ``metrics.jsonl`` row; periodic held-out eval and checkpoints (every row up to the step is
+   flushed before its checkpoint);
+
+then stops the producer, saves the final checkpoint (committed before anything is reported), runs
+the final eval (not after a signal or a failed rollout), writes ``summary.json``, the plots and the
+console summary (:func:`write_outputs`) and returns the exit code.
+
+Who produces and who learns is behind two small interfaces:
+
+* :class:`Producer`: the embedded :class:`~jax_rl.runtime.embedded.EmbeddedProducer` (rollout
+  threads and a local buffer) or the Ray dispatcher (:class:`~jax_rl.runtime.ray_runtime.RayProducer`).
+* :class:`LearnerHandle`: the :class:`~jax_rl.runtime.context.RunContext` itself (embedded), or a
+  proxy of the Ray learner actor.
+
+:data:`fault_hooks` is a fault-injection point for tests (``before_poll`` is called before every
+poll); it does nothing unless a test replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from jax_rl.config import Config
+from jax_rl.runtime import components as C
+from jax_rl.runtime.context import StopFlag, json_safe, signal_exit_code
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns"]
+
+
+class Producer(Protocol):
+    """The rollout side of the loop (admission, generation, the trajectory buffer)."""
+
+    @property
+    def fatal(self) -> Optional[str]:
+        """Why the run must stop (a systematically failing rollout), else None."""
+
+    def start(self) -> None:
+        """Start generating (idempotent)."""
+
+    def poll(self, n_groups: int, version: int) -> Optional[list]:
+        """One attempt (blocking at most about a second) at ``n_groups`` groups of
+        :class:`~rollout.types.Trajectory` trainable at ``version``; None when not ready."""
+
+    def publish(self, version: int) -> None:
+        """Hand the learner's params of ``version`` to every rollout, then tell the buffer."""
+
+    def row(self) -> dict:
+        """The producer's columns of a ``metrics.jsonl`` row (buffer and episode counters)."""
+
+    def summary(self) -> dict:
+        """The producer's keys of ``summary.json`` (buffer and episode counters)."""
+
+    def state(self) -> dict:
+        """JSON-safe checkpoint metadata (buffer, producer state, counters) restored on resume."""
+
+    def stop(self) -> None:
+        """Stop generating; groups in flight stay in :meth:`state` for re-issue on resume."""
+
+
+class LearnerHandle(Protocol):
+    """The learner side: the embedded :class:`~jax_rl.runtime.context.RunContext` or a Ray proxy."""
+
+    version: int
+    opt_step: int
+
+    def train_step(self, batch: dict) -> dict: ...
+
+    def evaluate(self, step: int, label: str = "eval") -> dict: ...
+
+    def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None: ...
+
+
+class FaultHooks:
+    """Fault-injection points of the loop; production runs use this no-op instance. Tests replace
+    :data:`fault_hooks` (e.g. to kill a Ray rollout worker mid-run)."""
+
+    def before_poll(self, step: int, producer: Producer) -> None:
+        """Called before every :meth:`Producer.poll` of RL step ``step`` (0-based)."""
+
+
+fault_hooks: FaultHooks = FaultHooks()
+
+
+def sft_line(cfg: Config, ev: dict) -> str:
+    """The console line after SFT's held-out eval."""
+    return f"held-out success after SFT: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})"
+
+
+def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, start_step: int,
+           pad_id: int, sft_success: Optional[float], run_dir: Path, ckpt_dir: Path, t0: float) -> int:
+    """RL from ``start_step`` to ``run.steps``, the final checkpoint, eval and summary.
+
+    Returns:
+        the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
+        written); 128 + signal number when stopped by a signal.
+    """
+    n_groups = cfg.optim.batch_size // cfg.rollout.group_size
+    last: dict = {}
+    rollout_failed: Optional[str] = None
+    version = learner.version
+    from jax_rl.console import TrainProgress
+
+    try:
+        producer.start()
+        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
+            for step in range(start_step, cfg.run.steps):
+                if stop.event.is_set():
+                    break
+                t_wait = time.perf_counter()
+                groups = None
+                while groups is None and not stop.event.is_set():
+                    fault_hooks.before_poll(step, producer)
+                    groups = producer.poll(n_groups, version)
+                    if groups is None and producer.fatal:  # one bad episode is dropped; a failing rollout stops
+                        rollout_failed = producer.fatal
+                        break
+                if groups is None:
+                    break
+                wait_s = time.perf_counter() - t_wait
+                groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
+                v_train = version
+                metrics = learner.train_step(batch)
+                version = learner.version
+                t_pub = time.perf_counter()
+                producer.publish(version)
+                row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
+                row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
+                            "wall_s": time.perf_counter() - t0})
+                writer.write(step + 1, row)
+                last = row
+                bar.update(step + 1, row)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
+                    ev = learner.evaluate(step + 1, "eval")
+                    print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    writer.flush()  # every row up to this step is on disk before its checkpoint
+                    learner.save(step + 1, producer.state())
+    finally:
+        producer.stop()
+    rl_steps = int(last.get("step", start_step))
+    writer.flush()
+    learner.save(rl_steps, producer.state(), wait=True)  # committed before we report or exit
+    interrupted = stop.event.is_set()
+    final = learner.evaluate(rl_steps, "final") if not (interrupted or rollout_failed) else {}
+    k = cfg.eval.k
+    summary = {
+        "sft_success": sft_success,
+        "final_success": final.get("success"),
+        f"final_pass_at_{k}": final.get(f"pass@{k}"),
+        "final_pass_at_k": final.get(f"pass@{k}"),
+        f"final_avg_at_{k}": final.get(f"avg@{k}"),
+        "wall_s": time.perf_counter() - t0,
+        "rl_steps": rl_steps,
+        "version": version,
+        "opt_step": learner.opt_step,
+        "correction": cfg.loss.correction,
+        "max_staleness": cfg.async_.max_staleness,
+        "interrupted": interrupted,
+        "runtime": cfg.runtime.kind,
+        "tokens_per_s_mean": _mean_metric(run_dir, "tokens_per_s"),
+        **producer.summary(),
+    }
+    if rollout_failed:
+        summary["rollout_failed"] = rollout_failed
+    write_outputs(run_dir, ckpt_dir, summary)
+    if rollout_failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
+        print(f"jax-rl: {rollout_failed}", file=sys.stderr)
+        return 1
+    return signal_exit_code(stop)
+
+
+def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
+    """End of a train run: ``summary.json``, the plots, the console summary."""
+    (run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+    try:
+        from jax_rl.plots import plot_runs
+
+        plot_runs([run_dir])
+    except Exception as e:  # plotting must never lose a finished run
+        log.warning("plotting failed: %r", e)
+    from jax_rl.console import print_summary
+
+    print_summary(summary, {"run dir": run_dir, "metrics": run_dir / "metrics.jsonl",
+                            "eval": run_dir / "eval.jsonl", "checkpoints": ckpt_dir,
+                            "plots": run_dir / "plots", "summary": run_dir / "summary.json"})
+
+
+def _mean_metric(run_dir: Path, key: str) -> Optional[float]:
+    from jax_rl.metrics import read_jsonl
+
+    vals = [r[key] for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get(key), (int, float))]
+    return float(np.mean(vals)) if vals else None
+
+
+def buffer_columns(stats: dict, episode_errors: int, *, row: bool) -> dict:
+    """The buffer / episode counters of a metrics row (``buffer/<k>``) or of the summary
+    (``buffer_<k>``); both runtimes' producers report them through this."""
+    sep = "/" if row else "_"
+    return {"episode_errors": int(episode_errors), "dropped_overlong": stats["dropped_overlong"],
+            **{f"buffer{sep}{k}": v for k, v in stats.items()}}
