@@ -103,5 +103,10 @@ def splash_attend(q: Array, k: Array, v: Array, segment_ids: Array, *,
         qs, ks = P(bspec, hspec, None, None), P(bspec, kspec, None, None)
         body = jax.shard_map(body, mesh=mesh, in_specs=(qs, ks, ks, P(bspec, None)),
                              out_specs=qs, check_vma=False)
-    o = body(qh, kh, vh, seg)
+    if q.dtype == jnp.float32:
+        o = body(qh, kh, vh, seg)
+    else:  # Mosaic rejects an fp32-precision contraction of bf16 operands (e.g. under a
+        # global jax_default_matmul_precision="highest")
+        with jax.default_matmul_precision("default"):
+            o = body(qh, kh, vh, seg)
     return o[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
