@@ -63,6 +63,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "resolve_attention",
     "stack_layer_params",
+    "model_kwargs",
     "unstack_layer_params",
 ]
 
@@ -1283,3 +1284,16 @@ def count_params(config: Qwen3Config) -> int:
     abs_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)))
     state = nnx.state(abs_model, nnx.Param)
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
+
+
+def model_kwargs(model_cfg: Any) -> dict[str, Any]:
+    """``Qwen3ForCausalLM`` keyword arguments from the ``model`` config section
+    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``remat_policy`` (``remat`` folded in),
+    ``scan_layers``, ``attention``. The learner and the rollout engine must build their models
+    with the same ``scan_layers`` (the params tree layout differs)."""
+    policy = getattr(model_cfg, "remat_policy", None)
+    if policy is None:
+        policy = "full" if getattr(model_cfg, "remat", False) else "none"
+    return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"), remat_policy=policy,
+                scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
+                attention=getattr(model_cfg, "attention", "xla"))
