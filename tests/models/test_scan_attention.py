@@ -158,3 +158,22 @@ def test_splash_scanned_forward_and_grad_compile_for_tpu_v5e_2x2():
     assert "tpu_custom_call" in compiled.as_text()  # the splash kernel, not the XLA fallback
     mem = compiled.memory_analysis()
     assert mem.argument_size_in_bytes > 0 and mem.temp_size_in_bytes >= 0
+
+
+def test_checkpoint_of_the_other_layer_layout_fails_in_one_line_naming_scan_layers(tmp_path):
+    from jax_rl.checkpoint import Checkpointer, CheckpointMismatchError, abstract_like
+
+    cfg, mu, ms = _pair("tiny_dense")
+    pu, ps = nnx.to_pure_dict(nnx.state(mu)), nnx.to_pure_dict(nnx.state(ms))
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    unrolled = {"params": {**pu, "layers": {str(i): v for i, v in pu["layers"].items()}}}
+    ck.save(1, state=unrolled, metadata={"rl_step": 1})
+    ck.wait()
+    with pytest.raises(CheckpointMismatchError) as e:
+        ck.restore(1, state=abstract_like({"params": ps}))
+    msg = str(e.value)
+    assert "\n" not in msg and "model.scan_layers=false" in msg and "unrolled" in msg, msg
+    back = ck.restore(1, state=abstract_like(unrolled))["state"]  # same layout: restores
+    np.testing.assert_array_equal(back["params"]["layers"]["1"]["attn"]["q_proj"],
+                                  pu["layers"][1]["attn"]["q_proj"])
+    ck.close()
