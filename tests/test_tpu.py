@@ -54,7 +54,6 @@ def test_jax_rl_cli_with_libtpu_and_no_tpu_starts_quietly_on_cpu():
     assert "libtpu" not in r.stderr and "TPU_WORKER_HOSTNAMES" not in r.stderr, r.stderr
 
 
-@pytest.mark.slow
 def test_compile_rollout_prefill_and_decode_for_v5e_2x2():
     pytest.importorskip("libtpu")
     from jax_rl.models.qwen3 import get_preset
