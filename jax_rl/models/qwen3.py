@@ -26,6 +26,11 @@ Parameter layout (HF name -> ours; HF Linear weights are [out, in], ours [in, ou
 
 Every parameter carries its logical axis names in the ``out_sharding`` metadata (created with
 ``eager_sharding=False``); ``jax_rl.sharding`` maps them to mesh axes.
+
+With ``scan_layers=True`` (config ``model.scan_layers``) the per-layer params above are stacked
+on a leading axis: ``layers.attn.q_proj [L,D,N,H]`` with names ``("layers", "embed", ...)``
+instead of ``layers.{i}.attn.q_proj [D,N,H]`` (MaxText ``scan_layers``); ``hf_io`` maps both
+layouts to HF's ``model.layers.{i}.*``.
 """
 
 from __future__ import annotations
