@@ -177,3 +177,15 @@ def test_checkpoint_of_the_other_layer_layout_fails_in_one_line_naming_scan_laye
     np.testing.assert_array_equal(back["params"]["layers"]["1"]["attn"]["q_proj"],
                                   pu["layers"][1]["attn"]["q_proj"])
     ck.close()
+
+
+def test_model_kwargs_from_the_model_config_section():
+    from jax_rl.config import Config
+    from jax_rl.models import model_kwargs
+
+    m = Config().model
+    assert model_kwargs(m) == dict(moe_dispatch="dense", remat_policy="none", scan_layers=True,
+                                   attention="auto")
+    assert model_kwargs(m.model_copy(update={"remat": True}))["remat_policy"] == "full"
+    assert model_kwargs(m.model_copy(update={"remat": True, "remat_policy": "minimal"}))[
+        "remat_policy"] == "minimal"
