@@ -209,6 +209,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row): one line, exit 1
+        lrn = sys.modules.get("jax_rl.learner")
+        if not (lrn and isinstance(e, lrn.NonFiniteTrainingError)):
+            raise
+        print(f"jax-rl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stop without the checkpoint
         print("jax-rl: interrupted", file=sys.stderr)
         return 130

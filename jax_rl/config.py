@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -55,8 +56,41 @@ class ConfigError(ValueError):
     """A configuration problem. The message names the dotted key, the value and the rule."""
 
 
+def _nonfinite_path(v: Any, path: str = "") -> Optional[str]:
+    """``path=value`` of the first non-finite float inside a nested dict/list (None if all finite)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"{path or 'value'}={v}"
+    if isinstance(v, dict):
+        items = ((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+    elif isinstance(v, (list, tuple)):
+        items = ((f"{path}[{i}]", x) for i, x in enumerate(v))
+    else:
+        return None
+    for p, x in items:
+        bad = _nonfinite_path(x, p)
+        if bad is not None:
+            return bad
+    return None
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    """Base of every section: unknown keys are errors, and no value anywhere may be a non-finite
+    float (``.inf`` / ``.nan`` in YAML, ``inf`` / ``nan`` on the command line): float fields by
+    ``allow_inf_nan=False``, free-form dict/list fields (``model.hf_overrides``,
+    ``env.dataset_config``, ...) by :meth:`_finite_nested`. A limit that can be switched off says
+    so with ``null`` (e.g. ``optim.max_grad_norm``, ``rollout.episode_timeout_s``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_nested(cls, v: Any) -> Any:
+        if isinstance(v, (dict, list, tuple)):
+            bad = _nonfinite_path(v)
+            if bad is not None:
+                raise ValueError(f"{bad} is not a finite number")
+        return v
 
 
 # --------------------------------------------------------------------------------------
@@ -134,7 +168,8 @@ class OptimConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of the RL AdamW."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps from 0 to lr."""
+    """Linear warmup of the RL lr from 0 over this many optimizer updates, counted from the first RL
+    update (SFT has its own AdamW: sft.lr, sft.warmup_steps)."""
     schedule: Literal["constant", "cosine"] = "constant"
     """LR schedule after warmup."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -147,8 +182,8 @@ class OptimConfig(_Section):
     """Adam beta2."""
     eps: float = Field(1e-8, gt=0)
     """Adam epsilon."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Global-norm gradient clipping threshold."""
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    """Global-norm gradient clipping threshold (null = no clipping; RL and SFT)."""
     batch_size: int = Field(32, ge=1)
     """Trajectories per learner step (a multiple of ``rollout.group_size``)."""
     microbatches: int = Field(1, ge=1)
@@ -159,6 +194,9 @@ class OptimConfig(_Section):
     """Optimizer updates per epoch (each on 1/minibatches of the batch)."""
     max_seq_len: int = Field(512, ge=8)
     """Longest trajectory (tokens) the learner accepts; batches are padded to a bucket <= this."""
+    max_skipped_steps: int = Field(10, ge=0)
+    """Stop the run (NonFiniteTrainingError) after this many consecutive learner steps (RL or SFT) in
+    which every optimizer update was skipped as non-finite (loss, grad norm or updated params); 0 = never stop."""
 
 
 class LossConfig(_Section):
@@ -256,8 +294,8 @@ class RolloutConfig(_Section):
     """Budget of generated (policy) tokens over all turns of one episode."""
     max_turns: int = Field(4, ge=1)
     """Assistant turns per episode."""
-    episode_timeout_s: float = Field(600.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
-    """Wall-clock budget per episode (seconds, at most 86400)."""
+    episode_timeout_s: Optional[float] = Field(600.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
+    """Wall-clock budget per episode (seconds, at most 86400; null = no limit)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the learner applies the same one to its log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -442,7 +480,8 @@ class Config(_Section):
     resume_step: Optional[int] = Field(None, ge=0)
     """With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
@@ -513,6 +552,13 @@ def _suggest(key: str) -> str:
     return f"; did you mean '{matches[0]}'?" if matches else ""
 
 
+# keys where infinity would mean "no limit": the spelling for that is null
+_NO_LIMIT_HINTS = {
+    "optim.max_grad_norm": "; use null for no gradient clipping",
+    "rollout.episode_timeout_s": "; use null for no time limit",
+}
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -526,6 +572,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
             if e["type"] == "literal_error" and "expected" in (e.get("ctx") or {}):
                 msg = f"must be one of {e['ctx']['expected']}"
             msg = msg.removeprefix("Value error, ")
+            if e["type"] == "finite_number":
+                msg = "must be a finite number (no .inf / .nan)" + _NO_LIMIT_HINTS.get(loc, "")
             if not loc or isinstance(val, dict):  # a section-level rule: its message names the keys
                 lines.append(f"invalid config{' in ' + repr(loc) if loc else ''}: {msg}")
             else:

@@ -29,11 +29,15 @@ One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod:
      ``optim.microbatches`` gradient-accumulation microbatches (``lax.scan``). Normalisation
      is global: every microbatch's loss is divided by the minibatch's
      :func:`jax_rl.losses.loss_denominator`, so the summed loss and gradient equal the
-     single-microbatch ones whatever the split. An update with a non-finite loss or gradient
-     is skipped (params and optimizer state kept; counted in ``nonfinite_updates``).
+     single-microbatch ones whatever the split. An update with a non-finite loss, gradient
+     norm or updated params is skipped (params and optimizer state kept; counted in
+     ``nonfinite_updates``, with a warning). After ``optim.max_skipped_steps`` consecutive
+     calls whose every update was skipped, :meth:`Learner.train_step` raises
+     :class:`NonFiniteTrainingError` (also for SFT steps; 0 = never).
   4. EWMA update theta_bar <- beta*theta_bar + (1-beta)*theta (Hilton bias correction), once
      per version (beta is in version units, from ``async.max_staleness`` and
-     ``loss.ewma_beta_rule``/``loss.ewma_beta``).
+     ``loss.ewma_beta_rule``/``loss.ewma_beta``). A non-finite EWMA result is dropped (theta_bar
+     kept; ``nonfinite_ewma`` = 1, with a warning).
   5. ``version += 1``, ``step += number of applied updates``.
 
   Metrics (python floats): the policy-loss metrics (:func:`jax_rl.losses.policy_loss`,
@@ -41,7 +45,8 @@ One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod:
   the updates of the call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``
   (non-padding tokens), ``loss_tokens``, ``step_time_s`` (wall seconds of the call, host
   included), ``tokens_per_s``, ``updates``, ``nonfinite_updates``, ``version``, ``step``,
-  ``skipped``; with ``ppo_ewma`` also ``ewma_reset`` (0/1), ``ewma_beta``, ``ewma_streak``,
+  ``skipped``, ``nonfinite_streak`` (consecutive all-non-finite calls); with ``ppo_ewma`` also
+  ``nonfinite_ewma`` (0/1), ``ewma_reset`` (0/1), ``ewma_beta``, ``ewma_streak``,
   ``ewma_retained`` (R before the reset) and ``ewma_resets`` (total); with the snapshot route
   ``old_logits_bytes``, ``old_logits_versions``, ``old_logits_s``.
 
@@ -98,6 +103,7 @@ from jax_rl.config import Config, OptimConfig, RuntimeConfig, config_hash
 __all__ = [
     "BATCH_FIELDS",
     "BatchError",
+    "NonFiniteTrainingError",
     "TrainState",
     "Learner",
     "collate",
@@ -130,6 +136,12 @@ OPTIONAL_FIELDS: dict[str, tuple[str, Any]] = {
 
 class BatchError(ValueError):
     """A malformed learner batch: missing field, wrong shape/dtype, too long, bad masks."""
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``optim.max_skipped_steps`` learner steps in a row (RL ``train_step`` or ``sft_step``) had
+    every optimizer update skipped as non-finite. The params are those of the last finite update;
+    the message (one line) names the step, the last loss / grad norm and the knobs to look at."""
 
 
 # ======================================================================================
@@ -349,8 +361,9 @@ def make_optimizer(optim: OptimConfig, total_steps: Optional[int] = None, *, lr:
         total_steps,
         optim.min_lr_ratio,
     )
+    clip = optax.identity() if optim.max_grad_norm is None else optax.clip_by_global_norm(optim.max_grad_norm)
     tx = optax.chain(
-        optax.clip_by_global_norm(optim.max_grad_norm),
+        clip,
         optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
                     mask=_decay_mask),
     )
@@ -408,6 +421,14 @@ def resolve_model_config(model_cfg) -> Any:
         hf.update(model_cfg.hf_overrides)
         return Qwen3Config.from_hf(hf)
     return get_preset(model_cfg.preset, **model_cfg.hf_overrides)
+
+
+def _tree_finite(tree: Any) -> jax.Array:
+    """Scalar bool: every element of every leaf is finite (one cheap reduction per leaf, in jit)."""
+    ok = jnp.bool_(True)
+    for x in jax.tree.leaves(tree):
+        ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
@@ -515,6 +536,7 @@ class Learner:
         self.E = int(cfg.optim.ppo_epochs)
         self.m = int(cfg.optim.microbatches)
         self.skipped_steps = 0
+        self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
         self._replicated = NamedSharding(self.mesh, P())
         self._sft_pending = False
@@ -893,9 +915,10 @@ class Learner:
             mb = {k: take(b[k]) for k in BATCH_FIELDS}
             loss, grads, metr = self._minibatch_grads(params, mb, take(prox), take(exact), g)
             gnorm = optax.tree.norm(grads)
-            finite = jnp.isfinite(gnorm) & jnp.isfinite(loss)
             updates, new_opt = self.tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
+            # a finite loss and gradient can still give non-finite params (a huge lr, an overflow)
+            finite = jnp.isfinite(gnorm) & jnp.isfinite(loss) & _tree_finite(new_params)
             params = _tree_where(finite, new_params, params)
             opt_state = _tree_where(finite, new_opt, opt_state)
             lr = self.schedule(step)
@@ -911,9 +934,13 @@ class Learner:
         metrics = {k: (jnp.sum(v) if k == "nonfinite_updates" else jnp.mean(v)) for k, v in metr.items()}
 
         if self._use_ewma:
-            ewma_params, ewma_count = proximal.ewma_update(
+            new_ew, new_count = proximal.ewma_update(
                 ewma_params, params, self.ewma_beta, ewma_count, lc.ewma_bias_correction
             )
+            ew_ok = _tree_finite(new_ew) & jnp.isfinite(new_count)
+            ewma_params = _tree_where(ew_ok, new_ew, ewma_params)
+            ewma_count = jnp.where(ew_ok, new_count, ewma_count)
+            extra["nonfinite_ewma"] = (~ew_ok).astype(jnp.float32)
             extra.update(ewma_beta=jnp.float32(self.ewma_beta), ewma_streak=streak.astype(jnp.float32))
         metrics.update(extra)
         metrics["tokens"] = jnp.sum(amask.astype(jnp.float32))
@@ -961,7 +988,8 @@ class Learner:
 
         Raises:
             BatchError: malformed batch. StaleVersionError: exact old logits are needed for an
-            evicted version.
+            evicted version. NonFiniteTrainingError: ``optim.max_skipped_steps`` calls in a row
+            had every update skipped as non-finite (loss, grad norm or updated params).
         """
         t0 = time.perf_counter()
         self._finish_sft()
@@ -1012,7 +1040,33 @@ class Learner:
         if self._use_ewma:
             self._resets += int(out.get("ewma_reset", 0.0) > 0)
             out["ewma_resets"] = float(self._resets)
+        self._note_nonfinite(out, "train_step", int(out["updates"]), g + 1)
         return out
+
+    def _note_nonfinite(self, out: dict, what: str, n_up: int, version: int) -> None:
+        """Warn about skipped non-finite updates; count calls whose every update was skipped and
+        raise :class:`NonFiniteTrainingError` after ``optim.max_skipped_steps`` in a row."""
+        bad = int(out.get("nonfinite_updates", 0.0))
+        if out.get("nonfinite_ewma", 0.0) > 0 and self._is_main:
+            log.warning("learner: non-finite EWMA params at version %d; kept the previous theta_bar", version)
+        self._nonfinite_streak = self._nonfinite_streak + 1 if bad >= n_up else 0
+        out["nonfinite_streak"] = float(self._nonfinite_streak)
+        if bad == 0:
+            return
+        limit = int(self.cfg.optim.max_skipped_steps)
+        detail = (f"loss={out.get('loss', out.get('sft_loss'))}, grad_norm={out.get('grad_norm')}, "
+                  f"lr={out.get('lr')}")
+        if self._is_main:
+            log.warning("learner: %s skipped %d of %d non-finite update(s) at version %d (%s); %d step(s) in a row "
+                        "(optim.max_skipped_steps=%d)", what, bad, n_up, version, detail, self._nonfinite_streak,
+                        limit)
+        if limit > 0 and self._nonfinite_streak >= limit:
+            raise NonFiniteTrainingError(
+                f"{what}: {self._nonfinite_streak} steps in a row with every optimizer update non-finite "
+                f"(last at version {version}: {detail}); params kept at the last finite update. Check "
+                f"{'sft.lr' if what == 'sft_step' else 'optim.lr, the loss.* settings'} and the batches, or set "
+                f"optim.max_skipped_steps=0 to keep going"
+            )
 
     def _sync_global(self, b: dict) -> tuple[dict, int]:
         """Multi-process: pad T to the global max and count loss tokens over all processes."""
@@ -1099,7 +1153,12 @@ class Learner:
         the EWMA to the SFT params and re-snapshots the current version.
 
         Returns:
-            ``{"sft_loss", "sft_tokens", "grad_norm", "lr", "step_time_s", "tokens_per_s"}``.
+            ``{"sft_loss", "sft_tokens", "grad_norm", "lr", "nonfinite_updates", "nonfinite_streak",
+            "step_time_s", "tokens_per_s"}``. A non-finite loss, gradient or update is skipped
+            (params kept) with a warning.
+
+        Raises:
+            NonFiniteTrainingError: ``optim.max_skipped_steps`` non-finite steps in a row.
         """
         t0 = time.perf_counter()
         sub = {k: batch[k] for k in ("tokens", "attention_mask", "loss_mask")}
@@ -1143,11 +1202,12 @@ class Learner:
 
                 (grads, loss), _ = lax.scan(body, (jax.tree.map(jnp.zeros_like, params), jnp.float32(0)), xs)
                 gnorm = optax.tree.norm(grads)
-                finite = jnp.isfinite(gnorm)
                 upd, new_opt = sft_tx.update(grads, opt_state, params)
                 new_p = optax.apply_updates(params, upd)
+                finite = jnp.isfinite(gnorm) & jnp.isfinite(loss) & _tree_finite(new_p)
                 return (_tree_where(finite, new_p, params), _tree_where(finite, new_opt, opt_state),
-                        {"sft_loss": loss, "grad_norm": gnorm, "lr": jnp.asarray(sft_sched(count), jnp.float32)})
+                        {"sft_loss": loss, "grad_norm": gnorm, "lr": jnp.asarray(sft_sched(count), jnp.float32),
+                         "nonfinite_updates": (~finite).astype(jnp.float32)})
 
             self._jits[key] = jax.jit(
                 fn,
@@ -1160,11 +1220,12 @@ class Learner:
             params, self._sft_opt_state, metr = self._jits[key](
                 self.state.params, self._sft_opt_state, jnp.int32(self._sft_count), dev)
         self.state = self.state.replace(params=params)
-        self._sft_count += 1
         self._sft_pending = True
         out = {k: float(v) for k, v in jax.device_get(metr).items()}
+        self._sft_count += int(out["nonfinite_updates"] == 0)  # like AdamW's count: applied updates
         dt = time.perf_counter() - t0
         out.update(sft_tokens=float(n_loss), step_time_s=dt, tokens_per_s=float(b["attention_mask"].sum()) / dt)
+        self._note_nonfinite(out, "sft_step", 1, self.version)
         return out
 
     def _finish_sft(self) -> None:

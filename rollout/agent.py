@@ -189,7 +189,8 @@ class AgentLoop:
         """Run one episode to completion; never raises (failures are recorded in ``info``)."""
         cfg, tok = self.cfg, self.tok
         t0 = time.monotonic()
-        deadline = t0 + float(cfg.episode_timeout_s)
+        # episode_timeout_s=None: no wall-clock limit (result(timeout=None) waits for good)
+        deadline = None if cfg.episode_timeout_s is None else t0 + float(cfg.episode_timeout_s)
         tokens: list[int] = []
         mask: list[bool] = []
         logp: list[float] = []
@@ -236,8 +237,8 @@ class AgentLoop:
                 if max_new <= 0:
                     info["truncated"] = "token_budget" if budget <= 0 else "context"
                     break
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
+                remaining_s = None if deadline is None else deadline - time.monotonic()
+                if remaining_s is not None and remaining_s <= 0:
                     info["truncated"] = "time"
                     break
                 ts = time.monotonic()

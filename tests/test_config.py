@@ -130,10 +130,12 @@ def test_unknown_section_suggests():
         ("rollout.group_size=5", ["optim.batch_size=32", "rollout.group_size=5"]),
         ("optim.microbatches=abc", ["optim.microbatches", "'abc'"]),
         # time knobs used by sleeps / future timeouts in rollout threads: finite and bounded
-        ("rollout.tool_latency_s=.inf", ["rollout.tool_latency_s", "inf", "less than or equal to 600"]),
+        ("rollout.tool_latency_s=.inf", ["rollout.tool_latency_s", "inf", "finite"]),
+        ("rollout.tool_latency_s=601", ["rollout.tool_latency_s", "less than or equal to 600"]),
         ("rollout.tool_latency_s=.nan", ["rollout.tool_latency_s", "nan"]),
         ("rollout.tool_latency_s=-1", ["rollout.tool_latency_s", "greater than or equal to 0"]),
-        ("rollout.episode_timeout_s=.inf", ["rollout.episode_timeout_s", "inf", "less than or equal to 86400"]),
+        ("rollout.episode_timeout_s=.inf", ["rollout.episode_timeout_s", "inf", "null for no time limit"]),
+        ("rollout.episode_timeout_s=1e9", ["rollout.episode_timeout_s", "less than or equal to 86400"]),
         ("rollout.max_consecutive_episode_errors=-1", ["rollout.max_consecutive_episode_errors", "-1"]),
     ],
 )

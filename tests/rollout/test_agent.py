@@ -241,6 +241,12 @@ def test_timeout_budget():
     assert traj.info["truncated"] == "time" and traj.reward == 0.0 and traj.num_generated == 0
 
 
+def test_no_timeout_when_episode_timeout_is_null():
+    gen = ScriptedGenerator(reference_script("calculator"))
+    traj = run_one(gen, seed=0, cfg=CFG.model_copy(update={"episode_timeout_s": None}))
+    assert traj.reward == 1.0 and traj.info["answered"] and traj.info["turns"] == 2
+
+
 class ExplodingEnv(CalculatorEnv):
     def _calculate(self, expression):
         raise RuntimeError("database down")
