@@ -296,7 +296,7 @@ def policy_loss(
     turn_ids=None,
     versions=None,
     current_version=None,
-    exact_logp=None,
+    old_logp=None,
     denominator=None,
     entropy=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -312,7 +312,8 @@ def policy_loss(
         turn_ids: int [B, T] assistant turn index (-1 elsewhere); needed for level ``turn``.
         versions: int [B, T] behaviour version per token (-1 where not generated). With
             ``current_version`` (int scalar g, may be traced) adds staleness metrics.
-        exact_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max``.
+        old_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max`` (the error of an
+            approximate pi_prox, ``old_logits.measure_error``).
         denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
         entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
             (same kept tokens, weights c_bt and Z as the policy term) and ``entropy_mean``.
@@ -417,9 +418,9 @@ def policy_loss(
             m[f"staleness/{name}/retained"] = _vmean(kept, in_k, n_k, empty=1.0)
             m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
 
-    if exact_logp is not None:
-        _check_2d("exact_logp", exact_logp, shape)
-        ex = sg(_f32(exact_logp))
+    if old_logp is not None:
+        _check_2d("old_logp", old_logp, shape)
+        ex = sg(_f32(old_logp))
         ok = usable & jnp.isfinite(ex)
         err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
         err = jnp.where(ok, err, 0.0)

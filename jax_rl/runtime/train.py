@@ -167,6 +167,7 @@ class Trainer:
                 bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
                 if s % 10 == 0 or s == steps - 1:
                     self._sft_log(s + 1, last)
+        self.learner.reset_proximal()  # SFT ended: the correction's state re-anchors on the SFT params
         last["sft_wall_s"] = time.perf_counter() - t
         return last
 
@@ -397,7 +398,7 @@ def run_train(cfg: Config) -> int:
             if cfg.sft.steps > 0:
                 sft_metrics = tr.sft()
                 tr.meta["sft_metrics"] = sft_metrics
-            tr.meta["sft_done"] = True  # the learner ends SFT (EWMA <- params) at its next get_params
+            tr.meta["sft_done"] = True  # tr.sft() ended with learner.reset_proximal()
             ev = tr.evaluate(0, label="after_sft")
             tr.meta["sft_success"] = ev["success"]
             tr.meta["sft_eval"] = ev

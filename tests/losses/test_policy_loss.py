@@ -47,7 +47,7 @@ def run(tc, cfg, logp, prox, behav, adv, mask, *, turn_ids=None, versions=None, 
         def f(logp, prox, behav, adv, mask, turn_ids, versions, g, exact, denominator, entropy):
             def lf(x):
                 return policy_loss(x, prox, behav, adv, mask, cfg, turn_ids=turn_ids, versions=versions,
-                                   current_version=g, exact_logp=exact, denominator=denominator,
+                                   current_version=g, old_logp=exact, denominator=denominator,
                                    entropy=entropy)
 
             (loss, m), grad = jax.value_and_grad(lf, has_aux=True)(logp)
