@@ -21,7 +21,7 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     (AReaL decoupled PPO, Fu et al. 2025 §4, ``recompute_logprob``). Cost: 1 forward.
 ``linear_prox``
     log pi_prox = log mu + alpha_t (sg(log pi_g) - log mu), alpha_t = k/(k+1), k = g - v_t
-    (AReaL ``loglinear`` proximal approximation / A-3PO; :func:`jax_rl.proximal.linear_prox_logp`).
+    (AReaL ``loglinear`` proximal approximation / A-3PO; :func:`jax_rl.proximal.loglinear_logp`).
     The detached log-probs of the gradient forward are log pi_g when the step makes one update;
     with several updates per step (``ppo_epochs*minibatches > 1``) or a pi_prox-dependent
     denominator across microbatches, one no-grad forward at the start supplies them.
@@ -206,13 +206,13 @@ class LinearProx(Correction):
         tokens = batch.tokens
         T = tokens.shape[-1]
         lp0 = lax.stop_gradient(logprobs(params, tokens, batch.attention_mask))
-        prox = proximal.linear_prox_logp(
+        prox = proximal.loglinear_logp(
             batch.behav_logp.reshape(-1, T), lp0.reshape(-1, T), batch.versions.reshape(-1, T), version,
         ).reshape(tokens.shape)
         return prox, cstate, {}
 
     def micro_prox(self, logp, x, version):
-        return proximal.linear_prox_logp(x.behav_logp, logp, x.versions, version)
+        return proximal.loglinear_logp(x.behav_logp, logp, x.versions, version)
 
 
 @flax.struct.dataclass

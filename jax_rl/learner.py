@@ -14,7 +14,7 @@ on the mode's name.
 call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``, ``loss_tokens``,
 ``step_time_s`` (wall seconds, host included), ``tokens_per_s``, ``updates``,
 ``nonfinite_updates``, ``version``, ``step``, ``skipped``, ``skipped_steps``,
-``nonfinite_streak`` (consecutive all-non-finite calls), the strategy's own (``ppo_ewma``:
+``nonfinite_streak`` (consecutive all-non-finite calls), the strategy's own (the EWMA strategy:
 ``nonfinite_ewma``, ``ewma_reset``, ``ewma_beta``, ``ewma_streak``, ``ewma_retained``,
 ``ewma_resets``) and, with the snapshot store, ``old_logits_bytes``, ``old_logits_versions``,
 ``old_logits_s``. After ``optim.max_skipped_steps`` consecutive calls whose every update was
@@ -32,21 +32,20 @@ writes log lines. Checkpoints are written and read cooperatively by Orbax.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
 from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
-from jax_rl.config import Config, RuntimeConfig, config_hash
+from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
+from jax_rl.placement import BatchPlacement, initialize_distributed, place_params
 from jax_rl.model_builder import abstract_model_split, model_kwargs, resolve_mesh, resolve_model_config
 from jax_rl.train_step import (TrainState, init_train_state, make_grads_fn, make_logprob_step, make_optimizer,
                                make_schedule, make_train_step, train_state_shardings)
@@ -73,41 +72,6 @@ class NonFiniteTrainingError(RuntimeError):
     """``optim.max_skipped_steps`` learner steps in a row (RL ``train_step`` or ``sft_step``) had
     every optimizer update skipped as non-finite. The params are those of the last finite update;
     the message (one line) names the step, the last loss / grad norm and the knobs to look at."""
-
-
-def _distributed_initialized() -> bool:
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client is not None
-    except Exception:  # pragma: no cover - private API moved
-        return False
-
-
-def initialize_distributed(runtime: RuntimeConfig) -> bool:
-    """``jax.distributed.initialize`` from ``runtime.coordinator/num_processes/process_id``.
-
-    With no coordinator, a TPU pod (``TPU_WORKER_HOSTNAMES`` lists several hosts) is
-    auto-detected by ``jax.distributed.initialize()``. Must run before jax's backend starts.
-    Returns True when this process is part of a multi-process run. Idempotent.
-    """
-    if _distributed_initialized():
-        return jax.process_count() > 1
-    if runtime.coordinator:
-        if runtime.num_processes is None or runtime.process_id is None:
-            raise ValueError("runtime.coordinator needs runtime.num_processes and runtime.process_id")
-        jax.distributed.initialize(
-            coordinator_address=runtime.coordinator,
-            num_processes=runtime.num_processes,
-            process_id=runtime.process_id,
-        )
-        return True
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if len([h for h in hosts.split(",") if h]) > 1:
-        jax.distributed.initialize()
-        return True
-    return False
-
 
 
 class Learner:
@@ -145,6 +109,7 @@ class Learner:
         self._is_main = jax.process_index() == 0
         self._replicated = NamedSharding(self.mesh, P())
         self._sft = None
+        self.placement = BatchPlacement(self.mesh, self.minibatches, self.microbatches)
         self._ckptrs: dict[str, Any] = {}
         self._steps: dict[Any, Any] = {}
 
@@ -155,14 +120,14 @@ class Learner:
             if not jax.tree.leaves(abs_rest):
                 self.rest = abs_rest
                 self.param_shardings = state_shardings(abs_params, self.mesh)
-                params = self._place_params(init_params, abs_params)
+                params = place_params(init_params, abs_params, self.param_shardings)
         if params is None:
             model = create_sharded_model(self.model_config, self.mesh, seed=cfg.run.seed, **kw)
             self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
             del model
             self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
             if init_params is not None:
-                params = self._place_params(init_params, params)
+                params = place_params(init_params, params, self.param_shardings)
 
         total_updates = max(1, cfg.run.steps) * self.ppo_epochs * self.minibatches
         self.tx, self.schedule = make_optimizer(cfg.optim, total_updates)
@@ -187,25 +152,6 @@ class Learner:
     # ---------------------------------------------------------------------------------
     # setup helpers and properties
     # ---------------------------------------------------------------------------------
-    def _place_params(self, init_params: Any, like: Any) -> Any:
-        """Put user-given params (State / Module / nested dict; numpy or jax) on the mesh."""
-        if isinstance(init_params, nnx.Module):
-            init_params = nnx.state(init_params, nnx.Param)
-        if isinstance(init_params, nnx.State):
-            init_params = nnx.to_pure_dict(init_params)
-        given = _stringify(init_params)
-        ref = _stringify(nnx.to_pure_dict(like))
-        shard = _stringify(nnx.to_pure_dict(self.param_shardings))
-        if jax.tree.structure(given) != jax.tree.structure(ref):
-            raise ValueError(
-                "init_params do not match the model's param tree: "
-                f"got {jax.tree.structure(given)}, expected {jax.tree.structure(ref)}"
-            )
-        placed = jax.tree.map(_put, given, shard, ref)
-        out = jax.tree.map(lambda x: x, like)  # fresh State containers
-        nnx.replace_by_pure_dict(out, placed)
-        return out
-
     @property
     def version(self) -> int:
         """Published versions so far (params after n published updates are version n)."""
@@ -220,6 +166,10 @@ class Learner:
     def params(self) -> Any:
         """The live params (``nnx.State``; donated by the next train step: copy before keeping)."""
         return self.state.params
+
+    def model(self, params: Any = None):
+        """The NNX model with ``params`` (default: the live params) merged in."""
+        return nnx.merge(self.graphdef, self.state.params if params is None else params, self.rest)
 
     def get_params(self, host: bool = False) -> Any:
         """A copy of the current params for the rollout side.
@@ -238,76 +188,25 @@ class Learner:
     # ---------------------------------------------------------------------------------
     # batch placement
     # ---------------------------------------------------------------------------------
+    # ---------------------------------------------------------------------------------
+    # batch placement (jax_rl.placement)
+    # ---------------------------------------------------------------------------------
     def _layout(self, B: int, U: Optional[int] = None, m: Optional[int] = None) -> tuple[int, int, int]:
-        U = self.minibatches if U is None else U
-        m = self.microbatches if m is None else m
-        if B % (U * m):
-            raise BatchError(f"batch has B={B} rows, not a multiple of minibatches*microbatches={U * m}")
-        return U, m, B // (U * m)
+        return self.placement.layout(B, U, m)
 
     def batch_sharding(self, r: int) -> NamedSharding:
         """Sharding of a chunked batch array [U, m, r, T]: rows over ``activation_batch``'s axes."""
-        from jax_rl.sharding import logical_to_pspec
-
-        spec = logical_to_pspec(("activation_batch",), shape=(r,), mesh=self.mesh)
-        return NamedSharding(self.mesh, P(None, None, spec[0], None))
+        return self.placement.batch_sharding(r)
 
     def process_rows(self, batch: Mapping[str, np.ndarray], U: Optional[int] = None, m: Optional[int] = None
                      ) -> dict[str, np.ndarray]:
-        """This process's rows of a GLOBAL batch [B, T] (what ``train_step(..., process_local=True)`` takes).
-
-        The global batch is laid out [U, m, r, T]; the process owns the row range of ``r``
-        that its devices hold in :meth:`batch_sharding`, in every (u, j) chunk.
-        """
-        B, T = np.shape(batch["tokens"])
-        U, m, r = self._layout(B, U, m)
-        lo, hi = self._local_row_range(r, T)
-        return {k: np.asarray(v).reshape((U, m, r) + np.shape(v)[1:])[:, :, lo:hi].reshape((-1,) + np.shape(v)[1:])
-                for k, v in batch.items()}
-
-    def _local_row_range(self, r: int, T: int) -> tuple[int, int]:
-        sh = self.batch_sharding(r)
-        idx = sh.addressable_devices_indices_map((1, 1, r, T))
-        los = [(i[2].start or 0) for i in idx.values()]
-        his = [(r if i[2].stop is None else i[2].stop) for i in idx.values()]
-        lo, hi = min(los), max(his)
-        return lo, hi
+        """This process's rows of a GLOBAL batch [B, T] (what ``train_step(..., process_local=True)`` takes)."""
+        return self.placement.process_rows(batch, U, m)
 
     def device_batch(self, batch: Mapping[str, np.ndarray], *, process_local: bool, U=None, m=None
-                      ) -> tuple[dict[str, jax.Array], int]:
+                     ) -> tuple[dict[str, jax.Array], int]:
         """Host batch -> dict of global [U, m, r, T] arrays. Returns (arrays, r)."""
-        B_local, T = np.shape(batch["tokens"])
-        nproc = jax.process_count()
-        if process_local and nproc > 1:
-            U_, m_, r_local = self._layout(B_local, U, m)
-            # every process owns an equal slice of each chunk's rows
-            r = r_local * nproc
-            lo, hi = self._local_row_range(r, T)
-            if hi - lo != r_local:
-                raise BatchError(
-                    f"process-local batch: {r_local} rows per chunk on each of {nproc} processes do not match the "
-                    f"mesh's batch sharding ({self.batch_sharding(r).spec} over {r} rows); pass the global batch "
-                    "or a row count divisible by the batch axes"
-                )
-            U, m = U_, m_
-        else:
-            U, m, r = self._layout(B_local, U, m)
-        sh = self.batch_sharding(r)
-        gshape = (U, m, r, T)
-        out = {}
-        if nproc > 1:
-            lo, hi = self._local_row_range(r, T)
-        for k, v in batch.items():
-            a = np.asarray(v)
-            if process_local and nproc > 1:
-                local = a.reshape(U, m, -1, T)
-            elif nproc > 1:
-                local = a.reshape(U, m, r, T)[:, :, lo:hi]
-            else:
-                out[k] = jax.device_put(a.reshape(gshape), sh)
-                continue
-            out[k] = jax.make_array_from_process_local_data(sh, np.ascontiguousarray(local), gshape)
-        return out, r
+        return self.placement.device_batch(batch, process_local=process_local, U=U, m=m)
 
     # ---------------------------------------------------------------------------------
     # the train step
@@ -368,7 +267,7 @@ class Learner:
             require_versions=self.strategy.needs_exact and "old_logp" not in batch,
         )
         b.pop("prox_logp", None)
-        b, n_loss = self._sync_global(b)
+        b, n_loss = self.placement.sync_global(b)
         if n_loss == 0:
             self.skipped_steps += 1
             if self._is_main:
@@ -426,21 +325,6 @@ class Learner:
                 f"{'sft.lr' if what == 'sft_step' else 'optim.lr, the loss.* settings'} and the batches, or set "
                 f"optim.max_skipped_steps=0 to keep going"
             )
-
-    def _sync_global(self, b: dict) -> tuple[dict, int]:
-        """Multi-process: pad T to the global max and count loss tokens over all processes."""
-        n_loss = int(b["loss_mask"].sum())
-        if jax.process_count() == 1:
-            return b, n_loss
-        from jax.experimental import multihost_utils
-
-        T = b["tokens"].shape[1]
-        allv = np.asarray(multihost_utils.process_allgather(np.array([T, n_loss], np.int64))).reshape(-1, 2)
-        T_glob, n_glob = int(allv[:, 0].max()), int(allv[:, 1].sum())
-        if T_glob > T:
-            pad = {"tokens": 0, "versions": -1, "turn_ids": -1}
-            b = {k: np.pad(v, ((0, 0), (0, T_glob - T)), constant_values=pad.get(k, 0)) for k, v in b.items()}
-        return b, n_glob
 
     def logprobs(self, batch: Mapping[str, Any], params: Any = None) -> np.ndarray:
         """Training-numerics log-probs [B, T] float32 of ``batch['tokens']`` (needs ``tokens``
@@ -510,7 +394,7 @@ class Learner:
 
     def reset_proximal(self) -> None:
         """The params changed outside RL (SFT ended): re-anchor the correction strategy's state on
-        them (``ppo_ewma``: theta_bar <- theta, W = 1, streak 0) and re-snapshot the current version."""
+        them (EWMA: theta_bar <- theta, W = 1, streak 0) and re-snapshot the current version."""
         st = self.state
         with jax.set_mesh(self.mesh):
             cstate = jax.jit(self.strategy.reset, in_shardings=(self.param_shardings, self.state_shardings.correction),
@@ -672,15 +556,3 @@ class Learner:
 
 
 
-def _stringify(tree: Any) -> Any:
-    """Nested dict with string keys (so int and str layer keys compare equal)."""
-    if isinstance(tree, Mapping):
-        return {str(k): _stringify(v) for k, v in tree.items()}
-    return tree
-
-
-def _put(value: Any, sharding: Any, ref: Any) -> jax.Array:
-    a = np.asarray(value) if not isinstance(value, jax.Array) else value
-    if tuple(a.shape) != tuple(ref.shape):
-        raise ValueError(f"init_params leaf has shape {a.shape}; the model expects {ref.shape}")
-    return jax.device_put(jnp.asarray(a, jnp.float32) if isinstance(a, jax.Array) else a.astype(np.float32), sharding)

@@ -2,7 +2,7 @@
 
 Pure, jit-able functions (no I/O, no host round-trips). Formula sources:
 paper 2605.12070 §1.3/§2.1 via ``research/paper_spec.md`` (the skeleton below), AReaL
-``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (decoupled loss, keep-in-denominator),
+``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (the two-factor loss, keep-in-denominator),
 ROLL ``agg_loss`` / ``InferCorrectionHandler`` (aggregations, MIS/TIS levels, catastrophic
 rejection).
 

@@ -5,7 +5,7 @@ shardings, the state donated), built once per batch layout, as purejaxrl's ``mak
 One call does everything for one published version:
 
 1. pi_prox: ``strategy.prox_logp`` (:mod:`jax_rl.correction`; it may update its own state, e.g.
-   the ``ppo_ewma`` reset, effective for this step).
+   the EWMA reset, effective for this step).
 2. ``optim.ppo_epochs x optim.minibatches`` optimizer updates (``lax.scan``), each over
    ``optim.microbatches`` gradient-accumulation microbatches (``lax.scan``). Normalisation is
    global: every microbatch's loss is divided by the minibatch's
@@ -49,7 +49,7 @@ class TrainState:
     Fields:
         params: ``nnx.State`` of the model's ``nnx.Param``s, fp32 master weights.
         opt_state: optax state of ``make_optimizer``'s chain (moments like the params).
-        correction: the correction strategy's state (``ppo_ewma``: :class:`jax_rl.correction.EwmaState`;
+        correction: the correction strategy's state (EWMA: :class:`jax_rl.correction.EwmaState`;
             None for the stateless modes).
         version: int32 scalar, published versions (one per train step).
         step: int32 scalar, applied optimizer updates.

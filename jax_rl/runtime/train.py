@@ -225,9 +225,9 @@ def _load_hf_params(cfg: Config, model_config):
     from flax import nnx
 
     from jax_rl.models.hf_io import CheckpointError, load_pretrained
-    from jax_rl.sharding import make_mesh
+    from jax_rl.model_builder import resolve_mesh
 
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
+    mesh = resolve_mesh(cfg)
     try:
         model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
     except CheckpointError as e:  # e.g. a tensor's bytes do not match its header

@@ -69,7 +69,7 @@ def test_snapshot_route_versions_eviction_and_checkpoint(tmp_path, devices):
     b["versions"][0] = np.where(lm[0], np.where(np.arange(16) < 10, 2, 3), -1)
     b["versions"][1] = np.where(lm[1], 1, -1)
     b["versions"][2] = np.where(lm[2], 2, -1)
-    dev, r = lrn._device_batch(b, process_local=False)
+    dev, r = lrn.device_batch(b, process_local=False)
     needed = versions_needed(b["versions"], lm)
     assert needed == [1, 2, 3]
     old, stats = snapshot_logprobs(lrn.store, lrn._logprob_jit, tokens=dev["tokens"],
