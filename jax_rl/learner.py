@@ -45,8 +45,10 @@ from jax_rl import checkpoint as ckpt
 from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
 from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
-from jax_rl.placement import BatchPlacement, initialize_distributed, place_params
 from jax_rl.model_builder import abstract_model_split, model_kwargs, resolve_mesh, resolve_model_config
+from jax_rl.old_logits import snapshot_logprobs, versions_needed
+from jax_rl.placement import BatchPlacement, initialize_distributed, place_params
+from jax_rl.sft import SftRunner
 from jax_rl.train_step import (TrainState, init_train_state, make_grads_fn, make_logprob_step, make_optimizer,
                                make_schedule, make_train_step, train_state_shardings)
 
@@ -293,8 +295,6 @@ class Learner:
 
     def _score_old(self, b: dict, dev: dict, g: int):
         """Exact old log-probs of the batch from the snapshot store (the strategy's host step)."""
-        from jax_rl.old_logits import snapshot_logprobs, versions_needed
-
         return snapshot_logprobs(
             self.store, self._logprob_jit, tokens=dev["tokens"], attention_mask=dev["attention_mask"],
             versions=dev["versions"], needed=versions_needed(b["versions"], b["loss_mask"]), current_version=g,
@@ -383,8 +383,6 @@ class Learner:
         Raises:
             NonFiniteTrainingError: ``optim.max_skipped_steps`` non-finite steps in a row.
         """
-        from jax_rl.sft import SftRunner
-
         if self._sft is None:
             self._sft = SftRunner(self)
         out = self._sft.step(batch)

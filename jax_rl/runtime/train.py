@@ -473,7 +473,7 @@ def _raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner
     need = 0
     if learner is not None:
         st = learner.state
-        need = tree_nbytes(st.params, st.opt_state, st.ewma_params)
+        need = tree_nbytes(st.params, st.opt_state, st.correction)
     what = f"{type(e).__name__} {getattr(e, 'filename', None) or ''}".strip()
     raise disk_full_error(ckpt_dir, need, f"writing failed ({what})", run_dir=run_dir) from None
 
