@@ -193,21 +193,7 @@ def validate_batch(
     spec = dict(BATCH_FIELDS)
     spec.update({k: v for k, v in OPTIONAL_FIELDS.items() if k in batch})
     for k, (kind, dt) in spec.items():
-        a = np.asarray(batch[k])
-        if a.shape != (B, T):
-            raise BatchError(f"batch[{k!r}] has shape {a.shape}; expected {(B, T)} like tokens")
-        if kind == "int":
-            if not np.issubdtype(a.dtype, np.integer):
-                raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected an integer dtype (int32)")
-            if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-                raise BatchError(f"batch[{k!r}] has values outside int32")
-        elif kind == "bool":
-            if a.dtype != np.bool_:
-                raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected bool")
-        else:
-            if not np.issubdtype(a.dtype, np.floating):
-                raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected a float dtype (float32)")
-        out[k] = np.ascontiguousarray(a, dtype=dt)
+        out[k] = _field(k, kind, dt, batch[k], (B, T))
     am, lm = out["attention_mask"], out["loss_mask"]
     if np.any(lm & ~am):
         raise BatchError("batch['loss_mask'] is True where attention_mask is False")
@@ -229,3 +215,21 @@ def validate_batch(
     if require_versions and v.size and v.min() < 0:
         raise BatchError("loss.correction=exact needs batch['versions'] >= 0 on every loss token")
     return out
+
+
+def _field(k: str, kind: str, dt: Any, value: Any, shape: tuple[int, int]) -> np.ndarray:
+    """One batch field checked for shape and dtype kind, as a contiguous ``dt`` array."""
+    a = np.asarray(value)
+    if a.shape != shape:
+        raise BatchError(f"batch[{k!r}] has shape {a.shape}; expected {shape} like tokens")
+    if kind == "int":
+        if not np.issubdtype(a.dtype, np.integer):
+            raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected an integer dtype (int32)")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise BatchError(f"batch[{k!r}] has values outside int32")
+    elif kind == "bool":
+        if a.dtype != np.bool_:
+            raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected bool")
+    elif not np.issubdtype(a.dtype, np.floating):
+        raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected a float dtype (float32)")
+    return np.ascontiguousarray(a, dtype=dt)
