@@ -52,12 +52,15 @@ def main() -> None:
     ap.add_argument("--decode-slots", type=int, default=32)
     ap.add_argument("--decode-len", type=int, default=320)
     ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--scan", action="store_true", help="model.scan_layers layout")
+    ap.add_argument("--remat-policy", default=None, help="MaxText remat policy name")
     ap.add_argument("--hlo", default=None)
     args = ap.parse_args()
     print(f"load {os.getloadavg()[0]:.1f}  B={args.B} T={args.T}  median of {args.reps}")
     for name in args.configs.split(","):
         cfg = q.get_preset("tiny_dense", **CONFIGS[name])
-        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=args.remat)
+        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=args.remat,
+                                   scan_layers=args.scan, remat_policy=args.remat_policy)
         graphdef, params = nnx.split(model)
         rng = np.random.default_rng(0)
         tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.B, args.T)), jnp.int32)

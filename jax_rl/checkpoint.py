@@ -143,6 +143,24 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _layers_layout_of_paths(paths) -> Optional[str]:
+    """``"stacked"`` / ``"unrolled (one subtree per layer)"`` from the key paths of a params
+    tree (the key after ``layers`` is a layer index in the unrolled layout), None if no
+    ``layers`` key."""
+    for path in paths:
+        path = [str(k) for k in path]
+        if "layers" in path[:-1]:
+            nxt = path[path.index("layers") + 1]
+            return "unrolled (one subtree per layer)" if nxt.isdigit() else "stacked"
+    return None
+
+
+def _layers_layout_of_tree(tree: Any) -> Optional[str]:
+    paths = [[getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in p]
+             for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return _layers_layout_of_paths(paths)
+
+
 class Checkpointer:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` with the learner's items.
 
@@ -248,9 +266,12 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no checkpoint.
+            CheckpointMismatchError: the decoder layers are stacked on one side and unrolled on
+                the other (``model.scan_layers``), one line.
             ValueError: the saved tree does not match the target (Orbax's message).
         """
         step = self._resolve(step)
+        self.check_layer_layout(step, state)
         items = {"state": ocp.args.StandardRestore(state), "metadata": ocp.args.JsonRestore()}
         if ewma is not None:
             items["ewma"] = ocp.args.StandardRestore(ewma)
@@ -263,6 +284,25 @@ class Checkpointer:
             "snapshots": out.snapshots if snapshots else None,
             "metadata": dict(out.metadata),
         }
+
+    def check_layer_layout(self, step: int, state: Any) -> None:
+        """One-line ``CheckpointMismatchError`` when the saved state stores the decoder layers in
+        the other layout than ``state`` (the restore target): unrolled ``params/layers/<i>/...``
+        vs stacked ``params/layers/<name>`` [L, ...] (``model.scan_layers``). No-op when either
+        side has no ``layers`` subtree or the saved tree metadata cannot be read."""
+        want = _layers_layout_of_tree(state)
+        try:
+            meta = json.loads((self.directory / str(step) / "state" / "_METADATA").read_text())
+            paths = [[k["key"] for k in v["key_metadata"]] for v in meta["tree_metadata"].values()]
+        except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
+            return
+        have = _layers_layout_of_paths(paths)
+        if want is None or have is None or want == have:
+            return
+        raise CheckpointMismatchError(
+            f"checkpoint {self.directory / str(step)} stores the decoder layers {have} but this run "
+            f"builds them {want}: set model.scan_layers={'true' if have == 'stacked' else 'false'} "
+            "to resume it")
 
     def wait(self) -> None:
         """Block until in-flight async saves are committed.

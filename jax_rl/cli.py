@@ -192,6 +192,11 @@ def _flag_to_end(argv: list[str], flag: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from jax_rl.tpu import cpu_unless_tpu_present
+
+    # libtpu installed (the tpu/test extras) on a host without a TPU: use the CPU without
+    # libtpu's initialisation errors; a TPU VM (or JAX_PLATFORMS set) is left alone
+    cpu_unless_tpu_present()
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--resume`` (and the other train switches) may come anywhere (``train CONFIG --resume run.dir=D``):
     # argparse would take what follows them for an unknown argument, so move the flags to the end

@@ -119,7 +119,24 @@ class ModelConfig(_Section):
     moe_dispatch: Literal["dense", "ragged"] = "dense"
     """MoE dispatch path: dense one-hot (small/CPU) or grouped ``jax.lax.ragged_dot``."""
     remat: bool = False
-    """Rematerialise each decoder layer in the backward pass (saves activation memory)."""
+    """Rematerialise each decoder layer in the backward pass (saves activation memory);
+    shorthand for ``remat_policy: full`` when ``remat_policy`` is not set."""
+    remat_policy: Optional[Literal["none", "full", "minimal", "save_dot_except_mlp",
+                                   "save_dot_with_context_except_mlp", "save_dot_except_mlpwi",
+                                   "save_qkv_proj", "save_out_proj"]] = None
+    """Per-layer rematerialisation, MaxText ``remat_policy`` names: ``none`` keeps every
+    activation, ``full`` only the layer inputs, ``minimal`` every matmul output, the
+    ``save_*`` ones the named projections (``jax_rl.models.qwen3.remat_policy_fn``). Unset:
+    ``full`` if ``remat`` else ``none``."""
+    scan_layers: bool = True
+    """Stack the decoder layers' params on a leading ``layers`` axis and run them under
+    ``jax.lax.scan`` (MaxText ``scan_layers``): compile time and program size independent of
+    depth. Changes the checkpoint layout (``params/layers/<name>`` [L, ...] instead of
+    ``params/layers/<i>/<name>``). Mixed dense/MoE stacks stay unrolled."""
+    attention: Literal["auto", "xla", "splash"] = "auto"
+    """Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
+    kernel, ``xla`` = einsum softmax (HF eager numerics), ``auto`` = splash on a TPU backend,
+    xla elsewhere. Decode steps always use ``xla``."""
 
 
 class MeshConfig(_Section):

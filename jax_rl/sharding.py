@@ -34,6 +34,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # logical name -> mesh axis (str), several mesh axes (tuple) or None (replicated).
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     # params
+    ("layers", None),  # the stacked decoder-layer axis of model.scan_layers (MaxText "layers")
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("q_heads", "tensor"),

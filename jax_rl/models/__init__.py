@@ -12,6 +12,7 @@ from jax_rl.models.qwen3 import (  # noqa: F401
     Qwen3ForCausalLM,
     count_params,
     get_preset,
+    model_kwargs,
     sequence_logprobs,
     token_logprobs,
 )

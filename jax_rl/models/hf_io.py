@@ -331,6 +331,15 @@ def _get_var(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
     return node
 
 
+def _locate(model: nnx.Module, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int | None]:
+    """A ParamSpec path (unrolled layout, ``("layers", i, ...)``) -> (the model's variable path,
+    the layer index into its leading axis or None). With ``model.scan_layers`` the decoder
+    params are stacked [L, ...] under ``("layers", ...)``."""
+    if getattr(model, "scan_layers", False) and path[:1] == ("layers",):
+        return ("layers",) + tuple(path[2:]), int(path[1])
+    return tuple(path), None
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
                     config: Qwen3Config | None = None, **model_kw
                     ) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
@@ -339,7 +348,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
     ``dtype`` is the param and compute dtype (override compute with ``model_kw['dtype']``).
     With ``mesh`` each param is placed directly with its NamedSharding from the logical-axis
     rules (no full copy on one device). ``model_kw`` go to ``Qwen3ForCausalLM`` (e.g.
-    ``moe_dispatch``). Returns ``(model, config)``.
+    ``moe_dispatch``, ``scan_layers``: HF's per-layer tensors ``model.layers.{i}.*`` are then
+    stacked on the leading ``layers`` axis). Returns ``(model, config)``.
     """
     path = Path(path)
     cfg = config if config is not None else load_config(path)
@@ -355,16 +365,24 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
 
         shardings = state_shardings(nnx.state(model), mesh)
     target = np.dtype(jnp.dtype(kw["param_dtype"]))
+    L = cfg.num_hidden_layers
+    pending: dict[tuple[Any, ...], list] = {}  # stacked var path -> per-layer arrays
     for s in specs:
-        var = _get_var(model, s.path)
+        var_path, layer = _locate(model, s.path)
+        var = _get_var(model, var_path)
         arr = s.to_ours([_load_np(tensors[n]) for n in s.hf_names]).astype(target)
+        if layer is not None:
+            pending.setdefault(var_path, [None] * L)[layer] = arr
+            if any(a is None for a in pending[var_path]):
+                continue
+            arr = np.stack(pending.pop(var_path))
         abstract = var.get_value()
         if arr.shape != tuple(abstract.shape):  # guarded by check_tensors; defensive
             raise CheckpointError(f"{s.hf_names[0]}: converted shape {arr.shape} != "
                                   f"{abstract.shape}")
         if shardings is not None:
             sh = shardings
-            for k in s.path:
+            for k in var_path:
                 sh = sh[k]
             sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
             value = jax.device_put(arr, sh)
@@ -413,7 +431,10 @@ def save_pretrained(model: Qwen3ForCausalLM, config: Qwen3Config | None,
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for s in specs:
-        x = np.asarray(jax.device_get(_get_var(model, s.path).get_value()))
+        var_path, layer = _locate(model, s.path)
+        x = np.asarray(jax.device_get(_get_var(model, var_path).get_value()))
+        if layer is not None:
+            x = x[layer]
         if out_dt is not None:
             x = x.astype(out_dt)
         if x.dtype not in _DTYPE_TO_SAFE:

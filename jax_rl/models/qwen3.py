@@ -26,6 +26,11 @@ Parameter layout (HF name -> ours; HF Linear weights are [out, in], ours [in, ou
 
 Every parameter carries its logical axis names in the ``out_sharding`` metadata (created with
 ``eager_sharding=False``); ``jax_rl.sharding`` maps them to mesh axes.
+
+With ``scan_layers=True`` (config ``model.scan_layers``) the per-layer params above are stacked
+on a leading axis: ``layers.attn.q_proj [L,D,N,H]`` with names ``("layers", "embed", ...)``
+instead of ``layers.{i}.attn.q_proj [D,N,H]`` (MaxText ``scan_layers``); ``hf_io`` maps both
+layouts to HF's ``model.layers.{i}.*``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -57,6 +63,13 @@ __all__ = [
     "token_logprobs",
     "sequence_logprobs",
     "count_params",
+    "REMAT_POLICIES",
+    "remat_policy_fn",
+    "ATTENTION_KINDS",
+    "resolve_attention",
+    "stack_layer_params",
+    "model_kwargs",
+    "unstack_layer_params",
 ]
 
 _NEG_INF = -1e30  # finite "minus infinity" for masked attention scores (no NaN on empty rows)
@@ -596,6 +609,8 @@ class Attention(nnx.Module):
         q = _proj(x, self.q_proj[...].astype(dt))
         k = _proj(x, self.k_proj[...].astype(dt))
         v = _proj(x, self.v_proj[...].astype(dt))
+        q, k, v = (checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"),
+                   checkpoint_name(v, "value_proj"))
         q = self.q_norm(q)
         k = self.k_norm(k)
         cos, sin = rope_cos_sin(positions, q.shape[-1], self.theta)
@@ -603,7 +618,8 @@ class Attention(nnx.Module):
 
     def out(self, o: Array) -> Array:
         """o [B,T,N,H] -> [B,T,D]."""
-        return _proj(o.astype(self.dtype), self.o_proj[...].astype(self.dtype), n_in=2)
+        return checkpoint_name(
+            _proj(o.astype(self.dtype), self.o_proj[...].astype(self.dtype), n_in=2), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -618,9 +634,9 @@ class MLP(nnx.Module):
     def __call__(self, x: Array) -> Array:
         dt = self.dtype
         x = x.astype(dt)
-        g = _proj(x, self.gate_proj[...].astype(dt))
-        u = _proj(x, self.up_proj[...].astype(dt))
-        return _proj(jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
+        g = checkpoint_name(_proj(x, self.gate_proj[...].astype(dt)), "mlpwi_0")
+        u = checkpoint_name(_proj(x, self.up_proj[...].astype(dt)), "mlpwi_1")
+        return checkpoint_name(_proj(jax.nn.silu(g) * u, self.down_proj[...].astype(dt)), "mlpwo")
 
 
 class MoE(nnx.Module):
@@ -703,6 +719,7 @@ class MoE(nnx.Module):
 
 
 AttendFn = Callable[[Array, Array, Array], Array]
+LayerAttendFn = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
 
 
 class DecoderLayer(nnx.Module):
@@ -727,7 +744,7 @@ class DecoderLayer(nnx.Module):
         """x [B,T,D] -> (x [B,T,D], expert ids [B,T,k] or None). ``attend_fn(q,k,v)`` does
         the attention core (full-sequence, prefill or cached decode)."""
         q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
-        h = x + self.attn.out(attend_fn(q, k, v)).astype(x.dtype)
+        h = x + self.attn.out(checkpoint_name(attend_fn(q, k, v), "context")).astype(x.dtype)
         y = self.post_attention_layernorm(h)
         if self.is_moe:
             y, ids = self.mlp(y, forced_expert_ids)
@@ -767,6 +784,86 @@ class KVCache:
 
 
 # --------------------------------------------------------------------------------------
+# Layer stacking (scan_layers), remat policies, attention choice
+# --------------------------------------------------------------------------------------
+
+_SAVE_NAMES = {  # MaxText ``remat_policy`` -> checkpoint_name tags whose values are kept
+    "minimal": ("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0",
+                "mlpwi_1", "mlpwo"),
+    "save_dot_with_context_except_mlp": ("query_proj", "key_proj", "value_proj", "context",
+                                         "out_proj"),
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_out_proj": ("out_proj",),
+}
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", *_SAVE_NAMES)
+"""Names accepted by ``remat_policy`` (MaxText ``remat_policy`` names, plus ``none``)."""
+
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash")
+
+
+def remat_policy_fn(name: str):
+    """The ``jax.checkpoint`` policy for a MaxText remat-policy name (None for ``full``: save
+    nothing but the layer inputs). The tags are ``checkpoint_name``s in this module: matmul
+    outputs ``query_proj``/``key_proj``/``value_proj``/``out_proj``/``mlpwi_0``/``mlpwi_1``/
+    ``mlpwo`` and the attention output ``context``. ``minimal`` keeps every one of them
+    (MaxText keeps all dots without batch dims; ours are tagged because they run through a
+    custom VJP). Raises ValueError for an unknown name or ``none``."""
+    if name == "full":
+        return None
+    if name not in _SAVE_NAMES:
+        raise ValueError(f"remat_policy {name!r} has no checkpoint policy; one of "
+                         f"{REMAT_POLICIES[1:]}")
+    return jax.checkpoint_policies.save_only_these_names(*_SAVE_NAMES[name])
+
+
+def resolve_attention(kind: str) -> str:
+    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash`` unchanged.
+    Raises ValueError for other names."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
+    if kind == "auto":
+        return "splash" if jax.default_backend() == "tpu" else "xla"
+    return kind
+
+
+def _stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """Stack L same-structure modules into the first one: every Param becomes [L, ...] with
+    logical names ``("layers", *names)`` (MaxText's stacked ``layers`` axis)."""
+    states = [nnx.state(m) for m in layers]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    first = layers[0]
+    nnx.update(first, stacked)
+    for _, var in nnx.iter_graph(first):
+        if isinstance(var, nnx.Variable):
+            names = var.get_metadata().get("out_sharding")
+            if names is not None:
+                var.set_metadata("out_sharding", ("layers", *names))
+    return first
+
+
+def stack_layer_params(params: dict, num_layers: int) -> dict:
+    """A nested params dict of the unrolled layout (``params["layers"][i][...]``, e.g. a pure
+    dict from ``nnx.to_pure_dict``) -> the ``scan_layers`` layout (``params["layers"][...]`` of
+    [L, ...]). Raises ValueError when ``layers`` is not the unrolled layout with L entries."""
+    layers = params.get("layers")
+    if not isinstance(layers, dict) or sorted(layers) != list(range(num_layers)):
+        raise ValueError(f"params['layers'] is not an unrolled stack of {num_layers} layers")
+    out = dict(params)
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(num_layers)])
+    return out
+
+
+def unstack_layer_params(params: dict, num_layers: int) -> dict:
+    """Inverse of ``stack_layer_params``: [L, ...] leaves -> ``params["layers"][i]``."""
+    out = dict(params)
+    out["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], params["layers"])
+                     for i in range(num_layers)}
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------
 
@@ -776,23 +873,56 @@ class Qwen3ForCausalLM(nnx.Module):
 
     ``dtype`` is the compute dtype (params are cast on use), ``param_dtype`` the storage
     dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``.
-    ``remat``: rematerialise each decoder layer in the backward pass (full forward only).
+
+    ``scan_layers``: store the decoder layers' params stacked on a leading ``layers`` axis
+    (``self.layers`` is then one ``DecoderLayer`` whose params are ``[L, ...]``, logical names
+    ``("layers", ...)``) and run the stack under ``jax.lax.scan`` (MaxText ``scan_layers``):
+    one layer is compiled instead of L. Needs every layer of the same kind (all dense or all
+    MoE); a mixed stack (``decoder_sparse_step > 1`` / ``mlp_only_layers``) stays unrolled and
+    ``self.scan_layers`` is False. Same logits as the unrolled layout (bit-identical on CPU
+    fp32 in our tests).
+
+    ``remat_policy``: rematerialisation of each decoder layer in the backward pass, MaxText
+    names (``REMAT_POLICIES``): ``none`` (keep all activations), ``full`` (keep only the layer
+    input), ``minimal`` (keep matmul outputs without batch dims), ``save_dot_except_mlp``,
+    ``save_dot_with_context_except_mlp``, ``save_dot_except_mlpwi``, ``save_qkv_proj``,
+    ``save_out_proj``. ``remat=True`` (older flag) means ``full`` when no policy is given.
+
+    ``attention``: ``xla`` (einsum softmax attention, HF eager numerics), ``splash`` (Pallas
+    TPU splash attention for full forwards and prefill; decode stays ``xla``) or ``auto``
+    (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at
+    construction, into ``self.attention``).
     """
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False):
+                 param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
+                 scan_layers: bool = False, remat_policy: str | None = None,
+                 attention: str = "xla"):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
-        self.remat = remat
+        if remat_policy is None:
+            remat_policy = "full" if remat else "none"
+        if remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {sorted(REMAT_POLICIES)}, "
+                             f"got {remat_policy!r}")
+        self.remat_policy = remat_policy
+        self.remat = remat_policy != "none"
+        self.attention = resolve_attention(attention)
+        kinds = {cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)}
+        self.scan_layers = bool(scan_layers) and len(kinds) == 1
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                    param_dtype)
-        self.layers = nnx.List([
+        layers = [
             DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
                          moe_dispatch=moe_dispatch)
             for i in range(cfg.num_hidden_layers)
-        ])
+        ]
+        if self.scan_layers:
+            self.layers = _stack_layers(layers)
+        else:
+            self.layers = nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -820,28 +950,47 @@ class Qwen3ForCausalLM(nnx.Module):
             return None
         return forced_expert_ids[moe_idx]
 
-    def _trunk(self, x: Array, positions: Array, attend_for_layer: Callable[[int], AttendFn],
+    def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
                forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False):
-        """Runs the decoder stack. Returns (final-normed h, expert ids list, hidden list|None)."""
+        """Runs the decoder stack.
+
+        ``attend(q, k, v, xs_i) -> (o, ys_i)`` does the attention core of one layer; ``xs_i`` is
+        layer i's slice of ``layer_xs`` (a pytree of [L, ...] arrays, e.g. the KV cache, or
+        None) and the ``ys_i`` (same structure for every layer, or None) come back stacked
+        [L, ...]. Returns (final-normed h, expert ids list, hidden list | None, stacked ys).
+        """
+        policy = remat_policy_fn(self.remat_policy) if remat else None
+
+        def run(graphdef, state, x, positions, xs_i, forced):
+            layer = nnx.merge(graphdef, state)
+            box = {}
+
+            def fn(q, k, v):
+                o, box["ys"] = attend(q, k, v, xs_i)
+                return o
+
+            x, ids = layer(x, positions, fn, forced)
+            return x, ids, box["ys"]
+
+        if remat:
+            run = jax.checkpoint(run, policy=policy, prevent_cse=not self.scan_layers,
+                                 static_argnums=(0,))
+        if self.scan_layers:
+            return self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
+                                       output_hidden_states)
         expert_ids: list[Array] = []
         hidden = [x] if output_hidden_states else None
+        ys_list = []
         moe_idx = 0
         for i, layer in enumerate(self.layers):
             forced = None
             if layer.is_moe:
                 forced = self._forced_for(forced_expert_ids, moe_idx)
                 moe_idx += 1
-            if remat:
-                graphdef, state = nnx.split(layer)
-                attend_fn = attend_for_layer(i)
-
-                @jax.checkpoint
-                def run(state, x, positions, forced, graphdef=graphdef, attend_fn=attend_fn):
-                    return nnx.merge(graphdef, state)(x, positions, attend_fn, forced)
-
-                x, ids = run(state, x, positions, forced)
-            else:
-                x, ids = layer(x, positions, attend_for_layer(i), forced)
+            xs_i = None if layer_xs is None else jax.tree.map(lambda a, i=i: a[i], layer_xs)
+            graphdef, state = nnx.split(layer)
+            x, ids, ys = run(graphdef, state, x, positions, xs_i, forced)
+            ys_list.append(ys)
             if ids is not None:
                 expert_ids.append(ids)
             if hidden is not None:
@@ -849,7 +998,33 @@ class Qwen3ForCausalLM(nnx.Module):
         h = self.norm(x)
         if hidden is not None:
             hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
-        return h, expert_ids, hidden
+        ys = None if ys_list[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys_list)
+        return h, expert_ids, hidden, ys
+
+    def _trunk_scanned(self, run, x, positions, layer_xs, forced_expert_ids,
+                       output_hidden_states):
+        """``_trunk`` for stacked params: ``jax.lax.scan`` over (params, xs_i, forced_i)."""
+        L = self.config.num_hidden_layers
+        is_moe = self.layers.is_moe
+        forced = None
+        if is_moe and forced_expert_ids is not None:
+            forced = jnp.stack([jnp.asarray(f) for f in forced_expert_ids]) \
+                if isinstance(forced_expert_ids, (list, tuple)) else jnp.asarray(forced_expert_ids)
+        graphdef, state = nnx.split(self.layers)
+
+        def body(carry, per_layer):
+            st, xs_i, forced_i = per_layer
+            y, ids, ys = run(graphdef, st, carry, positions, xs_i, forced_i)
+            return y, (ids, ys, y if output_hidden_states else None)
+
+        x0 = x
+        x, (ids, ys, hs) = jax.lax.scan(body, x, (state, layer_xs, forced), length=L)
+        h = self.norm(x)
+        expert_ids = [ids[i] for i in range(L)] if is_moe else []
+        hidden = None
+        if output_hidden_states:  # HF convention: [embeddings, ..., final-normed]
+            hidden = [x0] + [hs[i] for i in range(L - 1)] + [h]
+        return h, expert_ids, hidden, ys
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -874,9 +1049,22 @@ class Qwen3ForCausalLM(nnx.Module):
         if positions is None:
             positions = self._default_positions(B, T)
         mask = self._full_mask(B, T, attention_mask)
-        return self._trunk(self.embed(input_ids), positions, lambda i: (
-            lambda q, k, v: _attend_causal(q, k, v, mask)), forced_expert_ids, output_hidden_states,
-            remat=self.remat)
+        core = self._causal_core(attention_mask, B, T, mask)
+        h, ids, hidden, _ = self._trunk(
+            self.embed(input_ids), positions, lambda q, k, v, _xs: (core(q, k, v), None), None,
+            forced_expert_ids, output_hidden_states, remat=self.remat)
+        return h, ids, hidden
+
+    def _causal_core(self, valid: Array | None, B: int, T: int, mask: Array) -> AttendFn:
+        """The full-sequence causal attention core for ``self.attention``: splash (Pallas TPU
+        kernel, segment ids from ``valid`` [B,T]) or the XLA path (``mask`` [B,T,T])."""
+        if self.attention == "splash":
+            seg = (jnp.ones((B, T), jnp.int32) if valid is None
+                   else jnp.asarray(valid, bool).astype(jnp.int32))
+            from jax_rl.models.attention import splash_attend
+
+            return lambda q, k, v: splash_attend(q, k, v, seg)
+        return lambda q, k, v: _attend_causal(q, k, v, mask)
 
     # ---- public forward paths ----------------------------------------------------------------
     def forward(self, input_ids: Array, positions: Array | None = None,
@@ -924,19 +1112,14 @@ class Qwen3ForCausalLM(nnx.Module):
         positions = self._default_positions(B, T)
         valid = jnp.arange(T)[None, :] < lengths[:, None]
         mask = self._full_mask(B, T, valid)
-        new_k: list[Array] = []
-        new_v: list[Array] = []
+        core = self._causal_core(valid, B, T, mask)
 
-        def attend_for_layer(i):
-            def fn(q, k, v):
-                new_k.append(k)
-                new_v.append(v)
-                return _attend_causal(q, k, v, mask)
-            return fn
+        def layer_attend(q, k, v, _xs):
+            return core(q, k, v), (k, v)
 
-        h, _, _ = self._trunk(self.embed(input_ids), positions, attend_for_layer)
-        k = jnp.stack(new_k).astype(cache.k.dtype)  # [L,B,T,K,H]
-        v = jnp.stack(new_v).astype(cache.v.dtype)
+        h, _, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
+        k = k.astype(cache.k.dtype)  # [L,B,T,K,H]
+        v = v.astype(cache.v.dtype)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
                         v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
                         lengths=lengths)
@@ -958,23 +1141,19 @@ class Qwen3ForCausalLM(nnx.Module):
         positions = pos[:, None]
         write = (jnp.arange(S)[None, :] == pos[:, None])[:, :, None, None]  # [B,S,1,1]
         mask = (jnp.arange(S)[None, :] <= pos[:, None])[:, None, :]  # [B,1,S]
-        new_k: list[Array] = []
-        new_v: list[Array] = []
 
-        def attend_for_layer(i):
-            def fn(q, k, v):
-                ki = jnp.where(write, k.astype(cache.k.dtype), cache.k[i])  # [B,S,K,H]
-                vi = jnp.where(write, v.astype(cache.v.dtype), cache.v[i])
-                new_k.append(ki)
-                new_v.append(vi)
-                return attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask)
-            return fn
+        def layer_attend(q, k, v, kv_i):
+            ck, cv = kv_i  # this layer's cache [B,S,K,H]
+            ki = jnp.where(write, k.astype(ck.dtype), ck)
+            vi = jnp.where(write, v.astype(cv.dtype), cv)
+            return attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), (ki, vi)
 
         forced = None
         if forced_expert_ids is not None:
             forced = [jnp.asarray(f)[:, None] for f in forced_expert_ids]
-        h, ids, _ = self._trunk(self.embed(tokens[:, None]), positions, attend_for_layer, forced)
-        cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v), lengths=pos + 1)
+        h, ids, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, layer_attend,
+                                        (cache.k, cache.v), forced)
+        cache = KVCache(k=k, v=v, lengths=pos + 1)
         logits = self.lm_logits(h)[:, 0]
         if return_expert_ids:
             return logits, cache, [i[:, 0] for i in ids]
@@ -1110,3 +1289,16 @@ def count_params(config: Qwen3Config) -> int:
     abs_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)))
     state = nnx.state(abs_model, nnx.Param)
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
+
+
+def model_kwargs(model_cfg: Any) -> dict[str, Any]:
+    """``Qwen3ForCausalLM`` keyword arguments from the ``model`` config section
+    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``remat_policy`` (``remat`` folded in),
+    ``scan_layers``, ``attention``. The learner and the rollout engine must build their models
+    with the same ``scan_layers`` (the params tree layout differs)."""
+    policy = getattr(model_cfg, "remat_policy", None)
+    if policy is None:
+        policy = "full" if getattr(model_cfg, "remat", False) else "none"
+    return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"), remat_policy=policy,
+                scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
+                attention=getattr(model_cfg, "attention", "xla"))

@@ -83,11 +83,15 @@ def _batch(vocab, B=3, T=9, lengths=(9, 5, 2), seed=0):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_transformers(case, tmp_path):
+def test_parity_with_transformers(case, scan, tmp_path):
     m = _hf_model(case)
     m.save_pretrained(tmp_path)
-    model, cfg = load_pretrained(tmp_path)
+    model, cfg = load_pretrained(tmp_path, scan_layers=scan)
+    # mixed dense/MoE stacks cannot be scanned and stay unrolled
+    assert model.scan_layers == (scan and len({cfg.layer_is_moe(i)
+                                                for i in range(cfg.num_hidden_layers)}) == 1)
     assert cfg.tie_word_embeddings == CASES[case]["tie_word_embeddings"]
     assert cfg.rope_theta == CASES[case]["rope_theta"]
     if CASES[case].get("moe"):
@@ -110,12 +114,14 @@ def test_parity_with_transformers(case, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
-def test_save_pretrained_loads_in_transformers(name, tmp_path):
+def test_save_pretrained_loads_in_transformers(name, scan, tmp_path):
     import transformers
 
     cfg = get_preset(name, vocab_size=96, tie_word_embeddings=(name == "tiny_dense"))
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(1))
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(1), scan_layers=scan)
+    assert model.scan_layers == scan
     for path, v in nnx.iter_graph(model):
         if isinstance(v, nnx.Param) and path[-1] == "weight":
             v[...] = v[...] + 0.3 * jax.random.normal(jax.random.key(len(path)), v.shape)
@@ -252,3 +258,19 @@ def test_broken_index_and_config_errors(saved, tmp_path):
     (trunc / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:500])
     with pytest.raises(CheckpointError):
         load_pretrained(trunc)
+
+
+def test_scanned_and_unrolled_layouts_round_trip_through_hf(tmp_path):
+    """Unrolled -> HF files -> scanned -> HF files -> unrolled gives the same tensors and the
+    scanned model the same logits (the stacked [L, ...] params map to model.layers.{i}.*)."""
+    cfg = get_preset("tiny_moe", vocab_size=64)
+    m0 = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(5))
+    save_pretrained(m0, cfg, tmp_path / "a")
+    ms, _ = load_pretrained(tmp_path / "a", scan_layers=True)
+    assert ms.scan_layers and ms.layers.attn.q_proj[...].shape[0] == cfg.num_hidden_layers
+    save_pretrained(ms, cfg, tmp_path / "b")
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    ids, mask = _batch(cfg.vocab_size)
+    f = nnx.jit(lambda mo, i, k: mo(i, attention_mask=k))
+    np.testing.assert_array_equal(np.asarray(f(m0, ids, mask))[mask], np.asarray(f(ms, ids, mask))[mask])

@@ -52,6 +52,7 @@ RUN = [
     "logging.progress=false",
     "logging.tensorboard=false",
     "checkpoint.every=0",
+    "optim.warmup_steps=50",  # pinned: the recorded lr schedule must not follow later tiny_cpu edits
 ]
 
 

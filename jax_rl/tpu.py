@@ -1,0 +1,215 @@
+"""TPU facts and ahead-of-time compilation for a TPU topology from a CPU host.
+
+Three parts:
+
+* ``CHIPS``: per-chip figures of the Cloud TPU generations (HBM bytes, peak bf16 FLOP/s, HBM
+  bandwidth), as published on Google Cloud's TPU pages (sources in ``ChipSpec.source``). They
+  are the vendor's peak figures, for roofline estimates, not measurements.
+* ``resolve_topology``: a Cloud TPU type (``v5e-8``, ``v5litepod-8``, ``v5p-8``, ``v5p-64``,
+  ``v6e-8``, ``v4-16``) or a raw topology name (``v5p:4x4x4``) -> the arguments of
+  ``jax.experimental.topologies.get_topology_desc``. Cloud names count TensorCores for v4 and
+  v5p (2 per chip: ``v5p-8`` is 4 chips) and chips for v5e and v6e (``v5e-8`` is 8 chips).
+* ``compile_rollout``: AOT-compiles the rollout engine's prefill and decode steps
+  (``rollout.engine.Qwen3Engine``) for a topology with ``jax.jit(...).lower(ShapeDtypeStruct
+  ...).compile()`` through libtpu's compiler (the ``tpu`` extra) and returns
+  ``memory_analysis()`` (bytes per chip) and ``cost_analysis()`` figures. These are
+  compile-time estimates: nothing runs on a TPU, and ``cost_analysis`` counts a loop (e.g. a
+  scanned layer stack) body once.
+
+``cpu_unless_tpu_present`` keeps a CPU host with libtpu installed from probing for a TPU
+(JAX would print libtpu initialisation errors, then fall back to the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import math
+import os
+import re
+from typing import Any, Optional
+
+__all__ = ["ChipSpec", "CHIPS", "TopologySpec", "resolve_topology", "get_topology",
+           "compile_rollout", "cpu_unless_tpu_present", "libtpu_available"]
+
+GiB = 1 << 30
+GB = 10 ** 9
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """One TPU chip. ``hbm_bytes`` bytes of HBM, ``peak_bf16_flops`` FLOP/s (dense bf16
+    matmul), ``hbm_bandwidth`` bytes/s, ``cores`` TensorCores per chip (JAX devices per chip
+    in the default mode), ``source`` the Cloud TPU page the figures come from."""
+
+    name: str
+    hbm_bytes: int
+    peak_bf16_flops: float
+    hbm_bandwidth: float
+    cores: int
+    source: str
+
+
+CHIPS: dict[str, ChipSpec] = {
+    # Google Cloud "TPU v4" page, "System architecture": 32 GiB HBM2, 1200 GBps, 275 TFLOPs
+    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1200 * GB, 2, "https://cloud.google.com/tpu/docs/v4"),
+    # "TPU v5e" page, chip specifications: 16 GB HBM2, 819 GBps, 197 TFLOPs bf16
+    "v5e": ChipSpec("v5e", 16 * GB, 197e12, 819 * GB, 1, "https://cloud.google.com/tpu/docs/v5e"),
+    # "TPU v5p" page, chip specifications: 95 GB HBM2e, 2765 GBps, 459 TFLOPs bf16
+    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 2, "https://cloud.google.com/tpu/docs/v5p"),
+    # "TPU v6e" (Trillium) page: 32 GB HBM, 1640 GBps, 918 TFLOPs bf16
+    "v6e": ChipSpec("v6e", 32 * GB, 918e12, 1640 * GB, 1, "https://cloud.google.com/tpu/docs/v6e"),
+}
+
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
+_3D = ("v4", "v5p")  # 3-D torus generations (topology AxBxC)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologySpec:
+    """``get_topology_desc(platform="tpu", topology_name=topology_name)`` arguments plus the
+    chip and chip count. ``topology_name`` is ``<gen>:<AxB[xC]>`` (chips per dimension)."""
+
+    chip: ChipSpec
+    topology_name: str
+    num_chips: int
+
+
+def _grid_2d(chips: int) -> str:
+    a = 1 << (int(math.log2(chips)) // 2)
+    return f"{a}x{chips // a}"
+
+
+def _grid_3d(chips: int) -> str:
+    """3-D torus shape of a v4/v5p slice: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ..."""
+    dims = [2, 2, 1] if chips >= 4 else [1, 1, 1]
+    while math.prod(dims) < chips:
+        i = max(j for j in range(3) if dims[j] == min(dims))
+        dims[i] *= 2
+    return "x".join(map(str, dims))
+
+
+def resolve_topology(name: str) -> TopologySpec:
+    """``v5e-8`` / ``v5litepod-8`` / ``v5p-64`` / ``v6e-8`` / ``v4-16`` / ``v5p:4x4x4`` ->
+    ``TopologySpec``. Raises ValueError for an unknown generation or a count that is not a
+    power of two."""
+    name = name.strip().lower()
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+){1,2})", name)
+    if m:
+        gen = _ALIASES.get(m.group(1), m.group(1))
+        if gen not in CHIPS:
+            raise ValueError(f"unknown TPU generation {m.group(1)!r} in {name!r}; one of {sorted(CHIPS)}")
+        dims = [int(d) for d in m.group(2).split("x")]
+        return TopologySpec(CHIPS[gen], f"{gen}:{m.group(2)}", math.prod(dims))
+    m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name)
+    if not m:
+        raise ValueError(f"TPU topology {name!r}: expected a Cloud TPU type like v5p-64 or a "
+                         "topology like v5p:4x4x4")
+    gen = _ALIASES.get(m.group(1), m.group(1))
+    if gen not in CHIPS:
+        raise ValueError(f"unknown TPU generation {m.group(1)!r}; one of {sorted(CHIPS)}")
+    n = int(m.group(2))
+    chips = n // 2 if gen in _3D else n
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"{name!r}: {chips} chips is not a power of two")
+    grid = _grid_3d(chips) if gen in _3D else _grid_2d(chips)
+    return TopologySpec(CHIPS[gen], f"{gen}:{grid}", chips)
+
+
+def libtpu_available() -> bool:
+    """True when the libtpu wheel (the ``tpu`` extra) is importable."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def get_topology(name: str):
+    """The ``jax.experimental.topologies`` TopologyDescription (``.devices`` are TPU devices
+    that ``jit(...).lower(...).compile()`` targets from any host). Raises RuntimeError when
+    libtpu is not installed."""
+    if not libtpu_available():
+        raise RuntimeError("compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+    from jax.experimental import topologies
+
+    spec = resolve_topology(name)
+    return topologies.get_topology_desc(platform="tpu", topology_name=spec.topology_name)
+
+
+def cpu_unless_tpu_present(environ=os.environ) -> bool:
+    """Set ``JAX_PLATFORMS=cpu`` when it is unset, libtpu is installed and this host has no
+    TPU device files (``/dev/accel*``, ``/dev/vfio/<n>``). Returns True if it set it. Call
+    before jax initialises its backends."""
+    if environ.get("JAX_PLATFORMS") or not libtpu_available():
+        return False
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return False
+    environ["JAX_PLATFORMS"] = "cpu"
+    return True
+
+
+def _analysis(compiled) -> dict[str, Any]:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    out = {k: int(getattr(mem, k)) for k in (
+        "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+        "temp_size_in_bytes", "generated_code_size_in_bytes") if hasattr(mem, k)}
+    out["peak_bytes_per_chip"] = (out.get("argument_size_in_bytes", 0) + out.get(
+        "output_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0))
+    out["flops"] = float(cost.get("flops", 0.0))
+    out["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
+    return out
+
+
+def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_len: int = 2048,
+                    prefill_len: int = 1024, dtype: str = "bfloat16",
+                    model_kwargs: Optional[dict] = None) -> dict[str, dict[str, Any]]:
+    """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens) and decode step
+    (``slots`` slots, ``max_cache_len`` cache) for ``topology`` (see ``resolve_topology``), params
+    and state replicated on every chip as the engine places them.
+
+    ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,
+    ``attention="splash"``). Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
+    each step's dict has ``memory_analysis`` fields (bytes per chip), ``peak_bytes_per_chip``
+    (arguments + outputs - aliases + temporaries), ``flops`` and ``bytes_accessed``
+    (``cost_analysis``; a scanned loop body is counted once) and ``hbm_fraction``
+    (peak / the chip's HBM). Compile-time estimates, not TPU measurements.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from rollout.engine import Qwen3Engine
+
+    spec = resolve_topology(topology)
+    topo = get_topology(topology)
+    kw = dict(scan_layers=True, attention="splash")
+    kw.update(model_kwargs or {})
+    engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
+                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw)
+    mesh = Mesh(np.array(topo.devices), ("data",))
+    rep = NamedSharding(mesh, P())
+
+    def abstract(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+
+    params = abstract(engine._abstract_params)
+    state = abstract(jax.eval_shape(engine._init_state_jit, engine._abstract_params))
+
+    tokens = jax.ShapeDtypeStruct((1, prefill_len), jnp.int32, sharding=rep)
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    out: dict[str, dict[str, Any]] = {}
+    # set_mesh: the splash kernel runs under shard_map on the ambient mesh (a Mosaic kernel
+    # cannot be partitioned automatically)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        steps = {"prefill": (engine._prefill_jit, (params, tokens, n)),
+                 "decode": (engine._generate_jit, (params, state))}
+        for name, (fn, args) in steps.items():
+            a = _analysis(fn.lower(*args).compile())
+            a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes
+            out[name] = a
+    out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
+                       "devices": len(topo.devices), "chip": spec.chip.name,
+                       "hbm_bytes_per_chip": spec.chip.hbm_bytes}
+    return out

@@ -1,0 +1,80 @@
+"""Numbers must not move, learner level: four train steps of each correction mode on fixed
+synthetic batches reproduce the metrics recorded before the correction-home redesign.
+
+Where the run-level fixtures (tests/runtime/test_numbers_fixed.py) see a tiny model that rarely
+succeeds, these batches are built so that every part of the correction engages: non-zero GRPO
+advantages, behaviour log-probs far enough from pi_prox that the train-infer mask drops some
+tokens, per-row staleness 0..2 (so ``linear_prox``, ``ppo_ewma`` and ``exact`` see several
+versions) and two epochs of two minibatches at a large learning rate (so pi_theta leaves pi_prox
+and the clip is active). Record with ``JAXRL_RECORD_FIXTURES=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_rl.learner import Learner
+
+from ._util import init_params, make_batch, make_cfg
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODES = ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"]
+# the redesign changes clip_frac's definition on purpose (active clip, as verl's pg_clipfrac);
+# prox_source repeats the mode name
+CHANGED_ON_PURPOSE = {"clip_frac", "prox_source"}
+
+
+def _batch(step: int) -> dict:
+    b = make_batch(100 + step, B=8, T=16, version=step)
+    rng = np.random.default_rng(200 + step)
+    lm = b["loss_mask"]
+    # rows generated 0, 1 or 2 versions ago (never before version 0)
+    lag = np.minimum(np.arange(8) % 3, step)
+    b["versions"] = np.where(lm, (step - lag)[:, None], -1).astype(np.int32)
+    # a real train-infer gap: some tokens leave the [train_infer_low, train_infer_high] band
+    b["behav_logp"] = np.where(lm, b["behav_logp"] + rng.normal(0.0, 0.8, lm.shape), 0.0).astype(np.float32)
+    return b
+
+
+def _numbers(m: dict) -> dict:
+    return {k: float(v) for k, v in m.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not k.endswith("_s") and "per_s" not in k}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_learner_metrics_match_the_recorded_steps(mode, devices):
+    extra = {"old_logits": {"measure_error": True}} if mode in ("ppo_ewma", "linear_prox") else {}
+    # ewma_reset_threshold 0.5: the EWMA both carries over (R >= 0.5) and resets (R < 0.5) here
+    cfg = make_cfg(mode, optim={"lr": 3e-2, "minibatches": 2, "ppo_epochs": 2}, loss={"ewma_reset_threshold": 0.5},
+                   **{"async": {"max_staleness": 2}}, **extra)
+    lrn = Learner(cfg, init_params=init_params(cfg))
+    try:
+        rows = [_numbers(lrn.train_step(_batch(s))) for s in range(4)]
+    finally:
+        lrn.close()
+    # the batches really engage the correction (else this test could not tell modes apart)
+    assert any(r["train_infer_retained"] < 1.0 for r in rows) or mode == "ppo"
+    assert any(r.get("clip_active_frac", r.get("clip_frac", 0.0)) > 0 for r in rows)
+    path = FIXTURES / f"learner_{mode}.json"
+    if os.environ.get("JAXRL_RECORD_FIXTURES") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"recorded {path}")
+    want = json.loads(path.read_text())
+    assert len(rows) == len(want)
+    for i, (got, exp) in enumerate(zip(rows, want)):
+        missing = set(exp) - set(got) - CHANGED_ON_PURPOSE
+        assert not missing, f"{mode} step {i}: metrics gone: {sorted(missing)}"
+        for k, v in exp.items():
+            if k in CHANGED_ON_PURPOSE:
+                continue
+            g = got[k]
+            ok = (math.isnan(v) and math.isnan(g)) or math.isclose(g, v, rel_tol=1e-6, abs_tol=1e-7)
+            assert ok, f"{mode} step {i} {k}: got {g!r}, recorded {v!r}"

@@ -1,0 +1,72 @@
+"""jax_rl.tpu: chip table, topology names, the CPU default with libtpu present, and the AOT
+compile of the rollout engine's prefill/decode for a TPU topology (needs libtpu)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_rl import tpu
+
+
+@pytest.mark.parametrize("name,topo,chips", [
+    ("v5e-8", "v5e:2x4", 8), ("v5litepod-4", "v5e:2x2", 4), ("v5p-8", "v5p:2x2x1", 4),
+    ("v5p-64", "v5p:2x4x4", 32), ("v5p-128", "v5p:4x4x4", 64), ("v6e-8", "v6e:2x4", 8),
+    ("v6e-256", "v6e:16x16", 256), ("v4-16", "v4:2x2x2", 8), ("v5p:4x4x4", "v5p:4x4x4", 64),
+    ("V5E:2x2", "v5e:2x2", 4),
+])
+def test_resolve_topology(name, topo, chips):
+    spec = tpu.resolve_topology(name)
+    assert (spec.topology_name, spec.num_chips) == (topo, chips)
+    assert spec.chip is tpu.CHIPS[topo.split(":")[0]]
+
+
+@pytest.mark.parametrize("bad", ["v7x-8", "v5p-12", "tpu", "v5e:2y2"])
+def test_resolve_topology_rejects(bad):
+    with pytest.raises(ValueError):
+        tpu.resolve_topology(bad)
+
+
+def test_chip_table_units():
+    for c in tpu.CHIPS.values():
+        assert 8e9 < c.hbm_bytes < 200e9 and 1e14 < c.peak_bf16_flops < 2e15
+        assert 5e11 < c.hbm_bandwidth < 5e12 and c.source.startswith("https://cloud.google.com/tpu/docs/")
+
+
+def test_cpu_unless_tpu_present_respects_an_explicit_platform():
+    env = {"JAX_PLATFORMS": "tpu"}
+    assert not tpu.cpu_unless_tpu_present(env) and env["JAX_PLATFORMS"] == "tpu"
+    env = {}
+    set_ = tpu.cpu_unless_tpu_present(env)
+    assert set_ == (tpu.libtpu_available() and not os.path.exists("/dev/vfio/0")
+                    and not any(p.startswith("accel") for p in os.listdir("/dev")))
+    assert env.get("JAX_PLATFORMS") == ("cpu" if set_ else None)
+
+
+def test_jax_rl_cli_with_libtpu_and_no_tpu_starts_quietly_on_cpu():
+    pytest.importorskip("libtpu")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("import sys; from jax_rl.cli import main; from jax_rl.tpu import cpu_unless_tpu_present;"
+            "cpu_unless_tpu_present(); import jax; print(jax.default_backend())")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
+    assert "libtpu" not in r.stderr and "TPU_WORKER_HOSTNAMES" not in r.stderr, r.stderr
+
+
+def test_compile_rollout_prefill_and_decode_for_v5e_2x2():
+    pytest.importorskip("libtpu")
+    from jax_rl.models.qwen3 import get_preset
+
+    r = tpu.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", slots=8,
+                            max_cache_len=512, prefill_len=256)
+    assert r["topology"] == {"name": "v5e:2x2", "chips": 4, "devices": 4, "chip": "v5e",
+                             "hbm_bytes_per_chip": 16 * 10 ** 9}
+    for step in ("prefill", "decode"):
+        a = r[step]
+        assert a["argument_size_in_bytes"] > 0 and a["flops"] > 0
+        assert 0 < a["hbm_fraction"] < 0.01
+    # decode holds the whole [L,B,S,K,H] cache (k and v, bf16) as an argument
+    cfg = get_preset("tiny_dense", head_dim=128)
+    cache = 2 * cfg.num_hidden_layers * 8 * 512 * cfg.num_key_value_heads * 128 * 2
+    assert r["decode"]["argument_size_in_bytes"] >= cache
