@@ -45,10 +45,12 @@ from jax_rl import checkpoint as ckpt
 from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
 from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
-from jax_rl.model_builder import abstract_model_split, model_kwargs, resolve_mesh, resolve_model_config
+from jax_rl.model_builder import (abstract_model_split, create_sharded_model, learner_model_kwargs, resolve_mesh,
+                                  resolve_model_config)
 from jax_rl.old_logits import snapshot_logprobs, versions_needed
 from jax_rl.placement import BatchPlacement, initialize_distributed, place_params
 from jax_rl.sft import SftRunner
+from jax_rl.sharding import state_shardings
 from jax_rl.train_step import (TrainState, init_train_state, make_grads_fn, make_logprob_step, make_optimizer,
                                make_schedule, make_train_step, train_state_shardings)
 
@@ -94,8 +96,6 @@ class Learner:
     """
 
     def __init__(self, cfg: Config, mesh=None, model_config=None, init_params=None):
-        from jax_rl.sharding import create_sharded_model, state_shardings
-
         initialize_distributed(cfg.runtime)
         self.cfg = cfg
         self.mesh = resolve_mesh(cfg, mesh)
@@ -115,7 +115,7 @@ class Learner:
         self._ckptrs: dict[str, Any] = {}
         self._steps: dict[Any, Any] = {}
 
-        kw = model_kwargs(cfg)
+        kw = learner_model_kwargs(cfg)
         params = None
         if init_params is not None:  # no random init: the abstract model + the given values on the mesh
             self.graphdef, abs_params, abs_rest = abstract_model_split(self.model_config, **kw)
