@@ -124,7 +124,7 @@ def _time_ewma_update(lrn) -> float:
         ew, W = proximal.ewma_reset(ew, p, W < 0, W)
         return proximal.ewma_update(ew, p, 0.5, W)
 
-    return _median_time(jax.jit(f), lrn.state.ewma_params, lrn.state.params, lrn.state.ewma_count)
+    return _median_time(jax.jit(f), lrn.state.correction.params, lrn.state.params, lrn.state.correction.count)
 
 
 def _time_model_fwd_bwd(lrn, b) -> float:

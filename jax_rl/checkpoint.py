@@ -2,9 +2,10 @@
 
 Items of one checkpoint (a step directory ``<dir>/<step>/``):
 
-- ``state``: the learner's :class:`~jax_rl.learner.TrainState` minus the EWMA, as a nested
-  dict of jax arrays ``{params, opt_state, version, step, rng, skipped}``;
-- ``ewma``: ``{params, count, streak}`` (only when ``loss.correction=ppo_ewma``);
+- ``state``: the learner's :class:`~jax_rl.train_step.TrainState` minus the correction's
+  state, as a nested dict of jax arrays ``{params, opt_state, version, step, rng}``;
+- the correction strategy's items (:meth:`jax_rl.correction.Correction.checkpoint_items`;
+  ``ewma``: ``{params, count, streak, resets}`` for the EWMA strategy);
 - ``snapshots``: the snapshot store of :mod:`jax_rl.old_logits`, ``{"v<n>": params}``
   (only when the store holds something);
 - ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
@@ -51,7 +52,8 @@ import jax
 import orbax.checkpoint as ocp
 
 __all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
-           "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error"]
+           "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error", "to_nested",
+           "from_nested", "train_state_items", "restore_train_state"]
 
 log = logging.getLogger(__name__)
 
@@ -502,3 +504,82 @@ def resolve_checkpoint_dir(where: Any, *, error: type = FileNotFoundError) -> tu
 
 
 __all__.append("resolve_checkpoint_dir")
+
+
+# --------------------------------------------------------------------------------------
+# Train-state tree I/O
+# --------------------------------------------------------------------------------------
+
+STATE_KEYS = ("params", "opt_state", "version", "step", "rng")
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def to_nested(tree: Any) -> dict:
+    """Tree -> nested dict with string keys (Orbax-friendly, readable on disk)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out: dict = {}
+    for path, leaf in flat:
+        node = out
+        keys = [_key_name(k) for k in path] or ["value"]
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = leaf
+    return out
+
+
+def from_nested(nested: dict, like: Any) -> Any:
+    """Inverse of :func:`to_nested` onto the structure of ``like``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves = []
+    for path, _ in flat:
+        node = nested
+        for k in [_key_name(k) for k in path] or ["value"]:
+            node = node[k]
+        leaves.append(node)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _core(state: Any) -> dict:
+    return {k: getattr(state, k) for k in STATE_KEYS}
+
+
+def train_state_items(state: Any, strategy: Any, snapshots: Optional[dict] = None) -> dict[str, Any]:
+    """Checkpoint items of a TrainState: ``state`` (:data:`STATE_KEYS`), the correction
+    strategy's items and ``snapshots`` (``{"v<n>": params}``, when given and not empty)."""
+    items = {"state": to_nested(_core(state))}
+    items.update({k: to_nested(v) for k, v in strategy.checkpoint_items(state.correction).items()})
+    if snapshots:
+        items["snapshots"] = {k: to_nested(v) for k, v in snapshots.items()}
+    return items
+
+
+def restore_train_state(ck: Checkpointer, step: int, state: Any, shardings: Any, strategy: Any,
+                        snapshot_versions: list[int]) -> tuple[Any, Optional[dict]]:
+    """Restore ``step`` onto the structure and shardings of ``state`` (any mesh).
+
+    Returns:
+        ``(TrainState, snapshots)``; snapshots is ``{"v<n>": params}`` or None.
+    """
+    target = {"state": to_nested(abstract_like(_core(state), _core(shardings)))}
+    mine = strategy.checkpoint_items(state.correction)
+    mine_sh = strategy.checkpoint_items(shardings.correction)
+    for name, tree in mine.items():
+        target[name] = to_nested(abstract_like(tree, mine_sh[name]))
+    if snapshot_versions:
+        one = to_nested(abstract_like(state.params, shardings.params))
+        target["snapshots"] = {f"v{v}": one for v in snapshot_versions}
+    out = ck.restore(step, **target)
+    new = state.replace(**from_nested(out["state"], _core(state)))
+    if mine:
+        got = {name: from_nested(out[name], tree) for name, tree in mine.items()}
+        new = new.replace(correction=strategy.from_checkpoint_items(got, state.correction))
+    snaps = None
+    if snapshot_versions:
+        snaps = {k: from_nested(v, state.params) for k, v in out["snapshots"].items()}
+    return new, snaps

@@ -99,22 +99,20 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         mc = C.build_model_config(cfg, tok)
         import jax
 
+        import numpy as np
+
         from jax_rl.learner import Learner
+        from jax_rl.model_builder import abstract_model_split
         from jax_rl.models import hf_io
         from jax_rl.sharding import make_mesh
 
         mesh = make_mesh(data=1, fsdp=1, tensor=1, expert=1, devices=jax.devices()[:1])
         # zeros as the init (every value comes from the checkpoint): no random-init compile
-        import numpy as np
-        from flax import nnx
-
-        from jax_rl.models.qwen3 import Qwen3ForCausalLM
-
-        shapes = nnx.state(nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0))), nnx.Param)
+        _, shapes, _ = abstract_model_split(mc)
         zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), shapes)
         learner = Learner(cfg, mesh=mesh, model_config=mc, init_params=zeros)
         meta = learner.restore(ckpt, step=step)
-        model = learner._model(learner.get_params())
+        model = learner.model(learner.get_params())
         hf_io.save_pretrained(model, mc, tmp, dtype=dtype)
         src_tok = run_dir / "tokenizer.json"
         if src_tok.is_file():

@@ -2,7 +2,7 @@
 
 Pure, jit-able functions (no I/O, no host round-trips). Formula sources:
 paper 2605.12070 §1.3/§2.1 via ``research/paper_spec.md`` (the skeleton below), AReaL
-``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (decoupled loss, keep-in-denominator),
+``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (the two-factor loss, keep-in-denominator),
 ROLL ``agg_loss`` / ``InferCorrectionHandler`` (aggregations, MIS/TIS levels, catastrophic
 rejection).
 
@@ -47,7 +47,15 @@ branch is chosen only strictly outside it: for A > 0 when rho > 1 + eps_high, fo
 rho < 1 - eps_low; the dual clip only when rho > c (A < 0). Exactly at a boundary the
 unclipped branch is used, so d l_t / d logp_t = -A_t * rho_t (e.g. -(1+eps_high) for A = +1
 at rho = 1+eps_high, +(1-eps_low) for A = -1 at rho = 1-eps_low), and ``clip_frac`` does not
-count the token. (``jnp.maximum``/``jnp.clip`` would split the gradient 50/50 at ties;
+count the token.
+
+Clip metrics (fractions of valid tokens): ``clip_frac`` = the clip is ACTIVE, i.e. a clipped
+term was chosen and the token's gradient is zero (PPO clip for A > 0 above 1+eps_high or A < 0
+below 1-eps_low, or the dual clip); verl's ``pg_clipfrac`` / TRL's ``clip_ratio`` (plus the
+dual clip). ``clip_active_frac``: the PPO clip alone; ``dual_clip_frac``: the dual clip alone.
+``ratio_out_of_band_frac``: rho outside [1-eps_low, 1+eps_high] whatever the sign of A (a drift
+measure; a token can be out of band and still get a gradient). Per staleness bucket,
+``staleness/<k>/clip_frac`` uses the same active definition. (``jnp.maximum``/``jnp.clip`` would split the gradient 50/50 at ties;
 we use explicit ``jnp.where`` instead.) Tokens with |log rho| > max_log_ratio get zero
 gradient (the exp argument is clamped).
 
@@ -296,7 +304,7 @@ def policy_loss(
     turn_ids=None,
     versions=None,
     current_version=None,
-    exact_logp=None,
+    old_logp=None,
     denominator=None,
     entropy=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -312,7 +320,8 @@ def policy_loss(
         turn_ids: int [B, T] assistant turn index (-1 elsewhere); needed for level ``turn``.
         versions: int [B, T] behaviour version per token (-1 where not generated). With
             ``current_version`` (int scalar g, may be traced) adds staleness metrics.
-        exact_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max``.
+        old_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max`` (the error of an
+            approximate pi_prox, ``old_logits.measure_error``).
         denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
         entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
             (same kept tokens, weights c_bt and Z as the policy term) and ``entropy_mean``.
@@ -372,7 +381,8 @@ def policy_loss(
     nv = jnp.sum(valid.astype(jnp.float32))
     raw_is = jnp.exp(jnp.clip(ti.level_logratio, -M, M))
     tl = ti.token_logratio
-    clipped = (ratio_d < lo) | (ratio_d > hi)
+    out_of_band = (ratio_d < lo) | (ratio_d > hi)
+    clipped = clip_active | dual_active  # the clipped term is chosen: zero gradient (verl pg_clipfrac)
     m: dict[str, jax.Array] = {}
     m["valid_tokens"] = nv
     m["denominator"] = sg(Z)
@@ -383,6 +393,7 @@ def policy_loss(
     m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
     m["clip_frac"] = _vmean(clipped, valid, nv)
     m["clip_active_frac"] = _vmean(clip_active, valid, nv)
+    m["ratio_out_of_band_frac"] = _vmean(out_of_band, valid, nv)
     m["dual_clip_frac"] = _vmean(dual_active, valid, nv)
     m["is_weight_mean"] = _vmean(raw_is, valid, nv, empty=1.0)
     m["is_weight_sq_mean"] = _vmean(raw_is * raw_is, valid, nv, empty=1.0)
@@ -417,9 +428,9 @@ def policy_loss(
             m[f"staleness/{name}/retained"] = _vmean(kept, in_k, n_k, empty=1.0)
             m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
 
-    if exact_logp is not None:
-        _check_2d("exact_logp", exact_logp, shape)
-        ex = sg(_f32(exact_logp))
+    if old_logp is not None:
+        _check_2d("old_logp", old_logp, shape)
+        ex = sg(_f32(old_logp))
         ok = usable & jnp.isfinite(ex)
         err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
         err = jnp.where(ok, err, 0.0)

@@ -5,8 +5,10 @@ For each run dir (reads ``metrics.jsonl``, ``eval.jsonl``, ``config.yaml``):
 - ``training_dynamics.png``: the paper's three signals over learner steps, 3 stacked panels:
   task success (``reward_mean``, plus held-out ``avg@1`` from ``eval.jsonl``), the train-infer
   mask retained ratio R (``train_infer_retained``) with EWMA resets (``ewma_reset == 1``) as
-  vertical lines and the reset threshold as a dotted line, and the PPO clip ratio
-  (``clip_frac``; other ``*clip_frac*`` variants are drawn too).
+  vertical lines and the reset threshold as a dotted line, and the PPO clip fraction
+  (``clip_frac``: tokens where the clip is active, i.e. zero gradient, as verl's
+  ``pg_clipfrac``) with ``ratio_out_of_band_frac`` (rho outside the clip band whatever the sign
+  of A) and the other ``*clip_frac*`` variants.
 - ``staleness_hist.png``: tokens per staleness (sum over steps of ``staleness/<s>/tokens`` keys,
   or of ``staleness_hist`` lists); if neither is logged, a histogram of the per-step
   ``staleness_max`` / ``staleness_mean``.
@@ -242,19 +244,31 @@ def _draw_retained(ax, run: RunData, color: str, label_prefix: str = "", mark_re
     return drew
 
 
+CLIP_LABELS = {
+    "clip_frac": "clip_frac (clip active: zero gradient)",
+    "ratio_out_of_band_frac": "ratio_out_of_band_frac (rho outside the band, any A)",
+    "clip_active_frac": "clip_active_frac (PPO clip only)",
+    "dual_clip_frac": "dual_clip_frac (dual clip only)",
+}
+
+
+def _clip_label(key: str) -> str:
+    return CLIP_LABELS.get(key.rsplit("/", 1)[-1], key)
+
+
 def _draw_clip(ax, run: RunData, color: str, label_prefix: str = "", variants: bool = True) -> bool:
     drew = False
     x, y, key = series(run.metrics, ["clip_frac"])
     if _has_data(y):
-        _line(ax, x, y, color, f"{label_prefix}{key}")
+        _line(ax, x, y, color, f"{label_prefix}{_clip_label(key)}")
         drew = True
     if variants:
-        keys = sorted({k for r in run.metrics for k in r if "clip_frac" in k and k != key
-                       and not k.startswith("staleness/")})
+        keys = sorted({k for r in run.metrics for k in r if ("clip_frac" in k or "out_of_band" in k) and k != key
+                       and not k.startswith("staleness/") and not k.startswith("train_infer")})
         for j, k in enumerate(keys[:3]):
             vx, vy, _ = series(run.metrics, [k])
             if _has_data(vy):
-                _line(ax, vx, vy, _COLORS[(j + 3) % len(_COLORS)], k, lw=1.1)
+                _line(ax, vx, vy, _COLORS[(j + 3) % len(_COLORS)], _clip_label(k), lw=1.1)
                 drew = True
     return drew
 
@@ -305,7 +319,7 @@ def plot_training_dynamics(run: RunData, path: Path) -> Path:
 
     drew = _draw_clip(axes[2], run, _COLORS[1])
     _finish_axes(axes[2], "clip fraction", drew, "clip_frac", unit_interval=False)
-    axes[2].set_title("PPO clip ratio", fontsize=10, loc="left")
+    axes[2].set_title("PPO clip fraction (clip_frac: clip active, zero gradient)", fontsize=10, loc="left")
     axes[2].set_xlabel("learner step")
     fig.suptitle(_title(run), fontsize=11)
     fig.savefig(path)
@@ -416,7 +430,7 @@ def plot_comparison(runs: Sequence[RunData], path: Path) -> Path:
     _finish_axes(axes[1], "retained ratio R", drew[1], "train_infer_retained")
     axes[1].set_title("Train-infer mask retained ratio R (vertical: EWMA resets)", fontsize=10, loc="left")
     _finish_axes(axes[2], "clip fraction", drew[2], "clip_frac", unit_interval=False)
-    axes[2].set_title("PPO clip ratio", fontsize=10, loc="left")
+    axes[2].set_title("PPO clip fraction (clip_frac: clip active, zero gradient)", fontsize=10, loc="left")
     axes[2].set_xlabel("learner step")
     fig.suptitle(f"Correction modes compared ({len(runs)} runs)", fontsize=11)
     fig.savefig(path)

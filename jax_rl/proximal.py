@@ -1,4 +1,4 @@
-"""Proximal policies that stand in for the missing old logits: linear_prox and PPO-EWMA.
+"""Proximal policies that stand in for the missing old logits: the log-linear interpolation and the EWMA.
 
 Pure and jit-able. Formula sources: AReaL ``compute_prox_logp_approximations``
 (``prox_logp_method="loglinear"``, A-3PO, arXiv 2512.06547); Hilton, Cobbe & Schulman 2021
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["linear_prox_logp", "ewma_beta", "ewma_update", "ewma_reset", "reset_predicate"]
+__all__ = ["loglinear_logp", "ewma_beta", "ewma_update", "ewma_reset", "reset_predicate"]
 
 
-def linear_prox_logp(behav_logp, logp, versions, current_version) -> jax.Array:
+def loglinear_logp(behav_logp, logp, versions, current_version) -> jax.Array:
     """AReaL log-linear proximal log-prob (``loglinear``; A-3PO), no gradient.
 
         log pi_prox_t = log mu_t + alpha_t * (sg(log pi_theta_t) - log mu_t)
@@ -70,7 +70,7 @@ def ewma_beta(max_staleness: int, rule: str = "centre", override: Optional[float
     """EWMA decay beta from the staleness window K (paper_spec §3.2; addendum: rule ``centre``).
 
     beta is the weight on HISTORY: theta_bar <- beta * theta_bar + (1 - beta) * theta.
-    beta -> 1 gives an older, slower proximal; beta = 0 copies theta (plain decoupled PPO).
+    beta -> 1 gives an older, slower proximal; beta = 0 copies theta (pi_prox = the current policy, AReaL recompute).
 
     Rules (K = max_staleness):
         ``centre``   K / (K + 2): centre of mass beta/(1-beta) = K/2, the mean age of a

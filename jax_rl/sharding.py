@@ -24,8 +24,6 @@ __all__ = [
     "make_mesh",
     "logical_to_pspec",
     "state_shardings",
-    "abstract_model",
-    "create_sharded_model",
     "constrain",
 ]
 
@@ -156,57 +154,6 @@ def state_shardings(state, mesh: Mesh, rules=LOGICAL_RULES):
         return NamedSharding(mesh, P())
 
     return jax.tree.map(f, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def abstract_model(config, mesh: Mesh | None = None, **model_kw):
-    """(graphdef, abstract state, shardings or None) for a Qwen3 model, without allocating."""
-    from jax_rl.models.qwen3 import Qwen3ForCausalLM
-
-    abs_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), **model_kw))
-    graphdef, abs_state = nnx.split(abs_model)
-    shardings = None if mesh is None else state_shardings(abs_state, mesh)
-    return graphdef, abs_state, shardings
-
-
-_INIT_CACHE: dict[Any, Any] = {}
-
-
-def _jitted_init(config, mesh: Mesh, model_kw: dict):
-    """The jitted random init (seed -> state) for (config, mesh, model kwargs), compiled once
-    per key and reused by every later ``create_sharded_model`` call."""
-    from jax_rl.models.qwen3 import Qwen3ForCausalLM
-
-    try:
-        key = (config, mesh, tuple(sorted(model_kw.items())))
-        hash(key)
-    except TypeError:
-        key = None
-    hit = _INIT_CACHE.get(key) if key is not None else None
-    if hit is not None:
-        return hit
-    graphdef, _, shardings = abstract_model(config, mesh, **model_kw)
-
-    def init(key):
-        return nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(key), **model_kw))
-
-    hit = (graphdef, jax.jit(init, out_shardings=shardings))
-    if key is not None:
-        _INIT_CACHE[key] = hit
-    return hit
-
-
-def create_sharded_model(config, mesh: Mesh, seed: int = 0, **model_kw):
-    """Initialise a ``Qwen3ForCausalLM`` directly in its sharded layout.
-
-    The init runs under ``jax.jit`` with ``out_shardings`` from the params' logical names, so
-    each device only materialises its own shards (no full copy on one device). The jitted
-    init is cached per (config, mesh, model kwargs), with the seed as an argument, so repeated
-    calls (e.g. several learners) compile it once.
-    """
-    graphdef, init = _jitted_init(config, mesh, model_kw)
-    with jax.set_mesh(mesh):
-        state = init(jax.random.key(seed))
-    return nnx.merge(graphdef, state)
 
 
 def shard_array(x: np.ndarray | jax.Array, names, mesh: Mesh, rules=LOGICAL_RULES) -> jax.Array:

@@ -37,7 +37,7 @@ def exported(tmp_path_factory):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 384, (2, 7)).astype(np.int32)
     mask = np.arange(7)[None] < np.array([[7], [4]])
-    ref = np.asarray(lrn._model(lrn.params)(ids, attention_mask=mask))
+    ref = np.asarray(lrn.model(lrn.params)(ids, attention_mask=mask))
     lrn.close()
     out = tmp / "hf"
     info = export_checkpoint(run / "checkpoints" / "1", out)

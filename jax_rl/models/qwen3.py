@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_rl.sharding import constrain
+
 Array = jax.Array
 
 __all__ = [
@@ -411,8 +413,6 @@ def _param(rngs: nnx.Rngs | None, shape: Sequence[int], names: tuple[str | None,
 
 def _constrain(x: Array, names: tuple[str | None, ...]) -> Array:
     """Sharding constraint on an activation by logical names, when a mesh is set."""
-    from jax_rl.sharding import constrain  # local import: sharding imports this module lazily
-
     return constrain(x, names)
 
 

@@ -452,7 +452,6 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
     row.update({
         "step": step,
         "version": version,
-        "prox_source": cfg.loss.correction,
         "group_ids": [int(g[0].group_id) for g in groups],
         "reward_mean": float(rewards.mean()),
         "success_rate": float((rewards >= 1.0 - 1e-6).mean()),

@@ -113,6 +113,8 @@ class RunContext:
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        if preflight and is_primary():  # a train run: say what the correction mode costs, once
+            print(self.learner.describe(), flush=True)
         if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.model.tokenizer == "bpe" and is_primary():
@@ -278,9 +280,9 @@ def _load_hf_params(cfg: Config, model_config):
     from flax import nnx
 
     from jax_rl.models.hf_io import CheckpointError, load_pretrained
-    from jax_rl.sharding import make_mesh
+    from jax_rl.model_builder import resolve_mesh
 
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor, expert=cfg.mesh.expert)
+    mesh = resolve_mesh(cfg)
     try:
         model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
     except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
@@ -332,6 +334,6 @@ def raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner=
     need = 0
     if learner is not None:
         st = learner.state
-        need = tree_nbytes(st.params, st.opt_state, st.ewma_params)
+        need = tree_nbytes(st.params, st.opt_state, st.correction)
     what = f"{type(e).__name__} {getattr(e, 'filename', None) or ''}".strip()
     raise disk_full_error(ckpt_dir, need, f"writing failed ({what})", run_dir=run_dir) from None

@@ -32,7 +32,6 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from jax_rl.learner import BATCH_FIELDS
     from jax_rl.runtime import components as C
     from jax_rl.runtime.context import RunContext
 
@@ -47,13 +46,8 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         n_params = int(sum(int(np.prod(x.shape)) for x in leaves))
         B, T = cfg.optim.batch_size, cfg.optim.max_seq_len
         U, m, r = lr._layout(B)
-        keys = lr._batch_keys(have_old=lr._measure)
-        sh = lr.batch_sharding(r)
-        dtypes = {k: v[1] for k, v in BATCH_FIELDS.items()}
-        args = {k: jax.ShapeDtypeStruct((U, m, r, T), dtypes.get(k, np.float32), sharding=sh) for k in keys}
         t1 = time.perf_counter()
-        with jax.set_mesh(lr.mesh):
-            compiled = lr._train_jit(r, keys).lower(lr.state, args).compile()
+        compiled = lr.lower_train_step(B, T).compile()
         compile_s = time.perf_counter() - t1
         out: dict[str, Any] = {
             "params": n_params,

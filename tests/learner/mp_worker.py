@@ -50,7 +50,7 @@ def main() -> None:
     from flax import nnx
 
     params = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(gather(lrn.state.params))}
-    params.update({"ewma/" + "/".join(map(str, k)): v for k, v in nnx.to_flat_state(gather(lrn.state.ewma_params))})
+    params.update({"ewma/" + "/".join(map(str, k)): v for k, v in nnx.to_flat_state(gather(lrn.state.correction.params))})
     params = {k: np.asarray(getattr(v, "get_value", lambda: v)()) for k, v in params.items()}
 
     ck = os.path.join(out, f"ck_{nproc}")

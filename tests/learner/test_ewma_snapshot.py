@@ -28,7 +28,7 @@ def test_ewma_shardings_reset_and_beta(devices):
     lrn = Learner(cfg, init_params=init_params(cfg))
     p0 = host(lrn.state.params)
     m1 = lrn.train_step(make_batch(7, B=8, T=16, version=0))
-    p1, e1 = host(lrn.state.params), host(lrn.state.ewma_params)
+    p1, e1 = host(lrn.state.params), host(lrn.state.correction.params)
     assert m1["ewma_beta"] == pytest.approx(2 / 4) and m1["ewma_reset"] == 0.0
     assert m1["ewma_retained"] == 1.0 and m1["ewma_streak"] == 0.0
     # theta_bar started at theta_0 (W=1), then one bias-corrected update with theta_1
@@ -36,13 +36,13 @@ def test_ewma_shardings_reset_and_beta(devices):
     # measure_error: exact old logits of version 0 == pi_{theta_bar = theta_0} on this step
     assert m1["prox_abs_err_max"] < 1e-4 and "old_logits_bytes" in m1
     # after the donated step the EWMA keeps exactly the params' shardings
-    for (path, e), (_, p) in zip(nnx.to_flat_state(lrn.state.ewma_params), nnx.to_flat_state(lrn.state.params)):
+    for (path, e), (_, p) in zip(nnx.to_flat_state(lrn.state.correction.params), nnx.to_flat_state(lrn.state.params)):
         assert e.get_value().sharding == p.get_value().sharding, path
         assert e.get_value().dtype == np.float32
 
     # behaviour log-probs far from pi_prox: the train-infer mask keeps nothing, R = 0 < 0.9
     m2 = lrn.train_step(make_batch(8, B=8, T=16, version=1, behav_offset=-10.0))
-    p2, e2 = host(lrn.state.params), host(lrn.state.ewma_params)
+    p2, e2 = host(lrn.state.params), host(lrn.state.correction.params)
     assert m2["ewma_reset"] == 1.0 and m2["ewma_retained"] == 0.0 and m2["ewma_streak"] == 0.0
     assert m2["ewma_resets"] == 1.0
     # the reset took effect for this step: pi_prox = pi at the current params (ratio 1) ...
@@ -69,7 +69,7 @@ def test_snapshot_route_versions_eviction_and_checkpoint(tmp_path, devices):
     b["versions"][0] = np.where(lm[0], np.where(np.arange(16) < 10, 2, 3), -1)
     b["versions"][1] = np.where(lm[1], 1, -1)
     b["versions"][2] = np.where(lm[2], 2, -1)
-    dev, r = lrn._device_batch(b, process_local=False)
+    dev, r = lrn.device_batch(b, process_local=False)
     needed = versions_needed(b["versions"], lm)
     assert needed == [1, 2, 3]
     old, stats = snapshot_logprobs(lrn.store, lrn._logprob_jit, tokens=dev["tokens"],

@@ -64,7 +64,7 @@ def _reference(devices):
     metrics = [lrn.train_step(make_batch(40 + i, B=8, T=16, version=i)) for i in range(2)]
     flat = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(lrn.state.params)}
     flat.update({"ewma/" + "/".join(map(str, k)): np.asarray(v.get_value())
-                 for k, v in nnx.to_flat_state(lrn.state.ewma_params)})
+                 for k, v in nnx.to_flat_state(lrn.state.correction.params)})
     return metrics, flat
 
 

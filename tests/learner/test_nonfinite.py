@@ -35,9 +35,9 @@ def test_overflowing_update_is_skipped_and_a_streak_stops_the_run():
     assert m["nonfinite_updates"] == 1 and m["nonfinite_streak"] == 2 and np.isfinite(m["loss"])
     assert m["version"] == 1 and m["step"] == 0  # the version is published, no update applied
     assert max_abs_diff(host(lrn.state.params), p0) == 0.0
-    assert _all_finite(lrn.state.ewma_params) and m["nonfinite_ewma"] == 0
+    assert _all_finite(lrn.state.correction.params) and m["nonfinite_ewma"] == 0
 
     with pytest.raises(NonFiniteTrainingError, match=r"3 steps in a row .*optim.max_skipped_steps=0") as e:
         lrn.train_step(b)
     assert isinstance(e.value, RuntimeError) and "\n" not in str(e.value)
-    assert _all_finite(lrn.state.params) and _all_finite(lrn.state.ewma_params)
+    assert _all_finite(lrn.state.params) and _all_finite(lrn.state.correction.params)

@@ -18,8 +18,8 @@ _TIMING = {"step_time_s", "tokens_per_s", "old_logits_s"}
 
 def _state(lrn):
     s = lrn.state
-    return host({"params": s.params, "ewma": s.ewma_params, "opt": s.opt_state, "count": s.ewma_count,
-                 "streak": s.ewma_streak, "version": s.version, "step": s.step, "rng": s.rng})
+    return host({"params": s.params, "correction": s.correction, "opt": s.opt_state, "version": s.version,
+                 "step": s.step, "rng": s.rng})
 
 
 def test_resume_bit_exact_and_reshard(tmp_path, devices):

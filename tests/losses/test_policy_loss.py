@@ -47,7 +47,7 @@ def run(tc, cfg, logp, prox, behav, adv, mask, *, turn_ids=None, versions=None, 
         def f(logp, prox, behav, adv, mask, turn_ids, versions, g, exact, denominator, entropy):
             def lf(x):
                 return policy_loss(x, prox, behav, adv, mask, cfg, turn_ids=turn_ids, versions=versions,
-                                   current_version=g, exact_logp=exact, denominator=denominator,
+                                   current_version=g, old_logp=exact, denominator=denominator,
                                    entropy=entropy)
 
             (loss, m), grad = jax.value_and_grad(lf, has_aux=True)(logp)
@@ -123,15 +123,51 @@ class PolicyLossTest(chex.TestCase):
         # row 0: [-0.5, -1.0, -1.2]; row 1: [0.8, 1.0, 1.5]
         np.testing.assert_allclose(loss, (-0.5 - 1.0 - 1.2 + 0.8 + 1.0 + 1.5) / 2, rtol=1e-6)
         np.testing.assert_allclose(grad, np.array([[-0.5, -1.0, 0.0], [0.0, 1.0, 1.5]]) / 2, rtol=1e-6)
-        self.assertAlmostEqual(m["clip_frac"], 4 / 6, places=6)
+        # clip_frac = active (zero-gradient) tokens: (A=+1, 1.5) and (A=-1, 0.5);
+        # ratio_out_of_band_frac = rho outside [0.8, 1.2] whatever A: the four 0.5 / 1.5 tokens
+        self.assertAlmostEqual(m["clip_frac"], 2 / 6, places=6)
         self.assertAlmostEqual(m["clip_active_frac"], 2 / 6, places=6)
+        self.assertAlmostEqual(m["ratio_out_of_band_frac"], 4 / 6, places=6)
+        self.assertAlmostEqual(m["dual_clip_frac"], 0.0, places=6)
         self.assertAlmostEqual(m["ratio_min"], 0.5, places=6)
         self.assertAlmostEqual(m["ratio_max"], 1.5, places=5)
         cfg = _cfg(train_infer_mode="none", agg="seq_mean_token_sum", dual_clip_c=1.2)
         loss, grad, m = run(self, cfg, logp, zeros, zeros, adv, mask)
         np.testing.assert_allclose(loss, (-0.5 - 1.0 - 1.2 + 0.8 + 1.0 + 1.2) / 2, rtol=1e-6)
         np.testing.assert_allclose(grad, np.array([[-0.5, -1.0, 0.0], [0.0, 1.0, 0.0]]) / 2, rtol=1e-6)
+        # dual clip: (A=-1, 1.5 > c) is capped too, so 3 of 6 tokens have zero gradient
         self.assertAlmostEqual(m["dual_clip_frac"], 1 / 6, places=6)
+        self.assertAlmostEqual(m["clip_active_frac"], 2 / 6, places=6)
+        self.assertAlmostEqual(m["clip_frac"], 3 / 6, places=6)
+        self.assertAlmostEqual(m["ratio_out_of_band_frac"], 4 / 6, places=6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clip_frac_table(self):
+        # one row per case: (ratio, A) -> (clip active, dual active, out of band); eps 0.2, c = 3
+        table = [  # ratio, A,  active, dual, band
+            (0.5, 1.0, 0, 0, 1),   # below the band, A > 0: unclipped, gradient flows
+            (0.5, -1.0, 1, 0, 1),  # below the band, A < 0: clipped at 0.8
+            (1.1, 1.0, 0, 0, 0),   # inside the band
+            (1.1, -1.0, 0, 0, 0),
+            (1.5, 1.0, 1, 0, 1),   # above the band, A > 0: clipped at 1.2
+            (1.5, -1.0, 0, 0, 1),  # above the band, A < 0, rho < c: unclipped
+            (4.0, -1.0, 0, 1, 1),  # A < 0, rho > c: dual clip
+            (4.0, 0.0, 0, 0, 1),   # A = 0: nothing is clipped
+        ]
+        n = len(table)
+        logp = np.log(np.array([[r for r, *_ in table]], F32)).astype(F32)
+        adv = np.array([[a for _, a, *_ in table]], F32)
+        z = np.zeros((1, n), F32)
+        cfg = _cfg(train_infer_mode="none", dual_clip_c=3.0)
+        _, grad, m = run(self, cfg, logp, z, z, adv, np.ones((1, n), bool))
+        act = sum(t[2] for t in table)
+        dual = sum(t[3] for t in table)
+        self.assertAlmostEqual(m["clip_active_frac"], act / n, places=6)
+        self.assertAlmostEqual(m["dual_clip_frac"], dual / n, places=6)
+        self.assertAlmostEqual(m["clip_frac"], (act + dual) / n, places=6)
+        self.assertAlmostEqual(m["ratio_out_of_band_frac"], sum(t[4] for t in table) / n, places=6)
+        zero_grad = np.asarray(grad[0]) == 0.0
+        np.testing.assert_array_equal(zero_grad, [bool(t[2] or t[3] or t[1] == 0.0) for t in table])
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_train_infer_table(self):
@@ -367,11 +403,13 @@ class PolicyLossTest(chex.TestCase):
         if float(jnp.exp(jnp.float32(out_hi))) > r_hi:
             self.assertEqual(float(grad[0, 0]), 0.0)
             self.assertEqual(m["clip_active_frac"], 1.0)
+            self.assertEqual(m["clip_frac"], 1.0)
             self.assertAlmostEqual(loss, -r_hi, places=6)
         # A = +1 below the band / A = -1 above it: never clipped (PPO's sign rule), full gradient
         loss, grad, m = run(self, cfg, np.full((1, 1), -0.5, F32), z, z, np.ones((1, 1), F32), mask)
         np.testing.assert_allclose(grad[0, 0], -math.exp(-0.5), rtol=1e-6)
-        self.assertEqual(m["clip_frac"], 1.0)
+        self.assertEqual(m["clip_frac"], 0.0)
+        self.assertEqual(m["ratio_out_of_band_frac"], 1.0)
         self.assertEqual(m["clip_active_frac"], 0.0)
         # dual clip boundary rho == c exactly: unclipped, gradient +rho
         x_c = F32(0.4)
@@ -417,9 +455,12 @@ class PolicyLossTest(chex.TestCase):
         np.testing.assert_allclose(loss, 1.5, rtol=1e-6)
         self.assertEqual(float(grad[0, 0]), 0.0)
         self.assertEqual(m["dual_clip_frac"], 1.0)
+        self.assertEqual(m["clip_frac"], 1.0)  # the dual clip is an active clip (zero gradient)
         loss, grad, m = run(self, _cfg(train_infer_mode="none"), np.full((1, 1), math.log(3), F32),
                             z, z, -np.ones((1, 1), F32), np.ones((1, 1), bool))
         np.testing.assert_allclose(loss, 3.0, rtol=1e-6)
+        self.assertEqual(m["clip_frac"], 0.0)  # out of band but unclipped (A < 0 above the band)
+        self.assertEqual(m["ratio_out_of_band_frac"], 1.0)
 
     # ---------------- 9. step-0 identity (property) ----------------
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jax_rl.advantages import broadcast_advantages, grpo_advantages, rloo_advantages
 from jax_rl.config import LossConfig
-from jax_rl.proximal import ewma_beta, ewma_reset, ewma_update, linear_prox_logp, reset_predicate
+from jax_rl.proximal import ewma_beta, ewma_reset, ewma_update, loglinear_logp, reset_predicate
 
 HSET = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.differing_executors, HealthCheck.too_slow])
@@ -24,7 +24,7 @@ class ProximalTest(chex.TestCase):
         behav = np.array([[-2.0, -2.0, -2.0, -2.0, 0.0, -1.0]], np.float32)
         logp = np.array([[-1.0, -1.0, -1.0, -1.0, np.nan, -4.0]], np.float32)
         ver = np.array([[10, 9, 8, 6, -1, 11]], np.int32)  # g = 10: alpha = 0, 1/2, 2/3, 4/5, -, 0 (future)
-        out = np.asarray(self.variant(linear_prox_logp)(behav, logp, ver, 10))
+        out = np.asarray(self.variant(loglinear_logp)(behav, logp, ver, 10))
         want = [-2.0, -1.5, -2 + 2 / 3, -2 + 0.8, 0.0, -1.0]
         np.testing.assert_allclose(out[0], want, rtol=1e-6)
         self.assertEqual(out[0, 0], behav[0, 0])  # alpha = 0: exactly mu
@@ -32,14 +32,14 @@ class ProximalTest(chex.TestCase):
         # version -1 with a non-finite behav stays finite; no gradient flows to logp
         behav2 = behav.copy()
         behav2[0, 4] = -np.inf
-        out2 = np.asarray(self.variant(linear_prox_logp)(behav2, logp, ver, 10))
+        out2 = np.asarray(self.variant(loglinear_logp)(behav2, logp, ver, 10))
         self.assertEqual(out2[0, 4], 0.0)
-        g = jax.grad(lambda lp: jnp.sum(linear_prox_logp(behav, lp, ver, 10)))(jnp.zeros_like(logp))
+        g = jax.grad(lambda lp: jnp.sum(loglinear_logp(behav, lp, ver, 10)))(jnp.zeros_like(logp))
         np.testing.assert_array_equal(np.asarray(g), 0.0)
 
     def test_linear_prox_shape_error(self):
         with pytest.raises(ValueError, match="same shape"):
-            linear_prox_logp(np.zeros((2, 3)), np.zeros((2, 4)), np.zeros((2, 3), np.int32), 0)
+            loglinear_logp(np.zeros((2, 3)), np.zeros((2, 4)), np.zeros((2, 3), np.int32), 0)
 
     def test_ewma_beta_rules(self):
         for K, c, w, h in [(1, 1 / 3, 0.5, 0.5), (2, 0.5, 2 / 3, 2**-0.5), (4, 2 / 3, 0.8, 2**-0.25),

@@ -131,7 +131,7 @@ def test_splash_scanned_forward_and_grad_compile_for_tpu_v5e_2x2():
     kernel is in the compiled program. Compile-time figures only; nothing runs on a TPU."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_rl.sharding import abstract_model
+    from jax_rl.model_builder import abstract_model
 
     topo = _tpu_topology()
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(1, 4, 1, 1),

@@ -9,9 +9,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_rl.models.hf_io import load_pretrained, save_pretrained
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+from jax_rl.model_builder import create_sharded_model
 from jax_rl.sharding import (
     LOGICAL_RULES,
-    create_sharded_model,
     logical_to_pspec,
     make_mesh,
 )

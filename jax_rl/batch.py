@@ -1,0 +1,235 @@
+"""The learner batch: a typed pytree of [B, T] arrays, built by :func:`collate` and checked
+by :func:`validate_batch` (DESIGN.md §3, docs/interfaces.md "Learner batch")."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import flax
+import numpy as np
+
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "collate", "validate_batch"]
+
+
+class BatchError(ValueError):
+    """A malformed learner batch: missing field, wrong shape/dtype, too long, bad masks."""
+
+
+@flax.struct.dataclass
+class LearnerBatch:
+    """One learner batch. On the host every field is [B, T]; inside the train step it is laid
+    out [U, m, r, T] (minibatches, microbatches, rows) and a microbatch is [r, T].
+
+    Fields:
+        tokens: int32, prompt + all turns (right-padded with the pad id).
+        attention_mask: bool, True on real tokens (a run of True then False per row).
+        loss_mask: bool, True only on tokens the policy generated (never at t = 0).
+        behav_logp: float32, log mu of each generated token (0 elsewhere).
+        versions: int32, policy version that generated each token (-1 elsewhere).
+        turn_ids: int32, assistant turn index per token (-1 elsewhere).
+        advantages: float32, per token (broadcast per trajectory; 0 on padding).
+        prox_logp: float32 or None, log pi_prox supplied by the correction's host step
+            (``exact``: log pi_v per token).
+        old_logp: float32 or None, exact log pi_v next to an approximate mode
+            (``old_logits.measure_error``).
+    """
+
+    tokens: Any
+    attention_mask: Any
+    loss_mask: Any
+    behav_logp: Any
+    versions: Any
+    turn_ids: Any
+    advantages: Any
+    prox_logp: Any = None
+    old_logp: Any = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LearnerBatch":
+        return cls(**{k: d.get(k) for k in (*BATCH_FIELDS, *OPTIONAL_FIELDS)})
+
+    def map(self, fn) -> "LearnerBatch":
+        """Apply ``fn`` to every present field (None stays None)."""
+        return LearnerBatch(**{k: None if v is None else fn(v) for k, v in self.__dict__.items()})
+
+
+# name -> (kind, dtype); kind: "int" | "bool" | "float"
+BATCH_FIELDS: dict[str, tuple[str, Any]] = {
+    "tokens": ("int", np.int32),
+    "attention_mask": ("bool", np.bool_),
+    "loss_mask": ("bool", np.bool_),
+    "behav_logp": ("float", np.float32),
+    "versions": ("int", np.int32),
+    "turn_ids": ("int", np.int32),
+    "advantages": ("float", np.float32),
+}
+OPTIONAL_FIELDS: dict[str, tuple[str, Any]] = {
+    "prox_logp": ("float", np.float32),
+    "old_logp": ("float", np.float32),  # exact log pi_v (e.g. from another old-logit route)
+}
+
+
+def collate(
+    trajectories: Sequence[Any],
+    advantages_per_traj: Sequence[Any],
+    max_seq_len: int,
+    pad_to_multiple: int = 16,
+    pad_id: int = 0,
+) -> dict[str, np.ndarray]:
+    """Right-pad trajectories into a learner batch.
+
+    Args:
+        trajectories: objects (or dicts) with ``tokens`` int [T_i], ``loss_mask`` bool [T_i],
+            ``behav_logp`` float [T_i], ``versions`` int [T_i], ``turn_ids`` int [T_i]
+            (``rollout.types.Trajectory``).
+        advantages_per_traj: one float per trajectory (broadcast over its tokens) or an
+            array [T_i] per trajectory.
+        max_seq_len: longest accepted trajectory (``optim.max_seq_len``).
+        pad_to_multiple: T is the longest length rounded up to this multiple (a bucket, so
+            fewer distinct shapes are compiled), capped at ``max_seq_len``.
+        pad_id: token id written in padding (masked out everywhere).
+
+    Returns:
+        dict of numpy arrays [B, T]: tokens int32, attention_mask bool, loss_mask bool,
+        behav_logp float32, versions int32 (-1 pad), turn_ids int32 (-1 pad), advantages
+        float32 (0 pad).
+
+    Raises:
+        BatchError: no trajectories, mismatched lengths, a trajectory longer than max_seq_len.
+    """
+    if len(trajectories) == 0:
+        raise BatchError("collate got no trajectories")
+    if len(advantages_per_traj) != len(trajectories):
+        raise BatchError(
+            f"collate got {len(trajectories)} trajectories but {len(advantages_per_traj)} advantages"
+        )
+
+    def get(t, k):
+        return t[k] if isinstance(t, Mapping) else getattr(t, k)
+
+    lens = [len(get(t, "tokens")) for t in trajectories]
+    if max(lens) > max_seq_len:
+        i = int(np.argmax(lens))
+        raise BatchError(
+            f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
+            "raise optim.max_seq_len or cap rollout.max_cache_len"
+        )
+    m = max(1, int(pad_to_multiple))
+    T = min(max_seq_len, -(-max(lens) // m) * m)
+    B = len(trajectories)
+    out = {
+        "tokens": np.full((B, T), pad_id, np.int32),
+        "attention_mask": np.zeros((B, T), bool),
+        "loss_mask": np.zeros((B, T), bool),
+        "behav_logp": np.zeros((B, T), np.float32),
+        "versions": np.full((B, T), -1, np.int32),
+        "turn_ids": np.full((B, T), -1, np.int32),
+        "advantages": np.zeros((B, T), np.float32),
+    }
+    for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
+        n = lens[b]
+        for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
+            a = np.asarray(get(t, k))
+            if a.shape != (n,):
+                raise BatchError(f"trajectory {b}: field {k} has shape {a.shape}, tokens has ({n},)")
+            out[k][b, :n] = a
+        out["attention_mask"][b, :n] = True
+        a = np.asarray(adv, np.float32)
+        if a.ndim == 0:
+            out["advantages"][b, :n] = a
+        elif a.shape == (n,):
+            out["advantages"][b, :n] = a
+        else:
+            raise BatchError(f"trajectory {b}: advantages shape {a.shape}; expected a scalar or ({n},)")
+    return out
+
+
+def validate_batch(
+    batch: Mapping[str, Any],
+    *,
+    max_seq_len: int,
+    vocab_size: Optional[int] = None,
+    row_divisor: int = 1,
+    current_version: Optional[int] = None,
+    require_versions: bool = False,
+) -> dict[str, np.ndarray]:
+    """Check a learner batch and return normalised numpy copies (int32 / bool / float32).
+
+    Args:
+        batch: dict with :data:`BATCH_FIELDS` (and optionally ``old_logp``), each [B, T].
+        max_seq_len: T must be <= this.
+        vocab_size: token ids under the attention mask must lie in [0, vocab_size).
+        row_divisor: B must be a multiple of this (minibatches * microbatches).
+        current_version: loss tokens may not carry a version above it (a future version).
+        require_versions: every loss token must carry a version >= 0 (exact old logits).
+
+    Returns:
+        dict of numpy arrays with the dtypes of :data:`BATCH_FIELDS`.
+
+    Raises:
+        BatchError: with a message naming the field and the rule.
+    """
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"learner batch must be a dict of arrays, got {type(batch).__name__}")
+    missing = [k for k in BATCH_FIELDS if k not in batch]
+    if missing:
+        raise BatchError(f"learner batch is missing field(s) {missing}; expected {list(BATCH_FIELDS)}")
+    unknown = [k for k in batch if k not in BATCH_FIELDS and k not in OPTIONAL_FIELDS]
+    if unknown:
+        raise BatchError(f"learner batch has unknown field(s) {unknown}")
+    tok = np.asarray(batch["tokens"])
+    if tok.ndim != 2:
+        raise BatchError(f"batch['tokens'] must be [B, T], got shape {tok.shape}")
+    B, T = tok.shape
+    if B == 0 or T == 0:
+        raise BatchError(f"batch is empty: tokens shape {tok.shape}")
+    if T > max_seq_len:
+        raise BatchError(f"batch has T={T} > optim.max_seq_len={max_seq_len} (over-long sequences)")
+    if B % row_divisor:
+        raise BatchError(
+            f"batch has B={B} rows, not a multiple of optim.minibatches*optim.microbatches={row_divisor}"
+        )
+    out: dict[str, np.ndarray] = {}
+    spec = dict(BATCH_FIELDS)
+    spec.update({k: v for k, v in OPTIONAL_FIELDS.items() if k in batch})
+    for k, (kind, dt) in spec.items():
+        out[k] = _field(k, kind, dt, batch[k], (B, T))
+    am, lm = out["attention_mask"], out["loss_mask"]
+    if np.any(lm & ~am):
+        raise BatchError("batch['loss_mask'] is True where attention_mask is False")
+    if np.any(lm[:, 0]):
+        raise BatchError("batch['loss_mask'][:, 0] must be False: the first token has no context to score it")
+    if np.any(am[:, 1:] & ~am[:, :-1]):
+        raise BatchError("batch must be right-padded: attention_mask rows must be a run of True then False")
+    if vocab_size is not None:
+        t = out["tokens"][am]
+        if t.size and (t.min() < 0 or t.max() >= vocab_size):
+            raise BatchError(f"batch['tokens'] has ids outside [0, {vocab_size}) (min {t.min()}, max {t.max()})")
+    if not np.all(np.isfinite(out["advantages"][lm])):
+        raise BatchError("batch['advantages'] is not finite on some loss tokens")
+    v = out["versions"][lm]
+    if current_version is not None and v.size and v.max() > current_version:
+        raise BatchError(
+            f"batch has loss tokens of version {int(v.max())} > the learner's version {current_version} (future version)"
+        )
+    if require_versions and v.size and v.min() < 0:
+        raise BatchError("loss.correction=exact needs batch['versions'] >= 0 on every loss token")
+    return out
+
+
+def _field(k: str, kind: str, dt: Any, value: Any, shape: tuple[int, int]) -> np.ndarray:
+    """One batch field checked for shape and dtype kind, as a contiguous ``dt`` array."""
+    a = np.asarray(value)
+    if a.shape != shape:
+        raise BatchError(f"batch[{k!r}] has shape {a.shape}; expected {shape} like tokens")
+    if kind == "int":
+        if not np.issubdtype(a.dtype, np.integer):
+            raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected an integer dtype (int32)")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise BatchError(f"batch[{k!r}] has values outside int32")
+    elif kind == "bool":
+        if a.dtype != np.bool_:
+            raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected bool")
+    elif not np.issubdtype(a.dtype, np.floating):
+        raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected a float dtype (float32)")
+    return np.ascontiguousarray(a, dtype=dt)

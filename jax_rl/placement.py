@@ -1,0 +1,184 @@
+"""Putting things on the mesh: ``jax.distributed`` start-up, user params, and host batches as
+global [U, m, r, T] arrays (the row axis ``r`` sharded over the mesh axes of the logical name
+``activation_batch``; mesh axes that do not divide r are dropped). Rows are split
+``B = U * m * r`` (U = ``optim.minibatches``, m = ``optim.microbatches``); minibatch u,
+microbatch j is rows ``(u*m + j)*r : (u*m + j + 1)*r`` of the batch."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_rl.batch import BatchError
+from jax_rl.config import RuntimeConfig
+
+__all__ = ["initialize_distributed", "place_params", "BatchPlacement"]
+
+
+def _distributed_initialized() -> bool:
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client is not None
+    except Exception:  # pragma: no cover - private API moved
+        return False
+
+
+def initialize_distributed(runtime: RuntimeConfig) -> bool:
+    """``jax.distributed.initialize`` from ``runtime.coordinator/num_processes/process_id``.
+
+    With no coordinator, a TPU pod (``TPU_WORKER_HOSTNAMES`` lists several hosts) is
+    auto-detected by ``jax.distributed.initialize()``. Must run before jax's backend starts.
+    Returns True when this process is part of a multi-process run. Idempotent.
+    """
+    if _distributed_initialized():
+        return jax.process_count() > 1
+    if runtime.coordinator:
+        if runtime.num_processes is None or runtime.process_id is None:
+            raise ValueError("runtime.coordinator needs runtime.num_processes and runtime.process_id")
+        jax.distributed.initialize(
+            coordinator_address=runtime.coordinator,
+            num_processes=runtime.num_processes,
+            process_id=runtime.process_id,
+        )
+        return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if len([h for h in hosts.split(",") if h]) > 1:
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def place_params(init_params: Any, like: Any, param_shardings: Any) -> Any:
+    """Put user-given params (State / Module / nested dict; numpy or jax) on the mesh."""
+    if isinstance(init_params, nnx.Module):
+        init_params = nnx.state(init_params, nnx.Param)
+    if isinstance(init_params, nnx.State):
+        init_params = nnx.to_pure_dict(init_params)
+    given = _stringify(init_params)
+    ref = _stringify(nnx.to_pure_dict(like))
+    shard = _stringify(nnx.to_pure_dict(param_shardings))
+    if jax.tree.structure(given) != jax.tree.structure(ref):
+        raise ValueError(
+            "init_params do not match the model's param tree: "
+            f"got {jax.tree.structure(given)}, expected {jax.tree.structure(ref)}"
+        )
+    placed = jax.tree.map(_put, given, shard, ref)
+    out = jax.tree.map(lambda x: x, like)  # fresh State containers
+    nnx.replace_by_pure_dict(out, placed)
+    return out
+
+
+class BatchPlacement:
+    """Layout and placement of learner batches on ``mesh`` (``minibatches x microbatches`` chunks)."""
+
+    def __init__(self, mesh, minibatches: int, microbatches: int):
+        self.mesh = mesh
+        self.minibatches = int(minibatches)
+        self.microbatches = int(microbatches)
+
+    def layout(self, B: int, U: Optional[int] = None, m: Optional[int] = None) -> tuple[int, int, int]:
+        U = self.minibatches if U is None else U
+        m = self.microbatches if m is None else m
+        if B % (U * m):
+            raise BatchError(f"batch has B={B} rows, not a multiple of minibatches*microbatches={U * m}")
+        return U, m, B // (U * m)
+
+    def batch_sharding(self, r: int) -> NamedSharding:
+        """Sharding of a chunked batch array [U, m, r, T]: rows over ``activation_batch``'s axes."""
+        from jax_rl.sharding import logical_to_pspec
+
+        spec = logical_to_pspec(("activation_batch",), shape=(r,), mesh=self.mesh)
+        return NamedSharding(self.mesh, P(None, None, spec[0], None))
+
+    def process_rows(self, batch: Mapping[str, np.ndarray], U: Optional[int] = None, m: Optional[int] = None
+                     ) -> dict[str, np.ndarray]:
+        """This process's rows of a GLOBAL batch [B, T] (what ``train_step(..., process_local=True)`` takes).
+
+        The global batch is laid out [U, m, r, T]; the process owns the row range of ``r``
+        that its devices hold in :meth:`batch_sharding`, in every (u, j) chunk.
+        """
+        B, T = np.shape(batch["tokens"])
+        U, m, r = self.layout(B, U, m)
+        lo, hi = self.local_row_range(r, T)
+        return {k: np.asarray(v).reshape((U, m, r) + np.shape(v)[1:])[:, :, lo:hi].reshape((-1,) + np.shape(v)[1:])
+                for k, v in batch.items()}
+
+    def local_row_range(self, r: int, T: int) -> tuple[int, int]:
+        sh = self.batch_sharding(r)
+        idx = sh.addressable_devices_indices_map((1, 1, r, T))
+        los = [(i[2].start or 0) for i in idx.values()]
+        his = [(r if i[2].stop is None else i[2].stop) for i in idx.values()]
+        lo, hi = min(los), max(his)
+        return lo, hi
+
+    def device_batch(self, batch: Mapping[str, np.ndarray], *, process_local: bool, U=None, m=None
+                      ) -> tuple[dict[str, jax.Array], int]:
+        """Host batch -> dict of global [U, m, r, T] arrays. Returns (arrays, r)."""
+        B_local, T = np.shape(batch["tokens"])
+        nproc = jax.process_count()
+        if process_local and nproc > 1:
+            U_, m_, r_local = self.layout(B_local, U, m)
+            # every process owns an equal slice of each chunk's rows
+            r = r_local * nproc
+            lo, hi = self.local_row_range(r, T)
+            if hi - lo != r_local:
+                raise BatchError(
+                    f"process-local batch: {r_local} rows per chunk on each of {nproc} processes do not match the "
+                    f"mesh's batch sharding ({self.batch_sharding(r).spec} over {r} rows); pass the global batch "
+                    "or a row count divisible by the batch axes"
+                )
+            U, m = U_, m_
+        else:
+            U, m, r = self.layout(B_local, U, m)
+        sh = self.batch_sharding(r)
+        gshape = (U, m, r, T)
+        out = {}
+        if nproc > 1:
+            lo, hi = self.local_row_range(r, T)
+        for k, v in batch.items():
+            a = np.asarray(v)
+            if process_local and nproc > 1:
+                local = a.reshape(U, m, -1, T)
+            elif nproc > 1:
+                local = a.reshape(U, m, r, T)[:, :, lo:hi]
+            else:
+                out[k] = jax.device_put(a.reshape(gshape), sh)
+                continue
+            out[k] = jax.make_array_from_process_local_data(sh, np.ascontiguousarray(local), gshape)
+        return out, r
+
+    def sync_global(self, b: dict) -> tuple[dict, int]:
+        """Multi-process: pad T to the global max and count loss tokens over all processes."""
+        n_loss = int(b["loss_mask"].sum())
+        if jax.process_count() == 1:
+            return b, n_loss
+        from jax.experimental import multihost_utils
+
+        T = b["tokens"].shape[1]
+        allv = np.asarray(multihost_utils.process_allgather(np.array([T, n_loss], np.int64))).reshape(-1, 2)
+        T_glob, n_glob = int(allv[:, 0].max()), int(allv[:, 1].sum())
+        if T_glob > T:
+            pad = {"tokens": 0, "versions": -1, "turn_ids": -1}
+            b = {k: np.pad(v, ((0, 0), (0, T_glob - T)), constant_values=pad.get(k, 0)) for k, v in b.items()}
+        return b, n_glob
+
+
+def _stringify(tree: Any) -> Any:
+    """Nested dict with string keys (so int and str layer keys compare equal)."""
+    if isinstance(tree, Mapping):
+        return {str(k): _stringify(v) for k, v in tree.items()}
+    return tree
+
+
+def _put(value: Any, sharding: Any, ref: Any) -> jax.Array:
+    a = np.asarray(value) if not isinstance(value, jax.Array) else value
+    if tuple(a.shape) != tuple(ref.shape):
+        raise ValueError(f"init_params leaf has shape {a.shape}; the model expects {ref.shape}")
+    return jax.device_put(jnp.asarray(a, jnp.float32) if isinstance(a, jax.Array) else a.astype(np.float32), sharding)

@@ -1,0 +1,314 @@
+"""The pure train step: ``make_train_step(cfg, graphdef, tx, strategy, mesh)`` returns one
+jitted function ``(TrainState, LearnerBatch) -> (TrainState, metrics)`` (explicit in/out
+shardings, the state donated), built once per batch layout, as purejaxrl's ``make_train``.
+
+One call does everything for one published version:
+
+1. pi_prox: ``strategy.prox_logp`` (:mod:`jax_rl.correction`; it may update its own state, e.g.
+   the EWMA reset, effective for this step).
+2. ``optim.ppo_epochs x optim.minibatches`` optimizer updates (``lax.scan``), each over
+   ``optim.microbatches`` gradient-accumulation microbatches (``lax.scan``). Normalisation is
+   global: every microbatch's loss is divided by the minibatch's
+   :func:`jax_rl.losses.loss_denominator`, so the summed loss and gradient equal the
+   single-microbatch ones whatever the split. An update with a non-finite loss, gradient norm
+   or updated params is skipped (params and optimizer state kept; ``nonfinite_updates``).
+3. ``strategy.after_update`` (the EWMA update), then ``version += 1`` and
+   ``step += number of applied updates``.
+
+Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
+``optim.microbatches``) into [U, m, r, T]; minibatch u, microbatch j is rows
+``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
+(``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_rl import losses
+from jax_rl.batch import LearnerBatch
+from jax_rl.config import Config, OptimConfig
+from jax_rl.correction import Correction, tree_finite, tree_where
+
+__all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
+           "make_grads_fn", "make_logprob_step", "opt_state_shardings", "train_state_shardings", "init_train_state"]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the train step reads and writes (a pytree; donated to the step).
+
+    Fields:
+        params: ``nnx.State`` of the model's ``nnx.Param``s, fp32 master weights.
+        opt_state: optax state of ``make_optimizer``'s chain (moments like the params).
+        correction: the correction strategy's state (EWMA: :class:`jax_rl.correction.EwmaState`;
+            None for the stateless modes).
+        version: int32 scalar, published versions (one per train step).
+        step: int32 scalar, applied optimizer updates.
+        rng: uint32 [2] PRNG key (split once per step; reserved for stochastic parts).
+    """
+
+    params: Any
+    opt_state: Any
+    correction: Any
+    version: jax.Array
+    step: jax.Array
+    rng: jax.Array
+
+
+# ======================================================================================
+# Optimizer
+# ======================================================================================
+
+
+def make_schedule(lr: float, warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None,
+                  min_lr_ratio: float = 0.0) -> optax.Schedule:
+    """Learning-rate schedule over optimizer updates: linear warmup 0 -> lr, then constant or
+    cosine decay to ``lr * min_lr_ratio`` at ``total_steps`` (cosine only)."""
+    if schedule == "cosine":
+        total = max(int(total_steps or 1), warmup_steps + 1)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup_steps=warmup_steps, decay_steps=total, end_value=lr * min_lr_ratio
+        )
+    if schedule != "constant":
+        raise ValueError(f"optim.schedule={schedule!r} must be 'constant' or 'cosine'")
+    if warmup_steps <= 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps]
+    )
+
+
+def _decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only (not norms / biases)."""
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def make_optimizer(optim: OptimConfig, total_steps: Optional[int] = None, *, lr: Optional[float] = None,
+                   warmup_steps: Optional[int] = None, schedule: Optional[str] = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``optax.chain(clip_by_global_norm, adamw)`` with the warmup + constant|cosine schedule.
+
+    Args:
+        optim: the optim config section (b1, b2, eps, weight_decay, max_grad_norm, ...).
+        total_steps: optimizer updates of the whole run (cosine decay length).
+        lr / warmup_steps / schedule: overrides (the SFT chain uses sft.lr, constant).
+
+    Returns:
+        (tx, schedule): the schedule maps the update count (int) to the lr.
+    """
+    sched = make_schedule(
+        optim.lr if lr is None else lr,
+        optim.warmup_steps if warmup_steps is None else warmup_steps,
+        optim.schedule if schedule is None else schedule,
+        total_steps,
+        optim.min_lr_ratio,
+    )
+    clip = optax.identity() if optim.max_grad_norm is None else optax.clip_by_global_norm(optim.max_grad_norm)
+    tx = optax.chain(
+        clip,
+        optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
+                    mask=_decay_mask),
+    )
+    return tx, sched
+
+
+# ======================================================================================
+# State
+# ======================================================================================
+
+
+def opt_state_shardings(tx, abstract_params: Any, param_shardings: Any, mesh) -> Any:
+    """Shardings of ``tx``'s state: moments like their params, counters replicated."""
+    rep = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), param_shardings,
+        transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def train_state_shardings(tx, strategy: Correction, param_shardings: Any, abstract_params: Any, mesh) -> TrainState:
+    """Shardings of every TrainState leaf: params by the logical rules, optimizer moments like
+    their params, the strategy's state as it declares, scalars replicated."""
+    rep = NamedSharding(mesh, P())
+    opt_sh = opt_state_shardings(tx, abstract_params, param_shardings, mesh)
+    return TrainState(params=param_shardings, opt_state=opt_sh,
+                      correction=strategy.state_shardings(param_shardings, rep),
+                      version=rep, step=rep, rng=rep)
+
+
+def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings: TrainState) -> TrainState:
+    """The step-0 TrainState on the mesh (jitted with the given out shardings)."""
+
+    def init(p):
+        return TrainState(params=p, opt_state=tx.init(p), correction=strategy.init_state(p),
+                          version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(seed))
+
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+
+
+# ======================================================================================
+# Forward and gradients
+# ======================================================================================
+
+
+def make_logprob_fn(graphdef, rest: Any, temperature: float):
+    """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False) -> logp [r,T]`` (and
+    the entropy with ``return_entropy``), training numerics, ``out[:, 0] = 0``."""
+    from jax_rl.models.qwen3 import sequence_logprobs
+
+    def logprobs(params, tokens, attention_mask, return_entropy: bool = False):
+        return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
+                                 temperature=temperature, return_entropy=return_entropy)
+
+    return logprobs
+
+
+def chunked(logprobs) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """Log-probs of a chunked batch [U, m, r, T], one microbatch forward at a time."""
+
+    def chunk_logprobs(params, tokens, attention_mask):
+        U, m, r, T = tokens.shape
+        tk = tokens.reshape(U * m, r, T)
+        am = attention_mask.reshape(U * m, r, T)
+        if U * m == 1:
+            out = logprobs(params, tk[0], am[0])[None]
+        else:
+            out = lax.map(lambda xs: logprobs(params, xs[0], xs[1]), (tk, am))
+        return out.reshape(U, m, r, T)
+
+    return chunk_logprobs
+
+
+def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g):
+    """Loss, grads and combined metrics of one minibatch ([m, r, T] arrays), accumulated over its
+    m microbatches with the minibatch's global denominator."""
+    lc = cfg.loss
+    m, r, T = mb.tokens.shape
+    f2 = lambda x: x.reshape(m * r, T)  # noqa: E731
+    denom = losses.loss_denominator(
+        f2(mb.loss_mask), lc, prox_logp=None if prox is None else f2(prox),
+        behav_logp=f2(mb.behav_logp), turn_ids=f2(mb.turn_ids),
+    )
+
+    def micro_loss(p, x: LearnerBatch, prox_j):
+        ent = None
+        if lc.entropy_coef != 0.0:  # entropy bonus: one pass over the same logits
+            logp, ent = logprobs(p, x.tokens, x.attention_mask, return_entropy=True)
+        else:
+            logp = logprobs(p, x.tokens, x.attention_mask)
+        pl = prox_j if prox_j is not None else strategy.micro_prox(logp, x, g)
+        return losses.policy_loss(
+            logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
+            turn_ids=x.turn_ids, versions=x.versions, current_version=g,
+            old_logp=x.old_logp, denominator=denom, entropy=ent,
+        )
+
+    vg = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(acc, xs):
+        x, prox_j = xs
+        (loss, metr), grads = vg(params, x, prox_j)
+        acc_g, acc_l = acc
+        acc_g = jax.tree.map(jnp.add, acc_g, grads)
+        return (acc_g, acc_l + loss), metr
+
+    if m == 1:
+        (loss, metr), grads = vg(params, mb.map(lambda v: v[0]), None if prox is None else prox[0])
+        return loss, grads, metr
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox))
+    return loss, grads, losses.combine_metrics(metr)
+
+
+# ======================================================================================
+# The train step
+# ======================================================================================
+
+
+def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
+                    state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None):
+    """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
+
+    Args:
+        graphdef / rest: the model's static graph and non-param variables (``nnx.split``).
+        tx / schedule: :func:`make_optimizer`'s chain and schedule (``lr`` metric).
+        strategy: the correction strategy (:func:`jax_rl.correction.make_correction`).
+        state_shardings: :func:`train_state_shardings`; the state is donated.
+        batch_sharding: sharding of every batch array (None: the arrays' own).
+    """
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature))
+    chunk = chunked(logprobs)
+    n_epochs = int(cfg.optim.ppo_epochs)
+
+    def step(state: TrainState, b: LearnerBatch):
+        g = state.version
+        params0 = state.params
+        prox, cstate, extra = strategy.prox_logp(chunk, params0, state.correction, b, g)
+        U = b.tokens.shape[0]
+
+        def one_update(carry, i):
+            params, opt_state, step = carry
+            take = lambda x: None if x is None else lax.dynamic_index_in_dim(x, i % U, 0, keepdims=False)  # noqa: E731
+            loss, grads, metr = _minibatch_grads(cfg, strategy, logprobs, params, b.map(take), take(prox), g)
+            gnorm = optax.tree.norm(grads)
+            updates, new_opt = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # a finite loss and gradient can still give non-finite params (a huge lr, an overflow)
+            finite = jnp.isfinite(gnorm) & jnp.isfinite(loss) & tree_finite(new_params)
+            params = tree_where(finite, new_params, params)
+            opt_state = tree_where(finite, new_opt, opt_state)
+            metr = dict(metr)
+            metr.update(loss=loss, grad_norm=gnorm, lr=jnp.asarray(schedule(step), jnp.float32),
+                        nonfinite_updates=(~finite).astype(jnp.float32))
+            return (params, opt_state, step + finite.astype(jnp.int32)), metr
+
+        n_up = n_epochs * U
+        (params, opt_state, opt_step), metr = lax.scan(
+            one_update, (params0, state.opt_state, state.step), jnp.arange(n_up, dtype=jnp.int32)
+        )
+        metrics = {k: (jnp.sum(v) if k == "nonfinite_updates" else jnp.mean(v)) for k, v in metr.items()}
+        cstate, after = strategy.after_update(params, cstate)
+        metrics.update(extra)
+        metrics.update(after)
+        metrics["tokens"] = jnp.sum(b.attention_mask.astype(jnp.float32))
+        metrics["loss_tokens"] = jnp.sum(b.loss_mask.astype(jnp.float32))
+        metrics["updates"] = jnp.float32(n_up)
+        new_state = TrainState(params=params, opt_state=opt_state, correction=cstate, version=g + 1,
+                               step=opt_step, rng=jax.random.split(state.rng)[0])
+        return new_state, metrics
+
+    rep = NamedSharding(mesh, P())
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, rep),
+                   donate_argnums=(0,))
+
+
+def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: Any, param_shardings: Any,
+                  batch_sharding: Optional[NamedSharding] = None):
+    """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
+    metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature))
+    chunk = chunked(logprobs)
+
+    def fn(params, cstate, version, b: LearnerBatch):
+        prox, _, _ = strategy.prox_logp(chunk, params, cstate, b, version)
+        first = lambda x: None if x is None else x[0]  # noqa: E731
+        return _minibatch_grads(cfg, strategy, logprobs, params, b.map(first), first(prox), version)
+
+    rep = NamedSharding(mesh, P())
+    return jax.jit(fn, in_shardings=(param_shardings, None, rep, batch_sharding),
+                   out_shardings=(rep, param_shardings, rep))
+
+
+def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any):
+    """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient)."""
+    chunk = chunked(make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature)))
+    return jax.jit(chunk, in_shardings=(param_shardings, None, None))
