@@ -11,9 +11,6 @@ and the clip is active). Record with ``JAXRL_RECORD_FIXTURES=1``.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,20 +18,12 @@ import pytest
 
 from jax_rl.learner import Learner
 
+from tests.numbers_fixture import record_or_compare
+
 from ._util import init_params, make_batch, make_cfg
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODES = ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"]
-# the redesign changes clip_frac's definition on purpose (active clip, as verl's pg_clipfrac);
-# prox_source repeats the mode name
-CHANGED_ON_PURPOSE = {"clip_frac", "prox_source"}
-
-
-def _changed(key: str) -> bool:
-    """clip_frac changed definition everywhere it appears, the staleness buckets' included."""
-    return key in CHANGED_ON_PURPOSE or key.endswith("/clip_frac")
-
-
 def _batch(step: int) -> dict:
     b = make_batch(100 + step, B=8, T=16, version=step)
     rng = np.random.default_rng(200 + step)
@@ -67,19 +56,4 @@ def test_learner_metrics_match_the_recorded_steps(mode, devices):
     # the batches really engage the correction (else this test could not tell modes apart)
     assert any(r["train_infer_retained"] < 1.0 for r in rows) or mode == "ppo"
     assert any(r.get("clip_active_frac", r.get("clip_frac", 0.0)) > 0 for r in rows)
-    path = FIXTURES / f"learner_{mode}.json"
-    if os.environ.get("JAXRL_RECORD_FIXTURES") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
-        pytest.skip(f"recorded {path}")
-    want = json.loads(path.read_text())
-    assert len(rows) == len(want)
-    for i, (got, exp) in enumerate(zip(rows, want)):
-        missing = {k for k in set(exp) - set(got) if not _changed(k)}
-        assert not missing, f"{mode} step {i}: metrics gone: {sorted(missing)}"
-        for k, v in exp.items():
-            if _changed(k):
-                continue
-            g = got[k]
-            ok = (math.isnan(v) and math.isnan(g)) or math.isclose(g, v, rel_tol=1e-6, abs_tol=1e-7)
-            assert ok, f"{mode} step {i} {k}: got {g!r}, recorded {v!r}"
+    record_or_compare(rows, FIXTURES / f"learner_{mode}.json", mode, abs_tol=1e-7)

@@ -5,15 +5,12 @@ off-policy correction").
 The fixtures in ``tests/runtime/fixtures/numbers_<mode>.json`` were written by this file with
 ``JAXRL_RECORD_FIXTURES=1`` on the code before the redesign. ``async.max_staleness=0`` makes the
 run synchronous, so with a fixed ``run.seed`` every batch is the same from run to run.
-Values compare at rtol 1e-6, except the keys in ``CHANGED_ON_PURPOSE`` (a definition that
-changed on purpose) and wall-clock figures.
+Values compare at rtol 1e-6, except the keys in ``tests.numbers_fixture.CHANGED_ON_PURPOSE`` (a definition
+that changed on purpose) and wall-clock figures.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from pathlib import Path
 
 import pytest
@@ -21,20 +18,10 @@ import pytest
 from jax_rl.config import CONFIG_DIR, load_config
 from jax_rl.metrics import read_jsonl
 from jax_rl.runtime.train import TIMING_KEYS, run_train
+from tests.numbers_fixture import record_or_compare
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODES = ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"]
-# clip_frac: the redesign makes it the *active* clip fraction (verl's pg_clipfrac), on purpose;
-# prox_source repeats the mode name and may be dropped
-CHANGED_ON_PURPOSE = {"clip_frac", "prox_source"}
-
-
-
-def _changed(key: str) -> bool:
-    """clip_frac changed definition everywhere it appears, the staleness buckets' included."""
-    return key in CHANGED_ON_PURPOSE or key.endswith("/clip_frac")
-
-
 RUN = [
     "run.steps=4",
     "run.seed=7",
@@ -74,19 +61,5 @@ def _run(tmp_path: Path, mode: str) -> list[dict]:
 @pytest.mark.parametrize("mode", MODES)
 def test_metrics_match_the_recorded_run(tmp_path, mode):
     rows = _run(tmp_path, mode)
-    path = FIXTURES / f"numbers_{mode}.json"
-    if os.environ.get("JAXRL_RECORD_FIXTURES") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
-        pytest.skip(f"recorded {path}")
-    want = json.loads(path.read_text())
-    assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2, 3, 4]
-    for got, exp in zip(rows, want):
-        missing = {k for k in set(exp) - set(got) if not _changed(k)}
-        assert not missing, f"step {exp['step']}: metrics gone: {sorted(missing)}"
-        for k, v in exp.items():
-            if _changed(k):
-                continue
-            g = got[k]
-            ok = (math.isnan(v) and math.isnan(g)) or math.isclose(g, v, rel_tol=1e-6, abs_tol=1e-9)
-            assert ok, f"{mode} step {exp['step']} {k}: got {g!r}, recorded {v!r}"
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    record_or_compare(rows, FIXTURES / f"numbers_{mode}.json", mode, abs_tol=1e-9)
