@@ -26,6 +26,7 @@ per-layer traffic the raw figure counted once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -85,7 +86,11 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
         jax.lax.scan = functools.partial(orig_scan, unroll=True)
     try:
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        # the engine runs without an ambient mesh (its activations carry no constraints);
+        # with the state sharded over slots, set the mesh so the activation constraints
+        # (activation_batch -> data) shard the batch the same way
+        ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
+        with ctx, jax.default_matmul_precision("default"):
             lowered = engine._generate_jit.lower(params, state)
             compiled = lowered.compile()
         secs = time.perf_counter() - t0
@@ -106,6 +111,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3_4b")
+    p.add_argument("--head-dim", type=int, default=0, help="head_dim override (0 = preset)")
     p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0 = preset)")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--cache", type=int, default=4096)
@@ -120,6 +126,8 @@ def main(argv=None) -> int:
     from jax_rl.models.qwen3 import get_preset
 
     over = {"num_hidden_layers": a.layers} if a.layers else {}
+    if a.head_dim:
+        over["head_dim"] = a.head_dim
     cfg = get_preset(a.preset, **over)
     L = cfg.num_hidden_layers
     scans = {"true": [True], "false": [False], "both": [False, True]}[a.scan]

@@ -523,6 +523,22 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return _from_heads(o, T).astype(q.dtype)
 
 
+def attend_cached(q: Array, kh: Array, vh: Array, mask: Array) -> Array:
+    """One-token (decode) GQA attention over a head-major cache (the ``KVCache`` layout).
+
+    q [B,1,N,H], kh/vh [B,K,S,H], mask [B,1,S] bool -> [B,1,N,H] (q.dtype). The same numerics
+    as ``attend`` with T == 1; the cache's batch and head dims lead, so the dots read it in
+    place (no transpose of the cache).
+    """
+    B, T, N, H = q.shape
+    K = kh.shape[1]
+    qg = q.reshape(B, K, N // K, H)
+    s = jnp.einsum("bkgh,bksh->bkgs", qg, kh, preferred_element_type=jnp.float32)
+    s = jnp.where(mask[:, :, None, :], s * (H ** -0.5), _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(vh.dtype)
+    return jnp.einsum("bkgs,bksh->bkgh", p, vh).reshape(B, 1, N, H).astype(q.dtype)
+
+
 _CAUSAL_BLOCK = 80  # query rows per block of the causal attention (see _attend_causal)
 
 
@@ -763,8 +779,9 @@ class DecoderLayer(nnx.Module):
 class KVCache:
     """Per-slot KV cache (a pytree).
 
-    k, v: [L,B,S,K,H] (cache dtype); lengths: [B] int32 = number of valid positions per slot
-    (the next token of slot b goes to position ``lengths[b]``).
+    k, v: [L,B,K,S,H] (cache dtype; head-major, as JetStream/MaxText decode caches, so the
+    decode attention reads each layer's [B,K,S,H] in place); lengths: [B] int32 = number of
+    valid positions per slot (the next token of slot b goes to position ``lengths[b]``).
     """
 
     k: Array
@@ -773,13 +790,13 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
         """Copy row ``row`` of another cache (e.g. a batch-1 prefill) into slot ``slot``."""
-        s = other.k.shape[2]
-        k = self.k.at[:, slot, :s].set(other.k[:, row].astype(self.k.dtype))
-        v = self.v.at[:, slot, :s].set(other.v[:, row].astype(self.v.dtype))
+        s = other.k.shape[3]
+        k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
+        v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
         return KVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
 
 
@@ -1110,9 +1127,9 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.forward(input_ids, positions, attention_mask)["logits"]
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-        """Empty cache: k/v zeros [L,B,S,K,H] in ``dtype`` (default: compute dtype)."""
+        """Empty cache: k/v zeros [L,B,K,S,H] in ``dtype`` (default: compute dtype)."""
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim)
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                        lengths=jnp.zeros((batch_size,), jnp.int32))
@@ -1137,8 +1154,8 @@ class Qwen3ForCausalLM(nnx.Module):
             return core(q, k, v), (k, v)
 
         h, _, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
-        k = k.astype(cache.k.dtype)  # [L,B,T,K,H]
-        v = v.astype(cache.v.dtype)
+        k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
+        v = v.astype(cache.v.dtype).swapaxes(2, 3)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
                         v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
                         lengths=lengths)
@@ -1153,10 +1170,10 @@ class Qwen3ForCausalLM(nnx.Module):
         (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
         caller's business (mask them; their lengths still advance).
 
-        The cache is written at one position per slot and layer: the whole [L,B,S,K,H] k/v
+        The cache is written at one position per slot and layer: the whole [L,B,K,S,H] k/v
         buffers are threaded through the layers (the scan carry under ``scan_layers``) and
-        each layer scatters its [B,K,H] new entries at ``(layer, b, lengths[b])`` (a write at
-        ``lengths[b] >= S`` is dropped), then reads its layer back for attention. Under
+        each layer scatters its [B,K,H] new entries at ``(layer, b, :, lengths[b])`` (a write
+        at ``lengths[b] >= S`` is dropped), then reads its layer back for attention. Under
         ``jit`` with the cache donated XLA does this in place: a step touches the params and
         the cache once, not a rewritten copy of the cache (``bench/decode_compile.py``).
         """
@@ -1167,12 +1184,13 @@ class Qwen3ForCausalLM(nnx.Module):
         mask = (jnp.arange(S)[None, :] <= pos[:, None])[:, None, :]  # [B,1,S]
         L = self.config.num_hidden_layers
 
-        def write(c, new, i):
-            # c [L,B,S,K,H], new [B,K,H]: c[i, b, pos[b]] = new[b] (a scatter batched over b)
-            def one(cb, nb, p):  # cb [L,S,K,H], nb [K,H]
-                return cb.at[i, p].set(nb, mode="drop")
+        B, K = tokens.shape[0], self.config.num_key_value_heads
+        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+        k_idx = jnp.arange(K, dtype=jnp.int32)[None, :]
 
-            return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(c, new.astype(c.dtype), pos)
+        def write(c, new, i):
+            # c [L,B,K,S,H], new [B,K,H]: c[i, b, k, pos[b]] = new[b, k] (one scatter)
+            return c.at[i, b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
 
         def layer_attend(q, k, v, i, kv):
             ck, cv = write(kv[0], k[:, 0], i), write(kv[1], v[:, 0], i)
@@ -1181,7 +1199,7 @@ class Qwen3ForCausalLM(nnx.Module):
                 vi = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False)
             else:  # unrolled: a static layer index
                 ki, vi = ck[int(i)], cv[int(i)]
-            return attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, (ck, cv)
+            return attend_cached(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, (ck, cv)
 
         forced = None
         if forced_expert_ids is not None:
