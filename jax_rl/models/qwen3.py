@@ -530,13 +530,10 @@ def attend_cached(q: Array, kh: Array, vh: Array, mask: Array) -> Array:
     as ``attend`` with T == 1; the cache's batch and head dims lead, so the dots read it in
     place (no transpose of the cache).
     """
-    B, T, N, H = q.shape
-    K = kh.shape[1]
-    qg = q.reshape(B, K, N // K, H)
-    s = jnp.einsum("bkgh,bksh->bkgs", qg, kh, preferred_element_type=jnp.float32)
-    s = jnp.where(mask[:, :, None, :], s * (H ** -0.5), _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(vh.dtype)
-    return jnp.einsum("bkgs,bksh->bkgh", p, vh).reshape(B, 1, N, H).astype(q.dtype)
+    # the same einsums as ``attend`` on a [B,S,K,H] view: XLA folds the swapaxes into the
+    # dots' dimension numbers (no copy of the cache on TPU), and XLA:CPU gives the same bits
+    # as before the cache became head-major
+    return attend(q, kh.swapaxes(1, 2), vh.swapaxes(1, 2), mask)
 
 
 _CAUSAL_BLOCK = 80  # query rows per block of the causal attention (see _attend_causal)
