@@ -173,7 +173,12 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     each step's dict has ``memory_analysis`` fields (bytes per chip), ``peak_bytes_per_chip``
     (arguments + outputs - aliases + temporaries), ``flops`` and ``bytes_accessed``
     (``cost_analysis``; a scanned loop body is counted once) and ``hbm_fraction``
-    (peak / the chip's HBM). Compile-time estimates, not TPU measurements.
+    (peak / the chip's HBM). The decode dict also has ``params_per_chip`` and
+    ``kv_cache_per_chip`` (bytes, from the argument shapes) and ``bytes_accessed_ratio`` =
+    bytes accessed / (params + KV cache per chip) (1.0 = each read once; with
+    ``scan_layers`` the loop body is counted once, so compare unrolled layouts). The decode
+    step is compiled without an ambient mesh, as the engine runs it (its state donated);
+    prefill under ``jax.set_mesh`` (splash). Compile-time estimates, not TPU measurements.
     """
     import jax
     import jax.numpy as jnp
@@ -202,13 +207,24 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     out: dict[str, dict[str, Any]] = {}
     # set_mesh: the splash kernel runs under shard_map on the ambient mesh (a Mosaic kernel
     # cannot be partitioned automatically)
-    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
-        steps = {"prefill": (engine._prefill_jit, (params, tokens, n)),
-                 "decode": (engine._generate_jit, (params, state))}
-        for name, (fn, args) in steps.items():
+    # decode: no ambient mesh (the engine runs it so; under set_mesh the activation
+    # constraints would shard the batch while the replicated cache is donated, and the
+    # output cache could not alias the input)
+    import contextlib
+
+    steps = {"prefill": (engine._prefill_jit, (params, tokens, n), jax.set_mesh(mesh)),
+             "decode": (engine._generate_jit, (params, state), contextlib.nullcontext())}
+    for name, (fn, args, ctx) in steps.items():
+        with ctx, jax.default_matmul_precision("default"):
             a = _analysis(fn.lower(*args).compile())
-            a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes
-            out[name] = a
+        a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes
+        out[name] = a
+    nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    dec = out["decode"]
+    dec["params_per_chip"] = nbytes(params)  # replicated: every chip holds all of it
+    dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
+    dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"]
+                                                           + dec["kv_cache_per_chip"])
     out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
                        "devices": len(topo.devices), "chip": spec.chip.name,
                        "hbm_bytes_per_chip": spec.chip.hbm_bytes}

@@ -18,7 +18,7 @@ Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cac
 =============  ==================  ===========================================================
 key            shape / dtype       meaning
 =============  ==================  ===========================================================
-cache          KVCache             ``k``/``v`` [L,B,S,Hkv,Dh] compute dtype, ``lengths`` [B] i32
+cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``lengths`` [B] i32
 tokens         [B] int32           pending token (in no cache yet) per slot
 active         [B] bool            slot is generating
 keys           [B,2] uint32        per-request PRNG key (from the request seed)
@@ -311,7 +311,7 @@ class Qwen3Engine(Engine):
             P = tokens.shape[1]
             cache = model.init_cache(1, P, dtype=dt)
             _, cache = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache)
-            keep = (jnp.arange(P) < n)[None, None, :, None, None]
+            keep = (jnp.arange(P) < n)[None, None, None, :, None]  # cache [L,1,K,P,H]
             # Zero the padded rows (jnp.where, not *, so NaNs from all-masked rows vanish too).
             k = jnp.where(keep, cache.k, jnp.zeros((), cache.k.dtype))
             v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
@@ -450,7 +450,7 @@ class Qwen3Engine(Engine):
           temperature: per-request temperature (default: the engine's; <= 0 = greedy).
 
         Returns:
-          Prefix dict: ``k``, ``v`` [L,1,P,Hkv,Dh] (P = power-of-two bucket), ``length`` int,
+          Prefix dict: ``k``, ``v`` [L,1,Hkv,P,Dh] (P = power-of-two bucket), ``length`` int,
           ``token`` int (pending), ``seed`` int, ``temperature`` float.
 
         Raises:

@@ -523,6 +523,19 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return _from_heads(o, T).astype(q.dtype)
 
 
+def attend_cached(q: Array, kh: Array, vh: Array, mask: Array) -> Array:
+    """One-token (decode) GQA attention over a head-major cache (the ``KVCache`` layout).
+
+    q [B,1,N,H], kh/vh [B,K,S,H], mask [B,1,S] bool -> [B,1,N,H] (q.dtype). The same numerics
+    as ``attend`` with T == 1; the cache's batch and head dims lead, so the dots read it in
+    place (no transpose of the cache).
+    """
+    # the same einsums as ``attend`` on a [B,S,K,H] view: XLA folds the swapaxes into the
+    # dots' dimension numbers (no copy of the cache on TPU), and XLA:CPU gives the same bits
+    # as before the cache became head-major
+    return attend(q, kh.swapaxes(1, 2), vh.swapaxes(1, 2), mask)
+
+
 _CAUSAL_BLOCK = 80  # query rows per block of the causal attention (see _attend_causal)
 
 
@@ -763,8 +776,9 @@ class DecoderLayer(nnx.Module):
 class KVCache:
     """Per-slot KV cache (a pytree).
 
-    k, v: [L,B,S,K,H] (cache dtype); lengths: [B] int32 = number of valid positions per slot
-    (the next token of slot b goes to position ``lengths[b]``).
+    k, v: [L,B,K,S,H] (cache dtype; head-major, as JetStream/MaxText decode caches, so the
+    decode attention reads each layer's [B,K,S,H] in place); lengths: [B] int32 = number of
+    valid positions per slot (the next token of slot b goes to position ``lengths[b]``).
     """
 
     k: Array
@@ -773,13 +787,13 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
         """Copy row ``row`` of another cache (e.g. a batch-1 prefill) into slot ``slot``."""
-        s = other.k.shape[2]
-        k = self.k.at[:, slot, :s].set(other.k[:, row].astype(self.k.dtype))
-        v = self.v.at[:, slot, :s].set(other.v[:, row].astype(self.v.dtype))
+        s = other.k.shape[3]
+        k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
+        v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
         return KVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
 
 
@@ -951,33 +965,44 @@ class Qwen3ForCausalLM(nnx.Module):
         return forced_expert_ids[moe_idx]
 
     def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
-               forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False):
+               forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False,
+               carry: Any = None):
         """Runs the decoder stack.
 
         ``attend(q, k, v, xs_i) -> (o, ys_i)`` does the attention core of one layer; ``xs_i`` is
         layer i's slice of ``layer_xs`` (a pytree of [L, ...] arrays, e.g. the KV cache, or
         None) and the ``ys_i`` (same structure for every layer, or None) come back stacked
         [L, ...]. Returns (final-normed h, expert ids list, hidden list | None, stacked ys).
+
+        With ``carry`` (a pytree threaded through the layers in order, e.g. the whole KV cache
+        updated in place) the signature is ``attend(q, k, v, xs_i, carry) -> (o, ys_i, carry)``
+        and the final carry is returned fifth. Under ``scan_layers`` it is the scan carry, so
+        XLA updates its buffers in place instead of restacking per-layer outputs.
         """
         policy = remat_policy_fn(self.remat_policy) if remat else None
+        with_carry = carry is not None
 
-        def run(graphdef, state, x, positions, xs_i, forced):
+        def run(graphdef, state, x, positions, xs_i, forced, c):
             layer = nnx.merge(graphdef, state)
             box = {}
 
             def fn(q, k, v):
-                o, box["ys"] = attend(q, k, v, xs_i)
+                if with_carry:
+                    o, box["ys"], box["c"] = attend(q, k, v, xs_i, c)
+                else:
+                    (o, box["ys"]), box["c"] = attend(q, k, v, xs_i), None
                 return o
 
             x, ids = layer(x, positions, fn, forced)
-            return x, ids, box["ys"]
+            return x, ids, box["ys"], box["c"]
 
         if remat:
             run = jax.checkpoint(run, policy=policy, prevent_cse=not self.scan_layers,
                                  static_argnums=(0,))
         if self.scan_layers:
-            return self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
-                                       output_hidden_states)
+            out = self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
+                                      output_hidden_states, carry)
+            return out if with_carry else out[:4]
         expert_ids: list[Array] = []
         hidden = [x] if output_hidden_states else None
         ys_list = []
@@ -987,9 +1012,13 @@ class Qwen3ForCausalLM(nnx.Module):
             if layer.is_moe:
                 forced = self._forced_for(forced_expert_ids, moe_idx)
                 moe_idx += 1
-            xs_i = None if layer_xs is None else jax.tree.map(lambda a, i=i: a[i], layer_xs)
+            if layer_xs is None or isinstance(layer_xs, tuple) and len(layer_xs) == len(self.layers) \
+                    and all(isinstance(a, int) for a in layer_xs):
+                xs_i = None if layer_xs is None else layer_xs[i]  # static per-layer values
+            else:
+                xs_i = jax.tree.map(lambda a, i=i: a[i], layer_xs)
             graphdef, state = nnx.split(layer)
-            x, ids, ys = run(graphdef, state, x, positions, xs_i, forced)
+            x, ids, ys, carry = run(graphdef, state, x, positions, xs_i, forced, carry)
             ys_list.append(ys)
             if ids is not None:
                 expert_ids.append(ids)
@@ -999,10 +1028,12 @@ class Qwen3ForCausalLM(nnx.Module):
         if hidden is not None:
             hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
         ys = None if ys_list[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys_list)
+        if with_carry:
+            return h, expert_ids, hidden, ys, carry
         return h, expert_ids, hidden, ys
 
     def _trunk_scanned(self, run, x, positions, layer_xs, forced_expert_ids,
-                       output_hidden_states):
+                       output_hidden_states, layer_carry=None):
         """``_trunk`` for stacked params: ``jax.lax.scan`` over (params, xs_i, forced_i)."""
         L = self.config.num_hidden_layers
         is_moe = self.layers.is_moe
@@ -1013,18 +1044,20 @@ class Qwen3ForCausalLM(nnx.Module):
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, per_layer):
+            x_i, c = carry
             st, xs_i, forced_i = per_layer
-            y, ids, ys = run(graphdef, st, carry, positions, xs_i, forced_i)
-            return y, (ids, ys, y if output_hidden_states else None)
+            y, ids, ys, c = run(graphdef, st, x_i, positions, xs_i, forced_i, c)
+            return (y, c), (ids, ys, y if output_hidden_states else None)
 
         x0 = x
-        x, (ids, ys, hs) = jax.lax.scan(body, x, (state, layer_xs, forced), length=L)
+        (x, layer_carry), (ids, ys, hs) = jax.lax.scan(
+            body, (x, layer_carry), (state, layer_xs, forced), length=L)
         h = self.norm(x)
         expert_ids = [ids[i] for i in range(L)] if is_moe else []
         hidden = None
         if output_hidden_states:  # HF convention: [embeddings, ..., final-normed]
             hidden = [x0] + [hs[i] for i in range(L - 1)] + [h]
-        return h, expert_ids, hidden, ys
+        return h, expert_ids, hidden, ys, layer_carry
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -1091,9 +1124,9 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.forward(input_ids, positions, attention_mask)["logits"]
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-        """Empty cache: k/v zeros [L,B,S,K,H] in ``dtype`` (default: compute dtype)."""
+        """Empty cache: k/v zeros [L,B,K,S,H] in ``dtype`` (default: compute dtype)."""
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim)
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                        lengths=jnp.zeros((batch_size,), jnp.int32))
@@ -1118,8 +1151,8 @@ class Qwen3ForCausalLM(nnx.Module):
             return core(q, k, v), (k, v)
 
         h, _, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
-        k = k.astype(cache.k.dtype)  # [L,B,T,K,H]
-        v = v.astype(cache.v.dtype)
+        k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
+        v = v.astype(cache.v.dtype).swapaxes(2, 3)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
                         v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
                         lengths=lengths)
@@ -1133,26 +1166,44 @@ class Qwen3ForCausalLM(nnx.Module):
         positions ``<= lengths[b]``; then lengths += 1. Returns (logits [B,V] f32, cache)
         (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
         caller's business (mask them; their lengths still advance).
+
+        The cache is written at one position per slot and layer: the whole [L,B,K,S,H] k/v
+        buffers are threaded through the layers (the scan carry under ``scan_layers``) and
+        each layer scatters its [B,K,H] new entries at ``(layer, b, :, lengths[b])`` (a write
+        at ``lengths[b] >= S`` is dropped), then reads its layer back for attention. Under
+        ``jit`` with the cache donated XLA does this in place: a step touches the params and
+        the cache once, not a rewritten copy of the cache (``bench/decode_compile.py``).
         """
         tokens = jnp.asarray(tokens)
-        B = tokens.shape[0]
         S = cache.max_len
         pos = cache.lengths.astype(jnp.int32)
         positions = pos[:, None]
-        write = (jnp.arange(S)[None, :] == pos[:, None])[:, :, None, None]  # [B,S,1,1]
         mask = (jnp.arange(S)[None, :] <= pos[:, None])[:, None, :]  # [B,1,S]
+        L = self.config.num_hidden_layers
 
-        def layer_attend(q, k, v, kv_i):
-            ck, cv = kv_i  # this layer's cache [B,S,K,H]
-            ki = jnp.where(write, k.astype(ck.dtype), ck)
-            vi = jnp.where(write, v.astype(cv.dtype), cv)
-            return attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), (ki, vi)
+        B, K = tokens.shape[0], self.config.num_key_value_heads
+        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+        k_idx = jnp.arange(K, dtype=jnp.int32)[None, :]
+
+        def write(c, new, i):
+            # c [L,B,K,S,H], new [B,K,H]: c[i, b, k, pos[b]] = new[b, k] (one scatter)
+            return c.at[i, b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
+
+        def layer_attend(q, k, v, i, kv):
+            ck, cv = write(kv[0], k[:, 0], i), write(kv[1], v[:, 0], i)
+            if isinstance(i, jax.Array):  # scanned: traced layer index
+                ki = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False)
+                vi = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False)
+            else:  # unrolled: a static layer index
+                ki, vi = ck[int(i)], cv[int(i)]
+            return attend_cached(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, (ck, cv)
 
         forced = None
         if forced_expert_ids is not None:
             forced = [jnp.asarray(f)[:, None] for f in forced_expert_ids]
-        h, ids, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, layer_attend,
-                                        (cache.k, cache.v), forced)
+        layer_idx = jnp.arange(L, dtype=jnp.int32) if self.scan_layers else tuple(range(L))
+        h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, layer_attend,
+                                           layer_idx, forced, carry=(cache.k, cache.v))
         cache = KVCache(k=k, v=v, lengths=pos + 1)
         logits = self.lm_logits(h)[:, 0]
         if return_expert_ids:
