@@ -132,7 +132,9 @@ class ModelConfig(_Section):
     """Stack the decoder layers' params on a leading ``layers`` axis and run them under
     ``jax.lax.scan`` (MaxText ``scan_layers``): compile time and program size independent of
     depth. Changes the checkpoint layout (``params/layers/<name>`` [L, ...] instead of
-    ``params/layers/<i>/<name>``). Mixed dense/MoE stacks stay unrolled."""
+    ``params/layers/<i>/<name>``). Mixed dense/MoE stacks stay unrolled. Honoured by the model,
+    HF I/O and the TPU compile helpers; ``jax-rl train``'s learner and rollout engine do not use it
+    yet (they build unrolled layers)."""
     attention: Literal["auto", "xla", "splash"] = "auto"
     """Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
     kernel, ``xla`` = einsum softmax (HF eager numerics), ``auto`` = splash on a TPU backend,
