@@ -448,7 +448,12 @@ def run_train_ray(cfg: Config) -> int:
     from jax_rl.runtime.loop import run_rl, sft_line
 
     t0 = time.perf_counter()
-    start_of_run_lines(cfg, C.build_tokenizer(cfg), C.build_env_factory(cfg))  # ConfigError if nothing fits
+    # the actors build these again; building them here first refuses a bad env, tokenizer or
+    # checkpoint (and a config where no prompt fits) in one line before the run dir and Ray exist
+    env_factory = C.build_env_factory(cfg)
+    tokenizer = C.build_tokenizer(cfg, env_factory)
+    C.build_model_config(cfg, tokenizer)
+    start_of_run_lines(cfg, tokenizer, env_factory)
     run_dir = C.resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed

@@ -66,11 +66,6 @@ def run_train(cfg: Config) -> int:
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray
 
-        # the actors build these again; building them here first refuses a bad env, tokenizer or
-        # checkpoint in one line before the run dir and Ray exist
-        env_factory = C.build_env_factory(cfg)
-        C.build_model_config(cfg, C.build_tokenizer(cfg, env_factory))
-
         return run_train_ray(cfg)
     # start-of-run lines (a config where no prompt fits ends here); the run dir is created by
     # materialize() once every check (resume included) has passed
