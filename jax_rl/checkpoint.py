@@ -25,8 +25,9 @@ the next start or at once after a failure). :meth:`Checkpointer.check_step` vali
 restore and falls back past bad steps (:class:`CheckpointCorruptError`). A save that would not
 fit on the disk (raw array bytes vs ``shutil.disk_usage``), or that fails with ENOSPC /
 ``RESOURCE_EXHAUSTED`` in Orbax's background thread, raises one
-:class:`CheckpointDiskFullError` line (Orbax's own tracebacks for it are filtered out of the
-``absl`` log); the older steps stay intact.
+:class:`CheckpointDiskFullError` line; the older steps stay intact. The tracebacks the failed
+writes would print are dropped: no-space records of the ``absl`` and ``asyncio`` loggers, and
+tensorstore's ``Event loop is closed`` unraisable exceptions (``_ClosedLoopHook``).
 
 Saves are asynchronous when ``checkpoint.async_save`` (Orbax writes in a background thread;
 :meth:`Checkpointer.save` returns after the device->host copy). Restores take abstract
@@ -113,6 +114,46 @@ class _NoSpaceLogFilter(logging.Filter):
 _NOSPACE_FILTER = _NoSpaceLogFilter()
 
 
+def _is_closed_loop_callback(exc: BaseException, tb: Any) -> bool:
+    """``RuntimeError('Event loop is closed')`` raised by ``asyncio``'s ``_check_closed``: what a
+    tensorstore write that completes after Orbax's save loop has already ended (its first write
+    failed, e.g. ENOSPC, and ``asyncio.run`` closed the loop) raises when it posts its result."""
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_name == "_check_closed"
+
+
+class _ClosedLoopHook:
+    """``sys.unraisablehook`` wrapper (installed once by :class:`Checkpointer`): drops the
+    ``Event loop is closed`` tracebacks that tensorstore's completion callbacks report (as
+    unraisable exceptions, from the thread that completes the write) for the writes still in
+    flight when a failed Orbax save closed its loop: one per array chunk, hundreds on a full
+    disk. The failure itself surfaces once, from Orbax, as :class:`CheckpointDiskFullError` or
+    its own error. Any other unraisable exception goes to the previous hook; ``dropped`` counts
+    the ones dropped.
+    """
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.dropped = 0
+
+    def __call__(self, args):
+        if args.exc_value is not None and _is_closed_loop_callback(args.exc_value, args.exc_traceback):
+            self.dropped += 1
+            return
+        self.previous(args)
+
+
+def _install_closed_loop_hook() -> None:
+    import sys
+
+    if not isinstance(sys.unraisablehook, _ClosedLoopHook):
+        sys.unraisablehook = _ClosedLoopHook(sys.unraisablehook)
+
+
 def tree_nbytes(*trees: Any) -> int:
     """Total bytes of the array leaves of ``trees`` (global shapes; None trees count 0)."""
     n = 0
@@ -184,7 +225,11 @@ class Checkpointer:
         self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEM_NAMES)
         self._need = 0  # bytes of the last save attempted (for the disk-full message)
         self._disk_full_reported = False
-        logging.getLogger("absl").addFilter(_NOSPACE_FILTER)  # idempotent
+        # absl: Orbax's own error logs; asyncio: "Task exception was never retrieved" for the
+        # failed writes of a save that hit a full disk, logged when the tasks are collected
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_NOSPACE_FILTER)  # idempotent
+        _install_closed_loop_hook()
 
     # ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

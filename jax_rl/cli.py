@@ -9,7 +9,6 @@ path, incompatible or corrupt checkpoint: one line naming the culprit); 128 + si
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
@@ -225,8 +224,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         ckpt = sys.modules.get("jax_rl.checkpoint")
         if ckpt and isinstance(e, ckpt.CheckpointDiskFullError):
             print(f"jax-rl: error: {e}", file=sys.stderr)
-            global _SKIP_SHUTDOWN
-            _SKIP_SHUTDOWN = True
             return 1
         bad_input = isinstance(e, FileNotFoundError) or (
             ckpt and isinstance(e, (ckpt.CheckpointMismatchError, ckpt.CheckpointCorruptError)))
@@ -237,21 +234,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     return int(rc or 0)
 
 
-# Set when a run ended on a full disk: Orbax's failed background writes (tensorstore futures on
-# a closed event loop) print tracebacks during interpreter shutdown, after the one-line message.
-# The last good checkpoint is already committed and nothing else is pending, so ``entry`` ends
-# the process without that shutdown.
-_SKIP_SHUTDOWN = False
-
-
 def entry() -> None:
     """Console-script entry point (``jax-rl``): :func:`main`, then exit with its code."""
-    rc = main()
-    if _SKIP_SHUTDOWN:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    sys.exit(rc)
+    sys.exit(main())
 
 
 if __name__ == "__main__":

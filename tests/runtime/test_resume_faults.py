@@ -201,7 +201,7 @@ def _unshare_ok() -> bool:
 @pytest.mark.timeout(900)
 def test_disk_full_one_line_last_checkpoint_intact(tmp_path):
     """A real full disk: the run dir is on a small tmpfs (user + mount namespace); once two steps
-    are checkpointed a filler file takes the remaining space."""
+    are checkpointed (``checkpoints/2`` committed) a filler file takes the remaining space."""
     if not _unshare_ok():
         pytest.skip("needs unshare -rm and tmpfs mounts (user namespaces)")
     mnt = tmp_path / "mnt"
@@ -216,9 +216,8 @@ set -u
 mount -t tmpfs -o size=64m tmpfs {mnt}
 {train} > {tmp_path}/out.txt 2> {tmp_path}/err.txt &
 pid=$!
-while [ "$(cat {d}/metrics.jsonl 2>/dev/null | wc -l)" -lt 2 ]; do
+while [ ! -d {d}/checkpoints/2 ]; do   # step 2 committed (Orbax renames its tmp dir)
   kill -0 $pid 2>/dev/null || break; sleep 0.2; done
-sleep 1
 fallocate -l $(( $(stat -f -c '%a*%S' {mnt}) - 65536 )) {mnt}/filler 2>/dev/null || \
   dd if=/dev/zero of={mnt}/filler bs=64k 2>/dev/null
 wait $pid; echo "RC=$?"
