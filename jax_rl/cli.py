@@ -1,4 +1,4 @@
-"""``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``serve``, ``plot``.
+"""``jax-rl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``serve``, ``compile``, ``plot``.
 
 Each subcommand has ``--help``. Exit codes: 0 done; 1 a failed run (e.g. the disk filled up:
 one line naming the run dir and the bytes needed); 2 a config error or a bad input (missing
@@ -101,6 +101,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    from jax_rl.tpu import libtpu_available
+
+    cfg = load_config(args.config, list(args.overrides))
+    if not libtpu_available():
+        print("jax-rl: error: compiling for a TPU needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
+        return 2
+    from jax_rl.compile import FUNCTIONS, run_compile
+
+    try:
+        return run_compile(cfg, args.topology, json_path=args.json, functions=tuple(args.functions or ()) or FUNCTIONS,
+                           cost=not args.no_cost)
+    except ValueError as e:  # an unknown topology name
+        if isinstance(e, ConfigError):
+            raise
+        print(f"jax-rl: error: --topology {args.topology}: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_plot(args) -> int:
     try:
         from jax_rl.plots import plot_runs
@@ -171,6 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature for every request (default 0 = greedy)")
     v.set_defaults(func=cmd_serve)
 
+    c = sub.add_parser("compile", help="AOT-compile the run's programs for a TPU topology on this host (libtpu): "
+                                       "HBM per chip, FLOPs, roofline",
+                       description="Compile the learner train step, the SFT step and the rollout prefill / decode "
+                                   "steps of CONFIG for a TPU topology with libtpu's compiler, nothing allocated, "
+                                   "and print per-chip HBM (fits or not), compile seconds, FLOPs and bytes per "
+                                   "step, the roofline step time and the MFU bound. Compile-time estimates, not "
+                                   "measurements. Exit 0 if every program fits in HBM, 1 if one does not.",
+                       epilog=EPILOG)
+    c.add_argument("config", help="YAML config, e.g. configs/qwen3_4b.yaml")
+    c.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. mesh.tensor=8 optim.microbatches=16")
+    c.add_argument("--topology", required=True, metavar="NAME",
+                   help="Cloud TPU type (v5e-8, v5p-8, v5p-64, v6e-8, v4-16) or topology (v5p:4x4x4, v5e:2x2)")
+    c.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the figures as JSON: a list with one object per compiled function")
+    c.add_argument("--only", dest="functions", action="append", default=None,
+                   choices=["train_step", "sft_step", "prefill", "decode_step"],
+                   help="compile only this function (repeatable; default: all four)")
+    c.add_argument("--no-cost", action="store_true",
+                   help="skip the cost pieces (FLOPs / bytes / roofline): memory and compile time only, faster")
+    c.set_defaults(func=cmd_compile)
+
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
     pl.add_argument("run_dirs", nargs="+", help="run dirs holding metrics.jsonl")
     pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
@@ -200,9 +240,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--resume`` (and the other train switches) may come anywhere (``train CONFIG --resume run.dir=D``):
     # argparse would take what follows them for an unknown argument, so move the flags to the end
-    flags = ("--resume", "--print-config", "--dry-run")
+    flags = ("--resume", "--print-config", "--dry-run", "--no-cost")
     argv = [a for a in argv if a not in flags] + [a for a in argv if a in flags]
-    argv = _flag_to_end(argv, "--step")
+    for flag in ("--step", "--topology", "--json", "--only"):
+        argv = _flag_to_end(argv, flag)
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

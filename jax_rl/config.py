@@ -131,10 +131,17 @@ class ModelConfig(_Section):
     scan_layers: bool = True
     """Stack the decoder layers' params on a leading ``layers`` axis and run them under
     ``jax.lax.scan`` (MaxText ``scan_layers``): compile time and program size independent of
-    depth. Changes the checkpoint layout (``params/layers/<name>`` [L, ...] instead of
-    ``params/layers/<i>/<name>``). Mixed dense/MoE stacks stay unrolled. Honoured by the model,
-    HF I/O and the TPU compile helpers; ``jax-rl train``'s learner and rollout engine do not use it
-    yet (they build unrolled layers)."""
+    depth. The learner, every rollout engine (embedded and Ray), eval, export, serve and the HF
+    import (``model.checkpoint``) build this one layout. Changes the checkpoint layout
+    (``params/layers/<name>`` [L, ...] instead of ``params/layers/<i>/<name>``): a resume from a
+    checkpoint of the other layout is refused in one line naming the value to set; eval and
+    export read either. Mixed dense/MoE stacks stay unrolled."""
+    logits_chunk_tokens: Optional[int] = Field(None, ge=1)
+    """Positions per chunk of the learner's LM head + log-softmax (the full [rows, T, vocab]
+    logits are never materialised): the largest divisor of the sequence length not above this.
+    Unset: the largest chunk with rows x chunk x vocab <= 4M logits (~16 MB fp32), which is a
+    handful of positions for a 152k vocabulary; on a TPU set a few hundred (the TPU configs use
+    512) so the head's matmuls are MXU-sized and its weights are not re-read per position."""
     attention: Literal["auto", "xla", "splash"] = "auto"
     """Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
     kernel, ``xla`` = einsum softmax (HF eager numerics), ``auto`` = splash on a TPU backend,

@@ -131,7 +131,28 @@ def get_topology(name: str):
     from jax.experimental import topologies
 
     spec = resolve_topology(name)
+    _quiet_libtpu_env(spec)
     return topologies.get_topology_desc(platform="tpu", topology_name=spec.topology_name)
+
+
+def _cloud_type(spec: TopologySpec) -> str:
+    """The Cloud TPU accelerator type of a topology (``v5litepod-4``, ``v5p-8``, ``v6e-8``)."""
+    gen = spec.chip.name
+    if gen == "v5e":
+        return f"v5litepod-{spec.num_chips}"
+    return f"{gen}-{spec.num_chips * (2 if gen in _3D else 1)}"
+
+
+def _quiet_libtpu_env(spec: TopologySpec, environ=os.environ) -> None:
+    """On a host without TPU devices, libtpu's first initialisation probes the GCE metadata
+    server and prints warnings and an INVALID_ARGUMENT error for the accelerator type and
+    worker hostnames it cannot find. Name them (a single local worker of the compiled
+    topology's type) unless the environment already does; a TPU VM is left alone."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    environ.setdefault("TPU_ACCELERATOR_TYPE", _cloud_type(spec))
+    environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 
 def cpu_unless_tpu_present(environ=os.environ) -> bool:
@@ -163,10 +184,12 @@ def _analysis(compiled) -> dict[str, Any]:
 
 def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_len: int = 2048,
                     prefill_len: int = 1024, dtype: str = "bfloat16",
-                    model_kwargs: Optional[dict] = None) -> dict[str, dict[str, Any]]:
+                    model_kwargs: Optional[dict] = None,
+                    only: tuple[str, ...] = ("prefill", "decode")) -> dict[str, dict[str, Any]]:
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens) and decode step
     (``slots`` slots, ``max_cache_len`` cache) for ``topology`` (see ``resolve_topology``), params
-    and state replicated on every chip as the engine places them.
+    and state replicated on every chip as the engine places them. ``only``: the steps to
+    compile (each result has ``compile_s``, seconds).
 
     ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,
     ``attention="splash"``). Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
@@ -212,19 +235,27 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     # output cache could not alias the input)
     import contextlib
 
-    steps = {"prefill": (engine._prefill_jit, (params, tokens, n), jax.set_mesh(mesh)),
-             "decode": (engine._generate_jit, (params, state), contextlib.nullcontext())}
+    # contexts built lazily: jax.set_mesh(mesh) sets the mesh as soon as it is called
+    steps = {"prefill": (engine._prefill_jit, (params, tokens, n), lambda: jax.set_mesh(mesh)),
+             "decode": (engine._generate_jit, (params, state), contextlib.nullcontext)}
+    import time
+
     for name, (fn, args, ctx) in steps.items():
-        with ctx, jax.default_matmul_precision("default"):
+        if name not in only:
+            continue
+        t0 = time.perf_counter()
+        with ctx(), jax.default_matmul_precision("default"):
             a = _analysis(fn.lower(*args).compile())
+        a["compile_s"] = time.perf_counter() - t0
         a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes
         out[name] = a
     nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    dec = out["decode"]
-    dec["params_per_chip"] = nbytes(params)  # replicated: every chip holds all of it
-    dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
-    dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"]
-                                                           + dec["kv_cache_per_chip"])
+    dec = out.get("decode")
+    if dec is not None:
+        dec["params_per_chip"] = nbytes(params)  # replicated: every chip holds all of it
+        dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
+        dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"]
+                                                               + dec["kv_cache_per_chip"])
     out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
                        "devices": len(topo.devices), "chip": spec.chip.name,
                        "hbm_bytes_per_chip": spec.chip.hbm_bytes}

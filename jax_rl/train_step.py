@@ -160,14 +160,16 @@ def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings
 # ======================================================================================
 
 
-def make_logprob_fn(graphdef, rest: Any, temperature: float):
+def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None):
     """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False) -> logp [r,T]`` (and
-    the entropy with ``return_entropy``), training numerics, ``out[:, 0] = 0``."""
+    the entropy with ``return_entropy``), training numerics, ``out[:, 0] = 0``. ``chunk_tokens``:
+    LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget)."""
     from jax_rl.models.qwen3 import sequence_logprobs
 
     def logprobs(params, tokens, attention_mask, return_entropy: bool = False):
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
-                                 temperature=temperature, return_entropy=return_entropy)
+                                 temperature=temperature, return_entropy=return_entropy,
+                                 chunk_tokens=chunk_tokens)
 
     return logprobs
 
@@ -245,7 +247,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         state_shardings: :func:`train_state_shardings`; the state is donated.
         batch_sharding: sharding of every batch array (None: the arrays' own).
     """
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature))
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
     chunk = chunked(logprobs)
     n_epochs = int(cfg.optim.ppo_epochs)
 
@@ -295,7 +297,7 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
                   batch_sharding: Optional[NamedSharding] = None):
     """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
     metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature))
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
     chunk = chunked(logprobs)
 
     def fn(params, cstate, version, b: LearnerBatch):
@@ -310,5 +312,5 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
 
 def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any):
     """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient)."""
-    chunk = chunked(make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature)))
+    chunk = chunked(make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens))
     return jax.jit(chunk, in_shardings=(param_shardings, None, None))

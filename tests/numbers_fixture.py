@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+# XLA's CPU code differs between hosts (AVX2 vs AVX-512 vector widths change reduction orders):
+# a grad norm recorded on one host reads 5e-6 relative off on another. A change of the math moves
+# these metrics by far more than this tolerance.
+RTOL = 1e-4
+
 # the redesign changed clip_frac's definition on purpose (the active clip, verl's pg_clipfrac),
 # the staleness buckets' included; prox_source repeated the mode name and was dropped
 CHANGED_ON_PURPOSE = {"clip_frac", "prox_source"}
@@ -21,7 +26,7 @@ def changed_on_purpose(key: str) -> bool:
 
 def record_or_compare(rows: list[dict], path: Path, label: str, *, abs_tol: float) -> None:
     """With ``JAXRL_RECORD_FIXTURES=1`` write ``rows`` to ``path`` and skip; else every recorded
-    metric (but the ones changed on purpose) must still be there and equal at rtol 1e-6."""
+    metric (but the ones changed on purpose) must still be there and equal at rtol ``RTOL``."""
     if os.environ.get("JAXRL_RECORD_FIXTURES") == "1":
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
@@ -35,5 +40,5 @@ def record_or_compare(rows: list[dict], path: Path, label: str, *, abs_tol: floa
             if changed_on_purpose(k):
                 continue
             g = got[k]
-            ok = (math.isnan(v) and math.isnan(g)) or math.isclose(g, v, rel_tol=1e-6, abs_tol=abs_tol)
+            ok = (math.isnan(v) and math.isnan(g)) or math.isclose(g, v, rel_tol=RTOL, abs_tol=abs_tol)
             assert ok, f"{label} row {i} {k}: got {g!r}, recorded {v!r}"

@@ -1218,9 +1218,10 @@ class Qwen3ForCausalLM(nnx.Module):
 _CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
 
 
-def _chunk_len(B: int, T: int, V: int, chunk_elems: int) -> int:
-    """Largest divisor of T with B*C*V <= chunk_elems (at least 1)."""
-    target = max(1, chunk_elems // max(1, B * V))
+def _chunk_len(B: int, T: int, V: int, chunk_elems: int, chunk_tokens: int | None = None) -> int:
+    """Largest divisor of T with B*C*V <= chunk_elems, or, with ``chunk_tokens``, the largest
+    divisor of T not above it (at least 1)."""
+    target = max(1, chunk_elems // max(1, B * V)) if chunk_tokens is None else max(1, int(chunk_tokens))
     if target >= T:
         return T
     for c in range(target, 0, -1):
@@ -1230,10 +1231,10 @@ def _chunk_len(B: int, T: int, V: int, chunk_elems: int) -> int:
 
 
 def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: int, V: int,
-                chunk_elems: int) -> Array:
+                chunk_elems: int, chunk_tokens: int | None = None) -> Array:
     """Apply ``fn(*chunks) -> [B,C,...]`` over T-chunks of ``arrays`` (each [B,T,...]) with a
     rematerialised lax.map, so neither the forward nor the backward keeps a [B,T,V]."""
-    C = _chunk_len(B, T, V, chunk_elems)
+    C = _chunk_len(B, T, V, chunk_elems, chunk_tokens)
     if C == T:
         return fn(*arrays)
     n = T // C
@@ -1283,7 +1284,7 @@ def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
-                      chunk_elems: int = _CHUNK_ELEMS):
+                      chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None):
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
@@ -1296,6 +1297,13 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     temperature-scaled next-token distribution that predicts ``tokens[t]`` (same alignment and
     zeros as logp; verl's ``entropy_from_logits``). With ``return_expert_ids`` the per-MoE-layer
     expert ids come last.
+
+    The LM head runs over T-chunks of C positions (a rematerialised ``lax.map``): C is the
+    largest divisor of T with B*C*V <= ``chunk_elems`` (default 4M logits, ~16 MB of fp32), or
+    the largest divisor of T not above ``chunk_tokens`` when given (``model.logits_chunk_tokens``:
+    on a TPU, a few hundred tokens keep the head's matmuls MXU-sized). All T positions go
+    through the head (the last one predicts a pad target and is dropped), so a power-of-two T
+    chunks evenly.
     """
     if isinstance(model_or_graphdef, nnx.GraphDef):
         state, *rest = args
@@ -1322,8 +1330,10 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
 
     k = (2,) if return_entropy else ()
     if T > 1:
-        lp = _map_over_t(fn, (h[:, :-1], tokens[:, 1:]), B, T - 1, V, chunk_elems)
-        out = jnp.concatenate([jnp.zeros((B, 1, *k), jnp.float32), lp], axis=1)
+        # position t predicts tokens[t + 1]; the last position's target is a pad (dropped)
+        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+        lp = _map_over_t(fn, (h, targets), B, T, V, chunk_elems, chunk_tokens)
+        out = jnp.concatenate([jnp.zeros((B, 1, *k), jnp.float32), lp[:, :-1]], axis=1)
     else:
         out = jnp.zeros((B, T, *k), jnp.float32)
     if attention_mask is not None:

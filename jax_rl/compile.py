@@ -1,0 +1,610 @@
+"""``jax-rl compile CONFIG --topology NAME``: AOT-compile a run's programs for a TPU topology on
+any host, with nothing allocated, and estimate whether and how fast they run there.
+
+What is compiled (libtpu's real TPU compiler, targeted through
+``jax.experimental.topologies.get_topology_desc``; MaxText's ``train_compile.py`` is the model):
+
+- ``train_step``: the learner's jitted step of ``loss.correction``
+  (:func:`jax_rl.train_step.make_train_step`: the strategy's pi_prox forward, EWMA update and
+  reset, ``ppo_epochs x minibatches`` updates over ``microbatches`` accumulation steps) for the
+  worst-case batch ``[optim.batch_size, optim.max_seq_len]``;
+- ``sft_step``: :func:`jax_rl.sft.make_sft_step` for ``[sft.batch_size, optim.max_seq_len]``;
+- ``prefill`` and ``decode_step``: the rollout engine's (:class:`rollout.engine.Qwen3Engine`) at
+  ``rollout.slots`` slots, ``rollout.max_cache_len`` cache and ``rollout.max_prefill_length``
+  prompt tokens, params replicated as the engine places them.
+
+Arguments are ``jax.ShapeDtypeStruct`` trees with the run's shardings (params, optimizer moments,
+EWMA, batch, KV cache), on the config's mesh built over the topology's devices.
+
+Figures, per chip (every figure is a compile-time estimate, never a measurement):
+
+- HBM: ``memory_analysis()`` of the full-depth program: arguments, temporaries, outputs
+  (minus donated aliases), total against the chip's HBM (:data:`jax_rl.tpu.CHIPS`).
+- FLOPs and bytes accessed: XLA's ``cost_analysis()`` counts a while-loop body once (the
+  scanned layer stack, the microbatch / update scans, the chunked LM head). So the cost comes
+  from loop-free pieces compiled for the same mesh, summed with their trip counts:
+
+  * one piece per function: the train step's first-minibatch gradient
+    (:func:`jax_rl.train_step.make_grads_fn`, one microbatch of ``r`` rows, with the strategy's
+    pi_prox forward), the bare log-prob forward (only when ``ppo_epochs > 1`` and the strategy
+    runs a forward), the optimizer update and the strategy's ``after_update`` (full depth: no
+    loops), the SFT step at one microbatch, prefill and decode;
+  * the layer-dependent pieces compiled with unrolled layers at depth 1 and 2 and the LM-head
+    chunk loop at two chunk lengths C1 = T/8 < C2 = T/4 (``model.logits_chunk_tokens``); a piece
+    is modelled as ``X(d, C) = a + d * layer + b * C`` (the loop body, counted once, grows with
+    C) and evaluated at the config's depth L and the whole length:
+    ``X(1, C1) + (L - 1) * layer + b * (T - C1)``;
+  * ``train_step = U*m * grads + (epochs - 1)*U*m * (grads - f*forward) + epochs*U * update +
+    after_update`` (U minibatches, m microbatches, f forwards in the strategy's pi_prox, counted
+    by tracing it), ``sft_step = m * (step - update) + update``.
+
+  The total is checked against the model-FLOPs formula (``model_flops``: 2 N per token per
+  forward with N the active matmul params, LM head included, plus causal attention
+  ``2 L H d_h T`` per token; backward = 2 x forward; the rematerialised forward is not model
+  FLOPs): ``flops_ratio`` = compiler FLOPs / model FLOPs (above 1: remat and the extra
+  elementwise work; well below 1: a kernel the analysis cannot see into, e.g. a Pallas call).
+- ``roofline_step_s = max(flops / peak FLOP/s, bytes / HBM bandwidth)`` per chip and
+  ``mfu_bound = model FLOPs per chip / (roofline_step_s * peak)``: an upper bound on the MFU
+  (no communication, perfect overlap). None for the rollout steps (model FLOPs do not apply).
+
+:func:`compile_programs` returns one dict per function with the keys of ``--json`` (the issue's
+contract): ``function, topology, chips, hbm_args_bytes, hbm_temp_bytes, hbm_out_bytes,
+hbm_total_bytes, chip_hbm_bytes, fits, compile_s, flops_per_chip, bytes_accessed_per_chip,
+roofline_step_s, mfu_bound`` plus ``model_flops_per_chip``, ``flops_ratio``, ``shape`` and
+``cost_pieces_s`` (seconds spent compiling the cost pieces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from jax_rl.config import Config, ConfigError
+
+__all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token"]
+
+FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step")
+
+
+# ======================================================================================
+# model FLOPs
+# ======================================================================================
+
+
+def _matmul_params(mc) -> tuple[int, int]:
+    """(active matmul params per token, total) of a ``Qwen3Config``: attention and MLP/expert
+    projections of every layer plus the LM head (the embedding lookup is not a matmul)."""
+    D, L = mc.hidden_size, mc.num_hidden_layers
+    H, K, dh = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    attn = D * H * dh + 2 * D * K * dh + H * dh * D
+    n_exp = int(getattr(mc, "num_experts", 0) or 0)
+    active = total = 0
+    for i in range(L):
+        moe = bool(n_exp) and mc.is_moe_layer(i) if hasattr(mc, "is_moe_layer") else bool(n_exp)
+        if moe:
+            f = mc.moe_intermediate_size
+            k = mc.num_experts_per_tok
+            active += attn + k * 3 * D * f + D * n_exp
+            total += attn + n_exp * 3 * D * f + D * n_exp
+        else:
+            f = mc.intermediate_size
+            active += attn + 3 * D * f
+            total += attn + 3 * D * f
+    head = D * mc.vocab_size
+    return active + head, total + head
+
+
+def model_flops_per_token(mc, T: int) -> float:
+    """Forward FLOPs per token of a [., T] sequence: ``2 * N_active`` (matmuls, LM head included)
+    plus causal attention ``2 * L * H * head_dim * T`` (QK^T and AV over T/2 keys on average)."""
+    active, _ = _matmul_params(mc)
+    return 2.0 * active + 2.0 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * T
+
+
+# ======================================================================================
+# building blocks
+# ======================================================================================
+
+
+@dataclasses.dataclass
+class _Target:
+    cfg: Config
+    topology: str
+    spec: Any  # jax_rl.tpu.TopologySpec
+    devices: list
+    mesh: Any
+    model_config: Any
+    learner_kw: dict
+    engine_kw: dict
+    notes: list
+
+
+def _model_config(cfg: Config, notes: list):
+    """The run's ``Qwen3Config``: the checkpoint's config.json when it exists, else the preset
+    (a TPU config names a checkpoint path on the pod, usually absent on the compiling host)."""
+    from jax_rl.model_builder import resolve_model_config
+    from jax_rl.models.qwen3 import get_preset
+
+    ck = cfg.model.checkpoint
+    if ck and not (Path(ck) / "config.json").is_file():
+        if not cfg.model.preset:
+            raise ConfigError(f"model.checkpoint={ck}: no config.json there and no model.preset to take the "
+                              "shapes from")
+        notes.append(f"model.checkpoint {ck} has no config.json here: shapes from preset {cfg.model.preset}")
+        return get_preset(cfg.model.preset, **cfg.model.hf_overrides)
+    return resolve_model_config(cfg.model)
+
+
+def _target(cfg: Config, topology: str) -> _Target:
+    import jax.numpy as jnp
+
+    from jax_rl.models.qwen3 import model_kwargs
+    from jax_rl.sharding import make_mesh
+    from jax_rl.tpu import get_topology, resolve_topology
+
+    spec = resolve_topology(topology)
+    devices = list(get_topology(topology).devices)
+    m = cfg.mesh
+    try:
+        mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, expert=m.expert, devices=devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {m.data}x{m.fsdp}x{m.tensor}x{m.expert} (data x fsdp x tensor x expert) on "
+                          f"{topology} ({len(devices)} devices): {e}") from None
+    notes: list[str] = []
+    mc = _model_config(cfg, notes)
+    kw = model_kwargs(cfg.model)
+    if kw.get("attention") == "auto":  # the target is a TPU, whatever this host is
+        kw["attention"] = "splash"
+    learner_kw = dict(kw, dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32)
+    engine_kw = dict(moe_dispatch=kw["moe_dispatch"], scan_layers=kw["scan_layers"],
+                     attention=kw["attention"])
+    return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes)
+
+
+def _sds(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _analysis(compiled) -> dict[str, float]:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    g = lambda k: int(getattr(mem, k, 0) or 0)  # noqa: E731
+    return {"args": g("argument_size_in_bytes"), "out": g("output_size_in_bytes"),
+            "alias": g("alias_size_in_bytes"), "temp": g("temp_size_in_bytes"),
+            "flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+
+
+def _compile(fn, args, mesh) -> tuple[dict, float]:
+    """``fn.lower(*args).compile()`` under the mesh (default matmul precision: the TPU's bf16
+    passes); returns (analysis, seconds)."""
+    import jax
+
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        c = fn.lower(*args).compile()
+    return _analysis(c), time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class _Learner:
+    """The learner's abstract pieces on the target mesh (``Learner.__init__`` without arrays)."""
+
+    graphdef: Any
+    rest: Any
+    abs_params: Any
+    param_sh: Any
+    tx: Any
+    schedule: Any
+    strategy: Any
+    state: Any  # TrainState of ShapeDtypeStructs
+    state_sh: Any
+
+
+def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over) -> _Learner:
+    import jax
+    import jax.numpy as jnp
+
+    from jax_rl.correction import make_correction
+    from jax_rl.model_builder import abstract_model_split
+    from jax_rl.sharding import state_shardings
+    from jax_rl.train_step import TrainState, make_optimizer, train_state_shardings
+
+    cfg = cfg or t.cfg
+    mc = model_config or t.model_config
+    graphdef, abs_params, rest = abstract_model_split(mc, **dict(t.learner_kw, **kw_over))
+    if jax.tree.leaves(rest):
+        raise ConfigError("the model has non-parameter state; jax-rl compile handles parameter-only models")
+    param_sh = state_shardings(abs_params, t.mesh)
+    total = max(1, cfg.run.steps) * cfg.optim.ppo_epochs * cfg.optim.minibatches
+    tx, schedule = make_optimizer(cfg.optim, total)
+    strategy = make_correction(cfg)
+    state_sh = train_state_shardings(tx, strategy, param_sh, abs_params, t.mesh)
+
+    def init(p):
+        return TrainState(params=p, opt_state=tx.init(p), correction=strategy.init_state(p),
+                          version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+
+    state = _sds(jax.eval_shape(init, abs_params), state_sh)
+    return _Learner(graphdef, rest, abs_params, param_sh, tx, schedule, strategy, state, state_sh)
+
+
+def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
+    import numpy as np
+
+    from jax_rl.batch import BATCH_FIELDS, LearnerBatch
+    from jax_rl.correction import uses_snapshot_store
+    from jax_rl.placement import BatchPlacement
+    import jax
+
+    sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
+    fields = {k: jax.ShapeDtypeStruct((U, m, r, T), dt, sharding=sh) for k, (_, dt) in BATCH_FIELDS.items()}
+    f32 = jax.ShapeDtypeStruct((U, m, r, T), np.float32, sharding=sh)
+    if strategy.needs_exact:
+        fields["prox_logp"] = f32
+    elif uses_snapshot_store(strategy, t.cfg):
+        fields["old_logp"] = f32
+    return LearnerBatch.from_dict(fields), sh
+
+
+def _layout(B: int, U: int, m: int, what: str) -> int:
+    if B % (U * m):
+        raise ConfigError(f"{what}: B={B} rows is not a multiple of minibatches*microbatches={U * m}")
+    return B // (U * m)
+
+
+def _depth(mc, L: int):
+    return dataclasses.replace(mc, num_hidden_layers=L)
+
+
+def _forwards_in_prox(strategy, cfg, lrn: _Learner, U: int, m: int, r: int, T: int, t: _Target) -> int:
+    """How many chunked forwards the strategy's in-jit pi_prox runs (counted while tracing it)."""
+    import jax
+
+    calls = []
+
+    def chunk(params, tokens, attention_mask):
+        calls.append(1)
+        return jax.numpy.zeros(tokens.shape, jax.numpy.float32)
+
+    b, _ = _batch(t, strategy, U, m, r, T)
+    jax.eval_shape(lambda p, c, bb: strategy.prox_logp(chunk, p, c, bb, jax.numpy.int32(0)),
+                   lrn.state.params, lrn.state.correction, b)
+    return len(calls)
+
+
+# ======================================================================================
+# cost pieces
+# ======================================================================================
+
+
+def _chunks(T: int) -> tuple[int, int]:
+    """Two LM-head chunk lengths for the cost fits: T/8 and T/4 (8 and 4 chunks)."""
+    c1 = max(1, T // 8)
+    return c1, max(c1 + 1, T // 4)
+
+
+def _with_chunk(cfg: Config, c: int) -> Config:
+    out = cfg.model_copy(deep=True)
+    out.model.logits_chunk_tokens = int(c)
+    return out
+
+
+def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, T: int,
+         chunked: bool = True) -> tuple[dict, float]:
+    """The loop-free cost of a piece at depth L and length T: ``build(cfg, model_config)``
+    returns (jitted fn, abstract args) for an unrolled model (model_config's depth) and the LM
+    head in ``cfg.model.logits_chunk_tokens`` chunks. Fits ``X(d, C) = a + d*layer + b*C`` from
+    (d, C) = (1, C1), (2, C1), (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``
+    ({flops, bytes}) and the compile seconds."""
+    mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
+    c1, c2 = _chunks(T)
+    cfg1 = _with_chunk(t.cfg, c1) if chunked else t.cfg
+    secs = 0.0
+    x11, s = _compile(*build(cfg1, mc1), t.mesh); secs += s  # noqa: E702
+    x21, s = _compile(*build(cfg1, mc2), t.mesh); secs += s  # noqa: E702
+    if chunked:
+        x12, s = _compile(*build(_with_chunk(t.cfg, c2), mc1), t.mesh); secs += s  # noqa: E702
+    out = {}
+    for k in ("flops", "bytes"):
+        v = x11[k] + (L - 1) * (x21[k] - x11[k])
+        if chunked:
+            v += (x12[k] - x11[k]) / (c2 - c1) * (T - c1)
+        out[k] = max(v, 0.0)
+    return out, secs
+
+
+def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int]:
+    import jax
+
+    from jax_rl.train_step import make_grads_fn, make_logprob_fn
+    from jax_rl.correction import tree_finite, tree_where
+
+    cfg = t.cfg
+    U, m, E = cfg.optim.minibatches, cfg.optim.microbatches, cfg.optim.ppo_epochs
+    r = _layout(B, U, m, "optim.batch_size")
+    L = t.model_config.num_hidden_layers
+    f = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
+
+    def grads_piece(cfg_, mc):
+        p = _learner(t, mc, cfg_, scan_layers=False)
+        b, sh = _batch(t, p.strategy, 1, 1, r, T)
+        fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
+                           batch_sharding=sh)
+        return fn, (p.state.params, p.state.correction, p.state.version, b)
+
+    grads, secs = _fit(grads_piece, t, L, T)
+    fwd = {"flops": 0.0, "bytes": 0.0}
+    if E > 1 and f:
+        def fwd_piece(cfg_, mc):
+            p = _learner(t, mc, cfg_, scan_layers=False)
+            b, sh = _batch(t, p.strategy, 1, 1, r, T)
+            lp = make_logprob_fn(p.graphdef, p.rest, float(cfg_.rollout.temperature),
+                                 cfg_.model.logits_chunk_tokens)
+            s2 = jax.sharding.NamedSharding(t.mesh, jax.sharding.PartitionSpec(*sh.spec[2:]))
+            fn = jax.jit(lp, in_shardings=(p.param_sh, s2, s2))
+            tok = jax.ShapeDtypeStruct((r, T), b.tokens.dtype, sharding=s2)
+            am = jax.ShapeDtypeStruct((r, T), b.attention_mask.dtype, sharding=s2)
+            return fn, (p.state.params, tok, am)
+
+        fwd, s = _fit(fwd_piece, t, L, T)
+        secs += s
+
+    # one optimizer update and the strategy's after_update: elementwise over the (stacked) params
+    def update(params, opt_state, grads_):
+        upd, new_opt = lrn.tx.update(grads_, opt_state, params)
+        new_p = jax.tree.map(lambda a, u: a + u, params, upd)
+        ok = tree_finite(new_p)
+        return tree_where(ok, new_p, params), tree_where(ok, new_opt, opt_state)
+
+    st = lrn.state
+    upd_fn = jax.jit(update, in_shardings=(lrn.state_sh.params, lrn.state_sh.opt_state, lrn.state_sh.params))
+    a, s = _compile(upd_fn, (st.params, st.opt_state, st.params), t.mesh)
+    secs += s
+    after = {"flops": 0.0, "bytes": 0.0}
+    if jax.tree.leaves(st.correction):
+        aft = jax.jit(lambda p, c: lrn.strategy.after_update(p, c),
+                      in_shardings=(lrn.state_sh.params, lrn.state_sh.correction))
+        after, s = _compile(aft, (st.params, st.correction), t.mesh)
+        secs += s
+    out = {k: U * m * grads[k] + (E - 1) * U * m * (grads[k] - f * fwd[k]) + E * U * a[k] + after[k]
+           for k in ("flops", "bytes")}
+    return out, secs, f
+
+
+def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_rl.placement import BatchPlacement
+    from jax_rl.sft import SFT_FIELDS, make_sft_step
+    from jax_rl.train_step import opt_state_shardings
+
+    sh = BatchPlacement(t.mesh, 1, m).batch_sharding(r)
+    opt_sh = opt_state_shardings(tx, p.abs_params, p.param_sh, t.mesh)
+    opt = _sds(jax.eval_shape(tx.init, p.abs_params), opt_sh)
+    fn = make_sft_step(cfg or t.cfg, p.graphdef, tx, schedule, t.mesh, rest=p.rest, param_shardings=p.param_sh,
+                       opt_shardings=opt_sh, batch_sharding=sh)
+    dts = {"tokens": jnp.int32, "attention_mask": jnp.bool_, "loss_mask": jnp.bool_}
+    batch = {k: jax.ShapeDtypeStruct((1, m, r, T), dts[k], sharding=sh) for k in SFT_FIELDS}
+    rep = jax.sharding.NamedSharding(t.mesh, jax.sharding.PartitionSpec())
+    return fn, (p.state.params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), batch)
+
+
+# ======================================================================================
+# the programs
+# ======================================================================================
+
+
+def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[dict], model_flops: Optional[float],
+         shape: Sequence[int], pieces_s: float) -> dict:
+    chip = t.spec.chip
+    chips = t.spec.num_chips
+    total = a["args"] + a["out"] - a["alias"] + a["temp"]
+    row = {
+        "function": function, "topology": t.spec.topology_name, "chips": chips,
+        "hbm_args_bytes": a["args"], "hbm_temp_bytes": a["temp"], "hbm_out_bytes": a["out"] - a["alias"],
+        "hbm_total_bytes": total, "chip_hbm_bytes": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
+        "compile_s": round(compile_s, 2), "flops_per_chip": None, "bytes_accessed_per_chip": None,
+        "roofline_step_s": None, "mfu_bound": None, "model_flops_per_chip": None, "flops_ratio": None,
+        "shape": list(shape), "cost_pieces_s": round(pieces_s, 2),
+    }
+    if cost is not None:
+        per_dev = len(t.devices) / chips  # JAX devices per chip (1 on v5e/v6e, megacore v4/v5p)
+        fl, by = cost["flops"] * per_dev, cost["bytes"] * per_dev
+        roof = max(fl / chip.peak_bf16_flops, by / chip.hbm_bandwidth)
+        row.update(flops_per_chip=fl, bytes_accessed_per_chip=by, roofline_step_s=roof)
+        if model_flops is not None:
+            mf = model_flops / chips
+            row.update(model_flops_per_chip=mf, flops_ratio=fl / mf if mf else None,
+                       mfu_bound=(mf / (roof * chip.peak_bf16_flops)) if roof else None)
+    return row
+
+
+def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = FUNCTIONS, cost: bool = True,
+                     log: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """AOT-compile ``functions`` of the run ``cfg`` for ``topology`` (``v5p-32``, ``v5e:2x2``, ...).
+
+    Args:
+        cfg: the run config (model, mesh, optim, loss, rollout, sft sections are read).
+        topology: a Cloud TPU type or raw topology (:func:`jax_rl.tpu.resolve_topology`).
+        functions: a subset of :data:`FUNCTIONS`.
+        cost: also compile the loop-free cost pieces (FLOPs, bytes, roofline; module docstring).
+        log: progress lines (one per compiled program).
+
+    Returns:
+        one dict per function (module docstring: the ``--json`` keys). Bytes are per chip.
+
+    Raises:
+        ConfigError: a mesh that does not fit the topology, a batch that does not split, an
+            unknown function. RuntimeError: libtpu is not installed.
+    """
+    bad = [f for f in functions if f not in FUNCTIONS]
+    if bad:
+        raise ConfigError(f"unknown function(s) {bad}; choose from {list(FUNCTIONS)}")
+    t = _target(cfg, topology)
+    for n in t.notes:
+        log(n)
+    mc = t.model_config
+    L = mc.num_hidden_layers
+    T = int(cfg.optim.max_seq_len)
+    rows = []
+    lrn = None
+    if "train_step" in functions or "sft_step" in functions:
+        lrn = _learner(t)
+    if "train_step" in functions:
+        from jax_rl.train_step import make_train_step
+
+        B = int(cfg.optim.batch_size)
+        U, m = cfg.optim.minibatches, cfg.optim.microbatches
+        r = _layout(B, U, m, "optim.batch_size")
+        b, sh = _batch(t, lrn.strategy, U, m, r, T)
+        fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+                             state_shardings=lrn.state_sh, batch_sharding=sh)
+        log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
+        a, secs = _compile(fn, (lrn.state, b), t.mesh)
+        c, ps, mflops = None, 0.0, None
+        if cost:
+            log("train_step: cost pieces ...")
+            c, ps, f = _train_cost(t, lrn, B, T)
+            E = cfg.optim.ppo_epochs
+            mflops = B * T * model_flops_per_token(mc, T) * (3 * E + f)
+        rows.append(_row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps))
+        log(f"train_step: {secs:.1f} s")
+    if "sft_step" in functions:
+        from jax_rl.train_step import make_optimizer
+
+        B = int(cfg.sft.batch_size)
+        m = cfg.optim.microbatches
+        r = _layout(B, 1, m, "sft.batch_size")
+        tx, sched = make_optimizer(cfg.optim, None, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
+                                   schedule="constant")
+        fn, args = _sft_fn_args(t, lrn, tx, sched, m, r, T)
+        log(f"sft_step: compiling [{B}, {T}] as [1, {m}, {r}, {T}] ...")
+        a, secs = _compile(fn, args, t.mesh)
+        c, ps, mflops = None, 0.0, None
+        if cost:
+            log("sft_step: cost pieces ...")
+            one, ps = _fit(lambda cfg_, mc_: _sft_fn_args(t, _learner(t, mc_, cfg_, scan_layers=False), tx, sched,
+                                                          1, r, T, cfg_), t, L, T)
+            upd = _opt_update_cost(t, lrn, tx)
+            ps += upd[1]
+            c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes")}
+            mflops = B * T * model_flops_per_token(mc, T) * 3
+        rows.append(_row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps))
+        log(f"sft_step: {secs:.1f} s")
+    for fname in ("prefill", "decode_step"):
+        if fname not in functions:
+            continue
+        rows.append(_rollout_row(t, fname, cost, log))
+    return rows
+
+
+def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
+    import jax
+
+    from jax_rl.correction import tree_finite, tree_where
+    from jax_rl.train_step import opt_state_shardings
+
+    opt_sh = opt_state_shardings(tx, lrn.abs_params, lrn.param_sh, t.mesh)
+    opt = _sds(jax.eval_shape(tx.init, lrn.abs_params), opt_sh)
+
+    def update(params, opt_state, grads_):
+        upd, new_opt = tx.update(grads_, opt_state, params)
+        new_p = jax.tree.map(lambda a, u: a + u, params, upd)
+        ok = tree_finite(new_p)
+        return tree_where(ok, new_p, params), tree_where(ok, new_opt, opt_state)
+
+    fn = jax.jit(update, in_shardings=(lrn.param_sh, opt_sh, lrn.param_sh))
+    return _compile(fn, (lrn.state.params, opt, lrn.state.params), t.mesh)
+
+
+def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
+    from jax_rl.tpu import compile_rollout
+
+    r = t.cfg.rollout
+    key = "prefill" if fname == "prefill" else "decode"
+    kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
+              only=(key,))
+    log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
+    full = compile_rollout(t.model_config, t.topology, model_kwargs=t.engine_kw, **kw)[key]
+    a = {"args": full["argument_size_in_bytes"], "out": full["output_size_in_bytes"],
+         "alias": full.get("alias_size_in_bytes", 0), "temp": full["temp_size_in_bytes"]}
+    c, ps = None, 0.0
+    if cost:
+        L = t.model_config.num_hidden_layers
+        ek = dict(t.engine_kw, scan_layers=False)
+        x = []
+        for d in (1, 2):
+            res = compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek, **kw)[key]
+            x.append(res)
+            ps += res["compile_s"]
+        c = {"flops": x[0]["flops"] + (L - 1) * (x[1]["flops"] - x[0]["flops"]),
+             "bytes": x[0]["bytes_accessed"] + (L - 1) * (x[1]["bytes_accessed"] - x[0]["bytes_accessed"])}
+    shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
+    row = _row(t, fname, a, full["compile_s"], c, None, shape, ps)
+    log(f"{fname}: {full['compile_s']:.1f} s")
+    return row
+
+
+# ======================================================================================
+# output
+# ======================================================================================
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def format_table(rows: list[dict], title: str = "") -> Any:
+    """A ``rich.table.Table`` of the rows (bytes in GiB per chip)."""
+    from rich.table import Table
+
+    tb = Table(title=title or None, caption="compile-time estimates from libtpu's compiler (memory_analysis, "
+                                            "cost_analysis with loop trip counts); not TPU measurements")
+    for h in ("function", "shape", "args GiB", "temp GiB", "out GiB", "total GiB", "chip GiB", "fits",
+              "compile s", "TFLOP/chip", "GB accessed/chip", "roofline s", "MFU bound", "FLOPs/model"):
+        tb.add_column(h, justify="left" if h in ("function", "shape") else "right")
+    for r in rows:
+        head = r["chip_hbm_bytes"] - r["hbm_total_bytes"]
+        fits = (f"yes ({100 * head / r['chip_hbm_bytes']:.0f}% free)" if r["fits"]
+                else f"NO (+{_gib(-head)} GiB)")
+        tb.add_row(
+            r["function"], "x".join(map(str, r["shape"])), _gib(r["hbm_args_bytes"]), _gib(r["hbm_temp_bytes"]),
+            _gib(r["hbm_out_bytes"]), _gib(r["hbm_total_bytes"]), _gib(r["chip_hbm_bytes"]), fits,
+            f"{r['compile_s']:.1f}",
+            "-" if r["flops_per_chip"] is None else f"{r['flops_per_chip'] / 1e12:.2f}",
+            "-" if r["bytes_accessed_per_chip"] is None else f"{r['bytes_accessed_per_chip'] / 1e9:.1f}",
+            "-" if r["roofline_step_s"] is None else f"{r['roofline_step_s']:.4g}",
+            "-" if r["mfu_bound"] is None else f"{100 * r['mfu_bound']:.0f}%",
+            "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}",
+        )
+    return tb
+
+
+def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, functions=FUNCTIONS,
+                cost: bool = True) -> int:
+    """The CLI: compile, print the table (and write ``json_path``). Exit 0 when every program
+    fits in the chip's HBM, 1 when one does not."""
+    from rich.console import Console
+
+    con = Console(width=200) if not sys.stdout.isatty() else Console()
+    rows = compile_programs(cfg, topology, functions=functions, cost=cost, log=lambda s: con.print(s))
+    con.print(format_table(rows, title=f"jax-rl compile: {topology} ({rows[0]['chips'] if rows else '?'} chips), "
+                                       f"{cfg.model.preset or cfg.model.checkpoint}, {cfg.loss.correction}"))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+        con.print(f"wrote {json_path}")
+    over = [r["function"] for r in rows if not r["fits"]]
+    if over:
+        con.print(f"does not fit in HBM: {', '.join(over)}")
+        return 1
+    return 0
+
