@@ -1,6 +1,7 @@
 """Learner train-step throughput: jax-rl vs transformers' Qwen3 (torch fp32) vs a plain matmul.
 
     .venv/bin/python bench/learner_step.py [--configs tiny,small] [--B 8] [--T 256] [--steps 3]
+        [--scan-layers true,false]
 
 For each model config (``tiny`` = the tiny_dense preset; ``small`` = 4 layers, d=256, V=1024,
 8/4 heads, ff=768) it times, on ONE device, after a warm-up (compile) step:
@@ -21,6 +22,8 @@ same computation as the gradient forward, which XLA may or may not merge (runs v
 FLOPs of a step: 6 * N_params_nonembedding * tokens + attention 12 * L * T * H * Dh * tokens / 2
 (causal) + the LM head 6 * V * d * tokens; the no-grad forward of ppo_ewma/decoupled adds
 1/3 of that (not counted in "model TFLOP/s", so those rows show the useful rate).
+``--scan-layers``: the ``model.scan_layers`` values to time (comma list; default ``true``, the
+config default: decoder layers stacked and run under ``jax.lax.scan``; ``false``: unrolled).
 Prints one table; no assertion. Numbers depend on the machine's load.
 """
 
@@ -81,8 +84,8 @@ def step_flops(mc, tokens: int, T: int) -> float:
     return dense + attn
 
 
-def bench_jax(model: dict, correction: str, B: int, T: int, steps: int) -> dict:
-    cfg = _cfg(model, correction, B, T)
+def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_layers: bool = True) -> dict:
+    cfg = _cfg({**model, "scan_layers": scan_layers}, correction, B, T)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
     lrn = Learner(cfg, mesh=mesh)
     V = lrn.model_config.vocab_size
@@ -199,13 +202,19 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--scan-layers", default="true", help="comma list of model.scan_layers values: true,false")
     args = ap.parse_args()
+    scans = []
+    for v in args.scan_layers.split(","):
+        if v not in ("true", "false"):
+            ap.error(f"--scan-layers: {v!r} is not true or false")
+        scans.append(v == "true")
     jax.config.update("jax_default_matmul_precision", "highest")
     mm = bench_matmul()
     print(f"devices: {jax.devices()}  cpu count: {os.cpu_count()}  load: {os.getloadavg()[0]:.1f}")
     print(f"plain jitted fp32 matmul 1024^3: {mm / 1e9:.1f} GFLOP/s")
     print(f"batch B={args.B} T={args.T} ({args.B * args.T} tokens), median of {args.steps} steps after warm-up\n")
-    hdr = f"{'config':6} {'impl':22} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>8} {'vs mm':>6} {'vs torch':>8} {'state MB':>9} {'compile s':>9}"
+    hdr = f"{'config':10} {'impl':22} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>8} {'vs mm':>6} {'vs torch':>8} {'state MB':>9} {'compile s':>9}"
     print(hdr)
     print("-" * len(hdr))
     for name in args.configs.split(","):
@@ -213,32 +222,33 @@ def main() -> None:
         mc = resolve_model_config(Config.model_validate({"model": model}).model)
         flops = step_flops(mc, args.B * args.T, args.T)
         tor = None if args.no_torch else bench_torch(mc, args.B, args.T, args.steps)
-        rows = []
-        for corr in ("ppo", "decoupled", "ppo_ewma"):
-            r = bench_jax(model, corr, args.B, args.T, args.steps)
-            rows.append((f"jax-rl {corr}", r))
-        for label, r in rows:
-            vs_t = f"{r['tok_s'] / tor['tok_s']:.2f}x" if tor else "-"
-            rate = flops / r["step_s"]
-            print(f"{name:6} {label:22} {r['step_s']:8.3f} {r['tok_s']:9.0f} {rate / 1e9:8.1f} {rate / mm:6.0%} "
-                  f"{vs_t:>8} {r['state_MB']:9.2f} {r['compile_s']:9.1f}")
+        for scan in scans:
+            rows = []
+            for corr in ("ppo", "decoupled", "ppo_ewma"):
+                r = bench_jax(model, corr, args.B, args.T, args.steps, scan_layers=scan)
+                rows.append((f"jax-rl {corr}", r))
+            tag = f"{name}{'/scan' if scan else '/unr'}"
+            for label, r in rows:
+                vs_t = f"{r['tok_s'] / tor['tok_s']:.2f}x" if tor else "-"
+                rate = flops / r["step_s"]
+                print(f"{tag:10} {label:22} {r['step_s']:8.3f} {r['tok_s']:9.0f} {rate / 1e9:8.1f} {rate / mm:6.0%} "
+                      f"{vs_t:>8} {r['state_MB']:9.2f} {r['compile_s']:9.1f}")
+            d = dict(rows)
+            fb = d["jax-rl ppo"]["fwdbwd_s"]
+            rate = flops / fb
+            print(f"{tag:10} {'bare model fwd+bwd':22} {fb:8.3f} {args.B * args.T / fb:9.0f} {rate / 1e9:8.1f} "
+                  f"{rate / mm:6.0%} {'':>8} {'':>9} {'':>9}")
+            ew, dc = d["jax-rl ppo_ewma"], d["jax-rl decoupled"]
+            print(f"{tag:10} ppo_ewma vs ppo: {ew['step_s'] / d['jax-rl ppo']['step_s'] - 1:+.1%} step time (one extra "
+                  f"forward with theta_bar); EWMA bookkeeping alone {ew['ewma_update_s'] * 1e3:.1f} ms = "
+                  f"{ew['ewma_update_s'] / ew['step_s']:.1%} of the step; state +{ew['state_MB'] - dc['state_MB']:.2f} MB "
+                  f"(params {ew['param_MB']:.2f} MB: one fp32 copy)")
+            print(f"{tag:10} ppo_ewma vs decoupled (both one no-grad forward): {ew['step_s'] / dc['step_s'] - 1:+.1%} "
+                  f"step time\n")
         if tor:
             rate = flops / tor["step_s"]
-            print(f"{name:6} {'torch fp32 HF Qwen3 t' + str(tor['threads']):22} {tor['step_s']:8.3f} {tor['tok_s']:9.0f} {rate / 1e9:8.1f} "
-                  f"{rate / mm:6.0%} {'1.00x':>8} {'':>9} {'':>9}")
-        d = dict(rows)
-        fb = d["jax-rl ppo"]["fwdbwd_s"]
-        rate = flops / fb
-        print(f"{name:6} {'bare model fwd+bwd':22} {fb:8.3f} {args.B * args.T / fb:9.0f} {rate / 1e9:8.1f} "
-              f"{rate / mm:6.0%} {'':>8} {'':>9} {'':>9}")
-        ew, dc = d["jax-rl ppo_ewma"], d["jax-rl decoupled"]
-        print(f"{name:6} ppo_ewma vs ppo: {ew['step_s'] / d['jax-rl ppo']['step_s'] - 1:+.1%} step time (one extra "
-              f"forward with theta_bar); EWMA bookkeeping alone {ew['ewma_update_s'] * 1e3:.1f} ms = "
-              f"{ew['ewma_update_s'] / ew['step_s']:.1%} of the step; state +{ew['state_MB'] - dc['state_MB']:.2f} MB "
-              f"(params {ew['param_MB']:.2f} MB: one fp32 copy)")
-        print(f"{name:6} ppo_ewma vs decoupled (both one no-grad forward): {ew['step_s'] / dc['step_s'] - 1:+.1%} "
-              f"step time\n")
-
+            print(f"{name:10} {'torch fp32 HF Qwen3 t' + str(tor['threads']):22} {tor['step_s']:8.3f} {tor['tok_s']:9.0f} "
+                  f"{rate / 1e9:8.1f} {rate / mm:6.0%} {'1.00x':>8} {'':>9} {'':>9}\n")
 
 if __name__ == "__main__":
     main()

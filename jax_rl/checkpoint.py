@@ -54,7 +54,7 @@ import orbax.checkpoint as ocp
 
 __all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
            "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error", "to_nested",
-           "from_nested", "train_state_items", "restore_train_state"]
+           "from_nested", "train_state_items", "restore_train_state", "saved_layer_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,31 @@ def _layers_layout_of_tree(tree: Any) -> Optional[str]:
     return _layers_layout_of_paths(paths)
 
 
+def saved_layer_layout(directory: str | Path, step: Optional[int] = None) -> Optional[str]:
+    """How a checkpoint's ``state`` item stores the decoder layers, read from its tree metadata
+    (no array is read): ``"stacked"`` (``params/layers/<name>`` [L, ...], ``model.scan_layers``),
+    ``"unrolled (one subtree per layer)"`` (``params/layers/<i>/<name>``) or None (no ``layers``
+    subtree, no such step, or unreadable metadata). ``step=None``: the newest step dir under
+    ``directory`` whose metadata reads."""
+    directory = Path(directory)
+    if step is None:
+        try:
+            steps = sorted((int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()),
+                           reverse=True)
+        except OSError:
+            return None
+    else:
+        steps = [int(step)]
+    for s in steps:
+        try:
+            meta = json.loads((directory / str(s) / "state" / "_METADATA").read_text())
+            paths = [[k["key"] for k in v["key_metadata"]] for v in meta["tree_metadata"].values()]
+        except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
+            continue
+        return _layers_layout_of_paths(paths)
+    return None
+
+
 class Checkpointer:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` with the learner's items.
 
@@ -336,12 +361,7 @@ class Checkpointer:
         vs stacked ``params/layers/<name>`` [L, ...] (``model.scan_layers``). No-op when either
         side has no ``layers`` subtree or the saved tree metadata cannot be read."""
         want = _layers_layout_of_tree(state)
-        try:
-            meta = json.loads((self.directory / str(step) / "state" / "_METADATA").read_text())
-            paths = [[k["key"] for k in v["key_metadata"]] for v in meta["tree_metadata"].values()]
-        except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
-            return
-        have = _layers_layout_of_paths(paths)
+        have = saved_layer_layout(self.directory, step)
         if want is None or have is None or want == have:
             return
         raise CheckpointMismatchError(

@@ -8,7 +8,10 @@ version). ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads i
 ``jax-rl serve OUT_DIR`` serves it.
 
 The model comes from the run's ``config.yaml`` (as ``jax-rl eval`` does); the params are the
-learner's (fp32 master weights; ``dtype="bfloat16"`` stores bf16). Restoring runs on one
+learner's (fp32 master weights; ``dtype="bfloat16"`` stores bf16). The decoder layers are read in
+the layout the checkpoint was saved in (stacked under ``model.scan_layers`` or one subtree per
+layer; a run saved before train honoured ``model.scan_layers`` is unrolled whatever its
+config.yaml says) and written as HF's ``model.layers.{i}.*`` either way. Restoring runs on one
 device of this host whatever mesh the run trained on, and never joins the run's
 ``jax.distributed`` cluster. Writing goes to a temp dir next to ``OUT_DIR``, renamed into place
 at the end, so a failed export leaves nothing behind.
@@ -102,13 +105,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         import numpy as np
 
         from jax_rl.learner import Learner
-        from jax_rl.model_builder import abstract_model_split
+        from jax_rl.model_builder import abstract_model_split, learner_model_kwargs
         from jax_rl.models import hf_io
         from jax_rl.sharding import make_mesh
 
+        note = C.adopt_checkpoint_layer_layout(cfg, ckpt, step, mc)  # either layout exports the same
+        if note:
+            log.warning("export: %s", note)
         mesh = make_mesh(data=1, fsdp=1, tensor=1, expert=1, devices=jax.devices()[:1])
         # zeros as the init (every value comes from the checkpoint): no random-init compile
-        _, shapes, _ = abstract_model_split(mc)
+        _, shapes, _ = abstract_model_split(mc, **learner_model_kwargs(cfg))
         zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), shapes)
         learner = Learner(cfg, mesh=mesh, model_config=mc, init_params=zeros)
         meta = learner.restore(ckpt, step=step)

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.config import Config
-from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, get_preset
+from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
 from jax_rl.sharding import make_mesh, state_shardings
 
-__all__ = ["resolve_mesh", "resolve_model_config", "learner_model_kwargs", "abstract_model_split", "abstract_model",
-           "create_sharded_model"]
+__all__ = ["resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_model_kwargs", "rollout_model_kwargs",
+           "layers_stacked", "abstract_model_split", "abstract_model", "create_sharded_model"]
 
 
 def resolve_mesh(cfg: Config, mesh=None, devices=None):
@@ -41,10 +41,52 @@ def resolve_model_config(model_cfg, model_config: Optional[Any] = None) -> Any:
     return get_preset(model_cfg.preset, **model_cfg.hf_overrides)
 
 
+MODEL_ROLES = ("learner", "rollout")
+
+
+def layers_stacked(model_config, scan_layers: bool) -> bool:
+    """Whether ``Qwen3ForCausalLM(model_config, scan_layers=scan_layers)`` stores its decoder
+    layers stacked [L, ...] (``params["layers"][name]``) rather than one subtree per layer
+    (``params["layers"][i]``): ``scan_layers`` and every layer of one kind (a mixed dense/MoE
+    stack stays unrolled), the model's own rule."""
+    kinds = {model_config.layer_is_moe(i) for i in range(model_config.num_hidden_layers)}
+    return bool(scan_layers) and len(kinds) == 1
+
+
+def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
+    """``Qwen3ForCausalLM`` keyword arguments for one side of a run, from ``cfg.model``.
+
+    Both sides get the same ``scan_layers`` and ``moe_dispatch`` (the params tree the learner
+    publishes must be the one every rollout engine was built for) and ``attention`` resolved
+    (``auto`` -> ``splash`` on a TPU backend, ``xla`` elsewhere, by ``jax.default_backend()``).
+
+    ``role="learner"``: learner numerics: compute dtype ``model.dtype``, fp32 params,
+    ``remat_policy`` (``model.remat`` folded in). ``role="rollout"``: what
+    ``rollout.engine.Qwen3Engine(model_kwargs=...)`` takes: no dtypes (the engine's ``dtype``,
+    ``rollout.dtype``, sets compute and params) and no remat (the engine never differentiates).
+
+    Raises:
+        ValueError: ``role`` is not ``"learner"`` or ``"rollout"``.
+    """
+    if role not in MODEL_ROLES:
+        raise ValueError(f"role must be one of {MODEL_ROLES}, got {role!r}")
+    kw = model_kwargs(cfg.model)
+    kw["attention"] = resolve_attention(kw["attention"])
+    if role == "rollout":
+        kw.pop("remat_policy")
+        return kw
+    return dict(dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32, **kw)
+
+
 def learner_model_kwargs(cfg: Config) -> dict:
-    """Learner-numerics model kwargs: compute dtype ``model.dtype``, fp32 params, dispatch, remat."""
-    return dict(dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32,
-                moe_dispatch=cfg.model.moe_dispatch, remat=cfg.model.remat)
+    """Learner-numerics model kwargs: ``model_kwargs_for(cfg, "learner")``."""
+    return model_kwargs_for(cfg, "learner")
+
+
+def rollout_model_kwargs(cfg: Config) -> dict:
+    """Rollout-engine model kwargs (``Qwen3Engine(model_kwargs=...)``):
+    ``model_kwargs_for(cfg, "rollout")``."""
+    return model_kwargs_for(cfg, "rollout")
 
 
 def abstract_model_split(model_config, **model_kw) -> tuple[Any, Any, Any]:

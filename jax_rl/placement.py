@@ -56,13 +56,19 @@ def initialize_distributed(runtime: RuntimeConfig) -> bool:
 
 
 def place_params(init_params: Any, like: Any, param_shardings: Any) -> Any:
-    """Put user-given params (State / Module / nested dict; numpy or jax) on the mesh."""
+    """Put user-given params (State / Module / nested dict; numpy or jax) on the mesh.
+
+    ``init_params`` may hold the decoder layers in either layout, one subtree per layer
+    (``["layers"][i]``) or stacked [L, ...] (``model.scan_layers``): they are converted to the
+    layout of ``like``. Returns an ``nnx.State`` shaped like ``like``, fp32 leaves placed with
+    ``param_shardings``. Raises ValueError when the trees or a leaf's shape do not match.
+    """
     if isinstance(init_params, nnx.Module):
         init_params = nnx.state(init_params, nnx.Param)
     if isinstance(init_params, nnx.State):
         init_params = nnx.to_pure_dict(init_params)
-    given = _stringify(init_params)
     ref = _stringify(nnx.to_pure_dict(like))
+    given = _match_layer_layout(_stringify(init_params), ref)
     shard = _stringify(nnx.to_pure_dict(param_shardings))
     if jax.tree.structure(given) != jax.tree.structure(ref):
         raise ValueError(
@@ -175,6 +181,33 @@ def _stringify(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {str(k): _stringify(v) for k, v in tree.items()}
     return tree
+
+
+def _is_unrolled(layers: Any) -> bool:
+    return isinstance(layers, Mapping) and bool(layers) and all(str(k).isdigit() for k in layers)
+
+
+def _match_layer_layout(given: Any, ref: Any) -> Any:
+    """``given`` (string-keyed nested dict) with its ``layers`` subtree restacked or unstacked to
+    the layout of ``ref``; unchanged when both agree or either has no ``layers`` subtree."""
+    if not (isinstance(given, Mapping) and isinstance(ref, Mapping)):
+        return given
+    g, r = given.get("layers"), ref.get("layers")
+    if not (isinstance(g, Mapping) and isinstance(r, Mapping)) or _is_unrolled(g) == _is_unrolled(r):
+        return given
+    out = dict(given)
+    if _is_unrolled(g):  # one subtree per layer -> [L, ...]
+        keys = sorted(g, key=int)
+        if keys != [str(i) for i in range(len(keys))]:
+            raise ValueError(f"init_params['layers'] has layer keys {keys}; expected 0..{len(keys) - 1}")
+        out["layers"] = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *[g[k] for k in keys])
+    else:  # [L, ...] -> one subtree per layer
+        L = len(r)
+        bad = [np.shape(a) for a in jax.tree.leaves(g) if not np.shape(a) or np.shape(a)[0] != L]
+        if bad:
+            raise ValueError(f"init_params['layers'] is stacked but a leaf has shape {bad[0]}; the model has {L} layers")
+        out["layers"] = {str(i): jax.tree.map(lambda a, i=i: np.asarray(a)[i], g) for i in range(L)}
+    return out
 
 
 def _put(value: Any, sharding: Any, ref: Any) -> jax.Array:

@@ -87,9 +87,23 @@ def make_schedule(lr: float, warmup_steps: int, schedule: str = "constant", tota
     )
 
 
+def _layer_ndim(path: tuple, x: Any) -> int:
+    """``x``'s rank as one layer sees it: under ``model.scan_layers`` a decoder param sits at
+    ``layers/<name>`` with the layers on a leading axis, which is not counted (an unrolled one
+    sits at ``layers/<i>/<name>``)."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    nd = jnp.ndim(x)
+    if "layers" in keys[:-1]:
+        nxt = keys[keys.index("layers") + 1]
+        if not (isinstance(nxt, int) or str(nxt).isdigit()):
+            nd -= 1
+    return nd
+
+
 def _decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (not norms / biases)."""
-    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+    """Weight decay on matrices only (not norms / biases), in either layer layout: a stacked
+    norm weight [L, H] is a vector per layer and is not decayed."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: _layer_ndim(p, x) >= 2, params)
 
 
 def make_optimizer(optim: OptimConfig, total_steps: Optional[int] = None, *, lr: Optional[float] = None,

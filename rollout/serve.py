@@ -48,8 +48,18 @@ __all__ = ["JetStreamGrpcServer", "PortInUseError", "build_engine", "check_port_
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(checkpoint: str) -> tuple[Any, Any]:
+def _default_scan_layers() -> bool:
+    from jax_rl.config import ModelConfig
+
+    return bool(ModelConfig().scan_layers)
+
+
+def load_checkpoint(checkpoint: str, *, scan_layers: Optional[bool] = None) -> tuple[Any, Any]:
     """``(Qwen3Config, params nnx.State)`` of an HF dir or ``preset:NAME`` (random init, seed 0).
+
+    ``scan_layers`` (default: ``model.scan_layers``'s default): the params hold the decoder
+    layers stacked [L, ...] (``params["layers"][name]``; a mixed dense/MoE stack stays unrolled),
+    else one subtree per layer; give the same value to :class:`Qwen3Engine`'s ``model_kwargs``.
 
     Raises:
       FileNotFoundError: no such directory. ImportError: hf_io not available.
@@ -58,15 +68,16 @@ def load_checkpoint(checkpoint: str) -> tuple[Any, Any]:
 
     from jax_rl.models import qwen3 as q
 
+    scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
     if checkpoint.startswith("preset:"):
         cfg = q.get_preset(checkpoint.split(":", 1)[1])
-        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=scan)
         return cfg, nnx.state(model, nnx.Param)
     if not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"checkpoint dir not found: {checkpoint}")
     from jax_rl.models import hf_io
 
-    out = hf_io.load_pretrained(checkpoint)
+    out = hf_io.load_pretrained(checkpoint, scan_layers=scan)
     return _config_and_params(out)
 
 
@@ -148,18 +159,25 @@ class _ServingEngine(Qwen3Engine):
 
 
 def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_len: int = 256,
-                 dtype: str = "float32", temperature: float = 0.0) -> Qwen3Engine:
+                 dtype: str = "float32", temperature: float = 0.0,
+                 scan_layers: Optional[bool] = None) -> Qwen3Engine:
     """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + generate).
 
     ``tokenizer``: a path / ``'compact'`` / None (see :func:`resolve_tokenizer`) or a loaded tokenizer.
-    ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy."""
-    cfg, params = load_checkpoint(checkpoint)
+    ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy.
+    ``scan_layers`` (default: ``model.scan_layers``'s default): the engine's decoder layers are
+    stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla)."""
+    from jax_rl.models.qwen3 import resolve_attention
+
+    scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
+    cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
     tok = _load_tokenizer(checkpoint, tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
         mp *= 2
     eng = _ServingEngine(cfg, params, slots=slots, max_cache_len=max_len, max_prefill_length=mp, dtype=dtype,
-                         temperature=temperature, tokenizer=tok)
+                         temperature=temperature, tokenizer=tok,
+                         model_kwargs=dict(scan_layers=scan, attention=resolve_attention("auto")))
     st = eng.init_decode_state()
     st = eng.insert(eng.prefill_tokens(eng.params, [0, 1], seed=0), st, 0)
     st, res = eng.generate(eng.params, st)
@@ -252,7 +270,7 @@ def serve(engine: Qwen3Engine, *, host: str = "127.0.0.1", port: int = 9000, thr
 
 def main(args: Any) -> int:
     """Entry point of ``jax-rl serve`` (``args``: checkpoint, host, port, tokenizer, slots, max_len,
-    dtype; optional temperature). Blocks until SIGTERM/SIGINT; returns the exit code: 0 after a
+    dtype; optional temperature, scan_layers (None: the ``model.scan_layers`` default)). Blocks until SIGTERM/SIGINT; returns the exit code: 0 after a
     clean stop, 1 when the port is in use (one line on stderr naming it)."""
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
@@ -274,6 +292,7 @@ def main(args: Any) -> int:
         max_len=int(getattr(args, "max_len", 256)),
         dtype=str(getattr(args, "dtype", "float32")),
         temperature=temperature,
+        scan_layers=getattr(args, "scan_layers", None),
     )
     stop = threading.Event()
 

@@ -107,3 +107,32 @@ def test_serve_an_exported_dir(exported):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_export_reads_a_checkpoint_in_either_layer_layout(tmp_path):
+    """A run saved with unrolled layers whose config.yaml says ``scan_layers: true`` (runs saved
+    before train honoured the key) exports: the HF tensors read back are the saved params."""
+    import jax
+    from flax import nnx
+
+    from jax_rl.checkpoint import saved_layer_layout
+    from jax_rl.learner import Learner
+    from jax_rl.models import hf_io
+
+    run = tmp_path / "run"
+    cfg = make_cfg("ppo", run={"dir": str(run), "seed": 3}, model={"scan_layers": False})
+    lrn = Learner(cfg, init_params=init_params(cfg, seed=5))
+    lrn.train_step(make_batch(1))
+    lrn.save(run / "checkpoints")
+    lrn.wait_for_checkpoints()
+    saved = nnx.to_pure_dict(lrn.get_params(host=True))
+    lrn.close()
+    assert saved_layer_layout(run / "checkpoints") == "unrolled (one subtree per layer)"
+    cfg.model.scan_layers = True
+    dump_config(cfg, run / "config.yaml")
+    export_checkpoint(run, tmp_path / "hf")
+    model, _ = hf_io.load_pretrained(tmp_path / "hf")  # unrolled, as saved
+    back = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert jax.tree.structure(back) == jax.tree.structure(saved)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), b)

@@ -28,6 +28,7 @@ __all__ = [
     "check_kv_cache",
     "kv_cache_bytes",
     "build_generator",
+    "adopt_checkpoint_layer_layout",
     "sft_examples",
     "compute_advantages",
     "pad_examples",
@@ -341,7 +342,13 @@ def _check_env(cfg: Config) -> None:
 
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
                     slots: Optional[int] = None, seed: int = 0):
-    """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`."""
+    """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
+
+    The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
+    learner's ``model.scan_layers`` / ``moe_dispatch``, ``attention`` for prefill), so ``params``
+    and every later ``update_params`` take the learner's params tree as is.
+    """
+    from jax_rl.model_builder import rollout_model_kwargs
     from rollout.engine import Qwen3Engine
     from rollout.generator import Generator
 
@@ -356,10 +363,38 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         temperature=temperature if temperature is not None else r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
+        model_kwargs=rollout_model_kwargs(cfg),
     )
     gen = Generator(engine, partial=r.partial, version=version)
     gen.start()
     return gen
+
+
+def adopt_checkpoint_layer_layout(cfg: Config, ckpt_dir: Any, step: Optional[int] = None,
+                                  model_config: Any = None) -> Optional[str]:
+    """For the readers of a finished checkpoint (``jax-rl eval``, ``jax-rl export``), where the
+    layer layout changes no number: set ``cfg.model.scan_layers`` to the layout the checkpoint
+    at ``ckpt_dir`` (``step``, default newest) was saved in, when the config would build the other
+    one (e.g. a run saved before train honoured ``model.scan_layers``). Returns the one-line note
+    to print, or None when nothing changed (same layout, or the layout cannot be read). A resume
+    never adopts: :meth:`jax_rl.checkpoint.Checkpointer.check_layer_layout` refuses it."""
+    from jax_rl.checkpoint import saved_layer_layout
+    from jax_rl.model_builder import layers_stacked, resolve_model_config
+
+    have = saved_layer_layout(ckpt_dir, step)
+    if have is None:
+        return None
+    stacked = have == "stacked"
+    try:
+        mc = resolve_model_config(cfg.model, model_config)
+        builds_stacked = layers_stacked(mc, cfg.model.scan_layers)
+    except Exception:  # noqa: BLE001 - a bad model section is reported where the model is built
+        builds_stacked = bool(cfg.model.scan_layers)
+    if builds_stacked == stacked:
+        return None
+    cfg.model.scan_layers = stacked
+    return (f"{ckpt_dir} stores the decoder layers {have}: reading it with "
+            f"model.scan_layers={'true' if stacked else 'false'}")
 
 
 def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

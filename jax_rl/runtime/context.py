@@ -275,16 +275,19 @@ class RunContext:
 
 
 def _load_hf_params(cfg: Config, model_config):
-    """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout."""
+    """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout: fp32, in the
+    learner's layer layout (HF's ``model.layers.{i}.*`` stacked [L, ...] under ``model.scan_layers``)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from jax_rl.models.hf_io import CheckpointError, load_pretrained
-    from jax_rl.model_builder import resolve_mesh
+    from jax_rl.model_builder import learner_model_kwargs, resolve_mesh
 
     mesh = resolve_mesh(cfg)
+    # only the params are kept: fp32 (the learner's master dtype), the learner's layout
+    kw = {k: v for k, v in learner_model_kwargs(cfg).items() if k not in ("dtype", "param_dtype")}
     try:
-        model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config)
+        model, _ = load_pretrained(cfg.model.checkpoint, dtype=jnp.float32, mesh=mesh, config=model_config, **kw)
     except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
         raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
     return nnx.state(model, nnx.Param), mesh

@@ -23,7 +23,9 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     Keys: ``params`` (count), ``param_bytes`` (fp32 master params), ``kv_cache_bytes`` (all
     rollout engines: ``rollout.threads`` + 1 eval), ``kv_cache_bytes_per_engine``,
     ``batch_shape`` ``[B, T]``, ``batch_layout`` ``[minibatches, microbatches, rows, T]``,
-    ``mesh``, ``devices``, ``compile_s`` and, when XLA reports it, ``compiled_temp_bytes``.
+    ``mesh``, ``devices``, ``layers`` (``"stacked (scan)"`` or ``"unrolled"``: the learner's and
+    the engines' decoder layout, ``model.scan_layers``), ``attention`` (resolved: ``xla`` /
+    ``splash``), ``compile_s`` and, when XLA reports it, ``compiled_temp_bytes``.
 
     Raises:
         ConfigError: everything ``jax-rl train`` would refuse before its first step (bad
@@ -32,6 +34,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    from jax_rl.model_builder import layers_stacked, learner_model_kwargs
     from jax_rl.runtime import components as C
     from jax_rl.runtime.context import RunContext
 
@@ -60,6 +63,8 @@ def dry_run(cfg: Config) -> dict[str, Any]:
             "mesh": dict(zip(lr.mesh.axis_names, (int(s) for s in lr.mesh.devices.shape))),
             "devices": f"{jax.device_count()} x {jax.default_backend()}",
             "correction": cfg.loss.correction,
+            "layers": "stacked (scan)" if layers_stacked(tr.model_config, cfg.model.scan_layers) else "unrolled",
+            "attention": learner_model_kwargs(cfg)["attention"],
             "tokenizer": f"{cfg.model.tokenizer} (vocab {tr.tokenizer.vocab_size})",
             "build_s": round(build_s, 2),
             "compile_s": round(compile_s, 2),
@@ -107,6 +112,8 @@ def run_dry_run(cfg: Config, console: Optional[Any] = None) -> int:
         ("batch layout [U, m, r, T]", str(res["batch_layout"])),
         ("mesh", " ".join(f"{k}={v}" for k, v in res["mesh"].items()) + f" on {res['devices']}"),
         ("loss.correction", res["correction"]),
+        ("decoder layers", f"{res['layers']} (model.scan_layers={str(cfg.model.scan_layers).lower()}), "
+                           f"attention {res['attention']}"),
         ("tokenizer", res["tokenizer"]),
         ("build time", f"{res['build_s']:.2f} s"),
         ("train-step compile", f"{res['compile_s']:.2f} s"),

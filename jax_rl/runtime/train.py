@@ -139,7 +139,8 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     ``CHECKPOINT_DIR`` is a run dir, its ``checkpoints/`` dir, or one step's dir
     (``checkpoints/300``). When the run dir has a ``config.yaml``, the model, correction mode,
     old-logit and staleness settings come from it (the eval and env settings from ``CONFIG``), and a
-    ``bpe`` run uses its saved ``tokenizer.json``.
+    ``bpe`` run uses its saved ``tokenizer.json``. The decoder layers are built in the layout the
+    checkpoint was saved in (``model.scan_layers`` adopted from it, with a warning, when they differ).
 
     Raises:
         ConfigError: no such checkpoint dir.
@@ -157,6 +158,9 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
                 setattr(cfg, sec, getattr(run_cfg, sec))
         if cfg.model.tokenizer == "bpe" and (ckpt.parent / "tokenizer.json").is_file():
             cfg.model.tokenizer = str(ckpt.parent / "tokenizer.json")
+    note = C.adopt_checkpoint_layer_layout(cfg, ckpt, step)  # either layout evaluates the same
+    if note:
+        log.warning("eval: %s", note)
     cfg.run.dir = str(ckpt.parent)
     cfg.resume_step = None
     cfg.resume = False

@@ -66,6 +66,18 @@ def max_abs_diff(a, b) -> float:
 _INIT_CACHE: dict = {}
 
 
+def layer_leaf(tree, *path):
+    """The first decoder layer's ``path`` subtree of a params tree (State or dict) in either
+    layout: ``tree["layers"][0][*path]`` unrolled, ``tree["layers"][*path]`` (all layers on
+    the leading axis) under ``model.scan_layers``."""
+    node = tree["layers"]
+    if 0 in node or "0" in node:
+        node = node[0] if 0 in node else node["0"]
+    for k in path:
+        node = node[k]
+    return node
+
+
 def init_params(cfg: Config, seed: int = 0):
     """Cheap deterministic host init (numpy normal(0, 0.02), norms = 1) as a nested dict.
 

@@ -9,7 +9,7 @@ from jax_rl.checkpoint import CheckpointMismatchError
 from jax_rl.learner import Learner
 from jax_rl.sharding import make_mesh
 
-from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
+from ._util import host, init_params, layer_leaf, make_batch, make_cfg, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,9 @@ def test_resume_bit_exact_and_reshard(tmp_path, devices):
     c = Learner(cfg, mesh=make_mesh(1, 2, 2, 2), init_params=init_params(cfg))
     c.restore(ck, step=2)
     assert max_abs_diff(_state(c), half) == 0.0
-    leaf = c.state.params["layers"][0]["mlp"]["gate_proj"].get_value()
+    leaf = layer_leaf(c.state.params, "mlp", "gate_proj").get_value()
     assert leaf.sharding.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
-    assert leaf.sharding.spec == c.param_shardings["layers"][0]["mlp"]["gate_proj"].get_value().spec
+    assert leaf.sharding.spec == layer_leaf(c.param_shardings, "mlp", "gate_proj").get_value().spec
 
     # another correction mode: a clear refusal
     d = Learner(make_cfg("ppo", mesh={"data": 2, "fsdp": 4}), init_params=init_params(cfg))

@@ -53,3 +53,32 @@ def test_resume_into_another_correction_is_one_line(tmp_path, capsys):
     assert main(["sft", TINY_CFG, *TINY, f"run.dir={d}"]) == 0  # a checkpoint written by ppo_ewma
     err = _err(capsys, ["train", TINY_CFG, *TINY, f"run.dir={d}", "loss.correction=exact", "--resume"])
     assert "loss.correction" in err and "ppo_ewma" in err
+
+
+def test_resume_into_the_other_layer_layout_is_one_line_and_eval_reads_either(tmp_path, capsys):
+    """A checkpoint saved with ``model.scan_layers=false`` (unrolled layers): a ``--resume`` with
+    the default (stacked) is refused in one line naming the value to set, exit 2, nothing
+    written; ``jax-rl eval`` of the run reads it in its own layout even when the run's
+    config.yaml says ``scan_layers: true`` (runs saved before train honoured the key)."""
+    import json
+
+    from jax_rl.checkpoint import saved_layer_layout
+    from tests.runtime.test_train import TINY
+
+    d = tmp_path / "r"
+    capsys.readouterr()
+    assert main(["sft", TINY_CFG, *TINY, f"run.dir={d}", "model.scan_layers=false"]) == 0
+    assert saved_layer_layout(d / "checkpoints") == "unrolled (one subtree per layer)"
+    before = {str(p): p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}
+    err = _err(capsys, ["train", TINY_CFG, *TINY, f"run.dir={d}", "--resume"])
+    assert "model.scan_layers=false" in err and "unrolled" in err and str(d / "checkpoints") in err, err
+    assert {str(p): p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} == before
+
+    cfg_yaml = d / "config.yaml"
+    text = cfg_yaml.read_text()
+    assert "scan_layers: false" in text
+    cfg_yaml.write_text(text.replace("scan_layers: false", "scan_layers: true"))
+    capsys.readouterr()
+    assert main(["eval", str(d), TINY_CFG, "eval.num_tasks=1", "eval.k=1"]) == 0
+    out = capsys.readouterr().out
+    assert "pass@1" in json.loads(out[out.index("{"):])
