@@ -36,13 +36,20 @@ Figures, per chip (every figure is a compile-time estimate, never a measurement)
     ``X(1, C1) + (L - 1) * layer + b * (T - C1)``;
   * ``train_step = U*m * grads + (epochs - 1)*U*m * (grads - f*forward) + epochs*U * update +
     after_update`` (U minibatches, m microbatches, f forwards in the strategy's pi_prox, counted
-    by tracing it), ``sft_step = m * (step - update) + update``.
+    by tracing it, both branches of a ``lax.cond``), ``sft_step = m * (step - update) + update``.
+
+  XLA's cost analysis does not see into Pallas kernels: the splash-attention calls of each
+  piece (counted in its traced jaxpr: forward, dq, dkv; a ``lax.cond`` by its costliest branch,
+  as XLA counts a conditional, so ``ppo_ewma``'s reset forward is in) are added analytically,
+  2, 3 and 4 causal ``[T, T]`` matmuls over every head and row. Prefill's splash calls are not
+  added (its FLOPs undercount the attention).
 
   The total is checked against the model-FLOPs formula (``model_flops``: 2 N per token per
   forward with N the active matmul params, LM head included, plus causal attention
-  ``2 L H d_h T`` per token; backward = 2 x forward; the rematerialised forward is not model
-  FLOPs): ``flops_ratio`` = compiler FLOPs / model FLOPs (above 1: remat and the extra
-  elementwise work; well below 1: a kernel the analysis cannot see into, e.g. a Pallas call).
+  ``2 L H d_h T`` per token; backward = 2 x forward; one pi_prox forward where the strategy
+  runs one; the rematerialised forward, a reset's second forward and the splash backward's
+  recomputed scores are not model FLOPs): ``flops_ratio`` = counted FLOPs / model FLOPs (above
+  1 by that recomputation; well below 1 would mean work the count cannot see).
 - ``roofline_step_s = max(flops / peak FLOP/s, bytes / HBM bandwidth)`` per chip and
   ``mfu_bound = model FLOPs per chip / (roofline_step_s * peak)``: an upper bound on the MFU
   (no communication, perfect overlap). None for the rollout steps (model FLOPs do not apply).
@@ -51,7 +58,9 @@ Figures, per chip (every figure is a compile-time estimate, never a measurement)
 contract): ``function, topology, chips, hbm_args_bytes, hbm_temp_bytes, hbm_out_bytes,
 hbm_total_bytes, chip_hbm_bytes, fits, compile_s, flops_per_chip, bytes_accessed_per_chip,
 roofline_step_s, mfu_bound`` plus ``model_flops_per_chip``, ``flops_ratio``, ``shape`` and
-``cost_pieces_s`` (seconds spent compiling the cost pieces).
+``cost_pieces_s`` (seconds spent compiling the cost pieces); with both the train and decode
+steps, the decode row also has ``engines``, ``hbm_with_learner_bytes`` and ``fits_with_learner``
+(the embedded runtime's engines share the first device with the learner's shard).
 """
 
 from __future__ import annotations
@@ -84,8 +93,7 @@ def _matmul_params(mc) -> tuple[int, int]:
     n_exp = int(getattr(mc, "num_experts", 0) or 0)
     active = total = 0
     for i in range(L):
-        moe = bool(n_exp) and mc.is_moe_layer(i) if hasattr(mc, "is_moe_layer") else bool(n_exp)
-        if moe:
+        if mc.layer_is_moe(i):
             f = mc.moe_intermediate_size
             k = mc.num_experts_per_tok
             active += attn + k * 3 * D * f + D * n_exp
@@ -182,15 +190,81 @@ def _analysis(compiled) -> dict[str, float]:
             "flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
 
 
-def _compile(fn, args, mesh) -> tuple[dict, float]:
+# Pallas splash-attention kernels, and the causal matmuls each runs per head and row: the
+# forward (S = QK^T, O = PV), dq (S, dP = dO V^T, dQ = dS K), dkv (S, dP, dV = P^T dO, dK = dS^T Q)
+_SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def _splash_calls(jaxpr) -> dict[str, int]:
+    """How many splash kernels of each kind ``jaxpr`` runs (``pallas_call`` equations named
+    ``splash_mha_{fwd,dq,dkv}*``), nested jaxprs included (scans by their length; a ``cond`` by
+    its costliest branch, like XLA's cost analysis: ``ppo_ewma``'s reset forward counts)."""
+    import re
+
+    from jax.extend import core as jcore
+
+    def subs(v):
+        if isinstance(v, jcore.ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, jcore.Jaxpr):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from subs(x)
+
+    def walk(jx, mult: int, out: dict) -> dict:
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                m = re.search(r"splash_mha_(fwd|dq|dkv)", str(eqn.params.get("name", "")))
+                if m:
+                    out[m.group(1)] += mult
+                continue
+            if eqn.primitive.name == "cond":  # the costliest branch, as XLA's cost analysis does
+                per = [walk(b, mult, dict.fromkeys(_SPLASH_MATMULS, 0)) for b in subs(eqn.params["branches"])]
+                best = max(per, key=lambda c: sum(_SPLASH_MATMULS[k] * n for k, n in c.items()))
+                for k, n in best.items():
+                    out[k] += n
+                continue
+            k = mult * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else mult
+            for v in eqn.params.values():
+                for sub in subs(v):
+                    walk(sub, k, out)
+        return out
+
+    return walk(jaxpr, 1, dict.fromkeys(_SPLASH_MATMULS, 0))
+
+
+def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, float]:
     """``fn.lower(*args).compile()`` under the mesh (default matmul precision: the TPU's bf16
-    passes); returns (analysis, seconds)."""
+    passes); returns (analysis, seconds).
+
+    XLA's cost analysis cannot see into a Pallas kernel, so with ``attn_unit`` (FLOPs of one
+    causal [T, T] matmul over every head and row, per device) the splash-attention kernels the
+    program calls are added analytically: ``_SPLASH_MATMULS`` matmuls each (fwd 2, dq 3, dkv 4)."""
     import jax
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
-        c = fn.lower(*args).compile()
-    return _analysis(c), time.perf_counter() - t0
+        traced = fn.trace(*args)
+        c = traced.lower().compile()
+    a = _analysis(c)
+    if attn_unit:
+        calls = _splash_calls(traced.jaxpr.jaxpr)
+        a["flops"] += attn_unit * sum(_SPLASH_MATMULS[k] * n for k, n in calls.items())
+        a["splash_calls"] = calls
+    return a, time.perf_counter() - t0
+
+
+def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
+    """Per-device FLOPs of one causal attention matmul on [rows, T] (None unless splash): the
+    kernel runs under shard_map over the batch and head axes, assumed to cover the mesh."""
+    from jax_rl.models.attention import SPLASH_BLOCK
+
+    if t.learner_kw.get("attention") != "splash":
+        return None
+    mc = t.model_config
+    Tp = -(-T // SPLASH_BLOCK) * SPLASH_BLOCK
+    return rows * mc.num_attention_heads * mc.head_dim * Tp * Tp / len(t.devices)
 
 
 @dataclasses.dataclass
@@ -298,20 +372,25 @@ def _with_chunk(cfg: Config, c: int) -> Config:
 
 
 def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, T: int,
-         chunked: bool = True) -> tuple[dict, float]:
+         rows: int) -> tuple[dict, float]:
     """The loop-free cost of a piece at depth L and length T: ``build(cfg, model_config)``
-    returns (jitted fn, abstract args) for an unrolled model (model_config's depth) and the LM
-    head in ``cfg.model.logits_chunk_tokens`` chunks. Fits ``X(d, C) = a + d*layer + b*C`` from
-    (d, C) = (1, C1), (2, C1), (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``
-    ({flops, bytes}) and the compile seconds."""
+    returns (jitted fn, abstract args) for an unrolled model (model_config's depth) with the LM
+    head in ``cfg.model.logits_chunk_tokens`` chunks. Where the run's head is chunked (``rows``
+    rows per forward), fits ``X(d, C) = a + d*layer + b*C`` from (d, C) = (1, C1), (2, C1),
+    (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``; where it is one chunk (no loop),
+    ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes}, compile seconds)."""
+    from jax_rl.models.qwen3 import _CHUNK_ELEMS, _chunk_len
+
     mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
+    chunked = _chunk_len(rows, T, t.model_config.vocab_size, _CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T
     c1, c2 = _chunks(T)
     cfg1 = _with_chunk(t.cfg, c1) if chunked else t.cfg
     secs = 0.0
-    x11, s = _compile(*build(cfg1, mc1), t.mesh); secs += s  # noqa: E702
-    x21, s = _compile(*build(cfg1, mc2), t.mesh); secs += s  # noqa: E702
+    au = _attn_unit(t, rows, T)
+    x11, s = _compile(*build(cfg1, mc1), t.mesh, au); secs += s  # noqa: E702
+    x21, s = _compile(*build(cfg1, mc2), t.mesh, au); secs += s  # noqa: E702
     if chunked:
-        x12, s = _compile(*build(_with_chunk(t.cfg, c2), mc1), t.mesh); secs += s  # noqa: E702
+        x12, s = _compile(*build(_with_chunk(t.cfg, c2), mc1), t.mesh, au); secs += s  # noqa: E702
     out = {}
     for k in ("flops", "bytes"):
         v = x11[k] + (L - 1) * (x21[k] - x11[k])
@@ -340,7 +419,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
                            batch_sharding=sh)
         return fn, (p.state.params, p.state.correction, p.state.version, b)
 
-    grads, secs = _fit(grads_piece, t, L, T)
+    grads, secs = _fit(grads_piece, t, L, T, r)
     fwd = {"flops": 0.0, "bytes": 0.0}
     if E > 1 and f:
         def fwd_piece(cfg_, mc):
@@ -354,7 +433,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
             am = jax.ShapeDtypeStruct((r, T), b.attention_mask.dtype, sharding=s2)
             return fn, (p.state.params, tok, am)
 
-        fwd, s = _fit(fwd_piece, t, L, T)
+        fwd, s = _fit(fwd_piece, t, L, T, r)
         secs += s
 
     # one optimizer update and the strategy's after_update: elementwise over the (stacked) params
@@ -475,7 +554,9 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
             log("train_step: cost pieces ...")
             c, ps, f = _train_cost(t, lrn, B, T)
             E = cfg.optim.ppo_epochs
-            mflops = B * T * model_flops_per_token(mc, T) * (3 * E + f)
+            # model FLOPs: policy forward + backward per epoch, plus one pi_prox forward if the
+            # strategy runs any (ppo_ewma traces two: the reset branch's is not model FLOPs)
+            mflops = B * T * model_flops_per_token(mc, T) * (3 * E + min(f, 1))
         rows.append(_row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps))
         log(f"train_step: {secs:.1f} s")
     if "sft_step" in functions:
@@ -493,7 +574,7 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         if cost:
             log("sft_step: cost pieces ...")
             one, ps = _fit(lambda cfg_, mc_: _sft_fn_args(t, _learner(t, mc_, cfg_, scan_layers=False), tx, sched,
-                                                          1, r, T, cfg_), t, L, T)
+                                                          1, r, T, cfg_), t, L, T, r)
             upd = _opt_update_cost(t, lrn, tx)
             ps += upd[1]
             c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes")}
@@ -504,7 +585,21 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         if fname not in functions:
             continue
         rows.append(_rollout_row(t, fname, cost, log))
+    _beside_learner(rows, int(cfg.rollout.threads) + 1)
     return rows
+
+
+def _beside_learner(rows: list[dict], engines: int) -> None:
+    """``jax-rl train`` (embedded runtime) puts its rollout engines (``rollout.threads`` + 1 for
+    eval, each with its own params and KV cache) on the first device, beside the learner's shard:
+    add ``hbm_with_learner_bytes`` = train_step total + engines x decode_step total and
+    ``fits_with_learner`` to the decode_step row."""
+    by = {r["function"]: r for r in rows}
+    if "train_step" in by and "decode_step" in by:
+        d = by["decode_step"]
+        d["engines"] = engines
+        d["hbm_with_learner_bytes"] = by["train_step"]["hbm_total_bytes"] + engines * d["hbm_total_bytes"]
+        d["fits_with_learner"] = d["hbm_with_learner_bytes"] <= d["chip_hbm_bytes"]
 
 
 def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
@@ -602,7 +697,14 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
         con.print(f"wrote {json_path}")
+    dec = next((r for r in rows if "hbm_with_learner_bytes" in r), None)
+    if dec is not None:
+        con.print(f"first device, learner + {dec['engines']} rollout engines (rollout.threads + 1 eval): "
+                  f"{_gib(dec['hbm_with_learner_bytes'])} of {_gib(dec['chip_hbm_bytes'])} GiB: "
+                  f"{'fits' if dec['fits_with_learner'] else 'DOES NOT FIT'}")
     over = [r["function"] for r in rows if not r["fits"]]
+    if dec is not None and not dec["fits_with_learner"]:
+        over.append("learner + rollout engines on the first device")
     if over:
         con.print(f"does not fit in HBM: {', '.join(over)}")
         return 1

@@ -147,12 +147,16 @@ def _quiet_libtpu_env(spec: TopologySpec, environ=os.environ) -> None:
     """On a host without TPU devices, libtpu's first initialisation probes the GCE metadata
     server and prints warnings and an INVALID_ARGUMENT error for the accelerator type and
     worker hostnames it cannot find. Name them (a single local worker of the compiled
-    topology's type) unless the environment already does; a TPU VM is left alone."""
+    topology's type) unless the environment already does, and allow several processes to load
+    libtpu at once (``ALLOW_MULTIPLE_LIBTPU_LOAD``; its lockfile guards a TPU this host does not
+    have). A TPU VM is left alone."""
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return
     environ.setdefault("TPU_ACCELERATOR_TYPE", _cloud_type(spec))
     environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # no TPU to share here: two compiling processes would otherwise fail on libtpu's lockfile
+    environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def cpu_unless_tpu_present(environ=os.environ) -> bool:

@@ -1216,6 +1216,7 @@ class Qwen3ForCausalLM(nnx.Module):
 # --------------------------------------------------------------------------------------
 
 _CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
+_UNROLL_CHUNKS: bool | int = 1  # scan unroll of the LM-head chunk loop (1: a loop)
 
 
 def _chunk_len(B: int, T: int, V: int, chunk_elems: int, chunk_tokens: int | None = None) -> int:
@@ -1243,7 +1244,9 @@ def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: in
     def body(i):
         return fn(*[jax.lax.dynamic_slice_in_dim(a, i * C, C, axis=1) for a in arrays])
 
-    out = jax.lax.map(body, jnp.arange(n))  # [n,B,C,...]
+    # lax.map as a scan; _UNROLL_CHUNKS writes the loop out (tests of jax_rl.compile's cost
+    # analysis, which counts a loop body once)
+    out = jax.lax.scan(lambda c, i: (c, body(i)), None, jnp.arange(n), unroll=_UNROLL_CHUNKS)[1]  # [n,B,C,...]
     return jnp.moveaxis(out, 0, 1).reshape(B, T, *out.shape[3:])
 
 

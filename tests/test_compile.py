@@ -1,0 +1,147 @@
+"""``jax-rl compile``: AOT compile of a run's programs for a TPU topology (libtpu's compiler on
+this CPU host), the per-chip table and ``--json``, and the cost-from-pieces method checked
+against a program whose ``cost_analysis`` has no loop to undercount."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_rl.config import CONFIG_DIR, load_config
+
+pytest.importorskip("libtpu")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"function", "topology", "chips", "hbm_args_bytes", "hbm_temp_bytes", "hbm_out_bytes", "hbm_total_bytes",
+        "chip_hbm_bytes", "fits", "compile_s", "flops_per_chip", "bytes_accessed_per_chip", "roofline_step_s",
+        "mfu_bound"}
+TINY = ["optim.batch_size=8", "optim.max_seq_len=64", "rollout.max_cache_len=64", "rollout.max_prefill_length=32",
+        "rollout.max_tokens_per_episode=48", "rollout.max_new_tokens_per_turn=16", "rollout.slots=8",
+        "sft.batch_size=8", "optim.microbatches=2"]
+
+
+def _cli(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
+    return subprocess.run([sys.executable, "-m", "jax_rl.cli", "compile", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_compiles_all_four_programs_for_v5e_2x2(tmp_path):
+    out = tmp_path / "c.json"
+    r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v5e:2x2", *TINY, "--no-cost", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "INVALID_ARGUMENT" not in r.stderr, r.stderr[-2000:]
+    assert "not TPU measurements" in r.stdout
+    rows = json.loads(out.read_text())
+    assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "decode_step"]
+    for x in rows:
+        assert KEYS <= set(x), KEYS - set(x)
+        assert x["topology"] == "v5e:2x2" and x["chips"] == 4 and x["fits"] is True
+        assert x["hbm_total_bytes"] == x["hbm_args_bytes"] + x["hbm_temp_bytes"] + x["hbm_out_bytes"]
+        assert 0 < x["hbm_total_bytes"] < x["chip_hbm_bytes"] == 16 * 10**9
+        assert x["flops_per_chip"] is None and x["mfu_bound"] is None  # --no-cost
+    train = rows[0]
+    assert train["shape"] == [1, 2, 4, 64]  # [minibatches, microbatches, rows, T]
+    # the params (fp32, fsdp over 4 chips) + AdamW moments + the EWMA copy are arguments
+    assert train["hbm_args_bytes"] > 4 * rows[1]["hbm_args_bytes"] / 3 * 0.9
+
+
+def test_cli_does_not_fit_exit_1_and_bad_topology_exit_2(tmp_path):
+    # a 4B learner on one v5e chip (16 GB): fp32 params + moments alone are 48 GB
+    r = _cli(str(CONFIG_DIR / "qwen3_4b.yaml"), "--topology", "v5e:1x1", "mesh.tensor=1", "--only", "decode_step",
+             "--no-cost", "rollout.slots=4", "rollout.max_cache_len=1024", "optim.max_seq_len=1024",
+             "rollout.max_prefill_length=512", "rollout.max_tokens_per_episode=1024",
+             "rollout.max_new_tokens_per_turn=256")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # bf16 4B decode: ~8 GB, fits
+    r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v9z-8")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("jax-rl: error: --topology v9z-8")
+    r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v5e:2x2", "mesh.tensor=3")
+    assert r.returncode == 2 and "mesh" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def _exact_and_estimate(monkeypatch, *extra):
+    """The train step's own cost_analysis with every loop written out (unrolled layers, one
+    minibatch / microbatch / epoch, the LM-head chunk loop unrolled) next to the estimate from
+    the pieces."""
+    from jax_rl import compile as C
+    from jax_rl.models import qwen3
+    from jax_rl.train_step import make_train_step
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", "model.scan_layers=false",
+                                                     "loss.correction=decoupled", *extra])
+    t = C._target(cfg, "v5e:2x2")
+    lrn = C._learner(t)
+    B, T = 8, 64
+    b, sh = C._batch(t, lrn.strategy, 1, 1, B, T)
+    fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+                         state_shardings=lrn.state_sh, batch_sharding=sh)
+    with monkeypatch.context() as mp:
+        mp.setattr(qwen3, "_UNROLL_CHUNKS", True)
+        exact, _ = C._compile(fn, (lrn.state, b), t.mesh)
+    est, _, f = C._train_cost(t, lrn, B, T)
+    assert f == 1  # decoupled: one pi_prox forward
+    return exact, est
+
+
+@pytest.mark.parametrize("chunk", [None, 16])  # the LM head in one chunk / in 4 chunks of 16
+def test_cost_from_pieces_matches_a_loop_free_program(monkeypatch, chunk):
+    """With every loop written out the train step's own cost_analysis is exact; the estimate from
+    the loop-free pieces (depth 1/2, two chunk lengths, trip counts) must agree with it."""
+    exact, est = _exact_and_estimate(monkeypatch, *([f"model.logits_chunk_tokens={chunk}"] if chunk else []))
+    # the pieces leave out a little glue of the whole step (metrics, the update loop's selects):
+    # 3% of this tiny model's FLOPs, where elementwise work weighs far more than at 4B
+    assert est["flops"] == pytest.approx(exact["flops"], rel=0.05), (est, exact)
+    # bytes are rougher: XLA fuses a loop body and its written-out copies differently
+    assert est["bytes"] == pytest.approx(exact["bytes"], rel=0.25), (est, exact)
+
+
+def test_scanned_layers_cost_analysis_undercounts():
+    """Why the pieces exist: a scanned layer stack's loop body is counted once."""
+    from jax_rl import compile as C
+    from jax_rl.train_step import make_train_step
+
+    figs = {}
+    for scan in ("false", "true"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", f"model.scan_layers={scan}",
+                                                         "model.hf_overrides.num_hidden_layers=4"])
+        t = C._target(cfg, "v5e:2x2")
+        lrn = C._learner(t)
+        b, sh = C._batch(t, lrn.strategy, 1, 1, 8, 64)
+        fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+                             state_shardings=lrn.state_sh, batch_sharding=sh)
+        figs[scan], _ = C._compile(fn, (lrn.state, b), t.mesh)
+    assert figs["true"]["flops"] < 0.6 * figs["false"]["flops"], figs
+
+
+def test_model_flops_formula_dense_and_moe():
+    from jax_rl.compile import model_flops_per_token
+    from jax_rl.models.qwen3 import get_preset
+
+    mc = get_preset("qwen3_4b")
+    # Qwen3-4B: 36 layers, d 2560, 32 q / 8 kv heads of 128, mlp 9728, vocab 151936 (tied head)
+    per_layer = 2560 * 32 * 128 * 2 + 2 * 2560 * 8 * 128 + 3 * 2560 * 9728
+    want = 2 * (36 * per_layer + 2560 * 151936) + 2 * 36 * 32 * 128 * 4096
+    assert model_flops_per_token(mc, 4096) == want
+    moe = get_preset("qwen3_30b_a3b")
+    f = model_flops_per_token(moe, 1)
+    assert 2 * 3.0e9 < f < 2 * 3.6e9  # "A3B": ~3.3B active params per token
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("config,topology", [("qwen3_4b.yaml", "v5p-32"), ("qwen3_30b_a3b.yaml", "v5p-64")])
+def test_tpu_configs_fit_at_full_depth(tmp_path, config, topology):
+    """The TPU configs' learner, SFT and rollout programs compile at full depth for their target
+    topology and fit in HBM (memory only: the cost pieces are bench/tpu_compile.py's job)."""
+    out = tmp_path / "c.json"
+    r = _cli(str(CONFIG_DIR / config), "--topology", topology, "--no-cost", "--json", str(out), timeout=1400)
+    rows = {x["function"]: x for x in json.loads(out.read_text())} if out.exists() else {}
+    assert set(rows) == {"train_step", "sft_step", "prefill", "decode_step"}, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, x in rows.items():
+        assert x["fits"], (name, x)
+    assert rows["train_step"]["hbm_total_bytes"] <= 0.9 * rows["train_step"]["chip_hbm_bytes"] or "30b" in config
