@@ -60,7 +60,10 @@ hbm_total_bytes, chip_hbm_bytes, fits, compile_s, flops_per_chip, bytes_accessed
 roofline_step_s, mfu_bound`` plus ``model_flops_per_chip``, ``flops_ratio``, ``shape`` and
 ``cost_pieces_s`` (seconds spent compiling the cost pieces); with both the train and decode
 steps, the decode row also has ``engines``, ``hbm_with_learner_bytes`` and ``fits_with_learner``
-(the embedded runtime's engines share the first device with the learner's shard).
+(the embedded runtime's engines share the first device with the learner's shard). A program the
+TPU compiler refuses for lack of HBM gets ``fits: false``, ``error`` (the compiler's words) and
+``hbm_required_bytes`` = the memory its message says is required (e.g. for the temporaries
+alone; None if it names none); its HBM and cost figures are None.
 """
 
 from __future__ import annotations
@@ -253,6 +256,40 @@ def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, f
         a["flops"] += attn_unit * sum(_SPLASH_MATMULS[k] * n for k, n in calls.items())
         a["splash_calls"] = calls
     return a, time.perf_counter() - t0
+
+
+def _is_hbm_oom(e: BaseException) -> bool:
+    """The TPU compiler's refusal of a program larger than the chip's HBM."""
+    m = str(e)
+    return "Ran out of memory" in m or ("RESOURCE_EXHAUSTED" in m and "HBM" in m)
+
+
+def _oom_text(e: BaseException) -> str:
+    import re
+
+    m = re.search(r"(the total memory required.*?exceeds available HBM \([^)]*\))", str(e))
+    return m.group(1) if m else " ".join(str(e).split())[:200]
+
+
+def _oom_analysis(e: BaseException) -> dict:
+    """An analysis dict for a program the compiler refused: ``oom`` (its message) and, when it
+    names one, the memory it says is required as ``required`` bytes."""
+    import re
+
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    m = re.search(r"required for [^(]*\(([\d.]+)([KMGT])\)", str(e))
+    return {"oom": _oom_text(e), "required": int(float(m.group(1)) * unit[m.group(2)]) if m else None}
+
+
+def _compile_or_oom(fn, args, mesh) -> tuple[dict, float]:
+    """:func:`_compile`, or the :func:`_oom_analysis` of a program over the chip's HBM."""
+    t0 = time.perf_counter()
+    try:
+        return _compile(fn, args, mesh)
+    except Exception as e:  # noqa: BLE001
+        if not _is_hbm_oom(e):
+            raise
+        return _oom_analysis(e), time.perf_counter() - t0
 
 
 def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
@@ -486,6 +523,14 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
          shape: Sequence[int], pieces_s: float) -> dict:
     chip = t.spec.chip
     chips = t.spec.num_chips
+    if "oom" in a:  # refused by the compiler: only what its message says is known
+        return {"function": function, "topology": t.spec.topology_name, "chips": chips, "hbm_args_bytes": None,
+                "hbm_temp_bytes": None, "hbm_out_bytes": None, "hbm_total_bytes": None,
+                "hbm_required_bytes": a["required"],
+                "chip_hbm_bytes": chip.hbm_bytes, "fits": False, "compile_s": round(compile_s, 2),
+                "flops_per_chip": None, "bytes_accessed_per_chip": None, "roofline_step_s": None,
+                "mfu_bound": None, "model_flops_per_chip": None, "flops_ratio": None, "shape": list(shape),
+                "cost_pieces_s": 0.0, "error": f"compiler: {a['oom']}"}
     total = a["args"] + a["out"] - a["alias"] + a["temp"]
     row = {
         "function": function, "topology": t.spec.topology_name, "chips": chips,
@@ -548,9 +593,9 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
                              state_shardings=lrn.state_sh, batch_sharding=sh)
         log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
-        a, secs = _compile(fn, (lrn.state, b), t.mesh)
+        a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
         c, ps, mflops = None, 0.0, None
-        if cost:
+        if cost and "oom" not in a:
             log("train_step: cost pieces ...")
             c, ps, f = _train_cost(t, lrn, B, T)
             E = cfg.optim.ppo_epochs
@@ -569,9 +614,9 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
                                    schedule="constant")
         fn, args = _sft_fn_args(t, lrn, tx, sched, m, r, T)
         log(f"sft_step: compiling [{B}, {T}] as [1, {m}, {r}, {T}] ...")
-        a, secs = _compile(fn, args, t.mesh)
+        a, secs = _compile_or_oom(fn, args, t.mesh)
         c, ps, mflops = None, 0.0, None
-        if cost:
+        if cost and "oom" not in a:
             log("sft_step: cost pieces ...")
             one, ps = _fit(lambda cfg_, mc_: _sft_fn_args(t, _learner(t, mc_, cfg_, scan_layers=False), tx, sched,
                                                           1, r, T, cfg_), t, L, T, r)
@@ -595,7 +640,8 @@ def _beside_learner(rows: list[dict], engines: int) -> None:
     add ``hbm_with_learner_bytes`` = train_step total + engines x decode_step total and
     ``fits_with_learner`` to the decode_step row."""
     by = {r["function"]: r for r in rows}
-    if "train_step" in by and "decode_step" in by:
+    if ("train_step" in by and "decode_step" in by and by["train_step"]["hbm_total_bytes"] is not None
+            and by["decode_step"]["hbm_total_bytes"] is not None):
         d = by["decode_step"]
         d["engines"] = engines
         d["hbm_with_learner_bytes"] = by["train_step"]["hbm_total_bytes"] + engines * d["hbm_total_bytes"]
@@ -629,7 +675,15 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
               only=(key,))
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
-    full = compile_rollout(t.model_config, t.topology, model_kwargs=t.engine_kw, **kw)[key]
+    shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
+    t0 = time.perf_counter()
+    try:
+        full = compile_rollout(t.model_config, t.topology, model_kwargs=t.engine_kw, **kw)[key]
+    except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over HBM
+        if not _is_hbm_oom(e):
+            raise
+        log(f"{fname}: does not fit ({_oom_text(e)})")
+        return _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0)
     a = {"args": full["argument_size_in_bytes"], "out": full["output_size_in_bytes"],
          "alias": full.get("alias_size_in_bytes", 0), "temp": full["temp_size_in_bytes"]}
     c, ps = None, 0.0
@@ -643,7 +697,6 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
             ps += res["compile_s"]
         c = {"flops": x[0]["flops"] + (L - 1) * (x[1]["flops"] - x[0]["flops"]),
              "bytes": x[0]["bytes_accessed"] + (L - 1) * (x[1]["bytes_accessed"] - x[0]["bytes_accessed"])}
-    shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
     row = _row(t, fname, a, full["compile_s"], c, None, shape, ps)
     log(f"{fname}: {full['compile_s']:.1f} s")
     return row
@@ -668,9 +721,13 @@ def format_table(rows: list[dict], title: str = "") -> Any:
               "compile s", "TFLOP/chip", "GB accessed/chip", "roofline s", "MFU bound", "FLOPs/model"):
         tb.add_column(h, justify="left" if h in ("function", "shape") else "right")
     for r in rows:
-        head = r["chip_hbm_bytes"] - r["hbm_total_bytes"]
-        fits = (f"yes ({100 * head / r['chip_hbm_bytes']:.0f}% free)" if r["fits"]
-                else f"NO (+{_gib(-head)} GiB)")
+        if r["hbm_total_bytes"] is None:
+            need = r.get("hbm_required_bytes")
+            fits = f"NO (needs {_gib(need)} GiB)" if need else "NO (compiler)"
+        else:
+            head = r["chip_hbm_bytes"] - r["hbm_total_bytes"]
+            fits = (f"yes ({100 * head / r['chip_hbm_bytes']:.0f}% free)" if r["fits"]
+                    else f"NO (+{_gib(-head)} GiB)")
         tb.add_row(
             r["function"], "x".join(map(str, r["shape"])), _gib(r["hbm_args_bytes"]), _gib(r["hbm_temp_bytes"]),
             _gib(r["hbm_out_bytes"]), _gib(r["hbm_total_bytes"]), _gib(r["chip_hbm_bytes"]), fits,
@@ -702,6 +759,9 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
         con.print(f"first device, learner + {dec['engines']} rollout engines (rollout.threads + 1 eval): "
                   f"{_gib(dec['hbm_with_learner_bytes'])} of {_gib(dec['chip_hbm_bytes'])} GiB: "
                   f"{'fits' if dec['fits_with_learner'] else 'DOES NOT FIT'}")
+    for r in rows:
+        if r.get("error"):
+            con.print(f"{r['function']}: {r['error']}")
     over = [r["function"] for r in rows if not r["fits"]]
     if dec is not None and not dec["fits_with_learner"]:
         over.append("learner + rollout engines on the first device")

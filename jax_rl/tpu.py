@@ -125,14 +125,19 @@ def libtpu_available() -> bool:
 def get_topology(name: str):
     """The ``jax.experimental.topologies`` TopologyDescription (``.devices`` are TPU devices
     that ``jit(...).lower(...).compile()`` targets from any host). Raises RuntimeError when
-    libtpu is not installed."""
+    libtpu is not installed, ValueError (one line) for a topology libtpu rejects (e.g.
+    ``v5e:1x1``: smaller than one host's 2x2 chips)."""
     if not libtpu_available():
         raise RuntimeError("compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
     from jax.experimental import topologies
 
     spec = resolve_topology(name)
     _quiet_libtpu_env(spec)
-    return topologies.get_topology_desc(platform="tpu", topology_name=spec.topology_name)
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=spec.topology_name)
+    except Exception as e:  # jax.errors.JaxRuntimeError: INVALID_ARGUMENT from libtpu
+        msg = " ".join(str(e).split())
+        raise ValueError(f"libtpu cannot build topology {spec.topology_name}: {msg[:300]}") from None
 
 
 def _cloud_type(spec: TopologySpec) -> str:
