@@ -117,7 +117,16 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype. Master params are always fp32; logits are always fp32."""
     moe_dispatch: Literal["dense", "ragged"] = "dense"
-    """MoE dispatch path: dense one-hot (small/CPU) or grouped ``jax.lax.ragged_dot``."""
+    """MoE dispatch path: dense one-hot (small/CPU) or grouped ``jax.lax.ragged_dot``. With
+    ``ragged`` and ``mesh.expert`` > 1 the MoE is expert-parallel: token copies go to the expert
+    shards and back by ``all_to_all`` inside a ``shard_map`` (``jax_rl.models.expert_parallel``);
+    ``num_experts`` must divide by ``mesh.expert``."""
+    moe_capacity_factor: Optional[float] = Field(None, gt=0)
+    """Expert-parallel path only (``moe_dispatch: ragged``, ``mesh.expert`` > 1): slots per
+    (device, expert shard) pair as a multiple of the uniform load (GShard capacity factor, e.g.
+    1.25); token copies over it are dropped (no expert output; the residual passes), which makes
+    the learner's forward differ from an undropped rollout. Unset: dropless, with exchange
+    buffers sized for the worst case (mesh.expert times the uniform load)."""
     remat: bool = False
     """Rematerialise each decoder layer in the backward pass (saves activation memory);
     shorthand for ``remat_policy: full`` when ``remat_policy`` is not set."""

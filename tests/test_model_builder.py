@@ -28,10 +28,11 @@ def _is_stacked(tree) -> bool:
 def test_model_kwargs_for_both_sides_from_one_config():
     cfg = make_cfg("ppo", model={"dtype": "bfloat16", "remat": True, "moe_dispatch": "ragged"})
     lk, rk = model_kwargs_for(cfg, "learner"), model_kwargs_for(cfg, "rollout")
-    assert lk == dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, moe_dispatch="ragged", remat_policy="full",
+    assert lk == dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, moe_dispatch="ragged",
+                      moe_capacity_factor=None, remat_policy="full",
                       scan_layers=True, attention="xla")
     # the engine sets its own dtypes (rollout.dtype) and never differentiates
-    assert rk == dict(moe_dispatch="ragged", scan_layers=True, attention="xla")
+    assert rk == dict(moe_dispatch="ragged", moe_capacity_factor=None, scan_layers=True, attention="xla")
     off = make_cfg("ppo", model={"scan_layers": False, "attention": "xla"})
     assert model_kwargs_for(off, "learner")["scan_layers"] is False
     assert model_kwargs_for(off, "rollout")["scan_layers"] is False

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_rl.models.expert_parallel import expert_parallel_moe, expert_parallel_size
 from jax_rl.sharding import constrain
 
 Array = jax.Array
@@ -653,22 +654,36 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Qwen3-MoE sparse block (no shared expert), dropless.
+    """Qwen3-MoE sparse block (no shared expert).
 
     Router (HF ``Qwen3MoeTopKRouter``): ``logits = x @ router`` in fp32, softmax over all E
     experts, top-k, renormalise the k weights when ``norm_topk_prob``. Output
     ``sum_k w_k * expert_{id_k}(x)``. ``dispatch="dense"`` computes every expert on every
     token with one-hot combine weights (small/CPU); ``dispatch="ragged"`` sorts token copies by
     expert and uses ``jax.lax.ragged_dot`` (grouped matmul). Both give the same result.
+
+    Expert parallelism is automatic: with ``dispatch="ragged"`` under a ``jax.set_mesh`` mesh
+    whose ``expert`` axis is > 1, the token copies are sent to the expert shards that hold
+    their experts and back (``jax_rl.models.expert_parallel.expert_parallel_moe``: a
+    ``shard_map`` with ``all_to_all`` of fixed-capacity buffers, local experts by
+    ``ragged_dot``; MaxText ``moe.py`` EP / GShard capacity). ``capacity_factor`` applies
+    there only: ``None`` (default) is dropless, a number > 0 sizes the exchange buffers to
+    that multiple of the uniform load and drops (zero contribution) the copies over it. The
+    dense path and the single-shard ragged path are always dropless. ``num_experts`` must
+    divide by ``mesh.expert`` on the EP path (ValueError otherwise).
     """
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 dispatch: str = "dense"):
+                 dispatch: str = "dense", capacity_factor: float | None = None):
         if dispatch not in ("dense", "ragged"):
             raise ValueError(f"moe_dispatch must be 'dense' or 'ragged', got {dispatch!r}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"moe_capacity_factor must be > 0 or None (dropless), "
+                             f"got {capacity_factor}")
         D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.dtype = dtype
         self.dispatch = dispatch
+        self.capacity_factor = capacity_factor
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.router = _param(rngs, (D, E), ("embed", "router"), param_dtype)
@@ -694,7 +709,11 @@ class MoE(nnx.Module):
         return w, ids.astype(jnp.int32)
 
     def __call__(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
-        """x [B,T,D] -> (y [B,T,D], expert ids [B,T,k] int32)."""
+        """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32).
+
+        ``forced_expert_ids`` [B,T,k] int: use these experts instead of the top-k (routing
+        replay); their router probabilities are the combine weights. Capacity drops of the EP
+        path are not reported here: ``expert_parallel_moe`` returns their count."""
         dt = self.dtype
         x = x.astype(dt)
         w, ids = self.route(x, forced_expert_ids)
@@ -708,6 +727,9 @@ class MoE(nnx.Module):
             u = jnp.einsum("btd,edf->btef", x, wu)
             a = jax.nn.silu(g) * u * combine[..., None]
             y = jnp.einsum("btef,efd->btd", a, wd)
+        elif expert_parallel_size() > 1:
+            y, _ = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd,
+                                       capacity_factor=self.capacity_factor)
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
         return y, ids
@@ -739,7 +761,7 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: ``h = x + attn(norm_in(x))``; ``out = h + mlp(norm_post(h))``."""
 
     def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 moe_dispatch: str = "dense"):
+                 moe_dispatch: str = "dense", moe_capacity_factor: float | None = None):
         self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
@@ -747,7 +769,7 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if self.is_moe:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                           dispatch=moe_dispatch)
+                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype)
@@ -886,7 +908,9 @@ class Qwen3ForCausalLM(nnx.Module):
     """Qwen3 / Qwen3-MoE causal LM (HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
 
     ``dtype`` is the compute dtype (params are cast on use), ``param_dtype`` the storage
-    dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``.
+    dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``
+    (expert-parallel under a mesh with ``expert`` > 1, see :class:`MoE`);
+    ``moe_capacity_factor``: that EP path's capacity factor, None = dropless.
 
     ``scan_layers``: store the decoder layers' params stacked on a leading ``layers`` axis
     (``self.layers`` is then one ``DecoderLayer`` whose params are ``[L, ...]``, logical names
@@ -911,7 +935,7 @@ class Qwen3ForCausalLM(nnx.Module):
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
                  scan_layers: bool = False, remat_policy: str | None = None,
-                 attention: str = "xla"):
+                 attention: str = "xla", moe_capacity_factor: float | None = None):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -930,7 +954,7 @@ class Qwen3ForCausalLM(nnx.Module):
                                    param_dtype)
         layers = [
             DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
-                         moe_dispatch=moe_dispatch)
+                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor)
             for i in range(cfg.num_hidden_layers)
         ]
         if self.scan_layers:
@@ -1357,12 +1381,15 @@ def count_params(config: Qwen3Config) -> int:
 
 def model_kwargs(model_cfg: Any) -> dict[str, Any]:
     """``Qwen3ForCausalLM`` keyword arguments from the ``model`` config section
-    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``remat_policy`` (``remat`` folded in),
-    ``scan_layers``, ``attention``. The learner and the rollout engine must build their models
-    with the same ``scan_layers`` (the params tree layout differs)."""
+    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``moe_capacity_factor``,
+    ``remat_policy`` (``remat`` folded in), ``scan_layers``, ``attention``. The learner and the
+    rollout engine must build their models with the same ``scan_layers`` (the params tree
+    layout differs)."""
     policy = getattr(model_cfg, "remat_policy", None)
     if policy is None:
         policy = "full" if getattr(model_cfg, "remat", False) else "none"
-    return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"), remat_policy=policy,
+    return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"),
+                moe_capacity_factor=getattr(model_cfg, "moe_capacity_factor", None),
+                remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
                 attention=getattr(model_cfg, "attention", "xla"))

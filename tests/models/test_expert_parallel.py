@@ -1,0 +1,289 @@
+"""Expert parallelism (``jax_rl.models.expert_parallel``) on the 8 fake CPU devices.
+
+The tiny MoE in fp32 on a mesh with ``expert=4`` (EP path: shard_map + all_to_all) against
+``expert=1`` (single-shard ragged path): same logits and same grads, with and without forced
+expert ids, under load imbalance; the lowered program really holds the all-to-all; capacity
+drops are counted exactly and drop exactly the copies GShard's priority says."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe
+from jax_rl.models.qwen3 import MoE, Qwen3ForCausalLM, get_preset
+from jax_rl.sharding import make_mesh, state_shardings
+
+EP_MESHES = [(1, 2, 1, 4), (1, 1, 2, 4)]  # (data, fsdp, tensor, expert); the 2nd splits F too
+REF_MESH = (1, 8, 1, 1)
+
+
+def _has_all_to_all(lowered) -> bool:
+    return "all_to_all" in lowered.as_text()
+
+
+def _model(E=4, seed=3, **kw):
+    cfg = get_preset("tiny_moe", num_experts=E)
+    m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed), moe_dispatch="ragged", scan_layers=True, **kw)
+    rng = np.random.default_rng(seed)
+    for path, v in nnx.iter_graph(m):  # perturb the norms (init = ones) so they matter
+        if isinstance(v, nnx.Param) and path[-1] == "weight":
+            v[...] = v[...] + jnp.asarray(rng.normal(0, 0.3, v.shape), v.dtype)
+    return cfg, m
+
+
+_RUNNERS: dict = {}
+
+
+def _runner(model, mesh_shape):
+    """``run(tokens, forced) -> (logits [B,T,V], expert ids, grads (numpy), whether the
+    lowered program has an all-to-all)`` of
+    sum(logits * c) on a mesh, params placed by the rules; one jit per (model, mesh)."""
+    key = (id(model), mesh_shape)
+    if key in _RUNNERS:
+        return _RUNNERS[key]
+    mesh = make_mesh(*mesh_shape)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, state_shardings(params, mesh))
+
+    def loss(params, tokens, forced):
+        out = nnx.merge(graphdef, params, rest).forward(tokens, forced_expert_ids=forced)
+        coef = jax.random.normal(jax.random.key(9), out["logits"].shape)
+        return jnp.sum(out["logits"] * coef), (out["logits"], out["expert_ids"])
+
+    f = jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    def run(tokens, forced):
+        with jax.set_mesh(mesh):
+            a2a = _has_all_to_all(f.lower(params, tokens, forced))
+            (_, (logits, ids)), grads = f(params, tokens, forced)
+        return (np.asarray(logits), [np.asarray(i) for i in ids],
+                jax.tree.map(np.asarray, nnx.to_pure_dict(grads)), a2a)
+
+    _RUNNERS[key] = (model, run)  # keep the model alive: its id keys the cache
+    return _RUNNERS[key]
+
+
+def _run_model(model, mesh_shape, tokens, forced):
+    return _runner(model, mesh_shape)[1](tokens, forced)
+
+
+def _max_diff(a, b) -> float:
+    """Largest per-leaf max|a - b| / max(1, max|b|): fp32 1e-5 relative to each leaf's scale
+    (the loss sums ~10^4 logits, so embedding grads reach ~100; two EP=1 meshes already differ
+    by ~5e-5 absolute there, from reduction order)."""
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(1.0, np.abs(y).max()))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    cfg, model = _model()
+    tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, cfg.vocab_size, jnp.int32)
+    return cfg, model, tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", EP_MESHES)
+def test_ep4_matches_ep1_logits_and_grads(tiny_moe, mesh_shape, devices):
+    cfg, model, tokens = tiny_moe
+    ref_logits, ref_ids, ref_g, ref_a2a = _run_model(model, REF_MESH, tokens, None)
+    assert not ref_a2a
+    logits, ids, g, a2a = _run_model(model, mesh_shape, tokens, None)
+    assert a2a  # the EP path ran, not a silent fallback to the gather
+    for a, b in zip(ids, ref_ids):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert _max_diff(g, ref_g) < 1e-5
+    router_g = g["layers"]["mlp"]["router"]
+    assert np.abs(router_g).max() > 1e-4  # the router gets gradient through the gate weights
+    assert all(np.abs(x).max() > 0 for x in jax.tree.leaves(g["layers"]["mlp"]))
+
+    # forced ids: other experts than the router's, and all tokens on experts 0 and 1
+    # (maximal imbalance: every top-1 copy to expert shard 0, every top-2 copy to shard 1)
+    others = jnp.stack([(jnp.asarray(i) + 1) % cfg.num_experts for i in ref_ids])
+    piled = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), others.shape)
+    for forced in (others, piled):
+        r_logits, r_ids, r_g, _ = _run_model(model, REF_MESH, tokens, forced)
+        e_logits, e_ids, e_g, a2a = _run_model(model, mesh_shape, tokens, forced)
+        assert a2a
+        for a, f in zip(e_ids, forced):
+            np.testing.assert_array_equal(a, np.asarray(f))
+        np.testing.assert_allclose(e_logits, r_logits, atol=1e-5, rtol=1e-5)
+        assert _max_diff(e_g, r_g) < 1e-5
+        assert np.abs(e_logits - ref_logits).max() > 1e-3  # forcing changed the output
+
+
+# ---------------------------------------------------------------- the block on its own
+
+
+def _block(E=8, k=2, seed=1):
+    cfg = get_preset("tiny_moe", num_experts=E, num_experts_per_tok=k)
+    moe = MoE(cfg, rngs=nnx.Rngs(seed), dtype=jnp.float32, param_dtype=jnp.float32,
+              dispatch="ragged")
+    return cfg, moe
+
+
+def _kept_copies(ids: np.ndarray, n_batch: int, ep: int, E: int, capacity: int,
+                 split: bool = True) -> np.ndarray:
+    """Independent reference of the documented capacity rule: keep [B,T,k] bool.
+
+    Source devices: each of the n_batch batch blocks (consecutive rows), flattened, cut into ep
+    chunks of ceil(n/ep) tokens (split) or taken whole; per (source, destination shard) the
+    first ``capacity`` copies in (choice, token) order are kept."""
+    B, T, k = ids.shape
+    keep = np.zeros((B, T, k), bool)
+    blocks = ids.reshape(n_batch, (B // n_batch) * T, k)
+    kb = keep.reshape(n_batch, (B // n_batch) * T, k)
+    n = blocks.shape[1]
+    chunk = math.ceil(n / ep) if split else n
+    for b in range(n_batch):
+        for c0 in range(0, n, chunk):
+            used = np.zeros(ep, int)
+            for j in range(k):
+                for t in range(c0, min(c0 + chunk, n)):
+                    d = blocks[b, t, j] // (E // ep)
+                    if used[d] < capacity:
+                        kb[b, t, j] = True
+                    used[d] += 1
+    return kb.reshape(B, T, k)
+
+
+_BLOCK_JITS: dict = {}
+
+
+def _block_fns(moe, mesh_shape, capacity_factor, batch_axes):
+    """(mesh, jitted EP value-and-grad, jitted single-shard reference, first use), cached per
+    setting."""
+    key = (id(moe), mesh_shape, capacity_factor, batch_axes)
+    if key in _BLOCK_JITS:
+        return _BLOCK_JITS[key][1:] + (False,)
+    graphdef, _ = nnx.split(moe)
+
+    def experts(m):
+        return m.gate_proj[...], m.up_proj[...], m.down_proj[...]
+
+    def f(x, params, forced):
+        m = nnx.merge(graphdef, params)
+        w, ids = m.route(x, forced)
+        y, dropped = expert_parallel_moe(x, w, ids, *experts(m), capacity_factor=capacity_factor,
+                                         batch_axes=batch_axes)
+        return jnp.sum(y * jnp.cos(x)), (y, dropped)
+
+    def ref(x, params, forced, keep):
+        m = nnx.merge(graphdef, params)
+        w, ids = m.route(x, forced)
+        y = MoE._ragged(x, w * keep, ids, *experts(m))
+        return jnp.sum(y * jnp.cos(x)), y
+
+    vg = functools.partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
+    _BLOCK_JITS[key] = (moe, make_mesh(*mesh_shape), jax.jit(vg(f)), jax.jit(vg(ref)))
+    return _BLOCK_JITS[key][1:] + (True,)
+
+
+def _check_block(moe, x, forced, mesh_shape, capacity_factor=None, batch_axes=None,
+                 keep=None) -> int:
+    """Runs the EP block (forced ids [B,T,k]) on a mesh, checks that it lowers to an
+    all-to-all (first use of a setting) and that y and the grads wrt (x, params) of
+    sum(y * cos x) match the single-shard ragged path whose combine weights are masked by
+    ``keep`` [B,T,k] (default: all kept); returns the dropped-copies count."""
+    mesh, ep_fn, ref_fn, first = _block_fns(moe, mesh_shape, capacity_factor, batch_axes)
+    _, params = nnx.split(moe)
+    with jax.set_mesh(mesh):
+        if first:  # (the lowering is the same for every call of one setting)
+            assert _has_all_to_all(ep_fn.lower(x, params, forced))
+        (_, (y, dropped)), grads = ep_fn(x, params, forced)
+    keep = np.ones(forced.shape, bool) if keep is None else keep
+    (_, y_ref), g_ref = ref_fn(x, params, forced, jnp.asarray(keep, jnp.float32))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=1e-5)
+    assert _max_diff(grads, g_ref) < 1e-5
+    return int(dropped)
+
+
+@pytest.mark.parametrize("B,T", [(4, 8), (2, 1)])  # (2, 1): a decode step, chunks padded
+def test_block_dropless_under_imbalance_and_tiny_capacity_counts_drops(B, T, devices):
+    cfg, moe = _block()
+    E, k, ep = cfg.num_experts, cfg.num_experts_per_tok, 4
+    x = jax.random.normal(jax.random.key(2), (B, T, cfg.hidden_size))
+    routed = moe.route(x)[1]  # the router's own top-k (forced = same routing, no ties)
+    piled = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (B, T, k))  # all on shard 0
+    mesh_shape = (1, 2, 1, ep)  # batch over fsdp=2: each device takes 1/4 of its shard's tokens
+    for forced in (routed, piled):
+        assert _check_block(moe, x, forced, mesh_shape) == 0
+    # a deliberately tiny capacity: counted drops, and exactly those copies are missing
+    cap = ep_capacity(math.ceil(B // 2 * T / ep) * k, ep, 0.5)
+    for forced in (routed, piled):
+        keep = _kept_copies(np.asarray(forced), 2, ep, E, cap)
+        dropped = _check_block(moe, x, forced, mesh_shape, capacity_factor=0.5, keep=keep)
+        assert dropped == int((~keep).sum())
+        assert dropped > 0 or forced is routed
+    # a factor of EP is enough for any routing: no drops
+    assert _check_block(moe, x, piled, mesh_shape, capacity_factor=float(ep)) == 0
+
+
+def test_block_tokens_already_sharded_over_expert(devices):
+    cfg, moe = _block()
+    x = jax.random.normal(jax.random.key(5), (8, 3, cfg.hidden_size))
+    routed = moe.route(x)[1]
+    axes = ("fsdp", "expert")
+    assert _check_block(moe, x, routed, (1, 2, 1, 4), batch_axes=axes) == 0
+    # capacity per source device when each device's tokens are its own (no 1/EP chunking)
+    keep = _kept_copies(np.asarray(routed), 8, 4, cfg.num_experts, ep_capacity(3 * 2, 4, 0.25),
+                        split=False)
+    dropped = _check_block(moe, x, routed, (1, 2, 1, 4), capacity_factor=0.25, batch_axes=axes,
+                           keep=keep)
+    assert dropped == int((~keep).sum()) > 0
+
+
+def test_ep_errors(devices):
+    cfg, moe = _block(E=6)
+    x = jnp.ones((2, 2, cfg.hidden_size))
+    w, ids = moe.route(x)
+    args = (x, w, ids, moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
+    with jax.set_mesh(make_mesh(1, 2, 1, 4)):
+        with pytest.raises(ValueError, match="not divisible by mesh.expert=4"):
+            expert_parallel_moe(*args)
+    with pytest.raises(ValueError, match="'expert' axis"):
+        expert_parallel_moe(*args)
+    with pytest.raises(ValueError, match="> 0"):
+        ep_capacity(8, 4, 0.0)
+    with pytest.raises(ValueError, match="> 0"):
+        MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32,
+            dispatch="ragged", capacity_factor=-1.0)
+    assert ep_capacity(8, 4, None) == 8 and ep_capacity(8, 4, 1.0) == 2
+    assert ep_capacity(8, 4, 100.0) == 8 and ep_capacity(1, 4, 0.01) == 1
+
+
+@pytest.mark.slow
+def test_learner_step_expert_parallel_matches_one_device(devices, monkeypatch):
+    """The learner's own loss and grads (moe_dispatch: ragged) on one device vs a mesh with
+    expert=4: the EP path inside the real train step (scan, remat, chunked LM head)."""
+    from jax_rl.learner import Learner
+    from jax_rl.models import qwen3
+    from tests.learner._util import host, init_params, make_batch, make_cfg, max_abs_diff
+
+    traced = []  # trace-time calls of the EP path
+
+    def spy(*a, **kw):
+        traced.append(jax.sharding.get_abstract_mesh().shape)
+        return expert_parallel_moe(*a, **kw)
+
+    monkeypatch.setattr(qwen3, "expert_parallel_moe", spy)
+
+    cfg = make_cfg("ppo", "tiny_moe", B=8, T=16, hf={"num_hidden_layers": 1},
+                   model={"moe_dispatch": "ragged", "remat": True})
+    batch = make_batch(1, B=8, T=16)
+    ref = Learner(cfg, mesh=make_mesh(devices=jax.devices()[:1]), init_params=init_params(cfg))
+    loss0, grads0, _ = ref.loss_and_grads(batch)
+    assert not traced
+    lrn = Learner(cfg, mesh=make_mesh(1, 2, 1, 4), init_params=init_params(cfg))
+    loss, grads, _ = lrn.loss_and_grads(batch)
+    assert traced and all(m["expert"] == 4 for m in traced)
+    assert abs(loss - loss0) < 1e-5
+    assert max_abs_diff(host(grads), host(grads0)) < 1e-5
