@@ -171,8 +171,7 @@ def _target(cfg: Config, topology: str) -> _Target:
     if kw.get("attention") == "auto":  # the target is a TPU, whatever this host is
         kw["attention"] = "splash"
     learner_kw = dict(kw, dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32)
-    engine_kw = dict(moe_dispatch=kw["moe_dispatch"], scan_layers=kw["scan_layers"],
-                     attention=kw["attention"])
+    engine_kw = {k: kw[k] for k in ("moe_dispatch", "scan_layers", "attention", "moe_capacity_factor") if k in kw}
     return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes)
 
 

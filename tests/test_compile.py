@@ -142,14 +142,22 @@ def test_model_flops_formula_dense_and_moe():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("config,topology", [("qwen3_4b.yaml", "v5p-32"), ("qwen3_30b_a3b.yaml", "v5p-64")])
-def test_tpu_configs_fit_at_full_depth(tmp_path, config, topology):
-    """The TPU configs' learner, SFT and rollout programs compile at full depth for their target
-    topology and fit in HBM (memory only: the cost pieces are bench/tpu_compile.py's job)."""
+@pytest.mark.parametrize("config,topology,functions", [
+    ("qwen3_4b.yaml", "v5p-32", ("train_step", "decode_step")),
+    ("qwen3_30b_a3b.yaml", "v5p-64", ("train_step",)),
+])
+def test_tpu_configs_fit_at_full_depth(tmp_path, config, topology, functions):
+    """The TPU configs' learner step (and 4B's decode step) compile at full depth for their target
+    topology and fit in HBM, the 4B learner with >= 10% headroom (memory only; the cost pieces,
+    the SFT step and prefill are bench/tpu_compile.py's job: together they would add ~20 minutes
+    of compiling to make test on the 2-core machine)."""
     out = tmp_path / "c.json"
-    r = _cli(str(CONFIG_DIR / config), "--topology", topology, "--no-cost", "--json", str(out), timeout=1400)
+    only = [a for f in functions for a in ("--only", f)]
+    r = _cli(str(CONFIG_DIR / config), "--topology", topology, *only, "--no-cost", "--json", str(out), timeout=1400)
     rows = {x["function"]: x for x in json.loads(out.read_text())} if out.exists() else {}
-    assert set(rows) == {"train_step", "sft_step", "prefill", "decode_step"}, r.stdout[-3000:] + r.stderr[-3000:]
+    assert set(rows) == set(functions), r.stdout[-3000:] + r.stderr[-3000:]
     for name, x in rows.items():
         assert x["fits"], (name, x)
-    assert rows["train_step"]["hbm_total_bytes"] <= 0.9 * rows["train_step"]["chip_hbm_bytes"] or "30b" in config
+    if "4b" in config:
+        assert rows["train_step"]["hbm_total_bytes"] <= 0.9 * rows["train_step"]["chip_hbm_bytes"]
+        assert rows["decode_step"]["fits_with_learner"], rows["decode_step"]
