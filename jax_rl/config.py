@@ -317,9 +317,12 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the learner applies the same one to its log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling (1.0 = off; off by default in RL)."""
+    """Nucleus sampling (1.0 = off; off by default in RL). The learner reproduces the truncation in
+    every log-prob forward (temperature, top-k, then top-p), so pi/mu is 1 when numerics agree;
+    tokens outside its kept set are masked and counted (``masked_trunc_outside``). Costs the learner
+    a sort over the vocabulary per position when top_k is 0."""
     top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off), applied before top_p; reproduced by the learner like top_p."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Rollout compute dtype (bf16 default: a real train-infer gap)."""
     partial: Literal["continue", "recompute_kv", "abort"] = "continue"

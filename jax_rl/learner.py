@@ -329,7 +329,9 @@ class Learner:
     def logprobs(self, batch: Mapping[str, Any], params: Any = None) -> np.ndarray:
         """Training-numerics log-probs [B, T] float32 of ``batch['tokens']`` (needs ``tokens``
         and ``attention_mask``; ``out[:, 0] = 0``, 0 on padding) under ``params`` (default:
-        current). Single-process result on the host (multi-process: a global jax.Array)."""
+        current). Single-process result on the host (multi-process: a global jax.Array). Under
+        ``rollout.top_k`` / ``rollout.top_p`` these are the truncated log-probs, ``-inf`` for a
+        token outside the kept set (prompt tokens often are)."""
         tok = np.asarray(batch["tokens"])
         B, T = tok.shape
         sub = {"tokens": tok.astype(np.int32), "attention_mask": np.asarray(batch["attention_mask"], bool)}

@@ -77,6 +77,19 @@ along rows (never along T), passing the full batch's Z (:func:`loss_denominator`
 for gradients. For seq_mean_token_sum_norm with the default L = T every piece must keep the
 full padded T (or set ``seq_sum_norm_len``).
 
+Truncated sampling (``truncated=True``: the rollout sampled under ``rollout.top_k`` /
+``rollout.top_p`` and the learner's log-probs are log pi_trunc, ``jax_rl.sampling``): a valid
+token with ``prox_logp == -inf`` or ``logp == -inf`` lies outside the learner's kept set
+(pi_prox's or pi_theta's). It is masked out of the policy term (and the entropy term) like a
+train-infer-rejected token and counted in ``masked_trunc_outside`` (tokens) and
+``trunc_outside_frac`` (fraction of valid tokens), not in ``masked_nonfinite_prox``. Outside
+pi_prox's kept set it is not usable (it leaves the train-infer level statistic and
+``train_infer_retained``); outside only pi_theta's (theta moved during the step) it stays in
+the train-infer statistic and the denominator, which pi_prox and mu fix before any update. Its
+gradient is an exact 0 (the -inf never reaches arithmetic), and a token outside pi_theta's set
+reads log rho = 0 in the metrics. Only -inf means "outside": a NaN prox is still counted in
+``masked_nonfinite_prox``, a NaN logp still poisons the loss so the update is skipped.
+
 Metrics: a dict of fp32 scalars with fixed keys for a given set of optional arguments.
 Token metrics are means over VALID tokens (loss_mask); at a valid token with non-finite
 behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Combine microbatch
@@ -307,6 +320,7 @@ def policy_loss(
     old_logp=None,
     denominator=None,
     entropy=None,
+    truncated: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled PPO loss with a separate train-infer factor (see the module docstring).
 
@@ -325,6 +339,9 @@ def policy_loss(
         denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
         entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
             (same kept tokens, weights c_bt and Z as the policy term) and ``entropy_mean``.
+        truncated: static; the log-probs are under top-k/top-p truncated sampling: ``-inf``
+            logp / prox at a valid token means outside the learner's kept set (masked, counted
+            in ``masked_trunc_outside`` / ``trunc_outside_frac``; see the module docstring).
 
     Returns:
         (loss fp32 scalar, metrics dict of fp32 scalars; keys documented in the module
@@ -343,10 +360,18 @@ def policy_loss(
     ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
     valid, usable, kept = ti.valid, ti.usable, ti.kept
     M = float(cfg.max_log_ratio)
+    pg_ok = usable  # tokens whose policy term can be computed
+    if truncated:  # -inf = outside the learner's kept set (pi_prox's or pi_theta's)
+        out_prox = valid & (lax.stop_gradient(_f32(prox_logp)) == -jnp.inf)
+        out_theta = valid & (lax.stop_gradient(_f32(logp)) == -jnp.inf)
+        trunc_out = out_prox | out_theta
+        pg_ok = usable & ~out_theta
 
     # --- PPO clip on rho = pi_theta / pi_prox (gradient only through logp) ---
-    logp_s = jnp.where(usable, _f32(logp), 0.0)  # double-where: NaN/inf never reach arithmetic
+    logp_s = jnp.where(pg_ok, _f32(logp), 0.0)  # double-where: NaN/inf never reach arithmetic
     log_ratio = logp_s - ti.prox  # 0 where not usable
+    if truncated:
+        log_ratio = jnp.where(pg_ok, log_ratio, 0.0)  # and 0 outside pi_theta's kept set
     ratio = jnp.exp(jnp.clip(log_ratio, -M, M))
     adv = jnp.where(valid, _f32(advantages), 0.0)
     lo = 1.0 - float(cfg.clip_eps_low)
@@ -368,11 +393,12 @@ def policy_loss(
     c, Z_local = _agg_parts(denom_mask, cfg)
     Z = Z_local if denominator is None else _f32(denominator)
     Z_safe = jnp.where(Z > 0, Z, 1.0)
-    tok_loss = jnp.where(kept, ti.weight * pg * c, 0.0)
+    kept_pg = kept & pg_ok if truncated else kept
+    tok_loss = jnp.where(kept_pg, ti.weight * pg * c, 0.0)
     loss = jnp.sum(tok_loss) / Z_safe
     if entropy is not None:
         _check_2d("entropy", entropy, shape)
-        ent = jnp.where(kept, jnp.where(kept, _f32(entropy), 0.0) * c, 0.0)
+        ent = jnp.where(kept_pg, jnp.where(kept_pg, _f32(entropy), 0.0) * c, 0.0)
         loss = loss - float(cfg.entropy_coef) * (jnp.sum(ent) / Z_safe)
 
     # --- metrics (detached) ---
@@ -390,7 +416,12 @@ def policy_loss(
     m["train_infer_out_of_band_frac"] = _vmean(usable & ~ti.in_band, valid, nv)
     m["train_infer_catastrophic_frac"] = _vmean(usable & ti.catastrophic_row[:, None], valid, nv)
     m["masked_nonfinite_behav"] = jnp.sum(ti.nonfinite_behav.astype(jnp.float32))
-    m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
+    if truncated:
+        m["masked_nonfinite_prox"] = jnp.sum((ti.nonfinite_prox & ~trunc_out).astype(jnp.float32))
+        m["masked_trunc_outside"] = jnp.sum(trunc_out.astype(jnp.float32))
+        m["trunc_outside_frac"] = _vmean(trunc_out, valid, nv)
+    else:
+        m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
     m["clip_frac"] = _vmean(clipped, valid, nv)
     m["clip_active_frac"] = _vmean(clip_active, valid, nv)
     m["ratio_out_of_band_frac"] = _vmean(out_of_band, valid, nv)
@@ -445,7 +476,7 @@ def policy_loss(
 # Combining microbatch metrics
 # --------------------------------------------------------------------------------------
 
-_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox"}
+_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox", "masked_trunc_outside"}
 _MAX_KEYS = {"denominator"}
 
 

@@ -18,7 +18,9 @@ One call does everything for one published version:
 Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 ``optim.microbatches``) into [U, m, r, T]; minibatch u, microbatch j is rows
 ``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
-(``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``).
+(``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``,
+and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
+with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jax_rl import losses
 from jax_rl.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.correction import Correction, tree_finite, tree_where
+from jax_rl.sampling import truncates
 
 __all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
            "make_grads_fn", "make_logprob_step", "opt_state_shardings", "train_state_shardings", "init_train_state"]
@@ -174,18 +177,32 @@ def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings
 # ======================================================================================
 
 
-def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None):
+def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None, *,
+                    top_k: int = 0, top_p: float = 1.0):
     """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False) -> logp [r,T]`` (and
     the entropy with ``return_entropy``), training numerics, ``out[:, 0] = 0``. ``chunk_tokens``:
-    LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget)."""
+    LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget).
+    ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
+    reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
+    ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
     from jax_rl.models.qwen3 import sequence_logprobs
 
     def logprobs(params, tokens, attention_mask, return_entropy: bool = False):
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p)
 
     return logprobs
+
+
+def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
+    """The RL learner's log-prob forward: the rollout's temperature AND truncation (every RL
+    forward goes through it: the gradient forward, the prox forwards of the correction
+    strategies, the exact route's snapshot forwards), so pi_prox/mu and pi_theta/pi_prox are
+    both ratios of the distribution the rollout sampled from."""
+    r = cfg.rollout
+    return make_logprob_fn(graphdef, rest, float(r.temperature), cfg.model.logits_chunk_tokens,
+                           top_k=int(r.top_k), top_p=float(r.top_p))
 
 
 def chunked(logprobs) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
@@ -208,6 +225,7 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     """Loss, grads and combined metrics of one minibatch ([m, r, T] arrays), accumulated over its
     m microbatches with the minibatch's global denominator."""
     lc = cfg.loss
+    truncated = truncates(cfg.rollout.top_k, cfg.rollout.top_p)
     m, r, T = mb.tokens.shape
     f2 = lambda x: x.reshape(m * r, T)  # noqa: E731
     denom = losses.loss_denominator(
@@ -225,7 +243,7 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         return losses.policy_loss(
             logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
             turn_ids=x.turn_ids, versions=x.versions, current_version=g,
-            old_logp=x.old_logp, denominator=denom, entropy=ent,
+            old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated,
         )
 
     vg = jax.value_and_grad(micro_loss, has_aux=True)
@@ -261,7 +279,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         state_shardings: :func:`train_state_shardings`; the state is donated.
         batch_sharding: sharding of every batch array (None: the arrays' own).
     """
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
+    logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
     n_epochs = int(cfg.optim.ppo_epochs)
 
@@ -311,7 +329,7 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
                   batch_sharding: Optional[NamedSharding] = None):
     """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
     metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
+    logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
 
     def fn(params, cstate, version, b: LearnerBatch):
@@ -326,5 +344,5 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
 
 def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any):
     """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient)."""
-    chunk = chunked(make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens))
+    chunk = chunked(_rl_logprob_fn(cfg, graphdef, rest))
     return jax.jit(chunk, in_shardings=(param_shardings, None, None))

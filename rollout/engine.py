@@ -117,34 +117,26 @@ def sample_tokens(
         report the log-prob under temperature 1.
       top_k: static; 0 = off. Applied first (HF order).
       top_p: static; 1.0 = off. Nucleus over the (top-k renormalised) distribution; the token
-        that crosses ``top_p`` is kept.
+        that crosses ``top_p`` is kept. The kept set is :func:`jax_rl.sampling.kept_set`, the
+        rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
 
     Returns:
       ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
       of the sampled token under the truncated, renormalised, tempered distribution;
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
     """
+    from jax_rl.sampling import kept_set, log_kept_mass, truncates
+
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     logp_full = jax.nn.log_softmax(logits / t[:, None], axis=-1)
-    if top_k > 0 or top_p < 1.0:
-        kept = jnp.ones_like(logp_full, dtype=bool)
-        if top_k > 0:
-            k = min(int(top_k), logits.shape[-1])
-            kth = jax.lax.top_k(logp_full, k)[0][:, -1:]
-            kept = logp_full >= kth
-        if top_p < 1.0:
-            lp = jnp.where(kept, logp_full, -jnp.inf)
-            lp = lp - jax.nn.logsumexp(lp, axis=-1, keepdims=True)
-            srt = jnp.sort(lp, axis=-1)[:, ::-1]
-            p = jnp.exp(srt)
-            before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each sorted token
-            keep_sorted = before < top_p
-            thresh = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
-            kept = kept & (lp >= thresh)
-        kept_mass = jnp.sum(jnp.where(kept, jnp.exp(logp_full), 0.0), axis=-1)
-        logp_s = jnp.where(kept, logp_full - jnp.log(kept_mass)[:, None], -jnp.inf)
+    if truncates(top_k, top_p):
+        # the learner's log-prob forward reproduces this with the same kept_set / log_kept_mass
+        kept = kept_set(logp_full, top_k, top_p)
+        lkm = log_kept_mass(logp_full, kept)
+        kept_mass = jnp.exp(lkm)
+        logp_s = jnp.where(kept, logp_full - lkm[:, None], -jnp.inf)
     else:
         kept_mass = jnp.ones(logits.shape[:1], jnp.float32)
         logp_s = logp_full

@@ -1295,23 +1295,62 @@ def _logp_entropy_from_logits(logits: Array, targets: Array, temperature) -> Arr
     return jnp.stack([picked - lse, ent], axis=-1)
 
 
+def _trunc_logp_from_logits(logits: Array, targets: Array, temperature, top_k: int, top_p: float,
+                            return_entropy: bool = False) -> Array:
+    """log pi_trunc of ``targets`` under ``softmax(logits / temperature)`` truncated by top-k then
+    top-p (:func:`jax_rl.sampling.kept_set`, the rollout sampler's own rule) and renormalised
+    over the kept set: ``log_softmax[tok] - log(kept mass)`` if ``tok`` is kept, ``-inf`` if not.
+    The kept set is stop-gradient, the kept mass carries gradient; a ``-inf`` entry has an exact
+    zero gradient. With ``return_entropy`` [..., 2]: also the entropy (nats) of the truncated,
+    renormalised distribution."""
+    from jax_rl.sampling import kept_set, log_kept_mass
+
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)  # as the sampler
+    kept = kept_set(lp, top_k, top_p)
+    lkm = log_kept_mass(lp, kept)
+    tg = targets[..., None].astype(jnp.int32)
+    picked = jnp.take_along_axis(lp, tg, axis=-1)[..., 0]
+    inside = jnp.take_along_axis(kept, tg, axis=-1)[..., 0]
+    logp = jnp.where(inside, picked - lkm, -jnp.inf)
+    if not return_entropy:
+        return logp
+    lq = jnp.where(kept, lp - lkm[..., None], 0.0)  # log q on the kept set, 0 elsewhere (no -inf)
+    ent = -jnp.sum(jnp.where(kept, jnp.exp(lq) * lq, 0.0), axis=-1)
+    return jnp.stack([logp, ent], axis=-1)
+
+
+def _per_token_fn(temperature, top_k: int, top_p: float, return_entropy: bool) -> Callable[[Array, Array], Array]:
+    """``(logits [...,V], targets [...]) -> [...]`` (or [..., 2] with the entropy): the plain
+    tempered log-softmax when no truncation is on (the untruncated code path, unchanged), else
+    :func:`_trunc_logp_from_logits`."""
+    from jax_rl.sampling import check_truncation, truncates
+
+    check_truncation(top_k, top_p)
+    if truncates(top_k, top_p):
+        return lambda lg, tg: _trunc_logp_from_logits(lg, tg, temperature, int(top_k), float(top_p), return_entropy)
+    per_token = _logp_entropy_from_logits if return_entropy else _logp_from_logits
+    return lambda lg, tg: per_token(lg, tg, temperature)
+
+
 def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1.0, *,
-                   chunk_elems: int = _CHUNK_ELEMS) -> Array:
+                   chunk_elems: int = _CHUNK_ELEMS, top_k: int = 0, top_p: float = 1.0) -> Array:
     """``log softmax(logits / temperature)[targets]``.
 
     logits [B,T,V] (any float dtype), targets [B,T] int -> [B,T] float32. Chunked over T
     (rematerialised ``lax.map``) when B*T*V exceeds ``chunk_elems``, so no second [B,T,V]
-    (log-softmax) array is kept alive in the forward or the backward.
+    (log-softmax) array is kept alive in the forward or the backward. ``top_k`` / ``top_p``
+    (static): the log-prob under the sampler's truncated distribution, as in
+    :func:`sequence_logprobs`.
     """
     B, T, V = logits.shape
-    return _map_over_t(lambda lg, tg: _logp_from_logits(lg, tg, temperature),
-                       (logits, targets), B, T, V, chunk_elems)
+    return _map_over_t(_per_token_fn(temperature, top_k, top_p, False), (logits, targets), B, T, V, chunk_elems)
 
 
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
-                      chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None):
+                      chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None,
+                      top_k: int = 0, top_p: float = 1.0):
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
@@ -1331,6 +1370,21 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     on a TPU, a few hundred tokens keep the head's matmuls MXU-sized). All T positions go
     through the head (the last one predicts a pad target and is dropped), so a power-of-two T
     chunks evenly.
+
+    Truncated sampling (``top_k > 0`` or ``top_p < 1``, static: ``rollout.top_k`` /
+    ``rollout.top_p``): ``out[:, t]`` is log pi_trunc, the log-prob under the distribution the
+    rollout sampler draws from: temperature, then top-k, then top-p (HF warper order, the
+    sampler's own :func:`jax_rl.sampling.kept_set`), renormalised over the kept set, i.e.
+    ``log_softmax(logits/T)[tok] - log(kept mass)``; ``-inf`` where ``tokens[t]`` is outside
+    the kept set (prompt tokens can be; a generated token only when the two sides' numerics put
+    it across the boundary). The kept set is stop-gradient, the kept mass carries gradient, a
+    ``-inf`` entry has a zero gradient. The entropy is that of the truncated distribution. The
+    cost is inside the chunked head: one ``lax.top_k`` over V per position for top-k, a sort
+    over V per position for top-p alone (O(V log V), recomputed in the backward by the chunk's
+    remat). The engine's per-token kept mass is not needed here: the learner recomputes the
+    kept set from its own logits, and any difference from the engine's is exactly what
+    ``train_infer_ratio`` (pi_prox / mu) measures. Off (the defaults): the untruncated code
+    path, bit for bit.
     """
     if isinstance(model_or_graphdef, nnx.GraphDef):
         state, *rest = args
@@ -1350,10 +1404,10 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
                                     forced_expert_ids=forced_expert_ids)
     V = model.config.vocab_size
 
-    per_token = _logp_entropy_from_logits if return_entropy else _logp_from_logits
+    per_token = _per_token_fn(temperature, top_k, top_p, return_entropy)
 
     def fn(hc, tc):
-        return per_token(model.lm_logits(hc), tc, temperature)
+        return per_token(model.lm_logits(hc), tc)
 
     k = (2,) if return_entropy else ()
     if T > 1:

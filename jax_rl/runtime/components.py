@@ -507,9 +507,6 @@ def rollout_preflight(cfg: Config, tokenizer, env_factory, n_seeds: int = PREFLI
       ``rollout.max_cache_len`` cannot generate and its group is dropped (``dropped_overlong``);
       a warning gives the fraction and the lengths. When *every* sampled prompt is too long the
       run could never train: :class:`ConfigError` (before anything is built or written).
-    * ``rollout.top_p`` < 1 or ``rollout.top_k`` > 0: the rollout samples from a truncated,
-      renormalised distribution but the learner's log-probs are over the full vocabulary, so the
-      train-infer ratio carries a systematic bias (the train-infer mask/weight then acts on it).
 
     Raises:
         ConfigError: no sampled prompt fits ``rollout.max_cache_len``.
@@ -540,11 +537,6 @@ def rollout_preflight(cfg: Config, tokenizer, env_factory, n_seeds: int = PREFLI
         out.append(f"prompts of up to {int(lens_a.max())} tokens leave less than rollout.max_new_tokens_per_turn="
                    f"{r.max_new_tokens_per_turn} tokens of rollout.max_cache_len={r.max_cache_len}: long episodes "
                    f"end truncated at the context (reward 0)")
-    if r.top_p < 1.0 or r.top_k > 0:
-        out.append(f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k} truncate the sampling distribution, but the "
-                   "learner does not reproduce the truncation yet: its log-probs are over the full vocabulary, so "
-                   "behav_logp is biased against pi and the train-infer correction acts on that bias; use "
-                   "top_p=1.0, top_k=0 for RL")
     for w in out:
         log.warning("%s", w)
     return out

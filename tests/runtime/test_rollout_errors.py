@@ -77,14 +77,15 @@ def test_a_systematically_failing_rollout_stops_with_the_reason():
     assert s["in_flight_groups"] == 0 and s["admitted_groups"] == s["failed_groups"] + s["cancelled_groups"]
 
 
-def test_preflight_warns_once_for_overlong_prompts_and_top_p(caplog):
+def test_preflight_warns_once_for_overlong_prompts_not_for_top_p(caplog):
+    # top_p / top_k no longer warn: the learner reproduces the sampler's truncation (issue 14 item 7)
     cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=160", "optim.max_seq_len=160",
-                                 "rollout.top_p=0.9"])
+                                 "rollout.top_p=0.9", "rollout.top_k=20"])
     with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"):
         ws = C.rollout_preflight(cfg, TOK, C.build_env_factory(cfg))
-    assert len(ws) == 2 and len(caplog.records) == 2
+    assert len(ws) == 1 and len(caplog.records) == 1
     assert "do not fit rollout.max_cache_len=160" in ws[0] and "dropped_overlong" in ws[0]
-    assert "rollout.top_p=0.9" in ws[1]
+    assert not any("top_p" in w or "top_k" in w for w in ws)
 
 
 def test_cli_prompts_that_never_fit_end_at_start_naming_the_key(tmp_path, capsys):
