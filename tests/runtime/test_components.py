@@ -18,7 +18,7 @@ def test_run_context_starts_from_hf_checkpoint(tmp_path):
     from jax_rl.runtime.context import RunContext
 
     mc = get_preset("tiny_dense")
-    model = Qwen3ForCausalLM(mc, rngs=nnx.Rngs(123))
+    model = Qwen3ForCausalLM(mc, rngs=nnx.Rngs(123), scan_layers=True)  # the learner's default layout
     save_pretrained(model, mc, tmp_path / "hf")
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [f"model.checkpoint={tmp_path / 'hf'}", "model.hf_overrides={}",
                                                      "model.tokenizer=compact",
