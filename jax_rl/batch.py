@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 import flax
 import numpy as np
 
-__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "collate", "validate_batch"]
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "collate", "validate_batch"]
 
 
 class BatchError(ValueError):
@@ -69,6 +69,20 @@ OPTIONAL_FIELDS: dict[str, tuple[str, Any]] = {
 }
 
 
+def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False, old: bool = False) -> LearnerBatch:
+    """A :class:`LearnerBatch` of ``jax.ShapeDtypeStruct`` (``shape``, e.g. [U, m, r, T], with
+    ``sharding``) for AOT ``lower().compile()``: every :data:`BATCH_FIELDS` field, plus float32
+    ``prox_logp`` (``prox``: a host-supplied pi_prox, ``exact``) and ``old_logp`` (``old``: the
+    exact log-probs beside an approximate mode)."""
+    import jax
+
+    fields = {k: jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sharding) for k, (_, dt) in BATCH_FIELDS.items()}
+    for name, want in (("prox_logp", prox), ("old_logp", old)):
+        if want:
+            fields[name] = jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=sharding)
+    return LearnerBatch.from_dict(fields)
+
+
 def collate(
     trajectories: Sequence[Any],
     advantages_per_traj: Sequence[Any],
@@ -92,10 +106,12 @@ def collate(
     Returns:
         dict of numpy arrays [B, T]: tokens int32, attention_mask bool, loss_mask bool,
         behav_logp float32, versions int32 (-1 pad), turn_ids int32 (-1 pad), advantages
-        float32 (0 pad).
+        float32 (0 pad); and ``old_logp`` float32 (0 pad) when the trajectories carry it
+        (``old_logits.route=dedicated``).
 
     Raises:
-        BatchError: no trajectories, mismatched lengths, a trajectory longer than max_seq_len.
+        BatchError: no trajectories, mismatched lengths, a trajectory longer than max_seq_len,
+            ``old_logp`` on some trajectories but not all.
     """
     if len(trajectories) == 0:
         raise BatchError("collate got no trajectories")
@@ -126,6 +142,17 @@ def collate(
         "turn_ids": np.full((B, T), -1, np.int32),
         "advantages": np.zeros((B, T), np.float32),
     }
+    olds = [(t.get("old_logp") if isinstance(t, Mapping) else getattr(t, "old_logp", None)) for t in trajectories]
+    if any(o is not None for o in olds):
+        if any(o is None for o in olds):
+            raise BatchError(f"{sum(o is None for o in olds)} of {B} trajectories carry no old_logp while the others "
+                             "do; a batch's exact old log-probs must come from one route")
+        out["old_logp"] = np.zeros((B, T), np.float32)
+        for b, o in enumerate(olds):
+            a = np.asarray(o, np.float32)
+            if a.shape != (lens[b],):
+                raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
+            out["old_logp"][b, :lens[b]] = a
     for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
         n = lens[b]
         for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):

@@ -457,14 +457,36 @@ class SFTConfig(_Section):
 class OldLogitsConfig(_Section):
     """Exact old logits (pi_v at each token's behaviour version) for loss.correction=exact."""
 
-    route: Literal["snapshot"] = "snapshot"
-    """Exact old-logit route for loss.correction=exact."""
+    route: Literal["snapshot", "dedicated"] = "snapshot"
+    """Exact old-logit route for loss.correction=exact: snapshot (the learner keeps the last K+1
+    versions' params and runs one forward per version present in each batch) or dedicated (a
+    scorer thread holding the live versions scores each finished trajectory before it enters the
+    buffer; the learner runs no old-logit forward; runtime=embedded only)."""
+    devices: Optional[int | list[int]] = None
+    """route=dedicated: the scorer's own devices. An int n takes the last n of jax.devices(), a
+    list names jax device ids; the learner's mesh (mesh.*) then covers the other devices. null =
+    the scorer shares the learner's mesh."""
+    max_queued_groups: int = Field(4, ge=1)
+    """route=dedicated: finished GRPO groups waiting for the scorer; a full queue blocks the
+    rollout thread that finished the next one (backpressure)."""
     store: Literal["host", "disk"] = "host"
     """Snapshot store: host (numpy in RAM) or disk (Orbax under the run dir)."""
     dir: Optional[str] = None
     """Snapshot dir for store=disk; default <run.dir>/old_logits."""
     measure_error: bool = False
     """Also compute exact old logits under ppo_ewma/linear_prox and log the approximation error."""
+
+    @field_validator("devices", mode="after")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("must be a device count (int >= 1), a list of device ids, or null")
+        if isinstance(v, int) and v < 1:
+            raise ValueError("a device count must be >= 1 (null = share the learner's devices)")
+        if isinstance(v, list):
+            if not v or any(isinstance(i, bool) or i < 0 for i in v) or len(set(v)) != len(v):
+                raise ValueError("a device id list must be non-empty, of distinct ids >= 0")
+        return v
 
 
 class LoggingConfig(_Section):
@@ -524,6 +546,16 @@ class Config(_Section):
                 f"exact old logits; it has nothing to measure under loss.correction={self.loss.correction!r}: "
                 "set old_logits.measure_error=false"
             )
+        ol = self.old_logits
+        if ol.route != "snapshot" and self.loss.correction != "exact":
+            raise ValueError(f"old_logits.route={ol.route} serves loss.correction=exact only, not "
+                             f"loss.correction={self.loss.correction!r}: set old_logits.route=snapshot")
+        if ol.route == "dedicated" and self.runtime.kind != "embedded":
+            raise ValueError(f"old_logits.route=dedicated is implemented for runtime=embedded only, not "
+                             f"runtime={self.runtime.kind}: use runtime=embedded or old_logits.route=snapshot")
+        if ol.devices is not None and ol.route != "dedicated":
+            raise ValueError(f"old_logits.devices={ol.devices} is read by old_logits.route=dedicated only "
+                             f"(route={ol.route}): set old_logits.devices=null")
         if self.rollout.max_cache_len > self.optim.max_seq_len:
             raise ValueError(
                 f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "

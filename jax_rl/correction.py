@@ -35,8 +35,10 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
 ``exact``
     log pi_prox = log pi_{v_t}, each token's own behaviour version (paper §2.1, the target
     the others approximate). A host step before the jitted step scores the batch with the
-    snapshot store's params per version present (:mod:`jax_rl.old_logits`), or takes the
-    batch's ``old_logp``. Cost: K+1 param snapshots + one forward per distinct version.
+    snapshot store's params per version present (:mod:`jax_rl.old_logits`,
+    ``old_logits.route=snapshot``; cost: K+1 param snapshots + one learner forward per distinct
+    version), or takes the batch's ``old_logp`` (``old_logits.route=dedicated``: a scorer thread
+    filled it before the trajectory entered the buffer; the learner runs no extra forward).
 
 A strategy owns: its state inside ``TrainState.correction`` (:meth:`Correction.init_state`);
 an optional host step (:meth:`Correction.host_inputs`); the in-jit ``prox_logp``
@@ -177,9 +179,13 @@ def make_correction(cfg: Config) -> Correction:
 
 
 def uses_snapshot_store(strategy: Correction, cfg: Config) -> bool:
-    """The exact route's snapshot store is kept: for ``exact``, or to measure an approximate
-    mode's error against the exact old logits (``old_logits.measure_error``)."""
-    return strategy.needs_exact or (strategy.approximate and bool(cfg.old_logits.measure_error))
+    """The learner keeps the snapshot store: for ``exact`` with ``old_logits.route=snapshot``, or
+    to measure an approximate mode's error against the exact old logits
+    (``old_logits.measure_error``). Other exact routes fill the batch's ``old_logp`` before the
+    learner sees it (``dedicated``: :class:`jax_rl.old_logits.OldLogitScorer`)."""
+    if strategy.needs_exact:
+        return cfg.old_logits.route == "snapshot"
+    return strategy.approximate and bool(cfg.old_logits.measure_error)
 
 
 @register("decoupled")
@@ -297,22 +303,39 @@ class Exact(Correction):
                 extra_param_copies="up to K+1 snapshots (old_logits.store: host or disk)")
     needs_exact = True
 
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.route = cfg.old_logits.route
+        if self.route == "dedicated":
+            self.cost = Cost(extra_forwards="0 in the learner (a scorer thread runs 1 per behaviour version present "
+                                            "in each finished group, before the buffer)",
+                             extra_param_copies="up to K+1 versions on the scorer's devices "
+                                                "(old_logits.devices; default the learner's)")
+
+    def describe(self) -> str:
+        return f"{super().describe()}; old_logits.route={self.route}"
+
     def prox_logp(self, logprobs, params, cstate, batch, version):
         return batch.prox_logp, cstate, {}
 
 
-def host_inputs(strategy: Correction, cfg: Config, batch: dict, score: Callable[[], tuple[jax.Array, dict]]
-                ) -> tuple[dict, dict]:
+def host_inputs(strategy: Correction, cfg: Config, batch: dict,
+                score: Optional[Callable[[], tuple[jax.Array, dict]]]) -> tuple[dict, dict]:
     """The host step before the jitted step: fill the exact old log-probs it needs.
 
     Args:
         batch: device arrays by field name; may hold a caller-supplied ``old_logp``.
-        score: computes the exact old log-probs from the snapshot store: ``(old_logp, stats)``.
+        score: computes the exact old log-probs from the snapshot store: ``(old_logp, stats)``;
+            None when the learner keeps no store (``old_logits.route`` other than snapshot).
 
     Returns:
         ``(batch, stats)``: under ``exact`` the batch carries ``prox_logp`` (the given
         ``old_logp`` or the store's); an approximate mode measuring its error carries
         ``old_logp``; otherwise ``old_logp`` is dropped.
+
+    Raises:
+        ValueError: ``exact`` without a store and the batch carries no ``old_logp`` (never
+            trained on missing exact old logits).
     """
     batch = dict(batch)
     have_old = "old_logp" in batch
@@ -320,6 +343,10 @@ def host_inputs(strategy: Correction, cfg: Config, batch: dict, score: Callable[
     if strategy.needs_exact:
         if have_old:
             batch["prox_logp"] = batch.pop("old_logp")
+        elif score is None:
+            raise ValueError(f"loss.correction=exact with old_logits.route={cfg.old_logits.route}: the batch carries "
+                             "no old_logp (the route fills it before the learner); refusing to train without exact "
+                             "old log-probs")
         else:
             batch["prox_logp"], stats = score()
     elif uses_snapshot_store(strategy, cfg):

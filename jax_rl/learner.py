@@ -16,8 +16,10 @@ call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``, ``loss_tok
 ``nonfinite_updates``, ``version``, ``step``, ``skipped``, ``skipped_steps``,
 ``nonfinite_streak`` (consecutive all-non-finite calls), the strategy's own (the EWMA strategy:
 ``nonfinite_ewma``, ``ewma_reset``, ``ewma_beta``, ``ewma_streak``, ``ewma_retained``,
-``ewma_resets``) and, with the snapshot store, ``old_logits_bytes``, ``old_logits_versions``,
-``old_logits_s``. After ``optim.max_skipped_steps`` consecutive calls whose every update was
+``ewma_resets``), with the snapshot store, ``old_logits_bytes``, ``old_logits_versions``,
+``old_logits_s``, and under ``exact`` ``old_logits_forwards`` (the learner's own old-logit
+forwards this step: 0 under ``old_logits.route=dedicated``, whose batches arrive with
+``old_logp``; :attr:`Learner.old_logit_forwards` sums them). After ``optim.max_skipped_steps`` consecutive calls whose every update was
 skipped as non-finite, :class:`NonFiniteTrainingError` is raised (also for SFT; 0 = never).
 
 Multi-process (TPU pods, or CPU processes with gloo collectives): call
@@ -42,7 +44,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
-from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
+from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, abstract_batch, collate, validate_batch
 from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
 from jax_rl.model_builder import (abstract_model_split, create_sharded_model, learner_model_kwargs, resolve_mesh,
@@ -107,6 +109,7 @@ class Learner:
         self.ppo_epochs = int(cfg.optim.ppo_epochs)
         self.microbatches = int(cfg.optim.microbatches)
         self.skipped_steps = 0
+        self.old_logit_forwards = 0  # old-logit forwards the learner ran itself (snapshot route), this session
         self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
         self._replicated = NamedSharding(self.mesh, P())
@@ -226,14 +229,9 @@ class Learner:
         """``jax.ShapeDtypeStruct`` learner batch [U, m, r, T] (with the fields the jitted step
         reads under this correction mode), for AOT ``lower().compile()`` (``--dry-run``)."""
         U, m, r = self._layout(B)
-        sh = self.batch_sharding(r)
-        fields = {k: jax.ShapeDtypeStruct((U, m, r, T), dt, sharding=sh) for k, (_, dt) in BATCH_FIELDS.items()}
-        f32 = jax.ShapeDtypeStruct((U, m, r, T), np.float32, sharding=sh)
-        if self.strategy.needs_exact:
-            fields["prox_logp"] = f32
-        elif self.store is not None:
-            fields["old_logp"] = f32
-        return LearnerBatch.from_dict(fields)
+        exact = self.strategy.needs_exact
+        return abstract_batch((U, m, r, T), self.batch_sharding(r), prox=exact,
+                              old=not exact and self.store is not None)
 
     def lower_train_step(self, B: int, T: int):
         """``jax.stages.Lowered`` of the train step for a [B, T] batch (call ``.compile()``)."""
@@ -278,7 +276,11 @@ class Learner:
                     "step": float(self.step), "step_time_s": time.perf_counter() - t0, "tokens": 0.0,
                     "tokens_per_s": 0.0}
         dev, r = self.device_batch(b, process_local=process_local)
-        dev, old_stats = host_inputs(self.strategy, self.cfg, dev, lambda: self._score_old(b, dev, g))
+        dev, old_stats = host_inputs(self.strategy, self.cfg, dev,
+                                     None if self.store is None else (lambda: self._score_old(b, dev, g)))
+        if self.strategy.needs_exact:  # the learner's own old-logit forwards (0 under route=dedicated)
+            old_stats.setdefault("old_logits_forwards", 0.0)
+            self.old_logit_forwards += int(old_stats["old_logits_forwards"])
         with jax.set_mesh(self.mesh):
             self.state, metrics = self.train_step_fn(r)(self.state, LearnerBatch.from_dict(dev))
         if self.store is not None:

@@ -21,9 +21,14 @@ __all__ = ["resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_
 
 
 def resolve_mesh(cfg: Config, mesh=None, devices=None):
-    """``mesh`` if given, else the ``('data','fsdp','tensor','expert')`` mesh of ``cfg.mesh``."""
+    """``mesh`` if given, else the ``('data','fsdp','tensor','expert')`` mesh of ``cfg.mesh`` over
+    ``devices`` (default: ``jax.devices()`` less those ``old_logits.devices`` gives the scorer)."""
     if mesh is not None:
         return mesh
+    if devices is None and getattr(cfg.old_logits, "devices", None) is not None:
+        from jax_rl.old_logits import scorer_devices
+
+        devices = scorer_devices(cfg.old_logits.devices)[0]
     m = cfg.mesh
     kw = {} if devices is None else {"devices": devices}
     return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, expert=m.expert, **kw)

@@ -29,8 +29,10 @@ Counters (``stats()``), in trajectories unless suffixed ``_groups``: ``produced`
 prompt that filled the cache, or longer than ``max_seq_len``; never trained), ``in_flight`` (admitted, not yet put; in groups
 via ``in_flight_groups``), ``pending``, ``admitted_groups`` and ``cancelled_groups`` (admitted slots
 given back by :meth:`cancel`: a group whose episode loop failed, or one in flight when the run stopped,
-which the runtime re-issues after ``--resume``). Invariants: ``produced == consumed + dropped_stale +
-pending``; every finished episode put is ``produced + failed + dropped_overlong``; within one session
+which the runtime re-issues after ``--resume``), ``dropped_unscored`` (with ``require_old_logp``: a
+group holding a trajectory without exact old log-probs, e.g. restored from a checkpoint written under
+another route and not scorable any more; never handed out). Invariants: ``produced == consumed +
+dropped_stale + dropped_unscored + pending``; every finished episode put is ``produced + failed + dropped_overlong``; within one session
 ``admitted_groups == produced_groups + failed_groups + dropped_overlong_groups + cancelled_groups +
 in_flight_groups``.
 
@@ -51,7 +53,7 @@ __all__ = ["TrajectoryBuffer"]
 
 _COUNTERS = ("produced", "consumed", "dropped_stale", "failed", "dropped_overlong", "produced_groups",
              "consumed_groups", "dropped_stale_groups", "failed_groups", "dropped_overlong_groups",
-             "admitted_groups", "cancelled_groups")
+             "admitted_groups", "cancelled_groups", "dropped_unscored", "dropped_unscored_groups")
 
 
 class TrajectoryBuffer:
@@ -65,12 +67,17 @@ class TrajectoryBuffer:
         max_pending_groups: optional cap on groups waiting in the buffer (``admit`` refuses beyond).
         max_seq_len: optional longest trainable trajectory (``optim.max_seq_len``); longer ones are
             dropped by :meth:`put_group` and counted in ``dropped_overlong``.
+        require_old_logp: every trainable trajectory must carry ``old_logp``
+            (``old_logits.route=dedicated``): :meth:`put_group` refuses an unscored one and
+            :meth:`get_batch` never hands one out (a restored unscored group is dropped and counted
+            in ``dropped_unscored``).
     """
 
     STATE_VERSION = 1
 
     def __init__(self, group_size: int, max_staleness: int, groups_per_step: int = 1,
-                 max_pending_groups: Optional[int] = None, max_seq_len: Optional[int] = None):
+                 max_pending_groups: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 require_old_logp: bool = False):
         if group_size < 1 or max_staleness < 0 or groups_per_step < 1:
             raise ValueError(f"bad buffer config group_size={group_size} max_staleness={max_staleness} "
                              f"groups_per_step={groups_per_step}")
@@ -79,6 +86,7 @@ class TrajectoryBuffer:
         self.groups_per_step = int(groups_per_step)
         self.max_pending_groups = max_pending_groups
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
+        self.require_old_logp = bool(require_old_logp)
         self._cv = threading.Condition()
         self._pending: collections.deque[list[Trajectory]] = collections.deque()
         self._in_flight_groups = 0
@@ -158,7 +166,8 @@ class TrajectoryBuffer:
             The number of trajectories accepted.
 
         Raises:
-            ValueError: more than ``group_size`` trajectories, or mixed ``group_id``s.
+            ValueError: more than ``group_size`` trajectories, mixed ``group_id``s, or (with
+                ``require_old_logp``) a trainable trajectory without ``old_logp``.
         """
         trajs = list(trajectories)
         if len(trajs) > self.group_size:
@@ -168,6 +177,9 @@ class TrajectoryBuffer:
         failed = [t for t in trajs if t.failed]
         overlong = [t for t in trajs if not t.failed and self._overlong(t)]
         ok = [t for t in trajs if not t.failed and not self._overlong(t)]
+        if self.require_old_logp and any(t.old_logp is None for t in ok):
+            raise ValueError(f"group {trajs[0].group_id}: a trajectory without old_logp was put into a buffer that "
+                             "requires exact old log-probs (old_logits.route=dedicated scores before the buffer)")
         with self._cv:
             if admitted:
                 self._in_flight_groups = max(0, self._in_flight_groups - 1)
@@ -197,6 +209,9 @@ class TrajectoryBuffer:
             if self._group_staleness(g, v) > self.max_staleness:
                 self.counters["dropped_stale"] += len(g)
                 self.counters["dropped_stale_groups"] += 1
+            elif self.require_old_logp and any(t.old_logp is None for t in g):
+                self.counters["dropped_unscored"] += len(g)
+                self.counters["dropped_unscored_groups"] += 1
             else:
                 keep.append(g)
         self._pending = keep
@@ -205,8 +220,8 @@ class TrajectoryBuffer:
                   ) -> Optional[list[list[Trajectory]]]:
         """Take ``n_groups`` groups (oldest first) that are at most K versions stale at ``current_version``.
 
-        Over-stale groups met on the way are dropped and counted. Blocks until enough groups are
-        pending.
+        Over-stale groups met on the way are dropped and counted (and, with ``require_old_logp``,
+        unscored ones: ``dropped_unscored``). Blocks until enough groups are pending.
 
         Returns:
             A list of ``n_groups`` groups (each a list of Trajectory), or None on timeout / close
@@ -231,6 +246,13 @@ class TrajectoryBuffer:
                 if wait is not None and wait <= 0:
                     return None
                 self._cv.wait(timeout=wait if wait is not None else 0.5)
+
+    def map_pending(self, fn) -> None:
+        """Apply ``fn(group) -> None`` to every pending group under the lock (e.g. to score groups
+        restored from a checkpoint: ``fn`` may set their trajectories' ``old_logp``)."""
+        with self._cv:
+            for g in self._pending:
+                fn(g)
 
     def close(self) -> None:
         """Refuse new admissions and release blocked callers."""

@@ -55,6 +55,7 @@ class Completion:
     versions: list[int]
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
+    old_logp: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.logps) == len(self.versions)):
@@ -83,6 +84,11 @@ class Trajectory:
         env: environment name.
         seed: environment (task) seed.
         info: JSON-serialisable dict: truncation flags, tool errors, timings, failure reason.
+        old_logp: float32 [T] or None: exact log pi_v of each generated token under its own
+            behaviour version v with the learner's training numerics (0 elsewhere; aligned like
+            ``behav_logp``), filled before the trajectory enters the buffer by
+            ``old_logits.route=dedicated`` (:class:`jax_rl.old_logits.OldLogitScorer`); None = not
+            scored.
 
     Raises (on construction):
         ValueError: arrays of different lengths, or a reward outside [0, 1].
@@ -98,6 +104,7 @@ class Trajectory:
     env: str = ""
     seed: int = 0
     info: dict = field(default_factory=dict)
+    old_logp: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -105,8 +112,11 @@ class Trajectory:
         self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32).reshape(-1)
         self.versions = np.asarray(self.versions, dtype=np.int32).reshape(-1)
         self.turn_ids = np.asarray(self.turn_ids, dtype=np.int32).reshape(-1)
+        if self.old_logp is not None:
+            self.old_logp = np.asarray(self.old_logp, dtype=np.float32).reshape(-1)
         n = self.tokens.shape[0]
-        for name in ("loss_mask", "behav_logp", "versions", "turn_ids"):
+        for name in ("loss_mask", "behav_logp", "versions", "turn_ids") + (("old_logp",) if self.old_logp is not None
+                                                                           else ()):
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"Trajectory.{name} has length {getattr(self, name).shape[0]}, tokens has {n}")
         self.reward = float(self.reward)
@@ -151,8 +161,8 @@ class Trajectory:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
-        """JSON-safe dict (arrays -> lists). Inverse of :meth:`from_dict`."""
-        return {
+        """JSON-safe dict (arrays -> lists; ``old_logp`` only when scored). Inverse of :meth:`from_dict`."""
+        d = {
             "tokens": self.tokens.tolist(),
             "loss_mask": self.loss_mask.tolist(),
             "behav_logp": self.behav_logp.tolist(),
@@ -164,6 +174,9 @@ class Trajectory:
             "seed": self.seed,
             "info": json_safe(self.info),
         }
+        if self.old_logp is not None:  # float32 -> Python float -> float32 is exact; -inf -> JSON -Infinity
+            d["old_logp"] = self.old_logp.tolist()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trajectory":
@@ -179,6 +192,7 @@ class Trajectory:
             env=d["env"],
             seed=d["seed"],
             info=dict(d.get("info") or {}),
+            old_logp=None if d.get("old_logp") is None else np.asarray(d["old_logp"], dtype=np.float32),
         )
 
     def to_json(self) -> str:

@@ -202,9 +202,12 @@ def build_model_config(cfg: Config, tokenizer=None):
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
     """The mesh axis sizes ``mesh.*`` resolve to on ``n_devices`` (default: ``jax.device_count()``).
 
+    With ``old_logits.devices`` the learner's devices are the ones the scorer does not take.
+
     Raises:
         ConfigError: naming every ``mesh.*`` key and the device count, when their product does
-            not equal the device count (or, with a -1 axis, does not divide it).
+            not equal the device count (or, with a -1 axis, does not divide it); naming
+            ``old_logits.devices`` when it leaves the learner no device or names unknown ids.
     """
     import math
 
@@ -212,6 +215,18 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
         import jax
 
         n_devices = jax.device_count()
+    left = ""
+    if cfg.old_logits.devices is not None:  # the dedicated scorer's devices are not the learner's
+        import jax
+
+        from jax_rl.old_logits import scorer_devices
+
+        try:
+            learner_devs, _ = scorer_devices(cfg.old_logits.devices, jax.devices()[:n_devices])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        left = f" left to the learner by old_logits.devices={cfg.old_logits.devices}"
+        n_devices = len(learner_devs)
     sizes = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor", "expert")}
     known = math.prod(v for v in sizes.values() if v != -1)
     wild = [k for k, v in sizes.items() if v == -1]
@@ -221,7 +236,7 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         rule = (f"the product of the other axes ({known}) must divide it" if wild
                 else f"their product ({known}) must equal it; set one axis to -1 to take the remaining devices")
-        raise ConfigError(f"{shown} does not fit the {n_devices} available device(s): {rule}")
+        raise ConfigError(f"{shown} does not fit the {n_devices} available device(s){left}: {rule}")
     return sizes
 
 

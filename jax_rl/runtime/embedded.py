@@ -56,8 +56,9 @@ class RolloutManager:
     """
 
     def __init__(self, cfg: Config, generators: list, agents: list, buffer, version_fn: Callable[[], int],
-                 next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0):
+                 next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0, scoring=None):
         self.cfg = cfg
+        self.scoring = scoring  # old_logits.route=dedicated: a jax_rl.old_logits.ScoringQueue (set by the producer)
         self.generators = generators
         self.agents = agents
         self.buffer = buffer
@@ -160,19 +161,45 @@ class RolloutManager:
                 # stopping: keep the group for re-issue after resume instead of a half-consumed state
                 self.buffer.cancel(1)
                 return
+            if self.scoring is not None:  # old_logits.route=dedicated: scored first, then put (_scored)
+                if not self.scoring.submit(gid, trajs):
+                    self.buffer.cancel(1)  # stopped while the queue was full: re-issued after resume
+                    return
+                continue
+            self._put(gid, trajs)
+
+    def _put(self, gid: int, trajs: list, dropped: tuple = ()) -> None:
+        """Put a finished group into the buffer (its trajectories ``dropped`` by the scorer left out)."""
+        with self._lock:
+            self._in_flight.pop(gid, None)
+            self.generated_tokens += int(sum(t.num_generated for t in list(trajs) + list(dropped)))
+            self.groups_done += 1
+        if not trajs:  # every member dropped by the scorer (counted there): the slot goes back
+            self.buffer.cancel(1)
+            return
+        try:
+            self.buffer.put_group(trajs)
+        except Exception as e:  # a malformed group: drop it, give its slot back, go on
+            log.exception("group %d could not be put into the buffer", gid)
+            self._error(f"put group {gid}: {e!r}")
+            self.buffer.cancel(1)
+            self.guard.record_error(len(trajs), f"put group {gid}: {e!r}")
+            return
+        self.guard.record(trajs)
+
+    def _scored(self, gid: int, kept: list, dropped: list, error: Optional[BaseException]) -> None:
+        """The scoring thread's callback (``old_logits.route=dedicated``)."""
+        if self._stop.is_set():  # stopping: the group stays in flight and is re-issued after resume
+            self.buffer.cancel(1)
+            return
+        if error is not None:
+            self._error(f"old logits of group {gid}: {error!r}")
             with self._lock:
                 self._in_flight.pop(gid, None)
-                self.generated_tokens += int(sum(t.num_generated for t in trajs))
-                self.groups_done += 1
-            try:
-                self.buffer.put_group(trajs)
-            except Exception as e:  # a malformed group: drop it, give its slot back, go on
-                log.exception("group %d could not be put into the buffer", gid)
-                self._error(f"put group {gid}: {e!r}")
-                self.buffer.cancel(1)
-                self.guard.record_error(len(trajs), f"put group {gid}: {e!r}")
-                continue
-            self.guard.record(trajs)
+            self.buffer.cancel(1)
+            self.guard.record_error(len(dropped), f"old logits of group {gid}: {error!r}")
+            return
+        self._put(gid, kept, tuple(dropped))
 
     def rollout_tokens_per_s(self) -> float:
         dt = time.perf_counter() - self.t_start
@@ -191,6 +218,9 @@ class RolloutManager:
                 log.exception("generator stop failed")
         for t in self._threads:
             t.join(timeout=timeout)
+        if self.scoring is not None:  # groups still waiting to be scored stay in flight: re-issued on resume
+            for _ in self.scoring.stop(timeout=timeout):
+                self.buffer.cancel(1)
         for a in self.agents:
             try:
                 a.close(wait=False)
@@ -216,12 +246,23 @@ class EmbeddedProducer:
         cfg = ctx.cfg
         meta = meta or {}
         self._learner = ctx.learner
+        self.cfg = cfg
+        dedicated = cfg.loss.correction == "exact" and cfg.old_logits.route == "dedicated"
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
                                        groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size,
-                                       max_seq_len=cfg.optim.max_seq_len)
+                                       max_seq_len=cfg.optim.max_seq_len, require_old_logp=dedicated)
+        params = ctx.learner.get_params()
+        self.scorer = None
+        self._scorer_s_reported = 0.0
+        if dedicated:
+            from jax_rl.old_logits import OldLogitScorer
+
+            self.scorer = OldLogitScorer.for_learner(ctx.learner, cfg, pad_id=ctx.tokenizer.pad_id)
+            self.scorer.put(ctx.learner.version, params, copy=False)  # get_params() is already a copy
         if meta.get("buffer"):
             self.buffer.import_state(meta["buffer"])
-        params = ctx.learner.get_params()
+            if self.scorer is not None:
+                self._score_restored()
         self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version)
                            for _ in range(cfg.rollout.threads)]
         agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout) for g in self.generators]
@@ -230,7 +271,28 @@ class EmbeddedProducer:
         self.manager = RolloutManager(cfg, self.generators, agents, self.buffer, lambda: self._published,
                                       next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
                                       episode_errors=prod.get("episode_errors", 0))
+        self.scoring = None
+        if self.scorer is not None:
+            from jax_rl.old_logits import ScoringQueue
+
+            self.scoring = ScoringQueue(self.scorer, self.manager._scored, cfg.old_logits.max_queued_groups)
+            self.manager.scoring = self.scoring
         self._started = False
+
+    def _score_restored(self) -> None:
+        """Restored pending trajectories without ``old_logp`` (a checkpoint written under another
+        route): scored now when their versions are held (only the restored version is), else left
+        unscored, which the buffer drops and counts (``dropped_unscored``) instead of handing out."""
+        todo: list = []
+        self.buffer.map_pending(lambda g: todo.append(g) if any(t.old_logp is None for t in g) else None)
+        n_left = 0
+        for g in todo:
+            self.scorer.score_group([t for t in g if t.old_logp is None])
+            n_left += sum(t.old_logp is None for t in g)
+        if todo:
+            log.warning("old_logits.route=dedicated: %d restored group(s) had no exact old log-probs; %d trajectory(ies) "
+                        "could not be scored (their versions are gone) and are dropped (buffer/dropped_unscored)",
+                        len(todo), n_left)
 
     @property
     def fatal(self) -> Optional[str]:
@@ -239,6 +301,8 @@ class EmbeddedProducer:
     def start(self) -> None:
         if not self._started:
             self._started = True
+            if self.scoring is not None:
+                self.scoring.start()
             self.manager.start()
 
     def poll(self, n_groups: int, version: int) -> Optional[list]:
@@ -246,18 +310,40 @@ class EmbeddedProducer:
 
     def publish(self, version: int) -> None:
         params = self._learner.get_params()
+        if self.scorer is not None:
+            # before any generator runs ``version``: every token of it finds its params. The
+            # scorer keeps a reference to this device copy (same devices) or copies it to its own
+            # (old_logits.devices); versions older than version - K go: a token that old is never
+            # trained (the buffer drops it as stale), so it is never scored either.
+            self.scorer.put(int(version), params, copy=False)
+            self.scorer.drop_below(int(version) - int(self.cfg.async_.max_staleness))
         for g in self.generators:
             g.update_params(params, version)
         self._published = int(version)
         self.buffer.notify()
 
+    def _scorer_columns(self) -> dict:
+        if self.scorer is None:
+            return {}
+        st = self.scorer.stats()
+        total = st["old_logits_scorer_s_total"]
+        st["old_logits_s"] = total - self._scorer_s_reported  # scorer seconds since the previous row
+        self._scorer_s_reported = total
+        st["old_logits_queue"] = float(len(self.scoring)) if self.scoring is not None else 0.0
+        return st
+
     def row(self) -> dict:
         return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
-                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(), **self._scorer_columns()}
 
     def summary(self) -> dict:
-        return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
-                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+        out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
+               "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+        if self.scorer is not None:
+            st = self.scorer.stats()
+            out.update(old_logits_scorer_s_total=st["old_logits_scorer_s_total"],
+                       old_logits_scored=st["old_logits_scored"], old_logits_dropped=st["old_logits_dropped"])
+        return out
 
     def state(self) -> dict:
         return {"buffer": self.buffer.export_state(), "buffer_stats": self.buffer.stats(),
