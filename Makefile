@@ -10,7 +10,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test install install-test clean
+.PHONY: train test test-full-depth install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ train: $(STAMP)
 
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the TPU configs compiled at full depth for their pods (libtpu on this host, ~20 min on 2 cores)
+test-full-depth: $(STAMP_TEST)
+	JAX_RL_FULL_DEPTH=1 $(BIN)/python -m pytest -m full_depth $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

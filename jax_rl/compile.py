@@ -175,12 +175,6 @@ def _target(cfg: Config, topology: str) -> _Target:
     return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes)
 
 
-def _sds(tree, shardings):
-    import jax
-
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
 def _analysis(compiled) -> dict[str, float]:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -320,12 +314,13 @@ class _Learner:
 
 def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over) -> _Learner:
     import jax
-    import jax.numpy as jnp
+
+    from jax_rl.checkpoint import abstract_like
 
     from jax_rl.correction import make_correction
     from jax_rl.model_builder import abstract_model_split
     from jax_rl.sharding import state_shardings
-    from jax_rl.train_step import TrainState, make_optimizer, train_state_shardings
+    from jax_rl.train_step import initial_state, make_optimizer, train_state_shardings
 
     cfg = cfg or t.cfg
     mc = model_config or t.model_config
@@ -337,31 +332,19 @@ def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_o
     tx, schedule = make_optimizer(cfg.optim, total)
     strategy = make_correction(cfg)
     state_sh = train_state_shardings(tx, strategy, param_sh, abs_params, t.mesh)
-
-    def init(p):
-        return TrainState(params=p, opt_state=tx.init(p), correction=strategy.init_state(p),
-                          version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(0))
-
-    state = _sds(jax.eval_shape(init, abs_params), state_sh)
+    state = abstract_like(jax.eval_shape(lambda p: initial_state(tx, strategy, p), abs_params), state_sh)
     return _Learner(graphdef, rest, abs_params, param_sh, tx, schedule, strategy, state, state_sh)
 
 
 def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
-    import numpy as np
-
-    from jax_rl.batch import BATCH_FIELDS, LearnerBatch
+    """The abstract learner batch [U, m, r, T] the run's train step reads (as ``Learner.abstract_batch``)."""
+    from jax_rl.batch import abstract_batch
     from jax_rl.correction import uses_snapshot_store
     from jax_rl.placement import BatchPlacement
-    import jax
 
     sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
-    fields = {k: jax.ShapeDtypeStruct((U, m, r, T), dt, sharding=sh) for k, (_, dt) in BATCH_FIELDS.items()}
-    f32 = jax.ShapeDtypeStruct((U, m, r, T), np.float32, sharding=sh)
-    if strategy.needs_exact:
-        fields["prox_logp"] = f32
-    elif uses_snapshot_store(strategy, t.cfg):
-        fields["old_logp"] = f32
-    return LearnerBatch.from_dict(fields), sh
+    exact = strategy.needs_exact
+    return abstract_batch((U, m, r, T), sh, prox=exact, old=not exact and uses_snapshot_store(strategy, t.cfg)), sh
 
 
 def _layout(B: int, U: int, m: int, what: str) -> int:
@@ -440,7 +423,6 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
     import jax
 
     from jax_rl.train_step import make_grads_fn, make_logprob_fn
-    from jax_rl.correction import tree_finite, tree_where
 
     cfg = t.cfg
     U, m, E = cfg.optim.minibatches, cfg.optim.microbatches, cfg.optim.ppo_epochs
@@ -473,15 +455,8 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
         secs += s
 
     # one optimizer update and the strategy's after_update: elementwise over the (stacked) params
-    def update(params, opt_state, grads_):
-        upd, new_opt = lrn.tx.update(grads_, opt_state, params)
-        new_p = jax.tree.map(lambda a, u: a + u, params, upd)
-        ok = tree_finite(new_p)
-        return tree_where(ok, new_p, params), tree_where(ok, new_opt, opt_state)
-
     st = lrn.state
-    upd_fn = jax.jit(update, in_shardings=(lrn.state_sh.params, lrn.state_sh.opt_state, lrn.state_sh.params))
-    a, s = _compile(upd_fn, (st.params, st.opt_state, st.params), t.mesh)
+    a, s = _opt_update_cost(t, lrn, lrn.tx)
     secs += s
     after = {"flops": 0.0, "bytes": 0.0}
     if jax.tree.leaves(st.correction):
@@ -496,6 +471,8 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
 
 def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
     import jax
+
+    from jax_rl.checkpoint import abstract_like
     import jax.numpy as jnp
 
     from jax_rl.placement import BatchPlacement
@@ -504,7 +481,7 @@ def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, 
 
     sh = BatchPlacement(t.mesh, 1, m).batch_sharding(r)
     opt_sh = opt_state_shardings(tx, p.abs_params, p.param_sh, t.mesh)
-    opt = _sds(jax.eval_shape(tx.init, p.abs_params), opt_sh)
+    opt = abstract_like(jax.eval_shape(tx.init, p.abs_params), opt_sh)
     fn = make_sft_step(cfg or t.cfg, p.graphdef, tx, schedule, t.mesh, rest=p.rest, param_shardings=p.param_sh,
                        opt_shardings=opt_sh, batch_sharding=sh)
     dts = {"tokens": jnp.int32, "attention_mask": jnp.bool_, "loss_mask": jnp.bool_}
@@ -650,11 +627,13 @@ def _beside_learner(rows: list[dict], engines: int) -> None:
 def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
     import jax
 
+    from jax_rl.checkpoint import abstract_like
+
     from jax_rl.correction import tree_finite, tree_where
     from jax_rl.train_step import opt_state_shardings
 
     opt_sh = opt_state_shardings(tx, lrn.abs_params, lrn.param_sh, t.mesh)
-    opt = _sds(jax.eval_shape(tx.init, lrn.abs_params), opt_sh)
+    opt = abstract_like(jax.eval_shape(tx.init, lrn.abs_params), opt_sh)
 
     def update(params, opt_state, grads_):
         upd, new_opt = tx.update(grads_, opt_state, params)

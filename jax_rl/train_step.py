@@ -42,7 +42,7 @@ from jax_rl.correction import Correction, tree_finite, tree_where
 from jax_rl.sampling import truncates
 
 __all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
-           "make_grads_fn", "make_logprob_step", "opt_state_shardings", "train_state_shardings", "init_train_state"]
+           "make_grads_fn", "make_logprob_step", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
 
 
 @flax.struct.dataclass
@@ -162,14 +162,16 @@ def train_state_shardings(tx, strategy: Correction, param_shardings: Any, abstra
                       version=rep, step=rep, rng=rep)
 
 
+def initial_state(tx, strategy: Correction, params: Any, seed: int = 0) -> TrainState:
+    """The step-0 TrainState of ``params`` (pure: jit it, or ``jax.eval_shape`` it for AOT)."""
+    return TrainState(params=params, opt_state=tx.init(params), correction=strategy.init_state(params),
+                      version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(seed))
+
+
 def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings: TrainState) -> TrainState:
-    """The step-0 TrainState on the mesh (jitted with the given out shardings)."""
-
-    def init(p):
-        return TrainState(params=p, opt_state=tx.init(p), correction=strategy.init_state(p),
-                          version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(seed))
-
-    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+    """The step-0 TrainState on the mesh (:func:`initial_state` jitted with the given out shardings)."""
+    return jax.jit(lambda p: initial_state(tx, strategy, p, seed), in_shardings=(shardings.params,),
+                   out_shardings=shardings)(params)
 
 
 # ======================================================================================

@@ -143,6 +143,7 @@ def test_model_flops_formula_dense_and_moe():
 
 
 @pytest.mark.slow
+@pytest.mark.full_depth
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("config,topology,functions", [
     ("qwen3_4b.yaml", "v5p-32", ("train_step", "decode_step")),
