@@ -1,61 +1,105 @@
-"""Decode throughput: our Generator/Qwen3Engine at 1, 8, 32 slots vs transformers ``generate``.
+"""Decode throughput: jax-rl's engine + generator vs transformers ``generate`` vs Tunix's ``Sampler``.
 
-Usage: ``.venv/bin/python bench/rollout_decode.py [--new-tokens 64] [--prompt-len 16] [--preset tiny_dense]
-[--scan-layers true|false]``
+Usage::
 
-Both sides run the same architecture (``--preset``; default ``tiny_dense``: d=64, 2 layers,
-V=384) with the same weights (the HF model is built first and our params are converted from its
-state dict through ``jax_rl.models.hf_io`` when that module exists, else both are random inits
-of the same config). Each measurement generates ``new_tokens`` tokens for each of ``batch``
-prompts of ``prompt_len`` tokens, no early stop, after one warm-up run (compilation excluded),
-and reports generated tokens / wall second (prefill included on both sides).
-transformers: torch fp32, ``use_cache=True``, greedy, batch = slots. ``--scan-layers`` (default
-``true``, the ``model.scan_layers`` default ``jax-rl train`` uses): our engine's decoder layers
-stacked and scanned, else unrolled.
+    .venv/bin/python bench/rollout_decode.py [--preset tiny_dense|small|<jax_rl preset>]
+        [--prompt-len 16] [--new-tokens 128] [--slots 1,8,32] [--dtypes bfloat16,float32]
+        [--rounds 5] [--scan-layers true|false] [--no-hf] [--no-tunix]
+
+    # with the Tunix row (the bench venv; see bench/_tunix.py and the README):
+    /work/bench-venv/bin/python bench/rollout_decode.py --preset small --slots 32 --new-tokens 128
+
+Every side runs the same architecture (``--preset``; ``small`` = the issue's reference setting:
+V=1024, d=256, 4 layers, 8/4 heads of 32, ff=768, fp32 on the Tunix comparison) with the SAME
+weights: the transformers model is built first and saved as one HF checkpoint folder, which our
+``hf_io.load_pretrained`` and Tunix's ``qwen3.params.create_model_from_safe_tensors`` each read
+(the printed ``max |dlogits|`` checks it). A measurement generates ``--new-tokens`` tokens for
+each of ``slots`` prompts of ``--prompt-len`` random ids (no early stop) and reports generated
+tokens / wall second, prefill included on every side:
+
+- jax-rl: ``Generator(Qwen3Engine(slots))``, continuous batching over the slots (each prompt
+  prefilled alone and inserted), temperature 1, per-token log-probs and version tags
+  returned, one host transfer per decode step (where weight swaps happen). ``--dtypes``: the
+  rollout dtype(s); ``rollout.dtype`` defaults to bfloat16.
+- transformers: ``generate`` in torch fp32, ``use_cache=True``, batch = slots, greedy (cheaper
+  than sampling; no log-probs).
+- Tunix (google-tunix 0.1.7, only when it imports; else the row says ``skipped: google-tunix
+  not installed``): ``tunix.generate.sampler.Sampler`` on Tunix's Qwen3 in fp32 (``--tunix-dtype``),
+  one batched prefill + an on-device ``while_loop``, temperature 1 (top_p=1), log-probs ON.
+  No continuous batching, no weight swap inside a batch, no version tags.
+
+Every runner is warmed up once (compilation excluded), then ``--rounds`` rounds run every
+runner once each, interleaved (A B C A B C ...), all in this one process; the table gives the
+median and [min-max] over the rounds and the ratio of medians. The machine's load is printed
+before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
+
+import _tunix  # noqa: E402
+
+SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+"""The issue's reference Qwen3 (= ``bench/learner_step.py``'s ``small``)."""
+
+
+def _config(preset: str):
+    from jax_rl.models import qwen3 as q
+
+    if preset == "small":
+        return q.get_preset("tiny_dense", **SMALL)
+    return q.get_preset(preset)
 
 
 def _hf_model(cfg):
     import torch
     import transformers
 
-    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type", "dtype", "torch_dtype")})
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items()
+                                         if k not in ("architectures", "model_type", "dtype", "torch_dtype")})
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(hf_cfg).eval().float()
 
 
-def _our_params(cfg, hf_model, tmpdir, scan_layers: bool):
+def _checkpoint(cfg, tmpdir: str, use_hf: bool):
+    """One HF checkpoint folder for every side: transformers' model when torch is used, else our
+    random init written by ``hf_io.save_pretrained``. Returns the torch model or None."""
+    from jax_rl.models import hf_io
+
+    if use_hf:
+        hf = _hf_model(cfg)
+        hf.save_pretrained(tmpdir)
+        return hf
     from flax import nnx
 
     from jax_rl.models import qwen3 as q
 
-    try:
-        from jax_rl.models import hf_io  # noqa: F401
-        from rollout.serve import _config_and_params
-
-        hf_model.save_pretrained(tmpdir)
-        _, params = _config_and_params(hf_io.load_pretrained(tmpdir, scan_layers=scan_layers))
-        return params, "same weights (hf_io)"
-    except ImportError:
-        model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers)
-        return nnx.state(model, nnx.Param), "random init, same config"
+    hf_io.save_pretrained(q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), cfg, tmpdir)
+    return None
 
 
-def bench_ours(cfg, params, slots, prompt_len, new_tokens, dtype, reps=2, scan_layers=True):
+def _prompts(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(1, vocab, prompt_len)] for _ in range(n)]
+
+
+def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=True):
+    """A callable: one ``Generator.generate`` of ``slots`` prompts -> generated tokens/s."""
     from rollout.engine import Qwen3Engine
     from rollout.generator import Generator
 
@@ -63,67 +107,130 @@ def bench_ours(cfg, params, slots, prompt_len, new_tokens, dtype, reps=2, scan_l
                       max_prefill_length=prompt_len, dtype=dtype, temperature=1.0,
                       model_kwargs=dict(scan_layers=scan_layers, attention="auto"))
     gen = Generator(eng)
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(1, cfg.vocab_size, prompt_len)) for _ in range(slots)]
-    gen.generate(prompts, max_new_tokens=new_tokens)  # warm-up / compile
-    best = 0.0
-    for _ in range(reps):
+    prompts = _prompts(slots, prompt_len, cfg.vocab_size)
+    seed = [0]
+
+    def run() -> float:
+        seed[0] += 1
+        seeds = [seed[0] * 1000 + i for i in range(slots)]
         t = time.perf_counter()
-        outs = gen.generate(prompts, max_new_tokens=new_tokens)
+        outs = gen.generate(prompts, max_new_tokens=new_tokens, seeds=seeds)
         dt = time.perf_counter() - t
-        n = sum(len(o.tokens) for o in outs)
-        best = max(best, n / dt)
-    return best
+        assert all(len(o.logps) == len(o.tokens) == len(o.versions) for o in outs)
+        return sum(len(o.tokens) for o in outs) / dt
+
+    return run
 
 
-def bench_hf(model, batch, prompt_len, new_tokens, vocab, reps=2):
+def hf_runner(model, slots, prompt_len, new_tokens, vocab):
     import torch
 
-    rng = np.random.default_rng(0)
-    ids = torch.tensor(rng.integers(1, vocab, (batch, prompt_len)), dtype=torch.long)
+    ids = torch.tensor(_prompts(slots, prompt_len, vocab), dtype=torch.long)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
               pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        model.generate(ids, **kw)  # warm-up
-        best = 0.0
-        for _ in range(reps):
+
+    def run() -> float:
+        with torch.no_grad():
             t = time.perf_counter()
             out = model.generate(ids, **kw)
             dt = time.perf_counter() - t
-            best = max(best, (out.shape[1] - prompt_len) * batch / dt)
-    return best
+        return (out.shape[1] - prompt_len) * slots / dt
+
+    return run
+
+
+def tunix_runner(tmodel, cfg, slots, prompt_len, new_tokens):
+    sampler = _tunix.make_sampler(tmodel, cfg, cache_size=prompt_len + new_tokens)
+    prompts = _prompts(slots, prompt_len, cfg.vocab_size)
+    seed = [0]
+
+    def run() -> float:
+        seed[0] += 1
+        t = time.perf_counter()
+        n, out = _tunix.sample(sampler, prompts, new_tokens, seed=seed[0])
+        dt = time.perf_counter() - t
+        assert out.logprobs is not None and len(out.logprobs[0]) == new_tokens
+        return n / dt
+
+    return run
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny_dense")
+    p.add_argument("--preset", default="small", help="small (the issue's reference Qwen3) or a jax_rl preset")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--slots", default="1,8,32")
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="jax-rl rollout dtypes (rollout.dtype default: bfloat16)")
+    p.add_argument("--tunix-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--rounds", type=int, default=5, help="interleaved measured rounds per slot count")
     p.add_argument("--scan-layers", choices=("true", "false"), default="true",
                    help="stacked + scanned decoder layers (model.scan_layers; default true)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    p.add_argument("--no-tunix", action="store_true", help="skip the Tunix row")
     a = p.parse_args(argv)
     scan = a.scan_layers == "true"
     import tempfile
 
     import jax
 
-    from jax_rl.models import qwen3 as q
+    from jax_rl.models import hf_io
+    from rollout.serve import _config_and_params
 
-    cfg = q.get_preset(a.preset)
-    hf = _hf_model(cfg)
-    with tempfile.TemporaryDirectory() as d:
-        params, how = _our_params(cfg, hf, d, scan)
+    cfg = _config(a.preset)
+    tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
     slots = [int(s) for s in a.slots.split(",")]
     dtypes = a.dtypes.split(",")
-    print(f"preset={a.preset} ({how}; scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cpus")
-    print(f"{'slots':>5} " + " ".join(f"{'jax-rl ' + dt:>18}" for dt in dtypes) + f" {'HF generate fp32':>18} {'ratio(' + dtypes[0] + ')':>16}")
+    print(f"preset={a.preset} (V={cfg.vocab_size} d={cfg.hidden_size} layers={cfg.num_hidden_layers} "
+          f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads}x{cfg.head_dim} ff={cfg.intermediate_size}; "
+          f"scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; temperature 1")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; pid {os.getpid()}; "
+          f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"load before: {_tunix.machine_load()}")
+    with tempfile.TemporaryDirectory() as d:
+        hf = _checkpoint(cfg, d, use_hf=not a.no_hf)
+        ours_model, _ = hf_io.load_pretrained(d, scan_layers=scan)
+        _, params = _config_and_params(ours_model)
+        tmodel = None
+        if tunix_err is None:
+            tmodel = _tunix.load_model(d, cfg, a.tunix_dtype)
+            probe = np.asarray(_prompts(2, 24, cfg.vocab_size))
+            print(f"tunix {_tunix.version()}: same checkpoint folder, max |dlogits| vs jax-rl fp32 = "
+                  f"{_tunix.max_logit_diff(tmodel, ours_model, probe):.2e}")
+        else:
+            print(f"Tunix Sampler: {tunix_err}")
+    names = [f"jax-rl {dt}" for dt in dtypes] + ([] if a.no_hf else ["HF generate fp32"]) + \
+        ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"])
+    print(f"measured in this one process, interleaved per slot count, {a.rounds} rounds after one warm-up each: "
+          + ", ".join(names))
+    print("tokens/s: median [min-max] over rounds\n")
+    w = 26
+    print(f"{'slots':>5} " + " ".join(f"{n:>{w}}" for n in names))
+    results = {}
     for s in slots:
-        ours = [bench_ours(cfg, params, s, a.prompt_len, a.new_tokens, dt, scan_layers=scan) for dt in dtypes]
-        theirs = bench_hf(hf, s, a.prompt_len, a.new_tokens, cfg.vocab_size)
-        print(f"{s:>5} " + " ".join(f"{x:>14.0f} t/s" for x in ours) + f" {theirs:>14.0f} t/s {ours[0] / theirs:>15.2f}x", flush=True)
+        runners = {f"jax-rl {dt}": ours_runner(cfg, params, s, a.prompt_len, a.new_tokens, dt, scan) for dt in dtypes}
+        if not a.no_hf:
+            runners["HF generate fp32"] = hf_runner(hf, s, a.prompt_len, a.new_tokens, cfg.vocab_size)
+        if tmodel is not None:
+            runners[f"Tunix Sampler {a.tunix_dtype}"] = tunix_runner(tmodel, cfg, s, a.prompt_len, a.new_tokens)
+        res = _tunix.interleaved(runners, a.rounds)
+        results[s] = res
+        print(f"{s:>5} " + " ".join(f"{_tunix.summary(res[n]):>{w}}" for n in names), flush=True)
+    print()
+    med = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in results.items()}
+    for s in slots:
+        m = med[s]
+        parts = []
+        for dt in dtypes:
+            if "HF generate fp32" in m:
+                parts.append(f"jax-rl {dt} / HF = {m[f'jax-rl {dt}'] / m['HF generate fp32']:.2f}x")
+            tk = f"Tunix Sampler {a.tunix_dtype}"
+            if tk in m:
+                parts.append(f"jax-rl {dt} / Tunix = {m[f'jax-rl {dt}'] / m[tk]:.2f}x")
+        if tmodel is None:
+            parts.append(f"Tunix: {tunix_err}")
+        print(f"{s:>5} slots: " + "; ".join(parts))
+    print(f"\nload after: {_tunix.machine_load()}")
     return 0
 
 
