@@ -158,7 +158,8 @@ def sample(sampler: Any, prompts: Sequence[Sequence[int]], new_tokens: int, *, s
 class GrpoStep:
     """Tunix's GRPO actor update (``tunix.rl.trainer.Trainer`` = ``PeftTrainer`` with
     ``algo_core.grpo_loss_fn``, wired as ``GRPOLearner.__init__`` wires it), one call = one
-    optimizer update on a (prompt, completion) batch. ``beta=0`` (no reference model) and
+    optimizer update on a (prompt, completion) batch. Its jitted step compiles TWICE (the
+    second call retraces: the jit cache holds 2 entries after it), so warm it up twice. ``beta=0`` (no reference model) and
     ``num_iterations=1`` (old log-probs = stop_gradient of the new ones), so the step is one
     forward + backward + AdamW, like jax-rl's ``loss.correction=ppo``."""
 
@@ -215,11 +216,12 @@ def make_grpo_step(model: Any, batch: dict, prompt_len: int, *, lr: float = 1e-4
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int,
-                warmup: int = 1) -> dict[str, list[float]]:
-    """Warm each runner up ``warmup`` times (compiles), then ``rounds`` rounds of A B C ...,
-    each runner once per round. A runner returns its figure (e.g. tokens/s)."""
-    for fn in runners.values():
-        for _ in range(warmup):
+                warmup: int | dict[str, int] = 1) -> dict[str, list[float]]:
+    """Warm each runner up ``warmup`` times (compiles; a dict gives it per runner), then
+    ``rounds`` rounds of A B C ..., each runner once per round. A runner returns its figure
+    (e.g. tokens/s or seconds)."""
+    for k, fn in runners.items():
+        for _ in range(warmup if isinstance(warmup, int) else warmup.get(k, 1)):
             fn()
     out: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(rounds):

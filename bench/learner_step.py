@@ -25,6 +25,20 @@ FLOPs of a step: 6 * N_params_nonembedding * tokens + attention 12 * L * T * H *
 ``--scan-layers``: the ``model.scan_layers`` values to time (comma list; default ``true``, the
 config default: decoder layers stacked and run under ``jax.lax.scan``; ``false``: unrolled).
 Prints one table; no assertion. Numbers depend on the machine's load.
+
+Tunix row (``--tunix-configs``, default ``small``; only when google-tunix 0.1.7 imports, i.e. in
+the bench venv, see ``bench/_tunix.py``; otherwise it prints ``skipped: google-tunix not
+installed``): jax-rl's ``Learner.train_step`` (``loss.correction=ppo``, scan_layers per
+``--scan-layers``' first value) against Tunix's GRPO actor update (``tunix.rl.trainer.Trainer``
+with ``algo_core.grpo_loss_fn``, beta=0, one iteration: one forward + backward + AdamW, like
+ours), on the SAME weights (our learner's params written by ``hf_io.save_pretrained`` and read by
+Tunix's safetensors loader) and the same [B, T] batch: the first ``--prompt-len`` tokens of each
+row are the prompt (no loss), the rest the completion; both optimizers are
+``chain(clip_by_global_norm(1), adamw(1e-4))``. Each side is warmed up (compiled) once, then
+``--rounds`` interleaved rounds (ours, Tunix, ours, ...) each time one whole step, host batch to
+host metrics, in this one process; it prints median [min-max] step seconds and the ratio.
+
+    /work/bench-venv/bin/python bench/learner_step.py --configs small --tunix-configs small --rounds 5
 """
 
 from __future__ import annotations
@@ -36,9 +50,16 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+import _tunix  # noqa: E402
 
 from jax_rl.config import Config  # noqa: E402
 from jax_rl.learner import Learner, resolve_model_config  # noqa: E402
@@ -195,6 +216,67 @@ def bench_matmul(n: int = 1024, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def _prompted_batch(V: int, B: int, T: int, P: int, seed: int = 0) -> dict:
+    """``_batch`` with ids in [1, V) (Tunix reads id 0 as padding) and no loss on the first P
+    tokens of each row (the prompt)."""
+    b = _batch(V, B, T, seed)
+    rng = np.random.default_rng(seed + 1)
+    b["tokens"] = rng.integers(1, V, (B, T)).astype(np.int32)
+    lm = np.zeros((B, T), bool)
+    lm[:, P:] = True
+    adv = rng.normal(size=(B, 1)).astype(np.float32)
+    b.update(loss_mask=lm, behav_logp=np.where(lm, -np.log(V), 0).astype(np.float32),
+             versions=np.where(lm, 0, -1).astype(np.int32), turn_ids=np.where(lm, 0, -1).astype(np.int32),
+             advantages=np.where(lm, adv, 0).astype(np.float32))
+    return b
+
+
+def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: bool) -> None:
+    """jax-rl ``ppo`` learner step vs Tunix's GRPO train step, interleaved (see module doc)."""
+    import tempfile
+
+    from jax_rl.models import hf_io
+
+    err = _tunix.import_error()
+    if err is not None:
+        print(f"{name:10} {'Tunix GRPO train step':22} {err}\n")
+        return
+    model = CONFIGS[name]
+    cfg = _cfg({**model, "scan_layers": scan_layers}, "ppo", B, T)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+    lrn = Learner(cfg, mesh=mesh)
+    mc = lrn.model_config
+    b = _prompted_batch(mc.vocab_size, B, T, P)
+    with tempfile.TemporaryDirectory() as d:
+        hf_io.save_pretrained(lrn.model(lrn.state.params), mc, d)
+        tmodel = _tunix.load_model(d, mc, "float32")
+    probe = b["tokens"][:2, :32]
+    diff = _tunix.max_logit_diff(tmodel, lrn.model(lrn.state.params), probe)
+    tstep = _tunix.make_grpo_step(tmodel, b, P, lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm,
+                                  weight_decay=cfg.optim.weight_decay, epsilon=cfg.loss.clip_eps_low)
+
+    def ours() -> float:
+        b["versions"] = np.where(b["loss_mask"], lrn.version, -1).astype(np.int32)
+        return _tunix.timed(lambda: lrn.train_step(b))
+
+    def theirs() -> float:
+        return _tunix.timed(tstep)
+
+    print(f"{name:10} jax-rl ppo vs Tunix {_tunix.version()} GRPO step: same weights (max |dlogits| {diff:.1e}), "
+          f"B={B} T={T} (prompt {P}, completion {T - P}), scan_layers={str(scan_layers).lower()}; "
+          f"interleaved in this process (pid {os.getpid()}), {rounds} rounds after warm-up (ours 1 call, Tunix 2: it compiles twice); "
+          f"{_tunix.machine_load()}")
+    # Tunix's jitted step compiles on its first AND second call (jit cache size 2): two warm-ups
+    res = _tunix.interleaved({"ours": ours, "tunix": theirs}, rounds, warmup={"ours": 1, "tunix": 2})
+    mo, mt = statistics.median(res["ours"]), statistics.median(res["tunix"])
+    for label, xs in (("jax-rl ppo step", res["ours"]), ("Tunix GRPO step", res["tunix"])):
+        m = statistics.median(xs)
+        print(f"{name:10} {label:22} {m:8.3f} {B * T / m:9.0f}   step s median [{min(xs):.3f}-{max(xs):.3f}]")
+    paired = sorted(t / o for o, t in zip(res["ours"], res["tunix"]))
+    print(f"{name:10} jax-rl / Tunix tokens/s: {mt / mo:.2f}x (ratio of medians); per-round "
+          f"{statistics.median(paired):.2f}x [{paired[0]:.2f}-{paired[-1]:.2f}]; load after: {_tunix.machine_load()}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="tiny,small")
@@ -203,6 +285,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--scan-layers", default="true", help="comma list of model.scan_layers values: true,false")
+    ap.add_argument("--tunix-configs", default="small",
+                    help="configs for the jax-rl vs Tunix GRPO rows (comma list; empty: none)")
+    ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row in the Tunix comparison")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds in the Tunix comparison")
     args = ap.parse_args()
     scans = []
     for v in args.scan_layers.split(","):
@@ -217,7 +303,9 @@ def main() -> None:
     hdr = f"{'config':10} {'impl':22} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>8} {'vs mm':>6} {'vs torch':>8} {'state MB':>9} {'compile s':>9}"
     print(hdr)
     print("-" * len(hdr))
-    for name in args.configs.split(","):
+    for name in [c for c in args.tunix_configs.split(",") if c]:
+        bench_vs_tunix(name, args.B, args.T, args.prompt_len, args.rounds, scans[0])
+    for name in [c for c in args.configs.split(",") if c]:
         model = CONFIGS[name]
         mc = resolve_model_config(Config.model_validate({"model": model}).model)
         flops = step_flops(mc, args.B * args.T, args.T)

@@ -18,7 +18,10 @@ Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cac
 =============  ==================  ===========================================================
 key            shape / dtype       meaning
 =============  ==================  ===========================================================
-cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``lengths`` [B] i32
+cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``lengths`` [B] i32;
+                                   with unrolled layers (no ``scan_layers``) k/v are tuples of
+                                   L [B,Hkv,S,Dh] buffers (``KVCache.per_layer``: each layer's
+                                   attention reads its own buffer in place, no layer copy)
 tokens         [B] int32           pending token (in no cache yet) per slot
 active         [B] bool            slot is generating
 keys           [B,2] uint32        per-request PRNG key (from the request seed)
@@ -279,6 +282,7 @@ class Qwen3Engine(Engine):
             lambda: _q.Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt, **kw)
         )
         self._graphdef, self._abstract_params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
+        self._per_layer_cache = not abstract.scan_layers  # see the decode-state table
         if mesh is not None:
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         else:
@@ -309,9 +313,13 @@ class Qwen3Engine(Engine):
             v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
             return k, v
 
+        per_layer = self._per_layer_cache
+
         def init_state_fn(params):
             model = self._model(params)
             cache = model.init_cache(B, S, dtype=dt)
+            if per_layer:
+                cache = cache.per_layer()
             return {
                 "cache": cache,
                 "tokens": jnp.zeros((B,), jnp.int32),
@@ -324,13 +332,17 @@ class Qwen3Engine(Engine):
         def insert_fn(k, v, n, token, seed, temperature, state, slot):
             cache = state["cache"]
             zero = jnp.zeros((), jnp.int32)
-            idx = (zero, slot, zero, zero, zero)
-            new_cache = _replace_cache(
-                cache,
-                k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx),
-                v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx),
-                lengths=cache.lengths.at[slot].set(n),
-            )
+            if per_layer:  # prefix k/v [L,1,K,P,H] into each layer's [B,K,S,H] buffer
+                idx = (slot, zero, zero, zero)
+                new_k = tuple(jax.lax.dynamic_update_slice(c, k[i].astype(c.dtype), idx)
+                              for i, c in enumerate(cache.k))
+                new_v = tuple(jax.lax.dynamic_update_slice(c, v[i].astype(c.dtype), idx)
+                              for i, c in enumerate(cache.v))
+            else:
+                idx = (zero, slot, zero, zero, zero)
+                new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx)
+                new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx)
+            new_cache = _replace_cache(cache, k=new_k, v=new_v, lengths=cache.lengths.at[slot].set(n))
             return {
                 "cache": new_cache,
                 "tokens": state["tokens"].at[slot].set(token),

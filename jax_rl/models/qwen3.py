@@ -801,21 +801,49 @@ class KVCache:
     k, v: [L,B,K,S,H] (cache dtype; head-major, as JetStream/MaxText decode caches, so the
     decode attention reads each layer's [B,K,S,H] in place); lengths: [B] int32 = number of
     valid positions per slot (the next token of slot b goes to position ``lengths[b]``).
+
+    Per-layer form (``per_layer()``; what the rollout engine keeps for unrolled layers): k, v
+    are tuples of L arrays [B,K,S,H]. Same values; ``decode_step`` then writes and reads each
+    layer's own buffer, where the stacked form makes XLA:CPU copy the layer's [B,K,S,H] out
+    of the [L,...] buffer before the attention dots (two cache-layer copies per layer per
+    token). Scanned layers need the stacked form.
     """
 
-    k: Array
-    v: Array
+    k: Any
+    v: Any
     lengths: Array
 
     @property
+    def is_per_layer(self) -> bool:
+        return isinstance(self.k, (tuple, list))
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2] if self.is_per_layer else self.k.shape[3]
+
+    def per_layer(self) -> "KVCache":
+        """This cache with k/v as tuples of per-layer [B,K,S,H] arrays."""
+        if self.is_per_layer:
+            return self
+        L = self.k.shape[0]
+        return KVCache(k=tuple(self.k[i] for i in range(L)), v=tuple(self.v[i] for i in range(L)),
+                       lengths=self.lengths)
+
+    def stacked(self) -> "KVCache":
+        """This cache with k/v as [L,B,K,S,H] arrays."""
+        if not self.is_per_layer:
+            return self
+        return KVCache(k=jnp.stack(self.k), v=jnp.stack(self.v), lengths=self.lengths)
 
     def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
-        """Copy row ``row`` of another cache (e.g. a batch-1 prefill) into slot ``slot``."""
+        """Copy row ``row`` of another (stacked) cache (e.g. a batch-1 prefill) into slot ``slot``."""
         s = other.k.shape[3]
-        k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
-        v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
+        if self.is_per_layer:
+            k = tuple(c.at[slot, :, :s].set(other.k[i, row].astype(c.dtype)) for i, c in enumerate(self.k))
+            v = tuple(c.at[slot, :, :s].set(other.v[i, row].astype(c.dtype)) for i, c in enumerate(self.v))
+        else:
+            k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
+            v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
         return KVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
 
 
@@ -1197,7 +1225,13 @@ class Qwen3ForCausalLM(nnx.Module):
         at ``lengths[b] >= S`` is dropped), then reads its layer back for attention. Under
         ``jit`` with the cache donated XLA does this in place: a step touches the params and
         the cache once, not a rewritten copy of the cache (``bench/decode_compile.py``).
+        A per-layer cache (``KVCache.per_layer()``; unrolled layers only) is threaded as L
+        separate buffers, each written at one position and read by the attention in place; the
+        cache comes back in the same form.
         """
+        if cache.is_per_layer and self.scan_layers:
+            raise ValueError("a per-layer KV cache needs unrolled layers; pass cache.stacked() "
+                             "to a scan_layers model")
         tokens = jnp.asarray(tokens)
         S = cache.max_len
         pos = cache.lengths.astype(jnp.int32)
@@ -1213,6 +1247,17 @@ class Qwen3ForCausalLM(nnx.Module):
             # c [L,B,K,S,H], new [B,K,H]: c[i, b, k, pos[b]] = new[b, k] (one scatter)
             return c.at[i, b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
 
+        def write_layer(c, new):
+            # c [B,K,S,H] (one layer's own buffer): c[b, k, pos[b]] = new[b, k]
+            return c.at[b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
+
+        def layer_attend_per_layer(q, k, v, i, kv):
+            i = int(i)
+            ck, cv = list(kv[0]), list(kv[1])
+            ck[i], cv[i] = write_layer(ck[i], k[:, 0]), write_layer(cv[i], v[:, 0])
+            o = attend_cached(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+            return o, None, (tuple(ck), tuple(cv))
+
         def layer_attend(q, k, v, i, kv):
             ck, cv = write(kv[0], k[:, 0], i), write(kv[1], v[:, 0], i)
             if isinstance(i, jax.Array):  # scanned: traced layer index
@@ -1226,8 +1271,10 @@ class Qwen3ForCausalLM(nnx.Module):
         if forced_expert_ids is not None:
             forced = [jnp.asarray(f)[:, None] for f in forced_expert_ids]
         layer_idx = jnp.arange(L, dtype=jnp.int32) if self.scan_layers else tuple(range(L))
-        h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, layer_attend,
-                                           layer_idx, forced, carry=(cache.k, cache.v))
+        attend_fn = layer_attend_per_layer if cache.is_per_layer else layer_attend
+        h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, attend_fn,
+                                           layer_idx, forced, carry=(tuple(cache.k), tuple(cache.v))
+                                           if cache.is_per_layer else (cache.k, cache.v))
         cache = KVCache(k=k, v=v, lengths=pos + 1)
         logits = self.lm_logits(h)[:, 0]
         if return_expert_ids:

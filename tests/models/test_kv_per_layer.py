@@ -1,0 +1,87 @@
+"""The per-layer KV cache form (``KVCache.per_layer``) that the rollout engine decodes with when
+layers are unrolled: same logits and cache contents as the stacked [L,B,K,S,H] form, and the
+JetStream-engine path built on it still writes one position per slot."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+
+
+def _model(**kw):
+    cfg = get_preset("tiny_dense")
+    return cfg, Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), **kw)
+
+
+def _random_cache(m, B, S, lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    c = m.init_cache(B, S)
+    return c.replace(k=jnp.asarray(rng.normal(size=c.k.shape), c.k.dtype),
+                     v=jnp.asarray(rng.normal(size=c.v.shape), c.v.dtype), lengths=jnp.asarray(lengths))
+
+
+def test_per_layer_round_trip_and_max_len():
+    cfg, m = _model()
+    c = _random_cache(m, 3, 8, np.array([0, 2, 5], np.int32))
+    p = c.per_layer()
+    assert p.is_per_layer and not c.is_per_layer
+    assert len(p.k) == cfg.num_hidden_layers and p.k[0].shape == c.k.shape[1:]
+    assert p.max_len == c.max_len == 8
+    np.testing.assert_array_equal(np.asarray(p.stacked().k), np.asarray(c.k))
+    np.testing.assert_array_equal(np.asarray(p.stacked().v), np.asarray(c.v))
+
+
+def test_decode_step_per_layer_matches_stacked():
+    """Several decode steps from the same random cache: per-layer and stacked give the same
+    logits and caches (fp32 rounding of differently fused programs at most)."""
+    cfg, m = _model()
+    B, S = 4, 8
+    lengths = np.array([0, 3, 6, S], np.int32)  # the last slot is full: its write is dropped
+    stacked = _random_cache(m, B, S, lengths)
+    per = stacked.per_layer()
+    step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
+    for t in ([5, 17, 99, 3], [1, 2, 3, 4]):
+        tok = jnp.asarray(t, jnp.int32)
+        ls, stacked = step(m, tok, stacked)
+        lp, per = step(m, tok, per)
+        assert per.is_per_layer
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(ls), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(per.stacked().k), np.asarray(stacked.k), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(per.stacked().v), np.asarray(stacked.v), atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(np.asarray(per.lengths), np.asarray(stacked.lengths))
+
+
+def test_per_layer_insert_matches_stacked():
+    cfg, m = _model()
+    c = _random_cache(m, 3, 8, np.array([1, 2, 3], np.int32))
+    other = _random_cache(m, 1, 4, np.array([4], np.int32), seed=9)
+    a = c.insert(other, 1)
+    b = c.per_layer().insert(other, 1)
+    np.testing.assert_array_equal(np.asarray(b.stacked().k), np.asarray(a.k))
+    np.testing.assert_array_equal(np.asarray(b.lengths), np.asarray(a.lengths))
+
+
+def test_scanned_model_refuses_a_per_layer_cache():
+    cfg, m = _model(scan_layers=True)
+    c = m.init_cache(2, 8).per_layer()
+    with pytest.raises(ValueError, match="per-layer"):
+        m.decode_step(jnp.zeros((2,), jnp.int32), c)
+
+
+def test_engine_keeps_a_per_layer_cache_only_when_unrolled():
+    from rollout.engine import Qwen3Engine
+
+    cfg, m = _model()
+    params = nnx.state(m, nnx.Param)
+    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32")
+    st = eng.init_decode_state()
+    assert st["cache"].is_per_layer
+    st = eng.insert(eng.prefill_tokens(eng.params, [3, 4, 5], seed=1), st, 1)
+    st, res = eng.generate(eng.params, st)
+    assert st["cache"].is_per_layer and int(st["cache"].lengths[1]) == 3
+    _, ms = _model(scan_layers=True)
+    eng_s = Qwen3Engine(cfg, nnx.state(ms, nnx.Param), slots=2, max_cache_len=32, dtype="float32",
+                        model_kwargs=dict(scan_layers=True))
+    assert not eng_s.init_decode_state()["cache"].is_per_layer
