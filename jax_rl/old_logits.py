@@ -1,4 +1,4 @@
-"""Exact old logits (pi_v at each token's own behaviour version v): the snapshot route.
+"""Exact old logits (pi_v at each token's own behaviour version v): the snapshot and dedicated routes.
 
 ``old_logits.route=snapshot`` (paper 2605.12070 §4 route 1, research/paper_spec.md §2.6, §4):
 
@@ -16,6 +16,18 @@
 System-cost figures (the paper's): ``old_logits_bytes`` (bytes the store holds, host RAM or
 disk), ``old_logits_versions`` (how many versions it holds) and ``old_logits_s`` (wall seconds
 spent in :func:`snapshot_logprobs` for one batch, loads + forwards).
+
+``old_logits.route=dedicated`` (paper §4 route 2, "a dedicated old-logit model"):
+
+- :class:`OldLogitScorer` holds ``{version: params}`` for the versions the rollout fleet may still
+  have tokens of ([g-K, g], at most K+1; on the learner's devices, or on ``old_logits.devices``,
+  :func:`scorer_devices`) and scores a group's tokens with the learner's own jitted forward through
+  :func:`logprobs_by_version`, the computation :func:`snapshot_logprobs` runs, so the two routes
+  agree token for token (bitwise for the same input shape).
+- :class:`ScoringQueue` is the bounded queue and the thread between the rollout threads and the
+  buffer (:class:`jax_rl.runtime.embedded.EmbeddedProducer` wires them): a group enters the
+  buffer only once scored, and the learner runs no old-logit forward.
+- A trajectory with a token of a version no longer held is dropped and counted, never approximated.
 
 Host store layout: per leaf, only the shards this process can address, with replicas dropped
 (``replica_id == 0``), keyed by their index in the global array. So every process of a

@@ -16,7 +16,8 @@ finishes, on that group's rows padded to the group's own length bucket, before t
 but another input shape is another XLA program, and XLA:CPU does not promise the same
 reduction tiling across shapes; the difference is at most an ulp or two of a log-prob
 (~5e-7 at |log p| ~ 6). Rescored on the learner batch's own shape (same microbatching), the
-same scorer is bitwise equal to the snapshot route, which the hook checks too.
+same scorer is bitwise equal to the snapshot route, which the hook checks too. Measured on this
+host: all 928 loss tokens of the run bitwise equal anyway (4 trajectories span two versions).
 """
 
 from __future__ import annotations
