@@ -62,7 +62,8 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     spec = tpu.resolve_topology(topology)
     topo = tpu.get_topology(topology)
     engine = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16,
-                         dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla"))
+                         dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla"),
+                         kv_per_layer=False)  # a TPU program: the stacked cache
     mesh = Mesh(np.array(topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 

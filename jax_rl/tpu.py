@@ -223,8 +223,9 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     topo = get_topology(topology)
     kw = dict(scan_layers=True, attention="splash")
     kw.update(model_kwargs or {})
+    # kv_per_layer=False: the stacked cache (the CPU-only per-layer form costs bytes on a TPU)
     engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
-                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw)
+                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False)
     mesh = Mesh(np.array(topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 

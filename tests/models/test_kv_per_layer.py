@@ -81,6 +81,8 @@ def test_engine_keeps_a_per_layer_cache_only_when_unrolled():
     st = eng.insert(eng.prefill_tokens(eng.params, [3, 4, 5], seed=1), st, 1)
     st, res = eng.generate(eng.params, st)
     assert st["cache"].is_per_layer and int(st["cache"].lengths[1]) == 3
+    off = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32", kv_per_layer=False)
+    assert not off.init_decode_state()["cache"].is_per_layer
     _, ms = _model(scan_layers=True)
     eng_s = Qwen3Engine(cfg, nnx.state(ms, nnx.Param), slots=2, max_cache_len=32, dtype="float32",
                         model_kwargs=dict(scan_layers=True))
