@@ -19,7 +19,7 @@ Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cac
 key            shape / dtype       meaning
 =============  ==================  ===========================================================
 cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``lengths`` [B] i32;
-                                   with unrolled layers on the CPU (``kv_per_layer``) k/v are
+                                   on the CPU (``kv_per_layer``: unrolled layers) k/v are
                                    tuples of L [B,Hkv,S,Dh] buffers (``KVCache.per_layer``: each
                                    layer's attention reads its own buffer in place, no copy)
 tokens         [B] int32           pending token (in no cache yet) per slot
@@ -234,12 +234,16 @@ class Qwen3Engine(Engine):
         runs on ``jax.devices()[0]``.
       tokenizer: optional ``ChatTokenizer`` (needed only for JetStream serving / Driver).
       model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (e.g. ``moe_dispatch``).
-      kv_per_layer: keep the decode cache as L per-layer buffers (``KVCache.per_layer``; needs
-        unrolled layers). ``None`` (default): on when the layers are unrolled and the backend
-        is the CPU, where it saves copying each layer's cache out of the stacked buffer (1.37x
-        decode tokens/s at 32 slots); programs AOT-compiled for a TPU (``jax_rl.tpu``,
-        ``bench/decode_compile.py``) pass False: libtpu counted more bytes per decode step with
-        it (2.40x vs 1.67x params + cache, 2-layer Qwen3-0.6B, 32 x 1024, v5e).
+      kv_per_layer: keep the decode cache as L per-layer buffers (``KVCache.per_layer``) and run
+        the layers unrolled: with ``scan_layers`` the engine's own copy of the weights is
+        unstacked by :meth:`load_params` (which still takes the stacked learner/checkpoint
+        layout), so every layer reads its own cache buffer in place. ``None`` (default): on when
+        the backend is the CPU, where XLA copies each layer's cache out of the stacked buffer
+        (and a scan each layer's params) per token (1.37x decode tokens/s at 32 slots,
+        unrolled); programs AOT-compiled for a TPU (``jax_rl.tpu``, ``bench/decode_compile.py``)
+        pass False and keep ``scan_layers`` as given: libtpu counted more bytes per decode step
+        with the per-layer form (2.40x vs 1.67x params + cache, 2-layer Qwen3-0.6B, 32 x 1024,
+        v5e).
     """
 
     def __init__(
@@ -285,15 +289,22 @@ class Qwen3Engine(Engine):
 
         kw = dict(model_kwargs or {})
         dt = self.dtype
-        abstract = nnx.eval_shape(
-            lambda: _q.Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt, **kw)
-        )
-        self._graphdef, self._abstract_params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
-        if kv_per_layer and abstract.scan_layers:
-            raise ValueError("kv_per_layer needs unrolled layers (model_kwargs scan_layers=False)")
+
+        def build(**extra):
+            return nnx.eval_shape(lambda: _q.Qwen3ForCausalLM(
+                model_config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt, **{**kw, **extra}))
+
+        abstract = build()
         if kv_per_layer is None:
-            kv_per_layer = not abstract.scan_layers and jax.default_backend() == "cpu"
-        self._per_layer_cache = bool(kv_per_layer)  # see the decode-state table
+            kv_per_layer = jax.default_backend() == "cpu"
+        self._unstack_layers = 0
+        if kv_per_layer and abstract.scan_layers:
+            # the engine's own copy of the weights runs unrolled; stacked params (the learner's /
+            # checkpoint's scan_layers layout) are unstacked by load_params
+            self._unstack_layers = model_config.num_hidden_layers
+            abstract = build(scan_layers=False)
+        self._graphdef, self._abstract_params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
+        self._per_layer_cache = bool(kv_per_layer) and not abstract.scan_layers  # see the decode-state table
         if mesh is not None:
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         else:
@@ -426,6 +437,8 @@ class Qwen3Engine(Engine):
 
         out = jax.tree.map(cast, params)
         want = jax.tree.structure(self._abstract_params)
+        if self._unstack_layers and jax.tree.structure(out) != want:
+            out = self._unstacked(out)
         if jax.tree.structure(out) != want:
             try:  # tolerate State-vs-pure-dict containers with the same leaves
                 out = jax.tree.unflatten(want, jax.tree.leaves(out))
@@ -435,6 +448,17 @@ class Qwen3Engine(Engine):
             if got.shape != exp.shape:
                 raise ValueError(f"param shape {got.shape} != model's {exp.shape}")
         return jax.device_put(out, self._sharding)
+
+    def _unstacked(self, params: Any) -> Any:
+        """Stacked ``[L, ...]`` layer params (scan_layers layout) -> the engine's unrolled State."""
+        pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
+        if not isinstance(pure, dict) or "layers" not in pure:
+            return params  # not the stacked layout: the structure check below reports it
+        from jax_rl.models import qwen3 as _q
+
+        target = jax.tree.map(lambda a: a, self._abstract_params)
+        target.replace_by_pure_dict(_q.unstack_layer_params(pure, self._unstack_layers))
+        return target
 
     def init_decode_state(self, *args: Any, **kwargs: Any) -> dict:
         """Empty decode state for all slots (see module docstring for its layout)."""

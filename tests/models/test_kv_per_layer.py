@@ -85,5 +85,32 @@ def test_engine_keeps_a_per_layer_cache_only_when_unrolled():
     assert not off.init_decode_state()["cache"].is_per_layer
     _, ms = _model(scan_layers=True)
     eng_s = Qwen3Engine(cfg, nnx.state(ms, nnx.Param), slots=2, max_cache_len=32, dtype="float32",
-                        model_kwargs=dict(scan_layers=True))
+                        model_kwargs=dict(scan_layers=True), kv_per_layer=False)
     assert not eng_s.init_decode_state()["cache"].is_per_layer
+
+
+def test_cpu_engine_unstacks_scanned_params_and_samples_the_same():
+    """On the CPU a scan_layers engine runs its own unrolled copy of the weights (load_params
+    unstacks the learner's stacked layout, weight swaps included); tokens and log-probs equal
+    those of the stacked, scanned engine."""
+    from rollout.engine import Qwen3Engine, unpack_result
+
+    cfg, ms = _model(scan_layers=True)
+    stacked = nnx.state(ms, nnx.Param)
+    engines = [Qwen3Engine(cfg, stacked, slots=2, max_cache_len=32, dtype="float32",
+                           model_kwargs=dict(scan_layers=True), kv_per_layer=per) for per in (True, False)]
+    assert engines[0].init_decode_state()["cache"].is_per_layer
+    assert not engines[1].init_decode_state()["cache"].is_per_layer
+    outs = []
+    for eng in engines:
+        p = eng.load_params(stacked)  # a weight swap in the learner's layout
+        st = eng.insert(eng.prefill_tokens(p, [3, 4, 5, 6], seed=1), eng.init_decode_state(), 0)
+        toks, lps = [], []
+        for _ in range(5):
+            st, res = eng.generate(p, st)
+            r = unpack_result(res)
+            toks.append(int(r["tokens"][0]))
+            lps.append(float(r["logps"][0]))
+        outs.append((toks, lps))
+    assert outs[0][0] == outs[1][0]
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
