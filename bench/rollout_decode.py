@@ -20,7 +20,9 @@ tokens / wall second, prefill included on every side:
 - jax-rl: ``Generator(Qwen3Engine(slots))``, continuous batching over the slots (each prompt
   prefilled alone and inserted), temperature 1, per-token log-probs and version tags
   returned, one host transfer per decode step (where weight swaps happen). ``--dtypes``: the
-  rollout dtype(s); ``rollout.dtype`` defaults to bfloat16.
+  rollout dtype(s); ``rollout.dtype`` defaults to bfloat16. On the CPU the engine decodes with
+  unrolled layers and a per-layer KV cache whatever ``--scan-layers`` says (``kv_per_layer``;
+  ``--scan-layers`` then only sets the param layout it is handed).
 - transformers: ``generate`` in torch fp32, ``use_cache=True``, batch = slots, greedy (cheaper
   than sampling; no log-probs), with the faster of 1 and all-cores torch threads.
 - Tunix (google-tunix 0.1.7, only when it imports; else the row says ``skipped: google-tunix
