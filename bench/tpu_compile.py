@@ -12,8 +12,9 @@ and prints, per config, the per-chip table and the targets (issue 12):
 
 - 4B: fits with >= 10% HBM headroom, roofline MFU bound >= 45%, train-step compile <= 300 s;
 - 30B-A3B: fits, MFU bound >= 30%;
-- each decode step fits on its own (the learner and the engines run on separate devices in
-  these configs, so it is not added to the learner's HBM).
+- each decode step fits, on its own and beside the learner: ``jax-rl train`` (embedded runtime)
+  puts ``rollout.threads + 1`` engines on the first chip next to the learner's shard
+  (``fits_with_learner``; 30B-A3B's replicated 61 GB of engine params do not fit there).
 
 Every figure is a compile-time estimate (``memory_analysis`` / ``cost_analysis`` with loop trip
 counts), never a TPU measurement. Compile seconds depend on this host's load: run it on a quiet
@@ -48,6 +49,10 @@ def _check(rows: list[dict], targets: dict) -> list[str]:
         need = targets["headroom"] if r["function"] == "train_step" else 0.0
         out.append(f"{r['function']}: HBM {r['hbm_total_bytes'] / 2**30:.1f} of {r['chip_hbm_bytes'] / 2**30:.1f} GiB "
                    f"({100 * head:.0f}% free; target >= {100 * need:.0f}%): {'MET' if head >= need else 'MISSED'}")
+        if r.get("fits_with_learner") is not None:
+            out.append(f"{r['function']}: beside the learner and {r['engines']} engines on the first chip: "
+                       f"{r['hbm_with_learner_bytes'] / 2**30:.1f} of {r['chip_hbm_bytes'] / 2**30:.1f} GiB: "
+                       f"{'MET' if r['fits_with_learner'] else 'MISSED'}")
         if r["function"] == "train_step":
             if r["mfu_bound"] is not None:
                 ok = r["mfu_bound"] >= targets["mfu"]
