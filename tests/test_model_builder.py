@@ -79,7 +79,11 @@ def test_learner_and_engine_share_the_layout(scan, devices):
         gen = build_generator(cfg, lrn.model_config, params, lrn.version, temperature=1.0)
         try:
             eng = gen.engine
-            assert jax.tree.structure(eng.params) == jax.tree.structure(params)
+            if eng._unstack_layers:  # CPU: a scan_layers engine decodes its own unrolled copy (kv_per_layer)
+                assert scan and not _is_stacked(eng.params)
+                assert jax.tree.structure(eng.params) == jax.tree.structure(eng._unstacked(params))
+            else:
+                assert jax.tree.structure(eng.params) == jax.tree.structure(params)
             gen.update_params(lrn.get_params(host=True), 1)  # the Ray path: numpy leaves
             out = gen.generate([[5, 6, 7, 8]], max_new_tokens=4)[0]
         finally:
