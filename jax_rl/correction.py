@@ -66,7 +66,7 @@ from jax import lax
 from jax_rl import losses, proximal
 from jax_rl.config import Config
 
-__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "make_correction", "uses_snapshot_store", "host_inputs",
+__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "make_correction", "uses_snapshot_store", "uses_dedicated_scorer", "host_inputs",
            "tree_finite", "tree_where"]
 
 # (params, tokens [U,m,r,T], attention_mask [U,m,r,T]) -> log-probs [U,m,r,T] (training numerics)
@@ -186,6 +186,12 @@ def uses_snapshot_store(strategy: Correction, cfg: Config) -> bool:
     if strategy.needs_exact:
         return cfg.old_logits.route == "snapshot"
     return strategy.approximate and bool(cfg.old_logits.measure_error)
+
+
+def uses_dedicated_scorer(strategy: Correction, cfg: Config) -> bool:
+    """The rollout side scores every trajectory's exact old log-probs before the buffer
+    (``exact`` with ``old_logits.route=dedicated``: :class:`jax_rl.old_logits.OldLogitScorer`)."""
+    return bool(strategy.needs_exact) and cfg.old_logits.route == "dedicated"
 
 
 @register("decoupled")

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jax_rl.config import Config
+from jax_rl.correction import uses_dedicated_scorer
 from jax_rl.runtime import components as C
 from jax_rl.runtime.components import EpisodeGuard
 from jax_rl.runtime.loop import buffer_columns
@@ -247,7 +248,7 @@ class EmbeddedProducer:
         meta = meta or {}
         self._learner = ctx.learner
         self.cfg = cfg
-        dedicated = cfg.loss.correction == "exact" and cfg.old_logits.route == "dedicated"
+        dedicated = uses_dedicated_scorer(ctx.learner.strategy, cfg)
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
                                        groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size,
                                        max_seq_len=cfg.optim.max_seq_len, require_old_logp=dedicated)
