@@ -74,6 +74,7 @@ class RolloutManager:
         self.t_start = time.perf_counter()
         self.errors: list[str] = []  # the last few errors (messages), for logs
         self.groups_done = 0
+        self.admit_wait_s = 0.0  # seconds, summed over producer threads, blocked in buffer.admit
         self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, episode_errors)
         self._fatal: Optional[str] = None
 
@@ -118,6 +119,7 @@ class RolloutManager:
     # --------------------------------------------------------------- threads
     def start(self) -> None:
         per_gen = math.ceil(self.cfg.rollout.slots / self.cfg.rollout.group_size) + 1
+        self.t_start = time.perf_counter()  # rollout_tokens_per_s / rollout_idle_frac count from here
         for gi, agent in enumerate(self.agents):
             for j in range(per_gen):
                 t = threading.Thread(target=self._producer, args=(agent,), name=f"rollout-{gi}-{j}", daemon=True)
@@ -129,14 +131,19 @@ class RolloutManager:
         whose loop or put raises is counted (``episode_errors``) and its slot given back; only a
         broken buffer or running out of training seeds stops the run (:attr:`fatal`)."""
         while not self._stop.is_set():
+            t_admit = time.perf_counter()
             try:
-                if not self.buffer.admit(self.version_fn, block=True, timeout=0.2):
-                    continue
+                admitted = self.buffer.admit(self.version_fn, block=True, timeout=0.2)
             except Exception as e:  # buffer closed or broken
                 if not self._stop.is_set():
                     self._error(f"admit: {e!r}")
                     self._fatal = self._fatal or f"rollout failed: buffer admission raised {e!r}"
                 return
+            finally:
+                with self._lock:
+                    self.admit_wait_s += time.perf_counter() - t_admit
+            if not admitted:
+                continue
             if self._stop.is_set():
                 self.buffer.cancel(1)
                 return
@@ -201,6 +208,20 @@ class RolloutManager:
             self.guard.record_error(len(dropped), f"old logits of group {gid}: {error!r}")
             return
         self._put(gid, kept, tuple(dropped))
+
+    def rollout_idle_frac(self) -> float:
+        """Fraction of the producer threads' time since :meth:`start` spent
+        blocked in :meth:`rollout.buffer.TrajectoryBuffer.admit`, i.e. held back by the staleness
+        bound K (back-pressure: the learner has not consumed or published enough). Busy time is
+        everything else: prefill/decode, queueing for a decode slot, simulated tool latency
+        (``rollout.tool_latency_s``) and env work. ``admit_wait_s / (n_threads * elapsed_s)`` in
+        [0, 1]; the embedded generators never wait for params (``update_params`` is non-blocking)."""
+        n = len(self._threads)
+        dt = time.perf_counter() - self.t_start
+        if n == 0 or dt <= 0:
+            return 0.0
+        with self._lock:
+            return min(1.0, self.admit_wait_s / (n * dt))
 
     def rollout_tokens_per_s(self) -> float:
         dt = time.perf_counter() - self.t_start
@@ -335,11 +356,13 @@ class EmbeddedProducer:
 
     def row(self) -> dict:
         return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
-                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(), **self._scorer_columns()}
+                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
+                "rollout_idle_frac": self.manager.rollout_idle_frac(), **self._scorer_columns()}
 
     def summary(self) -> dict:
         out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
-               "rollout_tokens_per_s": self.manager.rollout_tokens_per_s()}
+               "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
+               "rollout_idle_frac": self.manager.rollout_idle_frac()}
         if self.scorer is not None:
             st = self.scorer.stats()
             out.update(old_logits_scorer_s_total=st["old_logits_scorer_s_total"],

@@ -77,6 +77,27 @@ def test_a_systematically_failing_rollout_stops_with_the_reason():
     assert s["in_flight_groups"] == 0 and s["admitted_groups"] == s["failed_groups"] + s["cancelled_groups"]
 
 
+def test_rollout_idle_frac_counts_the_time_blocked_by_the_staleness_bound():
+    # K=0, 2 groups per step, the learner never consumes: after 2 groups every producer thread
+    # waits in admit (back-pressure), which rollout_idle_frac counts; nothing else does.
+    mgr, buf, _ = _manager(lambda seed: False)
+    assert mgr.rollout_idle_frac() == 0.0  # not started: no threads, no time
+    mgr.start()
+    try:
+        t = time.monotonic()
+        while buf.stats()["pending_groups"] < 2 and time.monotonic() - t < 60:
+            time.sleep(0.05)
+        waited0 = mgr.admit_wait_s
+        time.sleep(0.5)  # every thread is blocked now: admit_wait_s grows by ~n_threads x this
+        waited1 = mgr.admit_wait_s
+    finally:
+        mgr.stop(timeout=5)
+    s = buf.stats()
+    assert s["admitted_groups"] == 2 and s["pending_groups"] == 2, s  # the bound held the rollout back
+    assert waited1 > waited0
+    assert 0.0 < mgr.rollout_idle_frac() <= 1.0
+
+
 def test_preflight_warns_once_for_overlong_prompts_not_for_top_p(caplog):
     # top_p / top_k no longer warn: the learner reproduces the sampler's truncation (issue 14 item 7)
     cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=160", "optim.max_seq_len=160",
