@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any, Collection, Optional, Sequence
 
+import jax
 import numpy as np
 
 from rollout.engine import unpack_result
@@ -186,16 +187,24 @@ class Generator:
             self._wake.notify_all()
         return fut
 
-    def update_params(self, params: Any, version: int) -> None:
+    def update_params(self, params: Any, version: int) -> float:
         """Swap weights before the next decode step; thread-safe.
 
         ``params`` are cast/placed by ``engine.load_params`` in the caller's thread, so the
         decode loop only swaps a reference. A second update before the swap replaces the first.
+
+        Returns:
+            the seconds of that cast/reshard (``engine.load_params``, blocked with
+            ``jax.block_until_ready`` so async dispatch does not hide it): the ``weight_sync_cast_s``
+            of a publish.
         """
-        loaded = self.engine.load_params(params)
+        t0 = time.perf_counter()
+        loaded = jax.block_until_ready(self.engine.load_params(params))
+        cast_s = time.perf_counter() - t0
         with self._lock:
             self._pending = (loaded, int(version))
             self._wake.notify_all()
+        return cast_s
 
     def step(self) -> bool:
         """One loop iteration (swap, admit, decode one token for all slots, finish).

@@ -27,16 +27,15 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-import numpy as np
+import jax
 
 from jax_rl.config import Config
 from jax_rl.correction import uses_dedicated_scorer
 from jax_rl.runtime import components as C
 from jax_rl.runtime.components import EpisodeGuard
-from jax_rl.runtime.loop import buffer_columns
+from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -289,6 +288,7 @@ class EmbeddedProducer:
                            for _ in range(cfg.rollout.threads)]
         agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout) for g in self.generators]
         self._published = int(ctx.learner.version)
+        self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         prod = meta.get("producer", {})
         self.manager = RolloutManager(cfg, self.generators, agents, self.buffer, lambda: self._published,
                                       next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
@@ -331,7 +331,12 @@ class EmbeddedProducer:
         return self.buffer.get_batch(n_groups, version, timeout=1.0)
 
     def publish(self, version: int) -> None:
-        params = self._learner.get_params()
+        """Hand the learner's params of ``version`` to the scorer (``old_logits.route=dedicated``)
+        and every generator (cast + reshard in this thread), then tell the buffer. Timed into
+        :attr:`weight_sync` (``weight_sync_s``: all of it up to the hand-over; ``weight_sync_cast_s``:
+        the generators' ``load_params``)."""
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(self._learner.get_params())  # blocked: the copy is timed here
         if self.scorer is not None:
             # before any generator runs ``version``: every token of it finds its params. The
             # scorer keeps a reference to this device copy (same devices) or copies it to its own
@@ -339,8 +344,10 @@ class EmbeddedProducer:
             # trained (the buffer drops it as stale), so it is never scored either.
             self.scorer.put(int(version), params, copy=False)
             self.scorer.drop_below(int(version) - int(self.cfg.async_.max_staleness))
+        cast_s = 0.0
         for g in self.generators:
-            g.update_params(params, version)
+            cast_s += g.update_params(params, version)
+        self.weight_sync.add(time.perf_counter() - t0, cast_s)
         self._published = int(version)
         self.buffer.notify()
 
@@ -357,12 +364,13 @@ class EmbeddedProducer:
     def row(self) -> dict:
         return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
                 "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
-                "rollout_idle_frac": self.manager.rollout_idle_frac(), **self._scorer_columns()}
+                "rollout_idle_frac": self.manager.rollout_idle_frac(), **self._scorer_columns(),
+                **self.weight_sync.row()}
 
     def summary(self) -> dict:
         out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
-               "rollout_idle_frac": self.manager.rollout_idle_frac()}
+               "rollout_idle_frac": self.manager.rollout_idle_frac(), **self.weight_sync.summary()}
         if self.scorer is not None:
             st = self.scorer.stats()
             out.update(old_logits_scorer_s_total=st["old_logits_scorer_s_total"],

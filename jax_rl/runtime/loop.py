@@ -42,7 +42,8 @@ from jax_rl.runtime.context import StopFlag, json_safe, signal_exit_code
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns"]
+__all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns",
+           "WeightSyncClock"]
 
 
 class Producer(Protocol):
@@ -216,3 +217,46 @@ def buffer_columns(stats: dict, episode_errors: int, *, row: bool) -> dict:
     sep = "/" if row else "_"
     return {"episode_errors": int(episode_errors), "dropped_overlong": stats["dropped_overlong"],
             **{f"buffer{sep}{k}": v for k, v in stats.items()}}
+
+
+class WeightSyncClock:
+    """Seconds spent publishing weights (learner params -> rollout engines), for both runtimes'
+    producers: ``weight_sync_s`` (the whole publish: the learner's param copy, the cast to
+    ``rollout.dtype`` and the reshard to the engine's layout, the hand-over) and its
+    ``weight_sync_cast_s`` part (``engine.load_params``: cast + reshard, summed over the rollout
+    engines; the rest is the copy and the hand-over). Timed with ``jax.block_until_ready`` on the
+    arrays (async dispatch would otherwise hide the work). Not thread-safe: one caller thread.
+
+    :meth:`row` gives the seconds since the previous row (the publishes in between: one per
+    learner step in :func:`run_rl`), :meth:`summary` the run totals and the number of publishes.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.cast_total_s = 0.0
+        self.count = 0
+        self._row_s = 0.0
+        self._row_cast_s = 0.0
+
+    def add(self, seconds: float, cast_s: float = 0.0) -> None:
+        """One publish that took ``seconds`` (wall, on the publishing side), ``cast_s`` of it casting."""
+        self.total_s += float(seconds)
+        self._row_s += float(seconds)
+        self.count += 1
+        self.add_cast(cast_s)
+
+    def add_cast(self, cast_s: float) -> None:
+        """Cast/reshard seconds reported on their own (Ray workers report theirs when they finish)."""
+        self.cast_total_s += float(cast_s)
+        self._row_cast_s += float(cast_s)
+
+    def row(self) -> dict:
+        """``weight_sync_s`` / ``weight_sync_cast_s``: seconds since the previous row (then reset)."""
+        out = {"weight_sync_s": self._row_s, "weight_sync_cast_s": self._row_cast_s}
+        self._row_s = self._row_cast_s = 0.0
+        return out
+
+    def summary(self) -> dict:
+        """``weight_sync_s_total``, ``weight_sync_cast_s_total`` (seconds) and ``weight_syncs`` (publishes)."""
+        return {"weight_sync_s_total": self.total_s, "weight_sync_cast_s_total": self.cast_total_s,
+                "weight_syncs": self.count}

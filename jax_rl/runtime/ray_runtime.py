@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from jax_rl.config import Config
-from jax_rl.runtime.loop import buffer_columns
+from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -128,15 +128,16 @@ def _actors():
         def pid(self) -> int:
             return os.getpid()
 
-        def set_params(self, params, version: int) -> int:
+        def set_params(self, params, version: int) -> float:
+            """Build the generator (first call) or swap its weights; returns the seconds of the
+            swap's cast/reshard (``Generator.update_params``; 0.0 for the first build)."""
             from jax_rl.runtime import components as C
 
             if self.gen is None:
                 self.gen = C.build_generator(self.cfg, self.mc, params, version)
                 self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout)
-            else:
-                self.gen.update_params(params, version)
-            return version
+                return 0.0
+            return float(self.gen.update_params(params, version))
 
         def run_group(self, group_id: int, task_seed: int) -> list[dict]:
             trajs = self.agent.submit_group(task_seed, group_id).result()
@@ -316,6 +317,8 @@ class RayProducer:
         self.workers: list = []
         self.version = 0
         self.params_ref = None
+        self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
+        self._syncs: list = []  # set_params refs of publishes whose worker seconds are not collected yet
 
     @property
     def fatal(self) -> Optional[str]:
@@ -343,18 +346,41 @@ class RayProducer:
         return [[Trajectory.from_dict(d) for d in g] for g in groups]
 
     def publish(self, version: int) -> None:
+        """Put the learner's params of ``version`` in the object store (one copy per version) and
+        send them to every worker. Timed on the driver into :attr:`weight_sync` (``weight_sync_s``):
+        the learner's device-to-host copy and put, waited for (``ray.wait``), and the sends. The
+        workers' own cast/reshard seconds (``set_params``' return, ``weight_sync_cast_s``) are
+        collected when they are done, possibly a row later: a worker runs ``set_params`` after the
+        groups already queued on it, so the driver does not wait for it."""
+        ray = self._ray
+        t0 = time.perf_counter()
         self.version = int(version)
         self.params_ref = self._learner.get_params.remote()  # one object-store copy per version
-        for w in self.workers:
-            w.set_params.remote(self.params_ref, self.version)
+        ray.wait([self.params_ref], fetch_local=False)  # the copy is in the store: its seconds are timed here
+        self._syncs += [w.set_params.remote(self.params_ref, self.version) for w in self.workers]
+        self.weight_sync.add(time.perf_counter() - t0)
+
+    def _collect_syncs(self) -> None:
+        """Add the cast/reshard seconds of the workers' finished ``set_params`` (a dead worker's
+        is dropped: :meth:`_restart` gives its replacement the params again)."""
+        if not self._syncs:
+            return
+        ready, self._syncs = self._ray.wait(self._syncs, num_returns=len(self._syncs), timeout=0)
+        for ref in ready:
+            try:
+                self.weight_sync.add_cast(self._ray.get(ref))
+            except Exception:  # noqa: BLE001 - the worker died; counted by the restart
+                pass
 
     def row(self) -> dict:
+        self._collect_syncs()
         return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=True),
-                **{f"ray/{k}": v for k, v in self.counters.items()}}
+                **{f"ray/{k}": v for k, v in self.counters.items()}, **self.weight_sync.row()}
 
     def summary(self) -> dict:
+        self._collect_syncs()
         return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=False),
-                **self.counters}
+                **self.counters, **self.weight_sync.summary()}
 
     def state(self) -> dict:
         ray = self._ray

@@ -81,3 +81,49 @@ def test_resume_without_run_dir_fails_clearly(tmp_path, monkeypatch):
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["resume=true"])
     with pytest.raises(ConfigError, match="resume=true"):
         C.resolve_run_dir(cfg)
+
+
+def test_embedded_publish_is_timed_into_weight_sync_columns(tmp_path):
+    """Issue 13 item 3: a publish (learner params -> every generator, cast to rollout.dtype) is
+    timed into the producer's row (``weight_sync_s``: seconds since the previous row) and the run
+    summary (totals and the count); the generators really receive the cast params."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_rl.runtime.context import RunContext
+    from jax_rl.runtime.embedded import EmbeddedProducer
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.tokenizer=compact", "rollout.threads=2",
+                                                     "rollout.dtype=bfloat16", "logging.tensorboard=false",
+                                                     f"run.dir={tmp_path / 'run'}"])
+    ctx = RunContext(cfg)
+    prod = None
+    try:
+        prod = EmbeddedProducer(ctx)
+        before = prod.row()
+        assert before["weight_sync_s"] == 0.0 and before["weight_sync_cast_s"] == 0.0  # nothing published yet
+        v = int(ctx.learner.version) + 1
+        prod.publish(v)
+        row = prod.row()
+        assert row["weight_sync_s"] > 0.0
+        assert 0.0 < row["weight_sync_cast_s"] <= row["weight_sync_s"]
+        for g in prod.generators:  # handed over: the (started) decode thread swaps in bf16 params of v
+            deadline = time.monotonic() + 60.0
+            while g.version != v and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert g.version == v
+            floats = [x for x in jax.tree.leaves(g._params) if jnp.issubdtype(x.dtype, jnp.floating)]
+            assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+        assert prod.row()["weight_sync_s"] == 0.0  # per row: the publishes since the previous row
+        prod.publish(v)
+        s = prod.summary()
+        assert s["weight_syncs"] == 2
+        assert s["weight_sync_s_total"] >= row["weight_sync_s"]
+        assert 0.0 < s["weight_sync_cast_s_total"] <= s["weight_sync_s_total"]
+    finally:
+        if prod is not None:
+            prod.stop()
+        ctx.close()
+        ctx.learner.close()
