@@ -302,6 +302,11 @@ class RolloutConfig(_Section):
     """Rollout generator threads (embedded runtime) or worker actors (ray runtime)."""
     slots: int = Field(16, ge=1)
     """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
+    decode_steps: int = Field(8, ge=1, le=256)
+    """Decode steps per jitted engine call (one on-device scan, one host transfer): a weight swap or a
+    newly admitted request waits at most decode_steps - 1 tokens, and a slot that stops mid-call idles
+    (its extra tokens are discarded) until the call ends. Samples and log-probs do not depend on it
+    (keys are per request seed and position); 1 = one dispatch per token."""
     max_prefill_length: int = Field(256, ge=8)
     """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)
@@ -454,27 +459,44 @@ class SFTConfig(_Section):
     """SFT warmup steps."""
 
 
+class MoEConfig(_Section):
+    """Mixture-of-experts training options (read only for an MoE policy)."""
+
+    routing_replay: Literal["none", "r2", "r3"] = "none"
+    """Routing replay: ``none`` (every forward routes by its own router), ``r3`` (the rollout
+    engine records the top-k expert ids of every MoE layer at every token, prefill and decode,
+    and every learner forward: theta, pi_prox and the exact old-logit forwards, uses them; the
+    gates are still the router's softmax at those ids, so the router gets gradient), ``r2`` (the
+    learner's no-grad routing forward at the params of the start of the step records its own
+    routes and the gradient forward replays them). r2 and r3 log ``routing_agreement`` (the
+    engine records routes under both). Needs an MoE model."""
+
+
 class OldLogitsConfig(_Section):
     """Exact old logits (pi_v at each token's behaviour version) for loss.correction=exact."""
 
-    route: Literal["snapshot", "dedicated"] = "snapshot"
+    route: Literal["snapshot", "dedicated", "interrupt", "retire"] = "snapshot"
     """Exact old-logit route for loss.correction=exact: snapshot (the learner keeps the last K+1
-    versions' params and runs one forward per version present in each batch) or dedicated (a
+    versions' params and runs one forward per version present in each batch), dedicated (a
     scorer thread holding the live versions scores each finished trajectory before it enters the
-    buffer; the learner runs no old-logit forward; runtime=embedded only)."""
+    buffer), interrupt (at each publish the rollouts pause while the outgoing version's tokens,
+    finished and partial, are scored; 1 extra param copy, a stall per publish) or retire (the
+    same scoring in the background while the rollouts generate at the new version; 1-2 copies
+    whatever K is). dedicated/interrupt/retire: the learner runs no old-logit forward;
+    runtime=embedded only."""
     devices: Optional[int | list[int]] = None
     """route=dedicated: the scorer's own devices. An int n takes the last n of jax.devices(), a
     list names jax device ids; the learner's mesh (mesh.*) then covers the other devices. null =
     the scorer shares the learner's mesh."""
     max_queued_groups: int = Field(4, ge=1)
-    """route=dedicated: finished GRPO groups waiting for the scorer; a full queue blocks the
+    """route=dedicated|interrupt|retire: finished GRPO groups waiting for the scorer; a full queue blocks the
     rollout thread that finished the next one (backpressure)."""
     store: Literal["host", "disk"] = "host"
     """Snapshot store: host (numpy in RAM) or disk (Orbax under the run dir)."""
     dir: Optional[str] = None
     """Snapshot dir for store=disk; default <run.dir>/old_logits."""
     measure_error: bool = False
-    """Also compute exact old logits under ppo_ewma/linear_prox and log the approximation error."""
+    """Also compute exact old logits under ppo_ewma/linear_prox/decoupled and log the approximation error."""
 
     @field_validator("devices", mode="after")
     @classmethod
@@ -517,6 +539,7 @@ class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     old_logits: OldLogitsConfig = Field(default_factory=OldLogitsConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     resume: bool = False
     """Continue from the latest checkpoint in run.dir (buffer included)."""
@@ -540,9 +563,9 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
-        if self.old_logits.measure_error and self.loss.correction not in ("ppo_ewma", "linear_prox"):
+        if self.old_logits.measure_error and self.loss.correction not in ("ppo_ewma", "linear_prox", "decoupled"):
             raise ValueError(
-                f"old_logits.measure_error=true measures the ppo_ewma / linear_prox approximation of the "
+                f"old_logits.measure_error=true measures the ppo_ewma / linear_prox / decoupled approximation of the "
                 f"exact old logits; it has nothing to measure under loss.correction={self.loss.correction!r}: "
                 "set old_logits.measure_error=false"
             )
@@ -550,8 +573,8 @@ class Config(_Section):
         if ol.route != "snapshot" and self.loss.correction != "exact":
             raise ValueError(f"old_logits.route={ol.route} serves loss.correction=exact only, not "
                              f"loss.correction={self.loss.correction!r}: set old_logits.route=snapshot")
-        if ol.route == "dedicated" and self.runtime.kind != "embedded":
-            raise ValueError(f"old_logits.route=dedicated is implemented for runtime=embedded only, not "
+        if ol.route in ("dedicated", "interrupt", "retire") and self.runtime.kind != "embedded":
+            raise ValueError(f"old_logits.route={ol.route} is implemented for runtime=embedded only, not "
                              f"runtime={self.runtime.kind}: use runtime=embedded or old_logits.route=snapshot")
         if ol.devices is not None and ol.route != "dedicated":
             raise ValueError(f"old_logits.devices={ol.devices} is read by old_logits.route=dedicated only "

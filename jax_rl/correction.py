@@ -37,8 +37,12 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     the others approximate). A host step before the jitted step scores the batch with the
     snapshot store's params per version present (:mod:`jax_rl.old_logits`,
     ``old_logits.route=snapshot``; cost: K+1 param snapshots + one learner forward per distinct
-    version), or takes the batch's ``old_logp`` (``old_logits.route=dedicated``: a scorer thread
-    filled it before the trajectory entered the buffer; the learner runs no extra forward).
+    version), or takes the batch's ``old_logp``, filled on the rollout side before the
+    trajectory entered the buffer (the learner runs no extra forward): ``old_logits.route=dedicated``
+    (a scorer thread holding the live versions scores each finished group), ``interrupt`` (at each
+    publish the rollouts pause while the outgoing version's tokens, finished and partial, are
+    scored) or ``retire`` (the same scoring in the background while the fleet generates at the new
+    version; :class:`jax_rl.old_logits.RetiringScorer`).
 
 A strategy owns: its state inside ``TrainState.correction`` (:meth:`Correction.init_state`);
 an optional host step (:meth:`Correction.host_inputs`); the in-jit ``prox_logp``
@@ -66,7 +70,8 @@ from jax import lax
 from jax_rl import losses, proximal
 from jax_rl.config import Config
 
-__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "make_correction", "uses_snapshot_store", "uses_dedicated_scorer", "host_inputs",
+__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "make_correction", "uses_snapshot_store", "uses_dedicated_scorer",
+           "uses_retiring_scorer", "scores_before_buffer", "host_inputs",
            "tree_finite", "tree_where"]
 
 # (params, tokens [U,m,r,T], attention_mask [U,m,r,T]) -> log-probs [U,m,r,T] (training numerics)
@@ -194,9 +199,24 @@ def uses_dedicated_scorer(strategy: Correction, cfg: Config) -> bool:
     return bool(strategy.needs_exact) and cfg.old_logits.route == "dedicated"
 
 
+def uses_retiring_scorer(strategy: Correction, cfg: Config) -> Optional[str]:
+    """``"interrupt"`` or ``"retire"`` when the rollout side scores each version's tokens as the
+    fleet leaves it (``exact`` with that ``old_logits.route``: :class:`jax_rl.old_logits.RetiringScorer`),
+    else None."""
+    route = cfg.old_logits.route
+    return route if strategy.needs_exact and route in ("interrupt", "retire") else None
+
+
+def scores_before_buffer(strategy: Correction, cfg: Config) -> bool:
+    """Every trajectory enters the buffer with ``old_logp`` filled (the buffer refuses an unscored
+    one): the dedicated, interrupt and retire routes."""
+    return uses_dedicated_scorer(strategy, cfg) or uses_retiring_scorer(strategy, cfg) is not None
+
+
 @register("decoupled")
 class Decoupled(Correction):
     cost = Cost(extra_forwards="1 (no-grad, params at the start of the step)")
+    approximate = True  # pi_g stands in for pi_v: old_logits.measure_error measures how far
 
     def prox_logp(self, logprobs, params, cstate, batch, version):
         return lax.stop_gradient(logprobs(params, batch.tokens, batch.attention_mask)), cstate, {}
@@ -317,6 +337,14 @@ class Exact(Correction):
                                             "in each finished group, before the buffer)",
                              extra_param_copies="up to K+1 versions on the scorer's devices "
                                                 "(old_logits.devices; default the learner's)")
+        elif self.route == "interrupt":
+            self.cost = Cost(extra_forwards="0 in the learner (at each publish the rollouts pause while 1 forward "
+                                            "per chunk of unscored episodes scores the outgoing version's tokens)",
+                             extra_param_copies="1 (the fleet's version; 2 during a publish)")
+        elif self.route == "retire":
+            self.cost = Cost(extra_forwards="0 in the learner (a background thread scores the outgoing version's "
+                                            "tokens, finished and partial, while the fleet generates at the new one)",
+                             extra_param_copies="1 or 2 whatever K is (the fleet's version and one retiring)")
 
     def describe(self) -> str:
         return f"{super().describe()}; old_logits.route={self.route}"

@@ -103,3 +103,14 @@ def test_snapshot_route_versions_eviction_and_checkpoint(tmp_path, devices):
         assert max_abs_diff(host(other.store.get(v, other.param_shardings)), P[v]) == 0.0
     lrn.close()
     other.close()
+
+
+def test_decoupled_measure_error_is_zero_fresh_and_grows_with_staleness(devices):
+    """old_logits.measure_error under decoupled (pi_prox = pi_g): a batch of version g has zero
+    error (pi_g is pi_v), a batch of version g-1 has the distance of one update."""
+    cfg = make_cfg("decoupled", old_logits={"measure_error": True}, **{"async": {"max_staleness": 2}})
+    lrn = Learner(cfg, init_params=init_params(cfg))
+    m0 = lrn.train_step(make_batch(7, B=8, T=16, version=0))
+    assert m0["prox_abs_err_max"] < 1e-5
+    m1 = lrn.train_step(make_batch(8, B=8, T=16, version=0))  # one update later: stale by 1
+    assert m1["prox_abs_err_mean"] > 1e-4
