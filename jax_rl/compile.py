@@ -11,7 +11,12 @@ What is compiled (libtpu's real TPU compiler, targeted through
 - ``sft_step``: :func:`jax_rl.sft.make_sft_step` for ``[sft.batch_size, optim.max_seq_len]``;
 - ``prefill`` and ``decode_step``: the rollout engine's (:class:`rollout.engine.Qwen3Engine`) at
   ``rollout.slots`` slots, ``rollout.max_cache_len`` cache and ``rollout.max_prefill_length``
-  prompt tokens, params replicated as the engine places them.
+  prompt tokens, params replicated as the engine places them;
+- ``weight_sync``: a publish's reshard (:func:`weight_sync_fn`): the learner's params (fp32, the
+  learner's shardings on the mesh) cast to ``rollout.dtype`` and gathered into the engine's
+  layout (replicated on every chip, as ``decode_step`` reads them; the embedded runtime's engines
+  hold that whole copy on the first chip: the same bytes there). It is loop-free, so its
+  ``cost_analysis`` bytes need no pieces; model FLOPs do not apply (``mfu_bound`` None).
 
 Arguments are ``jax.ShapeDtypeStruct`` trees with the run's shardings (params, optimizer moments,
 EWMA, batch, KV cache), on the config's mesh built over the topology's devices.
@@ -77,9 +82,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from jax_rl.config import Config, ConfigError
 
-__all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token"]
+__all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token", "weight_sync_fn"]
 
-FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step")
+FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync")
 
 
 # ======================================================================================
@@ -606,8 +611,58 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         if fname not in functions:
             continue
         rows.append(_rollout_row(t, fname, cost, log))
+    if "weight_sync" in functions:
+        rows.append(_weight_sync_row(t, lrn, cost, log))
     _beside_learner(rows, int(cfg.rollout.threads) + 1)
     return rows
+
+
+def weight_sync_fn(abs_params, param_shardings, mesh, dtype: str):
+    """The jitted reshard of a publish: learner params (``param_shardings``) -> the rollout
+    engine's params: float leaves cast to ``dtype`` (``rollout.dtype``, as
+    :meth:`rollout.engine.Qwen3Engine.load_params` casts them), every leaf replicated on ``mesh``.
+    Returns ``(fn, args)`` with ``args`` the ``ShapeDtypeStruct`` params (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_rl.checkpoint import abstract_like
+    from rollout.engine import _resolve_dtype
+
+    dt = _resolve_dtype(dtype)
+    rep = NamedSharding(mesh, P())
+
+    def cast(x, sh):  # in the learner's layout first, as load_params' eager astype: the gather moves rollout bytes
+        return jax.lax.with_sharding_constraint(x.astype(dt), sh) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def sync(params):
+        return jax.tree.map(cast, params, param_shardings)
+
+    fn = jax.jit(sync, in_shardings=(param_shardings,), out_shardings=jax.tree.map(lambda _: rep, abs_params))
+    return fn, (abstract_like(abs_params, param_shardings),)
+
+
+def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log) -> dict:
+    """The ``weight_sync`` row: :func:`weight_sync_fn` compiled for the topology; its shape is
+    ``[param count]``. Loop-free: the full program's ``cost_analysis`` is its cost."""
+    import jax
+
+    from jax_rl.model_builder import abstract_model_split
+    from jax_rl.sharding import state_shardings
+
+    if lrn is not None:
+        abs_params, param_sh = lrn.abs_params, lrn.param_sh
+    else:
+        _, abs_params, _ = abstract_model_split(t.model_config, **t.learner_kw)
+        param_sh = state_shardings(abs_params, t.mesh)
+    n = sum(int(x.size) for x in jax.tree.leaves(abs_params))
+    log(f"weight_sync: compiling the publish reshard ({n} params, fp32 learner layout -> {t.cfg.rollout.dtype} "
+        "replicated) ...")
+    fn, args = weight_sync_fn(abs_params, param_sh, t.mesh, t.cfg.rollout.dtype)
+    a, secs = _compile_or_oom(fn, args, t.mesh)
+    c = {"flops": a["flops"], "bytes": a["bytes"]} if cost and "oom" not in a else None
+    log(f"weight_sync: {secs:.1f} s")
+    return _row(t, "weight_sync", a, secs, c, None, [n], 0.0)
 
 
 def _beside_learner(rows: list[dict], engines: int) -> None:

@@ -31,14 +31,14 @@ def _cli(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_compiles_all_four_programs_for_v5e_2x2(tmp_path):
+def test_cli_compiles_all_five_programs_for_v5e_2x2(tmp_path):
     out = tmp_path / "c.json"
     r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v5e:2x2", *TINY, "--no-cost", "--json", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "INVALID_ARGUMENT" not in r.stderr, r.stderr[-2000:]
     assert "not TPU measurements" in r.stdout
     rows = json.loads(out.read_text())
-    assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "decode_step"]
+    assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "decode_step", "weight_sync"]
     for x in rows:
         assert KEYS <= set(x), KEYS - set(x)
         assert x["topology"] == "v5e:2x2" and x["chips"] == 4 and x["fits"] is True
@@ -49,6 +49,35 @@ def test_cli_compiles_all_four_programs_for_v5e_2x2(tmp_path):
     assert train["shape"] == [1, 2, 4, 64]  # [minibatches, microbatches, rows, T]
     # the params (fp32, fsdp over 4 chips) + AdamW moments + the EWMA copy are arguments
     assert train["hbm_args_bytes"] > 4 * rows[1]["hbm_args_bytes"] / 3 * 0.9
+
+
+def test_weight_sync_row_is_the_publish_reshard():
+    """``weight_sync``: the learner's fp32 params (fsdp over the 4 chips) cast to rollout.dtype and
+    replicated as the engine reads them; per chip its input is a quarter of the fp32 params and its
+    output a whole copy in the rollout dtype (TPU tiling pads the tiny model's small arrays, so
+    the bounds are loose), and it reads and writes at least those bytes."""
+    import jax
+    from flax import nnx
+
+    from jax_rl.compile import _model_config, compile_programs
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM
+
+    rows = {}
+    for dt in ("bfloat16", "float32"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, f"rollout.dtype={dt}"])
+        (rows[dt],) = compile_programs(cfg, "v5e:2x2", functions=("weight_sync",))
+    mc = _model_config(cfg, [])
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)))
+    n = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    for dt, size in (("bfloat16", 2), ("float32", 4)):
+        x = rows[dt]
+        assert KEYS <= set(x), KEYS - set(x)
+        assert x["function"] == "weight_sync" and x["shape"] == [n] and x["fits"] is True
+        assert n * 4 / 4 <= x["hbm_args_bytes"] < n * 4  # the learner's fsdp shard, not the whole
+        assert n * size <= x["hbm_out_bytes"] < n * (size + 2)  # one whole copy in the rollout dtype
+        assert x["bytes_accessed_per_chip"] >= x["hbm_args_bytes"] + x["hbm_out_bytes"]
+        assert x["roofline_step_s"] > 0 and x["mfu_bound"] is None and x["model_flops_per_chip"] is None
+    assert rows["float32"]["hbm_out_bytes"] > rows["bfloat16"]["hbm_out_bytes"]  # the cast is in the program
 
 
 def test_cli_does_not_fit_exit_1_and_bad_topology_exit_2(tmp_path):

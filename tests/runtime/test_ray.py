@@ -38,6 +38,10 @@ def test_ray_two_workers_survive_a_kill(tmp_path):
     assert s["episode_errors"] == 0 and s["dropped_overlong"] == s["buffer_dropped_overlong"] == 0
     ids = [g for x in rows for g in x["group_ids"]]
     assert len(ids) == len(set(ids)), "a group was trained twice"
+    # every publish is timed on the driver (the learner's put, the sends); the workers' cast/reshard
+    # seconds arrive when their set_params is done (possibly a row later)
+    assert all(x["weight_sync_s"] > 0.0 and x["weight_sync_cast_s"] >= 0.0 for x in rows)
+    assert s["weight_syncs"] == 3 and s["weight_sync_s_total"] == pytest.approx(sum(x["weight_sync_s"] for x in rows))
     assert (d / "ray_tmp").exists() or (d / "ray").exists()
 
 

@@ -90,6 +90,10 @@ def test_smoke_each_correction(tmp_path, correction, capsys):
     for key in ("sft_success", "final_success", "final_pass_at_k", "wall_s", "rl_steps"):
         assert key in summary, key
     assert summary["rl_steps"] == 2
+    # one publish per learner step, timed: each row's weight_sync_s is that step's publish
+    assert all(r["weight_sync_s"] > 0.0 and 0.0 < r["weight_sync_cast_s"] <= r["weight_sync_s"] for r in rows)
+    assert summary["weight_syncs"] == 2
+    assert summary["weight_sync_s_total"] == pytest.approx(sum(r["weight_sync_s"] for r in rows))
     assert (d / "config.yaml").exists() and (d / "eval.jsonl").exists()
     assert list((d / "plots").glob("*.png"))
     # each mode's pi_prox source is visible in its metrics
