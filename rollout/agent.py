@@ -114,6 +114,10 @@ class AgentLoop:
             max_cache_len, episode_timeout_s, group_size, slots, threads).
         max_workers: concurrent episodes; default ``max(cfg.slots * cfg.threads, cfg.group_size)``.
         env_name: name recorded in ``Trajectory.env`` (default: the env's ``name``).
+        track: keep every episode, from its start until :meth:`release`, so that
+            :meth:`unscored_prefixes` can ship the prefixes and token versions of finished and
+            in-flight episodes (``old_logits.route=interrupt|retire``,
+            :class:`jax_rl.old_logits.RetiringScorer`). Released keys are ``(group_id, sample_idx)``.
     """
 
     def __init__(
@@ -125,8 +129,12 @@ class AgentLoop:
         *,
         max_workers: Optional[int] = None,
         env_name: Optional[str] = None,
+        track: bool = False,
     ):
         self.generator = generator
+        self.track = bool(track)
+        self._live: dict[tuple[int, int], dict] = {}  # track: key -> {"tokens","mask","vers","fut","final"}
+        self._live_lock = threading.Lock()
         self.tok = tokenizer
         self.env_factory = env_factory
         self.cfg = cfg
@@ -180,6 +188,44 @@ class AgentLoop:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ tracking (exact old logits)
+    def unscored_prefixes(self) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray]]:
+        """Every tracked episode not yet released, as ``(key, tokens int32 [L], versions int32 [L],
+        loss_mask bool [L])``: a finished one's whole trajectory; an in-flight one's tokens so far,
+        with the current turn's tokens still in a generator slot (``generator.partial_tokens``) or in a
+        completion not yet appended. Consistent with the episode threads (one lock); every token
+        generated before the call is included (later ones may be)."""
+        out = []
+        partial = getattr(self.generator, "partial_tokens", None)
+        with self._live_lock:
+            for key, ep in self._live.items():
+                fin = ep["final"]
+                if fin is not None:
+                    out.append((key, fin.tokens, fin.versions, fin.loss_mask))
+                    continue
+                toks, vers, mask = list(ep["tokens"]), list(ep["vers"]), list(ep["mask"])
+                fut = ep["fut"]
+                extra = None
+                if fut is not None:
+                    rid = getattr(fut, "request_id", None)
+                    if partial is not None and rid is not None:
+                        extra = partial(rid)
+                    if extra is None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                        c = fut.result()
+                        extra = (c.tokens, c.versions)
+                if extra:
+                    toks += list(extra[0])
+                    vers += list(extra[1])
+                    mask += [True] * len(extra[0])
+                out.append((key, np.asarray(toks, np.int32), np.asarray(vers, np.int32), np.asarray(mask, bool)))
+        return out
+
+    def release(self, keys) -> None:
+        """Forget tracked episodes (their group is scored); unknown keys are ignored."""
+        with self._live_lock:
+            for k in keys:
+                self._live.pop(tuple(int(x) for x in k), None)
+
     # ------------------------------------------------------------------ one episode
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -201,8 +247,18 @@ class AgentLoop:
                                 "turn_starts": [], "finish_reasons": []}
         reward = 0.0
         env_name = self.env_name or ""
+        live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None}
+        lock = self._live_lock if self.track else contextlib.nullcontext()
+        if self.track:
+            with self._live_lock:
+                self._live[(int(group_id), int(sample_idx))] = live
 
         def append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
+            with lock:  # tracked: the lists and the pending request change together
+                _append(ids, gen, turn)
+                live["fut"] = None
+
+        def _append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
             tokens.extend(int(i) for i in ids)
             if gen is None:
                 mask.extend([False] * len(ids))
@@ -244,10 +300,14 @@ class AgentLoop:
                 ts = time.monotonic()
                 fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
                                             seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids)
+                with lock:
+                    live["fut"] = fut
                 try:
                     comp: Completion = fut.result(timeout=remaining_s)
                 except FutureTimeout:
                     fut.cancel()
+                    with lock:
+                        live["fut"] = None
                     info["truncated"] = "time"
                     break
                 info["gen_s"] += time.monotonic() - ts
@@ -318,10 +378,13 @@ class AgentLoop:
             self._count("answered")
         else:
             self._count("truncated")
-        return Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, bool),
+        traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, bool),
                           behav_logp=np.asarray(logp, np.float32), versions=np.asarray(vers, np.int32),
                           turn_ids=np.asarray(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
                           seed=int(task_seed), info=info)
+        with lock:  # tracked: kept (finished, unscored) until release()
+            live["final"], live["fut"] = traj, None
+        return traj
 
 
 def demo_chat(env: Env, seed: int, render_tools: bool = True) -> tuple[list[dict], Optional[list[dict]]]:

@@ -112,7 +112,7 @@ class Generator:
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Req] = collections.deque()
         self._pending: Optional[tuple[Any, int]] = None
-        self._step_lock = threading.Lock()  # one step at a time
+        self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
         self._state = engine.init_decode_state()
         self._ids = itertools.count()
@@ -205,6 +205,27 @@ class Generator:
             self._pending = (loaded, int(version))
             self._wake.notify_all()
         return cast_s
+
+    def apply_update_now(self) -> None:
+        """Apply a pending :meth:`update_params` now (waits for the decode step in progress): when
+        this returns, every later token carries the new version (the exact old-logit routes
+        ``interrupt`` / ``retire`` need the moment the fleet leaves a version)."""
+        with self._step_lock:
+            self._apply_pending()
+
+    def paused(self):
+        """Context manager: no step runs while it is held (the ``interrupt`` route's pause);
+        :meth:`apply_update_now` and :meth:`partial_tokens` may be called inside it."""
+        return self._step_lock
+
+    def partial_tokens(self, request_id: int) -> Optional[tuple[list, list]]:
+        """``(tokens, versions)`` generated so far by the request in a decode slot, copies; None
+        when the request is not in a slot (queued, finished or unknown)."""
+        with self._step_lock:
+            for req in self._slots:
+                if req is not None and req.request_id == request_id:
+                    return list(req.tokens), list(req.versions)
+        return None
 
     def step(self) -> bool:
         """One loop iteration (swap, admit, decode one token for all slots, finish).

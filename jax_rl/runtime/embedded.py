@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import jax
 
 from jax_rl.config import Config
-from jax_rl.correction import uses_dedicated_scorer
+from jax_rl.correction import scores_before_buffer, uses_dedicated_scorer, uses_retiring_scorer
 from jax_rl.runtime import components as C
 from jax_rl.runtime.components import EpisodeGuard
 from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
@@ -269,16 +269,22 @@ class EmbeddedProducer:
         self._learner = ctx.learner
         self.cfg = cfg
         dedicated = uses_dedicated_scorer(ctx.learner.strategy, cfg)
+        retiring = uses_retiring_scorer(ctx.learner.strategy, cfg)  # "interrupt" | "retire" | None
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
                                        groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size,
-                                       max_seq_len=cfg.optim.max_seq_len, require_old_logp=dedicated)
+                                       max_seq_len=cfg.optim.max_seq_len,
+                                       require_old_logp=scores_before_buffer(ctx.learner.strategy, cfg))
         params = ctx.learner.get_params()
         self.scorer = None
+        self.retirer = None  # old_logits.route=interrupt|retire: a jax_rl.old_logits.RetiringScorer
         self._scorer_s_reported = 0.0
-        if dedicated:
+        self._stall_reported = (0.0, 0.0)
+        if dedicated or retiring:
             from jax_rl.old_logits import OldLogitScorer
 
-            self.scorer = OldLogitScorer.for_learner(ctx.learner, cfg, pad_id=ctx.tokenizer.pad_id)
+            # interrupt/retire hold the fleet's version and at most one retiring one
+            self.scorer = OldLogitScorer.for_learner(ctx.learner, cfg, pad_id=ctx.tokenizer.pad_id,
+                                                     keep=2 if retiring else None)
             self.scorer.put(ctx.learner.version, params, copy=False)  # get_params() is already a copy
         if meta.get("buffer"):
             self.buffer.import_state(meta["buffer"])
@@ -286,7 +292,18 @@ class EmbeddedProducer:
                 self._score_restored()
         self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version)
                            for _ in range(cfg.rollout.threads)]
-        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout) for g in self.generators]
+        # interrupt/retire: the agents keep every unscored episode (finished or partial) for the retires
+        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=bool(retiring))
+                  for g in self.generators]
+        if retiring:
+            from jax_rl.old_logits import RetiringScorer
+
+            def release(keys):
+                for a in agents:
+                    a.release(keys)
+
+            self.retirer = RetiringScorer(self.scorer, lambda: [p for a in agents for p in a.unscored_prefixes()],
+                                          release, route=retiring, rows_per_forward=cfg.rollout.group_size)
         self._published = int(ctx.learner.version)
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         prod = meta.get("producer", {})
@@ -297,7 +314,8 @@ class EmbeddedProducer:
         if self.scorer is not None:
             from jax_rl.old_logits import ScoringQueue
 
-            self.scoring = ScoringQueue(self.scorer, self.manager._scored, cfg.old_logits.max_queued_groups)
+            self.scoring = ScoringQueue(self.retirer or self.scorer, self.manager._scored,
+                                        cfg.old_logits.max_queued_groups)
             self.manager.scoring = self.scoring
         self._started = False
 
@@ -312,9 +330,9 @@ class EmbeddedProducer:
             self.scorer.score_group([t for t in g if t.old_logp is None])
             n_left += sum(t.old_logp is None for t in g)
         if todo:
-            log.warning("old_logits.route=dedicated: %d restored group(s) had no exact old log-probs; %d trajectory(ies) "
+            log.warning("old_logits.route=%s: %d restored group(s) had no exact old log-probs; %d trajectory(ies) "
                         "could not be scored (their versions are gone) and are dropped (buffer/dropped_unscored)",
-                        len(todo), n_left)
+                        self.cfg.old_logits.route, len(todo), n_left)
 
     @property
     def fatal(self) -> Optional[str]:
@@ -337,6 +355,15 @@ class EmbeddedProducer:
         the generators' ``load_params``)."""
         t0 = time.perf_counter()
         params = jax.block_until_ready(self._learner.get_params())  # blocked: the copy is timed here
+        if self.retirer is not None:
+            # interrupt/retire: the retirer holds the params, moves every generator to ``version``
+            # (each has swapped when this returns) and retires the outgoing version's tokens
+            # (weight_sync_s then includes interrupt's stall and retire's wait, also logged apart)
+            cast_s = self.retirer.publish(int(version), params, self.generators)
+            self.weight_sync.add(time.perf_counter() - t0, cast_s)
+            self._published = int(version)
+            self.buffer.notify()
+            return
         if self.scorer is not None:
             # before any generator runs ``version``: every token of it finds its params. The
             # scorer keeps a reference to this device copy (same devices) or copies it to its own
@@ -359,6 +386,12 @@ class EmbeddedProducer:
         st["old_logits_s"] = total - self._scorer_s_reported  # scorer seconds since the previous row
         self._scorer_s_reported = total
         st["old_logits_queue"] = float(len(self.scoring)) if self.scoring is not None else 0.0
+        if self.retirer is not None:  # per-row seconds since the previous row, as old_logits_s
+            st.update(self.retirer.stats())
+            stall, wait = st.pop("old_logits_stall_s_total"), st.pop("old_logits_publish_wait_s_total")
+            st["old_logits_stall_s"] = stall - self._stall_reported[0]
+            st["old_logits_publish_wait_s"] = wait - self._stall_reported[1]
+            self._stall_reported = (stall, wait)
         return st
 
     def row(self) -> dict:
@@ -375,6 +408,11 @@ class EmbeddedProducer:
             st = self.scorer.stats()
             out.update(old_logits_scorer_s_total=st["old_logits_scorer_s_total"],
                        old_logits_scored=st["old_logits_scored"], old_logits_dropped=st["old_logits_dropped"])
+        if self.retirer is not None:
+            st = self.retirer.stats()
+            out.update({k: st[k] for k in ("old_logits_stall_s_total", "old_logits_publish_wait_s_total",
+                                           "old_logits_retired", "old_logits_max_held", "old_logits_stash_mismatch",
+                                           "old_logits_retire_errors")})
         return out
 
     def state(self) -> dict:
@@ -383,3 +421,5 @@ class EmbeddedProducer:
 
     def stop(self) -> None:
         self.manager.stop(timeout=5.0)
+        if self.retirer is not None:
+            self.retirer.stop(timeout=5.0)
