@@ -1,0 +1,244 @@
+"""Asynchronous vs synchronous RL under tool latency: wall-clock, idle fractions, time to a held-out success.
+
+    .venv/bin/python bench/async_speedup.py [--steps 60] [--latency 0.1] [--k 0 2 4] [--seeds 0]
+        [--threshold 0.45] [--eval-every 10] [--config configs/tiny_cpu.yaml]
+        [--json docs/results/async_speedup.json] [--out DIR] [key=value ...]
+
+For every seed and every K in ``--k`` it runs ``jax-rl train CONFIG`` (default ``configs/tiny_cpu.yaml``,
+what ``make train`` runs: SFT warm start, then PPO-EWMA on the calculator env) with
+``rollout.tool_latency_s=--latency`` (a real ``time.sleep`` in every tool call,
+:meth:`rollout.envs.base.BaseEnv._sleep`, which blocks only that episode's agent thread: the
+other episodes keep decoding), ``async.max_staleness=K`` (K = 0 is synchronous: a group starts
+only when its batch will be trained at the version it started on), ``run.steps=--steps``,
+``eval.every=--eval-every``, ``run.seed=SEED``, ``checkpoint.every=0`` (only the final save,
+after the timed window) and any extra ``key=value`` overrides; nothing else differs between
+runs. Each run is its own subprocess (no jit cache shared), run serially in the order printed;
+``os.getloadavg()`` is recorded before and after each.
+
+Figures per run, from its ``metrics.jsonl`` / ``eval.jsonl`` (timed window = learner steps 2..N;
+step 1 is left out because it holds the learner's and the decode's jit compiles):
+
+* ``wall_s``: ``wall_s[N] - wall_s[1]`` (seconds; includes the periodic held-out evals, which
+  run on the learner thread in every mode alike); ``s_per_step`` = that / (N - 1);
+  ``speedup`` = K=0's ``wall_s`` / this run's (same seed);
+* ``learner_idle``: ``sum(wait_s[2..N]) / wall_s``, the learner's share of the window spent in
+  :meth:`Producer.poll` waiting for a trainable batch;
+* ``rollout_idle``: the rollout threads' share of the window spent blocked in buffer admission
+  by the staleness bound (``rollout_idle_frac``, :meth:`jax_rl.runtime.embedded.RolloutManager.rollout_idle_frac`;
+  tool sleeps and decoding count as busy). The metric is cumulative since the producer started,
+  so the window's value is ``(f_N E_N - f_1 E_1) / (E_N - E_1)`` with ``E_i = wall_s[i] - t_rl0``,
+  ``t_rl0 = wall_s[1] - wait_s[1] - step_time_s[1] - publish_s[1]`` (the producer's start, to
+  within the batch assembly of step 1);
+* ``t_threshold_s``: seconds of the window until the first held-out eval during RL
+  (``eval.jsonl``: every ``--eval-every`` steps and the final eval at step N; the after-SFT eval
+  does not count, since RL on this config first dips below the SFT level, see
+  ``configs/tiny_cpu.yaml``) with success >= ``--threshold``, counted at the end of that eval's
+  learner step (steps 2..s); "not reached" when none is;
+* best held-out success during RL (and its step), final and after-SFT success, mean staleness of the consumed batches.
+
+Prints a rich table and appends one record per invocation (date, load, machine, args, git
+commit, every run) to ``--json`` (a JSON list; an existing file that is not a list is an error,
+never replaced). Target of issue 15: speed-up >= 1.5x at K = 2 with 100 ms tool latency; the
+script prints whether it is met and by how much it is missed, with the idle fractions that say
+why (a learner that is never idle is learner-bound: asynchrony cannot hide more than the
+rollout's share of a synchronous step). No assertion; numbers depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
+    """The figures of one finished run dir (see the module doc). Raises ValueError when the run
+    has fewer than 2 learner steps (no timed window)."""
+    rows = _rows(run_dir / "metrics.jsonl")
+    if len(rows) < 2:
+        raise ValueError(f"{run_dir}: {len(rows)} learner step(s) in metrics.jsonl; the timed window needs >= 2")
+    evals = _rows(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").exists() else []
+    first, last = rows[0], rows[-1]
+    wall = last["wall_s"] - first["wall_s"]
+    wait = sum(r["wait_s"] for r in rows[1:])
+    t0 = first["wall_s"] - first["wait_s"] - first["step_time_s"] - first.get("publish_s", 0.0)
+    e1, en = first["wall_s"] - t0, last["wall_s"] - t0
+    f1, fn = first.get("rollout_idle_frac"), last.get("rollout_idle_frac")
+    rollout_idle = None if f1 is None or fn is None else (fn * en - f1 * e1) / (en - e1)
+    wall_at = {int(r["step"]): r["wall_s"] - first["wall_s"] for r in rows}
+    wall_at[0] = 0.0
+    t_thr = None
+    step_thr = None
+    for e in sorted(evals, key=lambda e: e["step"]):
+        s = int(e["step"])
+        if s >= 1 and e["success"] >= threshold and s in wall_at:
+            t_thr, step_thr = max(0.0, wall_at[s]), s
+            break
+    rl_evals = [e for e in evals if int(e["step"]) >= 1]
+    best = max(rl_evals, key=lambda e: e["success"]) if rl_evals else None
+    final = [e for e in evals if e.get("label") == "final"]
+    return {
+        "steps": int(last["step"]), "timed_steps": len(rows) - 1, "wall_s": wall, "s_per_step": wall / (len(rows) - 1),
+        "learner_idle": wait / wall if wall > 0 else None, "rollout_idle": rollout_idle,
+        "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in rows[1:]) / (len(rows) - 1),
+        "step_time_s_mean": sum(r["step_time_s"] for r in rows[1:]) / (len(rows) - 1),
+        "first_step_s": first["wait_s"] + first["step_time_s"],
+        "t_threshold_s": t_thr, "threshold_step": step_thr,
+        "best_success": best["success"] if best else None, "best_step": int(best["step"]) if best else None,
+        "final_success": final[-1]["success"] if final else None,
+        "sft_success": next((e["success"] for e in evals if e.get("label") == "after_sft"), None),
+        "evals": [[int(e["step"]), float(e["success"])] for e in evals],
+    }
+
+
+def _git_commit() -> Optional[str]:
+    """HEAD of the checkout the script runs from (``BENCH_GIT_COMMIT`` when it is an exported tree)."""
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append ``record`` to the JSON list at ``path`` (created when missing; written atomically).
+
+    Raises:
+        ValueError: the file exists and does not hold a JSON list (it is left untouched).
+    """
+    old: list = []
+    if path.exists():
+        old = json.loads(path.read_text())
+        if not isinstance(old, list):
+            raise ValueError(f"{path} holds a {type(old).__name__}, not a JSON list of records: not replaced")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(old + [record], indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(x: Optional[float], spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60, help="RL learner steps per run (>= 2)")
+    ap.add_argument("--latency", type=float, default=0.1, help="rollout.tool_latency_s (seconds per tool call)")
+    ap.add_argument("--k", type=int, nargs="+", default=[0, 2, 4], help="async.max_staleness values (0 = synchronous)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed values")
+    ap.add_argument("--threshold", type=float, default=0.45, help="held-out success to reach")
+    ap.add_argument("--eval-every", type=int, default=10, help="eval.every (learner steps)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "async_speedup.json"),
+                    help="JSON list the record is appended to ('' = none)")
+    ap.add_argument("--out", default="", help="parent dir of the run dirs (default runs/async_speedup-<UTC time>)")
+    ap.add_argument("--run-timeout", type=float, default=1200.0, help="seconds before one run is killed")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
+    a = ap.parse_args(argv)
+    if a.steps < 2:
+        ap.error("--steps must be >= 2 (step 1 holds the compiles and is left out of the timed window)")
+    for o in a.overrides:
+        if "=" not in o:
+            ap.error(f"override {o!r} is not key=value")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(a.out) if a.out else ROOT / "runs" / f"async_speedup-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    order = [(s, k) for s in a.seeds for k in a.k]
+    load_start = os.getloadavg()
+    con.print(f"[bold]async speed-up[/] {stamp:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}, {os.cpu_count()} CPUs; "
+              f"config {a.config}, tool latency {a.latency * 1e3:g} ms, {a.steps} steps; "
+              f"each run its own subprocess, serially: " + ", ".join(f"seed {s} K={k}" for s, k in order))
+    runs: list[dict] = []
+    for seed, k in order:
+        rd = out / f"k{k}_seed{seed}"
+        cmd = [sys.executable, "-m", "jax_rl.cli", "train", a.config, f"run.steps={a.steps}",
+               f"eval.every={a.eval_every}", "checkpoint.every=0", f"rollout.tool_latency_s={a.latency}",
+               f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={rd}", "logging.progress=false",
+               *a.overrides]
+        load0 = os.getloadavg()
+        t = time.perf_counter()
+        con.print(f"  run seed {seed} K={k} -> {rd}", highlight=False)
+        with open(out / f"k{k}_seed{seed}.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.run_timeout,
+                                    env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        rec: dict[str, Any] = {"k": k, "seed": seed, "run_dir": str(rd), "rc": rc, "process_s": time.perf_counter() - t,
+                               "load_before": list(load0), "load_after": list(os.getloadavg())}
+        try:
+            rec.update(run_figures(rd, a.threshold))
+        except (OSError, ValueError, KeyError) as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            con.print(f"  [red]run seed {seed} K={k} gave no figures (rc={rc}): {rec['error']}; log {out / f'k{k}_seed{seed}.log'}[/]")
+        runs.append(rec)
+    base = {r["seed"]: r for r in runs if r["k"] == 0 and "wall_s" in r}
+    for r in runs:
+        b = base.get(r["seed"])
+        r["speedup"] = b["wall_s"] / r["wall_s"] if b and "wall_s" in r else None
+
+    tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
+                      f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
+    for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "speed-up vs K=0", "learner idle", "rollout idle",
+              "staleness", f"time to held-out >= {a.threshold:g}", "best RL held-out (step)", "final", "load before/after"):
+        tab.add_column(c, justify="right")
+    for r in runs:
+        if "wall_s" not in r:
+            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 9)
+            continue
+        thr = (f"{r['t_threshold_s']:.0f} s (step {r['threshold_step']})" if r["t_threshold_s"] is not None
+               else "not reached")
+        tab.add_row(str(r["k"]), str(r["seed"]), f"{r['wall_s']:.1f}", f"{r['s_per_step']:.2f}",
+                    _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+                    _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
+                    thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
+                    f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}")
+    con.print(tab)
+
+    k2 = [r for r in runs if r["k"] == 2 and r.get("speedup") is not None]
+    verdict = None
+    if k2 and abs(a.latency - 0.1) < 1e-9:
+        sp = sum(r["speedup"] for r in k2) / len(k2)
+        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5}
+        if sp >= 1.5:
+            con.print(f"target met: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)")
+        else:
+            k0 = [base[r["seed"]] for r in k2]
+            con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
+                      f"Learner idle K=0 {sum(b['learner_idle'] for b in k0) / len(k0):.1%} vs K=2 "
+                      f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
+                      f"{sum(r['rollout_idle'] or 0 for r in k2) / len(k2):.1%}: a K=2 learner that is rarely "
+                      "idle while the rollout waits on the bound is learner-bound (CPU shared by learner and decode).")
+    record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_start": list(load_start), "load_end": list(os.getloadavg()),
+              "cpu_count": os.cpu_count(), "git_commit": _git_commit(), "config": a.config, "steps": a.steps,
+              "latency_s": a.latency, "k": a.k, "seeds": a.seeds, "threshold": a.threshold, "eval_every": a.eval_every,
+              "overrides": a.overrides, "serial_subprocesses": True, "order": [[s, k] for s, k in order],
+              "runs": runs, "verdict": verdict}
+    if a.json:
+        append_record(Path(a.json), record)
+        con.print(f"appended to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
