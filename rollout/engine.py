@@ -12,6 +12,9 @@ is produced by the params passed to the ``generate`` call that emitted it):
   logits, and return per slot ``(token, valid, n_generated, logp, kept_mass)``. The sampled
   token becomes the new pending token. So weights swapped between two ``generate`` calls take
   effect on the very next token (there is no one-step lag).
+* ``generate_steps(params, state, n)`` runs ``n`` such steps in one jitted ``lax.scan`` (one
+  dispatch and one host transfer for ``n`` tokens per slot; ``rollout.decode_steps``): the same
+  tokens and log-probs as ``n`` ``generate`` calls, all produced by ``params``.
 
 Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
 
@@ -150,12 +153,13 @@ def sample_tokens(
 
 
 def unpack_result(result: Any) -> dict[str, np.ndarray]:
-    """One host transfer of a ``generate`` result.
+    """One host transfer of a ``generate`` result (a ``ResultTokens``, or a [B, cols] data
+    array such as one step ``generate_steps(...)[1][i]``).
 
     Returns a dict of numpy arrays [B]: ``tokens`` int32, ``valid`` bool, ``lengths`` int32
     (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32.
     """
-    data = np.asarray(result.data)
+    data = np.asarray(getattr(result, "data", result))  # a ResultTokens or its data array
     return {
         "tokens": data[:, 0].astype(np.int32),
         "valid": data[:, 1].astype(bool),
@@ -416,6 +420,14 @@ class Qwen3Engine(Engine):
         self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
         self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
 
+        def generate_steps_fn(params, state, n):
+            # n steps of generate_fn in one on-device loop; every per-step output leaf (data
+            # [B, cols]) is stacked on a new leading axis [n, ...]
+            return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
+
+        self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
+
+
     # ------------------------------------------------------------------ Engine API
     def load_params(self, params: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Cast float leaves of ``params`` to the compute dtype and place them on the device(s).
@@ -553,6 +565,38 @@ class Qwen3Engine(Engine):
         """
         state, data = self._generate_jit(params, decode_state)
         return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
+
+    def generate_steps(self, params: Any, decode_state: dict, n: int) -> tuple[dict, Any]:
+        """``n`` decode steps for all slots in ONE jitted call (``decode_state`` is donated).
+
+        A ``jax.lax.scan`` of the very step :meth:`generate` runs, carrying the decode state
+        (the cache written in place at each slot's position, as one step does): the same tokens,
+        log-probs and keys as ``n`` :meth:`generate` calls (a token's key depends only on its
+        request seed and absolute position), with one dispatch and one host transfer instead of
+        ``n``. The caller cannot act between the ``n`` steps: a slot keeps decoding after a stop
+        token or its budget (the caller discards those tokens; the slot's cache rows past its
+        length are masked and overwritten by the next :meth:`insert`), and a slot whose cache
+        fills mid-chunk turns inactive (``valid = 0``) for the rest of the chunk, as it would
+        across calls. All ``n`` tokens are produced by ``params``. ``n`` is static: each value
+        compiles its own program.
+
+        Args:
+          params: engine params (from :meth:`load_params`).
+          decode_state: the state from :meth:`init_decode_state` / :meth:`insert` / a previous call.
+          n: steps, >= 1.
+
+        Returns:
+          ``(new_state, data)``: ``data`` int32 [n, B, cols], step ``i``'s ``ResultTokens.data``
+          at ``data[i]`` (columns as in the module docstring; :func:`unpack_result` reads
+          ``data[i]``).
+
+        Raises:
+          ValueError: ``n < 1``.
+        """
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"generate_steps needs n >= 1, got {n}")
+        return self._generate_steps_jit(params, decode_state, n)
 
     def get_prefix_destination_sharding(self) -> Any:
         return self._sharding

@@ -6,9 +6,11 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 1. apply a pending ``update_params(params, version)`` (weights swap only here, between decode
    steps) and treat the sequences already in slots according to ``partial``;
 2. prefill queued requests into free slots (with the *current* params);
-3. one jitted ``engine.generate`` for all slots; tokens/log-probs come back in ONE host transfer;
-4. append per slot (token, logp, version), finish sequences that hit a stop id, their token
-   budget or the cache capacity, and resolve their futures.
+3. one jitted ``engine.generate`` for all slots (``decode_steps`` = n > 1: one
+   ``engine.generate_steps`` of n steps); tokens/log-probs come back in ONE host transfer;
+4. append per slot (token, logp, version), step by step, finish sequences that hit a stop id,
+   their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
+   finished slot decoded later in the same call are discarded).
 
 Version semantics: ``engine.generate`` feeds each slot's pending token and samples the next one
 in the same call, so a token is produced by exactly the params of the step that emitted it; its
@@ -90,14 +92,27 @@ class Generator:
       params: initial params (already loaded with ``engine.load_params``); default
         ``engine.params``.
       version: version of the initial params.
+      decode_steps: decode steps per engine call (``rollout.decode_steps``, >= 1). 1: one
+        ``engine.generate`` per step. n > 1: one ``engine.generate_steps(params, state, n)``
+        (one dispatch, one host transfer) per step; the n tokens of each slot are consumed in
+        order and a slot that finishes mid-chunk (stop id, budget, cache capacity) keeps the
+        tokens up to and including its last one, the rest are discarded (counted in
+        ``stats["discarded_tokens"]``). Weight swaps and admissions happen between calls, so a
+        swap waits at most n - 1 tokens; every token carries the version of the params that
+        produced it. The tokens and log-probs equal decode_steps=1's (keys are per request seed
+        and position); only the batching of later requests shifts.
 
     Raises:
-      ValueError: unknown ``partial`` or no params.
+      ValueError: unknown ``partial``, no params, or ``decode_steps < 1``.
     """
 
-    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0) -> None:
+    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
+                 decode_steps: int = 1) -> None:
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial must be one of {PARTIAL_MODES}, got {partial!r}")
+        if int(decode_steps) < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = int(decode_steps)
         self.engine = engine
         self.partial = partial
         self._params = params if params is not None else engine.params
@@ -228,7 +243,7 @@ class Generator:
         return None
 
     def step(self) -> bool:
-        """One loop iteration (swap, admit, decode one token for all slots, finish).
+        """One loop iteration (swap, admit, decode ``decode_steps`` tokens for all slots, finish).
 
         Returns True if work remains (active slots, queued requests or a pending swap).
         """
@@ -386,13 +401,29 @@ class Generator:
             self.stats["prefills"] += 1
 
     def _decode(self) -> None:
-        self._state, result = self.engine.generate(self._params, self._state)
-        r = unpack_result(result)  # the one host sync of the step
+        if self.decode_steps == 1:
+            self._state, result = self.engine.generate(self._params, self._state)
+            steps = [unpack_result(result)]  # the one host sync of the step
+        else:  # n steps in one call: [n, B, cols], one host sync for all of them
+            self._state, data = self.engine.generate_steps(self._params, self._state, self.decode_steps)
+            steps = [unpack_result(d) for d in np.asarray(data)]
+        v = self._version  # all n tokens of the call were produced by self._params
+        self.stats["calls"] += 1
+        live = [req is not None for req in self._slots]  # slots with a request when the call began
+        for r in steps:
+            self._consume_step(r, v, live)
+
+    def _consume_step(self, r: dict, v: int, live: list) -> None:
+        """Append one decode step's outputs (``unpack_result`` dict of [B] arrays) to the live
+        requests in slots, finishing those that stop. ``v``: the version of the step's params;
+        ``live`` [B] bool: the slot held a request when the call began (a valid token of such a
+        slot whose request finished earlier in the call is discarded and counted)."""
         toks, valid, logps, kept = r["tokens"], r["valid"], r["logps"], r["kept_mass"]
-        v = self._version
         self.stats["steps"] += 1
         for slot, req in enumerate(self._slots):
             if req is None:
+                if live[slot] and valid[slot]:
+                    self.stats["discarded_tokens"] += 1
                 continue
             if not valid[slot]:  # cache full before this token (should not happen: see below)
                 self._slots[slot] = None

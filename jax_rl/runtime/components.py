@@ -380,7 +380,7 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
     )
-    gen = Generator(engine, partial=r.partial, version=version)
+    gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)
     gen.start()
     return gen
 
