@@ -1,0 +1,128 @@
+"""``rollout.decode_steps``: n decode steps per engine call (``Qwen3Engine.generate_steps``, one
+``lax.scan``) give the same tokens, log-probs, kept mass and version tags as one step per call,
+with stops and cache ends mid-chunk and weight swaps between chunks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_rl.models import qwen3 as q
+from rollout.engine import Qwen3Engine
+from rollout.generator import Generator
+
+S = 32
+N = 4  # decode_steps under test
+
+
+@pytest.fixture(scope="module")
+def model():
+    return q.Qwen3ForCausalLM(q.get_preset("tiny_dense"), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def params2(model):
+    return nnx.state(q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(1)), nnx.Param)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # top_k on: kept_mass is a real per-token output, not the constant 1
+    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=2, max_cache_len=S,
+                       dtype="float32", temperature=1.0, top_k=16)
+
+
+def _armed(engine, prompts):
+    st = engine.init_decode_state()
+    for slot, (prompt, seed) in enumerate(prompts):
+        st = engine.insert(engine.prefill_tokens(engine.params, prompt, seed=seed), st, slot)
+    return st
+
+
+def test_generate_steps_equals_repeated_generate_through_the_cache_end(engine):
+    # slot 1: 26 cached + 1 pending, 6 free positions: it fills the cache inside the 2nd chunk
+    prompts = [([1, 2, 3], 11), (list(range(1, S - 4)), 12)]
+    a = _armed(engine, prompts)
+    one = []
+    for _ in range(2 * N):
+        a, res = engine.generate(engine.params, a)
+        one.append(np.asarray(res.data))
+    b = _armed(engine, prompts)
+    b, d1 = engine.generate_steps(engine.params, b, N)
+    b, d2 = engine.generate_steps(engine.params, b, N)
+    chunked = np.concatenate([np.asarray(d1), np.asarray(d2)])
+    assert chunked.shape == (2 * N, 2, np.stack(one).shape[-1])
+    np.testing.assert_array_equal(chunked, np.stack(one))  # tokens, valid, n_generated, logp/kept bits
+    valid = chunked[:, 1, 1]
+    assert valid[:6].all() and not valid[6:].any()  # 6 free positions, then inactive, in chunk 2
+    assert int(np.asarray(b["cache"].lengths)[0]) == 3 - 1 + 2 * N
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # same cache, keys, lengths
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="n >= 1"):
+        engine.generate_steps(engine.params, b, 0)
+
+
+def _run(engine, decode_steps, prompts, budgets, stop_ids=()):
+    gen = Generator(engine, decode_steps=decode_steps)
+    futs = [gen.submit(p, max_new_tokens=m, seed=100 + i, stop_ids=stop_ids)
+            for i, (p, m) in enumerate(zip(prompts, budgets))]
+    gen.run_until_idle()
+    return [f.result() for f in futs], gen
+
+
+def test_generator_decode_steps_identical_with_stops_budgets_and_cache_end(engine):
+    # 4 requests on 2 slots (continuous batching; the later ones are admitted at other steps
+    # with decode_steps=4): a budget of 6 (mid-chunk), one that reaches the cache end after 5
+    # tokens (mid-chunk), and free runs; then a stop id taken from a free run
+    prompts = [[5, 6, 7], list(range(3, S - 2)), [9, 10], [11, 12, 13, 14]]
+    budgets = [6, 40, 13, 10]
+    ref, _ = _run(engine, 1, prompts, budgets)
+    assert [c.finish_reason for c in ref] == ["length"] * 4
+    assert [len(c.tokens) for c in ref] == [6, S - len(prompts[1]), 13, 10]
+    # stop at request 2's 3rd token (index 2: mid-chunk), unless it occurs earlier in any request
+    stop = ref[2].tokens[2]
+    ref_s, _ = _run(engine, 1, prompts, budgets, stop_ids=[stop])
+    assert ref_s[2].finish_reason == "stop" and len(ref_s[2].tokens) <= 3
+    for want, stops in ((ref, ()), (ref_s, [stop])):
+        got, gen = _run(engine, N, prompts, budgets, stop_ids=stops)
+        for w, g in zip(want, got):
+            assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+            assert g.logps == w.logps  # bit-identical floats
+            assert g.versions == w.versions == [0] * len(w.tokens)
+            assert g.info["kept_mass"] == w.info["kept_mass"]
+        assert gen.stats["steps"] == N * gen.stats["calls"]
+        assert gen.stats["discarded_tokens"] > 0  # slots that finished mid-chunk decoded on
+
+
+@pytest.mark.parametrize("partial", ["continue", "recompute_kv", "abort"])
+def test_weight_swap_between_chunks_tags_versions(engine, params2, partial):
+    p2 = engine.load_params(params2)
+    prompts, budgets = [[1, 2, 3, 4], [8, 9]], [11, 9]
+
+    def run(decode_steps, swap_after_steps):
+        gen = Generator(engine, decode_steps=decode_steps, partial=partial)
+        futs = [gen.submit(p, max_new_tokens=m, seed=7 + i) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        for _ in range(swap_after_steps // decode_steps):
+            gen.step()
+        gen.update_params(p2, 1)
+        gen.run_until_idle()
+        return [f.result() for f in futs]
+
+    ref, got = run(1, N), run(N, N)  # the swap lands after N tokens in both
+    for w, g in zip(ref, got):
+        assert g.tokens == w.tokens and g.logps == w.logps and g.versions == w.versions
+        assert g.info["reissues"] == w.info["reissues"] and g.info["recomputes"] == w.info["recomputes"]
+    if partial == "abort":  # the partial turns were dropped and re-issued under version 1
+        assert all(set(g.versions) == {1} for g in got)
+    else:
+        assert all(g.versions == [0] * N + [1] * (len(g.tokens) - N) for g in got)
+    # the new params really produce the later tokens: not the tokens an unswapped run samples
+    plain, _ = _run(engine, N, prompts, budgets)
+    assert any(g.logps != p.logps for g, p in zip(got, plain))
+
+
+def test_decode_steps_validated(engine):
+    with pytest.raises(ValueError, match="decode_steps"):
+        Generator(engine, decode_steps=0)
