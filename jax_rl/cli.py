@@ -125,7 +125,8 @@ def cmd_plot(args) -> int:
         from jax_rl.plots import plot_runs
     except ImportError as e:  # pragma: no cover
         return _not_built(f"plot ({e})")
-    paths = plot_runs(args.run_dirs, out_dir=args.out)
+    group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
+    paths = plot_runs(args.run_dirs, out_dir=args.out, group_by=group_by)
     for p in paths:
         print(p)
     return 0
@@ -215,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
     pl.add_argument("run_dirs", nargs="+", help="run dirs holding metrics.jsonl")
     pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
+    pl.add_argument("--group-by", default=None, metavar="KEYS",
+                    help="comma-separated config keys, e.g. loss.correction,async.max_staleness: also "
+                         "groups.png, the mean +- std band over the runs of each group (seeds), with "
+                         "EWMA reset markers")
     pl.set_defaults(func=cmd_plot)
     return p
 

@@ -144,3 +144,35 @@ def test_open_bucket_from_losses(tmp_path):
     assert counts.tolist() == [20, 0, 0, 0, 0, 0, 0, 0, 6]
     (p,) = [p for p in plot_runs(d) if p.name == "staleness_hist.png"]
     _pixels(p)
+
+
+def test_band_hand_table():
+    """Mean and std over runs on the union of steps; a step logged by one run has std 0."""
+    from jax_rl.plots import band
+
+    x, m, sd, n = band([np.array([0, 25, 50]), np.array([0, 25])], [np.array([0.2, 0.4, 0.6]), np.array([0.4, 0.8])],
+                       smooth=False)
+    np.testing.assert_array_equal(x, [0, 25, 50])
+    np.testing.assert_allclose(m, [0.3, 0.6, 0.6])
+    np.testing.assert_allclose(sd, [0.1, 0.2, 0.0])
+    np.testing.assert_array_equal(n, [2, 2, 1])
+    x, m, sd, n = band([], [])
+    assert x.size == m.size == 0
+
+
+def test_group_by_seeds_writes_bands(tmp_path):
+    """Two modes x two seeds: groups by loss.correction, one colour per group, reset ticks."""
+    from jax_rl.plots import group_runs, load_run
+
+    dirs = [_make_run(tmp_path / f"{c}_s{s}", correction=c, seed=s) for c in ("ppo_ewma", "decoupled") for s in (0, 1)]
+    groups = group_runs([load_run(d) for d in dirs], ["loss.correction"])
+    assert list(groups) == ["correction=ppo_ewma", "correction=decoupled"]
+    assert [len(v) for v in groups.values()] == [2, 2]
+    paths = plot_runs(dirs, out_dir=tmp_path / "out", group_by=["loss.correction"])
+    assert paths[-1].name == "groups.png"
+    px = _pixels(paths[-1])
+    packed = {tuple(p) for p in px[::7]}
+    assert BLUE in packed and RED in packed  # group 0 and group 1 colours
+    with pytest.raises(ValueError, match="unknown signal"):
+        from jax_rl.plots import plot_groups
+        plot_groups(groups, tmp_path / "x.png", signals=["nope"])
