@@ -228,7 +228,8 @@ class WeightSyncClock:
     arrays (async dispatch would otherwise hide the work). Not thread-safe: one caller thread.
 
     :meth:`row` gives the seconds since the previous row (the publishes in between: one per
-    learner step in :func:`run_rl`), :meth:`summary` the run totals and the number of publishes.
+    learner step in :func:`run_rl`), :meth:`summary` the totals and the number of publishes of
+    this process (not checkpointed: a resumed run counts from its resume).
     """
 
     def __init__(self) -> None:
