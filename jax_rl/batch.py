@@ -32,6 +32,9 @@ class LearnerBatch:
             (``exact``: log pi_v per token).
         old_logp: float32 or None, exact log pi_v next to an approximate mode
             (``old_logits.measure_error``).
+        routes: int8/int16 [B, T, n_moe_layers, k] or None (``moe.routing_replay``): the rollout
+            engine's top-k expert ids per position and MoE layer (``Trajectory.routes``; -1 =
+            none: the learner's router decides there). Inside the step [U, m, r, T, n_moe_layers, k].
     """
 
     tokens: Any
@@ -43,6 +46,7 @@ class LearnerBatch:
     advantages: Any
     prox_logp: Any = None
     old_logp: Any = None
+    routes: Any = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LearnerBatch":
@@ -66,20 +70,25 @@ BATCH_FIELDS: dict[str, tuple[str, Any]] = {
 OPTIONAL_FIELDS: dict[str, tuple[str, Any]] = {
     "prox_logp": ("float", np.float32),
     "old_logp": ("float", np.float32),  # exact log pi_v (e.g. from another old-logit route)
+    "routes": ("routes", np.int32),  # [B, T, n_moe_layers, k]; stored in jax_rl.models.qwen3.route_dtype
 }
 
 
-def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False, old: bool = False) -> LearnerBatch:
+def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False, old: bool = False,
+                   routes: Optional[tuple[tuple[int, int], Any]] = None) -> LearnerBatch:
     """A :class:`LearnerBatch` of ``jax.ShapeDtypeStruct`` (``shape``, e.g. [U, m, r, T], with
     ``sharding``) for AOT ``lower().compile()``: every :data:`BATCH_FIELDS` field, plus float32
     ``prox_logp`` (``prox``: a host-supplied pi_prox, ``exact``) and ``old_logp`` (``old``: the
-    exact log-probs beside an approximate mode)."""
+    exact log-probs beside an approximate mode); ``routes`` = ((n_moe_layers, k), dtype): the
+    recorded expert ids [*shape, n_moe_layers, k] (``moe.routing_replay``)."""
     import jax
 
     fields = {k: jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sharding) for k, (_, dt) in BATCH_FIELDS.items()}
     for name, want in (("prox_logp", prox), ("old_logp", old)):
         if want:
             fields[name] = jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=sharding)
+    if routes is not None:
+        fields["routes"] = jax.ShapeDtypeStruct(tuple(shape) + tuple(routes[0]), routes[1], sharding=sharding)
     return LearnerBatch.from_dict(fields)
 
 
@@ -107,11 +116,13 @@ def collate(
         dict of numpy arrays [B, T]: tokens int32, attention_mask bool, loss_mask bool,
         behav_logp float32, versions int32 (-1 pad), turn_ids int32 (-1 pad), advantages
         float32 (0 pad); and ``old_logp`` float32 (0 pad) when the trajectories carry it
-        (``old_logits.route=dedicated``).
+        (``old_logits.route=dedicated``); ``routes`` [B, T, n_moe_layers, k] (their int dtype,
+        -1 pad) when they carry routes (``moe.routing_replay``).
 
     Raises:
         BatchError: no trajectories, mismatched lengths, a trajectory longer than max_seq_len,
-            ``old_logp`` on some trajectories but not all.
+            ``old_logp`` or ``routes`` on some trajectories but not all, routes of different
+            shapes.
     """
     if len(trajectories) == 0:
         raise BatchError("collate got no trajectories")
@@ -153,6 +164,20 @@ def collate(
             if a.shape != (lens[b],):
                 raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
             out["old_logp"][b, :lens[b]] = a
+    rts = [(t.get("routes") if isinstance(t, Mapping) else getattr(t, "routes", None)) for t in trajectories]
+    if any(r is not None for r in rts):
+        if any(r is None for r in rts):
+            raise BatchError(f"{sum(r is None for r in rts)} of {B} trajectories carry no routes while the others do "
+                             "(moe.routing_replay records them for every trajectory of a run)")
+        tails = {np.shape(r)[1:] for r in rts}
+        if len(tails) != 1 or len(next(iter(tails))) != 2:
+            raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
+        dt = np.result_type(*[np.asarray(r).dtype for r in rts])
+        out["routes"] = np.full((B, T, *next(iter(tails))), -1, dt)
+        for b, r in enumerate(rts):
+            if np.shape(r)[0] != lens[b]:
+                raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
+            out["routes"][b, :lens[b]] = r
     for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
         n = lens[b]
         for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
@@ -179,6 +204,7 @@ def validate_batch(
     row_divisor: int = 1,
     current_version: Optional[int] = None,
     require_versions: bool = False,
+    num_experts: Optional[int] = None,
 ) -> dict[str, np.ndarray]:
     """Check a learner batch and return normalised numpy copies (int32 / bool / float32).
 
@@ -189,6 +215,8 @@ def validate_batch(
         row_divisor: B must be a multiple of this (minibatches * microbatches).
         current_version: loss tokens may not carry a version above it (a future version).
         require_versions: every loss token must carry a version >= 0 (exact old logits).
+        num_experts: ``routes`` ids must lie in [-1, num_experts) and are stored in
+            ``jax_rl.models.qwen3.route_dtype(num_experts)`` (None: int32, ids >= -1).
 
     Returns:
         dict of numpy arrays with the dtypes of :data:`BATCH_FIELDS`.
@@ -220,6 +248,9 @@ def validate_batch(
     spec = dict(BATCH_FIELDS)
     spec.update({k: v for k, v in OPTIONAL_FIELDS.items() if k in batch})
     for k, (kind, dt) in spec.items():
+        if kind == "routes":
+            out[k] = _routes_field(batch[k], (B, T), num_experts)
+            continue
         out[k] = _field(k, kind, dt, batch[k], (B, T))
     am, lm = out["attention_mask"], out["loss_mask"]
     if np.any(lm & ~am):
@@ -242,6 +273,23 @@ def validate_batch(
     if require_versions and v.size and v.min() < 0:
         raise BatchError("loss.correction=exact needs batch['versions'] >= 0 on every loss token")
     return out
+
+
+def _routes_field(value: Any, shape: tuple[int, int], num_experts: Optional[int]) -> np.ndarray:
+    """``batch['routes']`` checked: int [B, T, n_moe_layers, k], ids in [-1, num_experts)."""
+    a = np.asarray(value)
+    if a.ndim != 4 or a.shape[:2] != shape:
+        raise BatchError(f"batch['routes'] has shape {a.shape}; expected {shape} + (n_moe_layers, k)")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise BatchError(f"batch['routes'] has dtype {a.dtype}; expected an integer dtype")
+    hi = num_experts if num_experts is not None else np.iinfo(np.int32).max
+    if a.size and (a.min() < -1 or a.max() >= hi):
+        raise BatchError(f"batch['routes'] has expert ids outside [-1, {hi}) (min {a.min()}, max {a.max()})")
+    if num_experts is None:
+        return np.ascontiguousarray(a, dtype=np.int32)
+    from jax_rl.models.qwen3 import route_dtype
+
+    return np.ascontiguousarray(a, dtype=route_dtype(num_experts))
 
 
 def _field(k: str, kind: str, dt: Any, value: Any, shape: tuple[int, int]) -> np.ndarray:

@@ -126,7 +126,8 @@ class BatchPlacement:
 
     def device_batch(self, batch: Mapping[str, np.ndarray], *, process_local: bool, U=None, m=None
                       ) -> tuple[dict[str, jax.Array], int]:
-        """Host batch -> dict of global [U, m, r, T] arrays. Returns (arrays, r)."""
+        """Host batch -> dict of global [U, m, r, T] arrays (a field with trailing dims, e.g.
+        ``routes`` [B, T, n_moe_layers, k], keeps them: [U, m, r, T, ...]). Returns (arrays, r)."""
         B_local, T = np.shape(batch["tokens"])
         nproc = jax.process_count()
         if process_local and nproc > 1:
@@ -150,14 +151,15 @@ class BatchPlacement:
             lo, hi = self.local_row_range(r, T)
         for k, v in batch.items():
             a = np.asarray(v)
+            tail = a.shape[2:]
             if process_local and nproc > 1:
-                local = a.reshape(U, m, -1, T)
+                local = a.reshape(U, m, -1, T, *tail)
             elif nproc > 1:
-                local = a.reshape(U, m, r, T)[:, :, lo:hi]
+                local = a.reshape(U, m, r, T, *tail)[:, :, lo:hi]
             else:
-                out[k] = jax.device_put(a.reshape(gshape), sh)
+                out[k] = jax.device_put(a.reshape(gshape + tail), sh)
                 continue
-            out[k] = jax.make_array_from_process_local_data(sh, np.ascontiguousarray(local), gshape)
+            out[k] = jax.make_array_from_process_local_data(sh, np.ascontiguousarray(local), gshape + tail)
         return out, r
 
     def sync_global(self, b: dict) -> tuple[dict, int]:
@@ -171,8 +173,9 @@ class BatchPlacement:
         allv = np.asarray(multihost_utils.process_allgather(np.array([T, n_loss], np.int64))).reshape(-1, 2)
         T_glob, n_glob = int(allv[:, 0].max()), int(allv[:, 1].sum())
         if T_glob > T:
-            pad = {"tokens": 0, "versions": -1, "turn_ids": -1}
-            b = {k: np.pad(v, ((0, 0), (0, T_glob - T)), constant_values=pad.get(k, 0)) for k, v in b.items()}
+            pad = {"tokens": 0, "versions": -1, "turn_ids": -1, "routes": -1}
+            b = {k: np.pad(v, ((0, 0), (0, T_glob - T)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=pad.get(k, 0))
+                 for k, v in b.items()}
         return b, n_glob
 
 

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from .envs.base import Env, ToolError
-from .types import Completion, Trajectory
+from .types import ROUTE_MISSING, Completion, Trajectory
 
 __all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build_sft_example", "sft_example",
            "episode_seed"]
@@ -242,6 +242,7 @@ class AgentLoop:
         logp: list[float] = []
         vers: list[int] = []
         turns: list[int] = []
+        routes: Optional[np.ndarray] = None  # [<= len(tokens), n_moe_layers, k] (moe.routing_replay)
         info: dict[str, Any] = {"sample_idx": int(sample_idx), "turns": 0, "tool_calls": 0, "tool_errors": [],
                                 "truncated": None, "answered": False, "failed": False, "gen_s": 0.0, "tool_s": 0.0,
                                 "turn_starts": [], "finish_reasons": []}
@@ -317,6 +318,8 @@ class AgentLoop:
                 if comp.finish_reason == "aborted":
                     raise RuntimeError("generation aborted")
                 info["turn_starts"].append(len(tokens))
+                if getattr(comp, "routes", None) is not None:
+                    routes = _merge_routes(routes, comp.routes)
                 append(comp.tokens, comp, turn)
                 info["turns"] = turn + 1
                 budget -= len(comp.tokens)
@@ -378,13 +381,26 @@ class AgentLoop:
             self._count("answered")
         else:
             self._count("truncated")
+        if routes is not None:  # positions the engine never ran (a last tool turn): no route
+            routes = _merge_routes(routes, np.full((len(tokens), *routes.shape[1:]), ROUTE_MISSING, routes.dtype))
         traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, bool),
                           behav_logp=np.asarray(logp, np.float32), versions=np.asarray(vers, np.int32),
                           turn_ids=np.asarray(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
-                          seed=int(task_seed), info=info)
+                          seed=int(task_seed), info=info, routes=routes)
         with lock:  # tracked: kept (finished, unscored) until release()
             live["final"], live["fut"] = traj, None
         return traj
+
+
+def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:
+    """Routes of a longer context: a position keeps its first recorded route (``old``) and takes
+    ``new``'s where it has none (``ROUTE_MISSING``, e.g. the last token of the previous turn)."""
+    out = np.array(new, copy=True)
+    if old is not None and len(old):
+        n = min(len(old), len(out))
+        seen = ~np.any(old[:n] == ROUTE_MISSING, axis=-1, keepdims=True)
+        out[:n] = np.where(seen, old[:n], out[:n])
+    return out
 
 
 def demo_chat(env: Env, seed: int, render_tools: bool = True) -> tuple[list[dict], Optional[list[dict]]]:

@@ -45,6 +45,14 @@ composition, or whether the KV cache was recomputed.
 ``ResultTokens.data`` is int32 [B, 5]: columns token | valid | n_generated | logp bits |
 kept_mass bits (float32 bit-cast to int32; JetStream's Driver reads only the first three).
 Use :func:`unpack_result` to get numpy arrays back in one host transfer.
+
+Routing replay (``record_routes=True``, MoE models; ``moe.routing_replay`` r2/r3): the engine
+also records the top-k expert ids each MoE layer chose for each token it ran through the model.
+``prefill`` returns them for the cached prompt positions (``prefix["routes"]`` int32
+[n, n_moe_layers, k], position-aligned), and each ``generate`` step appends the ids of the fed
+(pending) token, i.e. of position ``lengths[b]``, as ``n_moe_layers * k`` more int32 columns
+(``unpack_result(...)["routes"]`` [B, n_moe_layers * k]). The last sampled token of a request
+is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
 """
 
 from __future__ import annotations
@@ -157,16 +165,20 @@ def unpack_result(result: Any) -> dict[str, np.ndarray]:
     array such as one step ``generate_steps(...)[1][i]``).
 
     Returns a dict of numpy arrays [B]: ``tokens`` int32, ``valid`` bool, ``lengths`` int32
-    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32.
+    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32; and
+    ``routes`` int32 [B, n_moe_layers * k] when the engine records routes (``record_routes``).
     """
     data = np.asarray(getattr(result, "data", result))  # a ResultTokens or its data array
-    return {
+    out = {
         "tokens": data[:, 0].astype(np.int32),
         "valid": data[:, 1].astype(bool),
         "lengths": data[:, 2].astype(np.int32),
         "logps": np.ascontiguousarray(data[:, 3]).view(np.float32),
         "kept_mass": np.ascontiguousarray(data[:, 4]).view(np.float32),
     }
+    if data.shape[1] > _N_COLS:
+        out["routes"] = data[:, _N_COLS:].astype(np.int32)
+    return out
 
 
 # ---------------------------------------------------------------------------- tokenizer glue
@@ -248,6 +260,8 @@ class Qwen3Engine(Engine):
         pass False and keep ``scan_layers`` as given: libtpu counted more bytes per decode step
         with the per-layer form (2.40x vs 1.67x params + cache, 2-layer Qwen3-0.6B, 32 x 1024,
         v5e).
+      record_routes: also return the expert ids every MoE layer chose (module docstring,
+        "Routing replay"); ignored (False) for a dense model.
     """
 
     def __init__(
@@ -266,6 +280,7 @@ class Qwen3Engine(Engine):
         tokenizer: Any = None,
         model_kwargs: Optional[dict] = None,
         kv_per_layer: Optional[bool] = None,
+        record_routes: bool = False,
     ) -> None:
         from jax_rl.models import qwen3 as _q
 
@@ -290,6 +305,12 @@ class Qwen3Engine(Engine):
         self.tokenizer = tokenizer
         self._seed_counter = itertools.count(1)
         self._lock = threading.Lock()
+        self.record_routes = bool(record_routes) and bool(model_config.is_moe)
+        self.route_shape = ((len(model_config.moe_layers), int(model_config.num_experts_per_tok))
+                            if self.record_routes else None)
+        """(n_moe_layers, k) of a recorded route, or None when the engine records none."""
+        self.route_dtype = _q.route_dtype(model_config.num_experts) if self.record_routes else None
+        """Compact host dtype of recorded expert ids (``jax_rl.models.qwen3.route_dtype``)."""
 
         kw = dict(model_kwargs or {})
         dt = self.dtype
@@ -324,19 +345,25 @@ class Qwen3Engine(Engine):
         return nnx.merge(self._graphdef, params, self._rest)
 
     def _build_jits(self) -> None:
+        from jax_rl.models import qwen3 as _q
+
         S, B, dt = self.max_cache_len, self._slots, self.dtype
         top_k, top_p = self.top_k, self.top_p
+        record = self.record_routes
 
         def prefill_fn(params, tokens, n):
             # tokens [1, P] int32, n int32 scalar: cache positions to fill (0 <= n <= P).
             model = self._model(params)
             P = tokens.shape[1]
             cache = model.init_cache(1, P, dtype=dt)
-            _, cache = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache)
+            out = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache, return_expert_ids=record)
+            cache = out[1]
             keep = (jnp.arange(P) < n)[None, None, None, :, None]  # cache [L,1,K,P,H]
             # Zero the padded rows (jnp.where, not *, so NaNs from all-masked rows vanish too).
             k = jnp.where(keep, cache.k, jnp.zeros((), cache.k.dtype))
             v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
+            if record:  # [P, n_moe_layers, k] int32: the prompt positions' routes
+                return k, v, _q.stack_routes(out[2])[0].astype(jnp.int32)
             return k, v
 
         per_layer = self._per_layer_cache
@@ -388,7 +415,9 @@ class Qwen3Engine(Engine):
             cache = state["cache"]
             active = state["active"] & (cache.lengths < S)  # room to write the pending token
             lengths_in = jnp.where(active, cache.lengths, 0)
-            logits, cache = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in))
+            dec = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in),
+                                    return_expert_ids=record)
+            logits, cache = dec[0], dec[1]
             pos = lengths_in + 1  # absolute position of the token being sampled
             keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
             tok, logp, kept = sample_tokens(logits, keys, state["temperature"], top_k=top_k, top_p=top_p)
@@ -412,6 +441,8 @@ class Qwen3Engine(Engine):
                 ],
                 axis=1,
             )
+            if record:  # + n_moe_layers * k columns: the fed token's expert ids
+                data = jnp.concatenate([data, _q.stack_routes(dec[2]).reshape(B, -1).astype(jnp.int32)], axis=1)
             return new_state, data
 
         self._prefill_jit = jax.jit(prefill_fn)
@@ -426,7 +457,6 @@ class Qwen3Engine(Engine):
             return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
 
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
-
 
     # ------------------------------------------------------------------ Engine API
     def load_params(self, params: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -502,7 +532,8 @@ class Qwen3Engine(Engine):
 
         Returns:
           Prefix dict: ``k``, ``v`` [L,1,Hkv,P,Dh] (P = power-of-two bucket), ``length`` int,
-          ``token`` int (pending), ``seed`` int, ``temperature`` float.
+          ``token`` int (pending), ``seed`` int, ``temperature`` float; with ``record_routes``
+          ``routes`` int32 [length, n_moe_layers, k] (numpy).
 
         Raises:
           NotImplementedError: ``existing_prefix`` given. ValueError: empty prompt or prompt
@@ -524,11 +555,12 @@ class Qwen3Engine(Engine):
         P = prefill_bucket(max(n, 1), self.max_cache_len)
         buf = np.zeros((1, P), np.int32)
         buf[0, :n] = toks[:n]
-        k, v = self._prefill_jit(params, jnp.asarray(buf), jnp.int32(n))
+        res = self._prefill_jit(params, jnp.asarray(buf), jnp.int32(n))
+        k, v = res[0], res[1]
         if seed is None:
             with self._lock:
                 seed = next(self._seed_counter)
-        return {
+        prefix = {
             "k": k,
             "v": v,
             "length": n,
@@ -536,6 +568,9 @@ class Qwen3Engine(Engine):
             "seed": int(seed) & 0xFFFFFFFF,
             "temperature": float(self.temperature if temperature is None else temperature),
         }
+        if self.record_routes:
+            prefix["routes"] = np.asarray(res[2])[:n]  # [n, n_moe_layers, k] int32
+        return prefix
 
     def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
         """Copy ``prefix`` into row ``slot`` of ``decode_state`` (donated) and arm the slot."""

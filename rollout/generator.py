@@ -32,6 +32,13 @@ Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``pr
 ``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s``; ``kept_mass`` (float per
 token) when top-k/top-p truncation is on.
 
+Routing replay (an engine built with ``record_routes``, MoE): ``Completion.routes`` holds the
+expert ids the engine's MoE layers chose at every position of prompt + generated tokens: the
+prefill's for the prompt, each decode step's for the token it fed; the last token (never fed)
+is ``ROUTE_MISSING``. A position keeps the route it was first run with: a ``recompute_kv``
+re-prefill does not overwrite the routes of tokens already run; ``abort`` drops the partial
+turn's routes with its tokens.
+
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
 """
@@ -51,7 +58,7 @@ import jax
 import numpy as np
 
 from rollout.engine import unpack_result
-from rollout.types import Completion  # tokens, logps, versions, finish_reason, info
+from rollout.types import ROUTE_MISSING, Completion  # tokens, logps, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -75,6 +82,7 @@ class _Req:
     logps: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     kept: list = dataclasses.field(default_factory=list)
+    routes: list = dataclasses.field(default_factory=list)  # [n_moe_layers, k] per context position
     reissues: int = 0
     dropped: int = 0
     recomputes: int = 0
@@ -341,8 +349,28 @@ class Generator:
                 r.future.set_exception(exc)
         self._slots = [None] * self._B
 
+    @staticmethod
+    def _note_prefill_routes(req: _Req, prefix: dict) -> None:
+        """Positions not yet routed take the prefill's routes (a position keeps its first route)."""
+        r = prefix.get("routes")
+        if r is not None and len(r) > len(req.routes):
+            req.routes.extend(np.asarray(r[len(req.routes):]))
+
+    def _routes_array(self, req: _Req) -> Optional[np.ndarray]:
+        """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
+        shape = getattr(self.engine, "route_shape", None)
+        if shape is None:
+            return None
+        n = len(req.prompt) + len(req.tokens)
+        out = np.full((n, *shape), ROUTE_MISSING, self.engine.route_dtype)
+        m = min(n, len(req.routes))
+        if m:
+            out[:m] = np.stack(req.routes[:m])
+        return out
+
     def _prefill_into(self, slot: int, req: _Req, tokens: list[int]) -> None:
         prefix = self.engine.prefill_tokens(self._params, tokens, seed=req.seed, temperature=req.temperature)
+        self._note_prefill_routes(req, prefix)
         self._state = self.engine.insert(prefix, self._state, slot)
         self._slots[slot] = req
         self.stats["prefills"] += 1
@@ -369,6 +397,7 @@ class Generator:
                 req.budget -= n
                 req.reissues += 1
                 req.tokens, req.logps, req.versions, req.kept = [], [], [], []
+                del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
                 self.stats["reissues"] += 1
                 if req.budget <= 0:
                     self._slots[slot] = None
@@ -396,6 +425,7 @@ class Generator:
                 if not req.future.done():
                     req.future.set_exception(e)
                 continue
+            self._note_prefill_routes(req, prefix)
             self._state = self.engine.insert(prefix, self._state, slot)
             self._slots[slot] = req
             self.stats["prefills"] += 1
@@ -419,6 +449,7 @@ class Generator:
         ``live`` [B] bool: the slot held a request when the call began (a valid token of such a
         slot whose request finished earlier in the call is discarded and counted)."""
         toks, valid, logps, kept = r["tokens"], r["valid"], r["logps"], r["kept_mass"]
+        routes = r.get("routes")
         self.stats["steps"] += 1
         for slot, req in enumerate(self._slots):
             if req is None:
@@ -435,6 +466,8 @@ class Generator:
             req.versions.append(v)
             if self._truncating:
                 req.kept.append(float(kept[slot]))
+            if routes is not None:  # the route of the token this step fed (position len(context) - 2)
+                req.routes.append(routes[slot].reshape(self.engine.route_shape))
             self.stats["tokens"] += 1
             if tok in req.stop_ids:
                 reason = "stop"
@@ -458,6 +491,7 @@ class Generator:
         }
         if self._truncating:
             info["kept_mass"] = list(req.kept)
-        comp = Completion(req.request_id, list(req.tokens), list(req.logps), list(req.versions), reason, info)
+        comp = Completion(req.request_id, list(req.tokens), list(req.logps), list(req.versions), reason, info,
+                          routes=self._routes_array(req))
         if not req.future.done():
             req.future.set_result(comp)

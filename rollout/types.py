@@ -12,7 +12,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Trajectory", "Completion", "json_safe"]
+__all__ = ["Trajectory", "Completion", "json_safe", "ROUTE_MISSING"]
+
+ROUTE_MISSING = -1
+"""Expert id of a position with no recorded route (``jax_rl.models.qwen3.ROUTE_MISSING``): the
+learner's MoE block routes it by its own router."""
 
 
 def json_safe(x: Any) -> Any:
@@ -34,6 +38,13 @@ def json_safe(x: Any) -> Any:
     raise TypeError(f"value of type {type(x).__name__} is not JSON-serialisable: {x!r}")
 
 
+def _int_dtype(name: str) -> np.dtype:
+    """An integer numpy dtype by name (from a trajectory dict); ValueError for anything else."""
+    if name not in ("int8", "int16", "int32", "int64", "uint8", "uint16"):
+        raise ValueError(f"Trajectory routes_dtype must be an integer dtype name, got {name!r}")
+    return np.dtype(name)
+
+
 @dataclass
 class Completion:
     """One finished generation request (Generator -> agent), see docs/interfaces.md.
@@ -47,6 +58,9 @@ class Completion:
         finish_reason: ``"stop"`` (a stop id was sampled), ``"length"`` (max_new_tokens reached) or
             ``"aborted"`` (the generator gave up on the request).
         info: extra data, e.g. ``kept_mass`` when top-p/top-k is on, number of reissues.
+        routes: None, or the expert ids the engine's MoE layers chose at every position of
+            prompt + ``tokens`` ([len(prompt) + len(tokens), n_moe_layers, k], a compact int
+            dtype, ``ROUTE_MISSING`` where none: the last token); ``moe.routing_replay``.
     """
 
     request_id: int
@@ -56,6 +70,7 @@ class Completion:
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
     old_logp: Optional[np.ndarray] = None
+    routes: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.logps) == len(self.versions)):
@@ -89,6 +104,12 @@ class Trajectory:
             ``behav_logp``), filled before the trajectory enters the buffer by
             ``old_logits.route=dedicated`` (:class:`jax_rl.old_logits.OldLogitScorer`); None = not
             scored.
+        routes: None, or int [T, n_moe_layers, k] (int8/int16: ``jax_rl.models.qwen3.route_dtype``):
+            the top-k expert ids each MoE layer of the rollout engine chose at position t (prompt
+            and tool tokens: their prefill's; generated tokens: their decode step's; a position
+            run twice keeps its first route), ``ROUTE_MISSING`` (-1) where the engine never ran
+            the token (the last one, a final tool turn). Recorded under ``moe.routing_replay``
+            r2/r3; r3 forces them in every learner forward.
 
     Raises (on construction):
         ValueError: arrays of different lengths, or a reward outside [0, 1].
@@ -105,6 +126,7 @@ class Trajectory:
     seed: int = 0
     info: dict = field(default_factory=dict)
     old_logp: Optional[np.ndarray] = None
+    routes: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -119,6 +141,11 @@ class Trajectory:
                                                                            else ()):
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"Trajectory.{name} has length {getattr(self, name).shape[0]}, tokens has {n}")
+        if self.routes is not None:
+            self.routes = np.asarray(self.routes)
+            if self.routes.ndim != 3 or self.routes.shape[0] != n or not np.issubdtype(self.routes.dtype, np.integer):
+                raise ValueError(f"Trajectory.routes must be an int array [T={n}, n_moe_layers, k], got "
+                                 f"{self.routes.dtype} {self.routes.shape}")
         self.reward = float(self.reward)
         if not (0.0 <= self.reward <= 1.0) or self.reward != self.reward:
             raise ValueError(f"Trajectory.reward must be in [0, 1], got {self.reward}")
@@ -176,6 +203,9 @@ class Trajectory:
         }
         if self.old_logp is not None:  # float32 -> Python float -> float32 is exact; -inf -> JSON -Infinity
             d["old_logp"] = self.old_logp.tolist()
+        if self.routes is not None:  # ints: exact; the dtype name travels with them
+            d["routes"] = self.routes.tolist()
+            d["routes_dtype"] = self.routes.dtype.name
         return d
 
     @classmethod
@@ -193,6 +223,9 @@ class Trajectory:
             seed=d["seed"],
             info=dict(d.get("info") or {}),
             old_logp=None if d.get("old_logp") is None else np.asarray(d["old_logp"], dtype=np.float32),
+            routes=None if d.get("routes") is None else
+            np.asarray(d["routes"], dtype=_int_dtype(d.get("routes_dtype", "int32"))).reshape(
+                (len(d["tokens"]), *np.shape(d["routes"])[1:])),
         )
 
     def to_json(self) -> str:

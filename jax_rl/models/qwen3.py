@@ -44,6 +44,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -699,10 +700,17 @@ class MoE(nnx.Module):
         if forced_expert_ids is None:
             w, ids = jax.lax.top_k(probs, self.top_k)
         else:
-            ids = jnp.asarray(forced_expert_ids, jnp.int32)
+            ids = jnp.asarray(forced_expert_ids).astype(jnp.int32)
             if ids.shape != probs.shape[:-1] + (self.top_k,):
                 raise ValueError(f"forced_expert_ids shape {ids.shape} != "
                                  f"{probs.shape[:-1] + (self.top_k,)}")
+            # a token whose forced ids hold a value outside [0, E) (ROUTE_MISSING: no recorded
+            # route, e.g. padding or a trajectory's last token) is routed by the router's top-k
+            E = probs.shape[-1]
+            missing = jnp.any((ids < 0) | (ids >= E), axis=-1, keepdims=True)
+            ids = jnp.where(missing, jax.lax.top_k(probs, self.top_k)[1], ids)
+            # routing replay: the gates are the router's softmax over all E experts taken at the
+            # forced ids (renormalised below as Qwen3 does), so the router still gets gradient
             w = jnp.take_along_axis(probs, ids, axis=-1)
         if self.norm_topk_prob:
             w = w / jnp.sum(w, axis=-1, keepdims=True)
@@ -712,7 +720,9 @@ class MoE(nnx.Module):
         """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32).
 
         ``forced_expert_ids`` [B,T,k] int: use these experts instead of the top-k (routing
-        replay); their router probabilities are the combine weights. Capacity drops of the EP
+        replay); their router probabilities are the combine weights (renormalised over the k
+        forced ids when ``norm_topk_prob``). A token whose ids hold any value outside
+        ``[0, E)`` (:data:`ROUTE_MISSING`) falls back to the router's own top-k. Capacity drops of the EP
         path are not reported here: ``expert_parallel_moe`` returns their count."""
         dt = self.dtype
         x = x.astype(dt)
@@ -1183,13 +1193,15 @@ class Qwen3ForCausalLM(nnx.Module):
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                        lengths=jnp.zeros((batch_size,), jnp.int32))
 
-    def prefill(self, input_ids: Array, lengths: Array, cache: KVCache
-                ) -> tuple[Array, KVCache]:
+    def prefill(self, input_ids: Array, lengths: Array, cache: KVCache, *,
+                return_expert_ids: bool = False):
         """Prompt pass writing K/V for positions 0..T-1 of every row.
 
         input_ids [B,T] right-padded, lengths [B] int32 (valid tokens per row), cache with
         S >= T. Returns (logits [B,T,V] f32, cache with ``lengths`` set). The next-token logit
         of row b is ``logits[b, lengths[b]-1]``. Rows' previous cache contents are replaced.
+        With ``return_expert_ids`` the per-MoE-layer expert ids (list of [B,T,k] int32, the
+        routes the router chose for every position) come third.
         """
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
@@ -1202,12 +1214,14 @@ class Qwen3ForCausalLM(nnx.Module):
         def layer_attend(q, k, v, _xs):
             return core(q, k, v), (k, v)
 
-        h, _, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
+        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
         k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
         v = v.astype(cache.v.dtype).swapaxes(2, 3)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
                         v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
                         lengths=lengths)
+        if return_expert_ids:
+            return self.lm_logits(h), cache, ids
         return self.lm_logits(h), cache
 
     def decode_step(self, tokens: Array, cache: KVCache, *, forced_expert_ids=None,
@@ -1471,6 +1485,34 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     if return_expert_ids:
         res = (*res, ids)
     return res if len(res) > 1 else res[0]
+
+
+ROUTE_MISSING = -1
+"""Expert id meaning "no recorded route" in a routes array (any value outside [0, E) does):
+the MoE block routes such a token by its own router (:meth:`MoE.route`)."""
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """Compact storage dtype of recorded expert ids (routing replay, ``moe.routing_replay``):
+    int8 for up to 127 experts, int16 up to 32767, else int32; :data:`ROUTE_MISSING` fits all."""
+    for dt in (np.int8, np.int16):
+        if num_experts <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int32)
+
+
+def stack_routes(expert_ids: Sequence[Array]) -> Array:
+    """Per-MoE-layer expert ids (list of [..., T, k]) -> one [..., T, n_moe_layers, k] array
+    (the layout of ``Trajectory.routes`` / ``LearnerBatch.routes``)."""
+    return jnp.stack([jnp.asarray(i) for i in expert_ids], axis=-2)
+
+
+def unstack_routes(routes: Array | None) -> list[Array] | None:
+    """[..., T, n_moe_layers, k] -> the per-MoE-layer list ``forced_expert_ids`` takes."""
+    if routes is None:
+        return None
+    routes = jnp.asarray(routes)
+    return [routes[..., i, :] for i in range(routes.shape[-2])]
 
 
 def count_params(config: Qwen3Config) -> int:

@@ -379,6 +379,7 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         top_p=r.top_p,
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
+        record_routes=cfg.moe.routing_replay != "none",  # r2/r3: Trajectory.routes (MoE only)
     )
     gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)
     gen.start()
