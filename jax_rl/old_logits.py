@@ -773,7 +773,9 @@ class RetiringScorer:
 
     Counters (cumulative): ``retired`` (versions), ``retire_s`` (wall seconds in retires),
     ``retire_rows`` (prefixes scored), ``stall_s`` (rollout pause, interrupt), ``publish_wait_s``
-    (retire), ``max_held`` (most versions held at once), ``stash_mismatch``, ``retire_errors``.
+    (retire), ``max_held`` (most versions held at once), ``stash_mismatch``, ``retire_errors``,
+    ``retire_partial`` (stashes used by a trajectory with tokens newer than the stashed version:
+    it was in flight when that version retired).
     """
 
     def __init__(self, scorer: OldLogitScorer, sources: Callable[[], list], release: Optional[Callable] = None, *,
@@ -801,6 +803,7 @@ class RetiringScorer:
         self.publish_wait_s = 0.0
         self.max_held = len(scorer)
         self.stash_mismatch = 0
+        self.retire_partial = 0  # stashed prefixes used that were partial when retired (the episode went on)
         self.retire_errors = 0  # background retires that raised (their tokens' trajectories are dropped, counted)
         self.errors: list[str] = []
 
@@ -891,6 +894,7 @@ class RetiringScorer:
                                     key, v)
                         break
                     old[pos] = lp
+                    self.retire_partial += int(t.max_version() > v)  # generated on after v retired: was partial
                 rest = need - set(stash)
                 if not ok or rest - set(held):
                     dropped.append(t)
@@ -998,7 +1002,8 @@ class RetiringScorer:
     def stats(self) -> dict[str, float]:
         """The scorer's columns plus ``old_logits_stall_s_total``, ``old_logits_publish_wait_s_total``,
         ``old_logits_retired``, ``old_logits_retire_rows``, ``old_logits_max_held``,
-        ``old_logits_stash_mismatch``, ``old_logits_retire_errors``, ``old_logits_stashed`` (episodes
+        ``old_logits_stash_mismatch``, ``old_logits_retire_errors``, ``old_logits_retire_partial``,
+        ``old_logits_stashed`` (episodes
         with stashed tokens now)."""
         with self._lock:
             stashed = len(self._stash)
@@ -1008,4 +1013,5 @@ class RetiringScorer:
                 "old_logits_retire_s_total": float(self.retire_s),
                 "old_logits_max_held": float(self.max_held), "old_logits_stash_mismatch": float(self.stash_mismatch),
                 "old_logits_retire_errors": float(self.retire_errors),
+                "old_logits_retire_partial": float(self.retire_partial),
                 "old_logits_stashed": float(stashed)}

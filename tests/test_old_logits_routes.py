@@ -147,6 +147,10 @@ def test_exact_routes_agree_with_snapshot(tmp_path, monkeypatch, route):
     assert summary["old_logits_scored"] >= cfg.run.steps * cfg.optim.batch_size
     if route != "dedicated":  # versions were retired with their partial prefixes' tokens scored then
         assert rows[-1]["old_logits_retired"] >= 1 and rows[-1]["old_logits_retire_rows"] > 0
+        # a trajectory spanning versions was in flight when its older version retired: that part of
+        # it can only have come from its partial prefix, scored at retire time
+        assert rows[-1]["old_logits_retire_partial"] >= 1
         print(f"route={route}: {rows[-1]['old_logits_retired']:.0f} versions retired, "
-              f"{rows[-1]['old_logits_retire_rows']:.0f} prefixes scored at retire time, stall "
+              f"{rows[-1]['old_logits_retire_rows']:.0f} prefixes scored at retire time "
+              f"({rows[-1]['old_logits_retire_partial']:.0f} partial), stall "
               f"{summary['old_logits_stall_s_total']:.3f} s, publish wait {summary['old_logits_publish_wait_s_total']:.3f} s")

@@ -412,7 +412,7 @@ class EmbeddedProducer:
             st = self.retirer.stats()
             out.update({k: st[k] for k in ("old_logits_stall_s_total", "old_logits_publish_wait_s_total",
                                            "old_logits_retired", "old_logits_max_held", "old_logits_stash_mismatch",
-                                           "old_logits_retire_errors")})
+                                           "old_logits_retire_errors", "old_logits_retire_partial")})
         return out
 
     def state(self) -> dict:

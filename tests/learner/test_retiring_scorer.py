@@ -135,6 +135,7 @@ def test_interrupt_scores_partial_prefixes_before_dropping(trained, devices):
     assert diff <= 1e-6, diff  # other input shapes than the snapshot's batch: see test_old_logits_routes
     assert sorted(released) == sorted(trajectory_key(t) for t in trajs) and rs.stats()["old_logits_stashed"] == 0
     assert sc.scored == 8 and sc.dropped == 0 and rs.stash_mismatch == 0
+    assert rs.retire_partial == 2  # row 5's v1 part and row 0's v2 part came from partial prefixes
 
 
 def test_retire_drops_params_only_after_last_token(trained, devices):
