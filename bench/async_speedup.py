@@ -34,6 +34,9 @@ step 1 is left out because it holds the learner's and the decode's jit compiles)
   does not count, since RL on this config first dips below the SFT level, see
   ``configs/tiny_cpu.yaml``) with success >= ``--threshold``, counted at the end of that eval's
   learner step (steps 2..s); "not reached" when none is;
+* ``step_time_s_mean``: the learner's own seconds per step (``step_time_s``), to tell a
+  speed-up from the machine's load drifting between serial runs (a learner step should cost the
+  same in every mode; where it does not, the load changed or the rollout took CPU from it);
 * best held-out success during RL (and its step), final and after-SFT success, mean staleness of the consumed batches.
 
 Prints a rich table and appends one record per invocation (date, load, machine, args, git
@@ -199,16 +202,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
                       f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
-    for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "speed-up vs K=0", "learner idle", "rollout idle",
+    for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "learner step s", "speed-up vs K=0", "learner idle", "rollout idle",
               "staleness", f"time to held-out >= {a.threshold:g}", "best RL held-out (step)", "final", "load before/after"):
         tab.add_column(c, justify="right")
     for r in runs:
         if "wall_s" not in r:
-            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 9)
+            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 10)
             continue
         thr = (f"{r['t_threshold_s']:.0f} s (step {r['threshold_step']})" if r["t_threshold_s"] is not None
                else "not reached")
         tab.add_row(str(r["k"]), str(r["seed"]), f"{r['wall_s']:.1f}", f"{r['s_per_step']:.2f}",
+                    f"{r['step_time_s_mean']:.2f}",
                     _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
                     _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
                     thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
