@@ -19,7 +19,8 @@ call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``, ``loss_tok
 ``ewma_resets``), with the snapshot store, ``old_logits_bytes``, ``old_logits_versions``,
 ``old_logits_s``, and under ``exact`` ``old_logits_forwards`` (the learner's own old-logit
 forwards this step: 0 under ``old_logits.route=dedicated``, whose batches arrive with
-``old_logp``; :attr:`Learner.old_logit_forwards` sums them). After ``optim.max_skipped_steps`` consecutive calls whose every update was
+``old_logp``; :attr:`Learner.old_logit_forwards` sums them), under ``moe.routing_replay`` r2/r3
+``routing_agreement`` / ``routing_pairs`` (:mod:`jax_rl.train_step`). After ``optim.max_skipped_steps`` consecutive calls whose every update was
 skipped as non-finite, :class:`NonFiniteTrainingError` is raised (also for SFT; 0 = never).
 
 Multi-process (TPU pods, or CPU processes with gloo collectives): call
@@ -104,6 +105,11 @@ class Learner:
         self.model_config = resolve_model_config(cfg.model, model_config)
         self.strategy = make_correction(cfg)
         self.correction = self.strategy.name
+        self.routing_replay = cfg.moe.routing_replay
+        if self.routing_replay != "none" and not self.model_config.is_moe:
+            raise ValueError(f"moe.routing_replay={self.routing_replay} replays MoE expert routes; the model "
+                             f"({cfg.model.preset or cfg.model.checkpoint}) has no MoE layer: set moe.routing_replay=none")
+        self.num_experts = int(self.model_config.num_experts) if self.model_config.is_moe else 0
         self.max_staleness = int(cfg.async_.max_staleness)
         self.minibatches = int(cfg.optim.minibatches)
         self.ppo_epochs = int(cfg.optim.ppo_epochs)
@@ -141,6 +147,10 @@ class Learner:
             self.state = init_train_state(self.tx, self.strategy, params, cfg.run.seed, self.state_shardings)
         self._logprob_jit = make_logprob_step(cfg, self.graphdef, rest=self.rest,
                                               param_shardings=self.param_shardings)
+        self._logprob_routes_jit = None  # r3: the exact route's snapshot forwards force the rollout's routes
+        if self.routing_replay == "r3":
+            self._logprob_routes_jit = make_logprob_step(cfg, self.graphdef, rest=self.rest,
+                                                         param_shardings=self.param_shardings, with_routes=True)
         self.store = None
         if uses_snapshot_store(self.strategy, cfg):
             from jax_rl.old_logits import SnapshotStore
@@ -222,7 +232,8 @@ class Learner:
         if key not in self._steps:
             self._steps[key] = make_train_step(
                 self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
-                state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r))
+                state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r),
+                num_experts=self.num_experts)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:
@@ -230,8 +241,14 @@ class Learner:
         reads under this correction mode), for AOT ``lower().compile()`` (``--dry-run``)."""
         U, m, r = self._layout(B)
         exact = self.strategy.needs_exact
+        routes = None
+        if self.routing_replay != "none":  # the engine records routes under r2 and r3
+            from jax_rl.models.qwen3 import route_dtype
+
+            mc = self.model_config
+            routes = ((len(mc.moe_layers), int(mc.num_experts_per_tok)), route_dtype(mc.num_experts))
         return abstract_batch((U, m, r, T), self.batch_sharding(r), prox=exact,
-                              old=not exact and self.store is not None)
+                              old=not exact and self.store is not None, routes=routes)
 
     def lower_train_step(self, B: int, T: int):
         """``jax.stages.Lowered`` of the train step for a [B, T] batch (call ``.compile()``)."""
@@ -265,7 +282,9 @@ class Learner:
             batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
             row_divisor=self.minibatches * self.microbatches, current_version=g,
             require_versions=self.strategy.needs_exact and "old_logp" not in batch,
+            num_experts=self.num_experts or None,
         )
+        self._check_routes(b)
         b.pop("prox_logp", None)
         b, n_loss = self.placement.sync_global(b)
         if n_loss == 0:
@@ -295,10 +314,26 @@ class Learner:
         self._note_nonfinite(out, "train_step", int(out["updates"]), g + 1)
         return out
 
+    def _check_routes(self, b: dict) -> None:
+        """``moe.routing_replay=r3`` never trains a batch without the rollout's routes."""
+        if self.routing_replay == "r3" and b.get("routes") is None:
+            raise BatchError("moe.routing_replay=r3 needs batch['routes'] (the rollout engine's expert ids, "
+                             "Trajectory.routes); the batch carries none")
+        if self.routing_replay == "none":
+            b.pop("routes", None)
+
+    def _forward_fn(self, dev: dict):
+        """The learner's no-grad log-prob forward for ``dev``'s batch: r3 forces its routes."""
+        if self._logprob_routes_jit is not None and dev.get("routes") is not None:
+            routes = dev["routes"]
+            return lambda p, t, a: self._logprob_routes_jit(p, t, a, routes)
+        return self._logprob_jit
+
     def _score_old(self, b: dict, dev: dict, g: int):
-        """Exact old log-probs of the batch from the snapshot store (the strategy's host step)."""
+        """Exact old log-probs of the batch from the snapshot store (the strategy's host step);
+        under ``moe.routing_replay=r3`` every version's forward forces the rollout's routes."""
         return snapshot_logprobs(
-            self.store, self._logprob_jit, tokens=dev["tokens"], attention_mask=dev["attention_mask"],
+            self.store, self._forward_fn(dev), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
             versions=dev["versions"], needed=versions_needed(b["versions"], b["loss_mask"]), current_version=g,
             current_params=self.state.params, shardings=self.param_shardings,
         )
@@ -337,11 +372,14 @@ class Learner:
         tok = np.asarray(batch["tokens"])
         B, T = tok.shape
         sub = {"tokens": tok.astype(np.int32), "attention_mask": np.asarray(batch["attention_mask"], bool)}
+        if self._logprob_routes_jit is not None and batch.get("routes") is not None:  # r3: forced routes
+            sub["routes"] = np.asarray(batch["routes"])
         U, m = self.minibatches, self.microbatches
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
         dev, r = self.device_batch(sub, process_local=False, U=U, m=m)
         with jax.set_mesh(self.mesh):
-            out = self._logprob_jit(self.state.params if params is None else params, dev["tokens"], dev["attention_mask"])
+            out = self._forward_fn(dev)(self.state.params if params is None else params, dev["tokens"],
+                                        dev["attention_mask"])
         if jax.process_count() > 1:
             return out
         return np.asarray(out).reshape(B, T)
@@ -352,7 +390,8 @@ class Learner:
         correction strategy's pi_prox at the current state (``exact``: the batch's ``old_logp``,
         else behav_logp). No state changes (for tests and debugging)."""
         b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
-                           row_divisor=self.minibatches * self.microbatches)
+                           row_divisor=self.minibatches * self.microbatches, num_experts=self.num_experts or None)
+        self._check_routes(b)
         if self.strategy.needs_exact:
             b["prox_logp"] = b.pop("old_logp", b["behav_logp"])
         b.pop("old_logp", None)
@@ -361,7 +400,7 @@ class Learner:
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,
                                              param_shardings=self.param_shardings,
-                                             batch_sharding=self.batch_sharding(r))
+                                             batch_sharding=self.batch_sharding(r), num_experts=self.num_experts)
         with jax.set_mesh(self.mesh):
             loss, grads, metr = self._steps[key](self.state.params, self.state.correction, self.state.version,
                                                  LearnerBatch.from_dict(dev))

@@ -21,6 +21,14 @@ Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 (``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``,
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
 with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
+
+MoE routing replay (``moe.routing_replay``, :func:`_route_inputs`): ``r3`` forces the rollout
+engine's recorded expert ids (``batch.routes``) in every forward of the step (pi_prox and the
+gradient forward; the exact route's host-step forwards do the same in the learner); ``r2`` runs
+one no-grad routing forward at the step's starting params and forces its routes in the gradient
+forward only. Both log ``routing_agreement`` when the batch carries the rollout's routes: the
+fraction of (token, MoE layer) pairs where the learner's router at the step's starting params
+picks the same top-k set as the rollout engine did.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from jax_rl.correction import Correction, tree_finite, tree_where
 from jax_rl.sampling import truncates
 
 __all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
-           "make_grads_fn", "make_logprob_step", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
+           "make_grads_fn", "make_logprob_step", "make_route_fn", "routing_agreement", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
 
 
 @flax.struct.dataclass
@@ -189,12 +197,44 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
     ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
     from jax_rl.models.qwen3 import sequence_logprobs
 
-    def logprobs(params, tokens, attention_mask, return_entropy: bool = False):
+    from jax_rl.models.qwen3 import unstack_routes
+
+    def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None):
+        # routes [r,T,n_moe_layers,k] or None: forced expert ids (moe.routing_replay)
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,
-                                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p)
+                                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p,
+                                 forced_expert_ids=unstack_routes(routes))
 
     return logprobs
+
+
+def make_route_fn(graphdef, rest: Any):
+    """``(params, tokens [r,T], attention_mask [r,T]) -> routes int32 [r,T,n_moe_layers,k]``: the
+    top-k expert ids the model's own routers pick at every position (the decoder trunk only, no
+    LM head; no gradient). The learner's side of ``routing_agreement`` and r2's recorded routes."""
+    from jax_rl.models.qwen3 import stack_routes
+
+    def routes(params, tokens, attention_mask):
+        model = nnx.merge(graphdef, lax.stop_gradient(params), rest)
+        _, ids, _ = model.hidden_states(tokens, None, attention_mask)
+        return stack_routes(ids).astype(jnp.int32)
+
+    return routes
+
+
+def routing_agreement(own: jax.Array, recorded: jax.Array, attention_mask: jax.Array, num_experts: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """``(agreement, n)``: the fraction of (token, MoE layer) pairs where ``own`` and ``recorded``
+    ([..., T, n_moe_layers, k] expert ids) hold the same SET of k experts, over the pairs under
+    ``attention_mask`` [..., T] whose recorded ids are all in [0, num_experts) (a -1 = no
+    recorded route is not counted), and their number n (float32). 1.0 when n = 0."""
+    rec = recorded.astype(jnp.int32)
+    valid = attention_mask[..., None] & jnp.all((rec >= 0) & (rec < num_experts), axis=-1)
+    same = jnp.all(jnp.sort(own.astype(jnp.int32), axis=-1) == jnp.sort(rec, axis=-1), axis=-1)
+    n = jnp.sum(valid.astype(jnp.float32))
+    agree = jnp.sum((same & valid).astype(jnp.float32))
+    return jnp.where(n > 0, agree / jnp.maximum(n, 1.0), 1.0), n
 
 
 def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
@@ -207,20 +247,48 @@ def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
                            top_k=int(r.top_k), top_p=float(r.top_p))
 
 
-def chunked(logprobs) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """Log-probs of a chunked batch [U, m, r, T], one microbatch forward at a time."""
+def chunked(logprobs, *, with_routes: bool = True) -> Callable[..., jax.Array]:
+    """Log-probs of a chunked batch [U, m, r, T], one microbatch forward at a time:
+    ``(params, tokens, attention_mask, routes=None)``; ``routes`` [U, m, r, T, n_moe_layers, k]
+    forces those expert ids (``moe.routing_replay``). ``with_routes=False``: ``logprobs`` takes
+    no ``routes`` (e.g. :func:`make_route_fn`); the output keeps its trailing dims."""
 
-    def chunk_logprobs(params, tokens, attention_mask):
+    def chunk_logprobs(params, tokens, attention_mask, routes=None):
         U, m, r, T = tokens.shape
         tk = tokens.reshape(U * m, r, T)
         am = attention_mask.reshape(U * m, r, T)
+        rt = None if routes is None else routes.reshape(U * m, r, T, *routes.shape[4:])
+        kw = (lambda x: {"routes": x}) if with_routes else (lambda x: {})
         if U * m == 1:
-            out = logprobs(params, tk[0], am[0])[None]
+            out = logprobs(params, tk[0], am[0], **kw(None if rt is None else rt[0]))[None]
         else:
-            out = lax.map(lambda xs: logprobs(params, xs[0], xs[1]), (tk, am))
-        return out.reshape(U, m, r, T)
+            out = lax.map(lambda xs: logprobs(params, xs[0], xs[1], **kw(xs[2])), (tk, am, rt))
+        return out.reshape(U, m, r, T, *out.shape[3:])
 
     return chunk_logprobs
+
+
+def _route_inputs(cfg: Config, route_chunk, params, b: LearnerBatch) -> tuple[Any, LearnerBatch, dict]:
+    """``moe.routing_replay`` inside the step: ``(routes of the pi_prox forwards, the batch the
+    gradient forward reads (its ``routes`` forced), metrics)``.
+
+    ``none``: no forced routes anywhere. ``r3``: the rollout's ``b.routes`` everywhere. ``r2``:
+    the routes of one no-grad routing forward at ``params`` (the step's start) in the gradient
+    forward; the pi_prox forwards route by themselves. ``routing_agreement`` (and
+    ``routing_pairs``, the (token, layer) pairs it counts) when ``route_chunk`` is given and the
+    batch carries the rollout's routes."""
+    rr = cfg.moe.routing_replay
+    if rr == "none" or route_chunk is None:
+        return None, b.replace(routes=None), {}
+    own = route_chunk(params, b.tokens, b.attention_mask)  # [U, m, r, T, n_moe_layers, k]
+    metrics = {}
+    if b.routes is not None:
+        E = int(route_chunk.num_experts)
+        metrics["routing_agreement"], metrics["routing_pairs"] = routing_agreement(own, b.routes, b.attention_mask, E)
+    if rr == "r3":
+        return b.routes, b, metrics
+    return None, b.replace(routes=own), metrics
+
 
 
 def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g):
@@ -238,9 +306,9 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     def micro_loss(p, x: LearnerBatch, prox_j):
         ent = None
         if lc.entropy_coef != 0.0:  # entropy bonus: one pass over the same logits
-            logp, ent = logprobs(p, x.tokens, x.attention_mask, return_entropy=True)
+            logp, ent = logprobs(p, x.tokens, x.attention_mask, return_entropy=True, routes=x.routes)
         else:
-            logp = logprobs(p, x.tokens, x.attention_mask)
+            logp = logprobs(p, x.tokens, x.attention_mask, routes=x.routes)
         pl = prox_j if prox_j is not None else strategy.micro_prox(logp, x, g)
         return losses.policy_loss(
             logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
@@ -270,8 +338,19 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
 # ======================================================================================
 
 
+def _route_chunk(cfg: Config, graphdef, rest: Any, num_experts: int):
+    """The chunked routing forward of ``moe.routing_replay`` r2/r3 (None otherwise or for a dense
+    model, ``num_experts == 0``), carrying ``num_experts``."""
+    if cfg.moe.routing_replay == "none" or not num_experts:
+        return None
+    fn = chunked(make_route_fn(graphdef, rest), with_routes=False)
+    fn.num_experts = int(num_experts)
+    return fn
+
+
 def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
-                    state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None):
+                    state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None,
+                    num_experts: int = 0):
     """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
 
     Args:
@@ -280,15 +359,20 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         strategy: the correction strategy (:func:`jax_rl.correction.make_correction`).
         state_shardings: :func:`train_state_shardings`; the state is donated.
         batch_sharding: sharding of every batch array (None: the arrays' own).
+        num_experts: the MoE's expert count (0: dense); with ``moe.routing_replay`` r2/r3 the
+            step runs the routing forward of :func:`_route_inputs`.
     """
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
+    route_chunk = _route_chunk(cfg, graphdef, rest, num_experts)
     n_epochs = int(cfg.optim.ppo_epochs)
 
     def step(state: TrainState, b: LearnerBatch):
         g = state.version
         params0 = state.params
-        prox, cstate, extra = strategy.prox_logp(chunk, params0, state.correction, b, g)
+        prox_routes, b, route_metrics = _route_inputs(cfg, route_chunk, params0, b)
+        prox_chunk = lambda p, t, a: chunk(p, t, a, prox_routes)  # noqa: E731
+        prox, cstate, extra = strategy.prox_logp(prox_chunk, params0, state.correction, b, g)
         U = b.tokens.shape[0]
 
         def one_update(carry, i):
@@ -315,6 +399,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         cstate, after = strategy.after_update(params, cstate)
         metrics.update(extra)
         metrics.update(after)
+        metrics.update(route_metrics)
         metrics["tokens"] = jnp.sum(b.attention_mask.astype(jnp.float32))
         metrics["loss_tokens"] = jnp.sum(b.loss_mask.astype(jnp.float32))
         metrics["updates"] = jnp.float32(n_up)
@@ -328,14 +413,16 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
 
 
 def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: Any, param_shardings: Any,
-                  batch_sharding: Optional[NamedSharding] = None):
+                  batch_sharding: Optional[NamedSharding] = None, num_experts: int = 0):
     """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
     metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
+    route_chunk = _route_chunk(cfg, graphdef, rest, num_experts)
 
     def fn(params, cstate, version, b: LearnerBatch):
-        prox, _, _ = strategy.prox_logp(chunk, params, cstate, b, version)
+        prox_routes, b, _ = _route_inputs(cfg, route_chunk, params, b)
+        prox, _, _ = strategy.prox_logp(lambda p, t, a: chunk(p, t, a, prox_routes), params, cstate, b, version)
         first = lambda x: None if x is None else x[0]  # noqa: E731
         return _minibatch_grads(cfg, strategy, logprobs, params, b.map(first), first(prox), version)
 
@@ -344,7 +431,11 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
                    out_shardings=(rep, param_shardings, rep))
 
 
-def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any):
-    """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient)."""
+def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any, with_routes: bool = False):
+    """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient);
+    ``with_routes``: ``(params, tokens, attention_mask, routes [U,m,r,T,n_moe_layers,k])`` with
+    those expert ids forced (``moe.routing_replay=r3``)."""
     chunk = chunked(_rl_logprob_fn(cfg, graphdef, rest))
-    return jax.jit(chunk, in_shardings=(param_shardings, None, None))
+    if with_routes:
+        return jax.jit(chunk, in_shardings=(param_shardings, None, None, None))
+    return jax.jit(lambda p, t, a: chunk(p, t, a), in_shardings=(param_shardings, None, None))
