@@ -34,9 +34,15 @@ step 1 is left out because it holds the learner's and the decode's jit compiles)
   does not count, since RL on this config first dips below the SFT level, see
   ``configs/tiny_cpu.yaml``) with success >= ``--threshold``, counted at the end of that eval's
   learner step (steps 2..s); "not reached" when none is;
+* ``eval_s_in_window`` (seconds of the periodic evals inside the window) and
+  ``s_per_step_no_eval`` = (``wall_s`` - that) / (N - 1), in the JSON only;
 * ``step_time_s_mean``: the learner's own seconds per step (``step_time_s``), to tell a
   speed-up from the machine's load drifting between serial runs (a learner step should cost the
-  same in every mode; where it does not, the load changed or the rollout took CPU from it);
+  same in every mode; where it does not, the load changed or the rollout took CPU from it), and
+  ``speedup_equal_learner`` = K=0's ``s_per_step`` / (K=0's ``step_time_s_mean`` + this run's
+  ``s_per_step - step_time_s_mean``): the speed-up had this run's learner step cost what K=0's
+  did (a model: it charges the async run nothing for the CPU its rollout takes from the learner
+  beyond what its own measured step shows, and nothing for load drift);
 * best held-out success during RL (and its step), final and after-SFT success, mean staleness of the consumed batches.
 
 Prints a rich table and appends one record per invocation (date, load, machine, args, git
@@ -90,12 +96,14 @@ def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
             t_thr, step_thr = max(0.0, wall_at[s]), s
             break
     rl_evals = [e for e in evals if int(e["step"]) >= 1]
+    eval_s = sum(e.get("eval_s", 0.0) for e in rl_evals if 1 <= int(e["step"]) < int(last["step"]))
     best = max(rl_evals, key=lambda e: e["success"]) if rl_evals else None
     final = [e for e in evals if e.get("label") == "final"]
     return {
         "steps": int(last["step"]), "timed_steps": len(rows) - 1, "wall_s": wall, "s_per_step": wall / (len(rows) - 1),
         "learner_idle": wait / wall if wall > 0 else None, "rollout_idle": rollout_idle,
         "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in rows[1:]) / (len(rows) - 1),
+        "eval_s_in_window": eval_s, "s_per_step_no_eval": (wall - eval_s) / (len(rows) - 1),
         "step_time_s_mean": sum(r["step_time_s"] for r in rows[1:]) / (len(rows) - 1),
         "first_step_s": first["wait_s"] + first["step_time_s"],
         "t_threshold_s": t_thr, "threshold_step": step_thr,
@@ -199,21 +207,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in runs:
         b = base.get(r["seed"])
         r["speedup"] = b["wall_s"] / r["wall_s"] if b and "wall_s" in r else None
+        # the same, had this run's learner step cost what K=0's did (load drift between serial runs)
+        r["speedup_equal_learner"] = (b["s_per_step"] / (b["step_time_s_mean"] + r["s_per_step"] - r["step_time_s_mean"])
+                                      if b and "wall_s" in r else None)
 
     tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
                       f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
-    for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "learner step s", "speed-up vs K=0", "learner idle", "rollout idle",
+    for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "learner step s", "speed-up vs K=0",
+              "at K=0's learner step", "learner idle", "rollout idle",
               "staleness", f"time to held-out >= {a.threshold:g}", "best RL held-out (step)", "final", "load before/after"):
         tab.add_column(c, justify="right")
     for r in runs:
         if "wall_s" not in r:
-            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 10)
+            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 11)
             continue
         thr = (f"{r['t_threshold_s']:.0f} s (step {r['threshold_step']})" if r["t_threshold_s"] is not None
                else "not reached")
         tab.add_row(str(r["k"]), str(r["seed"]), f"{r['wall_s']:.1f}", f"{r['s_per_step']:.2f}",
                     f"{r['step_time_s_mean']:.2f}",
                     _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+                    _fmt(r["speedup_equal_learner"], ".2f") + ("x" if r["speedup_equal_learner"] is not None else ""),
                     _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
                     thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
                     f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}")
@@ -223,9 +236,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     verdict = None
     if k2 and abs(a.latency - 0.1) < 1e-9:
         sp = sum(r["speedup"] for r in k2) / len(k2)
-        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5}
+        spe = sum(r["speedup_equal_learner"] for r in k2) / len(k2)
+        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe}
+        con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
         if sp >= 1.5:
-            con.print(f"target met: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)")
+            con.print(f"target met on the raw wall-clock: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)"
+                      + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))
         else:
             k0 = [base[r["seed"]] for r in k2]
             con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
