@@ -4,7 +4,7 @@ Usage::
 
     .venv/bin/python bench/rollout_decode.py [--preset tiny_dense|small|<jax_rl preset>]
         [--prompt-len 16] [--new-tokens 128] [--slots 1,8,32] [--dtypes bfloat16,float32]
-        [--rounds 5] [--scan-layers true|false] [--no-hf] [--no-tunix]
+        [--rounds 5] [--scan-layers true|false] [--decode-steps 1,8] [--no-hf] [--no-tunix]
 
     # with the Tunix row (the bench venv; see bench/_tunix.py and the README):
     /work/bench-venv/bin/python bench/rollout_decode.py --preset small --slots 32 --new-tokens 128
@@ -19,8 +19,9 @@ tokens / wall second, prefill included on every side:
 
 - jax-rl: ``Generator(Qwen3Engine(slots))``, continuous batching over the slots (each prompt
   prefilled alone and inserted), temperature 1, per-token log-probs and version tags
-  returned, one host transfer per decode step (where weight swaps happen). ``--dtypes``: the
-  rollout dtype(s); ``rollout.dtype`` defaults to bfloat16. On the CPU the engine decodes with
+  returned, one jitted call and one host transfer per ``--decode-steps`` tokens
+  (``rollout.decode_steps``; weight swaps happen between calls); a comma list gives one row per
+  value. ``--dtypes``: the rollout dtype(s); ``rollout.dtype`` defaults to bfloat16. On the CPU the engine decodes with
   unrolled layers and a per-layer KV cache whatever ``--scan-layers`` says (``kv_per_layer``;
   ``--scan-layers`` then only sets the param layout it is handed).
 - transformers: ``generate`` in torch fp32, ``use_cache=True``, batch = slots, greedy (cheaper
@@ -100,7 +101,7 @@ def _prompts(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(1, vocab, prompt_len)] for _ in range(n)]
 
 
-def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=True):
+def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=True, decode_steps=1):
     """A callable: one ``Generator.generate`` of ``slots`` prompts -> generated tokens/s."""
     from rollout.engine import Qwen3Engine
     from rollout.generator import Generator
@@ -108,7 +109,7 @@ def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=T
     eng = Qwen3Engine(cfg, params, slots=slots, max_cache_len=prompt_len + new_tokens + 1,
                       max_prefill_length=prompt_len, dtype=dtype, temperature=1.0,
                       model_kwargs=dict(scan_layers=scan_layers, attention="auto"))
-    gen = Generator(eng)
+    gen = Generator(eng, decode_steps=decode_steps)
     prompts = _prompts(slots, prompt_len, cfg.vocab_size)
     seed = [0]
 
@@ -179,6 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved measured rounds per slot count")
     p.add_argument("--scan-layers", choices=("true", "false"), default="true",
                    help="stacked + scanned decoder layers (model.scan_layers; default true)")
+    p.add_argument("--decode-steps", default="1",
+                   help="jax-rl decode steps per engine call (rollout.decode_steps); comma list = one column each")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     p.add_argument("--no-tunix", action="store_true", help="skip the Tunix row")
     a = p.parse_args(argv)
@@ -194,6 +197,9 @@ def main(argv=None) -> int:
     tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
     slots = [int(s) for s in a.slots.split(",")]
     dtypes = a.dtypes.split(",")
+    steps = [int(n) for n in a.decode_steps.split(",")]
+    # one jax-rl column per (dtype, decode_steps): "bfloat16" or, with several, "bfloat16 ds8"
+    ours = [(dt, n, f"jax-rl {dt}" + (f" ds{n}" if len(steps) > 1 else "")) for dt in dtypes for n in steps]
     print(f"preset={a.preset} (V={cfg.vocab_size} d={cfg.hidden_size} layers={cfg.num_hidden_layers} "
           f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads}x{cfg.head_dim} ff={cfg.intermediate_size}; "
           f"scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; temperature 1")
@@ -212,7 +218,8 @@ def main(argv=None) -> int:
                   f"{_tunix.max_logit_diff(tmodel, ours_model, probe):.2e}")
         else:
             print(f"Tunix Sampler: {tunix_err}")
-    names = [f"jax-rl {dt}" for dt in dtypes] + ([] if a.no_hf else ["HF generate fp32"]) + \
+    print(f"jax-rl decode_steps (tokens per jitted call): {a.decode_steps}")
+    names = [name for _, _, name in ours] + ([] if a.no_hf else ["HF generate fp32"]) + \
         ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"])
     print(f"measured in this one process, interleaved per slot count, {a.rounds} rounds after one warm-up each: "
           + ", ".join(names))
@@ -221,7 +228,7 @@ def main(argv=None) -> int:
     print(f"{'slots':>5} " + " ".join(f"{n:>{w}}" for n in names))
     results = {}
     for s in slots:
-        runners = {f"jax-rl {dt}": ours_runner(cfg, params, s, a.prompt_len, a.new_tokens, dt, scan) for dt in dtypes}
+        runners = {name: ours_runner(cfg, params, s, a.prompt_len, a.new_tokens, dt, scan, n) for dt, n, name in ours}
         if not a.no_hf:
             runners["HF generate fp32"] = hf_runner(hf, s, a.prompt_len, a.new_tokens, cfg.vocab_size)
         if tmodel is not None:
@@ -236,12 +243,16 @@ def main(argv=None) -> int:
     for s in slots:
         m = med[s]
         parts = []
-        for dt in dtypes:
+        for _, _, name in ours:
             if "HF generate fp32" in m:
-                parts.append(f"jax-rl {dt} / HF = {m[f'jax-rl {dt}'] / m['HF generate fp32']:.2f}x")
+                parts.append(f"{name} / HF = {m[name] / m['HF generate fp32']:.2f}x")
             tk = f"Tunix Sampler {a.tunix_dtype}"
             if tk in m:
-                parts.append(f"jax-rl {dt} / Tunix = {m[f'jax-rl {dt}'] / m[tk]:.2f}x")
+                parts.append(f"{name} / Tunix = {m[name] / m[tk]:.2f}x")
+        if len(steps) > 1:
+            for dt in dtypes:
+                base = f"jax-rl {dt} ds{steps[0]}"
+                parts += [f"{dt} ds{n} / ds{steps[0]} = {m[f'jax-rl {dt} ds{n}'] / m[base]:.2f}x" for n in steps[1:]]
         if tmodel is None:
             parts.append(f"Tunix: {tunix_err}")
         print(f"{s:>5} slots: " + "; ".join(parts))
