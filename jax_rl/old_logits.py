@@ -453,6 +453,9 @@ class OldLogitScorer:
         self.forwards = 0
         self.scored = 0
         self.dropped = 0
+        self.routes_fn: Optional[Callable] = None
+        """``moe.routing_replay=r3``: ``(params, tokens, attention_mask, routes) -> logp``, the same
+        forward with the batch's recorded expert ids forced (:meth:`score_arrays` ``routes``)."""
 
     @classmethod
     def for_learner(cls, learner: Any, cfg: Any, *, pad_id: int = 0, keep: Optional[int] = None) -> "OldLogitScorer":
@@ -466,8 +469,11 @@ class OldLogitScorer:
         keep = int(cfg.async_.max_staleness) + 1 if keep is None else int(keep)
         _, devs = scorer_devices(cfg.old_logits.devices)
         common = dict(keep=keep, max_seq_len=cfg.optim.max_seq_len, pad_id=pad_id)
+        r3 = getattr(getattr(cfg, "moe", None), "routing_replay", "none") == "r3"
         if devs is None:
-            return cls(learner._logprob_jit, learner.param_shardings, learner.mesh, **common)
+            sc = cls(learner._logprob_jit, learner.param_shardings, learner.mesh, **common)
+            sc.routes_fn = learner._logprob_routes_jit if r3 else None
+            return sc
         from jax_rl.model_builder import abstract_model_split, learner_model_kwargs
         from jax_rl.sharding import make_mesh, state_shardings
         from jax_rl.train_step import make_logprob_step
@@ -479,7 +485,11 @@ class OldLogitScorer:
             raise ValueError("old_logits.devices: the model has non-param state; share the learner's devices "
                              "(old_logits.devices=null)")
         fn = make_logprob_step(cfg, learner.graphdef, rest=learner.rest, param_shardings=shardings)
-        return cls(fn, shardings, mesh, **common)
+        sc = cls(fn, shardings, mesh, **common)
+        if r3:
+            sc.routes_fn = make_logprob_step(cfg, learner.graphdef, rest=learner.rest, param_shardings=shardings,
+                                             with_routes=True)
+        return sc
 
     # ---------------------------------------------------------------------------------
     @property
@@ -541,13 +551,16 @@ class OldLogitScorer:
 
     # ---------------------------------------------------------------------------------
     def score_arrays(self, tokens: np.ndarray, attention_mask: np.ndarray, versions: np.ndarray,
-                     loss_mask: np.ndarray, *, held: Optional[dict] = None) -> np.ndarray:
+                     loss_mask: np.ndarray, *, held: Optional[dict] = None,
+                     routes: Optional[np.ndarray] = None) -> np.ndarray:
         """Exact old log-probs of a right-padded host batch.
 
         Args:
             tokens: int32 [B, T]; attention_mask, loss_mask: bool [B, T]; versions: int32 [B, T]
                 (the behaviour version of each token, -1 where not generated).
             held: ``{version: params}`` to read (default: the versions held now).
+            routes: int [B, T, n_moe_layers, k] recorded expert ids (``Trajectory.routes``), forced
+                in every forward when :attr:`routes_fn` is set (``moe.routing_replay=r3``).
 
         Returns:
             float32 [B, T] (numpy): log pi_v (nats) of each loss token under its own version v,
@@ -566,11 +579,15 @@ class OldLogitScorer:
             raise StaleVersionError(f"old logits for version(s) {missing} requested but the scorer holds "
                                     f"{sorted(held)} (keep={self.keep} = async.max_staleness+1)")
         B, T = np.shape(tokens)
-        dev, _ = self.placement.device_batch(
-            {"tokens": np.asarray(tokens, np.int32), "attention_mask": np.asarray(attention_mask, bool),
-             "versions": np.asarray(versions, np.int32)}, process_local=False)
+        host = {"tokens": np.asarray(tokens, np.int32), "attention_mask": np.asarray(attention_mask, bool),
+                "versions": np.asarray(versions, np.int32)}
+        forced = routes is not None and self.routes_fn is not None
+        if forced:
+            host["routes"] = np.asarray(routes)
+        dev, _ = self.placement.device_batch(host, process_local=False)
+        fn = (lambda p, t, a: self.routes_fn(p, t, a, dev["routes"])) if forced else self.logprob_fn
         # called like the learner's snapshot route calls it (outside any ``jax.set_mesh``): same program
-        old = logprobs_by_version(held.__getitem__, self.logprob_fn, tokens=dev["tokens"],
+        old = logprobs_by_version(held.__getitem__, fn, tokens=dev["tokens"],
                                   attention_mask=dev["attention_mask"], versions=dev["versions"], needed=needed)
         out = np.asarray(old).reshape(B, T)
         with self._lock:
@@ -607,7 +624,8 @@ class OldLogitScorer:
         if todo:
             b = collate(todo, [0.0] * len(todo), self.max_seq_len, pad_to_multiple=self.pad_to_multiple,
                         pad_id=self.pad_id)
-            old = self.score_arrays(b["tokens"], b["attention_mask"], b["versions"], b["loss_mask"], held=held)
+            old = self.score_arrays(b["tokens"], b["attention_mask"], b["versions"], b["loss_mask"], held=held,
+                                    routes=b.get("routes"))
             for i, t in enumerate(todo):
                 t.old_logp = old[i, : len(t)].copy()
         with self._lock:
@@ -907,7 +925,8 @@ class RetiringScorer:
                             pad_to_multiple=sc.pad_to_multiple, pad_id=sc.pad_id)
                 vs = sorted(set().union(*(r for _, _, r in live)))
                 lm = b["loss_mask"] & np.isin(b["versions"], vs)
-                new = sc.score_arrays(b["tokens"], b["attention_mask"], b["versions"], lm, held=held)
+                new = sc.score_arrays(b["tokens"], b["attention_mask"], b["versions"], lm, held=held,
+                                      routes=b.get("routes"))
                 for i, (t, old, rest) in enumerate(live):
                     sel = t.loss_mask & np.isin(t.versions, sorted(rest))
                     old[sel] = new[i, : len(t)][sel]
