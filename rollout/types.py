@@ -206,6 +206,7 @@ class Trajectory:
         if self.routes is not None:  # ints: exact; the dtype name travels with them
             d["routes"] = self.routes.tolist()
             d["routes_dtype"] = self.routes.dtype.name
+            d["routes_shape"] = list(self.routes.shape)
         return d
 
     @classmethod
@@ -225,7 +226,7 @@ class Trajectory:
             old_logp=None if d.get("old_logp") is None else np.asarray(d["old_logp"], dtype=np.float32),
             routes=None if d.get("routes") is None else
             np.asarray(d["routes"], dtype=_int_dtype(d.get("routes_dtype", "int32"))).reshape(
-                (len(d["tokens"]), *np.shape(d["routes"])[1:])),
+                d.get("routes_shape") or (len(d["tokens"]), *np.shape(d["routes"])[1:])),
         )
 
     def to_json(self) -> str:
