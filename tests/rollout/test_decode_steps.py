@@ -126,3 +126,18 @@ def test_weight_swap_between_chunks_tags_versions(engine, params2, partial):
 def test_decode_steps_validated(engine):
     with pytest.raises(ValueError, match="decode_steps"):
         Generator(engine, decode_steps=0)
+
+
+def test_routes_recorded_per_step_are_the_same_in_chunks():
+    """MoE routing replay: the expert-id columns of each step come through ``generate_steps``
+    stacked like the rest, so ``Completion.routes`` does not depend on decode_steps."""
+    moe = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0))
+    eng = Qwen3Engine(moe.config, nnx.state(moe, nnx.Param), slots=2, max_cache_len=S,
+                      dtype="float32", record_routes=True)
+    prompts, budgets = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], [6, 9, 5]  # 3 requests on 2 slots
+    ref, _ = _run(eng, 1, prompts, budgets)
+    got, _ = _run(eng, N, prompts, budgets)
+    for w, g in zip(ref, got):
+        assert g.tokens == w.tokens and g.logps == w.logps
+        assert g.routes is not None and g.routes.shape[0] == len(prompts[g.request_id]) + len(g.tokens)
+        np.testing.assert_array_equal(g.routes, w.routes)
