@@ -13,12 +13,19 @@ no extra params), and prints, per row:
   count); the scorer's held versions (``old_logits_bytes``) for the rollout-side exact routes.
   Activations of an extra forward are not counted (the compiler's figure for the train step
   is in ``jax-rl compile``).
-- ``extra learner s/step``: median learner ``step_time_s`` (host step + jitted step) minus the
-  ``ppo`` row's, over the rows after the first ``--warmup`` (compiles).
+- ``extra learner s/step``: measured in THIS process, not in the runs (serial runs drift with the
+  host's load): one ``Learner`` per learner-side mode (``ppo``, ``decoupled``, ``linear_prox``,
+  ``ppo_ewma``, ``exact`` with the snapshot route; the rollout-side exact routes run the ``ppo``
+  learner step, their old logits arrive with the batch) on the run config's model and batch shape
+  ``[optim.batch_size, optim.max_seq_len]``, the same batch for all, its trajectories spread over
+  versions g-K..g (so the snapshot route does K+1 forwards); ``--learner-rounds`` interleaved
+  rounds (one ``train_step`` each, host batch to host metrics) after K+1 warm-up steps; the
+  median of (mode - ppo) within each round. ``learner s/step`` from the runs is printed too.
 - ``off-learner s/step``: seconds the rollout-side scorer spent per learner step (its own
   thread, ``old_logits_s``); on this 2-core host it competes with the learner for the cores.
-- ``stall s/publish``: seconds the rollouts were paused per publish (``old_logits_stall_s``,
-  the ``interrupt`` route); 0 for the others.
+- ``stall s/publish``: median seconds the rollouts were paused per publish (``old_logits_stall_s``
+  per row, one publish per row; the ``interrupt`` route); 0 for the others. ``off-learner``
+  is a median over rows too (the first scoring of each new shape compiles).
 - ``run tokens/s``: trained tokens per wall second over the measured rows (the whole async run:
   rollout, scoring, learner).
 
@@ -30,7 +37,7 @@ How it scales:
 - bytes: (measured extra bytes / the tiny model's fp32 param bytes) copies x the big model's
   fp32 param bytes (jax-rl keeps fp32 snapshots and an fp32 theta_bar; the paper's 40 GB is
   5 bf16 copies of 4B);
-- seconds: (measured extra learner seconds / the ``ppo`` row's learner step) x the big model's
+- seconds: (in-process extra learner seconds / the ``ppo`` learner step) x the big model's
   train-step roofline seconds from ``jax-rl compile`` (``docs/results/tpu_compile_*.json``:
   [256, 8192] on v5p-32 for 4B, [512, 8192] on v5p-64 for 30B-A3B), i.e. the measured relative
   per-token cost of the extra forwards and copies applied to the big model's step. This is an
@@ -122,6 +129,58 @@ def _run(name: str, cfg_path: str, base: list[str], steps: int, sft_steps: int, 
     return out
 
 
+LEARNER_MODES = {"ppo": "ppo", "decoupled": "decoupled", "linear_prox": "linear_prox", "ppo_ewma": "ppo_ewma",
+                 "exact/snapshot": "exact"}
+
+
+def learner_seconds(cfg_path: str, overrides: list[str], rounds: int, modes: list[str]) -> dict[str, dict]:
+    """Interleaved ``train_step`` seconds per learner-side mode in this process (see the module doc):
+    ``{row: {"median_s", "extra_s"}}``; ``extra_s`` = median over rounds of (row - ppo)."""
+    import numpy as np
+
+    from jax_rl.config import load_config
+    from jax_rl.learner import Learner
+
+    base = load_config(ROOT / cfg_path, [*overrides, "model.tokenizer=compact"])
+    K = int(base.async_.max_staleness)
+    B, T = base.optim.batch_size, base.optim.max_seq_len
+    rows = [m for m in LEARNER_MODES if m == "ppo" or m in modes]
+    lrns = {}
+    for m in rows:
+        cfg = load_config(ROOT / cfg_path, [*overrides, "model.tokenizer=compact", f"loss.correction={LEARNER_MODES[m]}"])
+        lrns[m] = Learner(cfg)
+    V = lrns["ppo"].model_config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def batch(g: int) -> dict:
+        tok = rng.integers(0, V, (B, T)).astype(np.int32)
+        lens = rng.integers(T // 2, T + 1, B)
+        am = np.arange(T)[None] < lens[:, None]
+        lm = am & (np.arange(T)[None] >= min(16, T // 4))
+        ver = np.where(lm, np.maximum(g - (np.arange(B) % (K + 1)), 0)[:, None], -1).astype(np.int32)
+        return dict(tokens=tok, attention_mask=am, loss_mask=lm, behav_logp=np.where(lm, -np.log(V), 0).astype(np.float32),
+                    versions=ver, turn_ids=np.where(lm, 0, -1).astype(np.int32),
+                    advantages=np.where(lm, rng.normal(size=(B, 1)), 0).astype(np.float32))
+
+    for _ in range(K + 1):  # warm-up: compiles, and the snapshot store fills to K+1 versions
+        for m, lrn in lrns.items():
+            lrn.train_step(batch(lrn.version))
+    times: dict[str, list[float]] = {m: [] for m in rows}
+    for _ in range(rounds):
+        for m, lrn in lrns.items():
+            b = batch(lrn.version)
+            t0 = time.perf_counter()
+            lrn.train_step(b)
+            times[m].append(time.perf_counter() - t0)
+    out = {}
+    for m in rows:
+        out[m] = {"median_s": statistics.median(times[m]),
+                  "extra_s": statistics.median(a - b for a, b in zip(times[m], times["ppo"]))}
+    for lrn in lrns.values():
+        lrn.close()
+    return out
+
+
 def _summarise(res: dict, warmup: int, ewma_bytes: int) -> dict:
     rows = res["rows"][warmup:] or res["rows"]
     name = res["row"]
@@ -137,8 +196,9 @@ def _summarise(res: dict, warmup: int, ewma_bytes: int) -> dict:
         "row": name, "steps_measured": len(rows),
         "learner_s_step": med("step_time_s"),
         "host_bytes": host, "device_bytes": device,
-        "off_learner_s_step": mean("old_logits_s") if name in ROLLOUT_SIDE else 0.0,
-        "stall_s_publish": mean("old_logits_stall_s"),
+        "off_learner_s_step": med("old_logits_s") if name in ROLLOUT_SIDE else 0.0,
+        "stall_s_publish": med("old_logits_stall_s"),
+        "stall_s_publish_mean": mean("old_logits_stall_s"),
         "run_tokens_per_s": tokens / max(wall, 1e-9),
         "learner_forwards_step": mean("old_logits_forwards"),
         "train_infer_retained": mean("train_infer_retained"),
@@ -156,6 +216,8 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "old_logits_cost.json"),
                     help="append the record here (a JSON list)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per row")
+    ap.add_argument("--learner-rounds", type=int, default=7,
+                    help="interleaved in-process train_step rounds per learner-side mode (0: skip)")
     ap.add_argument("overrides", nargs="*", help="key=value for every row, e.g. async.max_staleness=4")
     args = ap.parse_args()
 
@@ -181,19 +243,28 @@ def main() -> int:
             r = _run(n, args.config, args.overrides, args.steps, args.sft_steps, Path(tmp), args.timeout)
             results[n] = r
             con.print(f"{r['process_s']:.0f} s" + (f" [red]not run: {r['error']}[/red]" if r["rc"] else ""))
-    load1 = os.getloadavg()
     summ = {n: _summarise(r, args.warmup, tiny_bytes) for n, r in results.items() if r["rc"] == 0}
     if "ppo" not in summ:
         con.print("[red]the ppo baseline failed; no table[/red]")
         return 1
-    base_s = summ["ppo"]["learner_s_step"]
-    for s in summ.values():
-        s["extra_learner_s_step"] = s["learner_s_step"] - base_s
+    lsec = {}
+    if args.learner_rounds > 0:
+        con.print(f"  learner steps in this process, {args.learner_rounds} interleaved rounds ...", end=" ")
+        t0 = time.perf_counter()
+        lsec = learner_seconds(args.config, args.overrides, args.learner_rounds, names)
+        con.print(f"{time.perf_counter() - t0:.0f} s")
+    load1 = os.getloadavg()
+    base_s = lsec["ppo"]["median_s"] if lsec else summ["ppo"]["learner_s_step"]
+    for n, s in summ.items():
+        x = lsec.get(n) or (lsec.get("ppo") if n in ROLLOUT_SIDE else None)
+        s["extra_learner_s_step"] = (x["extra_s"] if x is not None else s["learner_s_step"] - summ["ppo"]["learner_s_step"])
+        s["extra_learner_source"] = "in-process interleaved" if x is not None else "serial runs"
         s["extra_relative"] = s["extra_learner_s_step"] / base_s
 
-    t = Table(title=f"measured ({datetime.date.today()}, this host, load {load0[0]:.1f} -> {load1[0]:.1f})")
-    for c in ("row", "extra host bytes", "extra device bytes", "learner s/step", "extra learner s/step",
-              "learner fwd/step", "off-learner s/step", "stall s/publish", "run tokens/s", "R"):
+    t = Table(title=f"measured ({datetime.date.today()}, this host, load {load0[0]:.1f} -> {load1[0]:.1f}; extra learner "
+                    f"s/step in-process, ppo step {base_s:.3f} s)")
+    for c in ("row", "extra host bytes", "extra device bytes", "learner s/step (runs)", "extra learner s/step",
+              "old-logit fwd/step (learner)", "off-learner s/step", "stall s/publish", "run tokens/s", "R"):
         t.add_column(c, justify="left" if c == "row" else "right")
     for n in names:
         if n not in summ:
@@ -231,7 +302,7 @@ def main() -> int:
     rec = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config": args.config, "overrides": args.overrides, "K": K, "steps": args.steps,
            "sft_steps": args.sft_steps, "warmup": args.warmup, "load": [load0[0], load1[0]],
-           "tiny_param_bytes": tiny_bytes, "measured": summ, "scaled": scaled,
+           "tiny_param_bytes": tiny_bytes, "measured": summ, "learner_in_process": lsec, "scaled": scaled,
            "not_run": {n: r["error"] for n, r in results.items() if r["rc"]}}
     p = Path(args.json)
     p.parent.mkdir(parents=True, exist_ok=True)
