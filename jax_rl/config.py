@@ -467,8 +467,8 @@ class MoEConfig(_Section):
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing replay: ``none`` (every forward routes by its own router), ``r3`` (the rollout
     engine records the top-k expert ids of every MoE layer at every token, prefill and decode,
-    and every learner forward: theta, pi_prox and the exact old-logit forwards (snapshot and
-    dedicated; interrupt/retire: not the in-flight prefixes scored at a publish), uses them; the
+    and every learner forward: theta, pi_prox and the exact old-logit forwards (snapshot,
+    dedicated, interrupt/retire incl. the in-flight prefixes scored at a publish), uses them; the
     gates are still the router's softmax at those ids, so the router gets gradient), ``r2`` (the
     learner's no-grad routing forward at the params of the start of the step records its own
     routes and the gradient forward replays them). r2 and r3 log ``routing_agreement`` (the

@@ -755,9 +755,12 @@ class RetiringScorer:
     the current version and one retiring version are held, whatever ``async.max_staleness`` is.
 
     What it needs from the rollout side (``sources``): at retire time, every episode not yet
-    scored, as ``(key, tokens int32 [L], versions int32 [L], loss_mask bool [L])`` with its
-    prefix so far (earlier turns, tool tokens, the current turn's tokens from the generator slot)
-    and the version of each generated token; the key (:func:`trajectory_key`) names the same
+    scored, as ``(key, tokens int32 [L], versions int32 [L], loss_mask bool [L][, routes])`` with
+    its prefix so far (earlier turns, tool tokens, the current turn's tokens from the generator
+    slot), the version of each generated token and (``moe.routing_replay=r3``) the recorded expert
+    ids of its positions (int [L, n_moe_layers, k], ``ROUTE_MISSING`` where none), which the
+    prefix's forward forces as the finished trajectory's forward does (``scorer.routes_fn``;
+    without routes the prefix is scored by the router's own choice); the key (:func:`trajectory_key`) names the same
     episode's final :class:`rollout.types.Trajectory` when its group reaches :meth:`score_group`.
     ``rollout.agent.AgentLoop(track=True).unscored_prefixes`` ships exactly that; ``release(keys)``
     tells it a group is scored.
@@ -781,7 +784,8 @@ class RetiringScorer:
 
     Args:
         scorer: the :class:`OldLogitScorer` holding the params (``keep`` >= 2).
-        sources: ``() -> list[(key, tokens, versions, loss_mask)]``, the unscored episodes now.
+        sources: ``() -> list[(key, tokens, versions, loss_mask[, routes])]``, the unscored
+            episodes now (``routes`` None or absent: not forced).
         release: ``(keys) -> None``, called with a group's keys once it is scored (or None).
         route: ``"interrupt"`` or ``"retire"``.
         rows_per_forward: captured prefixes scored per forward at most.
@@ -835,6 +839,13 @@ class RetiringScorer:
         self._note_held()
 
     def _pad(self, rows: list) -> tuple[np.ndarray, ...]:
+        """Right-pad ``(key, tokens, versions, mask, routes)`` rows: tokens/versions int32 [B, T],
+        attention/loss mask bool [B, T], routes [B, T, n_moe_layers, k] (-1 pad) or None when the
+        scorer forces none (not r3) or no row carries routes.
+
+        Raises:
+            ValueError: under r3, some rows carry routes and others not, or a row's routes do not
+                match its tokens (the forward would silently route those rows by the router)."""
         m = max(1, self.scorer.pad_to_multiple)
         T = min(self.scorer.max_seq_len, -(-max(len(r[1]) for r in rows) // m) * m)
         B = len(rows)
@@ -842,10 +853,26 @@ class RetiringScorer:
         am = np.zeros((B, T), bool)
         ver = np.full((B, T), -1, np.int32)
         lm = np.zeros((B, T), bool)
-        for i, (_, t, v, l) in enumerate(rows):
+        for i, (_, t, v, l, _) in enumerate(rows):
             n = len(t)
             tok[i, :n], am[i, :n], ver[i, :n], lm[i, :n] = t, True, v, l
-        return tok, am, ver, lm
+        rts = [r[4] for r in rows]
+        routes = None
+        if self.scorer.routes_fn is not None and any(r is not None for r in rts):
+            bad = [r[0] for r in rows if r[4] is None]
+            if bad:
+                raise ValueError(f"retire: {len(bad)} of {B} prefixes carry no routes under moe.routing_replay=r3 "
+                                 f"while the others do (episodes {bad[:4]})")
+            tails = {np.shape(r)[1:] for r in rts}
+            if len(tails) != 1:
+                raise ValueError(f"retire: prefix routes must all be [L, n_moe_layers, k] of one shape; got {sorted(tails)}")
+            routes = np.full((B, T, *next(iter(tails))), -1, np.asarray(rts[0]).dtype)
+            for i, (key, t, _, _, r) in enumerate(rows):
+                if len(r) != len(t):
+                    raise ValueError(f"retire: episode {key}'s prefix routes have {len(r)} positions, its tokens "
+                                     f"{len(t)}")
+                routes[i, : len(t)] = r
+        return tok, am, ver, lm, routes
 
     def retire(self, version: int) -> int:
         """Score every unscored episode's ``version`` tokens (finished and partial prefixes) with
@@ -854,26 +881,28 @@ class RetiringScorer:
 
         Raises:
             StaleVersionError: ``version`` has tokens to score but is not held.
+            ValueError: under r3, prefixes with and without routes, or routes not aligned with
+                their tokens (:meth:`_pad`).
         """
         version = int(version)
         t0 = time.perf_counter()
         with self._lock:
             held = self.scorer.held()
             rows = []
-            for key, tok, ver, lm in self.sources():
+            for key, tok, ver, lm, *rt in self.sources():
                 tok, ver, lm = np.asarray(tok, np.int32), np.asarray(ver, np.int32), np.asarray(lm, bool)
                 mine = lm & (ver == version)
                 if not mine.any() or version in self._stash.get(key, {}) or len(tok) > self.scorer.max_seq_len:
                     continue  # nothing of this version, already stashed, or too long to train (dropped later)
-                rows.append((key, tok, ver, mine))
+                rows.append((key, tok, ver, mine, rt[0] if rt else None))
             if rows and version not in held:
                 raise StaleVersionError(f"retire of version {version}: {len(rows)} episode(s) hold its tokens but the "
                                         f"scorer holds {sorted(held)}")
             for i in range(0, len(rows), self.rows_per_forward):
                 chunk = rows[i: i + self.rows_per_forward]
-                tok, am, ver, lm = self._pad(chunk)
-                old = self.scorer.score_arrays(tok, am, ver, lm, held={version: held[version]})
-                for j, (key, t, _, mine) in enumerate(chunk):
+                tok, am, ver, lm, routes = self._pad(chunk)
+                old = self.scorer.score_arrays(tok, am, ver, lm, held={version: held[version]}, routes=routes)
+                for j, (key, t, _, mine, _) in enumerate(chunk):
                     pos = np.flatnonzero(mine)
                     self._stash.setdefault(key, {})[version] = (pos, t[: int(pos[-1]) + 1].copy(), old[j, pos].copy())
             self.scorer.drop(version)

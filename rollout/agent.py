@@ -115,8 +115,8 @@ class AgentLoop:
         max_workers: concurrent episodes; default ``max(cfg.slots * cfg.threads, cfg.group_size)``.
         env_name: name recorded in ``Trajectory.env`` (default: the env's ``name``).
         track: keep every episode, from its start until :meth:`release`, so that
-            :meth:`unscored_prefixes` can ship the prefixes and token versions of finished and
-            in-flight episodes (``old_logits.route=interrupt|retire``,
+            :meth:`unscored_prefixes` can ship the prefixes, token versions and recorded routes of
+            finished and in-flight episodes (``old_logits.route=interrupt|retire``,
             :class:`jax_rl.old_logits.RetiringScorer`). Released keys are ``(group_id, sample_idx)``.
     """
 
@@ -133,7 +133,7 @@ class AgentLoop:
     ):
         self.generator = generator
         self.track = bool(track)
-        self._live: dict[tuple[int, int], dict] = {}  # track: key -> {"tokens","mask","vers","fut","final"}
+        self._live: dict[tuple[int, int], dict] = {}  # track: key -> {"tokens","mask","vers","fut","final","routes"}
         self._live_lock = threading.Lock()
         self.tok = tokenizer
         self.env_factory = env_factory
@@ -189,21 +189,28 @@ class AgentLoop:
         self.close()
 
     # ------------------------------------------------------------------ tracking (exact old logits)
-    def unscored_prefixes(self) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray]]:
+    def unscored_prefixes(self) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray,
+                                              Optional[np.ndarray]]]:
         """Every tracked episode not yet released, as ``(key, tokens int32 [L], versions int32 [L],
-        loss_mask bool [L])``: a finished one's whole trajectory; an in-flight one's tokens so far,
-        with the current turn's tokens still in a generator slot (``generator.partial_tokens``) or in a
-        completion not yet appended. Consistent with the episode threads (one lock); every token
-        generated before the call is included (later ones may be)."""
+        loss_mask bool [L], routes)``: a finished one's whole trajectory; an in-flight one's tokens so
+        far, with the current turn's tokens still in a generator slot (``generator.partial_tokens``)
+        or in a completion not yet appended. ``routes`` (``moe.routing_replay``, a generator that
+        records them; else None): int [L, n_moe_layers, k] aligned with ``tokens``, built as the
+        episode's :class:`Trajectory` builds its own (earlier turns' routes, then the current turn's
+        from the slot or completion; a position keeps its first route; ``ROUTE_MISSING`` where none
+        yet), so a prefix carries the routes its trajectory will carry at those positions.
+        Consistent with the episode threads (one lock); every token generated before the call is
+        included (later ones may be)."""
         out = []
         partial = getattr(self.generator, "partial_tokens", None)
         with self._live_lock:
             for key, ep in self._live.items():
                 fin = ep["final"]
                 if fin is not None:
-                    out.append((key, fin.tokens, fin.versions, fin.loss_mask))
+                    out.append((key, fin.tokens, fin.versions, fin.loss_mask, fin.routes))
                     continue
                 toks, vers, mask = list(ep["tokens"]), list(ep["vers"]), list(ep["mask"])
+                routes = ep.get("routes")
                 fut = ep["fut"]
                 extra = None
                 if fut is not None:
@@ -212,12 +219,18 @@ class AgentLoop:
                         extra = partial(rid)
                     if extra is None and fut.done() and not fut.cancelled() and fut.exception() is None:
                         c = fut.result()
-                        extra = (c.tokens, c.versions)
+                        extra = (c.tokens, c.versions, getattr(c, "routes", None))
                 if extra:
                     toks += list(extra[0])
                     vers += list(extra[1])
                     mask += [True] * len(extra[0])
-                out.append((key, np.asarray(toks, np.int32), np.asarray(vers, np.int32), np.asarray(mask, bool)))
+                    if len(extra) > 2 and extra[2] is not None:
+                        routes = _merge_routes(routes, np.asarray(extra[2]))
+                if routes is not None:  # aligned with toks: MISSING where nothing ran yet
+                    routes = _merge_routes(routes, np.full((len(toks), *routes.shape[1:]), ROUTE_MISSING,
+                                                           routes.dtype))
+                out.append((key, np.asarray(toks, np.int32), np.asarray(vers, np.int32), np.asarray(mask, bool),
+                            routes))
         return out
 
     def release(self, keys) -> None:
@@ -248,16 +261,19 @@ class AgentLoop:
                                 "turn_starts": [], "finish_reasons": []}
         reward = 0.0
         env_name = self.env_name or ""
-        live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None}
+        live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
         lock = self._live_lock if self.track else contextlib.nullcontext()
         if self.track:
             with self._live_lock:
                 self._live[(int(group_id), int(sample_idx))] = live
 
-        def append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
-            with lock:  # tracked: the lists and the pending request change together
+        def append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1,
+                   gen_routes: Optional[np.ndarray] = None) -> None:
+            with lock:  # tracked: the lists, the routes and the pending request change together
                 _append(ids, gen, turn)
                 live["fut"] = None
+                if gen_routes is not None:
+                    live["routes"] = gen_routes
 
         def _append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
             tokens.extend(int(i) for i in ids)
@@ -320,7 +336,7 @@ class AgentLoop:
                 info["turn_starts"].append(len(tokens))
                 if getattr(comp, "routes", None) is not None:
                     routes = _merge_routes(routes, comp.routes)
-                append(comp.tokens, comp, turn)
+                append(comp.tokens, comp, turn, routes)
                 info["turns"] = turn + 1
                 budget -= len(comp.tokens)
                 ended = bool(comp.tokens) and comp.tokens[-1] in stop_ids

@@ -241,13 +241,19 @@ class Generator:
         :meth:`apply_update_now` and :meth:`partial_tokens` may be called inside it."""
         return self._step_lock
 
-    def partial_tokens(self, request_id: int) -> Optional[tuple[list, list]]:
-        """``(tokens, versions)`` generated so far by the request in a decode slot, copies; None
-        when the request is not in a slot (queued, finished or unknown)."""
+    def partial_tokens(self, request_id: int) -> Optional[tuple[list, list, Optional[np.ndarray]]]:
+        """``(tokens, versions, routes)`` so far of the request in a decode slot, copies; None when
+        the request is not in a slot (queued, finished or unknown).
+
+        ``tokens`` / ``versions``: the generated tokens and the version of each. ``routes``: an
+        engine built with ``record_routes``, the expert ids recorded so far at every position of
+        prompt + ``tokens`` (int [len(prompt) + len(tokens), n_moe_layers, k], the
+        ``Completion.routes`` convention: the last token is never fed yet, ``ROUTE_MISSING``);
+        None otherwise."""
         with self._step_lock:
             for req in self._slots:
                 if req is not None and req.request_id == request_id:
-                    return list(req.tokens), list(req.versions)
+                    return list(req.tokens), list(req.versions), self._routes_array(req)
         return None
 
     def step(self) -> bool:

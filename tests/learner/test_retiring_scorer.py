@@ -259,8 +259,8 @@ def test_generator_partial_pause_and_swap_now():
     fa = gen.submit([5, 6, 7], max_new_tokens=10, seed=1)
     for _ in range(3):
         gen.step()
-    toks, vers = gen.partial_tokens(fa.request_id)
-    assert len(toks) == 3 and vers == [0, 0, 0]
+    toks, vers, rts = gen.partial_tokens(fa.request_id)
+    assert len(toks) == 3 and vers == [0, 0, 0] and rts is None  # a dense engine records no routes
     assert gen.partial_tokens(12345) is None
     gen.update_params(p1, 1)
     gen.apply_update_now()
@@ -316,15 +316,15 @@ def test_agent_tracks_partial_and_finished_episodes():
         if agent._live[(3, 0)]["fut"] is not None:
             break
         threading.Event().wait(0.01)
-    (key, t0, v0, m0), = agent.unscored_prefixes()
-    assert key == (3, 0) and not m0.any() and (v0 == -1).all()  # the prompt only
+    (key, t0, v0, m0, r0), = agent.unscored_prefixes()
+    assert key == (3, 0) and not m0.any() and (v0 == -1).all() and r0 is None  # the prompt only
     gen.live[0] = ([11, 12], [4, 4])
-    (_, t1, v1, m1), = agent.unscored_prefixes()
+    (_, t1, v1, m1, _), = agent.unscored_prefixes()
     assert t1.tolist() == t0.tolist() + [11, 12] and v1[-2:].tolist() == [4, 4] and m1[-2:].all()
     gen.live.clear()
     gen.futs[0].set_result(Completion(0, [11, 12, 13], [-1.0] * 3, [4, 4, 5], "length"))
     traj = fut.result(timeout=30)
-    (_, t2, v2, m2), = agent.unscored_prefixes()
+    (_, t2, v2, m2, _), = agent.unscored_prefixes()
     np.testing.assert_array_equal(t2, traj.tokens)
     assert v2[-3:].tolist() == [4, 4, 5] and trajectory_key(traj) == (3, 0)
     agent.release([(3, 0)])
@@ -333,6 +333,65 @@ def test_agent_tracks_partial_and_finished_episodes():
     untracked = AgentLoop(gen, tok, CalculatorEnv, cfg)
     assert untracked.unscored_prefixes() == []
     untracked.close()
+
+
+def test_agent_prefix_routes_align_with_the_trajectory():
+    """A recording generator (``partial_tokens`` ships routes over prompt + tokens so far): the
+    in-flight prefix's routes are aligned with its tokens and equal, at every position already
+    run, the routes the finished trajectory carries there; the slot's last token (not fed yet)
+    has none."""
+    from jax_rl.config import RolloutConfig
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from rollout.agent import AgentLoop
+    from rollout.envs import CalculatorEnv
+    from rollout.types import ROUTE_MISSING
+
+    tok = compact_tokenizer()
+    cfg = RolloutConfig(max_turns=1, max_new_tokens_per_turn=8, max_tokens_per_episode=8, max_cache_len=4096,
+                        episode_timeout_s=30.0, group_size=1, slots=1)
+    gen = _PendingGen()
+    agent = AgentLoop(gen, tok, CalculatorEnv, cfg, track=True)
+    fut = agent.submit_episode(7, group_id=1, sample_idx=0)
+    for _ in range(400):
+        if gen.futs and agent._live[(1, 0)]["fut"] is not None:
+            break
+        threading.Event().wait(0.01)
+    (_, t0, _, _, r0), = agent.unscored_prefixes()
+    assert r0 is None  # nothing recorded yet
+    P = len(t0)
+    rng = np.random.default_rng(0)
+    full = rng.integers(0, 4, (P + 3, 2, 2)).astype(np.int8)  # the routes the turn's completion will carry
+    full[-1] = ROUTE_MISSING
+    part = full[: P + 2].copy()
+    part[-1] = ROUTE_MISSING  # two tokens so far: the second not fed yet
+    gen.live[0] = ([11, 12], [4, 4], part)
+    (_, t1, _, _, r1), = agent.unscored_prefixes()
+    assert r1.shape == (len(t1), 2, 2) and r1.dtype == np.int8
+    np.testing.assert_array_equal(r1, part)
+    gen.live.clear()
+    gen.futs[0].set_result(Completion(0, [11, 12, 13], [-1.0] * 3, [4, 4, 5], "length", routes=full))
+    traj = fut.result(timeout=30)
+    np.testing.assert_array_equal(traj.routes[: P + 1], r1[: P + 1])  # every position the prefix had run
+    (_, t2, _, _, r2), = agent.unscored_prefixes()
+    np.testing.assert_array_equal(r2, traj.routes)
+    agent.close()
+
+
+def test_retire_refuses_prefixes_without_routes_under_r3():
+    """A scorer that forces routes (r3) refuses a chunk mixing prefixes with and without routes
+    and routes not aligned with their tokens, instead of routing some rows by the router."""
+    sc = OldLogitScorer(lambda p, t, a: None, None, None, keep=2, max_seq_len=32)
+    sc.routes_fn = lambda p, t, a, r: None
+    rs = RetiringScorer(sc, lambda: [])
+    row = lambda k, n, r: (k, np.arange(n), np.zeros(n, np.int32), np.ones(n, bool), r)  # noqa: E731
+    with pytest.raises(ValueError, match="carry no routes"):
+        rs._pad([row(0, 4, np.zeros((4, 2, 2), np.int8)), row(1, 4, None)])
+    with pytest.raises(ValueError, match="3 positions"):
+        rs._pad([row(0, 4, np.zeros((3, 2, 2), np.int8))])
+    rts = rs._pad([row(0, 4, np.ones((4, 2, 2), np.int8))])[4]  # T rounded up to pad_to_multiple=16
+    assert rts.shape == (1, 16, 2, 2) and rts.dtype == np.int8 and (rts[0, :4] == 1).all() and (rts[0, 4:] == -1).all()
+    sc.routes_fn = None  # not r3: routes are not forced, so not required
+    assert rs._pad([row(0, 4, np.zeros((4, 2, 2), np.int8)), row(1, 4, None)])[4] is None
 
 
 def test_config_accepts_new_routes_and_refuses_ray():

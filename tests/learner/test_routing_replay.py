@@ -282,3 +282,57 @@ def test_dedicated_scorer_forces_r3_routes():
     np.testing.assert_allclose(b["old_logp"][lm], L.logprobs(b)[lm], rtol=0, atol=1e-6)
     free = L.logprobs({k: v for k, v in b.items() if k != "routes"})
     assert np.abs(b["old_logp"] - free)[lm].max() > 1e-4
+
+
+def test_retire_forces_the_in_flight_prefix_routes():
+    """old_logits.route=retire under r3, perturbed engine router: the fleet leaves version 0 while
+    every request is mid-turn; the retire scores each slot's prefix (``Generator.partial_tokens``:
+    tokens, versions, routes so far) with its recorded routes forced. The finished trajectories'
+    old_logp (stash for the version-0 tokens, held params for the version-1 ones) equal the
+    learner's forced forward of the whole trajectory, and the version-0 tokens differ from the
+    unforced forward (a prefix scored without its routes would give that one)."""
+    from jax_rl.old_logits import OldLogitScorer, RetiringScorer
+
+    L = _learner("exact", "r3", True, old_logits={"route": "retire"})
+    mc = L.model_config
+    eng_params = _perturbed(L.get_params(host=True), 0.5)
+    eng = Qwen3Engine(mc, eng_params, slots=4, max_cache_len=32, dtype="bfloat16", record_routes=True,
+                      model_kwargs=dict(scan_layers=True))
+    gen = Generator(eng, partial="continue", version=0)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, mc.vocab_size, int(rng.integers(3, 8)))) for _ in range(4)]
+    futs = [gen.submit(p, max_new_tokens=10, seed=i) for i, p in enumerate(prompts)]
+    for _ in range(4):
+        gen.step()
+    sc = OldLogitScorer.for_learner(L, L.cfg, keep=2)
+    assert sc.routes_fn is not None
+    sc.put(0, L.get_params())
+    prefixes = []
+    for i, (p, f) in enumerate(zip(prompts, futs)):
+        toks, vers, rts = gen.partial_tokens(f.request_id)
+        assert 0 < len(toks) < 10 and rts.shape == (len(p) + len(toks), 2, 2)
+        prefixes.append(((0, i), np.asarray(p + toks), np.asarray([-1] * len(p) + vers),
+                         np.asarray([False] * len(p) + [True] * len(toks)), rts))
+    rs = RetiringScorer(sc, lambda: prefixes, route="retire", rows_per_forward=3)
+    rs.put(1, L.get_params())  # version 1: the same params (the learner's forced forward scores both)
+    gen.update_params(eng_params, 1)
+    gen.apply_update_now()
+    assert rs.retire(0) == 4 and sc.versions == [1]
+    gen.run_until_idle()
+    trajs = []
+    for i, (p, f) in enumerate(zip(prompts, futs)):
+        c = f.result()
+        P, G = len(p), len(c.tokens)
+        trajs.append(Trajectory(tokens=p + c.tokens, loss_mask=[False] * P + [True] * G,
+                                behav_logp=[0.0] * P + c.logps, versions=[-1] * P + c.versions,
+                                turn_ids=[-1] * P + [0] * G, routes=c.routes, group_id=0, info={"sample_idx": i}))
+    assert all(set(t.versions[t.loss_mask].tolist()) == {0, 1} for t in trajs)
+    kept, dropped = rs.score_group(trajs)
+    assert not dropped and rs.stash_mismatch == 0 and rs.retire_partial == 4
+    b = _batch(kept)
+    lm = b["loss_mask"]
+    forced = L.logprobs(b)
+    np.testing.assert_allclose(b["old_logp"][lm], forced[lm], rtol=0, atol=1e-6)
+    v0 = lm & (b["versions"] == 0)
+    free = L.logprobs({k: v for k, v in b.items() if k != "routes"})
+    assert np.abs(b["old_logp"] - free)[v0].max() > 1e-4
