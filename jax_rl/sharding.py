@@ -43,7 +43,9 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("router", None),
     ("norm", None),
     # activations
-    ("activation_batch", ("data", "fsdp")),
+    # the batch is split over expert too (MaxText's activation_batch): outside the MoE blocks an
+    # expert group is data parallel, inside them expert_parallel_moe exchanges its tokens.
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_length", None),
     ("activation_embed", None),
     ("activation_vocab", "tensor"),

@@ -32,7 +32,11 @@ def test_make_mesh_auto_axes_and_wildcard(devices):
 
 def test_logical_to_pspec_rules_dedup_and_divisibility(devices):
     assert logical_to_pspec(("embed", "q_heads", "head_dim")) == P("fsdp", "tensor", None)
-    assert logical_to_pspec(("activation_batch", None)) == P(("data", "fsdp"), None)
+    assert logical_to_pspec(("activation_batch", None)) == P(("data", "fsdp", "expert"), None)
+    # the batch goes over expert too where it divides (MaxText): 8 rows on data 2 x expert 4
+    ep_mesh = make_mesh(2, 1, 1, 4)
+    assert logical_to_pspec(("activation_batch",), shape=(8,), mesh=ep_mesh) == P(("data", "expert"))
+    assert logical_to_pspec(("activation_batch",), shape=(6,), mesh=ep_mesh) == P("data")
     # a mesh axis is used at most once
     assert logical_to_pspec(("mlp", "vocab")) == P("tensor", None)
     mesh = make_mesh(1, 2, 4, 1)
