@@ -190,8 +190,9 @@ def _fmt(m: float, s: float, nd: int = 3) -> str:
     return "-" if math.isnan(m) else f"{m:.{nd}f} ± {s:.{nd}f}"
 
 
-def _mean_key(rec: dict, key: str, start: int = 0) -> float:
-    ys = [r[key] for r in rec.get("metrics", [])[start:] if r.get(key) is not None]
+def _mean_key(rec: dict, key: str, start: int = 0, stop: Optional[int] = None) -> float:
+    """Mean of ``key`` over the record's metric rows [start:stop] that logged it (NaN if none)."""
+    ys = [r[key] for r in rec.get("metrics", [])[start:stop] if r.get(key) is not None]
     return statistics.fmean(ys) if ys else math.nan
 
 
@@ -343,9 +344,8 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                     continue
                 fa = _final(r)[0]
                 e50 = _eval_at(r, 50)
-                ms = r.get("metrics", [])
-                early = statistics.fmean([x["train_infer_retained"] for x in ms[:50] if x.get("train_infer_retained") is not None] or [math.nan])
-                late = statistics.fmean([x["train_infer_retained"] for x in ms[50:] if x.get("train_infer_retained") is not None] or [math.nan])
+                early = _mean_key(r, "train_infer_retained", 0, 50)
+                late = _mean_key(r, "train_infer_retained", 50)
                 row.append(f"{fa if fa is not None else math.nan:.3f} / {e50 if e50 is not None else math.nan:.3f} / "
                            f"{early:.3f} / {late:.3f}")
             L.append("| " + " | ".join(row) + " |")
@@ -418,8 +418,8 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                          f"final {fl} vs {ft}")
         if lc and tc:
             parts.append(f"clip {CLIP[-1]:g} vs {CLIP[0]:g} (mask 2): mean R over the first 50 steps "
-                         f"{statistics.fmean([x['train_infer_retained'] for x in lc['metrics'][:50] if x.get('train_infer_retained') is not None] or [math.nan]):.3f} vs "
-                         f"{statistics.fmean([x['train_infer_retained'] for x in tc['metrics'][:50] if x.get('train_infer_retained') is not None] or [math.nan]):.3f}")
+                         f"{_mean_key(lc, 'train_infer_retained', 0, 50):.3f} vs "
+                         f"{_mean_key(tc, 'train_infer_retained', 0, 50):.3f}")
         v.append("3. **Mask x clip interaction: inconclusive at this scale (one seed per cell, no spread to judge "
                  "against).** " + "; ".join(parts) + ".")
     if ("exact", kw) in stats and ("ppo_ewma", kw) in stats:
