@@ -71,6 +71,7 @@ MODES: dict[str, list[str]] = {
 APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset")
 MASK_HIGH = (1.5, 2.0, 4.0)
 CLIP = (0.1, 0.2, 0.4)
+GRID_DEFAULT = (2.0, 0.2)  # configs/paper_small.yaml's loss.train_infer_high and clip_eps_low/high
 KEEP_KEYS = ("step", "version", "reward_mean", "train_infer_retained", "clip_frac", "ratio_out_of_band_frac",
              "ewma_reset", "ewma_resets", "staleness_mean", "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
              "step_time_s", "old_logits_s", "old_logits_bytes", "tokens", "tokens_per_s", "wall_s", "wait_s")
@@ -92,6 +93,11 @@ def cells(only: Optional[list[str]], modes: list[str], ks: list[int], seeds: lis
         k, seed = ks[0], seeds[0]
         for hi in MASK_HIGH:
             for eps in CLIP:
+                if (hi, eps) == GRID_DEFAULT:  # paper_small's own thresholds: the grid's centre is main's exact cell
+                    if not any(c["id"] == f"main_K{k}_exact_s{seed}" for c in out):
+                        out.append(dict(id=f"main_K{k}_exact_s{seed}", part="main", mode="exact", K=k, seed=seed,
+                                        overrides=[*MODES["exact"], f"async.max_staleness={k}"]))
+                    continue
                 out.append(dict(id=f"grid_K{k}_mask{hi:g}_clip{eps:g}_s{seed}", part="grid", mode="exact", K=k,
                                 seed=seed, mask_high=hi, clip=eps,
                                 overrides=[*MODES["exact"], f"async.max_staleness={k}", f"loss.train_infer_high={hi}",
@@ -99,9 +105,28 @@ def cells(only: Optional[list[str]], modes: list[str], ks: list[int], seeds: lis
     return out
 
 
+def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Optional[int]) -> list[dict]:
+    """The cells of ``todo`` without a successful newest record run with the same overrides, extra
+    key=values and ``--steps`` (``done``: ``load_records()[0]``). A record of another setting is rerun."""
+    def same(c: dict) -> bool:
+        r = done.get(c["id"])
+        return (r is not None and r.get("overrides") == c["overrides"] and (r.get("extra") or []) == extra
+                and r.get("steps") == steps)
+    return [c for c in todo if not same(c)]
+
+
+CACHE_DIR: Optional[Path] = None  # set by main(): JAX's persistent compilation cache shared by every cell
+
+
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if CACHE_DIR is not None:
+        # Every cell compiles the same shapes (same model, batch and slots); XLA's persistent cache turns the
+        # ~2-5 min of per-process compiles into reads after the first cell. It changes no number computed.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     return subprocess.run([sys.executable, "-m", "jax_rl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          timeout=timeout, env=env)
 
 
 def sft_init(seed: int, runs_dir: Path, extra: list[str], timeout: float) -> tuple[Path, dict]:
@@ -137,7 +162,7 @@ def run_cell(cell: dict, hf: Path, sft: dict, runs_dir: Path, steps: Optional[in
     rec: dict[str, Any] = {k: v for k, v in cell.items()}
     rec.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run_dir=str(d),
                extra=extra, process_s=round(time.perf_counter() - t0, 1), load=[load0, os.getloadavg()[0]],
-               sft_success=sft.get("sft_success"), rc=p.returncode)
+               sft_success=sft.get("sft_success"), rc=p.returncode, steps=steps)
     if p.returncode:
         rec["error"] = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
         return rec
@@ -244,6 +269,10 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     FIG_DIR.mkdir(parents=True, exist_ok=True)
     main = [r for r in newest.values() if r["part"] == "main"]
     grid = [r for r in newest.values() if r["part"] == "grid"]
+    if grid:  # the grid's centre (paper_small's own thresholds) is main's exact cell at the grid's K and seed
+        centre = newest.get(f"main_K{grid[0]['K']}_exact_s{grid[0]['seed']}")
+        if centre is not None:
+            grid.append({**centre, "mask_high": GRID_DEFAULT[0], "clip": GRID_DEFAULT[1]})
     modes = [m for m in MODES if any(r["mode"] == m for r in main)]
     all_ks = sorted({r["K"] for r in main}) or ks
     L: list[str] = []
@@ -329,7 +358,7 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
 
     # --- threshold grid
     if grid:
-        L.append("## Mask x clip grid (exact old logits, one seed)\n")
+        L.append(f"## Mask x clip grid (exact old logits, K={grid[0]['K']}, seed {grid[0]['seed']})\n")
         L.append("Final held-out avg@4 / held-out avg@4 at step 50 / mean R over the first 50 steps / mean R over "
                  "the rest. Rows: train-infer mask width `loss.train_infer_high` (symmetric in log space); columns: "
                  "clip width `loss.clip_eps_low = clip_eps_high`.\n")
@@ -451,6 +480,10 @@ def main() -> int:
     ap.add_argument("--doc", default=str(DOC), help="the markdown written (figures go to <its dir>/paper_repro/)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per jax-rl call")
     ap.add_argument("--list", action="store_true", help="print the cells and exit")
+    ap.add_argument("--skip-done", action="store_true",
+                    help="skip cells whose newest record succeeded with the same overrides and --steps (resume a matrix)")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not share JAX's persistent compilation cache (<runs-dir>/jax_cache) between cells")
     ap.add_argument("--doc-only", action="store_true", help="rebuild the doc from the records; run nothing")
     ap.add_argument("overrides", nargs="*", help="key=value for every cell (changes the setting: recorded)")
     args = ap.parse_args()
@@ -463,6 +496,12 @@ def main() -> int:
     if not args.doc_only:
         runs_dir = Path(args.runs_dir)
         runs_dir.mkdir(parents=True, exist_ok=True)
+        global CACHE_DIR
+        CACHE_DIR = None if args.no_compile_cache else runs_dir / "jax_cache"
+        if args.skip_done:
+            kept = pending(todo, load_records(records)[0], args.overrides, args.steps)
+            print(f"--skip-done: {len(todo) - len(kept)} of {len(todo)} cells already have a successful record")
+            todo = kept
         t0 = time.perf_counter()
         for i, c in enumerate(todo):
             hf, sft = sft_init(c["seed"], runs_dir, args.overrides, args.timeout)

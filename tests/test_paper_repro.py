@@ -1,0 +1,106 @@
+"""bench/paper_repro.py without running jax-rl: the cell list, resuming, and the doc's tables and
+verdict rules on synthetic records (nothing here is a learning outcome)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pr():
+    spec = importlib.util.spec_from_file_location("paper_repro", ROOT / "bench" / "paper_repro.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(pr, cell, final, *, retained=1.0, err=0.01, resets=0.0, steps=8):
+    metrics = [dict(step=i + 1, reward_mean=0.5, train_infer_retained=retained, clip_frac=0.01,
+                    prox_abs_err_mean=err, ewma_resets=resets, step_time_s=1.0, old_logits_s=0.2,
+                    old_logits_bytes=1e6) for i in range(steps)]
+    evals = [dict(step=0, **{"avg@4": 0.5, "pass@4": 0.7}), dict(step=steps, **{"avg@4": final, "pass@4": final + 0.1})]
+    return {**cell, "rc": 0, "date": "2026-12-01T00:00:00+00:00", "extra": [], "steps": None, "load": [1.0, 1.0],
+            "sft_success": 0.5, "metrics": metrics, "evals": evals,
+            "summary": {"final_avg_at_4": final, "final_pass_at_4": final + 0.1}}
+
+
+def test_cells_grid_centre_is_mains_exact_cell(pr):
+    main = pr.cells(["main"], list(pr.MODES), [8], [0, 1])
+    assert len(main) == len(pr.MODES) * 2
+    grid = pr.cells(["grid"], list(pr.MODES), [8], [0])
+    ids = [c["id"] for c in grid]
+    assert len(ids) == len(pr.MASK_HIGH) * len(pr.CLIP)  # 8 grid cells + the centre
+    assert "main_K8_exact_s0" in ids and not any("mask2_clip0.2" in i for i in ids)
+    centre = next(c for c in grid if c["id"] == "main_K8_exact_s0")
+    assert centre["overrides"] == next(c for c in main if c["id"] == "main_K8_exact_s0")["overrides"]
+    both = pr.cells(None, list(pr.MODES), [8], [0])
+    assert len({c["id"] for c in both}) == len(both)  # the centre is not run twice
+
+
+def test_pending_skips_only_the_same_setting(pr):
+    todo = pr.cells(["main"], ["exact", "ppo_ewma"], [4], [0])
+    done = {todo[0]["id"]: {**todo[0], "rc": 0, "extra": [], "steps": None}}
+    assert [c["id"] for c in pr.pending(todo, done, [], None)] == [todo[1]["id"]]
+    assert len(pr.pending(todo, done, [], 20)) == 2  # other --steps: rerun
+    assert len(pr.pending(todo, done, ["optim.lr=1e-4"], None)) == 2  # other extra overrides: rerun
+
+
+def test_load_records_newest_success_and_counts(pr, tmp_path):
+    cell = pr.cells(["main"], ["exact"], [4], [0])[0]
+    path = tmp_path / "r.jsonl"
+    pr.append_record(_rec(pr, cell, 0.3), path)
+    pr.append_record(_rec(pr, cell, 0.6), path)
+    pr.append_record({**cell, "rc": 1, "error": ["boom"]}, path)
+    newest, count = pr.load_records(path)
+    assert count[cell["id"]] == 3 and newest[cell["id"]]["summary"]["final_avg_at_4"] == 0.6
+
+
+def _matrix(pr, finals, errs, noreset_retained=0.5):
+    newest = {}
+    for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+        for c in pr.cells(["main"], list(pr.MODES), [8], [seed]):
+            m = c["mode"]
+            newest[c["id"]] = _rec(pr, c, finals[m] + jitter, err=errs.get(m, 0.0),
+                                   retained=noreset_retained if m == "ppo_ewma_noreset" else 0.99,
+                                   resets=2.0 if m == "ppo_ewma" else 0.0)
+    return newest
+
+
+def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
+    errs = dict(decoupled=0.05, linear_prox=0.04, ppo_ewma=0.01, ppo_ewma_noreset=0.02)
+    good = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
+    newest = _matrix(pr, good, errs)
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "| ppo_ewma | 0.500 ± 0.010 |" in doc
+    assert "comes close to exact, at K=8: reproduced" in doc
+    assert "the reset keeps the gains, at K=8: reproduced" in doc
+    assert "at K=8: supported" in doc
+    assert (tmp_path / "figs" / "dynamics_K8.png").stat().st_size > 0
+    # decoupled ahead of EWMA by more than the spread: claim 1 is not reproduced
+    bad = _matrix(pr, {**good, "decoupled": 0.6}, errs)
+    doc = pr.build_doc(bad, {k: 1 for k in bad}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "comes close to exact, at K=8: not reproduced" in doc
+    # within the seeds' spread: inconclusive
+    close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)
+    doc = pr.build_doc(close, {k: 1 for k in close}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "comes close to exact, at K=8: inconclusive at this scale" in doc
+
+
+def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
+    newest = {}
+    for c in pr.cells(["grid"], list(pr.MODES), [8], [0]):
+        newest[c["id"]] = _rec(pr, c, 0.4)
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "Mask x clip grid (exact old logits, K=8, seed 0)" in doc
+    row = next(line for line in doc.splitlines() if line.startswith("| 2 |"))
+    assert "-" not in row.split("|")[3]  # the centre (mask 2, clip 0.2) is filled from main_K8_exact_s0
