@@ -49,6 +49,26 @@ def make_batch(seed: int = 0, B: int = 8, T: int = 16, vocab: int = 384, version
     }
 
 
+def trained_exact_learner():
+    """A snapshot-route learner (``loss.correction=exact``, K=2) after 3 steps, its store holding
+    versions 1, 2, 3, and a batch [B=8, T=16] whose rows mix versions 1..3; rows 0 (2 then 3) and
+    5 (1 then 2) span two versions, as ``rollout.partial=continue`` rollouts do. Returns (learner,
+    batch)."""
+    from jax_rl.learner import Learner
+
+    cfg = make_cfg("exact", **{"async": {"max_staleness": 2}})
+    lrn = Learner(cfg, init_params=init_params(cfg))
+    for g in range(3):
+        lrn.train_step(make_batch(10 + g, B=8, T=16, version=g))
+    b = make_batch(20, B=8, T=16, version=3)
+    lm = b["loss_mask"]
+    b["versions"][0] = np.where(lm[0], np.where(np.arange(16) < 10, 2, 3), -1)
+    b["versions"][1] = np.where(lm[1], 1, -1)
+    b["versions"][2] = np.where(lm[2], 2, -1)
+    b["versions"][5] = np.where(lm[5], np.where(np.arange(16) < 7, 1, 2), -1)
+    return lrn, b
+
+
 def host(tree):
     """numpy copy of a pytree of (possibly sharded) arrays."""
     import jax

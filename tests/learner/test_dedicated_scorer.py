@@ -19,7 +19,7 @@ from jax_rl.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, 
 from rollout.buffer import TrajectoryBuffer
 from rollout.types import Trajectory
 
-from ._util import init_params, make_batch, make_cfg
+from ._util import init_params, make_batch, make_cfg, trained_exact_learner
 
 
 def _trajectories(b: dict) -> list[Trajectory]:
@@ -35,19 +35,8 @@ def _trajectories(b: dict) -> list[Trajectory]:
 
 @pytest.fixture(scope="module")
 def trained():
-    """A snapshot-route learner after 3 steps (store holds versions 1, 2, 3), and a batch whose
-    rows mix versions 1..3, row 0 spanning two versions as a continued partial rollout does."""
-    cfg = make_cfg("exact", **{"async": {"max_staleness": 2}})
-    lrn = Learner(cfg, init_params=init_params(cfg))
-    for g in range(3):
-        lrn.train_step(make_batch(10 + g, B=8, T=16, version=g))
-    b = make_batch(20, B=8, T=16, version=3)
-    lm = b["loss_mask"]
-    b["versions"][0] = np.where(lm[0], np.where(np.arange(16) < 10, 2, 3), -1)
-    b["versions"][1] = np.where(lm[1], 1, -1)
-    b["versions"][2] = np.where(lm[2], 2, -1)
-    b["versions"][5] = np.where(lm[5], np.where(np.arange(16) < 7, 1, 2), -1)
-    return lrn, b
+    """``_util.trained_exact_learner()``: 3 steps, store versions 1..3, rows mixing versions."""
+    return trained_exact_learner()
 
 
 def _scorer(lrn, keep=3):
