@@ -127,6 +127,12 @@ class ModelConfig(_Section):
     1.25); token copies over it are dropped (no expert output; the residual passes), which makes
     the learner's forward differ from an undropped rollout. Unset: dropless, with exchange
     buffers sized for the worst case (mesh.expert times the uniform load)."""
+    moe_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
+    """The expert-parallel path's grouped matmul: ``ragged_dot`` (``jax.lax.ragged_dot``),
+    ``megablox`` (the Pallas TPU megablox ``gmm``/``tgmm`` kernels, MaxText's ``megablox``), or
+    ``auto`` = megablox on a TPU backend, ragged_dot elsewhere. On TPU ragged_dot's weight
+    gradient is lowered densely (G local experts times the FLOPs, ``jax_rl.models.expert_parallel``);
+    megablox runs only on a TPU (``jax-rl compile`` targets it for TPU topologies)."""
     remat: bool = False
     """Rematerialise each decoder layer in the backward pass (saves activation memory);
     shorthand for ``remat_policy: full`` when ``remat_policy`` is not set."""

@@ -43,13 +43,27 @@ the learner's forward differ from the rollout's).
 TPU (libtpu AOT for v5p-8, mesh expert=4, compiler estimates): the block at Qwen3-30B-A3B
 sizes (E=128, k=8, D=2048, F=768, bf16, 8192 tokens) compiles to ``all-to-all`` +
 ``ragged-dot``; fwd+bwd temp memory 1062 MiB dropless, 467 MiB at capacity factor 1.25 (the
-single-shard ragged path on fsdp=4, experts gathered: 1544 MiB). Megablox ``gmm`` in place of
-``ragged_dot`` also compiles there, but only with ``check_vma=False`` (its Pallas out_shape
-carries no varying-axes type), so it is not used.
+single-shard ragged path on fsdp=4, experts gathered: 1544 MiB).
+
+The grouped matmul (``matmul``, config ``model.moe_matmul``): ``ragged_dot`` is
+``jax.lax.ragged_dot``; ``megablox`` is the Pallas TPU megablox kernels (``gmm`` forward and
+input gradient, ``tgmm`` weight gradient: ``jax.experimental.pallas.ops.tpu.megablox``, what
+MaxText's ``megablox: true`` runs) under our own VJP (:func:`grouped_matmul`). Why megablox on
+TPU: the weight gradient of ``ragged_dot`` is a ragged-*contracting* ``ragged_dot_general``,
+which libtpu (jax 0.10.2 / libtpu 0.0.42) lowers densely: each row is masked into a
+``[G, M, D]`` copy per local expert and a batched matmul runs over all of them, G times the
+FLOPs of the gradient (measured by the compiler's cost analysis on v5p: 16.0x at G=16, with
+``[16, 327680, 2048]`` bf16 selects, 70 GiB each, in one Qwen3-30B-A3B layer's gradient);
+``tgmm`` visits only the (row tile, group) pairs that exist (cost analysis: exactly 2 M K N
+per matmul for dx + dw). The kernels run inside this module's ``shard_map`` with
+``check_vma=False`` (their Pallas out_shape carries no varying-axes type, as for splash
+attention); the single-shard path (``MoE._ragged``, no shard_map) keeps ``ragged_dot``
+because XLA cannot partition a Mosaic kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -59,7 +73,18 @@ from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
-__all__ = ["EXPERT_AXIS", "expert_parallel_size", "ep_capacity", "expert_parallel_moe"]
+__all__ = ["EXPERT_AXIS", "MOE_MATMULS", "expert_parallel_size", "ep_capacity", "expert_parallel_moe",
+           "grouped_matmul", "resolve_moe_matmul"]
+
+MOE_MATMULS: tuple[str, ...] = ("auto", "ragged_dot", "megablox")
+"""Names accepted by ``model.moe_matmul`` (``auto``: megablox on a TPU backend, else ragged_dot)."""
+
+MEGABLOX_INTERPRET = False
+"""Run the megablox kernels with the Pallas interpreter (CPU tests). Never on a real TPU compile."""
+
+MEGABLOX_TILE = (512, 512, 512)
+"""Megablox (rows, contracting, output) tile upper bounds; a dim smaller than its bound is one
+full-dim tile. Rows are zero-padded to a multiple of the row tile (at least 128)."""
 
 EXPERT_AXIS = "expert"
 """The mesh axis experts are sharded over (``jax_rl.sharding.MESH_AXES``)."""
@@ -90,13 +115,112 @@ def ep_capacity(num_copies: int, ep: int, capacity_factor: float | None) -> int:
     return max(1, min(num_copies, math.ceil(capacity_factor * num_copies / ep)))
 
 
+def resolve_moe_matmul(kind: str) -> str:
+    """``auto`` -> ``megablox`` on a TPU backend (``jax.default_backend()``), else
+    ``ragged_dot``; the others unchanged. Raises ValueError for an unknown name."""
+    if kind not in MOE_MATMULS:
+        raise ValueError(f"moe_matmul must be one of {MOE_MATMULS}, got {kind!r}")
+    if kind == "auto":
+        return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+    return kind
+
+
+def _row_tile(m: int) -> int:
+    for t in (MEGABLOX_TILE[0], 256, 128):
+        if m >= t:
+            return t
+    return 128
+
+
+def _precision(dtype):
+    """Mosaic rejects an fp32-precision contraction of bf16 operands (e.g. under a global
+    ``jax_default_matmul_precision="highest"``): the kernels of a bf16 matmul trace at the
+    default precision (as splash attention); fp32 ones keep the ambient setting."""
+    import contextlib
+
+    return contextlib.nullcontext() if dtype == jnp.float32 else jax.default_matmul_precision("default")
+
+
+def _valid_rows(y: Array, group_sizes: Array) -> Array:
+    """Zero the rows of a megablox output past the last group (the kernel never writes them)."""
+    rows = jnp.arange(y.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), y, jnp.zeros((), y.dtype))
+
+
+def _megablox_kernels():
+    """The megablox kernel module (its package re-exports ``gmm`` as a function of that name)."""
+    import importlib
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _megablox(x, w, group_sizes, tiling, interpret):
+    return _megablox_fwd(x, w, group_sizes, tiling, interpret)[0]
+
+
+def _megablox_fwd(x, w, group_sizes, tiling, interpret):
+    mb = _megablox_kernels()
+    with _precision(x.dtype):
+        y = mb.gmm(x, w, group_sizes, x.dtype, tiling, interpret=interpret)
+    return _valid_rows(y, group_sizes), (x, w, group_sizes)
+
+
+def _megablox_bwd(tiling, interpret, res, dy):
+    mb = _megablox_kernels()
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    with _precision(x.dtype):
+        dx = mb.gmm(dy, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
+        dw = mb.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, tiling, num_actual_groups=w.shape[0],
+                     interpret=interpret)
+    return _valid_rows(dx, group_sizes), dw, None
+
+
+_megablox.defvjp(_megablox_fwd, _megablox_bwd)
+
+
+def grouped_matmul(x: Array, w: Array, group_sizes: Array, matmul: str = "ragged_dot") -> Array:
+    """Grouped matmul ``y[r] = x[r] @ w[g(r)]`` for rows sorted by group (``jax.lax.ragged_dot``
+    semantics: rows past ``sum(group_sizes)`` belong to no group and come out 0).
+
+    Args:
+      x: [M, K] rows, grouped contiguously in group order (compute dtype).
+      w: [G, K, N] per-group weights (same dtype as x).
+      group_sizes: [G] int32, rows per group, ``sum <= M``.
+      matmul: ``ragged_dot`` (``jax.lax.ragged_dot``) or ``megablox`` (Pallas TPU ``gmm`` /
+        ``tgmm`` with a custom VJP: dx by ``gmm`` against w transposed, dw by ``tgmm``; rows
+        zero-padded to a multiple of the row tile; runs only on a TPU or, with
+        :data:`MEGABLOX_INTERPRET`, in the Pallas interpreter). See the module docstring for why.
+
+    Returns:
+      [M, N] in x.dtype (fp32 accumulation).
+
+    Raises:
+      ValueError: an unknown ``matmul`` (``auto`` must be resolved first:
+      :func:`resolve_moe_matmul`).
+    """
+    if matmul == "ragged_dot":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    if matmul != "megablox":
+        raise ValueError(f"grouped_matmul: matmul must be 'ragged_dot' or 'megablox', got {matmul!r}")
+    M, K = x.shape
+    N = w.shape[-1]
+    tm = _row_tile(M)
+    Mp = -(-M // tm) * tm
+    xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
+    tiling = (tm, min(MEGABLOX_TILE[1], K), min(MEGABLOX_TILE[2], N))
+    y = _megablox(xp, w.astype(x.dtype), group_sizes.astype(jnp.int32), tiling, bool(MEGABLOX_INTERPRET))
+    return y[:M]
+
+
 def _axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int):
+def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matmul: str = "ragged_dot"):
     """One device's dispatch -> local experts -> return -> combine (inside the shard_map).
 
     x [N, D], w [N, k] (x.dtype), ids [N, k] int32 global expert ids, valid [N] bool (False =
@@ -132,9 +256,9 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int):
     inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(recv_expert, length=El).astype(jnp.int32)  # El (empty) dropped
     xs = recv.reshape(ep * C, D)[order]
-    g = jax.lax.ragged_dot(xs, wg, group_sizes)
-    u = jax.lax.ragged_dot(xs, wu, group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, group_sizes)[inverse]  # [ep*C, D]
+    g = grouped_matmul(xs, wg, group_sizes, matmul)
+    u = grouped_matmul(xs, wu, group_sizes, matmul)
+    ys = grouped_matmul(jax.nn.silu(g) * u, wd, group_sizes, matmul)[inverse]  # [ep*C, D]
     back = jax.lax.all_to_all(ys.reshape(ep, C, D), EXPERT_AXIS, 0, 0).reshape(ep * C, D)
     back_pad = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])
     y = jnp.einsum("nkd,nk->nd", back_pad[slot], jnp.where(keep, w, jnp.zeros_like(w)))
@@ -144,7 +268,7 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int):
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
                         capacity_factor: float | None = None,
                         batch_axes: Sequence[str] | str | None = None,
-                        mesh=None) -> tuple[Array, Array]:
+                        mesh=None, matmul: str = "ragged_dot") -> tuple[Array, Array]:
     """Expert-parallel experts + combine of a MoE block (pure, jit-able; see the module doc):
     ``y[b,t] = sum_k w[b,t,k] * expert_{ids[b,t,k]}(x[b,t])``, the SwiGLU expert
     ``(silu(x @ wg[e]) * (x @ wu[e])) @ wd[e]``.
@@ -159,15 +283,20 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       batch_axes: mesh axes B is sharded over (default: what ``activation_batch`` maps to for
         this B under ``jax_rl.sharding.LOGICAL_RULES``).
       mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
+      matmul: the local experts' grouped matmul, ``ragged_dot`` or ``megablox``
+        (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
 
     Returns:
       (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: token copies
       dropped for capacity over the whole batch, 0 when dropless).
 
     Raises:
-      ValueError: no mesh / no ``expert`` axis, E not divisible by EP, or a bad capacity factor.
+      ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
+      an unknown ``matmul``.
     """
     from jax_rl.sharding import logical_to_pspec
+
+    matmul = resolve_moe_matmul(matmul)
 
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
@@ -216,7 +345,7 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
     valid = to_chunks(jnp.ones((B, T), bool))
 
     def body(x, w, ids, valid, wg, wu, wd):
-        y, dropped = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity)
+        y, dropped = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity, matmul=matmul)
         if f_axes:  # each device holds an F slice of its experts: sum the partial outputs
             y = jax.lax.psum(y, f_axes)
         return y, jax.lax.psum(dropped, token_axes)
@@ -225,7 +354,8 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
     f = spec(f_axes)
     wspec, dspec = P(EXPERT_AXIS, None, f), P(EXPERT_AXIS, f, None)
     fn = jax.shard_map(body, mesh=mesh, out_specs=(tok, P()),
-                       in_specs=(tok, tok, tok, P(spec(token_axes)), wspec, wspec, dspec))
+                       in_specs=(tok, tok, tok, P(spec(token_axes)), wspec, wspec, dspec),
+                       check_vma=matmul != "megablox")
     y, dropped = fn(to_chunks(x.reshape(B, T, D)), to_chunks(w.astype(x.dtype).reshape(B, T, k)),
                     to_chunks(ids.astype(jnp.int32).reshape(B, T, k)), valid, wg, wu, wd)
     y = y.reshape(n_batch, n_chunks * chunk, D)[:, :n_local].reshape(B, T, D)

@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_rl.models.expert_parallel import expert_parallel_moe, expert_parallel_size
+from jax_rl.models.expert_parallel import expert_parallel_moe, expert_parallel_size, resolve_moe_matmul
 from jax_rl.sharding import constrain
 
 Array = jax.Array
@@ -672,10 +672,16 @@ class MoE(nnx.Module):
     that multiple of the uniform load and drops (zero contribution) the copies over it. The
     dense path and the single-shard ragged path are always dropless. ``num_experts`` must
     divide by ``mesh.expert`` on the EP path (ValueError otherwise).
+
+    ``matmul``: the EP path's grouped matmul, ``ragged_dot``, ``megablox`` (Pallas TPU kernels,
+    whose weight gradient costs 1x instead of ragged_dot's G x on TPU) or ``auto`` (megablox on a
+    TPU backend; resolved at construction into ``self.matmul``); see
+    :func:`jax_rl.models.expert_parallel.grouped_matmul`. The single-shard ragged path always
+    uses ``ragged_dot``.
     """
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 dispatch: str = "dense", capacity_factor: float | None = None):
+                 dispatch: str = "dense", capacity_factor: float | None = None, matmul: str = "ragged_dot"):
         if dispatch not in ("dense", "ragged"):
             raise ValueError(f"moe_dispatch must be 'dense' or 'ragged', got {dispatch!r}")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -685,6 +691,7 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor
+        self.matmul = resolve_moe_matmul(matmul)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.router = _param(rngs, (D, E), ("embed", "router"), param_dtype)
@@ -739,7 +746,7 @@ class MoE(nnx.Module):
             y = jnp.einsum("btef,efd->btd", a, wd)
         elif expert_parallel_size() > 1:
             y, _ = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd,
-                                       capacity_factor=self.capacity_factor)
+                                       capacity_factor=self.capacity_factor, matmul=self.matmul)
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
         return y, ids
@@ -771,7 +778,8 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: ``h = x + attn(norm_in(x))``; ``out = h + mlp(norm_post(h))``."""
 
     def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 moe_dispatch: str = "dense", moe_capacity_factor: float | None = None):
+                 moe_dispatch: str = "dense", moe_capacity_factor: float | None = None,
+                 moe_matmul: str = "ragged_dot"):
         self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
@@ -779,7 +787,7 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if self.is_moe:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
+                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor, matmul=moe_matmul)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype)
@@ -948,7 +956,8 @@ class Qwen3ForCausalLM(nnx.Module):
     ``dtype`` is the compute dtype (params are cast on use), ``param_dtype`` the storage
     dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``
     (expert-parallel under a mesh with ``expert`` > 1, see :class:`MoE`);
-    ``moe_capacity_factor``: that EP path's capacity factor, None = dropless.
+    ``moe_capacity_factor``: that EP path's capacity factor, None = dropless; ``moe_matmul``:
+    its grouped matmul (``ragged_dot``, ``megablox`` or ``auto``, see :class:`MoE`).
 
     ``scan_layers``: store the decoder layers' params stacked on a leading ``layers`` axis
     (``self.layers`` is then one ``DecoderLayer`` whose params are ``[L, ...]``, logical names
@@ -973,7 +982,8 @@ class Qwen3ForCausalLM(nnx.Module):
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
                  scan_layers: bool = False, remat_policy: str | None = None,
-                 attention: str = "xla", moe_capacity_factor: float | None = None):
+                 attention: str = "xla", moe_capacity_factor: float | None = None,
+                 moe_matmul: str = "ragged_dot"):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -992,7 +1002,8 @@ class Qwen3ForCausalLM(nnx.Module):
                                    param_dtype)
         layers = [
             DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
-                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor)
+                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor,
+                         moe_matmul=moe_matmul)
             for i in range(cfg.num_hidden_layers)
         ]
         if self.scan_layers:
@@ -1524,7 +1535,7 @@ def count_params(config: Qwen3Config) -> int:
 
 def model_kwargs(model_cfg: Any) -> dict[str, Any]:
     """``Qwen3ForCausalLM`` keyword arguments from the ``model`` config section
-    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``moe_capacity_factor``,
+    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``moe_capacity_factor``, ``moe_matmul``,
     ``remat_policy`` (``remat`` folded in), ``scan_layers``, ``attention``. The learner and the
     rollout engine must build their models with the same ``scan_layers`` (the params tree
     layout differs)."""
@@ -1533,6 +1544,7 @@ def model_kwargs(model_cfg: Any) -> dict[str, Any]:
         policy = "full" if getattr(model_cfg, "remat", False) else "none"
     return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"),
                 moe_capacity_factor=getattr(model_cfg, "moe_capacity_factor", None),
+                moe_matmul=getattr(model_cfg, "moe_matmul", "ragged_dot"),
                 remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
                 attention=getattr(model_cfg, "attention", "xla"))

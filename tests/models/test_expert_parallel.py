@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe
+import jax_rl.models.expert_parallel as EPM
+from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe, grouped_matmul, resolve_moe_matmul
 from jax_rl.models.qwen3 import MoE, Qwen3ForCausalLM, get_preset
 from jax_rl.sharding import make_mesh, state_shardings
 
@@ -158,10 +159,10 @@ def _kept_copies(ids: np.ndarray, n_batch: int, ep: int, E: int, capacity: int,
 _BLOCK_JITS: dict = {}
 
 
-def _block_fns(moe, mesh_shape, capacity_factor, batch_axes):
+def _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul="ragged_dot"):
     """(mesh, jitted EP value-and-grad, jitted single-shard reference, first use), cached per
     setting."""
-    key = (id(moe), mesh_shape, capacity_factor, batch_axes)
+    key = (id(moe), mesh_shape, capacity_factor, batch_axes, matmul)
     if key in _BLOCK_JITS:
         return _BLOCK_JITS[key][1:] + (False,)
     graphdef, _ = nnx.split(moe)
@@ -173,7 +174,7 @@ def _block_fns(moe, mesh_shape, capacity_factor, batch_axes):
         m = nnx.merge(graphdef, params)
         w, ids = m.route(x, forced)
         y, dropped = expert_parallel_moe(x, w, ids, *experts(m), capacity_factor=capacity_factor,
-                                         batch_axes=batch_axes)
+                                         batch_axes=batch_axes, matmul=matmul)
         return jnp.sum(y * jnp.cos(x)), (y, dropped)
 
     def ref(x, params, forced, keep):
@@ -188,12 +189,12 @@ def _block_fns(moe, mesh_shape, capacity_factor, batch_axes):
 
 
 def _check_block(moe, x, forced, mesh_shape, capacity_factor=None, batch_axes=None,
-                 keep=None) -> int:
+                 keep=None, matmul="ragged_dot") -> int:
     """Runs the EP block (forced ids [B,T,k]) on a mesh, checks that it lowers to an
     all-to-all (first use of a setting) and that y and the grads wrt (x, params) of
     sum(y * cos x) match the single-shard ragged path whose combine weights are masked by
     ``keep`` [B,T,k] (default: all kept); returns the dropped-copies count."""
-    mesh, ep_fn, ref_fn, first = _block_fns(moe, mesh_shape, capacity_factor, batch_axes)
+    mesh, ep_fn, ref_fn, first = _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul)
     _, params = nnx.split(moe)
     with jax.set_mesh(mesh):
         if first:  # (the lowering is the same for every call of one setting)
@@ -239,6 +240,78 @@ def test_block_tokens_already_sharded_over_expert(devices):
     dropped = _check_block(moe, x, routed, (1, 2, 1, 4), capacity_factor=0.25, batch_axes=axes,
                            keep=keep)
     assert dropped == int((~keep).sum()) > 0
+
+
+@pytest.mark.parametrize("M,sizes", [(40, [7, 0, 20, 5]), (300, [120, 100, 0, 80])])
+def test_megablox_grouped_matmul_matches_ragged_dot(M, sizes, monkeypatch):
+    """The megablox kernels (Pallas interpreter on CPU) under our VJP against ragged_dot, fp32:
+    outputs, dx and dw, with an empty group, rows past the last group (must come out 0, with
+    0 gradient, not the kernel's unwritten memory) and M not a multiple of the row tile."""
+    monkeypatch.setattr(EPM, "MEGABLOX_INTERPRET", True)
+    K, N = 24, 40
+    r = np.random.default_rng(M)
+    x = jnp.asarray(r.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(len(sizes), K, N)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    c = jnp.asarray(r.normal(size=(M, N)), jnp.float32)
+
+    def loss(kind):
+        return lambda x, w: jnp.sum(jnp.sin(grouped_matmul(x, w, gs, kind)) * c)
+
+    y_mb, y_rd = grouped_matmul(x, w, gs, "megablox"), grouped_matmul(x, w, gs, "ragged_dot")
+    np.testing.assert_allclose(np.asarray(y_mb), np.asarray(y_rd), atol=1e-4, rtol=1e-5)
+    assert not np.asarray(y_mb[sum(sizes):]).any()
+    g_mb = jax.jit(jax.grad(loss("megablox"), argnums=(0, 1)))(x, w)
+    g_rd = jax.grad(loss("ragged_dot"), argnums=(0, 1))(x, w)
+    for a, b in zip(g_mb, g_rd):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-5)
+    assert not np.asarray(g_mb[0][sum(sizes):]).any()
+
+
+def test_block_megablox_matches_single_shard(devices, monkeypatch):
+    """The EP block with the megablox grouped matmul (interpreted; the shard_map without
+    vma checks) equals the single-shard ragged path: y and grads, dropless and with drops."""
+    monkeypatch.setattr(EPM, "MEGABLOX_INTERPRET", True)
+    cfg, moe = _block()
+    E, k, ep = cfg.num_experts, cfg.num_experts_per_tok, 4
+    x = jax.random.normal(jax.random.key(2), (4, 8, cfg.hidden_size))
+    routed = moe.route(x)[1]
+    assert _check_block(moe, x, routed, (1, 2, 1, ep), matmul="megablox") == 0
+    keep = _kept_copies(np.asarray(routed), 2, ep, E, ep_capacity(math.ceil(2 * 8 / ep) * k, ep, 0.5))
+    assert _check_block(moe, x, routed, (1, 2, 1, ep), capacity_factor=0.5, keep=keep,
+                        matmul="megablox") == int((~keep).sum())
+
+
+def test_moe_matmul_names():
+    assert resolve_moe_matmul("auto") == ("megablox" if jax.default_backend() == "tpu" else "ragged_dot")
+    assert resolve_moe_matmul("megablox") == "megablox"
+    with pytest.raises(ValueError, match="moe_matmul must be one of"):
+        resolve_moe_matmul("gmm")
+    with pytest.raises(ValueError, match="'ragged_dot' or 'megablox'"):
+        grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.ones((1,), jnp.int32), "auto")
+
+
+def test_megablox_weight_gradient_costs_one_pass_on_tpu():
+    """libtpu's cost analysis of the experts' weight gradient (v5e, one chip): ragged_dot's is
+    G times the 2 M K N of a grouped matmul (lowered densely), megablox's tgmm exactly 1x."""
+    pytest.importorskip("libtpu")
+    from jax_rl import tpu
+
+    dev = tpu.get_topology("v5e:2x2").devices[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    M, K, N, G = 1024, 256, 256, 8
+    args = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((G, K, N), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((G,), jnp.int32, sharding=sh))
+    ratio = {}
+    for kind in ("ragged_dot", "megablox"):
+        dw = jax.grad(lambda x, w, gs: grouped_matmul(x, w, gs, kind).astype(jnp.float32).sum(), argnums=1)
+        cost = jax.jit(dw).lower(*args).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        ratio[kind] = cost["flops"] / (2 * M * K * N)
+    assert ratio["ragged_dot"] > G - 1, ratio
+    assert 0.9 < ratio["megablox"] < 1.2, ratio
 
 
 def test_ep_errors(devices):
