@@ -134,11 +134,22 @@ def _row_tile(m: int) -> int:
 
 def _precision(dtype):
     """Mosaic rejects an fp32-precision contraction of bf16 operands (e.g. under a global
-    ``jax_default_matmul_precision="highest"``): the kernels of a bf16 matmul trace at the
-    default precision (as splash attention); fp32 ones keep the ambient setting."""
+    ``jax_default_matmul_precision="highest"``): the kernels of a bf16 matmul are traced at the
+    default precision (as splash attention); fp32 ones keep the ambient setting. Part of the
+    kernels' precision is read when the program is lowered, so lower a bf16 megablox program
+    under ``jax.default_matmul_precision("default")`` too (``jax-rl compile`` does; it is JAX's
+    default)."""
     import contextlib
 
     return contextlib.nullcontext() if dtype == jnp.float32 else jax.default_matmul_precision("default")
+
+
+def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """Megablox tiles for one call's (rows, contracting, output) dims (its ``LutFn``; the backward
+    calls see the dims swapped): the largest row tile of (512, 256, 128) dividing m (rows are
+    padded to one), and ``MEGABLOX_TILE`` bounds on k and n (a smaller dim is one full tile)."""
+    tm = next((t for t in (MEGABLOX_TILE[0], 256, 128) if m % t == 0), m)
+    return tm, min(MEGABLOX_TILE[1], k), min(MEGABLOX_TILE[2], n)
 
 
 def _valid_rows(y: Array, group_sizes: Array) -> Array:
@@ -209,8 +220,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, matmul: str = "ragged
     tm = _row_tile(M)
     Mp = -(-M // tm) * tm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
-    tiling = (tm, min(MEGABLOX_TILE[1], K), min(MEGABLOX_TILE[2], N))
-    y = _megablox(xp, w.astype(x.dtype), group_sizes.astype(jnp.int32), tiling, bool(MEGABLOX_INTERPRET))
+    y = _megablox(xp, w.astype(x.dtype), group_sizes.astype(jnp.int32), _tiling, bool(MEGABLOX_INTERPRET))
     return y[:M]
 
 
