@@ -26,6 +26,7 @@ def _rec(pr, cell, final, *, retained=1.0, err=0.01, resets=0.0, steps=8):
                     old_logits_bytes=1e6) for i in range(steps)]
     evals = [dict(step=0, **{"avg@4": 0.5, "pass@4": 0.7}), dict(step=steps, **{"avg@4": final, "pass@4": final + 0.1})]
     return {**cell, "rc": 0, "date": "2026-12-01T00:00:00+00:00", "extra": [], "steps": None, "load": [1.0, 1.0],
+            "setting": pr.setting_id(),
             "sft_success": 0.5, "metrics": metrics, "evals": evals,
             "summary": {"final_avg_at_4": final, "final_pass_at_4": final + 0.1}}
 
@@ -45,8 +46,10 @@ def test_cells_grid_centre_is_mains_exact_cell(pr):
 
 def test_pending_skips_only_the_same_setting(pr):
     todo = pr.cells(["main"], ["exact", "ppo_ewma"], [4], [0])
-    done = {todo[0]["id"]: {**todo[0], "rc": 0, "extra": [], "steps": None}}
+    done = {todo[0]["id"]: {**todo[0], "rc": 0, "extra": [], "steps": None, "setting": pr.setting_id()}}
     assert [c["id"] for c in pr.pending(todo, done, [], None)] == [todo[1]["id"]]
+    stale = {todo[0]["id"]: {**done[todo[0]["id"]], "setting": "0" * 12}}
+    assert len(pr.pending(todo, stale, [], None)) == 2  # another setting (config text): rerun
     assert len(pr.pending(todo, done, [], 20)) == 2  # other --steps: rerun
     assert len(pr.pending(todo, done, ["optim.lr=1e-4"], None)) == 2  # other extra overrides: rerun
 
@@ -56,9 +59,21 @@ def test_load_records_newest_success_and_counts(pr, tmp_path):
     path = tmp_path / "r.jsonl"
     pr.append_record(_rec(pr, cell, 0.3), path)
     pr.append_record(_rec(pr, cell, 0.6), path)
-    pr.append_record({**cell, "rc": 1, "error": ["boom"]}, path)
+    pr.append_record({**cell, "rc": 1, "error": ["boom"], "setting": pr.setting_id()}, path)
+    pr.append_record({**_rec(pr, cell, 0.9), "setting": "0" * 12}, path)  # an earlier setting: left out
     newest, count = pr.load_records(path)
     assert count[cell["id"]] == 3 and newest[cell["id"]]["summary"]["final_avg_at_4"] == 0.6
+    assert count["_other_settings"] == 1
+    assert pr.load_records(path, setting=None)[0][cell["id"]]["summary"]["final_avg_at_4"] == 0.9
+
+
+def test_setting_id_follows_the_config_chain(pr, tmp_path, monkeypatch):
+    (tmp_path / "base.yaml").write_text("optim: {lr: 1.0}\n")
+    (tmp_path / "child.yaml").write_text("base_config: base.yaml\nrun: {steps: 3}\n")
+    monkeypatch.setattr(pr, "ROOT", tmp_path)
+    a = pr.setting_id("child.yaml")
+    (tmp_path / "base.yaml").write_text("optim: {lr: 2.0}\n")  # a change in the inherited file
+    assert pr.setting_id("child.yaml") != a
 
 
 def _matrix(pr, finals, errs, noreset_retained=0.5):
