@@ -260,6 +260,11 @@ def _min_key(rec: dict, key: str) -> float:
     return min(ys) if ys else math.nan
 
 
+def _max_key(rec: dict, key: str) -> float:
+    ys = [r[key] for r in rec.get("metrics", []) if r.get(key) is not None]
+    return max(ys) if ys else math.nan
+
+
 def _eval_at(rec: dict, step: int, key: str = "avg@4") -> Optional[float]:
     best = None
     for r in rec.get("evals", []):
@@ -344,6 +349,27 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     L.append(f"\nHeld-out success after SFT (avg@4 at T=1, the start of every RL run): {_fmt(*sft)}. "
              f"*Collapsed*: final held-out avg@4 below {COLLAPSED} (the policy stops solving anything; "
              "every reward is then 0, GRPO's advantages are 0 and the run cannot recover).\n")
+
+    # --- does the correction engage?
+    L.append("## Does the correction engage in this setting?\n")
+    L.append("Per mode and K, mean ± std over seeds of: the consumed batches' mean staleness (versions), "
+             "the train-infer mask's retained ratio R (`train_infer_retained`: the share of loss tokens whose "
+             "pi_prox / mu lies inside the mask; 1 = nothing masked) at its minimum and on average, and the PPO "
+             "clip fraction (`clip_frac`, pi_theta / pi_prox outside [1 - eps, 1 + eps]) at its maximum and on "
+             "average. In `make train` (K=2, one update per step) R stays 1.000 and the clip fraction 0.000.\n")
+    L.append("| mode | K | staleness | min R | mean R | max clip_frac | mean clip_frac |")
+    L.append("|---|---|---|---|---|---|---|")
+    for k in all_ks:
+        for m in modes:
+            rs = stats.get((m, k), {}).get("recs", [])
+            if not rs:
+                continue
+            L.append(f"| {m} | {k} | {_fmt(*_ms([_mean_key(r, 'staleness_mean') for r in rs]), nd=2)} | "
+                     f"{_fmt(*_ms([_min_key(r, 'train_infer_retained') for r in rs]))} | "
+                     f"{_fmt(*_ms([_mean_key(r, 'train_infer_retained') for r in rs]))} | "
+                     f"{_fmt(*_ms([_max_key(r, 'clip_frac') for r in rs]))} | "
+                     f"{_fmt(*_ms([_mean_key(r, 'clip_frac') for r in rs]))} |")
+    L.append("")
 
     # --- dynamics figures
     for k in all_ks:

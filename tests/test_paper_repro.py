@@ -94,6 +94,7 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
     assert "| ppo_ewma | 0.500 ± 0.010 |" in doc
+    assert "| ppo_ewma_noreset | 8 | - | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.010 ± 0.000 |" in doc  # engagement
     assert "comes close to exact, at K=8: reproduced" in doc
     assert "the reset keeps the gains, at K=8: reproduced" in doc
     assert "at K=8: supported" in doc
