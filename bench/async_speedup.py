@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import subprocess
 import sys
@@ -237,13 +238,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if k2 and abs(a.latency - 0.1) < 1e-9:
         sp = sum(r["speedup"] for r in k2) / len(k2)
         spe = sum(r["speedup_equal_learner"] for r in k2) / len(k2)
-        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe}
+        k0 = [base[r["seed"]] for r in k2]
+        f0 = sum(b["learner_idle"] for b in k0) / len(k0)
+        bound = 1.0 / (1.0 - f0) if f0 < 1 else math.inf
+        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe,
+                   "overlap_bound": bound, "learner_idle_k0": f0}
         con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
+        con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
+                  f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {bound:.2f}x "
+                  "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
+                  "included, can overlap)")
         if sp >= 1.5:
             con.print(f"target met on the raw wall-clock: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)"
                       + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))
         else:
-            k0 = [base[r["seed"]] for r in k2]
             con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
                       f"Learner idle K=0 {sum(b['learner_idle'] for b in k0) / len(k0):.1%} vs K=2 "
                       f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
