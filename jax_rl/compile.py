@@ -43,7 +43,10 @@ Figures, per chip (every figure is a compile-time estimate, never a measurement)
     after_update`` (U minibatches, m microbatches, f forwards in the strategy's pi_prox, counted
     by tracing it, both branches of a ``lax.cond``), ``sft_step = m * (step - update) + update``.
 
-  XLA's cost analysis does not see into Pallas kernels: the splash-attention calls of each
+  The megablox grouped-matmul kernels of the MoE (``model.moe_matmul``, megablox for a TPU
+  target) carry their own ``pl.CostEstimate`` (2 m k n FLOPs per call, bytes by tiles), which
+  XLA's cost analysis adds; nothing is added for them here.
+  XLA's cost analysis does not see into the splash kernels: the splash-attention calls of each
   piece (counted in its traced jaxpr: forward, dq, dkv; a ``lax.cond`` by its costliest branch,
   as XLA counts a conditional, so ``ppo_ewma``'s reset forward is in) are added analytically,
   2, 3 and 4 causal ``[T, T]`` matmuls over every head and row. Prefill's splash calls are not
