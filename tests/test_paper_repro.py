@@ -81,7 +81,8 @@ def _matrix(pr, finals, errs, noreset_retained=0.5):
     for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
         for c in pr.cells(["main"], list(pr.MODES), [8], [seed]):
             m = c["mode"]
-            newest[c["id"]] = _rec(pr, c, finals[m] + jitter, err=errs.get(m, 0.0),
+            j = -jitter if m in ("decoupled", "linear_prox") else jitter  # paired differences spread too
+            newest[c["id"]] = _rec(pr, c, finals[m] + j, err=errs.get(m, 0.0),
                                    retained=noreset_retained if m == "ppo_ewma_noreset" else 0.99,
                                    resets=2.0 if m == "ppo_ewma" else 0.0)
     return newest
@@ -94,6 +95,7 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
     assert "| ppo_ewma | 0.500 ± 0.010 |" in doc
+    assert "| 8 | decoupled | +0.180, +0.200, +0.220 | 0.200 ± 0.020 |" in doc  # paired, seed by seed
     assert "| ppo_ewma_noreset | 8 | - | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.010 ± 0.000 |" in doc  # engagement
     assert "comes close to exact, at K=8: reproduced" in doc
     assert "the reset keeps the gains, at K=8: reproduced" in doc
@@ -105,7 +107,7 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
                        fig_dir=tmp_path / "figs")
     assert "comes close to exact, at K=8: not reproduced" in doc
     # within the seeds' spread: inconclusive
-    close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)
+    close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)  # paired 0.005 +- 0.02
     doc = pr.build_doc(close, {k: 1 for k in close}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
     assert "comes close to exact, at K=8: inconclusive at this scale" in doc
