@@ -8,7 +8,8 @@ from typing import Any, Mapping, Optional, Sequence
 import flax
 import numpy as np
 
-__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "collate", "validate_batch"]
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "collate", "pad_rows",
+           "validate_batch"]
 
 
 class BatchError(ValueError):
@@ -90,6 +91,45 @@ def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False,
     if routes is not None:
         fields["routes"] = jax.ShapeDtypeStruct(tuple(shape) + tuple(routes[0]), routes[1], sharding=sharding)
     return LearnerBatch.from_dict(fields)
+
+
+def pad_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Append inert rows to a collated batch until it has ``rows`` rows.
+
+    A group can reach the learner short of ``rollout.group_size`` (its failed or over-long
+    trajectories are removed and counted by the buffer), so a batch can hold fewer rows than
+    ``optim.batch_size`` and then not split into ``optim.minibatches x optim.microbatches``. The
+    learner gets the full ``[optim.batch_size, T]`` instead (one compiled shape, no
+    :class:`BatchError`): each added row is one ``pad_id`` token with ``attention_mask`` True at
+    position 0 only (no attention row is empty), ``loss_mask`` False everywhere (no loss, no
+    gradient, no metric token), ``versions`` / ``turn_ids`` / ``routes`` -1, every other field 0.
+
+    Args:
+        batch: :func:`collate`'s dict of arrays with B rows on axis 0.
+        rows: the wanted row count (>= B).
+        pad_id: the token id of the added rows.
+
+    Returns:
+        A new dict with ``rows`` rows (``batch`` itself when B == rows).
+
+    Raises:
+        BatchError: ``rows`` < B.
+    """
+    B = int(np.asarray(batch["tokens"]).shape[0])
+    if rows < B:
+        raise BatchError(f"pad_rows: batch has B={B} rows, more than the {rows} asked for")
+    if rows == B:
+        return batch
+    n = rows - B
+    out = {}
+    for k, a in batch.items():
+        a = np.asarray(a)
+        fill = -1 if k in ("versions", "turn_ids", "routes") else (pad_id if k == "tokens" else 0)
+        extra = np.full((n,) + a.shape[1:], fill, a.dtype)
+        if k == "attention_mask":
+            extra[:, 0] = True
+        out[k] = np.concatenate([a, extra])
+    return out
 
 
 def collate(

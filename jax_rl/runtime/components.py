@@ -472,7 +472,11 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     Returns:
         ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
         the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
-        advantages broadcast over each row.
+        advantages broadcast over each row. B is ``optim.batch_size`` whenever the groups hold
+        fewer trajectories (a group short of failed / over-long members): inert rows
+        (:func:`jax_rl.batch.pad_rows`, no loss tokens) fill it, so the batch always splits into
+        ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
+        ``padded_rows``.
 
     Raises:
         jax_rl.learner.BatchError: a trajectory longer than ``optim.max_seq_len``.
@@ -483,6 +487,10 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     adv = compute_advantages(cfg, groups)
     trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
+    if len(trajs) < cfg.optim.batch_size:
+        from jax_rl.batch import pad_rows
+
+        batch = pad_rows(batch, cfg.optim.batch_size, pad_id)
     return groups, trajs, batch
 
 
@@ -494,6 +502,7 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
     computed here from ``batch["versions"]`` against ``version_trained`` only when missing.
     """
     row = dict(metrics)
+    row["padded_rows"] = int(batch["tokens"].shape[0]) - len(trajs)
     v = batch["versions"]
     m = batch["loss_mask"] & (v >= 0)
     s = (version_trained - v)[m]

@@ -140,3 +140,37 @@ def test_checkpoint_compat_and_roundtrip(tmp_path, devices):
         np.testing.assert_array_equal(np.asarray(out["state"]["w"]), np.asarray(p["w"]))
         with pytest.raises(FileNotFoundError):
             ck.restore(7, state=tgt)
+
+
+def test_short_group_is_padded_to_the_batch_size_and_trains(devices):
+    """A group short of one member (a failed episode removed by the buffer) used to make a
+    63-row batch that optim.minibatches=4 could not split (BatchError: the run died). The
+    learner batch is padded to optim.batch_size with inert rows: no loss token, finite step,
+    the same loss tokens as the short batch, and padded_rows counted in the step row."""
+    from jax_rl.batch import pad_rows
+    from jax_rl.learner import Learner
+    from jax_rl.runtime.components import learner_batch, step_row
+    from rollout.types import Trajectory
+
+    from ._util import init_params, make_cfg
+
+    cfg = make_cfg("decoupled", B=8, optim={"minibatches": 4})
+    b = make_batch(3, B=8, T=16)
+    trajs = []
+    for i in range(8):
+        n = int(b["attention_mask"][i].sum())
+        trajs.append(Trajectory(tokens=b["tokens"][i, :n], loss_mask=b["loss_mask"][i, :n],
+                                behav_logp=b["behav_logp"][i, :n], versions=b["versions"][i, :n],
+                                turn_ids=b["turn_ids"][i, :n], group_id=i // 4, reward=float(i % 3) / 2))
+    groups = [trajs[:4], trajs[4:7]]  # the second group lost a member
+    _, flat, batch = learner_batch(cfg, groups, pad_id=0)
+    assert batch["tokens"].shape[0] == 8 and len(flat) == 7
+    assert not batch["loss_mask"][7].any() and batch["attention_mask"][7].sum() == 1
+    assert (batch["versions"][7] == -1).all() and batch["advantages"][7].sum() == 0
+    lrn = Learner(cfg, init_params=init_params(cfg))
+    m = lrn.train_step(batch)
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    assert m["loss_tokens"] == batch["loss_mask"][:7].sum()
+    assert step_row(cfg, 1, 1, m, batch, groups, flat, 0)["padded_rows"] == 1
+    with pytest.raises(BatchError, match="more than the 4"):
+        pad_rows(batch, 4)
