@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.config import Config
+from jax_rl.models.expert_parallel import resolve_moe_matmul
 from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
 from jax_rl.sharding import make_mesh, state_shardings
 
@@ -62,8 +63,9 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
     """``Qwen3ForCausalLM`` keyword arguments for one side of a run, from ``cfg.model``.
 
     Both sides get the same ``scan_layers`` and ``moe_dispatch`` (the params tree the learner
-    publishes must be the one every rollout engine was built for) and ``attention`` resolved
-    (``auto`` -> ``splash`` on a TPU backend, ``xla`` elsewhere, by ``jax.default_backend()``).
+    publishes must be the one every rollout engine was built for), ``attention`` resolved
+    (``auto`` -> ``splash`` on a TPU backend, ``xla`` elsewhere, by ``jax.default_backend()``) and
+    ``moe_matmul`` resolved the same way (``auto`` -> ``megablox`` on a TPU, else ``ragged_dot``).
 
     ``role="learner"``: learner numerics: compute dtype ``model.dtype``, fp32 params,
     ``remat_policy`` (``model.remat`` folded in). ``role="rollout"``: what
@@ -77,6 +79,7 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
         raise ValueError(f"role must be one of {MODEL_ROLES}, got {role!r}")
     kw = model_kwargs(cfg.model)
     kw["attention"] = resolve_attention(kw["attention"])
+    kw["moe_matmul"] = resolve_moe_matmul(kw["moe_matmul"])
     if role == "rollout":
         kw.pop("remat_policy")
         return kw

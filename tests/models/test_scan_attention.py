@@ -184,7 +184,7 @@ def test_model_kwargs_from_the_model_config_section():
     from jax_rl.models import model_kwargs
 
     m = Config().model
-    assert model_kwargs(m) == dict(moe_dispatch="dense", moe_capacity_factor=None,
+    assert model_kwargs(m) == dict(moe_dispatch="dense", moe_capacity_factor=None, moe_matmul="auto",
                                    remat_policy="none", scan_layers=True, attention="auto")
     assert model_kwargs(m.model_copy(update={"moe_capacity_factor": 1.25}))[
         "moe_capacity_factor"] == 1.25
