@@ -4,7 +4,6 @@ verdict rules on synthetic records (nothing here is a learning outcome)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest

@@ -215,8 +215,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, matmul: str = "ragged
         return jax.lax.ragged_dot(x, w, group_sizes)
     if matmul != "megablox":
         raise ValueError(f"grouped_matmul: matmul must be 'ragged_dot' or 'megablox', got {matmul!r}")
-    M, K = x.shape
-    N = w.shape[-1]
+    M = x.shape[0]
     tm = _row_tile(M)
     Mp = -(-M // tm) * tm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
