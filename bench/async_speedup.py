@@ -253,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))
         else:
             con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
-                      f"Learner idle K=0 {sum(b['learner_idle'] for b in k0) / len(k0):.1%} vs K=2 "
+                      f"Learner idle K=0 {f0:.1%} vs K=2 "
                       f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
                       f"{sum(r['rollout_idle'] or 0 for r in k2) / len(k2):.1%}: a K=2 learner that is rarely "
                       "idle while the rollout waits on the bound is learner-bound (CPU shared by learner and decode).")

@@ -249,20 +249,34 @@ def _fmt(m: float, s: float, nd: int = 3) -> str:
     return "-" if math.isnan(m) else f"{m:.{nd}f} ± {s:.{nd}f}"
 
 
+def _key_values(rec: dict, key: str, start: int = 0, stop: Optional[int] = None) -> list[float]:
+    """``key`` from the record's metric rows [start:stop] that logged it."""
+    return [r[key] for r in rec.get("metrics", [])[start:stop] if r.get(key) is not None]
+
+
 def _mean_key(rec: dict, key: str, start: int = 0, stop: Optional[int] = None) -> float:
     """Mean of ``key`` over the record's metric rows [start:stop] that logged it (NaN if none)."""
-    ys = [r[key] for r in rec.get("metrics", [])[start:stop] if r.get(key) is not None]
+    ys = _key_values(rec, key, start, stop)
     return statistics.fmean(ys) if ys else math.nan
 
 
 def _min_key(rec: dict, key: str) -> float:
-    ys = [r[key] for r in rec.get("metrics", []) if r.get(key) is not None]
+    ys = _key_values(rec, key)
     return min(ys) if ys else math.nan
 
 
 def _max_key(rec: dict, key: str) -> float:
-    ys = [r[key] for r in rec.get("metrics", []) if r.get(key) is not None]
+    ys = _key_values(rec, key)
     return max(ys) if ys else math.nan
+
+
+def _mode_cells(stats: dict, ks, modes):
+    """``(K, mode, records)`` for each K then mode that has records in ``stats``."""
+    for k in ks:
+        for m in modes:
+            rs = stats.get((m, k), {}).get("recs", [])
+            if rs:
+                yield k, m, rs
 
 
 def _eval_at(rec: dict, step: int, key: str = "avg@4") -> Optional[float]:
@@ -392,16 +406,12 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
              "average. In `make train` (K=2, one update per step) R stays 1.000 and the clip fraction 0.000.\n")
     L.append("| mode | K | staleness | min R | mean R | max clip_frac | mean clip_frac |")
     L.append("|---|---|---|---|---|---|---|")
-    for k in all_ks:
-        for m in modes:
-            rs = stats.get((m, k), {}).get("recs", [])
-            if not rs:
-                continue
-            L.append(f"| {m} | {k} | {_fmt(*_ms([_mean_key(r, 'staleness_mean') for r in rs]), nd=2)} | "
-                     f"{_fmt(*_ms([_min_key(r, 'train_infer_retained') for r in rs]))} | "
-                     f"{_fmt(*_ms([_mean_key(r, 'train_infer_retained') for r in rs]))} | "
-                     f"{_fmt(*_ms([_max_key(r, 'clip_frac') for r in rs]))} | "
-                     f"{_fmt(*_ms([_mean_key(r, 'clip_frac') for r in rs]))} |")
+    for k, m, rs in _mode_cells(stats, all_ks, modes):
+        L.append(f"| {m} | {k} | {_fmt(*_ms([_mean_key(r, 'staleness_mean') for r in rs]), nd=2)} | "
+                 f"{_fmt(*_ms([_min_key(r, 'train_infer_retained') for r in rs]))} | "
+                 f"{_fmt(*_ms([_mean_key(r, 'train_infer_retained') for r in rs]))} | "
+                 f"{_fmt(*_ms([_max_key(r, 'clip_frac') for r in rs]))} | "
+                 f"{_fmt(*_ms([_mean_key(r, 'clip_frac') for r in rs]))} |")
     L.append("")
 
     # --- dynamics figures
@@ -418,17 +428,13 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     L.append("## Reset ablation (ppo_ewma with and without the automatic reset)\n")
     L.append("| K | variant | final avg@4 | min R | mean R (last half) | resets per run |")
     L.append("|---|---|---|---|---|---|")
-    for k in all_ks:
-        for m in ("ppo_ewma", "ppo_ewma_noreset"):
-            rs = stats.get((m, k), {}).get("recs", [])
-            if not rs:
-                continue
-            half = max(1, len(rs[0].get("metrics", [])) // 2)
-            minr = _ms([_min_key(r, "train_infer_retained") for r in rs])
-            lastr = _ms([_mean_key(r, "train_infer_retained", half) for r in rs])
-            resets = _ms([float((r.get("metrics") or [{}])[-1].get("ewma_resets", 0.0)) for r in rs])
-            L.append(f"| {k} | {m} | {_fmt(*stats[(m, k)]['avg'])} | {_fmt(*minr)} | {_fmt(*lastr)} | "
-                     f"{_fmt(*resets, nd=1)} |")
+    for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma", "ppo_ewma_noreset")):
+        half = max(1, len(rs[0].get("metrics", [])) // 2)
+        minr = _ms([_min_key(r, "train_infer_retained") for r in rs])
+        lastr = _ms([_mean_key(r, "train_infer_retained", half) for r in rs])
+        resets = _ms([float((r.get("metrics") or [{}])[-1].get("ewma_resets", 0.0)) for r in rs])
+        L.append(f"| {k} | {m} | {_fmt(*stats[(m, k)]['avg'])} | {_fmt(*minr)} | {_fmt(*lastr)} | "
+                 f"{_fmt(*resets, nd=1)} |")
     L.append("")
 
     # --- approximation error
@@ -490,23 +496,19 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
              "route, scaled to Qwen3-4B / 30B-A3B.\n")
     L.append("| mode | K | learner s/step | extra memory (bytes) |")
     L.append("|---|---|---|---|")
-    for k in all_ks:
-        for m in modes:
-            rs = stats.get((m, k), {}).get("recs", [])
-            if not rs:
-                continue
-            secs = []
-            for r in rs:
-                ms = r.get("metrics", [])[3:]
-                sub = [x.get("step_time_s", 0.0) - (x.get("old_logits_s", 0.0) if m in APPROX else 0.0) for x in ms]
-                if sub:
-                    secs.append(statistics.median(sub))
-            mem = "0"
-            if m == "exact":
-                mem = f"{max(x.get('old_logits_bytes', 0.0) for r in rs for x in r.get('metrics', [])):,.0f} (host)"
-            elif m.startswith("ppo_ewma"):
-                mem = "1 fp32 param copy (device)"
-            L.append(f"| {m} | {k} | {_fmt(*_ms(secs))} | {mem} |")
+    for k, m, rs in _mode_cells(stats, all_ks, modes):
+        secs = []
+        for r in rs:
+            ms = r.get("metrics", [])[3:]
+            sub = [x.get("step_time_s", 0.0) - (x.get("old_logits_s", 0.0) if m in APPROX else 0.0) for x in ms]
+            if sub:
+                secs.append(statistics.median(sub))
+        mem = "0"
+        if m == "exact":
+            mem = f"{max(x.get('old_logits_bytes', 0.0) for r in rs for x in r.get('metrics', [])):,.0f} (host)"
+        elif m.startswith("ppo_ewma"):
+            mem = "1 fp32 param copy (device)"
+        L.append(f"| {m} | {k} | {_fmt(*_ms(secs))} | {mem} |")
     L.append("")
 
     # --- verdicts

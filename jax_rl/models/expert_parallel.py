@@ -125,11 +125,14 @@ def resolve_moe_matmul(kind: str) -> str:
     return kind
 
 
+def _row_tiles() -> tuple[int, ...]:
+    """Megablox row tiles tried, largest first (``MEGABLOX_TILE[0]``, 256, 128)."""
+    return (MEGABLOX_TILE[0], 256, 128)
+
+
 def _row_tile(m: int) -> int:
-    for t in (MEGABLOX_TILE[0], 256, 128):
-        if m >= t:
-            return t
-    return 128
+    """The row tile ``m`` rows are padded to a multiple of: the largest not above m (128 minimum)."""
+    return next((t for t in _row_tiles() if m >= t), 128)
 
 
 def _precision(dtype):
@@ -148,7 +151,7 @@ def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     """Megablox tiles for one call's (rows, contracting, output) dims (its ``LutFn``; the backward
     calls see the dims swapped): the largest row tile of (512, 256, 128) dividing m (rows are
     padded to one), and ``MEGABLOX_TILE`` bounds on k and n (a smaller dim is one full tile)."""
-    tm = next((t for t in (MEGABLOX_TILE[0], 256, 128) if m % t == 0), m)
+    tm = next((t for t in _row_tiles() if m % t == 0), m)
     return tm, min(MEGABLOX_TILE[1], k), min(MEGABLOX_TILE[2], n)
 
 
