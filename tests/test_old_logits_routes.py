@@ -1,8 +1,9 @@
 """Issue 14 item 4: every exact old-logit route gives the snapshot route's ``old_logp``.
 
 One fixed-seed async run per route (embedded runtime, ``loss.correction=exact``,
-``async.max_staleness=2``, ``rollout.partial=continue``, so trajectories span versions; a 10 ms
-sleep per decode step makes the run rollout-bound, so publishes land mid-generation). Two
+``async.max_staleness=2``, ``rollout.partial=continue``, so trajectories span versions; a sleep
+per decode step of a fortieth of the learner's last step, 10 to 50 ms, keeps the run rollout-bound on
+a loaded machine too, so publishes land mid-generation). Two
 async runs are not deterministic in timing (which tokens get which version depends on when a
 publish lands), so each route is not compared with a second run: inside the run, a hook on
 ``Learner.train_step`` scores every learner batch the route delivers with a snapshot store of
@@ -69,7 +70,10 @@ def test_exact_routes_agree_with_snapshot(tmp_path, monkeypatch, route):
         orig_init(self, ctx, meta)
         producers.append(self)
 
+    pace = {"sleep": 0.01}  # seconds per decode step, set from the learner's step time (below)
+
     def train_step(self, batch, **kw):
+        t0 = time.perf_counter()
         g = self.version
         if g not in store:
             store.put(g, self.state.params)
@@ -91,6 +95,9 @@ def test_exact_routes_agree_with_snapshot(tmp_path, monkeypatch, route):
         learners.append(self)
         out = orig_step(self, batch, **kw)
         store.put(self.version, self.state.params)
+        if len(seen) > 1:  # (the first step compiles) a learner step is ~2 batches' worth of decode steps at most,
+            # on a loaded machine too, so the run stays rollout-bound and publishes land mid-generation
+            pace["sleep"] = float(np.clip((time.perf_counter() - t0) / 40.0, 0.01, 0.05))
         return out
 
     from rollout.generator import Generator
@@ -98,7 +105,7 @@ def test_exact_routes_agree_with_snapshot(tmp_path, monkeypatch, route):
     orig_decode = Generator._decode
 
     def slow_decode(self):  # rollout-bound (the learner waits for groups), so publishes land mid-generation
-        time.sleep(0.01)
+        time.sleep(pace["sleep"])
         return orig_decode(self)
 
     monkeypatch.setattr(Generator, "_decode", slow_decode)
