@@ -91,7 +91,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
         # with the state sharded over slots, set the mesh so the activation constraints
         # (activation_batch -> data) shard the batch the same way
         ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
-        with ctx, jax.default_matmul_precision("default"):
+        with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
             lowered = engine._generate_jit.lower(params, state)
             compiled = lowered.compile()
         secs = time.perf_counter() - t0

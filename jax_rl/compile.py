@@ -250,8 +250,10 @@ def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, f
     program calls are added analytically: ``_SPLASH_MATMULS`` matmuls each (fwd 2, dq 3, dkv 4)."""
     import jax
 
+    from jax_rl.tpu import no_persistent_cache
+
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"), no_persistent_cache():
         traced = fn.trace(*args)
         c = traced.lower().compile()
     a = _analysis(c)

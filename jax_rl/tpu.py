@@ -18,10 +18,12 @@ Three parts:
 
 ``cpu_unless_tpu_present`` keeps a CPU host with libtpu installed from probing for a TPU
 (JAX would print libtpu initialisation errors, then fall back to the CPU).
+``no_persistent_cache`` turns JAX's persistent compilation cache off around a TPU compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -31,7 +33,7 @@ import re
 from typing import Any, Optional
 
 __all__ = ["ChipSpec", "CHIPS", "TopologySpec", "resolve_topology", "get_topology",
-           "compile_rollout", "cpu_unless_tpu_present", "libtpu_available"]
+           "compile_rollout", "cpu_unless_tpu_present", "libtpu_available", "no_persistent_cache"]
 
 GiB = 1 << 30
 GB = 10 ** 9
@@ -115,6 +117,30 @@ def resolve_topology(name: str) -> TopologySpec:
         raise ValueError(f"{name!r}: {chips} chips is not a power of two")
     grid = _grid_3d(chips) if gen in _3D else _grid_2d(chips)
     return TopologySpec(CHIPS[gen], f"{gen}:{grid}", chips)
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+    """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) off inside the block,
+    as it was after.
+
+    For compiles that target a TPU topology from a host without a TPU: libtpu writes their
+    executables to the cache but cannot read them back (``PjRtCompiler must be constructed with a
+    Client to call DeserializeLoadedExecutable``, a warning and a recompile each time), and a
+    cache hit would make a reported ``compile_s`` meaningless. JAX decides once per process
+    whether the cache is used, so the decision is reset on entry and on exit
+    (``jax.experimental.compilation_cache.compilation_cache.reset_cache``)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    prev = bool(jax.config.jax_enable_compilation_cache)
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", prev)
+        cc.reset_cache()
 
 
 def libtpu_available() -> bool:
@@ -254,7 +280,7 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
         if name not in only:
             continue
         t0 = time.perf_counter()
-        with ctx(), jax.default_matmul_precision("default"):
+        with ctx(), jax.default_matmul_precision("default"), no_persistent_cache():
             a = _analysis(fn.lower(*args).compile())
         a["compile_s"] = time.perf_counter() - t0
         a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes

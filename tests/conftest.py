@@ -11,11 +11,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# JAX's persistent compilation cache, one fresh directory per session (removed at its end), shared
+# by this process and the CLI subprocesses the end-to-end tests start (they inherit the variables).
+# Many tests compile the same tiny programs again (a new jitted closure per Learner, per engine, per
+# CLI process); a cache hit is the executable XLA would have built, so no computed number changes.
+# It more than halves `make test` on the 2-core host. TPU-topology compiles turn it off
+# (``jax_rl.tpu.no_persistent_cache``). A JAX_COMPILATION_CACHE_DIR set by the caller is kept.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = tempfile.mkdtemp(prefix="jax_rl_test_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
