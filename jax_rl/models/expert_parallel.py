@@ -259,8 +259,8 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
     slot_token = jnp.full((ep * C + 1,), N, jnp.int32).at[flat_slot].set(token)[:ep * C]
     slot_expert = jnp.full((ep * C + 1,), El, jnp.int32).at[flat_slot].set(
         local_id.reshape(-1))[:ep * C]
-    x_pad = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])  # row N = an empty slot
-    send = x_pad[slot_token].reshape(ep, C, D)
+    # an empty slot (token N, past the end) reads zeros: a filling gather, not a padded copy of x
+    send = jnp.take(x, slot_token, axis=0, mode="fill", fill_value=0).reshape(ep, C, D)
     recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0)  # [ep (source), C, D]
     recv_expert = jax.lax.all_to_all(slot_expert.reshape(ep, C), EXPERT_AXIS, 0, 0).reshape(-1)
     # local experts, grouped matmul over rows sorted by local expert (empty slots last)
@@ -272,8 +272,9 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
     u = grouped_matmul(xs, wu, group_sizes, matmul)
     ys = grouped_matmul(jax.nn.silu(g) * u, wd, group_sizes, matmul)[inverse]  # [ep*C, D]
     back = jax.lax.all_to_all(ys.reshape(ep, C, D), EXPERT_AXIS, 0, 0).reshape(ep * C, D)
-    back_pad = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])
-    y = jnp.einsum("nkd,nk->nd", back_pad[slot], jnp.where(keep, w, jnp.zeros_like(w)))
+    # a dropped copy (slot ep*C, past the end) reads zeros (no padded copy of the [ep*C, D] buffer)
+    y = jnp.einsum("nkd,nk->nd", jnp.take(back, slot, axis=0, mode="fill", fill_value=0),
+                   jnp.where(keep, w, jnp.zeros_like(w)))
     return y, dropped
 
 
