@@ -61,6 +61,23 @@ def shape_bytes(text: str) -> int:
     return total
 
 
+def _logical_lines(hlo: str):
+    """The module's lines with an instruction's continuation lines (a custom call's multi-line
+    ``backend_config``, whose lines may start with ``}}``) joined to it."""
+    cur = None
+    for line in hlo.split("\n"):
+        s = line.strip()
+        starts = (s.startswith(("%", "ROOT ")) or line.startswith(("ENTRY", "HloModule")) or s in ("", "}"))
+        if starts or cur is None:
+            if cur is not None:
+                yield cur
+            cur = line
+        else:
+            cur += " " + s
+    if cur is not None:
+        yield cur
+
+
 def top_level_traffic(hlo: str) -> list[dict]:
     """One dict per top-level instruction of a compiled HLO module's text
     (``compiled.as_text()``): ``bytes`` (operands + output), ``op`` (HLO opcode), ``name``,
@@ -73,12 +90,12 @@ def top_level_traffic(hlo: str) -> list[dict]:
     sizes: dict[str, int] = {}
     rows: list[dict] = []
     comp = None
-    for line in hlo.split("\n"):
+    for line in _logical_lines(hlo):
         if line.endswith("{") and not line.startswith(" "):
             words = line.split()
             comp = words[1] if words[0] == "ENTRY" else words[0]
             continue
-        if line.rstrip() == "}":  # (a custom call's multi-line config has lines starting with "}}")
+        if line.rstrip() == "}":
             comp = None
             continue
         if comp is None:
