@@ -121,3 +121,16 @@ def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
     assert "Mask x clip grid (exact old logits, K=8, seed 0)" in doc
     row = next(line for line in doc.splitlines() if line.startswith("| 2 |"))
     assert "-" not in row.split("|")[3]  # the centre (mask 2, clip 0.2) is filled from main_K8_exact_s0
+
+
+def test_grid_verdict_says_when_the_mask_never_engaged(pr, tmp_path):
+    cells = pr.cells(["grid"], list(pr.MODES), [8], [0])
+    quiet = {c["id"]: _rec(pr, c, 0.4, retained=0.999) for c in cells}
+    doc = pr.build_doc(quiet, {k: 1 for k in quiet}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
+    assert "Mask x clip interaction: not testable in this setting" in doc and "lowest R of any step of any cell 0.999" in doc
+    # one cell where the mask cut tokens: the interaction is there to judge, one seed is not enough
+    cut = dict(quiet)
+    c = cells[0]
+    cut[c["id"]] = _rec(pr, c, 0.4, retained=0.8)
+    doc = pr.build_doc(cut, {k: 1 for k in cut}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
+    assert "Mask x clip interaction: inconclusive at this scale (one seed per cell" in doc
