@@ -561,9 +561,10 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                          f"{_mean_key(tc, 'train_infer_retained', 0, 50):.3f}")
         min_r = min((_min_key(g, "train_infer_retained") for g in grid), default=math.nan)
         if min_r >= ENGAGED_R:  # the mask kept (nearly) every token in every cell: nothing to interact
-            v.append(f"3. **Mask x clip interaction: not testable in this setting.** The train-infer mask never "
-                     f"engaged in any grid cell (lowest R of any step of any cell {min_r:.3f}): under exact old "
-                     f"logits pi_prox / mu is only the engine's bf16 vs the learner's fp32 gap, inside even the "
+            v.append(f"3. **Mask x clip interaction: not testable in this setting.** The train-infer mask barely "
+                     f"engaged in any grid cell (lowest R of any step of any cell {min_r:.3f}: at most "
+                     f"{100 * (1 - min_r):.1f}% of a step's loss tokens masked): under exact old "
+                     f"logits pi_prox / mu is only the engine's bf16 vs the learner's fp32 gap, nearly always inside the "
                      f"narrowest mask ({MASK_HIGH[0]:g}), so neither the mask width nor the clip width can move R. "
                      f"What the cells show (one seed each, no spread to judge against): " + "; ".join(parts) + ". "
                      f"Deciding the claim needs the grid on a mode whose pi_prox / mu the mask does cut (decoupled, "
