@@ -566,9 +566,9 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                      f"{100 * (1 - min_r):.1f}% of a step's loss tokens masked): under exact old "
                      f"logits pi_prox / mu is only the engine's bf16 vs the learner's fp32 gap, nearly always inside the "
                      f"narrowest mask ({MASK_HIGH[0]:g}), so neither the mask width nor the clip width can move R. "
-                     f"What the cells show (one seed each, no spread to judge against): " + "; ".join(parts) + ". "
-                     f"Deciding the claim needs the grid on a mode whose pi_prox / mu the mask does cut (decoupled, "
-                     f"or a wider train-infer gap) and >= 3 seeds per cell.")
+                     "What the cells show (one seed each, no spread to judge against): " + "; ".join(parts) + ". "
+                     "Deciding the claim needs the grid on a mode whose pi_prox / mu the mask does cut (decoupled, "
+                     "or a wider train-infer gap) and >= 3 seeds per cell.")
         else:
             v.append("3. **Mask x clip interaction: inconclusive at this scale (one seed per cell, no spread to judge "
                      "against).** " + "; ".join(parts) + ".")
