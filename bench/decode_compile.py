@@ -65,7 +65,6 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
                          dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla"),
                          kv_per_layer=False)  # a TPU program: the stacked cache
     mesh = Mesh(np.array(topo.devices), ("data",))
-    rep = NamedSharding(mesh, P())
 
     def abstract(tree, spec_fn):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
