@@ -156,28 +156,23 @@ def report(rows: list[dict], top: int, shape: str | None) -> list[str]:
 
 
 def compile_piece(config: str, topology: str, depth: int, overrides: list[str]):
-    """The compiled train-step gradient piece ``jax-rl compile`` costs from: ``(compiled, cfg, r, T)``."""
+    """The compiled train-step gradient piece ``jax-rl compile`` costs from
+    (:func:`jax_rl.compile._grads_piece`, LM head at its first chunk length):
+    ``(compiled, cfg, r, T)``."""
     import jax
 
     from jax_rl import compile as C
     from jax_rl.config import load_config
     from jax_rl.tpu import no_persistent_cache
-    from jax_rl.train_step import make_grads_fn
 
     cfg = load_config(config, overrides)
     t = C._target(cfg, topology)
-    U, m = cfg.optim.minibatches, cfg.optim.microbatches
-    r = C._layout(cfg.optim.batch_size, U, m, "b")
+    r = C._layout(cfg.optim.batch_size, cfg.optim.minibatches, cfg.optim.microbatches, "optim.batch_size")
     T = cfg.optim.max_seq_len
-    mc = C._depth(t.model_config, depth)
     c1, _ = C._chunks(T)
-    cfg1 = C._with_chunk(t.cfg, c1)
-    p = C._learner(t, mc, cfg1, scan_layers=False)
-    b, sh = C._batch(t, p.strategy, 1, 1, r, T)
-    fn = make_grads_fn(cfg1, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
-                       batch_sharding=sh)
+    fn, args = C._grads_piece(t, r, T, C._with_chunk(t.cfg, c1), C._depth(t.model_config, depth))
     with jax.set_mesh(t.mesh), jax.default_matmul_precision("default"), no_persistent_cache():
-        compiled = fn.trace(p.state.params, p.state.correction, p.state.version, b).lower().compile()
+        compiled = fn.trace(*args).lower().compile()
     return compiled, cfg, r, T
 
 

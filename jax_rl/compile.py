@@ -77,6 +77,7 @@ alone; None if it names none); its HBM and cost figures are None.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -432,10 +433,24 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     return out, secs
 
 
+def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tuple]:
+    """The train step's first-minibatch gradient (:func:`jax_rl.train_step.make_grads_fn`, the
+    strategy's pi_prox forward included) on one microbatch of ``r`` rows x ``T`` tokens, layers
+    unrolled, for model config ``mc`` under ``cfg_``: ``(jitted fn, abstract args)`` for
+    ``fn.trace(*args)``. The piece :func:`_fit` costs the train step from."""
+    from jax_rl.train_step import make_grads_fn
+
+    p = _learner(t, mc, cfg_, scan_layers=False)
+    b, sh = _batch(t, p.strategy, 1, 1, r, T)
+    fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
+                       batch_sharding=sh)
+    return fn, (p.state.params, p.state.correction, p.state.version, b)
+
+
 def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int]:
     import jax
 
-    from jax_rl.train_step import make_grads_fn, make_logprob_fn
+    from jax_rl.train_step import make_logprob_fn
 
     cfg = t.cfg
     U, m, E = cfg.optim.minibatches, cfg.optim.microbatches, cfg.optim.ppo_epochs
@@ -443,14 +458,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
     L = t.model_config.num_hidden_layers
     f = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
 
-    def grads_piece(cfg_, mc):
-        p = _learner(t, mc, cfg_, scan_layers=False)
-        b, sh = _batch(t, p.strategy, 1, 1, r, T)
-        fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
-                           batch_sharding=sh)
-        return fn, (p.state.params, p.state.correction, p.state.version, b)
-
-    grads, secs = _fit(grads_piece, t, L, T, r)
+    grads, secs = _fit(functools.partial(_grads_piece, t, r, T), t, L, T, r)
     fwd = {"flops": 0.0, "bytes": 0.0}
     if E > 1 and f:
         def fwd_piece(cfg_, mc):
