@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_module import load_bench
 
 HLO = """HloModule jit_f, is_scheduled=true
 
@@ -40,10 +37,7 @@ ENTRY %main (p0: f32[8,4], p1: bf16[16]) -> (f32[8,4], f32[]) {
 
 @pytest.fixture(scope="module")
 def ht():
-    spec = importlib.util.spec_from_file_location("hlo_traffic", ROOT / "bench" / "hlo_traffic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("hlo_traffic")
 
 
 def test_shape_bytes_sums_tuples(ht):

@@ -1,0 +1,17 @@
+"""Import a ``bench/`` script as a module (bench/ is not a package), for tests of its pure parts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/<name>.py`` executed as module ``name``. Raises FileNotFoundError if it is missing."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
