@@ -43,6 +43,12 @@ step 1 is left out because it holds the learner's and the decode's jit compiles)
   ``s_per_step - step_time_s_mean``): the speed-up had this run's learner step cost what K=0's
   did (a model: it charges the async run nothing for the CPU its rollout takes from the learner
   beyond what its own measured step shows, and nothing for load drift);
+* ``cpu_s_per_step``: CPU seconds of the trainer process (all threads: learner, decode, agents;
+  ``metrics.jsonl`` ``cpu_s``) per step of the window, and ``cores_busy`` = CPU seconds / wall
+  seconds. With them the verdict prints a CPU bound: K=0's CPU seconds per step over the cores
+  this process may use is the shortest step any overlap of that same work can reach, so K=0's
+  ``s_per_step`` over it caps the speed-up (if an async run needs more CPU per step, its own
+  ``cpu_s_per_step`` shows it);
 * best held-out success during RL (and its step), final and after-SFT success, mean staleness of the consumed batches.
 
 Prints a rich table and appends one record per invocation (date, load, machine, args, git
@@ -97,6 +103,7 @@ def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
             t_thr, step_thr = max(0.0, wall_at[s]), s
             break
     rl_evals = [e for e in evals if int(e["step"]) >= 1]
+    cpu = last["cpu_s"] - first["cpu_s"] if "cpu_s" in first and "cpu_s" in last else None
     eval_s = sum(e.get("eval_s", 0.0) for e in rl_evals if 1 <= int(e["step"]) < int(last["step"]))
     best = max(rl_evals, key=lambda e: e["success"]) if rl_evals else None
     final = [e for e in evals if e.get("label") == "final"]
@@ -106,6 +113,8 @@ def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
         "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in rows[1:]) / (len(rows) - 1),
         "eval_s_in_window": eval_s, "s_per_step_no_eval": (wall - eval_s) / (len(rows) - 1),
         "step_time_s_mean": sum(r["step_time_s"] for r in rows[1:]) / (len(rows) - 1),
+        "cpu_s_per_step": cpu / (len(rows) - 1) if cpu is not None else None,
+        "cores_busy": cpu / wall if cpu is not None and wall > 0 else None,
         "first_step_s": first["wait_s"] + first["step_time_s"],
         "t_threshold_s": t_thr, "threshold_step": step_thr,
         "best_success": best["success"] if best else None, "best_step": int(best["step"]) if best else None,
@@ -215,12 +224,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
                       f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
     for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "learner step s", "speed-up vs K=0",
-              "at K=0's learner step", "learner idle", "rollout idle",
+              "at K=0's learner step", "CPU s/step", "cores busy", "learner idle", "rollout idle",
               "staleness", f"time to held-out >= {a.threshold:g}", "best RL held-out (step)", "final", "load before/after"):
         tab.add_column(c, justify="right")
     for r in runs:
         if "wall_s" not in r:
-            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 11)
+            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 13)
             continue
         thr = (f"{r['t_threshold_s']:.0f} s (step {r['threshold_step']})" if r["t_threshold_s"] is not None
                else "not reached")
@@ -228,6 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"{r['step_time_s_mean']:.2f}",
                     _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
                     _fmt(r["speedup_equal_learner"], ".2f") + ("x" if r["speedup_equal_learner"] is not None else ""),
+                    _fmt(r.get("cpu_s_per_step"), ".2f"), _fmt(r.get("cores_busy"), ".2f"),
                     _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
                     thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
                     f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}")
@@ -241,13 +251,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         k0 = [base[r["seed"]] for r in k2]
         f0 = sum(b["learner_idle"] for b in k0) / len(k0)
         bound = 1.0 / (1.0 - f0) if f0 < 1 else math.inf
+        cpu0 = [b["cpu_s_per_step"] for b in k0 if b.get("cpu_s_per_step")]
+        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # the CPU work of K=0's step spread over every core with none idle: no schedule of the same work is faster
+        cpu_bound = (sum(b["s_per_step"] for b in k0) / len(k0)) / (sum(cpu0) / len(cpu0) / ncpu) if cpu0 else None
         verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe,
-                   "overlap_bound": bound, "learner_idle_k0": f0}
+                   "overlap_bound": bound, "learner_idle_k0": f0, "cpu_bound": cpu_bound, "cpus": ncpu}
         con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
         con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
                   f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {bound:.2f}x "
                   "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
                   "included, can overlap)")
+        if cpu_bound is not None:
+            con.print(f"CPU bound: K=0 spends {sum(cpu0) / len(cpu0):.2f} CPU s per step (this process, all threads) in "
+                      f"{sum(b['s_per_step'] for b in k0) / len(k0):.2f} s; the same work on {ncpu} fully busy cores "
+                      f"takes at least {sum(cpu0) / len(cpu0) / ncpu:.2f} s, so no overlap of it beats {cpu_bound:.2f}x "
+                      "(assuming the async run does the same CPU work per step; compare its CPU s/step)")
         if sp >= 1.5:
             con.print(f"target met on the raw wall-clock: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)"
                       + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))

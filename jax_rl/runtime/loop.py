@@ -32,7 +32,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 
@@ -117,6 +117,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
+    cpu0 = time.process_time()  # this process's CPU seconds, all threads (cpu_s: load-independent work)
     from jax_rl.console import TrainProgress
 
     try:
@@ -144,7 +145,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 producer.publish(version)
                 row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
                 row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
-                            "wall_s": time.perf_counter() - t0})
+                            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
                 writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)

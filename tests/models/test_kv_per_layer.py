@@ -27,7 +27,8 @@ def test_per_layer_round_trip_and_max_len():
     c = _random_cache(m, 3, 8, np.array([0, 2, 5], np.int32))
     p = c.per_layer()
     assert p.is_per_layer and not c.is_per_layer
-    assert len(p.k) == cfg.num_hidden_layers and p.k[0].shape == c.k.shape[1:]
+    assert len(p.k) == cfg.num_hidden_layers and p.k[0].shape == c.k.shape[1:3] + c.k.shape[4:] + c.k.shape[3:4]
+    assert p.v[0].shape == c.v.shape[1:]  # keys transposed [B,K,H,S], values [B,K,S,H]
     assert p.max_len == c.max_len == 8
     np.testing.assert_array_equal(np.asarray(p.stacked().k), np.asarray(c.k))
     np.testing.assert_array_equal(np.asarray(p.stacked().v), np.asarray(c.v))

@@ -70,8 +70,9 @@ def test_smoke_each_correction(tmp_path, correction, capsys):
     assert [r["step"] for r in rows] == [1, 2]
     _finite(rows)
     for key in ("reward_mean", "train_infer_retained", "clip_frac", "staleness_mean", "staleness_max",
-                "tokens_per_s", "rollout_tokens_per_s", "wall_s", "version"):
+                "tokens_per_s", "rollout_tokens_per_s", "wall_s", "cpu_s", "version"):
         assert key in rows[-1], key
+    assert 0.0 < rows[0]["cpu_s"] <= rows[1]["cpu_s"]  # cumulative CPU seconds of this process
     assert "prox_source" not in rows[-1]  # the mode name is in config.yaml; the metric repeated it
     if correction == "ppo_ewma":
         assert "ewma_beta" in rows[-1] and "ewma_reset" in rows[-1]
