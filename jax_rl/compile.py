@@ -41,22 +41,27 @@ Figures, per chip (every figure is a compile-time estimate, never a measurement)
     ``X(1, C1) + (L - 1) * layer + b * (T - C1)``;
   * ``train_step = U*m * grads + (epochs - 1)*U*m * (grads - f*forward) + epochs*U * update +
     after_update`` (U minibatches, m microbatches, f forwards in the strategy's pi_prox, counted
-    by tracing it, both branches of a ``lax.cond``), ``sft_step = m * (step - update) + update``.
+    by tracing it), ``sft_step = m * (step - update) + update``. The pieces cost a step without
+    an EWMA reset: for ``ppo_ewma`` they are traced with ``loss.ewma_reset_threshold=0``, so
+    they hold no reset ``lax.cond`` (XLA costs a conditional by its costliest branch, which
+    would count the reset's second forward on every step). A step whose reset fires runs one
+    more forward per microbatch: ``reset_step_extra_flops_per_chip`` /
+    ``reset_step_extra_bytes_per_chip`` (``U*m*forward``) in the train row.
 
   The megablox grouped-matmul kernels of the MoE (``model.moe_matmul``, megablox for a TPU
   target) carry their own ``pl.CostEstimate`` (2 m k n FLOPs per call, bytes by tiles), which
   XLA's cost analysis adds; nothing is added for them here.
   XLA's cost analysis does not see into the splash kernels: the splash-attention calls of each
   piece (counted in its traced jaxpr: forward, dq, dkv; a ``lax.cond`` by its costliest branch,
-  as XLA counts a conditional, so ``ppo_ewma``'s reset forward is in) are added analytically,
+  as XLA counts a conditional) are added analytically,
   2, 3 and 4 causal ``[T, T]`` matmuls over every head and row. Prefill's splash calls are not
   added (its FLOPs undercount the attention).
 
   The total is checked against the model-FLOPs formula (``model_flops``: 2 N per token per
   forward with N the active matmul params, LM head included, plus causal attention
   ``2 L H d_h T`` per token; backward = 2 x forward; one pi_prox forward where the strategy
-  runs one; the rematerialised forward, a reset's second forward and the splash backward's
-  recomputed scores are not model FLOPs): ``flops_ratio`` = counted FLOPs / model FLOPs (above
+  runs one; the rematerialised forward and the splash backward's recomputed scores are not
+  model FLOPs): ``flops_ratio`` = counted FLOPs / model FLOPs (above
   1 by that recomputation; well below 1 would mean work the count cannot see).
 - ``roofline_step_s = max(flops / peak FLOP/s, bytes / HBM bandwidth)`` per chip and
   ``mfu_bound = model FLOPs per chip / (roofline_step_s * peak)``: an upper bound on the MFU
@@ -447,20 +452,38 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
     return fn, (p.state.params, p.state.correction, p.state.version, b)
 
 
-def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int]:
+def _steady(t: _Target) -> _Target:
+    """The target whose config traces the train step as it runs on a step without an EWMA reset:
+    ``loss.ewma_reset_threshold=0`` for ``ppo_ewma`` (the strategy then traces no reset branch; a
+    ``lax.cond`` is costed by XLA with its reset forward in full although that branch runs only
+    on a reset step). Other corrections: ``t`` itself."""
+    if t.cfg.loss.correction != "ppo_ewma" or t.cfg.loss.ewma_reset_threshold <= 0:
+        return t
+    cfg = t.cfg.model_copy(deep=True)
+    cfg.loss.ewma_reset_threshold = 0.0
+    return dataclasses.replace(t, cfg=cfg)
+
+
+def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int, Optional[dict]]:
+    """The train step's cost on a step without a reset (see :func:`_steady`), compile seconds of
+    the pieces, the pi_prox forwards in that step, and the extra cost of a step whose EWMA reset
+    fires (one more forward per microbatch; None when the strategy has no reset branch)."""
     import jax
 
+    from jax_rl.correction import make_correction
     from jax_rl.train_step import make_logprob_fn
 
     cfg = t.cfg
     U, m, E = cfg.optim.minibatches, cfg.optim.microbatches, cfg.optim.ppo_epochs
     r = _layout(B, U, m, "optim.batch_size")
     L = t.model_config.num_hidden_layers
-    f = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
+    f_all = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
+    ts = _steady(t)
+    f = f_all if ts is t else _forwards_in_prox(make_correction(ts.cfg), ts.cfg, lrn, U, m, r, T, ts)
 
-    grads, secs = _fit(functools.partial(_grads_piece, t, r, T), t, L, T, r)
+    grads, secs = _fit(functools.partial(_grads_piece, ts, r, T), ts, L, T, r)
     fwd = {"flops": 0.0, "bytes": 0.0}
-    if E > 1 and f:
+    if (E > 1 and f) or f_all > f:
         def fwd_piece(cfg_, mc):
             p = _learner(t, mc, cfg_, scan_layers=False)
             b, sh = _batch(t, p.strategy, 1, 1, r, T)
@@ -487,7 +510,8 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
         secs += s
     out = {k: U * m * grads[k] + (E - 1) * U * m * (grads[k] - f * fwd[k]) + E * U * a[k] + after[k]
            for k in ("flops", "bytes")}
-    return out, secs, f
+    reset = {k: (f_all - f) * U * m * fwd[k] for k in ("flops", "bytes")} if f_all > f else None
+    return out, secs, f, reset
 
 
 def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
@@ -594,12 +618,16 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         c, ps, mflops = None, 0.0, None
         if cost and "oom" not in a:
             log("train_step: cost pieces ...")
-            c, ps, f = _train_cost(t, lrn, B, T)
+            c, ps, f, reset = _train_cost(t, lrn, B, T)
             E = cfg.optim.ppo_epochs
             # model FLOPs: policy forward + backward per epoch, plus one pi_prox forward if the
-            # strategy runs any (ppo_ewma traces two: the reset branch's is not model FLOPs)
+            # strategy runs any (the cost is of a step without a reset: one forward for ppo_ewma)
             mflops = B * T * model_flops_per_token(mc, T) * (3 * E + min(f, 1))
         rows.append(_row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps))
+        if c is not None:
+            per_dev = len(t.devices) / t.spec.num_chips
+            rows[-1]["reset_step_extra_flops_per_chip"] = reset["flops"] * per_dev if reset else None
+            rows[-1]["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
         log(f"train_step: {secs:.1f} s")
     if "sft_step" in functions:
         from jax_rl.train_step import make_optimizer

@@ -300,7 +300,10 @@ class PpoEwma(Correction):
         R = self._retained(ew_lp, batch)
         reset, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience, cstate.streak)
         ew_params, count = proximal.ewma_reset(cstate.params, params, reset, cstate.count)
-        prox = lax.cond(reset, lambda: logprobs(params, tokens, amask), lambda: ew_lp)
+        if lc.ewma_reset_threshold <= 0:  # reset off: R < 0 never holds, so no reset branch (no 2nd forward) is traced
+            prox = ew_lp
+        else:
+            prox = lax.cond(reset, lambda: logprobs(params, tokens, amask), lambda: ew_lp)
         new = EwmaState(params=ew_params, count=count, streak=streak, resets=cstate.resets + reset.astype(jnp.int32))
         return lax.stop_gradient(prox), new, {"ewma_reset": reset.astype(jnp.float32), "ewma_retained": R}
 

@@ -101,16 +101,15 @@ def test_cli_does_not_fit_exit_1_and_bad_topology_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def _exact_and_estimate(monkeypatch, *extra):
+def _exact(monkeypatch, *extra):
     """The train step's own cost_analysis with every loop written out (unrolled layers, one
-    minibatch / microbatch / epoch, the LM-head chunk loop unrolled) next to the estimate from
-    the pieces."""
+    minibatch / microbatch / epoch, the LM-head chunk loop unrolled), with (target, learner)."""
     from jax_rl import compile as C
     from jax_rl.models import qwen3
     from jax_rl.train_step import make_train_step
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", "model.scan_layers=false",
-                                                     "loss.correction=decoupled", *extra])
+                                                     *extra])
     t = C._target(cfg, "v5e:2x2")
     lrn = C._learner(t)
     B, T = 8, 64
@@ -122,9 +121,32 @@ def _exact_and_estimate(monkeypatch, *extra):
         # the splash kernels' matmuls are added analytically in both (XLA cannot see into Pallas)
         exact, _ = C._compile(fn, (lrn.state, b), t.mesh, C._attn_unit(t, B, T))
     assert exact.get("splash_calls"), exact  # the step attends by splash on the TPU
-    est, _, f = C._train_cost(t, lrn, B, T)
-    assert f == 1  # decoupled: one pi_prox forward
+    return exact, t, lrn
+
+
+def _exact_and_estimate(monkeypatch, *extra):
+    """:func:`_exact` (decoupled) next to the estimate from the pieces."""
+    from jax_rl import compile as C
+
+    exact, t, lrn = _exact(monkeypatch, "loss.correction=decoupled", *extra)
+    est, _, f, reset = C._train_cost(t, lrn, 8, 64)
+    assert f == 1 and reset is None  # decoupled: one pi_prox forward, no reset branch
     return exact, est
+
+
+def test_ppo_ewma_cost_is_of_a_step_without_reset(monkeypatch):
+    """XLA costs ppo_ewma's reset ``lax.cond`` with its second forward in full; the estimate is of a
+    step without a reset (the program traced with the reset off has no such branch), and the
+    reset's forward is reported apart: the two add up to the program with the branch."""
+    from jax_rl import compile as C
+
+    with_branch, t, lrn = _exact(monkeypatch, "loss.correction=ppo_ewma", "loss.ewma_reset_threshold=0.9")
+    no_branch, _, _ = _exact(monkeypatch, "loss.correction=ppo_ewma", "loss.ewma_reset_threshold=0")
+    assert with_branch["flops"] > 1.15 * no_branch["flops"], (with_branch, no_branch)
+    est, _, f, reset = C._train_cost(t, lrn, 8, 64)
+    assert f == 1 and reset is not None
+    assert est["flops"] == pytest.approx(no_branch["flops"], rel=0.05), (est, no_branch)
+    assert est["flops"] + reset["flops"] == pytest.approx(with_branch["flops"], rel=0.05), (est, reset, with_branch)
 
 
 @pytest.mark.parametrize("chunk", [None, 16])  # the LM head in one chunk / in 4 chunks of 16
