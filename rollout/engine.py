@@ -116,26 +116,54 @@ def prefill_bucket(n: int, max_cache_len: int) -> int:
 # ---------------------------------------------------------------------------- sampling
 
 
-def inverse_cdf_index(p: jax.Array, u: jax.Array) -> jax.Array:
+def _cdf_block(V: int, block: int) -> int:
+    """Largest power of two <= ``block`` dividing ``V`` (no padding copy of the row), or
+    ``block`` when that is below 8 (the row is padded with zeros then)."""
+    b = block
+    while b >= 8 and V % b:
+        b //= 2
+    return b if b >= 8 else block
+
+
+def inverse_cdf_index(p: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
     """Inverse-CDF draw: for each row the first index whose running mass exceeds ``u`` times
     the row's total mass.
+
+    Two levels, so the row is read about once (a full-length ``cumsum`` costs ~log2(V) passes over
+    [B, V] on a TPU, where libtpu counted +8% bytes per Qwen3-4B decode step for it): the sums of
+    ``block``-wide blocks, their running sum, the block holding the draw, then the running sum
+    inside that one block.
 
     Args:
       p: [B, V] float32 non-negative (unnormalised) probabilities; each row has a positive entry.
       u: [B] float32 in [0, 1).
+      block: block width (a power of two; 128 = a TPU lane row).
 
     Returns:
       [B] int32 indices, always of a positive entry of ``p``: zero-mass entries (truncated
-      tokens) are never returned, also when fp32 rounding puts ``u * total`` at the total
-      (the draw is then clamped to the row's last positive entry). With ``u`` uniform this is
-      an exact categorical draw up to the fp32 rounding of the running sum.
+      tokens) are never returned, also when fp32 rounding puts ``u * total`` at or past a
+      block's or the row's total (the draw is then clamped to the last positive entry of the
+      block / row). With ``u`` uniform this is an exact categorical draw up to the fp32 rounding
+      of the sums.
     """
-    cdf = jnp.cumsum(p, axis=-1)
+    B, V = p.shape
+    b = _cdf_block(V, block)
+    pad = (-V) % b
+    if pad:
+        p = jnp.pad(p, ((0, 0), (0, pad)))
+    n = p.shape[1] // b
+    pb = p.reshape(B, n, b)
+    s = jnp.sum(pb, axis=-1)  # [B, n] block masses
+    cdf = jnp.cumsum(s, axis=-1)
     x = u * cdf[:, -1]
-    idx = jnp.sum(cdf <= x[:, None], axis=-1)  # = the first index with cdf > x
-    V = p.shape[-1]
-    last_pos = V - 1 - jnp.argmax((p > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(idx, last_pos).astype(jnp.int32)
+    last_blk = n - 1 - jnp.argmax((s > 0)[:, ::-1], axis=-1)
+    blk = jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), last_blk)  # the first block with cdf > x
+    prev = jnp.where(blk > 0, jnp.take_along_axis(cdf, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    row = jnp.take_along_axis(pb, blk[:, None, None], axis=1)[:, 0]  # [B, b]
+    inner = prev[:, None] + jnp.cumsum(row, axis=-1)
+    last_in = b - 1 - jnp.argmax((row > 0)[:, ::-1], axis=-1)
+    i = jnp.minimum(jnp.sum(inner <= x[:, None], axis=-1), last_in)
+    return (blk * b + i).astype(jnp.int32)
 
 
 def sample_tokens(
