@@ -27,7 +27,7 @@ per learner step, bf16 engine vs fp32 learner), with the same config and seeds f
 Each seed's SFT warm start runs once (``jax-rl sft``, then ``jax-rl export`` to an fp32 HF dir)
 and every RL cell of that seed starts from it (``model.checkpoint``, ``sft.steps=0``), so the
 modes differ only in RL. Each finished cell appends one record (its config overrides, summary,
-per-step metrics and eval rows, load average, date) to ``docs/results/paper_repro.jsonl``;
+per-step metrics and eval rows, load average, date, git commit: the setting id hashes the config only) to ``docs/results/paper_repro.jsonl``;
 nothing is replaced: the doc uses the newest record per cell and says how many records each
 cell has. ``--doc-only`` rebuilds the doc and figures from the records without running anything.
 Run dirs go to ``runs/paper_repro/`` (``--runs-dir``). Rerun one cell with e.g.
@@ -54,6 +54,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIG = "configs/paper_small.yaml"
@@ -182,7 +184,8 @@ def run_cell(cell: dict, hf: Path, sft: dict, runs_dir: Path, steps: Optional[in
     rec: dict[str, Any] = {k: v for k, v in cell.items()}
     rec.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run_dir=str(d),
                extra=extra, process_s=round(time.perf_counter() - t0, 1), load=[load0, os.getloadavg()[0]],
-               sft_success=sft.get("sft_success"), rc=p.returncode, steps=steps, setting=setting_id())
+               sft_success=sft.get("sft_success"), rc=p.returncode, steps=steps, setting=setting_id(),
+               commit=_git_commit())
     if p.returncode:
         rec["error"] = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
         return rec
