@@ -3,7 +3,10 @@
 off-policy correction").
 
 The fixtures in ``tests/runtime/fixtures/numbers_<mode>.json`` were written by this file with
-``JAXRL_RECORD_FIXTURES=1`` on the code before the redesign. ``async.max_staleness=0`` makes the
+``JAXRL_RECORD_FIXTURES=1`` on the code before the redesign, and written again on 2026-12-02 when
+the rollout sampler changed its draws on purpose (inverse CDF instead of
+``jax.random.categorical``, same distribution; and the CPU cache's key-transposed score dot),
+which moves every sampled token of these runs. ``async.max_staleness=0`` makes the
 run synchronous, so with a fixed ``run.seed`` every batch is the same from run to run.
 Values compare at ``tests.numbers_fixture.RTOL_FIRST`` / ``RTOL_LATER`` (row 0 / later rows: across CPU hosts and layer layouts), with abs_tol 1e-4 (the ``kl_*`` metrics are ~1e-4 here: the bf16 rollout's rounding, which moves with the host), except the keys in ``tests.numbers_fixture.CHANGED_ON_PURPOSE`` (a definition
 that changed on purpose) and wall-clock figures.
