@@ -28,8 +28,8 @@ Each seed's SFT warm start runs once (``jax-rl sft``, then ``jax-rl export`` to 
 and every RL cell of that seed starts from it (``model.checkpoint``, ``sft.steps=0``), so the
 modes differ only in RL. Each finished cell appends one record (its config overrides, summary,
 per-step metrics and eval rows, load average, date, and git commit, since the setting id hashes
-the config only) to ``docs/results/paper_repro.jsonl``; nothing is replaced: the doc uses the newest record per cell and says how many records each
-cell has. ``--doc-only`` rebuilds the doc and figures from the records without running anything.
+the config only) to ``docs/results/paper_repro.jsonl``; nothing is replaced: the doc uses the
+newest record per cell and says how many records each cell has. ``--doc-only`` rebuilds the doc and figures from the records without running anything.
 Run dirs go to ``runs/paper_repro/`` (``--runs-dir``). Rerun one cell with e.g.
 ``bench/paper_repro.py --only main --modes exact --k 8 --seeds 1``.
 

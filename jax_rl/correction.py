@@ -300,7 +300,7 @@ class PpoEwma(Correction):
         R = self._retained(ew_lp, batch)
         reset, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience, cstate.streak)
         ew_params, count = proximal.ewma_reset(cstate.params, params, reset, cstate.count)
-        if lc.ewma_reset_threshold <= 0:  # reset off: R < 0 never holds, so no reset branch (no 2nd forward) is traced
+        if lc.ewma_reset_threshold <= 0:  # reset off: R < 0 never holds; trace no reset branch (2nd forward)
             prox = ew_lp
         else:
             prox = lax.cond(reset, lambda: logprobs(params, tokens, amask), lambda: ew_lp)

@@ -35,8 +35,8 @@ __all__ = ["RunContext", "StopFlag", "TIMING_KEYS", "start_of_run_lines", "signa
            "resume_rl_step", "drop_newer_checkpoints", "json_safe", "is_primary"]
 
 # metrics that depend on wall-clock time (excluded when comparing runs for reproducibility)
-TIMING_KEYS = ("wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s", "publish_s",
-               "old_logits_scorer_s_total", "weight_sync_s", "weight_sync_cast_s", "weight_sync_s_total",
+TIMING_KEYS = ("wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s",
+               "publish_s", "old_logits_scorer_s_total", "weight_sync_s", "weight_sync_cast_s", "weight_sync_s_total",
                "weight_sync_cast_s_total", "rollout_idle_frac", "old_logits_stall_s", "old_logits_publish_wait_s",
                "old_logits_stall_s_total", "old_logits_publish_wait_s_total")
 
