@@ -452,16 +452,13 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
     return fn, (p.state.params, p.state.correction, p.state.version, b)
 
 
-def _steady(t: _Target) -> _Target:
-    """The target whose config traces the train step as it runs on a step without an EWMA reset:
-    ``loss.ewma_reset_threshold=0`` for ``ppo_ewma`` (the strategy then traces no reset branch; a
-    ``lax.cond`` is costed by XLA with its reset forward in full although that branch runs only
-    on a reset step). Other corrections: ``t`` itself."""
-    if t.cfg.loss.correction != "ppo_ewma" or t.cfg.loss.ewma_reset_threshold <= 0:
-        return t
-    cfg = t.cfg.model_copy(deep=True)
-    cfg.loss.ewma_reset_threshold = 0.0
-    return dataclasses.replace(t, cfg=cfg)
+def _steady(t: _Target, strategy) -> _Target:
+    """The target whose config traces the train step as it runs on a step where no rare branch
+    fires (:meth:`jax_rl.correction.Correction.steady_config`; for ``ppo_ewma`` the reset off: XLA
+    costs its reset ``lax.cond`` with the second forward in full although that branch runs only
+    on a reset step). ``t`` itself when the strategy has no such branch."""
+    cfg = strategy.steady_config()
+    return t if cfg is t.cfg else dataclasses.replace(t, cfg=cfg)
 
 
 def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int, Optional[dict]]:
@@ -478,7 +475,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
     r = _layout(B, U, m, "optim.batch_size")
     L = t.model_config.num_hidden_layers
     f_all = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
-    ts = _steady(t)
+    ts = _steady(t, lrn.strategy)
     f = f_all if ts is t else _forwards_in_prox(make_correction(ts.cfg), ts.cfg, lrn, U, m, r, T, ts)
 
     grads, secs = _fit(functools.partial(_grads_piece, ts, r, T), ts, L, T, r)
@@ -540,6 +537,11 @@ def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, 
 # ======================================================================================
 
 
+def _devices_per_chip(t: _Target) -> float:
+    """JAX devices per chip (1 on v5e/v6e, 2 on megacore v4/v5p): per-device cost -> per chip."""
+    return len(t.devices) / t.spec.num_chips
+
+
 def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[dict], model_flops: Optional[float],
          shape: Sequence[int], pieces_s: float) -> dict:
     chip = t.spec.chip
@@ -562,7 +564,7 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
         "shape": list(shape), "cost_pieces_s": round(pieces_s, 2),
     }
     if cost is not None:
-        per_dev = len(t.devices) / chips  # JAX devices per chip (1 on v5e/v6e, megacore v4/v5p)
+        per_dev = _devices_per_chip(t)
         fl, by = cost["flops"] * per_dev, cost["bytes"] * per_dev
         roof = max(fl / chip.peak_bf16_flops, by / chip.hbm_bandwidth)
         row.update(flops_per_chip=fl, bytes_accessed_per_chip=by, roofline_step_s=roof)
@@ -625,7 +627,7 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
             mflops = B * T * model_flops_per_token(mc, T) * (3 * E + min(f, 1))
         rows.append(_row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps))
         if c is not None:
-            per_dev = len(t.devices) / t.spec.num_chips
+            per_dev = _devices_per_chip(t)
             rows[-1]["reset_step_extra_flops_per_chip"] = reset["flops"] * per_dev if reset else None
             rows[-1]["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
         log(f"train_step: {secs:.1f} s")

@@ -133,6 +133,12 @@ class Correction:
         """The state after SFT (or any change of params outside RL): re-anchored on ``params``."""
         return cstate
 
+    def steady_config(self) -> Config:
+        """The config whose train step is the step as it runs when no rare branch fires (what
+        ``jax-rl compile`` costs: XLA counts a ``lax.cond`` by its costliest branch). Default:
+        this config."""
+        return self.cfg
+
     # --- in-jit ----------------------------------------------------------------------
     def prox_logp(self, logprobs: LogprobFn, params: Any, cstate: Any, batch: Any, version
                   ) -> tuple[Optional[jax.Array], Any, dict]:
@@ -277,6 +283,15 @@ class PpoEwma(Correction):
 
     def state_shardings(self, param_shardings, replicated):
         return EwmaState(params=param_shardings, count=replicated, streak=replicated, resets=replicated)
+
+    def steady_config(self):
+        """``loss.ewma_reset_threshold=0``: a step without a reset traces no reset branch (its
+        second forward runs only on a reset step)."""
+        if self.loss.ewma_reset_threshold <= 0:
+            return self.cfg
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.loss.ewma_reset_threshold = 0.0
+        return cfg
 
     def reset(self, params, cstate):
         fresh = self.init_state(params)

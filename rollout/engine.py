@@ -35,8 +35,9 @@ generated      [B] int32           tokens emitted so far in this slot
 
 Sampling (``sample_tokens``): logits are fp32; ``logits / temperature``; optional top-k then
 top-p (HF warper order) truncation; one uniform per token drawn from its key, inverted through
-the running sum of the probabilities (``inverse_cdf_index``). The reported ``logp`` is the log-prob of the sampled token
-under the distribution actually sampled from (renormalised over the kept set), and
+the running sum of the probabilities (``inverse_cdf_index``). The reported ``logp`` is the
+log-prob of the sampled token under the distribution actually sampled from (renormalised over
+the kept set), and
 ``kept_mass`` is the probability mass (under the tempered, untruncated distribution) of the
 kept set, so the learner can reproduce ``logp = log_softmax(logits/T)[tok] - log(kept_mass)``.
 With truncation off, ``kept_mass == 1``. Greedy slots (temperature <= 0) report the log-prob of

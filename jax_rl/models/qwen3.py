@@ -542,16 +542,11 @@ def attend_cached_t(q: Array, kt: Array, vh: Array, mask: Array) -> Array:
     """``attend_cached`` over a key-transposed cache (``KVCache.per_layer``'s layout).
 
     q [B,1,N,H], kt [B,K,H,S], vh [B,K,S,H], mask [B,1,S] bool -> [B,1,N,H] (q.dtype). The same
-    math as ``attend`` with T == 1 (scores scaled after the dot, fp32 softmax); fp32 rounding
-    differs from it by the dot's summation order only.
+    einsums as ``attend`` on [B,S,K,H] views: XLA folds the transposes into the dots' dimension
+    numbers, so the score dot reads the keys with the positions contiguous (the layout is what
+    makes it fast on XLA:CPU), and the values equal ``attend``'s bit for bit.
     """
-    B, _, N, H = q.shape
-    K = kt.shape[1]
-    qg = q.reshape(B, K, N // K, H)
-    s = jnp.einsum("bkgh,bkhs->bkgs", qg, kt, preferred_element_type=jnp.float32)
-    s = jnp.where(mask[:, :, None, :], s * (H ** -0.5), _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(vh.dtype)
-    return jnp.einsum("bkgs,bksh->bkgh", p, vh).reshape(B, 1, N, H).astype(q.dtype)
+    return attend(q, kt.transpose(0, 3, 1, 2), vh.swapaxes(1, 2), mask)
 
 
 _CAUSAL_BLOCK = 80  # query rows per block of the causal attention (see _attend_causal)
@@ -865,14 +860,16 @@ class KVCache:
         if self.is_per_layer:
             return self
         L = self.k.shape[0]
-        return KVCache(k=tuple(self.k[i].swapaxes(2, 3) for i in range(L)), v=tuple(self.v[i] for i in range(L)),
+        return KVCache(k=tuple(self.k[i].swapaxes(2, 3) for i in range(L)),
+                       v=tuple(self.v[i] for i in range(L)),
                        lengths=self.lengths)
 
     def stacked(self) -> "KVCache":
         """This cache with k/v as [L,B,K,S,H] arrays."""
         if not self.is_per_layer:
             return self
-        return KVCache(k=jnp.stack([k.swapaxes(2, 3) for k in self.k]), v=jnp.stack(self.v), lengths=self.lengths)
+        return KVCache(k=jnp.stack([k.swapaxes(2, 3) for k in self.k]), v=jnp.stack(self.v),
+                       lengths=self.lengths)
 
     def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
         """Copy row ``row`` of another (stacked) cache (e.g. a batch-1 prefill) into slot ``slot``."""
