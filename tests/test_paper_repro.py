@@ -93,6 +93,9 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     assert "comes close to exact, at K=8: reproduced" in doc
     assert "the reset keeps the gains, at K=8: reproduced" in doc
     assert "at K=8: supported" in doc
+    # claim 4 from the cost table: exact's 1.0 s/step (no error scoring to subtract) vs EWMA's 1.0 - 0.2
+    assert "Exact old logits cost more than EWMA, at K=8: reproduced.** Learner seconds per step 1.000 ± 0.000 " \
+           "vs 0.800 ± 0.000 (1.25x" in doc
     assert (tmp_path / "figs" / "dynamics_K8.png").stat().st_size > 0
     # decoupled ahead of EWMA by more than the spread: claim 1 is not reproduced
     bad = _matrix(pr, {**good, "decoupled": 0.6}, errs)
@@ -129,3 +132,23 @@ def test_grid_verdict_says_when_the_mask_never_engaged(pr, tmp_path):
     cut[c["id"]] = _rec(pr, c, 0.4, retained=0.8)
     doc = pr.build_doc(cut, {k: 1 for k in cut}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
     assert "Mask x clip interaction: inconclusive at this scale (one seed per cell" in doc
+
+
+def test_reset_verdict_when_ewma_never_drifts(pr, tmp_path):
+    """Without reset R stays above the reset threshold, so the reset never fires: the drift half is
+    not reproduced and the reset half cannot be tested (both variants ran the same updates)."""
+    thr = pr._reset_threshold()
+    finals = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
+    newest = _matrix(pr, finals, {}, noreset_retained=min(1.0, thr + 0.05))
+    for rec in newest.values():
+        for row in rec["metrics"]:
+            row["ewma_resets"] = 0.0
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "at K=8: drift not reproduced at this scale; the reset not testable.**" in doc
+    assert "0 resets in 3 runs with reset" in doc
+    # one reset fired: the usual rule judges it again
+    newest["main_K8_ppo_ewma_s0"]["metrics"][-1]["ewma_resets"] = 1.0
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "drift not reproduced" not in doc and "1 resets in 3 runs with reset" in doc
