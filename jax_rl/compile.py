@@ -192,15 +192,19 @@ def _target(cfg: Config, topology: str) -> _Target:
     return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes)
 
 
+def _short(a: dict) -> dict[str, float]:
+    """:func:`jax_rl.tpu._analysis`'s dict under this module's short keys (bytes per device):
+    ``args``, ``out``, ``alias``, ``temp``, ``flops``, ``bytes`` (accessed)."""
+    return {"args": a.get("argument_size_in_bytes", 0), "out": a.get("output_size_in_bytes", 0),
+            "alias": a.get("alias_size_in_bytes", 0), "temp": a.get("temp_size_in_bytes", 0),
+            "flops": a.get("flops", 0.0), "bytes": a.get("bytes_accessed", 0.0)}
+
+
 def _analysis(compiled) -> dict[str, float]:
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):
-        cost = cost[0] if cost else {}
-    g = lambda k: int(getattr(mem, k, 0) or 0)  # noqa: E731
-    return {"args": g("argument_size_in_bytes"), "out": g("output_size_in_bytes"),
-            "alias": g("alias_size_in_bytes"), "temp": g("temp_size_in_bytes"),
-            "flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+    """Memory and cost analysis of a compiled program (:func:`_short` keys)."""
+    from jax_rl.tpu import _analysis as analysis
+
+    return _short(analysis(compiled))
 
 
 # Pallas splash-attention kernels, and the causal matmuls each runs per head and row: the
@@ -763,8 +767,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
             raise
         log(f"{fname}: does not fit ({_oom_text(e)})")
         return _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0)
-    a = {"args": full["argument_size_in_bytes"], "out": full["output_size_in_bytes"],
-         "alias": full.get("alias_size_in_bytes", 0), "temp": full["temp_size_in_bytes"]}
+    a = _short(full)
     c, ps = None, 0.0
     if cost:
         L = t.model_config.num_hidden_layers

@@ -448,7 +448,7 @@ class Learner:
     # checkpoints
     # ---------------------------------------------------------------------------------
     def _checkpointer(self, ckpt_dir: Optional[str | Path]):
-        from jax_rl.checkpoint import Checkpointer, resolve_checkpoint_dir
+        from jax_rl.checkpoint import resolve_checkpoint_dir
 
         d = ckpt_dir or resolve_checkpoint_dir(self.cfg, error=ValueError)[1]
         d = str(Path(d).absolute())

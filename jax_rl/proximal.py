@@ -11,7 +11,6 @@ ones, = ``current_version``) and its update produces g + 1. Behaviour tokens car
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import jax

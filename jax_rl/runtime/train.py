@@ -32,8 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
-from pathlib import Path
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError

@@ -11,7 +11,6 @@ from flax import nnx
 from jax_rl import proximal
 from jax_rl.learner import Learner
 from jax_rl.old_logits import StaleVersionError, snapshot_logprobs, versions_needed
-from jax_rl.sharding import make_mesh
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
 

@@ -4,7 +4,6 @@ updated params; every leaf sharded as the logical-axis rules say."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 
-import pytest
 
 from jax_rl.config import CONFIG_DIR, load_config
 from jax_rl.runtime import components as C
