@@ -583,12 +583,14 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                 f"{n_resets:.0f} resets in {len(a['recs'])} runs with reset.")
         if n_resets == 0 and not math.isnan(rb[0]) and rb[0] >= thr:
             # Neither half can show: no drift to collapse R, so the reset (R < threshold) never fired either and
-            # the two variants ran the same updates; their differences are run-to-run noise.
-            v.append(f"2. **Without reset EWMA drifts (R collapses) and the reset keeps the gains, at K={kw}: drift not "
-                     f"reproduced at this scale; the reset not testable.** Without the reset EWMA did not drift: its "
-                     f"lowest R stayed above the reset threshold (`loss.ewma_reset_threshold` = {thr:g}), so with the "
-                     f"reset on it never fired and both variants ran the same updates. {nums} Deciding the claim needs "
-                     "a run in which EWMA's R falls below the threshold: many more steps, or a wider train-infer gap.")
+            # the two variants were one algorithm; their differences are run-to-run variation.
+            v.append(f"2. **Without reset EWMA drifts (R collapses) and the reset keeps the gains, at K={kw}: "
+                     "drift not reproduced at this scale; the reset not testable.** Without the reset EWMA did not "
+                     f"drift: its lowest R stayed above the reset threshold (`loss.ewma_reset_threshold` = {thr:g}), "
+                     "so with the reset on it never fired: the two variants were one algorithm, and their gap is "
+                     "run-to-run variation (the asynchronous pipeline's timing decides which samples each step "
+                     f"consumes). {nums} Deciding the claim needs a run in which EWMA's R falls below the threshold: "
+                     "many more steps, or a wider train-infer gap.")
         else:
             verdict = ("reproduced" if c_r > 0 and c_s > 0 else "not reproduced" if c_r < 0 or c_s < 0 else
                        "inconclusive at this scale")
