@@ -35,6 +35,9 @@ def test_cells_grid_centre_is_mains_exact_cell(pr):
     assert centre["overrides"] == next(c for c in main if c["id"] == "main_K8_exact_s0")["overrides"]
     both = pr.cells(None, list(pr.MODES), [8], [0])
     assert len({c["id"] for c in both}) == len(both)  # the centre is not run twice
+    # the grid runs at the widest staleness window whatever the order of --k
+    assert {c["K"] for c in pr.cells(["grid"], list(pr.MODES), [4, 8], [0])} == {8}
+    assert {c["K"] for c in pr.cells(["grid"], list(pr.MODES), [8, 4], [0])} == {8}
 
 
 def test_pending_skips_only_the_same_setting(pr):
@@ -110,7 +113,9 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
 
 
 def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
-    newest = {}
+    stray = dict(id="grid_K4_mask1.5_clip0.1_s0", part="grid", mode="exact", K=4, seed=0, mask_high=1.5, clip=0.1,
+                 overrides=[])
+    newest = {stray["id"]: _rec(pr, stray, 0.99)}  # a grid cell of another K (first): not this grid's
     for c in pr.cells(["grid"], list(pr.MODES), [8], [0]):
         newest[c["id"]] = _rec(pr, c, 0.4)
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0], records=tmp_path / "r.jsonl",
@@ -118,6 +123,7 @@ def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
     assert "Mask x clip grid (exact old logits, K=8, seed 0)" in doc
     row = next(line for line in doc.splitlines() if line.startswith("| 2 |"))
     assert "-" not in row.split("|")[3]  # the centre (mask 2, clip 0.2) is filled from main_K8_exact_s0
+    assert "0.990" not in doc  # the K=4 cell is in no table
 
 
 def test_grid_verdict_says_when_the_mask_never_engaged(pr, tmp_path):
