@@ -280,6 +280,46 @@ def _resets(rec: dict) -> float:
     return 0.0 if math.isnan(m) else float(m)
 
 
+def _reset_stats(rec: dict, before: int = 5) -> Optional[dict]:
+    """What one ``ppo_ewma`` run's resets did (None if none fired): ``steps`` that reset
+    (``ewma_reset`` > 0), ``streak`` (the longest run of consecutive reset steps), and R
+    (``train_infer_retained``, lowest) and mean |log pi_prox - log pi_v| (``prox_abs_err_mean``)
+    over the ``before`` steps before the first reset (``r_pre``, ``err_pre``) and from the first
+    reset to the last (``r_during``, ``err_during``; NaN where not logged)."""
+    ms = rec.get("metrics", [])
+    steps = [x["step"] for x in ms if (x.get("ewma_reset") or 0) > 0]
+    if not steps:
+        return None
+    streak = best = 1
+    for a, b in zip(steps, steps[1:]):
+        streak = streak + 1 if b == a + 1 else 1
+        best = max(best, streak)
+    pre = [x for x in ms if steps[0] - before <= x["step"] < steps[0]]
+    during = [x for x in ms if steps[0] <= x["step"] <= steps[-1]]
+
+    def stat(rows, key, fn):
+        ys = [x[key] for x in rows if x.get(key) is not None]
+        return fn(ys) if ys else math.nan
+
+    return dict(steps=steps, streak=best, before=before,
+                r_pre=stat(pre, "train_infer_retained", min), r_during=stat(during, "train_infer_retained", min),
+                err_pre=stat(pre, "prox_abs_err_mean", statistics.fmean),
+                err_during=stat(during, "prox_abs_err_mean", statistics.fmean))
+
+
+def _reset_events(rec: dict, before: int = 5) -> Optional[str]:
+    """:func:`_reset_stats` as one sentence (None if no reset fired)."""
+    st = _reset_stats(rec, before)
+    if st is None:
+        return None
+    f = lambda x: "-" if math.isnan(x) else f"{x:.3f}"  # noqa: E731
+    steps = st["steps"]
+    return (f"{len(steps)} resets at steps {steps[0]}-{steps[-1]} (longest streak {st['streak']} steps in a row); "
+            f"lowest R {f(st['r_pre'])} in the {before} steps before the first reset, {f(st['r_during'])} from it "
+            f"to the last; mean |log pi_prox - log pi_v| {f(st['err_pre'])} before, {f(st['err_during'])} from "
+            "the first reset to the last (a reset sets theta_bar to the current params: the decoupled reference).")
+
+
 def _mode_cells(stats: dict, ks, modes):
     """``(K, mode, records)`` for each K then mode that has records in ``stats``."""
     for k in ks:
@@ -472,6 +512,13 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                  f"{_fmt(*resets, nd=1)} |")
     L.append("")
 
+    events = [f"- K={k}, seed {r['seed']}: {ev}" for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma",))
+              for r in rs if (ev := _reset_events(r)) is not None]
+    if events:
+        L.append(f"Runs in which the reset fired (`loss.ewma_reset_threshold` = {_reset_threshold():g}: R below it "
+                 "resets theta_bar to the current params):\n")
+        L += events + [""]
+
     # --- approximation error
     L.append("## How far each approximate pi_prox is from the exact old logits\n")
     L.append("Mean over training of `prox_abs_err_mean` = mean over loss tokens of |log pi_prox − log pi_v| "
@@ -582,6 +629,12 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
         thr = _reset_threshold()
         nums = (f"min R with reset {_fmt(*ra)} vs without {_fmt(*rb)}; avg@4 {_fmt(*a['avg'])} vs {_fmt(*b['avg'])}; "
                 f"{n_resets:.0f} resets in {len(a['recs'])} runs with reset.")
+        fired = [st for r in a["recs"] if (st := _reset_stats(r)) is not None]
+        if fired and all(st["r_during"] < st["r_pre"] and st["err_during"] > st["err_pre"] for st in fired):
+            nums += (f" In {'the run' if len(fired) == 1 else f'each of the {len(fired)} runs'} where it fired, R fell "
+                     "lower after the first reset than before it, and pi_prox moved away from pi_v (see the reset "
+                     "ablation): the reset hands the mask the current params, and at this staleness that "
+                     "reference is the further one, so the resets did not pull R back.")
         if n_resets == 0 and not math.isnan(rb[0]) and rb[0] >= thr:
             # Neither half can show: no drift to collapse R, so the reset (R < threshold) never fired either and
             # the two variants were one algorithm; their differences are run-to-run variation.

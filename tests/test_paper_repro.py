@@ -158,3 +158,21 @@ def test_reset_verdict_when_ewma_never_drifts(pr, tmp_path):
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
     assert "drift not reproduced" not in doc and "1 resets in 3 runs with reset" in doc
+    assert "R fell lower after the first reset" not in doc  # R and the error are flat in these records
+    rows = newest["main_K8_ppo_ewma_s0"]["metrics"]
+    rows[-3]["ewma_reset"] = 1.0  # the step that reset, then lower R and a larger error
+    for row in rows[-3:]:
+        row.update(train_infer_retained=0.5, prox_abs_err_mean=0.3)
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "In the run where it fired, R fell lower after the first reset than before it" in doc
+
+
+def test_reset_events_summarise_streaks_and_error(pr):
+    rows = [dict(step=i, ewma_reset=1.0 if i in (4, 5, 6, 9) else 0.0, train_infer_retained=0.95 if i < 4 else 0.7,
+                 prox_abs_err_mean=0.1 if i < 4 else 0.5) for i in range(1, 11)]
+    ev = pr._reset_events({"metrics": rows}, before=3)
+    assert ev.startswith("4 resets at steps 4-9 (longest streak 3 steps in a row)")
+    assert "lowest R 0.950 in the 3 steps before the first reset, 0.700 from it to the last" in ev
+    assert "0.100 before, 0.500 from the first reset to the last" in ev
+    assert pr._reset_events({"metrics": [dict(step=1, ewma_reset=0.0)]}) is None
