@@ -24,6 +24,10 @@ FLOPs of a step: 6 * N_params_nonembedding * tokens + attention 12 * L * T * H *
 1/3 of that (not counted in "model TFLOP/s", so those rows show the useful rate).
 ``--scan-layers``: the ``model.scan_layers`` values to time (comma list; default ``true``, the
 config default: decoder layers stacked and run under ``jax.lax.scan``; ``false``: unrolled).
+``--scan-unroll``: the ``model.scan_unroll`` values (comma list, default ``auto`` = the whole
+stack written out on the CPU); the Tunix rows time one learner per value, interleaved with Tunix
+in the same process (e.g. ``--scan-unroll 1,auto`` for one layer per loop iteration vs written
+out); the table's scanned rows use the first.
 Prints one table; no assertion. Numbers depend on the machine's load.
 
 Tunix row (``--tunix-configs``, default ``small``; only when google-tunix 0.1.7 imports, i.e. in
@@ -105,8 +109,9 @@ def step_flops(mc, tokens: int, T: int) -> float:
     return dense + attn
 
 
-def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_layers: bool = True) -> dict:
-    cfg = _cfg({**model, "scan_layers": scan_layers}, correction, B, T)
+def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_layers: bool = True,
+              scan_unroll="auto") -> dict:
+    cfg = _cfg({**model, "scan_layers": scan_layers, "scan_unroll": scan_unroll}, correction, B, T)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
     lrn = Learner(cfg, mesh=mesh)
     V = lrn.model_config.vocab_size
@@ -231,8 +236,10 @@ def _prompted_batch(V: int, B: int, T: int, P: int, seed: int = 0) -> dict:
     return b
 
 
-def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: bool) -> None:
-    """jax-rl ``ppo`` learner step vs Tunix's GRPO train step, interleaved (see module doc)."""
+def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: bool,
+                   unrolls: list = ("auto",)) -> None:
+    """jax-rl ``ppo`` learner step (one learner per ``model.scan_unroll`` value in ``unrolls``)
+    vs Tunix's GRPO train step, all interleaved in this process (see module doc)."""
     import tempfile
 
     from jax_rl.models import hf_io
@@ -242,9 +249,12 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
         print(f"{name:10} {'Tunix GRPO train step':22} {err}\n")
         return
     model = CONFIGS[name]
-    cfg = _cfg({**model, "scan_layers": scan_layers}, "ppo", B, T)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
-    lrn = Learner(cfg, mesh=mesh)
+    learners = {}
+    for u in unrolls:
+        cfg = _cfg({**model, "scan_layers": scan_layers, "scan_unroll": u}, "ppo", B, T)
+        learners[u] = Learner(cfg, mesh=mesh)
+    lrn = learners[unrolls[0]]
     mc = lrn.model_config
     b = _prompted_batch(mc.vocab_size, B, T, P)
     with tempfile.TemporaryDirectory() as d:
@@ -255,26 +265,36 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
     tstep = _tunix.make_grpo_step(tmodel, b, P, lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm,
                                   weight_decay=cfg.optim.weight_decay, epsilon=cfg.loss.clip_eps_low)
 
-    def ours() -> float:
-        b["versions"] = np.where(b["loss_mask"], lrn.version, -1).astype(np.int32)
-        return _tunix.timed(lambda: lrn.train_step(b))
+    def ours(learner: Learner):
+        def fn() -> float:
+            bb = dict(b, versions=np.where(b["loss_mask"], learner.version, -1).astype(np.int32))
+            return _tunix.timed(lambda: learner.train_step(bb))
+        return fn
 
     def theirs() -> float:
         return _tunix.timed(tstep)
 
+    labels = {u: f"jax-rl ppo unroll={learners[u].model().scan_unroll if scan_layers else '-'}" for u in unrolls}
+    unroll_desc = ", ".join(f"{u} -> {labels[u].split('=')[1]}" for u in unrolls)
     print(f"{name:10} jax-rl ppo vs Tunix {_tunix.version()} GRPO step: same weights (max |dlogits| {diff:.1e}), "
-          f"B={B} T={T} (prompt {P}, completion {T - P}), scan_layers={str(scan_layers).lower()}; "
-          f"interleaved in this process (pid {os.getpid()}), {rounds} rounds after warm-up (ours 1 call, Tunix 2: it compiles twice); "
-          f"{_tunix.machine_load()}")
+          f"B={B} T={T} (prompt {P}, completion {T - P}), scan_layers={str(scan_layers).lower()}, "
+          f"model.scan_unroll {unroll_desc} (layers per loop "
+          f"iteration); interleaved in this process (pid {os.getpid()}), {rounds} rounds after warm-up (ours 1 call, "
+          f"Tunix 2: it compiles twice); {_tunix.machine_load()}")
+    runners = {labels[u]: ours(learners[u]) for u in unrolls}
+    runners["Tunix GRPO step"] = theirs
     # Tunix's jitted step compiles on its first AND second call (jit cache size 2): two warm-ups
-    res = _tunix.interleaved({"ours": ours, "tunix": theirs}, rounds, warmup={"ours": 1, "tunix": 2})
-    mo, mt = statistics.median(res["ours"]), statistics.median(res["tunix"])
-    for label, xs in (("jax-rl ppo step", res["ours"]), ("Tunix GRPO step", res["tunix"])):
+    res = _tunix.interleaved(runners, rounds, warmup={**{k: 1 for k in runners}, "Tunix GRPO step": 2})
+    mt = statistics.median(res["Tunix GRPO step"])
+    for label, xs in res.items():
         m = statistics.median(xs)
-        print(f"{name:10} {label:22} {m:8.3f} {B * T / m:9.0f}   step s median [{min(xs):.3f}-{max(xs):.3f}]")
-    paired = sorted(t / o for o, t in zip(res["ours"], res["tunix"]))
-    print(f"{name:10} jax-rl / Tunix tokens/s: {mt / mo:.2f}x (ratio of medians); per-round "
-          f"{statistics.median(paired):.2f}x [{paired[0]:.2f}-{paired[-1]:.2f}]; load after: {_tunix.machine_load()}\n")
+        print(f"{name:10} {label:26} {m:8.3f} {B * T / m:9.0f}   step s median [{min(xs):.3f}-{max(xs):.3f}]")
+    for u in unrolls:
+        xs = res[labels[u]]
+        paired = sorted(t / o for o, t in zip(xs, res["Tunix GRPO step"]))
+        print(f"{name:10} {labels[u]} / Tunix tokens/s: {mt / statistics.median(xs):.2f}x (ratio of medians); "
+              f"per-round {statistics.median(paired):.2f}x [{paired[0]:.2f}-{paired[-1]:.2f}]")
+    print(f"{name:10} load after: {_tunix.machine_load()}\n")
 
 
 def main() -> None:
@@ -285,6 +305,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--scan-layers", default="true", help="comma list of model.scan_layers values: true,false")
+    ap.add_argument("--scan-unroll", default="auto",
+                    help="comma list of model.scan_unroll values (auto, full, or an int) for the Tunix rows and "
+                         "the scanned rows of the table")
     ap.add_argument("--tunix-configs", default="small",
                     help="configs for the jax-rl vs Tunix GRPO rows (comma list; empty: none)")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row in the Tunix comparison")
@@ -295,6 +318,7 @@ def main() -> None:
         if v not in ("true", "false"):
             ap.error(f"--scan-layers: {v!r} is not true or false")
         scans.append(v == "true")
+    unrolls = [int(u) if u.isdigit() else u for u in args.scan_unroll.split(",")]
     jax.config.update("jax_default_matmul_precision", "highest")
     mm = bench_matmul()
     print(f"devices: {jax.devices()}  cpu count: {os.cpu_count()}  load: {os.getloadavg()[0]:.1f}")
@@ -304,7 +328,7 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     for name in [c for c in args.tunix_configs.split(",") if c]:
-        bench_vs_tunix(name, args.B, args.T, args.prompt_len, args.rounds, scans[0])
+        bench_vs_tunix(name, args.B, args.T, args.prompt_len, args.rounds, scans[0], unrolls)
     for name in [c for c in args.configs.split(",") if c]:
         model = CONFIGS[name]
         mc = resolve_model_config(Config.model_validate({"model": model}).model)
@@ -313,7 +337,7 @@ def main() -> None:
         for scan in scans:
             rows = []
             for corr in ("ppo", "decoupled", "ppo_ewma"):
-                r = bench_jax(model, corr, args.B, args.T, args.steps, scan_layers=scan)
+                r = bench_jax(model, corr, args.B, args.T, args.steps, scan_layers=scan, scan_unroll=unrolls[0])
                 rows.append((f"jax-rl {corr}", r))
             tag = f"{name}{'/scan' if scan else '/unr'}"
             for label, r in rows:

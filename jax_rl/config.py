@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -151,6 +151,12 @@ class ModelConfig(_Section):
     (``params/layers/<name>`` [L, ...] instead of ``params/layers/<i>/<name>``): a resume from a
     checkpoint of the other layout is refused in one line naming the value to set; eval and
     export read either. Mixed dense/MoE stacks stay unrolled."""
+    scan_unroll: Union[Literal["auto", "full"], Annotated[int, Field(ge=1, strict=True)]] = "auto"
+    """Layers per iteration of the scanned stack's ``jax.lax.scan`` (its ``unroll``), with
+    ``scan_layers``: ``auto`` = the whole stack written out (no loop) on the CPU backend, 1 (one
+    layer per iteration) on TPU/GPU; ``full`` = the whole stack; an int n >= 1. Changes neither
+    the params layout nor any op, only the compiled program (values agree to fp32 rounding): a written-out stack compiles in
+    time proportional to depth (``jax-rl compile`` always costs the TPU program, 1)."""
     logits_chunk_tokens: Optional[int] = Field(None, ge=1)
     """Positions per chunk of the learner's LM head + log-softmax (the full [rows, T, vocab]
     logits are never materialised): the largest divisor of the sequence length not above this.

@@ -172,6 +172,9 @@ def test_scanned_layers_cost_analysis_undercounts():
                                                          "model.hf_overrides.num_hidden_layers=4"])
         t = C._target(cfg, "v5e:2x2")
         lrn = C._learner(t)
+        # model.scan_unroll=auto means a loop of one layer per iteration for a TPU target,
+        # though this host is a CPU (where auto writes the stack out)
+        assert t.learner_kw["scan_unroll"] == 1
         b, sh = C._batch(t, lrn.strategy, 1, 1, 8, 64)
         fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
                              state_shardings=lrn.state_sh, batch_sharding=sh)

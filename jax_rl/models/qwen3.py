@@ -919,6 +919,34 @@ def remat_policy_fn(name: str):
     return jax.checkpoint_policies.save_only_these_names(*_SAVE_NAMES[name])
 
 
+def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
+    """``model.scan_unroll`` -> the ``unroll`` of the scanned decoder stack's ``jax.lax.scan``
+    (layers per loop iteration, 1..``num_layers``): ``"auto"`` = ``num_layers`` (the whole stack
+    written out, no loop) on the CPU backend and 1 elsewhere; ``"full"`` / ``True`` =
+    ``num_layers``; ``False`` = 1; an int n >= 1 is clipped to ``num_layers``.
+
+    On XLA:CPU a one-layer loop body costs the learner 10-15% per step against the written-out
+    stack (``bench/learner_step.py``: per-iteration slices of the stacked params and gradient
+    updates into them, no fusion across layers). On a TPU the loop is what keeps compile time
+    independent of depth (MaxText ``scan_layers``), so ``auto`` keeps it there.
+    Unrolling changes no op, only XLA's fusion: values agree to fp32 rounding.
+
+    Raises:
+        ValueError: another string, or an int < 1.
+    """
+    if isinstance(unroll, str):
+        if unroll == "auto":
+            return num_layers if jax.default_backend() == "cpu" else 1
+        if unroll == "full":
+            return num_layers
+        raise ValueError(f"scan_unroll must be 'auto', 'full' or an int >= 1, got {unroll!r}")
+    if isinstance(unroll, bool):
+        return num_layers if unroll else 1
+    if int(unroll) < 1:
+        raise ValueError(f"scan_unroll must be 'auto', 'full' or an int >= 1, got {unroll!r}")
+    return min(int(unroll), max(num_layers, 1))
+
+
 def resolve_attention(kind: str) -> str:
     """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash`` unchanged.
     Raises ValueError for other names."""
@@ -1002,7 +1030,7 @@ class Qwen3ForCausalLM(nnx.Module):
                  param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
                  scan_layers: bool = False, remat_policy: str | None = None,
                  attention: str = "xla", moe_capacity_factor: float | None = None,
-                 moe_matmul: str = "ragged_dot"):
+                 moe_matmul: str = "ragged_dot", scan_unroll: int | bool | str = 1):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -1017,6 +1045,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.attention = resolve_attention(attention)
         kinds = {cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)}
         self.scan_layers = bool(scan_layers) and len(kinds) == 1
+        self.scan_unroll = resolve_scan_unroll(scan_unroll, cfg.num_hidden_layers)
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                    param_dtype)
         layers = [
@@ -1089,7 +1118,10 @@ class Qwen3ForCausalLM(nnx.Module):
             return x, ids, box["ys"], box["c"]
 
         if remat:
-            run = jax.checkpoint(run, policy=policy, prevent_cse=not self.scan_layers,
+            # CSE across the remat boundary is blocked by the loop itself only when the scan
+            # keeps one layer per iteration.
+            run = jax.checkpoint(run, policy=policy,
+                                 prevent_cse=not self.scan_layers or self.scan_unroll != 1,
                                  static_argnums=(0,))
         if self.scan_layers:
             out = self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
@@ -1143,7 +1175,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
         x0 = x
         (x, layer_carry), (ids, ys, hs) = jax.lax.scan(
-            body, (x, layer_carry), (state, layer_xs, forced), length=L)
+            body, (x, layer_carry), (state, layer_xs, forced), length=L, unroll=self.scan_unroll)
         h = self.norm(x)
         expert_ids = [ids[i] for i in range(L)] if is_moe else []
         hidden = None
@@ -1570,4 +1602,5 @@ def model_kwargs(model_cfg: Any) -> dict[str, Any]:
                 moe_matmul=getattr(model_cfg, "moe_matmul", "ragged_dot"),
                 remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
+                scan_unroll=getattr(model_cfg, "scan_unroll", 1),
                 attention=getattr(model_cfg, "attention", "xla"))

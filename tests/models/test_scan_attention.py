@@ -75,6 +75,54 @@ def test_remat_policies_give_the_unrematerialised_gradient(policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_scan_unroll_changes_no_value_only_the_loop(policy):
+    """3 layers: unroll 1 (a 3-trip loop), 2 (a loop with a remainder) and full (no loop) give
+    the same logits and gradients (to fp32 rounding); only unroll=1 and 2 lower to a while loop."""
+    cfg = get_preset("tiny_dense", num_hidden_layers=3)
+    toks, mask = _batch(cfg)
+    out = {}
+    for u in (1, 2, "full"):
+        m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True, scan_unroll=u, remat_policy=policy)
+        assert m.scan_unroll == {1: 1, 2: 2, "full": 3}[u]
+        gd, st = nnx.split(m)
+        f = jax.jit(jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, toks, mask))))
+        hlo = f.lower(st).as_text()
+        assert ("while" in hlo) == (u != "full"), u
+        out[u] = f(st)
+    for u in (2, "full"):
+        np.testing.assert_allclose(float(out[u][0]), float(out[1][0]), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(out[u][1]), jax.tree.leaves(out[1][1])):
+            # fp32 summation order only (XLA fuses the written-out stack differently)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-6, rtol=1e-5)
+
+
+def test_resolve_scan_unroll_table():
+    from jax_rl.models.qwen3 import resolve_scan_unroll
+
+    assert jax.default_backend() == "cpu"
+    table = [("auto", 4, 4), ("full", 4, 4), (True, 4, 4), (False, 4, 1), (1, 4, 1), (3, 4, 3),
+             (9, 4, 4), ("auto", 1, 1)]  # a list: as dict keys (True, 4) and (1, 4) collide
+    for u, L, want in table:
+        assert resolve_scan_unroll(u, L) == want, (u, L)
+    for bad in (0, -2, "half"):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            resolve_scan_unroll(bad, 4)
+
+
+def test_scan_unroll_config_key():
+    from jax_rl.config import ConfigError, ModelConfig, load_config
+
+    assert ModelConfig().scan_unroll == "auto"
+    assert ModelConfig(scan_unroll=2).scan_unroll == 2
+    for bad in (0, True, "half"):
+        with pytest.raises(Exception, match="scan_unroll"):
+            ModelConfig(scan_unroll=bad)
+    assert load_config(None, ["model.scan_unroll=3"]).model.scan_unroll == 3
+    with pytest.raises(ConfigError, match="scan_unroll"):
+        load_config(None, ["model.scan_unroll=0"])
+
+
 def test_bad_remat_policy_and_attention_names():
     cfg = get_preset("tiny_dense")
     assert "save_dot_except_mlp" in REMAT_POLICIES and "full" in REMAT_POLICIES
@@ -186,7 +234,8 @@ def test_model_kwargs_from_the_model_config_section():
 
     m = Config().model
     assert model_kwargs(m) == dict(moe_dispatch="dense", moe_capacity_factor=None, moe_matmul="auto",
-                                   remat_policy="none", scan_layers=True, attention="auto")
+                                   remat_policy="none", scan_layers=True, scan_unroll="auto",
+                                   attention="auto")
     assert model_kwargs(m.model_copy(update={"moe_capacity_factor": 1.25}))[
         "moe_capacity_factor"] == 1.25
     assert model_kwargs(m.model_copy(update={"remat": True}))["remat_policy"] == "full"
