@@ -17,17 +17,26 @@ cache entry read once). All figures are compile-time estimates, not TPU measurem
 that does not fit one chip can still be compiled.
 
 Loops: ``cost_analysis`` counts a ``while`` body once, so for ``scan_layers=True`` the raw
-figure holds one layer. The script also compiles the scanned model with ``jax.lax.scan``
-forced to ``unroll=True`` (same stacked params and carried cache, the loop written out) and
+figure holds one layer. The script also compiles the scanned model with
+``model.scan_unroll=full`` (same stacked params and carried cache, the loop written out) and
 reports that figure as the layer-stack total; ``body`` = (unrolled - raw) / (L - 1) is the
 per-layer traffic the raw figure counted once.
+
+VMEM staging: libtpu's memory-space assignment (MSA) prefetches weights and small buffers from
+HBM into the chip's VMEM with async copies and slices before the fusions that read them, and
+``cost_analysis`` counts every access in every memory space: a prefetched weight is read from HBM
+by the copy, written to VMEM, then read from VMEM by the dot (three accesses, one of them HBM), and
+q/k/v weights stored ``[D, N, H]`` are also relaid out in VMEM as ``[N*H, D]`` for the MXU. So the
+script compiles the loop-free program once more with ``xla_msa_enable=false`` (same HLO passes up
+to MSA, hence the same fusions; every buffer in HBM) and reports that ``ratio`` as the HBM-side
+count (``--no-msa-check`` skips it). It is the compiler's own count of HBM accesses for that
+program, not a TPU measurement; the default compile, with its VMEM copies, is what runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -50,8 +59,11 @@ def _per_chip_bytes(tree) -> int:
 
 
 def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, shard: str,
-                   unroll_scan: bool = False, dtype: str = "bfloat16") -> dict:
-    """AOT-compile the engine's generate step; returns the analysis dict."""
+                   unroll_scan: bool = False, dtype: str = "bfloat16", top: int = 0,
+                   compiler_options: dict | None = None) -> dict:
+    """AOT-compile the engine's generate step; returns the analysis dict (with ``top`` > 0,
+    ``traffic``: ``bench/hlo_traffic.py``'s report of the compiled module, its ``top``
+    instructions by the bytes they read and write)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -62,7 +74,8 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     spec = tpu.resolve_topology(topology)
     topo = tpu.get_topology(topology)
     engine = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16,
-                         dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla"),
+                         dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla",
+                                                        scan_unroll="full" if unroll_scan else 1),
                          kv_per_layer=False)  # a TPU program: the stacked cache
     mesh = Mesh(np.array(topo.devices), ("data",))
 
@@ -81,21 +94,15 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     else:
         state = abstract(state_shapes, lambda a: P())
     kv = state["cache"].k, state["cache"].v
-    orig_scan = jax.lax.scan
-    if unroll_scan:
-        jax.lax.scan = functools.partial(orig_scan, unroll=True)
-    try:
-        t0 = time.perf_counter()
-        # the engine runs without an ambient mesh (its activations carry no constraints);
-        # with the state sharded over slots, set the mesh so the activation constraints
-        # (activation_batch -> data) shard the batch the same way
-        ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
-        with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-            lowered = engine._generate_jit.lower(params, state)
-            compiled = lowered.compile()
-        secs = time.perf_counter() - t0
-    finally:
-        jax.lax.scan = orig_scan
+    t0 = time.perf_counter()
+    # the engine runs without an ambient mesh (its activations carry no constraints);
+    # with the state sharded over slots, set the mesh so the activation constraints
+    # (activation_batch -> data) shard the batch the same way
+    ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
+    with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+        lowered = engine._generate_jit.lower(params, state)
+        compiled = lowered.compile(compiler_options=compiler_options or None)
+    secs = time.perf_counter() - t0
     a = tpu._analysis(compiled)
     a["compile_s"] = round(secs, 1)
     a["params_per_chip"] = _per_chip_bytes(params)
@@ -105,6 +112,12 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     hlo = compiled.as_text()
     a["hlo_while_loops"] = hlo.count(" while(")
     a["hlo_copies"] = sum(1 for ln in hlo.splitlines() if " copy(" in ln or "copy-start(" in ln)
+    a["hlo_dot_fusions"] = sum(1 for ln in hlo.splitlines() if " fusion(" in ln and "kind=kOutput" in ln)
+    if top:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import hlo_traffic
+
+        a["traffic"] = hlo_traffic.report(hlo_traffic.top_level_traffic(hlo), top, None)
     return a
 
 
@@ -121,6 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-unroll-check", action="store_true",
                    help="skip the unrolled compile of the scanned layout")
     p.add_argument("--json", default="", help="append one JSON line per result to this file")
+    p.add_argument("--no-msa-check", action="store_true",
+                   help="skip the compile with memory-space assignment off (the HBM-side count)")
+    p.add_argument("--top", type=int, default=0,
+                   help="also list each compile's N heaviest HLO instructions by bytes read + written "
+                        "(bench/hlo_traffic.py's top-level traffic)")
     a = p.parse_args(argv)
 
     from jax_rl.models.qwen3 import get_preset
@@ -133,14 +151,17 @@ def main(argv=None) -> int:
     scans = {"true": [True], "false": [False], "both": [False, True]}[a.scan]
     gib = 1 << 20  # MiB
     for scan in scans:
-        runs = [("raw", False)]
+        runs = [("raw", False, None)]
         if scan and not a.no_unroll_check:
-            runs.append(("unrolled", True))
+            runs.append(("unrolled", True, None))
+        if not a.no_msa_check:  # the loop-free program again, VMEM placement off (see module doc)
+            runs.append(("msa off", scan and not a.no_unroll_check, {"xla_msa_enable": False}))
         res = {}
-        for tag, unroll in runs:
+        for tag, unroll, opts in runs:
             try:
                 res[tag] = compile_decode(cfg, a.topology, slots=a.slots, cache=a.cache,
-                                          scan=scan, shard=a.shard, unroll_scan=unroll)
+                                          scan=scan, shard=a.shard, unroll_scan=unroll, top=a.top,
+                                          compiler_options=opts)
             except Exception as e:  # noqa: BLE001 - report compile failures (e.g. HBM) and go on
                 res[tag] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         for tag, r in res.items():
@@ -156,7 +177,9 @@ def main(argv=None) -> int:
                       f"alias={r['alias_size_in_bytes'] / gib:.3f} MiB "
                       f"peak={r['peak_bytes_per_chip'] / gib:.2f} MiB "
                       f"(hbm {r['hbm_fraction']:.2f}) while={r['hlo_while_loops']} "
-                      f"copies={r['hlo_copies']} compile={r['compile_s']}s", flush=True)
+                      f"copies={r['hlo_copies']} output_fusions={r['hlo_dot_fusions']} compile={r['compile_s']}s", flush=True)
+            for line in r.pop("traffic", []):
+                print("    " + line, flush=True)
             if a.json:
                 with open(a.json, "a") as f:
                     f.write(json.dumps(dict(preset=a.preset, layers=L, slots=a.slots,
@@ -168,6 +191,13 @@ def main(argv=None) -> int:
             print(f"  scanned body (per layer, counted once in raw) = {body / gib:.3f} MiB; "
                   f"layer-stack total = unrolled figure, ratio {res['unrolled']['ratio']:.2f}",
                   flush=True)
+        whole = res.get("unrolled") if scan and not a.no_unroll_check else res.get("raw")
+        off = res.get("msa off")
+        if whole and off and "error" not in whole and "error" not in off:
+            print(f"  HBM-side count (memory-space assignment off, same program): ratio {off['ratio']:.2f}; "
+                  f"the VMEM staging of the default compile adds "
+                  f"{(whole['bytes_accessed'] - off['bytes_accessed']) / gib:.1f} MiB "
+                  f"({whole['ratio']:.2f} -> {off['ratio']:.2f})", flush=True)
     return 0
 
 

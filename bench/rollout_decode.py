@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python bench/rollout_decode.py [--preset tiny_dense|small|<jax_rl preset>]
         [--prompt-len 16] [--new-tokens 128] [--slots 1,8,32] [--dtypes bfloat16,float32]
         [--rounds 5] [--scan-layers true|false] [--decode-steps 1,8] [--no-hf] [--no-tunix]
+        [--matmul-bound]
 
     # with the Tunix row (the bench venv; see bench/_tunix.py and the README):
     /work/bench-venv/bin/python bench/rollout_decode.py --preset small --slots 32 --new-tokens 128
@@ -30,6 +31,12 @@ tokens / wall second, prefill included on every side:
   not installed``): ``tunix.generate.sampler.Sampler`` on Tunix's Qwen3 in fp32 (``--tunix-dtype``),
   one batched prefill + an on-device ``while_loop``, temperature 1 (top_p=1), log-probs ON.
   No continuous batching, no weight swap inside a batch, no version tags.
+
+- ``--matmul-bound``: per ``--dtypes``, the decode step cut down to its weight matmuls (no
+  attention, sampling, cache or host work; ``matmul_bound_runner``), the same number of steps at
+  the same slots, the last ``--decode-steps`` value per call: the most tokens/s any decode of this
+  model in that dtype can make on this machine. If it is below a target, the target cannot be met
+  in that dtype here.
 
 Every runner is warmed up once (compilation excluded), then ``--rounds`` rounds run every
 runner once each, interleaved (A B C A B C ...), all in this one process; the table gives the
@@ -125,6 +132,51 @@ def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=T
     return run
 
 
+def matmul_bound_runner(cfg, slots, new_tokens, dtype, decode_steps=4):
+    """A callable -> tokens/s of a decode step reduced to its weight matmuls: for ``new_tokens``
+    steps, ``[slots, d]`` rows through every layer's q, k, v, o, gate, up, down projections and the
+    LM head (``[d, V]``), in ``dtype``, ``decode_steps`` steps per jitted call (a ``lax.scan``).
+    No attention, norm, activation, sampling, cache or host work, so no decode step of this model
+    in this dtype can make more tokens/s on this machine: an upper bound, not a decode."""
+    import jax
+    import jax.numpy as jnp
+
+    D, L, V, F = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
+    Hq, Hk = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    dt = jnp.dtype(dtype)
+    key = iter(jax.random.split(jax.random.key(0), 7 * L + 2))
+
+    def w(*shape):
+        return (jax.random.normal(next(key), shape, jnp.float32) / np.sqrt(shape[0])).astype(dt)
+
+    layers = [dict(q=w(D, Hq), k=w(D, Hk), v=w(D, Hk), o=w(Hq, D), g=w(D, F), u=w(D, F), d=w(F, D))
+              for _ in range(L)]
+    head = w(D, V)
+
+    def step(x, _):
+        for p in layers:
+            q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+            # k, v feed the next layer's input so XLA cannot drop their dots
+            x = (q @ p["o"] + (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)).astype(dt) * 1e-3)
+            x = (x @ p["g"] + x @ p["u"]) @ p["d"]
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return (x + logits[:, :1].astype(dt) * 1e-3), None
+
+    calls = jax.jit(lambda x: jax.lax.scan(step, x, None, length=decode_steps)[0])
+    x0 = w(slots, D)
+    n_calls = max(1, new_tokens // decode_steps)
+
+    def run() -> float:
+        t = time.perf_counter()
+        x = x0
+        for _ in range(n_calls):
+            x = calls(x)
+        jax.block_until_ready(x)
+        return n_calls * decode_steps * slots / (time.perf_counter() - t)
+
+    return run
+
+
 def hf_runner(model, slots, prompt_len, new_tokens, vocab):
     import torch
 
@@ -184,6 +236,9 @@ def main(argv=None) -> int:
                    help="jax-rl decode steps per engine call (rollout.decode_steps); comma list = one column each")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     p.add_argument("--no-tunix", action="store_true", help="skip the Tunix row")
+    p.add_argument("--matmul-bound", action="store_true",
+                   help="also time, per --dtypes, the decode step's weight matmuls alone (an upper bound on "
+                        "tokens/s in that dtype on this machine; see matmul_bound_runner)")
     a = p.parse_args(argv)
     scan = a.scan_layers == "true"
     import tempfile
@@ -219,8 +274,9 @@ def main(argv=None) -> int:
         else:
             print(f"Tunix Sampler: {tunix_err}")
     print(f"jax-rl decode_steps (tokens per jitted call): {a.decode_steps}")
+    bounds = [(dt, f"{dt} matmuls only") for dt in dtypes] if a.matmul_bound else []
     names = [name for _, _, name in ours] + ([] if a.no_hf else ["HF generate fp32"]) + \
-        ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"])
+        ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"]) + [name for _, name in bounds]
     print(f"measured in this one process, interleaved per slot count, {a.rounds} rounds after one warm-up each: "
           + ", ".join(names))
     print("tokens/s: median [min-max] over rounds\n")
@@ -233,6 +289,8 @@ def main(argv=None) -> int:
             runners["HF generate fp32"] = hf_runner(hf, s, a.prompt_len, a.new_tokens, cfg.vocab_size)
         if tmodel is not None:
             runners[f"Tunix Sampler {a.tunix_dtype}"] = tunix_runner(tmodel, cfg, s, a.prompt_len, a.new_tokens)
+        for dt, name in bounds:
+            runners[name] = matmul_bound_runner(cfg, s, a.new_tokens, dt, steps[-1])
         res = _tunix.interleaved(runners, a.rounds)
         results[s] = res
         if "HF generate fp32" in runners:
@@ -253,6 +311,10 @@ def main(argv=None) -> int:
             for dt in dtypes:
                 base = f"jax-rl {dt} ds{steps[0]}"
                 parts += [f"{dt} ds{n} / ds{steps[0]} = {m[f'jax-rl {dt} ds{n}'] / m[base]:.2f}x" for n in steps[1:]]
+        for dt, name in bounds:
+            parts.append(f"{name} = {m[name]:,.0f} tokens/s (the most any {dt} decode could make here)")
+            if "HF generate fp32" in m:
+                parts.append(f"{name} / HF = {m[name] / m['HF generate fp32']:.2f}x")
         if tmodel is None:
             parts.append(f"Tunix: {tunix_err}")
         print(f"{s:>5} slots: " + "; ".join(parts))
