@@ -73,7 +73,12 @@ hbm_total_bytes, chip_hbm_bytes, fits, compile_s, flops_per_chip, bytes_accessed
 roofline_step_s, mfu_bound`` plus ``model_flops_per_chip``, ``flops_ratio``, ``shape`` and
 ``cost_pieces_s`` (seconds spent compiling the cost pieces); with both the train and decode
 steps, the decode row also has ``engines``, ``hbm_with_learner_bytes`` and ``fits_with_learner``
-(the embedded runtime's engines share the first device with the learner's shard). A program the
+(the embedded runtime's engines share the first device with the learner's shard). The decode row
+also has ``params_and_kv_cache_bytes_per_chip`` and, with the cost pieces, ``bytes_accessed_ratio``
+(bytes accessed over that; 1.0 = every weight and cache entry read once) and
+``hbm_side_bytes_accessed_per_chip`` / ``hbm_side_ratio``: the same pieces compiled with
+:data:`jax_rl.tpu.HBM_SIDE_OPTIONS` (no VMEM staging), whose every counted access is an HBM access.
+The default count also holds the VMEM copies of the staged weights. A program the
 TPU compiler refuses for lack of HBM gets ``fits: false``, ``error`` (the compiler's words) and
 ``hbm_required_bytes`` = the memory its message says is required (e.g. for the temporaries
 alone; None if it names none); its HBM and cost figures are None.
@@ -753,7 +758,7 @@ def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
 
 
 def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
-    from jax_rl.tpu import compile_rollout
+    from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 
     r = t.cfg.rollout
     key = "prefill" if fname == "prefill" else "decode"
@@ -781,7 +786,23 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
             ps += res["compile_s"]
         c = {"flops": x[0]["flops"] + (L - 1) * (x[1]["flops"] - x[0]["flops"]),
              "bytes": x[0]["bytes_accessed"] + (L - 1) * (x[1]["bytes_accessed"] - x[0]["bytes_accessed"])}
+        if key == "decode":  # the same pieces with no VMEM staging: the HBM-side count
+            h = []
+            for d in (1, 2):
+                res = compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek,
+                                      compiler_options=HBM_SIDE_OPTIONS, **kw)[key]
+                h.append(res["bytes_accessed"])
+                ps += res["compile_s"]
+            c["hbm_side_bytes"] = h[0] + (L - 1) * (h[1] - h[0])
     row = _row(t, fname, a, full["compile_s"], c, None, shape, ps)
+    if key == "decode":
+        base = full["params_per_chip"] + full["kv_cache_per_chip"]
+        per_dev = _devices_per_chip(t)
+        row["params_and_kv_cache_bytes_per_chip"] = base * per_dev
+        if c is not None:
+            row["bytes_accessed_ratio"] = c["bytes"] / base
+            row["hbm_side_bytes_accessed_per_chip"] = c["hbm_side_bytes"] * per_dev
+            row["hbm_side_ratio"] = c["hbm_side_bytes"] / base
     log(f"{fname}: {full['compile_s']:.1f} s")
     return row
 
@@ -844,6 +865,10 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
                   f"{_gib(dec['hbm_with_learner_bytes'])} of {_gib(dec['chip_hbm_bytes'])} GiB: "
                   f"{'fits' if dec['fits_with_learner'] else 'DOES NOT FIT'}")
     for r in rows:
+        if r.get("hbm_side_ratio") is not None:
+            con.print(f"{r['function']}: bytes accessed per step = {r['bytes_accessed_ratio']:.2f} x (params + KV cache "
+                      f"per chip, {_gib(r['params_and_kv_cache_bytes_per_chip'])} GiB); HBM-side count (no VMEM "
+                      f"staging): {r['hbm_side_ratio']:.2f} x")
         if r.get("error"):
             con.print(f"{r['function']}: {r['error']}")
     over = [r["function"] for r in rows if not r["fits"]]

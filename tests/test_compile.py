@@ -161,6 +161,19 @@ def test_cost_from_pieces_matches_a_loop_free_program(monkeypatch, chunk):
     assert est["bytes"] == pytest.approx(exact["bytes"], rel=0.25), (est, exact)
 
 
+def test_decode_row_has_the_hbm_side_count():
+    """decode_step's cost pieces are also compiled with VMEM staging off (HBM_SIDE_OPTIONS): that
+    count holds no VMEM copy, so it is below the default count and at least the cache it reads."""
+    from jax_rl import compile as C
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "rollout.slots=16", "rollout.max_cache_len=512", "optim.max_seq_len=512"])
+    (row,) = C.compile_programs(cfg, "v5e:2x2", functions=("decode_step",))
+    base = row["params_and_kv_cache_bytes_per_chip"]
+    assert base > 0 and row["bytes_accessed_ratio"] == pytest.approx(row["bytes_accessed_per_chip"] / base)
+    assert row["hbm_side_ratio"] == pytest.approx(row["hbm_side_bytes_accessed_per_chip"] / base)
+    assert 0.9 < row["hbm_side_ratio"] < row["bytes_accessed_ratio"], row
+
+
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C
