@@ -30,10 +30,10 @@ def test_model_kwargs_for_both_sides_from_one_config():
     lk, rk = model_kwargs_for(cfg, "learner"), model_kwargs_for(cfg, "rollout")
     assert lk == dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, moe_dispatch="ragged",
                       moe_capacity_factor=None, moe_matmul="ragged_dot", remat_policy="full",
-                      scan_layers=True, attention="xla")
+                      scan_layers=True, scan_unroll="auto", attention="xla")
     # the engine sets its own dtypes (rollout.dtype) and never differentiates
     assert rk == dict(moe_dispatch="ragged", moe_capacity_factor=None, moe_matmul="ragged_dot", scan_layers=True,
-                      attention="xla")
+                      scan_unroll="auto", attention="xla")
     off = make_cfg("ppo", model={"scan_layers": False, "attention": "xla"})
     assert model_kwargs_for(off, "learner")["scan_layers"] is False
     assert model_kwargs_for(off, "rollout")["scan_layers"] is False
