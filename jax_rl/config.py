@@ -155,8 +155,9 @@ class ModelConfig(_Section):
     """Layers per iteration of the scanned stack's ``jax.lax.scan`` (its ``unroll``), with
     ``scan_layers``: ``auto`` = the whole stack written out (no loop) on the CPU backend, 1 (one
     layer per iteration) on TPU/GPU; ``full`` = the whole stack; an int n >= 1. Changes neither
-    the params layout nor any op, only the compiled program (values agree to fp32 rounding): a written-out stack compiles in
-    time proportional to depth (``jax-rl compile`` always costs the TPU program, 1)."""
+    the params layout nor any op, only the compiled program (values agree to fp32 rounding). A
+    written-out stack compiles in time proportional to depth; ``jax-rl compile`` always costs the
+    TPU program (1)."""
     logits_chunk_tokens: Optional[int] = Field(None, ge=1)
     """Positions per chunk of the learner's LM head + log-softmax (the full [rows, T, vocab]
     logits are never materialised): the largest divisor of the sequence length not above this.

@@ -925,7 +925,7 @@ def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
     written out, no loop) on the CPU backend and 1 elsewhere; ``"full"`` / ``True`` =
     ``num_layers``; ``False`` = 1; an int n >= 1 is clipped to ``num_layers``.
 
-    On XLA:CPU a one-layer loop body costs the learner 10-15% per step against the written-out
+    On XLA:CPU a one-layer loop body costs the learner 8-13% per step against the written-out
     stack (``bench/learner_step.py``: per-iteration slices of the stacked params and gradient
     updates into them, no fusion across layers). On a TPU the loop is what keeps compile time
     independent of depth (MaxText ``scan_layers``), so ``auto`` keeps it there.
