@@ -925,9 +925,10 @@ def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
     written out, no loop) on the CPU backend and 1 elsewhere; ``"full"`` / ``True`` =
     ``num_layers``; ``False`` = 1; an int n >= 1 is clipped to ``num_layers``.
 
-    On XLA:CPU a one-layer loop body costs the learner 8-13% per step against the written-out
-    stack (``bench/learner_step.py``: per-iteration slices of the stacked params and gradient
-    updates into them, no fusion across layers). On a TPU the loop is what keeps compile time
+    On XLA:CPU a one-layer loop body costs the ``ppo`` learner 8-13% per step against the
+    written-out stack (``bench/learner_step.py``: per-iteration slices of the stacked params and
+    gradient updates into them, no fusion across layers); with the extra no-grad forward of
+    ``decoupled`` / ``ppo_ewma`` the two measured within noise. On a TPU the loop is what keeps compile time
     independent of depth (MaxText ``scan_layers``), so ``auto`` keeps it there.
     Unrolling changes no op, only XLA's fusion: values agree to fp32 rounding.
 
