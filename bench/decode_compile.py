@@ -141,6 +141,7 @@ def main(argv=None) -> int:
                         "(bench/hlo_traffic.py's top-level traffic)")
     a = p.parse_args(argv)
 
+    from jax_rl import tpu
     from jax_rl.models.qwen3 import get_preset
 
     over = {"num_hidden_layers": a.layers} if a.layers else {}
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
         if scan and not a.no_unroll_check:
             runs.append(("unrolled", True, None))
         if not a.no_msa_check:  # the loop-free program again, VMEM placement off (see module doc)
-            runs.append(("msa off", scan and not a.no_unroll_check, {"xla_msa_enable": False}))
+            runs.append(("msa off", scan and not a.no_unroll_check, tpu.HBM_SIDE_OPTIONS))
         res = {}
         for tag, unroll, opts in runs:
             try:

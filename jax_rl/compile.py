@@ -779,21 +779,19 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
     if cost:
         L = t.model_config.num_hidden_layers
         ek = dict(t.engine_kw, scan_layers=False)
-        x = []
-        for d in (1, 2):
-            res = compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek, **kw)[key]
-            x.append(res)
-            ps += res["compile_s"]
-        c = {"flops": x[0]["flops"] + (L - 1) * (x[1]["flops"] - x[0]["flops"]),
-             "bytes": x[0]["bytes_accessed"] + (L - 1) * (x[1]["bytes_accessed"] - x[0]["bytes_accessed"])}
+
+        def pieces(options: Optional[dict]) -> tuple[dict, float]:
+            """Unrolled depths 1 and 2, extrapolated to depth L: ({flops, bytes}, compile seconds)."""
+            x = [compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek,
+                                 compiler_options=options, **kw)[key] for d in (1, 2)]
+            return ({k: x[0][src] + (L - 1) * (x[1][src] - x[0][src])
+                     for k, src in (("flops", "flops"), ("bytes", "bytes_accessed"))},
+                    sum(r_["compile_s"] for r_ in x))
+
+        c, ps = pieces(None)
         if key == "decode":  # the same pieces with no VMEM staging: the HBM-side count
-            h = []
-            for d in (1, 2):
-                res = compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek,
-                                      compiler_options=HBM_SIDE_OPTIONS, **kw)[key]
-                h.append(res["bytes_accessed"])
-                ps += res["compile_s"]
-            c["hbm_side_bytes"] = h[0] + (L - 1) * (h[1] - h[0])
+            hbm, s = pieces(HBM_SIDE_OPTIONS)
+            c["hbm_side_bytes"], ps = hbm["bytes"], ps + s
     row = _row(t, fname, a, full["compile_s"], c, None, shape, ps)
     if key == "decode":
         base = full["params_per_chip"] + full["kv_cache_per_chip"]
