@@ -476,7 +476,8 @@ def policy_loss(
 # Combining microbatch metrics
 # --------------------------------------------------------------------------------------
 
-_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox", "masked_trunc_outside"}
+_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox", "masked_trunc_outside",
+             "moe_dropped_copies", "moe_copies"}
 _MAX_KEYS = {"denominator"}
 
 

@@ -190,7 +190,8 @@ def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings
 def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None, *,
                     top_k: int = 0, top_p: float = 1.0):
     """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False) -> logp [r,T]`` (and
-    the entropy with ``return_entropy``), training numerics, ``out[:, 0] = 0``. ``chunk_tokens``:
+    the entropy with ``return_entropy``; the MoE capacity drops ``(dropped, copies)`` last with
+    ``return_moe_drops``, see ``sequence_logprobs``), training numerics, ``out[:, 0] = 0``. ``chunk_tokens``:
     LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget).
     ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
@@ -199,12 +200,13 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
 
     from jax_rl.models.qwen3 import unstack_routes
 
-    def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None):
+    def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None,
+                 return_moe_drops: bool = False):
         # routes [r,T,n_moe_layers,k] or None: forced expert ids (moe.routing_replay)
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,
                                  chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p,
-                                 forced_expert_ids=unstack_routes(routes))
+                                 forced_expert_ids=unstack_routes(routes), return_moe_drops=return_moe_drops)
 
     return logprobs
 
@@ -291,9 +293,11 @@ def _route_inputs(cfg: Config, route_chunk, params, b: LearnerBatch) -> tuple[An
 
 
 
-def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g):
+def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g,
+                     moe: bool = False):
     """Loss, grads and combined metrics of one minibatch ([m, r, T] arrays), accumulated over its
-    m microbatches with the minibatch's global denominator."""
+    m microbatches with the minibatch's global denominator. ``moe``: also count the gradient
+    forward's MoE capacity drops (``moe_dropped_copies``, ``moe_copies``, ``moe_dropped_frac``)."""
     lc = cfg.loss
     truncated = truncates(cfg.rollout.top_k, cfg.rollout.top_p)
     m, r, T = mb.tokens.shape
@@ -305,16 +309,25 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
 
     def micro_loss(p, x: LearnerBatch, prox_j):
         ent = None
+        out = logprobs(p, x.tokens, x.attention_mask, return_entropy=lc.entropy_coef != 0.0,
+                       routes=x.routes, **({"return_moe_drops": True} if moe else {}))
+        out = out if isinstance(out, tuple) else (out,)
+        if moe:
+            *out, (dropped, copies) = out
         if lc.entropy_coef != 0.0:  # entropy bonus: one pass over the same logits
-            logp, ent = logprobs(p, x.tokens, x.attention_mask, return_entropy=True, routes=x.routes)
+            logp, ent = out
         else:
-            logp = logprobs(p, x.tokens, x.attention_mask, routes=x.routes)
+            (logp,) = out
         pl = prox_j if prox_j is not None else strategy.micro_prox(logp, x, g)
-        return losses.policy_loss(
+        loss, metr = losses.policy_loss(
             logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
             turn_ids=x.turn_ids, versions=x.versions, current_version=g,
             old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated,
         )
+        if moe:
+            metr = dict(metr, moe_dropped_copies=lax.stop_gradient(dropped).astype(jnp.float32),
+                        moe_copies=lax.stop_gradient(copies).astype(jnp.float32))
+        return loss, metr
 
     vg = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -327,10 +340,13 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
 
     if m == 1:
         (loss, metr), grads = vg(params, mb.map(lambda v: v[0]), None if prox is None else prox[0])
-        return loss, grads, metr
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox))
-    return loss, grads, losses.combine_metrics(metr)
+    else:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox))
+        metr = losses.combine_metrics(metr)
+    if moe:
+        metr = dict(metr, moe_dropped_frac=metr["moe_dropped_copies"] / jnp.maximum(metr["moe_copies"], 1.0))
+    return loss, grads, metr
 
 
 # ======================================================================================
@@ -378,7 +394,8 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         def one_update(carry, i):
             params, opt_state, step = carry
             take = lambda x: None if x is None else lax.dynamic_index_in_dim(x, i % U, 0, keepdims=False)  # noqa: E731
-            loss, grads, metr = _minibatch_grads(cfg, strategy, logprobs, params, b.map(take), take(prox), g)
+            loss, grads, metr = _minibatch_grads(cfg, strategy, logprobs, params, b.map(take), take(prox), g,
+                                                 moe=num_experts > 0)
             gnorm = optax.tree.norm(grads)
             updates, new_opt = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -424,7 +441,8 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
         prox_routes, b, _ = _route_inputs(cfg, route_chunk, params, b)
         prox, _, _ = strategy.prox_logp(lambda p, t, a: chunk(p, t, a, prox_routes), params, cstate, b, version)
         first = lambda x: None if x is None else x[0]  # noqa: E731
-        return _minibatch_grads(cfg, strategy, logprobs, params, b.map(first), first(prox), version)
+        return _minibatch_grads(cfg, strategy, logprobs, params, b.map(first), first(prox), version,
+                                moe=num_experts > 0)
 
     rep = NamedSharding(mesh, P())
     return jax.jit(fn, in_shardings=(param_shardings, None, rep, batch_sharding),

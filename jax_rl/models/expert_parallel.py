@@ -279,7 +279,7 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
 
 
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
-                        capacity_factor: float | None = None,
+                        capacity_factor: float | None = None, valid: Array | None = None,
                         batch_axes: Sequence[str] | str | None = None,
                         mesh=None, matmul: str = "ragged_dot") -> tuple[Array, Array]:
     """Expert-parallel experts + combine of a MoE block (pure, jit-able; see the module doc):
@@ -293,6 +293,9 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       wg, wu: [E, D, F] gate / up projections; wd: [E, F, D] down projection (x.dtype).
       capacity_factor: None = dropless (default); else slots per (device, expert shard) pair =
         ``ceil(capacity_factor * copies / EP)`` (:func:`ep_capacity`); copies over it are dropped.
+      valid: [B, T] bool, False for a token that takes no slot (right padding: its output is 0
+        and it is neither sent nor counted as dropped), so padding never pushes a real token's
+        copy over the capacity. Default: every token valid.
       batch_axes: mesh axes B is sharded over (default: what ``activation_batch`` maps to for
         this B under ``jax_rl.sharding.LOGICAL_RULES``).
       mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
@@ -300,7 +303,7 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
         (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
 
     Returns:
-      (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: token copies
+      (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: valid token copies
       dropped for capacity over the whole batch, 0 when dropless).
 
     Raises:
@@ -355,7 +358,7 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
             a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
         return a.reshape(n_batch * n_chunks * chunk, *a.shape[2:])
 
-    valid = to_chunks(jnp.ones((B, T), bool))
+    valid = to_chunks(jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool).reshape(B, T))
 
     def body(x, w, ids, valid, wg, wu, wd):
         y, dropped = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity, matmul=matmul)

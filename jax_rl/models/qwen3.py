@@ -734,20 +734,26 @@ class MoE(nnx.Module):
             w = w / jnp.sum(w, axis=-1, keepdims=True)
         return w, ids.astype(jnp.int32)
 
-    def __call__(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
+    def __call__(self, x: Array, forced_expert_ids: Array | None = None, valid: Array | None = None,
+                 return_dropped: bool = False):
         """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32).
 
         ``forced_expert_ids`` [B,T,k] int: use these experts instead of the top-k (routing
         replay); their router probabilities are the combine weights (renormalised over the k
         forced ids when ``norm_topk_prob``). A token whose ids hold any value outside
-        ``[0, E)`` (:data:`ROUTE_MISSING`) falls back to the router's own top-k. Capacity drops of the EP
-        path are not reported here: ``expert_parallel_moe`` returns their count."""
+        ``[0, E)`` (:data:`ROUTE_MISSING`) falls back to the router's own top-k.
+
+        ``valid`` [B,T] bool (e.g. the attention mask): on the EP path a False token (padding)
+        takes no capacity slot and gets y = 0; the other paths ignore it (they never drop).
+        ``return_dropped``: also return, third, the int32 [] count of valid token copies the EP
+        path dropped for capacity (``expert_parallel_moe``; 0 on the dropless paths)."""
         dt = self.dtype
         x = x.astype(dt)
         w, ids = self.route(x, forced_expert_ids)
         wg = self.gate_proj[...].astype(dt)
         wu = self.up_proj[...].astype(dt)
         wd = self.down_proj[...].astype(dt)
+        dropped = jnp.int32(0)
         if self.dispatch == "dense":
             E = wg.shape[0]
             combine = jnp.einsum("btk,btke->bte", w.astype(dt), jax.nn.one_hot(ids, E, dtype=dt))
@@ -756,11 +762,11 @@ class MoE(nnx.Module):
             a = jax.nn.silu(g) * u * combine[..., None]
             y = jnp.einsum("btef,efd->btd", a, wd)
         elif expert_parallel_size() > 1:
-            y, _ = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd,
-                                       capacity_factor=self.capacity_factor, matmul=self.matmul)
+            y, dropped = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
+                                             capacity_factor=self.capacity_factor, matmul=self.matmul)
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
-        return y, ids
+        return (y, ids, dropped) if return_dropped else (y, ids)
 
     @staticmethod
     def _ragged(x, w, ids, wg, wu, wd):
@@ -804,18 +810,20 @@ class DecoderLayer(nnx.Module):
                            param_dtype=param_dtype)
 
     def __call__(self, x: Array, positions: Array, attend_fn: AttendFn,
-                 forced_expert_ids: Array | None = None) -> tuple[Array, Array | None]:
-        """x [B,T,D] -> (x [B,T,D], expert ids [B,T,k] or None). ``attend_fn(q,k,v)`` does
-        the attention core (full-sequence, prefill or cached decode)."""
+                 forced_expert_ids: Array | None = None, valid: Array | None = None
+                 ) -> tuple[Array, Array | None, Array | None]:
+        """x [B,T,D] -> (x [B,T,D], expert ids [B,T,k] or None, MoE capacity drops int32 [] or
+        None). ``attend_fn(q,k,v)`` does the attention core (full-sequence, prefill or cached
+        decode); ``valid`` [B,T] bool: the tokens that take MoE capacity (:class:`MoE`)."""
         q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
         h = x + self.attn.out(checkpoint_name(attend_fn(q, k, v), "context")).astype(x.dtype)
         y = self.post_attention_layernorm(h)
         if self.is_moe:
-            y, ids = self.mlp(y, forced_expert_ids)
+            y, ids, dropped = self.mlp(y, forced_expert_ids, valid=valid, return_dropped=True)
         else:
-            y, ids = self.mlp(y), None
+            y, ids, dropped = self.mlp(y), None, None
         out = h + y.astype(h.dtype)
-        return _constrain(out, ("activation_batch", "activation_length", "activation_embed")), ids
+        return _constrain(out, ("activation_batch", "activation_length", "activation_embed")), ids, dropped
 
 
 # --------------------------------------------------------------------------------------
@@ -1088,7 +1096,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
                forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False,
-               carry: Any = None):
+               carry: Any = None, valid: Array | None = None, moe_drops: list | None = None):
         """Runs the decoder stack.
 
         ``attend(q, k, v, xs_i) -> (o, ys_i)`` does the attention core of one layer; ``xs_i`` is
@@ -1100,6 +1108,11 @@ class Qwen3ForCausalLM(nnx.Module):
         updated in place) the signature is ``attend(q, k, v, xs_i, carry) -> (o, ys_i, carry)``
         and the final carry is returned fifth. Under ``scan_layers`` it is the scan carry, so
         XLA updates its buffers in place instead of restacking per-layer outputs.
+
+        ``valid`` [B,T] bool: the tokens that take MoE capacity (padding does not; :class:`MoE`).
+        ``moe_drops``: a list the trunk appends ``(dropped, copies)`` to, int32 [] each: the
+        token copies the MoE layers' expert-parallel dispatch dropped for capacity and the valid
+        copies routed (valid tokens x k x MoE layers), summed over the layers.
         """
         policy = remat_policy_fn(self.remat_policy) if remat else None
         with_carry = carry is not None
@@ -1115,8 +1128,8 @@ class Qwen3ForCausalLM(nnx.Module):
                     (o, box["ys"]), box["c"] = attend(q, k, v, xs_i), None
                 return o
 
-            x, ids = layer(x, positions, fn, forced)
-            return x, ids, box["ys"], box["c"]
+            x, ids, dropped = layer(x, positions, fn, forced, valid)
+            return x, ids, dropped, box["ys"], box["c"]
 
         if remat:
             # CSE across the remat boundary is blocked by the loop itself only when the scan
@@ -1127,8 +1140,10 @@ class Qwen3ForCausalLM(nnx.Module):
         if self.scan_layers:
             out = self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
                                       output_hidden_states, carry)
-            return out if with_carry else out[:4]
+            self._count_drops(moe_drops, out[-1], valid, x.shape[:2])
+            return out[:5] if with_carry else out[:4]
         expert_ids: list[Array] = []
+        drops: list[Array] = []
         hidden = [x] if output_hidden_states else None
         ys_list = []
         moe_idx = 0
@@ -1143,16 +1158,18 @@ class Qwen3ForCausalLM(nnx.Module):
             else:
                 xs_i = jax.tree.map(lambda a, i=i: a[i], layer_xs)
             graphdef, state = nnx.split(layer)
-            x, ids, ys, carry = run(graphdef, state, x, positions, xs_i, forced, carry)
+            x, ids, dropped, ys, carry = run(graphdef, state, x, positions, xs_i, forced, carry)
             ys_list.append(ys)
             if ids is not None:
                 expert_ids.append(ids)
+                drops.append(dropped)
             if hidden is not None:
                 hidden.append(x)
         h = self.norm(x)
         if hidden is not None:
             hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
         ys = None if ys_list[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys_list)
+        self._count_drops(moe_drops, jnp.stack(drops) if drops else None, valid, x.shape[:2])
         if with_carry:
             return h, expert_ids, hidden, ys, carry
         return h, expert_ids, hidden, ys
@@ -1171,18 +1188,32 @@ class Qwen3ForCausalLM(nnx.Module):
         def body(carry, per_layer):
             x_i, c = carry
             st, xs_i, forced_i = per_layer
-            y, ids, ys, c = run(graphdef, st, x_i, positions, xs_i, forced_i, c)
-            return (y, c), (ids, ys, y if output_hidden_states else None)
+            y, ids, dropped, ys, c = run(graphdef, st, x_i, positions, xs_i, forced_i, c)
+            return (y, c), (ids, dropped, ys, y if output_hidden_states else None)
 
         x0 = x
-        (x, layer_carry), (ids, ys, hs) = jax.lax.scan(
+        (x, layer_carry), (ids, dropped, ys, hs) = jax.lax.scan(
             body, (x, layer_carry), (state, layer_xs, forced), length=L, unroll=self.scan_unroll)
         h = self.norm(x)
         expert_ids = [ids[i] for i in range(L)] if is_moe else []
         hidden = None
         if output_hidden_states:  # HF convention: [embeddings, ..., final-normed]
             hidden = [x0] + [hs[i] for i in range(L - 1)] + [h]
-        return h, expert_ids, hidden, ys, layer_carry
+        return h, expert_ids, hidden, ys, layer_carry, dropped if is_moe else None
+
+    def _count_drops(self, moe_drops: list | None, dropped: Array | None, valid: Array | None,
+                     bt: tuple[int, int]) -> None:
+        """Append ``(dropped, copies)`` (int32 [] each) to ``moe_drops`` (see :meth:`_trunk`);
+        ``dropped``: the per-MoE-layer drop counts [n_moe] (None: no MoE layer)."""
+        if moe_drops is None:
+            return
+        if dropped is None:
+            moe_drops.append((jnp.int32(0), jnp.int32(0)))
+            return
+        n_valid = (jnp.int32(bt[0] * bt[1]) if valid is None
+                   else jnp.sum(jnp.asarray(valid, bool), dtype=jnp.int32))
+        copies = n_valid * jnp.int32(dropped.shape[0] * self.config.num_experts_per_tok)
+        moe_drops.append((jnp.sum(dropped, dtype=jnp.int32), copies))
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -1200,8 +1231,11 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
                       attention_mask: Array | None = None, *, forced_expert_ids=None,
-                      output_hidden_states: bool = False):
-        """Final-normed hidden [B,T,D] (compute dtype), expert ids, per-layer hidden list."""
+                      output_hidden_states: bool = False, moe_drops: list | None = None):
+        """Final-normed hidden [B,T,D] (compute dtype), expert ids, per-layer hidden list.
+
+        Padding (``attention_mask`` False) takes no MoE capacity slot. ``moe_drops``: a list
+        this appends ``(dropped, copies)`` to (the MoE layers' capacity drops; :meth:`_trunk`)."""
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
         if positions is None:
@@ -1210,7 +1244,8 @@ class Qwen3ForCausalLM(nnx.Module):
         core = self._causal_core(attention_mask, B, T, mask)
         h, ids, hidden, _ = self._trunk(
             self.embed(input_ids), positions, lambda q, k, v, _xs: (core(q, k, v), None), None,
-            forced_expert_ids, output_hidden_states, remat=self.remat)
+            forced_expert_ids, output_hidden_states, remat=self.remat, valid=attention_mask,
+            moe_drops=moe_drops)
         return h, ids, hidden
 
     def _causal_core(self, valid: Array | None, B: int, T: int, mask: Array) -> AttendFn:
@@ -1277,7 +1312,7 @@ class Qwen3ForCausalLM(nnx.Module):
         def layer_attend(q, k, v, _xs):
             return core(q, k, v), (k, v)
 
-        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend)
+        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid)
         k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
         v = v.astype(cache.v.dtype).swapaxes(2, 3)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
@@ -1478,7 +1513,7 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
                       chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None,
-                      top_k: int = 0, top_p: float = 1.0):
+                      top_k: int = 0, top_p: float = 1.0, return_moe_drops: bool = False):
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
@@ -1490,7 +1525,11 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     With ``return_entropy`` returns ``(logp, entropy)``: entropy [B,T] float32 in nats of the
     temperature-scaled next-token distribution that predicts ``tokens[t]`` (same alignment and
     zeros as logp; verl's ``entropy_from_logits``). With ``return_expert_ids`` the per-MoE-layer
-    expert ids come last.
+    expert ids come next, and with ``return_moe_drops`` last the pair ``(dropped, copies)``
+    (int32 [] each): the token copies the MoE layers' expert-parallel dispatch dropped for
+    capacity (``model.moe_capacity_factor``; 0 when dropless or without EP) and the copies
+    routed, over the valid tokens (attention_mask) and every MoE layer (0, 0 for a dense model).
+    Padding takes no MoE capacity.
 
     The LM head runs over T-chunks of C positions (a rematerialised ``lax.map``): C is the
     largest divisor of T with B*C*V <= ``chunk_elems`` (default 4M logits, ~16 MB of fp32), or
@@ -1528,8 +1567,9 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     if len(rest) > 3:
         raise TypeError("too many positional arguments to sequence_logprobs")
     B, T = tokens.shape
+    drops: list = []
     h, ids, _ = model.hidden_states(tokens, positions, attention_mask,
-                                    forced_expert_ids=forced_expert_ids)
+                                    forced_expert_ids=forced_expert_ids, moe_drops=drops)
     V = model.config.vocab_size
 
     per_token = _per_token_fn(temperature, top_k, top_p, return_entropy)
@@ -1551,6 +1591,8 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     res = (out[..., 0], out[..., 1]) if return_entropy else (out,)
     if return_expert_ids:
         res = (*res, ids)
+    if return_moe_drops:
+        res = (*res, drops[0])
     return res if len(res) > 1 else res[0]
 
 

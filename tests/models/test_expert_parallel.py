@@ -132,15 +132,17 @@ def _block(E=8, k=2, seed=1):
 
 
 def _kept_copies(ids: np.ndarray, n_batch: int, ep: int, E: int, capacity: int,
-                 split: bool = True) -> np.ndarray:
+                 split: bool = True, valid: np.ndarray | None = None) -> np.ndarray:
     """Independent reference of the documented capacity rule: keep [B,T,k] bool.
 
     Source devices: each of the n_batch batch blocks (consecutive rows), flattened, cut into ep
     chunks of ceil(n/ep) tokens (split) or taken whole; per (source, destination shard) the
-    first ``capacity`` copies in (choice, token) order are kept."""
+    first ``capacity`` copies in (choice, token) order are kept. A token with ``valid`` [B,T]
+    False takes no slot and is not kept."""
     B, T, k = ids.shape
     keep = np.zeros((B, T, k), bool)
     blocks = ids.reshape(n_batch, (B // n_batch) * T, k)
+    vb = (np.ones((B, T), bool) if valid is None else valid).reshape(n_batch, (B // n_batch) * T)
     kb = keep.reshape(n_batch, (B // n_batch) * T, k)
     n = blocks.shape[1]
     chunk = math.ceil(n / ep) if split else n
@@ -149,6 +151,8 @@ def _kept_copies(ids: np.ndarray, n_batch: int, ep: int, E: int, capacity: int,
             used = np.zeros(ep, int)
             for j in range(k):
                 for t in range(c0, min(c0 + chunk, n)):
+                    if not vb[b, t]:
+                        continue
                     d = blocks[b, t, j] // (E // ep)
                     if used[d] < capacity:
                         kb[b, t, j] = True
@@ -170,11 +174,11 @@ def _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul="ragged_dot"
     def experts(m):
         return m.gate_proj[...], m.up_proj[...], m.down_proj[...]
 
-    def f(x, params, forced):
+    def f(x, params, forced, valid):
         m = nnx.merge(graphdef, params)
         w, ids = m.route(x, forced)
         y, dropped = expert_parallel_moe(x, w, ids, *experts(m), capacity_factor=capacity_factor,
-                                         batch_axes=batch_axes, matmul=matmul)
+                                         batch_axes=batch_axes, matmul=matmul, valid=valid)
         return jnp.sum(y * jnp.cos(x)), (y, dropped)
 
     def ref(x, params, forced, keep):
@@ -189,17 +193,18 @@ def _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul="ragged_dot"
 
 
 def _check_block(moe, x, forced, mesh_shape, capacity_factor=None, batch_axes=None,
-                 keep=None, matmul="ragged_dot") -> int:
-    """Runs the EP block (forced ids [B,T,k]) on a mesh, checks that it lowers to an
-    all-to-all (first use of a setting) and that y and the grads wrt (x, params) of
-    sum(y * cos x) match the single-shard ragged path whose combine weights are masked by
-    ``keep`` [B,T,k] (default: all kept); returns the dropped-copies count."""
+                 keep=None, matmul="ragged_dot", valid=None) -> int:
+    """Runs the EP block (forced ids [B,T,k], token ``valid`` [B,T], default all) on a mesh,
+    checks that it lowers to an all-to-all (first use of a setting) and that y and the grads wrt
+    (x, params) of sum(y * cos x) match the single-shard ragged path whose combine weights are
+    masked by ``keep`` [B,T,k] (default: all kept); returns the dropped-copies count."""
     mesh, ep_fn, ref_fn, first = _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul)
     _, params = nnx.split(moe)
+    valid = jnp.ones(x.shape[:2], bool) if valid is None else jnp.asarray(valid)
     with jax.set_mesh(mesh):
         if first:  # (the lowering is the same for every call of one setting)
-            assert _has_all_to_all(ep_fn.lower(x, params, forced))
-        (_, (y, dropped)), grads = ep_fn(x, params, forced)
+            assert _has_all_to_all(ep_fn.lower(x, params, forced, valid))
+        (_, (y, dropped)), grads = ep_fn(x, params, forced, valid)
     keep = np.ones(forced.shape, bool) if keep is None else keep
     (_, y_ref), g_ref = ref_fn(x, params, forced, jnp.asarray(keep, jnp.float32))
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=1e-5)
@@ -226,6 +231,28 @@ def test_block_dropless_under_imbalance_and_tiny_capacity_counts_drops(B, T, dev
         assert dropped > 0 or forced is routed
     # a factor of EP is enough for any routing: no drops
     assert _check_block(moe, x, piled, mesh_shape, capacity_factor=float(ep)) == 0
+
+
+def test_block_padding_takes_no_capacity(devices):
+    """Right padding (valid False) takes no slot and gets y = 0: with every copy piled on one
+    shard, exactly the reference's real copies are kept (a chunk whose real copies fit keeps
+    them all). Counted as all valid, the same batch drops more real copies: the pads' first
+    choices come before the real tokens' second choices."""
+    cfg, moe = _block()
+    E, k, ep = cfg.num_experts, cfg.num_experts_per_tok, 4
+    B, T = 4, 8
+    x = jax.random.normal(jax.random.key(3), (B, T, cfg.hidden_size))
+    piled = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (B, T, k))  # all on shard 0
+    lengths = np.array([2, 6, 1, 8])  # chunks of 4 tokens: 2,0 | 4,2 | 1,0 | 4,4 real
+    valid = np.arange(T)[None, :] < lengths[:, None]
+    mesh_shape = (1, 2, 1, ep)
+    cap = ep_capacity(math.ceil(B // 2 * T / ep) * k, ep, 2.0)  # 4 slots per (device, shard)
+    keep = _kept_copies(np.asarray(piled), 2, ep, E, cap, valid=valid)
+    assert not keep[~valid].any()
+    dropped = _check_block(moe, x, piled, mesh_shape, capacity_factor=2.0, keep=keep, valid=valid)
+    assert dropped == int((~keep[valid]).sum()) == 3 * (4 * k - cap)  # the three full chunks
+    all_valid = _kept_copies(np.asarray(piled), 2, ep, E, cap)
+    assert int((~all_valid[valid]).sum()) > dropped  # pads would have pushed real copies out
 
 
 def test_block_tokens_already_sharded_over_expert(devices):
