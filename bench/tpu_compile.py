@@ -6,7 +6,8 @@ Compiles, with ``jax-rl compile`` (:mod:`jax_rl.compile`), the learner train ste
 and the rollout prefill / decode steps of
 
 - ``configs/qwen3_4b.yaml`` (``ppo_ewma``, 8,192-token sequences, global batch 256) on v5p-32;
-- ``configs/qwen3_30b_a3b.yaml`` (``ppo_ewma``, ragged MoE dispatch) on v5p-64;
+- ``configs/qwen3_30b_a3b.yaml`` (``ppo_ewma``, expert-parallel MoE at capacity factor 1.25,
+  fsdp 4 x expert 8, no tensor parallelism) on v5p-64;
 
 and prints, per config, the per-chip table and the targets (issue 12):
 

@@ -125,8 +125,9 @@ class ModelConfig(_Section):
     """Expert-parallel path only (``moe_dispatch: ragged``, ``mesh.expert`` > 1): slots per
     (device, expert shard) pair as a multiple of the uniform load (GShard capacity factor, e.g.
     1.25); token copies over it are dropped (no expert output; the residual passes), which makes
-    the learner's forward differ from an undropped rollout. Unset: dropless, with exchange
-    buffers sized for the worst case (mesh.expert times the uniform load)."""
+    the learner's forward differ from an undropped rollout; padding takes no slot. The learner
+    logs the drops (moe_dropped_copies, moe_copies, moe_dropped_frac). Unset: dropless, with
+    exchange buffers sized for the worst case (mesh.expert times the uniform load)."""
     moe_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
     """The expert-parallel path's grouped matmul: ``ragged_dot`` (``jax.lax.ragged_dot``),
     ``megablox`` (the Pallas TPU megablox ``gmm``/``tgmm`` kernels, MaxText's ``megablox``), or
