@@ -342,6 +342,12 @@ class _Learner:
     state_sh: Any
 
 
+def _num_experts(mc) -> int:
+    """What the learner passes as ``num_experts`` (the MoE drop metrics, routing replay): E, or 0
+    for a dense model."""
+    return int(mc.num_experts) if mc.is_moe else 0
+
+
 def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over) -> _Learner:
     import jax
 
@@ -459,7 +465,7 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
     p = _learner(t, mc, cfg_, scan_layers=False)
     b, sh = _batch(t, p.strategy, 1, 1, r, T)
     fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
-                       batch_sharding=sh)
+                       batch_sharding=sh, num_experts=_num_experts(mc))
     return fn, (p.state.params, p.state.correction, p.state.version, b)
 
 
@@ -625,7 +631,7 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         r = _layout(B, U, m, "optim.batch_size")
         b, sh = _batch(t, lrn.strategy, U, m, r, T)
         fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                             state_shardings=lrn.state_sh, batch_sharding=sh)
+                             state_shardings=lrn.state_sh, batch_sharding=sh, num_experts=_num_experts(mc))
         log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
         a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
         c, ps, mflops = None, 0.0, None

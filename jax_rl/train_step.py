@@ -325,8 +325,8 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
             old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated,
         )
         if moe:
-            metr = dict(metr, moe_dropped_copies=lax.stop_gradient(dropped).astype(jnp.float32),
-                        moe_copies=lax.stop_gradient(copies).astype(jnp.float32))
+            metr = dict(metr, moe_dropped_copies=lax.stop_gradient(dropped),
+                        moe_copies=lax.stop_gradient(copies))
         return loss, metr
 
     vg = jax.value_and_grad(micro_loss, has_aux=True)
@@ -413,6 +413,8 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
             one_update, (params0, state.opt_state, state.step), jnp.arange(n_up, dtype=jnp.int32)
         )
         metrics = {k: (jnp.sum(v) if k == "nonfinite_updates" else jnp.mean(v)) for k, v in metr.items()}
+        if "moe_dropped_frac" in metrics:  # pooled over the updates, not a mean of their fractions
+            metrics["moe_dropped_frac"] = metrics["moe_dropped_copies"] / jnp.maximum(metrics["moe_copies"], 1.0)
         cstate, after = strategy.after_update(params, cstate)
         metrics.update(extra)
         metrics.update(after)

@@ -1110,7 +1110,7 @@ class Qwen3ForCausalLM(nnx.Module):
         XLA updates its buffers in place instead of restacking per-layer outputs.
 
         ``valid`` [B,T] bool: the tokens that take MoE capacity (padding does not; :class:`MoE`).
-        ``moe_drops``: a list the trunk appends ``(dropped, copies)`` to, int32 [] each: the
+        ``moe_drops``: a list the trunk appends ``(dropped, copies)`` to, float32 [] each: the
         token copies the MoE layers' expert-parallel dispatch dropped for capacity and the valid
         copies routed (valid tokens x k x MoE layers), summed over the layers.
         """
@@ -1203,17 +1203,18 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _count_drops(self, moe_drops: list | None, dropped: Array | None, valid: Array | None,
                      bt: tuple[int, int]) -> None:
-        """Append ``(dropped, copies)`` (int32 [] each) to ``moe_drops`` (see :meth:`_trunk`);
-        ``dropped``: the per-MoE-layer drop counts [n_moe] (None: no MoE layer)."""
+        """Append ``(dropped, copies)`` (float32 [] each: summed over layers they can pass int32
+        for a big batch) to ``moe_drops`` (see :meth:`_trunk`); ``dropped``: the per-MoE-layer
+        drop counts int32 [n_moe] (None: no MoE layer)."""
         if moe_drops is None:
             return
         if dropped is None:
-            moe_drops.append((jnp.int32(0), jnp.int32(0)))
+            moe_drops.append((jnp.float32(0), jnp.float32(0)))
             return
-        n_valid = (jnp.int32(bt[0] * bt[1]) if valid is None
-                   else jnp.sum(jnp.asarray(valid, bool), dtype=jnp.int32))
-        copies = n_valid * jnp.int32(dropped.shape[0] * self.config.num_experts_per_tok)
-        moe_drops.append((jnp.sum(dropped, dtype=jnp.int32), copies))
+        n_valid = (jnp.float32(bt[0] * bt[1]) if valid is None
+                   else jnp.sum(jnp.asarray(valid, bool), dtype=jnp.float32))
+        copies = n_valid * jnp.float32(dropped.shape[0] * self.config.num_experts_per_tok)
+        moe_drops.append((jnp.sum(dropped.astype(jnp.float32)), copies))
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -1526,7 +1527,7 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     temperature-scaled next-token distribution that predicts ``tokens[t]`` (same alignment and
     zeros as logp; verl's ``entropy_from_logits``). With ``return_expert_ids`` the per-MoE-layer
     expert ids come next, and with ``return_moe_drops`` last the pair ``(dropped, copies)``
-    (int32 [] each): the token copies the MoE layers' expert-parallel dispatch dropped for
+    (float32 [] each): the token copies the MoE layers' expert-parallel dispatch dropped for
     capacity (``model.moe_capacity_factor``; 0 when dropless or without EP) and the copies
     routed, over the valid tokens (attention_mask) and every MoE layer (0, 0 for a dense model).
     Padding takes no MoE capacity.

@@ -13,10 +13,10 @@ from tests.learner._util import make_batch, make_cfg
 EP_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 4}
 
 
-def _learner(capacity_factor, preset="tiny_moe", microbatches=1) -> Learner:
-    cfg = make_cfg("decoupled", preset, mesh=EP_MESH,
-                   model={"moe_dispatch": "ragged", "moe_capacity_factor": capacity_factor},
-                   optim={"microbatches": microbatches})
+def _learner(capacity_factor, microbatches=1, **optim) -> Learner:
+    cfg = make_cfg("decoupled", "tiny_moe", mesh=EP_MESH,
+                   model={"moe_dispatch": "ragged", "moe_capacity_factor": capacity_factor, "remat": True},
+                   optim={"microbatches": microbatches, **optim})
     return Learner(cfg)
 
 
@@ -39,3 +39,16 @@ def test_tight_capacity_drops_are_counted(devices):
     assert m["moe_dropped_frac"] == pytest.approx(m["moe_dropped_copies"] / m["moe_copies"])
     assert 0.0 < m["moe_dropped_frac"] < 1.0
 
+
+
+def test_drops_pooled_over_minibatches_and_epochs(devices):
+    """Two minibatches x two epochs (four updates): the counts are per update, the fraction is the
+    pooled dropped / copies, and each update routes the same valid copies (the batch splits)."""
+    L = _learner(0.25, minibatches=2, ppo_epochs=2)
+    mc = L.model_config
+    b = make_batch(1, vocab=mc.vocab_size)
+    m = L.train_step(b)
+    per_update = int(b["attention_mask"].sum()) * mc.num_experts_per_tok * len(mc.moe_layers) / 2
+    assert m["moe_copies"] == pytest.approx(per_update)  # the mean of the two halves' counts
+    assert m["moe_dropped_copies"] > 0
+    assert m["moe_dropped_frac"] == pytest.approx(m["moe_dropped_copies"] / m["moe_copies"])
