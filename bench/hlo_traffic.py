@@ -19,8 +19,9 @@ the LM head at its first chunk length) and, from the compiled module's text, lis
   [327680, 2048] bf16 buffer is charged 4.5-8x its operands+output, a copy 1x);
 - the instructions ranked by that traffic, totals by opcode and by computation, and, with
   ``--shape N``, the instructions whose output shape contains ``N`` grouped by their JAX op name
-  (e.g. ``--shape 327680``: the MoE capacity buffers of 30B-A3B on v5p-64 at capacity factor
-  1.25, ``EP x C`` rows per device).
+  (e.g. ``--shape 81920``: the MoE capacity buffers of 30B-A3B on v5p-64 at capacity factor
+  1.25, ``EP x C`` rows per device, on the config's fsdp 4 x expert 8 mesh; 327680 on the former
+  tensor 4 x expert 8 mesh).
 
 Every figure is a compile-time estimate for one piece (one microbatch, ``--depth`` layers plus
 embedding and head), never a TPU measurement. The 30B-A3B piece takes about 7 minutes to compile
