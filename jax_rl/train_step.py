@@ -308,16 +308,13 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     )
 
     def micro_loss(p, x: LearnerBatch, prox_j):
-        ent = None
-        out = logprobs(p, x.tokens, x.attention_mask, return_entropy=lc.entropy_coef != 0.0,
-                       routes=x.routes, **({"return_moe_drops": True} if moe else {}))
+        with_ent = lc.entropy_coef != 0.0  # entropy bonus: one pass over the same logits
+        out = logprobs(p, x.tokens, x.attention_mask, return_entropy=with_ent, routes=x.routes,
+                       return_moe_drops=moe)
         out = out if isinstance(out, tuple) else (out,)
         if moe:
             *out, (dropped, copies) = out
-        if lc.entropy_coef != 0.0:  # entropy bonus: one pass over the same logits
-            logp, ent = out
-        else:
-            (logp,) = out
+        logp, ent = out if with_ent else (out[0], None)
         pl = prox_j if prox_j is not None else strategy.micro_prox(logp, x, g)
         loss, metr = losses.policy_loss(
             logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
@@ -344,9 +341,13 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox))
         metr = losses.combine_metrics(metr)
-    if moe:
-        metr = dict(metr, moe_dropped_frac=metr["moe_dropped_copies"] / jnp.maximum(metr["moe_copies"], 1.0))
-    return loss, grads, metr
+    return loss, grads, _with_moe_frac(metr) if moe else metr
+
+
+def _with_moe_frac(metrics: dict) -> dict:
+    """``metrics`` with ``moe_dropped_frac`` = its ``moe_dropped_copies / moe_copies`` (0 when no
+    copy was routed)."""
+    return dict(metrics, moe_dropped_frac=metrics["moe_dropped_copies"] / jnp.maximum(metrics["moe_copies"], 1.0))
 
 
 # ======================================================================================
@@ -414,7 +415,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         )
         metrics = {k: (jnp.sum(v) if k == "nonfinite_updates" else jnp.mean(v)) for k, v in metr.items()}
         if "moe_dropped_frac" in metrics:  # pooled over the updates, not a mean of their fractions
-            metrics["moe_dropped_frac"] = metrics["moe_dropped_copies"] / jnp.maximum(metrics["moe_copies"], 1.0)
+            metrics = _with_moe_frac(metrics)
         cstate, after = strategy.after_update(params, cstate)
         metrics.update(extra)
         metrics.update(after)

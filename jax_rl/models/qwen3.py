@@ -1199,7 +1199,7 @@ class Qwen3ForCausalLM(nnx.Module):
         hidden = None
         if output_hidden_states:  # HF convention: [embeddings, ..., final-normed]
             hidden = [x0] + [hs[i] for i in range(L - 1)] + [h]
-        return h, expert_ids, hidden, ys, layer_carry, dropped if is_moe else None
+        return h, expert_ids, hidden, ys, layer_carry, dropped  # dropped: None for dense layers
 
     def _count_drops(self, moe_drops: list | None, dropped: Array | None, valid: Array | None,
                      bt: tuple[int, int]) -> None:

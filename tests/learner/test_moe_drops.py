@@ -40,7 +40,6 @@ def test_tight_capacity_drops_are_counted(devices):
     assert 0.0 < m["moe_dropped_frac"] < 1.0
 
 
-
 def test_drops_pooled_over_minibatches_and_epochs(devices):
     """Two minibatches x two epochs (four updates): the counts are per update, the fraction is the
     pooled dropped / copies, and each update routes the same valid copies (the batch splits)."""
