@@ -1,0 +1,177 @@
+"""The docs: no dead relative link in README.md or docs/*.md, README stays a front page, and the
+generated configuration reference (docs/config.md) matches the schema."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal, Optional
+from urllib.parse import unquote
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from jax_rl import config_reference as cr
+from jax_rl.config import Config, _valid_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# [text](target) and ![alt](target); the target ends at whitespace or ')' (an optional "title" follows)
+_LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.M)
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+
+
+def _strip_code(text: str) -> str:
+    """Markdown without fenced blocks and code spans (a ``[x](y)`` in code is not a link)."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def markdown_links(text: str) -> list[str]:
+    """Every inline-link, image and reference-definition target of a markdown text."""
+    body = _strip_code(text)
+    return _LINK.findall(body) + _REF_DEF.findall(body)
+
+
+def _anchors(md: str) -> set[str]:
+    """GitHub's heading anchors of a markdown text (lowercase, punctuation dropped, spaces -> '-')."""
+    out = set()
+    for line in _FENCE.sub("", md).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def dead_links(path: Path, root: Path = ROOT) -> list[str]:
+    """Relative link targets of ``path`` that name no existing file (or no heading there)."""
+    bad = []
+    for target in markdown_links(path.read_text(encoding="utf-8")):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("//"):
+            continue  # http:, https:, mailto: ...
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / unquote(file_part)).resolve() if file_part else path
+        if not dest.exists():
+            bad.append(f"{path.relative_to(root)}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+            bad.append(f"{path.relative_to(root)}: {target} (no heading #{anchor})")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------
+# links
+# ------------------------------------------------------------------------------------------
+
+
+def test_link_parser_finds_links_and_skips_code():
+    md = ("see [a](docs/a.md) and ![img](results/x.png \"t\") and [b](https://x.org/y)\n"
+          "`[not](a/link.md)`\n```\n[nor](this.md)\n```\n[ref]: docs/ref.md\n[n [nested]](n.md#sec)\n")
+    assert markdown_links(md) == ["docs/a.md", "results/x.png", "https://x.org/y", "n.md#sec", "docs/ref.md"]
+
+
+def test_dead_link_detector_fails_on_a_missing_file(tmp_path):
+    (tmp_path / "there.md").write_text("# A title\n", encoding="utf-8")
+    doc = tmp_path / "doc.md"
+    doc.write_text("[ok](there.md) [ok2](there.md#a-title) [gone](missing.md) [bad](there.md#nope) "
+                   "[web](https://example.org/none.md) [self](#local)\n# Local\n", encoding="utf-8")
+    assert dead_links(doc, tmp_path) == ["doc.md: missing.md (no such file)", "doc.md: there.md#nope (no heading #nope)"]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_dead_relative_links(path):
+    bad = dead_links(path)
+    assert not bad, "dead links:\n" + "\n".join(bad)
+
+
+def test_readme_is_a_front_page_linking_the_docs():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    n = len(text.splitlines())
+    assert n <= 300, f"README.md has {n} lines; keep it a front page (<= 300) and move detail into docs/"
+    targets = set(markdown_links(text))
+    for doc in ("docs/config.md", "docs/usage.md", "docs/correction.md", "docs/tpu.md",
+                "docs/performance.md", "docs/reliability.md", "docs/paper_repro.md"):
+        assert doc in targets, f"README.md does not link {doc}"
+
+
+# ------------------------------------------------------------------------------------------
+# generated configuration reference
+# ------------------------------------------------------------------------------------------
+
+
+def test_config_reference_is_current():
+    committed = cr.DOC_PATH.read_text(encoding="utf-8") if cr.DOC_PATH.exists() else ""
+    assert committed == cr.render_config_reference(), (
+        f"docs/config.md is stale (the schema in jax_rl/config.py changed); regenerate it with:\n"
+        f"    {cr.REGEN_COMMAND}")
+
+
+def test_config_reference_lists_every_key_once():
+    text = cr.render_config_reference()
+    rows = re.findall(r"^\| `([^`]+)` \|", text, re.M)
+    assert len(rows) == len(set(rows))
+    expected = set(_valid_keys()) | {"base_config"}
+    sections = {k for k in expected if any(r.startswith(k + ".") for r in expected)}
+    assert set(rows) == expected - sections
+    assert "async.max_staleness" in rows and not any(r.startswith("async_.") for r in rows)
+    # every key has a meaning, and the default shown is the schema's
+    defaults = Config().to_dict()
+    line = next(ln for ln in text.splitlines() if ln.startswith("| `rollout.slots` |"))
+    assert f"`{defaults['rollout']['slots']}`" in line and line.rstrip(" |").split("|")[-1].strip()
+    for ln in text.splitlines():
+        if ln.startswith("| `"):
+            assert ln.rstrip().endswith("|") and ln.split(" | ")[-1].strip(" |"), f"no meaning: {ln}"
+
+
+class _Leaf(BaseModel):
+    """A nested section for the test."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    devices: Optional[list[int]] = None
+    """Device ids of the role. More text that is not shown."""
+    mode: Literal["a", "b"] = "b"
+    """Pick a or b (e.g. a). Second sentence."""
+
+
+class _Mid(BaseModel):
+    """Middle section."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    slots: int = Field(4, ge=1)
+    """Decode slots | per engine."""
+    mesh: _Leaf = Field(default_factory=_Leaf)
+    scorer: Optional[_Leaf] = None
+    """Optional scorer section."""
+
+
+class _Root(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+    async_: _Mid = Field(default_factory=_Mid, alias="async")
+    top: float = Field(0.5, gt=0, le=1)
+    """A top-level key."""
+
+
+def test_config_reference_recurses_into_nested_and_optional_sections():
+    text = cr.render_config_reference(_Root)
+    rows = dict(re.findall(r"^\| `([^`]+)` \| (.*)$", text, re.M))
+    assert set(rows) == {"top", "async.slots", "async.mesh.devices", "async.mesh.mode", "async.scorer",
+                         "async.scorer.devices", "async.scorer.mode"}
+    assert rows["async.slots"].startswith("int (>= 1) | `4` | Decode slots \\| per engine.")
+    assert rows["async.mesh.mode"] == "a \\| b | `b` | Pick a or b (e.g. a). |"
+    assert rows["async.mesh.devices"].startswith("list[int] \\| null | `null` | Device ids of the role. |")
+    assert rows["top"].startswith("float (> 0, <= 1) | `0.5` |")
+    assert rows["async.scorer"].startswith("section \\| null | `null` |")
+    assert "### async.mesh" in text and "### async.scorer" in text and "## async" in text
+
+
+@pytest.mark.parametrize("doc,first", [
+    ("Learner compute dtype. Master params are fp32.", "Learner compute dtype."),
+    ("Slots (e.g. 4. More) per engine. Next.", "Slots (e.g. 4. More) per engine."),
+    ("Use ``x`` e.g. Foo here. Then.", "Use `x` e.g. Foo here."),
+    ("One line\n    wrapped. Two.", "One line wrapped."),
+    (None, ""),
+])
+def test_first_sentence(doc, first):
+    assert cr.first_sentence(doc) == first
