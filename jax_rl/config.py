@@ -194,6 +194,39 @@ class MeshConfig(_Section):
         return self
 
 
+def _check_devices_spec(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a device count (int >= 1), a list of device ids, or null")
+    if isinstance(v, int) and v < 1:
+        raise ValueError("a device count must be >= 1 (null = the role's default)")
+    if isinstance(v, list):
+        if not v or any(isinstance(i, bool) or i < 0 for i in v) or len(set(v)) != len(v):
+            raise ValueError("a device id list must be non-empty, of distinct ids >= 0")
+    return v
+
+
+class PlacementConfig(_Section):
+    """Which devices each role runs on: learner, rollout engines, old-logit scorer (docs/placement.md).
+
+    The learner's mesh is mesh.*, each engine's rollout.mesh.*. All null = colocated, the default: the
+    learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh."""
+
+    learner: Optional[int | list[int]] = None
+    """The learner's devices: an int n = the first n of jax.devices(), a list = jax device ids, null = every
+    device that placement.rollout and placement.scorer do not take."""
+    rollout: Optional[int | list[int]] = None
+    """The rollout engines' devices: an int n = the last n of jax.devices(), a list = ids (may overlap the
+    learner's: colocated sharded engines), null = colocated on the learner's first devices (one rollout.mesh
+    each; a single device by default, as before). Split evenly over the rollout.threads engines."""
+    scorer: Optional[int | list[int]] = None
+    """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
+    placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
+    shares the learner's mesh. Was old_logits.devices."""
+
+    _devs = field_validator("learner", "rollout", "scorer", mode="after")(classmethod(
+        lambda cls, v: _check_devices_spec(v)))
+
+
 class OptimConfig(_Section):
     """Optimizer: optax chain of global-norm clipping then AdamW, warmup + constant|cosine."""
 
@@ -309,11 +342,41 @@ MAX_TOOL_LATENCY_S = 600.0
 MAX_EPISODE_TIMEOUT_S = 86400.0
 
 
+class RolloutMeshConfig(_Section):
+    """One rollout engine's mesh ``('data', 'fsdp', 'tensor', 'expert')`` over its share of ``placement.rollout``
+    (docs/placement.md); -1 means "the engine's remaining devices"."""
+
+    data: int = -1
+    """Engine data-parallel axis: decode slots split over it, params replicated (rollout.slots must divide)."""
+    fsdp: int = 1
+    """Engine axis sharding params on embed (rarely useful for decode; kept for the learner's rules)."""
+    tensor: int = 1
+    """Engine tensor-parallel axis: attention heads, KV-cache kv heads and MLP split over it."""
+    expert: int = 1
+    """Engine expert-parallel axis (MoE experts; model.num_experts must divide by it)."""
+
+    @model_validator(mode="after")
+    def _one_wildcard(self) -> "RolloutMeshConfig":
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        if sum(1 for s in sizes if s == -1) > 1:
+            raise ValueError(f"at most one rollout.mesh axis may be -1, got {sizes}")
+        for name, s in zip(("data", "fsdp", "tensor", "expert"), sizes):
+            if s == 0 or s < -1:
+                raise ValueError(f"rollout.mesh.{name} must be a positive int or -1, got {s}")
+        return self
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
+
+
 class RolloutConfig(_Section):
     """Rollout engine, continuous batching and agent loop."""
 
     threads: int = Field(1, ge=1)
-    """Rollout generator threads (embedded runtime) or worker actors (ray runtime)."""
+    """Rollout generator threads (embedded runtime) or worker actors (ray runtime); each owns one engine, and
+    the engines split placement.rollout evenly (one engine mesh each)."""
+    mesh: RolloutMeshConfig = Field(default_factory=RolloutMeshConfig)
+    """Each engine's mesh over its devices (placement.rollout / rollout.threads of them)."""
     slots: int = Field(16, ge=1)
     """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
     decode_steps: int = Field(4, ge=1, le=256)
@@ -501,10 +564,6 @@ class OldLogitsConfig(_Section):
     same scoring in the background while the rollouts generate at the new version; 1-2 copies
     whatever K is). dedicated/interrupt/retire: the learner runs no old-logit forward;
     runtime=embedded only."""
-    devices: Optional[int | list[int]] = None
-    """route=dedicated: the scorer's own devices. An int n takes the last n of jax.devices(), a
-    list names jax device ids; the learner's mesh (mesh.*) then covers the other devices. null =
-    the scorer shares the learner's mesh."""
     max_queued_groups: int = Field(4, ge=1)
     """route=dedicated|interrupt|retire: finished GRPO groups waiting for the scorer; a full queue blocks the
     rollout thread that finished the next one (backpressure)."""
@@ -514,18 +573,6 @@ class OldLogitsConfig(_Section):
     """Snapshot dir for store=disk; default <run.dir>/old_logits."""
     measure_error: bool = False
     """Also compute exact old logits under ppo_ewma/linear_prox/decoupled and log the approximation error."""
-
-    @field_validator("devices", mode="after")
-    @classmethod
-    def _devices(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError("must be a device count (int >= 1), a list of device ids, or null")
-        if isinstance(v, int) and v < 1:
-            raise ValueError("a device count must be >= 1 (null = share the learner's devices)")
-        if isinstance(v, list):
-            if not v or any(isinstance(i, bool) or i < 0 for i in v) or len(set(v)) != len(v):
-                raise ValueError("a device id list must be non-empty, of distinct ids >= 0")
-        return v
 
 
 class LoggingConfig(_Section):
@@ -545,6 +592,7 @@ class Config(_Section):
     base_config: Optional[str] = Field(None, exclude=True)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
@@ -565,6 +613,24 @@ class Config(_Section):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
                               use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """``old_logits.devices`` (wave 2) is ``placement.scorer`` now: one mechanism places every role."""
+        if isinstance(data, dict) and isinstance(data.get("old_logits"), dict) and "devices" in data["old_logits"]:
+            data = dict(data)
+            ol = dict(data["old_logits"])
+            spec = ol.pop("devices")
+            data["old_logits"] = ol
+            pl = dict(data.get("placement") or {})
+            if spec is not None and pl.get("scorer") not in (None, spec):
+                raise ValueError(f"old_logits.devices={spec} and placement.scorer={pl['scorer']} disagree: "
+                                 "old_logits.devices is the old name of placement.scorer; keep only placement.scorer")
+            if spec is not None:
+                pl["scorer"] = spec
+                data["placement"] = pl
+        return data
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
@@ -593,9 +659,13 @@ class Config(_Section):
         if ol.route in ("dedicated", "interrupt", "retire") and self.runtime.kind != "embedded":
             raise ValueError(f"old_logits.route={ol.route} is implemented for runtime=embedded only, not "
                              f"runtime={self.runtime.kind}: use runtime=embedded or old_logits.route=snapshot")
-        if ol.devices is not None and ol.route != "dedicated":
-            raise ValueError(f"old_logits.devices={ol.devices} is read by old_logits.route=dedicated only "
-                             f"(route={ol.route}): set old_logits.devices=null")
+        pl = self.placement
+        if pl.scorer is not None and ol.route != "dedicated":
+            raise ValueError(f"placement.scorer={pl.scorer} is read by old_logits.route=dedicated only "
+                             f"(route={ol.route}): set placement.scorer=null")
+        if pl.rollout is not None and self.runtime.kind == "ray":
+            raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
+                             "runs its engines in worker processes: use runtime=embedded or placement.rollout=null")
         if self.rollout.max_cache_len > self.optim.max_seq_len:
             raise ValueError(
                 f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "
@@ -847,6 +917,15 @@ def render_base_yaml() -> str:
         "# GENERATED from jax_rl/config.py by `python -m jax_rl.config > configs/base.yaml`.",
         "",
     ]
+    def section(model: type[BaseModel], values: dict, indent: str) -> None:
+        for sub, sf in _section_fields(model).items():
+            ann = sf.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):  # a nested section (rollout.mesh)
+                lines.append(f"{indent}{sub}:  # {doc(sf)}")
+                section(ann, values[sub], indent + "  ")
+            else:
+                lines.append(f"{indent}{sub}: {fmt(values[sub])}  # {doc(sf)}")
+
     defaults = Config().to_dict()
     for key, f in _section_fields(Config).items():
         if key == "base_config":
@@ -854,8 +933,7 @@ def render_base_yaml() -> str:
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines.append(f"{key}:  # {(ann.__doc__ or '').strip().splitlines()[0]}")
-            for sub, sf in _section_fields(ann).items():
-                lines.append(f"  {sub}: {fmt(defaults[key][sub])}  # {doc(sf)}")
+            section(ann, defaults[key], "  ")
             lines.append("")
         else:
             lines.append(f"{key}: {fmt(defaults[key])}  # {doc(f)}")

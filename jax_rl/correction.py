@@ -354,7 +354,7 @@ class Exact(Correction):
             self.cost = Cost(extra_forwards="0 in the learner (a scorer thread runs 1 per behaviour version present "
                                             "in each finished group, before the buffer)",
                              extra_param_copies="up to K+1 versions on the scorer's devices "
-                                                "(old_logits.devices; default the learner's)")
+                                                "(placement.scorer; default the learner's)")
         elif self.route == "interrupt":
             self.cost = Cost(extra_forwards="0 in the learner (at each publish the rollouts pause while 1 forward "
                                             "per chunk of unscored episodes scores the outgoing version's tokens)",

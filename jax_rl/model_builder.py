@@ -15,6 +15,7 @@ from flax import nnx
 from jax_rl.config import Config
 from jax_rl.models.expert_parallel import resolve_moe_matmul
 from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
+from jax_rl.placement import resolve_roles
 from jax_rl.sharding import make_mesh, state_shardings
 
 __all__ = ["resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_model_kwargs", "rollout_model_kwargs",
@@ -23,13 +24,14 @@ __all__ = ["resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_
 
 def resolve_mesh(cfg: Config, mesh=None, devices=None):
     """``mesh`` if given, else the ``('data','fsdp','tensor','expert')`` mesh of ``cfg.mesh`` over
-    ``devices`` (default: ``jax.devices()`` less those ``old_logits.devices`` gives the scorer)."""
+    ``devices`` (default: the learner's devices, ``placement.*`` resolved by
+    :func:`jax_rl.placement.resolve_roles`)."""
     if mesh is not None:
         return mesh
-    if devices is None and getattr(cfg.old_logits, "devices", None) is not None:
-        from jax_rl.old_logits import scorer_devices
-
-        devices = scorer_devices(cfg.old_logits.devices)[0]
+    if devices is None:
+        pl = cfg.placement
+        if pl.learner is not None or pl.rollout is not None or pl.scorer is not None:
+            devices = resolve_roles(cfg).learner
     m = cfg.mesh
     kw = {} if devices is None else {"devices": devices}
     return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, expert=m.expert, **kw)

@@ -21,8 +21,8 @@ spent in :func:`snapshot_logprobs` for one batch, loads + forwards).
 ``old_logits.route=dedicated`` (paper §4 route 2, "a dedicated old-logit model"):
 
 - :class:`OldLogitScorer` holds ``{version: params}`` for the versions the rollout fleet may still
-  have tokens of ([g-K, g], at most K+1; on the learner's devices, or on ``old_logits.devices``,
-  :func:`scorer_devices`) and scores a group's tokens with the learner's own jitted forward through
+  have tokens of ([g-K, g], at most K+1; on the learner's devices, or on ``placement.scorer``,
+  :func:`jax_rl.placement.resolve_roles`) and scores a group's tokens with the learner's own jitted forward through
   :func:`logprobs_by_version`, the computation :func:`snapshot_logprobs` runs, so the two routes
   agree token for token (bitwise for the same input shape).
 - :class:`ScoringQueue` is the bounded queue and the thread between the rollout threads and the
@@ -63,7 +63,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotStore", "StaleVersionError", "snapshot_logprobs", "versions_needed", "logprobs_by_version",
-           "OldLogitScorer", "ScoringQueue", "scorer_devices", "RetiringScorer", "trajectory_key"]
+           "OldLogitScorer", "ScoringQueue", "RetiringScorer", "trajectory_key"]
 
 
 class StaleVersionError(LookupError):
@@ -360,44 +360,6 @@ def snapshot_logprobs(
 # ======================================================================================
 
 
-def scorer_devices(spec: Any, devices: Optional[list] = None) -> tuple[list, Optional[list]]:
-    """Split the devices between the learner and the ``old_logits.route=dedicated`` scorer.
-
-    Args:
-        spec: ``old_logits.devices``: None (the scorer shares the learner's devices), an int n
-            (the last n devices of ``jax.devices()``, as a Tunix user slices ``jax.devices()`` per
-            role) or a list of jax device ids.
-        devices: the devices to split (default ``jax.devices()``).
-
-    Returns:
-        ``(learner devices, scorer devices or None)``, each in ``jax.devices()`` order.
-
-    Raises:
-        ValueError: (one line, naming ``old_logits.devices``) the spec leaves the learner no
-            device, names an id that does not exist, or the run has several processes.
-    """
-    devs = list(jax.devices() if devices is None else devices)
-    if spec is None:
-        return devs, None
-    if jax.process_count() > 1:
-        raise ValueError(f"old_logits.devices={spec} needs a single-process run (this one has "
-                         f"{jax.process_count()} processes); set old_logits.devices=null")
-    if isinstance(spec, int):
-        if spec >= len(devs):
-            raise ValueError(f"old_logits.devices={spec} takes all {len(devs)} device(s); the learner needs at least "
-                             f"one: use at most {len(devs) - 1} or null (share the learner's devices)")
-        return devs[:-spec], devs[-spec:]
-    by_id = {d.id: d for d in devs}
-    unknown = [i for i in spec if i not in by_id]
-    if unknown:
-        raise ValueError(f"old_logits.devices={list(spec)}: no device with id(s) {unknown}; the ids are {sorted(by_id)}")
-    chosen = set(spec)
-    rest = [d for d in devs if d.id not in chosen]
-    if not rest:
-        raise ValueError(f"old_logits.devices={list(spec)} takes every device; the learner needs at least one")
-    return rest, [d for d in devs if d.id in chosen]
-
-
 def _tree_nbytes(tree: Any) -> int:
     """Bytes of a tree of jax arrays on this process's devices (replicas counted once per device)."""
     return int(sum(sh.data.nbytes for x in jax.tree.leaves(tree) for sh in x.addressable_shards))
@@ -460,14 +422,16 @@ class OldLogitScorer:
     @classmethod
     def for_learner(cls, learner: Any, cfg: Any, *, pad_id: int = 0, keep: Optional[int] = None) -> "OldLogitScorer":
         """The scorer of ``learner``'s run: on the learner's mesh with the learner's own jitted
-        forward (``old_logits.devices`` null), else on a ``('data','fsdp','tensor','expert')`` mesh
+        forward (``placement.scorer`` null), else on a ``('data','fsdp','tensor','expert')`` mesh
         over the scorer's devices (fsdp = all of them) with the same forward re-jitted there.
         ``keep`` defaults to ``async.max_staleness + 1`` (the dedicated route's live versions)."""
         if jax.process_count() > 1:
             raise ValueError(f"old_logits.route={cfg.old_logits.route} runs its scorer thread in a single-process run "
                              f"only (this one has {jax.process_count()} processes): use old_logits.route=snapshot")
         keep = int(cfg.async_.max_staleness) + 1 if keep is None else int(keep)
-        _, devs = scorer_devices(cfg.old_logits.devices)
+        from jax_rl.placement import resolve_roles
+
+        devs = resolve_roles(cfg).scorer
         common = dict(keep=keep, max_seq_len=cfg.optim.max_seq_len, pad_id=pad_id)
         r3 = getattr(getattr(cfg, "moe", None), "routing_replay", "none") == "r3"
         if devs is None:
@@ -482,8 +446,8 @@ class OldLogitScorer:
         _, abs_params, _ = abstract_model_split(learner.model_config, **learner_model_kwargs(cfg))
         shardings = state_shardings(abs_params, mesh)
         if jax.tree.leaves(learner.rest):
-            raise ValueError("old_logits.devices: the model has non-param state; share the learner's devices "
-                             "(old_logits.devices=null)")
+            raise ValueError("placement.scorer: the model has non-param state; share the learner's devices "
+                             "(placement.scorer=null)")
         fn = make_logprob_step(cfg, learner.graphdef, rest=learner.rest, param_shardings=shardings)
         sc = cls(fn, shardings, mesh, **common)
         if r3:
@@ -517,7 +481,7 @@ class OldLogitScorer:
         """Hold ``params`` (tree of jax arrays) as ``version``; evict the oldest beyond ``keep``.
 
         The params are placed with the scorer's shardings: a device-to-device copy when the scorer
-        has its own devices (``old_logits.devices``), else, on the learner's devices, a copy only
+        has its own devices (``placement.scorer``), else, on the learner's devices, a copy only
         with ``copy=True`` (``copy=False`` keeps a reference: only for arrays nobody donates, e.g.
         ``Learner.get_params()``'s copy). Returns the evicted versions.
         """

@@ -1,13 +1,22 @@
-"""Putting things on the mesh: ``jax.distributed`` start-up, user params, and host batches as
-global [U, m, r, T] arrays (the row axis ``r`` sharded over the mesh axes of the logical name
-``activation_batch``; mesh axes that do not divide r are dropped). Rows are split
-``B = U * m * r`` (U = ``optim.minibatches``, m = ``optim.microbatches``); minibatch u,
-microbatch j is rows ``(u*m + j)*r : (u*m + j + 1)*r`` of the batch."""
+"""Where each role runs, and putting things on its mesh.
+
+Roles (``placement.*``, docs/placement.md): :func:`resolve_roles` maps the learner, the rollout
+engines and the old-logit scorer to device sets (a role -> devices map, as Tunix's
+``role_to_mesh`` and MaxText RL's N-train / M-sample split); the learner's mesh is ``mesh.*`` over
+its set, each engine's ``rollout.mesh.*`` over its share of the rollout set.
+
+Placing: ``jax.distributed`` start-up, user params, and host batches as global [U, m, r, T] arrays
+(the row axis ``r`` sharded over the mesh axes of the logical name ``activation_batch``; mesh axes
+that do not divide r are dropped). Rows are split ``B = U * m * r`` (U = ``optim.minibatches``,
+m = ``optim.microbatches``); minibatch u, microbatch j is rows ``(u*m + j)*r : (u*m + j + 1)*r`` of
+the batch."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +27,158 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_rl.batch import BatchError
 from jax_rl.config import RuntimeConfig
 
-__all__ = ["initialize_distributed", "place_params", "BatchPlacement"]
+__all__ = ["initialize_distributed", "place_params", "BatchPlacement", "Roles", "resolve_roles", "engine_mesh_sizes"]
+
+
+def _spec_str(spec: Any) -> str:
+    return str(list(spec)) if isinstance(spec, (list, tuple)) else str(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The devices of each role, each list in ``jax.devices()`` order (global across processes).
+
+    Attributes:
+        learner: the learner's devices (``mesh.*`` is laid over them).
+        engines: one device list per rollout engine (``rollout.threads`` of them), each the devices of
+            that engine's ``rollout.mesh``; ``None`` = colocated on the learner's first device, the
+            single-device engine of waves 1-2 (unchanged behaviour).
+        scorer: the dedicated old-logit scorer's devices, ``None`` = it shares the learner's mesh.
+        engine_mesh: the resolved ``rollout.mesh`` sizes ``{data, fsdp, tensor, expert}``.
+    """
+
+    learner: list
+    engines: Optional[list[list]]
+    scorer: Optional[list]
+    engine_mesh: dict[str, int]
+
+    @property
+    def separate_rollout(self) -> bool:
+        """True when no engine device is a learner device (the roles really are apart)."""
+        if self.engines is None:
+            return False
+        ids = {d.id for d in self.learner}
+        return not any(d.id in ids for e in self.engines for d in e)
+
+    def local_engines(self) -> list[tuple[int, list]]:
+        """``(engine index, devices)`` of the engines whose devices all belong to this process (the
+        engines this process runs; multi-host: each host its own)."""
+        if self.engines is None:
+            return []
+        me = jax.process_index()
+        return [(i, e) for i, e in enumerate(self.engines) if all(d.process_index == me for d in e)]
+
+
+def engine_mesh_sizes(mesh_cfg: Any, n_devices: int, *, where: str = "") -> dict[str, int]:
+    """``rollout.mesh`` axis sizes over an engine's ``n_devices`` (a -1 axis takes the rest).
+
+    Raises:
+        ValueError: (one line naming ``rollout.mesh.*`` and ``where``) the sizes do not fit.
+    """
+    sizes = dict(mesh_cfg.sizes())
+    known = math.prod(v for v in sizes.values() if v != -1)
+    wild = [k for k, v in sizes.items() if v == -1]
+    if wild and n_devices % known == 0:
+        sizes[wild[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        shown = " ".join(f"rollout.mesh.{k}={v}" for k, v in mesh_cfg.sizes().items())
+        raise ValueError(f"{shown} does not fit the {n_devices} device(s) of each engine{where}: the product of the "
+                         f"axes other than a -1 one ({known}) must {'divide' if wild else 'equal'} it")
+    return sizes
+
+
+def _take(spec: Any, key: str, devs: list, *, from_end: bool, pool: Optional[list] = None) -> Optional[list]:
+    """The devices ``spec`` names: an int n = the first (or last) n of ``pool`` (default ``devs``), a list =
+    ids. Raises ValueError naming ``key``."""
+    if spec is None:
+        return None
+    pool = devs if pool is None else pool
+    if isinstance(spec, int):
+        if spec > len(pool):
+            raise ValueError(f"{key}={spec} asks for {spec} device(s); {len(pool)} are available to it "
+                             f"(of {len(devs)} in all)")
+        return list(pool[-spec:] if from_end else pool[:spec])
+    by_id = {d.id: d for d in devs}
+    unknown = [i for i in spec if i not in by_id]
+    if unknown:
+        raise ValueError(f"{key}={_spec_str(spec)}: no device with id(s) {unknown}; the ids are "
+                         f"{sorted(by_id)}")
+    chosen = set(spec)
+    return [d for d in devs if d.id in chosen]
+
+
+def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
+    """Map ``placement.*`` to device sets (docs/placement.md).
+
+    Resolution: the rollout set first (an int n = the last n devices), then the scorer (an int n = the last n
+    devices the rollout does not take), then the learner (an int n = the first n; null = every device neither
+    takes). The rollout set is split into ``rollout.threads`` equal, consecutive engine groups; with
+    ``placement.rollout`` null but a ``rollout.mesh`` of more than one device (its explicit axes), every
+    engine is laid over the learner's first devices (colocated, sharded).
+
+    Args:
+        cfg: the run :class:`~jax_rl.config.Config`.
+        devices: the devices to place on (default ``jax.devices()``; a TPU topology's devices for
+            ``jax-rl compile``).
+
+    Raises:
+        ValueError: one line naming the ``placement.*`` / ``rollout.mesh.*`` key: an unknown id, a count over
+            the devices there are, the scorer overlapping the learner or the rollout, a learner with no
+            device, a rollout set that does not split into ``rollout.threads`` engines of ``rollout.mesh``.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    pl = cfg.placement
+    threads = int(cfg.rollout.threads)
+    rollout = _take(pl.rollout, "placement.rollout", devs, from_end=True)
+    rids = {d.id for d in rollout or []}
+    scorer = _take(pl.scorer, "placement.scorer", devs, from_end=True,
+                   pool=[d for d in devs if d.id not in rids] if isinstance(pl.scorer, int) else None)
+    sids = {d.id for d in scorer or []}
+    if scorer is not None and rids & sids:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.rollout={_spec_str(pl.rollout)} "
+                         f"on device(s) {sorted(rids & sids)}: the scorer needs devices of its own")
+    if pl.learner is None:
+        learner = [d for d in devs if d.id not in rids and d.id not in sids] if (rollout or scorer) else devs
+        if not learner:
+            taken = " and ".join(f"{k}={_spec_str(v)}" for k, v in (("placement.rollout", pl.rollout),
+                                                                    ("placement.scorer", pl.scorer)) if v is not None)
+            raise ValueError(f"{taken} take(s) all {len(devs)} device(s); the learner needs at least one: give "
+                             "placement.learner explicitly (it may overlap placement.rollout) or use fewer")
+    else:
+        learner = _take(pl.learner, "placement.learner", devs, from_end=False)
+    lids = {d.id for d in learner}
+    if lids & sids:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.learner="
+                         f"{_spec_str(pl.learner)} on device(s) {sorted(lids & sids)}: the scorer needs devices of "
+                         "its own (null shares the learner's mesh)")
+    if scorer is not None and jax.process_count() > 1 and devices is None:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} needs a single-process run (this one has "
+                         f"{jax.process_count()} processes); set placement.scorer=null")
+    if rollout is None:
+        explicit = math.prod(v for v in cfg.rollout.mesh.sizes().values() if v != -1)
+        if explicit == 1:
+            return Roles(learner, None, scorer, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1})
+        if explicit > len(learner):
+            raise ValueError(f"rollout.mesh needs {explicit} device(s) per engine; colocated engines "
+                             f"(placement.rollout=null) lie on the learner's {len(learner)}")
+        group = learner[:explicit]
+        sizes = engine_mesh_sizes(cfg.rollout.mesh, explicit, where=" (colocated on the learner's first devices)")
+        return Roles(learner, [group] * threads, scorer, sizes)
+    if len(rollout) % threads:
+        raise ValueError(f"placement.rollout={_spec_str(pl.rollout)} ({len(rollout)} devices) does not split "
+                         f"evenly over rollout.threads={threads} engines")
+    per = len(rollout) // threads
+    sizes = engine_mesh_sizes(cfg.rollout.mesh, per,
+                              where=f" (placement.rollout={_spec_str(pl.rollout)} over rollout.threads={threads})")
+    engines = [rollout[i * per:(i + 1) * per] for i in range(threads)]
+    for i, e in enumerate(engines):
+        if len({d.process_index for d in e}) > 1:
+            raise ValueError(f"placement.rollout={_spec_str(pl.rollout)}: engine {i}'s devices span several "
+                             "processes; an engine's mesh must lie on one host (give each host's devices whole "
+                             "engines: rollout.threads a multiple of the process count)")
+    return Roles(learner, engines, scorer, sizes)
+
+
 
 
 def _distributed_initialized() -> bool:

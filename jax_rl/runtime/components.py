@@ -202,31 +202,34 @@ def build_model_config(cfg: Config, tokenizer=None):
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
     """The mesh axis sizes ``mesh.*`` resolve to on ``n_devices`` (default: ``jax.device_count()``).
 
-    With ``old_logits.devices`` the learner's devices are the ones the scorer does not take.
+    With ``placement.*`` the learner's devices are the ones :func:`jax_rl.placement.resolve_roles` gives
+    it (the rollout's and the scorer's are validated on the way).
 
     Raises:
         ConfigError: naming every ``mesh.*`` key and the device count, when their product does
-            not equal the device count (or, with a -1 axis, does not divide it); naming
-            ``old_logits.devices`` when it leaves the learner no device or names unknown ids.
+            not equal the device count (or, with a -1 axis, does not divide it); naming the
+            ``placement.*`` / ``rollout.mesh.*`` key when the roles do not fit the devices.
     """
     import math
 
-    if n_devices is None:
-        import jax
+    import jax
 
+    from jax_rl.placement import resolve_roles
+
+    if n_devices is None:
         n_devices = jax.device_count()
     left = ""
-    if cfg.old_logits.devices is not None:  # the dedicated scorer's devices are not the learner's
-        import jax
-
-        from jax_rl.old_logits import scorer_devices
-
+    pl = cfg.placement
+    placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None
+    if placed or math.prod(v for v in cfg.rollout.mesh.sizes().values() if v != -1) > 1:
         try:
-            learner_devs, _ = scorer_devices(cfg.old_logits.devices, jax.devices()[:n_devices])
+            roles = resolve_roles(cfg, jax.devices()[:n_devices])
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        left = f" left to the learner by old_logits.devices={cfg.old_logits.devices}"
-        n_devices = len(learner_devs)
+        if placed:
+            given = " ".join(f"placement.{k}={v}" for k, v in pl.model_dump().items() if v is not None)
+            left = f" given to the learner by {given}"
+            n_devices = len(roles.learner)
     sizes = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor", "expert")}
     known = math.prod(v for v in sizes.values() if v != -1)
     wild = [k for k, v in sizes.items() if v == -1]

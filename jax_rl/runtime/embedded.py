@@ -367,7 +367,7 @@ class EmbeddedProducer:
         if self.scorer is not None:
             # before any generator runs ``version``: every token of it finds its params. The
             # scorer keeps a reference to this device copy (same devices) or copies it to its own
-            # (old_logits.devices); versions older than version - K go: a token that old is never
+            # (placement.scorer); versions older than version - K go: a token that old is never
             # trained (the buffer drops it as stale), so it is never scored either.
             self.scorer.put(int(version), params, copy=False)
             self.scorer.drop_below(int(version) - int(self.cfg.async_.max_staleness))

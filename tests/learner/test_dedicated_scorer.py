@@ -14,7 +14,7 @@ import pytest
 
 from jax_rl.config import ConfigError, load_config
 from jax_rl.learner import Learner
-from jax_rl.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, scorer_devices, snapshot_logprobs,
+from jax_rl.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, snapshot_logprobs,
                                versions_needed)
 from rollout.buffer import TrajectoryBuffer
 from rollout.types import Trajectory
@@ -226,37 +226,41 @@ def test_learner_runs_no_old_logit_forward(devices):
 
 
 def test_config_checks(devices):
+    from jax_rl.placement import resolve_roles
+
     base = ["loss.correction=exact", "old_logits.route=dedicated"]
     cfg = load_config(None, base)
-    assert cfg.old_logits.devices is None
+    assert cfg.placement.scorer is None
     for over, msg in [(["runtime=ray"], "runtime=embedded only, not runtime=ray"),
                       (["loss.correction=ppo"], "serves loss.correction=exact only"),
-                      (["old_logits.devices=0"], "device count must be >= 1"),
-                      (["old_logits.devices=[1,1]"], "distinct ids"),
-                      (["old_logits.route=snapshot", "old_logits.devices=2"], "read by old_logits.route=dedicated only")]:
+                      (["placement.scorer=0"], "device count must be >= 1"),
+                      (["placement.scorer=[1,1]"], "distinct ids"),
+                      (["old_logits.route=snapshot", "placement.scorer=2"], "read by old_logits.route=dedicated only")]:
         with pytest.raises(ConfigError, match=msg):
             load_config(None, base + over)
     from jax_rl.runtime.components import check_mesh
 
-    assert check_mesh(load_config(None, base + ["old_logits.devices=2"])) == {"data": 1, "fsdp": 6, "tensor": 1,
-                                                                             "expert": 1}
-    assert check_mesh(load_config(None, base + ["old_logits.devices=[0,7]"]))["fsdp"] == 6
-    with pytest.raises(ConfigError, match="takes all 8 device"):
-        check_mesh(load_config(None, base + ["old_logits.devices=8"]))
+    assert check_mesh(load_config(None, base + ["placement.scorer=2"])) == {"data": 1, "fsdp": 6, "tensor": 1,
+                                                                           "expert": 1}
+    assert check_mesh(load_config(None, base + ["placement.scorer=[0,7]"]))["fsdp"] == 6
+    with pytest.raises(ConfigError, match="take.* all 8 device"):
+        check_mesh(load_config(None, base + ["placement.scorer=8"]))
     with pytest.raises(ConfigError, match="no device with id"):
-        check_mesh(load_config(None, base + ["old_logits.devices=[3,99]"]))
-    with pytest.raises(ConfigError, match="left to the learner by old_logits.devices=2"):
-        check_mesh(load_config(None, base + ["old_logits.devices=2", "mesh.fsdp=8"]))
-    learner, scorer = scorer_devices(3)
-    assert [d.id for d in scorer] == [5, 6, 7] and [d.id for d in learner] == [0, 1, 2, 3, 4]
+        check_mesh(load_config(None, base + ["placement.scorer=[3,99]"]))
+    with pytest.raises(ConfigError, match="given to the learner by placement.scorer=2"):
+        check_mesh(load_config(None, base + ["placement.scorer=2", "mesh.fsdp=8"]))
+    roles = resolve_roles(load_config(None, base + ["placement.scorer=3"]))
+    assert [d.id for d in roles.scorer] == [5, 6, 7] and [d.id for d in roles.learner] == [0, 1, 2, 3, 4]
+    # the wave-2 key still reads, as its new name
+    assert load_config(None, base + ["old_logits.devices=2"]).placement.scorer == 2
 
 
 def test_scorer_on_its_own_devices_matches(trained, devices):
-    """old_logits.devices=2: the scorer's params live on the last two devices (a device-to-device
+    """placement.scorer=2: the scorer's params live on the last two devices (a device-to-device
     copy per put) and its forward runs there; same numbers as the snapshot route on the learner's
     mesh within 1e-6 (another mesh is another program: the partitioning differs)."""
     lrn, b = trained
-    cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "dedicated", "devices": 2})
+    cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "dedicated"}, placement={"scorer": 2})
     sc = OldLogitScorer.for_learner(lrn, cfg)
     assert sorted(d.id for d in sc.mesh.devices.flat) == [6, 7]
     for v in (1, 2):
