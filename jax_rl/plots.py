@@ -317,7 +317,8 @@ def plot_training_dynamics(run: RunData, path: Path) -> Path:
 
     drew = _draw_retained(axes[1], run, _COLORS[2])
     thr = run.cfg("loss.ewma_reset_threshold")
-    if drew and run.correction == "ppo_ewma" and isinstance(thr, (int, float)):
+    # keyed on the logged columns, not on a mode's name: only a strategy that resets logs ewma_reset
+    if drew and _find_key(run.metrics, ["ewma_reset"]) is not None and isinstance(thr, (int, float)):
         axes[1].axhline(float(thr), color="0.4", ls=":", lw=1.0, label=f"reset threshold {thr:g}")
     _finish_axes(axes[1], "retained ratio R", drew, "train_infer_retained")
     axes[1].set_title("Train-infer mask retained ratio R (dashed: EWMA resets)", fontsize=10, loc="left")

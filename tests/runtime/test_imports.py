@@ -59,3 +59,23 @@ def test_resolve_checkpoint_dir(tmp_path):
         resolve_checkpoint_dir(ck / "4", error=ValueError)
     with pytest.raises(FileNotFoundError, match="no checkpoint dir"):
         resolve_checkpoint_dir(tmp_path / "nowhere")
+
+
+def _unused_imports(path: Path) -> list[str]:
+    """Module-level imported names that nothing in the module reads (``__all__`` counts as a read)."""
+    tree = ast.parse(path.read_text())
+    imported = {}
+    for n in tree.body:
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) != "__future__":
+            for a in n.names:
+                imported[a.asname or a.name.split(".")[0]] = n.lineno
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {c.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+             for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
+    return sorted(f"{path.name}:{line} {name}" for name, line in imported.items() if name not in used)
+
+
+def test_no_unused_imports_in_runtime():
+    unused = [u for p in sorted(RUNTIME.glob("*.py")) if p.stem != "__init__" for u in _unused_imports(p)]
+    assert not unused, unused

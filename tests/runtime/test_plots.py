@@ -176,3 +176,16 @@ def test_group_by_seeds_writes_bands(tmp_path):
     with pytest.raises(ValueError, match="unknown signal"):
         from jax_rl.plots import plot_groups
         plot_groups(groups, tmp_path / "x.png", signals=["nope"])
+
+
+def test_plots_key_on_columns_not_mode_names():
+    """plots.py names no correction mode (the registry in jax_rl/correction.py owns the names):
+    what a figure draws follows the logged columns."""
+    import ast
+
+    import jax_rl.plots as plots_mod
+    from jax_rl.correction import REGISTRY
+
+    tree = ast.parse(Path(plots_mod.__file__).read_text())
+    literals = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in REGISTRY})
+    assert not literals, literals
