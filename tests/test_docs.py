@@ -114,7 +114,9 @@ def test_config_reference_lists_every_key_once():
     assert len(rows) == len(set(rows))
     expected = set(_valid_keys()) | {"base_config"}
     sections = {k for k in expected if any(r.startswith(k + ".") for r in expected)}
-    assert set(rows) == expected - sections
+    assert expected - sections <= set(rows), f"keys missing: {sorted(expected - sections - set(rows))}"
+    # nothing invented: every row is a schema key or a key inside one (an Optional section's keys)
+    assert all(r in expected or any(r.startswith(k + ".") for k in expected) for r in rows)
     assert "async.max_staleness" in rows and not any(r.startswith("async_.") for r in rows)
     # every key has a meaning, and the default shown is the schema's
     defaults = Config().to_dict()
