@@ -1,5 +1,9 @@
 # The two commands: `make train` and `make test`. Both create .venv when it is missing and
 # reinstall only when pyproject.toml changes (stamp files keyed on its hash).
+# `make test` (what CI runs, .ci/run) runs every test not marked `slow`; `make test-slow` runs the
+# `slow` ones (the long end-to-end runs: see docs/testing.md for which and what still covers each
+# runtime, correction mode and exact route in `make test`). PYTEST_ARGS go last, e.g.
+# `make test PYTEST_ARGS="-m 'slow or not slow'"` runs both.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +14,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test test-full-depth install install-test clean
+.PHONY: train test test-slow test-full-depth install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,7 +37,11 @@ train: $(STAMP)
 	$(BIN)/jax-rl train $(CONFIG) $(ARGS)
 
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# the long end-to-end tests left out of `make test` (docs/testing.md)
+test-slow: $(STAMP_TEST)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # the TPU configs compiled at full depth for their pods (libtpu on this host, ~20 min on 2 cores)
 test-full-depth: $(STAMP_TEST)

@@ -43,7 +43,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_modifyitems(config, items):
     """``full_depth`` tests (the TPU configs compiled at full depth, ~20 min on two cores) run only
-    with JAX_RL_FULL_DEPTH=1 (``make test-full-depth``), so ``make test`` stays near 25 minutes."""
+    with JAX_RL_FULL_DEPTH=1 (``make test-full-depth``). ``slow`` tests (the long end-to-end runs) are
+    deselected by ``make test`` (``-m "not slow"``) and run by ``make test-slow``: docs/testing.md."""
     if os.environ.get("JAX_RL_FULL_DEPTH") == "1":
         return
     skip = pytest.mark.skip(reason="full-depth TPU compile: run with JAX_RL_FULL_DEPTH=1 (make test-full-depth)")
