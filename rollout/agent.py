@@ -197,7 +197,7 @@ class AgentLoop:
         or in a completion not yet appended. ``routes`` (``moe.routing_replay``, a generator that
         records them; else None): int [L, n_moe_layers, k] aligned with ``tokens``, built as the
         episode's :class:`Trajectory` builds its own (earlier turns' routes, then the current turn's
-        from the slot or completion; a position keeps its first route; ``ROUTE_MISSING`` where none
+        from the slot or completion; a position holds its most recent route; ``ROUTE_MISSING`` where none
         yet), so a prefix carries the routes its trajectory will carry at those positions.
         Consistent with the episode threads (one lock); every token generated before the call is
         included (later ones may be)."""
@@ -409,13 +409,16 @@ class AgentLoop:
 
 
 def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:
-    """Routes of a longer context: a position keeps its first recorded route (``old``) and takes
-    ``new``'s where it has none (``ROUTE_MISSING``, e.g. the last token of the previous turn)."""
+    """Routes of a longer context (int [len(new), n_moe_layers, k]): a position takes its most
+    recent route, ``new``'s, and keeps ``old``'s only where ``new`` has none (``ROUTE_MISSING``, e.g.
+    an all-missing padding of a last tool turn). A turn's prefill re-runs every earlier position,
+    and the turn's tokens were computed from that prefill's K/V, so its routes replace the earlier
+    turns' (the ``Generator`` rule: a position holds the route it was run with most recently)."""
     out = np.array(new, copy=True)
     if old is not None and len(old):
         n = min(len(old), len(out))
-        seen = ~np.any(old[:n] == ROUTE_MISSING, axis=-1, keepdims=True)
-        out[:n] = np.where(seen, old[:n], out[:n])
+        missing = np.any(out[:n] == ROUTE_MISSING, axis=-1, keepdims=True)
+        out[:n] = np.where(missing, old[:n], out[:n])
     return out
 
 

@@ -35,9 +35,13 @@ token) when top-k/top-p truncation is on.
 Routing replay (an engine built with ``record_routes``, MoE): ``Completion.routes`` holds the
 expert ids the engine's MoE layers chose at every position of prompt + generated tokens: the
 prefill's for the prompt, each decode step's for the token it fed; the last token (never fed)
-is ``ROUTE_MISSING``. A position keeps the route it was first run with: a ``recompute_kv``
-re-prefill does not overwrite the routes of tokens already run; ``abort`` drops the partial
-turn's routes with its tokens.
+is ``ROUTE_MISSING``. A position holds the route it was run with MOST RECENTLY: a re-prefill
+(``recompute_kv`` after a swap, ``abort``'s re-issue) overwrites the routes of every position it
+recomputes, because the K/V every later token attends to are the re-prefill's (so an r3 forward at
+the new params reproduces the tokens generated after the swap). The tokens generated before a
+``recompute_kv`` swap lose the routes they were computed with (one route per position cannot serve
+both); under ``continue`` nothing is re-run, so every position keeps the route that produced its
+cached K/V (docs/correction.md, "Routing replay across a weight swap").
 
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
@@ -357,10 +361,16 @@ class Generator:
 
     @staticmethod
     def _note_prefill_routes(req: _Req, prefix: dict) -> None:
-        """Positions not yet routed take the prefill's routes (a position keeps its first route)."""
+        """Every position the prefill ran takes its route (``prefix["routes"]`` int [n, n_moe_layers,
+        k]): a re-prefill overwrites the routes recorded earlier, since the K/V the next tokens attend
+        to are the ones it just computed (module docstring)."""
         r = prefix.get("routes")
-        if r is not None and len(r) > len(req.routes):
-            req.routes.extend(np.asarray(r[len(req.routes):]))
+        if r is None:
+            return
+        r = np.asarray(r)
+        m = min(len(r), len(req.routes))
+        req.routes[:m] = list(r[:m])
+        req.routes.extend(r[m:])
 
     def _routes_array(self, req: _Req) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""

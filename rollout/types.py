@@ -107,7 +107,8 @@ class Trajectory:
         routes: None, or int [T, n_moe_layers, k] (int8/int16: ``jax_rl.models.qwen3.route_dtype``):
             the top-k expert ids each MoE layer of the rollout engine chose at position t (prompt
             and tool tokens: their prefill's; generated tokens: their decode step's; a position
-            run twice keeps its first route), ``ROUTE_MISSING`` (-1) where the engine never ran
+            run again (a later turn's prefill, a ``recompute_kv`` re-prefill) holds its most recent
+            route: the one the later tokens' K/V came from), ``ROUTE_MISSING`` (-1) where the engine never ran
             the token (the last one, a final tool turn). Recorded under ``moe.routing_replay``
             r2/r3; r3 forces them in every learner forward.
 
