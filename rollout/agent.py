@@ -198,7 +198,9 @@ class AgentLoop:
         records them; else None): int [L, n_moe_layers, k] aligned with ``tokens``, built as the
         episode's :class:`Trajectory` builds its own (earlier turns' routes, then the current turn's
         from the slot or completion; a position holds its most recent route; ``ROUTE_MISSING`` where none
-        yet), so a prefix carries the routes its trajectory will carry at those positions.
+        yet), so a prefix carries the routes its trajectory will carry at those positions unless a
+        later prefill re-runs them (the next turn, a ``recompute_kv`` swap): the trajectory then holds
+        the newer routes, the prefix the ones in use when it was taken.
         Consistent with the episode threads (one lock); every token generated before the call is
         included (later ones may be)."""
         out = []
