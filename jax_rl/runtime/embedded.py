@@ -19,6 +19,14 @@ between: the env or the config is broken) stop the run, with the last reason (:a
 Task seeds are assigned by group index (``env.train_seed_offset + group_id``), and every sampling
 seed derives from (task seed, sample, turn), so with K = 0 a run is reproducible and a resumed run
 re-issues the in-flight groups identically.
+
+Multi-process (``jax.distributed``, one process per host): every process runs its own producer on its
+local rollout devices (``placement.rollout`` / ``Roles.local_engines``, or its first local device when
+colocated). Process p of n starts groups ``p, p + n, p + 2n, ...``, contributes
+``optim.batch_size / group_size / n`` groups to each step, and the learner trains on the union
+(``train_step(..., process_local=True)``): each process's trajectories reach the learner once, none twice.
+Checkpoints record process 0's producer state; on resume each process restarts its stream at that
+count (its in-flight groups that are not process 0's are started afresh, not re-issued).
 """
 
 from __future__ import annotations
@@ -64,8 +72,11 @@ class RolloutManager:
         self.buffer = buffer
         self.version_fn = version_fn
         self._lock = threading.Lock()
+        # multi-process (jax.distributed): process p of n starts groups p, p + n, p + 2n, ... (its share of the
+        # task stream), so no two processes ever generate the same task; _next_group counts this process's groups
+        self._nproc, self._pid = jax.process_count(), jax.process_index()
         self._next_group = int(next_group)
-        self._reissue = list(reissue or [])
+        self._reissue = [tuple(r) for r in (reissue or []) if int(r[0]) % self._nproc == self._pid]
         self._in_flight: dict[int, int] = {}  # group_id -> task seed
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -97,7 +108,7 @@ class RolloutManager:
             if self._reissue:
                 gid, seed = self._reissue.pop(0)
             else:
-                gid = self._next_group
+                gid = self._next_group * self._nproc + self._pid
                 self._next_group += 1
                 seed = self.cfg.env.train_seed_offset + gid
             if seed >= self.cfg.eval.seed_offset:

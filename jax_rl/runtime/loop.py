@@ -82,7 +82,7 @@ class LearnerHandle(Protocol):
     version: int
     opt_step: int
 
-    def train_step(self, batch: dict) -> dict: ...
+    def train_step(self, batch: dict, *, process_local: bool = False) -> dict: ...
 
     def evaluate(self, step: int, label: str = "eval") -> dict: ...
 
@@ -113,7 +113,10 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
         written); 128 + signal number when stopped by a signal.
     """
-    n_groups = cfg.optim.batch_size // cfg.rollout.group_size
+    import jax
+
+    nproc = jax.process_count()
+    n_groups = cfg.optim.batch_size // cfg.rollout.group_size // nproc  # this process's share (checked: divides)
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
@@ -139,11 +142,14 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 wait_s = time.perf_counter() - t_wait
                 groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
                 v_train = version
-                metrics = learner.train_step(batch)
+                # multi-process: each process trains its own groups' rows, the learner the union
+                metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
                 version = learner.version
                 t_pub = time.perf_counter()
                 producer.publish(version)
                 row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
+                if nproc > 1:
+                    row["process_count"] = nproc  # the rollout columns of this row are process 0's share
                 row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
                             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
                 writer.write(step + 1, row)
