@@ -359,7 +359,10 @@ def _swap_episode(L: Learner, p0, p1, partial: str, *, prompt_len=8, new=12, ste
     gen.run_until_idle()
     c = fut.result()
     P, G = len(prompt), len(c.tokens)
-    assert G == new and c.versions == [0] * steps + [1] * (new - steps)
+    if partial == "abort":  # the swap dropped the version-0 tokens; they count against the budget
+        assert c.versions == [1] * (new - steps)
+    else:
+        assert c.versions == [0] * steps + [1] * (new - steps)
     return Trajectory(tokens=prompt + c.tokens, loss_mask=[False] * P + [True] * G, behav_logp=[0.0] * P + c.logps,
                       versions=[-1] * P + c.versions, turn_ids=[-1] * P + [0] * G, routes=c.routes)
 
@@ -406,6 +409,22 @@ def test_r3_after_a_recompute_kv_swap_replays_the_reprefill_routes():
     print(f"recompute_kv: version-1 tokens at theta_1 max |log pi - mu| none {free:.3g}, r3 {r3:.3g}; "
           f"version-0 tokens at theta_0 none {old_free:.3g}, r3 {old_r3:.3g}")
     assert free < 1e-5  # the engine computed them exactly as a version-1 forward does
+    assert r3 < 1e-5
+
+
+def test_r3_after_an_abort_swap_replays_the_reissue_routes():
+    """``partial=abort``: the swap drops the 4 version-0 tokens and re-prefills the prompt at
+    version 1 (8 tokens left in the budget); every kept token is version 1's, so the prompt positions hold the re-issue's routes
+    and r3 at theta_1 matches the engine to fp32 rounding (measured 4.8e-7; 2.0e-3 when the prompt
+    kept its version-0 prefill routes)."""
+    L = _learner("ppo", "r3", False)
+    p0 = L.get_params(host=True)
+    p1 = _perturbed(p0, 0.03)
+    t = _swap_episode(L, p0, p1, "abort")
+    assert _same_sets(t.routes[:-1], _own(L, t, p1)[:-1])
+    b = _batch([t])
+    r3 = _version_err(L, b, p1, 1)
+    print(f"abort: version-1 tokens at theta_1 r3 {r3:.3g}")
     assert r3 < 1e-5
 
 
