@@ -60,7 +60,9 @@ is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any, Optional, Sequence, Union
@@ -95,6 +97,10 @@ NO_BOS = -1
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 _N_COLS = 5
+# logical names of the KV cache (jax_rl.sharding.LOGICAL_RULES): stacked k/v [L,B,K,S,H] (a prefix
+# [L,1,K,P,H]); one layer's v [B,K,S,H] is _CACHE_NAMES[1:]; one layer's key-transposed k [B,K,H,S]
+_CACHE_NAMES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_sequence", "cache_head_dim")
+_CACHE_K_LAYER_NAMES = ("cache_batch", "cache_kv_heads", "cache_head_dim", "cache_sequence")
 _MIN_BUCKET = 16
 
 
@@ -302,8 +308,19 @@ class Qwen3Engine(Engine):
         sampling are always float32.
       temperature, top_p, top_k: default sampling; per-request temperature may override
         (``prefill(..., temperature=)``). top_p/top_k are engine-wide (static in the jit).
-      mesh: optional ``jax.sharding.Mesh``; params and state are replicated on it. ``None``
-        runs on ``jax.devices()[0]``.
+      mesh: optional ``('data','fsdp','tensor','expert')`` ``jax.sharding.Mesh``
+        (:func:`jax_rl.sharding.make_mesh`; ``placement.rollout`` / ``rollout.mesh``): the engine
+        runs sharded on it by the learner's logical rules (:data:`jax_rl.sharding.LOGICAL_RULES`):
+        params by :func:`jax_rl.sharding.state_shardings` (dense: heads / MLP / vocab over
+        ``tensor``; MoE experts over ``expert``), the KV cache [.., B, Hkv, ..] slots over
+        ``data`` (and ``fsdp``) and kv heads over ``tensor`` (an axis that does not divide a
+        dim is dropped, i.e. replicated: 1 kv head on ``tensor=2`` keeps a whole cache copy per
+        tensor shard), the per-slot vectors over ``data``; every jitted step is traced under
+        ``jax.set_mesh(mesh)`` (the model's activation constraints apply; ``moe_dispatch=
+        "ragged"`` with ``expert`` > 1 takes the expert-parallel path,
+        :mod:`jax_rl.models.expert_parallel`) with the decode state's shardings as
+        out_shardings, so the donated state aliases. ``None`` (default): everything on
+        ``jax.devices()[0]``, no ambient mesh (the colocated engine; its programs are unchanged).
       tokenizer: optional ``ChatTokenizer`` (needed only for JetStream serving / Driver).
       model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (e.g. ``moe_dispatch``).
       kv_per_layer: keep the decode cache as L per-layer buffers (``KVCache.per_layer``) and run
@@ -386,8 +403,14 @@ class Qwen3Engine(Engine):
             abstract = build(scan_layers=False)
         self._graphdef, self._abstract_params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._per_layer_cache = bool(kv_per_layer) and not abstract.scan_layers  # see the decode-state table
+        self._sharded = mesh is not None  # (the ``mesh`` property fills ``_mesh`` in lazily)
+        self._param_shardings = None
         if mesh is not None:
+            from jax_rl.sharding import state_shardings
+
+            # replicated: the model's non-param state, prefill tokens, the per-step result rows
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._param_shardings = state_shardings(self._abstract_params, mesh)
         else:
             self._sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._rest = jax.device_put(
@@ -501,25 +524,100 @@ class Qwen3Engine(Engine):
                 data = jnp.concatenate([data, _q.stack_routes(dec[2]).reshape(B, -1).astype(jnp.int32)], axis=1)
             return new_state, data
 
-        self._prefill_jit = jax.jit(prefill_fn)
-        self._init_state_jit = jax.jit(init_state_fn)
-        self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
-        self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
-        self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
-
         def generate_steps_fn(params, state, n):
             # n steps of generate_fn in one on-device loop; every per-step output leaf (data
             # [B, cols]) is stacked on a new leading axis [n, ...]
             return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
 
-        self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
+        if not self._sharded:  # the colocated single-device engine: programs as they always were
+            self._prefill_jit = jax.jit(prefill_fn)
+            self._init_state_jit = jax.jit(init_state_fn)
+            self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
+            self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
+            self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
+            self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
+            return
+        # sharded: explicit out_shardings (the decode state keeps its layout step after step, so
+        # the donated state aliases the new one); inputs come committed (params / state / prefix)
+        rep = self._sharding
+        with jax.set_mesh(self._mesh):
+            st = self.state_shardings = self._decode_state_shardings(jax.eval_shape(init_state_fn, self._abstract_params))
+        kv = self._named(_CACHE_NAMES, (self.config.num_hidden_layers, 1, self.config.num_key_value_heads,
+                                        self.max_cache_len, self.config.head_dim))
+        self._prefill_jit = jax.jit(prefill_fn, out_shardings=(kv, kv, rep) if record else (kv, kv))
+        self._init_state_jit = jax.jit(init_state_fn, out_shardings=st)
+        self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,), out_shardings=st)
+        self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,), out_shardings=st)
+        self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,), out_shardings=(st, rep))
+        self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
+                                           out_shardings=(st, rep))
+
+    def _named(self, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
+        """NamedSharding on the engine's mesh of an array ``shape`` with logical ``names``."""
+        from jax_rl.sharding import logical_to_pspec
+
+        return jax.sharding.NamedSharding(self._mesh, logical_to_pspec(names, shape=shape, mesh=self._mesh))
+
+    def _decode_state_shardings(self, abstract_state: dict) -> dict:
+        """Shardings of the decode state (module docstring table) on the engine's mesh: k/v by
+        the ``cache_*`` logical names (slots over ``data``/``fsdp``, kv heads over ``tensor``),
+        every per-slot vector [B, ...] by ``cache_batch``."""
+        cache = abstract_state["cache"]
+        if cache.is_per_layer:
+            k = tuple(self._named(_CACHE_K_LAYER_NAMES, a.shape) for a in cache.k)
+            v = tuple(self._named(_CACHE_NAMES[1:], a.shape) for a in cache.v)
+        else:
+            k, v = self._named(_CACHE_NAMES, cache.k.shape), self._named(_CACHE_NAMES, cache.v.shape)
+        out = {key: self._named(("cache_batch",) + (None,) * (a.ndim - 1), a.shape)
+               for key, a in abstract_state.items() if key != "cache"}
+        out["cache"] = _replace_cache(cache, k=k, v=v, lengths=self._named(("cache_batch",), cache.lengths.shape))
+        return out
+
+    def _in_mesh(self) -> Any:
+        """``jax.set_mesh(mesh)`` for a sharded engine (thread-local; each engine's thread its own), a
+        no-op context for the colocated one."""
+        return jax.set_mesh(self._mesh) if self._sharded else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ Engine API
     def load_params(self, params: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Cast float leaves of ``params`` to the compute dtype and place them on the device(s).
 
-        ``params``: an ``nnx.State`` (or matching pytree) of the model's ``nnx.Param``s; with
-        no argument, returns the engine's current params. Raises ValueError on a tree mismatch.
+        ``params``: an ``nnx.State`` (or matching pytree, e.g. the pure dict of numpy leaves the Ray
+        runtime ships) of the model's ``nnx.Param``s, in the engine's or the learner's layer layout
+        (stacked ``[L, ...]`` layers are unstacked for a ``kv_per_layer`` engine); with no argument,
+        returns the engine's current params.
+
+        The weight sync of a publish (``Generator.update_params`` -> here; ``weight_sync_cast_s``):
+
+        * colocated engine (no ``mesh``): an eager cast, then ``jax.device_put`` to
+          ``jax.devices()[0]`` (unchanged).
+        * sharded engine (``mesh``), device params (``jax.Array`` leaves, e.g. the learner's on its
+          mesh): ONE jitted program, built once and reused every publish (jit caches it by the
+          input's tree and shardings), casts to ``dtype`` and re-lays the layers where the params
+          ARE (the learner's devices: the learner's mesh does the cast, each device its own shard,
+          so the bytes that travel are already ``rollout.dtype``); then ``jax.device_put`` to the
+          engine's param shardings (:attr:`param_shardings`) moves each shard to the engine's
+          devices. Two steps because a ``jit`` runs on one device set: its out_shardings cannot
+          name the engine's devices when they are not the learner's (XLA would refuse the
+          mismatched device assignment); ``device_put`` between device sets is a device-to-device
+          copy (ICI on a TPU slice), and on the same devices a reshard.
+        * sharded engine, host params (numpy leaves): cast on the host, then ``device_put``.
+
+        Multi-host (what runs where): every process runs its own engines on its own devices
+        (``Roles.local_engines``), and this method runs in the process that owns the engine. With
+        a learner mesh that spans processes its params are not fully addressable: the jitted cast
+        is an SPMD program every process must run (they do: each publishes after the same train
+        step), but in jax 0.10.2 ``device_put`` of a non-addressable array onto another device set
+        is only supported as a "cross-host transfer" (``jax._src.dispatch``:
+        same HLO sharding on both sides, a backend with ``supports_cross_host_transfers`` or the
+        ``jax_cross_host_transfer_socket_address`` DCN flags), and ``jax.experimental.transfer``
+        (a ``TransferServer`` that ``pull``s a pytree by id over DCN) is the general tool. Neither is
+        wired here yet (issue 26, multi-host rollout): such params raise ValueError; host params
+        (``Learner.get_params(host=True)``, the Ray path) work on every host.
+
+        Raises:
+            ValueError: a tree or leaf-shape mismatch; a sharded engine given device params that this
+                process cannot address in full.
         """
         if params is None:
             if self.params is None:
@@ -528,12 +626,53 @@ class Qwen3Engine(Engine):
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         dt = self.dtype
+        if not self._sharded:
+            def cast(x):
+                x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+                return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-        def cast(x):
-            x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-            return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            return jax.device_put(self._layout(jax.tree.map(cast, params)), self._sharding)
+        leaves = jax.tree.leaves(params)
+        if leaves and all(isinstance(x, jax.Array) for x in leaves):
+            far = [x for x in leaves if not x.is_fully_addressable]
+            if far:
+                raise ValueError(
+                    f"params live on devices of other processes ({far[0].sharding}); a sharded rollout engine "
+                    "takes device params this process addresses in full, or host params (multi-host weight sync "
+                    "is not implemented yet)")
+            out = self._cast_jit(params)
+        else:
+            out = self._layout(jax.tree.map(
+                lambda x: (lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a)(np.asarray(x)),
+                params))
+        return self._place(out)
 
-        out = jax.tree.map(cast, params)
+    def _place(self, tree: Any) -> Any:
+        """``device_put`` of a tree shaped like the engine's params to :attr:`param_shardings`."""
+        placed = jax.device_put(jax.tree.leaves(tree), jax.tree.leaves(self._param_shardings))
+        return jax.tree.unflatten(jax.tree.structure(self._abstract_params), placed)
+
+    @property
+    def param_shardings(self) -> Any:
+        """The engine's param shardings (an ``nnx.State`` of NamedShardings like its params);
+        ``None`` for the colocated engine (one device)."""
+        return self._param_shardings
+
+    @functools.cached_property
+    def _cast_jit(self) -> Any:
+        """The sharded engine's compiled cast + layer re-layout (built once, reused every publish)."""
+        dt = self.dtype
+
+        def cast_layout(params):
+            return self._layout(jax.tree.map(
+                lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
+
+        return jax.jit(cast_layout)
+
+    def _layout(self, out: Any) -> Any:
+        """(Already cast) params ``out`` in the engine's tree: stacked layers unstacked when it runs
+        unrolled ones, State-vs-dict containers matched. Raises ValueError on a tree or shape
+        mismatch. Traceable (the sharded engine jits it with the cast)."""
         want = jax.tree.structure(self._abstract_params)
         if self._unstack_layers and jax.tree.structure(out) != want:
             out = self._unstacked(out)
@@ -545,7 +684,7 @@ class Qwen3Engine(Engine):
         for got, exp in zip(jax.tree.leaves(out), jax.tree.leaves(self._abstract_params)):
             if got.shape != exp.shape:
                 raise ValueError(f"param shape {got.shape} != model's {exp.shape}")
-        return jax.device_put(out, self._sharding)
+        return out
 
     def _unstacked(self, params: Any) -> Any:
         """Stacked ``[L, ...]`` layer params (scan_layers layout) -> the engine's unrolled State."""
@@ -563,7 +702,10 @@ class Qwen3Engine(Engine):
         params = kwargs.get("params", self.params)
         if params is None:
             params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_params)
-        return self._init_state_jit(params)
+            if self._sharded:
+                params = self._place(params)
+        with self._in_mesh():
+            return self._init_state_jit(params)
 
     def prefill(
         self,
@@ -611,7 +753,8 @@ class Qwen3Engine(Engine):
         P = prefill_bucket(max(n, 1), self.max_cache_len)
         buf = np.zeros((1, P), np.int32)
         buf[0, :n] = toks[:n]
-        res = self._prefill_jit(params, jnp.asarray(buf), jnp.int32(n))
+        with self._in_mesh():
+            res = self._prefill_jit(params, jnp.asarray(buf), jnp.int32(n))
         k, v = res[0], res[1]
         if seed is None:
             with self._lock:
@@ -632,20 +775,16 @@ class Qwen3Engine(Engine):
         """Copy ``prefix`` into row ``slot`` of ``decode_state`` (donated) and arm the slot."""
         if not 0 <= int(slot) < self._slots:
             raise ValueError(f"slot {slot} out of range [0, {self._slots})")
-        return self._insert_jit(
-            prefix["k"],
-            prefix["v"],
-            jnp.int32(prefix["length"]),
-            jnp.int32(prefix["token"]),
-            jnp.uint32(prefix["seed"]),
-            jnp.float32(prefix["temperature"]),
-            decode_state,
-            jnp.int32(slot),
-        )
+        args = (prefix["k"], prefix["v"], jnp.int32(prefix["length"]), jnp.int32(prefix["token"]),
+                jnp.uint32(prefix["seed"]), jnp.float32(prefix["temperature"]), decode_state, jnp.int32(slot))
+        with self._in_mesh():
+            return self._insert_jit(*args)
 
     def free_slot(self, decode_state: dict, slot: int) -> dict:
         """Deactivate ``slot`` (not part of the 0.2.2 API; the generator uses it). Donates state."""
-        return self._deactivate_jit(decode_state, jnp.int32(slot))
+        slot = jnp.int32(slot)
+        with self._in_mesh():
+            return self._deactivate_jit(decode_state, slot)
 
     def generate(self, params: Any, decode_state: dict) -> tuple[dict, Any]:
         """One decode step for all slots (``decode_state`` is donated).
@@ -654,7 +793,8 @@ class Qwen3Engine(Engine):
         A slot whose cache is full (``lengths == max_cache_len``) or that is inactive is
         reported ``valid = 0`` and left inactive.
         """
-        state, data = self._generate_jit(params, decode_state)
+        with self._in_mesh():
+            state, data = self._generate_jit(params, decode_state)
         return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
 
     def generate_steps(self, params: Any, decode_state: dict, n: int) -> tuple[dict, Any]:
@@ -687,7 +827,8 @@ class Qwen3Engine(Engine):
         n = int(n)
         if n < 1:
             raise ValueError(f"generate_steps needs n >= 1, got {n}")
-        return self._generate_steps_jit(params, decode_state, n)
+        with self._in_mesh():
+            return self._generate_steps_jit(params, decode_state, n)
 
     def get_prefix_destination_sharding(self) -> Any:
         return self._sharding
