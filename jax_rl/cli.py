@@ -26,6 +26,8 @@ def _load(args) -> "object":
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
         overrides.append("resume=true")
+    if getattr(args, "overwrite", False):
+        overrides.append("run.overwrite=true")
     if getattr(args, "step", None) is not None:
         overrides.append(f"resume_step={args.step}")
     return load_config(args.config, overrides)
@@ -143,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in run.dir")
     t.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --resume: resume from checkpoints/N (the RL step) instead of the newest")
+    t.add_argument("--overwrite", action="store_true",
+                   help="run.dir already holds a run (finished or not) and this is not a --resume: delete that "
+                        "run's files and start over (run.overwrite=true); without it such a run dir is refused")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config (base_config chain + overrides) as YAML and exit; creates nothing")
     t.add_argument("--dry-run", action="store_true",
@@ -153,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sft", help="SFT on reference-solver demonstrations only", epilog=EPILOG)
     s.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml (sft.steps must be > 0)")
     s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    s.add_argument("--overwrite", action="store_true",
+                   help="run.dir already holds a run: delete that run's files and start over (run.overwrite=true)")
     s.set_defaults(func=cmd_sft)
 
     e = sub.add_parser("eval", help="held-out avg@k / pass@k of a checkpoint", epilog=EPILOG)
@@ -246,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--resume`` (and the other train switches) may come anywhere (``train CONFIG --resume run.dir=D``):
     # argparse would take what follows them for an unknown argument, so move the flags to the end
-    flags = ("--resume", "--print-config", "--dry-run", "--no-cost")
+    flags = ("--resume", "--print-config", "--dry-run", "--no-cost", "--overwrite")
     argv = [a for a in argv if a not in flags] + [a for a in argv if a in flags]
     for flag in ("--step", "--topology", "--json", "--only"):
         argv = _flag_to_end(argv, flag)

@@ -471,6 +471,26 @@ class RuntimeConfig(_Section):
     """runtime=ray: address of an existing Ray cluster to join (host:port or ray://...); None = start a local Ray bound to bind_host. RISK: that cluster's own bind and auth settings apply."""
     bind_host: str = "127.0.0.1"
     """runtime=ray: node IP of the local Ray started when ray_address is None. Loopback = every Ray socket on 127.0.0.1; anything else (multi-host) makes Ray 2.60 listen on all interfaces with auth disabled: anyone who reaches the machine can submit jobs."""
+    learner_cpus: Optional[list[int]] = None
+    """runtime=ray: CPU ids (os.sched_getaffinity numbering) the learner actor and the driver are pinned to, e.g. [0]; their XLA thread pool then uses those cores only. null = no pinning. Ids must be ones this process may run on; may overlap rollout_cpus."""
+    rollout_cpus: Optional[list[int]] = None
+    """runtime=ray: CPU ids every rollout-worker actor is pinned to, e.g. [1] (with learner_cpus=[0]: the roles on separate cores, bench/async_speedup.py --separate-roles). null = no pinning."""
+
+    @field_validator("learner_cpus", "rollout_cpus")
+    @classmethod
+    def _cpus_exist(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        from jax_rl.runtime.affinity import check_cpus
+
+        return check_cpus(v)
+
+    @model_validator(mode="after")
+    def _pinning_needs_ray(self) -> "RuntimeConfig":
+        pinned = [k for k in ("learner_cpus", "rollout_cpus") if getattr(self, k) is not None]
+        if pinned and self.kind != "ray":
+            raise ValueError(f"runtime.{pinned[0]} pins a role's process; runtime={self.kind} runs every role in "
+                             "one process (XLA's thread pool is shared): use runtime=ray or "
+                             f"runtime.{pinned[0]}=null")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -515,6 +535,8 @@ class RunConfig(_Section):
     """Run name; default: the config file's stem."""
     dir: Optional[str] = None
     """Output dir; default ``runs/<name>-<UTC timestamp>``."""
+    overwrite: bool = False
+    """A fresh run (no ``resume``) into a ``dir`` that already holds a run, finished or not: delete that run's files (config.yaml, metrics, checkpoints, ...) and start over (CLI ``--overwrite``); false refuses it."""
     steps: int = Field(100, ge=0)
     """RL learner steps."""
     seed: int = 0
@@ -759,7 +781,7 @@ def _read_yaml(path: Path, _seen: Optional[set] = None, _what: str = "config fil
 
     Raises:
         ConfigError: naming the file (and ``base_config`` for a parent): missing, a directory,
-            unreadable, not UTF-8, invalid YAML, not a mapping, a ``base_config`` that is not a
+            unreadable, not UTF-8, invalid YAML, empty, not a mapping, a ``base_config`` that is not a
             file name, or a ``base_config`` cycle.
     """
     _seen = _seen or set()
@@ -778,9 +800,12 @@ def _read_yaml(path: Path, _seen: Optional[set] = None, _what: str = "config fil
     except OSError as e:
         raise ConfigError(f"{_what} {path}: cannot read it ({e.strerror or e})") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+    if data is None:  # empty, or comments only: the defaults alone do not fit the default task
+        raise ConfigError(f"{_what} {path} is empty (no settings); start from a config in {CONFIG_DIR}, e.g. a "
+                          "file holding `base_config: tiny_cpu.yaml` (the CPU demo) and your changes")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     parent = data.pop("base_config", None)

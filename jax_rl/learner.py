@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
 from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, abstract_batch, collate, validate_batch
-from jax_rl.config import Config, config_hash
+from jax_rl.config import Config, ConfigError, config_hash
 from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
 from jax_rl.model_builder import (abstract_model_split, create_sharded_model, learner_model_kwargs, resolve_mesh,
                                   resolve_model_config)
@@ -107,7 +107,7 @@ class Learner:
         self.correction = self.strategy.name
         self.routing_replay = cfg.moe.routing_replay
         if self.routing_replay != "none" and not self.model_config.is_moe:
-            raise ValueError(f"moe.routing_replay={self.routing_replay} replays MoE expert routes; the model "
+            raise ConfigError(f"moe.routing_replay={self.routing_replay} replays MoE expert routes; the model "
                              f"({cfg.model.preset or cfg.model.checkpoint}) has no MoE layer: set moe.routing_replay=none")
         self.num_experts = int(self.model_config.num_experts) if self.model_config.is_moe else 0
         self.max_staleness = int(cfg.async_.max_staleness)
@@ -465,6 +465,7 @@ class Learner:
             "step": self.step,  # = opt_step (kept for checkpoints read by older code)
             "config_hash": config_hash(self.cfg),
             "model_arch": self.model_config.to_hf(),
+            "model_name": ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint),
             "correction": self.correction,
             "skipped_steps": self.skipped_steps,
             "snapshot_versions": self.store.versions if self.store is not None else [],
@@ -558,7 +559,8 @@ class Learner:
     def _restore_step(self, ck, step: int) -> dict:
         meta = ck.check_step(step)
         ckpt.check_compatible(meta, model_arch=self.model_config.to_hf(), correction=self.correction,
-                              directory=ck.directory)
+                              directory=ck.directory,
+                              model=ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint))
         snap_versions = [int(v) for v in meta.get("snapshot_versions", [])] if self.store is not None else []
         need = tuple(self.strategy.checkpoint_items(self.state.correction)) + (("snapshots",) if snap_versions else ())
         if need:

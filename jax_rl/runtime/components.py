@@ -21,12 +21,14 @@ log = logging.getLogger("jax_rl.runtime")
 
 __all__ = [
     "resolve_run_dir",
+    "delete_earlier_run",
     "build_tokenizer",
     "build_model_config",
     "build_env_factory",
     "check_mesh",
     "check_kv_cache",
     "kv_cache_bytes",
+    "engine_memory_bytes",
     "build_generator",
     "adopt_checkpoint_layer_layout",
     "sft_examples",
@@ -45,7 +47,9 @@ def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = Fal
 
     Raises:
         ConfigError: ``resume=true`` and no earlier run dir exists; ``check_fresh`` (a new train or
-            SFT run) and ``run.dir`` already holds metrics or checkpoints without ``resume``.
+            SFT run) and ``run.dir`` already holds a run, finished or not (any of :data:`RUN_FILES`
+            or a checkpoint), without ``resume`` or ``run.overwrite`` (then
+            :func:`delete_earlier_run` clears it once the new run has passed its checks).
     """
     name = cfg.run.name or "run"
     if cfg.run.dir:
@@ -60,15 +64,44 @@ def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = Fal
         d = Path("runs") / f"{name}-{ts}"
     if cfg.resume and not d.exists():
         raise ConfigError(f"resume=true but run.dir={str(d)!r} does not exist")
-    if check_fresh and not cfg.resume and d.is_dir() and (
-        (d / "metrics.jsonl").exists() or any((d / "checkpoints").glob("*"))
-    ):
-        raise ConfigError(f"run.dir={str(d)!r} already holds a run; pass --resume (resume=true) to continue "
-                          "it, or choose another run.dir")
+    if check_fresh and not cfg.resume and d.is_dir():
+        found = [n for n in RUN_FILES if (d / n).exists()] + (["checkpoints/"] if any((d / "checkpoints").glob("*"))
+                                                              else [])
+        if found and not cfg.run.overwrite:
+            raise ConfigError(f"run.dir={str(d)!r} already holds a run, finished or not ({', '.join(found)}); pass "
+                              "--resume (resume=true) to continue it, --overwrite (run.overwrite=true) to delete it "
+                              "and start over, or choose another run.dir")
     if create:
         d.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(d)
     return d
+
+
+# What a run writes into its dir (besides checkpoints/): a fresh run refuses a dir holding any of
+# them, and ``run.overwrite`` deletes exactly these (nothing else the dir may hold).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "sft.jsonl", "summary.json", "tokenizer.json")
+RUN_DIRS = ("checkpoints", "tb", "plots", "ray", "ray_tmp")
+
+
+def delete_earlier_run(cfg: Config, run_dir: Path, *, primary: bool = True) -> None:
+    """With ``run.overwrite`` (a fresh run, once every check has passed, before it writes anything):
+    delete the earlier run's :data:`RUN_FILES` and :data:`RUN_DIRS` from ``run_dir``, nothing else.
+    Then ``run.overwrite`` is reset, so the new run's config.yaml does not carry it. Only the
+    ``primary`` process deletes (the others only reset the key)."""
+    import shutil
+
+    if not cfg.run.overwrite:
+        return
+    cfg.run.overwrite = False
+    d = Path(run_dir)
+    if cfg.resume or not primary or not d.is_dir():
+        return
+    for n in RUN_FILES:
+        (d / n).unlink(missing_ok=True)
+    for n in RUN_DIRS:
+        if (d / n).is_dir():
+            shutil.rmtree(d / n)
+    log.warning("run.overwrite: deleted the earlier run in %s", d)
 
 
 # Reference demonstrations (training seeds) the ``bpe`` tokenizer is trained on.
@@ -191,12 +224,55 @@ def build_model_config(cfg: Config, tokenizer=None):
             mc = get_preset(cfg.model.preset, **cfg.model.hf_overrides)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model: {e}") from None
+    _check_resumed_model(cfg, mc)
     if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(
             f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}, model.tokenizer={cfg.model.tokenizer!r})"
         )
+    _check_model_fits_config(cfg, mc)
     return mc
+
+
+def _check_resumed_model(cfg: Config, mc) -> None:
+    """On a resume, the model of the run being resumed (its config.yaml, a preset model) against
+    this config's, before anything else can name a symptom (the vocabulary, a param shape).
+    The checkpoint's own metadata is checked again at restore (``check_compatible``)."""
+    if not cfg.resume or not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
+        return
+    from jax_rl.models.qwen3 import get_preset
+
+    try:
+        import yaml
+
+        m = yaml.safe_load((Path(cfg.run.dir) / "config.yaml").read_text(encoding="utf-8"))["model"]
+        if m.get("checkpoint"):
+            return
+        saved = get_preset(m["preset"], **(m.get("hf_overrides") or {}))
+    except Exception:  # noqa: BLE001 - unreadable: the restore's own checks report the checkpoint
+        return
+    if saved.to_hf() == mc.to_hf():
+        return
+    from jax_rl.checkpoint import describe_model, model_name
+
+    raise ConfigError(
+        f"resume: the run in run.dir={cfg.run.dir!r} was written for "
+        f"{describe_model(saved.to_hf(), model_name(m['preset'], None))} but this config asks for "
+        f"{describe_model(mc.to_hf(), model_name(cfg.model.preset, cfg.model.checkpoint))}; resume with the model "
+        "the run was started with, or start a fresh run dir")
+
+
+def _check_model_fits_config(cfg: Config, mc) -> None:
+    """The config keys that need a property of the model (before anything is built)."""
+    model = f"model.checkpoint={cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"model.preset={cfg.model.preset}"
+    if cfg.moe.routing_replay != "none" and not mc.is_moe:
+        raise ConfigError(f"moe.routing_replay={cfg.moe.routing_replay} replays MoE expert routes; the model "
+                          f"({model}) has no MoE layer: set moe.routing_replay=none")
+    ep = int(cfg.mesh.expert)
+    if mc.is_moe and ep > 1 and mc.num_experts % ep:
+        raise ConfigError(f"mesh.expert={ep}: the model's num_experts={mc.num_experts} ({model}) must divide by "
+                          f"mesh.expert (the experts are split evenly over the expert axis); set mesh.expert to a "
+                          f"divisor of {mc.num_experts}")
 
 
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
@@ -273,29 +349,81 @@ def available_memory_bytes() -> tuple[int, str]:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "available host RAM"
 
 
-def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> int:
-    """Refuse a rollout KV cache that cannot fit, before any is allocated.
+def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) -> dict[str, int]:
+    """What one rollout engine allocates, from the config alone (nothing is built or compiled).
 
-    ``engines`` defaults to ``rollout.threads`` plus the eval engine. Returns the total bytes.
+    * ``params``: the engine's own copy of the weights in ``rollout.dtype``;
+    * ``kv_cache``: :func:`kv_cache_bytes`;
+    * ``state``: the rest of the decode state, per slot the pending token, active flag, PRNG key,
+      temperature, generated count and cache length (int32 / bool / uint32 x 2 / float32);
+    * ``decode_temp``: the decode step's working buffers, the larger of (a) on the CPU backend
+      with a bf16/fp16 rollout, the KV cache converted to float32 (XLA's CPU dot upcasts its bf16
+      operand: measured, the step's temp is 2.0x the bf16 cache) and (b) the sampling buffers
+      over the vocabulary, float32 [slots, vocab] x 2 (logits, log-softmax; x 4 with top-k /
+      top-p: the sort and its indices); plus per slot one layer's activations (attention scores
+      [heads, max_cache_len] and the MLP's hidden units, float32). XLA reuses (a)'s buffers
+      for (b), as measured (``memory_analysis()`` of ``generate`` / ``generate_steps`` on tiny
+      models: within 4% of this figure, never above it);
+    * ``per_slot``: the bytes each slot adds (everything but ``params``), ``total``.
+    """
+    import math
+
+    import jax
+
+    from jax_rl.models.qwen3 import count_params
+
+    r, mc = cfg.rollout, model_config
+    B = int(slots or r.slots)
+    itemsize = 2 if r.dtype == "bfloat16" else 4
+    kv_slot = kv_cache_bytes(cfg, mc, slots=1)
+    state_slot = 4 + 1 + 8 + 4 + 4 + 4
+    upcast = kv_slot * 4 // itemsize if itemsize < 4 and jax.default_backend() == "cpu" else 0
+    truncates = int(r.top_k) > 0 or float(r.top_p) < 1.0
+    vocab = (4 if truncates else 2) * int(mc.vocab_size) * 4
+    if mc.is_moe:
+        dense_dispatch = getattr(cfg.model, "moe_dispatch", "dense") == "dense"
+        ffn = int(mc.moe_intermediate_size) * int(mc.num_experts if dense_dispatch else mc.num_experts_per_tok)
+        ffn = max(ffn, int(mc.intermediate_size) if len(mc.moe_layers) < mc.num_hidden_layers else 0)
+    else:
+        ffn = int(mc.intermediate_size)
+    act = 4 * (4 * int(mc.hidden_size) + 3 * ffn + 2 * int(mc.num_attention_heads) * int(r.max_cache_len))
+    temp_slot = max(upcast, vocab) + act
+    per_slot = kv_slot + state_slot + temp_slot
+    params = count_params(mc) * itemsize
+    return {"params": params, "kv_cache": kv_slot * B, "state": state_slot * B, "decode_temp": temp_slot * B,
+            "per_slot": per_slot, "total": params + per_slot * B}
+
+
+def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> int:
+    """Refuse rollout engines that cannot fit, before any is allocated: each engine's whole
+    allocation (:func:`engine_memory_bytes`: params copy, KV cache, decode state and the decode
+    step's buffers) times the number of engines, against :func:`available_memory_bytes`.
+
+    ``engines`` defaults to ``rollout.threads`` plus the eval engine. Returns the total KV-cache
+    bytes (all engines).
 
     Raises:
-        ConfigError: naming ``rollout.slots``, ``rollout.max_cache_len`` and the bytes needed and
-            available.
+        ConfigError: naming ``rollout.slots`` (and ``rollout.max_cache_len``), the bytes needed
+            and available and the most slots that would fit.
     """
     engines = engines if engines is not None else cfg.rollout.threads + 1
-    per = kv_cache_bytes(cfg, model_config)
-    need = per * engines
+    kv = kv_cache_bytes(cfg, model_config) * engines
+    mem = engine_memory_bytes(cfg, model_config)
+    need = mem["total"] * engines
     have, where = available_memory_bytes()
     if need > have:
         r, mc = cfg.rollout, model_config
+        fit = max(0, (have // engines - mem["params"]) // mem["per_slot"])
         raise ConfigError(
-            f"rollout KV cache needs {need:,} bytes ({_gib(need)}) but only {have:,} bytes ({_gib(have)}) of "
-            f"{where}: {engines} engine(s) x rollout.slots={r.slots} x rollout.max_cache_len={r.max_cache_len} x "
-            f"{mc.num_hidden_layers} layers x {mc.num_key_value_heads} kv heads x head_dim {mc.head_dim} x 2 (K, V) "
-            f"x {2 if r.dtype == 'bfloat16' else 4} bytes (rollout.dtype={r.dtype}); lower rollout.slots or "
-            "rollout.max_cache_len"
+            f"rollout.slots={r.slots}: the rollout engines need {need:,} bytes ({_gib(need)}) but only {have:,} bytes "
+            f"({_gib(have)}) of {where}: {engines} engine(s) x (params {_gib(mem['params'])} + rollout.slots={r.slots} x "
+            f"{mem['per_slot']:,} bytes per slot: KV cache, decode state and decode buffers); the KV cache alone is "
+            f"{kv:,} bytes (rollout.max_cache_len={r.max_cache_len} x {mc.num_hidden_layers} layers x "
+            f"{mc.num_key_value_heads} kv heads x head_dim {mc.head_dim} x 2 (K, V) x "
+            f"{2 if r.dtype == 'bfloat16' else 4} bytes, rollout.dtype={r.dtype}); at most {fit} slot(s) fit: "
+            "lower rollout.slots or rollout.max_cache_len"
         )
-    return need
+    return kv
 
 
 def _gib(n: int) -> str:
@@ -475,7 +603,8 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     Returns:
         ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
         the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
-        advantages broadcast over each row. B is ``optim.batch_size`` whenever the groups hold
+        advantages broadcast over each row. B is ``optim.batch_size`` (divided by the process count in a
+        multi-process run: each process's share) whenever the groups hold
         fewer trajectories (a group short of failed / over-long members): inert rows
         (:func:`jax_rl.batch.pad_rows`, no loss tokens) fill it, so the batch always splits into
         ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
@@ -485,6 +614,8 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
         jax_rl.learner.BatchError: a trajectory longer than ``optim.max_seq_len``.
     """
     from jax_rl.learner import collate
+
+    import jax
 
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = compute_advantages(cfg, groups)

@@ -168,7 +168,9 @@ class RunContext:
 
     def materialize(self) -> None:
         """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
-        only once every check (config, restore, compatibility) has passed."""
+        only once every check (config, restore, compatibility) has passed; with ``run.overwrite``
+        the earlier run in the dir is deleted first (:func:`~jax_rl.runtime.components.delete_earlier_run`)."""
+        C.delete_earlier_run(self.cfg, self.run_dir, primary=is_primary())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if is_primary():
             if self.cfg.model.tokenizer == "bpe" and not (self.run_dir / "tokenizer.json").is_file():

@@ -480,6 +480,7 @@ def run_train_ray(cfg: Config) -> int:
     tokenizer = C.build_tokenizer(cfg, env_factory)
     C.build_model_config(cfg, tokenizer)
     start_of_run_lines(cfg, tokenizer, env_factory)
+    C.delete_earlier_run(cfg, C.resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
     run_dir = C.resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
