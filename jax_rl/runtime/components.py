@@ -603,8 +603,7 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     Returns:
         ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
         the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
-        advantages broadcast over each row. B is ``optim.batch_size`` (divided by the process count in a
-        multi-process run: each process's share) whenever the groups hold
+        advantages broadcast over each row. B is ``optim.batch_size`` whenever the groups hold
         fewer trajectories (a group short of failed / over-long members): inert rows
         (:func:`jax_rl.batch.pad_rows`, no loss tokens) fill it, so the batch always splits into
         ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
@@ -614,8 +613,6 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
         jax_rl.learner.BatchError: a trajectory longer than ``optim.max_seq_len``.
     """
     from jax_rl.learner import collate
-
-    import jax
 
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = compute_advantages(cfg, groups)
