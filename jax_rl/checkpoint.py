@@ -154,6 +154,32 @@ def _install_closed_loop_hook() -> None:
         sys.unraisablehook = _ClosedLoopHook(sys.unraisablehook)
 
 
+def _cancel_unstarted_writes() -> int:
+    """Close Orbax's / tensorstore's write coroutines that were created but never started.
+
+    When the first write of an async save fails (ENOSPC), Orbax's event loop ends while the
+    per-fragment writes it had just created (``serialization.async_serialize_from_host``'s
+    ``write_fragment`` coroutines) were never scheduled; the failed save's exception keeps them
+    alive, and Python reports each as ``coroutine ... was never awaited`` when it is finally
+    collected, at interpreter shutdown, after the run's one-line error. Once the save is over
+    (``wait_until_finished`` returned or raised) nothing can run them any more: they are closed
+    here, which is what cancelling a never-started coroutine is. Returns how many."""
+    import gc
+    import inspect
+
+    gc.collect()
+    n = 0
+    for o in gc.get_objects():
+        if inspect.iscoroutine(o) and inspect.getcoroutinestate(o) == inspect.CORO_CREATED:
+            f = o.cr_code.co_filename
+            if "orbax" in f or "tensorstore" in f:
+                o.close()
+                n += 1
+    if n:
+        log.debug("closed %d never-started checkpoint write coroutine(s)", n)
+    return n
+
+
 def tree_nbytes(*trees: Any) -> int:
     """Total bytes of the array leaves of ``trees`` (global shapes; None trees count 0)."""
     n = 0
@@ -450,6 +476,7 @@ class Checkpointer:
             self._mgr.wait_until_finished()  # an earlier save still in flight may yet commit
         except Exception:
             pass
+        _cancel_unstarted_writes()
         self._cleanup_tmp()
         what = f"cannot write checkpoint step {step}" if step is not None else "cannot write a checkpoint"
         return disk_full_error(self.directory, need, what, free=free)

@@ -277,11 +277,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         # up here keeps that 2 s import (orbax) off the start of every command
         ckpt = sys.modules.get("jax_rl.checkpoint")
         if ckpt and isinstance(e, ckpt.CheckpointDiskFullError):
-            # the aborted write leaves Orbax's async fragment writer un-awaited; Python reports it
-            # at shutdown, after (and in place of) this one-line error as the last line
-            import warnings
-
-            warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
             print(f"jax-rl: error: {e}", file=sys.stderr)
             return 1
         bad_input = isinstance(e, FileNotFoundError) or (
