@@ -98,7 +98,7 @@ from jax_rl.config import Config, ConfigError
 
 __all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token", "weight_sync_fn"]
 
-FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync")
+FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step")
 
 
 # ======================================================================================
@@ -145,12 +145,14 @@ class _Target:
     cfg: Config
     topology: str
     spec: Any  # jax_rl.tpu.TopologySpec
-    devices: list
-    mesh: Any
+    devices: list  # the learner's devices (placement.learner; every device by default)
+    mesh: Any  # the learner's mesh (mesh.* over ``devices``)
     model_config: Any
     learner_kw: dict
     engine_kw: dict
     notes: list
+    all_devices: list = dataclasses.field(default_factory=list)  # the topology's devices
+    roles: Any = None  # jax_rl.placement.Roles over ``all_devices``
 
 
 def _model_config(cfg: Config, notes: list):
@@ -176,14 +178,22 @@ def _target(cfg: Config, topology: str) -> _Target:
     from jax_rl.sharding import make_mesh
     from jax_rl.tpu import get_topology, resolve_topology
 
+    from jax_rl.placement import resolve_roles
+
     spec = resolve_topology(topology)
-    devices = list(get_topology(topology).devices)
+    all_devices = list(get_topology(topology).devices)
+    try:
+        roles = resolve_roles(cfg, all_devices)
+    except ValueError as e:
+        raise ConfigError(f"{e} (on {topology}: {len(all_devices)} devices)") from None
+    devices = list(roles.learner)
     m = cfg.mesh
+    where = "" if len(devices) == len(all_devices) else " given to the learner by placement.*"
     try:
         mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, expert=m.expert, devices=devices)
     except ValueError as e:
         raise ConfigError(f"mesh {m.data}x{m.fsdp}x{m.tensor}x{m.expert} (data x fsdp x tensor x expert) on "
-                          f"{topology} ({len(devices)} devices): {e}") from None
+                          f"{topology} ({len(devices)} devices{where}): {e}") from None
     notes: list[str] = []
     mc = _model_config(cfg, notes)
     kw = model_kwargs(cfg.model)
@@ -196,7 +206,7 @@ def _target(cfg: Config, topology: str) -> _Target:
     learner_kw = dict(kw, dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32)
     engine_kw = {k: kw[k] for k in ("moe_dispatch", "scan_layers", "attention", "moe_capacity_factor", "moe_matmul")
                  if k in kw}
-    return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes)
+    return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes, all_devices, roles)
 
 
 def _short(a: dict) -> dict[str, float]:
@@ -555,16 +565,26 @@ def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, 
 
 
 def _devices_per_chip(t: _Target) -> float:
-    """JAX devices per chip (1 on v5e/v6e, 2 on megacore v4/v5p): per-device cost -> per chip."""
-    return len(t.devices) / t.spec.num_chips
+    """JAX devices per chip of the topology (1 on v5e/v6e and on v5p, whose two TensorCores are one
+    megacore device; 2 where a chip's cores are separate devices): per-device cost -> per chip."""
+    return len(t.all_devices or t.devices) / t.spec.num_chips
+
+
+def _chips(t: _Target, devices: Sequence) -> int:
+    """How many chips ``devices`` (some of the topology's) span."""
+    return max(1, round(len(devices) / _devices_per_chip(t)))
 
 
 def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[dict], model_flops: Optional[float],
-         shape: Sequence[int], pieces_s: float) -> dict:
+         shape: Sequence[int], pieces_s: float, *, role: str = "learner", devices: Optional[Sequence] = None) -> dict:
+    """One row. ``role``: learner / rollout / scorer / sync; ``devices``: the role's devices (default the
+    learner's): ``role_chips`` and the model FLOPs per chip are over them."""
     chip = t.spec.chip
     chips = t.spec.num_chips
+    devs = t.devices if devices is None else devices
+    head = {"role": role, "role_chips": _chips(t, devs), "device_ids": [int(d.id) for d in devs]}
     if "oom" in a:  # refused by the compiler: only what its message says is known
-        return {"function": function, "topology": t.spec.topology_name, "chips": chips, "hbm_args_bytes": None,
+        return {**head, "function": function, "topology": t.spec.topology_name, "chips": chips, "hbm_args_bytes": None,
                 "hbm_temp_bytes": None, "hbm_out_bytes": None, "hbm_total_bytes": None,
                 "hbm_required_bytes": a["required"],
                 "chip_hbm_bytes": chip.hbm_bytes, "fits": False, "compile_s": round(compile_s, 2),
@@ -573,7 +593,7 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
                 "cost_pieces_s": 0.0, "error": f"compiler: {a['oom']}"}
     total = a["args"] + a["out"] - a["alias"] + a["temp"]
     row = {
-        "function": function, "topology": t.spec.topology_name, "chips": chips,
+        **head, "function": function, "topology": t.spec.topology_name, "chips": chips,
         "hbm_args_bytes": a["args"], "hbm_temp_bytes": a["temp"], "hbm_out_bytes": a["out"] - a["alias"],
         "hbm_total_bytes": total, "chip_hbm_bytes": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
         "compile_s": round(compile_s, 2), "flops_per_chip": None, "bytes_accessed_per_chip": None,
@@ -586,7 +606,7 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
         roof = max(fl / chip.peak_bf16_flops, by / chip.hbm_bandwidth)
         row.update(flops_per_chip=fl, bytes_accessed_per_chip=by, roofline_step_s=roof)
         if model_flops is not None:
-            mf = model_flops / chips
+            mf = model_flops / head["role_chips"]
             row.update(model_flops_per_chip=mf, flops_ratio=fl / mf if mf else None,
                        mfu_bound=(mf / (roof * chip.peak_bf16_flops)) if roof else None)
     return row
@@ -670,13 +690,22 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
             mflops = B * T * model_flops_per_token(mc, T) * 3
         rows.append(_row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps))
         log(f"sft_step: {secs:.1f} s")
+    em = _engine_mesh(t)
+    if em is not None and ("prefill" in functions or "decode_step" in functions):
+        n = len(t.roles.engines)
+        log(f"rollout: {n} engine(s), each on a {'x'.join(str(v) for v in t.roles.engine_mesh.values())} "
+            f"(data x fsdp x tensor x expert) mesh of {len(t.roles.engines[0])} device(s); "
+            + (f"the {n} engines have the same shape: compiled once, for engine 0 (devices "
+               f"{[d.id for d in t.roles.engines[0]]})" if n > 1 else "compiled for its devices"))
     for fname in ("prefill", "decode_step"):
         if fname not in functions:
             continue
-        rows.append(_rollout_row(t, fname, cost, log))
+        rows.append(_rollout_row(t, fname, cost, log, em))
+    if "score_step" in functions and t.roles.scorer is not None:
+        rows.append(_scorer_row(t, log))
     if "weight_sync" in functions:
-        rows.append(_weight_sync_row(t, lrn, cost, log))
-    _beside_learner(rows, int(cfg.rollout.threads) + 1)
+        rows.append(_weight_sync_row(t, lrn, cost, log, em))
+    _on_chip(t, rows)
     return rows
 
 
@@ -705,9 +734,56 @@ def weight_sync_fn(abs_params, param_shardings, mesh, dtype: str):
     return fn, (abstract_like(abs_params, param_shardings),)
 
 
-def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log) -> dict:
-    """The ``weight_sync`` row: :func:`weight_sync_fn` compiled for the topology; its shape is
-    ``[param count]``. Loop-free: the full program's ``cost_analysis`` is its cost."""
+def cast_fn(abs_params, param_shardings, dtype: str):
+    """The learner-side half of a publish to a sharded engine (:meth:`rollout.engine.Qwen3Engine.load_params`'s
+    ``_cast_jit``): float leaves cast to ``dtype`` where the params are, in the learner's shardings; the
+    shards then travel to the engine's devices by ``jax.device_put`` (a device-to-device copy over ICI, which
+    no single program on one device set can express). Returns ``(fn, args)`` (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_rl.checkpoint import abstract_like
+    from rollout.engine import _resolve_dtype
+
+    dt = _resolve_dtype(dtype)
+
+    def cast(params):
+        return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+    fn = jax.jit(cast, in_shardings=(param_shardings,), out_shardings=param_shardings)
+    return fn, (abstract_like(abs_params, param_shardings),)
+
+
+def _shard_bytes(abs_params, shardings, dtype) -> int:
+    """Bytes of one device's shards of ``abs_params`` laid out by ``shardings``, float leaves in ``dtype``."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    def one(x, sh):
+        size = jnp.dtype(dtype).itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize
+        return math.prod(sh.shard_shape(x.shape)) * size
+
+    return sum(jax.tree.leaves(jax.tree.map(one, abs_params, shardings)))
+
+
+def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log, em=None) -> dict:
+    """The ``weight_sync`` row (role ``sync``); its shape is ``[param count]``. Loop-free: the full
+    program's ``cost_analysis`` is its cost.
+
+    Colocated engines (``em`` None): :func:`weight_sync_fn` compiled for the learner's mesh. Sharded
+    engines (``em``, engine 0's mesh): :func:`cast_fn`, the cast on the learner's mesh, whose shards
+    ``device_put`` then moves to each engine.
+
+    The ICI figures (vendor peaks, a lower bound on the time: one direction of every link of a chip busy,
+    no hop, contention or latency counted): ``sync_bytes`` = one engine's params in ``rollout.dtype``;
+    ``sync_engines`` engines receive them every publish (``rollout.threads``; the eval engine takes its
+    copy only at eval time); ``sync_in_bytes_per_chip`` = what one engine chip receives (its shards:
+    replicated leaves whole), ``sync_out_bytes_per_chip`` = all engines' bytes over the learner's chips
+    (evenly spread: the best case); ``sync_ici_roofline_s`` = max(in, out) / (half the chip's
+    bidirectional ICI bandwidth, :data:`jax_rl.tpu.CHIPS`). Colocated: each engine's whole copy goes to
+    the learner's first chip (in = engines x (sync_bytes - that chip's own shard), out = one shard)."""
     import jax
 
     from jax_rl.model_builder import abstract_model_split
@@ -719,27 +795,133 @@ def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log) -> di
         _, abs_params, _ = abstract_model_split(t.model_config, **t.learner_kw)
         param_sh = state_shardings(abs_params, t.mesh)
     n = sum(int(x.size) for x in jax.tree.leaves(abs_params))
-    log(f"weight_sync: compiling the publish reshard ({n} params, fp32 learner layout -> {t.cfg.rollout.dtype} "
-        "replicated) ...")
-    fn, args = weight_sync_fn(abs_params, param_sh, t.mesh, t.cfg.rollout.dtype)
+    dt = t.cfg.rollout.dtype
+    if em is None:
+        log(f"weight_sync: compiling the publish reshard ({n} params, fp32 learner layout -> {dt} replicated) ...")
+        fn, args = weight_sync_fn(abs_params, param_sh, t.mesh, dt)
+    else:
+        log(f"weight_sync: compiling the publish cast ({n} params, fp32 -> {dt} in the learner's layout; the "
+            "shards then move to each engine's mesh by device_put) ...")
+        fn, args = cast_fn(abs_params, param_sh, dt)
     a, secs = _compile_or_oom(fn, args, t.mesh)
     c = {"flops": a["flops"], "bytes": a["bytes"]} if cost and "oom" not in a else None
     log(f"weight_sync: {secs:.1f} s")
-    return _row(t, "weight_sync", a, secs, c, None, [n], 0.0)
+    row = _row(t, "weight_sync", a, secs, c, None, [n], 0.0, role="sync")
+
+    from rollout.engine import _resolve_dtype
+
+    rdt = _resolve_dtype(dt)
+    one = sum(int(x.size) * (jax.numpy.dtype(rdt).itemsize if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+                             else x.dtype.itemsize) for x in jax.tree.leaves(abs_params))
+    per_dev = _devices_per_chip(t)
+    own = _shard_bytes(abs_params, param_sh, rdt) * per_dev  # one learner chip's shard, in the rollout dtype
+    if em is None:
+        engines = int(t.cfg.rollout.threads)
+        into = engines * max(one - own, 0)
+        out = into
+        dest = [t.devices[0]]
+    else:
+        engines = len(t.roles.engines)
+        into = _shard_bytes(abs_params, state_shardings(abs_params, em), rdt) * per_dev
+        out = engines * into * _chips(t, t.roles.engines[0]) / row["role_chips"]
+        dest = t.roles.engines[0]
+    ici = t.spec.chip.ici_bandwidth
+    row.update(sync_bytes=one, sync_engines=engines, sync_bytes_total=engines * one, sync_in_bytes_per_chip=into,
+               sync_out_bytes_per_chip=out, ici_bandwidth=ici,
+               sync_ici_roofline_s=(max(into, out) / (ici / 2)) if ici else None,
+               sync_dest_device_ids=[int(d.id) for d in dest])
+    return row
 
 
-def _beside_learner(rows: list[dict], engines: int) -> None:
-    """``jax-rl train`` (embedded runtime) puts its rollout engines (``rollout.threads`` + 1 for
-    eval, each with its own params and KV cache) on the first device, beside the learner's shard:
-    add ``hbm_with_learner_bytes`` = train_step total + engines x decode_step total and
-    ``fits_with_learner`` to the decode_step row."""
+def _engine_mesh(t: _Target):
+    """Engine 0's mesh (``rollout.mesh`` over its devices), or None for the colocated one-device engine."""
+    if t.roles is None or t.roles.engines is None:
+        return None
+    from jax_rl.sharding import make_mesh
+
+    return make_mesh(**t.roles.engine_mesh, devices=t.roles.engines[0])
+
+
+def _on_chip(t: _Target, rows: list[dict]) -> None:
+    """What the rollout chips hold beside one engine's programs (the ``decode_step`` row) and what the
+    scorer's chips hold (the ``score_step`` row):
+
+    * colocated default (``placement.rollout`` null, one-device engines): ``jax-rl train`` (embedded
+      runtime) puts its ``rollout.threads`` + 1 (eval) engines on the learner's first device, beside its
+      shard: ``engines``, ``hbm_with_learner_bytes`` = train_step total + engines x decode_step total,
+      ``fits_with_learner`` (and the same as ``hbm_on_chip_bytes`` / ``fits_on_chip``);
+    * sharded engines: the busiest engine mesh holds ``engines_on_chip`` engines (engines sharing a device
+      set add up; the eval engine is counted on engine 0's mesh), each with its params and KV cache:
+      ``hbm_on_chip_bytes`` = that many decode_step totals, plus the learner's train_step total where an
+      engine's devices are also the learner's (then ``hbm_with_learner_bytes`` / ``fits_with_learner`` too);
+    * both: ``hbm_on_chip_during_sync_bytes`` / ``fits_during_sync``: + one new params copy per engine on
+      the chip, held beside the old one until the engine swaps (a publish).
+    """
+    import collections
+
     by = {r["function"]: r for r in rows}
-    if ("train_step" in by and "decode_step" in by and by["train_step"]["hbm_total_bytes"] is not None
-            and by["decode_step"]["hbm_total_bytes"] is not None):
-        d = by["decode_step"]
-        d["engines"] = engines
-        d["hbm_with_learner_bytes"] = by["train_step"]["hbm_total_bytes"] + engines * d["hbm_total_bytes"]
-        d["fits_with_learner"] = d["hbm_with_learner_bytes"] <= d["chip_hbm_bytes"]
+    tr, d = by.get("train_step"), by.get("decode_step")
+    learner = tr["hbm_total_bytes"] if tr is not None else None
+    if d is not None and d["hbm_total_bytes"] is not None:
+        if t.roles is None or t.roles.engines is None:
+            n, overlap = int(t.cfg.rollout.threads) + 1, True
+        else:
+            sets = collections.Counter(tuple(x.id for x in e) for e in t.roles.engines)
+            sets[tuple(x.id for x in t.roles.engines[0])] += 1  # the eval engine
+            n = max(sets.values())
+            lids = {x.id for x in t.devices}
+            overlap = any(x.id in lids for e in t.roles.engines for x in e)
+        d["engines"] = n
+        d["engines_on_chip"] = n
+        d["learner_on_chip"] = overlap
+        if overlap and learner is None:
+            d["hbm_on_chip_bytes"] = d["fits_on_chip"] = None  # the learner's share is unknown
+        else:
+            d["hbm_on_chip_bytes"] = n * d["hbm_total_bytes"] + (learner if overlap else 0)
+            d["fits_on_chip"] = d["hbm_on_chip_bytes"] <= d["chip_hbm_bytes"]
+            d["hbm_on_chip_during_sync_bytes"] = d["hbm_on_chip_bytes"] + n * d["params_bytes_per_chip"]
+            d["fits_during_sync"] = d["hbm_on_chip_during_sync_bytes"] <= d["chip_hbm_bytes"]
+        if overlap and learner is not None:
+            d["hbm_with_learner_bytes"] = d["hbm_on_chip_bytes"]
+            d["fits_with_learner"] = d["fits_on_chip"]
+    sc = by.get("score_step")
+    if sc is not None and sc["hbm_total_bytes"] is not None:
+        sc["hbm_on_chip_bytes"] = sc["hbm_total_bytes"] + (sc["versions_held"] - 1) * sc["params_bytes_per_chip"]
+        sc["fits_on_chip"] = sc["hbm_on_chip_bytes"] <= sc["chip_hbm_bytes"]
+
+
+def _scorer_row(t: _Target, log) -> dict:
+    """The ``score_step`` row (role ``scorer``): the dedicated old-logit scorer's forward
+    (:meth:`jax_rl.old_logits.OldLogitScorer.for_learner` with ``placement.scorer``: fp32 params on an
+    ``fsdp`` mesh over the scorer's devices, one GRPO group of ``rollout.group_size`` rows x
+    ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
+    param versions (:func:`_on_chip` adds the other versions' params)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_rl.checkpoint import abstract_like
+    from jax_rl.model_builder import abstract_model_split
+    from jax_rl.placement import BatchPlacement
+    from jax_rl.sharding import make_mesh, state_shardings
+    from jax_rl.train_step import make_logprob_step
+
+    cfg = t.cfg
+    devs = t.roles.scorer
+    mesh = make_mesh(fsdp=-1, devices=devs)
+    graphdef, abs_params, rest = abstract_model_split(t.model_config, **t.learner_kw)
+    sh = state_shardings(abs_params, mesh)
+    fn = make_logprob_step(cfg, graphdef, rest=rest, param_shardings=sh)
+    G, T = int(cfg.rollout.group_size), int(cfg.optim.max_seq_len)
+    bs = BatchPlacement(mesh, 1, 1).batch_sharding(G)
+    args = (abstract_like(abs_params, sh), jax.ShapeDtypeStruct((1, 1, G, T), jnp.int32, sharding=bs),
+            jax.ShapeDtypeStruct((1, 1, G, T), jnp.bool_, sharding=bs))
+    log(f"score_step: compiling the scorer's forward ([{G}, {T}], fsdp over {len(devs)} device(s)) ...")
+    a, secs = _compile_or_oom(fn, args, mesh)
+    log(f"score_step: {secs:.1f} s")
+    row = _row(t, "score_step", a, secs, None, None, [1, 1, G, T], 0.0, role="scorer", devices=devs)
+    row["versions_held"] = int(cfg.async_.max_staleness) + 1
+    row["params_bytes_per_chip"] = _shard_bytes(abs_params, sh, jnp.float32) * _devices_per_chip(t)
+    return row
 
 
 def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
@@ -763,13 +945,18 @@ def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
     return _compile(fn, (lrn.state.params, opt, lrn.state.params), t.mesh)
 
 
-def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
+def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
+    """A rollout row (role ``rollout``): the colocated engine's step (``em`` None: params replicated,
+    as the one-device engine holds them) or a sharded engine's on its mesh ``em`` (engine 0's; every
+    engine has the same shape, so one compile stands for all: ``same_shape_engines``)."""
     from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 
     r = t.cfg.rollout
     key = "prefill" if fname == "prefill" else "decode"
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
-              only=(key,))
+              only=(key,), mesh=em)
+    devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
+    rk = dict(role="rollout", devices=devs)
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
     shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
     t0 = time.perf_counter()
@@ -779,7 +966,9 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
         if not _is_hbm_oom(e):
             raise
         log(f"{fname}: does not fit ({_oom_text(e)})")
-        return _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0)
+        row = _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0, **rk)
+        _engine_keys(t, row, em)
+        return row
     a = _short(full)
     c, ps = None, 0.0
     if cost:
@@ -798,17 +987,30 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log) -> dict:
         if key == "decode":  # the same pieces with no VMEM staging: the HBM-side count
             hbm, s = pieces(HBM_SIDE_OPTIONS)
             c["hbm_side_bytes"], ps = hbm["bytes"], ps + s
-    row = _row(t, fname, a, full["compile_s"], c, None, shape, ps)
+    row = _row(t, fname, a, full["compile_s"], c, None, shape, ps, **rk)
+    _engine_keys(t, row, em)
     if key == "decode":
         base = full["params_per_chip"] + full["kv_cache_per_chip"]
         per_dev = _devices_per_chip(t)
         row["params_and_kv_cache_bytes_per_chip"] = base * per_dev
+        row["params_bytes_per_chip"] = full["params_per_chip"] * per_dev
+        row["kv_cache_bytes_per_chip"] = full["kv_cache_per_chip"] * per_dev
         if c is not None:
             row["bytes_accessed_ratio"] = c["bytes"] / base
             row["hbm_side_bytes_accessed_per_chip"] = c["hbm_side_bytes"] * per_dev
             row["hbm_side_ratio"] = c["hbm_side_bytes"] / base
     log(f"{fname}: {full['compile_s']:.1f} s")
     return row
+
+
+def _engine_keys(t: _Target, row: dict, em) -> None:
+    """The engine layout of a rollout row: ``engine_mesh`` (axis sizes; None = the colocated one-device
+    engine) and ``same_shape_engines`` (how many engines this one compile stands for)."""
+    row["engine_mesh"] = None if em is None else dict(t.roles.engine_mesh)
+    row["same_shape_engines"] = int(t.cfg.rollout.threads) if em is None else len(t.roles.engines)
+    if em is None:  # the colocated engine lives on the learner's first device; the program is replicated
+        row["device_ids"] = [int(t.devices[0].id)]
+        row["role_chips"] = 1
 
 
 # ======================================================================================
@@ -821,15 +1023,21 @@ def _gib(n) -> str:
 
 
 def format_table(rows: list[dict], title: str = "") -> Any:
-    """A ``rich.table.Table`` of the rows (bytes in GiB per chip)."""
+    """A ``rich.table.Table`` of the rows (bytes in GiB per chip), grouped by role (learner, rollout,
+    scorer, sync: one section each, with the role's chips)."""
     from rich.table import Table
 
     tb = Table(title=title or None, caption="compile-time estimates from libtpu's compiler (memory_analysis, "
                                             "cost_analysis with loop trip counts); not TPU measurements")
-    for h in ("function", "shape", "args GiB", "temp GiB", "out GiB", "total GiB", "chip GiB", "fits",
+    order = {"learner": 0, "rollout": 1, "scorer": 2, "sync": 3}
+    rows = sorted(rows, key=lambda r: order.get(r.get("role", "learner"), 9))  # stable: keeps the order inside a role
+    for h in ("role", "function", "shape", "args GiB", "temp GiB", "out GiB", "total GiB", "chip GiB", "fits",
               "compile s", "TFLOP/chip", "GB accessed/chip", "roofline s", "MFU bound", "FLOPs/model"):
-        tb.add_column(h, justify="left" if h in ("function", "shape") else "right")
-    for r in rows:
+        tb.add_column(h, justify="left" if h in ("role", "function", "shape") else "right", no_wrap=h == "role")
+    for i, r in enumerate(rows):
+        role = r.get("role", "learner")
+        first = i == 0 or rows[i - 1].get("role", "learner") != role
+        last = i == len(rows) - 1 or rows[i + 1].get("role", "learner") != role
         if r["hbm_total_bytes"] is None:
             need = r.get("hbm_required_bytes")
             fits = f"NO (needs {_gib(need)} GiB)" if need else "NO (compiler)"
@@ -838,7 +1046,8 @@ def format_table(rows: list[dict], title: str = "") -> Any:
             fits = (f"yes ({100 * head / r['chip_hbm_bytes']:.0f}% free)" if r["fits"]
                     else f"NO (+{_gib(-head)} GiB)")
         tb.add_row(
-            r["function"], "x".join(map(str, r["shape"])), _gib(r["hbm_args_bytes"]), _gib(r["hbm_temp_bytes"]),
+            f"{role} ({r.get('role_chips', r['chips'])} chips)" if first else "", r["function"],
+            "x".join(map(str, r["shape"])), _gib(r["hbm_args_bytes"]), _gib(r["hbm_temp_bytes"]),
             _gib(r["hbm_out_bytes"]), _gib(r["hbm_total_bytes"]), _gib(r["chip_hbm_bytes"]), fits,
             f"{r['compile_s']:.1f}",
             "-" if r["flops_per_chip"] is None else f"{r['flops_per_chip'] / 1e12:.2f}",
@@ -846,8 +1055,46 @@ def format_table(rows: list[dict], title: str = "") -> Any:
             "-" if r["roofline_step_s"] is None else f"{r['roofline_step_s']:.4g}",
             "-" if r["mfu_bound"] is None else f"{100 * r['mfu_bound']:.0f}%",
             "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}",
+            end_section=last,
         )
     return tb
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """One line per role placement fact: what the rollout chips hold and whether it fits, the scorer's
+    chips, and the weight sync's bytes and ICI roofline (compile-time estimates and vendor peaks)."""
+    out = []
+    for r in rows:
+        if r["function"] == "decode_step" and r.get("hbm_on_chip_bytes") is not None:
+            chip = _gib(r["chip_hbm_bytes"])
+            if r.get("engine_mesh") is None:
+                out.append(f"first device, learner + {r['engines']} rollout engines (rollout.threads + 1 eval): "
+                           f"{_gib(r['hbm_on_chip_bytes'])} of {chip} GiB: "
+                           f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
+            else:
+                mesh = "x".join(str(v) for v in r["engine_mesh"].values())
+                out.append(f"rollout: {r['same_shape_engines']} engine(s) of mesh {mesh} (data x fsdp x tensor x "
+                           f"expert, {r['role_chips']} chips each; same shape: compiled once); the busiest engine "
+                           f"chips hold {r['engines_on_chip']} engine(s) (eval included)"
+                           + (" and the learner's shard" if r["learner_on_chip"] else ", no learner") +
+                           f": {_gib(r['hbm_on_chip_bytes'])} of {chip} GiB: "
+                           f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
+            out.append(f"  during a publish (+ a new params copy per engine until it swaps): "
+                       f"{_gib(r['hbm_on_chip_during_sync_bytes'])} GiB: "
+                       f"{'fits' if r['fits_during_sync'] else 'DOES NOT FIT'}")
+        if r["function"] == "score_step" and r.get("hbm_on_chip_bytes") is not None:
+            out.append(f"scorer: {r['role_chips']} chips, {r['versions_held']} param versions held: "
+                       f"{_gib(r['hbm_on_chip_bytes'])} of {_gib(r['chip_hbm_bytes'])} GiB: "
+                       f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
+        if r["function"] == "weight_sync" and "sync_bytes" in r:
+            roof = r["sync_ici_roofline_s"]
+            out.append(f"weight sync: {_gib(r['sync_bytes'])} GiB per engine in the rollout dtype x "
+                       f"{r['sync_engines']} engine(s); per chip {_gib(r['sync_in_bytes_per_chip'])} GiB in, "
+                       f"{_gib(r['sync_out_bytes_per_chip'])} GiB out; ICI roofline "
+                       + ("- (no per-chip ICI figure for this chip)" if roof is None else
+                          f"{roof * 1e3:.1f} ms at half of {r['ici_bandwidth'] / 1e9:.0f} GB/s bidirectional "
+                          "(vendor peak; a lower bound)"))
+    return out
 
 
 def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, functions=FUNCTIONS,
@@ -863,11 +1110,9 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
         con.print(f"wrote {json_path}")
-    dec = next((r for r in rows if "hbm_with_learner_bytes" in r), None)
-    if dec is not None:
-        con.print(f"first device, learner + {dec['engines']} rollout engines (rollout.threads + 1 eval): "
-                  f"{_gib(dec['hbm_with_learner_bytes'])} of {_gib(dec['chip_hbm_bytes'])} GiB: "
-                  f"{'fits' if dec['fits_with_learner'] else 'DOES NOT FIT'}")
+    for line in summary_lines(rows):
+        con.print(line)
+    dec = next((r for r in rows if r["function"] == "decode_step" and r.get("fits_on_chip") is not None), None)
     for r in rows:
         if r.get("hbm_side_ratio") is not None:
             con.print(f"{r['function']}: bytes accessed per step = {r['bytes_accessed_ratio']:.2f} x (params + KV cache "
@@ -876,8 +1121,12 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
         if r.get("error"):
             con.print(f"{r['function']}: {r['error']}")
     over = [r["function"] for r in rows if not r["fits"]]
-    if dec is not None and not dec["fits_with_learner"]:
-        over.append("learner + rollout engines on the first device")
+    if dec is not None and not dec["fits_on_chip"]:
+        over.append("learner + rollout engines on the first device" if dec.get("engine_mesh") is None
+                    else "rollout engines on their chips" + (" with the learner" if dec["learner_on_chip"] else ""))
+    sc = next((r for r in rows if r["function"] == "score_step" and r.get("fits_on_chip") is False), None)
+    if sc is not None:
+        over.append(f"scorer with {sc['versions_held']} versions held")
     if over:
         con.print(f"does not fit in HBM: {', '.join(over)}")
         return 1

@@ -3,7 +3,7 @@
 Three parts:
 
 * ``CHIPS``: per-chip figures of the Cloud TPU generations (HBM bytes, peak bf16 FLOP/s, HBM
-  bandwidth), as published on Google Cloud's TPU pages (sources in ``ChipSpec.source``). They
+  bandwidth, bidirectional ICI bandwidth), as published on Google Cloud's TPU pages (sources in ``ChipSpec.source``). They
   are the vendor's peak figures, for roofline estimates, not measurements.
 * ``resolve_topology``: a Cloud TPU type (``v5e-8``, ``v5litepod-8``, ``v5p-8``, ``v5p-64``,
   ``v6e-8``, ``v4-16``) or a raw topology name (``v5p:4x4x4``) -> the arguments of
@@ -43,7 +43,10 @@ GB = 10 ** 9
 class ChipSpec:
     """One TPU chip. ``hbm_bytes`` bytes of HBM, ``peak_bf16_flops`` FLOP/s (dense bf16
     matmul), ``hbm_bandwidth`` bytes/s, ``cores`` TensorCores per chip (JAX devices per chip
-    in the default mode), ``source`` the Cloud TPU page the figures come from."""
+    in the default mode), ``source`` the Cloud TPU page the figures come from, ``ici_bandwidth``
+    the page's *bidirectional* inter-chip interconnect (ICI) bandwidth per chip in bytes/s (all of
+    a chip's links, both directions: one direction is half of it; None where the page gives no
+    per-chip figure). Vendor peaks, for roofline estimates, not measurements."""
 
     name: str
     hbm_bytes: int
@@ -51,17 +54,22 @@ class ChipSpec:
     hbm_bandwidth: float
     cores: int
     source: str
+    ici_bandwidth: Optional[float] = None
 
 
 CHIPS: dict[str, ChipSpec] = {
-    # Google Cloud "TPU v4" page, "System architecture": 32 GiB HBM2, 1200 GBps, 275 TFLOPs
+    # Google Cloud "TPU v4" page, "System architecture": 32 GiB HBM2, 1200 GBps, 275 TFLOPs; the page
+    # gives no per-chip ICI bandwidth (only per Pod), so none here
     "v4": ChipSpec("v4", 32 * GiB, 275e12, 1200 * GB, 2, "https://cloud.google.com/tpu/docs/v4"),
-    # "TPU v5e" page, chip specifications: 16 GB HBM2, 819 GBps, 197 TFLOPs bf16
-    "v5e": ChipSpec("v5e", 16 * GB, 197e12, 819 * GB, 1, "https://cloud.google.com/tpu/docs/v5e"),
-    # "TPU v5p" page, chip specifications: 95 GB HBM2e, 2765 GBps, 459 TFLOPs bf16
-    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 2, "https://cloud.google.com/tpu/docs/v5p"),
-    # "TPU v6e" (Trillium) page: 32 GB HBM, 1640 GBps, 918 TFLOPs bf16
-    "v6e": ChipSpec("v6e", 32 * GB, 918e12, 1640 * GB, 1, "https://cloud.google.com/tpu/docs/v6e"),
+    # "TPU v5e" page, chip specifications: 16 GB HBM2, 819 GBps, 197 TFLOPs bf16; bidirectional ICI
+    # bandwidth per chip 400 GBps
+    "v5e": ChipSpec("v5e", 16 * GB, 197e12, 819 * GB, 1, "https://cloud.google.com/tpu/docs/v5e", 400 * GB),
+    # "TPU v5p" page, chip specifications: 95 GB HBM2e, 2765 GBps, 459 TFLOPs bf16; bidirectional ICI
+    # bandwidth per chip 1200 GBps (4800 Gbps on the older page)
+    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 2, "https://cloud.google.com/tpu/docs/v5p", 1200 * GB),
+    # "TPU v6e" (Trillium) page: 32 GB HBM, 1640 GBps, 918 TFLOPs bf16; bidirectional ICI bandwidth per
+    # chip 800 GBps
+    "v6e": ChipSpec("v6e", 32 * GB, 918e12, 1640 * GB, 1, "https://cloud.google.com/tpu/docs/v6e", 800 * GB),
 }
 
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
@@ -231,7 +239,7 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
                     prefill_len: int = 1024, dtype: str = "bfloat16",
                     model_kwargs: Optional[dict] = None,
                     only: tuple[str, ...] = ("prefill", "decode"),
-                    compiler_options: Optional[dict] = None) -> dict[str, dict[str, Any]]:
+                    compiler_options: Optional[dict] = None, mesh: Any = None) -> dict[str, dict[str, Any]]:
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens) and decode step
     (``slots`` slots, ``max_cache_len`` cache) for ``topology`` (see ``resolve_topology``), params
     and state replicated on every chip as the engine places them. ``only``: the steps to
@@ -249,6 +257,13 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     step is compiled without an ambient mesh, as the engine runs it (its state donated);
     prefill under ``jax.set_mesh`` (splash). ``compiler_options`` go to ``Lowered.compile``
     (e.g. :data:`HBM_SIDE_OPTIONS`). Compile-time estimates, not TPU measurements.
+
+    ``mesh``: an engine mesh ``('data', 'fsdp', 'tensor', 'expert')`` over some of the topology's
+    devices (:func:`jax_rl.sharding.make_mesh`, ``placement.rollout`` / ``rollout.mesh``): the engine
+    is built as ``Qwen3Engine(..., mesh=mesh)`` and its params / decode state take the engine's own
+    shardings (``param_shardings``, ``state_shardings``); both steps are compiled under
+    ``jax.set_mesh(mesh)``, as the sharded engine runs them. ``params_per_chip`` and
+    ``kv_cache_per_chip`` are then the bytes of one device's shards.
     """
     import jax
     import jax.numpy as jnp
@@ -262,16 +277,27 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     kw = dict(scan_layers=True, attention="splash")
     kw.update(model_kwargs or {})
     # kv_per_layer=False: the stacked cache (the CPU-only per-layer form costs bytes on a TPU)
+    sharded = mesh is not None
     engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
-                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False)
-    mesh = Mesh(np.array(topo.devices), ("data",))
+                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
+                         **({"mesh": mesh} if sharded else {}))
+    if not sharded:
+        mesh = Mesh(np.array(topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 
-    def abstract(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+    def abstract(tree, shardings=None):
+        if shardings is None:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    params = abstract(engine._abstract_params)
-    state = abstract(jax.eval_shape(engine._init_state_jit, engine._abstract_params))
+    if sharded:
+        params = abstract(engine._abstract_params, engine.param_shardings)
+        with jax.set_mesh(mesh):
+            abs_state = jax.eval_shape(engine._init_state_jit, engine._abstract_params)
+        state = abstract(abs_state, engine.state_shardings)
+    else:
+        params = abstract(engine._abstract_params)
+        state = abstract(jax.eval_shape(engine._init_state_jit, engine._abstract_params))
 
     tokens = jax.ShapeDtypeStruct((1, prefill_len), jnp.int32, sharding=rep)
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
@@ -285,7 +311,8 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
 
     # contexts built lazily: jax.set_mesh(mesh) sets the mesh as soon as it is called
     steps = {"prefill": (engine._prefill_jit, (params, tokens, n), lambda: jax.set_mesh(mesh)),
-             "decode": (engine._generate_jit, (params, state), contextlib.nullcontext)}
+             "decode": (engine._generate_jit, (params, state),
+                        (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
     import time
 
     for name, (fn, args, ctx) in steps.items():
@@ -297,10 +324,12 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
         a["compile_s"] = time.perf_counter() - t0
         a["hbm_fraction"] = a["peak_bytes_per_chip"] / spec.chip.hbm_bytes
         out[name] = a
-    nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    def nbytes(tree):  # one device's shard of every leaf (replicated: the whole leaf)
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
     dec = out.get("decode")
     if dec is not None:
-        dec["params_per_chip"] = nbytes(params)  # replicated: every chip holds all of it
+        dec["params_per_chip"] = nbytes(params)
         dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
         dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"]
                                                                + dec["kv_cache_per_chip"])
