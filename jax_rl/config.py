@@ -668,6 +668,9 @@ class Config(_Section):
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
                              "runs its engines in worker processes: use runtime=embedded or placement.rollout=null")
+        if self.runtime.kind == "ray" and any(v > 1 for v in self.rollout.mesh.sizes().values()):
+            raise ValueError(f"rollout.mesh={self.rollout.mesh.sizes()} shards engines over this process's devices; "
+                             "runtime=ray runs each engine in a worker process of its own: use runtime=embedded")
         if self.rollout.max_cache_len > self.optim.max_seq_len:
             raise ValueError(
                 f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "

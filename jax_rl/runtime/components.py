@@ -30,6 +30,7 @@ __all__ = [
     "kv_cache_bytes",
     "engine_memory_bytes",
     "build_generator",
+    "engine_mesh",
     "adopt_checkpoint_layer_layout",
     "sft_examples",
     "compute_advantages",
@@ -486,19 +487,48 @@ def _check_env(cfg: Config) -> None:
                               f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
+def engine_mesh(cfg: Config, index: int = 0, roles: Any = None):
+    """The mesh of rollout engine ``index`` (``placement.rollout`` / ``rollout.mesh``,
+    :func:`jax_rl.placement.resolve_roles`): ``rollout.mesh`` over that engine's devices, or None
+    for the colocated single-device engine (the default placement).
+
+    Raises:
+        ConfigError: (one line naming the key) the placement does not resolve, or ``index`` is not an
+            engine of ``rollout.threads``.
+    """
+    from jax_rl.placement import resolve_roles
+    from jax_rl.sharding import make_mesh
+
+    if roles is None:
+        try:
+            roles = resolve_roles(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if roles.engines is None:
+        return None
+    if not 0 <= index < len(roles.engines):
+        raise ConfigError(f"rollout engine {index} does not exist: rollout.threads={cfg.rollout.threads}")
+    return make_mesh(**roles.engine_mesh, devices=roles.engines[index])
+
+
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
-                    slots: Optional[int] = None, seed: int = 0):
+                    slots: Optional[int] = None, seed: int = 0, engine: int = 0, roles: Any = None):
     """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
 
     The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
     learner's ``model.scan_layers`` / ``moe_dispatch``, ``attention`` for prefill), so ``params``
-    and every later ``update_params`` take the learner's params tree as is.
+    and every later ``update_params`` take the learner's params tree as is. ``engine``: which of
+    the ``rollout.threads`` engines this is; with ``placement.rollout`` / ``rollout.mesh`` it runs
+    sharded on that engine's mesh (:func:`engine_mesh`; ``roles``: an already resolved
+    :class:`jax_rl.placement.Roles`), else on ``jax.devices()[0]`` as always. The eval engine is
+    engine 0's mesh (``engine=0``).
     """
     from jax_rl.model_builder import rollout_model_kwargs
     from rollout.engine import Qwen3Engine
     from rollout.generator import Generator
 
     r = cfg.rollout
+    mesh = engine_mesh(cfg, engine, roles)
     engine = Qwen3Engine(
         model_config,
         params,
@@ -511,6 +541,7 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=cfg.moe.routing_replay != "none",  # r2/r3: Trajectory.routes (MoE only)
+        mesh=mesh,
     )
     gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)
     gen.start()

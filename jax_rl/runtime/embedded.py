@@ -301,8 +301,14 @@ class EmbeddedProducer:
             self.buffer.import_state(meta["buffer"])
             if self.scorer is not None:
                 self._score_restored()
-        self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version)
-                           for _ in range(cfg.rollout.threads)]
+        # engine i on its own mesh (placement.rollout / rollout.mesh; colocated: all on device 0); with
+        # placement a process builds the engines whose devices it owns (all of them in one process)
+        from jax_rl.placement import resolve_roles
+
+        roles = resolve_roles(cfg)
+        mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
+        self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i, roles=roles)
+                           for i in mine]
         # interrupt/retire: the agents keep every unscored episode (finished or partial) for the retires
         agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=bool(retiring))
                   for g in self.generators]

@@ -1,0 +1,63 @@
+"""RL with the roles on their own devices (docs/placement.md), end to end on the 8 fake devices:
+``placement.learner=4 placement.rollout=4 rollout.mesh.tensor=2`` (the learner's mesh on devices
+0-3, one rollout engine sharded (data 2, tensor 2) on devices 4-7, the eval engine on the same
+mesh). The engines really are sharded there, every trained token carries the version of the
+params that generated it (within async.max_staleness of the learner's), and the publishes are
+timed (weight_sync_s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_rl.runtime import components as C
+from jax_rl.runtime.train import run_train
+
+from .test_train import _cfg, _rows
+
+PLACED = ["placement.learner=4", "placement.rollout=4", "rollout.mesh.tensor=2", "run.steps=4", "eval.every=0",
+          "async.max_staleness=1"]
+
+
+@pytest.mark.timeout(300)
+def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
+    engines, batches = [], []
+    build, collate = C.build_generator, C.learner_batch
+
+    def spy_build(*a, **kw):
+        gen = build(*a, **kw)
+        engines.append(gen.engine)
+        return gen
+
+    def spy_batch(cfg, groups, pad_id):
+        out = collate(cfg, groups, pad_id)
+        batches.append((np.asarray(out[2]["versions"]), np.asarray(out[2]["loss_mask"])))
+        return out
+
+    monkeypatch.setattr(C, "build_generator", spy_build)
+    monkeypatch.setattr(C, "learner_batch", spy_batch)
+    cfg = _cfg(tmp_path, *PLACED)
+    assert run_train(cfg) == 0
+
+    # the rollout engine and the eval engine: on devices 4-7, params and KV cache sharded on 'tensor'
+    assert len(engines) == 2
+    for eng in engines:
+        assert dict(eng.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
+        assert {d.id for d in eng.mesh.devices.flat} == {4, 5, 6, 7}
+        q_proj = eng.params["layers"][0]["attn"]["q_proj"]
+        assert "tensor" in q_proj.sharding.spec and {d.id for d in q_proj.sharding.device_set} == {4, 5, 6, 7}
+
+    rows = _rows(cfg.run.dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]  # one publish per step
+    for r in rows:
+        assert r["weight_sync_s"] > 0 and r["weight_sync_cast_s"] > 0
+        assert r["staleness_max"] <= 1
+    assert len(batches) == 4
+    seen = set()
+    for step, (versions, loss_mask) in enumerate(batches):  # trained at version `step`
+        v = versions[loss_mask]
+        assert v.size and np.all(v <= step) and np.all(v >= step - 1), (step, np.unique(v))
+        assert np.all(versions[~loss_mask] == -1)
+        seen.update(np.unique(v).tolist())
+    assert seen & {1, 2, 3}  # tokens of published versions came back from the sharded engine
