@@ -75,3 +75,9 @@ def test_bad_placements_name_the_key(devices, over, msg):
 def test_ray_refuses_a_rollout_placement():
     with pytest.raises(ConfigError, match="runtime=ray runs its engines in worker processes"):
         load_config(None, ["runtime=ray", "placement.rollout=2"])
+
+
+def test_ray_refuses_a_sharded_rollout_mesh():
+    with pytest.raises(ConfigError, match=r"rollout.mesh=.*runtime=ray runs each engine in a worker process"):
+        load_config(None, ["runtime=ray", "rollout.mesh.tensor=2"])
+    load_config(None, ["runtime=ray", "rollout.mesh.data=-1"])  # the default (-1 = the engine's devices) is fine
