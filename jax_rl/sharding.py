@@ -79,8 +79,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1,
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                          f"have {len(devices)}")
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=types, devices=devices)
+    except AssertionError:
+        # a TPU device subset that is no sub-torus of the slice (e.g. 3 of a 2x2's chips, a role's share
+        # of the devices): jax's physical-mesh layout asserts; lay the devices out in the order given
+        return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES, axis_types=types)
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
