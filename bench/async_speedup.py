@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/async_speedup.py [--steps 60] [--latency 0.1] [--k 0 2 4] [--seeds 0]
         [--threshold 0.45] [--eval-every 10] [--config configs/tiny_cpu.yaml]
-        [--json docs/results/async_speedup.json] [--out DIR] [key=value ...]
+        [--json docs/results/async_speedup.json] [--out DIR] [--separate-roles [--learner-cpus 0]
+        [--rollout-cpus 1]] [key=value ...]
 
 For every seed and every K in ``--k`` it runs ``jax-rl train CONFIG`` (default ``configs/tiny_cpu.yaml``,
 what ``make train`` runs: SFT warm start, then PPO-EWMA on the calculator env) with
@@ -55,6 +56,25 @@ step 1 is left out because it holds the learner's and the decode's jit compiles)
   tail with few slots active);
 * best held-out success during RL (and its step), final and after-SFT success, mean staleness of the consumed batches.
 
+``--separate-roles`` gives the learner and the rollout their own CPU cores: every run (K=0 included)
+gets ``runtime=ray runtime.ray_workers=1 runtime.learner_cpus=[--learner-cpus]
+runtime.rollout_cpus=[--rollout-cpus]`` (default: the first and the second CPU this process may run
+on), i.e. the learner actor and the driver pinned to one core, the rollout worker's process (engine,
+generator, agent threads) to the other, each XLA thread pool sized to its one core
+(:mod:`jax_rl.runtime.affinity`). The learner's work per step is then the same in every K (nothing
+else runs on its core). Extra figures per run, from the ``learner_cpu_s`` / ``rollout_cpu_s``
+columns (CPU seconds of the learner actor's process and of the rollout worker's):
+``learner_cpu_s_per_step`` / ``rollout_cpu_s_per_step`` and ``learner_core_busy`` /
+``rollout_core_busy`` (that CPU over the window's wall seconds, per pinned core: near 1.0 = that
+role's core is the bound). The verdict prints, beside K=2's speed-up, the overlap bound of two
+roles on their own cores: from K=0 (synchronous: the rollout produces a batch while the learner
+waits, then the learner trains while the rollout waits), R = K=0's learner wait per step (the
+rollout's seconds per batch, tool sleeps included) and L = K=0's s/step - R (the learner's seconds
+per step: its step, the publish, the evals' share); a pipeline of the two gives at most
+(R + L) / max(R, L), reached when every second of the shorter role hides behind the longer. And a
+per-core CPU bound: K=2 cannot be faster per step than its busier role's CPU seconds per step on
+its cores.
+
 Prints a rich table and appends one record per invocation (date, load, machine, args, git
 commit, every run) to ``--json`` (a JSON list; an existing file that is not a list is an error,
 never replaced). Target of issue 15: speed-up >= 1.5x at K = 2 with 100 ms tool latency; the
@@ -83,9 +103,11 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
-    """The figures of one finished run dir (see the module doc). Raises ValueError when the run
-    has fewer than 2 learner steps (no timed window)."""
+def run_figures(run_dir: Path, threshold: float, *, learner_cpus: Optional[int] = None,
+                rollout_cpus: Optional[int] = None) -> dict[str, Any]:
+    """The figures of one finished run dir (see the module doc). ``learner_cpus`` / ``rollout_cpus``:
+    the number of cores each role was pinned to (``--separate-roles``), for the per-core busy
+    fractions. Raises ValueError when the run has fewer than 2 learner steps (no timed window)."""
     rows = _rows(run_dir / "metrics.jsonl")
     if len(rows) < 2:
         raise ValueError(f"{run_dir}: {len(rows)} learner step(s) in metrics.jsonl; the timed window needs >= 2")
@@ -110,6 +132,13 @@ def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
     cpu = last["cpu_s"] - first["cpu_s"] if "cpu_s" in first and "cpu_s" in last else None
     eval_s = sum(e.get("eval_s", 0.0) for e in rl_evals if 1 <= int(e["step"]) < int(last["step"]))
     best = max(rl_evals, key=lambda e: e["success"]) if rl_evals else None
+    roles: dict[str, Any] = {}
+    for role, ncores in (("learner", learner_cpus), ("rollout", rollout_cpus)):
+        col = f"{role}_cpu_s"
+        if col in first and col in last:  # runtime=ray: that role's process(es), all threads
+            c = last[col] - first[col]
+            roles[f"{col}_per_step"] = c / (len(rows) - 1)
+            roles[f"{role}_core_busy"] = c / wall / (ncores or 1) if wall > 0 else None
     final = [e for e in evals if e.get("label") == "final"]
     return {
         "steps": int(last["step"]), "timed_steps": len(rows) - 1, "wall_s": wall, "s_per_step": wall / (len(rows) - 1),
@@ -125,6 +154,7 @@ def run_figures(run_dir: Path, threshold: float) -> dict[str, Any]:
         "final_success": final[-1]["success"] if final else None,
         "sft_success": next((e["success"] for e in evals if e.get("label") == "after_sft"), None),
         "evals": [[int(e["step"]), float(e["success"])] for e in evals],
+        "wait_s_mean": wait / (len(rows) - 1), **roles,
     }
 
 
@@ -160,6 +190,34 @@ def _fmt(x: Optional[float], spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def _mean(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _roles_apart_verdict(a, k0: list[dict], k2: list[dict], s0: float) -> dict:
+    """``--separate-roles``: the overlap bound of two pipelined roles, the per-core CPU bound and
+    which resource bounds K=2 (see the module doc)."""
+    R = _mean([b["wait_s_mean"] for b in k0])
+    L = s0 - R
+    out: dict[str, Any] = {"R_s": R, "L_s": L, "overlap_bound": (R + L) / max(R, L) if max(R, L) > 0 else None}
+    lc, rc = _mean([r.get("learner_cpu_s_per_step") for r in k2]), _mean([r.get("rollout_cpu_s_per_step") for r in k2])
+    lb, rb = _mean([r.get("learner_core_busy") for r in k2]), _mean([r.get("rollout_core_busy") for r in k2])
+    if lc is not None and rc is not None:
+        per_core = max(lc / len(a.learner_cpus), rc / len(a.rollout_cpus))
+        out.update({"learner_cpu_s_per_step": lc, "rollout_cpu_s_per_step": rc, "learner_core_busy": lb,
+                    "rollout_core_busy": rb, "core_bound": s0 / per_core if per_core > 0 else None})
+    s2 = _mean([r["s_per_step"] for r in k2])
+    w2 = _mean([r["wait_s_mean"] for r in k2])
+    side = "learner" if L >= R else "rollout"
+    out["bound_by"] = (
+        f"{side} (K=0: rollout R = {R:.2f} s per batch vs learner L = {L:.2f} s per step; at K=2 the learner "
+        f"waits {w2:.2f} of its {s2:.2f} s per step"
+        + (f"; learner core {lb:.0%} busy, rollout core {rb:.0%} busy" if lb is not None and rb is not None else "")
+        + ")")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="RL learner steps per run (>= 2)")
@@ -173,8 +231,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="JSON list the record is appended to ('' = none)")
     ap.add_argument("--out", default="", help="parent dir of the run dirs (default runs/async_speedup-<UTC time>)")
     ap.add_argument("--run-timeout", type=float, default=1200.0, help="seconds before one run is killed")
+    ap.add_argument("--separate-roles", "--pin", dest="separate_roles", action="store_true",
+                    help="runtime=ray with the learner (and driver) and the rollout worker pinned to separate CPUs")
+    ap.add_argument("--learner-cpus", type=int, nargs="+", default=None,
+                    help="with --separate-roles: the learner's CPU ids (default: the first allowed CPU)")
+    ap.add_argument("--rollout-cpus", type=int, nargs="+", default=None,
+                    help="with --separate-roles: the rollout worker's CPU ids (default: the second allowed CPU)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
     a = ap.parse_args(argv)
+    role_overrides: list[str] = []
+    if a.separate_roles:
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if len(allowed) < 2 and (a.learner_cpus is None or a.rollout_cpus is None):
+            ap.error(f"--separate-roles needs two CPUs; this process may run on {allowed}")
+        a.learner_cpus = a.learner_cpus or allowed[:1]
+        a.rollout_cpus = a.rollout_cpus or allowed[1:2]
+        role_overrides = ["runtime=ray", "runtime.ray_workers=1",
+                          f"runtime.learner_cpus=[{','.join(map(str, a.learner_cpus))}]",
+                          f"runtime.rollout_cpus=[{','.join(map(str, a.rollout_cpus))}]"]
+    elif a.learner_cpus or a.rollout_cpus:
+        ap.error("--learner-cpus / --rollout-cpus need --separate-roles")
     if a.steps < 2:
         ap.error("--steps must be >= 2 (step 1 holds the compiles and is left out of the timed window)")
     for o in a.overrides:
@@ -192,14 +268,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_start = os.getloadavg()
     con.print(f"[bold]async speed-up[/] {stamp:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}, {os.cpu_count()} CPUs; "
               f"config {a.config}, tool latency {a.latency * 1e3:g} ms, {a.steps} steps; "
-              f"each run its own subprocess, serially: " + ", ".join(f"seed {s} K={k}" for s, k in order))
+              + (f"roles apart: learner + driver on CPU {a.learner_cpus}, rollout worker on CPU {a.rollout_cpus} "
+                 "(runtime=ray); " if a.separate_roles else "")
+              + "each run its own subprocess, serially: " + ", ".join(f"seed {s} K={k}" for s, k in order))
     runs: list[dict] = []
     for seed, k in order:
         rd = out / f"k{k}_seed{seed}"
         cmd = [sys.executable, "-m", "jax_rl.cli", "train", a.config, f"run.steps={a.steps}",
                f"eval.every={a.eval_every}", "checkpoint.every=0", f"rollout.tool_latency_s={a.latency}",
                f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={rd}", "logging.progress=false",
-               *a.overrides]
+               *role_overrides, *a.overrides]
         load0 = os.getloadavg()
         t = time.perf_counter()
         con.print(f"  run seed {seed} K={k} -> {rd}", highlight=False)
@@ -212,7 +290,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rec: dict[str, Any] = {"k": k, "seed": seed, "run_dir": str(rd), "rc": rc, "process_s": time.perf_counter() - t,
                                "load_before": list(load0), "load_after": list(os.getloadavg())}
         try:
-            rec.update(run_figures(rd, a.threshold))
+            rec.update(run_figures(rd, a.threshold, learner_cpus=len(a.learner_cpus or []) or None,
+                                   rollout_cpus=len(a.rollout_cpus or []) or None))
         except (OSError, ValueError, KeyError) as e:
             rec["error"] = f"{type(e).__name__}: {e}"
             con.print(f"  [red]run seed {seed} K={k} gave no figures (rc={rc}): {rec['error']}; log {out / f'k{k}_seed{seed}.log'}[/]")
@@ -231,12 +310,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
                       f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
     for c in ("K", "seed", "wall s (steps 2..N)", "s/step", "learner step s", "speed-up vs K=0",
-              "at K=0's learner step", "evals excluded", "CPU s/step", "cores busy", "learner idle", "rollout idle",
+              "at K=0's learner step", "evals excluded", "CPU s/step", "cores busy", "learner core busy",
+              "rollout core busy", "learner idle", "rollout idle",
               "staleness", f"time to held-out >= {a.threshold:g}", "best RL held-out (step)", "final", "load before/after"):
         tab.add_column(c, justify="right")
     for r in runs:
         if "wall_s" not in r:
-            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 14)
+            tab.add_row(str(r["k"]), str(r["seed"]), f"failed (rc {r['rc']}, see its log)", *[""] * 16)
             continue
         thr = (f"{r['t_threshold_s']:.0f} s (step {r['threshold_step']})" if r["t_threshold_s"] is not None
                else "not reached")
@@ -246,6 +326,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     _fmt(r["speedup_equal_learner"], ".2f") + ("x" if r["speedup_equal_learner"] is not None else ""),
                     _fmt(r["speedup_no_eval"], ".2f") + ("x" if r["speedup_no_eval"] is not None else ""),
                     _fmt(r.get("cpu_s_per_step"), ".2f"), _fmt(r.get("cores_busy"), ".2f"),
+                    _fmt(r.get("learner_core_busy"), ".0%"), _fmt(r.get("rollout_core_busy"), ".0%"),
                     _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
                     thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
                     f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}")
@@ -265,21 +346,40 @@ def main(argv: Optional[list[str]] = None) -> int:
         ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         # the K=2 run's own CPU work per step spread over every core with none idle: no schedule of that
         # work is faster, so K=0's s/step over it caps K=2's speed-up on this machine
-        cpu_bound = s0 / (cpu2 / ncpu) if cpu2 else None
+        cpu_bound = s0 / (cpu2 / ncpu) if cpu2 and not a.separate_roles else None  # ray: cpu_s is the driver's only
         sne = [r["speedup_no_eval"] for r in k2 if r.get("speedup_no_eval") is not None]
         sne = sum(sne) / len(sne) if sne else None
         ev = [r["eval_s_in_window"] for r in k2 + k0 if r.get("eval_s_in_window") is not None]
         verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe,
                    "speedup_no_eval_k2_mean": sne, "met_no_eval": sne is not None and sne >= 1.5,
                    "overlap_bound": bound, "learner_idle_k0": f0, "cpu_bound": cpu_bound, "cpus": ncpu}
+        roles = _roles_apart_verdict(a, k0, k2, s0) if a.separate_roles else None
+        if roles:
+            verdict["roles_apart"] = roles
+            verdict["overlap_bound"] = roles["overlap_bound"]
         con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
         if sne is not None:
             con.print(f"K=2, training time alone: {sne:.2f}x (the periodic held-out evals left out of both runs: the "
                       f"same work in every mode, run on the learner thread, {min(ev):.0f}-{max(ev):.0f} s per window)")
-        con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
-                  f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {bound:.2f}x "
-                  "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
-                  "included, can overlap)")
+        if roles:
+            con.print(f"speed-up K=2 {sp:.2f}x  |  overlap bound {roles['overlap_bound']:.2f}x  |  per-core CPU bound "
+                      + (f"{roles['core_bound']:.2f}x" if roles.get("core_bound") else "-"))
+            con.print(f"overlap bound, roles on their own cores: K=0's rollout takes R = {roles['R_s']:.2f} s per batch "
+                      f"(the learner's wait, tool sleeps included), its learner L = {roles['L_s']:.2f} s per step (learner "
+                      f"step, publish, batch assembly, the evals' share); pipelined, K=2 can give at most "
+                      f"(R + L) / max(R, L) = {roles['overlap_bound']:.2f}x")
+            if roles.get("core_bound"):
+                con.print(f"per-core CPU bound: K=2 spends {roles['learner_cpu_s_per_step']:.2f} CPU s per step on the "
+                          f"learner core(s) {a.learner_cpus} ({roles['learner_core_busy']:.0%} busy) and "
+                          f"{roles['rollout_cpu_s_per_step']:.2f} on the rollout core(s) {a.rollout_cpus} "
+                          f"({roles['rollout_core_busy']:.0%} busy); no schedule is faster than the busier role's CPU "
+                          f"seconds, so K=2 cannot beat {roles['core_bound']:.2f}x over K=0's {s0:.2f} s per step")
+            con.print(f"the bound is the {roles['bound_by']}")
+        else:
+            con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
+                      f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {bound:.2f}x "
+                      "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
+                      "included, can overlap)")
         if cpu_bound is not None:
             busy = sum(r["cores_busy"] for r in with_cpu) / len(with_cpu)
             con.print(f"CPU bound: K=2 spends {cpu2:.2f} CPU s per step (this process, all threads) "
@@ -294,10 +394,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"Learner idle K=0 {f0:.1%} vs K=2 "
                       f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
                       f"{sum(r['rollout_idle'] or 0 for r in k2) / len(k2):.1%}: a K=2 learner that is rarely "
-                      "idle while the rollout waits on the bound is learner-bound (CPU shared by learner and decode)."
+                      "idle while the rollout waits on the bound is learner-bound"
+                      + (f"; roles apart, the bound is the {roles['bound_by']}." if roles
+                         else " (CPU shared by learner and decode).")
                       + ("" if sne is None else f" Evals excluded, K=2 is {sne:.2f}x: the training itself "
                          f"{'meets' if sne >= 1.5 else 'misses'} the target."))
-    record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_start": list(load_start), "load_end": list(os.getloadavg()),
+    record = {"timestamp": stamp.isoformat(timespec="seconds"), "separate_roles": a.separate_roles,
+              "learner_cpus": a.learner_cpus, "rollout_cpus": a.rollout_cpus, "load_start": list(load_start), "load_end": list(os.getloadavg()),
               "cpu_count": os.cpu_count(), "git_commit": _git_commit(), "config": a.config, "steps": a.steps,
               "latency_s": a.latency, "k": a.k, "seeds": a.seeds, "threshold": a.threshold, "eval_every": a.eval_every,
               "overrides": a.overrides, "serial_subprocesses": True, "order": [[s, k] for s, k in order],

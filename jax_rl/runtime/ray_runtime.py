@@ -110,7 +110,15 @@ def _actors():
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class RolloutWorker:
+        """One rollout engine, generator and agent loop in its own process, pinned to
+        ``runtime.rollout_cpus`` before JAX starts. Created with ``max_concurrency`` above the
+        groups it is given at once (:attr:`RayProducer.per_worker`): its groups decode together in
+        the engine's ``rollout.slots`` and a ``set_params`` is not queued behind them."""
+
         def __init__(self, cfg_dict: dict, model_config_hf: dict, worker_id: int):
+            from jax_rl.runtime.affinity import pin_process
+
+            pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
             from jax_rl.config import Config
             from jax_rl.models.qwen3 import Qwen3Config
             from jax_rl.runtime import components as C
@@ -127,6 +135,16 @@ def _actors():
 
         def pid(self) -> int:
             return os.getpid()
+
+        def affinity(self) -> list[list[int]]:
+            """The distinct CPU masks of this process's threads (``[[1]]``: all pinned to CPU 1)."""
+            from jax_rl.runtime.affinity import thread_affinities
+
+            return thread_affinities()
+
+        def cpu_s(self) -> float:
+            """This process's CPU seconds so far (all threads)."""
+            return time.process_time()
 
         def set_params(self, params, version: int) -> float:
             """Build the generator (first call) or swap its weights; returns the seconds of the
@@ -185,6 +203,9 @@ def _actors():
         own process; the driver drives it through :class:`RemoteLearner`."""
 
         def __init__(self, cfg_dict: dict):
+            from jax_rl.runtime.affinity import pin_process
+
+            pin_process((cfg_dict.get("runtime") or {}).get("learner_cpus"))  # before JAX's CPU client
             import logging as _logging
 
             from jax_rl.config import Config
@@ -198,6 +219,15 @@ def _actors():
 
         def model_config_hf(self) -> dict:
             return self.ctx.model_config.to_hf()
+
+        def cpu_s(self) -> float:
+            """This process's CPU seconds so far (all threads: learner steps, evals, param copies)."""
+            return time.process_time()
+
+        def affinity(self) -> list[list[int]]:
+            from jax_rl.runtime.affinity import thread_affinities
+
+            return thread_affinities()
 
         def pad_id(self) -> int:
             return int(self.ctx.tokenizer.pad_id)
@@ -330,8 +360,13 @@ class RayProducer:
         ray = self._ray
         self.version = int(ray.get(self._learner.version.remote()))
         self.params_ref = self._learner.get_params.remote()  # lives in the object store; every worker reads it
-        self.workers = [self._worker_cls.remote(self._cfg_dict, self._hf, i) for i in range(self.cfg.runtime.ray_workers)]
+        self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.ray_workers)]
         ray.get([w.set_params.remote(self.params_ref, self.version) for w in self.workers])
+
+    def _new_worker(self, i: int):
+        # its per_worker groups run at once (one thread each, blocked on the group's future) and a
+        # set_params and the cpu_s / affinity probes beside them
+        return self._worker_cls.options(max_concurrency=self.per_worker + 2).remote(self._cfg_dict, self._hf, i)
 
     def poll(self, n_groups: int, version: int) -> Optional[list]:
         from rollout.types import Trajectory
@@ -372,10 +407,22 @@ class RayProducer:
             except Exception:  # noqa: BLE001 - the worker died; counted by the restart
                 pass
 
+    def cpu_columns(self) -> dict:
+        """``learner_cpu_s`` / ``rollout_cpu_s``: CPU seconds so far of the learner actor's process and
+        of the rollout workers' processes (summed; a replaced worker's count restarts), so that per
+        role busy cores = CPU seconds / wall seconds (``bench/async_speedup.py`` reads them)."""
+        ray = self._ray
+        try:
+            out = {"learner_cpu_s": float(ray.get(self._learner.cpu_s.remote(), timeout=30))}
+            out["rollout_cpu_s"] = float(sum(ray.get([w.cpu_s.remote() for w in self.workers], timeout=30)))
+        except Exception:  # noqa: BLE001 - a dead worker: no figure this row (the restart is counted)
+            return {}
+        return out
+
     def row(self) -> dict:
         self._collect_syncs()
         return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=True),
-                **{f"ray/{k}": v for k, v in self.counters.items()}, **self.weight_sync.row()}
+                **{f"ray/{k}": v for k, v in self.counters.items()}, **self.weight_sync.row(), **self.cpu_columns()}
 
     def summary(self) -> dict:
         self._collect_syncs()
@@ -419,7 +466,7 @@ class RayProducer:
                 self.in_flight.pop(ref)
                 self.reissue.append((gid, seed))
                 self.counters["reissued_groups"] += 1
-        self.workers[wi] = self._worker_cls.remote(self._cfg_dict, self._hf, wi)
+        self.workers[wi] = self._new_worker(wi)
         self._ray.get(self.workers[wi].set_params.remote(self.params_ref, self.version))
         self.counters["worker_restarts"] += 1
 
@@ -487,6 +534,10 @@ def run_train_ray(cfg: Config) -> int:
     stop = StopFlag()
     stop.install()
     init_ray(run_dir, runtime=cfg.runtime)
+    # the driver beside its learner (after Ray's daemons started, which stay unpinned)
+    from jax_rl.runtime.affinity import pin_process
+
+    pin_process(cfg.runtime.learner_cpus)
     RolloutWorker, BufferActor, LearnerActor = _actors()
     writer = None
     actor = LearnerActor.remote(cfg.to_dict())
