@@ -81,3 +81,11 @@ def test_ray_refuses_a_sharded_rollout_mesh():
     with pytest.raises(ConfigError, match=r"rollout.mesh=.*runtime=ray runs each engine in a worker process"):
         load_config(None, ["runtime=ray", "rollout.mesh.tensor=2"])
     load_config(None, ["runtime=ray", "rollout.mesh.data=-1"])  # the default (-1 = the engine's devices) is fine
+
+
+def test_rollout_expert_axis_must_divide_the_experts():
+    from jax_rl.runtime.components import build_model_config
+
+    with pytest.raises(ConfigError, match=r"^rollout.mesh.expert=3: the model's num_experts=4"):
+        build_model_config(load_config(None, ["model.preset=tiny_moe", "rollout.mesh.expert=3"]))
+    assert build_model_config(load_config(None, ["model.preset=tiny_moe", "rollout.mesh.expert=2"])).num_experts == 4

@@ -274,6 +274,10 @@ def _check_model_fits_config(cfg: Config, mc) -> None:
         raise ConfigError(f"mesh.expert={ep}: the model's num_experts={mc.num_experts} ({model}) must divide by "
                           f"mesh.expert (the experts are split evenly over the expert axis); set mesh.expert to a "
                           f"divisor of {mc.num_experts}")
+    rep = int(cfg.rollout.mesh.expert)
+    if mc.is_moe and rep > 1 and mc.num_experts % rep:
+        raise ConfigError(f"rollout.mesh.expert={rep}: the model's num_experts={mc.num_experts} ({model}) must divide "
+                          f"by it (each engine splits the experts evenly); set a divisor of {mc.num_experts}")
 
 
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
