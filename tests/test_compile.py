@@ -39,6 +39,12 @@ def test_cli_compiles_all_five_programs_for_v5e_2x2(tmp_path):
     assert "not TPU measurements" in r.stdout
     rows = json.loads(out.read_text())
     assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "decode_step", "weight_sync"]
+    # colocated (placement.* null): today's rows, each with its role; the engines beside the learner
+    assert [x["role"] for x in rows] == ["learner", "learner", "rollout", "rollout", "sync"]
+    dec = rows[3]
+    assert dec["engine_mesh"] is None and dec["device_ids"] == [0] and dec["engines"] == 2  # threads + eval
+    assert dec["hbm_with_learner_bytes"] == rows[0]["hbm_total_bytes"] + 2 * dec["hbm_total_bytes"]
+    assert dec["fits_with_learner"] is True and dec["hbm_on_chip_bytes"] == dec["hbm_with_learner_bytes"]
     for x in rows:
         assert KEYS <= set(x), KEYS - set(x)
         assert x["topology"] == "v5e:2x2" and x["chips"] == 4 and x["fits"] is True
@@ -80,12 +86,15 @@ def test_weight_sync_row_is_the_publish_reshard():
     assert rows["float32"]["hbm_out_bytes"] > rows["bfloat16"]["hbm_out_bytes"]  # the cast is in the program
 
 
+COLOCATED = ["placement.learner=null", "placement.rollout=null", "rollout.threads=1", "rollout.mesh.tensor=1"]
+
+
 def test_cli_does_not_fit_exit_1_and_bad_topology_exit_2(tmp_path):
-    # Qwen3-4B's decode step on a v5e (16 GB per chip): 8 GB of bf16 params + 16 slots x 8192
-    # positions of KV (19 GB), replicated on every chip as the engine places them
+    # Qwen3-4B's decode step on a v5e (16 GB per chip), colocated: 8 GB of bf16 params + 16 slots x
+    # 8192 positions of KV (19 GB), replicated on every chip as the one-device engine holds them
     out = tmp_path / "d.json"
     r = _cli(str(CONFIG_DIR / "qwen3_4b.yaml"), "--topology", "v5e:2x2", "--only", "decode_step", "--no-cost",
-             "--json", str(out))
+             "--json", str(out), *COLOCATED)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "does not fit in HBM: decode_step" in r.stdout
     (row,) = json.loads(out.read_text())  # the TPU compiler itself refuses it
@@ -99,6 +108,69 @@ def test_cli_does_not_fit_exit_1_and_bad_topology_exit_2(tmp_path):
     r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v5e:2x2", "mesh.tensor=3")
     assert r.returncode == 2 and "mesh" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def _tiny_params(rollout_dtype_bytes: int) -> int:
+    """The tiny model's params in bytes at ``rollout_dtype_bytes`` per element (all leaves are float)."""
+    import jax
+    from flax import nnx
+
+    from jax_rl.compile import _model_config
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM
+
+    mc = _model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", TINY), [])
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)))
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param))) * rollout_dtype_bytes
+
+
+def test_separate_placement_has_a_block_per_role():
+    """learner on chips 0-1, one engine tensor-parallel on chips 2-3: the learner's rows are over its 2
+    chips; the engine's rows are compiled on its own mesh, its params split by tensor; what its chips
+    hold is the engine (and the eval engine), not the learner's shard; the sync row moves one engine's
+    params in bf16 and has a positive ICI roofline."""
+    from jax_rl.compile import compile_programs
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "placement.learner=2", "placement.rollout=2",
+                                                     "rollout.mesh.tensor=2"])
+    rows = compile_programs(cfg, "v5e:2x2", functions=("train_step", "decode_step", "weight_sync"), cost=False)
+    by = {x["function"]: x for x in rows}
+    assert [x["role"] for x in rows] == ["learner", "rollout", "sync"]
+    for x in rows:
+        assert KEYS <= set(x), KEYS - set(x)
+    tr, dec, sync = by["train_step"], by["decode_step"], by["weight_sync"]
+    assert tr["device_ids"] == [0, 1] and tr["role_chips"] == 2 and tr["fits"] is True
+    assert dec["device_ids"] == [2, 3] and dec["role_chips"] == 2 and dec["fits"] is True
+    assert dec["engine_mesh"] == {"data": 1, "fsdp": 1, "tensor": 2, "expert": 1}
+    assert dec["same_shape_engines"] == 1 and dec["engines_on_chip"] == 2  # the engine + the eval engine
+    assert dec["learner_on_chip"] is False and "hbm_with_learner_bytes" not in dec
+    # its chips hold two engines' programs, not the learner's shard
+    assert dec["hbm_on_chip_bytes"] == 2 * dec["hbm_total_bytes"] and dec["fits_on_chip"] is True
+    whole = _tiny_params(2)
+    assert whole / 2 <= dec["params_bytes_per_chip"] < whole  # split over tensor (norms replicated)
+    assert sync["sync_bytes"] == whole and sync["sync_engines"] == 1
+    assert sync["sync_in_bytes_per_chip"] == dec["params_bytes_per_chip"]  # each engine chip takes its shards
+    assert sync["sync_ici_roofline_s"] == pytest.approx(
+        max(sync["sync_in_bytes_per_chip"], sync["sync_out_bytes_per_chip"]) / (400e9 / 2))
+    assert sync["sync_dest_device_ids"] == [2, 3]
+    # two one-device engines on the rollout chips: one compile stands for both
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "placement.learner=2", "placement.rollout=2",
+                                                     "rollout.threads=2"])
+    (dec2,) = compile_programs(cfg, "v5e:2x2", functions=("decode_step",), cost=False)
+    assert dec2["same_shape_engines"] == 2 and dec2["device_ids"] == [2] and dec2["engines_on_chip"] == 2
+    assert dec2["fits_on_chip"] is True
+
+
+def test_scorer_row_on_its_own_chip():
+    """placement.scorer: the scorer's forward on its own chip, holding async.max_staleness + 1 versions."""
+    from jax_rl.compile import compile_programs
+
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "loss.correction=exact", "old_logits.route=dedicated",
+                                                     "placement.scorer=1"])
+    (row,) = compile_programs(cfg, "v5e:2x2", functions=("score_step",), cost=False)
+    assert row["role"] == "scorer" and row["device_ids"] == [3] and row["fits"] is True
+    assert row["versions_held"] == cfg.async_.max_staleness + 1
+    assert row["params_bytes_per_chip"] == _tiny_params(4)  # fp32, the whole model on one chip
+    assert row["hbm_on_chip_bytes"] == row["hbm_total_bytes"] + (row["versions_held"] - 1) * row["params_bytes_per_chip"]
 
 
 def _exact(monkeypatch, *extra):
