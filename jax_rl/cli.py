@@ -213,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="PATH",
                    help="also write the figures as JSON: a list with one object per compiled function")
     c.add_argument("--only", dest="functions", action="append", default=None,
-                   choices=["train_step", "sft_step", "prefill", "decode_step", "weight_sync"],
-                   help="compile only this function (repeatable; default: all five; weight_sync: a "
-                        "publish's reshard, learner params -> the rollout engine's dtype and layout)")
+                   choices=["train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step"],
+                   help="compile only this function (repeatable; default: all of them; weight_sync: a "
+                        "publish's reshard, learner params -> the rollout engine's dtype and layout; score_step: "
+                        "the dedicated old-logit scorer's forward, with placement.scorer only)")
     c.add_argument("--no-cost", action="store_true",
                    help="skip the cost pieces (FLOPs / bytes / roofline): memory and compile time only, faster")
     c.set_defaults(func=cmd_compile)

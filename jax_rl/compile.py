@@ -854,8 +854,9 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
       set add up; the eval engine is counted on engine 0's mesh), each with its params and KV cache:
       ``hbm_on_chip_bytes`` = that many decode_step totals, plus the learner's train_step total where an
       engine's devices are also the learner's (then ``hbm_with_learner_bytes`` / ``fits_with_learner`` too);
-    * both: ``hbm_on_chip_during_sync_bytes`` / ``fits_during_sync``: + one new params copy per engine on
-      the chip, held beside the old one until the engine swaps (a publish).
+    * both: ``hbm_on_chip_during_sync_bytes`` / ``fits_during_sync``: + one new params copy per rollout
+      engine a publish updates on those chips, held beside the old one until the engine swaps (the eval
+      engine is updated at eval time, between publishes: at most as many copies).
     """
     import collections
 
@@ -865,8 +866,10 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
     if d is not None and d["hbm_total_bytes"] is not None:
         if t.roles is None or t.roles.engines is None:
             n, overlap = int(t.cfg.rollout.threads) + 1, True
+            synced = n - 1
         else:
             sets = collections.Counter(tuple(x.id for x in e) for e in t.roles.engines)
+            synced = max(sets.values())
             sets[tuple(x.id for x in t.roles.engines[0])] += 1  # the eval engine
             n = max(sets.values())
             lids = {x.id for x in t.devices}
@@ -879,7 +882,7 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
         else:
             d["hbm_on_chip_bytes"] = n * d["hbm_total_bytes"] + (learner if overlap else 0)
             d["fits_on_chip"] = d["hbm_on_chip_bytes"] <= d["chip_hbm_bytes"]
-            d["hbm_on_chip_during_sync_bytes"] = d["hbm_on_chip_bytes"] + n * d["params_bytes_per_chip"]
+            d["hbm_on_chip_during_sync_bytes"] = d["hbm_on_chip_bytes"] + synced * d["params_bytes_per_chip"]
             d["fits_during_sync"] = d["hbm_on_chip_during_sync_bytes"] <= d["chip_hbm_bytes"]
         if overlap and learner is not None:
             d["hbm_with_learner_bytes"] = d["hbm_on_chip_bytes"]
@@ -1079,7 +1082,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
                            + (" and the learner's shard" if r["learner_on_chip"] else ", no learner") +
                            f": {_gib(r['hbm_on_chip_bytes'])} of {chip} GiB: "
                            f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
-            out.append(f"  during a publish (+ a new params copy per engine until it swaps): "
+            out.append(f"  during a publish (+ a new params copy per updated engine until it swaps): "
                        f"{_gib(r['hbm_on_chip_during_sync_bytes'])} GiB: "
                        f"{'fits' if r['fits_during_sync'] else 'DOES NOT FIT'}")
         if r["function"] == "score_step" and r.get("hbm_on_chip_bytes") is not None:
