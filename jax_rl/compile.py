@@ -21,6 +21,26 @@ What is compiled (libtpu's real TPU compiler, targeted through
 Arguments are ``jax.ShapeDtypeStruct`` trees with the run's shardings (params, optimizer moments,
 EWMA, batch, KV cache), on the config's mesh built over the topology's devices.
 
+Roles (``placement.*``, :func:`jax_rl.placement.resolve_roles` over the topology's devices): every row
+has a ``role`` (``learner``, ``rollout``, ``scorer``, ``sync``), ``role_chips`` and ``device_ids`` (the
+devices it is compiled for), and the table groups the rows by role.
+
+- learner: ``train_step`` and ``sft_step`` on ``mesh.*`` over ``placement.learner``'s devices (all of
+  them by default); model FLOPs per chip are over those chips.
+- rollout: colocated (``placement.rollout`` null and a one-device ``rollout.mesh``), today's rows: the
+  one-device engine's programs (params replicated); its engines sit on the learner's first chip. Sharded
+  engines: ``prefill`` and ``decode_step`` of ``Qwen3Engine(..., mesh=make_mesh(**roles.engine_mesh,
+  devices=roles.engines[0]))`` with the engine's own param and decode-state shardings; every engine has
+  the same shape, so one compile stands for all (``same_shape_engines``). :func:`_on_chip` adds what the
+  engine chips hold (engines sharing a device set add up; the eval engine is counted on engine 0's mesh;
+  the learner's shard where the sets overlap): ``hbm_on_chip_bytes`` / ``fits_on_chip``, and
+  ``hbm_on_chip_during_sync_bytes`` / ``fits_during_sync`` (a new params copy per updated engine).
+- scorer (``placement.scorer``, ``old_logits.route=dedicated``): ``score_step``, the scorer's forward on
+  an ``fsdp`` mesh over its devices, plus its ``async.max_staleness`` + 1 held versions.
+- sync: ``weight_sync`` (colocated: :func:`weight_sync_fn`; sharded engines: :func:`cast_fn` on the
+  learner's mesh, then a ``device_put`` per engine) with the bytes one engine receives in
+  ``rollout.dtype`` and a roofline at the chip's ICI bandwidth (:func:`_weight_sync_row`).
+
 Figures, per chip (every figure is a compile-time estimate, never a measurement):
 
 - HBM: ``memory_analysis()`` of the full-depth program: arguments, temporaries, outputs
@@ -73,7 +93,8 @@ hbm_total_bytes, chip_hbm_bytes, fits, compile_s, flops_per_chip, bytes_accessed
 roofline_step_s, mfu_bound`` plus ``model_flops_per_chip``, ``flops_ratio``, ``shape`` and
 ``cost_pieces_s`` (seconds spent compiling the cost pieces); with both the train and decode
 steps, the decode row also has ``engines``, ``hbm_with_learner_bytes`` and ``fits_with_learner``
-(the embedded runtime's engines share the first device with the learner's shard). The decode row
+(the embedded runtime's engines share the first device with the learner's shard; with sharded engines
+only where their devices are the learner's), and ``hbm_on_chip_bytes`` / ``fits_on_chip`` always. The decode row
 also has ``params_and_kv_cache_bytes_per_chip`` and, with the cost pieces, ``bytes_accessed_ratio``
 (bytes accessed over that; 1.0 = every weight and cache entry read once) and
 ``hbm_side_bytes_accessed_per_chip`` / ``hbm_side_ratio``: the same pieces compiled with
