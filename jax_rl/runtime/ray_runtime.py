@@ -343,7 +343,10 @@ class RayProducer:
         self.reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
         self.in_flight: dict = {}  # ref -> (worker index, gid, seed)
         self.done_gids: set[int] = set()
-        self.per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + 1
+        # groups a worker holds at once: its slots' worth plus one step's batch, so that it keeps
+        # decoding while the driver is blocked in a learner step (groups are dispatched only between
+        # steps); admission (async.max_staleness) bounds them all the same
+        self.per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + n_groups
         self.workers: list = []
         self.version = 0
         self.params_ref = None
@@ -446,19 +449,23 @@ class RayProducer:
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self) -> None:
+        """Admitted groups to the least busy worker, one at a time, until every worker holds
+        :attr:`per_worker` groups or admission refuses."""
         ray = self._ray
-        for wi, w in enumerate(self.workers):
-            busy = sum(1 for v in self.in_flight.values() if v[0] == wi)
-            while busy < self.per_worker:
-                if self.reissue:
-                    gid, seed = self.reissue.pop(0)
-                else:
-                    if not ray.get(self.buffer.admit.remote(self.version)):
-                        return
-                    gid, seed = self.next_gid, self.cfg.env.train_seed_offset + self.next_gid
-                    self.next_gid += 1
-                self.in_flight[w.run_group.remote(gid, seed)] = (wi, gid, seed)
-                busy += 1
+        busy = [0] * len(self.workers)
+        for wi, _, _ in self.in_flight.values():
+            busy[wi] += 1
+        while busy and min(busy) < self.per_worker:
+            wi = busy.index(min(busy))
+            if self.reissue:
+                gid, seed = self.reissue.pop(0)
+            else:
+                if not ray.get(self.buffer.admit.remote(self.version)):
+                    return
+                gid, seed = self.next_gid, self.cfg.env.train_seed_offset + self.next_gid
+                self.next_gid += 1
+            self.in_flight[self.workers[wi].run_group.remote(gid, seed)] = (wi, gid, seed)
+            busy[wi] += 1
 
     def _restart(self, wi: int) -> None:
         for ref, (w2, gid, seed) in list(self.in_flight.items()):
@@ -476,7 +483,10 @@ class RayProducer:
         if not refs:
             time.sleep(timeout)
             return
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        # back as soon as one group is done (not after all of them or the timeout), with every done one
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
             if ref not in self.in_flight:  # already re-issued after its worker died
                 continue
