@@ -82,7 +82,6 @@ def _batch(vocab, B=3, T=9, lengths=(9, 5, 2), seed=0):
     return np.where(mask, ids, 0), mask
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_transformers(case, scan, tmp_path):
@@ -113,7 +112,6 @@ def test_parity_with_transformers(case, scan, tmp_path):
             assert np.abs(np.asarray(a) - b).max() <= TOL
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
 def test_save_pretrained_loads_in_transformers(name, scan, tmp_path):

@@ -44,7 +44,6 @@ def _ids(key, shape, vocab):
 # ---------------------------------------------------------------- config / presets
 
 
-@pytest.mark.slow
 def test_preset_param_counts_match_released_models():
     # Released parameter counts (HF safetensors totals; tied embeddings counted once).
     assert count_params(PRESETS["qwen3_0p6b"]()) == 596_049_920
@@ -337,7 +336,6 @@ def test_token_logprobs_chunked_equals_direct_with_grad():
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), atol=1e-6)
 
 
-@pytest.mark.slow
 def test_sequence_logprobs_alignment_masking_and_graphdef_form():
     cfg, m = _model("tiny_moe", seed=2)
     B, T = 2, 8

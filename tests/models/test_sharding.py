@@ -68,7 +68,6 @@ def _specs(m):
             "norm": m.layers[0].input_layernorm.weight[...].sharding}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("shape", list(EXPECTED))
 def test_sharded_model_matches_unsharded(shape, devices, tmp_path):
     cfg = get_preset("tiny_moe")

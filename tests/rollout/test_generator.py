@@ -258,7 +258,6 @@ def _params_from_hf(hf_model, abstract_params, tmp_path):
     return nnx.from_flat_state(flat)
 
 
-@pytest.mark.slow
 def test_greedy_equals_transformers_generate(model, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -43,7 +43,6 @@ def _start(args, timeout=180):
     return proc, lines
 
 
-@pytest.mark.slow
 def test_serve_grpc_decode_and_clean_stop():
     import grpc
 

@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_two_workers_survive_a_kill(tmp_path):
     d = tmp_path / "r"

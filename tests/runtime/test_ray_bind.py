@@ -53,7 +53,6 @@ ray.shutdown()
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ray_listens_on_loopback_only(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")

@@ -311,7 +311,6 @@ print("META", C.Checkpointer(sys.argv[1]).restore_metadata())
 """
 
 
-@pytest.mark.slow
 def test_checkpointer_enospc_in_orbax_one_line(tmp_path):
     """A real ENOSPC inside Orbax's background write (1 MiB tmpfs, 4 MiB array): one line, no
     absl tracebacks, no tmp dir left, the older step restores."""

@@ -59,7 +59,6 @@ def _finite(rows):
         assert not r.get("nonfinite_keys"), r.get("nonfinite_keys")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("correction", ["ppo", "decoupled", "linear_prox", "ppo_ewma", "exact"])
 def test_smoke_each_correction(tmp_path, correction, capsys):
@@ -212,7 +211,6 @@ def test_overlong_prompts_are_dropped_and_the_run_goes_on(tmp_path):
     _groups_conserved(s)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_failing_env_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch, capsys):
     # every episode's env raises (e.g. time.sleep(inf) of a tool): the run used to wait forever for a

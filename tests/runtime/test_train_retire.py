@@ -16,7 +16,6 @@ from .test_train import TINY
 from .test_train_dedicated import ROOT, _conserved, _pending, _rows, _sum
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("route", ["interrupt", "retire"])
 def test_cli_train_then_resume(tmp_path, route):
