@@ -125,9 +125,9 @@ def test_k2_slow_learner_bounded_and_stale(tmp_path, monkeypatch):
 
     orig = L.Learner.train_step
 
-    def slow(self, batch):
+    def slow(self, batch, **kw):
         time.sleep(1.5)  # rollouts run ahead while the learner is slow
-        return orig(self, batch)
+        return orig(self, batch, **kw)
 
     monkeypatch.setattr(L.Learner, "train_step", slow)
     cfg = _cfg(tmp_path, "async.max_staleness=2", "run.steps=5", "loss.correction=ppo_ewma")
