@@ -118,6 +118,7 @@ class Learner:
         self.old_logit_forwards = 0  # old-logit forwards the learner ran itself (snapshot route), this session
         self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
+        self._gather_jit = None  # multi-process rollout_params: the cast + all-gather program, built once
         self._replicated = NamedSharding(self.mesh, P())
         self._sft = None
         self.placement = BatchPlacement(self.mesh, self.minibatches, self.microbatches)
@@ -199,6 +200,36 @@ class Learner:
                 raise ValueError("get_params(host=True) needs a single process; use device arrays")
             return jax.tree.map(lambda x: np.asarray(x), self.state.params)
         return jax.tree.map(lambda x: x.copy(), self.state.params)
+
+    def rollout_params(self) -> Any:
+        """The params a publish hands this process's rollout engines (and the eval engine).
+
+        Single process: :meth:`get_params` (device arrays on the learner's mesh; each engine casts and
+        reshards them, ``Qwen3Engine.load_params``). Multi-process (``jax.distributed``): the learner's
+        shards live on every host, and jax 0.10.2 moves a non-addressable array to another device set only
+        as a backend-specific cross-host transfer (none on CPU; ``jax.experimental.transfer`` over DCN on
+        TPU), so ONE jitted program on the learner's mesh casts to ``rollout.dtype`` and all-gathers the
+        params to every learner device (the mesh's collectives: ICI/DCN on a pod, gloo on CPU), and this
+        process keeps the copy on its first addressable learner device (single-device arrays, which its
+        engines then ``device_put`` onto their own local meshes). Every process must call it at the same
+        point (a collective): the RL loop does, after each train step and at each eval. Cost: a transient
+        full rollout-dtype copy per learner device during the publish.
+        """
+        if jax.process_count() == 1:
+            return self.get_params()
+        if self._gather_jit is None:
+            import jax.numpy as jnp
+
+            dt = jnp.dtype(self.cfg.rollout.dtype)
+            replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), self.state.params)
+
+            def cast(p):
+                return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+
+            self._gather_jit = jax.jit(cast, out_shardings=replicated)
+        with jax.set_mesh(self.mesh):
+            full = self._gather_jit(self.state.params)
+        return jax.tree.map(lambda x: x.addressable_shards[0].data, full)
 
     # ---------------------------------------------------------------------------------
     # batch placement

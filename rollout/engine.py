@@ -412,7 +412,7 @@ class Qwen3Engine(Engine):
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._param_shardings = state_shardings(self._abstract_params, mesh)
         else:
-            self._sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # = jax.devices()[0] in one process
         self._rest = jax.device_put(
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_rest), self._sharding
         )

@@ -491,7 +491,7 @@ def _check_env(cfg: Config) -> None:
                               f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
-def engine_mesh(cfg: Config, index: int = 0, roles: Any = None):
+def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
     """The mesh of rollout engine ``index`` (``placement.rollout`` / ``rollout.mesh``,
     :func:`jax_rl.placement.resolve_roles`): ``rollout.mesh`` over that engine's devices, or None
     for the colocated single-device engine (the default placement).
@@ -500,6 +500,8 @@ def engine_mesh(cfg: Config, index: int = 0, roles: Any = None):
         ConfigError: (one line naming the key) the placement does not resolve, or ``index`` is not an
             engine of ``rollout.threads``.
     """
+    import jax
+
     from jax_rl.placement import resolve_roles
     from jax_rl.sharding import make_mesh
 
@@ -510,13 +512,19 @@ def engine_mesh(cfg: Config, index: int = 0, roles: Any = None):
             raise ConfigError(str(e)) from None
     if roles.engines is None:
         return None
+    if index is None:  # the eval engine: the first engine this process runs (engine 0 in one process)
+        local = roles.local_engines()
+        if not local:
+            raise ConfigError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
+                              "rollout engine of its own: give every host whole engines")
+        index = local[0][0]
     if not 0 <= index < len(roles.engines):
         raise ConfigError(f"rollout engine {index} does not exist: rollout.threads={cfg.rollout.threads}")
     return make_mesh(**roles.engine_mesh, devices=roles.engines[index])
 
 
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
-                    slots: Optional[int] = None, seed: int = 0, engine: int = 0, roles: Any = None):
+                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None):
     """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
 
     The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
@@ -524,8 +532,9 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
     and every later ``update_params`` take the learner's params tree as is. ``engine``: which of
     the ``rollout.threads`` engines this is; with ``placement.rollout`` / ``rollout.mesh`` it runs
     sharded on that engine's mesh (:func:`engine_mesh`; ``roles``: an already resolved
-    :class:`jax_rl.placement.Roles`), else on ``jax.devices()[0]`` as always. The eval engine is
-    engine 0's mesh (``engine=0``).
+    :class:`jax_rl.placement.Roles`), else on this process's first device as always. The eval engine
+    (``engine=None``) is on the mesh of the first engine this process runs (engine 0 in one process;
+    multi-process: each host evaluates on its own engine's devices).
     """
     from jax_rl.model_builder import rollout_model_kwargs
     from rollout.engine import Qwen3Engine
@@ -638,7 +647,8 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     Returns:
         ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
         the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
-        advantages broadcast over each row. B is ``optim.batch_size`` whenever the groups hold
+        advantages broadcast over each row. B is ``optim.batch_size`` (divided by the process count in a
+        multi-process run: each process's share) whenever the groups hold
         fewer trajectories (a group short of failed / over-long members): inert rows
         (:func:`jax_rl.batch.pad_rows`, no loss tokens) fill it, so the batch always splits into
         ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
@@ -649,14 +659,17 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     """
     from jax_rl.learner import collate
 
+    import jax
+
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = compute_advantages(cfg, groups)
     trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-    if len(trajs) < cfg.optim.batch_size:
+    rows = cfg.optim.batch_size // jax.process_count()  # multi-process: this process's share of the rows
+    if len(trajs) < rows:
         from jax_rl.batch import pad_rows
 
-        batch = pad_rows(batch, cfg.optim.batch_size, pad_id)
+        batch = pad_rows(batch, rows, pad_id)
     return groups, trajs, batch
 
 

@@ -108,6 +108,7 @@ class RunContext:
         from jax_rl.learner import Learner, initialize_distributed
 
         initialize_distributed(cfg.runtime)  # before anything asks jax about devices
+        _check_processes(cfg)
         C.check_mesh(cfg)
         self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
         self.warnings = start_of_run_lines(cfg, self.tokenizer, self.env_factory) if preflight else []
@@ -137,8 +138,9 @@ class RunContext:
     def opt_step(self) -> int:
         return int(self.learner.step)
 
-    def train_step(self, batch: dict) -> dict:
-        return self.learner.train_step(batch)
+    def train_step(self, batch: dict, *, process_local: bool = False) -> dict:
+        """One learner step; ``process_local``: ``batch`` holds this process's rows only (multi-process)."""
+        return self.learner.train_step(batch, process_local=process_local)
 
     def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None:
         """Checkpoint at ``rl_step`` (the step dir's name and the metadata's ``rl_step``) with the
@@ -244,7 +246,7 @@ class RunContext:
 
         cfg = self.cfg
         t = time.perf_counter()
-        params = self.learner.get_params()
+        params = self.learner.rollout_params()
         if self._eval_gen is None:
             self._eval_gen = C.build_generator(cfg, self.model_config, params, self.learner.version,
                                                temperature=cfg.eval.temperature)
@@ -296,6 +298,22 @@ def _load_hf_params(cfg: Config, model_config):
     except CheckpointError as e:  # e.g. a tensor's bytes do not match its header
         raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
     return nnx.state(model, nnx.Param), mesh
+
+
+def _check_processes(cfg: Config) -> None:
+    """Multi-process: every process generates an equal share of each step's groups (module
+    :mod:`jax_rl.runtime.embedded`). Raises ConfigError (one line) when the groups do not split."""
+    import jax
+
+    n = jax.process_count()
+    groups = cfg.optim.batch_size // cfg.rollout.group_size
+    if n > 1 and groups % n:
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / rollout.group_size={cfg.rollout.group_size} = "
+                          f"{groups} groups per step do not split over the {n} processes (each generates an equal "
+                          "share): make the group count a multiple of runtime.num_processes")
+    if n > 1 and cfg.runtime.kind != "embedded":
+        raise ConfigError(f"runtime={cfg.runtime.kind} with {n} jax processes: multi-process runs use runtime=embedded "
+                          "(each process runs its own rollout threads)")
 
 
 def is_primary() -> bool:

@@ -282,10 +282,10 @@ class EmbeddedProducer:
         dedicated = uses_dedicated_scorer(ctx.learner.strategy, cfg)
         retiring = uses_retiring_scorer(ctx.learner.strategy, cfg)  # "interrupt" | "retire" | None
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
-                                       groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size,
+                                       groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size // jax.process_count(),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=scores_before_buffer(ctx.learner.strategy, cfg))
-        params = ctx.learner.get_params()
+        params = ctx.learner.rollout_params()
         self.scorer = None
         self.retirer = None  # old_logits.route=interrupt|retire: a jax_rl.old_logits.RetiringScorer
         self._scorer_s_reported = 0.0
@@ -371,7 +371,7 @@ class EmbeddedProducer:
         :attr:`weight_sync` (``weight_sync_s``: all of it up to the hand-over; ``weight_sync_cast_s``:
         the generators' ``load_params``)."""
         t0 = time.perf_counter()
-        params = jax.block_until_ready(self._learner.get_params())  # blocked: the copy is timed here
+        params = jax.block_until_ready(self._learner.rollout_params())  # blocked: the copy is timed here
         if self.retirer is not None:
             # interrupt/retire: the retirer holds the params, moves every generator to ``version``
             # (each has swapped when this returns) and retires the outgoing version's tokens
