@@ -107,6 +107,14 @@ def _take(spec: Any, key: str, devs: list, *, from_end: bool, pool: Optional[lis
     return [d for d in devs if d.id in chosen]
 
 
+def _check_slots(cfg: Any, sizes: dict[str, int]) -> None:
+    """An engine splits its decode slots over its ``data`` axis (the KV cache's ``cache_batch``)."""
+    if cfg.rollout.slots % sizes["data"]:
+        raise ValueError(f"rollout.slots={cfg.rollout.slots} does not split over the engine's data axis of "
+                         f"{sizes['data']} (rollout.mesh.data={cfg.rollout.mesh.data}): use a multiple of "
+                         f"{sizes['data']} slots or set rollout.mesh.data")
+
+
 def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     """Map ``placement.*`` to device sets (docs/placement.md).
 
@@ -163,6 +171,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
                              f"(placement.rollout=null) lie on the learner's {len(learner)}")
         group = learner[:explicit]
         sizes = engine_mesh_sizes(cfg.rollout.mesh, explicit, where=" (colocated on the learner's first devices)")
+        _check_slots(cfg, sizes)
         return Roles(learner, [group] * threads, scorer, sizes)
     if len(rollout) % threads:
         raise ValueError(f"placement.rollout={_spec_str(pl.rollout)} ({len(rollout)} devices) does not split "
@@ -170,6 +179,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     per = len(rollout) // threads
     sizes = engine_mesh_sizes(cfg.rollout.mesh, per,
                               where=f" (placement.rollout={_spec_str(pl.rollout)} over rollout.threads={threads})")
+    _check_slots(cfg, sizes)
     engines = [rollout[i * per:(i + 1) * per] for i in range(threads)]
     for i, e in enumerate(engines):
         if len({d.process_index for d in e}) > 1:

@@ -59,6 +59,7 @@ def test_scorer_takes_what_the_rollout_leaves(devices):
     (["placement.rollout=4", "rollout.mesh.tensor=3"], r"rollout.mesh.data=-1 .*rollout.mesh.tensor=3 .* does not fit "
                                                        r"the 4 device\(s\) of each engine"),
     (["placement.rollout=2", "rollout.mesh.data=1", "rollout.mesh.tensor=4"], r"must equal it"),
+    (["placement.rollout=4", "rollout.slots=6"], r"rollout.slots=6 does not split over the engine's data axis of 4"),
     (["loss.correction=exact", "old_logits.route=dedicated", "placement.learner=8", "placement.scorer=2"],
      r"placement.scorer=2 overlaps placement.learner=8 on device\(s\) \[6, 7\]"),
     (["loss.correction=exact", "old_logits.route=dedicated", "placement.rollout=[6,7]", "placement.scorer=[7]"],
