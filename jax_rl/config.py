@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -171,7 +171,41 @@ class ModelConfig(_Section):
     xla elsewhere. Decode steps always use ``xla``."""
 
 
-class MeshConfig(_Section):
+class _MeshAxes(_Section):
+    """The axes ``('data', 'fsdp', 'tensor', 'expert')`` of a mesh, one of them -1 at most ("the
+    remaining devices"): the learner's (``mesh``) and each rollout engine's (``rollout.mesh``)."""
+
+    _key: ClassVar[str] = "mesh"  # the config key the messages name
+
+    @model_validator(mode="after")
+    def _one_wildcard(self) -> "_MeshAxes":
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        if sum(1 for s in sizes if s == -1) > 1:
+            raise ValueError(f"at most one {self._key} axis may be -1, got {sizes}")
+        for name, s in zip(("data", "fsdp", "tensor", "expert"), sizes):
+            if s == 0 or s < -1:
+                raise ValueError(f"{self._key}.{name} must be a positive int or -1, got {s}")
+        return self
+
+    def sizes(self) -> dict[str, int]:
+        """The axis sizes as configured (-1 unresolved)."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
+
+    def fixed_product(self) -> int:
+        """The product of the axes other than a -1 one (devices the mesh needs at least)."""
+        return math.prod(v for v in self.sizes().values() if v != -1)
+
+    def resolve(self, n_devices: int) -> Optional[dict[str, int]]:
+        """The axis sizes over ``n_devices`` (a -1 axis takes the rest); None when they do not fit
+        (the product differs, or a -1 axis's share is not whole). The callers word the error."""
+        sizes = self.sizes()
+        wild = [k for k, v in sizes.items() if v == -1]
+        if wild and n_devices % self.fixed_product() == 0:
+            sizes[wild[0]] = n_devices // self.fixed_product()
+        return sizes if math.prod(sizes.values()) == n_devices else None
+
+
+class MeshConfig(_MeshAxes):
     """Device mesh ``('data', 'fsdp', 'tensor', 'expert')``; -1 means "the remaining devices"."""
 
     data: int = 1
@@ -182,16 +216,6 @@ class MeshConfig(_Section):
     """Tensor-parallel axis (heads / mlp)."""
     expert: int = 1
     """Expert-parallel axis (MoE experts)."""
-
-    @model_validator(mode="after")
-    def _one_wildcard(self) -> "MeshConfig":
-        sizes = [self.data, self.fsdp, self.tensor, self.expert]
-        if sum(1 for s in sizes if s == -1) > 1:
-            raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
-        for name, s in zip(("data", "fsdp", "tensor", "expert"), sizes):
-            if s == 0 or s < -1:
-                raise ValueError(f"mesh.{name} must be a positive int or -1, got {s}")
-        return self
 
 
 def _check_devices_spec(v: Any) -> Any:
@@ -342,9 +366,11 @@ MAX_TOOL_LATENCY_S = 600.0
 MAX_EPISODE_TIMEOUT_S = 86400.0
 
 
-class RolloutMeshConfig(_Section):
+class RolloutMeshConfig(_MeshAxes):
     """One rollout engine's mesh ``('data', 'fsdp', 'tensor', 'expert')`` over its share of ``placement.rollout``
     (docs/placement.md); -1 means "the engine's remaining devices"."""
+
+    _key: ClassVar[str] = "rollout.mesh"
 
     data: int = -1
     """Engine data-parallel axis: decode slots split over it, params replicated (rollout.slots must divide)."""
@@ -354,19 +380,6 @@ class RolloutMeshConfig(_Section):
     """Engine tensor-parallel axis: attention heads, KV-cache kv heads and MLP split over it."""
     expert: int = 1
     """Engine expert-parallel axis (MoE experts; model.num_experts must divide by it)."""
-
-    @model_validator(mode="after")
-    def _one_wildcard(self) -> "RolloutMeshConfig":
-        sizes = [self.data, self.fsdp, self.tensor, self.expert]
-        if sum(1 for s in sizes if s == -1) > 1:
-            raise ValueError(f"at most one rollout.mesh axis may be -1, got {sizes}")
-        for name, s in zip(("data", "fsdp", "tensor", "expert"), sizes):
-            if s == 0 or s < -1:
-                raise ValueError(f"rollout.mesh.{name} must be a positive int or -1, got {s}")
-        return self
-
-    def sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
 
 
 class RolloutConfig(_Section):

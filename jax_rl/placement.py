@@ -75,15 +75,12 @@ def engine_mesh_sizes(mesh_cfg: Any, n_devices: int, *, where: str = "") -> dict
     Raises:
         ValueError: (one line naming ``rollout.mesh.*`` and ``where``) the sizes do not fit.
     """
-    sizes = dict(mesh_cfg.sizes())
-    known = math.prod(v for v in sizes.values() if v != -1)
-    wild = [k for k, v in sizes.items() if v == -1]
-    if wild and n_devices % known == 0:
-        sizes[wild[0]] = n_devices // known
-    if math.prod(sizes.values()) != n_devices:
+    sizes = mesh_cfg.resolve(n_devices)
+    if sizes is None:
+        wild = -1 in mesh_cfg.sizes().values()
         shown = " ".join(f"rollout.mesh.{k}={v}" for k, v in mesh_cfg.sizes().items())
         raise ValueError(f"{shown} does not fit the {n_devices} device(s) of each engine{where}: the product of the "
-                         f"axes other than a -1 one ({known}) must {'divide' if wild else 'equal'} it")
+                         f"axes other than a -1 one ({mesh_cfg.fixed_product()}) must {'divide' if wild else 'equal'} it")
     return sizes
 
 
@@ -163,7 +160,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
         raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} needs a single-process run (this one has "
                          f"{jax.process_count()} processes); set placement.scorer=null")
     if rollout is None:
-        explicit = math.prod(v for v in cfg.rollout.mesh.sizes().values() if v != -1)
+        explicit = cfg.rollout.mesh.fixed_product()
         if explicit == 1:
             return Roles(learner, None, scorer, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1})
         if explicit > len(learner):

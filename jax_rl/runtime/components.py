@@ -36,6 +36,7 @@ __all__ = [
     "compute_advantages",
     "pad_examples",
     "learner_batch",
+    "local_groups_per_step",
     "step_row",
     "rollout_preflight",
     "EpisodeGuard",
@@ -291,8 +292,6 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
             not equal the device count (or, with a -1 axis, does not divide it); naming the
             ``placement.*`` / ``rollout.mesh.*`` key when the roles do not fit the devices.
     """
-    import math
-
     import jax
 
     from jax_rl.placement import resolve_roles
@@ -302,7 +301,7 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
     left = ""
     pl = cfg.placement
     placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None
-    if placed or math.prod(v for v in cfg.rollout.mesh.sizes().values() if v != -1) > 1:
+    if placed or cfg.rollout.mesh.fixed_product() > 1:
         try:
             roles = resolve_roles(cfg, jax.devices()[:n_devices])
         except ValueError as e:
@@ -311,13 +310,10 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
             given = " ".join(f"placement.{k}={v}" for k, v in pl.model_dump().items() if v is not None)
             left = f" given to the learner by {given}"
             n_devices = len(roles.learner)
-    sizes = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor", "expert")}
-    known = math.prod(v for v in sizes.values() if v != -1)
-    wild = [k for k, v in sizes.items() if v == -1]
-    shown = " ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-    if wild and n_devices % known == 0:
-        sizes[wild[0]] = n_devices // known
-    if math.prod(sizes.values()) != n_devices:
+    sizes = cfg.mesh.resolve(n_devices)
+    if sizes is None:
+        known, wild = cfg.mesh.fixed_product(), -1 in cfg.mesh.sizes().values()
+        shown = " ".join(f"mesh.{k}={v}" for k, v in cfg.mesh.sizes().items())
         rule = (f"the product of the other axes ({known}) must divide it" if wild
                 else f"their product ({known}) must equal it; set one axis to -1 to take the remaining devices")
         raise ConfigError(f"{shown} does not fit the {n_devices} available device(s){left}: {rule}")
@@ -638,6 +634,15 @@ def compute_advantages(cfg: Config, groups: Sequence[Sequence[Any]]) -> list[np.
     return out
 
 
+def local_groups_per_step(cfg: Config) -> int:
+    """GRPO groups this process contributes to each learner step: ``optim.batch_size /
+    rollout.group_size`` over ``jax.process_count()`` (every process generates an equal share in a
+    multi-process run; the run refuses a count that does not divide, ``RunContext``)."""
+    import jax
+
+    return cfg.optim.batch_size // cfg.rollout.group_size // jax.process_count()
+
+
 def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     """Turn GRPO groups from the buffer into a learner batch.
 
@@ -659,13 +664,11 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     """
     from jax_rl.learner import collate
 
-    import jax
-
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = compute_advantages(cfg, groups)
     trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-    rows = cfg.optim.batch_size // jax.process_count()  # multi-process: this process's share of the rows
+    rows = local_groups_per_step(cfg) * cfg.rollout.group_size  # multi-process: this process's share
     if len(trajs) < rows:
         from jax_rl.batch import pad_rows
 

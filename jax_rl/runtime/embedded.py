@@ -282,7 +282,7 @@ class EmbeddedProducer:
         dedicated = uses_dedicated_scorer(ctx.learner.strategy, cfg)
         retiring = uses_retiring_scorer(ctx.learner.strategy, cfg)  # "interrupt" | "retire" | None
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
-                                       groups_per_step=cfg.optim.batch_size // cfg.rollout.group_size // jax.process_count(),
+                                       groups_per_step=C.local_groups_per_step(cfg),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=scores_before_buffer(ctx.learner.strategy, cfg))
         params = ctx.learner.rollout_params()

@@ -116,7 +116,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
     import jax
 
     nproc = jax.process_count()
-    n_groups = cfg.optim.batch_size // cfg.rollout.group_size // nproc  # this process's share (checked: divides)
+    n_groups = C.local_groups_per_step(cfg)  # this process's share
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
