@@ -159,7 +159,7 @@ def _time_ewma_update(lrn) -> float:
 def _time_model_fwd_bwd(lrn, b) -> float:
     """Seconds of a bare jitted value_and_grad of the model's summed log-probs (no loss/optimizer)."""
     tok, am = jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"])
-    from jax_rl.models.qwen3 import sequence_logprobs
+    from jax_rl.logprobs import sequence_logprobs
 
     f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am))))
     return _median_time(f, lrn.state.params)

@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jax_rl.logprobs import sequence_logprobs  # noqa: E402
 from jax_rl.models import qwen3 as q  # noqa: E402
 
 CONFIGS = {
@@ -67,7 +68,7 @@ def main() -> None:
         am = jnp.ones((args.B, args.T), bool)
 
         def loss(p):
-            return -jnp.mean(q.sequence_logprobs(graphdef, p, tok, am))
+            return -jnp.mean(sequence_logprobs(graphdef, p, tok, am))
 
         fb = jax.jit(jax.value_and_grad(loss))
         fw = jax.jit(loss)

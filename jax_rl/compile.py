@@ -465,7 +465,7 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     rows per forward), fits ``X(d, C) = a + d*layer + b*C`` from (d, C) = (1, C1), (2, C1),
     (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``; where it is one chunk (no loop),
     ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes}, compile seconds)."""
-    from jax_rl.models.qwen3 import _CHUNK_ELEMS, _chunk_len
+    from jax_rl.logprobs import _CHUNK_ELEMS, _chunk_len
 
     mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
     chunked = _chunk_len(rows, T, t.model_config.vocab_size, _CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T

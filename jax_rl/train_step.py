@@ -18,7 +18,7 @@ One call does everything for one published version:
 Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 ``optim.microbatches``) into [U, m, r, T]; minibatch u, microbatch j is rows
 ``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
-(``jax_rl.models.qwen3.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``,
+(``jax_rl.logprobs.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``,
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
 with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
 
@@ -196,7 +196,7 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
     ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
     ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
-    from jax_rl.models.qwen3 import sequence_logprobs
+    from jax_rl.logprobs import sequence_logprobs
 
     from jax_rl.models.qwen3 import unstack_routes
 

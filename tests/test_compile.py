@@ -177,7 +177,7 @@ def _exact(monkeypatch, *extra):
     """The train step's own cost_analysis with every loop written out (unrolled layers, one
     minibatch / microbatch / epoch, the LM-head chunk loop unrolled), with (target, learner)."""
     from jax_rl import compile as C
-    from jax_rl.models import qwen3
+    from jax_rl import logprobs
     from jax_rl.train_step import make_train_step
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", "model.scan_layers=false",
@@ -189,7 +189,7 @@ def _exact(monkeypatch, *extra):
     fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
                          state_shardings=lrn.state_sh, batch_sharding=sh)
     with monkeypatch.context() as mp:
-        mp.setattr(qwen3, "_UNROLL_CHUNKS", True)
+        mp.setattr(logprobs, "_UNROLL_CHUNKS", True)
         # the splash kernels' matmuls are added analytically in both (XLA cannot see into Pallas)
         exact, _ = C._compile(fn, (lrn.state, b), t.mesh, C._attn_unit(t, B, T))
     assert exact.get("splash_calls"), exact  # the step attends by splash on the TPU

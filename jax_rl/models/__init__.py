@@ -13,8 +13,6 @@ from jax_rl.models.qwen3 import (  # noqa: F401
     count_params,
     get_preset,
     model_kwargs,
-    sequence_logprobs,
-    token_logprobs,
 )
 
 _LAZY = {

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jax_rl.batch import BatchError, collate
 from jax_rl.learner import Learner
+from jax_rl.logprobs import sequence_logprobs
 from jax_rl.models import qwen3 as q
 from rollout.buffer import TrajectoryBuffer
 from rollout.engine import Qwen3Engine
@@ -184,7 +185,7 @@ def test_r3_forward_equals_router_bypass(scan):
     trajs, _ = _rollouts(L, _perturbed(L.get_params(host=True), 0.5), n=4, new=10)
     b = _batch(trajs)
     forced = L.logprobs(b)
-    ref = q.sequence_logprobs(L.model(), jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"]),
+    ref = sequence_logprobs(L.model(), jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"]),
                               temperature=L.cfg.rollout.temperature,
                               forced_expert_ids=q.unstack_routes(jnp.asarray(b["routes"])))
     np.testing.assert_allclose(forced, np.asarray(ref), rtol=0, atol=1e-6)

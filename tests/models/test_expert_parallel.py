@@ -371,7 +371,7 @@ def test_learner_step_expert_parallel_matches_one_device(devices, monkeypatch):
     """The learner's own loss and grads (moe_dispatch: ragged) on one device vs a mesh with
     expert=4: the EP path inside the real train step (scan, remat, chunked LM head)."""
     from jax_rl.learner import Learner
-    from jax_rl.models import qwen3
+    from jax_rl.models.qwen3 import layers as qwen3_layers
     from tests.learner._util import host, init_params, make_batch, make_cfg, max_abs_diff
 
     traced = []  # trace-time calls of the EP path
@@ -380,7 +380,7 @@ def test_learner_step_expert_parallel_matches_one_device(devices, monkeypatch):
         traced.append(jax.sharding.get_abstract_mesh().shape)
         return expert_parallel_moe(*a, **kw)
 
-    monkeypatch.setattr(qwen3, "expert_parallel_moe", spy)
+    monkeypatch.setattr(qwen3_layers, "expert_parallel_moe", spy)
 
     cfg = make_cfg("ppo", "tiny_moe", B=8, T=16, hf={"num_hidden_layers": 1},
                    model={"moe_dispatch": "ragged", "remat": True})

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_rl.logprobs import sequence_logprobs, token_logprobs
 from jax_rl.models.qwen3 import (
     MLP,
     MoE,
@@ -14,8 +15,6 @@ from jax_rl.models.qwen3 import (
     Qwen3ForCausalLM,
     count_params,
     get_preset,
-    sequence_logprobs,
-    token_logprobs,
 )
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_rl.logprobs import sequence_logprobs, token_logprobs
 from jax_rl.models import qwen3 as q
 from rollout import jetstream_compat as jc
 from rollout.engine import NO_BOS, Qwen3Engine, prefill_bucket, sample_tokens, unpack_result
@@ -67,9 +68,9 @@ def learner_logps(model):
     @jax.jit
     def ref(state, seq, mask, temperature):
         m = nnx.merge(graphdef, state)
-        lp = q.sequence_logprobs(m, seq, mask, temperature=temperature)
+        lp = sequence_logprobs(m, seq, mask, temperature=temperature)
         logits = m(seq, attention_mask=mask)
-        lp2 = q.token_logprobs(logits[:, :-1], seq[:, 1:], temperature)
+        lp2 = token_logprobs(logits[:, :-1], seq[:, 1:], temperature)
         return lp, lp2
 
     def fn(rows, temperature):

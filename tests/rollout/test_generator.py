@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_rl.logprobs import sequence_logprobs
 from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
@@ -48,7 +49,7 @@ def refs(model):
     @jax.jit
     def full(params, seq, mask):
         m = nnx.merge(graphdef, params, rest)
-        return q.sequence_logprobs(m, seq, mask, temperature=1.0)
+        return sequence_logprobs(m, seq, mask, temperature=1.0)
 
     @jax.jit
     def mixed(p_old, p_new, seq, c):
@@ -229,7 +230,7 @@ def test_background_thread_with_concurrent_updates(engine, params1, params2):
 
 def _params_from_hf(hf_model, abstract_params, tmp_path):
     """Our params from an HF torch model: via ``jax_rl.models.hf_io`` when it exists, else by the
-    layout documented in ``jax_rl/models/qwen3.py`` (HF Linear [out, in] -> ours [in, ...])."""
+    layout documented in ``jax_rl/models/qwen3/__init__.py`` (HF Linear [out, in] -> ours [in, ...])."""
     try:
         from jax_rl.models import hf_io
     except ImportError:
