@@ -30,7 +30,7 @@ no extra params), and prints, per row:
   rollout, scoring, learner).
 
 Then the same columns scaled to Qwen3-4B and Qwen3-30B-A3B, next to the paper's figures
-(arXiv 2605.12070, system-cost table; ``research/paper_spec.md``: Snapshot 40 GB / 25 s and
+(arXiv 2605.12070, system-cost table; docs/design.md §7.1 The paper: Snapshot 40 GB / 25 s and
 PPO-EWMA 7.9 GB / 8 s extra per step for 4B, 76.4 GB / 150 s and 15.2 GB / 34 s for 30B-A3B).
 How it scales:
 
@@ -76,7 +76,7 @@ ROWS: dict[str, list[str]] = {
     "exact/retire": ["loss.correction=exact", "old_logits.route=retire"],
 }
 ROLLOUT_SIDE = ("exact/dedicated", "exact/interrupt", "exact/retire")
-PAPER = {  # extra per step: (bytes, seconds); arXiv 2605.12070 system-cost table (paper_spec.md)
+PAPER = {  # extra per step: (bytes, seconds); arXiv 2605.12070 system-cost table (docs/design.md §7.1 The paper)
     "qwen3_4b": {"exact/snapshot": (40e9, 25.0), "ppo_ewma": (7.9e9, 8.0)},
     "qwen3_30b_a3b": {"exact/snapshot": (76.4e9, 150.0), "ppo_ewma": (15.2e9, 34.0)},
 }

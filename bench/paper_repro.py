@@ -3,7 +3,7 @@
     .venv/bin/python bench/paper_repro.py [--only main|grid] [--modes ppo_ewma exact ...]
         [--k 4 8] [--seeds 0 1 2] [--steps N] [--list] [--doc-only] [key=value ...]
 
-"Missing Old Logits in Asynchronous Agentic RL" (arXiv 2605.12070; ``research/paper_spec.md``)
+"Missing Old Logits in Asynchronous Agentic RL" (arXiv 2605.12070; docs/design.md §7.1 The paper)
 reports, on Qwen3-4B / 30B-A3B: (1) with a wide staleness window PPO-EWMA beats decoupled PPO and
 Linear_prox and comes close to exact old logits (Snapshot); (2) EWMA without reset drifts (the
 train-infer mask's retained ratio R collapses) and the automatic reset pulls R back; (3) the mask

@@ -1,5 +1,5 @@
 """The learner batch: a typed pytree of [B, T] arrays, built by :func:`collate` and checked
-by :func:`validate_batch` (DESIGN.md §3, docs/interfaces.md "Learner batch")."""
+by :func:`validate_batch` (docs/design.md §3.3 Learner batch, docs/interfaces.md "Learner batch")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Eval statistics: unbiased pass@k, avg@k, per-environment aggregation, held-out seeds.
 
-Definitions (paper_spec §6; Chen et al. 2021, "Evaluating Large Language Models Trained on
+Definitions (docs/design.md §2.6 Metrics; Chen et al. 2021, "Evaluating Large Language Models Trained on
 Code", eq. 1):
 
 - A sample *succeeds* when its reward is ``>= 1.0 - SUCCESS_EPS`` (rewards live in [0, 1]).

@@ -2,11 +2,12 @@
 
 Pure and jit-able. Formula sources: AReaL ``compute_prox_logp_approximations``
 (``prox_logp_method="loglinear"``, A-3PO, arXiv 2512.06547); Hilton, Cobbe & Schulman 2021
-(arXiv 2110.00641, ``openai/ppo-ewma`` ``EwmaModel.update/reset``); paper 2605.12070 §2.4,
-§2.5, §3 via ``research/paper_spec.md`` (beta from the staleness window, retained-ratio reset).
+(arXiv 2110.00641, ``openai/ppo-ewma`` ``EwmaModel.update/reset``); paper 2605.12070 via
+docs/design.md §2.3 EWMA proximal (beta from the staleness window, retained-ratio reset).
 
-Version convention (DESIGN §3): the learner holds params of version g (the last published
-ones, = ``current_version``) and its update produces g + 1. Behaviour tokens carry v_t <= g.
+Version convention (docs/design.md §3.1 Versions and staleness): the learner holds params of
+version g (the last published ones, = ``current_version``) and its update produces g + 1.
+Behaviour tokens carry v_t <= g.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def loglinear_logp(behav_logp, logp, versions, current_version) -> jax.Array:
 
 
 def ewma_beta(max_staleness: int, rule: str = "centre", override: Optional[float] = None) -> float:
-    """EWMA decay beta from the staleness window K (paper_spec §3.2; addendum: rule ``centre``).
+    """EWMA decay beta from the staleness window K (docs/design.md §2.3 EWMA proximal; rule ``centre``).
 
     beta is the weight on HISTORY: theta_bar <- beta * theta_bar + (1 - beta) * theta.
     beta -> 1 gives an older, slower proximal; beta = 0 copies theta (pi_prox = the current policy, AReaL recompute).

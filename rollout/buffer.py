@@ -1,6 +1,6 @@
 """Staleness-bounded, group-aware trajectory buffer (thread-safe).
 
-Definitions (versions as in DESIGN.md §3):
+Definitions (versions as in docs/design.md §3.1 Versions and staleness):
 
 * ``v`` = the learner's current version (number of published updates). The batch handed out by
   ``get_batch(n, v)`` is trained at version ``v``.
@@ -179,7 +179,7 @@ class TrajectoryBuffer:
         ok = [t for t in trajs if not t.failed and not self._overlong(t)]
         if self.require_old_logp and any(t.old_logp is None for t in ok):
             raise ValueError(f"group {trajs[0].group_id}: a trajectory without old_logp was put into a buffer that "
-                             "requires exact old log-probs (old_logits.route=dedicated scores before the buffer)")
+                             "requires exact old log-probs (the run's old_logits.route scores every trajectory before the buffer)")
         with self._cv:
             if admitted:
                 self._in_flight_groups = max(0, self._in_flight_groups - 1)

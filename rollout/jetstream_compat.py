@@ -1,7 +1,7 @@
 """Make google-jetstream 0.2.2 importable on jax 0.10 without seqio / TensorFlow.
 
 JetStream 0.2.2 (the newest release on PyPI; the project is archived) has three traps on a
-modern stack (see ``shared/research/env.md`` §2):
+modern stack (docs/design.md §6 Third-party notes):
 
 1. ``jetstream.engine.token_utils`` imports ``seqio.vocabularies`` at module level, and every
    useful module (``engine_api``, ``orchestrator``, ``server_lib``) imports ``token_utils``.

@@ -1,4 +1,4 @@
-"""Data shared by the rollout side: :class:`Trajectory` (DESIGN.md §3) and :class:`Completion`.
+"""Data shared by the rollout side: :class:`Trajectory` (docs/design.md §3.2 Trajectory) and :class:`Completion`.
 
 No jax here: everything is numpy on the host. Both classes convert to and from JSON-safe
 dicts (numpy arrays become lists); nothing is pickled.
@@ -84,7 +84,7 @@ class Completion:
 
 @dataclass
 class Trajectory:
-    """One episode (possibly many turns), numpy on the host. DESIGN.md §3.
+    """One episode (possibly many turns), numpy on the host. docs/design.md §3.2 Trajectory.
 
     Attributes:
         tokens: int32 [T], prompt + all turns in Qwen3 chat format; exactly the context the

