@@ -151,6 +151,45 @@ def sample(sampler: Any, prompts: Sequence[Sequence[int]], new_tokens: int, *, s
     return sum(len(t) for t in out.tokens), out
 
 
+class ChatTokenizerAdapter:
+    """Tunix's tokenizer interface (encode/decode/bos/eos/pad) over one of our
+    :class:`~jax_rl.models.tokenizer.ChatTokenizer` (a ``tokenizer.json``), for real text prompts
+    (``bench/e2e_rl.py``). Special tokens in the text (``<|im_start|>`` ...) encode to their ids,
+    so ``encode(render_text(chat)) == render_chat(chat)``; decode keeps them. No BOS (0, falsy:
+    Tunix prepends nothing); EOS = the first stop id (``<|im_end|>``); pad = ``<|endoftext|>``
+    (also a stop id, so a padded position is never a trained token)."""
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+        self._pad = tok.token_to_id("<|endoftext|>")
+        if self._pad is None:
+            raise ValueError("the tokenizer has no <|endoftext|> for Tunix's pad id")
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return list(self.tok.encode(str(text)))
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def bos_id(self) -> int:
+        return 0
+
+    def eos_id(self) -> int:
+        return int(self.tok.stop_ids[0])
+
+    def pad_id(self) -> int:
+        return int(self._pad)
+
+
+def make_chat_sampler(model: Any, cfg: Any, tok: Any, cache_size: int) -> Any:
+    """Tunix ``Sampler`` over ``model`` with :class:`ChatTokenizerAdapter` of ``tok``."""
+    from tunix.generate import sampler as ts
+
+    cc = ts.CacheConfig(cache_size=int(cache_size), num_layers=cfg.num_hidden_layers,
+                        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    return ts.Sampler(model, ChatTokenizerAdapter(tok), cc)
+
+
 # ---------------------------------------------------------------------------- GRPO train step
 
 

@@ -1,0 +1,511 @@
+"""End-to-end RL steps, jax-rl vs Tunix 0.1.7's GRPOLearner: same weights, task, batch, optimizer.
+
+    /work/bench-venv/bin/python bench/e2e_rl.py [--steps 30] [--warmup 3] [--rounds 1]
+        [--arms jaxrl_k0 tunix jaxrl_k2 roles_k0 roles_k2] [--eval-tasks 64] [--eval-k 4]
+        [--sft-steps 300] [--out runs/e2e_rl] [--json docs/results/e2e_rl_<date>.json]
+        [--jax-rl-python .venv/bin/python] [--src DIR]
+
+Runs in the bench venv (``bench/_tunix.py`` says how to build it; it holds tunix AND jax_rl). The
+jax-rl arms run ``jax-rl train`` in subprocesses (``--jax-rl-python``, default the main
+``.venv``); the Tunix arm runs ``tunix.rl.grpo.grpo_learner.GRPOLearner.train`` in a subprocess
+of the bench venv. Every arm is its own process, run one after the other in the order printed,
+``--rounds`` times (A B C ... A B C ...), with ``os.getloadavg()`` before and after each.
+
+The task (``bench/e2e_rl.yaml``): ``make train``'s tiny dense Qwen3 (2 layers, d=64, vocab 640,
+BPE tokenizer) on the calculator env's reasoning-gym chain_sum (2-3 terms of 1-2 digits), made
+SINGLE-TURN: Tunix 0.1.7's GRPOLearner is prompt -> one completion -> reward, so one assistant
+turn answers ``<answer>N</answer>`` (a ``<tool_call>`` scores 0, as jax-rl's ``max_turns=1``
+does). The start point is shared: ``prepare`` runs jax-rl's own SFT (``run_sft``, 300 steps) on
+direct-answer demos (the env's reference solution with the tool call left out) and exports ONE HF
+checkpoint folder (weights + ``tokenizer.json``) that every arm loads: jax-rl by
+``model.checkpoint`` / ``model.tokenizer``, Tunix by its safetensors loader
+(:func:`_tunix.load_model`) and a tokenizer adapter over the same ``tokenizer.json``
+(:class:`_tunix.ChatTokenizerAdapter`). Prompts are the env's chat rendered by that tokenizer
+(the same ids on both sides: checked), 64 trajectories per step in 8 groups of 8, at most 40 new
+tokens, temperature 1, top_p 1, stop at ``<|im_end|>``/``<|endoftext|>``; optimizer
+``chain(clip_by_global_norm(1.0), adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0))`` constant lr;
+loss: PPO clip 0.2 against the behaviour log-probs, token-mean (jax-rl ``loss.correction=ppo``,
+``loss.agg=token_mean``; Tunix ``GRPOConfig(beta=0, num_iterations=1, epsilon=0.2,
+loss_agg_mode="token-mean")``); GRPO advantages (group mean, std-normalised) on both. The reward
+is the env's own ``score`` (reasoning-gym ``score_answer``) on both sides (:func:`score`).
+Differences left: jax-rl trains the stop token, Tunix does not (its completions end before EOS);
+Tunix's training prompts are seeds 0, 1, 2, ... in order, jax-rl's its own task order (both below
+the held-out seeds); the rollout of the jax-rl arms is its continuous-batching engine with 64
+slots, Tunix's ``vanilla`` rollout (its ``Sampler``) on the whole batch.
+
+Arms: ``jaxrl_k0`` / ``jaxrl_k2``: ``jax-rl train`` colocated (``runtime=embedded``: learner and
+rollout threads in one process sharing both cores) with ``async.max_staleness`` 0 / 2;
+``roles_k0`` / ``roles_k2``: the same with the roles on separate cores (``runtime=ray
+runtime.ray_workers=1 runtime.learner_cpus=[0] runtime.rollout_cpus=[1]``, docs/placement.md);
+``tunix``: GRPOLearner colocated (one mesh for actor and rollout: the rollout shares the actor's
+params, synchronous, as Tunix runs whenever actor and rollout share a mesh).
+
+Per RL step (one optimizer update on 64 trajectories): ``wall_s`` (jax-rl: ``metrics.jsonl``
+``wall_s`` differences; Tunix: the end of one ``update_actor`` to the end of the next),
+generated tokens (completion tokens of the step's batch: jax-rl ``valid_tokens``, Tunix the
+``RolloutOutput`` tokens), trained tokens (prompt + completion tokens of the batch, padding
+excluded: jax-rl ``tokens``, Tunix the TrainExample masks), and tokens/s = those / ``wall_s``.
+Figures are medians over the steps after ``--warmup`` (the first steps hold the compiles) of every
+round. Ratio = jax-rl / Tunix (tokens/s), Tunix wall / jax-rl wall (s per step): > 1 = jax-rl
+faster.
+
+Stage breakdown, measured on both sides: Tunix wraps its own methods with timers
+(``RLCluster.generate`` = generation, ``GRPOLearner._compute_rewards`` = scoring,
+``RLCluster.update_actor`` = update, ``RLCluster.sync_weights`` = weight sync; host work = the
+rest of the step: advantages, padding, the data queue, metric buffering); jax-rl from
+``metrics.jsonl``: ``wait_s`` (the learner waiting for the batch: generation + scoring at K=0),
+``step_time_s`` (update, incl. batch assembly), ``publish_s`` (weight sync); host work = the
+rest of the step (metrics row, advantages, polling).
+
+Held-out success (avg@``--eval-k`` over ``--eval-tasks`` held-out seeds from 1,000,000, the
+env's score) of the shared start point and of every arm's final params, by ONE evaluator
+(:func:`heldout_success`: Tunix's ``Sampler`` at temperature 1 on an fp32 Tunix Qwen3; a jax-rl
+arm's final checkpoint goes through ``jax-rl export`` first), so both sides are scored by the
+same code; ``gain_per_100s`` = (final - start) / the arm's RL wall seconds (all its steps,
+compiles included) * 100.
+
+Writes a JSON record (date, load, machine, args, commit, every step) to ``--json``. No
+assertion: figures depend on the machine's load. The issue's target: jax-rl >= 1.5x Tunix per RL
+step at K=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "bench" / "e2e_rl.yaml"
+ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2")
+HELDOUT_SEED = 1_000_000
+MAX_NEW = 40
+GROUP = 8
+BATCH = 64
+
+
+# ---------------------------------------------------------------------------- the task (both sides)
+
+
+def _src_path(src: Path) -> None:
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+
+
+def load_cfg(src: Path, overrides: Optional[list] = None):
+    """The bench's jax-rl Config (``bench/e2e_rl.yaml`` of ``src``)."""
+    _src_path(src)
+    from jax_rl.config import load_config
+
+    return load_config(src / "bench" / "e2e_rl.yaml", list(overrides or []))
+
+
+def direct_answer_demo(env: Any, seed: int) -> list[dict]:
+    """The single-turn reference solution: ``<answer>{the task's answer}</answer>`` (no tool call)."""
+    env.reset(seed)
+    return [{"role": "assistant", "content": f"<answer>{env.entry['answer']}</answer>"}]
+
+
+class Task:
+    """Prompts and scoring of the bench task, from jax-rl's env and the shared tokenizer.
+
+    ``prompt(seed)`` -> (token ids, rendered text) of the env's chat with the generation prompt;
+    ``score(text, seed, ended)`` -> reward in [0, 1]: 0 when the turn did not end with a stop id
+    (``ended`` False) or is a tool call, else the env's ``score`` (reasoning-gym ``score_answer``),
+    as jax-rl's agent loop scores a one-turn episode.
+    """
+
+    def __init__(self, cfg: Any, tokenizer: Any):
+        from jax_rl.runtime import components as C
+
+        self.cfg, self.tok = cfg, tokenizer
+        self.env_factory = C.build_env_factory(cfg)
+        self._env = self.env_factory()
+
+    def prompt(self, seed: int) -> tuple[list[int], str]:
+        messages, tools = self._env.reset(int(seed))
+        shown = tools if self.cfg.rollout.render_tools else None
+        ids, _ = self.tok.render_chat(messages, shown, add_generation_prompt=True)
+        return list(ids), self.tok.render_text(messages, shown, add_generation_prompt=True)
+
+    def score(self, text: str, seed: int, ended: bool = True) -> float:
+        if not ended or "<tool_call>" in text:
+            return 0.0
+        self._env.reset(int(seed))
+        r, _ = self._env.score(text)
+        return float(min(1.0, max(0.0, r)))
+
+
+def prepare(out: Path, src: Path, sft_steps: int) -> Path:
+    """jax-rl SFT on direct-answer demos (``run_sft``), exported to ``out/hf`` (weights + tokenizer)."""
+    _src_path(src)
+    from rollout.envs.calculator import CalculatorEnv
+
+    CalculatorEnv.reference_solution = direct_answer_demo  # this process only: demos without the tool
+    from jax_rl.export import export_checkpoint
+    from jax_rl.runtime.train import run_sft
+
+    cfg = load_cfg(src, [f"run.dir={out / 'sft'}", f"sft.steps={sft_steps}"])
+    run_sft(cfg)
+    export_checkpoint(out / "sft", out / "hf")
+    return out / "hf"
+
+
+# ---------------------------------------------------------------------------- one evaluator for both
+
+
+def heldout_success(model: Any, task: Task, qcfg: Any, n_tasks: int, k: int, seed: int = 0) -> dict:
+    """avg@k held-out success of a Tunix Qwen3 ``model`` (Tunix ``Sampler``, temperature 1, top_p 1,
+    at most ``MAX_NEW`` tokens, stop ids of the tokenizer) on seeds ``HELDOUT_SEED + i``, scored
+    by :meth:`Task.score`. Returns {"success", "n", "eval_s"}."""
+    import _tunix as T
+
+    t = time.perf_counter()
+    seeds = [HELDOUT_SEED + i for i in range(n_tasks) for _ in range(k)]
+    prompts = [task.prompt(s) for s in seeds]
+    P = max(len(p[0]) for p in prompts)
+    sampler = T.make_chat_sampler(model, qcfg, task.tok, cache_size=P + MAX_NEW + 8)
+    stop = list(task.tok.stop_ids)
+    out = sampler([p[1] for p in prompts], max_generation_steps=MAX_NEW, max_prompt_length=P, temperature=1.0,
+                  top_p=1.0, top_k=None, eos_tokens=stop, seed=seed)
+    rewards = [task.score(text, s, ended=len(toks) < MAX_NEW)
+               for text, toks, s in zip(out.text, out.tokens, seeds)]
+    return {"success": sum(rewards) / len(rewards), "n": len(rewards), "eval_s": time.perf_counter() - t}
+
+
+def eval_hf(hf_dir: Path, src: Path, n_tasks: int, k: int) -> dict:
+    """:func:`heldout_success` of an HF checkpoint folder (weights + tokenizer.json)."""
+    import _tunix as T
+    from jax_rl.models import hf_io
+    from jax_rl.models.tokenizer import load_tokenizer
+
+    cfg = load_cfg(src)
+    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
+    qcfg = hf_io.load_config(hf_dir)
+    return heldout_success(T.load_model(str(hf_dir), qcfg), Task(cfg, tok), qcfg, n_tasks, k)
+
+
+# ---------------------------------------------------------------------------- the Tunix arm
+
+
+def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: int = 0) -> dict:
+    """``steps`` RL steps of Tunix's GRPOLearner (colocated, synchronous) from ``hf_dir``, timed
+    per step by wrappers around its own methods (module doc); then :func:`heldout_success` of the
+    trained actor."""
+    import jax
+    import numpy as np
+    import optax
+    import _tunix as T
+    from jax_rl.models import hf_io
+    from jax_rl.models.tokenizer import load_tokenizer
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
+    from tunix.rl.rollout import base_rollout
+
+    cfg = load_cfg(src)
+    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
+    task = Task(cfg, tok)
+    qcfg = hf_io.load_config(hf_dir)
+    model = T.load_model(str(hf_dir), qcfg)
+    n_prompts = BATCH // GROUP
+    train_seeds = [cfg.env.train_seed_offset + i for i in range(steps * n_prompts)]
+    prompts = {s: task.prompt(s) for s in train_seeds}
+    for s in train_seeds[:n_prompts]:  # the text Tunix encodes gives jax-rl's prompt ids
+        ids, text = prompts[s]
+        if tok.encode(text) != ids:
+            raise RuntimeError(f"seed {s}: encode(render_text) != render_chat ids")
+    P = max(len(p[0]) for p in prompts.values())
+    o = cfg.optim
+    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    rollout_cfg = base_rollout.RolloutConfig(
+        max_tokens_to_generate=MAX_NEW, temperature=cfg.rollout.temperature, top_p=1.0, top_k=None,
+        max_prompt_length=P, kv_cache_size=P + MAX_NEW + 8, eos_tokens=list(tok.stop_ids), seed=None)
+    cluster = rlc.RLCluster(
+        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
+        cluster_config=rlc.ClusterConfig(
+            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+            rollout_engine="vanilla", offload_to_cpu=False,
+            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
+            rollout_config=rollout_cfg))
+
+    def reward_fn(prompts, completions, seed, **_):
+        # Tunix's completion text ends before the stop id; a 40-token completion had none
+        return [task.score(str(c), int(s), ended=len(tok.encode(str(c))) < MAX_NEW)
+                for c, s in zip(completions, seed)]
+
+    learner = GRPOLearner(cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
+                                              loss_agg_mode="token-mean"), reward_fns=reward_fn)
+    acc = {"gen_s": 0.0, "score_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0,
+           "reward_sum": 0.0, "n": 0}
+    rows: list[dict] = []
+
+    def timed(name, fn, after=None):
+        def w(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            acc[name] += time.perf_counter() - t
+            if after:
+                after(out, *a, **kw)
+            return out
+        return w
+
+    def on_gen(out, *a, **kw):
+        acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
+
+    def on_rewards(r, *a, **kw):
+        acc["reward_sum"] += float(np.sum(r))
+        acc["n"] += len(r)
+
+    def on_update(out, train_ds, *a, **kw):
+        exs = train_ds if isinstance(train_ds, list) else [train_ds]
+        acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask)) for e in exs))
+        rows.append({"t_end": time.perf_counter(), **acc})
+        for key in acc:
+            acc[key] = 0 if isinstance(acc[key], int) else 0.0
+
+    cluster.generate = timed("gen_s", cluster.generate, on_gen)
+    learner._compute_rewards = timed("score_s", learner._compute_rewards, on_rewards)
+    cluster.update_actor = timed("update_s", cluster.update_actor, on_update)
+    cluster.sync_weights = timed("sync_s", cluster.sync_weights)
+
+    def batches():
+        for i in range(steps):
+            ss = train_seeds[i * n_prompts:(i + 1) * n_prompts]
+            # arrays: Tunix repeats every leaf G times (np.repeat); a list would be a tree of leaves
+            yield {"prompts": np.array([prompts[s][1] for s in ss]), "seed": np.array(ss)}
+
+    t0 = time.perf_counter()
+    learner.train(batches())
+    t_end = time.perf_counter()
+    prev = t0
+    step_rows = []
+    for i, r in enumerate(rows):
+        wall = r["t_end"] - prev
+        prev = r["t_end"]
+        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
+                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "score_s": r["score_s"],
+                          "update_s": r["update_s"], "sync_s": r["sync_s"],
+                          "host_s": wall - r["gen_s"] - r["score_s"] - r["update_s"] - r["sync_s"],
+                          "reward_mean": r["reward_sum"] / max(r["n"], 1)})
+    ev = heldout_success(cluster.actor_trainer.model, task, qcfg, n_tasks, k)
+    return {"steps": step_rows, "rl_wall_s": t_end - t0, "heldout": ev,
+            "should_sync_weights": bool(learner.should_sync_weights),
+            "async_rollout": bool(learner.can_enable_async_rollout), "prompt_len_max": P}
+
+
+# ---------------------------------------------------------------------------- the jax-rl arms
+
+
+def jaxrl_steps(run_dir: Path) -> list[dict]:
+    """Per-step figures of a finished ``jax-rl train`` run dir (its ``metrics.jsonl``)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    out, prev = [], None
+    for r in rows:
+        start = r["wall_s"] - r["wait_s"] - r["step_time_s"] - r.get("publish_s", 0.0) if prev is None else prev
+        wall = r["wall_s"] - start
+        prev = r["wall_s"]
+        out.append({"step": int(r["step"]), "wall_s": wall, "gen_tokens": int(r["valid_tokens"]),
+                    "trained_tokens": int(r["tokens"]), "wait_s": r["wait_s"], "update_s": r["step_time_s"],
+                    "sync_s": r.get("publish_s", 0.0),
+                    "host_s": wall - r["wait_s"] - r["step_time_s"] - r.get("publish_s", 0.0),
+                    "reward_mean": r.get("reward_mean"), "staleness_mean": r.get("staleness_mean")})
+    return out
+
+
+def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: str, seed: int,
+              timeout: float) -> dict:
+    """One ``jax-rl train`` subprocess of ``arm``; returns its steps and RL wall seconds."""
+    k = 2 if arm.endswith("k2") else 0
+    roles = []
+    if arm.startswith("roles"):
+        cpus = sorted(os.sched_getaffinity(0))
+        roles = ["runtime=ray", "runtime.ray_workers=1", f"runtime.learner_cpus=[{cpus[0]}]",
+                 f"runtime.rollout_cpus=[{cpus[1 % len(cpus)]}]"]
+    cmd = [py, "-m", "jax_rl.cli", "train", str(src / "bench" / "e2e_rl.yaml"), f"model.checkpoint={hf_dir}",
+           f"model.tokenizer={hf_dir / 'tokenizer.json'}", "sft.steps=0", f"run.steps={steps}",
+           f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={run_dir}", *roles]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(src), "RAY_AUTH_MODE": "disabled"}
+    t = time.perf_counter()
+    with open(str(run_dir) + ".log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src, timeout=timeout).returncode
+    if rc != 0:
+        raise RuntimeError(f"{arm}: jax-rl train exited {rc}; log {run_dir}.log")
+    st = jaxrl_steps(run_dir)
+    return {"steps": st, "rl_wall_s": sum(s["wall_s"] for s in st), "process_s": time.perf_counter() - t}
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def _sub(args: list[str], timeout: float, log: Path) -> dict:
+    """Run this script's worker mode in a fresh bench-venv process; its last stdout line is JSON."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(log, "w") as f:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE,
+                           stderr=f, env=env, timeout=timeout, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{args[0]} exited {p.returncode}; log {log}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def med(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def arm_summary(runs: list[dict], warmup: int) -> dict:
+    """Medians over the steps after ``warmup`` of every run of one arm."""
+    st = [s for r in runs for s in r["steps"][warmup:]]
+    out = {"timed_steps": len(st), "wall_s": med([s["wall_s"] for s in st]),
+           "gen_tok_s": med([s["gen_tokens"] / s["wall_s"] for s in st]),
+           "trained_tok_s": med([s["trained_tokens"] / s["wall_s"] for s in st]),
+           "gen_tokens": med([s["gen_tokens"] for s in st]), "trained_tokens": med([s["trained_tokens"] for s in st])}
+    for key in ("gen_s", "score_s", "wait_s", "update_s", "sync_s", "host_s"):
+        v = [s[key] for s in st if key in s]
+        if v:
+            out[key] = med(v)
+    h = [r["heldout"]["success"] for r in runs if r.get("heldout")]
+    out["heldout_final"] = sum(h) / len(h) if h else None
+    out["rl_wall_s"] = sum(r["rl_wall_s"] for r in runs) / len(runs)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0].startswith("_"):  # worker modes (one fresh process each)
+        return _worker(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="RL steps per arm run")
+    ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
+    ap.add_argument("--rounds", type=int, default=1, help="times the arm sequence is repeated")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--eval-tasks", type=int, default=64)
+    ap.add_argument("--eval-k", type=int, default=4)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="work dir (default runs/e2e_rl-<UTC time>); a prepared "
+                                              "<out>/base/hf is reused")
+    ap.add_argument("--json", default=str(ROOT / "docs" / "results" / f"e2e_rl_{dt.date.today():%Y%m%d}.json"),
+                    help="JSON list the record is appended to ('' = none)")
+    ap.add_argument("--jax-rl-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--src", default=str(ROOT), help="the jax-rl source tree the arms run (e.g. a `git archive` export)")
+    ap.add_argument("--run-timeout", type=float, default=900.0)
+    a = ap.parse_args(argv)
+    if a.steps <= a.warmup:
+        ap.error("--steps must exceed --warmup")
+    src = Path(a.src).resolve()
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(a.out) if a.out else ROOT / "runs" / f"e2e_rl-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    import _tunix as T
+
+    print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; "
+          f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
+    hf = out / "base" / "hf"
+    if not (hf / "model.safetensors").exists():
+        t = time.perf_counter()
+        _sub(["_prepare", str(out / "base"), str(src), str(a.sft_steps)], a.run_timeout, out / "prepare.log")
+        print(f"prepared {hf} (SFT {a.sft_steps} steps on direct-answer demos) in {time.perf_counter() - t:.0f} s",
+              flush=True)
+    base = _sub(["_eval", str(hf), str(src), str(a.eval_tasks), str(a.eval_k)], a.run_timeout, out / "eval_base.log")
+    print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
+    runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
+    for rnd in range(a.rounds):
+        for arm in a.arms:
+            load0 = os.getloadavg()
+            rd = out / f"{arm}_r{rnd}"
+            if arm == "tunix":
+                rec = _sub(["_tunix", str(hf), str(src), str(a.steps), str(a.eval_tasks), str(a.eval_k)],
+                           a.run_timeout, Path(str(rd) + ".log"))
+            else:
+                rec = jaxrl_run(arm, hf, src, rd, a.steps, a.jax_rl_python, a.seed, a.run_timeout)
+                rec["heldout"] = _sub(["_evalrun", str(rd), str(src), str(a.eval_tasks), str(a.eval_k)],
+                                      a.run_timeout, Path(str(rd) + ".eval.log"))
+            rec.update({"arm": arm, "round": rnd, "load_before": list(load0), "load_after": list(os.getloadavg())})
+            runs[arm].append(rec)
+            w = [s["wall_s"] for s in rec["steps"][a.warmup:]]
+            print(f"  round {rnd} {arm:9s} median {med(w):.3f} s/step over {len(w)} steps, RL wall "
+                  f"{rec['rl_wall_s']:.1f} s, held-out {rec['heldout']['success']:.3f}, load "
+                  f"{load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
+    summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if rs}
+    for s in summ.values():
+        if s.get("heldout_final") is not None:
+            s["heldout_gain_per_100s"] = (s["heldout_final"] - base["success"]) / s["rl_wall_s"] * 100
+    tx = summ.get("tunix")
+    print(f"\n{'arm':9s} {'s/step':>7s} {'gen tok/s':>9s} {'train tok/s':>11s} {'x Tunix (s/step)':>16s} "
+          f"{'gen':>6s} {'score':>6s} {'wait':>6s} {'update':>6s} {'sync':>6s} {'host':>6s} {'held-out':>8s} "
+          f"{'gain/100s':>9s}")
+    for arm, s in summ.items():
+        ratio = tx["wall_s"] / s["wall_s"] if tx else None
+        s["ratio_vs_tunix"] = ratio
+        if tx:
+            s["gen_tok_s_ratio"] = s["gen_tok_s"] / tx["gen_tok_s"]
+            s["trained_tok_s_ratio"] = s["trained_tok_s"] / tx["trained_tok_s"]
+        f = lambda key: f"{s[key]:6.3f}" if s.get(key) is not None else f"{'-':>6s}"  # noqa: E731
+        print(f"{arm:9s} {s['wall_s']:7.3f} {s['gen_tok_s']:9.0f} {s['trained_tok_s']:11.0f} "
+              f"{(f'{ratio:.2f}x' if ratio else '-'):>16s} {f('gen_s')} {f('score_s')} {f('wait_s')} {f('update_s')} "
+              f"{f('sync_s')} {f('host_s')} {s['heldout_final']:8.3f} {s.get('heldout_gain_per_100s', 0):9.4f}")
+    if tx and "jaxrl_k0" in summ:
+        r = summ["jaxrl_k0"]["ratio_vs_tunix"]
+        print(f"\nK=0 colocated: jax-rl / Tunix per RL step = {r:.2f}x (target >= 1.5x: "
+              f"{'met' if r >= 1.5 else f'missed by {1.5 - r:.2f}x'}); {T.machine_load()}")
+    record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_end": T.machine_load(),
+              "cpu_count": os.cpu_count(), "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git(ROOT),
+              "src": str(src), "tunix": T.version(), "args": vars(a), "start_heldout": base, "summary": summ,
+              "runs": runs}
+    if a.json:
+        from async_speedup import append_record
+
+        append_record(Path(a.json), record)
+        print(f"appended to {a.json}")
+    return 0
+
+
+def _git(root: Path) -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _worker(argv: list[str]) -> int:
+    mode, rest = argv[0], argv[1:]
+    if mode == "_prepare":
+        prepare(Path(rest[0]), Path(rest[1]), int(rest[2]))
+        res: dict = {"ok": True}
+    elif mode == "_eval":
+        _src_path(Path(rest[1]))
+        res = eval_hf(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]))
+    elif mode == "_evalrun":  # a jax-rl run dir: export its final checkpoint, then evaluate
+        src = Path(rest[1])
+        _src_path(src)
+        from jax_rl.export import export_checkpoint
+
+        hf = Path(rest[0] + "_hf")
+        if not (hf / "model.safetensors").exists():
+            export_checkpoint(rest[0], hf)
+        res = eval_hf(hf, src, int(rest[2]), int(rest[3]))
+    elif mode == "_tunix":
+        _src_path(Path(rest[1]))
+        res = tunix_run(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
+    else:
+        raise SystemExit(f"unknown worker mode {mode}")
+    sys.stdout.flush()
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # _tunix, async_speedup
+    sys.exit(main())
