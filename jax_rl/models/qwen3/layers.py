@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_rl.models.expert_parallel import expert_parallel_moe, expert_parallel_size, resolve_moe_matmul
+from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe, expert_parallel_size, resolve_moe_matmul
 from jax_rl.models.qwen3.config import Qwen3Config
 from jax_rl.sharding import constrain
 
@@ -31,6 +31,7 @@ __all__ = [
     "Attention",
     "MLP",
     "MoE",
+    "capacity_keep",
     "DecoderLayer",
     "AttendFn",
     "LayerAttendFn",
@@ -327,7 +328,9 @@ class MoE(nnx.Module):
     ``ragged_dot``; MaxText ``moe.py`` EP / GShard capacity). ``capacity_factor`` applies
     there only: ``None`` (default) is dropless, a number > 0 sizes the exchange buffers to
     that multiple of the uniform load and drops (zero contribution) the copies over it. The
-    dense path and the single-shard ragged path are always dropless. ``num_experts`` must
+    dense path and the single-shard ragged path are dropless unless ``capacity_all_paths``
+    (the rollout engine's ``rollout.moe_capacity_factor``): then they drop too, by
+    :func:`capacity_keep` (per expert, per forward call). ``num_experts`` must
     divide by ``mesh.expert`` on the EP path (ValueError otherwise).
 
     ``matmul``: the EP path's grouped matmul, ``ragged_dot``, ``megablox`` (Pallas TPU kernels,
@@ -335,10 +338,16 @@ class MoE(nnx.Module):
     TPU backend; resolved at construction into ``self.matmul``); see
     :func:`jax_rl.models.expert_parallel.grouped_matmul`. The single-shard ragged path always
     uses ``ragged_dot``.
+
+    ``router_dtype``: the dtype of the router matmul's inputs and logits (``float32`` default:
+    the learner's; ``bfloat16`` = the engine's ``rollout.moe_router_dtype``, as a server computing
+    the gate linear in the model dtype, e.g. vLLM's ``FusedMoE`` gate, whose top-k softmax then
+    runs in fp32 on the bf16 logits: here too, softmax and top-k are fp32 on the rounded logits).
     """
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 dispatch: str = "dense", capacity_factor: float | None = None, matmul: str = "ragged_dot"):
+                 dispatch: str = "dense", capacity_factor: float | None = None, matmul: str = "ragged_dot",
+                 router_dtype: Any = jnp.float32, capacity_all_paths: bool = False):
         if dispatch not in ("dense", "ragged"):
             raise ValueError(f"moe_dispatch must be 'dense' or 'ragged', got {dispatch!r}")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -348,6 +357,8 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor
+        self.capacity_all_paths = bool(capacity_all_paths)
+        self.router_dtype = jnp.dtype(router_dtype)
         self.matmul = resolve_moe_matmul(matmul)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -358,8 +369,8 @@ class MoE(nnx.Module):
 
     def route(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
         """x [B,T,D] -> (weights [B,T,k] float32, expert ids [B,T,k] int32)."""
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32),
-                            self.router[...].astype(jnp.float32))
+        rd = self.router_dtype  # float32 (the default): the same program as before the option
+        logits = jnp.einsum("btd,de->bte", x.astype(rd), self.router[...].astype(rd)).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         if forced_expert_ids is None:
             w, ids = jax.lax.top_k(probs, self.top_k)
@@ -390,9 +401,10 @@ class MoE(nnx.Module):
         ``[0, E)`` (:data:`ROUTE_MISSING`) falls back to the router's own top-k.
 
         ``valid`` [B,T] bool (e.g. the attention mask): on the EP path a False token (padding)
-        takes no capacity slot and gets y = 0; the other paths ignore it (they never drop).
-        ``return_dropped``: also return, third, the int32 [] count of valid token copies the EP
-        path dropped for capacity (``expert_parallel_moe``; 0 on the dropless paths)."""
+        takes no capacity slot and gets y = 0; the other paths ignore it unless they drop
+        (``capacity_all_paths``: a False token takes no slot there either).
+        ``return_dropped``: also return, third, the int32 [] count of valid token copies dropped
+        for capacity (``expert_parallel_moe``, or :func:`capacity_keep`; 0 on a dropless path)."""
         dt = self.dtype
         x = x.astype(dt)
         w, ids = self.route(x, forced_expert_ids)
@@ -400,6 +412,10 @@ class MoE(nnx.Module):
         wu = self.up_proj[...].astype(dt)
         wd = self.down_proj[...].astype(dt)
         dropped = jnp.int32(0)
+        local = self.dispatch == "dense" or expert_parallel_size() <= 1
+        if local and self.capacity_all_paths and self.capacity_factor is not None:
+            keep, dropped = capacity_keep(ids, valid, wg.shape[0], self.capacity_factor)
+            w = jnp.where(keep, w, 0.0)  # a dropped copy contributes nothing; the residual passes
         if self.dispatch == "dense":
             E = wg.shape[0]
             combine = jnp.einsum("btk,btke->bte", w.astype(dt), jax.nn.one_hot(ids, E, dtype=dt))
@@ -433,6 +449,42 @@ class MoE(nnx.Module):
         return y.reshape(B, T, D)
 
 
+def capacity_keep(ids: Array, valid: Array | None, num_experts: int,
+                  capacity_factor: float) -> tuple[Array, Array]:
+    """GShard capacity on one device: which token copies an expert takes in one forward call.
+
+    Each expert takes at most ``C = ceil(capacity_factor * B*T*k / E)`` copies (the uniform load
+    times the factor, at least 1: :func:`jax_rl.models.expert_parallel.ep_capacity` with the E
+    experts in place of the EP shards), filled first-choice first (all top-1 copies in token
+    order, then all top-2 copies, ...: GShard's priority, Lepikhin et al. 2020 arXiv:2006.16668
+    section 2.2, as the EP path fills its slots); a copy that finds its expert full is dropped.
+    Invalid tokens (``valid`` False: padding, an inactive decode slot) take no slot.
+
+    Args:
+        ids: [B, T, k] int expert ids.
+        valid: [B, T] bool, or None (every token valid).
+        num_experts: E.
+        capacity_factor: > 0.
+
+    Returns:
+        ``(keep [B, T, k] bool, dropped int32 [])``: ``keep`` False for dropped and invalid copies;
+        ``dropped`` counts the valid copies dropped.
+
+    Raises:
+        ValueError: ``capacity_factor <= 0``.
+    """
+    B, T, k = ids.shape
+    cap = ep_capacity(B * T * k, num_experts, capacity_factor)
+    ok = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
+    order = jnp.transpose(ids.astype(jnp.int32), (2, 0, 1)).reshape(-1)  # [k*B*T], choice-major
+    ok_c = jnp.broadcast_to(ok[None], (k, B, T)).reshape(-1)
+    hot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32) * ok_c[:, None].astype(jnp.int32)
+    rank = jnp.sum((jnp.cumsum(hot, axis=0) - hot) * hot, axis=-1)  # earlier copies to the same expert
+    keep_c = ok_c & (rank < cap)
+    dropped = jnp.sum(ok_c & ~keep_c, dtype=jnp.int32)
+    return jnp.transpose(keep_c.reshape(k, B, T), (1, 2, 0)), dropped
+
+
 AttendFn = Callable[[Array, Array, Array], Array]
 LayerAttendFn = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
 
@@ -442,7 +494,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, param_dtype,
                  moe_dispatch: str = "dense", moe_capacity_factor: float | None = None,
-                 moe_matmul: str = "ragged_dot"):
+                 moe_matmul: str = "ragged_dot", moe_router_dtype: Any = jnp.float32,
+                 moe_capacity_all_paths: bool = False):
         self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
@@ -450,7 +503,8 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if self.is_moe:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor, matmul=moe_matmul)
+                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor, matmul=moe_matmul,
+                           router_dtype=moe_router_dtype, capacity_all_paths=moe_capacity_all_paths)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype)

@@ -141,6 +141,10 @@ class Qwen3ForCausalLM(nnx.Module):
     (expert-parallel under a mesh with ``expert`` > 1, see :class:`MoE`);
     ``moe_capacity_factor``: that EP path's capacity factor, None = dropless; ``moe_matmul``:
     its grouped matmul (``ragged_dot``, ``megablox`` or ``auto``, see :class:`MoE`).
+    ``moe_router_dtype``: the router matmul's dtype (``float32`` default; the rollout engine's
+    ``rollout.moe_router_dtype``); ``moe_capacity_all_paths``: ``moe_capacity_factor`` drops token
+    copies on the dense and single-shard paths too (the engine's ``rollout.moe_capacity_factor``;
+    :func:`jax_rl.models.qwen3.layers.capacity_keep`).
 
     ``scan_layers``: store the decoder layers' params stacked on a leading ``layers`` axis
     (``self.layers`` is then one ``DecoderLayer`` whose params are ``[L, ...]``, logical names
@@ -166,7 +170,8 @@ class Qwen3ForCausalLM(nnx.Module):
                  param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
                  scan_layers: bool = False, remat_policy: str | None = None,
                  attention: str = "xla", moe_capacity_factor: float | None = None,
-                 moe_matmul: str = "ragged_dot", scan_unroll: int | bool | str = 1):
+                 moe_matmul: str = "ragged_dot", scan_unroll: int | bool | str = 1,
+                 moe_router_dtype: Any = "float32", moe_capacity_all_paths: bool = False):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -187,7 +192,8 @@ class Qwen3ForCausalLM(nnx.Module):
         layers = [
             DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
                          moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor,
-                         moe_matmul=moe_matmul)
+                         moe_matmul=moe_matmul, moe_router_dtype=jnp.dtype(moe_router_dtype),
+                         moe_capacity_all_paths=moe_capacity_all_paths)
             for i in range(cfg.num_hidden_layers)
         ]
         if self.scan_layers:
@@ -451,13 +457,14 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.lm_logits(h), cache
 
     def decode_step(self, tokens: Array, cache: KVCache, *, forced_expert_ids=None,
-                    return_expert_ids: bool = False):
+                    return_expert_ids: bool = False, valid: Array | None = None):
         """One decode token per slot.
 
         tokens [B] int32 is placed at position ``cache.lengths[b]`` and attends to cache
         positions ``<= lengths[b]``; then lengths += 1. Returns (logits [B,V] f32, cache)
         (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
-        caller's business (mask them; their lengths still advance).
+        caller's business (mask them; their lengths still advance). ``valid`` [B] bool: the slots
+        whose token takes MoE capacity (None: all; only a dropping MoE path reads it).
 
         The cache is written at one position per slot and layer: the whole [L,B,K,S,H] k/v
         buffers are threaded through the layers (the scan carry under ``scan_layers``) and
@@ -518,7 +525,8 @@ class Qwen3ForCausalLM(nnx.Module):
         attend_fn = layer_attend_per_layer if cache.is_per_layer else layer_attend
         h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, attend_fn,
                                            layer_idx, forced, carry=(tuple(cache.k), tuple(cache.v))
-                                           if cache.is_per_layer else (cache.k, cache.v))
+                                           if cache.is_per_layer else (cache.k, cache.v),
+                                           valid=None if valid is None else jnp.asarray(valid, bool)[:, None])
         cache = KVCache(k=k, v=v, lengths=pos + 1)
         logits = self.lm_logits(h)[:, 0]
         if return_expert_ids:
