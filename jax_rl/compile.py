@@ -113,9 +113,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from jax_rl.config import Config, ConfigError
+
+if TYPE_CHECKING:  # annotations only: jax is imported inside the functions (the platform is chosen first)
+    from jax_rl.learner_spec import LearnerSpec
 
 __all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token", "weight_sync_fn"]
 
@@ -358,60 +361,24 @@ def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
     return rows * mc.num_attention_heads * mc.head_dim * Tp * Tp / len(t.devices)
 
 
-@dataclasses.dataclass
-class _Learner:
-    """The learner's abstract pieces on the target mesh (``Learner.__init__`` without arrays)."""
+def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over):
+    """The learner's recipe on the target mesh, abstract (:func:`jax_rl.learner_spec.learner_spec`,
+    the one ``Learner.__init__`` builds from); ``kw_over`` overrides model build options (e.g.
+    ``scan_layers=False`` for the cost pieces)."""
+    from jax_rl.learner_spec import learner_spec
 
-    graphdef: Any
-    rest: Any
-    abs_params: Any
-    param_sh: Any
-    tx: Any
-    schedule: Any
-    strategy: Any
-    state: Any  # TrainState of ShapeDtypeStructs
-    state_sh: Any
-
-
-def _num_experts(mc) -> int:
-    """What the learner passes as ``num_experts`` (the MoE drop metrics, routing replay): E, or 0
-    for a dense model."""
-    return int(mc.num_experts) if mc.is_moe else 0
-
-
-def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over) -> _Learner:
-    import jax
-
-    from jax_rl.checkpoint import abstract_like
-
-    from jax_rl.correction import make_correction
-    from jax_rl.model_builder import abstract_model_split
-    from jax_rl.sharding import state_shardings
-    from jax_rl.train_step import initial_state, make_optimizer, train_state_shardings
-
-    cfg = cfg or t.cfg
-    mc = model_config or t.model_config
-    graphdef, abs_params, rest = abstract_model_split(mc, **dict(t.learner_kw, **kw_over))
-    if jax.tree.leaves(rest):
-        raise ConfigError("the model has non-parameter state; jax-rl compile handles parameter-only models")
-    param_sh = state_shardings(abs_params, t.mesh)
-    total = max(1, cfg.run.steps) * cfg.optim.ppo_epochs * cfg.optim.minibatches
-    tx, schedule = make_optimizer(cfg.optim, total)
-    strategy = make_correction(cfg)
-    state_sh = train_state_shardings(tx, strategy, param_sh, abs_params, t.mesh)
-    state = abstract_like(jax.eval_shape(lambda p: initial_state(tx, strategy, p), abs_params), state_sh)
-    return _Learner(graphdef, rest, abs_params, param_sh, tx, schedule, strategy, state, state_sh)
+    return learner_spec(cfg or t.cfg, model_config or t.model_config, t.mesh, abstract=True,
+                        model_kw=dict(t.learner_kw, **kw_over))
 
 
 def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
     """The abstract learner batch [U, m, r, T] the run's train step reads (as ``Learner.abstract_batch``)."""
     from jax_rl.batch import abstract_batch
-    from jax_rl.correction import uses_snapshot_store
     from jax_rl.placement import BatchPlacement
 
     sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
     exact = strategy.needs_exact
-    return abstract_batch((U, m, r, T), sh, prox=exact, old=not exact and uses_snapshot_store(strategy, t.cfg)), sh
+    return abstract_batch((U, m, r, T), sh, prox=exact, old=not exact and strategy.learner_store), sh
 
 
 def _layout(B: int, U: int, m: int, what: str) -> int:
@@ -424,7 +391,7 @@ def _depth(mc, L: int):
     return dataclasses.replace(mc, num_hidden_layers=L)
 
 
-def _forwards_in_prox(strategy, cfg, lrn: _Learner, U: int, m: int, r: int, T: int, t: _Target) -> int:
+def _forwards_in_prox(strategy, cfg, lrn: LearnerSpec, U: int, m: int, r: int, T: int, t: _Target) -> int:
     """How many chunked forwards the strategy's in-jit pi_prox runs (counted while tracing it)."""
     import jax
 
@@ -495,8 +462,8 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
 
     p = _learner(t, mc, cfg_, scan_layers=False)
     b, sh = _batch(t, p.strategy, 1, 1, r, T)
-    fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_sh,
-                       batch_sharding=sh, num_experts=_num_experts(mc))
+    fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_shardings,
+                       batch_sharding=sh, routing=p.routing)
     return fn, (p.state.params, p.state.correction, p.state.version, b)
 
 
@@ -509,7 +476,7 @@ def _steady(t: _Target, strategy) -> _Target:
     return t if cfg is t.cfg else dataclasses.replace(t, cfg=cfg)
 
 
-def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float, int, Optional[dict]]:
+def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, float, int, Optional[dict]]:
     """The train step's cost on a step without a reset (see :func:`_steady`), compile seconds of
     the pieces, the pi_prox forwards in that step, and the extra cost of a step whose EWMA reset
     fires (one more forward per microbatch; None when the strategy has no reset branch)."""
@@ -535,7 +502,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
             lp = make_logprob_fn(p.graphdef, p.rest, float(cfg_.rollout.temperature),
                                  cfg_.model.logits_chunk_tokens)
             s2 = jax.sharding.NamedSharding(t.mesh, jax.sharding.PartitionSpec(*sh.spec[2:]))
-            fn = jax.jit(lp, in_shardings=(p.param_sh, s2, s2))
+            fn = jax.jit(lp, in_shardings=(p.param_shardings, s2, s2))
             tok = jax.ShapeDtypeStruct((r, T), b.tokens.dtype, sharding=s2)
             am = jax.ShapeDtypeStruct((r, T), b.attention_mask.dtype, sharding=s2)
             return fn, (p.state.params, tok, am)
@@ -550,7 +517,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
     after = {"flops": 0.0, "bytes": 0.0}
     if jax.tree.leaves(st.correction):
         aft = jax.jit(lambda p, c: lrn.strategy.after_update(p, c),
-                      in_shardings=(lrn.state_sh.params, lrn.state_sh.correction))
+                      in_shardings=(lrn.state_shardings.params, lrn.state_shardings.correction))
         after, s = _compile(aft, (st.params, st.correction), t.mesh)
         secs += s
     out = {k: U * m * grads[k] + (E - 1) * U * m * (grads[k] - f * fwd[k]) + E * U * a[k] + after[k]
@@ -559,7 +526,7 @@ def _train_cost(t: _Target, lrn: _Learner, B: int, T: int) -> tuple[dict, float,
     return out, secs, f, reset
 
 
-def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
+def _sft_fn_args(t: _Target, p: LearnerSpec, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
     import jax
 
     from jax_rl.checkpoint import abstract_like
@@ -570,9 +537,9 @@ def _sft_fn_args(t: _Target, p: _Learner, tx, schedule, m: int, r: int, T: int, 
     from jax_rl.train_step import opt_state_shardings
 
     sh = BatchPlacement(t.mesh, 1, m).batch_sharding(r)
-    opt_sh = opt_state_shardings(tx, p.abs_params, p.param_sh, t.mesh)
-    opt = abstract_like(jax.eval_shape(tx.init, p.abs_params), opt_sh)
-    fn = make_sft_step(cfg or t.cfg, p.graphdef, tx, schedule, t.mesh, rest=p.rest, param_shardings=p.param_sh,
+    opt_sh = opt_state_shardings(tx, p.params, p.param_shardings, t.mesh)
+    opt = abstract_like(jax.eval_shape(tx.init, p.params), opt_sh)
+    fn = make_sft_step(cfg or t.cfg, p.graphdef, tx, schedule, t.mesh, rest=p.rest, param_shardings=p.param_shardings,
                        opt_shardings=opt_sh, batch_sharding=sh)
     dts = {"tokens": jnp.int32, "attention_mask": jnp.bool_, "loss_mask": jnp.bool_}
     batch = {k: jax.ShapeDtypeStruct((1, m, r, T), dts[k], sharding=sh) for k in SFT_FIELDS}
@@ -672,7 +639,7 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         r = _layout(B, U, m, "optim.batch_size")
         b, sh = _batch(t, lrn.strategy, U, m, r, T)
         fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                             state_shardings=lrn.state_sh, batch_sharding=sh, num_experts=_num_experts(mc))
+                             state_shardings=lrn.state_shardings, batch_sharding=sh, routing=lrn.routing)
         log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
         a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
         c, ps, mflops = None, 0.0, None
@@ -690,13 +657,12 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
             rows[-1]["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
         log(f"train_step: {secs:.1f} s")
     if "sft_step" in functions:
-        from jax_rl.train_step import make_optimizer
+        from jax_rl.learner_spec import make_sft_optimizer
 
         B = int(cfg.sft.batch_size)
         m = cfg.optim.microbatches
         r = _layout(B, 1, m, "sft.batch_size")
-        tx, sched = make_optimizer(cfg.optim, None, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
-                                   schedule="constant")
+        tx, sched = make_sft_optimizer(cfg)
         fn, args = _sft_fn_args(t, lrn, tx, sched, m, r, T)
         log(f"sft_step: compiling [{B}, {T}] as [1, {m}, {r}, {T}] ...")
         a, secs = _compile_or_oom(fn, args, t.mesh)
@@ -789,7 +755,7 @@ def _shard_bytes(abs_params, shardings, dtype) -> int:
     return sum(jax.tree.leaves(jax.tree.map(one, abs_params, shardings)))
 
 
-def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log, em=None) -> dict:
+def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em=None) -> dict:
     """The ``weight_sync`` row (role ``sync``); its shape is ``[param count]``. Loop-free: the full
     program's ``cost_analysis`` is its cost.
 
@@ -811,7 +777,7 @@ def _weight_sync_row(t: _Target, lrn: Optional[_Learner], cost: bool, log, em=No
     from jax_rl.sharding import state_shardings
 
     if lrn is not None:
-        abs_params, param_sh = lrn.abs_params, lrn.param_sh
+        abs_params, param_sh = lrn.params, lrn.param_shardings
     else:
         _, abs_params, _ = abstract_model_split(t.model_config, **t.learner_kw)
         param_sh = state_shardings(abs_params, t.mesh)
@@ -916,7 +882,7 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
 
 def _scorer_row(t: _Target, log) -> dict:
     """The ``score_step`` row (role ``scorer``): the dedicated old-logit scorer's forward
-    (:meth:`jax_rl.old_logits.OldLogitScorer.for_learner` with ``placement.scorer``: fp32 params on an
+    (:meth:`jax_rl.learner.Learner.make_scorer` with ``placement.scorer``: fp32 params on an
     ``fsdp`` mesh over the scorer's devices, one GRPO group of ``rollout.group_size`` rows x
     ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
     param versions (:func:`_on_chip` adds the other versions' params)."""
@@ -948,7 +914,7 @@ def _scorer_row(t: _Target, log) -> dict:
     return row
 
 
-def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
+def _opt_update_cost(t: _Target, lrn: LearnerSpec, tx) -> tuple[dict, float]:
     import jax
 
     from jax_rl.checkpoint import abstract_like
@@ -956,8 +922,8 @@ def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
     from jax_rl.correction import tree_finite, tree_where
     from jax_rl.train_step import opt_state_shardings
 
-    opt_sh = opt_state_shardings(tx, lrn.abs_params, lrn.param_sh, t.mesh)
-    opt = abstract_like(jax.eval_shape(tx.init, lrn.abs_params), opt_sh)
+    opt_sh = opt_state_shardings(tx, lrn.params, lrn.param_shardings, t.mesh)
+    opt = abstract_like(jax.eval_shape(tx.init, lrn.params), opt_sh)
 
     def update(params, opt_state, grads_):
         upd, new_opt = tx.update(grads_, opt_state, params)
@@ -965,7 +931,7 @@ def _opt_update_cost(t: _Target, lrn: _Learner, tx) -> tuple[dict, float]:
         ok = tree_finite(new_p)
         return tree_where(ok, new_p, params), tree_where(ok, new_opt, opt_state)
 
-    fn = jax.jit(update, in_shardings=(lrn.param_sh, opt_sh, lrn.param_sh))
+    fn = jax.jit(update, in_shardings=(lrn.param_shardings, opt_sh, lrn.param_shardings))
     return _compile(fn, (lrn.state.params, opt, lrn.state.params), t.mesh)
 
 

@@ -291,7 +291,7 @@ class OptimConfig(_Section):
 class LossConfig(_Section):
     """Policy loss and the source of pi_prox. See ``jax_rl.losses.policy_loss``.
 
-    Formula sources: paper 2605.12070 §2 (via research/paper_spec.md §2.1), AReaL
+    Formula sources: paper 2605.12070 via docs/design.md §2.1 The loss per token, AReaL
     ``ppo_actor_loss_fn``, ROLL ``agg_loss`` / ``InferCorrectionHandler``.
     """
 
@@ -681,23 +681,12 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
-        if self.old_logits.measure_error and self.loss.correction not in ("ppo_ewma", "linear_prox", "decoupled"):
-            raise ValueError(
-                f"old_logits.measure_error=true measures the ppo_ewma / linear_prox / decoupled approximation of the "
-                f"exact old logits; it has nothing to measure under loss.correction={self.loss.correction!r}: "
-                "set old_logits.measure_error=false"
-            )
-        ol = self.old_logits
-        if ol.route != "snapshot" and self.loss.correction != "exact":
-            raise ValueError(f"old_logits.route={ol.route} serves loss.correction=exact only, not "
-                             f"loss.correction={self.loss.correction!r}: set old_logits.route=snapshot")
-        if ol.route in ("dedicated", "interrupt", "retire") and self.runtime.kind != "embedded":
-            raise ValueError(f"old_logits.route={ol.route} is implemented for runtime=embedded only, not "
-                             f"runtime={self.runtime.kind}: use runtime=embedded or old_logits.route=snapshot")
+        # what a correction mode allows with it (measure_error, the old_logits.route and the route's own
+        # refusals) is the strategy's and the route's knowledge: ask them (jax_rl.correction registry)
+        from jax_rl.correction import REGISTRY
+
+        REGISTRY[self.loss.correction].check(self)
         pl = self.placement
-        if pl.scorer is not None and ol.route != "dedicated":
-            raise ValueError(f"placement.scorer={pl.scorer} is read by old_logits.route=dedicated only "
-                             f"(route={ol.route}): set placement.scorer=null")
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
                              "runs its engines in worker processes: use runtime=embedded or placement.rollout=null")

@@ -46,16 +46,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
 from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, abstract_batch, collate, validate_batch
-from jax_rl.config import Config, ConfigError, config_hash
-from jax_rl.correction import host_inputs, make_correction, uses_snapshot_store
-from jax_rl.model_builder import (abstract_model_split, create_sharded_model, learner_model_kwargs, resolve_mesh,
-                                  resolve_model_config)
+from jax_rl.config import Config, config_hash
+from jax_rl.correction import host_inputs
+from jax_rl.learner_spec import learner_spec
+from jax_rl.model_builder import abstract_model_split, learner_model_kwargs, resolve_mesh, resolve_model_config
 from jax_rl.old_logits import snapshot_logprobs, versions_needed
-from jax_rl.placement import BatchPlacement, initialize_distributed, place_params
+from jax_rl.placement import BatchPlacement, initialize_distributed
 from jax_rl.sft import SftRunner
 from jax_rl.sharding import state_shardings
-from jax_rl.train_step import (TrainState, init_train_state, make_grads_fn, make_logprob_step, make_optimizer,
-                               make_schedule, make_train_step, train_state_shardings)
+from jax_rl.train_step import (TrainState, make_grads_fn, make_logprob_step, make_optimizer, make_schedule,
+                               make_train_step)
 
 __all__ = [
     "BATCH_FIELDS",
@@ -103,13 +103,11 @@ class Learner:
         self.cfg = cfg
         self.mesh = resolve_mesh(cfg, mesh)
         self.model_config = resolve_model_config(cfg.model, model_config)
-        self.strategy = make_correction(cfg)
+        spec = learner_spec(cfg, self.model_config, self.mesh, abstract=False, init_params=init_params)
+        self.strategy = spec.strategy
         self.correction = self.strategy.name
-        self.routing_replay = cfg.moe.routing_replay
-        if self.routing_replay != "none" and not self.model_config.is_moe:
-            raise ConfigError(f"moe.routing_replay={self.routing_replay} replays MoE expert routes; the model "
-                             f"({cfg.model.preset or cfg.model.checkpoint}) has no MoE layer: set moe.routing_replay=none")
-        self.num_experts = int(self.model_config.num_experts) if self.model_config.is_moe else 0
+        self.routing = spec.routing  # moe.routing_replay: the policy every forward of this learner asks
+        self.num_experts = self.routing.num_experts
         self.max_staleness = int(cfg.async_.max_staleness)
         self.minibatches = int(cfg.optim.minibatches)
         self.ppo_epochs = int(cfg.optim.ppo_epochs)
@@ -125,35 +123,14 @@ class Learner:
         self._ckptrs: dict[str, Any] = {}
         self._steps: dict[Any, Any] = {}
 
-        kw = learner_model_kwargs(cfg)
-        params = None
-        if init_params is not None:  # no random init: the abstract model + the given values on the mesh
-            self.graphdef, abs_params, abs_rest = abstract_model_split(self.model_config, **kw)
-            if not jax.tree.leaves(abs_rest):
-                self.rest = abs_rest
-                self.param_shardings = state_shardings(abs_params, self.mesh)
-                params = place_params(init_params, abs_params, self.param_shardings)
-        if params is None:
-            model = create_sharded_model(self.model_config, self.mesh, seed=cfg.run.seed, **kw)
-            self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-            del model
-            self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
-            if init_params is not None:
-                params = place_params(init_params, params, self.param_shardings)
-
-        total_updates = max(1, cfg.run.steps) * self.ppo_epochs * self.minibatches
-        self.tx, self.schedule = make_optimizer(cfg.optim, total_updates)
-        self.state_shardings = train_state_shardings(self.tx, self.strategy, self.param_shardings, params, self.mesh)
-        with jax.set_mesh(self.mesh):
-            self.state = init_train_state(self.tx, self.strategy, params, cfg.run.seed, self.state_shardings)
-        self._logprob_jit = make_logprob_step(cfg, self.graphdef, rest=self.rest,
-                                              param_shardings=self.param_shardings)
-        self._logprob_routes_jit = None  # r3: the exact route's snapshot forwards force the rollout's routes
-        if self.routing_replay == "r3":
-            self._logprob_routes_jit = make_logprob_step(cfg, self.graphdef, rest=self.rest,
-                                                         param_shardings=self.param_shardings, with_routes=True)
+        self.graphdef, self.rest = spec.graphdef, spec.rest
+        self.param_shardings = spec.param_shardings
+        self.tx, self.schedule = spec.tx, spec.schedule
+        self.state_shardings, self.state = spec.state_shardings, spec.state
+        del spec
+        self._logprob_fns: dict[bool, Any] = {}
         self.store = None
-        if uses_snapshot_store(self.strategy, cfg):
+        if self.strategy.learner_store:
             from jax_rl.old_logits import SnapshotStore
 
             store_dir = getattr(cfg.old_logits, "dir", None) or (
@@ -164,6 +141,70 @@ class Learner:
     def describe(self) -> str:
         """One line for the start of a run: the correction mode and its declared cost."""
         return self.strategy.describe()
+
+    def logprob_fn(self, routes: bool = False, param_shardings: Any = None):
+        """The learner's no-grad log-prob forward with its training numerics, jitted (the one every
+        old-logit scorer runs: :mod:`jax_rl.old_logits`).
+
+        ``(params, tokens int32 [U,m,r,T], attention_mask bool [U,m,r,T]) -> logp float32 [U,m,r,T]``
+        (:func:`jax_rl.train_step.make_logprob_step`: fp32 master params, the model's compute
+        dtype, ``rollout.temperature`` and the sampler's ``rollout.top_k`` / ``top_p`` truncation;
+        ``logp[..., 0] = 0``, 0 on padding). ``routes=True``: ``(params, tokens, attention_mask,
+        routes [U,m,r,T,n_moe_layers,k]) -> logp`` with those expert ids forced (the r3 forward).
+
+        Args:
+            param_shardings: where the params it reads live (default: the learner's own; built
+                once and cached then). Another tree (a scorer on ``placement.scorer``) gets the
+                same forward jitted for it.
+        """
+        if param_shardings is not None:
+            return make_logprob_step(self.cfg, self.graphdef, rest=self.rest, param_shardings=param_shardings,
+                                     with_routes=routes)
+        if routes not in self._logprob_fns:
+            self._logprob_fns[routes] = make_logprob_step(self.cfg, self.graphdef, rest=self.rest,
+                                                          param_shardings=self.param_shardings, with_routes=routes)
+        return self._logprob_fns[routes]
+
+    def make_scorer(self, *, keep: Optional[int] = None, pad_id: int = 0, devices: Any = "placement"):
+        """The rollout-side old-logit scorer of this run (:class:`jax_rl.old_logits.OldLogitScorer`),
+        holding at most ``keep`` versions (default ``async.max_staleness + 1``): on the learner's
+        mesh with the learner's own forward (no scorer devices), else on a
+        ``('data','fsdp','tensor','expert')`` mesh over the scorer's devices (fsdp = all of them)
+        with the same forward jitted there. It forces the rollout's routes when the routing-replay
+        policy does.
+
+        Args:
+            devices: the scorer's devices: default ``placement.scorer`` of this run
+                (:func:`jax_rl.placement.resolve_roles`); None = the learner's.
+
+        Raises:
+            ValueError: a multi-process run (the scorer thread runs in one process); a model with
+                non-param state on ``placement.scorer``.
+        """
+        from jax_rl.old_logits import OldLogitScorer
+        from jax_rl.placement import resolve_roles
+        from jax_rl.sharding import make_mesh
+
+        if jax.process_count() > 1:
+            raise ValueError(f"old_logits.route={self.cfg.old_logits.route} runs its scorer thread in a single-process "
+                             f"run only (this one has {jax.process_count()} processes): use the snapshot route "
+                             "(old_logits.route's default)")
+        forced = self.routing.forces_rollout_routes
+        keep = self.max_staleness + 1 if keep is None else int(keep)
+        common = dict(keep=keep, max_seq_len=self.cfg.optim.max_seq_len, pad_id=pad_id)
+        devs = resolve_roles(self.cfg).scorer if isinstance(devices, str) else devices
+        if devs is None:
+            return OldLogitScorer(self.logprob_fn(), self.param_shardings, self.mesh,
+                                  routes_fn=self.logprob_fn(routes=True) if forced else None, **common)
+        if jax.tree.leaves(self.rest):
+            raise ValueError("placement.scorer: the model has non-param state; share the learner's devices "
+                             "(placement.scorer=null)")
+        mesh = make_mesh(fsdp=-1, devices=devs)
+        _, abs_params, _ = abstract_model_split(self.model_config, **learner_model_kwargs(self.cfg))
+        shardings = state_shardings(abs_params, mesh)
+        return OldLogitScorer(self.logprob_fn(param_shardings=shardings), shardings, mesh,
+                              routes_fn=self.logprob_fn(routes=True, param_shardings=shardings) if forced else None,
+                              **common)
 
     # ---------------------------------------------------------------------------------
     # setup helpers and properties
@@ -264,7 +305,7 @@ class Learner:
             self._steps[key] = make_train_step(
                 self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
                 state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r),
-                num_experts=self.num_experts)
+                routing=self.routing)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:
@@ -273,11 +314,7 @@ class Learner:
         U, m, r = self._layout(B)
         exact = self.strategy.needs_exact
         routes = None
-        if self.routing_replay != "none":  # the engine records routes under r2 and r3
-            from jax_rl.models.qwen3 import route_dtype
-
-            mc = self.model_config
-            routes = ((len(mc.moe_layers), int(mc.num_experts_per_tok)), route_dtype(mc.num_experts))
+        routes = self.routing.route_spec(self.model_config)  # the engine records routes under r2 and r3
         return abstract_batch((U, m, r, T), self.batch_sharding(r), prox=exact,
                               old=not exact and self.store is not None, routes=routes)
 
@@ -346,19 +383,16 @@ class Learner:
         return out
 
     def _check_routes(self, b: dict) -> None:
-        """``moe.routing_replay=r3`` never trains a batch without the rollout's routes."""
-        if self.routing_replay == "r3" and b.get("routes") is None:
-            raise BatchError("moe.routing_replay=r3 needs batch['routes'] (the rollout engine's expert ids, "
-                             "Trajectory.routes); the batch carries none")
-        if self.routing_replay == "none":
-            b.pop("routes", None)
+        """The routing-replay policy's batch check: an r3 step never trains without the rollout's routes."""
+        self.routing.check_batch(b)
 
     def _forward_fn(self, dev: dict):
-        """The learner's no-grad log-prob forward for ``dev``'s batch: r3 forces its routes."""
-        if self._logprob_routes_jit is not None and dev.get("routes") is not None:
-            routes = dev["routes"]
-            return lambda p, t, a: self._logprob_routes_jit(p, t, a, routes)
-        return self._logprob_jit
+        """The learner's no-grad log-prob forward for ``dev``'s batch: forces its routes when the
+        routing-replay policy says so (r3)."""
+        if self.routing.forces_rollout_routes and dev.get("routes") is not None:
+            routes, fn = dev["routes"], self.logprob_fn(routes=True)
+            return lambda p, t, a: fn(p, t, a, routes)
+        return self.logprob_fn()
 
     def _score_old(self, b: dict, dev: dict, g: int):
         """Exact old log-probs of the batch from the snapshot store (the strategy's host step);
@@ -403,7 +437,7 @@ class Learner:
         tok = np.asarray(batch["tokens"])
         B, T = tok.shape
         sub = {"tokens": tok.astype(np.int32), "attention_mask": np.asarray(batch["attention_mask"], bool)}
-        if self._logprob_routes_jit is not None and batch.get("routes") is not None:  # r3: forced routes
+        if self.routing.forces_rollout_routes and batch.get("routes") is not None:  # r3: forced routes
             sub["routes"] = np.asarray(batch["routes"])
         U, m = self.minibatches, self.microbatches
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
@@ -431,7 +465,7 @@ class Learner:
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,
                                              param_shardings=self.param_shardings,
-                                             batch_sharding=self.batch_sharding(r), num_experts=self.num_experts)
+                                             batch_sharding=self.batch_sharding(r), routing=self.routing)
         with jax.set_mesh(self.mesh):
             loss, grads, metr = self._steps[key](self.state.params, self.state.correction, self.state.version,
                                                  LearnerBatch.from_dict(dev))

@@ -1,7 +1,7 @@
 """Policy losses with off-policy correction: train-infer factor + PPO clip on pi_prox.
 
 Pure, jit-able functions (no I/O, no host round-trips). Formula sources:
-paper 2605.12070 §1.3/§2.1 via ``research/paper_spec.md`` (the skeleton below), AReaL
+paper 2605.12070 via docs/design.md §2.1 The loss per token (the skeleton below), AReaL
 ``ppo_actor_loss_fn`` / ``apply_rejection_sampling`` (the two-factor loss, keep-in-denominator),
 ROLL ``agg_loss`` / ``InferCorrectionHandler`` (aggregations, MIS/TIS levels, catastrophic
 rejection).
@@ -100,16 +100,16 @@ by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` is recomputed).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_rl.config import LossConfig
+if TYPE_CHECKING:  # annotations only: jax_rl.config validates through the correction registry
+    from jax_rl.config import LossConfig
 
 __all__ = [
-    "LossConfig",
     "policy_loss",
     "loss_denominator",
     "train_infer_factor",

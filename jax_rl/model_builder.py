@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_rl.config import Config
+from jax_rl.config import Config, ConfigError
 from jax_rl.models.expert_parallel import resolve_moe_matmul
-from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
+from jax_rl.models.qwen3 import PRESETS, Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
 from jax_rl.placement import resolve_roles
 from jax_rl.sharding import make_mesh, state_shardings
 
-__all__ = ["resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_model_kwargs", "rollout_model_kwargs",
+__all__ = ["HF_REQUIRED_FIELDS", "resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_model_kwargs", "rollout_model_kwargs",
            "layers_stacked", "abstract_model_split", "abstract_model", "create_sharded_model"]
 
 
@@ -37,16 +37,80 @@ def resolve_mesh(cfg: Config, mesh=None, devices=None):
     return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, expert=m.expert, **kw)
 
 
-def resolve_model_config(model_cfg, model_config: Optional[Any] = None) -> Any:
-    """``Qwen3Config`` from ``cfg.model``: the checkpoint's config.json, else the preset with
-    ``hf_overrides`` (``model_config`` if already given)."""
+# config.json fields that fix the architecture: a file without them is refused rather than
+# silently given Qwen3-8B's defaults
+HF_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size", "vocab_size")
+
+
+def _read_hf_config(ckpt: str) -> dict:
+    d = Path(ckpt)
+    if not d.is_dir():
+        what = "not a directory" if d.exists() else "does not exist"
+        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({d} {what}; expected a dir "
+                          "holding config.json + model.safetensors)")
+    f = d / "config.json"
+    if not f.is_file():
+        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({f} not found)")
+    try:
+        hf = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"model.checkpoint: {f} is not UTF-8 text (offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.checkpoint: {f} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"model.checkpoint: cannot read {f} ({e.strerror or e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.checkpoint: {f} must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def resolve_model_config(model_cfg, model_config: Optional[Any] = None, *, check_tensors: bool = False) -> Any:
+    """The one model-config resolver: ``Qwen3Config`` from ``cfg.model``, the checkpoint's
+    config.json with ``hf_overrides`` applied, else the preset with them (``model_config`` if
+    already given). Used by the learner, ``jax-rl compile`` and the run's components
+    (:func:`jax_rl.runtime.components.build_model_config`, which adds the run's own checks).
+
+    Args:
+        model_cfg: ``cfg.model`` (``checkpoint``, ``preset``, ``hf_overrides``).
+        check_tensors: with a checkpoint, also read the safetensors headers (no tensor data) and
+            check them against the config.
+
+    Raises:
+        jax_rl.config.ConfigError: unknown preset or bad override; for ``model.checkpoint``
+            (message naming the file): a missing dir or config.json, a config.json that is not
+            UTF-8 JSON holding an object or lacks :data:`HF_REQUIRED_FIELDS`, an invalid
+            config, or (``check_tensors``) safetensors that are missing, truncated or do not
+            match the config.
+    """
     if model_config is not None:
         return model_config
     if model_cfg.checkpoint:
-        hf = json.loads((Path(model_cfg.checkpoint) / "config.json").read_text())
+        hf = _read_hf_config(model_cfg.checkpoint)
+        f = Path(model_cfg.checkpoint) / "config.json"
         hf.update(model_cfg.hf_overrides)
-        return Qwen3Config.from_hf(hf)
-    return get_preset(model_cfg.preset, **model_cfg.hf_overrides)
+        missing = [k for k in HF_REQUIRED_FIELDS if k not in hf]
+        if missing:
+            raise ConfigError(f"model.checkpoint: {f} lacks the field(s) {missing} (set them there or in "
+                              "model.hf_overrides)")
+        try:
+            mc = Qwen3Config.from_hf(hf)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.checkpoint: {f}: {e}") from None
+        if check_tensors:
+            from jax_rl.models.hf_io import CheckpointError, check_tensors as check, read_safetensors_index
+
+            try:
+                check(mc, read_safetensors_index(model_cfg.checkpoint))
+            except CheckpointError as e:
+                raise ConfigError(f"model.checkpoint={model_cfg.checkpoint!r}: {e}") from None
+        return mc
+    if model_cfg.preset not in PRESETS:
+        raise ConfigError(f"model.preset={model_cfg.preset!r}: unknown preset; known: {sorted(PRESETS)}")
+    try:
+        return get_preset(model_cfg.preset, **model_cfg.hf_overrides)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
 
 
 MODEL_ROLES = ("learner", "rollout")

@@ -14,9 +14,8 @@ the batch."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.batch import BatchError
-from jax_rl.config import RuntimeConfig
+
+if TYPE_CHECKING:  # annotations only
+    from jax_rl.config import RuntimeConfig
 
 __all__ = ["initialize_distributed", "place_params", "BatchPlacement", "Roles", "resolve_roles", "engine_mesh_sizes"]
 

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_rl.batch import validate_batch
 from jax_rl.config import Config
 from jax_rl.correction import tree_finite, tree_where
-from jax_rl.train_step import make_logprob_fn, make_optimizer, opt_state_shardings
+from jax_rl.learner_spec import make_sft_optimizer
+from jax_rl.train_step import make_logprob_fn, opt_state_shardings
 
 __all__ = ["SFT_FIELDS", "make_sft_step", "SftRunner"]
 
@@ -71,8 +72,7 @@ class SftRunner:
     def __init__(self, learner):
         self.lrn = learner
         cfg = learner.cfg
-        self.tx, self.schedule = make_optimizer(cfg.optim, None, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
-                                                schedule="constant")
+        self.tx, self.schedule = make_sft_optimizer(cfg)
         self.opt_state = None
         self.count = 0
         self._steps: dict[int, Any] = {}

@@ -22,7 +22,7 @@ Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
 with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
 
-MoE routing replay (``moe.routing_replay``, :func:`_route_inputs`): ``r3`` forces the rollout
+MoE routing replay (``moe.routing_replay``, :class:`jax_rl.routing_replay.RoutingReplay`): ``r3`` forces the rollout
 engine's recorded expert ids (``batch.routes``) in every forward of the step (pi_prox and the
 gradient forward; the exact route's host-step forwards do the same in the learner); ``r2`` runs
 one no-grad routing forward at the step's starting params and forces its routes in the gradient
@@ -47,6 +47,7 @@ from jax_rl import losses
 from jax_rl.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.correction import Correction, tree_finite, tree_where
+from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
 
 __all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
@@ -225,20 +226,6 @@ def make_route_fn(graphdef, rest: Any):
     return routes
 
 
-def routing_agreement(own: jax.Array, recorded: jax.Array, attention_mask: jax.Array, num_experts: int
-                      ) -> tuple[jax.Array, jax.Array]:
-    """``(agreement, n)``: the fraction of (token, MoE layer) pairs where ``own`` and ``recorded``
-    ([..., T, n_moe_layers, k] expert ids) hold the same SET of k experts, over the pairs under
-    ``attention_mask`` [..., T] whose recorded ids are all in [0, num_experts) (a -1 = no
-    recorded route is not counted), and their number n (float32). 1.0 when n = 0."""
-    rec = recorded.astype(jnp.int32)
-    valid = attention_mask[..., None] & jnp.all((rec >= 0) & (rec < num_experts), axis=-1)
-    same = jnp.all(jnp.sort(own.astype(jnp.int32), axis=-1) == jnp.sort(rec, axis=-1), axis=-1)
-    n = jnp.sum(valid.astype(jnp.float32))
-    agree = jnp.sum((same & valid).astype(jnp.float32))
-    return jnp.where(n > 0, agree / jnp.maximum(n, 1.0), 1.0), n
-
-
 def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
     """The RL learner's log-prob forward: the rollout's temperature AND truncation (every RL
     forward goes through it: the gradient forward, the prox forwards of the correction
@@ -268,29 +255,6 @@ def chunked(logprobs, *, with_routes: bool = True) -> Callable[..., jax.Array]:
         return out.reshape(U, m, r, T, *out.shape[3:])
 
     return chunk_logprobs
-
-
-def _route_inputs(cfg: Config, route_chunk, params, b: LearnerBatch) -> tuple[Any, LearnerBatch, dict]:
-    """``moe.routing_replay`` inside the step: ``(routes of the pi_prox forwards, the batch the
-    gradient forward reads (its ``routes`` forced), metrics)``.
-
-    ``none``: no forced routes anywhere. ``r3``: the rollout's ``b.routes`` everywhere. ``r2``:
-    the routes of one no-grad routing forward at ``params`` (the step's start) in the gradient
-    forward; the pi_prox forwards route by themselves. ``routing_agreement`` (and
-    ``routing_pairs``, the (token, layer) pairs it counts) when ``route_chunk`` is given and the
-    batch carries the rollout's routes."""
-    rr = cfg.moe.routing_replay
-    if rr == "none" or route_chunk is None:
-        return None, b.replace(routes=None), {}
-    own = route_chunk(params, b.tokens, b.attention_mask)  # [U, m, r, T, n_moe_layers, k]
-    metrics = {}
-    if b.routes is not None:
-        E = int(route_chunk.num_experts)
-        metrics["routing_agreement"], metrics["routing_pairs"] = routing_agreement(own, b.routes, b.attention_mask, E)
-    if rr == "r3":
-        return b.routes, b, metrics
-    return None, b.replace(routes=own), metrics
-
 
 
 def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g,
@@ -355,19 +319,17 @@ def _with_moe_frac(metrics: dict) -> dict:
 # ======================================================================================
 
 
-def _route_chunk(cfg: Config, graphdef, rest: Any, num_experts: int):
-    """The chunked routing forward of ``moe.routing_replay`` r2/r3 (None otherwise or for a dense
-    model, ``num_experts == 0``), carrying ``num_experts``."""
-    if cfg.moe.routing_replay == "none" or not num_experts:
+def _route_chunk(graphdef, rest: Any, routing: RoutingReplay):
+    """The chunked no-grad routing forward the routing-replay policy runs in the step (None when it
+    runs none)."""
+    if not routing.active:
         return None
-    fn = chunked(make_route_fn(graphdef, rest), with_routes=False)
-    fn.num_experts = int(num_experts)
-    return fn
+    return chunked(make_route_fn(graphdef, rest), with_routes=False)
 
 
 def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
                     state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None,
-                    num_experts: int = 0):
+                    routing: RoutingReplay = RoutingReplay()):
     """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
 
     Args:
@@ -376,18 +338,19 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         strategy: the correction strategy (:func:`jax_rl.correction.make_correction`).
         state_shardings: :func:`train_state_shardings`; the state is donated.
         batch_sharding: sharding of every batch array (None: the arrays' own).
-        num_experts: the MoE's expert count (0: dense); with ``moe.routing_replay`` r2/r3 the
-            step runs the routing forward of :func:`_route_inputs`.
+        routing: the routing-replay policy (:class:`jax_rl.routing_replay.RoutingReplay`: the
+            MoE's expert count, 0 for a dense model, and ``moe.routing_replay``); an MoE step also
+            counts the gradient forward's capacity drops.
     """
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
-    route_chunk = _route_chunk(cfg, graphdef, rest, num_experts)
+    route_chunk = _route_chunk(graphdef, rest, routing)
     n_epochs = int(cfg.optim.ppo_epochs)
 
     def step(state: TrainState, b: LearnerBatch):
         g = state.version
         params0 = state.params
-        prox_routes, b, route_metrics = _route_inputs(cfg, route_chunk, params0, b)
+        prox_routes, b, route_metrics = routing.step_routes(route_chunk, params0, b)
         prox_chunk = lambda p, t, a: chunk(p, t, a, prox_routes)  # noqa: E731
         prox, cstate, extra = strategy.prox_logp(prox_chunk, params0, state.correction, b, g)
         U = b.tokens.shape[0]
@@ -396,7 +359,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
             params, opt_state, step = carry
             take = lambda x: None if x is None else lax.dynamic_index_in_dim(x, i % U, 0, keepdims=False)  # noqa: E731
             loss, grads, metr = _minibatch_grads(cfg, strategy, logprobs, params, b.map(take), take(prox), g,
-                                                 moe=num_experts > 0)
+                                                 moe=routing.num_experts > 0)
             gnorm = optax.tree.norm(grads)
             updates, new_opt = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -433,19 +396,19 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
 
 
 def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: Any, param_shardings: Any,
-                  batch_sharding: Optional[NamedSharding] = None, num_experts: int = 0):
+                  batch_sharding: Optional[NamedSharding] = None, routing: RoutingReplay = RoutingReplay()):
     """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
     metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
-    route_chunk = _route_chunk(cfg, graphdef, rest, num_experts)
+    route_chunk = _route_chunk(graphdef, rest, routing)
 
     def fn(params, cstate, version, b: LearnerBatch):
-        prox_routes, b, _ = _route_inputs(cfg, route_chunk, params, b)
+        prox_routes, b, _ = routing.step_routes(route_chunk, params, b)
         prox, _, _ = strategy.prox_logp(lambda p, t, a: chunk(p, t, a, prox_routes), params, cstate, b, version)
         first = lambda x: None if x is None else x[0]  # noqa: E731
         return _minibatch_grads(cfg, strategy, logprobs, params, b.map(first), first(prox), version,
-                                moe=num_experts > 0)
+                                moe=routing.num_experts > 0)
 
     rep = NamedSharding(mesh, P())
     return jax.jit(fn, in_shardings=(param_shardings, None, rep, batch_sharding),

@@ -186,3 +186,30 @@ def test_cli_help(sub):
     r = subprocess.run([sys.executable, "-m", "jax_rl.cli", sub, "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=60)
     assert r.returncode == 0 and "usage" in r.stdout
+
+
+# what a correction mode allows with it is asked of the registries (Correction.check, Route.check)
+@pytest.mark.parametrize("overrides, names", [
+    (["loss.correction=ppo", "old_logits.measure_error=true"], ["old_logits.measure_error=true", "'ppo'"]),
+    (["loss.correction=exact", "old_logits.measure_error=true"], ["old_logits.measure_error=true", "'exact'"]),
+    (["loss.correction=decoupled", "old_logits.route=dedicated"], ["old_logits.route=dedicated",
+                                                                  "loss.correction=exact only"]),
+    (["loss.correction=exact", "old_logits.route=retire", "runtime=ray"], ["old_logits.route=retire",
+                                                                          "runtime=embedded only"]),
+    (["loss.correction=exact", "placement.scorer=1"], ["placement.scorer=1", "old_logits.route=dedicated only",
+                                                       "route=snapshot"]),
+])
+def test_mode_and_route_refusals_name_the_keys(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for n in names:
+        assert n in str(e.value), (n, str(e.value))
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "linear_prox", "ppo_ewma"])
+def test_measure_error_allowed_for_every_approximation(mode):
+    """The approximations are the strategies declaring ``approximate``, not a list in the config."""
+    from jax_rl.correction import REGISTRY
+
+    assert REGISTRY[mode].approximate
+    assert load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"]).old_logits.measure_error

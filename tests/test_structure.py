@@ -1,6 +1,8 @@
 """Structure of the packages: no import cycle between jax_rl / rollout modules, counting imports
 inside functions too (a function-level import that closes a cycle is still a cycle: it only hides
-it from the interpreter's import order)."""
+it from the interpreter's import order). Imports under ``if TYPE_CHECKING:`` are not edges: they
+never run (annotations only). Also: the registries and the config's allowed names agree, and
+nothing outside a registry branches on a route's name."""
 
 import ast
 from pathlib import Path
@@ -18,6 +20,18 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside an ``if TYPE_CHECKING:`` body (never executed)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            t = node.test
+            name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None
+            if name == "TYPE_CHECKING":
+                out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the project modules it imports (``from a.b import c`` counts ``a.b.c`` when that is
     a module, else ``a.b``); package ``__init__`` re-exports are edges too."""
@@ -25,7 +39,11 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(p.read_text())):
+        tree = ast.parse(p.read_text())
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -76,6 +94,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def test_type_checking_imports_are_not_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nimport b\n")
+    skip = _type_checking_only(tree)
+    kept = [n.names[0].name for n in ast.walk(tree) if isinstance(n, ast.Import) and id(n) not in skip]
+    assert kept == ["b"]
+
+
 def test_cycle_detector_finds_a_function_level_cycle():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
@@ -84,3 +109,50 @@ def test_cycle_detector_finds_a_function_level_cycle():
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, f"import cycles (function-level imports included): {found}"
+
+
+def test_registries_agree_with_the_config():
+    """``loss.correction`` and ``old_logits.route`` accept exactly the registries' names."""
+    import typing
+
+    from jax_rl.config import LossConfig, OldLogitsConfig
+    from jax_rl.correction import REGISTRY
+    from jax_rl.old_logits.routes import ROUTES
+
+    assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
+    assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
+
+
+def _string_constants(path: Path) -> list[tuple[int, str]]:
+    """(line, value) of the string constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text())
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docs.add(id(body[0].value))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # attribute docstrings
+            docs.add(id(node.value))
+    return sorted({(node.lineno, node.value) for node in ast.walk(tree)  # f-string pieces are Constants too
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs})
+
+
+def test_route_names_only_in_the_registry_and_the_config():
+    """No module but the route registry and the config's schema holds an ``old_logits.route`` name
+    in its code (a literal equal to it, or a message naming ``route=<name>``): the others ask the
+    route object. Docstrings may name routes."""
+    import re
+
+    from jax_rl.old_logits.routes import ROUTES
+
+    allowed = {ROOT / "jax_rl" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config.py"}
+    pat = re.compile(r"route=(" + "|".join(ROUTES) + r")\b")
+    bad = []
+    for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):
+        if p in allowed:
+            continue
+        for line, v in _string_constants(p):
+            if v in ROUTES or pat.search(v):
+                bad.append(f"{p.relative_to(ROOT)}:{line}: {v!r}")
+    assert not bad, "route names outside the registry:\n" + "\n".join(bad)

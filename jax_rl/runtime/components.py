@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from jax_rl.config import Config, ConfigError
+from jax_rl.routing_replay import RoutingReplay
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -157,75 +158,22 @@ def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
     return train_bpe_tokenizer(texts, cfg.model.bpe_vocab_size, name="bpe")
 
 
-# config.json fields that fix the architecture: a file without them is refused rather than
-# silently given Qwen3-8B's defaults
-HF_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                      "intermediate_size", "vocab_size")
-
-
-def _read_hf_config(ckpt: str) -> dict:
-    import json
-
-    d = Path(ckpt)
-    if not d.is_dir():
-        what = "not a directory" if d.exists() else "does not exist"
-        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({d} {what}; expected a dir "
-                          "holding config.json + model.safetensors)")
-    f = d / "config.json"
-    if not f.is_file():
-        raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({f} not found)")
-    try:
-        hf = json.loads(f.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"model.checkpoint: {f} is not UTF-8 text (offset {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.checkpoint: {f} is not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"model.checkpoint: cannot read {f} ({e.strerror or e})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"model.checkpoint: {f} must hold a JSON object, got {type(hf).__name__}")
-    return hf
-
-
 def build_model_config(cfg: Config, tokenizer=None):
-    """The Qwen3Config: from ``model.checkpoint``'s config.json, else ``model.preset``, with
-    ``model.hf_overrides`` applied. With a checkpoint, the safetensors headers are read and
-    checked against the config too (no tensor data is read), so a bad checkpoint is refused here,
-    before a run dir exists.
+    """The run's Qwen3Config (:func:`jax_rl.model_builder.resolve_model_config`, the one resolver:
+    ``model.checkpoint``'s config.json, else ``model.preset``, with ``model.hf_overrides``; with a
+    checkpoint the safetensors headers are checked against it too, no tensor data read), then the
+    run's own checks: a resume's model, the tokenizer's vocabulary, the keys that need a model
+    property (:func:`_check_model_fits_config`). So a bad model is refused here, before a run dir exists.
 
     Raises:
         ConfigError: unknown preset, bad override, a vocab smaller than the tokenizer's; for
             ``model.checkpoint`` (message naming the file): a missing dir or config.json, a
-            config.json that is not a JSON object or lacks :data:`HF_REQUIRED_FIELDS`, or
+            config.json that is not a JSON object or lacks :data:`jax_rl.model_builder.HF_REQUIRED_FIELDS`, or
             safetensors that are missing, truncated or do not match the config.
     """
-    from jax_rl.models.qwen3 import PRESETS, Qwen3Config, get_preset
+    from jax_rl.model_builder import resolve_model_config
 
-    if cfg.model.checkpoint:
-        from jax_rl.models.hf_io import CheckpointError, check_tensors, read_safetensors_index
-
-        hf = _read_hf_config(cfg.model.checkpoint)
-        f = Path(cfg.model.checkpoint) / "config.json"
-        hf.update(cfg.model.hf_overrides)
-        missing = [k for k in HF_REQUIRED_FIELDS if k not in hf]
-        if missing:
-            raise ConfigError(f"model.checkpoint: {f} lacks the field(s) {missing} (set them there or in "
-                              "model.hf_overrides)")
-        try:
-            mc = Qwen3Config.from_hf(hf)
-        except (TypeError, ValueError, KeyError) as e:
-            raise ConfigError(f"model.checkpoint: {f}: {e}") from None
-        try:
-            check_tensors(mc, read_safetensors_index(cfg.model.checkpoint))
-        except CheckpointError as e:
-            raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
-    else:
-        if cfg.model.preset not in PRESETS:
-            raise ConfigError(f"model.preset={cfg.model.preset!r}: unknown preset; known: {sorted(PRESETS)}")
-        try:
-            mc = get_preset(cfg.model.preset, **cfg.model.hf_overrides)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"model: {e}") from None
+    mc = resolve_model_config(cfg.model, check_tensors=True)
     _check_resumed_model(cfg, mc)
     if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(
@@ -267,9 +215,7 @@ def _check_resumed_model(cfg: Config, mc) -> None:
 def _check_model_fits_config(cfg: Config, mc) -> None:
     """The config keys that need a property of the model (before anything is built)."""
     model = f"model.checkpoint={cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"model.preset={cfg.model.preset}"
-    if cfg.moe.routing_replay != "none" and not mc.is_moe:
-        raise ConfigError(f"moe.routing_replay={cfg.moe.routing_replay} replays MoE expert routes; the model "
-                          f"({model}) has no MoE layer: set moe.routing_replay=none")
+    RoutingReplay.from_config(cfg, mc)  # routing replay on a dense model: refused, naming the key
     ep = int(cfg.mesh.expert)
     if mc.is_moe and ep > 1 and mc.num_experts % ep:
         raise ConfigError(f"mesh.expert={ep}: the model's num_experts={mc.num_experts} ({model}) must divide by "
@@ -367,8 +313,6 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
       models: within 4% of this figure, never above it);
     * ``per_slot``: the bytes each slot adds (everything but ``params``), ``total``.
     """
-    import math
-
     import jax
 
     from jax_rl.models.qwen3 import count_params
@@ -549,7 +493,7 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         top_p=r.top_p,
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
-        record_routes=cfg.moe.routing_replay != "none",  # r2/r3: Trajectory.routes (MoE only)
+        record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
         mesh=mesh,
     )
     gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)

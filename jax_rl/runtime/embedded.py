@@ -40,7 +40,6 @@ from typing import Callable, Optional
 import jax
 
 from jax_rl.config import Config
-from jax_rl.correction import scores_before_buffer, uses_dedicated_scorer, uses_retiring_scorer
 from jax_rl.runtime import components as C
 from jax_rl.runtime.components import EpisodeGuard
 from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
@@ -66,7 +65,7 @@ class RolloutManager:
     def __init__(self, cfg: Config, generators: list, agents: list, buffer, version_fn: Callable[[], int],
                  next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0, scoring=None):
         self.cfg = cfg
-        self.scoring = scoring  # old_logits.route=dedicated: a jax_rl.old_logits.ScoringQueue (set by the producer)
+        self.scoring = scoring  # a route scoring before the buffer: a jax_rl.old_logits.ScoringQueue (set by the producer)
         self.generators = generators
         self.agents = agents
         self.buffer = buffer
@@ -179,7 +178,7 @@ class RolloutManager:
                 # stopping: keep the group for re-issue after resume instead of a half-consumed state
                 self.buffer.cancel(1)
                 return
-            if self.scoring is not None:  # old_logits.route=dedicated: scored first, then put (_scored)
+            if self.scoring is not None:  # a route scoring before the buffer: scored first, then put (_scored)
                 if not self.scoring.submit(gid, trajs):
                     self.buffer.cancel(1)  # stopped while the queue was full: re-issued after resume
                     return
@@ -206,7 +205,7 @@ class RolloutManager:
         self.guard.record(trajs)
 
     def _scored(self, gid: int, kept: list, dropped: list, error: Optional[BaseException]) -> None:
-        """The scoring thread's callback (``old_logits.route=dedicated``)."""
+        """The scoring thread's callback (a route that scores before the buffer)."""
         if self._stop.is_set():  # stopping: the group stays in flight and is re-issued after resume
             self.buffer.cancel(1)
             return
@@ -279,23 +278,20 @@ class EmbeddedProducer:
         meta = meta or {}
         self._learner = ctx.learner
         self.cfg = cfg
-        dedicated = uses_dedicated_scorer(ctx.learner.strategy, cfg)
-        retiring = uses_retiring_scorer(ctx.learner.strategy, cfg)  # "interrupt" | "retire" | None
+        strategy = ctx.learner.strategy
+        self.route = strategy.route  # loss.correction=exact: the old_logits.route asked below, else None
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
                                        groups_per_step=C.local_groups_per_step(cfg),
                                        max_seq_len=cfg.optim.max_seq_len,
-                                       require_old_logp=scores_before_buffer(ctx.learner.strategy, cfg))
+                                       require_old_logp=strategy.scores_before_buffer)
         params = ctx.learner.rollout_params()
         self.scorer = None
-        self.retirer = None  # old_logits.route=interrupt|retire: a jax_rl.old_logits.RetiringScorer
+        self.retirer = None  # a route that retires versions (jax_rl.old_logits.RetiringScorer)
         self._scorer_s_reported = 0.0
         self._stall_reported = (0.0, 0.0)
-        if dedicated or retiring:
-            from jax_rl.old_logits import OldLogitScorer
-
-            # interrupt/retire hold the fleet's version and at most one retiring one
-            self.scorer = OldLogitScorer.for_learner(ctx.learner, cfg, pad_id=ctx.tokenizer.pad_id,
-                                                     keep=2 if retiring else None)
+        keep = self.route.scorer_keep() if self.route is not None else None
+        if keep is not None:  # the route scores on the rollout side, before the buffer
+            self.scorer = ctx.learner.make_scorer(keep=keep, pad_id=ctx.tokenizer.pad_id)
             self.scorer.put(ctx.learner.version, params, copy=False)  # get_params() is already a copy
         if meta.get("buffer"):
             self.buffer.import_state(meta["buffer"])
@@ -309,18 +305,17 @@ class EmbeddedProducer:
         mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
         self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i, roles=roles)
                            for i in mine]
-        # interrupt/retire: the agents keep every unscored episode (finished or partial) for the retires
-        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=bool(retiring))
+        # a retiring route: the agents keep every unscored episode (finished or partial) for the retires
+        track = self.route is not None and self.route.track_unscored
+        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=track)
                   for g in self.generators]
-        if retiring:
-            from jax_rl.old_logits import RetiringScorer
-
+        if self.scorer is not None:
             def release(keys):
                 for a in agents:
                     a.release(keys)
 
-            self.retirer = RetiringScorer(self.scorer, lambda: [p for a in agents for p in a.unscored_prefixes()],
-                                          release, route=retiring, rows_per_forward=cfg.rollout.group_size)
+            self.retirer = self.route.make_retirer(self.scorer, lambda: [p for a in agents for p in a.unscored_prefixes()],
+                                                   release, rows_per_forward=cfg.rollout.group_size)
         self._published = int(ctx.learner.version)
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         prod = meta.get("producer", {})
@@ -366,31 +361,20 @@ class EmbeddedProducer:
         return self.buffer.get_batch(n_groups, version, timeout=1.0)
 
     def publish(self, version: int) -> None:
-        """Hand the learner's params of ``version`` to the scorer (``old_logits.route=dedicated``)
+        """Hand the learner's params of ``version`` to the route's scorer (:meth:`jax_rl.old_logits.routes.Route.publish`)
         and every generator (cast + reshard in this thread), then tell the buffer. Timed into
         :attr:`weight_sync` (``weight_sync_s``: all of it up to the hand-over; ``weight_sync_cast_s``:
         the generators' ``load_params``)."""
         t0 = time.perf_counter()
         params = jax.block_until_ready(self._learner.rollout_params())  # blocked: the copy is timed here
-        if self.retirer is not None:
-            # interrupt/retire: the retirer holds the params, moves every generator to ``version``
-            # (each has swapped when this returns) and retires the outgoing version's tokens
-            # (weight_sync_s then includes interrupt's stall and retire's wait, also logged apart)
-            cast_s = self.retirer.publish(int(version), params, self.generators)
-            self.weight_sync.add(time.perf_counter() - t0, cast_s)
-            self._published = int(version)
-            self.buffer.notify()
-            return
-        if self.scorer is not None:
-            # before any generator runs ``version``: every token of it finds its params. The
-            # scorer keeps a reference to this device copy (same devices) or copies it to its own
-            # (placement.scorer); versions older than version - K go: a token that old is never
-            # trained (the buffer drops it as stale), so it is never scored either.
-            self.scorer.put(int(version), params, copy=False)
-            self.scorer.drop_below(int(version) - int(self.cfg.async_.max_staleness))
-        cast_s = 0.0
-        for g in self.generators:
-            cast_s += g.update_params(params, version)
+        if self.route is not None:  # the route's publish: its scorer / retirer first, then the generators
+            # (a retiring route's weight_sync_s includes interrupt's stall and retire's wait, also logged apart)
+            cast_s = self.route.publish(int(version), params, self.generators, scorer=self.scorer,
+                                        retirer=self.retirer)
+        else:
+            cast_s = 0.0
+            for g in self.generators:
+                cast_s += g.update_params(params, version)
         self.weight_sync.add(time.perf_counter() - t0, cast_s)
         self._published = int(version)
         self.buffer.notify()

@@ -40,7 +40,7 @@ def trained():
 
 
 def _scorer(lrn, keep=3):
-    sc = OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=keep, max_seq_len=32)
+    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=keep, max_seq_len=32)
     for v in lrn.store.versions:
         if v != lrn.version:
             sc.put(v, lrn.store.get(v, lrn.param_shardings), copy=False)
@@ -50,7 +50,7 @@ def _scorer(lrn, keep=3):
 
 def _snapshot(lrn, b):
     dev, r = lrn.device_batch(b, process_local=False)
-    old, _ = snapshot_logprobs(lrn.store, lrn._logprob_jit, tokens=dev["tokens"], attention_mask=dev["attention_mask"],
+    old, _ = snapshot_logprobs(lrn.store, lrn.logprob_fn(), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
                                versions=dev["versions"], needed=versions_needed(b["versions"], b["loss_mask"]),
                                current_version=lrn.version, current_params=lrn.state.params,
                                shardings=lrn.param_shardings)
@@ -261,7 +261,9 @@ def test_scorer_on_its_own_devices_matches(trained, devices):
     mesh within 1e-6 (another mesh is another program: the partitioning differs)."""
     lrn, b = trained
     cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "dedicated"}, placement={"scorer": 2})
-    sc = OldLogitScorer.for_learner(lrn, cfg)
+    from jax_rl.placement import resolve_roles
+
+    sc = lrn.make_scorer(devices=resolve_roles(cfg).scorer)
     assert sorted(d.id for d in sc.mesh.devices.flat) == [6, 7]
     for v in (1, 2):
         sc.put(v, lrn.store.get(v, lrn.param_shardings))

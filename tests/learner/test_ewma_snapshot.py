@@ -71,7 +71,7 @@ def test_snapshot_route_versions_eviction_and_checkpoint(tmp_path, devices):
     dev, r = lrn.device_batch(b, process_local=False)
     needed = versions_needed(b["versions"], lm)
     assert needed == [1, 2, 3]
-    old, stats = snapshot_logprobs(lrn.store, lrn._logprob_jit, tokens=dev["tokens"],
+    old, stats = snapshot_logprobs(lrn.store, lrn.logprob_fn(), tokens=dev["tokens"],
                                    attention_mask=dev["attention_mask"], versions=dev["versions"], needed=needed,
                                    current_version=3, current_params=lrn.state.params, shardings=lrn.param_shardings)
     old = np.asarray(old).reshape(8, 16)

@@ -88,7 +88,7 @@ def test_interrupt_scores_partial_prefixes_before_dropping(trained, devices):
     (stash + the fleet's version) equal the snapshot route's on every loss token."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(1, _params(lrn, 1), copy=False)
     gens = [_FakeGen(), _FakeGen()]
     leaving = {"v": None}
@@ -100,7 +100,7 @@ def test_interrupt_scores_partial_prefixes_before_dropping(trained, devices):
         return [_prefix_when_leaving(t, v) for t in trajs]
 
     released = []
-    rs = RetiringScorer(sc, sources, released.extend, route="interrupt", rows_per_forward=3)
+    rs = RetiringScorer(sc, sources, released.extend, pause=True, rows_per_forward=3)
     for v in (2, 3):
         leaving["v"] = v - 1
         rs.publish(v, _params(lrn, v), gens)
@@ -131,7 +131,7 @@ def test_retire_drops_params_only_after_last_token(trained, devices):
     and only then drops theta_v."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(2, _params(lrn, 2), copy=False)
     go, inside = threading.Event(), threading.Event()
     seen = []
@@ -143,7 +143,7 @@ def test_retire_drops_params_only_after_last_token(trained, devices):
         return [_prefix_when_leaving(t, 2) for t in trajs if 1 not in t.versions]
 
     gens = [_FakeGen()]
-    rs = RetiringScorer(sc, sources, route="retire")
+    rs = RetiringScorer(sc, sources, pause=False)
     rs.publish(3, _params(lrn, 3), gens)
     assert gens[0].version == 3 and gens[0].events == [("swap", 3)]  # no pause: generating at 3 at once
     assert inside.wait(30)
@@ -170,7 +170,7 @@ def test_at_most_two_versions_held_whatever_k(trained, devices):
     (the learner waits; never the rollouts), so the scorer never holds more than 2 versions."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     held_seen = []
     retired_at_put = []
     orig_put = sc.put
@@ -190,7 +190,7 @@ def test_at_most_two_versions_held_whatever_k(trained, devices):
         gate.acquire(timeout=30)
         return [_prefix_when_leaving(t, 1) for t in trajs]
 
-    rs = RetiringScorer(sc, sources, route="retire")
+    rs = RetiringScorer(sc, sources, pause=False)
     params = _params(lrn, 1)
     for v in range(2, 6):  # every retire holds until released; the next publish must wait for it
         threading.Timer(0.1, gate.release).start()
@@ -203,7 +203,7 @@ def test_at_most_two_versions_held_whatever_k(trained, devices):
     assert retired_at_put == [(1, None), (2, 0), (3, 1), (4, 2), (5, 3)]
     rs.stop()
     with pytest.raises(ValueError, match="holds 2 versions"):
-        RetiringScorer(OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=1, max_seq_len=32),
+        RetiringScorer(OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=1, max_seq_len=32),
                        list)
 
 
@@ -213,7 +213,7 @@ def test_mismatched_or_missing_version_is_dropped_and_counted(trained, devices):
     while tokens of it wait says so."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn._logprob_jit, lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(2, _params(lrn, 2), copy=False)
     key, tok, ver, lm = _prefix_when_leaving(trajs[2], 2)
     tok = tok.copy()
@@ -393,8 +393,9 @@ def test_config_accepts_new_routes_and_refuses_ray():
         with pytest.raises((ConfigError, ValueError), match="serves loss.correction=exact only"):
             load_config(None, [f"old_logits.route={route}"])
     lrn_cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "retire"})
-    from jax_rl.correction import make_correction, scores_before_buffer, uses_retiring_scorer, uses_snapshot_store
+    from jax_rl.correction import make_correction
+    from jax_rl.old_logits.routes import Retire
 
     s = make_correction(lrn_cfg)
-    assert uses_retiring_scorer(s, lrn_cfg) == "retire" and scores_before_buffer(s, lrn_cfg)
-    assert not uses_snapshot_store(s, lrn_cfg) and "1 or 2 whatever K" in s.describe()
+    assert isinstance(s.route, Retire) and s.route.track_unscored and s.route.scorer_keep() == 2
+    assert s.scores_before_buffer and not s.learner_store and "1 or 2 whatever K" in s.describe()

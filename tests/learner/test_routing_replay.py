@@ -269,11 +269,9 @@ def test_r2_replays_its_own_routes():
 
 def test_dedicated_scorer_forces_r3_routes():
     """old_logits.route=dedicated under r3: the scorer's old_logp is the learner's forced forward."""
-    from jax_rl.old_logits import OldLogitScorer
-
     L = _learner("exact", "r3", True, old_logits={"route": "dedicated"})
     trajs, _ = _rollouts(L, _perturbed(L.get_params(host=True), 0.5), n=4, new=8)
-    sc = OldLogitScorer.for_learner(L, L.cfg)
+    sc = L.make_scorer()
     assert sc.routes_fn is not None
     sc.put(0, L.get_params())
     kept, dropped = sc.score_group(trajs)
@@ -292,7 +290,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     old_logp (stash for the version-0 tokens, held params for the version-1 ones) equal the
     learner's forced forward of the whole trajectory, and the version-0 tokens differ from the
     unforced forward (a prefix scored without its routes would give that one)."""
-    from jax_rl.old_logits import OldLogitScorer, RetiringScorer
+    from jax_rl.old_logits import RetiringScorer
 
     L = _learner("exact", "r3", True, old_logits={"route": "retire"})
     mc = L.model_config
@@ -305,7 +303,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     futs = [gen.submit(p, max_new_tokens=10, seed=i) for i, p in enumerate(prompts)]
     for _ in range(4):
         gen.step()
-    sc = OldLogitScorer.for_learner(L, L.cfg, keep=2)
+    sc = L.make_scorer(keep=2)
     assert sc.routes_fn is not None
     sc.put(0, L.get_params())
     prefixes = []
@@ -314,7 +312,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
         assert 0 < len(toks) < 10 and rts.shape == (len(p) + len(toks), 2, 2)
         prefixes.append(((0, i), np.asarray(p + toks), np.asarray([-1] * len(p) + vers),
                          np.asarray([False] * len(p) + [True] * len(toks)), rts))
-    rs = RetiringScorer(sc, lambda: prefixes, route="retire", rows_per_forward=3)
+    rs = RetiringScorer(sc, lambda: prefixes, pause=False, rows_per_forward=3)
     rs.put(1, L.get_params())  # version 1: the same params (the learner's forced forward scores both)
     gen.update_params(eng_params, 1)
     gen.apply_update_now()

@@ -1,0 +1,127 @@
+"""The learner's recipe, in one place: what a config builds for the train step.
+
+:func:`learner_spec` is used by :class:`jax_rl.learner.Learner` (real arrays on the mesh, which
+the dry run ``jax-rl train --dry-run`` compiles) and by ``jax-rl compile`` (abstract shapes on a
+TPU topology): the model split, the param shardings, the optimizer and its schedule, the
+correction strategy, the routing-replay policy, the train-state shardings and the initial state.
+So the program ``jax-rl compile`` sizes is the program training runs, as MaxText's
+``train_compile.py`` shares its state setup with ``train.py``.
+
+:func:`make_sft_optimizer` is the SFT phase's optimizer (:class:`jax_rl.sft.SftRunner` and
+``jax-rl compile``'s ``sft_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+from flax import nnx
+
+from jax_rl.checkpoint import abstract_like
+from jax_rl.config import Config, ConfigError
+from jax_rl.correction import Correction, make_correction
+from jax_rl.model_builder import abstract_model_split, create_sharded_model, learner_model_kwargs
+from jax_rl.placement import place_params
+from jax_rl.routing_replay import RoutingReplay
+from jax_rl.sharding import state_shardings
+from jax_rl.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
+                               train_state_shardings)
+
+__all__ = ["LearnerSpec", "learner_spec", "total_updates", "make_sft_optimizer"]
+
+
+@dataclasses.dataclass
+class LearnerSpec:
+    """The learner's pieces for one config, model and mesh (:func:`learner_spec`).
+
+    Attributes:
+        graphdef / rest: the model's static graph and non-param variables (``nnx.split``).
+        params: the params: an ``nnx.State`` of device arrays, or of ``jax.ShapeDtypeStruct``
+            (abstract).
+        param_shardings: a tree like ``params`` of ``NamedSharding`` on the mesh.
+        tx / schedule: the RL optimizer chain and its learning-rate schedule (:func:`make_optimizer`).
+        strategy: the correction strategy (``loss.correction``).
+        routing: the routing-replay policy (``moe.routing_replay``).
+        state: the step-0 :class:`jax_rl.train_step.TrainState` (arrays, or ShapeDtypeStructs
+            with their shardings when abstract).
+        state_shardings: the TrainState's shardings.
+        updates: optimizer updates over the run (the schedule's horizon, :func:`total_updates`).
+    """
+
+    graphdef: Any
+    rest: Any
+    params: Any
+    param_shardings: Any
+    tx: Any
+    schedule: Any
+    strategy: Correction
+    routing: RoutingReplay
+    state: TrainState
+    state_shardings: TrainState
+    updates: int
+
+
+def total_updates(cfg: Config) -> int:
+    """Optimizer updates over the run: ``max(1, run.steps) * optim.ppo_epochs * optim.minibatches``."""
+    return max(1, cfg.run.steps) * int(cfg.optim.ppo_epochs) * int(cfg.optim.minibatches)
+
+
+def make_sft_optimizer(cfg: Config):
+    """``(tx, schedule)`` of the SFT phase: the RL optimizer's chain (``optim.*``: AdamW, clipping,
+    weight decay) at ``sft.lr`` with ``sft.warmup_steps`` of warmup, then constant."""
+    return make_optimizer(cfg.optim, None, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps, schedule="constant")
+
+
+def learner_spec(cfg: Config, model_config: Any, mesh: Any, *, abstract: bool, init_params: Any = None,
+                 model_kw: Optional[dict] = None) -> LearnerSpec:
+    """Build the learner's recipe for ``cfg`` on ``mesh``.
+
+    Args:
+        model_config: the ``Qwen3Config`` (:func:`jax_rl.model_builder.resolve_model_config`).
+        mesh: a ``('data','fsdp','tensor','expert')`` mesh (devices of this host, or of a TPU
+            topology when ``abstract``).
+        abstract: True: shapes only (nothing allocated; ``jax-rl compile``); False: the params
+            built directly in their sharded layout and the initial state on the mesh.
+        init_params: initial params (an ``nnx.State`` of Params or the matching nested dict, numpy
+            or jax arrays; either decoder-layer layout); default random init with ``run.seed``.
+            Not with ``abstract``.
+        model_kw: the model's build options (default :func:`jax_rl.model_builder.learner_model_kwargs`).
+
+    Raises:
+        jax_rl.config.ConfigError: routing replay on a dense model; an abstract model with
+            non-parameter state.
+        ValueError: ``init_params`` that do not match the model's param tree, or with ``abstract``.
+    """
+    if abstract and init_params is not None:
+        raise ValueError("learner_spec: init_params need abstract=False")
+    kw = learner_model_kwargs(cfg) if model_kw is None else dict(model_kw)
+    strategy = make_correction(cfg)
+    routing = RoutingReplay.from_config(cfg, model_config)
+    params = None
+    if abstract or init_params is not None:  # no random init: the abstract model (+ the given values)
+        graphdef, abs_params, rest = abstract_model_split(model_config, **kw)
+        if abstract and jax.tree.leaves(rest):
+            raise ConfigError("the model has non-parameter state; jax-rl compile handles parameter-only models")
+        if not jax.tree.leaves(rest):
+            param_shardings = state_shardings(abs_params, mesh)
+            params = abs_params if abstract else place_params(init_params, abs_params, param_shardings)
+    if params is None:
+        model = create_sharded_model(model_config, mesh, seed=cfg.run.seed, **kw)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        del model
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        if init_params is not None:
+            params = place_params(init_params, params, param_shardings)
+    n = total_updates(cfg)
+    tx, schedule = make_optimizer(cfg.optim, n)
+    state_sh = train_state_shardings(tx, strategy, param_shardings, params, mesh)
+    if abstract:
+        state = abstract_like(jax.eval_shape(lambda p: initial_state(tx, strategy, p), params), state_sh)
+    else:
+        with jax.set_mesh(mesh):
+            state = init_train_state(tx, strategy, params, cfg.run.seed, state_sh)
+    return LearnerSpec(graphdef=graphdef, rest=rest, params=params, param_shardings=param_shardings, tx=tx,
+                       schedule=schedule, strategy=strategy, routing=routing, state=state,
+                       state_shardings=state_sh, updates=n)
