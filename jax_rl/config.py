@@ -422,6 +422,23 @@ class RolloutConfig(_Section):
     """Top-k sampling (0 = off), applied before top_p; reproduced by the learner like top_p."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Rollout compute dtype (bf16 default: a real train-infer gap)."""
+    quantize: Literal["none", "int8", "fp8", "int4"] = "none"
+    """Weight-only quantisation of the engine's decoder matmul weights (attention q/k/v/o, MLP and MoE
+    experts), redone at every weight sync from the learner's fp32 weights: symmetric, one scale per
+    output channel; int8, fp8 (e4m3fn) or int4 values stored, dequantised to rollout.dtype inside the
+    engine's programs (embedding, LM head, router and norms stay in rollout.dtype). The gap a quantised
+    server has (rollout/quantize.py, docs/correction.md). none = every weight in rollout.dtype."""
+    moe_router_dtype: Literal["float32", "bfloat16"] = "float32"
+    """MoE only: the engine's router matmul dtype (inputs and logits; softmax and top-k stay fp32).
+    float32 = the learner's routing; bfloat16 = a server's gate linear in the model dtype, so the
+    engine's expert choice can differ from the learner's (routing replay r3 replays the engine's)."""
+    moe_capacity_factor: Optional[float] = Field(None, gt=0)
+    """MoE only: the engine's expert capacity, a multiple of the uniform load (GShard): each expert
+    takes at most ceil(factor * N * k / num_experts) token copies per engine forward, N its token
+    positions (rollout.slots for a decode step, the prompt's bucket for a prefill; idle slots and
+    padding take no slot), first choices first; copies over it are dropped (no expert output) in the
+    engine only: the learner stays dropless unless model.moe_capacity_factor drops on its
+    expert-parallel path. null = the engine routes as the learner's model config does."""
     partial: Literal["continue", "recompute_kv", "abort"] = "continue"
     """What happens to a sequence mid-generation when weights change: continue (keep its KV cache; later
     tokens carry the new version), recompute_kv (re-prefill it under the new weights), abort (drop the

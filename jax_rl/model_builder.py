@@ -136,7 +136,10 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
     ``role="learner"``: learner numerics: compute dtype ``model.dtype``, fp32 params,
     ``remat_policy`` (``model.remat`` folded in). ``role="rollout"``: what
     ``rollout.engine.Qwen3Engine(model_kwargs=...)`` takes: no dtypes (the engine's ``dtype``,
-    ``rollout.dtype``, sets compute and params) and no remat (the engine never differentiates).
+    ``rollout.dtype``, sets compute and params) and no remat (the engine never differentiates);
+    ``rollout.moe_router_dtype`` / ``rollout.moe_capacity_factor`` when set (the engine's MoE
+    routing then differs from the learner's: ``moe_router_dtype``, ``moe_capacity_factor`` with
+    ``moe_capacity_all_paths``).
 
     Raises:
         ValueError: ``role`` is not ``"learner"`` or ``"rollout"``.
@@ -148,6 +151,11 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
     kw["moe_matmul"] = resolve_moe_matmul(kw["moe_matmul"])
     if role == "rollout":
         kw.pop("remat_policy")
+        r = cfg.rollout  # the engine-only MoE options (issue 27), passed only when set: else the learner's
+        if r.moe_router_dtype != "float32":
+            kw["moe_router_dtype"] = r.moe_router_dtype
+        if r.moe_capacity_factor is not None:
+            kw.update(moe_capacity_factor=r.moe_capacity_factor, moe_capacity_all_paths=True)
         return kw
     return dict(dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32, **kw)
 

@@ -335,6 +335,14 @@ class Qwen3Engine(Engine):
         v5e).
       record_routes: also return the expert ids every MoE layer chose (module docstring,
         "Routing replay"); ignored (False) for a dense model.
+      quantize: ``rollout.quantize``: ``"none"`` (default: every float param cast to ``dtype``, the
+        programs as before), or ``"int8"`` / ``"fp8"`` / ``"int4"``: weight-only per-output-channel
+        quantisation of the decoder layers' matmul weights at every :meth:`load_params` (the weight
+        sync), from the values as given (the learner's fp32 master weights). The engine stores them
+        quantised (``qwix.QArray``: int8 / float8_e4m3fn / int4 values + float32 scales) and
+        dequantises them to ``dtype`` inside each jitted program; embedding, LM head, router and
+        norms stay in ``dtype``. :mod:`rollout.quantize` has the scheme, its error bound and what
+        the memory saving is and is not.
     """
 
     def __init__(
@@ -354,8 +362,10 @@ class Qwen3Engine(Engine):
         model_kwargs: Optional[dict] = None,
         kv_per_layer: Optional[bool] = None,
         record_routes: bool = False,
+        quantize: str = "none",
     ) -> None:
         from jax_rl.models import qwen3 as _q
+        from rollout.quantize import QUANTIZE_MODES
 
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -363,6 +373,10 @@ class Qwen3Engine(Engine):
             raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if quantize not in QUANTIZE_MODES:
+            raise ValueError(f"rollout.quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+        self.quantize = quantize
+        """``rollout.quantize`` of this engine's weights (``"none"``: cast only)."""
         self.config = model_config
         self.dtype = _resolve_dtype(dtype)
         self._slots = int(slots)
@@ -387,6 +401,10 @@ class Qwen3Engine(Engine):
 
         kw = dict(model_kwargs or {})
         dt = self.dtype
+        # a model that drops MoE token copies on its local path (rollout.moe_capacity_factor): the
+        # decode step tells it which slots are active, so an idle slot takes no expert capacity
+        self._decode_valid = bool(model_config.is_moe and kw.get("moe_capacity_all_paths")
+                                  and kw.get("moe_capacity_factor") is not None)
 
         def build(**extra):
             return nnx.eval_shape(lambda: _q.Qwen3ForCausalLM(
@@ -413,6 +431,14 @@ class Qwen3Engine(Engine):
             self._param_shardings = state_shardings(self._abstract_params, mesh)
         else:
             self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # = jax.devices()[0] in one process
+        # the tree the engine holds (= the model's params unless quantised: QArray leaves then)
+        self._engine_abstract, self._engine_shardings = self._abstract_params, self._param_shardings
+        if quantize != "none":
+            from rollout.quantize import quantize_params, quantized_shardings
+
+            self._engine_abstract = jax.eval_shape(lambda p: quantize_params(p, quantize, dt), self._abstract_params)
+            if self._param_shardings is not None:
+                self._engine_shardings = quantized_shardings(self._engine_abstract, self._param_shardings)
         self._rest = jax.device_put(
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_rest), self._sharding
         )
@@ -421,7 +447,16 @@ class Qwen3Engine(Engine):
 
     # ------------------------------------------------------------------ model plumbing
     def _model(self, params: Any) -> Any:
-        return nnx.merge(self._graphdef, params, self._rest)
+        return nnx.merge(self._graphdef, self._dequantized(params), self._rest)
+
+    def _dequantized(self, params: Any) -> Any:
+        """The model's params tree from the engine's (quantised weights dequantised to the compute
+        dtype, in the calling program; a no-op when nothing is quantised)."""
+        if self.quantize == "none":
+            return params
+        from rollout.quantize import dequantize_params
+
+        return dequantize_params(params, self.dtype)
 
     def _build_jits(self) -> None:
         from jax_rl.models import qwen3 as _q
@@ -495,7 +530,8 @@ class Qwen3Engine(Engine):
             active = state["active"] & (cache.lengths < S)  # room to write the pending token
             lengths_in = jnp.where(active, cache.lengths, 0)
             dec = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in),
-                                    return_expert_ids=record)
+                                    return_expert_ids=record,
+                                    **({"valid": active} if self._decode_valid else {}))
             logits, cache = dec[0], dec[1]
             pos = lengths_in + 1  # absolute position of the token being sampled
             keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
@@ -526,7 +562,9 @@ class Qwen3Engine(Engine):
 
         def generate_steps_fn(params, state, n):
             # n steps of generate_fn in one on-device loop; every per-step output leaf (data
-            # [B, cols]) is stacked on a new leading axis [n, ...]
+            # [B, cols]) is stacked on a new leading axis [n, ...]; quantised weights are
+            # dequantised once per call, not once per step
+            params = self._dequantized(params)
             return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
 
         if not self._sharded:  # the colocated single-device engine: programs as they always were
@@ -626,6 +664,9 @@ class Qwen3Engine(Engine):
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         dt = self.dtype
+        if self.quantize != "none":  # one jitted re-layout + quantisation where the params are
+            out = self._cast_jit(params)
+            return self._place(out) if self._sharded else jax.device_put(out, self._sharding)
         if not self._sharded:
             def cast(x):
                 x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
@@ -649,8 +690,8 @@ class Qwen3Engine(Engine):
 
     def _place(self, tree: Any) -> Any:
         """``device_put`` of a tree shaped like the engine's params to :attr:`param_shardings`."""
-        placed = jax.device_put(jax.tree.leaves(tree), jax.tree.leaves(self._param_shardings))
-        return jax.tree.unflatten(jax.tree.structure(self._abstract_params), placed)
+        placed = jax.device_put(jax.tree.leaves(tree), jax.tree.leaves(self._engine_shardings))
+        return jax.tree.unflatten(jax.tree.structure(self._engine_abstract), placed)
 
     @property
     def param_shardings(self) -> Any:
@@ -660,8 +701,15 @@ class Qwen3Engine(Engine):
 
     @functools.cached_property
     def _cast_jit(self) -> Any:
-        """The sharded engine's compiled cast + layer re-layout (built once, reused every publish)."""
+        """The sharded engine's compiled cast + layer re-layout (built once, reused every publish);
+        for a quantising engine (either kind) the re-layout then the quantisation
+        (:func:`rollout.quantize.quantize_params` of the values as given)."""
         dt = self.dtype
+        if self.quantize != "none":
+            from rollout.quantize import quantize_params
+
+            mode = self.quantize
+            return jax.jit(lambda params: quantize_params(self._layout(params), mode, dt))
 
         def cast_layout(params):
             return self._layout(jax.tree.map(
@@ -701,7 +749,7 @@ class Qwen3Engine(Engine):
         """Empty decode state for all slots (see module docstring for its layout)."""
         params = kwargs.get("params", self.params)
         if params is None:
-            params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract_params)
+            params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._engine_abstract)
             if self._sharded:
                 params = self._place(params)
         with self._in_mesh():

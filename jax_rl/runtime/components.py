@@ -225,6 +225,13 @@ def _check_model_fits_config(cfg: Config, mc) -> None:
     if mc.is_moe and rep > 1 and mc.num_experts % rep:
         raise ConfigError(f"rollout.mesh.expert={rep}: the model's num_experts={mc.num_experts} ({model}) must divide "
                           f"by it (each engine splits the experts evenly); set a divisor of {mc.num_experts}")
+    r = cfg.rollout
+    if not mc.is_moe and r.moe_router_dtype != "float32":
+        raise ConfigError(f"rollout.moe_router_dtype={r.moe_router_dtype} sets the engine's MoE router; the model "
+                          f"({model}) has no MoE layer: set rollout.moe_router_dtype=float32")
+    if not mc.is_moe and r.moe_capacity_factor is not None:
+        raise ConfigError(f"rollout.moe_capacity_factor={r.moe_capacity_factor} drops the engine's MoE token copies; "
+                          f"the model ({model}) has no MoE layer: set rollout.moe_capacity_factor=null")
 
 
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
@@ -495,6 +502,7 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
         mesh=mesh,
+        quantize=r.quantize,
     )
     gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)
     gen.start()
