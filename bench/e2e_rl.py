@@ -1,6 +1,6 @@
 """End-to-end RL steps, jax-rl vs Tunix 0.1.7's GRPOLearner: same weights, task, batch, optimizer.
 
-    /work/bench-venv/bin/python bench/e2e_rl.py [--steps 30] [--warmup 3] [--rounds 1]
+    /work/bench-venv/bin/python bench/e2e_rl.py [--steps 40] [--warmup 3] [--rounds 2]
         [--arms jaxrl_k0 tunix jaxrl_k2 roles_k0 roles_k2] [--eval-tasks 64] [--eval-k 4]
         [--sft-steps 300] [--out runs/e2e_rl] [--json docs/results/e2e_rl_<date>.json]
         [--jax-rl-python .venv/bin/python] [--src DIR]
@@ -12,8 +12,8 @@ of the bench venv. Every arm is its own process, run one after the other in the 
 ``--rounds`` times (A B C ... A B C ...), with ``os.getloadavg()`` before and after each.
 
 The task (``bench/e2e_rl.yaml``): ``make train``'s tiny dense Qwen3 (2 layers, d=64, vocab 640,
-BPE tokenizer) on the calculator env's reasoning-gym chain_sum (2-3 terms of 1-2 digits), made
-SINGLE-TURN: Tunix 0.1.7's GRPOLearner is prompt -> one completion -> reward, so one assistant
+BPE tokenizer) on the calculator env's reasoning-gym chain_sum (here 2 terms of 1 digit: the yaml
+says why), made SINGLE-TURN: Tunix 0.1.7's GRPOLearner is prompt -> one completion -> reward, so one assistant
 turn answers ``<answer>N</answer>`` (a ``<tool_call>`` scores 0, as jax-rl's ``max_turns=1``
 does). The start point is shared: ``prepare`` runs jax-rl's own SFT (``run_sft``, 300 steps) on
 direct-answer demos (the env's reference solution with the tool call left out) and exports ONE HF
@@ -385,9 +385,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0].startswith("_"):  # worker modes (one fresh process each)
         return _worker(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="RL steps per arm run")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per arm run")
     ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
-    ap.add_argument("--rounds", type=int, default=1, help="times the arm sequence is repeated")
+    ap.add_argument("--rounds", type=int, default=2, help="times the arm sequence is repeated")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--eval-tasks", type=int, default=64)
     ap.add_argument("--eval-k", type=int, default=4)
