@@ -1,0 +1,140 @@
+"""Compiling one program (part of :mod:`jax_rl.compile`): ``lower().compile()`` under the mesh, its
+memory and cost analysis under short keys, the splash-attention kernels' FLOPs added from the traced
+jaxpr, and the TPU compiler's out-of-HBM refusal turned into a row's ``error`` /
+``hbm_required_bytes``."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # annotations only
+    from jax_rl.compile.target import _Target
+
+
+def _short(a: dict) -> dict[str, float]:
+    """:func:`jax_rl.tpu._analysis`'s dict under this module's short keys (bytes per device):
+    ``args``, ``out``, ``alias``, ``temp``, ``flops``, ``bytes`` (accessed)."""
+    return {"args": a.get("argument_size_in_bytes", 0), "out": a.get("output_size_in_bytes", 0),
+            "alias": a.get("alias_size_in_bytes", 0), "temp": a.get("temp_size_in_bytes", 0),
+            "flops": a.get("flops", 0.0), "bytes": a.get("bytes_accessed", 0.0)}
+
+
+def _analysis(compiled) -> dict[str, float]:
+    """Memory and cost analysis of a compiled program (:func:`_short` keys)."""
+    from jax_rl.tpu import _analysis as analysis
+
+    return _short(analysis(compiled))
+
+
+# Pallas splash-attention kernels, and the causal matmuls each runs per head and row: the
+# forward (S = QK^T, O = PV), dq (S, dP = dO V^T, dQ = dS K), dkv (S, dP, dV = P^T dO, dK = dS^T Q)
+_SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def _splash_calls(jaxpr) -> dict[str, int]:
+    """How many splash kernels of each kind ``jaxpr`` runs (``pallas_call`` equations named
+    ``splash_mha_{fwd,dq,dkv}*``), nested jaxprs included (scans by their length; a ``cond`` by
+    its costliest branch, like XLA's cost analysis: ``ppo_ewma``'s reset forward counts)."""
+    import re
+
+    from jax.extend import core as jcore
+
+    def subs(v):
+        if isinstance(v, jcore.ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, jcore.Jaxpr):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from subs(x)
+
+    def walk(jx, mult: int, out: dict) -> dict:
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                m = re.search(r"splash_mha_(fwd|dq|dkv)", str(eqn.params.get("name", "")))
+                if m:
+                    out[m.group(1)] += mult
+                continue
+            if eqn.primitive.name == "cond":  # the costliest branch, as XLA's cost analysis does
+                per = [walk(b, mult, dict.fromkeys(_SPLASH_MATMULS, 0)) for b in subs(eqn.params["branches"])]
+                best = max(per, key=lambda c: sum(_SPLASH_MATMULS[k] * n for k, n in c.items()))
+                for k, n in best.items():
+                    out[k] += n
+                continue
+            k = mult * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else mult
+            for v in eqn.params.values():
+                for sub in subs(v):
+                    walk(sub, k, out)
+        return out
+
+    return walk(jaxpr, 1, dict.fromkeys(_SPLASH_MATMULS, 0))
+
+
+def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, float]:
+    """``fn.lower(*args).compile()`` under the mesh (default matmul precision: the TPU's bf16
+    passes); returns (analysis, seconds).
+
+    XLA's cost analysis cannot see into a Pallas kernel, so with ``attn_unit`` (FLOPs of one
+    causal [T, T] matmul over every head and row, per device) the splash-attention kernels the
+    program calls are added analytically: ``_SPLASH_MATMULS`` matmuls each (fwd 2, dq 3, dkv 4)."""
+    import jax
+
+    from jax_rl.tpu import no_persistent_cache
+
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"), no_persistent_cache():
+        traced = fn.trace(*args)
+        c = traced.lower().compile()
+    a = _analysis(c)
+    if attn_unit:
+        calls = _splash_calls(traced.jaxpr.jaxpr)
+        a["flops"] += attn_unit * sum(_SPLASH_MATMULS[k] * n for k, n in calls.items())
+        a["splash_calls"] = calls
+    return a, time.perf_counter() - t0
+
+
+def _is_hbm_oom(e: BaseException) -> bool:
+    """The TPU compiler's refusal of a program larger than the chip's HBM."""
+    m = str(e)
+    return "Ran out of memory" in m or ("RESOURCE_EXHAUSTED" in m and "HBM" in m)
+
+
+def _oom_text(e: BaseException) -> str:
+    import re
+
+    m = re.search(r"(the total memory required.*?exceeds available HBM \([^)]*\))", str(e))
+    return m.group(1) if m else " ".join(str(e).split())[:200]
+
+
+def _oom_analysis(e: BaseException) -> dict:
+    """An analysis dict for a program the compiler refused: ``oom`` (its message) and, when it
+    names one, the memory it says is required as ``required`` bytes."""
+    import re
+
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    m = re.search(r"required for [^(]*\(([\d.]+)([KMGT])\)", str(e))
+    return {"oom": _oom_text(e), "required": int(float(m.group(1)) * unit[m.group(2)]) if m else None}
+
+
+def _compile_or_oom(fn, args, mesh) -> tuple[dict, float]:
+    """:func:`_compile`, or the :func:`_oom_analysis` of a program over the chip's HBM."""
+    t0 = time.perf_counter()
+    try:
+        return _compile(fn, args, mesh)
+    except Exception as e:  # noqa: BLE001
+        if not _is_hbm_oom(e):
+            raise
+        return _oom_analysis(e), time.perf_counter() - t0
+
+
+def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
+    """Per-device FLOPs of one causal attention matmul on [rows, T] (None unless splash): the
+    kernel runs under shard_map over the batch and head axes, assumed to cover the mesh."""
+    from jax_rl.models.attention import SPLASH_BLOCK
+
+    if t.learner_kw.get("attention") != "splash":
+        return None
+    mc = t.model_config
+    Tp = -(-T // SPLASH_BLOCK) * SPLASH_BLOCK
+    return rows * mc.num_attention_heads * mc.head_dim * Tp * Tp / len(t.devices)
