@@ -187,7 +187,7 @@ def _exact(monkeypatch, *extra):
     B, T = 8, 64
     b, sh = C._batch(t, lrn.strategy, 1, 1, B, T)
     fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                         state_shardings=lrn.state_sh, batch_sharding=sh)
+                         state_shardings=lrn.state_shardings, batch_sharding=sh)
     with monkeypatch.context() as mp:
         mp.setattr(logprobs, "_UNROLL_CHUNKS", True)
         # the splash kernels' matmuls are added analytically in both (XLA cannot see into Pallas)
@@ -262,7 +262,7 @@ def test_scanned_layers_cost_analysis_undercounts():
         assert t.learner_kw["scan_unroll"] == 1
         b, sh = C._batch(t, lrn.strategy, 1, 1, 8, 64)
         fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                             state_shardings=lrn.state_sh, batch_sharding=sh)
+                             state_shardings=lrn.state_shardings, batch_sharding=sh)
         figs[scan], _ = C._compile(fn, (lrn.state, b), t.mesh)
     assert figs["true"]["flops"] < 0.6 * figs["false"]["flops"], figs
 
