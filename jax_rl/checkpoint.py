@@ -193,7 +193,8 @@ def tree_nbytes(*trees: Any) -> int:
     return n
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``"<ExceptionType>: <message>"`` on one line, whitespace collapsed, at most ``limit`` characters."""
     msg = " ".join(str(e).split()) or type(e).__name__
     msg = msg if len(msg) <= limit else msg[: limit - 3] + "..."
     return f"{type(e).__name__}: {msg}"
@@ -340,7 +341,7 @@ class Checkpointer:
         Raises:
             FileNotFoundError: no checkpoint in the directory.
         """
-        step = self._resolve(step)
+        step = self.resolve(step)
         return dict(self._mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())).metadata)
 
     def restore(
@@ -366,7 +367,7 @@ class Checkpointer:
                 the other (``model.scan_layers``), one line.
             ValueError: the saved tree does not match the target (Orbax's message).
         """
-        step = self._resolve(step)
+        step = self.resolve(step)
         self.check_layer_layout(step, state)
         items = {"state": ocp.args.StandardRestore(state), "metadata": ocp.args.JsonRestore()}
         if ewma is not None:
@@ -452,7 +453,7 @@ class Checkpointer:
         try:
             meta = self.restore_metadata(step)
         except Exception as e:
-            raise CheckpointCorruptError(f"checkpoint {d} has unreadable metadata ({_one_line(e)})") from None
+            raise CheckpointCorruptError(f"checkpoint {d} has unreadable metadata ({one_line(e)})") from None
         for k in ("version",):
             if k not in meta:
                 raise CheckpointCorruptError(f"checkpoint {d} metadata has no {k!r} key")
@@ -495,7 +496,18 @@ class Checkpointer:
         self.close()
 
     # ---------------------------------------------------------------------------------
-    def _resolve(self, step: Optional[int]) -> int:
+    def delete(self, step: int) -> None:
+        """Delete checkpoint ``step`` (after the writes in flight finish)."""
+        self._mgr.wait_until_finished()
+        self._mgr.delete(int(step))
+
+    def resolve(self, step: Optional[int]) -> int:
+        """The step a restore reads: ``step``, or the newest when None.
+
+        Raises:
+            FileNotFoundError: no checkpoint in the directory, or no such ``step`` (naming the
+                steps there).
+        """
         self._mgr.wait_until_finished()
         self._mgr.reload()
         if step is None:

@@ -562,7 +562,7 @@ class Learner:
         v = self.version if rl_step is None else int(rl_step)
         if v in ck.all_steps():
             ck.wait()
-            ck._mgr.delete(v)
+            ck.delete(v)
         ok = ck.save(v, metadata=self._metadata(extra_metadata, v), **items)
         if wait:
             ck.wait()
@@ -596,10 +596,10 @@ class Learner:
         """
         ck = self._checkpointer(ckpt_dir)
         if step is not None:
-            ck._resolve(step)  # FileNotFoundError naming the steps there
+            ck.resolve(step)  # FileNotFoundError naming the steps there
             candidates = [int(step)]
         else:
-            ck._resolve(None)
+            ck.resolve(None)
             candidates = sorted(ck.all_steps(), reverse=True)
         skipped: list = []
         for s in candidates:
@@ -609,7 +609,7 @@ class Learner:
                 raise
             except Exception as e:
                 why = str(e) if isinstance(e, ckpt.CheckpointCorruptError) else \
-                    f"checkpoint {ck.directory / str(s)} failed to restore ({ckpt._one_line(e)})"
+                    f"checkpoint {ck.directory / str(s)} failed to restore ({ckpt.one_line(e)})"
                 if step is not None:
                     raise ckpt.CheckpointCorruptError(why) from None
                 log.warning("%s; trying an older step", why)

@@ -104,7 +104,7 @@ def test_readme_is_a_front_page_linking_the_docs():
 def test_config_reference_is_current():
     committed = cr.DOC_PATH.read_text(encoding="utf-8") if cr.DOC_PATH.exists() else ""
     if committed != cr.render_config_reference():
-        pytest.fail(f"docs/config.md is stale (the schema in jax_rl/config.py changed); regenerate it with:\n"
+        pytest.fail(f"docs/config.md is stale (the schema in jax_rl/config/schema.py changed); regenerate it with:\n"
                     f"    {cr.REGEN_COMMAND}", pytrace=False)
 
 

@@ -252,9 +252,7 @@ class RetiringScorer:
                     old[sel] = new[i, : len(t)][sel]
             for t, old, _ in todo:
                 t.old_logp = old
-            with sc._lock:
-                sc.scored += len(todo)
-                sc.dropped += len(dropped)
+            sc.count(scored=len(todo), dropped=len(dropped))
         if self.release is not None:
             self.release([trajectory_key(t) for t in trajectories])
         return kept, dropped

@@ -237,6 +237,13 @@ class OldLogitScorer:
             self.dropped += len(dropped)
         return kept, dropped
 
+    def count(self, *, scored: int = 0, dropped: int = 0) -> None:
+        """Add to the cumulative ``scored`` / ``dropped`` trajectory counters (thread-safe; for a
+        caller that scores with this scorer's params by its own path, :mod:`jax_rl.old_logits.retire`)."""
+        with self._lock:
+            self.scored += int(scored)
+            self.dropped += int(dropped)
+
     def stats(self) -> dict[str, float]:
         """``old_logits_versions``, ``old_logits_bytes`` (now) and the cumulative counters."""
         return {"old_logits_versions": float(len(self)), "old_logits_bytes": float(self.nbytes),

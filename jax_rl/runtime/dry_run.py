@@ -48,7 +48,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         leaves = jax.tree.leaves(lr.state.params)
         n_params = int(sum(int(np.prod(x.shape)) for x in leaves))
         B, T = cfg.optim.batch_size, cfg.optim.max_seq_len
-        U, m, r = lr._layout(B)
+        U, m, r = lr.placement.layout(B)
         t1 = time.perf_counter()
         compiled = lr.lower_train_step(B, T).compile()
         compile_s = time.perf_counter() - t1

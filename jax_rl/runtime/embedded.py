@@ -178,7 +178,7 @@ class RolloutManager:
                 # stopping: keep the group for re-issue after resume instead of a half-consumed state
                 self.buffer.cancel(1)
                 return
-            if self.scoring is not None:  # a route scoring before the buffer: scored first, then put (_scored)
+            if self.scoring is not None:  # a route scoring before the buffer: scored first, then put (on_scored)
                 if not self.scoring.submit(gid, trajs):
                     self.buffer.cancel(1)  # stopped while the queue was full: re-issued after resume
                     return
@@ -204,7 +204,7 @@ class RolloutManager:
             return
         self.guard.record(trajs)
 
-    def _scored(self, gid: int, kept: list, dropped: list, error: Optional[BaseException]) -> None:
+    def on_scored(self, gid: int, kept: list, dropped: list, error: Optional[BaseException]) -> None:
         """The scoring thread's callback (a route that scores before the buffer)."""
         if self._stop.is_set():  # stopping: the group stays in flight and is re-issued after resume
             self.buffer.cancel(1)
@@ -326,7 +326,7 @@ class EmbeddedProducer:
         if self.scorer is not None:
             from jax_rl.old_logits import ScoringQueue
 
-            self.scoring = ScoringQueue(self.retirer or self.scorer, self.manager._scored,
+            self.scoring = ScoringQueue(self.retirer or self.scorer, self.manager.on_scored,
                                         cfg.old_logits.max_queued_groups)
             self.manager.scoring = self.scoring
         self._started = False

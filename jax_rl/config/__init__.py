@@ -1,0 +1,30 @@
+"""Run configuration: pydantic v2 schema, YAML loading with inheritance, ``key=value`` overrides.
+
+MaxText style: ``configs/base.yaml`` holds every knob with a one-line comment; run and model
+files hold only deltas and name their parent with ``base_config: base.yaml``. The CLI takes
+``jax-rl train CONFIG.yaml key.sub=value ...``.
+
+Every section is a pydantic model with ``extra="forbid"``, so an unknown key is an error.
+:func:`load_config` turns pydantic's errors into one :class:`ConfigError` whose message
+names the dotted key, the bad value and the constraint, and suggests the closest valid key
+for a typo (``loss.corection`` -> ``loss.correction``).
+
+The package: :mod:`jax_rl.config.schema` (the sections and :class:`Config`) and
+:mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash, ``base.yaml``); everything is
+importable from ``jax_rl.config``. Importing it does not import jax (cheap for the CLI and tests);
+validating a config asks the correction registry (:meth:`jax_rl.correction.Correction.check`),
+which does. ``python -m jax_rl.config > configs/base.yaml`` regenerates the commented base file.
+"""
+
+from jax_rl.config.loading import (_format_errors, _literal_choices, _section_fields, _suggest, _valid_keys,
+                                   apply_overrides, config_hash, dump_config, load_config, parse_overrides,
+                                   render_base_yaml, validate_config)
+from jax_rl.config.schema import *  # noqa: F401,F403 (the sections, Config, ConfigError, CONFIG_DIR)
+from jax_rl.config.schema import __all__ as _schema_all
+from jax_rl.config.schema import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, AsyncConfig, CheckpointConfig,
+                                  Config, ConfigError, EnvConfig, EvalConfig, LoggingConfig, LossConfig, MeshConfig,
+                                  ModelConfig, MoEConfig, OldLogitsConfig, OptimConfig, PlacementConfig,
+                                  RolloutConfig, RolloutMeshConfig, RunConfig, RuntimeConfig, SFTConfig)
+
+__all__ = [*_schema_all, "load_config", "parse_overrides", "apply_overrides", "validate_config", "dump_config",
+           "config_hash", "render_base_yaml"]
