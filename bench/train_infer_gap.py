@@ -22,7 +22,10 @@ tiny MoE config (``configs/tiny_moe_cpu.yaml``), each from its SFT warm start (s
    (``train_infer_retained``: the share whose pi_prox / mu lies inside the configured mask,
    ``jax_rl.losses.train_infer_factor`` with the config's ``loss.train_infer_*``), the
    train_infer_ratio pi_prox / mu (mean, min, max, the shares below the low and above the high
-   bound) and the k3 KL estimate of KL(mu || pi_learner), and the episodes' mean reward.
+   bound) and the k3 KL estimate of KL(mu || pi_learner), the same |dlogp| and R over the uncertain
+   tokens only (mu < 0.9; a peaked policy's gap lives there), and the episodes' mean reward; under
+   ``moe.routing_replay=r3`` also how much forcing the engine's routes moved the learner's log-probs
+   (``r3_abs_change_*``: against the learner routing by itself).
 
 No training: a one-shot measurement. The JSON record (``--json``) holds every row, the date, the
 commit, the host's load average and the settings; docs/correction.md shows the table.
@@ -98,6 +101,8 @@ def gap_stats(logp, behav, loss_mask, loss_cfg) -> dict[str, float]:
     lo, hi = loss_cfg.train_infer_bounds
     ratio = np.exp(np.clip(lr, -20, 20))
     d = np.abs(lr[usable])
+    # the uncertain tokens (mu < 0.9): where a peaked policy's gap lives
+    unc = usable & (np.asarray(behav, np.float64)[valid] < np.log(0.9))
     return {
         "loss_tokens": int(valid.sum()),
         "abs_dlogp_mean": float(d.mean()) if d.size else 0.0,
@@ -111,6 +116,9 @@ def gap_stats(logp, behav, loss_mask, loss_cfg) -> dict[str, float]:
         "above_high_frac": float(np.mean(usable & (lr > np.log(hi)))),
         "kl_k3": float(np.mean(np.where(usable, np.exp(np.clip(lr, -20, 20)) - 1.0 - lr, 0.0))),
         "nonfinite": int((~usable).sum()),
+        "uncertain_frac": float(unc.mean()) if unc.size else 0.0,
+        "uncertain_abs_dlogp_mean": float(np.abs(lr[unc]).mean()) if unc.any() else 0.0,
+        "uncertain_R": float(kept[unc].mean()) if unc.any() else 1.0,
     }
 
 
@@ -156,6 +164,12 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
     t1 = time.perf_counter()
     logp = m.ctx.learner.logprobs(batch)
     stats = gap_stats(logp, batch["behav_logp"], batch["loss_mask"], cfg.loss)
+    if batch.get("routes") is not None and m.ctx.learner.routing.forces_rollout_routes:
+        # r3: what forcing the engine's routes changed in the learner's log-probs (vs its own routing)
+        free = m.ctx.learner.logprobs({k: v for k, v in batch.items() if k != "routes"})
+        d = np.abs(np.asarray(logp) - np.asarray(free))[np.asarray(batch["loss_mask"], bool)]
+        stats.update(r3_abs_change_mean=float(d.mean()), r3_abs_change_max=float(d.max()),
+                     r3_changed_frac=float(np.mean(d > 1e-6)))
     stats.update(name=name, config=config, overrides=overrides, episodes=len(trajs),
                  reward_mean=float(np.mean([t.reward for t in trajs])), generate_s=round(gen_s, 1),
                  score_s=round(time.perf_counter() - t1, 1))
@@ -163,13 +177,16 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
 
 
 def _fmt_row(r: dict) -> str:
-    return (f"| {r['name']} | {r['loss_tokens']} | {r['abs_dlogp_mean']:.4f} | {r['abs_dlogp_p99']:.3f} | "
-            f"{r['R']:.4f} | {r['ratio_mean']:.3f} | {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | "
-            f"{r['below_low_frac']:.4f} | {r['above_high_frac']:.4f} | {r['kl_k3']:.5f} | {r['reward_mean']:.3f} |")
+    return (f"| {r['name']} | {r['loss_tokens']} | {r['abs_dlogp_mean']:.2e} | {r['abs_dlogp_p99']:.2e} | "
+            f"{r['R']:.4f} | {r['ratio_mean']:.4f} | {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | "
+            f"{r['below_low_frac']:.4f} | {r['above_high_frac']:.4f} | {r['kl_k3']:.1e} | "
+            f"{r['uncertain_frac']:.3f} | {r['uncertain_abs_dlogp_mean']:.2e} | {r['uncertain_R']:.4f} | "
+            f"{r['reward_mean']:.3f} |")
 
 
 HEADER = ("| row | loss tokens | mean abs dlogp | p99 abs dlogp | R | ratio mean | ratio min | ratio max | "
-          "below low | above high | KL k3 | reward |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "below low | above high | KL k3 | share mu<0.9 | abs dlogp (mu<0.9) | R (mu<0.9) | reward |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _git_commit() -> Optional[str]:
