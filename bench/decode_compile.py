@@ -83,8 +83,8 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, spec_fn(a))), tree)
 
-    params = abstract(engine._abstract_params, lambda a: P())
-    state_shapes = jax.eval_shape(engine._init_state_jit, engine._abstract_params)
+    params = abstract(engine.abstract_params, lambda a: P())
+    state_shapes = jax.eval_shape(engine.programs["init_state"], engine.abstract_params)
     if shard == "slots":
         def slot_spec(a):
             if a.ndim == 5:  # cache k/v [L,B,S,K,H]
@@ -100,7 +100,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     # (activation_batch -> data) shard the batch the same way
     ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
     with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-        lowered = engine._generate_jit.lower(params, state)
+        lowered = engine.programs["generate"].lower(params, state)
         compiled = lowered.compile(compiler_options=compiler_options or None)
     secs = time.perf_counter() - t0
     a = tpu._analysis(compiled)

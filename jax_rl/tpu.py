@@ -290,14 +290,15 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
+    progs = engine.programs
     if sharded:
-        params = abstract(engine._abstract_params, engine.param_shardings)
+        params = abstract(engine.abstract_params, engine.param_shardings)
         with jax.set_mesh(mesh):
-            abs_state = jax.eval_shape(engine._init_state_jit, engine._abstract_params)
+            abs_state = jax.eval_shape(progs["init_state"], engine.abstract_params)
         state = abstract(abs_state, engine.state_shardings)
     else:
-        params = abstract(engine._abstract_params)
-        state = abstract(jax.eval_shape(engine._init_state_jit, engine._abstract_params))
+        params = abstract(engine.abstract_params)
+        state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
 
     tokens = jax.ShapeDtypeStruct((1, prefill_len), jnp.int32, sharding=rep)
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
@@ -310,8 +311,8 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     import contextlib
 
     # contexts built lazily: jax.set_mesh(mesh) sets the mesh as soon as it is called
-    steps = {"prefill": (engine._prefill_jit, (params, tokens, n), lambda: jax.set_mesh(mesh)),
-             "decode": (engine._generate_jit, (params, state),
+    steps = {"prefill": (progs["prefill"], (params, tokens, n), lambda: jax.set_mesh(mesh)),
+             "decode": (progs["generate"], (params, state),
                         (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
     import time
 

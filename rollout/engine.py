@@ -699,6 +699,21 @@ class Qwen3Engine(Engine):
         ``None`` for the colocated engine (one device)."""
         return self._param_shardings
 
+    @property
+    def abstract_params(self) -> Any:
+        """The params its programs read, as ``jax.ShapeDtypeStruct`` (nothing allocated): the
+        model's param tree, with quantised leaves under ``quantize``. For AOT lowering
+        (:func:`jax_rl.tpu.compile_rollout`, tests)."""
+        return self._engine_abstract
+
+    @property
+    def programs(self) -> dict[str, Any]:
+        """The engine's jitted programs by name, for AOT ``lower(...).compile()``: ``prefill``
+        ``(params, tokens int32 [1, L], n int32) -> KV rows (+ routes)``, ``init_state``
+        ``(params) -> decode state``, ``generate`` ``(params, state) -> (state, rows)`` (the
+        state donated)."""
+        return {"prefill": self._prefill_jit, "init_state": self._init_state_jit, "generate": self._generate_jit}
+
     @functools.cached_property
     def _cast_jit(self) -> Any:
         """The sharded engine's compiled cast + layer re-layout (built once, reused every publish);

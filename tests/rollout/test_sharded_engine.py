@@ -153,5 +153,5 @@ def test_sharded_moe_engine_expert_parallel(dispatch, devices):
     pre1 = eng.prefill_tokens(eng.params, PROMPTS[2], seed=1)
     np.testing.assert_array_equal(pre1["routes"], pre0["routes"])
     with jax.set_mesh(mesh):  # as the engine traces it
-        text = eng._generate_jit.lower(eng.params, s1).as_text()
+        text = eng.programs["generate"].lower(eng.params, s1).as_text()
     assert ("all_to_all" in text or "all-to-all" in text) is (dispatch == "ragged")

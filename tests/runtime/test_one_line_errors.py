@@ -68,9 +68,9 @@ def test_engine_memory_estimate_bounds_what_xla_allocates():
         r = cfg.rollout
         e = Qwen3Engine(mc, None, slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, top_p=r.top_p,
                         model_kwargs=rollout_model_kwargs(cfg))
-        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e._abstract_params)
-        state = jax.eval_shape(e._init_state_jit, params)
-        ma = e._generate_jit.lower(params, state).compile().memory_analysis()
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.abstract_params)
+        state = jax.eval_shape(e.programs["init_state"], params)
+        ma = e.programs["generate"].lower(params, state).compile().memory_analysis()
         real = ma.argument_size_in_bytes + ma.temp_size_in_bytes
         est = C.engine_memory_bytes(cfg, mc)["total"]
         assert real <= est <= 1.5 * real, (extra, real, est)
