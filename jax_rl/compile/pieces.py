@@ -103,7 +103,6 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
     fires (one more forward per microbatch; None when the strategy has no reset branch)."""
     import jax
 
-    from jax_rl.correction import make_correction
     from jax_rl.train_step import make_logprob_fn
 
     cfg = t.cfg
@@ -112,7 +111,7 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
     L = t.model_config.num_hidden_layers
     f_all = _forwards_in_prox(lrn.strategy, cfg, lrn, U, m, r, T, t)
     ts = _steady(t, lrn.strategy)
-    f = f_all if ts is t else _forwards_in_prox(make_correction(ts.cfg), ts.cfg, lrn, U, m, r, T, ts)
+    f = f_all if ts is t else _forwards_in_prox(_learner(ts).strategy, ts.cfg, lrn, U, m, r, T, ts)
 
     grads, secs = _fit(functools.partial(_grads_piece, ts, r, T), ts, L, T, r)
     fwd = {"flops": 0.0, "bytes": 0.0}
