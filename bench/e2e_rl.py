@@ -343,6 +343,41 @@ def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: 
     return {"steps": st, "rl_wall_s": sum(s["wall_s"] for s in st), "process_s": time.perf_counter() - t}
 
 
+def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict:
+    """The generation stage split into prefill and decode at the bench's shape, both sides:
+    ``bench/rollout_decode.py``'s runners (jax-rl ``Generator(Qwen3Engine(64 slots))`` fp32 with
+    ``rollout.decode_steps``, each prompt prefilled alone and inserted; Tunix ``Sampler`` fp32, one
+    batched prefill) on the bench checkpoint, 64 random prompts of ``prompt_len`` tokens, 1 and 8
+    new tokens (no early stop), interleaved ``rounds`` times. Returns the median seconds per call
+    for each (side, new tokens), and per side prefill_s (~ the 1-token call) and decode_s_per_token
+    ((t8 - t1) / 7)."""
+    cfg = load_cfg(src)  # jax_rl and rollout from src first: rollout_decode puts its own root on sys.path
+    import _tunix as T
+    from jax_rl.models import hf_io
+    from rollout.serve import _config_and_params
+
+    import rollout_decode as RD
+    qcfg = hf_io.load_config(hf_dir)
+    ours_model, _ = hf_io.load_pretrained(str(hf_dir), scan_layers=cfg.model.scan_layers)
+    _, params = _config_and_params(ours_model)
+    tmodel = T.load_model(str(hf_dir), qcfg)
+    runners, calls = {}, {}
+    for n in (1, 8):
+        ours = RD.ours_runner(qcfg, params, BATCH, prompt_len, n, cfg.rollout.dtype, cfg.model.scan_layers,
+                              cfg.rollout.decode_steps)
+        tx = RD.tunix_runner(tmodel, qcfg, BATCH, prompt_len, n)
+        runners[f"jaxrl_{n}"] = ours
+        runners[f"tunix_{n}"] = tx
+        calls[f"jaxrl_{n}"] = calls[f"tunix_{n}"] = BATCH * n
+    res = T.interleaved(runners, rounds, warmup=2)
+    out: dict = {k: statistics.median(calls[k] / v for v in vs) for k, vs in res.items()}  # tok/s -> s per call
+    for side in ("jaxrl", "tunix"):
+        out[f"{side}_prefill_s"] = out[f"{side}_1"]
+        out[f"{side}_decode_s_per_token"] = (out[f"{side}_8"] - out[f"{side}_1"]) / 7
+    out["prompt_len"] = prompt_len
+    return out
+
+
 # ---------------------------------------------------------------------------- orchestration
 
 
@@ -373,6 +408,11 @@ def arm_summary(runs: list[dict], warmup: int) -> dict:
         v = [s[key] for s in st if key in s]
         if v:
             out[key] = med(v)
+    # compiles: steps over 5x the run's median (jax-rl compiles one learner program per 16-token
+    # bucket of the batch's longest trajectory as it first meets it; Tunix pads to one length)
+    slow = [s["wall_s"] for r in runs for s in r["steps"] if s["wall_s"] > 5 * med([x["wall_s"] for x in r["steps"]])]
+    out["slow_steps_per_run"] = len(slow) / len(runs)
+    out["slow_s_per_run"] = sum(slow) / len(runs)
     h = [r["heldout"]["success"] for r in runs if r.get("heldout")]
     out["heldout_final"] = sum(h) / len(h) if h else None
     out["rl_wall_s"] = sum(r["rl_wall_s"] for r in runs) / len(runs)
@@ -400,6 +440,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--jax-rl-python", default=str(ROOT / ".venv" / "bin" / "python"))
     ap.add_argument("--src", default=str(ROOT), help="the jax-rl source tree the arms run (e.g. a `git archive` export)")
     ap.add_argument("--run-timeout", type=float, default=900.0)
+    ap.add_argument("--gen-probe-rounds", type=int, default=5,
+                    help="rounds of the generation-stage probe (prefill vs decode, both sides; 0 = skip)")
     a = ap.parse_args(argv)
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
@@ -437,6 +479,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  round {rnd} {arm:9s} median {med(w):.3f} s/step over {len(w)} steps, RL wall "
                   f"{rec['rl_wall_s']:.1f} s, held-out {rec['heldout']['success']:.3f}, load "
                   f"{load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
+    probe = None
+    if a.gen_probe_rounds > 0:
+        P = max((r.get("prompt_len_max") for rs in runs.values() for r in rs if r.get("prompt_len_max")), default=48)
+        probe = _sub(["_genprobe", str(hf), str(src), str(P), str(a.gen_probe_rounds)], a.run_timeout,
+                     out / "genprobe.log")
+        print(f"generation probe (64 prompts of {P} tokens, s per call, median of {a.gen_probe_rounds}): "
+              f"prefill+1 token jax-rl {probe['jaxrl_1']:.3f} / Tunix {probe['tunix_1']:.3f}; 8 tokens jax-rl "
+              f"{probe['jaxrl_8']:.3f} / Tunix {probe['tunix_8']:.3f}; decode per token jax-rl "
+              f"{probe['jaxrl_decode_s_per_token'] * 1e3:.1f} ms / Tunix {probe['tunix_decode_s_per_token'] * 1e3:.1f} ms",
+              flush=True)
     summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if rs}
     for s in summ.values():
         if s.get("heldout_final") is not None:
@@ -461,7 +513,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{'met' if r >= 1.5 else f'missed by {1.5 - r:.2f}x'}); {T.machine_load()}")
     record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_end": T.machine_load(),
               "cpu_count": os.cpu_count(), "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git(ROOT),
-              "src": str(src), "tunix": T.version(), "args": vars(a), "start_heldout": base, "summary": summ,
+              "src": str(src), "tunix": T.version(), "args": vars(a), "start_heldout": base, "gen_probe": probe, "summary": summ,
               "runs": runs}
     if a.json:
         from async_speedup import append_record
@@ -499,6 +551,9 @@ def _worker(argv: list[str]) -> int:
     elif mode == "_tunix":
         _src_path(Path(rest[1]))
         res = tunix_run(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
+    elif mode == "_genprobe":
+        _src_path(Path(rest[1]))
+        res = gen_probe(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]))
     else:
         raise SystemExit(f"unknown worker mode {mode}")
     sys.stdout.flush()
