@@ -58,7 +58,8 @@ sys.path.insert(1, str(ROOT / "bench"))
 from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-CONFIG = "configs/paper_small.yaml"
+CONFIG = "configs/paper_small.yaml"  # the setting's config (--config); a global so the doc can switch settings
+SHARED_SFT: Optional[int] = None  # --shared-sft SEED: every cell starts from that seed's SFT (part of the setting)
 RECORDS = ROOT / "docs" / "results" / "paper_repro.jsonl"
 DOC = ROOT / "docs" / "paper_repro.md"
 FIG_DIR = ROOT / "docs" / "paper_repro"
@@ -118,15 +119,21 @@ def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Op
     return [c for c in todo if not same(c)]
 
 
-def setting_id(config: str = CONFIG) -> str:
-    """Fingerprint of the setting: sha256 (12 hex) of the config file and every ``base_config``
-    it inherits, read as text. Records and SFT warm starts of another setting are kept on disk
-    but never mixed into this one's tables."""
+def setting_id(config: Optional[str] = None, shared_sft: Optional[int] = -1) -> str:
+    """Fingerprint of the setting: sha256 (12 hex) of the config file (default: ``CONFIG``) and
+    every ``base_config`` it inherits, read as text, plus ``shared_sft`` (default: ``SHARED_SFT``)
+    when one SFT warm start is shared by every seed. Records and SFT warm starts of another
+    setting are kept on disk but never mixed into this one's tables. Without ``--shared-sft`` the
+    hash is the config chain's alone (the records made before the option keep their setting)."""
     import hashlib
 
     import yaml
 
+    config = CONFIG if config is None else config
+    shared_sft = SHARED_SFT if shared_sft == -1 else shared_sft
     h = hashlib.sha256()
+    if shared_sft is not None:
+        h.update(f"shared_sft={shared_sft}\0".encode())
     path = (ROOT / config).resolve()
     while True:
         text = path.read_text()
@@ -182,6 +189,7 @@ def run_cell(cell: dict, hf: Path, sft: dict, runs_dir: Path, steps: Optional[in
     t0 = time.perf_counter()
     p = _cli(*args, timeout=timeout)
     rec: dict[str, Any] = {k: v for k, v in cell.items()}
+    rec.update(config=CONFIG, shared_sft=SHARED_SFT, sft_seed=cell["seed"] if SHARED_SFT is None else SHARED_SFT)
     rec.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run_dir=str(d),
                extra=extra, process_s=round(time.perf_counter() - t0, 1), load=[load0, os.getloadavg()[0]],
                sft_success=sft.get("sft_success"), rc=p.returncode, steps=steps, setting=setting_id(),
@@ -704,8 +712,13 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
 
 
 def main() -> int:
+    global CONFIG, SHARED_SFT, CACHE_DIR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=["main", "grid"], default=None)
+    ap.add_argument("--config", default=CONFIG, help="the setting's config (its text is part of the setting id)")
+    ap.add_argument("--shared-sft", type=int, default=None, metavar="SEED",
+                    help="every cell starts from SEED's SFT warm start (made once); only run.seed varies in RL. "
+                         "Part of the setting id")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--k", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -722,6 +735,7 @@ def main() -> int:
     ap.add_argument("--doc-only", action="store_true", help="rebuild the doc from the records; run nothing")
     ap.add_argument("overrides", nargs="*", help="key=value for every cell (changes the setting: recorded)")
     args = ap.parse_args()
+    CONFIG, SHARED_SFT = args.config, args.shared_sft
     records = Path(args.records)
     todo = cells(args.only, args.modes, args.k, args.seeds)
     if args.list:
@@ -731,7 +745,6 @@ def main() -> int:
     if not args.doc_only:
         runs_dir = Path(args.runs_dir)
         runs_dir.mkdir(parents=True, exist_ok=True)
-        global CACHE_DIR
         CACHE_DIR = None if args.no_compile_cache else runs_dir / "jax_cache"
         if args.skip_done:
             kept = pending(todo, load_records(records)[0], args.overrides, args.steps)
@@ -739,7 +752,8 @@ def main() -> int:
             todo = kept
         t0 = time.perf_counter()
         for i, c in enumerate(todo):
-            hf, sft = sft_init(c["seed"], runs_dir, args.overrides, args.timeout)
+            sft_seed = c["seed"] if SHARED_SFT is None else SHARED_SFT  # shared: one warm start, only RL's seed varies
+            hf, sft = sft_init(sft_seed, runs_dir, args.overrides, args.timeout)
             rec = run_cell(c, hf, sft, runs_dir, args.steps, args.overrides, args.timeout)
             append_record(rec, records)
             fa = _final(rec)[0] if rec["rc"] == 0 else None
