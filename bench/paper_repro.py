@@ -345,15 +345,6 @@ def _eval_at(rec: dict, step: int, key: str = "avg@4") -> Optional[float]:
     return best
 
 
-def _compare(a: tuple[float, float], b: tuple[float, float]) -> int:
-    """+1 if mean a > mean b by more than the larger std, -1 if lower by that much, else 0."""
-    (ma, sa), (mb, sb) = a, b
-    if math.isnan(ma) or math.isnan(mb):
-        return 0
-    margin = max(sa, sb, 1e-9)
-    return 1 if ma - mb > margin else (-1 if mb - ma > margin else 0)
-
-
 def _paired(a: list[dict], b: list[dict]) -> list[float]:
     """Per-seed differences of final avg@4, a - b, over the seeds both have (each seed's cells
     share one SFT warm start, so the pairing removes the spread the warm starts put in)."""
@@ -362,12 +353,181 @@ def _paired(a: list[dict], b: list[dict]) -> list[float]:
     return [fa[s] - fb[s] for s in sorted(fa) if s in fb and fa[s] is not None and fb[s] is not None]
 
 
-def _paired_sign(d: list[float]) -> int:
-    """+1 / -1 when the mean paired difference exceeds its std over seeds (>= 2 seeds), else 0."""
-    if len(d) < 2:
-        return 0
-    m, sd = statistics.fmean(d), statistics.stdev(d)
-    return 1 if m > max(sd, 1e-9) else (-1 if -m > max(sd, 1e-9) else 0)
+# ----------------------------------------------------------------------------- statistics (issue 27)
+
+CONFIDENCE = 0.95
+MIN_SEEDS = 3  # fewer paired seeds than this: no verdict, whatever the interval says
+T_WIDEN_BELOW = 5  # below this many seeds the bootstrap interval is widened to Student-t's where that is wider
+EQUIV_MARGIN = 0.05  # "comes close to exact": EWMA at most this much below exact (final held-out avg@4)
+TARGET_DIFF = 0.05  # the difference in final held-out success the issue asks to be decidable
+N_RESAMPLES = 9999
+
+
+def paired_ci(d: list[float], confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES,
+              seed: int = 0) -> dict:
+    """Mean of the paired differences ``d`` and its two-sided ``confidence`` interval.
+
+    ``boot``: the percentile bootstrap interval of the mean (``scipy.stats.bootstrap``, ``n_resamples``
+    resamples, a fixed rng ``seed`` so the doc is reproducible); ``t``: the Student-t interval
+    (``scipy.stats.ttest_1samp(d).confidence_interval``); ``ci``: the interval a verdict uses, the
+    bootstrap's, widened to the t interval where that is wider when ``len(d) < T_WIDEN_BELOW`` (with
+    3 seeds the bootstrap has 10 distinct resample means and its interval covers far less than
+    ``confidence``). Constant ``d`` gives the point interval. Fewer than 2 values: NaN intervals.
+    Returns ``{"n", "mean", "sd", "boot": (lo, hi), "t": (lo, hi), "ci": (lo, hi)}``."""
+    import numpy as np
+    from scipy import stats
+
+    x = np.asarray([v for v in d if v is not None and math.isfinite(v)], dtype=float)
+    n = int(x.size)
+    nan2 = (math.nan, math.nan)
+    if n == 0:
+        return dict(n=0, mean=math.nan, sd=math.nan, boot=nan2, t=nan2, ci=nan2)
+    mean = float(x.mean())
+    if n < 2:
+        return dict(n=n, mean=mean, sd=math.nan, boot=nan2, t=nan2, ci=nan2)
+    sd = float(x.std(ddof=1))
+    if np.ptp(x) == 0.0:
+        return dict(n=n, mean=mean, sd=0.0, boot=(mean, mean), t=(mean, mean), ci=(mean, mean))
+    res = stats.bootstrap((x,), np.mean, confidence_level=confidence, n_resamples=n_resamples,
+                          method="percentile", vectorized=True, random_state=np.random.default_rng(seed))
+    boot = (float(res.confidence_interval.low), float(res.confidence_interval.high))
+    tci = stats.ttest_1samp(x, 0.0).confidence_interval(confidence_level=confidence)
+    t = (float(tci.low), float(tci.high))
+    ci = (min(boot[0], t[0]), max(boot[1], t[1])) if n < T_WIDEN_BELOW else boot
+    return dict(n=n, mean=mean, sd=sd, boot=boot, t=t, ci=ci)
+
+
+def verdict(ci: tuple[float, float], n: int, *, margin: Optional[float] = None) -> str:
+    """The verdict on a claim from the interval ``ci`` of its paired differences (oriented so that
+    the claim says "positive"). Directional claim (``margin`` None): ``reproduced`` when the interval
+    lies above 0, ``contradicted`` when below 0. "Close to" claim (``margin``: the tolerated shortfall
+    m): ``reproduced`` when the interval lies above -m, ``contradicted`` when below -m. Otherwise,
+    with fewer than ``MIN_SEEDS`` seeds, or a NaN interval: ``inconclusive``."""
+    lo, hi = ci
+    if n < MIN_SEEDS or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "inconclusive"
+    edge = 0.0 if margin is None else -margin
+    if lo > edge:
+        return "reproduced"
+    if hi < edge:
+        return "contradicted"
+    return "inconclusive"
+
+
+def seeds_needed(sd: float, delta: float, confidence: float = CONFIDENCE, max_n: int = 10_000) -> Optional[int]:
+    """Smallest number of paired seeds n >= 2 whose Student-t interval half-width
+    t_{(1+confidence)/2, n-1} * sd / sqrt(n) is at most ``delta`` (the usual sample size for a
+    confidence interval of given half-width, n ~ (z * sd / delta)^2 plus the t correction: e.g.
+    Julious, "Sample sizes for clinical trials with Normal data", Stat. Med. 23 (2004), sec. 3).
+    With ``delta`` = the true mean difference, such an interval excludes 0 about half the time
+    (50% power); 80% power needs about ((z_.975 + z_.8) / z_.975)^2 = 2.04 times as many seeds.
+    ``sd`` = 0: 2. None when ``delta`` <= 0, ``sd`` is NaN, or more than ``max_n`` would be needed."""
+    from scipy import stats
+
+    if not (math.isfinite(sd) and math.isfinite(delta)) or delta <= 0:
+        return None
+    if sd == 0:
+        return 2
+    q = (1 + confidence) / 2
+    for n in range(2, max_n + 1):
+        if stats.t.ppf(q, n - 1) * sd / math.sqrt(n) <= delta:
+            return n
+    return None
+
+
+def _learner_s(rec: dict) -> Optional[float]:
+    """Median learner seconds per step after the first 3 steps (compiles): ``step_time_s`` minus the
+    exact-logit scoring the approximate modes do only to measure their error (``old_logits_s``)."""
+    sub = [x.get("step_time_s", 0.0) - (x.get("old_logits_s", 0.0) if rec["mode"] in APPROX else 0.0)
+           for x in rec.get("metrics", [])[3:]]
+    return statistics.median(sub) if sub else None
+
+
+def _nan_none(x: float) -> Optional[float]:
+    return None if x is None or not math.isfinite(x) else x
+
+
+# (claim, mode a, mode b, metric of one record, margin): the paired difference a - b, seed by seed; the claim
+# says it is positive (margin None) or above -margin
+CLAIMS: list[tuple[str, str, str, str, Optional[float]]] = [
+    ("1a. PPO-EWMA beats decoupled (final held-out avg@4)", "ppo_ewma", "decoupled", "final", None),
+    ("1b. PPO-EWMA beats Linear_prox (final held-out avg@4)", "ppo_ewma", "linear_prox", "final", None),
+    (f"1c. PPO-EWMA comes close to exact (final avg@4, at most {EQUIV_MARGIN:g} below)", "ppo_ewma", "exact",
+     "final", EQUIV_MARGIN),
+    ("2a. the reset keeps the gains (final avg@4, reset minus no reset)", "ppo_ewma", "ppo_ewma_noreset", "final",
+     None),
+    ("2b. the reset keeps R up (lowest R of the run, reset minus no reset)", "ppo_ewma", "ppo_ewma_noreset", "min_r",
+     None),
+    ("4. exact costs more (learner s/step, exact minus EWMA)", "exact", "ppo_ewma", "learner_s", None),
+    ("5a. EWMA's reference is closer to pi_v than decoupled's (mean abs(log pi_prox - log pi_v), decoupled minus "
+     "EWMA)",
+     "decoupled", "ppo_ewma", "prox_err", None),
+    ("5b. EWMA's reference is closer to pi_v than Linear_prox's (same, Linear_prox minus EWMA)", "linear_prox",
+     "ppo_ewma", "prox_err", None),
+]
+METRICS = {
+    "final": lambda r: _final(r)[0],
+    "min_r": lambda r: _nan_none(_min_key(r, "train_infer_retained")),
+    "learner_s": _learner_s,
+    "prox_err": lambda r: _nan_none(_mean_key(r, "prox_abs_err_mean")),
+}
+
+
+def paired_metric(a: list[dict], b: list[dict], metric: str) -> tuple[list[int], list[float]]:
+    """``(seeds, a - b)`` of ``METRICS[metric]`` over the seeds both record lists have."""
+    f = METRICS[metric]
+    fa = {r["seed"]: f(r) for r in a}
+    fb = {r["seed"]: f(r) for r in b}
+    seeds = [s for s in sorted(fa) if s in fb and fa[s] is not None and fb[s] is not None]
+    return seeds, [fa[s] - fb[s] for s in seeds]
+
+
+def claim_rows(main: list[dict], ks: list[int]) -> list[dict]:
+    """One row per claim of ``CLAIMS`` and K with records of both modes: the paired differences, their
+    interval (:func:`paired_ci`), the :func:`verdict`, and the seeds needed (:func:`seeds_needed`) for the
+    interval's half-width to reach |mean| (``n_mean``) and ``TARGET_DIFF`` (``n_target``)."""
+    rows = []
+    for k in ks:
+        for name, ma, mb, metric, margin in CLAIMS:
+            a = [r for r in main if r["mode"] == ma and r["K"] == k]
+            b = [r for r in main if r["mode"] == mb and r["K"] == k]
+            seeds, d = paired_metric(a, b, metric)
+            if not d:
+                continue
+            st = paired_ci(d)
+            v = verdict(st["ci"], st["n"], margin=margin)
+            note = ""
+            if ma == "ppo_ewma" and mb == "ppo_ewma_noreset" and not any(_resets(r) > 0 for r in a):
+                v, note = "not testable", "the reset never fired: both variants ran one algorithm"
+            delta_mean = abs(st["mean"]) if margin is None else abs(st["mean"] + margin)
+            rows.append(dict(claim=name, K=k, metric=metric, seeds=seeds, d=d, margin=margin, verdict=v, note=note,
+                             n_mean=seeds_needed(st["sd"], delta_mean),
+                             n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric == "final" else None, **st))
+    return rows
+
+
+def _fmt_ci(ci: tuple[float, float], nd: int = 3) -> str:
+    lo, hi = ci
+    return "-" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.{nd}f}, {hi:+.{nd}f}]"
+
+
+def claim_table(rows: list[dict], setting: str) -> list[str]:
+    """Markdown rows (no header) of :func:`claim_rows`."""
+    out = []
+    for r in rows:
+        nd = 4 if r["metric"] == "prox_err" else 3
+        need = lambda n: ">10000" if n is None else str(n)  # noqa: E731
+        n_t = "-" if r["metric"] != "final" else need(r["n_target"])
+        v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
+        out.append(f"| {r['claim']} | `{setting}` | {r['K']} | {r['n']} ({', '.join(map(str, r['seeds']))}) | "
+                   f"{r['mean']:+.{nd}f} ± {r['sd'] if math.isfinite(r['sd']) else math.nan:.{nd}f} | "
+                   f"{_fmt_ci(r['ci'], nd)} | **{v}** | {need(r['n_mean'])} / {n_t} |")
+    return out
+
+
+CLAIM_HEADER = ["| claim | setting | K | seeds (n) | mean paired diff ± sd | 95% CI | verdict | "
+                f"seeds needed: half-width ≤ abs(mean) / ≤ {TARGET_DIFF:g} |",
+                "|---|---|---|---|---|---|---|---|"]
 
 
 def _setting_config():
@@ -406,9 +566,28 @@ def _runs_as_rundata(recs: list[dict]):
     return out
 
 
+VERDICT_METHOD = (
+    "Each claim is a paired difference between two modes of the same setting, seed by seed (every mode of a "
+    "seed starts from the same SFT weights and RL seed), oriented so that the paper's claim says *positive*. "
+    f"The interval is the {CONFIDENCE:.0%} percentile bootstrap of the mean difference (`scipy.stats.bootstrap`, "
+    f"{N_RESAMPLES} resamples, rng seed 0); with fewer than {T_WIDEN_BELOW} seeds it is widened to the Student-t "
+    "interval where that is wider (3 seeds give the bootstrap only 10 distinct resample means, and its interval "
+    "covers far less than 95%). Verdict: *reproduced* when the interval lies above 0, *contradicted* when it "
+    f"lies below 0, else *inconclusive* (and always with fewer than {MIN_SEEDS} seeds); for 'close to exact' the "
+    f"edge is -{EQUIV_MARGIN:g} instead of 0 (EWMA at most {EQUIV_MARGIN:g} below exact in final held-out avg@4). "
+    "*Seeds needed*: the smallest n whose t interval half-width t(0.975, n-1) * sd / sqrt(n) is at most abs(mean) "
+    f"(to decide the observed difference) and at most {TARGET_DIFF:g} (final avg@4 only), with sd the measured "
+    "paired sd: n ~ (1.96 sd / delta)^2 plus the t correction (Julious, Stat. Med. 23, 2004). At n the interval "
+    "excludes 0 about half the time if the true difference is delta (50% power); 80% power needs about 2x as "
+    "many seeds.")
+
+
 def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], seeds: list[int], *,
-              records: Path = RECORDS, fig_dir: Path = FIG_DIR) -> str:
-    """Write the figures under ``fig_dir`` and return the markdown of the doc (next to it)."""
+              records: Path = RECORDS, fig_dir: Path = FIG_DIR, setting: Optional[str] = None,
+              link_prefix: str = "paper_repro/") -> str:
+    """Write the figures under ``fig_dir`` and return the markdown of one setting's part of the doc
+    (``setting``: its id, default :func:`setting_id`; figures linked as ``link_prefix`` + name)."""
+    setting = setting_id() if setting is None else setting
     from jax_rl.plots import group_runs, plot_groups
 
     FIG_DIR = fig_dir
@@ -431,12 +610,15 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     L.append("# The paper's findings at small scale\n")
     L.append(f"Generated by `bench/paper_repro.py` from `{src}` "
              f"({sum(v for k, v in count.items() if k != '_other_settings')} records of setting "
-             f"`{setting_id()}`, {len(newest)} cells with a successful newest record, "
+             f"`{setting}`, {len(newest)} cells with a successful newest record, "
              f"{count.get('_other_settings', 0)} records of earlier settings left out; "
              f"doc built {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC). Setting: "
              f"`{CONFIG}` (the tiny Qwen3 on `make train`'s chain_sum task, bf16 engine vs fp32 learner, "
-             "4 optimizer updates per learner step), every mode with the same config and seeds, each "
-             "seed's RL runs starting from that seed's SFT weights. Paper: arXiv 2605.12070.\n")
+             "4 optimizer updates per learner step), every mode with the same config and seeds, "
+             + ("each seed's RL runs starting from that seed's SFT weights" if SHARED_SFT is None else
+                f"every seed's RL runs starting from one shared SFT warm start (seed {SHARED_SFT}'s): only the RL "
+                "seed varies")
+             + ". Paper: arXiv 2605.12070.\n")
     loads = [x for r in newest.values() for x in r.get("load", [])]
     if loads:
         L.append(f"Machine: the 2-core CPU host, load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
@@ -505,7 +687,7 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
         groups = group_runs(_runs_as_rundata(rs), ["loss.correction"])
         p = plot_groups(groups, FIG_DIR / f"dynamics_K{k}.png",
                         title=f"paper_small, K={k}: mean ± std over seeds per mode")
-        L.append(f"![training dynamics, K={k}](paper_repro/{p.name})\n")
+        L.append(f"![training dynamics, K={k}]({link_prefix}{p.name})\n")
 
     # --- reset ablation
     L.append("## Reset ablation (ppo_ewma with and without the automatic reset)\n")
@@ -547,7 +729,7 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     if rs:
         p = plot_groups(group_runs(_runs_as_rundata(rs), ["loss.correction"]), FIG_DIR / "prox_error.png",
                         signals=("prox_err",), title=f"approximation error, K={all_ks[-1]}")
-        L.append(f"![approximation error](paper_repro/{p.name})\n")
+        L.append(f"![approximation error]({link_prefix}{p.name})\n")
 
     # --- threshold grid
     if grid:
@@ -576,7 +758,7 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                   for g in sorted(grid, key=lambda g: (g["mask_high"], g["clip"]))}
         p = plot_groups(groups, FIG_DIR / "grid.png", signals=("success", "retained"),
                         title="mask x clip grid (exact old logits)")
-        L.append(f"![grid](paper_repro/{p.name})\n")
+        L.append(f"![grid]({link_prefix}{p.name})\n")
 
     # --- cost
     L.append("## Cost per learner step, measured in the same runs\n")
@@ -607,36 +789,21 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     L.append("")
 
     # --- verdicts
-    L.append("## Verdicts\n")
-    L.append("Rule: a difference between two modes counts when the mean of their per-seed (paired) differences "
-             "exceeds the std of those differences over >= 2 seeds (claim 1's EWMA vs decoupled / Linear_prox, claim "
-             "2's final success); otherwise, and for 'close to exact' and R, when the gap between their means exceeds "
-             "the larger of their standard deviations over seeds; else the claim is *inconclusive at this scale*.\n")
+    L.append("## Verdicts (paired differences, 95% intervals)\n")
+    L.append(VERDICT_METHOD + "\n")
     kw = all_ks[-1]
+    rows = claim_rows(main, all_ks)
+    if rows:
+        L += CLAIM_HEADER + claim_table(rows, setting) + [""]
     v = []
-    if all((m, kw) in stats for m in ("ppo_ewma", "decoupled", "linear_prox", "exact")):
-        e, d, lp, ex = (stats[(m, kw)]["avg"] for m in ("ppo_ewma", "decoupled", "linear_prox", "exact"))
-        c1, c2, c3 = _compare(e, d), _compare(e, lp), _compare(ex, e)
-        rec = {m: stats[(m, kw)]["recs"] for m in ("ppo_ewma", "decoupled", "linear_prox", "exact")}
-        pd_, pl_ = (_paired(rec["ppo_ewma"], rec[m]) for m in ("decoupled", "linear_prox"))
-        if len(pd_) >= 2 and len(pl_) >= 2:
-            c1, c2 = _paired_sign(pd_), _paired_sign(pl_)  # "close to exact" (c3) stays the unpaired rule
-        verdict = ("reproduced" if c1 > 0 and c2 > 0 and c3 <= 0 else
-                   "not reproduced" if c1 < 0 or c2 < 0 else "inconclusive at this scale")
-        v.append(f"1. **PPO-EWMA beats decoupled and Linear_prox and comes close to exact, at K={kw}: {verdict}.** "
-                 f"avg@4 ppo_ewma {_fmt(*e)}, decoupled {_fmt(*d)}, linear_prox {_fmt(*lp)}, exact {_fmt(*ex)}.")
     if ("ppo_ewma", kw) in stats and ("ppo_ewma_noreset", kw) in stats:
         a, b = stats[("ppo_ewma", kw)], stats[("ppo_ewma_noreset", kw)]
         ra = _ms([_min_key(r, "train_infer_retained") for r in a["recs"]])
         rb = _ms([_min_key(r, "train_infer_retained") for r in b["recs"]])
-        c_r, c_s = _compare(ra, rb), _compare(a["avg"], b["avg"])
-        pr_ = _paired(a["recs"], b["recs"])
-        if len(pr_) >= 2:
-            c_s = _paired_sign(pr_)
         n_resets = sum(_resets(r) for r in a["recs"])
         thr = _reset_threshold()
-        nums = (f"min R with reset {_fmt(*ra)} vs without {_fmt(*rb)}; avg@4 {_fmt(*a['avg'])} vs {_fmt(*b['avg'])}; "
-                f"{n_resets:.0f} resets in {len(a['recs'])} runs with reset.")
+        nums = (f"Lowest R with reset {_fmt(*ra)} vs without {_fmt(*rb)}; {n_resets:.0f} resets in "
+                f"{len(a['recs'])} runs with reset.")
         fired = [st for r in a["recs"] if (st := _reset_stats(r)) is not None]
         if fired and all(st["r_during"] < st["r_pre"] and st["err_during"] > st["err_pre"] for st in fired):
             nums += (f" In {'the run' if len(fired) == 1 else f'each of the {len(fired)} runs'} where it fired, R fell "
@@ -644,20 +811,10 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                      "ablation): the reset hands the mask the current params, and at this staleness that "
                      "reference is the further one, so the resets did not pull R back.")
         if n_resets == 0 and not math.isnan(rb[0]) and rb[0] >= thr:
-            # Neither half can show: no drift to collapse R, so the reset (R < threshold) never fired either and
-            # the two variants were one algorithm; their differences are run-to-run variation.
-            v.append(f"2. **Without reset EWMA drifts (R collapses) and the reset keeps the gains, at K={kw}: "
-                     "drift not reproduced at this scale; the reset not testable.** Without the reset EWMA did not "
-                     f"drift: its lowest R stayed above the reset threshold (`loss.ewma_reset_threshold` = {thr:g}), "
-                     "so with the reset on it never fired: the two variants were one algorithm, and their gap is "
-                     "run-to-run variation (the asynchronous pipeline's timing decides which samples each step "
-                     f"consumes). {nums} Deciding the claim needs a run in which EWMA's R falls below the threshold: "
-                     "many more steps, or a wider train-infer gap.")
-        else:
-            verdict = ("reproduced" if c_r > 0 and c_s > 0 else "not reproduced" if c_r < 0 or c_s < 0 else
-                       "inconclusive at this scale")
-            v.append(f"2. **Without reset EWMA drifts (R collapses) and the reset keeps the gains, at K={kw}: "
-                     f"{verdict}.** {nums}")
+            nums += (f" Without the reset EWMA did not drift: its lowest R stayed above the reset threshold "
+                     f"(`loss.ewma_reset_threshold` = {thr:g}), so with the reset on it never fired and the two "
+                     "variants were one algorithm (drift not reproduced; the reset not testable here).")
+        v.append(f"- **Claim 2 (drift and reset), K={kw}:** {nums}")
     if grid:
         def cellv(hi, e):
             return next((g for g in grid if g.get("mask_high") == hi and g.get("clip") == e), None)
@@ -675,39 +832,117 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
                          f"{_mean_key(lc, 'train_infer_retained', 0, 50):.3f} vs "
                          f"{_mean_key(tc, 'train_infer_retained', 0, 50):.3f}")
         min_r = min((_min_key(g, "train_infer_retained") for g in grid), default=math.nan)
+        n_grid = len({g["seed"] for g in grid})
         if min_r >= ENGAGED_R:  # the mask kept (nearly) every token in every cell: nothing to interact
-            v.append(f"3. **Mask x clip interaction: not testable in this setting.** The train-infer mask barely "
-                     f"engaged in any grid cell (lowest R of any step of any cell {min_r:.3f}: at most "
-                     f"{100 * (1 - min_r):.1f}% of a step's loss tokens masked): under exact old "
-                     f"logits pi_prox / mu is only the engine's bf16 vs the learner's fp32 gap, nearly always inside the "
-                     f"narrowest mask ({MASK_HIGH[0]:g}), so neither the mask width nor the clip width can move R. "
-                     "What the cells show (one seed each, no spread to judge against): " + "; ".join(parts) + ". "
-                     "Deciding the claim needs the grid on a mode whose pi_prox / mu the mask does cut (decoupled, "
-                     "or a wider train-infer gap) and >= 3 seeds per cell.")
+            v.append(f"- **Claim 3 (mask x clip interaction): not testable in this setting** ({n_grid} seed per cell). "
+                     f"The train-infer mask barely engaged in any grid cell (lowest R of any step of any cell "
+                     f"{min_r:.3f}: at most {100 * (1 - min_r):.1f}% of a step's loss tokens masked): under exact old "
+                     f"logits pi_prox / mu is only the engine's bf16 vs the learner's fp32 gap, nearly always inside "
+                     f"the narrowest mask ({MASK_HIGH[0]:g}), so neither the mask width nor the clip width can move R. "
+                     "What the cells show (no spread to judge against): " + "; ".join(parts) + ". "
+                     "Deciding the claim needs the grid where R moves (docs/correction.md, train-infer gap: "
+                     "`rollout.moe_capacity_factor` 1.0 / 0.5 on the MoE model, R 0.964 / 0.831) and >= 3 seeds "
+                     "per cell.")
         else:
-            v.append("3. **Mask x clip interaction: inconclusive at this scale (one seed per cell, no spread to judge "
-                     "against).** " + "; ".join(parts) + ".")
+            v.append(f"- **Claim 3 (mask x clip interaction): inconclusive ({n_grid} seed per cell, no paired spread "
+                     "to build an interval from).** " + "; ".join(parts) + ".")
     if ("exact", kw) in cost and ("ppo_ewma", kw) in cost:
         (se, be), (sw, bw) = cost[("exact", kw)], cost[("ppo_ewma", kw)]
-        c_t = _compare(se, sw)
-        verdict = ("reproduced" if c_t > 0 and be > bw else "not reproduced" if c_t < 0 or be < bw else
-                   "memory reproduced, seconds inconclusive at this scale")
-        v.append(f"4. **Exact old logits cost more than EWMA, at K={kw}: {verdict}.** Learner seconds per step "
-                 f"{_fmt(*se)} vs {_fmt(*sw)} ({se[0] / sw[0]:.2f}x; exact runs one forward per distinct version in "
-                 f"the batch, EWMA one), extra memory {be:,.0f} vs {bw:,.0f} bytes ({be / bw:.1f}x: the snapshot store "
-                 "holds up to K+1 fp32 param copies, EWMA one). At the paper's scale the store is host RAM per "
-                 "version of a 4B-30B model: `bench/old_logits_cost.py` scales every route.")
-    if all((m, kw) in err for m in ("ppo_ewma", "decoupled", "linear_prox")):
-        e, d, lp = err[("ppo_ewma", kw)], err[("decoupled", kw)], err[("linear_prox", kw)]
-        c1, c2 = _compare(d, e), _compare(lp, e)
-        verdict = ("supported" if c1 > 0 and c2 > 0 else "contradicted" if c1 < 0 or c2 < 0 else
-                   "inconclusive at this scale")
-        v.append(f"5. **The thesis (EWMA's reference is closer to pi_v than pi_g and the interpolation), at K={kw}: "
-                 f"{verdict}.** mean |log pi_prox − log pi_v|: ppo_ewma {_fmt(*e, nd=4)}, decoupled {_fmt(*d, nd=4)}, "
-                 f"linear_prox {_fmt(*lp, nd=4)}.")
-    L += v or ["No complete comparison yet: run the matrix."]
+        v.append(f"- **Claim 4 (cost), K={kw}:** learner seconds per step {_fmt(*se)} vs {_fmt(*sw)} "
+                 f"({se[0] / sw[0]:.2f}x; exact runs one forward per distinct version in the batch, EWMA one; the "
+                 f"interval is in the table); extra memory {be:,.0f} vs {bw:,.0f} bytes ({be / bw:.1f}x: the "
+                 "snapshot store holds up to K+1 fp32 param copies, EWMA one; counted, not sampled: no interval "
+                 "needed). At the paper's scale the store is host RAM per version of a 4B-30B model: "
+                 "`bench/old_logits_cost.py` scales every route.")
+    L += v
     L.append("\nRerun any cell: `.venv/bin/python bench/paper_repro.py --only main --modes MODE --k K --seeds S` "
              "(appends a record; this doc then uses the newest).\n")
+    return "\n".join(L) + "\n"
+
+
+LEGACY_CONFIG = "configs/paper_small.yaml"  # records made before --config was recorded
+
+
+def settings_in(path: Path) -> list[dict]:
+    """The settings with records in ``path``, oldest first: ``{"setting", "config", "shared_sft", "n",
+    "first", "last"}`` (config / shared_sft as the records say; records before they were recorded:
+    ``LEGACY_CONFIG``, no shared SFT)."""
+    out: dict[str, dict] = {}
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        st = out.setdefault(r.get("setting"), dict(setting=r.get("setting"), config=r.get("config", LEGACY_CONFIG),
+                                                     shared_sft=r.get("shared_sft"), n=0, first=r.get("date", ""),
+                                                     last=r.get("date", "")))
+        st["n"] += 1
+        st["first"], st["last"] = min(st["first"], r.get("date", "")), max(st["last"], r.get("date", ""))
+    return sorted(out.values(), key=lambda st: st["first"])
+
+
+def build_full_doc(records: Path, doc: Path) -> str:
+    """The whole doc: every setting with a paired comparison in ``records`` gets its part
+    (:func:`build_doc`, headings one level down, figures under ``<doc dir>/paper_repro/`` for the
+    first such setting and ``<doc dir>/paper_repro/<setting>/`` for the others), after one table of
+    every claim's verdict in every setting."""
+    global CONFIG, SHARED_SFT
+    saved = CONFIG, SHARED_SFT
+    parts, rows_all, used, left = [], [], [], []
+    try:
+        for st in settings_in(records):
+            if st["setting"] is None:  # imported before records carried a setting id: no setting to judge in
+                left.append(st)
+                continue
+            newest, count = load_records(records, setting=st["setting"])
+            main_ = [r for r in newest.values() if r["part"] == "main"]
+            ks = sorted({r["K"] for r in main_})
+            rows = claim_rows(main_, ks) if ks else []
+            if not any(r["n"] >= 2 for r in rows):
+                left.append(st)
+                continue
+            CONFIG, SHARED_SFT = st["config"], st["shared_sft"]
+            seeds = sorted({r["seed"] for r in newest.values()})
+            first = not used
+            fig_dir = doc.parent / "paper_repro" / ("" if first else st["setting"])
+            body = build_doc(newest, count, ks, seeds, records=records, fig_dir=fig_dir, setting=st["setting"],
+                             link_prefix="paper_repro/" + ("" if first else f"{st['setting']}/"))
+            body = body.split("\n", 1)[1]  # build_doc's title
+            body = "\n".join("#" + ln if ln.startswith("## ") else ln for ln in body.splitlines())
+            label = (f"`{st['config']}`" + (f", one shared SFT warm start (seed {st['shared_sft']})"
+                                            if st["shared_sft"] is not None else ", one SFT warm start per seed"))
+            parts.append(f"## Setting `{st['setting']}`: {label}\n\n{body.strip()}\n")
+            rows_all += [(st, r) for r in rows]
+            used.append((st, label))
+    finally:
+        CONFIG, SHARED_SFT = saved
+    try:
+        src = records.resolve().relative_to(ROOT)
+    except ValueError:
+        src = records
+    L = ["# The paper's findings at small scale\n",
+         f"Generated by `bench/paper_repro.py` from `{src}` (doc built "
+         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC). Paper: arXiv 2605.12070 "
+         "(docs/design.md §7.1). Every record stays in the JSONL; each setting (a hash of its config chain and "
+         "of the shared-SFT choice) gets its own part below, and no table mixes settings.\n",
+         "## Settings\n", "| setting | what | records | dated |", "|---|---|---|---|"]
+    for st, label in used:
+        L.append(f"| `{st['setting']}` | {label} | {st['n']} | {st['first'][:16]} to {st['last'][:16]} |")
+    for st in left:
+        L.append(f"| `{st['setting']}` | `{st['config']}` (" + ("no setting id: imported before records carried one"
+                 if st["setting"] is None else "an earlier setting") + f"; no paired comparison, left out) | {st['n']} | "
+                 f"{st['first'][:16]} to {st['last'][:16]} |")
+    L.append("")
+    L.append("## Every claim's verdict\n")
+    L.append(VERDICT_METHOD + "\n")
+    L += CLAIM_HEADER
+    for st, r in rows_all:
+        L += claim_table([r], st["setting"])
+    L.append("")
+    L.append("Claim 3 (the mask x clip interaction) has no paired interval: its grid ran one seed per cell, and "
+             "the mask never engaged there (see the grid and its note in the first setting's part).\n")
+    L += parts
     return "\n".join(L) + "\n"
 
 
@@ -760,10 +995,9 @@ def main() -> int:
             print(f"[{i + 1}/{len(todo)}] {c['id']}: {'rc ' + str(rec['rc']) + ' ' + str(rec.get('error')) if rec['rc'] else f'final avg@4 {fa}'}"
                   f" ({rec['process_s']:.0f} s; {time.perf_counter() - t0:.0f} s so far; load {rec['load'][1]:.1f})",
                   flush=True)
-    newest, count = load_records(records)
     doc = Path(args.doc)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(build_doc(newest, count, args.k, args.seeds, records=records, fig_dir=doc.parent / "paper_repro"))
+    doc.write_text(build_full_doc(records, doc))
     print(f"wrote {doc} and {doc.parent / 'paper_repro'}/")
     return 0
 

@@ -4,6 +4,8 @@ verdict rules on synthetic records (nothing here is a learning outcome)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.bench_module import load_bench
 
@@ -84,6 +86,11 @@ def _matrix(pr, finals, errs, noreset_retained=0.5):
     return newest
 
 
+def _verdicts(pr, newest, k=8):
+    main = [r for r in newest.values() if r["part"] == "main"]
+    return {r["claim"].split(".")[0]: r["verdict"] for r in pr.claim_rows(main, [k])}
+
+
 def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     errs = dict(decoupled=0.05, linear_prox=0.04, ppo_ewma=0.01, ppo_ewma_noreset=0.02)
     good = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
@@ -93,23 +100,108 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     assert "| ppo_ewma | 0.500 ± 0.010 |" in doc
     assert "| 8 | decoupled | +0.180, +0.200, +0.220 | 0.200 ± 0.020 |" in doc  # paired, seed by seed
     assert "| ppo_ewma_noreset | 8 | - | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.010 ± 0.000 |" in doc  # engagement
-    assert "comes close to exact, at K=8: reproduced" in doc
-    assert "the reset keeps the gains, at K=8: reproduced" in doc
-    assert "at K=8: supported" in doc
-    # claim 4 from the cost table: exact's 1.0 s/step (no error scoring to subtract) vs EWMA's 1.0 - 0.2
-    assert "Exact old logits cost more than EWMA, at K=8: reproduced.** Learner seconds per step 1.000 ± 0.000 " \
-           "vs 0.800 ± 0.000 (1.25x" in doc
+    # 3 seeds: the interval is the t interval, 0.2 +- t(.975, 2) * 0.02 / sqrt(3) = 0.2 +- 0.0497
+    assert ("| 1a. PPO-EWMA beats decoupled (final held-out avg@4) | `" + pr.setting_id() + "` | 8 | 3 (0, 1, 2) | "
+            "+0.200 ± 0.020 | [+0.150, +0.250] | **reproduced** |") in doc
+    v = _verdicts(pr, newest)
+    assert v == {"1a": "reproduced", "1b": "reproduced", "1c": "reproduced", "2a": "reproduced", "2b": "reproduced",
+                 "4": "reproduced", "5a": "reproduced", "5b": "reproduced"}
+    # claim 4's cost: exact's 1.0 s/step (no error scoring to subtract) vs EWMA's 1.0 - 0.2
+    assert "learner seconds per step 1.000 ± 0.000 vs 0.800 ± 0.000 (1.25x" in doc
     assert (tmp_path / "figs" / "dynamics_K8.png").stat().st_size > 0
-    # decoupled ahead of EWMA by more than the spread: claim 1 is not reproduced
+    # decoupled ahead of EWMA beyond the interval: 1a contradicted
     bad = _matrix(pr, {**good, "decoupled": 0.6}, errs)
-    doc = pr.build_doc(bad, {k: 1 for k in bad}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
-                       fig_dir=tmp_path / "figs")
-    assert "comes close to exact, at K=8: not reproduced" in doc
-    # within the seeds' spread: inconclusive
-    close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)  # paired 0.005 +- 0.02
-    doc = pr.build_doc(close, {k: 1 for k in close}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
-                       fig_dir=tmp_path / "figs")
-    assert "comes close to exact, at K=8: inconclusive at this scale" in doc
+    assert _verdicts(pr, bad)["1a"] == "contradicted"
+    # within the seeds' spread (paired -0.015, +0.005, +0.025): inconclusive
+    close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)
+    assert _verdicts(pr, close)["1a"] == "inconclusive" and _verdicts(pr, close)["1b"] == "inconclusive"
+    # "close to exact" tolerates EQUIV_MARGIN: 0.04 below exact is close, 0.1 below is not
+    assert _verdicts(pr, _matrix(pr, {**good, "exact": 0.54}, errs))["1c"] == "reproduced"
+    assert _verdicts(pr, _matrix(pr, {**good, "exact": 0.6}, errs))["1c"] == "contradicted"
+    # two seeds: no verdict whatever the interval
+    two = {k: r for k, r in newest.items() if r["seed"] < 2}
+    assert set(_verdicts(pr, two).values()) == {"inconclusive"}
+
+
+def test_paired_ci_hand_computed(pr):
+    import math
+
+    from scipy import stats
+
+    st = pr.paired_ci([1.0, 2.0, 3.0])  # n = 3 < T_WIDEN_BELOW: the t interval, 2 +- t(.975, 2) / sqrt(3)
+    h = stats.t.ppf(0.975, 2) / math.sqrt(3)
+    assert st["n"] == 3 and st["mean"] == pytest.approx(2.0) and st["sd"] == pytest.approx(1.0)
+    assert st["ci"] == pytest.approx((2.0 - h, 2.0 + h)) and st["t"] == pytest.approx((2.0 - h, 2.0 + h))
+    assert 1.0 <= st["boot"][0] <= 2.0 <= st["boot"][1] <= 3.0  # resample means of {1, 2, 3} lie in [1, 3]
+    st = pr.paired_ci([0.1, 0.2, 0.3, 0.4, 0.5])  # n = 5: the bootstrap interval itself
+    assert st["ci"] == st["boot"] and 0.1 <= st["ci"][0] < 0.3 < st["ci"][1] <= 0.5
+    assert st["ci"][1] - st["ci"][0] < st["t"][1] - st["t"][0]  # the percentile bootstrap is the narrower
+    assert pr.paired_ci([0.2, 0.2, 0.2])["ci"] == pytest.approx((0.2, 0.2))  # constant differences: a point
+    assert all(math.isnan(x) for x in pr.paired_ci([0.3])["ci"]) and pr.paired_ci([])["n"] == 0
+    assert pr.paired_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == pr.paired_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # fixed rng
+
+
+def test_verdict_rules(pr):
+    n = pr.MIN_SEEDS
+    assert pr.verdict((0.01, 0.2), n) == "reproduced"
+    assert pr.verdict((-0.2, -0.01), n) == "contradicted"
+    assert pr.verdict((-0.01, 0.2), n) == "inconclusive"
+    assert pr.verdict((0.01, 0.2), n - 1) == "inconclusive"  # too few seeds
+    assert pr.verdict((float("nan"), float("nan")), 10) == "inconclusive"
+    assert pr.verdict((-0.04, 0.02), n, margin=0.05) == "reproduced"  # at most 0.05 below
+    assert pr.verdict((-0.2, -0.06), n, margin=0.05) == "contradicted"
+    assert pr.verdict((-0.06, 0.01), n, margin=0.05) == "inconclusive"
+
+
+def test_seeds_needed_hand_computed(pr):
+    # t(.975, n-1) / sqrt(n): n=6 -> 2.571 / 2.449 = 1.050 > 1; n=7 -> 2.447 / 2.646 = 0.925 <= 1
+    assert pr.seeds_needed(1.0, 1.0) == 7
+    assert pr.seeds_needed(0.0, 0.05) == 2
+    assert pr.seeds_needed(0.1, 0.0) is None and pr.seeds_needed(float("nan"), 0.1) is None
+    # large n: close to the normal approximation (1.96 sd / delta)^2
+    assert abs(pr.seeds_needed(1.0, 0.1) - 1.96 ** 2 * 100) < 5
+    assert pr.seeds_needed(1.0, 1e-4, max_n=100) is None
+
+
+@given(st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=2, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_interval_contains_the_mean(pr, d):
+    r = pr.paired_ci(d, n_resamples=999)
+    lo, hi = r["ci"]
+    assert lo - 1e-9 <= r["mean"] <= hi + 1e-9
+    assert r["t"][0] - 1e-9 <= r["mean"] <= r["t"][1] + 1e-9
+    if len(d) < pr.T_WIDEN_BELOW:  # widened: contains both intervals
+        assert lo <= min(r["boot"][0], r["t"][0]) + 1e-12 and hi >= max(r["boot"][1], r["t"][1]) - 1e-12
+
+
+def test_shared_sft_is_part_of_the_setting(pr):
+    a = pr.setting_id("configs/paper_small.yaml", None)
+    assert pr.setting_id("configs/paper_small.yaml", 0) not in (a, pr.setting_id("configs/paper_small.yaml", 1))
+    assert pr.setting_id("configs/paper_small_shared.yaml", 0) != pr.setting_id("configs/paper_small.yaml", 0)
+
+
+def test_full_doc_keeps_settings_apart(pr, tmp_path, monkeypatch):
+    """Two settings in one JSONL: each gets its part and its rows in the verdict table; a record
+    without a setting id is listed and left out."""
+    path = tmp_path / "r.jsonl"
+    good = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
+    for rec in _matrix(pr, good, {}).values():
+        pr.append_record({**rec, "setting": "aaaaaaaaaaaa"}, path)
+    for rec in _matrix(pr, {**good, "decoupled": 0.6}, {}).values():
+        pr.append_record({**rec, "setting": "bbbbbbbbbbbb", "config": "configs/paper_small_shared.yaml",
+                          "shared_sft": 0, "date": "2026-12-03T00:00:00+00:00"}, path)
+    pr.append_record({**next(iter(_matrix(pr, good, {}).values())), "setting": None}, path)
+    doc = pr.build_full_doc(path, tmp_path / "doc.md")
+    assert "## Setting `aaaaaaaaaaaa`: `configs/paper_small.yaml`, one SFT warm start per seed" in doc
+    assert "## Setting `bbbbbbbbbbbb`: `configs/paper_small_shared.yaml`, one shared SFT warm start (seed 0)" in doc
+    assert "no setting id: imported before records carried one" in doc
+    row = lambda s, v: f"| 1a. PPO-EWMA beats decoupled (final held-out avg@4) | `{s}` | 8 | 3 (0, 1, 2) |"  # noqa
+    top = doc.split("## Setting `")[0]
+    assert top.count(row("aaaaaaaaaaaa", "")) == 1 and top.count(row("bbbbbbbbbbbb", "")) == 1
+    assert "**contradicted**" in top and "**reproduced**" in top
+    assert (tmp_path / "paper_repro" / "dynamics_K8.png").exists()
+    assert (tmp_path / "paper_repro" / "bbbbbbbbbbbb" / "dynamics_K8.png").exists()
+    assert pr.CONFIG == "configs/paper_small.yaml" and pr.SHARED_SFT is None  # restored
 
 
 def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
@@ -130,14 +222,14 @@ def test_grid_verdict_says_when_the_mask_never_engaged(pr, tmp_path):
     cells = pr.cells(["grid"], list(pr.MODES), [8], [0])
     quiet = {c["id"]: _rec(pr, c, 0.4, retained=0.999) for c in cells}
     doc = pr.build_doc(quiet, {k: 1 for k in quiet}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
-    assert "Mask x clip interaction: not testable in this setting" in doc
+    assert "Claim 3 (mask x clip interaction): not testable in this setting** (1 seed per cell)" in doc
     assert "lowest R of any step of any cell 0.999: at most 0.1%" in doc
     # one cell where the mask cut tokens: the interaction is there to judge, one seed is not enough
     cut = dict(quiet)
     c = cells[0]
     cut[c["id"]] = _rec(pr, c, 0.4, retained=0.8)
     doc = pr.build_doc(cut, {k: 1 for k in cut}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
-    assert "Mask x clip interaction: inconclusive at this scale (one seed per cell" in doc
+    assert "Claim 3 (mask x clip interaction): inconclusive (1 seed per cell" in doc
 
 
 def test_reset_verdict_when_ewma_never_drifts(pr, tmp_path):
@@ -151,13 +243,15 @@ def test_reset_verdict_when_ewma_never_drifts(pr, tmp_path):
             row["ewma_resets"] = 0.0
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
-    assert "at K=8: drift not reproduced at this scale; the reset not testable.**" in doc
+    assert "(drift not reproduced; the reset not testable here)" in doc
+    assert "| **not testable (the reset never fired: both variants ran one algorithm)** |" in doc
     assert "0 resets in 3 runs with reset" in doc
     # one reset fired: the usual rule judges it again
     newest["main_K8_ppo_ewma_s0"]["metrics"][-1]["ewma_resets"] = 1.0
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
     assert "drift not reproduced" not in doc and "1 resets in 3 runs with reset" in doc
+    assert "the reset never fired" not in doc
     assert "R fell lower after the first reset" not in doc  # R and the error are flat in these records
     rows = newest["main_K8_ppo_ewma_s0"]["metrics"]
     rows[-3]["ewma_reset"] = 1.0  # the step that reset, then lower R and a larger error
