@@ -77,12 +77,12 @@ def test_setting_id_follows_the_config_chain(pr, tmp_path, monkeypatch):
 def _matrix(pr, finals, errs, noreset_retained=0.5):
     newest = {}
     for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
-        for c in pr.cells(["main"], list(pr.MODES), [8], [seed]):
+        for c in pr.cells(["main"], [m for m in pr.MODES if m in finals], [8], [seed]):
             m = c["mode"]
             j = -jitter if m in ("decoupled", "linear_prox") else jitter  # paired differences spread too
             newest[c["id"]] = _rec(pr, c, finals[m] + j, err=errs.get(m, 0.0),
                                    retained=noreset_retained if m == "ppo_ewma_noreset" else 0.99,
-                                   resets=2.0 if m == "ppo_ewma" else 0.0)
+                                   resets=2.0 if m in ("ppo_ewma", "ppo_ewma_cooldown") else 0.0)
     return newest
 
 
@@ -109,6 +109,9 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     # claim 4's cost: exact's 1.0 s/step (no error scoring to subtract) vs EWMA's 1.0 - 0.2
     assert "learner seconds per step 1.000 ± 0.000 vs 0.800 ± 0.000 (1.25x" in doc
     assert (tmp_path / "figs" / "dynamics_K8.png").stat().st_size > 0
+    # the cool-down variant (its own cells): judged against no reset like the reset
+    cd = _verdicts(pr, _matrix(pr, {**good, "ppo_ewma_cooldown": 0.45}, {**errs, "ppo_ewma_cooldown": 0.01}))
+    assert cd["2c"] == "reproduced" and cd["2d"] == "reproduced"
     # decoupled ahead of EWMA beyond the interval: 1a contradicted
     bad = _matrix(pr, {**good, "decoupled": 0.6}, errs)
     assert _verdicts(pr, bad)["1a"] == "contradicted"
