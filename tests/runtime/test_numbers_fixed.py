@@ -6,7 +6,14 @@ The fixtures in ``tests/runtime/fixtures/numbers_<mode>.json`` were written by t
 ``JAXRL_RECORD_FIXTURES=1`` on the code before the redesign, and written again on 2026-12-02 when
 the rollout sampler changed its draws on purpose (inverse CDF instead of
 ``jax.random.categorical``, same distribution; and the CPU cache's key-transposed score dot),
-which moves every sampled token of these runs. ``async.max_staleness=0`` makes the
+which moves every sampled token of these runs. Re-recorded on 2026-12-03, again with the code
+before a redesign (commit e8f4d78, before the old-logit routes, the routing-replay policy and the
+learner recipe got their homes), because the fixtures are host-bound past row 0: at the recording
+commit d4132ff itself, on the 2026-12-03 host, row 1's ``denominator`` came out 131.0 against the
+recorded 123.5. Row 0 is sampled from the SFT params and matches across hosts; the AdamW step at
+lr 3e-2 turns ~1e-4 host roundings into parameter differences that flip a sampled token of the
+next batch, and a different batch is a different row. The redesigned code reproduced the
+re-recorded rows bit for bit on that host, all 5 modes x 4 steps. ``async.max_staleness=0`` makes the
 run synchronous, so with a fixed ``run.seed`` every batch is the same from run to run.
 Values compare at ``tests.numbers_fixture.RTOL_FIRST`` / ``RTOL_LATER`` (row 0 / later rows: across CPU hosts and layer layouts), with abs_tol 1e-4 (the ``kl_*`` metrics are ~1e-4 here: the bf16 rollout's rounding, which moves with the host), except the keys in ``tests.numbers_fixture.CHANGED_ON_PURPOSE`` (a definition
 that changed on purpose) and wall-clock figures.
