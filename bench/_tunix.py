@@ -17,7 +17,9 @@ import (``import tunix`` pulls in the whole package tree)::
 
 (torch comes from the machine's local CPU wheel, ``torch==2.13.0``, via the ``bench`` extra.)
 Tunix's other declared deps (datasets, grain, tensorflow_datasets, kagglehub, numba, qwix,
-omegaconf, ...) are not needed for these rows; ``pip check`` lists them as missing.
+omegaconf, ...) are not needed for these rows; ``pip check`` lists them as missing. That holds
+for ``bench/e2e_rl.py`` too: its ``GRPOLearner`` + ``RLCluster`` (vanilla rollout) run with
+nothing beyond the recipe above (built and run 2026-12-03).
 
 Same weights on both sides: the bench writes ONE HF checkpoint folder (transformers'
 ``save_pretrained`` or our ``hf_io.save_pretrained``) and each side reads it with its own

@@ -64,6 +64,12 @@ arm's final checkpoint goes through ``jax-rl export`` first), so both sides are 
 same code; ``gain_per_100s`` = (final - start) / the arm's RL wall seconds (all its steps,
 compiles included) * 100.
 
+A generation probe (:func:`gen_probe`) then splits the generation stage into prefill and decode
+on both sides. At the defaults the whole bench takes about 13 minutes on the 2-core host. When the
+working tree is mid-edit, run the arms from an export: ``git archive HEAD | tar -x -C DIR``, then
+``--src DIR`` (the script's own ``bench/`` files copied in), with ``BENCH_GIT_COMMIT`` set for the
+record.
+
 Writes a JSON record (date, load, machine, args, commit, every step) to ``--json``. No
 assertion: figures depend on the machine's load. The issue's target: jax-rl >= 1.5x Tunix per RL
 step at K=0.
