@@ -867,6 +867,49 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
     return "\n".join(L) + "\n"
 
 
+def plot_claims(rows: list[tuple[str, dict]], path: Path) -> Path:
+    """Forest plot of :func:`claim_rows` ``(setting, row)``: each claim's paired differences (dots),
+    mean and interval (bar), one panel per metric (their units differ), the verdict's edge dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = [m for m in METRICS if any(r["metric"] == m for _, r in rows)]
+    titles = {"final": "final held-out avg@4", "min_r": "lowest R", "learner_s": "learner s/step",
+              "prox_err": "mean abs(log pi_prox - log pi_v)"}
+    n_max = max((sum(r["metric"] == m for _, r in rows) for m in metrics), default=1)
+    ncol = min(2, len(metrics)) or 1
+    nrow = math.ceil(len(metrics) / ncol) or 1
+    fig = Figure(figsize=(6.5 * ncol, (0.4 * n_max + 1.2) * nrow + 0.4))
+    FigureCanvasAgg(fig)
+    colors = {"reproduced": "tab:green", "contradicted": "tab:red"}
+    for i, m in enumerate(metrics):
+        ax = fig.add_subplot(nrow, ncol, i + 1)
+        mine = [(st, r) for st, r in rows if r["metric"] == m]
+        labels = []
+        for y, (st, r) in enumerate(mine):
+            lo, hi = r["ci"]
+            c = colors.get(r["verdict"], "tab:gray")
+            if math.isfinite(lo) and math.isfinite(hi):
+                ax.plot([lo, hi], [y, y], color=c, lw=3, alpha=0.7)
+            ax.plot(r["d"], [y] * len(r["d"]), "o", color="k", ms=3, alpha=0.6)
+            ax.plot([r["mean"]], [y], "D", color=c, ms=6)
+            if r["margin"] is not None:
+                ax.plot([-r["margin"]] * 2, [y - 0.4, y + 0.4], ":", color="tab:blue")
+            labels.append(f"{r['claim'].split('.')[0]} K={r['K']} {st[:6]} (n={r['n']})")
+        ax.axvline(0.0, color="k", lw=0.8, ls="--")
+        ax.set_yticks(range(len(mine)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(titles.get(m, m), fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("paired differences (dots: seeds; diamond: mean; bar: 95% interval; green reproduced, red "
+                 "contradicted, grey inconclusive)", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 LEGACY_CONFIG = "configs/paper_small.yaml"  # records made before --config was recorded
 
 
@@ -947,6 +990,9 @@ def build_full_doc(records: Path, doc: Path) -> str:
     for st, r in rows_all:
         L += claim_table([r], st["setting"])
     L.append("")
+    if rows_all:
+        p = plot_claims([(st["setting"], r) for st, r in rows_all], doc.parent / "paper_repro" / "claims.png")
+        L.append(f"![paired differences per claim](paper_repro/{p.name})\n")
     L.append("Claim 3 (the mask x clip interaction) has no paired interval: its grid ran one seed per cell, and "
              "the mask never engaged there (see the grid and its note in the first setting's part).\n")
     L += parts
@@ -975,6 +1021,7 @@ def main() -> int:
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not share JAX's persistent compilation cache (<runs-dir>/jax_cache) between cells")
     ap.add_argument("--doc-only", action="store_true", help="rebuild the doc from the records; run nothing")
+    ap.add_argument("--no-doc", action="store_true", help="run the cells; leave the doc alone")
     ap.add_argument("overrides", nargs="*", help="key=value for every cell (changes the setting: recorded)")
     args = ap.parse_args()
     CONFIG, SHARED_SFT = args.config, args.shared_sft
@@ -1002,6 +1049,8 @@ def main() -> int:
             print(f"[{i + 1}/{len(todo)}] {c['id']}: {'rc ' + str(rec['rc']) + ' ' + str(rec.get('error')) if rec['rc'] else f'final avg@4 {fa}'}"
                   f" ({rec['process_s']:.0f} s; {time.perf_counter() - t0:.0f} s so far; load {rec['load'][1]:.1f})",
                   flush=True)
+    if args.no_doc:
+        return 0
     doc = Path(args.doc)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(build_full_doc(records, doc))

@@ -317,7 +317,8 @@ class PpoEwma(Correction):
         tokens, amask = batch.tokens, batch.attention_mask
         ew_lp = logprobs(cstate.params, tokens, amask)
         R = self._retained(ew_lp, batch)
-        reset, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience, cstate.streak)
+        reset, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience, cstate.streak,
+                                                 lc.ewma_reset_cooldown)
         ew_params, count = proximal.ewma_reset(cstate.params, params, reset, cstate.count)
         if lc.ewma_reset_threshold <= 0:  # reset off: R < 0 never holds; trace no reset branch (2nd forward)
             prox = ew_lp

@@ -172,7 +172,7 @@ def ewma_reset(ewma: Any, params: Any, predicate, count=None):
     return new, jnp.where(pred, jnp.float32(1.0), jnp.asarray(count, jnp.float32))
 
 
-def reset_predicate(retained, threshold, patience, streak) -> tuple[jax.Array, jax.Array]:
+def reset_predicate(retained, threshold, patience, streak, cooldown=0) -> tuple[jax.Array, jax.Array]:
     """Reset when the train-infer retained ratio R stayed below ``threshold`` ``patience`` steps.
 
     Args:
@@ -180,13 +180,20 @@ def reset_predicate(retained, threshold, patience, streak) -> tuple[jax.Array, j
         threshold: tau (``loss.ewma_reset_threshold``).
         patience: n >= 1 consecutive steps (``loss.ewma_reset_patience``).
         streak: int32 scalar, consecutive steps with R < tau so far (state; checkpoint it;
-            start at 0).
+            start at 0); negative during a cool-down (-c: c cool-down steps left).
+        cooldown: c >= 0 steps after a firing reset during which no reset fires
+            (``loss.ewma_reset_cooldown``); R is not counted then, and the streak starts
+            from 0 after them. 0: none (a reset may fire again on the next step).
 
     Returns:
         (predicate bool scalar, new_streak int32). The streak restarts at 0 after a firing
-        reset and whenever R >= tau.
+        reset (at -cooldown with a cool-down) and whenever R >= tau. The cool-down lives in the
+        streak's sign, so the state (and the checkpoint) has no extra field, and with
+        ``cooldown=0`` the streak never goes negative: every number is the same as without it.
     """
+    streak = jnp.asarray(streak, jnp.int32)
+    cooling = streak < 0
     below = jnp.asarray(retained, jnp.float32) < jnp.asarray(threshold, jnp.float32)
-    s = jnp.where(below, jnp.asarray(streak, jnp.int32) + 1, 0).astype(jnp.int32)
-    pred = s >= jnp.asarray(patience, jnp.int32)
-    return pred, jnp.where(pred, 0, s).astype(jnp.int32)
+    s = jnp.where(cooling | below, streak + 1, 0).astype(jnp.int32)
+    pred = ~cooling & (s >= jnp.asarray(patience, jnp.int32))
+    return pred, jnp.where(pred, -jnp.asarray(cooldown, jnp.int32), s).astype(jnp.int32)

@@ -317,6 +317,8 @@ class LossConfig(_Section):
     """Reset theta_bar <- theta when train_infer_retained < this for `patience` steps."""
     ewma_reset_patience: int = Field(1, ge=1)
     """Consecutive low-R steps before theta_bar resets."""
+    ewma_reset_cooldown: int = Field(0, ge=0)
+    """Learner steps after a reset during which no reset fires (R not counted); 0: none."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
     over the policy term's kept tokens, H the per-token entropy (nats) of the temperature-scaled

@@ -109,6 +109,49 @@ class ProximalTest(chex.TestCase):
         self.assertFalse(bool(reset_predicate(0.5, 0.4, 1, 0)[0]))
         self.assertFalse(bool(reset_predicate(0.5, 0.9, 2, 0)[0]))
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reset_cooldown_table(self):
+        """``loss.ewma_reset_cooldown``: c steps after a reset fire nothing and do not count R."""
+        def run(rs, patience, cooldown):
+            fn = self.variant(lambda r, s: reset_predicate(r, 0.9, patience, s, cooldown))
+            streak, out = jnp.int32(0), []
+            for r in rs:
+                p, streak = fn(jnp.float32(r), streak)
+                out.append((bool(p), int(streak)))
+            return out
+        low = [0.5] * 7
+        # patience 1, cooldown 2: fire, 2 quiet steps, fire, ...
+        self.assertEqual(run(low, 1, 2), [(True, -2), (False, -1), (False, 0), (True, -2), (False, -1), (False, 0),
+                                          (True, -2)])
+        # without the cool-down every low step fires (the rule before the option)
+        self.assertEqual([p for p, _ in run(low, 1, 0)], [True] * 7)
+        # R back above tau during the cool-down changes nothing; patience counts from its end
+        self.assertEqual(run([0.5, 0.95, 0.5, 0.5, 0.5], 2, 1),
+                         [(False, 1), (False, 0), (False, 1), (True, -1), (False, 0)])
+
+    @HSET
+    @given(rs=st.lists(st.floats(0.0, 1.0, width=32), min_size=1, max_size=30), patience=st.integers(1, 3),
+           cooldown=st.integers(0, 4))
+    def test_reset_cooldown_properties(self, rs, patience, cooldown):
+        """Cool-down 0 is the rule before the option (streak never negative); with a cool-down c two
+        resets are at least c + patience steps apart."""
+        def ref(rs):  # the predicate before loss.ewma_reset_cooldown, in Python
+            s, out = 0, []
+            for r in rs:
+                s = s + 1 if np.float32(r) < np.float32(0.9) else 0
+                out.append(s >= patience)
+                s = 0 if out[-1] else s
+            return out
+        streak, fired = jnp.int32(0), []
+        for r in rs:
+            p, streak = reset_predicate(jnp.float32(r), 0.9, patience, streak, cooldown)
+            fired.append(bool(p))
+            self.assertGreaterEqual(int(streak), -cooldown)
+        if cooldown == 0:
+            self.assertEqual(fired, ref(rs))
+        idx = [i for i, f in enumerate(fired) if f]
+        self.assertTrue(all(b - a >= cooldown + patience for a, b in zip(idx, idx[1:])))
+
     def test_ewma_keeps_sharding(self):
         devs = np.array(jax.devices())
         mesh = jax.sharding.Mesh(devs, ("fsdp",))
