@@ -910,6 +910,28 @@ def plot_claims(rows: list[tuple[str, dict]], path: Path) -> Path:
     return path
 
 
+SETTING_NOTES = """\
+How the settings differ (issue 27). In `configs/paper_small.yaml` (`fe44208e4440`) every seed ran its own SFT, and
+the warm starts' held-out success spread over 0.28-0.88: the start, not the correction, set most of a run's final
+success, and 3 seeds decided almost nothing. `configs/paper_small_shared.yaml` with `--shared-sft S` keeps the
+model, task, SFT and RL, and changes three things: (1) one SFT warm start (seed S's) is exported once and every
+seed's RL starts from it, so only the RL seed (sampling and the asynchronous pipeline's timing) varies between
+seeds, and the paired differences carry only RL's own variance; (2) the held-out set is 4x larger (256 tasks x 4
+samples per eval vs 64 x 4), which halves the eval's own binomial noise; (3) eval every 50 steps (vs 25) so the
+larger set costs about the same. The shared-SFT seed is part of the setting id, so `--shared-sft 0` and
+`--shared-sft 2` are two settings: seed 0's SFT is a strong start (held-out ~0.85, near this task's ceiling), seed
+2's a weak one (~0.25), which is where the old setting's differences between modes came from (its seeds 1 and 2
+started at 0.3-0.65). The shared SFT's seed was chosen by its held-out success after SFT, before any RL ran.
+
+The reset (claim 2) as defined here sets theta_bar to the *current* params when R < `loss.ewma_reset_threshold`:
+for that step pi_prox is decoupled's reference, which at K = 8 is the one furthest from pi_v, so R tends to fall
+further after a reset and the reset fires again on the next step (the old setting's seed 2: 20 resets, a streak of
+12 steps in a row, R 0.91 -> 0.67). The paper's text (reset to the current actor when R drops, then let the average
+rebuild) implies a pause between resets: `loss.ewma_reset_cooldown` = c (default 0, the rule above) fires no reset
+for c learner steps after one; mode `ppo_ewma_cooldown` runs it with c = 10 (claims 2c, 2d).
+"""
+
+
 LEGACY_CONFIG = "configs/paper_small.yaml"  # records made before --config was recorded
 
 
@@ -964,7 +986,9 @@ def build_full_doc(records: Path, doc: Path) -> str:
                                             if st["shared_sft"] is not None else ", one SFT warm start per seed"))
             parts.append(f"## Setting `{st['setting']}`: {label}\n\n{body.strip()}\n")
             rows_all += [(st, r) for r in rows]
-            used.append((st, label))
+            sft_by_seed = {r["seed"]: r.get("sft_success") for r in main_ if r.get("sft_success") is not None}
+            used.append((st, label + f"; held-out avg@4 after SFT {_fmt(*_ms(list(sft_by_seed.values())))} over "
+                                     f"{len(sft_by_seed)} seeds"))
     finally:
         CONFIG, SHARED_SFT = saved
     try:
@@ -984,6 +1008,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
         L.append(f"| `{st['setting']}` | `{st['config']}` ({why}; no paired comparison, left out) | {st['n']} | "
                  f"{st['first'][:16]} to {st['last'][:16]} |")
     L.append("")
+    L.append(SETTING_NOTES + "\n")
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER
