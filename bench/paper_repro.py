@@ -505,6 +505,9 @@ def claim_rows(main: list[dict], ks: list[int]) -> list[dict]:
             note = ""
             if mb == "ppo_ewma_noreset" and not any(_resets(r) > 0 for r in a):
                 v, note = "not testable", "the reset never fired: both variants ran one algorithm"
+            elif (v == "inconclusive" and margin is None and metric == "final" and st["n"] >= MIN_SEEDS
+                  and -TARGET_DIFF < st["ci"][0] and st["ci"][1] < TARGET_DIFF):
+                note = f"no difference as large as {TARGET_DIFF:g}: the interval lies inside ±{TARGET_DIFF:g}"
             delta_mean = abs(st["mean"]) if margin is None else abs(st["mean"] + margin)
             rows.append(dict(claim=name, K=k, metric=metric, seeds=seeds, d=d, margin=margin, verdict=v, note=note,
                              n_mean=seeds_needed(st["sd"], delta_mean),
@@ -922,6 +925,8 @@ larger set costs about the same. The shared-SFT seed is part of the setting id, 
 `--shared-sft 2` are two settings: seed 0's SFT is a strong start (held-out ~0.85, near this task's ceiling), seed
 2's a weak one (~0.25), which is where the old setting's differences between modes came from (its seeds 1 and 2
 started at 0.3-0.65). The shared SFT's seed was chosen by its held-out success after SFT, before any RL ran.
+Every run is on the shared 2-core CPU host, RL pinned to one core (no accelerator was lent for issue 27); each
+record carries its date, load average, wall time and commit.
 
 The reset (claim 2) as defined here sets theta_bar to the *current* params when R < `loss.ewma_reset_threshold`:
 for that step pi_prox is decoupled's reference, which at K = 8 is the one furthest from pi_v, so R tends to fall

@@ -118,6 +118,11 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     # within the seeds' spread (paired -0.015, +0.005, +0.025): inconclusive
     close = _matrix(pr, {**good, "decoupled": 0.495, "linear_prox": 0.495}, errs)
     assert _verdicts(pr, close)["1a"] == "inconclusive" and _verdicts(pr, close)["1b"] == "inconclusive"
+    # no difference at all (paired -0.02, 0, +0.02; t interval +-0.0497): inconclusive, and the interval rules out 0.05
+    same = _matrix(pr, {**good, "decoupled": 0.5}, errs)
+    row = next(r for r in pr.claim_rows(list(same.values()), [8]) if r["claim"].startswith("1a"))
+    assert row["verdict"] == "inconclusive" and row["note"].startswith("no difference as large as 0.05")
+    assert next(r for r in pr.claim_rows(list(close.values()), [8]) if r["claim"].startswith("1a"))["note"] == ""
     # "close to exact" tolerates EQUIV_MARGIN: 0.04 below exact is close, 0.1 below is not
     assert _verdicts(pr, _matrix(pr, {**good, "exact": 0.54}, errs))["1c"] == "reproduced"
     assert _verdicts(pr, _matrix(pr, {**good, "exact": 0.6}, errs))["1c"] == "contradicted"
