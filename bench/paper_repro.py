@@ -925,6 +925,15 @@ larger set costs about the same. The shared-SFT seed is part of the setting id, 
 `--shared-sft 2` are two settings: seed 0's SFT is a strong start (held-out ~0.85, near this task's ceiling), seed
 2's a weak one (~0.25), which is where the old setting's differences between modes came from (its seeds 1 and 2
 started at 0.3-0.65). The shared SFT's seed was chosen by its held-out success after SFT, before any RL ran.
+
+Staleness. The shared-SFT runs are pinned to one core (`taskset -c 1`, the other core left to other jobs); there
+the rollout shares the core with the learner and cannot outrun it, and `paper_small_shared`'s batches were only
+~1.6 versions old at K = 8 (the learner waited for data), against ~7.6 in `paper_small`'s unpinned runs: the
+correction hardly engaged, so those two settings test the near on-policy regime, not the paper's (the settings
+table gives each setting's measured staleness). `configs/paper_small_stale.yaml` restores it with runtime knobs
+only (256 decode slots x 16 decode steps per engine call: staleness ~7.3), same sampling, batch, loss and
+optimizer; its shared warm start is the very SFT checkpoint of `paper_small_shared --shared-sft 2` (copied: the
+rollout knobs play no part in SFT training).
 Every run is on the shared 2-core CPU host, RL pinned to one core (no accelerator was lent for issue 27); each
 record carries its date, load average, wall time and commit.
 
@@ -992,8 +1001,10 @@ def build_full_doc(records: Path, doc: Path) -> str:
             parts.append(f"## Setting `{st['setting']}`: {label}\n\n{body.strip()}\n")
             rows_all += [(st, r) for r in rows]
             sft_by_seed = {r["seed"]: r.get("sft_success") for r in main_ if r.get("sft_success") is not None}
+            stale = _ms([_mean_key(r, "staleness_mean") for r in main_ if r["K"] == max(ks)])
             used.append((st, label + f"; held-out avg@4 after SFT {_fmt(*_ms(list(sft_by_seed.values())))} over "
-                                     f"{len(sft_by_seed)} seeds"))
+                                     f"{len(sft_by_seed)} seeds; consumed staleness at K={max(ks)} "
+                                     f"{_fmt(*stale, nd=2)} versions"))
     finally:
         CONFIG, SHARED_SFT = saved
     try:
