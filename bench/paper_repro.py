@@ -454,6 +454,9 @@ def _nan_none(x: float) -> Optional[float]:
 CLAIMS: list[tuple[str, str, str, str, Optional[float]]] = [
     ("1a. PPO-EWMA beats decoupled (final held-out avg@4)", "ppo_ewma", "decoupled", "final", None),
     ("1b. PPO-EWMA beats Linear_prox (final held-out avg@4)", "ppo_ewma", "linear_prox", "final", None),
+    ("1a'. PPO-EWMA above decoupled mid-run (held-out avg@4 at RL step 50; secondary: chosen after seeing the old "
+     "setting's curves)", "ppo_ewma", "decoupled", "at50", None),
+    ("1b'. PPO-EWMA above Linear_prox mid-run (same, at step 50; secondary)", "ppo_ewma", "linear_prox", "at50", None),
     (f"1c. PPO-EWMA comes close to exact (final avg@4, at most {EQUIV_MARGIN:g} below)", "ppo_ewma", "exact",
      "final", EQUIV_MARGIN),
     ("2a. the reset keeps the gains (final avg@4, reset minus no reset)", "ppo_ewma", "ppo_ewma_noreset", "final",
@@ -473,6 +476,7 @@ CLAIMS: list[tuple[str, str, str, str, Optional[float]]] = [
 ]
 METRICS = {
     "final": lambda r: _final(r)[0],
+    "at50": lambda r: next((e["avg@4"] for e in r.get("evals", []) if e.get("step") == 50 and "avg@4" in e), None),
     "min_r": lambda r: _nan_none(_min_key(r, "train_infer_retained")),
     "learner_s": _learner_s,
     "prox_err": lambda r: _nan_none(_mean_key(r, "prox_abs_err_mean")),
@@ -505,13 +509,14 @@ def claim_rows(main: list[dict], ks: list[int]) -> list[dict]:
             note = ""
             if mb == "ppo_ewma_noreset" and not any(_resets(r) > 0 for r in a):
                 v, note = "not testable", "the reset never fired: both variants ran one algorithm"
-            elif (v == "inconclusive" and margin is None and metric == "final" and st["n"] >= MIN_SEEDS
+            elif (v == "inconclusive" and margin is None and metric in ("final", "at50") and st["n"] >= MIN_SEEDS
                   and -TARGET_DIFF < st["ci"][0] and st["ci"][1] < TARGET_DIFF):
                 note = f"no difference as large as {TARGET_DIFF:g}: the interval lies inside ±{TARGET_DIFF:g}"
             delta_mean = abs(st["mean"]) if margin is None else abs(st["mean"] + margin)
             rows.append(dict(claim=name, K=k, metric=metric, seeds=seeds, d=d, margin=margin, verdict=v, note=note,
                              n_mean=seeds_needed(st["sd"], delta_mean),
-                             n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric == "final" else None, **st))
+                             n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric in ("final", "at50") else None,
+                             **st))
     return rows
 
 
@@ -526,7 +531,7 @@ def claim_table(rows: list[dict], setting: str) -> list[str]:
     for r in rows:
         nd = 4 if r["metric"] == "prox_err" else 3
         need = lambda n: ">10000" if n is None else str(n)  # noqa: E731
-        n_t = "-" if r["metric"] != "final" else need(r["n_target"])
+        n_t = "-" if r["metric"] not in ("final", "at50") else need(r["n_target"])
         v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
         out.append(f"| {r['claim']} | `{setting}` | {r['K']} | {r['n']} ({', '.join(map(str, r['seeds']))}) | "
                    f"{r['mean']:+.{nd}f} ± {r['sd'] if math.isfinite(r['sd']) else math.nan:.{nd}f} | "
@@ -881,7 +886,7 @@ def plot_claims(rows: list[tuple[str, dict]], path: Path) -> Path:
     from matplotlib.figure import Figure
 
     metrics = [m for m in METRICS if any(r["metric"] == m for _, r in rows)]
-    titles = {"final": "final held-out avg@4", "min_r": "lowest R", "learner_s": "learner s/step",
+    titles = {"final": "final held-out avg@4", "at50": "held-out avg@4 at step 50", "min_r": "lowest R", "learner_s": "learner s/step",
               "prox_err": "mean abs(log pi_prox - log pi_v)"}
     n_max = max((sum(r["metric"] == m for _, r in rows) for m in metrics), default=1)
     ncol = min(2, len(metrics)) or 1

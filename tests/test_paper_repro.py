@@ -109,6 +109,12 @@ def test_doc_verdicts_follow_the_stated_rule(pr, tmp_path):
     # claim 4's cost: exact's 1.0 s/step (no error scoring to subtract) vs EWMA's 1.0 - 0.2
     assert "learner seconds per step 1.000 ± 0.000 vs 0.800 ± 0.000 (1.25x" in doc
     assert (tmp_path / "figs" / "dynamics_K8.png").stat().st_size > 0
+    # the mid-run claim (1a') reads the eval at step 50 only: absent here, then given
+    assert "1a'" not in v
+    mid = _matrix(pr, good, errs)
+    for r in mid.values():
+        r["evals"].insert(1, {"step": 50, "avg@4": 0.9 if r["mode"] == "ppo_ewma" else 0.1})
+    assert _verdicts(pr, mid)["1a'"] == "reproduced"
     # the cool-down variant (its own cells): judged against no reset like the reset
     cd = _verdicts(pr, _matrix(pr, {**good, "ppo_ewma_cooldown": 0.45}, {**errs, "ppo_ewma_cooldown": 0.01}))
     assert cd["2c"] == "reproduced" and cd["2d"] == "reproduced"
