@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="AOT-compile the run's programs for a TPU topology on this host (libtpu): "
                                        "HBM per chip, FLOPs, roofline",
-                       description="Compile the learner train step, the SFT step and the rollout prefill / decode "
-                                   "steps of CONFIG for a TPU topology with libtpu's compiler, nothing allocated, "
+                       description="Compile the learner train step, the SFT step, the rollout prefill / decode "
+                                   "steps, the publish's weight_sync reshard and (placement.scorer) the scorer's "
+                                   "score_step of CONFIG for a TPU topology with libtpu's compiler, nothing allocated, "
                                    "and print per-chip HBM (fits or not), compile seconds, FLOPs and bytes per "
                                    "step, the roofline step time and the MFU bound. Compile-time estimates, not "
                                    "measurements. Exit 0 if every program fits in HBM, 1 if one does not.",

@@ -45,15 +45,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
-from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, abstract_batch, collate, validate_batch
+from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
 from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs
-from jax_rl.learner_spec import learner_spec
-from jax_rl.model_builder import abstract_model_split, learner_model_kwargs, resolve_mesh, resolve_model_config
+from jax_rl.learner_spec import learner_batch_spec, learner_spec, scorer_placement
+from jax_rl.model_builder import resolve_mesh, resolve_model_config
 from jax_rl.old_logits import snapshot_logprobs, versions_needed
 from jax_rl.placement import BatchPlacement, initialize_distributed
 from jax_rl.sft import SftRunner
-from jax_rl.sharding import state_shardings
 from jax_rl.train_step import (TrainState, make_grads_fn, make_logprob_step, make_optimizer, make_schedule,
                                make_train_step)
 
@@ -133,7 +132,7 @@ class Learner:
         if self.strategy.learner_store:
             from jax_rl.old_logits import SnapshotStore
 
-            store_dir = getattr(cfg.old_logits, "dir", None) or (
+            store_dir = cfg.old_logits.dir or (
                 str(Path(cfg.run.dir) / "old_logits") if cfg.run.dir else None)
             self.store = SnapshotStore(self.max_staleness + 1, cfg.old_logits.store, store_dir)
             self.store.put(0, self.state.params)
@@ -183,12 +182,11 @@ class Learner:
         """
         from jax_rl.old_logits import OldLogitScorer
         from jax_rl.placement import resolve_roles
-        from jax_rl.sharding import make_mesh
 
         if jax.process_count() > 1:
             raise ValueError(f"old_logits.route={self.cfg.old_logits.route} runs its scorer thread in a single-process "
-                             f"run only (this one has {jax.process_count()} processes): use the snapshot route "
-                             "(old_logits.route's default)")
+                             f"run only (this one has {jax.process_count()} processes): use old_logits.route's default "
+                             "(the learner's snapshot store)")
         forced = self.routing.forces_rollout_routes
         keep = self.max_staleness + 1 if keep is None else int(keep)
         common = dict(keep=keep, max_seq_len=self.cfg.optim.max_seq_len, pad_id=pad_id)
@@ -199,9 +197,7 @@ class Learner:
         if jax.tree.leaves(self.rest):
             raise ValueError("placement.scorer: the model has non-param state; share the learner's devices "
                              "(placement.scorer=null)")
-        mesh = make_mesh(fsdp=-1, devices=devs)
-        _, abs_params, _ = abstract_model_split(self.model_config, **learner_model_kwargs(self.cfg))
-        shardings = state_shardings(abs_params, mesh)
+        mesh, _, shardings = scorer_placement(self.cfg, self.model_config, devs)
         return OldLogitScorer(self.logprob_fn(param_shardings=shardings), shardings, mesh,
                               routes_fn=self.logprob_fn(routes=True, param_shardings=shardings) if forced else None,
                               **common)
@@ -312,11 +308,7 @@ class Learner:
         """``jax.ShapeDtypeStruct`` learner batch [U, m, r, T] (with the fields the jitted step
         reads under this correction mode), for AOT ``lower().compile()`` (``--dry-run``)."""
         U, m, r = self._layout(B)
-        exact = self.strategy.needs_exact
-        routes = None
-        routes = self.routing.route_spec(self.model_config)  # the engine records routes under r2 and r3
-        return abstract_batch((U, m, r, T), self.batch_sharding(r), prox=exact,
-                              old=not exact and self.store is not None, routes=routes)
+        return learner_batch_spec(self.strategy, self.routing, self.model_config, (U, m, r, T), self.batch_sharding(r))
 
     def lower_train_step(self, B: int, T: int):
         """``jax.stages.Lowered`` of the train step for a [B, T] batch (call ``.compile()``)."""

@@ -29,7 +29,8 @@ from jax_rl.sharding import state_shardings
 from jax_rl.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
                                train_state_shardings)
 
-__all__ = ["LearnerSpec", "learner_spec", "total_updates", "make_sft_optimizer"]
+__all__ = ["LearnerSpec", "learner_spec", "total_updates", "make_sft_optimizer", "learner_batch_spec",
+           "scorer_placement"]
 
 
 @dataclasses.dataclass
@@ -72,6 +73,34 @@ def make_sft_optimizer(cfg: Config):
     """``(tx, schedule)`` of the SFT phase: the RL optimizer's chain (``optim.*``: AdamW, clipping,
     weight decay) at ``sft.lr`` with ``sft.warmup_steps`` of warmup, then constant."""
     return make_optimizer(cfg.optim, None, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps, schedule="constant")
+
+
+def learner_batch_spec(strategy: Correction, routing: RoutingReplay, model_config: Any, shape: tuple,
+                       sharding: Any):
+    """The abstract learner batch (``jax.ShapeDtypeStruct`` fields, :func:`jax_rl.batch.abstract_batch`)
+    the run's train step reads, of ``shape`` = [U, m, r, T] with ``sharding``: ``prox_logp`` under
+    ``exact``, ``old_logp`` when an approximate mode measures its error against the learner's
+    snapshot store, ``routes`` [U, m, r, T, n_moe_layers, k] when the routing-replay policy records
+    them. Used by :meth:`jax_rl.learner.Learner.abstract_batch` (the dry run) and ``jax-rl compile``,
+    so both lower the program training runs."""
+    from jax_rl.batch import abstract_batch
+
+    exact = strategy.needs_exact
+    return abstract_batch(tuple(shape), sharding, prox=exact, old=not exact and strategy.learner_store,
+                          routes=routing.route_spec(model_config))
+
+
+def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Optional[dict] = None):
+    """``(mesh, abstract params, param shardings)`` of an old-logit scorer on its own ``devices``
+    (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
+    the learner's fp32 params sharded by the learner's logical rules there. Used by
+    :meth:`jax_rl.learner.Learner.make_scorer` and ``jax-rl compile``'s ``score_step``."""
+    from jax_rl.sharding import make_mesh
+
+    mesh = make_mesh(fsdp=-1, devices=devices)
+    _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
+                                                             else dict(model_kw)))
+    return mesh, abs_params, state_shardings(abs_params, mesh)
 
 
 def learner_spec(cfg: Config, model_config: Any, mesh: Any, *, abstract: bool, init_params: Any = None,

@@ -173,6 +173,34 @@ def test_scorer_row_on_its_own_chip():
     assert row["hbm_on_chip_bytes"] == row["hbm_total_bytes"] + (row["versions_held"] - 1) * row["params_bytes_per_chip"]
 
 
+def test_routing_replay_programs_take_the_recorded_routes():
+    """moe.routing_replay=r3: compile lowers the step training runs, with the recorded routes
+    [U, m, r, T, n_moe_layers, k] in its batch (the batch Learner.abstract_batch builds: one
+    recipe, jax_rl.learner_spec.learner_batch_spec), and the dedicated scorer's forward with the
+    routes forced; without replay, no routes."""
+    import jax
+
+    from jax_rl import compile as C
+    from jax_rl.learner import Learner
+
+    moe = CONFIG_DIR / "tiny_moe_cpu.yaml"
+    for rr in ("none", "r3"):
+        cfg = load_config(moe, [*TINY, "loss.correction=exact", f"moe.routing_replay={rr}"])
+        t = C._target(cfg, "v5e:2x2")
+        lrn = C._learner(t)
+        b, _ = C._batch(t, lrn.strategy, 1, 2, 4, 64)
+        mc = t.model_config
+        want = None if rr == "none" else (1, 2, 4, 64, len(mc.moe_layers), mc.num_experts_per_tok)
+        assert (None if b.routes is None else b.routes.shape) == want
+        ours = Learner(cfg).abstract_batch(8, 64)  # the run's own batch: same fields, shapes, dtypes
+        shapes = lambda x: jax.tree.map(lambda a: (a.shape, a.dtype), x)  # noqa: E731
+        assert shapes(ours) == shapes(b)
+    cfg = load_config(moe, [*TINY, "loss.correction=exact", "old_logits.route=dedicated", "placement.scorer=1",
+                            "moe.routing_replay=r3"])
+    (row,) = C.compile_programs(cfg, "v5e:2x2", functions=("score_step",), cost=False)
+    assert row["role"] == "scorer" and row["fits"] is True
+
+
 def _exact(monkeypatch, *extra):
     """The train step's own cost_analysis with every loop written out (unrolled layers, one
     minibatch / microbatch / epoch, the LM-head chunk loop unrolled), with (target, learner)."""

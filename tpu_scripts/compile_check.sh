@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile CONFIG for a TPU topology on THIS machine (no TPU needed: libtpu's compiler + AOT),
 # before paying for the pod: fails if the program does not compile or does not fit in HBM.
-#   TOPOLOGY=v5p-64 CONFIG=configs/qwen3_0p6b.yaml ./tpu_scripts/compile_check.sh
+#   TOPOLOGY=v5p-64 CONFIG=configs/qwen3_30b_a3b.yaml ./tpu_scripts/compile_check.sh
 # Needs the repo installed with the `tpu` extra here (pip install -e ".[tpu]").
 # Settings: CONFIG, TOPOLOGY (empty = TPU_TYPE), TPU_TYPE, TRAIN_ARGS (common.sh).
 set -euo pipefail

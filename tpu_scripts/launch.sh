@@ -2,7 +2,7 @@
 # Start `jax-rl train CONFIG TRAIN_ARGS` on every worker at once (one process per host; the
 # processes find each other through jax.distributed's TPU auto-detection). Each worker logs
 # to REMOTE_DIR/LOG_DIR/worker-<hostname>.log; the run keeps going if this shell exits.
-#   CONFIG=configs/qwen3_0p6b.yaml TRAIN_ARGS="run.dir=gs://bucket/run1" ./tpu_scripts/launch.sh
+#   CONFIG=configs/qwen3_4b.yaml TRAIN_ARGS="run.dir=gs://bucket/run1" ./tpu_scripts/launch.sh
 # Settings: PROJECT, ZONE, NODE_ID, REMOTE_DIR, CONFIG, TRAIN_ARGS, LOG_DIR (common.sh).
 # Follow a worker: gcloud compute tpus tpu-vm ssh NODE_ID --zone ZONE --worker=0 \
 #   --command "tail -f REMOTE_DIR/LOG_DIR/worker-*.log"

@@ -233,21 +233,26 @@ def _scorer_row(t: _Target, log) -> dict:
     import jax.numpy as jnp
 
     from jax_rl.checkpoint import abstract_like
+    from jax_rl.learner_spec import scorer_placement
     from jax_rl.model_builder import abstract_model_split
     from jax_rl.placement import BatchPlacement
-    from jax_rl.sharding import make_mesh, state_shardings
+    from jax_rl.routing_replay import RoutingReplay
     from jax_rl.train_step import make_logprob_step
 
     cfg = t.cfg
     devs = t.roles.scorer
-    mesh = make_mesh(fsdp=-1, devices=devs)
-    graphdef, abs_params, rest = abstract_model_split(t.model_config, **t.learner_kw)
-    sh = state_shardings(abs_params, mesh)
-    fn = make_logprob_step(cfg, graphdef, rest=rest, param_shardings=sh)
+    mesh, abs_params, sh = scorer_placement(cfg, t.model_config, devs, model_kw=t.learner_kw)
+    graphdef, _, rest = abstract_model_split(t.model_config, **t.learner_kw)
+    routing = RoutingReplay.from_config(cfg, t.model_config)
+    forced = routing.forces_rollout_routes  # an r3 scorer runs the forward with the recorded routes forced
+    fn = make_logprob_step(cfg, graphdef, rest=rest, param_shardings=sh, with_routes=forced)
     G, T = int(cfg.rollout.group_size), int(cfg.optim.max_seq_len)
     bs = BatchPlacement(mesh, 1, 1).batch_sharding(G)
     args = (abstract_like(abs_params, sh), jax.ShapeDtypeStruct((1, 1, G, T), jnp.int32, sharding=bs),
             jax.ShapeDtypeStruct((1, 1, G, T), jnp.bool_, sharding=bs))
+    if forced:
+        (tail, dt) = routing.route_spec(t.model_config)
+        args = args + (jax.ShapeDtypeStruct((1, 1, G, T, *tail), dt, sharding=bs),)
     log(f"score_step: compiling the scorer's forward ([{G}, {T}], fsdp over {len(devs)} device(s)) ...")
     a, secs = _compile_or_oom(fn, args, mesh)
     log(f"score_step: {secs:.1f} s")

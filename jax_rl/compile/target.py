@@ -92,13 +92,16 @@ def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_o
 
 
 def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
-    """The abstract learner batch [U, m, r, T] the run's train step reads (as ``Learner.abstract_batch``)."""
-    from jax_rl.batch import abstract_batch
+    """The abstract learner batch [U, m, r, T] the run's train step reads
+    (:func:`jax_rl.learner_spec.learner_batch_spec`, as ``Learner.abstract_batch``: the recorded
+    routes included under ``moe.routing_replay`` r2/r3)."""
+    from jax_rl.learner_spec import learner_batch_spec
     from jax_rl.placement import BatchPlacement
+    from jax_rl.routing_replay import RoutingReplay
 
     sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
-    exact = strategy.needs_exact
-    return abstract_batch((U, m, r, T), sh, prox=exact, old=not exact and strategy.learner_store), sh
+    routing = RoutingReplay.from_config(t.cfg, t.model_config)
+    return learner_batch_spec(strategy, routing, t.model_config, (U, m, r, T), sh), sh
 
 
 def _layout(B: int, U: int, m: int, what: str) -> int:

@@ -13,7 +13,7 @@ empty, so no NaN). T is padded up to a multiple of the kernel's block (128) with
 
 Numerics differ from the XLA path (``qwen3.attend``, HF eager): q is scaled by ``H**-0.5``
 before the dot and the softmax is online (flash) in fp32; on CPU with the Pallas interpreter
-the difference is ~1e-6 in fp32 (tests/models/test_attention.py).
+the difference is ~1e-6 in fp32 (tests/models/test_scan_attention.py).
 
 Under a ``jax.set_mesh`` mesh the kernel runs inside ``jax.shard_map``: batch over the
 ``activation_batch`` mesh axes, heads over ``tensor`` when both N and K divide by it. A jit

@@ -1,4 +1,4 @@
-"""The interrupt and retire routes (``old_logits.route=interrupt``, paper 2605.12070 §4 route 3, and
+"""The interrupt and retire routes (``old_logits.route=interrupt``, the paper's third route, docs/design.md §2.2 Correction modes, and
 ``old_logits.route=retire``, ours): :class:`RetiringScorer` scores version v's tokens, in finished
 and in in-flight (partial) trajectories, with theta_v when the fleet leaves v, then drops theta_v:
 the rollouts pause for it (interrupt, a measured stall per publish) or keep generating at v+1 while

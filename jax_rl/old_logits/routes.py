@@ -2,7 +2,7 @@
 is keyed by ``loss.correction``).
 
 A route is how ``loss.correction=exact`` gets log pi_v, the training-side log-probs at each token's
-own behaviour version v (paper 2605.12070 §4; docs/design.md §2.2 Correction modes). Each route declares:
+own behaviour version v (the paper's routes: docs/design.md §2.2 Correction modes). Each route declares:
 
 - its cost (:attr:`Route.extra_forwards`, :attr:`Route.extra_param_copies`), which
   :class:`jax_rl.correction.Exact` reports as its own;
@@ -140,7 +140,7 @@ class Route:
 @register_route("snapshot")
 class Snapshot(Route):
     """The learner keeps the last K+1 versions' params (:class:`~jax_rl.old_logits.store.SnapshotStore`)
-    and runs one forward per behaviour version present in a batch (paper §4 route 1). Also the store
+    and runs one forward per behaviour version present in a batch (the paper's first route). Also the store
     ``old_logits.measure_error`` reads under an approximate mode, so it is allowed with every mode."""
 
     extra_forwards = "1 per distinct behaviour version in the batch (host step, snapshot route)"
@@ -151,8 +151,8 @@ class Snapshot(Route):
 
 @register_route("dedicated")
 class Dedicated(Route):
-    """A scorer holding the live versions scores each finished group before the buffer (paper §4
-    route 2); it runs on ``placement.scorer`` or, by default, the learner's devices."""
+    """A scorer holding the live versions scores each finished group before the buffer (the paper's
+    second route); it runs on ``placement.scorer`` or, by default, the learner's devices."""
 
     extra_forwards = ("0 in the learner (a scorer thread runs 1 per behaviour version present in each "
                       "finished group, before the buffer)")
@@ -201,8 +201,8 @@ class _Retiring(Route):
 
 @register_route("interrupt")
 class Interrupt(_Retiring):
-    """At each publish the rollouts pause while the outgoing version's tokens are scored (paper §4
-    route 3): a measured stall per publish (``old_logits_stall_s``)."""
+    """At each publish the rollouts pause while the outgoing version's tokens are scored (the paper's
+    third route): a measured stall per publish (``old_logits_stall_s``)."""
 
     extra_forwards = ("0 in the learner (at each publish the rollouts pause while 1 forward per chunk of "
                       "unscored episodes scores the outgoing version's tokens)")

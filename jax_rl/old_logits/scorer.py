@@ -1,5 +1,6 @@
-"""The dedicated route's scorer and queue (``old_logits.route=dedicated``, paper 2605.12070 §4 route 2,
-"a dedicated old-logit model"); the interrupt and retire routes hold their params in the same scorer.
+"""The dedicated route's scorer and queue (``old_logits.route=dedicated``, the paper's second route,
+"a dedicated old-logit model", docs/design.md §2.2 Correction modes); the interrupt and retire
+routes hold their params in the same scorer.
 
 - :class:`OldLogitScorer` holds ``{version: params}`` for the versions the rollout fleet may still
   have tokens of ([g-K, g], at most K+1; on the learner's devices, or on ``placement.scorer``,

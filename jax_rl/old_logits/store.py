@@ -1,4 +1,5 @@
-"""The snapshot route's store and forwards (``old_logits.route=snapshot``, paper 2605.12070 §4 route 1).
+"""The snapshot route's store and forwards (``old_logits.route=snapshot``, the paper's first route,
+docs/design.md §2.2 Correction modes).
 
 - :class:`SnapshotStore` keeps the params of the last ``K+1`` published versions
   (``K = async.max_staleness``), either in host memory as numpy (``old_logits.store=host``) or
