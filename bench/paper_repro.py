@@ -359,7 +359,6 @@ def _paired(a: list[dict], b: list[dict]) -> list[float]:
 
 CONFIDENCE = 0.95
 MIN_SEEDS = 3  # fewer paired seeds than this: no verdict, whatever the interval says
-T_WIDEN_BELOW = 5  # below this many seeds the bootstrap interval is widened to Student-t's where that is wider
 EQUIV_MARGIN = 0.05  # "comes close to exact": EWMA at most this much below exact (final held-out avg@4)
 TARGET_DIFF = 0.05  # the difference in final held-out success the issue asks to be decidable
 N_RESAMPLES = 9999
@@ -372,9 +371,11 @@ def paired_ci(d: list[float], confidence: float = CONFIDENCE, n_resamples: int =
     ``boot``: the percentile bootstrap interval of the mean (``scipy.stats.bootstrap``, ``n_resamples``
     resamples, a fixed rng ``seed`` so the doc is reproducible); ``t``: the Student-t interval
     (``scipy.stats.ttest_1samp(d).confidence_interval``); ``ci``: the interval a verdict uses, the
-    bootstrap's, widened to the t interval where that is wider when ``len(d) < T_WIDEN_BELOW`` (with
-    3 seeds the bootstrap has 10 distinct resample means and its interval covers far less than
-    ``confidence``). Constant ``d`` gives the point interval. Fewer than 2 values: NaN intervals.
+    smallest one holding both. With few seeds the percentile bootstrap covers far less than
+    ``confidence`` (it uses the plug-in sd and normal-like quantiles: at 5 seeds it is ~0.63x the t
+    interval's width, at 3 seeds it has 10 distinct resample means), and t assumes normal
+    differences, which a collapse breaks; the union guards both. Constant ``d`` gives the point
+    interval. Fewer than 2 values: NaN intervals.
     Returns ``{"n", "mean", "sd", "boot": (lo, hi), "t": (lo, hi), "ci": (lo, hi)}``."""
     import numpy as np
     from scipy import stats
@@ -395,7 +396,7 @@ def paired_ci(d: list[float], confidence: float = CONFIDENCE, n_resamples: int =
     boot = (float(res.confidence_interval.low), float(res.confidence_interval.high))
     tci = stats.ttest_1samp(x, 0.0).confidence_interval(confidence_level=confidence)
     t = (float(tci.low), float(tci.high))
-    ci = (min(boot[0], t[0]), max(boot[1], t[1])) if n < T_WIDEN_BELOW else boot
+    ci = (min(boot[0], t[0]), max(boot[1], t[1]))
     return dict(n=n, mean=mean, sd=sd, boot=boot, t=t, ci=ci)
 
 
@@ -535,13 +536,14 @@ def claim_table(rows: list[dict], setting: str) -> list[str]:
         v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
         out.append(f"| {r['claim']} | `{setting}` | {r['K']} | {r['n']} ({', '.join(map(str, r['seeds']))}) | "
                    f"{r['mean']:+.{nd}f} ± {r['sd'] if math.isfinite(r['sd']) else math.nan:.{nd}f} | "
-                   f"{_fmt_ci(r['ci'], nd)} | **{v}** | {need(r['n_mean'])} / {n_t} |")
+                   f"{_fmt_ci(r['boot'], nd)} / {_fmt_ci(r['t'], nd)} | {_fmt_ci(r['ci'], nd)} | **{v}** | "
+                   f"{need(r['n_mean'])} / {n_t} |")
     return out
 
 
-CLAIM_HEADER = ["| claim | setting | K | seeds (n) | mean paired diff ± sd | 95% CI | verdict | "
+CLAIM_HEADER = ["| claim | setting | K | seeds (n) | mean paired diff ± sd | 95% bootstrap / t | 95% CI (both) | verdict | "
                 f"seeds needed: half-width ≤ abs(mean) / ≤ {TARGET_DIFF:g} |",
-                "|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|"]
 
 
 def _setting_config():
@@ -584,9 +586,11 @@ VERDICT_METHOD = (
     "Each claim is a paired difference between two modes of the same setting, seed by seed (every mode of a "
     "seed starts from the same SFT weights and RL seed), oriented so that the paper's claim says *positive*. "
     f"The interval is the {CONFIDENCE:.0%} percentile bootstrap of the mean difference (`scipy.stats.bootstrap`, "
-    f"{N_RESAMPLES} resamples, rng seed 0); with fewer than {T_WIDEN_BELOW} seeds it is widened to the Student-t "
-    "interval where that is wider (3 seeds give the bootstrap only 10 distinct resample means, and its interval "
-    "covers far less than 95%). Verdict: *reproduced* when the interval lies above 0, *contradicted* when it "
+    f"{N_RESAMPLES} resamples, rng seed 0), widened to the Student-t interval where that is wider: with few "
+    "seeds the percentile bootstrap covers far less than 95% (plug-in sd, normal-like quantiles: at 5 seeds it "
+    "is ~0.63x the t interval's width; at 3 seeds it has 10 distinct resample means), and t alone assumes normal "
+    "differences, which a collapse breaks; the table gives both. Verdict: *reproduced* when the interval lies "
+    "above 0, *contradicted* when it "
     f"lies below 0, else *inconclusive* (and always with fewer than {MIN_SEEDS} seeds); for 'close to exact' the "
     f"edge is -{EQUIV_MARGIN:g} instead of 0 (EWMA at most {EQUIV_MARGIN:g} below exact in final held-out avg@4). "
     "*Seeds needed*: the smallest n whose t interval half-width t(0.975, n-1) * sd / sqrt(n) is at most abs(mean) "
