@@ -48,7 +48,6 @@ class LearnerSpec:
         state: the step-0 :class:`jax_rl.train_step.TrainState` (arrays, or ShapeDtypeStructs
             with their shardings when abstract).
         state_shardings: the TrainState's shardings.
-        updates: optimizer updates over the run (the schedule's horizon, :func:`total_updates`).
     """
 
     graphdef: Any
@@ -61,7 +60,6 @@ class LearnerSpec:
     routing: RoutingReplay
     state: TrainState
     state_shardings: TrainState
-    updates: int
 
 
 def total_updates(cfg: Config) -> int:
@@ -143,8 +141,7 @@ def learner_spec(cfg: Config, model_config: Any, mesh: Any, *, abstract: bool, i
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         if init_params is not None:
             params = place_params(init_params, params, param_shardings)
-    n = total_updates(cfg)
-    tx, schedule = make_optimizer(cfg.optim, n)
+    tx, schedule = make_optimizer(cfg.optim, total_updates(cfg))
     state_sh = train_state_shardings(tx, strategy, param_shardings, params, mesh)
     if abstract:
         state = abstract_like(jax.eval_shape(lambda p: initial_state(tx, strategy, p), params), state_sh)
@@ -153,4 +150,4 @@ def learner_spec(cfg: Config, model_config: Any, mesh: Any, *, abstract: bool, i
             state = init_train_state(tx, strategy, params, cfg.run.seed, state_sh)
     return LearnerSpec(graphdef=graphdef, rest=rest, params=params, param_shardings=param_shardings, tx=tx,
                        schedule=schedule, strategy=strategy, routing=routing, state=state,
-                       state_shardings=state_sh, updates=n)
+                       state_shardings=state_sh)
