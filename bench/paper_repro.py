@@ -20,9 +20,10 @@ per learner step, bf16 engine vs fp32 learner), with the same config and seeds f
   paper's central thesis: is EWMA's reference closer to pi_v than pi_g and the log-linear
   interpolation?). Every mode therefore pays the snapshot forwards; the cost table subtracts them
   (``old_logits_s``) from the approximate modes' learner seconds.
-- ``grid``: ``exact`` at K = the largest ``--k``, seed = the first ``--seeds``, train-infer mask
+- ``grid``: ``exact`` at K = the largest ``--k``, for every seed in ``--seeds``, train-infer mask
   width ``loss.train_infer_high`` in (1.5, 2, 4) x clip width ``loss.clip_eps_low/high`` in
-  (0.1, 0.2, 0.4) (the paper measured the interaction with exact snapshot logits).
+  (0.1, 0.2, 0.4) (the paper measured the interaction with exact snapshot logits). Claim 3's
+  paired intervals compare cells seed by seed; the centre (2, 0.2) is main's exact cell.
 
 Each seed's SFT warm start runs once (``jax-rl sft``, then ``jax-rl export`` to an fp32 HF dir)
 and every RL cell of that seed starts from it (``model.checkpoint``, ``sft.steps=0``), so the
@@ -95,18 +96,34 @@ def cells(only: Optional[list[str]], modes: list[str], ks: list[int], seeds: lis
                     out.append(dict(id=f"main_K{k}_{m}_s{seed}", part="main", mode=m, K=k, seed=seed,
                                     overrides=[*MODES[m], f"async.max_staleness={k}"]))
     if only is None or "grid" in only:
-        k, seed = max(ks), seeds[0]  # the widest staleness window
-        for hi in MASK_HIGH:
-            for eps in CLIP:
-                if (hi, eps) == GRID_DEFAULT:  # paper_small's own thresholds: the grid's centre is main's exact cell
-                    if not any(c["id"] == f"main_K{k}_exact_s{seed}" for c in out):
-                        out.append(dict(id=f"main_K{k}_exact_s{seed}", part="main", mode="exact", K=k, seed=seed,
-                                        overrides=[*MODES["exact"], f"async.max_staleness={k}"]))
-                    continue
-                out.append(dict(id=f"grid_K{k}_mask{hi:g}_clip{eps:g}_s{seed}", part="grid", mode="exact", K=k,
-                                seed=seed, mask_high=hi, clip=eps,
-                                overrides=[*MODES["exact"], f"async.max_staleness={k}", f"loss.train_infer_high={hi}",
-                                           f"loss.clip_eps_low={eps}", f"loss.clip_eps_high={eps}"]))
+        k = max(ks)  # the widest staleness window; every seed (claim 3's paired intervals need >= 3 per cell)
+        for seed, hi, eps in ((s, h, e) for s in seeds for h in MASK_HIGH for e in CLIP):
+            if (hi, eps) == GRID_DEFAULT:  # paper_small's own thresholds: the grid's centre is main's exact cell
+                if not any(c["id"] == f"main_K{k}_exact_s{seed}" for c in out):
+                    out.append(dict(id=f"main_K{k}_exact_s{seed}", part="main", mode="exact", K=k, seed=seed,
+                                    overrides=[*MODES["exact"], f"async.max_staleness={k}"]))
+                continue
+            out.append(dict(id=f"grid_K{k}_mask{hi:g}_clip{eps:g}_s{seed}", part="grid", mode="exact", K=k,
+                            seed=seed, mask_high=hi, clip=eps,
+                            overrides=[*MODES["exact"], f"async.max_staleness={k}", f"loss.train_infer_high={hi}",
+                                       f"loss.clip_eps_low={eps}", f"loss.clip_eps_high={eps}"]))
+    return out
+
+
+def select(todo: list[dict], ids: Optional[list[str]]) -> list[dict]:
+    """The cells of ``todo`` whose id matches one of the fnmatch patterns ``ids``, ordered by the first
+    pattern each matches (then as in ``todo``); ``ids`` None: ``todo`` unchanged. A pattern matching
+    no cell raises ``SystemExit`` naming it (a typo must not silently run nothing)."""
+    import fnmatch
+
+    if ids is None:
+        return todo
+    out: list[dict] = []
+    for pat in ids:
+        hit = [c for c in todo if fnmatch.fnmatchcase(c["id"], pat)]
+        if not hit:
+            raise SystemExit(f"--ids {pat!r} matches no cell of this matrix (see --list)")
+        out += [c for c in hit if c not in out]
     return out
 
 
@@ -1076,11 +1093,14 @@ def main() -> int:
                     help="do not share JAX's persistent compilation cache (<runs-dir>/jax_cache) between cells")
     ap.add_argument("--doc-only", action="store_true", help="rebuild the doc from the records; run nothing")
     ap.add_argument("--no-doc", action="store_true", help="run the cells; leave the doc alone")
+    ap.add_argument("--ids", nargs="+", default=None, metavar="GLOB",
+                    help="run only the cells whose id matches one of these shell patterns (fnmatch), in the "
+                         "patterns' order, e.g. 'grid_K8_mask4_clip0.2_s*' 'main_K8_exact_s*'")
     ap.add_argument("overrides", nargs="*", help="key=value for every cell (changes the setting: recorded)")
     args = ap.parse_args()
     CONFIG, SHARED_SFT = args.config, args.shared_sft
     records = Path(args.records)
-    todo = cells(args.only, args.modes, args.k, args.seeds)
+    todo = select(cells(args.only, args.modes, args.k, args.seeds), args.ids)
     if args.list:
         for c in todo:
             print(c["id"], " ".join(c["overrides"]))

@@ -284,3 +284,15 @@ def test_reset_events_summarise_streaks_and_error(pr):
     assert "lowest R 0.950 in the 3 steps before the first reset, 0.700 from it to the last" in ev
     assert "0.100 before, 0.500 from the first reset to the last" in ev
     assert pr._reset_events({"metrics": [dict(step=1, ewma_reset=0.0)]}) is None
+
+
+def test_grid_runs_every_seed_and_select_orders_by_pattern(pr):
+    todo = pr.cells(["grid"], list(pr.MODES), [8], [0, 1, 2])
+    assert len(todo) == 3 * len(pr.MASK_HIGH) * len(pr.CLIP)  # 8 grid cells + the centre, per seed
+    assert {c["seed"] for c in todo} == {0, 1, 2}
+    picked = pr.select(todo, ["grid_K8_mask4_clip0.2_s*", "main_K8_exact_s1"])
+    assert [c["id"] for c in picked] == ["grid_K8_mask4_clip0.2_s0", "grid_K8_mask4_clip0.2_s1",
+                                         "grid_K8_mask4_clip0.2_s2", "main_K8_exact_s1"]
+    assert pr.select(todo, None) == todo
+    with pytest.raises(SystemExit, match="mask9"):
+        pr.select(todo, ["grid_K8_mask9_*"])
