@@ -226,9 +226,9 @@ def test_doc_grid_uses_the_centre_from_main(pr, tmp_path):
         newest[c["id"]] = _rec(pr, c, 0.4)
     doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0], records=tmp_path / "r.jsonl",
                        fig_dir=tmp_path / "figs")
-    assert "Mask x clip grid (exact old logits, K=8, seed 0)" in doc
+    assert "Mask x clip grid (exact old logits, K=8, seeds 0)" in doc
     row = next(line for line in doc.splitlines() if line.startswith("| 2 |"))
-    assert "-" not in row.split("|")[3]  # the centre (mask 2, clip 0.2) is filled from main_K8_exact_s0
+    assert row.split("|")[3].strip().startswith("0.400 ± 0.000")  # the centre (mask 2, clip 0.2): main_K8_exact_s0
     assert "0.990" not in doc  # the K=4 cell is in no table
 
 
@@ -236,14 +236,41 @@ def test_grid_verdict_says_when_the_mask_never_engaged(pr, tmp_path):
     cells = pr.cells(["grid"], list(pr.MODES), [8], [0])
     quiet = {c["id"]: _rec(pr, c, 0.4, retained=0.999) for c in cells}
     doc = pr.build_doc(quiet, {k: 1 for k in quiet}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
-    assert "Claim 3 (mask x clip interaction): not testable in this setting** (1 seed per cell)" in doc
+    assert "Claim 3 (mask x clip interaction): not testable in this setting** (>= 1 seed(s) per cell)" in doc
     assert "lowest R of any step of any cell 0.999: at most 0.1%" in doc
     # one cell where the mask cut tokens: the interaction is there to judge, one seed is not enough
     cut = dict(quiet)
     c = cells[0]
     cut[c["id"]] = _rec(pr, c, 0.4, retained=0.8)
     doc = pr.build_doc(cut, {k: 1 for k in cut}, [8], [0], records=tmp_path / "r.jsonl", fig_dir=tmp_path / "figs")
-    assert "Claim 3 (mask x clip interaction): inconclusive (1 seed per cell" in doc
+    assert "Claim 3 (mask x clip interaction), K=8:** lowest R of any step of any cell 0.800; 3b inconclusive" in doc
+
+
+def test_grid_claims_paired_seed_by_seed(pr, tmp_path):
+    """Claim 3 from a 3-seed grid: each sub-claim is a paired difference between two cells (hand table:
+    3a +0.10, +0.20, +0.30 at step 50 -> t interval 0.2 +- 4.303 * 0.1 / sqrt(3) = [-0.048, +0.448])."""
+    todo = pr.cells(["grid"], list(pr.MODES), [8], [0, 1, 2])
+    newest = {}
+    for c in todo:
+        hi, eps = (c.get("mask_high", 2.0), c.get("clip", 0.2))
+        r = _rec(pr, c, 0.4, retained=0.97 if eps == 0.4 else 0.99, steps=60)
+        at50 = 0.45 + (0.1 * (c["seed"] + 1) if hi == 4.0 else 0.0)
+        r["evals"].insert(1, {"step": 50, "avg@4": at50})
+        r["evals"][-1]["avg@4"] = r["summary"]["final_avg_at_4"] = 0.4 - (0.1 if hi == 4.0 else 0.0) * (c["seed"] + 1)
+        newest[c["id"]] = r
+    rows = {r["claim"].split(".")[0]: r for r in pr.grid_claim_rows(pr.grid_records(newest))}
+    assert rows["3a"]["d"] == pytest.approx([0.1, 0.2, 0.3]) and rows["3a"]["seeds"] == [0, 1, 2]
+    assert rows["3a"]["ci"] == pytest.approx((-0.0484, 0.4484), abs=1e-3) and rows["3a"]["verdict"] == "inconclusive"
+    # 3b: best minus final, mask 4 ((0.45 + 0.1 (s+1)) - (0.4 - 0.1 (s+1))) minus mask 1.5 (0.5 - 0.4)
+    assert rows["3b"]["d"] == pytest.approx([0.15, 0.35, 0.55]) and rows["3b"]["verdict"] == "inconclusive"
+    assert rows["3b"]["ci"] == pytest.approx((0.35 - 0.4968, 0.35 + 0.4968), abs=1e-3)  # 4.303 * 0.2 / sqrt(3)
+    # 3c: early R at clip 0.1 (0.99) minus at clip 0.4 (0.97), the same every seed: a point interval above 0
+    assert rows["3c"]["d"] == pytest.approx([0.02] * 3) and rows["3c"]["verdict"] == "reproduced"
+    doc = pr.build_doc(newest, {k: 1 for k in newest}, [8], [0, 1, 2], records=tmp_path / "r.jsonl",
+                       fig_dir=tmp_path / "figs")
+    assert "Mask x clip grid (exact old logits, K=8, seeds 0, 1, 2)" in doc
+    assert "| 3b. a looser mask is less stable later" in doc and "3c reproduced (+0.020" in doc
+    assert "(n=3)" in doc
 
 
 def test_reset_verdict_when_ewma_never_drifts(pr, tmp_path):
