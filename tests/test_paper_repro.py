@@ -323,3 +323,17 @@ def test_grid_runs_every_seed_and_select_orders_by_pattern(pr):
     assert pr.select(todo, None) == todo
     with pytest.raises(SystemExit, match="mask9"):
         pr.select(todo, ["grid_K8_mask9_*"])
+
+
+def test_setting_aliases_merge_records_of_one_setting(pr, tmp_path, monkeypatch):
+    """A record made under an alias id (a config-chain text change that moves no number) is read as
+    its canonical setting: counted, used and skipped as done like one made under the canonical id."""
+    (alias, canon), = list(pr.SETTING_ALIASES.items())[:1]
+    monkeypatch.setattr(pr, "setting_id", lambda *a, **k: canon)
+    cell = pr.cells(["main"], ["ppo_ewma"], [8], [0])[0]
+    path = tmp_path / "r.jsonl"
+    pr.append_record({**_rec(pr, cell, 0.4), "setting": alias}, path)
+    newest, count = pr.load_records(path)
+    assert list(newest) == [cell["id"]] and count == {cell["id"]: 1}
+    assert pr.pending([cell], newest, [], None) == []
+    assert [st["setting"] for st in pr.settings_in(path)] == [canon]
