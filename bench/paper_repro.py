@@ -34,6 +34,12 @@ newest record per cell and says how many records each cell has. ``--doc-only`` r
 Run dirs go to ``runs/paper_repro/`` (``--runs-dir``). Rerun one cell with e.g.
 ``bench/paper_repro.py --only main --modes exact --k 8 --seeds 1``.
 
+Settings (``--config``, ``--shared-sft``; each its own setting id, see ``SETTING_NOTES``): ``paper_small``
+(one SFT per seed), ``paper_small_shared`` (one shared SFT, 256 held-out tasks), ``paper_small_stale`` (that,
+at the paper's staleness on one pinned core), ``paper_small_drift`` (stale at RL lr 1e-3, for the reset) and
+``paper_small_moe`` (the MoE policy with a capacity-dropping engine, where the mask cuts: the grid).
+``--ids GLOB ...`` runs only the matching cells, in the patterns' order.
+
 Nothing here asserts a learning outcome; the verdicts in the doc follow fixed rules stated next
 to them (a difference counts when it exceeds the seeds' spread).
 """
@@ -1044,7 +1050,26 @@ only (256 decode slots x 16 decode steps per engine call: staleness ~7.3), same 
 optimizer; its shared warm start is the very SFT checkpoint of `paper_small_shared --shared-sft 2` (copied: the
 rollout knobs play no part in SFT training).
 Every run is on the shared 2-core CPU host, RL pinned to one core (no accelerator was lent for issue 27); each
-record carries its date, load average, wall time and commit.
+record carries its date, load average, wall time and commit. Two pinned runs at a time, one per core, from
+2026-12-03 11:14 UTC. `paper_small_stale`'s records made after `configs/base.yaml` (the generated reference every
+config inherits) gained the default `loss.ewma_reset_cooldown: 0` hash to `a255683aed9e`; that line moves no
+number and the SFT checkpoints of both ids are byte-identical, so `SETTING_ALIASES` reads them as `f89beb774d44`.
+
+Where the mask bites (claim 3). `configs/paper_small_moe.yaml` (`--shared-sft 0`) swaps in the tiny Qwen3-MoE
+policy (4 experts, top-2) and a rollout engine that drops token copies over an expert capacity of 1.0 while the
+learner stays dropless (`rollout.moe_capacity_factor`), as on a capacity-bounded MoE server. Of the train-infer
+gaps measured in docs/correction.md only this one moves R (bf16, int8 and fp8 engines leave it at 1.0000, int4 at
+0.9998; capacity 1.0 gives 0.964 at equal params). Under exact old logits the dense setting's lowest R of any step
+was 0.995; here it is 0.77-0.92 per run. Its SFT start (400 steps, seed 0) scores ~0.45 held-out through the
+dropping engine. The mask x clip grid runs here at K = 8, 3 RL seeds per cell; claim 3's parts are paired
+differences between cells, seed by seed.
+
+Drift (claim 2). In `paper_small_stale` EWMA's lowest R was 0.955-0.966 over 7 seeds: the reset (threshold 0.9)
+never fired, and with and without it the runs were one algorithm. `configs/paper_small_drift.yaml` is the stale
+setting at a higher RL lr, the one knob the issue names besides staleness: a probe at 6e-4 (setting
+`918c2ac80bda`, one run of EWMA without reset) reached a lowest R of 0.934 and returned to 1.0 as the cosine lr
+decayed; at 1e-3 (make train's RL lr) EWMA without reset fell to 0.81, under the reset threshold, and the reset
+ablation (with reset, without, and with the 10-step cool-down) runs there.
 
 The reset (claim 2) as defined here sets theta_bar to the *current* params when R < `loss.ewma_reset_threshold`:
 for that step pi_prox is decoupled's reference, which at K = 8 is the one furthest from pi_v, so R tends to fall
