@@ -936,6 +936,10 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
         thr = _reset_threshold()
         nums = (f"Lowest R with reset {_fmt(*ra)} vs without {_fmt(*rb)}; {n_resets:.0f} resets in "
                 f"{len(a['recs'])} runs with reset.")
+        variants = [(m, stats[(m, kw)]["recs"]) for m in ("ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown")
+                    if (m, kw) in stats]
+        nums += (" Runs that collapsed (final held-out avg@4 below " + f"{COLLAPSED:g}): "
+                 + ", ".join(f"{m} {sum(_collapsed(r) for r in rs)} of {len(rs)}" for m, rs in variants) + ".")
         fired = [st for r in a["recs"] if (st := _reset_stats(r)) is not None]
         if fired and all(st["r_during"] < st["r_pre"] and st["err_during"] > st["err_pre"] for st in fired):
             nums += (f" In {'the run' if len(fired) == 1 else f'each of the {len(fired)} runs'} where it fired, R fell "
