@@ -1075,6 +1075,14 @@ setting at a higher RL lr, the one knob the issue names besides staleness: a pro
 decayed; at 1e-3 (make train's RL lr) EWMA without reset fell to 0.81, under the reset threshold, and the reset
 ablation (with reset, without, and with the 10-step cool-down) runs there.
 
+Seeds and stopping (said plainly, since adding seeds after a look makes an interval optimistic). In
+`paper_small_stale`, seeds 0-4 were the first plan; 5-6 were added after claim 1a's 5-seed interval came out
+marginal; 7-14 were fixed before any of them ran (the ~15 seeds the power estimate asked for); 15 ran in spare
+time; 14 ran last, after a doc build had shown claim 1a at 15 seeds just short of deciding, because it completed
+the set fixed in advance. Linear_prox seeds 1-8 were fixed before they ran. In `paper_small_drift`, seeds 0-4
+were the plan; 5 and 6 were added after claim 2a's 5-seed interval came out at [-0.415, +0.115]. The MoE grid's 3
+seeds per cell were fixed in advance.
+
 The reset (claim 2) as defined here sets theta_bar to the *current* params when R < `loss.ewma_reset_threshold`:
 for that step pi_prox is decoupled's reference, which at K = 8 is the one furthest from pi_v, so R tends to fall
 further after a reset and the reset fires again on the next step (the old setting's seed 2: 20 resets, a streak of
