@@ -511,16 +511,7 @@ CLAIMS: list[tuple[str, str, str, str, Optional[float]]] = [
     ("5b. EWMA's reference is closer to pi_v than Linear_prox's (same, Linear_prox minus EWMA)", "linear_prox",
      "ppo_ewma", "prox_err", None),
 ]
-METRICS = {
-    "final": lambda r: _final(r)[0],
-    "at50": lambda r: next((e["avg@4"] for e in r.get("evals", []) if e.get("step") == 50 and "avg@4" in e), None),
-    "min_r": lambda r: _nan_none(_min_key(r, "train_infer_retained")),
-    "learner_s": _learner_s,
-    "prox_err": lambda r: _nan_none(_mean_key(r, "prox_abs_err_mean")),
-    "peak_drop": lambda r: _peak_drop(r),
-    "early_r": lambda r: _nan_none(_mean_key(r, "train_infer_retained", 0, EARLY_STEPS)),
-}
-HELD_OUT_METRICS = ("final", "at50", "peak_drop")  # in held-out avg@4 units: TARGET_DIFF applies
+EARLY_STEPS = 50  # claim 3c's early window: RL steps 0..EARLY_STEPS-1
 
 
 def _peak_drop(rec: dict) -> Optional[float]:
@@ -531,9 +522,20 @@ def _peak_drop(rec: dict) -> Optional[float]:
     return None if not ys or fa is None else max(max(ys), fa) - fa
 
 
+METRICS = {
+    "final": lambda r: _final(r)[0],
+    "at50": lambda r: next((e["avg@4"] for e in r.get("evals", []) if e.get("step") == 50 and "avg@4" in e), None),
+    "min_r": lambda r: _nan_none(_min_key(r, "train_infer_retained")),
+    "learner_s": _learner_s,
+    "prox_err": lambda r: _nan_none(_mean_key(r, "prox_abs_err_mean")),
+    "peak_drop": _peak_drop,
+    "early_r": lambda r: _nan_none(_mean_key(r, "train_infer_retained", 0, EARLY_STEPS)),
+}
+HELD_OUT_METRICS = ("final", "at50", "peak_drop")  # in held-out avg@4 units: TARGET_DIFF applies
+
+
 # (claim, cell a, cell b, metric): cells are (loss.train_infer_high, clip eps) of the mask x clip grid under exact
 # old logits; the paired difference a - b, seed by seed, is what the paper's claim 3 says is positive
-EARLY_STEPS = 50
 GRID_CLAIMS: list[tuple[str, tuple[float, float], tuple[float, float], str]] = [
     ("3a. a looser mask learns faster early (held-out avg@4 at RL step 50, mask 4 minus mask 1.5, clip 0.2)",
      (4.0, 0.2), (1.5, 0.2), "at50"),
@@ -565,20 +567,29 @@ def claim_rows(main: list[dict], ks: list[int]) -> list[dict]:
             seeds, d = paired_metric(a, b, metric)
             if not d:
                 continue
-            st = paired_ci(d)
-            v = verdict(st["ci"], st["n"], margin=margin)
-            note = ""
+            untestable = None
             if mb == "ppo_ewma_noreset" and not any(_resets(r) > 0 for r in a):
-                v, note = "not testable", "the reset never fired: both variants ran one algorithm"
-            elif (v == "inconclusive" and margin is None and metric in HELD_OUT_METRICS and st["n"] >= MIN_SEEDS
-                  and -TARGET_DIFF < st["ci"][0] and st["ci"][1] < TARGET_DIFF):
-                note = f"no difference as large as {TARGET_DIFF:g}: the interval lies inside ±{TARGET_DIFF:g}"
-            delta_mean = abs(st["mean"]) if margin is None else abs(st["mean"] + margin)
-            rows.append(dict(claim=name, K=k, metric=metric, seeds=seeds, d=d, margin=margin, verdict=v, note=note,
-                             n_mean=seeds_needed(st["sd"], delta_mean),
-                             n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric in HELD_OUT_METRICS else None,
-                             **st))
+                untestable = "the reset never fired: both variants ran one algorithm"
+            rows.append(_claim_row(name, k, metric, seeds, d, margin, untestable))
     return rows
+
+
+def _claim_row(name: str, k: int, metric: str, seeds: list[int], d: list[float], margin: Optional[float],
+               untestable: Optional[str] = None) -> dict:
+    """One claim's row from its paired differences ``d``: the interval (:func:`paired_ci`), the
+    :func:`verdict` ("not testable" with ``untestable`` as the note when that is given), the note that the
+    interval rules out a held-out difference of ``TARGET_DIFF``, and the seeds needed."""
+    st = paired_ci(d)
+    v, note = verdict(st["ci"], st["n"], margin=margin), ""
+    if untestable is not None:
+        v, note = "not testable", untestable
+    elif (v == "inconclusive" and margin is None and metric in HELD_OUT_METRICS and st["n"] >= MIN_SEEDS
+          and -TARGET_DIFF < st["ci"][0] and st["ci"][1] < TARGET_DIFF):
+        note = f"no difference as large as {TARGET_DIFF:g}: the interval lies inside ±{TARGET_DIFF:g}"
+    delta_mean = abs(st["mean"]) if margin is None else abs(st["mean"] + margin)
+    return dict(claim=name, K=k, metric=metric, seeds=seeds, d=d, margin=margin, verdict=v, note=note,
+                n_mean=seeds_needed(st["sd"], delta_mean),
+                n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric in HELD_OUT_METRICS else None, **st)
 
 
 def grid_records(newest: dict[str, dict]) -> list[dict]:
@@ -611,16 +622,8 @@ def grid_claim_rows(grid: list[dict]) -> list[dict]:
         seeds, d = paired_metric(a, b, metric)
         if not d:
             continue
-        st = paired_ci(d)
-        v, note = verdict(st["ci"], st["n"]), ""
-        if not engaged:
-            v, note = "not testable", f"the mask never engaged: every step of every cell kept >= {ENGAGED_R:g} of R"
-        elif (v == "inconclusive" and metric in HELD_OUT_METRICS and st["n"] >= MIN_SEEDS
-              and -TARGET_DIFF < st["ci"][0] and st["ci"][1] < TARGET_DIFF):
-            note = f"no difference as large as {TARGET_DIFF:g}: the interval lies inside ±{TARGET_DIFF:g}"
-        rows.append(dict(claim=name, K=grid[0]["K"], metric=metric, seeds=seeds, d=d, margin=None, verdict=v,
-                         note=note, n_mean=seeds_needed(st["sd"], abs(st["mean"])),
-                         n_target=seeds_needed(st["sd"], TARGET_DIFF) if metric in HELD_OUT_METRICS else None, **st))
+        untestable = None if engaged else f"the mask never engaged: every step of every cell kept >= {ENGAGED_R:g} of R"
+        rows.append(_claim_row(name, grid[0]["K"], metric, seeds, d, None, untestable))
     return rows
 
 
@@ -1181,7 +1184,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
     if rows_all:
         p = plot_claims([(st["setting"], r) for st, r in rows_all], doc.parent / "paper_repro" / "claims.png")
         L.append(f"![paired differences per claim](paper_repro/{p.name})\n")
-    if not any(r["metric"] in ("peak_drop", "early_r") or r["claim"].startswith("3") for _, r in rows_all):
+    if not any(r["claim"].startswith("3") for _, r in rows_all):
         L.append("Claim 3 (the mask x clip interaction) has no paired interval: its grid ran one seed per cell, and "
                  "the mask never engaged there (see the grid and its note in the first setting's part).\n")
     L += parts
