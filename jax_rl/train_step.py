@@ -266,10 +266,19 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     truncated = truncates(cfg.rollout.top_k, cfg.rollout.top_p)
     m, r, T = mb.tokens.shape
     f2 = lambda x: x.reshape(m * r, T)  # noqa: E731
-    denom = losses.loss_denominator(
-        f2(mb.loss_mask), lc, prox_logp=None if prox is None else f2(prox),
-        behav_logp=f2(mb.behav_logp), turn_ids=f2(mb.turn_ids),
-    )
+    if prox is None and not lc.keep_masked_in_denominator:
+        # the kept-token denominator needs pi_prox, which this mode makes only inside the gradient
+        # forward (``micro_prox``, e.g. linear_prox with one update per step); with one microbatch
+        # that forward sees the whole minibatch, so its own denominator is the global one
+        if m != 1:  # pragma: no cover - a strategy must supply prox_logp here (Correction.prox_logp)
+            raise ValueError(f"loss.correction={lc.correction}: loss.keep_masked_in_denominator=false with "
+                             f"{m} microbatches needs prox_logp before the gradient forward")
+        denom = None
+    else:
+        denom = losses.loss_denominator(
+            f2(mb.loss_mask), lc, prox_logp=None if prox is None else f2(prox),
+            behav_logp=f2(mb.behav_logp), turn_ids=f2(mb.turn_ids),
+        )
 
     def micro_loss(p, x: LearnerBatch, prox_j):
         with_ent = lc.entropy_coef != 0.0  # entropy bonus: one pass over the same logits
