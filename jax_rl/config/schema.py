@@ -14,6 +14,10 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+BPE_CORPUS_DEMOS = 2000
+"""Reference-solver demos (training seeds from ``env.train_seed_offset``) a ``model.tokenizer=bpe``
+is trained on (:func:`jax_rl.runtime.components.build_tokenizer`)."""
+
 __all__ = [
     "ConfigError",
     "Config",
@@ -540,7 +544,7 @@ class EvalConfig(_Section):
     num_tasks: int = Field(64, ge=1)
     """Held-out tasks per evaluation."""
     seed_offset: int = Field(1_000_000, ge=0)
-    """Held-out seeds start here; training seeds are below it."""
+    """Held-out seeds start here; training seeds are below it (RL groups, SFT demos and bpe demos from env.train_seed_offset up: a config whose training seeds would reach it is refused)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature for evaluation."""
 
@@ -702,7 +706,42 @@ class Config(_Section):
                 f"rollout.max_cache_len={self.rollout.max_cache_len} must be <= "
                 f"optim.max_seq_len={self.optim.max_seq_len} (the learner must accept every trajectory)"
             )
+        self._held_out_disjoint()
         return self
+
+    def training_seed_uses(self) -> dict[str, int]:
+        """How many task seeds from ``env.train_seed_offset`` up each part of a run uses at least:
+        ``rl`` = ``run.steps`` x groups per step (``optim.batch_size / rollout.group_size``; one
+        seed per GRPO group, the producers hand them out in order), ``sft`` = ``sft.num_demos``
+        (when ``sft.steps > 0``), ``bpe`` = the demos a ``model.tokenizer=bpe`` is trained on."""
+        uses = {"rl": int(self.run.steps) * (self.optim.batch_size // self.rollout.group_size)}
+        if self.sft.steps > 0:
+            uses["sft"] = int(self.sft.num_demos)
+        if self.model.tokenizer == "bpe":
+            uses["bpe"] = BPE_CORPUS_DEMOS
+        return uses
+
+    def _held_out_disjoint(self) -> None:
+        """The held-out guard at config time (every runtime): training seeds are
+        ``[env.train_seed_offset, env.train_seed_offset + n)`` for each use n of
+        :meth:`training_seed_uses`, held-out seeds start at ``eval.seed_offset``; refuse a config whose
+        training seeds would reach them. The producers check each seed they hand out as well
+        (groups dropped and re-drawn use more seeds than this lower bound)."""
+        lo, ev = int(self.env.train_seed_offset), int(self.eval.seed_offset)
+        if lo >= ev:
+            raise ValueError(f"env.train_seed_offset={lo} must be < eval.seed_offset={ev}: training seeds start at "
+                             "env.train_seed_offset and held-out seeds at eval.seed_offset, so training would run "
+                             "on the held-out tasks")
+        what = {"rl": f"run.steps={self.run.steps} x {self.optim.batch_size // self.rollout.group_size} groups per "
+                      "step (optim.batch_size / rollout.group_size)",
+                "sft": f"sft.num_demos={self.sft.num_demos}",
+                "bpe": f"the {BPE_CORPUS_DEMOS} demos model.tokenizer=bpe is trained on"}
+        for use, n in self.training_seed_uses().items():
+            if lo + n > ev:
+                raise ValueError(
+                    f"{what[use]} from env.train_seed_offset={lo} use training seeds up to {lo + n - 1}, which "
+                    f"reach the held-out seeds from eval.seed_offset={ev}: raise eval.seed_offset to at least "
+                    f"{lo + n} (or lower env.train_seed_offset)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with YAML-friendly keys (``async`` not ``async_``)."""

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from jax_rl.config import Config, ConfigError
+from jax_rl.config.schema import BPE_CORPUS_DEMOS  # the bpe tokenizer's demos (the held-out guard counts them)
 from jax_rl.routing_replay import RoutingReplay
 
 log = logging.getLogger("jax_rl.runtime")
@@ -105,10 +106,6 @@ def delete_earlier_run(cfg: Config, run_dir: Path, *, primary: bool = True) -> N
         if (d / n).is_dir():
             shutil.rmtree(d / n)
     log.warning("run.overwrite: deleted the earlier run in %s", d)
-
-
-# Reference demonstrations (training seeds) the ``bpe`` tokenizer is trained on.
-BPE_CORPUS_DEMOS = 2000
 
 
 def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None):

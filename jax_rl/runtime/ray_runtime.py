@@ -351,11 +351,14 @@ class RayProducer:
         self.version = 0
         self.params_ref = None
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
+        self._fatal: Optional[str] = None
         self._syncs: list = []  # set_params refs of publishes whose worker seconds are not collected yet
 
     @property
     def fatal(self) -> Optional[str]:
-        return self.guard.fatal
+        """Why the run must stop (a systematically failing rollout, no training seed left below
+        ``eval.seed_offset``, a dead Ray daemon), else None."""
+        return self._fatal or self.guard.fatal
 
     def start(self) -> None:
         if self.workers:
@@ -460,9 +463,13 @@ class RayProducer:
             if self.reissue:
                 gid, seed = self.reissue.pop(0)
             else:
+                gid, seed = self.next_gid, self.cfg.env.train_seed_offset + self.next_gid
+                if seed >= self.cfg.eval.seed_offset:  # the held-out guard (the config's check is a lower bound)
+                    self._fatal = (f"training task seed {seed} reached eval.seed_offset={self.cfg.eval.seed_offset}: "
+                                   "raise eval.seed_offset so held-out tasks stay disjoint")
+                    return
                 if not ray.get(self.buffer.admit.remote(self.version)):
                     return
-                gid, seed = self.next_gid, self.cfg.env.train_seed_offset + self.next_gid
                 self.next_gid += 1
             self.in_flight[self.workers[wi].run_group.remote(gid, seed)] = (wi, gid, seed)
             busy[wi] += 1
