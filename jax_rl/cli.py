@@ -22,7 +22,56 @@ def _not_built(what: str) -> int:
     return 3
 
 
+BASE_HEADER = "# jax-rl base config:"
+
+
+def refuse_base_config(path) -> None:
+    """``configs/base.yaml`` (any file starting with its generated header) is the reference of every
+    knob at its default that the shipped configs build on, not a run: refused in one line.
+
+    Raises:
+        ConfigError: ``path`` is that file.
+    """
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        with p.open(encoding="utf-8") as f:
+            head = f.readline()
+    except (OSError, UnicodeDecodeError):  # a missing / unreadable file: load_config names it
+        return
+    if head.startswith(BASE_HEADER):
+        raise ConfigError(f"{path} is the generated base (every knob at its default, for deltas), not a run config: "
+                          "give a config that starts with `base_config: base.yaml`, e.g. configs/tiny_cpu.yaml")
+
+
+def check_writable(cfg) -> None:
+    """``run.dir`` and ``checkpoint.dir`` can be made and written, checked before anything runs.
+
+    Raises:
+        ConfigError: naming the key, the path and the dir that cannot be written.
+    """
+    import os
+    from pathlib import Path
+
+    for key, d in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if d is None:
+            continue
+        p = Path(d).absolute()
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{key}={d}: is a file, not a directory")
+        q = p
+        while not q.exists() and q != q.parent:
+            q = q.parent
+        if not q.is_dir():
+            raise ConfigError(f"{key}={d}: {q} is a file, not a directory")
+        if not os.access(q, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={d}: cannot write there ({q} is not writable)")
+
+
 def _load(args) -> "object":
+    if not getattr(args, "print_config", False):  # printing the resolved base is fine; running it is not
+        refuse_base_config(args.config)
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
         overrides.append("resume=true")
@@ -57,6 +106,7 @@ def cmd_train(args) -> int:
         from jax_rl.runtime.dry_run import run_dry_run
 
         return run_dry_run(cfg)
+    check_writable(cfg)
     try:
         from jax_rl.runtime.train import run_train
     except ImportError as e:  # pragma: no cover - only while the runtime is missing
@@ -66,6 +116,7 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     cfg = _load(args)
+    check_writable(cfg)
     try:
         from jax_rl.runtime.train import run_sft
     except ImportError as e:  # pragma: no cover
@@ -74,6 +125,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    refuse_base_config(args.config)
     cfg = load_config(args.config, list(args.overrides))
     try:
         from jax_rl.runtime.train import run_eval
@@ -106,6 +158,7 @@ def cmd_export(args) -> int:
 def cmd_compile(args) -> int:
     from jax_rl.tpu import libtpu_available
 
+    refuse_base_config(args.config)
     cfg = load_config(args.config, list(args.overrides))
     if not libtpu_available():
         print("jax-rl: error: compiling for a TPU needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
@@ -127,7 +180,17 @@ def cmd_plot(args) -> int:
         from jax_rl.plots import plot_runs
     except ImportError as e:  # pragma: no cover
         return _not_built(f"plot ({e})")
+    from pathlib import Path
+
     group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
+    for d in args.run_dirs:
+        p = Path(d)
+        if not p.exists():
+            raise FileNotFoundError(f"run dir not found: {d}")
+        if p.is_dir() and not (p / "metrics.jsonl").is_file():
+            print(f"jax-rl: error: {d} holds no metrics.jsonl: not a run dir (give the run.dir of a `jax-rl train`)",
+                  file=sys.stderr)
+            return 2
     paths = plot_runs(args.run_dirs, out_dir=args.out, group_by=group_by)
     for p in paths:
         print(p)
@@ -281,13 +344,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ckpt and isinstance(e, ckpt.CheckpointDiskFullError):
             print(f"jax-rl: error: {e}", file=sys.stderr)
             return 1
+        denied = _unwritable(e)
+        if denied is not None:  # a read-only dir or file: the path, not a traceback
+            print(f"jax-rl: error: cannot write {denied.filename or 'a path'}: {denied.strerror or denied}",
+                  file=sys.stderr)
+            return 2
+        hf = sys.modules.get("jax_rl.models.hf_io")
+        ex = sys.modules.get("jax_rl.export")
         bad_input = isinstance(e, FileNotFoundError) or (
-            ckpt and isinstance(e, (ckpt.CheckpointMismatchError, ckpt.CheckpointCorruptError)))
+            ckpt and isinstance(e, (ckpt.CheckpointMismatchError, ckpt.CheckpointCorruptError))) or (
+            hf and isinstance(e, hf.CheckpointError)) or (ex and isinstance(e, ex.ExportError))
         if not bad_input:
             raise
-        print(f"jax-rl: error: {e}", file=sys.stderr)
+        print(f"jax-rl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return int(rc or 0)
+
+
+def _unwritable(e: Optional[BaseException]) -> Optional[OSError]:
+    """The write refused by permissions or a read-only file system in ``e`` or its causes (Orbax
+    wraps them), else None."""
+    import errno
+
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def entry() -> None:

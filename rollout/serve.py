@@ -43,7 +43,7 @@ from rollout import jetstream_compat as jc
 from rollout.engine import Qwen3Engine
 
 __all__ = ["JetStreamGrpcServer", "PortInUseError", "build_engine", "check_port_free", "load_checkpoint",
-           "resolve_tokenizer", "serve", "main"]
+           "resolve_tokenizer", "serve", "main", "ServeArgError", "check_args", "check_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ def check_port_free(host: str, port: int) -> None:
 
     Raises:
       PortInUseError: the port is held (the message names host and port).
+      ServeArgError: the host is not an address of this machine, or the port needs privileges.
     """
     import socket
 
@@ -122,6 +123,13 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), int(port)))
         except OSError as e:
+            import errno
+
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ServeArgError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise ServeArgError(f"--port {port}: not allowed on {host} ({e.strerror}; ports < 1024 need "
+                                    "privileges)") from None
             raise PortInUseError(f"cannot serve on {host}:{port}: port {port} is in use ({e.strerror})") from e
 
 
@@ -268,32 +276,106 @@ def serve(engine: Qwen3Engine, *, host: str = "127.0.0.1", port: int = 9000, thr
     return server.start()
 
 
+class ServeArgError(ValueError):
+    """A bad ``jax-rl serve`` argument or checkpoint (one line naming it; exit code 2)."""
+
+
+def check_args(args: Any) -> None:
+    """The arguments of ``jax-rl serve`` checked before anything is loaded or compiled.
+
+    Raises:
+        ServeArgError: naming the flag and its value: ``--port`` outside 0..65535, ``--slots`` < 1,
+            ``--max-len`` < 2, ``--temperature`` negative or not finite, ``--host`` empty or not an
+            address of this machine.
+    """
+    import math
+    import socket
+
+    port, slots, max_len = int(args.port), int(getattr(args, "slots", 4)), int(getattr(args, "max_len", 256))
+    temperature = float(getattr(args, "temperature", 0.0) or 0.0)
+    if not 0 <= port <= 65535:
+        raise ServeArgError(f"--port {port}: must be 0..65535 (0 = a free port, printed)")
+    if slots < 1:
+        raise ServeArgError(f"--slots {slots}: must be >= 1 (concurrent decode slots)")
+    if max_len < 2:
+        raise ServeArgError(f"--max-len {max_len}: must be >= 2 (KV-cache tokens per slot, prompt + generated)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ServeArgError(f"--temperature {temperature:g}: must be a finite number >= 0 (0 = greedy)")
+    host = str(args.host).strip("[]")
+    if not host:
+        raise ServeArgError("--host '': give an address to bind, e.g. 127.0.0.1")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServeArgError(f"--host {args.host}: not an address this machine can bind ({e})") from None
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """``CHECKPOINT`` of ``jax-rl serve`` checked before the tokenizer or the model is loaded:
+    ``preset:NAME`` names a preset; a path is an HF checkpoint dir (``config.json``). A jax-rl run
+    dir (or its ``checkpoints/``) is refused with the ``jax-rl export`` command that makes one.
+
+    Raises:
+        ServeArgError: one line naming the checkpoint and what to give instead.
+    """
+    if checkpoint.startswith("preset:"):
+        from jax_rl.models.qwen3.config import PRESETS
+
+        name = checkpoint.split(":", 1)[1]
+        if name not in PRESETS:
+            raise ServeArgError(f"checkpoint {checkpoint}: unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        return
+    p = Path(checkpoint)
+    if not p.exists():
+        raise ServeArgError(f"checkpoint dir not found: {checkpoint}")
+    if not p.is_dir():
+        raise ServeArgError(f"checkpoint {checkpoint} is a file: give an HF checkpoint dir (config.json + "
+                            "*.safetensors, e.g. from `jax-rl export`) or preset:NAME")
+    if (p / "config.json").is_file():
+        return
+    run_dir = next((d for d in (p, p.parent, p.parent.parent)
+                    if (d / "checkpoints").is_dir() or (d / "config.yaml").is_file()), None)
+    if run_dir is not None:
+        raise ServeArgError(f"{checkpoint} is a jax-rl run's checkpoint, not an HF export: run "
+                            f"`jax-rl export {checkpoint} OUT_DIR`, then `jax-rl serve OUT_DIR`")
+    raise ServeArgError(f"no config.json in {checkpoint}: serve takes an HF checkpoint dir (config.json + "
+                        "*.safetensors, e.g. from `jax-rl export`) or preset:NAME")
+
+
 def main(args: Any) -> int:
     """Entry point of ``jax-rl serve`` (``args``: checkpoint, host, port, tokenizer, slots, max_len,
-    dtype; optional temperature, scan_layers (None: the ``model.scan_layers`` default)). Blocks until SIGTERM/SIGINT; returns the exit code: 0 after a
-    clean stop, 1 when the port is in use (one line on stderr naming it)."""
+    dtype; optional temperature, scan_layers (None: the ``model.scan_layers`` default)). Blocks until
+    SIGTERM/SIGINT; returns the exit code: 0 after a clean stop, 1 when the port is in use, 2 for a
+    bad argument, checkpoint or tokenizer (:func:`check_args`, :func:`check_checkpoint`); each error
+    is one line on stderr naming the culprit."""
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
     temperature = float(getattr(args, "temperature", 0.0) or 0.0)
-    if temperature < 0:
-        print(f"jax-rl serve: error: --temperature must be >= 0, got {temperature}", file=sys.stderr)
-        return 2
-    try:
+    try:  # bad arguments, paths and files: one line, exit 2 (as `jax-rl train`)
+        check_args(args)
+        check_checkpoint(args.checkpoint)
         check_port_free(args.host, int(args.port))
+        tok, tok_desc = resolve_tokenizer(args.checkpoint, getattr(args, "tokenizer", None))
     except PortInUseError as e:
         print(f"jax-rl serve: error: {e}", file=sys.stderr)
         return 1
-    tok, tok_desc = resolve_tokenizer(args.checkpoint, getattr(args, "tokenizer", None))
+    except (ValueError, FileNotFoundError) as e:  # ServeArgError, a missing / bad tokenizer.json
+        print(f"jax-rl serve: error: {e}", file=sys.stderr)
+        return 2
     print(f"jax-rl serve: using {tok_desc}", flush=True)
-    engine = build_engine(
-        args.checkpoint,
-        tokenizer=tok,
-        slots=int(getattr(args, "slots", 4)),
-        max_len=int(getattr(args, "max_len", 256)),
-        dtype=str(getattr(args, "dtype", "float32")),
-        temperature=temperature,
-        scan_layers=getattr(args, "scan_layers", None),
-    )
+    try:
+        engine = build_engine(
+            args.checkpoint,
+            tokenizer=tok,
+            slots=int(getattr(args, "slots", 4)),
+            max_len=int(getattr(args, "max_len", 256)),
+            dtype=str(getattr(args, "dtype", "float32")),
+            temperature=temperature,
+            scan_layers=getattr(args, "scan_layers", None),
+        )
+    except (ValueError, FileNotFoundError) as e:  # hf_io.CheckpointError: a corrupt / mismatched checkpoint
+        print(f"jax-rl serve: error: {args.checkpoint}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001

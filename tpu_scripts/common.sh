@@ -22,7 +22,7 @@ REMOTE_DIR="${REMOTE_DIR:-jax-rl}"
 # Python on the TPU VM image (the project needs 3.11).
 REMOTE_PYTHON="${REMOTE_PYTHON:-python3.11}"
 # Training config (path inside the repo) and extra `key=value` overrides for `jax-rl train`.
-CONFIG="${CONFIG:-configs/base.yaml}"
+CONFIG="${CONFIG:-configs/qwen3_4b.yaml}"
 TRAIN_ARGS="${TRAIN_ARGS:-}"
 # Where each worker writes its log (relative to REMOTE_DIR); one file per worker.
 LOG_DIR="${LOG_DIR:-logs}"

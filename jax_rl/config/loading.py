@@ -255,6 +255,8 @@ def render_base_yaml() -> str:
     lines = [
         "# jax-rl base config: every knob, at its default, with a one-line comment.",
         "# Run/model files hold only deltas and start with `base_config: base.yaml`.",
+        "# A base for deltas, not a run: `jax-rl train|sft|eval|compile` refuse this file (its default",
+        "# model and tokenizer do not fit its own rollout.max_cache_len); --print-config shows it.",
         "# Override anything on the command line: jax-rl train CONFIG.yaml loss.correction=ppo mesh.fsdp=4",
         "# GENERATED from jax_rl/config/ by `python -m jax_rl.config > configs/base.yaml`.",
         "",

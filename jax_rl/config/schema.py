@@ -467,6 +467,14 @@ class EnvConfig(_Section):
     train_seed_offset: int = Field(0, ge=0)
     """First training task seed."""
 
+    @field_validator("retail")
+    @classmethod
+    def _retail_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """The retail env's own knob schema (:class:`rollout.envs.retail.RetailKnobs`)."""
+        from rollout.envs.retail import check_retail_knobs
+
+        return check_retail_knobs(v)
+
     @model_validator(mode="after")
     def _has_datasets(self) -> "EnvConfig":
         if self.name == "calculator" and not self.datasets:

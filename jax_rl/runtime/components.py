@@ -427,7 +427,13 @@ def _check_env(cfg: Config) -> None:
     for name in env.dataset_config:
         if name not in env.datasets:
             raise ConfigError(f"env.dataset_config.{name} names a dataset not in env.datasets={env.datasets}")
+    from rollout.envs.calculator import check_dataset_config
+
     for name in env.datasets:
+        try:  # the dataset's own knob schema (reasoning-gym's config dataclass): names the knob and value
+            check_dataset_config(name, env.dataset_config.get(name, {}))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             _get_dataset(name, 0, dict(env.dataset_config.get(name, {})))
         except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError

@@ -124,6 +124,39 @@ _DATASETS: dict[str, Any] = {}
 _DATASETS_LOCK = threading.Lock()
 
 
+def check_dataset_config(name: str, knobs: Any, prefix: str = "env.dataset_config") -> dict:
+    """``knobs`` checked against reasoning-gym's own config dataclass of dataset ``name`` (its field
+    names and types, via pydantic), before the dataset is built; returns them as given.
+
+    Raises:
+        ValueError: one line naming the knob and its value (``env.dataset_config.chain_sum.min_terms='abc':
+            Input should be a valid integer``), or an unknown knob with the known ones.
+    """
+    import dataclasses
+    import difflib
+
+    import pydantic
+    import reasoning_gym.factory as rg
+
+    where = f"{prefix}.{name}"
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{where}={knobs!r}: must be a mapping of the dataset's knobs")
+    cfg_cls = rg.DATASETS[name][1]
+    fields = [f.name for f in dataclasses.fields(cfg_cls) if f.name not in ("seed", "size")]
+    for k in knobs:
+        if k not in fields:
+            m = difflib.get_close_matches(str(k), fields, n=1, cutoff=0.6)
+            hint = f"; did you mean '{where}.{m[0]}'?" if m else ""
+            raise ValueError(f"unknown knob '{where}.{k}'{hint} (reasoning-gym's {name} takes {sorted(fields)})")
+    try:
+        pydantic.TypeAdapter(cfg_cls).validate_python(dict(knobs))
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        raise ValueError(f"{where}.{key}={knobs.get(key)!r}: {err['msg']}") from None
+    return dict(knobs)
+
+
 def _get_dataset(name: str, seed: int, cfg: dict) -> Any:
     key = json.dumps([name, seed, cfg], sort_keys=True)
     with _DATASETS_LOCK:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import json
 import random
-from typing import Any, Optional
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .base import BaseEnv, ToolError, tool_schema
 
@@ -51,6 +53,54 @@ def _fmt_money(x: float) -> str:
 
 def _opts_text(opts: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in opts.items())
+
+
+TASK_KINDS = ("cancel", "exchange", "find_pending")
+
+
+class RetailKnobs(BaseModel):
+    """The schema of ``env.retail`` (the knobs :class:`RetailEnv` takes besides the tool latency,
+    which is ``rollout.tool_latency_s``). Checked when the config is loaded: a knob of the wrong type
+    or range is one line naming it and the value (:func:`check_retail_knobs`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    num_users: StrictInt = Field(3, ge=1)
+    """Users in the database."""
+    max_orders_per_user: StrictInt = Field(3, ge=2)
+    """Each user has 1..this many orders (>= 2 so that find_pending works)."""
+    task_kinds: tuple[Literal["cancel", "exchange", "find_pending"], ...] = Field(TASK_KINDS, min_length=1)
+    """Task kinds drawn from."""
+    max_answer_chars: StrictInt = Field(64, ge=1)
+    """Longest final answer the env grades (characters)."""
+
+
+def check_retail_knobs(knobs: dict, prefix: str = "env.retail") -> dict:
+    """``knobs`` validated by :class:`RetailKnobs`; returns them as given (only the keys set).
+
+    Raises:
+        ValueError: one line naming the first bad knob and its value, e.g.
+            ``env.retail.num_users='abc': Input should be a valid integer``; an unknown knob lists
+            the known ones.
+    """
+    from pydantic import ValidationError
+
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{prefix}={knobs!r}: must be a mapping of knobs ({sorted(RetailKnobs.model_fields)})")
+    try:
+        RetailKnobs.model_validate(knobs)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"][:1])
+        if err["type"] == "extra_forbidden":
+            import difflib
+
+            m = difflib.get_close_matches(key, list(RetailKnobs.model_fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}.{m[0]}'?" if m else ""
+            raise ValueError(f"unknown knob '{prefix}.{key}'{hint} ({prefix} takes "
+                             f"{sorted(RetailKnobs.model_fields)})") from None
+        raise ValueError(f"{prefix}.{key}={knobs.get(key)!r}: {err['msg']}") from None
+    return dict(knobs)
 
 
 class RetailEnv(BaseEnv):

@@ -80,3 +80,134 @@ def test_held_out_guard_in_the_ray_producer():
     p._dispatch()  # two slots: seed 9999 goes out; seed 10000 is neither admitted nor sent
     assert calls == ["admit", "run_group"] and p.next_gid == 10000
     assert "training task seed 10000 reached eval.seed_offset=10000" in p.fatal
+
+
+# ---------------------------------------------------------------- serve
+@pytest.mark.parametrize("argv, words", [
+    (["preset:tiny_dense", "--port", "70000"], ["--port 70000", "0..65535"]),
+    (["preset:tiny_dense", "--slots", "0"], ["--slots 0"]),
+    (["preset:tiny_dense", "--max-len", "1"], ["--max-len 1"]),
+    (["preset:tiny_dense", "--temperature", "nan"], ["--temperature nan"]),
+    (["preset:tiny_dense", "--host", "not.a.host"], ["--host not.a.host"]),
+    (["preset:tiny_dense", "--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine"]),
+    (["preset:nope"], ["preset:nope", "tiny_dense"]),
+    (["/nonexistent/hf"], ["/nonexistent/hf"]),
+])
+def test_serve_bad_arguments_are_one_line(capsys, argv, words):
+    err = _err(capsys, ["serve", *argv])
+    assert all(w in err for w in words), err
+
+
+def test_serve_a_run_dir_names_the_export_command(tmp_path, capsys):
+    """A run dir (or its checkpoints/N) instead of an HF export: one line giving the `jax-rl export`
+    command, no chained tracebacks."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {steps: 3}\n")
+    for target in (run, run / "checkpoints" / "3"):
+        err = _err(capsys, ["serve", str(target)])
+        assert f"jax-rl export {target} OUT_DIR" in err, err
+    (tmp_path / "plain").mkdir()
+    assert "no config.json" in _err(capsys, ["serve", str(tmp_path / "plain")])
+    (tmp_path / "f").write_text("x")
+    assert "is a file" in _err(capsys, ["serve", str(tmp_path / "f")])
+    assert "is not a tokenizer.json" in _err(capsys, ["serve", "preset:tiny_dense", "--tokenizer", str(tmp_path / "f")])
+
+
+def test_serve_corrupt_checkpoint_is_one_line(tmp_path, capsys):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    err = _err(capsys, ["serve", str(d), "--port", "0"])
+    assert str(d) in err, err
+
+
+# ---------------------------------------------------------------- the other subcommands
+def test_plot_of_a_dir_without_metrics(tmp_path, capsys):
+    assert "holds no metrics.jsonl" in _err(capsys, ["plot", str(tmp_path)])
+    assert not (tmp_path / "plots").exists()
+    assert "run dir not found" in _err(capsys, ["plot", str(tmp_path / "none")])
+
+
+@pytest.mark.parametrize("cmd", [["train"], ["train", "--dry-run"], ["sft"], ["eval", "/nonexistent"],
+                                 ["compile", "--topology", "v5e-8"]])
+def test_base_yaml_is_refused_as_a_run(tmp_path, capsys, cmd):
+    """``configs/base.yaml`` is the base of the shipped configs (its defaults do not fit its own
+    KV cache): refused in one line by every command that runs it; ``--print-config`` prints it."""
+    base = str(CONFIG_DIR / "base.yaml")
+    argv = [cmd[0], *cmd[1:2], base, *cmd[2:]] if cmd[0] == "eval" else [cmd[0], base, *cmd[1:]]
+    err = _err(capsys, [*argv, f"run.dir={tmp_path / 'r'}"])
+    assert "base.yaml" in err and "not a run config" in err
+    assert not (tmp_path / "r").exists()
+    capsys.readouterr()
+    assert main(["train", base, "--print-config"]) == 0
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """A run dir under a file, or one this user may not write (checked with os.access; root may
+    write anything, so the permission case is simulated): one line naming the key and path."""
+    import os
+
+    (tmp_path / "f").write_text("x")
+    err = _err(capsys, ["train", TINY_CFG, f"run.dir={tmp_path / 'f' / 'run'}"])
+    assert "run.dir=" in err and "is a file" in err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(ro) else real(p, mode, **kw))
+    for cmd in ("train", "sft"):
+        err = _err(capsys, [cmd, TINY_CFG, f"run.dir={ro / 'run'}"])
+        assert "cannot write there" in err and str(ro) in err, err
+    err = _err(capsys, ["train", TINY_CFG, f"run.dir={tmp_path / 'ok'}", f"checkpoint.dir={ro / 'ck'}"])
+    assert "checkpoint.dir=" in err
+    assert not (ro / "run").exists() and not (tmp_path / "ok").exists()
+
+
+def test_permission_error_mid_run_names_the_path(capsys, monkeypatch):
+    """A write refused later (a dir made read-only during the run, an Orbax-wrapped EROFS): one line
+    naming the path, exit 2, not a traceback."""
+    import errno
+
+    import jax_rl.cli as cli
+
+    def boom(args):
+        try:
+            raise OSError(errno.EROFS, "Read-only file system", "/ro/run/checkpoints/3")
+        except OSError as e:
+            raise ValueError("orbax: save failed") from e
+
+    parser = cli.build_parser
+
+    def patched():
+        p = parser()
+        p._subparsers._group_actions[0].choices["plot"].set_defaults(func=boom)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", patched)
+    err = _err(capsys, ["plot", "/x"])
+    assert err == "jax-rl: error: cannot write /ro/run/checkpoints/3: Read-only file system"
+
+
+# ---------------------------------------------------------------- env knobs
+@pytest.mark.parametrize("overrides, line", [
+    (["env.name=retail", "env.retail={num_users: abc}"], "env.retail.num_users='abc': Input should be a valid integer"),
+    (["env.name=retail", "env.retail={num_users: 0}"], "env.retail.num_users=0: Input should be greater than or equal to 1"),
+    (["env.name=retail", "env.retail={max_orders_per_user: true}"], "env.retail.max_orders_per_user=True"),
+    (["env.name=retail", "env.retail={task_kinds: [refund]}"], "env.retail.task_kinds=['refund']"),
+])
+def test_retail_knobs_schema(tmp_path, capsys, overrides, line):
+    """Env knobs of the wrong type or range: one line naming the knob and the value (was "'<' not
+    supported between instances of 'str' and 'int'"), at config load (--print-config too)."""
+    err = _err(capsys, ["train", TINY_CFG, *overrides, f"run.dir={tmp_path / 'r'}", "--print-config"])
+    assert line in err, err
+
+
+def test_dataset_knobs_schema():
+    """calculator's ``env.dataset_config``: reasoning-gym's own config dataclass is the schema."""
+    from rollout.envs.calculator import check_dataset_config
+
+    with pytest.raises(ValueError, match=r"env.dataset_config.chain_sum.min_terms='abc': Input should be a valid integer"):
+        check_dataset_config("chain_sum", {"min_terms": "abc"})
+    with pytest.raises(ValueError, match="did you mean 'env.dataset_config.chain_sum.min_terms'"):
+        check_dataset_config("chain_sum", {"min_termz": 2})
+    assert check_dataset_config("chain_sum", {"min_terms": 2, "max_terms": 3}) == {"min_terms": 2, "max_terms": 3}
