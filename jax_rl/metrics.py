@@ -212,6 +212,31 @@ def read_jsonl(path: PathLike) -> list[dict[str, Any]]:
     return list(iter_jsonl(path))
 
 
+def relabel_final(path: PathLike) -> int:
+    """A resumed run's ``eval.jsonl``: the earlier run's ``final`` rows become ``eval`` rows (its end
+    was not the run's end), so the file keeps one ``final`` row, the resumed run's. Rewritten
+    atomically and only when a row changes; returns the rows relabelled."""
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    lines, n = [], 0
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            lines.append(line)
+            continue
+        if isinstance(obj, dict) and obj.get("label") == "final":
+            obj["label"], n = "eval", n + 1
+            line = json.dumps(obj, allow_nan=False)
+        lines.append(line)
+    if n:
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
+        os.replace(tmp, p)
+    return n
+
+
 def truncate_jsonl(path: PathLike, max_step: int) -> int:
     """Keep only the rows of a JSONL file whose ``step`` is ``<= max_step`` (and that parse).
 
@@ -302,6 +327,7 @@ class MetricsWriter:
         if resume_step is not None:
             for path in (self.metrics_path, self.eval_path):
                 truncate_jsonl(path, int(resume_step))
+            relabel_final(self.eval_path)
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter

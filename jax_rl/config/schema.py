@@ -377,8 +377,7 @@ class RolloutConfig(_Section):
     """Rollout engine, continuous batching and agent loop."""
 
     threads: int = Field(1, ge=1)
-    """Rollout generator threads (embedded runtime) or worker actors (ray runtime); each owns one engine, and
-    the engines split placement.rollout evenly (one engine mesh each)."""
+    """Rollout generator threads of the embedded runtime; each owns one engine, and the engines split placement.rollout evenly (one engine mesh each). runtime=ray runs runtime.ray_workers actors instead and ignores this (with a warning)."""
     mesh: RolloutMeshConfig = Field(default_factory=RolloutMeshConfig)
     """Each engine's mesh over its devices (placement.rollout / rollout.threads of them)."""
     slots: int = Field(16, ge=1)

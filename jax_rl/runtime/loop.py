@@ -101,8 +101,9 @@ fault_hooks: FaultHooks = FaultHooks()
 
 
 def sft_line(cfg: Config, ev: dict) -> str:
-    """The console line after SFT's held-out eval."""
-    return f"held-out success after SFT: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})"
+    """The console line after SFT's held-out eval (``sft.steps=0``: the initial policy's, no SFT ran)."""
+    what = "after SFT" if cfg.sft.steps > 0 else "at the start (sft.steps=0: no SFT)"
+    return f"held-out success {what}: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})"
 
 
 def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, start_step: int,

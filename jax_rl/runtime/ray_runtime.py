@@ -30,7 +30,7 @@ from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["run_train_ray", "init_ray", "RayProducer", "RemoteLearner"]
+__all__ = ["run_train_ray", "init_ray", "check_ray_endpoints", "RayDaemonWatch", "RayProducer", "RemoteLearner"]
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -77,7 +77,17 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
         log.warning("runtime.ray_address=%s: joining an existing Ray cluster; its bind addresses and auth "
                     "settings apply (RISK: a cluster reachable off this machine accepts jobs from anyone "
                     "who reaches it)", address)
-        ray.init(address=address, log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+        try:
+            ray.init(address=address, log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+        except Exception as e:  # noqa: BLE001 - Ray's connection errors: ConnectionError, TimeoutError, RuntimeError
+            from jax_rl.config import ConfigError
+
+            try:
+                ray.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            raise ConfigError(f"runtime.ray_address={address}: cannot join the Ray cluster "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
         return ray
     from ray._private import ray_constants
 
@@ -103,6 +113,159 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
             ray.shutdown()
             raise RuntimeError(f"runtime.bind_host={host}: Ray started with node IP {ip}, not loopback")
     return ray
+
+
+def check_ray_endpoints(runtime, timeout_s: float = 5.0) -> None:
+    """``runtime.bind_host`` / ``runtime.ray_address`` checked before the run dir or Ray exist, so
+    that one that does not answer fails in one line within ``timeout_s`` (Ray itself retries the GCS
+    connection for minutes).
+
+    * ``bind_host`` (a local Ray): resolvable and an address of this machine (a socket binds it).
+    * ``ray_address`` (join a cluster): ``host:port`` or ``ray://host:port`` (``auto`` / ``local``
+      are Ray's own lookups and are left to it) accepts a TCP connection within ``timeout_s``.
+
+    Raises:
+        ConfigError: naming the key, the value and what failed.
+    """
+    import socket
+
+    from jax_rl.config import ConfigError
+
+    address = getattr(runtime, "ray_address", None)
+    if address is None:
+        host = getattr(runtime, "bind_host", None) or "127.0.0.1"
+        if host in _LOOPBACK or host in ("0.0.0.0", "::"):
+            return
+        try:
+            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ConfigError(f"runtime.bind_host={host}: cannot be resolved ({e}); give an address of this "
+                              "machine, e.g. 127.0.0.1") from None
+        fam, _, _, _, sa = infos[0]
+        with socket.socket(fam, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sa[0], 0))
+            except OSError as e:
+                raise ConfigError(f"runtime.bind_host={host}: not an address of this machine ({e.strerror}); "
+                                  "Ray's node IP must be one of its own, e.g. 127.0.0.1") from None
+        return
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1].rsplit("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"runtime.ray_address={address}: expected host:port or ray://host:port")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"runtime.ray_address={address}: nothing answers at {host}:{port} within {timeout_s:g} s "
+                          f"({getattr(e, 'strerror', None) or e}); start the cluster (`ray start --head`) or fix "
+                          "the address") from None
+
+
+def _reclaim_signals(stop) -> None:
+    """Point SIGINT / SIGTERM at the run's :class:`~jax_rl.runtime.context.StopFlag` again:
+    ``ray.init`` installs its own SIGTERM handler (``sys.exit``: the driver would die within
+    seconds with no end checkpoint and no ``summary.json``). The handlers saved before Ray started
+    stay the ones :meth:`StopFlag.restore` puts back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, stop._handler)
+
+
+class RayDaemonWatch:
+    """Watches the local Ray's raylet and GCS server from the driver (their process handles, every
+    ``period_s``). If one dies, Ray's core worker ends the driver within seconds with no word of
+    what died; this ends it first, with one line naming the daemon, its pid and exit code, the RL
+    step reached and the last checkpoint, a ``summary.json`` (``ray_failed``), the remaining Ray
+    daemons killed, and exit code 1. The checkpoints are untouched (Orbax commits a step by
+    renaming it, so the newest committed one is intact).
+
+    A joined cluster (``runtime.ray_address``) has no local daemons to watch: nothing is started.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, ckpt_dir: Path, t0: float, period_s: float = 0.5):
+        import threading
+
+        self.cfg, self.run_dir, self.ckpt_dir, self.t0, self.period_s = cfg, Path(run_dir), Path(ckpt_dir), t0, period_s
+        self.procs: dict = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        try:
+            import ray
+
+            node = ray._private.worker._global_node
+            for kind in ("raylet", "gcs_server"):
+                for info in (node.all_processes.get(kind) or []) if node is not None else []:
+                    self.procs[kind] = info.process
+        except Exception:  # noqa: BLE001 - a Ray without these internals: nothing to watch
+            self.procs = {}
+
+    def start(self) -> "RayDaemonWatch":
+        import threading
+
+        if self.procs:
+            self._thread = threading.Thread(target=self._run, name="ray-daemon-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (before ``ray.shutdown``, which ends the daemons on purpose)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def dead(self) -> Optional[tuple[str, int, int]]:
+        """``(daemon, pid, exit code)`` of the first watched daemon that has exited, else None."""
+        for kind, p in self.procs.items():
+            rc = p.poll()
+            if rc is not None:
+                return kind, int(p.pid), int(rc)
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            d = self.dead()
+            if d is not None and not self._stop.is_set():
+                self.fail(*d)
+
+    def fail(self, kind: str, pid: int, rc: int, *, exit: bool = True) -> str:
+        """Write ``summary.json``, print the one line, kill what is left of Ray, exit 1 (``exit=False``:
+        return the line instead; tests)."""
+        import json
+        import sys
+
+        from jax_rl.metrics import read_jsonl
+
+        rows = read_jsonl(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").exists() else []
+        rl_steps = int(rows[-1]["step"]) if rows else 0
+        steps = sorted(int(p.name) for p in self.ckpt_dir.glob("[0-9]*") if p.is_dir() and p.name.isdigit()) \
+            if self.ckpt_dir.is_dir() else []
+        last = str(self.ckpt_dir / str(steps[-1])) if steps else None
+        what = f"Ray's {kind} (pid {pid}) died (exit code {rc})"
+        line = (f"{what}: the run stopped after RL step {rl_steps}; last checkpoint: {last or 'none'}"
+                + (" (jax-rl train ... --resume continues from it)" if last else ""))
+        summary = {"rl_steps": rl_steps, "interrupted": False, "runtime": "ray", "ray_failed": what,
+                   "last_checkpoint": last, "correction": self.cfg.loss.correction,
+                   "max_staleness": self.cfg.async_.max_staleness, "wall_s": time.perf_counter() - self.t0}
+        try:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        except OSError:
+            pass
+        if not exit:
+            return line
+        print(f"jax-rl: {line}", file=sys.stderr, flush=True)
+        try:
+            import ray
+
+            ray._private.worker._global_node.kill_all_processes(check_alive=False, allow_graceful=False)
+        except Exception:  # noqa: BLE001 - best effort: the exit below must happen
+            pass
+        os._exit(1)
 
 
 def _actors():
@@ -219,6 +382,10 @@ def _actors():
 
         def model_config_hf(self) -> dict:
             return self.ctx.model_config.to_hf()
+
+        def describe(self) -> str:
+            """The correction mode's cost line (embedded prints it; the driver prints this)."""
+            return self.ctx.learner.describe()
 
         def cpu_s(self) -> float:
             """This process's CPU seconds so far (all threads: learner steps, evals, param copies)."""
@@ -538,12 +705,19 @@ def run_train_ray(cfg: Config) -> int:
     from jax_rl.runtime.loop import run_rl, sft_line
 
     t0 = time.perf_counter()
+    if cfg.rollout.threads != 1:
+        log.warning("rollout.threads=%d is the embedded runtime's engine count; runtime=ray runs "
+                    "runtime.ray_workers=%d rollout-worker actors (one engine each) and ignores it",
+                    cfg.rollout.threads, cfg.runtime.ray_workers)
+    check_ray_endpoints(cfg.runtime)  # an address that does not answer: one line, before anything exists
     # the actors build these again; building them here first refuses a bad env, tokenizer or
     # checkpoint (and a config where no prompt fits) in one line before the run dir and Ray exist
     env_factory = C.build_env_factory(cfg)
     tokenizer = C.build_tokenizer(cfg, env_factory)
     C.build_model_config(cfg, tokenizer)
     start_of_run_lines(cfg, tokenizer, env_factory)
+    if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
+        init_ray(None, runtime=cfg.runtime)
     C.delete_earlier_run(cfg, C.resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
     run_dir = C.resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
@@ -551,16 +725,19 @@ def run_train_ray(cfg: Config) -> int:
     stop = StopFlag()
     stop.install()
     init_ray(run_dir, runtime=cfg.runtime)
+    _reclaim_signals(stop)  # SIGTERM: finish the step, checkpoint, summary.json, exit 143 (as embedded)
     # the driver beside its learner (after Ray's daemons started, which stay unpinned)
     from jax_rl.runtime.affinity import pin_process
 
     pin_process(cfg.runtime.learner_cpus)
     RolloutWorker, BufferActor, LearnerActor = _actors()
+    watch = RayDaemonWatch(cfg, run_dir, ckpt_dir, t0).start()  # a dead raylet / GCS: one line + summary.json
     writer = None
     actor = LearnerActor.remote(cfg.to_dict())
     producer = None
     try:
         hf = _ray_get(actor.model_config_hf.remote())
+        print(_ray_get(actor.describe.remote()), flush=True)  # what the correction mode costs, as embedded
         pad_id = ray.get(actor.pad_id.remote())
         meta: dict = {}
         if cfg.resume:
@@ -584,10 +761,14 @@ def run_train_ray(cfg: Config) -> int:
     finally:
         if writer is not None:
             writer.close()
+        d = watch.dead()
+        if d is not None:  # the loop noticed first (an actor call failed): the same line and summary
+            watch.fail(*d)
         try:
             ray.get(actor.close.remote(), timeout=30)
         except Exception:
             pass
+        watch.stop()
         ray.shutdown()
         stop.restore()
 

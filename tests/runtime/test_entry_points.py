@@ -211,3 +211,44 @@ def test_dataset_knobs_schema():
     with pytest.raises(ValueError, match="did you mean 'env.dataset_config.chain_sum.min_terms'"):
         check_dataset_config("chain_sum", {"min_termz": 2})
     assert check_dataset_config("chain_sum", {"min_terms": 2, "max_terms": 3}) == {"min_terms": 2, "max_terms": 3}
+
+
+# ---------------------------------------------------------------- smaller items
+def test_sft_line_says_when_no_sft_ran():
+    from jax_rl.runtime.loop import sft_line
+
+    ev = {"success": 0.25}
+    assert sft_line(load_config(TINY_CFG), ev).startswith("held-out success after SFT: 0.250")
+    line = sft_line(load_config(TINY_CFG, ["sft.steps=0"]), ev)
+    assert "after SFT" not in line and "sft.steps=0" in line and "0.250" in line
+
+
+def test_resumed_run_keeps_one_final_eval_row(tmp_path):
+    """A run resumed and extended: the earlier run's ``final`` row (its end, not the run's) becomes an
+    ``eval`` row, so eval.jsonl holds one ``final`` row, the resumed run's."""
+    from jax_rl.metrics import MetricsWriter, read_jsonl
+
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    w.write_eval(0, {"success": 0.1, "label": "after_sft"})
+    w.write_eval(2, {"success": 0.2, "label": "final"})
+    w.write_eval(3, {"success": 0.3, "label": "eval"})  # after the checkpoint at 2: dropped on resume
+    w.close()
+    w = MetricsWriter(tmp_path, tensorboard=False, resume_step=2)
+    w.write_eval(4, {"success": 0.4, "label": "final"})
+    w.close()
+    rows = read_jsonl(tmp_path / "eval.jsonl")
+    assert [(r["step"], r["label"]) for r in rows] == [(0, "after_sft"), (2, "eval"), (4, "final")]
+    assert rows[1]["success"] == 0.2
+
+
+def test_rollout_threads_under_ray_is_named(caplog):
+    """``rollout.threads`` is the embedded engine count: under Ray a warning says it is ignored (the
+    endpoint check then refuses the bad host, so no Ray starts)."""
+    import logging
+
+    from jax_rl.runtime.ray_runtime import run_train_ray
+
+    cfg = load_config(TINY_CFG, ["runtime=ray", "rollout.threads=3", "runtime.bind_host=not.a.host"])
+    with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"), pytest.raises(ConfigError, match="bind_host"):
+        run_train_ray(cfg)
+    assert any("rollout.threads=3" in r.getMessage() and "ray_workers" in r.getMessage() for r in caplog.records)
