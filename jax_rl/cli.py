@@ -187,7 +187,8 @@ def cmd_plot(args) -> int:
         p = Path(d)
         if not p.exists():
             raise FileNotFoundError(f"run dir not found: {d}")
-        if p.is_dir() and not (p / "metrics.jsonl").is_file():
+        run = p.parent if p.is_file() else p  # a run's metrics.jsonl may be given for its dir
+        if not (run / "metrics.jsonl").is_file():
             print(f"jax-rl: error: {d} holds no metrics.jsonl: not a run dir (give the run.dir of a `jax-rl train`)",
                   file=sys.stderr)
             return 2

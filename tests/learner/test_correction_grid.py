@@ -43,16 +43,24 @@ def test_one_update_kept_denominator(mode):
     _step(mode, keep=False, epochs=1, micro=1)
 
 
-def test_linear_prox_kept_denominator_matches_microbatched():
+def test_linear_prox_one_update_kept_denominator():
     """The smallest config that exposed the crash (``linear_prox``, one update, one microbatch,
-    kept-token denominator: ``loss_denominator needs prox_logp ...``) trains. With one update,
-    the kept-token denominator from the gradient forward (no extra forward) equals the one the microbatched path gets from its no-grad forward (params at step start
-    are the gradient forward's params): same loss and denominator."""
+    kept-token denominator: ``loss_denominator needs prox_logp ...``) trains, and its denominator
+    is the kept set's."""
+    a = _step("linear_prox", keep=False, epochs=1, micro=1)
+    assert a["denominator"] < a["valid_tokens"]  # the mask dropped tokens: the kept set was used
+
+
+@pytest.mark.slow
+def test_linear_prox_kept_denominator_matches_microbatched():
+    """With one update, the kept-token denominator from the gradient forward (no extra forward)
+    equals the one the microbatched path gets from its no-grad forward (the params at the step's
+    start are the gradient forward's params): same loss and denominator."""
     a = _step("linear_prox", keep=False, epochs=1, micro=1)
     b = _step("linear_prox", keep=False, epochs=1, micro=2)
     assert a["denominator"] == pytest.approx(b["denominator"], abs=1e-6)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    assert a["denominator"] < a["valid_tokens"]  # the mask dropped tokens: the kept set was used
+    assert a["denominator"] < a["valid_tokens"]
 
 
 @pytest.mark.slow

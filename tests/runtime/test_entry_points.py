@@ -127,6 +127,8 @@ def test_plot_of_a_dir_without_metrics(tmp_path, capsys):
     assert "holds no metrics.jsonl" in _err(capsys, ["plot", str(tmp_path)])
     assert not (tmp_path / "plots").exists()
     assert "run dir not found" in _err(capsys, ["plot", str(tmp_path / "none")])
+    (tmp_path / "f.txt").write_text("x")  # a file: its dir is the run dir, which has no metrics
+    assert "holds no metrics.jsonl" in _err(capsys, ["plot", str(tmp_path / "f.txt")])
 
 
 @pytest.mark.parametrize("cmd", [["train"], ["train", "--dry-run"], ["sft"], ["eval", "/nonexistent"],
