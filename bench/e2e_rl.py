@@ -374,7 +374,7 @@ def tunix_agentic_parts(task: Task):
     class EnvAgent(ToolAgent):
         def __init__(self, system_prompt: str = "", **kw):
             super().__init__(system_prompt=system_prompt, tool_parser_name="qwen",
-                             tool_map={"calculate": lambda: CalcTool("calculate", "calculator")})
+                             tool_map={"calculate": CalcTool})
             self.tools_prompt = ""
 
         def _init_messages(self, system_prompt: str) -> None:
@@ -387,11 +387,18 @@ def tunix_agentic_parts(task: Task):
             else:
                 super()._observation_to_messages(observation, reward, done, info)
 
+    import threading
+
+    import numpy as np
+
+    lock = threading.Lock()  # Task.score resets one shared env; Tunix steps episodes from several threads
+
     def reward_fn(task: dict, action: str) -> float:
-        return task_obj.score(str(action), int(task["seed"]))
+        with lock:
+            return task_obj.score(str(action), int(np.asarray(task["seed"]).reshape(-1)[0]))
 
     task_obj = task
-    env_kwargs = {"tool_map": {"calculate": lambda: CalcTool("calculate", "calculator")}, "reward_fn": reward_fn,
+    env_kwargs = {"tool_map": {"calculate": CalcTool}, "reward_fn": reward_fn,
                   "max_steps": AGENTIC_TURNS}
     return EnvAgent, ToolEnvironment, env_kwargs, CalcTool
 
@@ -495,7 +502,8 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
     def batches():
         for i in range(steps):
             ss = train_seeds[i * n_prompts:(i + 1) * n_prompts]
-            yield {"question": np.array([env0.reset(s)[0][1]["content"] for s in ss]), "seed": np.array(ss)}
+            qs = np.array([env0.reset(s)[0][1]["content"] for s in ss])
+            yield {"prompts": qs, "question": qs, "seed": np.array(ss)}  # Tunix's learner reads "prompts"
 
     t0 = time.perf_counter()
     learner.train(batches())
