@@ -64,8 +64,27 @@ arm's final checkpoint goes through ``jax-rl export`` first), so both sides are 
 same code; ``gain_per_100s`` = (final - start) / the arm's RL wall seconds (all its steps,
 compiles included) * 100.
 
+Agentic arms (issue 36; ``--arms agentic_k0 tunix_agentic_k0 agentic_k2 tunix_agentic_k2``): the
+calculator env's own 2-turn tool task (a ``calculate`` call, the tool's result, then
+``<answer>N</answer>``; ``rollout.max_turns=2``, at most 80 generated tokens per episode), from a
+second start point SFT'd on the env's tool-using reference solutions. ``agentic_k0`` / ``agentic_k2``:
+``jax-rl train`` colocated at ``async.max_staleness`` 0 / 2; ``tunix_agentic_k0`` / ``tunix_agentic_k2``:
+Tunix's own agentic learner (``tunix.rl.agentic.agentic_grpo_learner.GRPOLearner``,
+``off_policy_steps`` 0 / 2) with its ``ToolAgent`` / ``ToolEnvironment``, the jax-rl env's tool and
+conversation (:func:`tunix_agentic_parts`) and the shared tokenizer's chat rendering (:class:`_ChatParser`),
+8 groups of 8, the same optimizer and loss. Each arm's ratio is against its own reference
+(:data:`REFERENCE`: single-turn arms against ``tunix``, agentic ones against the Tunix agentic arm of the
+same K), per round (:func:`round_ratios`: median over ``--rounds`` with min-max). Tunix's agentic stage
+timer ``gen_s`` sums its concurrent per-episode ``generate`` calls (it is not wall time).
+
+``--size small``: bench/learner_step.py's ``small`` Qwen3 (d=256, 4 layers, 8/4 heads, ff 768) with the
+tool schemas rendered into the system prompt (:data:`SIZES`), for every arm, the SFT and Tunix (which
+loads the exported folder). ``--no-eval`` skips the held-out evaluations (timing only).
+
 A generation probe (:func:`gen_probe`) then splits the generation stage into prefill and decode
-on both sides. At the defaults the whole bench takes about 13 minutes on the 2-core host. When the
+on both sides, and gives the prefill figure: prompts/s of one prefill + 1 token call for 64 prompts
+laid out as a GRPO batch (8 distinct prompts x 8 samples), jax-rl's generator against Tunix's
+``Sampler`` (one batched prefill) at the same shape. At the defaults the whole bench takes about 13 minutes on the 2-core host. When the
 working tree is mid-edit, run the arms from an export: ``git archive HEAD | tar -x -C DIR``, then
 ``--src DIR`` (the script's own ``bench/`` files copied in), with ``BENCH_GIT_COMMIT`` set for the
 record.

@@ -54,6 +54,9 @@ median ``step_time_s`` after them, the median device time of the bare jitted ste
 placement, the host step, metrics to the host)::
 
     .venv/bin/python bench/learner_step.py --fixed-cost 40 [--fixed-lens 40,100] [--fixed-B 64]
+
+``--fetch``: the metrics' trip to the host alone, a dict of 64 device scalars through ``jax.device_get``
+(the learner before issue 36) against one float32 vector (now).
 """
 
 from __future__ import annotations
@@ -376,6 +379,28 @@ def bench_fixed_cost(steps: int, lens: tuple[int, int], B: int, max_seq_len: int
           f"(batch placement alone {statistics.median(place) * 1e3:.1f} ms)")
 
 
+def bench_fetch(n: int = 64, reps: int = 300) -> None:
+    """Metrics to the host: ``jax.device_get`` of a dict of ``n`` device scalars (one transfer each, the
+    learner before issue 36) against ``np.asarray`` of one float32 [n] vector (one transfer, now)."""
+    vals = {f"m{i}": jax.device_put(jnp.float32(i)) for i in range(n)}
+    vec = jax.device_put(jnp.arange(n, dtype=jnp.float32))
+    jax.block_until_ready((vals, vec))
+
+    def per_call(fn) -> float:
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            ts.append((time.perf_counter() - t0) / reps)
+        return statistics.median(ts)
+
+    a = per_call(lambda: {k: float(v) for k, v in jax.device_get(vals).items()})
+    b = per_call(lambda: dict(zip(vals, np.asarray(vec).tolist())))
+    print(f"metrics to the host, {n} scalars: dict via jax.device_get {a * 1e6:.0f} us, one vector {b * 1e6:.0f} us "
+          f"per step (median of 5 x {reps}); {_load()}")
+
+
 def _load() -> str:
     la = os.getloadavg()
     return f"load avg {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} on {os.cpu_count()} cpus"
@@ -400,7 +425,11 @@ def main() -> None:
                     help="only the fixed-cost-per-step run: this many learner steps of varying length (0: off)")
     ap.add_argument("--fixed-lens", default="40,100", help="min,max of the longest row per step (--fixed-cost)")
     ap.add_argument("--fixed-B", type=int, default=64, help="rows per batch (--fixed-cost)")
+    ap.add_argument("--fetch", action="store_true", help="only the metrics-fetch comparison (bench_fetch)")
     args = ap.parse_args()
+    if args.fetch:
+        bench_fetch()
+        return
     if args.fixed_cost:
         lo, hi = (int(x) for x in args.fixed_lens.split(","))
         bench_fixed_cost(args.fixed_cost, (lo, hi), args.fixed_B)
