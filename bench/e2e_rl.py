@@ -64,8 +64,27 @@ arm's final checkpoint goes through ``jax-rl export`` first), so both sides are 
 same code; ``gain_per_100s`` = (final - start) / the arm's RL wall seconds (all its steps,
 compiles included) * 100.
 
+Agentic arms (issue 36; ``--arms agentic_k0 tunix_agentic_k0 agentic_k2 tunix_agentic_k2``): the
+calculator env's own 2-turn tool task (a ``calculate`` call, the tool's result, then
+``<answer>N</answer>``; ``rollout.max_turns=2``, at most 80 generated tokens per episode), from a
+second start point SFT'd on the env's tool-using reference solutions. ``agentic_k0`` / ``agentic_k2``:
+``jax-rl train`` colocated at ``async.max_staleness`` 0 / 2; ``tunix_agentic_k0`` / ``tunix_agentic_k2``:
+Tunix's own agentic learner (``tunix.rl.agentic.agentic_grpo_learner.GRPOLearner``,
+``off_policy_steps`` 0 / 2) with its ``ToolAgent`` / ``ToolEnvironment``, the jax-rl env's tool and
+conversation (:func:`tunix_agentic_parts`) and the shared tokenizer's chat rendering (:class:`_ChatParser`),
+8 groups of 8, the same optimizer and loss. Each arm's ratio is against its own reference
+(:data:`REFERENCE`: single-turn arms against ``tunix``, agentic ones against the Tunix agentic arm of the
+same K), per round (:func:`round_ratios`: median over ``--rounds`` with min-max). Tunix's agentic stage
+timer ``gen_s`` sums its concurrent per-episode ``generate`` calls (it is not wall time).
+
+``--size small``: bench/learner_step.py's ``small`` Qwen3 (d=256, 4 layers, 8/4 heads, ff 768) with the
+tool schemas rendered into the system prompt (:data:`SIZES`), for every arm, the SFT and Tunix (which
+loads the exported folder). ``--no-eval`` skips the held-out evaluations (timing only).
+
 A generation probe (:func:`gen_probe`) then splits the generation stage into prefill and decode
-on both sides. At the defaults the whole bench takes about 13 minutes on the 2-core host. When the
+on both sides, and gives the prefill figure: prompts/s of one prefill + 1 token call for 64 prompts
+laid out as a GRPO batch (8 distinct prompts x 8 samples), jax-rl's generator against Tunix's
+``Sampler`` (one batched prefill) at the same shape. At the defaults the whole bench takes about 13 minutes on the 2-core host. When the
 working tree is mid-edit, run the arms from an export: ``git archive HEAD | tar -x -C DIR``, then
 ``--src DIR`` (the script's own ``bench/`` files copied in), with ``BENCH_GIT_COMMIT`` set for the
 record.
@@ -90,7 +109,26 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "bench" / "e2e_rl.yaml"
-ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2")
+ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2", "agentic_k0", "tunix_agentic_k0", "agentic_k2",
+        "tunix_agentic_k2")
+SINGLE_TURN_ARMS = ARMS[:5]
+# the arm each arm's ratio is taken against (jax-rl / Tunix per RL step)
+REFERENCE = {"jaxrl_k0": "tunix", "jaxrl_k2": "tunix", "roles_k0": "tunix", "roles_k2": "tunix", "tunix": "tunix",
+             "agentic_k0": "tunix_agentic_k0", "agentic_k2": "tunix_agentic_k2",
+             "tunix_agentic_k0": "tunix_agentic_k0", "tunix_agentic_k2": "tunix_agentic_k2"}
+SIZE_ENV = "E2E_RL_SIZE"  # the model size every worker process builds (set by main from --size)
+# --size: jax-rl config overrides on top of bench/e2e_rl.yaml, the same for SFT, every arm and Tunix
+# (Tunix loads the exported HF folder, so it gets the same model). ``small`` is bench/learner_step.py's
+# `small` Qwen3 (d=256, 4 layers, 8/4 heads of 32, ff 768) with the tool schemas rendered in the
+# system prompt (prompts ~3x longer), where compute rather than dispatch dominates a step.
+SIZES = {
+    "tiny": [],
+    "small": ["model.hf_overrides.hidden_size=256", "model.hf_overrides.intermediate_size=768",
+              "model.hf_overrides.num_hidden_layers=4", "model.hf_overrides.num_attention_heads=8",
+              "model.hf_overrides.num_key_value_heads=4", "model.hf_overrides.head_dim=32",
+              "rollout.render_tools=true", "rollout.max_prefill_length=320", "rollout.max_cache_len=400",
+              "optim.max_seq_len=400"],
+}
 HELDOUT_SEED = 1_000_000
 MAX_NEW = 40
 GROUP = 8
@@ -105,12 +143,20 @@ def _src_path(src: Path) -> None:
         sys.path.insert(0, str(src))
 
 
+def size_overrides(size: Optional[str] = None) -> list[str]:
+    """The jax-rl overrides of model size ``size`` (default: ``$E2E_RL_SIZE`` or ``tiny``; :data:`SIZES`)."""
+    size = size or os.environ.get(SIZE_ENV, "tiny")
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r}: one of {sorted(SIZES)}")
+    return list(SIZES[size])
+
+
 def load_cfg(src: Path, overrides: Optional[list] = None):
-    """The bench's jax-rl Config (``bench/e2e_rl.yaml`` of ``src``)."""
+    """The bench's jax-rl Config (``bench/e2e_rl.yaml`` of ``src``, at the size :func:`size_overrides` says)."""
     _src_path(src)
     from jax_rl.config import load_config
 
-    return load_config(src / "bench" / "e2e_rl.yaml", list(overrides or []))
+    return load_config(src / "bench" / "e2e_rl.yaml", size_overrides() + list(overrides or []))
 
 
 def direct_answer_demo(env: Any, seed: int) -> list[dict]:
@@ -149,16 +195,19 @@ class Task:
         return float(min(1.0, max(0.0, r)))
 
 
-def prepare(out: Path, src: Path, sft_steps: int) -> Path:
-    """jax-rl SFT on direct-answer demos (``run_sft``), exported to ``out/hf`` (weights + tokenizer)."""
+def prepare(out: Path, src: Path, sft_steps: int, agentic: bool = False) -> Path:
+    """jax-rl SFT on direct-answer demos (``run_sft``), exported to ``out/hf`` (weights + tokenizer).
+    ``agentic``: on the env's own tool-using demos (a ``calculate`` call, its result, the answer), the
+    start point of the 2-turn arms."""
     _src_path(src)
     from rollout.envs.calculator import CalculatorEnv
 
-    CalculatorEnv.reference_solution = direct_answer_demo  # this process only: demos without the tool
+    if not agentic:
+        CalculatorEnv.reference_solution = direct_answer_demo  # this process only: demos without the tool
     from jax_rl.export import export_checkpoint
     from jax_rl.runtime.train import run_sft
 
-    cfg = load_cfg(src, [f"run.dir={out / 'sft'}", f"sft.steps={sft_steps}"])
+    cfg = load_cfg(src, [f"run.dir={out / 'sft'}", f"sft.steps={sft_steps}"] + (AGENTIC_OVERRIDES if agentic else []))
     run_sft(cfg)
     export_checkpoint(out / "sft", out / "hf")
     return out / "hf"
@@ -302,10 +351,190 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
                           "update_s": r["update_s"], "sync_s": r["sync_s"],
                           "host_s": wall - r["gen_s"] - r["score_s"] - r["update_s"] - r["sync_s"],
                           "reward_mean": r["reward_sum"] / max(r["n"], 1)})
-    ev = heldout_success(cluster.actor_trainer.model, task, qcfg, n_tasks, k)
+    ev = heldout_success(cluster.actor_trainer.model, task, qcfg, n_tasks, k) if n_tasks > 0 else None
     return {"steps": step_rows, "rl_wall_s": t_end - t0, "heldout": ev,
             "should_sync_weights": bool(learner.should_sync_weights),
             "async_rollout": bool(learner.can_enable_async_rollout), "prompt_len_max": P}
+
+
+# ---------------------------------------------------------------------------- the agentic arms (2-turn tool task)
+
+# jax-rl's side of the agentic task: the calculator env's own multi-turn episode, one tool call then the
+# answer (two assistant turns), from a start point SFT'd on the env's tool-using reference solutions
+AGENTIC_TURNS = 2
+AGENTIC_MAX_TOKENS = 80  # generated tokens per episode, both turns together (Tunix: max_response_length)
+AGENTIC_OVERRIDES = [f"rollout.max_turns={AGENTIC_TURNS}", f"rollout.max_tokens_per_episode={AGENTIC_MAX_TOKENS}"]
+
+
+def tunix_agentic_parts(task: Task):
+    """Tunix's agentic classes wired to the bench task (``tunix.rl.agentic``): a ``ToolAgent`` whose
+    conversation is the jax-rl env's own (its system prompt and question, the tool result as a ``tool``
+    message with the env's output, no "Tool returned result:" prefix) and a ``ToolEnvironment`` whose
+    ``calculate`` tool is the jax-rl env's and whose reward is :meth:`Task.score` of the final answer.
+    Returns (agent class, env class, env kwargs, tool class)."""
+    from tunix.rl.agentic.agents.tool_agent import ToolAgent
+    from tunix.rl.agentic.environments.tool_environment import ToolEnvironment
+    from tunix.rl.agentic.tools import base_tool
+
+    env0 = task.env_factory()
+
+    class CalcTool(base_tool.BaseTool):
+        def get_json_schema(self):
+            return {"type": "function", "function": dict(env0.TOOLS[0]["function"])} \
+                if "function" in env0.TOOLS[0] else dict(env0.TOOLS[0])
+
+        def apply(self, **kwargs):
+            try:
+                return base_tool.ToolOutput(name=self.name, output=env0.step({"name": "calculate",
+                                                                               "arguments": kwargs}))
+            except Exception as e:  # a bad expression: the env's error text, as jax-rl's agent shows it
+                return base_tool.ToolOutput(name=self.name, error=str(e))
+
+    class EnvAgent(ToolAgent):
+        def __init__(self, system_prompt: str = "", **kw):
+            super().__init__(system_prompt=system_prompt, tool_parser_name="qwen",
+                             tool_map={"calculate": CalcTool})
+            self.tools_prompt = ""
+
+        def _init_messages(self, system_prompt: str) -> None:
+            self._messages = [{"role": "system", "content": system_prompt or ""}]
+
+        def _observation_to_messages(self, observation, reward, done, info):
+            if isinstance(observation, dict) and "tool_outputs" in observation:
+                for call_id, out in observation["tool_outputs"].items():
+                    self._messages.append({"role": "tool", "tool_call_id": call_id, "content": out or ""})
+            else:
+                super()._observation_to_messages(observation, reward, done, info)
+
+    import threading
+
+    import numpy as np
+
+    lock = threading.Lock()  # Task.score resets one shared env; Tunix steps episodes from several threads
+
+    def reward_fn(task: dict, action: str) -> float:
+        with lock:
+            return task_obj.score(str(action), int(np.asarray(task["seed"]).reshape(-1)[0]))
+
+    task_obj = task
+    env_kwargs = {"tool_map": {"calculate": CalcTool}, "reward_fn": reward_fn,
+                  "max_steps": AGENTIC_TURNS}
+    return EnvAgent, ToolEnvironment, env_kwargs, CalcTool
+
+
+class _ChatParser:
+    """Tunix's chat-template parser interface over the shared tokenizer's own rendering (the same text
+    jax-rl renders: :meth:`Task.prompt`), message by message as Tunix's trajectory engine asks."""
+
+    def __init__(self, tok: Any):
+        from tunix.rl.agentic.parser.chat_template_parser.parser import QwenChatTemplateParser
+
+        class _T:  # the two attributes Qwen's parser reads
+            bos_token, eos_token = "", "<|im_end|>"
+
+        self._q = QwenChatTemplateParser(_T())
+        self.tok = tok
+        self.assistant_token = self._q.tokens.assistant_token
+
+    def parse(self, messages, add_generation_prompt: bool = False, is_first_msg: bool = False) -> str:
+        msgs = [dict(m, role="tool") if m.get("role") == "tool" else m for m in messages]
+        if is_first_msg:
+            return self.tok.render_text(msgs, None, add_generation_prompt=add_generation_prompt)
+        return self._q.parse(msgs, add_generation_prompt=add_generation_prompt, is_first_msg=False)
+
+
+def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int, seed: int = 0) -> dict:
+    """``steps`` RL steps of Tunix's agentic GRPO learner (``tunix.rl.agentic.agentic_grpo_learner``,
+    ``off_policy_steps``) on the 2-turn calculator task from ``hf_dir``, colocated, timed per step like
+    :func:`tunix_run` (``RLCluster.generate`` = generation, every turn's call; ``update_actor``; sync)."""
+    import jax
+    import numpy as np
+    import optax
+    import _tunix as T
+    from jax_rl.models import hf_io
+    from jax_rl.models.tokenizer import load_tokenizer
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.agentic.agentic_grpo_learner import GRPOConfig, GRPOLearner
+    from tunix.rl.rollout import base_rollout
+
+    cfg = load_cfg(src, AGENTIC_OVERRIDES)
+    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
+    task = Task(cfg, tok)
+    qcfg = hf_io.load_config(hf_dir)
+    model = T.load_model(str(hf_dir), qcfg)
+    n_prompts = BATCH // GROUP
+    train_seeds = [cfg.env.train_seed_offset + i for i in range(steps * n_prompts)]
+    P = cfg.rollout.max_cache_len
+    o = cfg.optim
+    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    rollout_cfg = base_rollout.RolloutConfig(
+        max_tokens_to_generate=AGENTIC_MAX_TOKENS, temperature=cfg.rollout.temperature, top_p=1.0, top_k=None,
+        max_prompt_length=P, kv_cache_size=P + AGENTIC_MAX_TOKENS + 8, eos_tokens=list(tok.stop_ids), seed=None,
+        return_logprobs=True)
+    cluster = rlc.RLCluster(
+        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
+        cluster_config=rlc.ClusterConfig(
+            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+            rollout_engine="vanilla", offload_to_cpu=False,
+            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
+            rollout_config=rollout_cfg))
+    agent_cls, env_cls, env_kwargs, _ = tunix_agentic_parts(task)
+    env0 = task.env_factory()
+    system = env0.reset(train_seeds[0])[0][0]["content"]
+    learner = GRPOLearner(
+        cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
+                            loss_agg_mode="token-mean", off_policy_steps=off_policy_steps,
+                            max_response_length=AGENTIC_MAX_TOKENS, system_prompt=system, max_concurrency=BATCH),
+        chat_parser=_ChatParser(tok), agent_class=agent_cls, env_class=env_cls, env_kwargs=env_kwargs)
+    acc = {"gen_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0, "gen_calls": 0}
+    rows: list[dict] = []
+    lock = __import__("threading").Lock()
+
+    def timed(name, fn, after=None):
+        def w(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            with lock:
+                acc[name] += time.perf_counter() - t
+                if after:
+                    after(out, *a, **kw)
+            return out
+        return w
+
+    def on_gen(out, *a, **kw):
+        acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
+        acc["gen_calls"] += 1
+
+    def on_update(out, train_ds, *a, **kw):
+        exs = train_ds if isinstance(train_ds, list) else [train_ds]
+        acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask)) for e in exs))
+        rows.append({"t_end": time.perf_counter(), **acc})
+        for key in acc:
+            acc[key] = 0 if isinstance(acc[key], int) else 0.0
+
+    cluster.generate = timed("gen_s", cluster.generate, on_gen)
+    cluster.update_actor = timed("update_s", cluster.update_actor, on_update)
+    cluster.sync_weights = timed("sync_s", cluster.sync_weights)
+
+    def batches():
+        for i in range(steps):
+            ss = train_seeds[i * n_prompts:(i + 1) * n_prompts]
+            qs = np.array([env0.reset(s)[0][1]["content"] for s in ss])
+            yield {"prompts": qs, "question": qs, "seed": np.array(ss)}  # Tunix's learner reads "prompts"
+
+    t0 = time.perf_counter()
+    learner.train(batches())
+    t_end = time.perf_counter()
+    prev, step_rows = t0, []
+    for i, r in enumerate(rows):
+        wall = r["t_end"] - prev
+        prev = r["t_end"]
+        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
+                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "update_s": r["update_s"],
+                          "sync_s": r["sync_s"], "gen_calls": r["gen_calls"]})
+    return {"steps": step_rows, "rl_wall_s": t_end - t0, "off_policy_steps": off_policy_steps}
 
 
 # ---------------------------------------------------------------------------- the jax-rl arms
@@ -331,6 +560,7 @@ def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: 
               timeout: float) -> dict:
     """One ``jax-rl train`` subprocess of ``arm``; returns its steps and RL wall seconds."""
     k = 2 if arm.endswith("k2") else 0
+    extra = AGENTIC_OVERRIDES if arm.startswith("agentic") else []
     roles = []
     if arm.startswith("roles"):
         cpus = sorted(os.sched_getaffinity(0))
@@ -338,7 +568,8 @@ def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: 
                  f"runtime.rollout_cpus=[{cpus[1 % len(cpus)]}]"]
     cmd = [py, "-m", "jax_rl.cli", "train", str(src / "bench" / "e2e_rl.yaml"), f"model.checkpoint={hf_dir}",
            f"model.tokenizer={hf_dir / 'tokenizer.json'}", "sft.steps=0", f"run.steps={steps}",
-           f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={run_dir}", *roles]
+           f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={run_dir}", *roles, *size_overrides(),
+           *extra]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(src), "RAY_AUTH_MODE": "disabled"}
     t = time.perf_counter()
     with open(str(run_dir) + ".log", "w") as log:
@@ -375,11 +606,20 @@ def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict
         runners[f"jaxrl_{n}"] = ours
         runners[f"tunix_{n}"] = tx
         calls[f"jaxrl_{n}"] = calls[f"tunix_{n}"] = BATCH * n
+    # the prefill figure: a GRPO batch, 8 distinct prompts x 8 samples, prefill + 1 token (prompts/s)
+    runners["jaxrl_grouped"] = RD.ours_runner(qcfg, params, BATCH, prompt_len, 1, cfg.rollout.dtype,
+                                              cfg.model.scan_layers, cfg.rollout.decode_steps, groups=BATCH // GROUP)
+    runners["tunix_grouped"] = RD.tunix_runner(tmodel, qcfg, BATCH, prompt_len, 1, groups=BATCH // GROUP)
+    calls["jaxrl_grouped"] = calls["tunix_grouped"] = BATCH
     res = T.interleaved(runners, rounds, warmup=2)
     out: dict = {k: statistics.median(calls[k] / v for v in vs) for k, vs in res.items()}  # tok/s -> s per call
     for side in ("jaxrl", "tunix"):
         out[f"{side}_prefill_s"] = out[f"{side}_1"]
         out[f"{side}_decode_s_per_token"] = (out[f"{side}_8"] - out[f"{side}_1"]) / 7
+        pps = sorted(res[f"{side}_grouped"])  # 1 new token per prompt: tokens/s = prompts/s
+        out[f"{side}_prefill_prompts_per_s"] = statistics.median(pps)
+        out[f"{side}_prefill_prompts_per_s_range"] = [pps[0], pps[-1]]
+    out["prefill_ratio"] = out["jaxrl_prefill_prompts_per_s"] / out["tunix_prefill_prompts_per_s"]
     out["prompt_len"] = prompt_len
     return out
 
@@ -425,6 +665,26 @@ def arm_summary(runs: list[dict], warmup: int) -> dict:
     return out
 
 
+def round_ratios(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
+    """Per arm, the ratio to its reference arm (:data:`REFERENCE`: Tunix's learner of the same task) round
+    by round: reference median s/step / the arm's median s/step over the steps after ``warmup``, of the
+    runs of the same round (rounds interleave the arms, so a round's two runs saw about the same load).
+    Returns ``{arm: {"rounds": [...], "median", "min", "max"}}`` for the arms whose reference ran."""
+    out: dict[str, dict] = {}
+    for arm, rs in runs.items():
+        ref = {r["round"]: r for r in runs.get(REFERENCE.get(arm, ""), [])}
+        xs = []
+        for r in rs:
+            if r["round"] in ref:
+                mine = med([s["wall_s"] for s in r["steps"][warmup:]])
+                theirs = med([s["wall_s"] for s in ref[r["round"]]["steps"][warmup:]])
+                if mine and theirs:
+                    xs.append(theirs / mine)
+        if xs:
+            out[arm] = {"rounds": xs, "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -434,7 +694,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per arm run")
     ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
     ap.add_argument("--rounds", type=int, default=2, help="times the arm sequence is repeated")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=list(SINGLE_TURN_ARMS), choices=ARMS,
+                    help="single-turn arms (default) and the agentic ones: agentic_k0/agentic_k2 (jax-rl, 2-turn "
+                         "tool task) against tunix_agentic_k0/tunix_agentic_k2 (Tunix's agentic GRPO learner, "
+                         "off_policy_steps 0/2)")
+    ap.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (SIZES)")
+    ap.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations (timing only)")
     ap.add_argument("--eval-tasks", type=int, default=64)
     ap.add_argument("--eval-k", type=int, default=4)
     ap.add_argument("--sft-steps", type=int, default=300)
@@ -452,71 +717,100 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
     src = Path(a.src).resolve()
+    os.environ[SIZE_ENV] = a.size  # every worker and jax-rl arm builds this size
     stamp = dt.datetime.now(dt.timezone.utc)
     out = Path(a.out) if a.out else ROOT / "runs" / f"e2e_rl-{stamp:%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     import _tunix as T
 
-    print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; "
+    print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; size {a.size}; "
           f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
     hf = out / "base" / "hf"
-    if not (hf / "model.safetensors").exists():
-        t = time.perf_counter()
-        _sub(["_prepare", str(out / "base"), str(src), str(a.sft_steps)], a.run_timeout, out / "prepare.log")
-        print(f"prepared {hf} (SFT {a.sft_steps} steps on direct-answer demos) in {time.perf_counter() - t:.0f} s",
-              flush=True)
-    base = _sub(["_eval", str(hf), str(src), str(a.eval_tasks), str(a.eval_k)], a.run_timeout, out / "eval_base.log")
-    print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
+    hf_agentic = out / "base_agentic" / "hf"
+    for want, d, kind in ((any(x in SINGLE_TURN_ARMS for x in a.arms), hf, "direct-answer"),
+                          (any(x not in SINGLE_TURN_ARMS for x in a.arms), hf_agentic, "agentic")):
+        if want and not (d / "model.safetensors").exists():
+            t = time.perf_counter()
+            _sub(["_prepare", str(d.parent), str(src), str(a.sft_steps), kind], a.run_timeout,
+                 out / f"prepare_{kind}.log")
+            print(f"prepared {d} (SFT {a.sft_steps} steps on {kind} demos) in {time.perf_counter() - t:.0f} s",
+                  flush=True)
+    base = {"success": None}
+    if not a.no_eval and any(x in SINGLE_TURN_ARMS for x in a.arms):
+        base = _sub(["_eval", str(hf), str(src), str(a.eval_tasks), str(a.eval_k)], a.run_timeout,
+                    out / "eval_base.log")
+        print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
     runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
     for rnd in range(a.rounds):
         for arm in a.arms:
             load0 = os.getloadavg()
             rd = out / f"{arm}_r{rnd}"
             if arm == "tunix":
-                rec = _sub(["_tunix", str(hf), str(src), str(a.steps), str(a.eval_tasks), str(a.eval_k)],
+                rec = _sub(["_tunix", str(hf), str(src), str(a.steps), str(a.eval_tasks if not a.no_eval else 0),
+                            str(a.eval_k)], a.run_timeout, Path(str(rd) + ".log"))
+            elif arm.startswith("tunix_agentic"):
+                rec = _sub(["_tunix_agentic", str(hf_agentic), str(src), str(a.steps), "2" if arm.endswith("k2") else "0"],
                            a.run_timeout, Path(str(rd) + ".log"))
             else:
-                rec = jaxrl_run(arm, hf, src, rd, a.steps, a.jax_rl_python, a.seed, a.run_timeout)
-                rec["heldout"] = _sub(["_evalrun", str(rd), str(src), str(a.eval_tasks), str(a.eval_k)],
-                                      a.run_timeout, Path(str(rd) + ".eval.log"))
+                rec = jaxrl_run(arm, hf_agentic if arm.startswith("agentic") else hf, src, rd, a.steps,
+                                a.jax_rl_python, a.seed, a.run_timeout)
+                if not a.no_eval and arm in SINGLE_TURN_ARMS:
+                    rec["heldout"] = _sub(["_evalrun", str(rd), str(src), str(a.eval_tasks), str(a.eval_k)],
+                                          a.run_timeout, Path(str(rd) + ".eval.log"))
             rec.update({"arm": arm, "round": rnd, "load_before": list(load0), "load_after": list(os.getloadavg())})
             runs[arm].append(rec)
             w = [s["wall_s"] for s in rec["steps"][a.warmup:]]
-            print(f"  round {rnd} {arm:9s} median {med(w):.3f} s/step over {len(w)} steps, RL wall "
-                  f"{rec['rl_wall_s']:.1f} s, held-out {rec['heldout']['success']:.3f}, load "
+            ho = (rec.get("heldout") or {}).get("success")
+            print(f"  round {rnd} {arm:16s} median {med(w):.3f} s/step over {len(w)} steps, RL wall "
+                  f"{rec['rl_wall_s']:.1f} s, held-out {'-' if ho is None else f'{ho:.3f}'}, load "
                   f"{load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
     probe = None
     if a.gen_probe_rounds > 0:
         P = max((r.get("prompt_len_max") for rs in runs.values() for r in rs if r.get("prompt_len_max")), default=48)
-        probe = _sub(["_genprobe", str(hf), str(src), str(P), str(a.gen_probe_rounds)], a.run_timeout,
+        probe_hf = hf if (hf / "model.safetensors").exists() else hf_agentic
+        probe = _sub(["_genprobe", str(probe_hf), str(src), str(P), str(a.gen_probe_rounds)], a.run_timeout,
                      out / "genprobe.log")
         print(f"generation probe (64 prompts of {P} tokens, s per call, median of {a.gen_probe_rounds}): "
               f"prefill+1 token jax-rl {probe['jaxrl_1']:.3f} / Tunix {probe['tunix_1']:.3f}; 8 tokens jax-rl "
               f"{probe['jaxrl_8']:.3f} / Tunix {probe['tunix_8']:.3f}; decode per token jax-rl "
               f"{probe['jaxrl_decode_s_per_token'] * 1e3:.1f} ms / Tunix {probe['tunix_decode_s_per_token'] * 1e3:.1f} ms",
               flush=True)
+        jr, tr = probe["jaxrl_prefill_prompts_per_s_range"], probe["tunix_prefill_prompts_per_s_range"]
+        print(f"prefill (64 prompts = {BATCH // GROUP} groups of {GROUP}, {P} tokens, prefill + 1 token, prompts/s, "
+              f"median [min-max] of {a.gen_probe_rounds}): jax-rl {probe['jaxrl_prefill_prompts_per_s']:.0f} "
+              f"[{jr[0]:.0f}-{jr[1]:.0f}] / Tunix batched prefill {probe['tunix_prefill_prompts_per_s']:.0f} "
+              f"[{tr[0]:.0f}-{tr[1]:.0f}] = {probe['prefill_ratio']:.2f}x (target >= 1.5x)", flush=True)
     summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if rs}
     for s in summ.values():
-        if s.get("heldout_final") is not None:
+        if s.get("heldout_final") is not None and base.get("success") is not None:
             s["heldout_gain_per_100s"] = (s["heldout_final"] - base["success"]) / s["rl_wall_s"] * 100
-    tx = summ.get("tunix")
-    print(f"\n{'arm':9s} {'s/step':>7s} {'gen tok/s':>9s} {'train tok/s':>11s} {'x Tunix (s/step)':>16s} "
-          f"{'gen':>6s} {'score':>6s} {'wait':>6s} {'update':>6s} {'sync':>6s} {'host':>6s} {'held-out':>8s} "
-          f"{'gain/100s':>9s}")
+    rr = round_ratios(runs, a.warmup)
+    print(f"\n{'arm':16s} {'s/step':>7s} {'gen tok/s':>9s} {'train tok/s':>11s} {'x ref (s/step)':>14s} "
+          f"{'per round [min-max]':>20s} {'gen':>6s} {'score':>6s} {'wait':>6s} {'update':>6s} {'sync':>6s} "
+          f"{'host':>6s} {'held-out':>8s}")
     for arm, s in summ.items():
-        ratio = tx["wall_s"] / s["wall_s"] if tx else None
+        ref = summ.get(REFERENCE[arm])
+        ratio = ref["wall_s"] / s["wall_s"] if ref else None
+        s["reference"] = REFERENCE[arm]
         s["ratio_vs_tunix"] = ratio
-        if tx:
-            s["gen_tok_s_ratio"] = s["gen_tok_s"] / tx["gen_tok_s"]
-            s["trained_tok_s_ratio"] = s["trained_tok_s"] / tx["trained_tok_s"]
+        s["round_ratios"] = rr.get(arm)
+        if ref:
+            s["gen_tok_s_ratio"] = s["gen_tok_s"] / ref["gen_tok_s"]
+            s["trained_tok_s_ratio"] = s["trained_tok_s"] / ref["trained_tok_s"]
         f = lambda key: f"{s[key]:6.3f}" if s.get(key) is not None else f"{'-':>6s}"  # noqa: E731
-        print(f"{arm:9s} {s['wall_s']:7.3f} {s['gen_tok_s']:9.0f} {s['trained_tok_s']:11.0f} "
-              f"{(f'{ratio:.2f}x' if ratio else '-'):>16s} {f('gen_s')} {f('score_s')} {f('wait_s')} {f('update_s')} "
-              f"{f('sync_s')} {f('host_s')} {s['heldout_final']:8.3f} {s.get('heldout_gain_per_100s', 0):9.4f}")
-    if tx and "jaxrl_k0" in summ:
-        r = summ["jaxrl_k0"]["ratio_vs_tunix"]
-        print(f"\nK=0 colocated: jax-rl / Tunix per RL step = {r:.2f}x (target >= 1.5x: "
-              f"{'met' if r >= 1.5 else f'missed by {1.5 - r:.2f}x'}); {T.machine_load()}")
+        q = rr.get(arm)
+        per = f"{q['median']:.2f}x [{q['min']:.2f}-{q['max']:.2f}]" if q else "-"
+        ho = s.get("heldout_final")
+        print(f"{arm:16s} {s['wall_s']:7.3f} {s['gen_tok_s']:9.0f} {s['trained_tok_s']:11.0f} "
+              f"{(f'{ratio:.2f}x' if ratio else '-'):>14s} {per:>20s} {f('gen_s')} {f('score_s')} {f('wait_s')} "
+              f"{f('update_s')} {f('sync_s')} {f('host_s')} {('-' if ho is None else f'{ho:.3f}'):>8s}")
+    for arm, target in (("jaxrl_k0", 1.5), ("agentic_k0", 1.5), ("agentic_k2", 2.0)):
+        q = rr.get(arm)
+        if q:
+            print(f"{arm} / {REFERENCE[arm]} per RL step, median of {len(q['rounds'])} round(s): {q['median']:.2f}x "
+                  f"[{q['min']:.2f}-{q['max']:.2f}] (target >= {target}x: "
+                  f"{'met' if q['median'] >= target else 'missed'})")
+    print(T.machine_load())
     record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_end": T.machine_load(),
               "cpu_count": os.cpu_count(), "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git(ROOT),
               "src": str(src), "tunix": T.version(), "args": vars(a), "start_heldout": base, "gen_probe": probe, "summary": summ,
@@ -540,8 +834,11 @@ def _git(root: Path) -> Optional[str]:
 def _worker(argv: list[str]) -> int:
     mode, rest = argv[0], argv[1:]
     if mode == "_prepare":
-        prepare(Path(rest[0]), Path(rest[1]), int(rest[2]))
+        prepare(Path(rest[0]), Path(rest[1]), int(rest[2]), agentic=len(rest) > 3 and rest[3] == "agentic")
         res: dict = {"ok": True}
+    elif mode == "_tunix_agentic":
+        _src_path(Path(rest[1]))
+        res = tunix_agentic_run(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]))
     elif mode == "_eval":
         _src_path(Path(rest[1]))
         res = eval_hf(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]))

@@ -43,6 +43,20 @@ row are the prompt (no loss), the rest the completion; both optimizers are
 host metrics, in this one process; it prints median [min-max] step seconds and the ratio.
 
     /work/bench-venv/bin/python bench/learner_step.py --configs small --tunix-configs small --rounds 5
+
+Fixed cost per step (``--fixed-cost N``, issue 36; no torch or Tunix needed): ``N`` learner steps of
+the ``tiny`` model (``loss.correction=ppo``) on batches shaped like ``bench/e2e_rl.py``'s (B=64 rows,
+the runtime's :func:`jax_rl.batch.collate`), whose longest row varies from step to step (uniform in
+``--fixed-lens``, default 40-100 tokens: a prompt of ~43 plus 0-60 generated). It prints the train-step
+programs compiled over the run (one per distinct padded length T) and the seconds they took, the
+median ``step_time_s`` after them, the median device time of the bare jitted step at the same shape
+(dispatch + compute, blocked) and the difference, the learner's host-side fixed cost (validation,
+placement, the host step, metrics to the host)::
+
+    .venv/bin/python bench/learner_step.py --fixed-cost 40 [--fixed-lens 40,100] [--fixed-B 64]
+
+``--fetch``: the metrics' trip to the host alone, a dict of 64 device scalars through ``jax.device_get``
+(the learner before issue 36) against one float32 vector (now).
 """
 
 from __future__ import annotations
@@ -297,6 +311,101 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
     print(f"{name:10} load after: {_tunix.machine_load()}\n")
 
 
+def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[dict]:
+    """B trajectories of a prompt of ``prompt`` tokens plus generated ones, the longest ``longest``
+    tokens (as the runtime hands :func:`jax_rl.batch.collate`)."""
+    out = []
+    for i in range(B):
+        n = longest if i == 0 else int(rng.integers(min(prompt + 1, longest), longest + 1))
+        lm = np.arange(n) >= min(prompt, n - 1)
+        out.append({"tokens": rng.integers(1, V, n).astype(np.int32), "loss_mask": lm,
+                    "behav_logp": np.where(lm, -np.log(V), 0.0).astype(np.float32),
+                    "versions": np.where(lm, 0, -1).astype(np.int32), "turn_ids": np.where(lm, 0, -1).astype(np.int32)})
+    return out
+
+
+def bench_fixed_cost(steps: int, lens: tuple[int, int], B: int, max_seq_len: int = 256) -> None:
+    """The learner's fixed cost per step and its compiles over a run of varying lengths (module doc)."""
+    from jax_rl.batch import LearnerBatch, collate
+
+    cfg = _cfg({**CONFIGS["tiny"], "scan_layers": True}, "ppo", B, max_seq_len)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+    lrn = Learner(cfg, mesh=mesh)
+    V = lrn.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    times, shapes, first = [], [], {}
+    for i in range(steps):
+        trajs = _rl_trajectories(rng, V, B, int(rng.integers(lens[0], lens[1] + 1)))
+        for t in trajs:
+            t["versions"] = np.where(t["loss_mask"], lrn.version, -1).astype(np.int32)
+        adv = rng.normal(size=B).astype(np.float32)
+        b = collate(trajs, adv, cfg.optim.max_seq_len)
+        m = lrn.train_step(b)
+        T = int(m.get("padded_len", b["tokens"].shape[1]))
+        times.append(m["step_time_s"])
+        shapes.append(T)
+        first.setdefault(T, i)
+    warm = [t for i, t in enumerate(times) if i not in first.values()]
+    med_step = statistics.median(warm) if warm else float("nan")
+    compile_s = sum(times[i] - med_step for i in first.values())
+    # at the last batch's shape, interleaved: the whole train_step (host batch in, host metrics out)
+    # and the bare jitted step (dispatch + device compute, blocked, metrics left on the device)
+    bb = lrn._bucketed(b) if hasattr(lrn, "_bucketed") else b
+    dev, r = lrn.device_batch(bb, process_local=False)
+    fn = lrn.train_step_fn(r)
+    whole, bare = [], []
+    for _ in range(max(5, steps // 3)):
+        b["versions"] = np.where(b["loss_mask"], lrn.version, -1).astype(np.int32)
+        whole.append(lrn.train_step(b)["step_time_s"])
+        t0 = time.perf_counter()
+        with jax.set_mesh(lrn.mesh):
+            lrn.state, out = fn(lrn.state, LearnerBatch.from_dict(dev))
+        jax.block_until_ready(out)
+        bare.append(time.perf_counter() - t0)
+    med_whole, med_bare = statistics.median(whole), statistics.median(bare)
+    place = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        d2, _ = lrn.device_batch(bb, process_local=False)
+        jax.block_until_ready(d2)
+        place.append(time.perf_counter() - t0)
+    print(f"fixed cost: tiny model, ppo, B={B}, longest row uniform in {lens[0]}-{lens[1]} tokens, {steps} steps, "
+          f"optim.max_seq_len={max_seq_len}; {_load()}")
+    print(f"  padded lengths seen: {sorted(set(shapes))} -> {len(first)} train-step program(s) compiled, "
+          f"{compile_s:.1f} s over the median step")
+    print(f"  step_time_s median {med_step * 1e3:.1f} ms over the {len(warm)} steps after the compiles (mixed T)")
+    print(f"  at T={shapes[-1]}, {len(whole)} interleaved rounds: train_step {med_whole * 1e3:.1f} ms, bare jitted step "
+          f"{med_bare * 1e3:.1f} ms -> host-side fixed cost {(med_whole - med_bare) * 1e3:.1f} ms per step "
+          f"(batch placement alone {statistics.median(place) * 1e3:.1f} ms)")
+
+
+def bench_fetch(n: int = 64, reps: int = 300) -> None:
+    """Metrics to the host: ``jax.device_get`` of a dict of ``n`` device scalars (one transfer each, the
+    learner before issue 36) against ``np.asarray`` of one float32 [n] vector (one transfer, now)."""
+    vals = {f"m{i}": jax.device_put(jnp.float32(i)) for i in range(n)}
+    vec = jax.device_put(jnp.arange(n, dtype=jnp.float32))
+    jax.block_until_ready((vals, vec))
+
+    def per_call(fn) -> float:
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            ts.append((time.perf_counter() - t0) / reps)
+        return statistics.median(ts)
+
+    a = per_call(lambda: {k: float(v) for k, v in jax.device_get(vals).items()})
+    b = per_call(lambda: dict(zip(vals, np.asarray(vec).tolist())))
+    print(f"metrics to the host, {n} scalars: dict via jax.device_get {a * 1e6:.0f} us, one vector {b * 1e6:.0f} us "
+          f"per step (median of 5 x {reps}); {_load()}")
+
+
+def _load() -> str:
+    la = os.getloadavg()
+    return f"load avg {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} on {os.cpu_count()} cpus"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="tiny,small")
@@ -312,7 +421,19 @@ def main() -> None:
                     help="configs for the jax-rl vs Tunix GRPO rows (comma list; empty: none)")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row in the Tunix comparison")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds in the Tunix comparison")
+    ap.add_argument("--fixed-cost", type=int, default=0,
+                    help="only the fixed-cost-per-step run: this many learner steps of varying length (0: off)")
+    ap.add_argument("--fixed-lens", default="40,100", help="min,max of the longest row per step (--fixed-cost)")
+    ap.add_argument("--fixed-B", type=int, default=64, help="rows per batch (--fixed-cost)")
+    ap.add_argument("--fetch", action="store_true", help="only the metrics-fetch comparison (bench_fetch)")
     args = ap.parse_args()
+    if args.fetch:
+        bench_fetch()
+        return
+    if args.fixed_cost:
+        lo, hi = (int(x) for x in args.fixed_lens.split(","))
+        bench_fixed_cost(args.fixed_cost, (lo, hi), args.fixed_B)
+        return
     scans = []
     for v in args.scan_layers.split(","):
         if v not in ("true", "false"):

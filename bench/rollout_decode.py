@@ -108,8 +108,19 @@ def _prompts(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(1, vocab, prompt_len)] for _ in range(n)]
 
 
-def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=True, decode_steps=1):
-    """A callable: one ``Generator.generate`` of ``slots`` prompts -> generated tokens/s."""
+def grouped_prompts(slots: int, prompt_len: int, vocab: int, groups: int = 0) -> list:
+    """``slots`` random prompts of ``prompt_len`` ids; ``groups`` > 0: ``groups`` distinct prompts, each
+    repeated ``slots // groups`` times in a row (a GRPO batch: 64 = 8 groups of 8)."""
+    if not groups:
+        return _prompts(slots, prompt_len, vocab)
+    if slots % groups:
+        raise ValueError(f"{slots} slots do not split into {groups} groups")
+    return [p for p in _prompts(groups, prompt_len, vocab) for _ in range(slots // groups)]
+
+
+def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=True, decode_steps=1, groups=0):
+    """A callable: one ``Generator.generate`` of ``slots`` prompts -> generated tokens/s
+    (``groups``: :func:`grouped_prompts`)."""
     from rollout.engine import Qwen3Engine
     from rollout.generator import Generator
 
@@ -117,7 +128,7 @@ def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=T
                       max_prefill_length=prompt_len, dtype=dtype, temperature=1.0,
                       model_kwargs=dict(scan_layers=scan_layers, attention="auto"))
     gen = Generator(eng, decode_steps=decode_steps)
-    prompts = _prompts(slots, prompt_len, cfg.vocab_size)
+    prompts = grouped_prompts(slots, prompt_len, cfg.vocab_size, groups)
     seed = [0]
 
     def run() -> float:
@@ -205,9 +216,11 @@ def hf_runner(model, slots, prompt_len, new_tokens, vocab):
     return run
 
 
-def tunix_runner(tmodel, cfg, slots, prompt_len, new_tokens):
+def tunix_runner(tmodel, cfg, slots, prompt_len, new_tokens, groups=0):
+    """A callable: one Tunix ``Sampler`` call (batched prefill + decode loop) of ``slots`` prompts ->
+    generated tokens/s (``groups``: :func:`grouped_prompts`)."""
     sampler = _tunix.make_sampler(tmodel, cfg, cache_size=prompt_len + new_tokens)
-    prompts = _prompts(slots, prompt_len, cfg.vocab_size)
+    prompts = grouped_prompts(slots, prompt_len, cfg.vocab_size, groups)
     seed = [0]
 
     def run() -> float:

@@ -8,8 +8,8 @@ from typing import Any, Mapping, Optional, Sequence
 import flax
 import numpy as np
 
-__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "collate", "pad_rows",
-           "validate_batch"]
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
+           "pad_len", "pad_rows", "seq_buckets", "validate_batch"]
 
 
 class BatchError(ValueError):
@@ -91,6 +91,70 @@ def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False,
     if routes is not None:
         fields["routes"] = jax.ShapeDtypeStruct(tuple(shape) + tuple(routes[0]), routes[1], sharding=sharding)
     return LearnerBatch.from_dict(fields)
+
+
+MIN_BUCKET = 16
+"""The smallest default length bucket (:func:`seq_buckets`)."""
+
+
+def seq_buckets(max_seq_len: int, buckets: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """The padded lengths T a learner batch may take (``optim.seq_len_buckets``), ascending.
+
+    Args:
+        max_seq_len: ``optim.max_seq_len``; always the last bucket, so every valid batch fits.
+        buckets: the configured lengths (each in [1, max_seq_len]); None: the powers of two from
+            :data:`MIN_BUCKET` and their 1.5x midpoints below ``max_seq_len``, then ``max_seq_len``
+            (512 -> 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512: eleven shapes where 16-token
+            multiples would be 32; a batch is padded by less than half its length, so at most a
+            third of the padded learner tokens are padding).
+
+    Raises:
+        BatchError: a configured length outside [1, max_seq_len].
+    """
+    M = int(max_seq_len)
+    if buckets is None:
+        out, n = [], MIN_BUCKET
+        while n < M:
+            out.append(n)
+            if n * 3 // 2 < M:
+                out.append(n * 3 // 2)
+            n *= 2
+        return tuple(out) + (M,)
+    bad = [int(b) for b in buckets if not 1 <= int(b) <= M]
+    if bad:
+        raise BatchError(f"optim.seq_len_buckets {bad} outside [1, optim.max_seq_len={M}]")
+    return tuple(sorted({int(b) for b in buckets} | {M}))
+
+
+def bucket_len(T: int, buckets: Sequence[int]) -> int:
+    """The smallest of ``buckets`` (ascending, :func:`seq_buckets`) that holds ``T`` tokens.
+
+    Raises:
+        BatchError: ``T`` above the largest bucket (``optim.max_seq_len``).
+    """
+    for b in buckets:
+        if b >= T:
+            return int(b)
+    raise BatchError(f"batch has T={T} > optim.max_seq_len={buckets[-1]} (over-long sequences)")
+
+
+def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Right-pad every [B, T0, ...] field of a (validated) batch to ``T`` >= T0 columns with inert
+    values: ``tokens`` ``pad_id``, ``versions`` / ``turn_ids`` / ``routes`` -1, masks False, floats 0
+    (no loss, no gradient, no metric token; attention never reaches a padded key). Returns ``batch``
+    itself when T0 == T.
+
+    Raises:
+        BatchError: ``T`` < T0.
+    """
+    T0 = int(np.shape(batch["tokens"])[1])
+    if T < T0:
+        raise BatchError(f"pad_len: batch has T={T0} columns, more than the {T} asked for")
+    if T == T0:
+        return batch
+    fill = {"tokens": pad_id, "versions": -1, "turn_ids": -1, "routes": -1}
+    return {k: np.pad(v, ((0, 0), (0, T - T0)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=fill.get(k, 0))
+            for k, v in batch.items()}
 
 
 def pad_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> dict[str, np.ndarray]:

@@ -12,7 +12,8 @@ on the mode's name.
 :meth:`Learner.train_step` metrics (python floats): the policy-loss metrics
 (:func:`jax_rl.losses.policy_loss`, combined over microbatches, averaged over the updates of the
 call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``, ``loss_tokens``,
-``step_time_s`` (wall seconds, host included), ``tokens_per_s``, ``updates``,
+``padded_len`` (the T the step ran at: the batch's length padded to its ``optim.seq_len_buckets``
+bucket), ``step_time_s`` (wall seconds, host included), ``tokens_per_s``, ``updates``,
 ``nonfinite_updates``, ``version``, ``step``, ``skipped``, ``skipped_steps``,
 ``nonfinite_streak`` (consecutive all-non-finite calls), the strategy's own (the EWMA strategy:
 ``nonfinite_ewma``, ``ewma_reset``, ``ewma_beta``, ``ewma_streak``, ``ewma_retained``,
@@ -22,6 +23,14 @@ forwards this step: 0 under ``old_logits.route=dedicated``, whose batches arrive
 ``old_logp``; :attr:`Learner.old_logit_forwards` sums them), under ``moe.routing_replay`` r2/r3
 ``routing_agreement`` / ``routing_pairs`` (:mod:`jax_rl.train_step`). After ``optim.max_skipped_steps`` consecutive calls whose every update was
 skipped as non-finite, :class:`NonFiniteTrainingError` is raised (also for SFT; 0 = never).
+
+Fixed cost per step (issue 36): a batch [B, T] is padded to the smallest of ``optim.seq_len_buckets``
+(default powers of two up to ``optim.max_seq_len``, :func:`jax_rl.batch.seq_buckets`) that holds T,
+so a run compiles one train-step program per bucket it meets, not one per distinct T; the jitted step
+computes the train-infer factor once per step (:func:`jax_rl.train_step.train_infer_once`) and returns
+every metric in one float32 vector, fetched in one device -> host transfer
+(:class:`jax_rl.train_step.PackedStep`); the version and optimizer step are then known on the host
+without another transfer.
 
 Multi-process (TPU pods, or CPU processes with gloo collectives): call
 :func:`initialize_distributed` (done by :class:`Learner` when ``runtime.coordinator`` /
@@ -45,7 +54,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl import checkpoint as ckpt
-from jax_rl.batch import BATCH_FIELDS, BatchError, LearnerBatch, collate, validate_batch
+from jax_rl.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
+                          validate_batch)
 from jax_rl.config import Config, config_hash
 from jax_rl.correction import host_inputs
 from jax_rl.learner_spec import learner_batch_spec, learner_spec, scorer_placement
@@ -111,7 +121,9 @@ class Learner:
         self.minibatches = int(cfg.optim.minibatches)
         self.ppo_epochs = int(cfg.optim.ppo_epochs)
         self.microbatches = int(cfg.optim.microbatches)
+        self.seq_buckets = seq_buckets(cfg.optim.max_seq_len, cfg.optim.seq_len_buckets)
         self.skipped_steps = 0
+        self._counters: tuple = (None, 0, 0)  # ((the state's version, step arrays), version, step) on the host
         self.old_logit_forwards = 0  # old-logit forwards the learner ran itself (snapshot route), this session
         self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
@@ -205,15 +217,37 @@ class Learner:
     # ---------------------------------------------------------------------------------
     # setup helpers and properties
     # ---------------------------------------------------------------------------------
+    def _host_counters(self) -> tuple[int, int]:
+        """(version, step) of the current state: from the last train step's metrics while the state is
+        the one it returned (no device -> host transfer), else read from the state."""
+        arrs, v, st = self._counters
+        if arrs is None or arrs[0] is not self.state.version or arrs[1] is not self.state.step:
+            v, st = int(self.state.version), int(self.state.step)
+            self._counters = ((self.state.version, self.state.step), v, st)
+        return v, st
+
     @property
     def version(self) -> int:
         """Published versions so far (params after n published updates are version n)."""
-        return int(self.state.version)
+        return self._host_counters()[0]
 
     @property
     def step(self) -> int:
         """Optimizer updates applied so far."""
-        return int(self.state.step)
+        return self._host_counters()[1]
+
+    def padded_len(self, T: int) -> int:
+        """The length a batch of ``T`` columns is padded to: the smallest ``optim.seq_len_buckets``
+        bucket that holds it (:func:`jax_rl.batch.bucket_len`).
+
+        Raises:
+            BatchError: ``T`` > ``optim.max_seq_len``.
+        """
+        return bucket_len(int(T), self.seq_buckets)
+
+    def _bucketed(self, b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``b`` with its columns padded to :meth:`padded_len` (inert padding, :func:`jax_rl.batch.pad_len`)."""
+        return pad_len(dict(b), self.padded_len(np.shape(b["tokens"])[1]))
 
     @property
     def params(self) -> Any:
@@ -295,13 +329,15 @@ class Learner:
     # the train step
     # ---------------------------------------------------------------------------------
     def train_step_fn(self, r: int):
-        """The jitted train step for batches with ``r`` rows per chunk (built once per ``r``)."""
+        """The jitted train step for batches with ``r`` rows per chunk (built once per ``r``; one
+        compiled program per padded length T): a :class:`jax_rl.train_step.PackedStep`,
+        ``(state, LearnerBatch [U,m,r,T]) -> (state, metrics vector)``."""
         key = ("train", r)
         if key not in self._steps:
             self._steps[key] = make_train_step(
                 self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
                 state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r),
-                routing=self.routing)
+                routing=self.routing, packed_metrics=True)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:
@@ -346,6 +382,7 @@ class Learner:
         )
         self._check_routes(b)
         b.pop("prox_logp", None)
+        b = self._bucketed(b)
         b, n_loss = self.placement.sync_global(b)
         if n_loss == 0:
             self.skipped_steps += 1
@@ -360,17 +397,21 @@ class Learner:
         if self.strategy.needs_exact:  # the learner's own old-logit forwards (0 under route=dedicated)
             old_stats.setdefault("old_logits_forwards", 0.0)
             self.old_logit_forwards += int(old_stats["old_logits_forwards"])
+        fn, lb = self.train_step_fn(r), LearnerBatch.from_dict(dev)
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self.train_step_fn(r)(self.state, LearnerBatch.from_dict(dev))
+            self.state, vec = fn(self.state, lb)
         if self.store is not None:
             self.store.put(g + 1, self.state.params)
             old_stats["old_logits_bytes"] = float(self.store.nbytes)
             old_stats["old_logits_versions"] = float(len(self.store))
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out = fn.metrics(lb, vec)  # every metric in one device -> host transfer
+        opt_step = int(out.pop("opt_step"))
+        self._counters = ((self.state.version, self.state.step), g + 1, opt_step)
         out.update(old_stats)
         dt = time.perf_counter() - t0
         out.update(step_time_s=dt, tokens_per_s=out["tokens"] / max(dt, 1e-9), version=float(g + 1),
-                   step=float(self.step), skipped=0.0, skipped_steps=float(self.skipped_steps))
+                   step=float(opt_step), skipped=0.0, skipped_steps=float(self.skipped_steps),
+                   padded_len=float(b["tokens"].shape[1]))
         self._note_nonfinite(out, "train_step", int(out["updates"]), g + 1)
         return out
 
@@ -431,6 +472,8 @@ class Learner:
         sub = {"tokens": tok.astype(np.int32), "attention_mask": np.asarray(batch["attention_mask"], bool)}
         if self.routing.forces_rollout_routes and batch.get("routes") is not None:  # r3: forced routes
             sub["routes"] = np.asarray(batch["routes"])
+        if T <= self.seq_buckets[-1] and jax.process_count() == 1:  # the train step's length buckets
+            sub = self._bucketed(sub)
         U, m = self.minibatches, self.microbatches
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
         dev, r = self.device_batch(sub, process_local=False, U=U, m=m)
@@ -439,7 +482,7 @@ class Learner:
                                         dev["attention_mask"])
         if jax.process_count() > 1:
             return out
-        return np.asarray(out).reshape(B, T)
+        return np.asarray(out).reshape(B, -1)[:, :T]
 
     def loss_and_grads(self, batch: Mapping[str, Any]) -> tuple[float, Any, dict]:
         """Loss, grads (an ``nnx.State`` like the params, sharded like them) and metrics of the
@@ -452,7 +495,7 @@ class Learner:
         if self.strategy.needs_exact:
             b["prox_logp"] = b.pop("old_logp", b["behav_logp"])
         b.pop("old_logp", None)
-        dev, r = self.device_batch(b, process_local=False)
+        dev, r = self.device_batch(self._bucketed(b), process_local=False)
         key = ("grads", r)
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,

@@ -268,7 +268,8 @@ def _agg_parts(denom_mask: jax.Array, cfg: LossConfig):
     raise ValueError(f"loss.agg={agg!r} must be one of {_AGGS}")  # pragma: no cover
 
 
-def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=None, turn_ids=None) -> jax.Array:
+def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=None, turn_ids=None,
+                     train_infer: Optional[TrainInfer] = None) -> jax.Array:
     """The normaliser Z of the FULL batch, to pass as ``policy_loss(..., denominator=Z)``.
 
     token_mean: the number of denominator tokens (valid tokens if
@@ -282,6 +283,8 @@ def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=N
         prox_logp, behav_logp: float [B, T]; required when ``keep_masked_in_denominator`` is
             False (the kept set depends on them).
         turn_ids: int [B, T], needed for level ``turn`` with keep_masked_in_denominator False.
+        train_infer: the :func:`train_infer_factor` of these inputs, already computed (its ``kept``
+            [B, T] is used instead of recomputing it; prox/behav are then not needed).
 
     Returns:
         fp32 scalar (may be 0 for an empty batch; policy_loss then returns 0).
@@ -292,6 +295,9 @@ def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=N
     _check_2d("loss_mask", loss_mask)
     if cfg.keep_masked_in_denominator:
         denom_mask = jnp.asarray(loss_mask, bool)
+    elif train_infer is not None:
+        _check_2d("train_infer.kept", train_infer.kept, tuple(jnp.shape(loss_mask)))
+        denom_mask = train_infer.kept
     else:
         if prox_logp is None or behav_logp is None:
             raise ValueError(
@@ -321,6 +327,7 @@ def policy_loss(
     denominator=None,
     entropy=None,
     truncated: bool = False,
+    train_infer: Optional[TrainInfer] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled PPO loss with a separate train-infer factor (see the module docstring).
 
@@ -342,6 +349,10 @@ def policy_loss(
         truncated: static; the log-probs are under top-k/top-p truncated sampling: ``-inf``
             logp / prox at a valid token means outside the learner's kept set (masked, counted
             in ``masked_trunc_outside`` / ``trunc_outside_frac``; see the module docstring).
+        train_infer: :func:`train_infer_factor` of exactly these ``prox_logp``, ``behav_logp``,
+            ``loss_mask`` (and ``turn_ids``), already computed: the train step computes it once per
+            step over the whole batch (none of its inputs moves during the updates) and hands each
+            microbatch its rows; None computes it here. Same result either way (it is per row).
 
     Returns:
         (loss fp32 scalar, metrics dict of fp32 scalars; keys documented in the module
@@ -357,7 +368,11 @@ def policy_loss(
         _check_2d(name, x, shape)
     if (versions is None) != (current_version is None):
         raise ValueError("versions and current_version must be given together")
-    ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
+    if train_infer is None:
+        ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
+    else:
+        ti = train_infer
+        _check_2d("train_infer.kept", ti.kept, shape)
     valid, usable, kept = ti.valid, ti.usable, ti.kept
     M = float(cfg.max_log_ratio)
     pg_ok = usable  # tokens whose policy term can be computed

@@ -5,7 +5,9 @@ shardings, the state donated), built once per batch layout, as purejaxrl's ``mak
 One call does everything for one published version:
 
 1. pi_prox: ``strategy.prox_logp`` (:mod:`jax_rl.correction`; it may update its own state, e.g.
-   the EWMA reset, effective for this step).
+   the EWMA reset, effective for this step), and from it the train-infer factor pi_prox/mu of the
+   whole batch, once (:func:`train_infer_once`; a strategy that derives pi_prox from the gradient
+   forward, ``linear_prox`` with one update, has each microbatch compute its own).
 2. ``optim.ppo_epochs x optim.minibatches`` optimizer updates (``lax.scan``), each over
    ``optim.microbatches`` gradient-accumulation microbatches (``lax.scan``). Normalisation is
    global: every microbatch's loss is divided by the minibatch's
@@ -50,7 +52,7 @@ from jax_rl.correction import Correction, tree_finite, tree_where
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
 
-__all__ = ["TrainState", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
+__all__ = ["TrainState", "PackedStep", "train_infer_once", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
            "make_grads_fn", "make_logprob_step", "make_route_fn", "routing_agreement", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
 
 
@@ -257,15 +259,31 @@ def chunked(logprobs, *, with_routes: bool = True) -> Callable[..., jax.Array]:
     return chunk_logprobs
 
 
+def train_infer_once(loss_cfg, prox: jax.Array, b: LearnerBatch) -> losses.TrainInfer:
+    """The train-infer factor pi_prox/mu of a whole chunked batch, once per step
+    (:func:`jax_rl.losses.train_infer_factor` over its rows; every leaf [U, m, r, T], the
+    ``catastrophic_row`` [U, m, r]). pi_prox (computed before the updates), mu, the masks and turn ids
+    do not move during the step's ``ppo_epochs x minibatches`` updates, so every update and
+    microbatch takes its rows of this one result instead of recomputing it; the factor is per row, so
+    the values are those of a per-microbatch computation."""
+    shape = b.tokens.shape
+    T = shape[-1]
+    f = lambda x: x.reshape(-1, T)  # noqa: E731
+    ti = losses.train_infer_factor(f(prox), f(b.behav_logp), f(b.loss_mask), loss_cfg, turn_ids=f(b.turn_ids))
+    return jax.tree.map(lambda x: x.reshape(shape[:-1] + x.shape[1:]), ti)
+
+
 def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: LearnerBatch, prox, g,
-                     moe: bool = False):
+                     moe: bool = False, ti: Optional[losses.TrainInfer] = None):
     """Loss, grads and combined metrics of one minibatch ([m, r, T] arrays), accumulated over its
     m microbatches with the minibatch's global denominator. ``moe``: also count the gradient
-    forward's MoE capacity drops (``moe_dropped_copies``, ``moe_copies``, ``moe_dropped_frac``)."""
+    forward's MoE capacity drops (``moe_dropped_copies``, ``moe_copies``, ``moe_dropped_frac``).
+    ``ti``: the minibatch's rows of the step's train-infer factor (:func:`train_infer_once`; leaves
+    [m, r, T]); None: each microbatch computes its own (pi_prox derived from the gradient forward)."""
     lc = cfg.loss
     truncated = truncates(cfg.rollout.top_k, cfg.rollout.top_p)
     m, r, T = mb.tokens.shape
-    f2 = lambda x: x.reshape(m * r, T)  # noqa: E731
+    f2 = lambda x: x.reshape((m * r,) + x.shape[2:])  # noqa: E731  [m, r, ...] -> [m*r, ...]
     if prox is None and not lc.keep_masked_in_denominator:
         # the kept-token denominator needs pi_prox, which this mode makes only inside the gradient
         # forward (``micro_prox``, e.g. linear_prox with one update per step); with one microbatch
@@ -278,9 +296,10 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         denom = losses.loss_denominator(
             f2(mb.loss_mask), lc, prox_logp=None if prox is None else f2(prox),
             behav_logp=f2(mb.behav_logp), turn_ids=f2(mb.turn_ids),
+            train_infer=None if ti is None else jax.tree.map(f2, ti),
         )
 
-    def micro_loss(p, x: LearnerBatch, prox_j):
+    def micro_loss(p, x: LearnerBatch, prox_j, ti_j):
         with_ent = lc.entropy_coef != 0.0  # entropy bonus: one pass over the same logits
         out = logprobs(p, x.tokens, x.attention_mask, return_entropy=with_ent, routes=x.routes,
                        return_moe_drops=moe)
@@ -292,7 +311,7 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         loss, metr = losses.policy_loss(
             logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
             turn_ids=x.turn_ids, versions=x.versions, current_version=g,
-            old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated,
+            old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated, train_infer=ti_j,
         )
         if moe:
             metr = dict(metr, moe_dropped_copies=lax.stop_gradient(dropped),
@@ -302,17 +321,18 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     vg = jax.value_and_grad(micro_loss, has_aux=True)
 
     def body(acc, xs):
-        x, prox_j = xs
-        (loss, metr), grads = vg(params, x, prox_j)
+        x, prox_j, ti_j = xs
+        (loss, metr), grads = vg(params, x, prox_j, ti_j)
         acc_g, acc_l = acc
         acc_g = jax.tree.map(jnp.add, acc_g, grads)
         return (acc_g, acc_l + loss), metr
 
     if m == 1:
-        (loss, metr), grads = vg(params, mb.map(lambda v: v[0]), None if prox is None else prox[0])
+        first = lambda v: None if v is None else jax.tree.map(lambda a: a[0], v)  # noqa: E731
+        (loss, metr), grads = vg(params, mb.map(lambda v: v[0]), first(prox), first(ti))
     else:
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox))
+        (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox, ti))
         metr = losses.combine_metrics(metr)
     return loss, grads, _with_moe_frac(metr) if moe else metr
 
@@ -338,7 +358,7 @@ def _route_chunk(graphdef, rest: Any, routing: RoutingReplay):
 
 def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
                     state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None,
-                    routing: RoutingReplay = RoutingReplay()):
+                    routing: RoutingReplay = RoutingReplay(), packed_metrics: bool = False):
     """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
 
     Args:
@@ -350,6 +370,8 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         routing: the routing-replay policy (:class:`jax_rl.routing_replay.RoutingReplay`: the
             MoE's expert count, 0 for a dense model, and ``moe.routing_replay``); an MoE step also
             counts the gradient forward's capacity drops.
+        packed_metrics: return a :class:`PackedStep` whose metrics are one float32 vector (what the
+            learner fetches: one transfer per step) instead of a dict of scalars.
     """
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(logprobs)
@@ -362,13 +384,15 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         prox_routes, b, route_metrics = routing.step_routes(route_chunk, params0, b)
         prox_chunk = lambda p, t, a: chunk(p, t, a, prox_routes)  # noqa: E731
         prox, cstate, extra = strategy.prox_logp(prox_chunk, params0, state.correction, b, g)
+        ti = None if prox is None else train_infer_once(cfg.loss, prox, b)  # once per step, not per update
         U = b.tokens.shape[0]
 
         def one_update(carry, i):
             params, opt_state, step = carry
             take = lambda x: None if x is None else lax.dynamic_index_in_dim(x, i % U, 0, keepdims=False)  # noqa: E731
             loss, grads, metr = _minibatch_grads(cfg, strategy, logprobs, params, b.map(take), take(prox), g,
-                                                 moe=routing.num_experts > 0)
+                                                 moe=routing.num_experts > 0,
+                                                 ti=None if ti is None else jax.tree.map(take, ti))
             gnorm = optax.tree.norm(grads)
             updates, new_opt = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -397,11 +421,56 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         metrics["updates"] = jnp.float32(n_up)
         new_state = TrainState(params=params, opt_state=opt_state, correction=cstate, version=g + 1,
                                step=opt_step, rng=jax.random.split(state.rng)[0])
+        if packed_metrics:  # one float32 vector: one device -> host transfer for every metric
+            metrics["opt_step"] = opt_step
+            names = tuple(sorted(metrics))
+            metric_names[jax.tree.structure(b)] = names
+            return new_state, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
         return new_state, metrics
 
     rep = NamedSharding(mesh, P())
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, rep),
-                   donate_argnums=(0,))
+    metric_names: dict = {}
+    fn = jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, rep),
+                 donate_argnums=(0,))
+    return PackedStep(fn, metric_names) if packed_metrics else fn
+
+
+class PackedStep:
+    """A jitted train step (:func:`make_train_step` with ``packed_metrics``) whose metrics come back as
+    ONE float32 vector [n_metrics] (one device -> host transfer per step, where a dict of ~60 scalars
+    is ~60): ``(state, batch) -> (state, vector)``; :meth:`metrics` turns the fetched vector into the
+    dict. ``lower`` is the jitted function's (AOT).
+
+    Its entries are the step's metrics sorted by name, plus ``opt_step`` (the applied optimizer
+    updates after the step, so the host needs no second transfer for ``TrainState.step``). The names
+    depend on which optional batch fields are present (``old_logp``, ``routes``, ...), so they are
+    recorded per batch structure when the step is traced.
+    """
+
+    def __init__(self, jitted, names: dict):
+        self._jit = jitted
+        self._names = names
+
+    def __call__(self, state: TrainState, batch: LearnerBatch):
+        return self._jit(state, batch)
+
+    def lower(self, *args, **kwargs):
+        return self._jit.lower(*args, **kwargs)
+
+    def names(self, batch: LearnerBatch) -> tuple[str, ...]:
+        """The vector's keys for a batch of ``batch``'s structure (after a call traced it).
+
+        Raises:
+            KeyError: no batch of this structure was traced yet.
+        """
+        return self._names[jax.tree.structure(batch)]
+
+    def metrics(self, batch: LearnerBatch, vector: Any) -> dict[str, float]:
+        """``{name: python float}`` of a step's vector (``np.asarray`` of it: the one transfer)."""
+        import numpy as np
+
+        vals = np.asarray(vector).tolist()
+        return dict(zip(self.names(batch), vals))
 
 
 def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: Any, param_shardings: Any,

@@ -28,3 +28,54 @@ def test_jaxrl_steps_and_arm_summary(e2e, tmp_path):
     assert s["timed_steps"] == 2 and s["wall_s"] == pytest.approx(1.5)
     assert s["gen_tok_s"] == pytest.approx((60 + 100) / 2) and s["trained_tok_s"] == pytest.approx((320 + 500) / 2)
     assert s["heldout_final"] == 0.25 and s["rl_wall_s"] == 12.0
+
+
+def _run(arm, rnd, walls):
+    return {"arm": arm, "round": rnd, "steps": [{"wall_s": w} for w in walls]}
+
+
+def test_round_ratios_pair_each_arm_with_its_reference_round_by_round(e2e):
+    runs = {
+        "tunix": [_run("tunix", 0, [9, 1.0, 1.0]), _run("tunix", 1, [9, 2.0, 2.0]), _run("tunix", 2, [9, 1.5, 1.5])],
+        "jaxrl_k0": [_run("jaxrl_k0", 0, [9, 0.5, 0.5]), _run("jaxrl_k0", 1, [9, 2.0, 2.0]),
+                     _run("jaxrl_k0", 2, [9, 1.0, 1.0])],
+        "agentic_k2": [_run("agentic_k2", 0, [9, 1.0])],  # its reference (tunix_agentic_k2) did not run
+        "tunix_agentic_k0": [_run("tunix_agentic_k0", 0, [9, 3.0])],
+        "agentic_k0": [_run("agentic_k0", 0, [9, 1.0]), _run("agentic_k0", 1, [9, 1.0])],  # round 1 unpaired
+    }
+    rr = e2e.round_ratios(runs, warmup=1)
+    assert rr["jaxrl_k0"]["rounds"] == pytest.approx([2.0, 1.0, 1.5])
+    assert (rr["jaxrl_k0"]["median"], rr["jaxrl_k0"]["min"], rr["jaxrl_k0"]["max"]) == pytest.approx((1.5, 1.0, 2.0))
+    assert rr["tunix"]["rounds"] == pytest.approx([1.0, 1.0, 1.0])
+    assert rr["agentic_k0"]["rounds"] == pytest.approx([3.0])
+    assert "agentic_k2" not in rr
+    assert {e2e.REFERENCE[a] for a in e2e.ARMS} == {"tunix", "tunix_agentic_k0", "tunix_agentic_k2"}
+
+
+def test_sizes_and_the_agentic_task_are_valid_configs(e2e, monkeypatch):
+    from jax_rl.models.qwen3 import get_preset  # noqa: F401 (the preset table the overrides apply to)
+    from tests.bench_module import ROOT
+
+    monkeypatch.setenv(e2e.SIZE_ENV, "small")
+    cfg = e2e.load_cfg(ROOT, e2e.AGENTIC_OVERRIDES)
+    hf = cfg.model.hf_overrides
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["head_dim"]) == (256, 4, 32)
+    assert cfg.rollout.max_turns == e2e.AGENTIC_TURNS == 2 and cfg.rollout.render_tools
+    assert cfg.rollout.max_cache_len <= cfg.optim.max_seq_len
+    monkeypatch.setenv(e2e.SIZE_ENV, "tiny")
+    tiny = e2e.load_cfg(ROOT)
+    assert tiny.rollout.max_turns == 1 and "hidden_size" not in tiny.model.hf_overrides
+    with pytest.raises(ValueError, match="--size"):
+        e2e.size_overrides("huge")
+
+
+def test_grouped_prompts_are_a_grpo_batch():
+    from tests.bench_module import load_bench
+
+    rd = load_bench("rollout_decode")
+    ps = rd.grouped_prompts(64, 12, 100, groups=8)
+    assert len(ps) == 64 and all(len(p) == 12 for p in ps)
+    assert len({tuple(p) for p in ps}) == 8 and all(ps[8 * g] == ps[8 * g + 7] for g in range(8))
+    assert len({tuple(p) for p in rd.grouped_prompts(16, 12, 100)}) == 16
+    with pytest.raises(ValueError, match="groups"):
+        rd.grouped_prompts(64, 12, 100, groups=7)

@@ -272,9 +272,22 @@ class OptimConfig(_Section):
     """Optimizer updates per epoch (each on 1/minibatches of the batch)."""
     max_seq_len: int = Field(512, ge=8)
     """Longest trajectory (tokens) the learner accepts; batches are padded to a bucket <= this."""
+    seq_len_buckets: Optional[list[int]] = None
+    """Padded lengths T a learner batch may take (the learner pads each batch to the smallest that fits,
+    so at most one train-step program per length is compiled; ``max_seq_len`` is always one of them).
+    null = powers of two from 16 and their 1.5x midpoints (16, 24, 32, 48, 64, 96, ...) up to ``max_seq_len``, then ``max_seq_len`` itself (``jax_rl.batch.seq_buckets``);
+    ``[N]`` with N = ``max_seq_len``: one shape, as Tunix pads every batch to prompt + completion length."""
     max_skipped_steps: int = Field(10, ge=0)
     """Stop the run (NonFiniteTrainingError) after this many consecutive learner steps (RL or SFT) in
     which every optimizer update was skipped as non-finite (loss, grad norm or updated params); 0 = never stop."""
+
+    @model_validator(mode="after")
+    def _buckets(self) -> "OptimConfig":
+        if self.seq_len_buckets is not None:
+            bad = [n for n in self.seq_len_buckets if not 1 <= n <= self.max_seq_len]
+            if bad:
+                raise ValueError(f"optim.seq_len_buckets {bad} outside [1, optim.max_seq_len={self.max_seq_len}]")
+        return self
 
 
 class LossConfig(_Section):
