@@ -382,7 +382,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def build_env_factory(cfg: Config) -> Callable[[], Any]:
+def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
     """A zero-argument env factory for ``env``, checked by building one env (and, for
     ``calculator``, each reasoning-gym dataset with its ``env.dataset_config``).
 
@@ -393,11 +393,35 @@ def build_env_factory(cfg: Config) -> Callable[[], Any]:
     from rollout.envs import env_factory_from_config
 
     _check_env(cfg)
+    if cfg.env.name == "tau2":
+        return _tau2_env_factory(cfg, user_simulator_factory)
     factory = env_factory_from_config(cfg.env, cfg.rollout)
     try:
         factory()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"env.{'retail' if cfg.env.name == 'retail' else 'dataset_config'}: {e}") from None
+    return factory
+
+
+def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model`` needs the served user model's
+    factory (until the runtime has built it, a ticket-mode env stands in for prompt checks)."""
+    from rollout.envs import env_factory_from_config
+    from rollout.envs.tau2 import load_domain
+
+    try:
+        load_domain(cfg.env.tau2.domain)
+    except ImportError as e:
+        raise ConfigError(f"env.name=tau2: {e}") from None
+    env_cfg = cfg.env
+    if cfg.env.tau2.user == "model" and user_simulator_factory is None:
+        env_cfg = cfg.env.model_copy(update={"tau2": cfg.env.tau2.model_copy(update={"user": "ticket"})})
+    try:
+        factory = env_factory_from_config(env_cfg, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
+                                          user_simulator_factory=user_simulator_factory)
+        factory()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.tau2: {e}") from None
     return factory
 
 
@@ -410,6 +434,8 @@ def _check_env(cfg: Config) -> None:
         return f"; did you mean '{prefix}{m[0]}'?" if m else ""
 
     env = cfg.env
+    if env.name == "tau2":  # its knobs are checked by its schema and by building one env
+        return
     if env.name == "retail":
         from rollout.envs import RetailEnv
         from rollout.envs.base import BaseEnv

@@ -407,13 +407,9 @@ class Tau2Env(BaseEnv):
         self.seed = int(seed)
         self._seed_latency(self.seed)
         self.task, self.split = self.dom.task_for_seed(self.seed, self.eval_seed_offset)
-        env = self.dom.constructor(solo_mode=self.solo)
         init = self.task.initial_state
         history = list(copy.deepcopy(init.message_history)) if init is not None and init.message_history else []
-        env.set_state(initialization_data=init.initialization_data if init else None,
-                      initialization_actions=init.initialization_actions if init else None,
-                      message_history=history)
-        self._env = env
+        self._env = None  # built on first use (_environment): a demonstration from the cache needs none
         self._t0 = time.time()
         self.trajectory: list[Any] = list(history)  # tau² messages (what evaluate_simulation reads)
         self.conversation: list[dict] = []  # the user's view: [{"role": "agent"|"user", "content"}]
@@ -444,6 +440,20 @@ class Tau2Env(BaseEnv):
     def _tools(self) -> dict[str, Any]:  # dispatch goes through tau²'s Environment (step)
         raise NotImplementedError
 
+    def _environment(self) -> Any:
+        """The episode's tau² ``Environment``: the domain's constructor (a fresh DB) with the task's initial
+        state applied as tau²'s orchestrator applies it (initialization data, actions, message history)."""
+        if self._env is None:
+            if self.task is None:
+                raise RuntimeError("call reset(seed) first")
+            init = self.task.initial_state
+            env = self.dom.constructor(solo_mode=self.solo)
+            env.set_state(initialization_data=init.initialization_data if init else None,
+                          initialization_actions=init.initialization_actions if init else None,
+                          message_history=list(copy.deepcopy(init.message_history or [])) if init else [])
+            self._env = env
+        return self._env
+
     def step(self, tool_call: dict) -> str:
         """Run one parsed call ``{"name", "arguments"}`` through tau²'s ``Environment.get_response``.
 
@@ -453,7 +463,7 @@ class Tau2Env(BaseEnv):
         """
         from tau2.data_model.message import AssistantMessage, ToolCall
 
-        if self._env is None:
+        if self.task is None:
             raise RuntimeError("call reset(seed) first")
         if not isinstance(tool_call, dict):
             raise ToolError("a tool call must be a JSON object with 'name' and 'arguments'")
@@ -467,7 +477,7 @@ class Tau2Env(BaseEnv):
         self._sleep()
         self._n_calls += 1
         tc = ToolCall(id=f"jr_call_{self._n_calls}", name=name, arguments=args, requestor="assistant")
-        resp = self._env.get_response(tc)
+        resp = self._environment().get_response(tc)
         self.trajectory += [AssistantMessage(role="assistant", tool_calls=[tc]), resp]
         out = resp.content or ""
         if resp.error:
@@ -565,8 +575,14 @@ class Tau2Env(BaseEnv):
         """The task's ground-truth actions played through :meth:`step` (real tool outputs), then a
         final message stating the task's ``communicate_info``. Every action is called by the agent
         (in solo mode the agent holds the user-device tools; elsewhere the packaged gold actions are
-        the agent's). The messages follow ``reset(seed)``'s."""
+        the agent's). The messages follow ``reset(seed)``'s. A task's demonstration is played once per
+        process and then copied from a cache (the env is then left as ``reset`` left it)."""
         self.reset(seed)
+        key = (self.domain, self.solo, self.max_tool_output_chars, self.task.id)
+        with _demo_lock:
+            cached = _DEMOS.get(key)
+        if cached is not None:
+            return copy.deepcopy(cached)
         crit = self.task.evaluation_criteria
         msgs: list[dict] = []
         for a in (crit.actions if crit is not None else None) or []:
@@ -580,4 +596,10 @@ class Tau2Env(BaseEnv):
         info = list((crit.communicate_info if crit is not None else None) or [])
         final = ("Done. " + " ".join(str(x) for x in info)).strip() if info else "Your request has been handled."
         msgs.append({"role": "assistant", "content": final})
+        with _demo_lock:
+            _DEMOS[key] = copy.deepcopy(msgs)
         return msgs
+
+
+_DEMOS: dict[tuple, list[dict]] = {}
+_demo_lock = threading.Lock()
