@@ -474,6 +474,7 @@ class Tau2Config(_Section):
     max_tool_output_chars: int = Field(16000, ge=1)
     """A longer tool output is cut for the model (counted); the evaluator sees it whole."""
     user_model: Tau2UserModelConfig = Field(default_factory=Tau2UserModelConfig)
+    """env.tau2.user=model: the served user simulator model."""
 
     @model_validator(mode="after")
     def _user_model_domain(self) -> "Tau2Config":
