@@ -26,6 +26,8 @@ __all__ = [
     "build_tokenizer",
     "build_model_config",
     "build_env_factory",
+    "Tau2UserModel",
+    "start_tau2_user_model",
     "check_mesh",
     "check_kv_cache",
     "kv_cache_bytes",
@@ -403,9 +405,37 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     return factory
 
 
+class Tau2UserModel:
+    """``env.tau2.user=model``: the user simulator's served model, bound late.
+
+    The env factory exists before the learner (the tokenizer and the prompt checks need it), so the
+    factory holds this handle and :func:`start_tau2_user_model` binds the user model's generator once
+    the policy's model is built. Until then (BPE corpus, SFT demonstrations, prompt checks: no episode
+    runs) each env gets a :class:`rollout.envs.tau2.TicketUser` (the ticket / scenario as the opening);
+    after :meth:`bind`, a :class:`rollout.envs.tau2.ModelUser` over the bound generator.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.generator: Any = None
+        self.tokenizer: Any = None
+
+    def bind(self, generator: Any, tokenizer: Any) -> None:
+        self.generator, self.tokenizer = generator, tokenizer
+
+    def __call__(self) -> Any:
+        from rollout.envs.tau2 import ModelUser, TicketUser
+
+        if self.generator is None:
+            return TicketUser()
+        um = self.cfg.env.tau2.user_model
+        return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens, max_context=um.max_context,
+                         timeout_s=self.cfg.rollout.episode_timeout_s)
+
+
 def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
-    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model`` needs the served user model's
-    factory (until the runtime has built it, a ticket-mode env stands in for prompt checks)."""
+    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
+    handle (the factory's ``user_model`` attribute) unless one is given."""
     from rollout.envs import env_factory_from_config
     from rollout.envs.tau2 import load_domain
 
@@ -413,16 +443,58 @@ def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
         load_domain(cfg.env.tau2.domain)
     except ImportError as e:
         raise ConfigError(f"env.name=tau2: {e}") from None
-    env_cfg = cfg.env
-    if cfg.env.tau2.user == "model" and user_simulator_factory is None:
-        env_cfg = cfg.env.model_copy(update={"tau2": cfg.env.tau2.model_copy(update={"user": "ticket"})})
+    handle = None
+    if cfg.env.tau2.user == "model":
+        if cfg.runtime.kind == "ray":
+            raise ConfigError("env.tau2.user=model runs its user model in the embedded runtime only; use runtime=embedded "
+                              "or env.tau2.user=ticket")
+        if user_simulator_factory is None:
+            user_simulator_factory = handle = Tau2UserModel(cfg)
     try:
-        factory = env_factory_from_config(env_cfg, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
+        factory = env_factory_from_config(cfg.env, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
                                           user_simulator_factory=user_simulator_factory)
         factory()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"env.tau2: {e}") from None
+    if handle is not None:
+        factory.user_model = handle
     return factory
+
+
+def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any) -> Any:
+    """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
+    frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
+    ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
+    It runs on the eval engine's devices (the first rollout engine's mesh), at ``rollout.temperature``,
+    with ``rollout.slots`` slots, and never receives a publish. The caller stops it.
+
+    Raises:
+        ConfigError: the checkpoint does not load, or its vocabulary is smaller than the tokenizer's.
+    """
+    handle = getattr(env_factory, "user_model", None)
+    if handle is None:
+        return None
+    um = cfg.env.tau2.user_model
+    mc, params = model_config, None
+    if um.checkpoint:
+        from jax_rl.model_builder import resolve_model_config
+        from jax_rl.runtime.context import _load_hf_params
+
+        ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": um.checkpoint,
+                                                                             "hf_overrides": {}})})
+        try:
+            mc = resolve_model_config(ucfg.model, check_tensors=True)
+        except Exception as e:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: {e}") from None
+        if mc.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: vocab_size {mc.vocab_size} < the "
+                              f"tokenizer's {tokenizer.vocab_size} (the user model shares the policy's tokenizer)")
+        params, _ = _load_hf_params(ucfg, mc)
+    else:
+        params = learner.rollout_params()
+    gen = build_generator(cfg, mc, params, version=0)
+    handle.bind(gen, tokenizer)
+    return gen
 
 
 def _check_env(cfg: Config) -> None:
