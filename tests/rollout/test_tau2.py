@@ -366,3 +366,41 @@ def test_two_step_train_on_tau2_mock(tmp_path):
     assert [r["step"] for r in rows if "step" in r][-1] == 2
     ev = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert ev and "tau2/avg@1" in ev[-1] and np.isfinite(ev[-1]["avg@1"])
+
+
+def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
+    from jax_rl.config import load_config
+    from jax_rl.config.schema import ConfigError
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from jax_rl.runtime import components as C
+    from rollout.envs.tau2 import ModelUser
+
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"])
+    factory = C.build_env_factory(cfg)
+    handle = factory.user_model
+    env = factory()
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == env.task.ticket  # unbound: demonstrations / prompt checks use the ticket
+    tok = compact_tokenizer()
+    gen = _Gen(tok, ["I need the Important Meeting task."])
+    handle.bind(gen, tok)
+    env = factory()
+    assert isinstance(env.user, ModelUser)
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == "I need the Important Meeting task." and gen.n == 1
+    with pytest.raises(ConfigError, match="runtime=embedded"):
+        C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_step_train_with_the_served_user_model(tmp_path):
+    """user=model: a frozen copy of the starting weights answers as the user (a real engine), end to end."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "jax_rl.cli", "train", "configs/tau2_mock.yaml", "run.steps=2",
+                        "sft.steps=2", "env.tau2.user=model", "env.tau2.max_user_turns=2",
+                        "env.tau2.user_model.max_new_tokens=32", f"run.dir={run}"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 2
