@@ -324,8 +324,10 @@ def test_no_network_connection_is_opened():
     """Import tau², replay a task and run its evaluator with every socket connect and DNS lookup refused."""
     code = r"""
 import socket
-def refuse(*a, **k):
-    raise RuntimeError("network call: %r" % (a,))
+ATTEMPTS = []
+def refuse(*a, **k):  # a library that swallows the error is still caught: every attempt is recorded
+    ATTEMPTS.append(repr(a)[:200])
+    raise OSError("network call refused by the test: %r" % (a,))
 socket.socket.connect = refuse
 socket.socket.connect_ex = refuse
 socket.getaddrinfo = refuse
@@ -335,12 +337,13 @@ env = Tau2Env(domain="mock")
 demo = env.reference_solution(0)
 r, info = env.score(demo[-1]["content"])
 print("REWARD", r)
+print("ATTEMPTS", len(ATTEMPTS), ATTEMPTS[:3])
 """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("LITELLM_LOCAL_MODEL_COST_MAP", None)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "REWARD 1.0" in p.stdout
+    assert "REWARD 1.0" in p.stdout and "ATTEMPTS 0 []" in p.stdout, p.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------- slow
