@@ -750,7 +750,33 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
         "episode_len_mean": float(np.mean([len(t) for t in trajs])),
         "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
     })
+    if cfg.env.name == "tau2":  # the agentic workload's shape (issue 38): per-episode means over the batch
+        row.update(tau2_episode_stats(trajs))
     return row
+
+
+def tau2_episode_stats(trajs) -> dict:
+    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
+    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
+    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
+    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
+    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
+    infos = [t.info or {} for t in trajs]
+
+    def mean(f) -> float:
+        return float(np.mean([f(i) for i in infos])) if infos else 0.0
+
+    return {
+        "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
+        "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
+        "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
+        "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
+        "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
+        "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
+        "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
+        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
+        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
+    }
 
 
 # Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.

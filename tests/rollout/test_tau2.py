@@ -407,3 +407,22 @@ def test_two_step_train_with_the_served_user_model(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r][-1] == 2
+
+
+def test_tau2_episode_stats_are_means_of_the_episode_info():
+    from jax_rl.runtime.components import tau2_episode_stats
+    from rollout.types import Trajectory
+
+    def traj(**info):
+        z = np.zeros(3, np.int32)
+        return Trajectory(tokens=z, loss_mask=z.astype(bool), behav_logp=z.astype(np.float32), versions=z, turn_ids=z,
+                          reward=0.0, group_id=0, env="tau2", seed=0, info=info)
+
+    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10,
+                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25),
+                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, turn_starts=[20], gen_s=3.0,
+                                 tool_s=1.5)])
+    assert s == {"episode_turns_mean": 3.0, "episode_user_turns_mean": 0.5, "episode_tool_calls_mean": 2.0,
+                 "episode_tool_errors_mean": 0.5, "episode_prompt_len_mean": 15.0,
+                 "episode_submitted_tokens_mean": 30.0, "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.0,
+                 "episode_user_s_mean": 0.125}
