@@ -458,7 +458,7 @@ class Tau2UserModelConfig(_Section):
     max_new_tokens: int = Field(256, ge=1)
     """Tokens per user turn."""
     max_context: int = Field(8192, ge=16)
-    """A user-side prompt longer than this ends the episode as a user stop."""
+    """A user-side prompt longer than this (or than rollout.max_cache_len) ends the episode as a user stop."""
 
 
 class Tau2Config(_Section):

@@ -429,7 +429,9 @@ class Tau2UserModel:
         if self.generator is None:
             return TicketUser()
         um = self.cfg.env.tau2.user_model
-        return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens, max_context=um.max_context,
+        # the user model's engine has the policy's rollout.max_cache_len
+        return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
+                         max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
                          timeout_s=self.cfg.rollout.episode_timeout_s)
 
 
