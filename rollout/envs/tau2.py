@@ -403,6 +403,7 @@ class Tau2Env(BaseEnv):
         schemas; a fresh domain environment with the task's initial state."""
         from tau2.data_model.message import AssistantMessage, UserMessage
         from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+        from tau2.user.user_simulator import UserSimulator as Tau2User
 
         self.seed = int(seed)
         self._seed_latency(self.seed)
@@ -434,6 +435,10 @@ class Tau2Env(BaseEnv):
         if not self.solo:  # tau²'s solo trajectory holds no user message (the ticket is the agent's)
             self.trajectory.append(UserMessage(role="user", content=opening))
             self.conversation.append({"role": "user", "content": opening})
+            if self.user_mode == "model" and Tau2User.is_stop(self.trajectory[-1]):
+                from tau2.data_model.simulation import TerminationReason
+
+                self.termination = TerminationReason.USER_STOP  # the user stopped at once: the next text ends
         messages.append({"role": "user", "content": opening})
         return messages, [dict(t) for t in self.dom.tools]
 
@@ -504,6 +509,8 @@ class Tau2Env(BaseEnv):
         if self.task is None:
             raise RuntimeError("call reset(seed) first")
         self._record_agent_text(text)
+        if self.termination is not None:  # the opening was already a stop
+            return None
         if self.user_turns >= self.max_user_turns:
             self.termination = TerminationReason.MAX_STEPS
             return None
