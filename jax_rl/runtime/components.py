@@ -463,12 +463,14 @@ def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     return factory
 
 
-def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any) -> Any:
+def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any,
+                          load_params: Optional[Callable[[Config, Any], tuple]] = None) -> Any:
     """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
     frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
     ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
     It runs on the eval engine's devices (the first rollout engine's mesh), at ``rollout.temperature``,
-    with ``rollout.slots`` slots, and never receives a publish. The caller stops it.
+    with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
+    model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
 
     Raises:
         ConfigError: the checkpoint does not load, or its vocabulary is smaller than the tokenizer's.
@@ -480,8 +482,9 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     mc, params = model_config, None
     if um.checkpoint:
         from jax_rl.model_builder import resolve_model_config
-        from jax_rl.runtime.context import _load_hf_params
 
+        if load_params is None:
+            raise ValueError("start_tau2_user_model: env.tau2.user_model.checkpoint needs load_params")
         ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": um.checkpoint,
                                                                              "hf_overrides": {}})})
         try:
@@ -491,7 +494,7 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
         if mc.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: vocab_size {mc.vocab_size} < the "
                               f"tokenizer's {tokenizer.vocab_size} (the user model shares the policy's tokenizer)")
-        params, _ = _load_hf_params(ucfg, mc)
+        params, _ = load_params(ucfg, mc)
     else:
         params = learner.rollout_params()
     gen = build_generator(cfg, mc, params, version=0)

@@ -119,7 +119,7 @@ class RunContext:
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         # env.tau2.user=model: the user simulator's frozen model, served beside the policy (else None)
         self._user_gen = C.start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
-                                                 self.learner)
+                                                 self.learner, load_params=_load_hf_params)
         if preflight and is_primary():  # a train run: say what the correction mode costs, once
             print(self.learner.describe(), flush=True)
         if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
