@@ -7,6 +7,9 @@ Code", eq. 1):
 - ``pass@k`` of one task with ``n >= k`` samples of which ``c`` succeed is the unbiased
   estimator ``1 - C(n-c, k) / C(n, k)`` of "at least one of k samples succeeds", computed in the
   numerically stable product form ``1 - prod_{i=n-c+1}^{n} (1 - k / i)``.
+- ``pass^k`` of one task (tau-bench's metric, Yao et al. 2024, "tau-bench", §4) is the unbiased
+  estimator ``C(c, k) / C(n, k)`` of "all k of k samples succeed" (reported for ``k > 1``; pass^1
+  is pass@1, the success rate).
 - ``avg@k`` of one task is the mean reward over its samples (an unbiased estimate of the mean
   reward of k samples; with 0/1 rewards it is the success rate, i.e. ``pass@1``).
 - Aggregates are unweighted means over tasks: per environment (``"<env>/avg@k"``) and over all
@@ -25,6 +28,7 @@ __all__ = [
     "SUCCESS_EPS",
     "is_success",
     "pass_at_k",
+    "pass_hat_k",
     "avg_at_k",
     "summarize_eval",
     "eval_seeds",
@@ -68,6 +72,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         fail *= 1.0 - k / i
     return float(min(1.0, max(0.0, 1.0 - fail)))
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass^k estimate (tau-bench): ``C(c, k) / C(n, k)``, the chance that k samples drawn
+    without replacement from the ``n`` (``c`` successful) all succeed.
+
+    Args: as :func:`pass_at_k`. Returns a float in [0, 1]: exactly 0.0 when ``c < k``, 1.0 when
+    ``c == n``. Raises ValueError on out-of-range arguments.
+    """
+    pass_at_k(n, c, k)  # the same argument checks
+    n, c, k = int(n), int(c), int(k)
+    if c < k:
+        return 0.0
+    out = 1.0
+    for i in range(k):
+        out *= (c - i) / (n - i)
+    return float(min(1.0, max(0.0, out)))
 
 
 def avg_at_k(rewards: Sequence[float]) -> float:
@@ -123,6 +144,8 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
         for kk in ks:
             per_env[env][f"avg@{kk}"].append(m)
             per_env[env][f"pass@{kk}"].append(pass_at_k(n, c, kk))
+            if kk > 1:
+                per_env[env][f"pass^{kk}"].append(pass_hat_k(n, c, kk))
         n_samples[env] += n
         count += 1
     if count == 0:

