@@ -75,7 +75,8 @@ def step_profile(hlo: str) -> dict:
     Returns a dict: ``kernels``, ``fusions``, ``copies``, ``traffic`` (bytes, in-place aware),
     ``slice_bytes`` (materialised slices, read + written), ``inplace_bytes`` (what the in-place
     updates write), ``by_kind`` (Counter of traffic by a short label), ``rows`` (the instructions
-    with their per-step bytes and multiplicity)."""
+    with their per-step bytes and multiplicity), ``unknown_trip_loops`` (while loops whose trip
+    count the text does not give: counted once)."""
     lines = list(_ht._logical_lines(hlo))
     internal = set(re.findall(r"calls=(%[\w.\-]+)", hlo)) | set(re.findall(r"to_apply=(%[\w.\-]+)", hlo))
     roots: dict[str, str] = {}  # computation -> opcode of its ROOT (through bitcasts, converts, ...)
@@ -83,6 +84,7 @@ def step_profile(hlo: str) -> dict:
     trips: dict[str, tuple[str, int]] = {}  # while body / condition -> (calling computation, trip count)
     sizes: dict[str, int] = {}
     insts = []
+    unknown = 0  # while loops without a known trip count (their bodies are counted once)
     comp = None
     for line in lines:
         if line.endswith("{") and not line.startswith(" "):
@@ -104,6 +106,7 @@ def step_profile(hlo: str) -> dict:
             roots[comp] = name
         if op == "while":
             n = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            unknown += n is None
             for key in ("body", "condition"):
                 b = re.search(key + r"=(%[\w.\-]+)", line)
                 if b:
@@ -158,7 +161,7 @@ def step_profile(hlo: str) -> dict:
         traffic=sum(r["bytes"] * r["n"] for r in rows),
         slice_bytes=sum(r["bytes"] * r["n"] for r in rows if r["kind"].startswith("materialised")),
         inplace_bytes=sum(r["bytes"] * r["n"] // 2 for r in rows if r["kind"].startswith("in-place")),
-        by_kind=by_kind, rows=rows)
+        by_kind=by_kind, rows=rows, unknown_trip_loops=unknown)
 
 
 def roofline_bytes(cfg, slots: int, live: int, itemsize: int) -> dict:
@@ -254,6 +257,10 @@ def main(argv=None) -> int:
                   f"{prof['inplace_bytes'] / mib:,.1f} MiB; cost_analysis bytes {cost.get('bytes accessed', 0) / mib:,.0f} "
                   f"MiB (loop bodies once, whole buffer per update); temp {mem.temp_size_in_bytes / mib:,.0f} MiB; "
                   f"compile {secs:.0f}s", flush=True)
+            if prof["unknown_trip_loops"]:
+                print(f"             NOTE: {prof['unknown_trip_loops']} while loop(s) without a known trip count "
+                      "in the compiled text (libtpu prints none): their bodies are counted ONCE above; "
+                      "compare layouts whose layer loop is written out")
             print("             by kind: " + ", ".join(f"{k} {v / mib:,.0f}" for k, v in prof["by_kind"].most_common(8)))
             if a.top:
                 for r in sorted(prof["rows"], key=lambda r: -r["bytes"] * r["n"])[:a.top]:
