@@ -104,3 +104,26 @@ def test_roofline_bytes_by_hand(dh):
     assert r["kv_read"] == 64 * 320 * 28 * 2 * 8 * 128 * 2
     assert r["kv_write"] == 64 * 28 * 2 * 8 * 128 * 2
     assert r["total"] == r["weights"] + r["kv_read"] + r["kv_write"]
+
+
+def test_default_engine_step_copies_no_cache_or_weight_slices(dh):
+    """The engine's default decode step (per-layer cache, unrolled layers; every backend but a TPU)
+    reads each layer's K/V and weights in place; the stacked, scanned step (the GPU default before
+    issue 37) copies them out of the stacked buffers before its dots (XLA:CPU, tiny model, fp32)."""
+    from jax_rl.models.qwen3 import get_preset
+
+    cfg = get_preset("tiny_dense")
+    S, slots = 64, 4
+    L, K, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layer_kv = slots * K * S * H * 4  # one layer's K (or V) buffer, fp32
+    prof = {}
+    for layout in ("per_layer", "scan"):
+        compiled, _ = dh.compile_generate(cfg, slots=slots, cache=S, layout=layout, dtype="float32", backend="cpu")
+        prof[layout] = dh.step_profile(compiled.as_text())
+    big = lambda p: [r for r in p["rows"] if r["kind"].startswith("materialised")  # noqa: E731
+                     and r["bytes"] >= 2 * layer_kv]
+    assert big(prof["per_layer"]) == []
+    assert sum(r["n"] for r in big(prof["scan"])) >= 2 * L  # K and V of every layer, per step
+    # the cache is written in place: the new entries only (K and V, every layer, one position per slot)
+    assert prof["per_layer"]["inplace_bytes"] >= 2 * L * slots * K * H * 4
+    assert prof["per_layer"]["inplace_bytes"] < layer_kv
