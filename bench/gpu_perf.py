@@ -14,7 +14,7 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   roofline per step: all weights once (bf16, the tied LM head once) plus each slot's K/V up to its
   current length, at ``--hbm-bw`` bytes/s; figures are decode-only tokens/s and % of it. Then the
   end-to-end ``Generator`` figure (prefill included, ``bench/rollout_decode.py``'s runner, the
-  engine's default layout) as ``../shared/gpu``'s harness measures it.
+  engine's default layout) as the shared GPU harness measures it.
 - ``learner``: ``Learner.train_step`` (``ppo``, fp32 master, bf16 compute, scan_layers) at B=``--lb``,
   T=``--lt`` for each ``--variants`` entry ``attention:remat_policy`` (default ``xla:none`` = the
   config default, ``cudnn:none``, ``cudnn:save_dot_with_context_except_mlp``,
