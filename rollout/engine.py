@@ -22,7 +22,7 @@ Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cac
 key            shape / dtype       meaning
 =============  ==================  ===========================================================
 cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``lengths`` [B] i32;
-                                   on the CPU (``kv_per_layer``: unrolled layers) k/v are
+                                   off a TPU (``kv_per_layer``: unrolled layers) k/v are
                                    tuples of L buffers, k [B,Hkv,Dh,S] (key-transposed), v
                                    [B,Hkv,S,Dh] (``KVCache.per_layer``: each layer's attention
                                    reads its own buffer in place, no copy)
@@ -326,13 +326,16 @@ class Qwen3Engine(Engine):
       kv_per_layer: keep the decode cache as L per-layer buffers (``KVCache.per_layer``) and run
         the layers unrolled: with ``scan_layers`` the engine's own copy of the weights is
         unstacked by :meth:`load_params` (which still takes the stacked learner/checkpoint
-        layout), so every layer reads its own cache buffer in place. ``None`` (default): on when
-        the backend is the CPU, where XLA copies each layer's cache out of the stacked buffer
-        (and a scan each layer's params) per token (1.37x decode tokens/s at 32 slots,
-        unrolled); programs AOT-compiled for a TPU (``jax_rl.tpu``, ``bench/decode_compile.py``)
-        pass False and keep ``scan_layers`` as given: libtpu counted more bytes per decode step
-        with the per-layer form (2.40x vs 1.67x params + cache, 2-layer Qwen3-0.6B, 32 x 1024,
-        v5e).
+        layout), so every layer reads its own cache buffer in place. ``None`` (default): on for
+        every backend but a TPU. Where a dot is a library call on buffers (XLA:CPU; a GPU's
+        cuBLAS), XLA copies each layer's cache out of the stacked buffer, and a scan each
+        layer's params, per token: the compiled Qwen3-0.6B step at 64 slots x 384 moves 3.1x
+        its params + cache stacked and scanned, 1.16x per layer (XLA:CPU, fp32,
+        ``bench/decode_hlo.py``; 1.37x decode tokens/s measured at 32 slots on the CPU). A TPU
+        fuses those slices into its dots, so programs for a TPU (a TPU backend; AOT compiles in
+        ``jax_rl.tpu``, ``bench/decode_compile.py`` pass False) keep ``scan_layers`` as given:
+        libtpu counted more bytes per decode step with the per-layer form (2.40x vs 1.67x params
+        + cache, 2-layer Qwen3-0.6B, 32 x 1024, v5e).
       record_routes: also return the expert ids every MoE layer chose (module docstring,
         "Routing replay"); ignored (False) for a dense model.
       quantize: ``rollout.quantize``: ``"none"`` (default: every float param cast to ``dtype``, the
@@ -412,7 +415,7 @@ class Qwen3Engine(Engine):
 
         abstract = build()
         if kv_per_layer is None:
-            kv_per_layer = jax.default_backend() == "cpu"
+            kv_per_layer = jax.default_backend() != "tpu"
         self._unstack_layers = 0
         if kv_per_layer and abstract.scan_layers:
             # the engine's own copy of the weights runs unrolled; stacked params (the learner's /

@@ -154,10 +154,11 @@ class ModelConfig(_Section):
     Unset: the largest chunk with rows x chunk x vocab <= 4M logits (~16 MB fp32), which is a
     handful of positions for a 152k vocabulary; on a TPU set a few hundred (the TPU configs use
     512) so the head's matmuls are MXU-sized and its weights are not re-read per position."""
-    attention: Literal["auto", "xla", "splash"] = "auto"
+    attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
     """Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
-    kernel, ``xla`` = einsum softmax (HF eager numerics), ``auto`` = splash on a TPU backend,
-    xla elsewhere. Decode steps always use ``xla``."""
+    kernel, ``xla`` = einsum softmax (HF eager numerics), ``cudnn`` = cuDNN flash attention on a GPU
+    (``jax.nn.dot_product_attention``; bf16 compute; right-padded rows), ``auto`` = splash on a
+    TPU backend, xla elsewhere. Decode steps always use ``xla``."""
 
 
 class _MeshAxes(_Section):

@@ -1,4 +1,6 @@
-"""Pallas TPU splash attention for the Qwen3 model (``model.attention: splash``).
+"""Fused attention kernels for the Qwen3 model: Pallas TPU splash attention (``model.attention:
+splash``, :func:`splash_attend`) and cuDNN flash attention on a GPU (``model.attention: cudnn``,
+:func:`cudnn_attend`, at the end of this module).
 
 Wraps ``jax.experimental.pallas.ops.tpu.splash_attention`` (the kernel MaxText uses for
 ``attention: flash`` on TPU, ``maxtext/layers/attention_op.py``) in the model's layout:
@@ -33,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
-__all__ = ["splash_attend", "SPLASH_BLOCK"]
+__all__ = ["splash_attend", "SPLASH_BLOCK", "cudnn_attend"]
 
 SPLASH_BLOCK = 128
 """Query/key block of the kernel (BlockSizes.get_default()); T is padded to a multiple."""
@@ -112,3 +114,38 @@ def splash_attend(q: Array, k: Array, v: Array, segment_ids: Array, *,
         with jax.default_matmul_precision("default"):
             o = body(qh, kh, vh, seg)
     return o[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------- cuDNN (GPU)
+
+CUDNN_IMPLEMENTATION = "cudnn"
+"""``implementation`` given to ``jax.nn.dot_product_attention`` by :func:`cudnn_attend`; tests on
+the CPU set ``"xla"`` (the same function's reference implementation) to check the plumbing."""
+
+
+def cudnn_attend(q: Array, k: Array, v: Array, valid: Array | None = None) -> Array:
+    """Causal GQA attention through ``jax.nn.dot_product_attention`` (cuDNN flash attention on a
+    GPU: no [T, S] score or probability array in memory, forward or backward).
+
+    q [B,T,N,H], k/v [B,T,K,H] (N % K == 0), ``valid`` [B,T] bool or None -> [B,T,N,H] in q.dtype.
+    Padding must be on the right (the learner's batches and the engine's prefill): a row's keys
+    are its first ``sum(valid[b])`` positions (``key_value_seq_lengths``), at least 1, so a query
+    always has a key and no row is empty (a fully padded row attends to position 0; its outputs
+    are garbage the caller masks, as on the other paths). Scores are scaled by ``H**-0.5`` with
+    an fp32 softmax (the same maths as ``qwen3.attend``, fused: ~1e-6 apart in fp32).
+
+    cuDNN takes bf16 / fp16 only: fp32 inputs run the function's XLA implementation (the same
+    values as ``attend``, with the [T, S] arrays). Raises ValueError for N % K != 0 and, from
+    jax, for shapes cuDNN does not support.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    if N % K:
+        raise ValueError(f"num heads {N} is not a multiple of kv heads {K}")
+    impl = CUDNN_IMPLEMENTATION if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    kv_len = None
+    if valid is not None:
+        kv_len = jnp.maximum(jnp.sum(jnp.asarray(valid, bool), axis=1, dtype=jnp.int32), 1)
+    o = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=H ** -0.5,
+                                     is_causal=True, key_value_seq_lengths=kv_len, implementation=impl)
+    return o.astype(q.dtype)

@@ -115,3 +115,20 @@ def test_cpu_engine_unstacks_scanned_params_and_samples_the_same():
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend, per_layer", [("cpu", True), ("gpu", True), ("tpu", False)])
+def test_engine_default_cache_form_follows_the_backend(monkeypatch, backend, per_layer):
+    """``kv_per_layer=None`` keeps per-layer buffers (and unrolled layers) on every backend but a
+    TPU: on a GPU, as on the CPU, XLA copies each layer's K/V (and, scanned, its weights) out of
+    stacked buffers before the library dots (``bench/decode_hlo.py``); a TPU fuses those slices."""
+    import jax
+
+    from rollout.engine import Qwen3Engine
+
+    cfg, ms = _model(scan_layers=True)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    eng = Qwen3Engine(cfg, None, slots=2, max_cache_len=16, dtype="float32",
+                      model_kwargs=dict(scan_layers=True))
+    assert eng._per_layer_cache is per_layer
+    assert bool(eng._unstack_layers) is per_layer  # the engine's own unrolled copy of the weights

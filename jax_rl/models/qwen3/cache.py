@@ -21,8 +21,8 @@ class KVCache:
     decode attention reads each layer's [B,K,S,H] in place); lengths: [B] int32 = number of
     valid positions per slot (the next token of slot b goes to position ``lengths[b]``).
 
-    Per-layer form (``per_layer()``; what the rollout engine keeps for unrolled layers, i.e. on
-    the CPU): k is a tuple of L key-transposed arrays [B,K,H,S] and v a tuple of L arrays
+    Per-layer form (``per_layer()``; what the rollout engine keeps for unrolled layers, i.e. off
+    a TPU): k is a tuple of L key-transposed arrays [B,K,H,S] and v a tuple of L arrays
     [B,K,S,H]. Same values; ``decode_step`` then writes and reads each layer's own buffer,
     where the stacked form makes XLA:CPU copy the layer's [B,K,S,H] out of the [L,...] buffer
     before the attention dots (two cache-layer copies per layer per token). Keys are stored

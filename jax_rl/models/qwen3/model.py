@@ -51,7 +51,7 @@ __all__ = [
 # Layer stacking (scan_layers), attention choice
 # --------------------------------------------------------------------------------------
 
-ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash")
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash", "cudnn")
 
 
 def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
@@ -84,8 +84,8 @@ def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
 
 
 def resolve_attention(kind: str) -> str:
-    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash`` unchanged.
-    Raises ValueError for other names."""
+    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash``/``cudnn``
+    unchanged (``cudnn`` is opt-in until measured on a GPU). Raises ValueError for other names."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
     if kind == "auto":
@@ -161,7 +161,9 @@ class Qwen3ForCausalLM(nnx.Module):
     ``save_out_proj``. ``remat=True`` (older flag) means ``full`` when no policy is given.
 
     ``attention``: ``xla`` (einsum softmax attention, HF eager numerics), ``splash`` (Pallas
-    TPU splash attention for full forwards and prefill; decode stays ``xla``) or ``auto``
+    TPU splash attention for full forwards and prefill; decode stays ``xla``), ``cudnn``
+    (``jax.nn.dot_product_attention``'s cuDNN flash attention on a GPU, right padding only,
+    full forwards and prefill: :func:`jax_rl.models.attention.cudnn_attend`) or ``auto``
     (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at
     construction, into ``self.attention``).
     """
@@ -384,13 +386,18 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _causal_core(self, valid: Array | None, B: int, T: int, mask: Array) -> AttendFn:
         """The full-sequence causal attention core for ``self.attention``: splash (Pallas TPU
-        kernel, segment ids from ``valid`` [B,T]) or the XLA path (``mask`` [B,T,T])."""
+        kernel, segment ids from ``valid`` [B,T]), cudnn (key lengths from ``valid``: right
+        padding) or the XLA path (``mask`` [B,T,T])."""
         if self.attention == "splash":
             seg = (jnp.ones((B, T), jnp.int32) if valid is None
                    else jnp.asarray(valid, bool).astype(jnp.int32))
             from jax_rl.models.attention import splash_attend
 
             return lambda q, k, v: splash_attend(q, k, v, seg)
+        if self.attention == "cudnn":
+            from jax_rl.models.attention import cudnn_attend
+
+            return lambda q, k, v: cudnn_attend(q, k, v, valid)
         return lambda q, k, v: _attend_causal(q, k, v, mask)
 
     # ---- public forward paths ----------------------------------------------------------------

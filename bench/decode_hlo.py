@@ -1,0 +1,273 @@
+"""Where one rollout decode step's bytes and kernels go, from the compiled program (no accelerator).
+
+Usage::
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/decode_hlo.py --preset qwen3_0p6b --slots 64,256 \\
+        --cache 384 --live 320 --layout scan,per_layer [--backend cpu|tpu] [--dtype float32] [--top 12]
+
+Compiles ``Qwen3Engine``'s jitted ``generate`` (one decode step for all slots, the state donated)
+at the given shape, for ``--backend cpu`` (XLA:CPU on this host) or ``--backend tpu`` (libtpu's
+AOT compiler for ``--topology``, the ``tpu`` extra), in each ``--layout``:
+
+- ``scan``: stacked ``[L, ...]`` params and KV cache, layers under ``lax.scan`` (``scan_unroll=1``),
+  the cache the scan carry: what the engine ran on a GPU before ``kv_per_layer`` defaulted on there;
+- ``stacked``: the same stacked params and cache with the layer loop written out (``scan_unroll=full``);
+- ``per_layer``: ``kv_per_layer=True``: unrolled layers, each with its own params and its own
+  (key-transposed) cache buffer (the engine's default on every backend but a TPU).
+
+For each it prints, per decode step (a while body counted as many times as its known trip count):
+
+- ``kernels``: top-level instructions that run (fusions, library calls, copies, ...; parameters,
+  tuples, bitcasts and constants excluded): a proxy for kernel launches on a GPU;
+- ``fusions``, ``copies`` and the bytes of *materialised slices* (a top-level fusion or op whose
+  root is a ``dynamic-slice`` / ``slice`` of a bigger buffer: a copy of a layer's weights or cache
+  before a library dot, read + written);
+- ``traffic``: bytes read + written by the top-level instructions, each once, with in-place
+  updates (a ``scatter`` / ``dynamic-update-slice`` into a buffer of the output's size) counted as
+  the updates they write rather than the whole buffer; ``cost_analysis``'s own ``bytes accessed``
+  (which charges the whole buffer to such an update, and counts a while body once) beside it;
+- ``roofline``: what a decode step must move: every weight once (the tied LM head / embedding
+  table once; the embedding gather of ``slots`` rows), the K/V of ``--live`` positions per slot
+  read, one position per slot and layer written; and ``traffic / roofline``.
+
+XLA:CPU computes bf16 dots in fp32 on this host (no bf16 instructions): in ``bfloat16`` its
+program converts stacked params and caches to fp32, which a GPU or TPU program does not, so the
+CPU structure is clearest in ``--dtype float32`` (same program, fp32 buffers; the roofline then
+counts fp32 bytes too). Every figure is a compile-time count, never a measured time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import hlo_traffic as _ht  # noqa: E402
+
+_INPLACE = ("scatter", "dynamic-update-slice")
+_SLICES = ("dynamic-slice", "slice")
+_THROUGH = ("bitcast", "reshape", "convert", "copy", "transpose")
+_NOT_KERNELS = _ht._FREE | {"while", "conditional", "call"}
+
+
+def _operands(rest: str) -> list[str]:
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%[\w.\-]+", rest[:end])
+
+
+def step_profile(hlo: str) -> dict:
+    """Per-step counts of a compiled module's text (``compiled.as_text()``); see the module doc.
+
+    Returns a dict: ``kernels``, ``fusions``, ``copies``, ``traffic`` (bytes, in-place aware),
+    ``slice_bytes`` (materialised slices, read + written), ``inplace_bytes`` (what the in-place
+    updates write), ``by_kind`` (Counter of traffic by a short label), ``rows`` (the instructions
+    with their per-step bytes and multiplicity), ``unknown_trip_loops`` (while loops whose trip
+    count the text does not give: counted once)."""
+    lines = list(_ht._logical_lines(hlo))
+    internal = set(re.findall(r"calls=(%[\w.\-]+)", hlo)) | set(re.findall(r"to_apply=(%[\w.\-]+)", hlo))
+    roots: dict[str, str] = {}  # computation -> opcode of its ROOT (through bitcasts, converts, ...)
+    defs: dict[str, tuple[str, list[str]]] = {}  # instruction -> (opcode, operands)
+    trips: dict[str, tuple[str, int]] = {}  # while body / condition -> (calling computation, trip count)
+    sizes: dict[str, int] = {}
+    insts = []
+    unknown = 0  # while loops without a known trip count (their bodies are counted once)
+    comp = None
+    for line in lines:
+        if line.endswith("{") and not line.startswith(" "):
+            words = line.split()
+            comp = words[1] if words[0] == "ENTRY" else words[0]
+            continue
+        if line.rstrip() == "}":
+            comp = None
+            continue
+        if comp is None:
+            continue
+        m = _ht._INST.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        sizes[name] = _ht.shape_bytes(shape)
+        defs[name] = (op, _operands(rest))
+        if line.lstrip().startswith("ROOT "):
+            roots[comp] = name
+        if op == "while":
+            n = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            unknown += n is None
+            for key in ("body", "condition"):
+                b = re.search(key + r"=(%[\w.\-]+)", line)
+                if b:
+                    trips[b.group(1)] = (comp, int(n.group(1)) if n else 1)
+        insts.append((comp, name, shape, op, rest, line))
+
+    def root_op(c: str) -> str:
+        op, ops = defs[roots[c]]
+        while op in _THROUGH and ops and ops[0] in defs:
+            op, ops = defs[ops[0]]
+        return op
+
+    def mult(c: str) -> int:
+        k = 1
+        while c in trips:
+            c, n = trips[c]
+            k *= n
+        return k
+
+    rows = []
+    for comp, name, shape, op, rest, line in insts:
+        if comp in internal or op in _NOT_KERNELS:
+            continue
+        ops = _operands(rest)
+        out = sizes[name]
+        opb = [sizes.get(o, 0) for o in ops]
+        callee = re.search(r"calls=(%[\w.\-]+)", line)
+        root = root_op(callee.group(1)) if (op == "fusion" and callee and callee.group(1) in roots) else op
+        kind = root
+        if root in _INPLACE and opb and max(opb) == out:
+            i = opb.index(max(opb))
+            upd = sum(b for j, b in enumerate(opb) if j != i)
+            traffic = upd + upd  # the updates (and indices) read, the updates written in place
+            kind = "in-place " + root
+        else:
+            traffic = sum(opb) + out
+            if root in _SLICES + ("gather",) and opb and max(opb) > out:
+                # reads only the sliced / gathered part of its big operand
+                traffic = sum(opb) - max(opb) + 2 * out
+                kind = "gather" if root == "gather" else "materialised " + root
+        meta = re.search(r'op_name="([^"]+)"', line)
+        rows.append(dict(name=name, op=op, root=root, kind=kind, shape=shape, bytes=traffic,
+                         n=mult(comp), op_name=_ht._short(meta.group(1)) if meta else ""))
+    by_kind = collections.Counter()
+    for r in rows:
+        by_kind[r["kind"] if r["kind"].startswith(("in-place", "materialised")) else (
+            "dot/conv" if r["root"] in ("dot", "convolution", "custom-call") else r["op"])] += r["bytes"] * r["n"]
+    return dict(
+        kernels=sum(r["n"] for r in rows),
+        fusions=sum(r["n"] for r in rows if r["op"] == "fusion"),
+        copies=sum(r["n"] for r in rows if r["op"] in ("copy", "copy-start")),
+        traffic=sum(r["bytes"] * r["n"] for r in rows),
+        slice_bytes=sum(r["bytes"] * r["n"] for r in rows if r["kind"].startswith("materialised")),
+        inplace_bytes=sum(r["bytes"] * r["n"] // 2 for r in rows if r["kind"].startswith("in-place")),
+        by_kind=by_kind, rows=rows, unknown_trip_loops=unknown)
+
+
+def roofline_bytes(cfg, slots: int, live: int, itemsize: int) -> dict:
+    """Bytes a decode step of ``slots`` slots with ``live`` cached positions each must move."""
+    d, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    N, K, H, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    layer = d * N * H * 2 + d * K * H * 2 + 3 * d * F + 2 * d + 2 * H
+    head = V * d * (1 if cfg.tie_word_embeddings else 2) + d
+    weights = (L * layer + head) * itemsize + (slots * d * itemsize if not cfg.tie_word_embeddings else 0)
+    kv_tok = L * 2 * K * H * itemsize
+    kv_read = slots * live * kv_tok
+    return dict(weights=weights, kv_read=kv_read, kv_write=slots * kv_tok,
+                total=weights + kv_read + slots * kv_tok)
+
+
+def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, backend: str,
+                     topology: str = "v5p-8"):
+    """``(compiled, seconds)`` of the engine's ``generate`` in ``layout`` for ``backend``."""
+    import jax
+
+    from rollout.engine import Qwen3Engine
+
+    kw = dict(scan_layers=True, attention="xla", scan_unroll=1 if layout == "scan" else "full")
+    eng = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
+                      model_kwargs=kw, kv_per_layer=(layout == "per_layer"))
+    params = eng.abstract_params
+    state = jax.eval_shape(eng.programs["init_state"], params)
+    t0 = time.perf_counter()
+    if backend == "tpu":
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        from jax_rl import tpu
+
+        topo = tpu.get_topology(topology)
+        mesh = Mesh(np.array(topo.devices[:1]), ("data",))
+        rep = lambda t: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), t)
+        with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+            compiled = eng.programs["generate"].lower(rep(params), rep(state)).compile()
+    else:
+        compiled = eng.programs["generate"].lower(params, state).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="qwen3_0p6b")
+    p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0 = preset)")
+    p.add_argument("--slots", default="64,256")
+    p.add_argument("--cache", type=int, default=384, help="max_cache_len S")
+    p.add_argument("--live", type=int, default=0, help="cached positions per slot for the roofline (0 = S)")
+    p.add_argument("--layout", default="scan,per_layer", help="comma list of scan, stacked, per_layer")
+    p.add_argument("--dtype", default="float32", help="rollout dtype (see the module doc for bf16 on XLA:CPU)")
+    p.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
+    p.add_argument("--topology", default="v5p-8", help="--backend tpu: the topology (one chip of it is used)")
+    p.add_argument("--top", type=int, default=0, help="list the N heaviest instructions per step")
+    a = p.parse_args(argv)
+
+    import jax
+
+    from jax_rl.models.qwen3 import get_preset
+
+    if a.backend == "tpu":
+        from jax_rl import tpu
+
+        tpu._quiet_libtpu_env(tpu.resolve_topology(a.topology))
+    cfg = get_preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
+    itemsize = 2 if a.dtype in ("bfloat16", "bf16") else 4
+    live = a.live or a.cache
+    print(f"{a.preset} (L={cfg.num_hidden_layers} d={cfg.hidden_size} V={cfg.vocab_size}), cache {a.cache}, "
+          f"roofline at {live} live positions, {a.dtype}, backend {a.backend}"
+          f"{' ' + a.topology if a.backend == 'tpu' else ''}; jax {jax.__version__}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load {os.getloadavg()[0]:.1f}")
+    mib = 2 ** 20
+    for slots in [int(s) for s in a.slots.split(",")]:
+        rl = roofline_bytes(cfg, slots, live, itemsize)
+        print(f"\nslots={slots}: roofline {rl['total'] / mib:,.0f} MiB/step = weights {rl['weights'] / mib:,.0f} "
+              f"+ KV read {rl['kv_read'] / mib:,.0f} + KV write {rl['kv_write'] / mib:.1f}")
+        for layout in a.layout.split(","):
+            try:
+                compiled, secs = compile_generate(cfg, slots=slots, cache=a.cache, layout=layout, dtype=a.dtype,
+                                                  backend=a.backend, topology=a.topology)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"  {layout:9s}: COMPILE FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            prof = step_profile(compiled.as_text())
+            cost = compiled.cost_analysis() or {}
+            mem = compiled.memory_analysis()
+            print(f"  {layout:9s}: kernels/step {prof['kernels']:,} (fusions {prof['fusions']:,}, copies "
+                  f"{prof['copies']}), traffic {prof['traffic'] / mib:,.0f} MiB = {prof['traffic'] / rl['total']:.2f}x "
+                  f"roofline; materialised slices {prof['slice_bytes'] / mib:,.0f} MiB; in-place writes "
+                  f"{prof['inplace_bytes'] / mib:,.1f} MiB; cost_analysis bytes {cost.get('bytes accessed', 0) / mib:,.0f} "
+                  f"MiB (loop bodies once, whole buffer per update); temp {mem.temp_size_in_bytes / mib:,.0f} MiB; "
+                  f"compile {secs:.0f}s", flush=True)
+            if prof["unknown_trip_loops"]:
+                print(f"             NOTE: {prof['unknown_trip_loops']} while loop(s) without a known trip count "
+                      "in the compiled text (libtpu prints none): their bodies are counted ONCE above; "
+                      "compare layouts whose layer loop is written out")
+            print("             by kind: " + ", ".join(f"{k} {v / mib:,.0f}" for k, v in prof["by_kind"].most_common(8)))
+            if a.top:
+                for r in sorted(prof["rows"], key=lambda r: -r["bytes"] * r["n"])[:a.top]:
+                    print(f"             {r['bytes'] * r['n'] / mib:9,.1f} MiB x{r['n']:<3d} {r['kind']:28s} "
+                          f"{r['shape'][:44]:44s} {r['op_name'][-60:]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
