@@ -31,6 +31,7 @@ Malformed tool calls (bad JSON, missing name) and unknown tools become error obs
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import threading
@@ -140,6 +141,7 @@ class AgentLoop:
         self.cfg = cfg
         self.env_name = env_name
         self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, cfg.group_size))
+        self._sessions = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "overlong": 0, "answered": 0, "truncated": 0,
@@ -263,6 +265,10 @@ class AgentLoop:
                                 "turn_starts": [], "finish_reasons": []}
         reward = 0.0
         env_name = self.env_name or ""
+        # a generator with sessions (rollout.Generator) holds the episode's slot between turns
+        session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
+        session_kw: dict = {}
+        info["prefill_tokens"] = 0
         live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
         lock = self._live_lock if self.track else contextlib.nullcontext()
         if self.track:
@@ -306,6 +312,8 @@ class AgentLoop:
                                 f"{int(cfg.max_cache_len)}")
             budget = int(cfg.max_tokens_per_episode)
             stop_ids = tuple(tok.stop_ids)
+            if session is not None:  # the generator keeps this episode's K/V between its turns
+                session_kw = {"session": session}
             for turn in range(int(cfg.max_turns)):
                 room = int(cfg.max_cache_len) - len(tokens)
                 max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
@@ -318,7 +326,8 @@ class AgentLoop:
                     break
                 ts = time.monotonic()
                 fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
-                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids)
+                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids,
+                                            **session_kw)
                 with lock:
                     live["fut"] = fut
                 try:
@@ -333,6 +342,7 @@ class AgentLoop:
                 if len(comp.tokens) > max_new:
                     raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
                 info["finish_reasons"].append(comp.finish_reason)
+                info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
                 if comp.finish_reason == "aborted":
                     raise RuntimeError("generation aborted")
                 info["turn_starts"].append(len(tokens))
@@ -387,6 +397,8 @@ class AgentLoop:
             info["fail_reason"] = f"{type(e).__name__}: {e}"
             info["traceback"] = traceback.format_exc(limit=4)
             reward = 0.0
+        if session is not None:
+            self.generator.release_session(session)
         info["total_s"] = time.monotonic() - t0
         self._count("episodes")
         self._count("tool_calls", info["tool_calls"])

@@ -91,6 +91,19 @@ class _Req:
     dropped: int = 0
     recomputes: int = 0
     t_start: float = 0.0
+    session: Any = None
+    prefill_tokens: int = 0  # cache positions this request's prefills ran (re-prefills included)
+    kv_reused: int = 0  # cache positions reused from its session's held slot at admission
+    shared_prefill: bool = False  # its prompt's K/V came from another request's prefill (a GRPO group)
+
+
+@dataclasses.dataclass
+class _Held:
+    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
+    slot: int
+    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
+    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
+    t: float  # when it was held (the least recently held one is evicted first)
 
 
 class Generator:
@@ -119,12 +132,19 @@ class Generator:
     """
 
     def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
-                 decode_steps: int = 1) -> None:
+                 decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None) -> None:
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial must be one of {PARTIAL_MODES}, got {partial!r}")
         if int(decode_steps) < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        if prefill_budget is not None and int(prefill_budget) < 1:
+            raise ValueError(f"prefill_budget must be >= 1 token, got {prefill_budget}")
         self.decode_steps = int(decode_steps)
+        self.keep_kv = bool(keep_kv)
+        self.prefill_budget = int(prefill_budget if prefill_budget is not None
+                                  else 4 * int(getattr(engine, "max_prefill_length", 256)))
+        self._batched = hasattr(engine, "prefill_slots")
+        self.keep_kv = self.keep_kv and self._batched  # append-prefill needs prefill_slots
         self.engine = engine
         self.partial = partial
         self._params = params if params is not None else engine.params
@@ -141,6 +161,9 @@ class Generator:
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
+        self._held: dict[Any, _Held] = {}  # session -> its held slot (keep_kv)
+        self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
+        self._releases: list = []  # sessions ended by release_session (applied at the next step)
         self._state = engine.init_decode_state()
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -170,6 +193,7 @@ class Generator:
         seed: int = 0,
         stop_ids: Collection[int] = (),
         temperature: Optional[float] = None,
+        session: Any = None,
     ) -> concurrent.futures.Future:
         """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
 
@@ -179,6 +203,10 @@ class Generator:
           seed: sampling seed (token at absolute position p uses ``fold_in(PRNGKey(seed), p)``).
           stop_ids: generation stops after sampling any of these (e.g. <|im_end|>, EOS).
           temperature: per-request override of the engine temperature (<= 0: greedy).
+          session: a hashable key naming the conversation this request continues (an episode);
+            with ``keep_kv`` its finished slot is held and the next request of the same session
+            whose prompt extends the held context runs only its new tokens (module docstring,
+            "Kept K/V"). End it with :meth:`release_session`. None: no reuse.
 
         Raises:
           ValueError: empty or too long prompt, negative budget.
@@ -201,6 +229,7 @@ class Generator:
             future=fut,
             t_submit=time.monotonic(),
             budget=int(max_new_tokens),
+            session=session,
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
@@ -232,6 +261,20 @@ class Generator:
             self._pending = (loaded, int(version))
             self._wake.notify_all()
         return cast_s
+
+    def release_session(self, session: Any) -> None:
+        """The conversation ``session`` is over: its held slot (if any) is freed at the next step.
+        Thread-safe; an unknown session is ignored."""
+        if session is None:
+            return
+        with self._lock:
+            self._releases.append(session)
+            self._wake.notify_all()
+
+    @property
+    def num_held(self) -> int:
+        """Slots held for a session's next turn (not decoding, not free)."""
+        return len(self._held)
 
     def apply_update_now(self) -> None:
         """Apply a pending :meth:`update_params` now (waits for the decode step in progress): when
@@ -358,19 +401,8 @@ class Generator:
             if not r.future.done():
                 r.future.set_exception(exc)
         self._slots = [None] * self._B
-
-    @staticmethod
-    def _note_prefill_routes(req: _Req, prefix: dict) -> None:
-        """Every position the prefill ran takes its route (``prefix["routes"]`` int [n, n_moe_layers,
-        k]): a re-prefill overwrites the routes recorded earlier, since the K/V the next tokens attend
-        to are the ones it just computed (module docstring)."""
-        r = prefix.get("routes")
-        if r is None:
-            return
-        r = np.asarray(r)
-        m = min(len(r), len(req.routes))
-        req.routes[:m] = list(r[:m])
-        req.routes.extend(r[m:])
+        self._held.clear()  # the decode state is rebuilt: nothing is held any more
+        self._held_slot.clear()
 
     def _routes_array(self, req: _Req) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
@@ -384,12 +416,93 @@ class Generator:
             out[:m] = np.stack(req.routes[:m])
         return out
 
-    def _prefill_into(self, slot: int, req: _Req, tokens: list[int]) -> None:
-        prefix = self.engine.prefill_tokens(self._params, tokens, seed=req.seed, temperature=req.temperature)
-        self._note_prefill_routes(req, prefix)
-        self._state = self.engine.insert(prefix, self._state, slot)
-        self._slots[slot] = req
-        self.stats["prefills"] += 1
+    # ------------------------------------------------------------------ slots: prefill, holds
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
+
+    def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
+        """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
+        h = self._held.pop(session, None)
+        if h is None:
+            return None
+        self._held_slot.pop(h.slot, None)
+        if reason:
+            self.stats[reason] += 1
+        return h.slot
+
+    def _hold(self, req: _Req, slot: int) -> None:
+        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
+        (the last sampled token was never fed), for the session's next turn."""
+        ctx = req.prompt + req.tokens[:-1]
+        if not req.tokens or len(ctx) >= self._S - 1:
+            return
+        self._drop_hold(req.session)
+        self._held[req.session] = _Held(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
+        self._held_slot[slot] = req.session
+        self.stats["kv_holds"] += 1
+
+    def _apply_releases(self) -> None:
+        with self._lock:
+            rel, self._releases = self._releases, []
+        for session in rel:
+            self._drop_hold(session)
+
+    def _prefill_batch(self, items: list) -> None:
+        """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
+        ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
+        prompts once), or one ``prefill_tokens`` + ``insert`` per item for an engine without it.
+        Each request is in its slot afterwards; a failing row fails its own request only (the
+        batch is retried row by row when a batched call raises)."""
+        if not items:
+            return
+        if not self._batched:
+            res = []
+            for slot, req, toks, _start in items:
+                try:
+                    prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+                except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
+                    self._prefill_failed(slot, req, e)
+                    res.append(None)
+                    continue
+                self._state = self.engine.insert(prefix, self._state, slot)
+                res.append({"prefill_tokens": len(toks) - 1, "shared": False, "routes": prefix.get("routes")})
+        else:
+            from rollout.engine import SlotPrefill
+
+            rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
+            try:
+                self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
+                self.stats["prefill_calls"] += 1
+            except Exception as e:  # noqa: BLE001 - find the culprit: row by row
+                if len(items) == 1:
+                    self._prefill_failed(items[0][0], items[0][1], e)
+                    return
+                log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
+                for it in items:
+                    self._prefill_batch([it])
+                return
+        for (slot, req, toks, start), r in zip(items, res):
+            if r is None:
+                continue
+            n = int(r["prefill_tokens"])
+            req.prefill_tokens += n
+            req.shared_prefill = req.shared_prefill or bool(r.get("shared"))
+            self.stats["prefill_tokens"] += n
+            self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += int(bool(r.get("shared")))
+            routes = r.get("routes")
+            if routes is not None:  # the positions it ran take their new routes (module docstring)
+                del req.routes[start:]
+                req.routes.extend(np.asarray(routes))
+            self._slots[slot] = req
+
+    def _prefill_failed(self, slot: int, req: _Req, e: BaseException) -> None:
+        log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
+        self.stats["prefill_errors"] += 1
+        if self._slots[slot] is req:
+            self._slots[slot] = None
+        if not req.future.done():
+            req.future.set_exception(e)
 
     def _apply_pending(self) -> None:
         with self._lock:
@@ -399,14 +512,17 @@ class Generator:
         self._params, self._version = pending
         self.stats["updates"] += 1
         if self.partial == "continue":
-            return
+            return  # held slots keep their K/V too: the next turn's new tokens carry the new version
+        for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
+            self._drop_hold(session, "kv_dropped_swap")
+        items = []
         for slot, req in enumerate(self._slots):
             if req is None:
                 continue
             if self.partial == "recompute_kv":
                 req.recomputes += 1
                 self.stats["recomputes"] += 1
-                self._prefill_into(slot, req, req.prompt + req.tokens)
+                items.append((slot, req, req.prompt + req.tokens, 0))
             else:  # abort: drop the partial turn, re-issue with the remaining budget
                 n = len(req.tokens)
                 req.dropped += n
@@ -419,32 +535,68 @@ class Generator:
                     self._slots[slot] = None
                     self._resolve(req, "aborted")
                 else:
-                    self._prefill_into(slot, req, req.prompt)
+                    items.append((slot, req, req.prompt, 0))
+        for slot, *_ in items:
+            self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
+        self._prefill_batch(items)
 
     def _admit(self) -> None:
-        for slot in range(self._B):
-            if self._slots[slot] is not None:
-                continue
+        """Admit queued requests (FIFO) into slots, then prefill them all in one batched call.
+
+        Slots: a request of a session with a held slot whose context its prompt extends takes that
+        slot and runs only its new tokens; otherwise a free slot, else the least recently held slot
+        is evicted (``kv_evictions``; its session's next turn re-prefills). Starvation bound: while
+        any slot is decoding, a step admits requests only until their prefill tokens reach
+        ``prefill_budget`` (the first request of a step is always admitted, and a prompt identical
+        to one admitted in the same step costs nothing: its K/V are copied); with no slot decoding
+        there is nothing to starve and every request that finds a slot is admitted.
+        """
+        self._apply_releases()
+        decoding = self.num_active > 0
+        free = self._free_slots()
+        items: list = []
+        seen: set = set()
+        spent = 0
+        while True:
             with self._lock:
                 if not self._queue:
-                    return
-                req = self._queue.popleft()
-            if req.future.cancelled():
-                continue
+                    break
+                req = self._queue[0]
+                if req.future.cancelled():
+                    self._queue.popleft()
+                    continue
+            slot, start = None, 0
+            held = self._held.get(req.session) if req.session is not None else None
+            if held is not None:
+                c = len(held.context)
+                if self.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
+                    slot, start = held.slot, c
+                else:  # a prompt that does not extend the held context: nothing to reuse
+                    free.append(self._drop_hold(req.session, "kv_mismatch"))
+            key = tuple(req.prompt) if start == 0 else None
+            cost = 0 if key in seen else len(req.prompt) - 1 - start
+            if decoding and items and spent + cost > self.prefill_budget:
+                break
+            if slot is None:
+                if not free:
+                    if not self._held:
+                        break
+                    victim = min(self._held.values(), key=lambda h: h.t)
+                    free.append(self._drop_hold(self._held_slot[victim.slot], "kv_evictions"))
+                slot = free.pop(0)
+            else:
+                self._drop_hold(req.session)  # the slot is the request's now
+                req.routes = list(held.routes)  # the kept positions keep the routes their K/V came from
+                req.kv_reused += start
+                self.stats["kv_reused_tokens"] += start
+            with self._lock:
+                self._queue.popleft()
+            if key is not None:
+                seen.add(key)
+            spent += cost
             req.t_start = time.monotonic()
-            try:
-                prefix = self.engine.prefill_tokens(self._params, req.prompt, seed=req.seed,
-                                                    temperature=req.temperature)
-            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone, not the batch
-                log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
-                self.stats["prefill_errors"] += 1
-                if not req.future.done():
-                    req.future.set_exception(e)
-                continue
-            self._note_prefill_routes(req, prefix)
-            self._state = self.engine.insert(prefix, self._state, slot)
-            self._slots[slot] = req
-            self.stats["prefills"] += 1
+            items.append((slot, req, req.prompt, start))
+        self._prefill_batch(items)
 
     def _decode(self) -> None:
         if self.decode_steps == 1:
@@ -471,6 +623,10 @@ class Generator:
             if req is None:
                 if live[slot] and valid[slot]:
                     self.stats["discarded_tokens"] += 1
+                if not valid[slot] and slot in self._held_slot:
+                    # the idle slot ran out of cache and went inactive: an inactive slot's decode
+                    # writes at position 0, so its K/V are no longer the held context's
+                    self._drop_hold(self._held_slot[slot], "kv_hold_expired")
                 continue
             if not valid[slot]:  # cache full before this token (should not happen: see below)
                 self._slots[slot] = None
@@ -492,6 +648,8 @@ class Generator:
             else:
                 continue
             self._slots[slot] = None
+            if self.keep_kv and req.session is not None:
+                self._hold(req, slot)
             self._resolve(req, reason)
 
     def _resolve(self, req: _Req, reason: str) -> None:
@@ -504,6 +662,9 @@ class Generator:
             "budget": req.budget,
             "queue_s": (req.t_start or now) - req.t_submit,
             "gen_s": now - (req.t_start or now),
+            "prefill_tokens": req.prefill_tokens,
+            "kv_reused": req.kv_reused,
+            "shared_prefill": req.shared_prefill,
         }
         if self._truncating:
             info["kept_mass"] = list(req.kept)
