@@ -26,6 +26,12 @@ at index t). Generated ids are never re-tokenised. An episode ends when
 
 Malformed tool calls (bad JSON, missing name) and unknown tools become error observations
 ``Error: ...`` and the episode goes on.
+
+K/V across turns: with a generator that has sessions (``release_session``, i.e.
+:class:`rollout.generator.Generator`) every turn is submitted with the episode's session key, so the
+generator keeps the episode's K/V between turns and the next turn prefills only its new tokens
+(``rollout.keep_kv``); the session is released when the episode ends. ``info["prefill_tokens"]``
+sums the cache positions the engine ran through prefill for the episode's turns.
 """
 
 from __future__ import annotations
@@ -425,9 +431,11 @@ class AgentLoop:
 def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:
     """Routes of a longer context (int [len(new), n_moe_layers, k]): a position takes its most
     recent route, ``new``'s, and keeps ``old``'s only where ``new`` has none (``ROUTE_MISSING``, e.g.
-    an all-missing padding of a last tool turn). A turn's prefill re-runs every earlier position,
-    and the turn's tokens were computed from that prefill's K/V, so its routes replace the earlier
-    turns' (the ``Generator`` rule: a position holds the route it was run with most recently)."""
+    an all-missing padding of a last tool turn). A turn that re-prefills re-runs every earlier
+    position, and the turn's tokens were computed from that prefill's K/V, so its routes replace the
+    earlier turns' (the ``Generator`` rule: a position holds the route it was run with most
+    recently); a turn that kept its K/V (``rollout.keep_kv``) reports, at the kept positions, the
+    routes they were computed with, i.e. the earlier turns' own."""
     out = np.array(new, copy=True)
     if old is not None and len(old):
         n = min(len(old), len(out))

@@ -5,7 +5,8 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 
 1. apply a pending ``update_params(params, version)`` (weights swap only here, between decode
    steps) and treat the sequences already in slots according to ``partial``;
-2. prefill queued requests into free slots (with the *current* params);
+2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
+   jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.generate`` for all slots (``decode_steps`` = n > 1: one
    ``engine.generate_steps`` of n steps); tokens/log-probs come back in ONE host transfer;
 4. append per slot (token, logp, version), step by step, finish sequences that hit a stop id,
@@ -42,6 +43,45 @@ the new params reproduces the tokens generated after the swap). The tokens gener
 ``recompute_kv`` swap lose the routes they were computed with (one route per position cannot serve
 both); under ``continue`` nothing is re-run, so every position keeps the route that produced its
 cached K/V (docs/correction.md, "Routing replay across a weight swap").
+
+Prefill (an engine with ``prefill_slots``; ``Qwen3Engine`` has it). Every request admitted in a step
+goes into one ``prefill_slots`` call: fresh prompts batched per length bucket (``[n, bucket]`` rows,
+per-row lengths), identical prompts (a GRPO group's G samples) prefilled once and their K/V copied
+into each sample's slot with its own seed, and continuing sessions appended (below). Tokens and
+log-probs are those of one prefill per request (a token's key depends only on its seed and absolute
+position). Starvation bound: while any slot is decoding, a step admits requests FIFO only until their
+prefill tokens reach ``prefill_budget`` (``rollout.prefill_tokens_per_step``; the first request of
+a step is always admitted, a prompt identical to one already admitted in the step costs nothing),
+so a burst of new requests delays the decoding slots by at most one bounded prefill per step; with
+no slot decoding every request that finds a slot is admitted at once. An engine without
+``prefill_slots`` gets one ``prefill_tokens`` + ``insert`` per request (no sessions).
+
+Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
+agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
+cache holds ``prompt + tokens[:-1]`` (the last sampled token was never fed). The session's next
+request whose prompt starts with that context takes the held slot and runs only its new tokens
+(the last sampled token, the tool output and the generation prompt) through an append-prefill at
+the cache's current length (``SlotPrefill.start``); its ``Completion.routes`` keep, at every held
+position, the route that position's K/V was computed with. Holding policy: a held slot is not
+decoding a request and not free; it is given up (its session's next turn then re-prefills the
+whole conversation; each counted in ``stats``) when
+
+* a queued request finds no free slot: the least recently held slot is evicted (``kv_evictions``),
+  so slow tools never starve the fleet of slots;
+* its idle decode reaches the cache end (``kv_hold_expired``): a held slot stays active in the
+  engine (its sampled tokens are discarded), and an inactive slot's decode overwrites position 0;
+  this bounds a hold to ``max_cache_len - len(context)`` decode steps;
+* its session's next prompt does not extend the held context (``kv_mismatch``), or the session is
+  released (:meth:`Generator.release_session`, at the end of the episode);
+* a weight swap under ``partial=recompute_kv`` or ``abort`` (``kv_dropped_swap``): the next turn
+  re-prefills the conversation under the new params, as the re-prefill path does. Under
+  ``continue`` the held K/V stay (computed by older weights, as a ``continue`` slot's within a turn)
+  and the new turn's tokens carry the new version.
+
+Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``prefill_tokens``
+(cache positions run through prefill, re-prefills included), ``shared_prefills``, ``kv_holds``,
+``kv_reused_tokens``, the eviction counters above. Each ``Completion.info`` has its request's
+``prefill_tokens``, ``kv_reused`` and ``shared_prefill``.
 
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
@@ -126,9 +166,13 @@ class Generator:
         swap waits at most n - 1 tokens; every token carries the version of the params that
         produced it. The tokens and log-probs equal decode_steps=1's (keys are per request seed
         and position); only the batching of later requests shifts.
+      keep_kv: hold a finished session's slot for its next turn (module docstring, "Kept K/V");
+        False: every request is prefilled from scratch (the re-prefill reference path).
+      prefill_budget: prefill tokens per step while a slot decodes (module docstring, "Prefill");
+        None: ``4 * engine.max_prefill_length``.
 
     Raises:
-      ValueError: unknown ``partial``, no params, or ``decode_steps < 1``.
+      ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
     def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,

@@ -352,3 +352,22 @@ def test_r3_exact_for_every_turn_with_kept_kv():
     err = np.abs(L.logprobs(b, params=p0) - b["behav_logp"])[b["loss_mask"]]
     assert err.size == sum(len(c.tokens) for c in comps) and T == len(t)
     assert float(err.max()) < 1e-5
+
+
+# ------------------------------------------------------------------ (4) metrics.jsonl
+
+
+def test_step_row_counts_prefill_and_episode_tokens():
+    from jax_rl.config import Config
+    from jax_rl.runtime.components import step_row
+    from rollout.types import Trajectory
+
+    def traj(n, gen, info):
+        return Trajectory(tokens=[1] * n, loss_mask=[False] * (n - gen) + [True] * gen, behav_logp=[0.0] * n,
+                          versions=[-1] * (n - gen) + [0] * gen, turn_ids=[-1] * (n - gen) + [0] * gen, info=info)
+
+    trajs = [traj(10, 4, {"prefill_tokens": 5}), traj(7, 2, {"prefill_tokens": 12}), traj(6, 1, {})]
+    batch = {"tokens": np.zeros((3, 10), np.int32), "versions": np.zeros((3, 10), np.int32),
+             "loss_mask": np.zeros((3, 10), bool)}
+    row = step_row(Config(), 1, 1, {}, batch, [trajs], trajs, 0)
+    assert row["prefill_tokens"] == 17 and row["episode_tokens"] == 23
