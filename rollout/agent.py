@@ -275,6 +275,7 @@ class AgentLoop:
         session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
         session_kw: dict = {}
         info["prefill_tokens"] = 0
+        info["prefix_hits"] = 0
         live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
         lock = self._live_lock if self.track else contextlib.nullcontext()
         if self.track:
@@ -319,7 +320,7 @@ class AgentLoop:
             budget = int(cfg.max_tokens_per_episode)
             stop_ids = tuple(tok.stop_ids)
             if session is not None:  # the generator keeps this episode's K/V between its turns
-                session_kw = {"session": session}
+                session_kw = {"session": session, "prefix_len": _shared_prefix_len(tok, messages, shown_tools, prompt)}
             for turn in range(int(cfg.max_turns)):
                 room = int(cfg.max_cache_len) - len(tokens)
                 max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
@@ -349,6 +350,7 @@ class AgentLoop:
                     raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
                 info["finish_reasons"].append(comp.finish_reason)
                 info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
+                info["prefix_hits"] += int((comp.info or {}).get("prefix_hits", 0))
                 if comp.finish_reason == "aborted":
                     raise RuntimeError("generation aborted")
                 info["turn_starts"].append(len(tokens))
@@ -426,6 +428,16 @@ class AgentLoop:
         with lock:  # tracked: kept (finished, unscored) until release()
             live["final"], live["fut"] = traj, None
         return traj
+
+
+def _shared_prefix_len(tok: Any, messages: Sequence[dict], tools: Optional[Sequence[dict]], prompt: Sequence[int]) -> int:
+    """Tokens of ``prompt`` every episode of the env shares: the rendered system message (with the tool
+    schemas), when the prompt starts with it; 0 otherwise (the generator's prefix cache key)."""
+    if not messages or messages[0].get("role") != "system":
+        return 0
+    ids, _ = tok.render_chat(list(messages[:1]), tools)
+    n = len(ids)
+    return n if 0 < n < len(prompt) and list(prompt[:n]) == list(ids) else 0
 
 
 def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:

@@ -78,10 +78,19 @@ whole conversation; each counted in ``stats``) when
   ``continue`` the held K/V stay (computed by older weights, as a ``continue`` slot's within a turn)
   and the new turn's tokens carry the new version.
 
+Prefix cache (``prefix_cache`` entries, ``rollout.prefix_cache``). A request submitted with
+``prefix_len=p`` (the agent passes the length of the env's rendered system prompt + tool schemas,
+shared by every episode) starts from the K/V of ``prompt[:p]`` kept in an LRU cache keyed by those
+tokens and the weight version: a miss prefills them once (``prefix_misses``; counted in that
+request's ``prefill_tokens``), a hit (``prefix_hits``) copies them into the slot (one ``insert``),
+and the request's row appends only ``prompt[p:]``. A weight swap changes the key, so no request
+ever starts from another version's prefix. Entries are K/V rows of the prefix's length bucket on
+the engine's device(s).
+
 Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``prefill_tokens``
 (cache positions run through prefill, re-prefills included), ``shared_prefills``, ``kv_holds``,
-``kv_reused_tokens``, the eviction counters above. Each ``Completion.info`` has its request's
-``prefill_tokens``, ``kv_reused`` and ``shared_prefill``.
+``kv_reused_tokens``, the eviction counters above, ``prefix_hits`` / ``prefix_misses``. Each ``Completion.info`` has its request's
+``prefill_tokens``, ``kv_reused``, ``shared_prefill`` and ``prefix_hits``.
 
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
@@ -135,6 +144,8 @@ class _Req:
     prefill_tokens: int = 0  # cache positions this request's prefills ran (re-prefills included)
     kv_reused: int = 0  # cache positions reused from its session's held slot at admission
     shared_prefill: bool = False  # its prompt's K/V came from another request's prefill (a GRPO group)
+    prefix_len: int = 0  # the shared prefix (env system prompt + tools) the prefix cache may serve
+    prefix_hits: int = 0  # admissions whose first prefix_len positions came from the prefix cache
 
 
 @dataclasses.dataclass
@@ -170,13 +181,15 @@ class Generator:
         False: every request is prefilled from scratch (the re-prefill reference path).
       prefill_budget: prefill tokens per step while a slot decodes (module docstring, "Prefill");
         None: ``4 * engine.max_prefill_length``.
+      prefix_cache: shared prefixes kept (module docstring, "Prefix cache"); 0: off.
 
     Raises:
       ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
     def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
-                 decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None) -> None:
+                 decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None,
+                 prefix_cache: int = 4) -> None:
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial must be one of {PARTIAL_MODES}, got {partial!r}")
         if int(decode_steps) < 1:
@@ -189,6 +202,8 @@ class Generator:
                                   else 4 * int(getattr(engine, "max_prefill_length", 256)))
         self._batched = hasattr(engine, "prefill_slots")
         self.keep_kv = self.keep_kv and self._batched  # append-prefill needs prefill_slots
+        self.prefix_cache = int(prefix_cache) if self._batched else 0
+        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine
         self.partial = partial
         self._params = params if params is not None else engine.params
@@ -238,6 +253,7 @@ class Generator:
         stop_ids: Collection[int] = (),
         temperature: Optional[float] = None,
         session: Any = None,
+        prefix_len: int = 0,
     ) -> concurrent.futures.Future:
         """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
 
@@ -251,6 +267,10 @@ class Generator:
             with ``keep_kv`` its finished slot is held and the next request of the same session
             whose prompt extends the held context runs only its new tokens (module docstring,
             "Kept K/V"). End it with :meth:`release_session`. None: no reuse.
+          prefix_len: the length of a prefix of ``prompt_ids`` that many requests share (an env's
+            system prompt and tool schemas): with ``prefix_cache`` its K/V are prefilled once per
+            weight version and copied into every request that starts with it (module docstring,
+            "Prefix cache"). 0: none.
 
         Raises:
           ValueError: empty or too long prompt, negative budget.
@@ -274,6 +294,7 @@ class Generator:
             t_submit=time.monotonic(),
             budget=int(max_new_tokens),
             session=session,
+            prefix_len=int(prefix_len) if 0 < int(prefix_len) < len(prompt) else 0,
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
@@ -618,7 +639,14 @@ class Generator:
                 else:  # a prompt that does not extend the held context: nothing to reuse
                     free.append(self._drop_hold(req.session, "kv_mismatch"))
             key = tuple(req.prompt) if start == 0 else None
+            pre = None
+            if start == 0 and self.prefix_cache and req.prefix_len and key not in seen:
+                pre = (tuple(req.prompt[: req.prefix_len]), self._version)
+                start = req.prefix_len
+                key = None
             cost = 0 if key in seen else len(req.prompt) - 1 - start
+            if pre is not None and pre not in self._prefixes:
+                cost += start
             if decoding and items and spent + cost > self.prefill_budget:
                 break
             if slot is None:
@@ -639,8 +667,38 @@ class Generator:
                 seen.add(key)
             spent += cost
             req.t_start = time.monotonic()
+            if pre is not None and not self._use_prefix(pre, req, slot):
+                continue  # the prefix's prefill failed: the request is failed (counted)
             items.append((slot, req, req.prompt, start))
         self._prefill_batch(items)
+
+    def _use_prefix(self, pre: tuple, req: _Req, slot: int) -> bool:
+        """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled
+        now on a miss, ``prefix_misses``; else ``prefix_hits``); the request's rows then append the
+        rest of its prompt. Returns False when the prefix's prefill failed (the request is failed)."""
+        prefix = self._prefixes.get(pre)
+        if prefix is None:
+            toks = list(pre[0]) + [req.prompt[len(pre[0])]]
+            try:
+                prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
+                self._prefill_failed(slot, req, e)
+                return False
+            self._prefixes[pre] = prefix
+            while len(self._prefixes) > self.prefix_cache:
+                self._prefixes.popitem(last=False)
+            n = len(pre[0])
+            req.prefill_tokens += n
+            self.stats["prefill_tokens"] += n
+            self.stats["prefix_misses"] += 1
+        else:
+            self._prefixes.move_to_end(pre)
+            req.prefix_hits += 1
+            self.stats["prefix_hits"] += 1
+        self._state = self.engine.insert(prefix, self._state, slot)  # positions [0, len(prefix)) of the slot
+        routes = prefix.get("routes")
+        req.routes = [] if routes is None else list(np.asarray(routes))
+        return True
 
     def _decode(self) -> None:
         if self.decode_steps == 1:
@@ -709,6 +767,7 @@ class Generator:
             "prefill_tokens": req.prefill_tokens,
             "kv_reused": req.kv_reused,
             "shared_prefill": req.shared_prefill,
+            "prefix_hits": req.prefix_hits,
         }
         if self._truncating:
             info["kept_mass"] = list(req.kept)

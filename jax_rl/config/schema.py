@@ -396,6 +396,10 @@ class RolloutConfig(_Section):
     """Prefill budget per generator step (tokens) while any slot is decoding, so a burst of new requests does not
     stall the decoding slots: requests are admitted until their prefill tokens reach it (at least one per
     step; a prompt identical to one admitted in the same step is free). null = 4 x max_prefill_length."""
+    prefix_cache: int = Field(4, ge=0)
+    """Shared prefixes (an env's system prompt + tool schemas, common to every episode) whose K/V each generator
+    keeps per weight version: a prompt that starts with one copies its K/V and prefills only the rest (hits
+    logged as prefix_cache_hits); 0 = off."""
     max_prefill_length: int = Field(256, ge=8)
     """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)

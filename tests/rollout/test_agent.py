@@ -349,12 +349,14 @@ class SessionGenerator(ScriptedGenerator):
         self.sessions: list = []
         self.released: list = []
         self.held: dict = {}
+        self.prefix_lens: list = []
 
-    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids, session=None):
+    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids, session=None, prefix_len=0):
         f = super().submit(prompt_ids, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids)
         c = f.result()
         with self.lock:
             self.sessions.append(session)
+            self.prefix_lens.append(prefix_len)
             start = self.held.get(session, 0)
             c.info["prefill_tokens"] = len(prompt_ids) - 1 - start
             self.held[session] = len(prompt_ids) + len(c.tokens) - 1
@@ -375,6 +377,11 @@ def test_agent_keeps_one_session_per_episode_and_sums_prefill_tokens():
     loop.close()
     assert all(t.reward == 1.0 for t in trajs) and min(t.info["turns"] for t in trajs) >= 3
     keys = set(gen.sessions)
+    # the shared prefix: the rendered system message (policy + tool schemas), the same for every episode
+    env = make_env("retail", **kw)
+    msgs, tools = env.reset(5)
+    sys_ids, _ = TOK.render_chat(msgs[:1], tools)
+    assert set(gen.prefix_lens) == {len(sys_ids)}
     assert None not in keys and len(keys) == 2 and sorted(gen.released, key=str) == sorted(keys, key=str)
     for t in trajs:
         gen_toks = int(t.loss_mask.sum())

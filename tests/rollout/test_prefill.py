@@ -141,7 +141,7 @@ def test_group_prefilled_once_equals_separate_prefills(engine):
 # ------------------------------------------------------------------ (3) K/V kept across turns
 
 
-def _episode(gen, prompt, turns, *, session, obs_seed=3, new=5, swap=None):
+def _episode(gen, prompt, turns, *, session, obs_seed=3, new=5, swap=None, prefix_len=0):
     """A synthetic episode: turn k's context = turn k-1's context + its tokens + 3 'tool' tokens.
     ``swap`` = (params, version) applied between turn 0 and turn 1. Returns the completions."""
     rng = np.random.default_rng(obs_seed)
@@ -149,7 +149,7 @@ def _episode(gen, prompt, turns, *, session, obs_seed=3, new=5, swap=None):
     for t in range(turns):
         if t == 1 and swap is not None:
             gen.update_params(*swap)
-        fut = gen.submit(ctx, max_new_tokens=new, seed=100 + t, session=session)
+        fut = gen.submit(ctx, max_new_tokens=new, seed=100 + t, session=session, prefix_len=prefix_len)
         gen.run_until_idle()
         c = fut.result(timeout=0)
         out.append(c)
@@ -313,9 +313,10 @@ def test_prefill_budget_bounds_admission_while_slots_decode(engine):
 
 
 def test_r3_exact_for_every_turn_with_kept_kv():
-    """MoE, fp32 engine, fixed params, 3 turns with kept K/V: the episode's routes (each position the
-    route its cached K/V was computed with) make an r3 learner forward reproduce every turn's
-    log-probs (1e-5), and the kept positions keep the routes recorded when they were computed."""
+    """MoE, fp32 engine, fixed params, 3 turns with kept K/V, the prompt's first 5 tokens from the
+    prefix cache (a second episode hits it): the episode's routes (each position the route its
+    cached K/V was computed with) make an r3 learner forward reproduce every turn's log-probs
+    (1e-5), and the kept positions keep the routes recorded when they were computed."""
     from rollout.agent import _merge_routes
     from rollout.types import Trajectory
     from tests.learner.test_routing_replay import _batch, _learner
@@ -327,8 +328,10 @@ def test_r3_exact_for_every_turn_with_kept_kv():
                       model_kwargs=dict(scan_layers=False))
     gen = Generator(eng)
     prompt = _prompts(1, [8], seed=10, vocab=mc.vocab_size)[0]
-    comps = _episode(gen, prompt, 3, session="m", new=4)
+    _episode(gen, prompt[:5] + [1, 2, 3], 1, session="first", new=4, prefix_len=5)  # fills the prefix cache
+    comps = _episode(gen, prompt, 3, session="m", new=4, prefix_len=5)
     assert [c.info["kv_reused"] > 0 for c in comps] == [False, True, True]
+    assert comps[0].info["prefix_hits"] == 1 and gen.stats["prefix_misses"] == 1
     rng = np.random.default_rng(3)
     toks, mask, lp, routes = list(prompt), [False] * len(prompt), [0.0] * len(prompt), None
     for i, c in enumerate(comps):
@@ -371,3 +374,31 @@ def test_step_row_counts_prefill_and_episode_tokens():
              "loss_mask": np.zeros((3, 10), bool)}
     row = step_row(Config(), 1, 1, {}, batch, [trajs], trajs, 0)
     assert row["prefill_tokens"] == 17 and row["episode_tokens"] == 23
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+def test_prefix_cache_serves_a_shared_prefix_per_weight_version(engine, params2):
+    """4 prompts sharing a 20-token prefix (an env's system prompt) with different suffixes: the prefix
+    is prefilled once (one miss, three hits) and every completion equals a fresh prefill's (1e-5);
+    after a weight swap the prefix is a miss again (keyed by version) and the outputs are the new
+    params' own."""
+    shared = _prompts(1, [20], seed=11)[0]
+    prompts = [shared + s for s in _prompts(4, [3, 6, 2, 9], seed=12)]
+    gen = Generator(engine)
+    futs = [gen.submit(p, max_new_tokens=5, seed=i, prefix_len=20) for i, p in enumerate(prompts)]
+    gen.run_until_idle()
+    got = [f.result(timeout=0) for f in futs]
+    assert gen.stats["prefix_misses"] == 1 and gen.stats["prefix_hits"] == 3
+    assert [g.info["prefix_hits"] for g in got] == [0, 1, 1, 1]
+    assert gen.stats["prefill_tokens"] == 20 + sum(len(p) - 1 - 20 for p in prompts)
+    ref = Generator(PerRequest(engine)).generate(prompts, max_new_tokens=5, seeds=[0, 1, 2, 3])
+    for g, w in zip(got, ref):
+        _close(g, w, 1e-5)
+    gen.update_params(params2, 1)
+    f = gen.submit(prompts[1], max_new_tokens=5, seed=1, prefix_len=20)
+    gen.run_until_idle()
+    assert gen.stats["prefix_misses"] == 2
+    ref_gen = Generator(PerRequest(engine), params=engine.load_params(params2), version=1)
+    _close(f.result(timeout=0), ref_gen.generate([prompts[1]], max_new_tokens=5, seeds=[1])[0], 1e-5)
