@@ -16,6 +16,15 @@ is produced by the params passed to the ``generate`` call that emitted it):
   dispatch and one host transfer for ``n`` tokens per slot; ``rollout.decode_steps``): the same
   tokens and log-probs as ``n`` ``generate`` calls, all produced by ``params``.
 
+The RL path (:class:`rollout.generator.Generator`) does not use ``prefill`` / ``insert`` (batch 1,
+kept for JetStream's Driver and ``jax-rl serve``) but :meth:`Qwen3Engine.prefill_slots`: every
+request admitted in a generator step in one call, one jitted program per length bucket (fresh
+prompts batched ``[n, bucket]`` with per-row lengths, a GRPO group's identical prompts prefilled
+once and copied into each slot, and append-prefills of new tokens on a slot's kept K/V), plus
+:meth:`Qwen3Engine.copy_slot` (one slot's row into another). Compiled shapes are bounded: row
+buckets are powers of two up to ``slots``, length buckets powers of two from 16 up to
+``max_cache_len`` (docs/interfaces.md, "The RL engine's prefill").
+
 Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
 
 =============  ==================  ===========================================================
@@ -520,6 +529,19 @@ class Qwen3Engine(Engine):
                 "generated": state["generated"].at[slot].set(0),
             }
 
+        def copy_slot_fn(state, src, dst, pending, seed, temperature):
+            # slot dst takes slot src's cache row and length, armed with its own pending/seed/temperature
+            cache = state["cache"]
+            if per_layer:
+                new_k = tuple(c.at[dst].set(c[src]) for c in cache.k)
+                new_v = tuple(c.at[dst].set(c[src]) for c in cache.v)
+            else:
+                new_k, new_v = cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src])
+            cache = _replace_cache(cache, k=new_k, v=new_v, lengths=cache.lengths.at[dst].set(cache.lengths[src]))
+            sel = jnp.arange(B) == dst
+            fill = lambda x: jnp.full((B,), x)  # noqa: E731
+            return arm(state, cache, sel, fill(pending), fill(seed), fill(temperature))
+
         def deactivate_fn(state, slot):
             new = dict(state)
             new["active"] = state["active"].at[slot].set(False)
@@ -644,6 +666,7 @@ class Qwen3Engine(Engine):
             self._init_state_jit = jax.jit(init_state_fn)
             self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
             self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
+            self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,))
             self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
             self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
             return
@@ -658,6 +681,7 @@ class Qwen3Engine(Engine):
         self._init_state_jit = jax.jit(init_state_fn, out_shardings=st)
         self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,), out_shardings=st)
         self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,), out_shardings=st)
+        self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,), out_shardings=st)
         self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,), out_shardings=(st, rep))
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
                                            out_shardings=(st, rep))
@@ -976,6 +1000,20 @@ class Qwen3Engine(Engine):
         for T, idx in sorted(ext.items()):
             state = self._extend_group(params, state, rows, idx, T, results)
         return state, results
+
+    def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
+                  temperature: Optional[float] = None) -> dict:
+        """Slot ``dst`` takes slot ``src``'s K/V row and length (one device copy of a slot's row),
+        armed with its own pending ``token``, ``seed`` and ``temperature`` (None: the engine's):
+        the G samples of a group whose first sample was just prefilled into ``src``. Donates the
+        state. Raises ValueError for a slot out of range or ``src == dst``."""
+        src, dst = int(src), int(dst)
+        if not (0 <= src < self._slots and 0 <= dst < self._slots) or src == dst:
+            raise ValueError(f"copy_slot: slots {src} -> {dst} (range [0, {self._slots}), distinct)")
+        t = self.temperature if temperature is None else float(temperature)
+        with self._in_mesh():
+            return self._copy_slot_jit(decode_state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
+                                       jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
 
     def _row_bucket(self, n: int) -> int:
         b = 1

@@ -83,7 +83,9 @@ Prefix cache (``prefix_cache`` entries, ``rollout.prefix_cache``). A request sub
 shared by every episode) starts from the K/V of ``prompt[:p]`` kept in an LRU cache keyed by those
 tokens and the weight version: a miss prefills them once (``prefix_misses``; counted in that
 request's ``prefill_tokens``), a hit (``prefix_hits``) copies them into the slot (one ``insert``),
-and the request's row appends only ``prompt[p:]``. A weight swap changes the key, so no request
+and the request's row appends only ``prompt[p:]``; the other requests of the step with the same
+whole prompt (a GRPO group's samples) copy that slot's row after the prefill
+(``engine.copy_slot``, each armed with its own seed). A weight swap changes the key, so no request
 ever starts from another version's prefix. Entries are K/V rows of the prefix's length bucket on
 the engine's device(s).
 
@@ -620,6 +622,8 @@ class Generator:
         decoding = self.num_active > 0
         free = self._free_slots()
         items: list = []
+        copies: list = []  # (slot, req, index in items of the identical prompt it copies after the prefill)
+        pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: set = set()
         spent = 0
         while True:
@@ -639,12 +643,14 @@ class Generator:
                 else:  # a prompt that does not extend the held context: nothing to reuse
                     free.append(self._drop_hold(req.session, "kv_mismatch"))
             key = tuple(req.prompt) if start == 0 else None
-            pre = None
+            pre = copy_of = None
             if start == 0 and self.prefix_cache and req.prefix_len and key not in seen:
-                pre = (tuple(req.prompt[: req.prefix_len]), self._version)
-                start = req.prefix_len
-                key = None
-            cost = 0 if key in seen else len(req.prompt) - 1 - start
+                if key in pre_first:  # a GRPO group's next sample: copy the first one's slot
+                    copy_of = pre_first[key]
+                else:
+                    pre = (tuple(req.prompt[: req.prefix_len]), self._version)
+                    start = req.prefix_len
+            cost = 0 if (key in seen or copy_of is not None) else len(req.prompt) - 1 - start
             if pre is not None and pre not in self._prefixes:
                 cost += start
             if decoding and items and spent + cost > self.prefill_budget:
@@ -663,14 +669,32 @@ class Generator:
                 self.stats["kv_reused_tokens"] += start
             with self._lock:
                 self._queue.popleft()
-            if key is not None:
+            if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
                 seen.add(key)
             spent += cost
             req.t_start = time.monotonic()
-            if pre is not None and not self._use_prefix(pre, req, slot):
-                continue  # the prefix's prefill failed: the request is failed (counted)
+            if copy_of is not None:
+                copies.append((slot, req, copy_of))
+                continue
+            if pre is not None:
+                if not self._use_prefix(pre, req, slot):
+                    continue  # the prefix's prefill failed: the request is failed (counted)
+                pre_first[key] = len(items)
             items.append((slot, req, req.prompt, start))
         self._prefill_batch(items)
+        for slot, req, i in copies:
+            src, first = items[i][0], items[i][1]
+            if self._slots[src] is not first:  # its first sample's prefill failed: try again next step
+                with self._lock:
+                    self._queue.appendleft(req)
+                continue
+            self._state = self.engine.copy_slot(self._state, src, slot, token=req.prompt[-1], seed=req.seed,
+                                                temperature=req.temperature)
+            req.routes = list(first.routes)
+            req.shared_prefill = True
+            self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += 1
+            self._slots[slot] = req
 
     def _use_prefix(self, pre: tuple, req: _Req, slot: int) -> bool:
         """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled

@@ -402,3 +402,27 @@ def test_prefix_cache_serves_a_shared_prefix_per_weight_version(engine, params2)
     assert gen.stats["prefix_misses"] == 2
     ref_gen = Generator(PerRequest(engine), params=engine.load_params(params2), version=1)
     _close(f.result(timeout=0), ref_gen.generate([prompts[1]], max_new_tokens=5, seeds=[1])[0], 1e-5)
+
+
+def test_prefix_cache_and_group_sharing_combine(engine):
+    """A GRPO group (4 samples of one prompt) whose prompt starts with a cached shared prefix: the
+    first sample appends its prompt's rest to the prefix, the other three copy its slot
+    (``copy_slot``); all equal separate fresh prefills (1e-5)."""
+    shared = _prompts(1, [20], seed=13)[0]
+    other, prompt = shared + [5, 6], shared + [7, 8, 9, 10]
+    gen = Generator(engine)
+    gen.generate([other], max_new_tokens=2, seeds=[0])  # no prefix_len: nothing cached
+    assert gen.stats["prefix_misses"] == 0
+    f = gen.submit(other, max_new_tokens=2, seed=0, prefix_len=20)  # a miss fills the cache
+    gen.run_until_idle()
+    base = gen.stats["prefill_tokens"]
+    futs = [gen.submit(prompt, max_new_tokens=6, seed=s, prefix_len=20) for s in range(4)]
+    gen.run_until_idle()
+    got = [f.result(timeout=0) for f in futs]
+    assert gen.stats["prefix_hits"] == 1 and gen.stats["prefix_misses"] == 1
+    assert gen.stats["prefill_tokens"] - base == len(prompt) - 1 - 20
+    assert [g.info["shared_prefill"] for g in got] == [False, True, True, True]
+    ref = Generator(PerRequest(engine)).generate([prompt] * 4, max_new_tokens=6, seeds=[0, 1, 2, 3])
+    for g, w in zip(got, ref):
+        _close(g, w, 1e-5)
+    assert len({tuple(g.tokens) for g in got}) > 1
