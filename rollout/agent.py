@@ -31,11 +31,18 @@ An env with a user side (``tau2``) has ``user_reply(text) -> str | None``: a tur
 goes to it first; a string is the user's next message (a ``user`` turn, mask False, counted in
 ``info["user_turns"]``, its time in ``info["user_s"]``) and the episode goes on; None ends it with
 ``env.score(text)`` as above.
+
+K/V across turns: with a generator that has sessions (``release_session``, i.e.
+:class:`rollout.generator.Generator`) every turn is submitted with the episode's session key, so the
+generator keeps the episode's K/V between turns and the next turn prefills only its new tokens
+(``rollout.keep_kv``); the session is released when the episode ends. ``info["prefill_tokens"]``
+sums the cache positions the engine ran through prefill for the episode's turns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import threading
@@ -145,6 +152,7 @@ class AgentLoop:
         self.cfg = cfg
         self.env_name = env_name
         self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, cfg.group_size))
+        self._sessions = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "overlong": 0, "answered": 0, "truncated": 0,
@@ -268,6 +276,11 @@ class AgentLoop:
                                 "turn_starts": [], "finish_reasons": []}
         reward = 0.0
         env_name = self.env_name or ""
+        # a generator with sessions (rollout.Generator) holds the episode's slot between turns
+        session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
+        session_kw: dict = {}
+        info["prefill_tokens"] = 0
+        info["prefix_hits"] = 0
         live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
         lock = self._live_lock if self.track else contextlib.nullcontext()
         if self.track:
@@ -311,6 +324,8 @@ class AgentLoop:
                                 f"{int(cfg.max_cache_len)}")
             budget = int(cfg.max_tokens_per_episode)
             stop_ids = tuple(tok.stop_ids)
+            if session is not None:  # the generator keeps this episode's K/V between its turns
+                session_kw = {"session": session, "prefix_len": _shared_prefix_len(tok, messages, shown_tools, prompt)}
             for turn in range(int(cfg.max_turns)):
                 room = int(cfg.max_cache_len) - len(tokens)
                 max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
@@ -323,7 +338,8 @@ class AgentLoop:
                     break
                 ts = time.monotonic()
                 fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
-                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids)
+                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids,
+                                            **session_kw)
                 with lock:
                     live["fut"] = fut
                 try:
@@ -338,6 +354,8 @@ class AgentLoop:
                 if len(comp.tokens) > max_new:
                     raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
                 info["finish_reasons"].append(comp.finish_reason)
+                info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
+                info["prefix_hits"] += int((comp.info or {}).get("prefix_hits", 0))
                 if comp.finish_reason == "aborted":
                     raise RuntimeError("generation aborted")
                 info["turn_starts"].append(len(tokens))
@@ -408,6 +426,8 @@ class AgentLoop:
             info["fail_reason"] = f"{type(e).__name__}: {e}"
             info["traceback"] = traceback.format_exc(limit=4)
             reward = 0.0
+        if session is not None:
+            self.generator.release_session(session)
         info["total_s"] = time.monotonic() - t0
         self._count("episodes")
         self._count("tool_calls", info["tool_calls"])
@@ -431,12 +451,24 @@ class AgentLoop:
         return traj
 
 
+def _shared_prefix_len(tok: Any, messages: Sequence[dict], tools: Optional[Sequence[dict]], prompt: Sequence[int]) -> int:
+    """Tokens of ``prompt`` every episode of the env shares: the rendered system message (with the tool
+    schemas), when the prompt starts with it; 0 otherwise (the generator's prefix cache key)."""
+    if not messages or messages[0].get("role") != "system":
+        return 0
+    ids, _ = tok.render_chat(list(messages[:1]), tools)
+    n = len(ids)
+    return n if 0 < n < len(prompt) and list(prompt[:n]) == list(ids) else 0
+
+
 def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:
     """Routes of a longer context (int [len(new), n_moe_layers, k]): a position takes its most
     recent route, ``new``'s, and keeps ``old``'s only where ``new`` has none (``ROUTE_MISSING``, e.g.
-    an all-missing padding of a last tool turn). A turn's prefill re-runs every earlier position,
-    and the turn's tokens were computed from that prefill's K/V, so its routes replace the earlier
-    turns' (the ``Generator`` rule: a position holds the route it was run with most recently)."""
+    an all-missing padding of a last tool turn). A turn that re-prefills re-runs every earlier
+    position, and the turn's tokens were computed from that prefill's K/V, so its routes replace the
+    earlier turns' (the ``Generator`` rule: a position holds the route it was run with most
+    recently); a turn that kept its K/V (``rollout.keep_kv``) reports, at the kept positions, the
+    routes they were computed with, i.e. the earlier turns' own."""
     out = np.array(new, copy=True)
     if old is not None and len(old):
         n = min(len(old), len(out))

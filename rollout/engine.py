@@ -16,6 +16,15 @@ is produced by the params passed to the ``generate`` call that emitted it):
   dispatch and one host transfer for ``n`` tokens per slot; ``rollout.decode_steps``): the same
   tokens and log-probs as ``n`` ``generate`` calls, all produced by ``params``.
 
+The RL path (:class:`rollout.generator.Generator`) does not use ``prefill`` / ``insert`` (batch 1,
+kept for JetStream's Driver and ``jax-rl serve``) but :meth:`Qwen3Engine.prefill_slots`: every
+request admitted in a generator step in one call, one jitted program per length bucket (fresh
+prompts batched ``[n, bucket]`` with per-row lengths, a GRPO group's identical prompts prefilled
+once and copied into each slot, and append-prefills of new tokens on a slot's kept K/V), plus
+:meth:`Qwen3Engine.copy_slot` (one slot's row into another). Compiled shapes are bounded: row
+buckets are powers of two up to ``slots``, length buckets powers of two from 16 up to
+``max_cache_len`` (docs/interfaces.md, "The RL engine's prefill").
+
 Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
 
 =============  ==================  ===========================================================
@@ -89,6 +98,7 @@ __all__ = [
     "inverse_cdf_index",
     "unpack_result",
     "prefill_bucket",
+    "SlotPrefill",
     "NO_BOS",
 ]
 
@@ -522,6 +532,19 @@ class Qwen3Engine(Engine):
                 "generated": state["generated"].at[slot].set(0),
             }
 
+        def copy_slot_fn(state, src, dst, pending, seed, temperature):
+            # slot dst takes slot src's cache row and length, armed with its own pending/seed/temperature
+            cache = state["cache"]
+            if per_layer:
+                new_k = tuple(c.at[dst].set(c[src]) for c in cache.k)
+                new_v = tuple(c.at[dst].set(c[src]) for c in cache.v)
+            else:
+                new_k, new_v = cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src])
+            cache = _replace_cache(cache, k=new_k, v=new_v, lengths=cache.lengths.at[dst].set(cache.lengths[src]))
+            sel = jnp.arange(B) == dst
+            fill = lambda x: jnp.full((B,), x)  # noqa: E731
+            return arm(state, cache, sel, fill(pending), fill(seed), fill(temperature))
+
         def deactivate_fn(state, slot):
             new = dict(state)
             new["active"] = state["active"].at[slot].set(False)
@@ -570,11 +593,83 @@ class Qwen3Engine(Engine):
             params = self._dequantized(params)
             return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
 
+        def arm(state, cache, sel, pending, seeds, temps):
+            # the per-slot fields of the slots in ``sel`` [B] bool: pending token, key, temperature
+            keys = jax.vmap(jax.random.PRNGKey)(seeds)
+            return {
+                "cache": cache,
+                "tokens": jnp.where(sel, pending, state["tokens"]),
+                "active": state["active"] | sel,
+                "keys": jnp.where(sel[:, None], keys, state["keys"]),
+                "temperature": jnp.where(sel, temps, state["temperature"]),
+                "generated": jnp.where(sel, 0, state["generated"]),
+            }
+
+        def prefill_slots_fn(params, tokens, lengths, state, dest, pending, seeds, temps):
+            # batched fresh prefill + bulk insert (prefill_slots): tokens [n, P], lengths [n] cache
+            # positions per row; dest [B] int32: the row whose K/V slot b takes (-1: untouched), so
+            # one row (a GRPO group's prompt) can fill several slots; pending/seeds/temps [B]
+            model = self._model(params)
+            n, P = tokens.shape
+            out = model.prefill(tokens, lengths, model.init_cache(n, P, dtype=dt), return_expert_ids=record)
+            keep = (jnp.arange(P)[None, :] < lengths[:, None])[None, :, None, :, None]  # [1,n,1,P,1]
+            k = jnp.where(keep, out[1].k, jnp.zeros((), out[1].k.dtype))  # padding zeroed (no NaN)
+            v = jnp.where(keep, out[1].v, jnp.zeros((), out[1].v.dtype))
+            sel = dest >= 0
+            rows = jnp.maximum(dest, 0)
+            kg, vg = k[:, rows], v[:, rows]  # [L,B,K,P,H]
+            cache = state["cache"]
+            if per_layer:
+                s5 = sel[:, None, None, None]
+                new_k = tuple(c.at[..., :P].set(jnp.where(s5, kg[i].swapaxes(2, 3).astype(c.dtype), c[..., :P]))
+                              for i, c in enumerate(cache.k))
+                new_v = tuple(c.at[:, :, :P].set(jnp.where(s5, vg[i].astype(c.dtype), c[:, :, :P]))
+                              for i, c in enumerate(cache.v))
+            else:
+                s5 = sel[None, :, None, None, None]
+                new_k = cache.k.at[:, :, :, :P].set(jnp.where(s5, kg.astype(cache.k.dtype), cache.k[:, :, :, :P]))
+                new_v = cache.v.at[:, :, :, :P].set(jnp.where(s5, vg.astype(cache.v.dtype), cache.v[:, :, :, :P]))
+            cache = _replace_cache(cache, k=new_k, v=new_v, lengths=jnp.where(sel, lengths[rows], cache.lengths))
+            routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
+            return arm(state, cache, sel, pending, seeds, temps), routes
+
+        def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps):
+            # append-prefill into the slots' own cached rows: tokens [n, T] at positions starts + t,
+            # lengths [n]; slots [n] (B for a padding row: read clamped, written nowhere)
+            model = self._model(params)
+            cache = state["cache"]
+            src = jnp.minimum(slots, B - 1)
+            if per_layer:
+                rk = jnp.stack([c[src].swapaxes(2, 3) for c in cache.k])  # [L,n,K,S,H]
+                rv = jnp.stack([c[src] for c in cache.v])
+            else:
+                rk, rv = cache.k[:, src], cache.v[:, src]
+            from jax_rl.models.qwen3.cache import KVCache as _KV
+
+            out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record)
+            nk, nv = out[1].k, out[1].v
+            if per_layer:
+                new_k = tuple(c.at[slots].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
+                              for i, c in enumerate(cache.k))
+                new_v = tuple(c.at[slots].set(nv[i].astype(c.dtype), mode="drop") for i, c in enumerate(cache.v))
+            else:
+                new_k = cache.k.at[:, slots].set(nk.astype(cache.k.dtype), mode="drop")
+                new_v = cache.v.at[:, slots].set(nv.astype(cache.v.dtype), mode="drop")
+            sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+            spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
+            cache = _replace_cache(cache, k=new_k, v=new_v,
+                                   lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
+            routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,T,n_moe,k]
+            return arm(state, cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)), routes
+
         if not self._sharded:  # the colocated single-device engine: programs as they always were
+            self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,))
+            self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,))
             self._prefill_jit = jax.jit(prefill_fn)
             self._init_state_jit = jax.jit(init_state_fn)
             self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
             self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
+            self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,))
             self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
             self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
             return
@@ -589,9 +684,12 @@ class Qwen3Engine(Engine):
         self._init_state_jit = jax.jit(init_state_fn, out_shardings=st)
         self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,), out_shardings=st)
         self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,), out_shardings=st)
+        self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,), out_shardings=st)
         self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,), out_shardings=(st, rep))
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
                                            out_shardings=(st, rep))
+        self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,), out_shardings=(st, rep))
+        self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), out_shardings=(st, rep))
 
     def _named(self, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
         """NamedSharding on the engine's mesh of an array ``shape`` with logical ``names``."""
@@ -846,6 +944,158 @@ class Qwen3Engine(Engine):
         with self._in_mesh():
             return self._insert_jit(*args)
 
+    def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence["SlotPrefill"]
+                      ) -> tuple[dict, list[dict]]:
+        """Prefill many requests into their slots: the RL path's batched prefill + insert.
+
+        Rows with ``start == 0`` (fresh) are grouped by length bucket P
+        (:func:`prefill_bucket` of their cache positions) and each group runs ONE jitted program:
+        a prefill over ``[n, P]`` rows with per-row lengths, then a bulk insert that copies each
+        row's K/V into its slots. Fresh rows with the same tokens (the G samples of a GRPO group)
+        are prefilled once and their K/V copied into every one of their slots, each slot armed
+        with its own seed and temperature (a token's key depends on its seed and position only,
+        so the samples equal G separate prefills). Rows with ``start > 0`` (append-prefill: the
+        slot already holds the K/V of ``tokens[:start]``, e.g. an episode's earlier turns) are
+        grouped by the bucket T of their new positions and run through
+        :meth:`Qwen3ForCausalLM.extend` on the slots' own rows, one program per group.
+
+        Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
+        ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` programs of each kind.
+        Padding rows and positions are inert (no slot written, no MoE capacity taken).
+
+        Args:
+          params: engine params (from :meth:`load_params`).
+          decode_state: the decode state (donated).
+          rows: :class:`SlotPrefill` rows; distinct slots; ``1 <= len(tokens) <= max_cache_len``
+            and ``start < len(tokens)``.
+
+        Returns:
+          ``(new_state, results)``: one dict per row, in order: ``prefill_tokens`` (int: cache
+          positions this row's program computed; 0 for a row that shared another row's prefill),
+          ``shared`` (bool) and, with ``record_routes``, ``routes`` int32 [len(tokens) - 1 - start,
+          n_moe_layers, k] (the routes of positions ``start .. len(tokens) - 2``).
+
+        Raises:
+          ValueError: a slot out of range or used twice, an empty or too long row, a bad start.
+        """
+        rows = list(rows)
+        used: set[int] = set()
+        for r in rows:
+            n_tok, slot = len(r.tokens), int(r.slot)
+            if not 0 <= slot < self._slots or slot in used:
+                raise ValueError(f"prefill_slots: slot {slot} out of range [0, {self._slots}) or used twice")
+            used.add(slot)
+            if not 1 <= n_tok <= self.max_cache_len:
+                raise ValueError(f"prefill_slots: a row of {n_tok} tokens (1..max_cache_len={self.max_cache_len})")
+            if not 0 <= int(r.start) < n_tok:
+                raise ValueError(f"prefill_slots: start={r.start} outside [0, {n_tok}) tokens")
+        results: list[dict] = [dict(prefill_tokens=0, shared=False) for _ in rows]
+        fresh: dict[int, list[int]] = {}
+        ext: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            m = len(r.tokens) - 1 - int(r.start)
+            (fresh if int(r.start) == 0 else ext).setdefault(prefill_bucket(max(m, 1), self.max_cache_len),
+                                                             []).append(i)
+        state = decode_state
+        for P, idx in sorted(fresh.items()):
+            state = self._prefill_group(params, state, rows, idx, P, results)
+        for T, idx in sorted(ext.items()):
+            state = self._extend_group(params, state, rows, idx, T, results)
+        return state, results
+
+    def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
+                  temperature: Optional[float] = None) -> dict:
+        """Slot ``dst`` takes slot ``src``'s K/V row and length (one device copy of a slot's row),
+        armed with its own pending ``token``, ``seed`` and ``temperature`` (None: the engine's):
+        the G samples of a group whose first sample was just prefilled into ``src``. Donates the
+        state. Raises ValueError for a slot out of range or ``src == dst``."""
+        src, dst = int(src), int(dst)
+        if not (0 <= src < self._slots and 0 <= dst < self._slots) or src == dst:
+            raise ValueError(f"copy_slot: slots {src} -> {dst} (range [0, {self._slots}), distinct)")
+        t = self.temperature if temperature is None else float(temperature)
+        with self._in_mesh():
+            return self._copy_slot_jit(decode_state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
+                                       jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
+
+    def _row_bucket(self, n: int) -> int:
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self._slots)
+
+    def _prefill_group(self, params: Any, state: dict, rows: list, idx: list[int], P: int,
+                       results: list[dict]) -> dict:
+        uniq: dict[tuple, int] = {}  # tokens -> its row among the program's rows
+        owner: list[int] = []
+        B = self._slots
+        dest = np.full((B,), -1, np.int32)
+        pending = np.zeros((B,), np.int32)
+        seeds = np.zeros((B,), np.uint32)
+        temps = np.ones((B,), np.float32)
+        for i in idx:
+            r = rows[i]
+            key = tuple(int(t) for t in r.tokens)
+            j = uniq.get(key)
+            if j is None:
+                j = uniq[key] = len(owner)
+                owner.append(i)
+                results[i]["prefill_tokens"] = len(key) - 1
+            else:
+                results[i]["shared"] = True
+            slot = int(r.slot)
+            dest[slot], pending[slot] = j, key[-1]
+            seeds[slot] = int(r.seed) & 0xFFFFFFFF
+            temps[slot] = self.temperature if r.temperature is None else float(r.temperature)
+        n = len(owner)
+        nb = self._row_bucket(n)
+        buf = np.zeros((nb, P), np.int32)
+        lens = np.zeros((nb,), np.int32)
+        for j, i in enumerate(owner):
+            t = rows[i].tokens
+            lens[j] = len(t) - 1
+            buf[j, : lens[j]] = np.asarray(t[:-1], np.int32)
+        with self._in_mesh():
+            state, routes = self._prefill_slots_jit(params, jnp.asarray(buf), jnp.asarray(lens), state,
+                                                    jnp.asarray(dest), jnp.asarray(pending), jnp.asarray(seeds),
+                                                    jnp.asarray(temps))
+        if self.record_routes:
+            routes = np.asarray(routes)
+            for i in idx:
+                j = int(dest[int(rows[i].slot)])
+                results[i]["routes"] = routes[j, : int(lens[j])]
+        return state
+
+    def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
+                      results: list[dict]) -> dict:
+        B = self._slots
+        nb = self._row_bucket(len(idx))
+        buf = np.zeros((nb, T), np.int32)
+        starts = np.zeros((nb,), np.int32)
+        lens = np.zeros((nb,), np.int32)
+        slots = np.full((nb,), B, np.int32)  # padding rows write nowhere
+        pending = np.zeros((nb,), np.int32)
+        seeds = np.zeros((nb,), np.uint32)
+        temps = np.ones((nb,), np.float32)
+        for j, i in enumerate(idx):
+            r = rows[i]
+            st = int(r.start)
+            new = np.asarray(r.tokens[st:-1], np.int32)
+            starts[j], lens[j], slots[j], pending[j] = st, len(new), int(r.slot), int(r.tokens[-1])
+            buf[j, : len(new)] = new
+            seeds[j] = int(r.seed) & 0xFFFFFFFF
+            temps[j] = self.temperature if r.temperature is None else float(r.temperature)
+            results[i]["prefill_tokens"] = len(new)
+        with self._in_mesh():
+            state, routes = self._extend_slots_jit(params, state, jnp.asarray(buf), jnp.asarray(starts),
+                                                   jnp.asarray(lens), jnp.asarray(slots), jnp.asarray(pending),
+                                                   jnp.asarray(seeds), jnp.asarray(temps))
+        if self.record_routes:
+            routes = np.asarray(routes)
+            for j, i in enumerate(idx):
+                results[i]["routes"] = routes[j, : int(lens[j])]
+        return state
+
     def free_slot(self, decode_state: dict, slot: int) -> dict:
         """Deactivate ``slot`` (not part of the 0.2.2 API; the generator uses it). Donates state."""
         slot = jnp.int32(slot)
@@ -937,6 +1187,27 @@ class Qwen3Engine(Engine):
         """:meth:`prefill` of an unpadded token list."""
         toks = np.asarray(list(tokens), np.int32)
         return self.prefill(params=params, padded_tokens=toks, true_length=len(toks), seed=seed, temperature=temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPrefill:
+    """One row of :meth:`Qwen3Engine.prefill_slots`.
+
+    Attributes:
+      tokens: the request's whole context (int ids, ``1 <= len <= max_cache_len``); its last token
+        stays pending (fed by the first decode step), the others end up in the slot's cache.
+      slot: the decode slot it fills.
+      seed: sampling seed (the token at absolute position p uses ``fold_in(PRNGKey(seed), p)``).
+      temperature: per-request temperature (None: the engine's; <= 0: greedy).
+      start: cache positions ``[0, start)`` of ``slot`` already hold ``tokens[:start]``'s K/V
+        (an episode's earlier turns): only ``tokens[start:-1]`` are run (append-prefill). 0: fresh.
+    """
+
+    tokens: Sequence[int]
+    slot: int
+    seed: int = 0
+    temperature: Optional[float] = None
+    start: int = 0
 
 
 def _replace_cache(cache: Any, **kw: Any) -> Any:

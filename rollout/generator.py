@@ -5,7 +5,8 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 
 1. apply a pending ``update_params(params, version)`` (weights swap only here, between decode
    steps) and treat the sequences already in slots according to ``partial``;
-2. prefill queued requests into free slots (with the *current* params);
+2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
+   jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.generate`` for all slots (``decode_steps`` = n > 1: one
    ``engine.generate_steps`` of n steps); tokens/log-probs come back in ONE host transfer;
 4. append per slot (token, logp, version), step by step, finish sequences that hit a stop id,
@@ -42,6 +43,56 @@ the new params reproduces the tokens generated after the swap). The tokens gener
 ``recompute_kv`` swap lose the routes they were computed with (one route per position cannot serve
 both); under ``continue`` nothing is re-run, so every position keeps the route that produced its
 cached K/V (docs/correction.md, "Routing replay across a weight swap").
+
+Prefill (an engine with ``prefill_slots``; ``Qwen3Engine`` has it). Every request admitted in a step
+goes into one ``prefill_slots`` call: fresh prompts batched per length bucket (``[n, bucket]`` rows,
+per-row lengths), identical prompts (a GRPO group's G samples) prefilled once and their K/V copied
+into each sample's slot with its own seed, and continuing sessions appended (below). Tokens and
+log-probs are those of one prefill per request (a token's key depends only on its seed and absolute
+position). Starvation bound: while any slot is decoding, a step admits requests FIFO only until their
+prefill tokens reach ``prefill_budget`` (``rollout.prefill_tokens_per_step``; the first request of
+a step is always admitted, a prompt identical to one already admitted in the step costs nothing),
+so a burst of new requests delays the decoding slots by at most one bounded prefill per step; with
+no slot decoding every request that finds a slot is admitted at once. An engine without
+``prefill_slots`` gets one ``prefill_tokens`` + ``insert`` per request (no sessions).
+
+Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
+agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
+cache holds ``prompt + tokens[:-1]`` (the last sampled token was never fed). The session's next
+request whose prompt starts with that context takes the held slot and runs only its new tokens
+(the last sampled token, the tool output and the generation prompt) through an append-prefill at
+the cache's current length (``SlotPrefill.start``); its ``Completion.routes`` keep, at every held
+position, the route that position's K/V was computed with. Holding policy: a held slot is not
+decoding a request and not free; it is given up (its session's next turn then re-prefills the
+whole conversation; each counted in ``stats``) when
+
+* a queued request finds no free slot: the least recently held slot is evicted (``kv_evictions``),
+  so slow tools never starve the fleet of slots;
+* its idle decode reaches the cache end (``kv_hold_expired``): a held slot stays active in the
+  engine (its sampled tokens are discarded), and an inactive slot's decode overwrites position 0;
+  this bounds a hold to ``max_cache_len - len(context)`` decode steps;
+* its session's next prompt does not extend the held context (``kv_mismatch``), or the session is
+  released (:meth:`Generator.release_session`, at the end of the episode);
+* a weight swap under ``partial=recompute_kv`` or ``abort`` (``kv_dropped_swap``): the next turn
+  re-prefills the conversation under the new params, as the re-prefill path does. Under
+  ``continue`` the held K/V stay (computed by older weights, as a ``continue`` slot's within a turn)
+  and the new turn's tokens carry the new version.
+
+Prefix cache (``prefix_cache`` entries, ``rollout.prefix_cache``). A request submitted with
+``prefix_len=p`` (the agent passes the length of the env's rendered system prompt + tool schemas,
+shared by every episode) starts from the K/V of ``prompt[:p]`` kept in an LRU cache keyed by those
+tokens and the weight version: a miss prefills them once (``prefix_misses``; counted in that
+request's ``prefill_tokens``), a hit (``prefix_hits``) copies them into the slot (one ``insert``),
+and the request's row appends only ``prompt[p:]``; the other requests of the step with the same
+whole prompt (a GRPO group's samples) copy that slot's row after the prefill
+(``engine.copy_slot``, each armed with its own seed). A weight swap changes the key, so no request
+ever starts from another version's prefix. Entries are K/V rows of the prefix's length bucket on
+the engine's device(s).
+
+Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``prefill_tokens``
+(cache positions run through prefill, re-prefills included), ``shared_prefills``, ``kv_holds``,
+``kv_reused_tokens``, the eviction counters above, ``prefix_hits`` / ``prefix_misses``. Each ``Completion.info`` has its request's
+``prefill_tokens``, ``kv_reused``, ``shared_prefill`` and ``prefix_hits``.
 
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
@@ -91,6 +142,21 @@ class _Req:
     dropped: int = 0
     recomputes: int = 0
     t_start: float = 0.0
+    session: Any = None
+    prefill_tokens: int = 0  # cache positions this request's prefills ran (re-prefills included)
+    kv_reused: int = 0  # cache positions reused from its session's held slot at admission
+    shared_prefill: bool = False  # its prompt's K/V came from another request's prefill (a GRPO group)
+    prefix_len: int = 0  # the shared prefix (env system prompt + tools) the prefix cache may serve
+    prefix_hits: int = 0  # admissions whose first prefix_len positions came from the prefix cache
+
+
+@dataclasses.dataclass
+class _Held:
+    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
+    slot: int
+    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
+    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
+    t: float  # when it was held (the least recently held one is evicted first)
 
 
 class Generator:
@@ -113,18 +179,33 @@ class Generator:
         swap waits at most n - 1 tokens; every token carries the version of the params that
         produced it. The tokens and log-probs equal decode_steps=1's (keys are per request seed
         and position); only the batching of later requests shifts.
+      keep_kv: hold a finished session's slot for its next turn (module docstring, "Kept K/V");
+        False: every request is prefilled from scratch (the re-prefill reference path).
+      prefill_budget: prefill tokens per step while a slot decodes (module docstring, "Prefill");
+        None: ``4 * engine.max_prefill_length``.
+      prefix_cache: shared prefixes kept (module docstring, "Prefix cache"); 0: off.
 
     Raises:
-      ValueError: unknown ``partial``, no params, or ``decode_steps < 1``.
+      ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
     def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
-                 decode_steps: int = 1) -> None:
+                 decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None,
+                 prefix_cache: int = 4) -> None:
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial must be one of {PARTIAL_MODES}, got {partial!r}")
         if int(decode_steps) < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        if prefill_budget is not None and int(prefill_budget) < 1:
+            raise ValueError(f"prefill_budget must be >= 1 token, got {prefill_budget}")
         self.decode_steps = int(decode_steps)
+        self.keep_kv = bool(keep_kv)
+        self.prefill_budget = int(prefill_budget if prefill_budget is not None
+                                  else 4 * int(getattr(engine, "max_prefill_length", 256)))
+        self._batched = hasattr(engine, "prefill_slots")
+        self.keep_kv = self.keep_kv and self._batched  # append-prefill needs prefill_slots
+        self.prefix_cache = int(prefix_cache) if self._batched else 0
+        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine
         self.partial = partial
         self._params = params if params is not None else engine.params
@@ -141,6 +222,9 @@ class Generator:
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
+        self._held: dict[Any, _Held] = {}  # session -> its held slot (keep_kv)
+        self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
+        self._releases: list = []  # sessions ended by release_session (applied at the next step)
         self._state = engine.init_decode_state()
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -170,6 +254,8 @@ class Generator:
         seed: int = 0,
         stop_ids: Collection[int] = (),
         temperature: Optional[float] = None,
+        session: Any = None,
+        prefix_len: int = 0,
     ) -> concurrent.futures.Future:
         """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
 
@@ -179,6 +265,14 @@ class Generator:
           seed: sampling seed (token at absolute position p uses ``fold_in(PRNGKey(seed), p)``).
           stop_ids: generation stops after sampling any of these (e.g. <|im_end|>, EOS).
           temperature: per-request override of the engine temperature (<= 0: greedy).
+          session: a hashable key naming the conversation this request continues (an episode);
+            with ``keep_kv`` its finished slot is held and the next request of the same session
+            whose prompt extends the held context runs only its new tokens (module docstring,
+            "Kept K/V"). End it with :meth:`release_session`. None: no reuse.
+          prefix_len: the length of a prefix of ``prompt_ids`` that many requests share (an env's
+            system prompt and tool schemas): with ``prefix_cache`` its K/V are prefilled once per
+            weight version and copied into every request that starts with it (module docstring,
+            "Prefix cache"). 0: none.
 
         Raises:
           ValueError: empty or too long prompt, negative budget.
@@ -201,6 +295,8 @@ class Generator:
             future=fut,
             t_submit=time.monotonic(),
             budget=int(max_new_tokens),
+            session=session,
+            prefix_len=int(prefix_len) if 0 < int(prefix_len) < len(prompt) else 0,
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
@@ -232,6 +328,20 @@ class Generator:
             self._pending = (loaded, int(version))
             self._wake.notify_all()
         return cast_s
+
+    def release_session(self, session: Any) -> None:
+        """The conversation ``session`` is over: its held slot (if any) is freed at the next step.
+        Thread-safe; an unknown session is ignored."""
+        if session is None:
+            return
+        with self._lock:
+            self._releases.append(session)
+            self._wake.notify_all()
+
+    @property
+    def num_held(self) -> int:
+        """Slots held for a session's next turn (not decoding, not free)."""
+        return len(self._held)
 
     def apply_update_now(self) -> None:
         """Apply a pending :meth:`update_params` now (waits for the decode step in progress): when
@@ -358,19 +468,8 @@ class Generator:
             if not r.future.done():
                 r.future.set_exception(exc)
         self._slots = [None] * self._B
-
-    @staticmethod
-    def _note_prefill_routes(req: _Req, prefix: dict) -> None:
-        """Every position the prefill ran takes its route (``prefix["routes"]`` int [n, n_moe_layers,
-        k]): a re-prefill overwrites the routes recorded earlier, since the K/V the next tokens attend
-        to are the ones it just computed (module docstring)."""
-        r = prefix.get("routes")
-        if r is None:
-            return
-        r = np.asarray(r)
-        m = min(len(r), len(req.routes))
-        req.routes[:m] = list(r[:m])
-        req.routes.extend(r[m:])
+        self._held.clear()  # the decode state is rebuilt: nothing is held any more
+        self._held_slot.clear()
 
     def _routes_array(self, req: _Req) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
@@ -384,12 +483,93 @@ class Generator:
             out[:m] = np.stack(req.routes[:m])
         return out
 
-    def _prefill_into(self, slot: int, req: _Req, tokens: list[int]) -> None:
-        prefix = self.engine.prefill_tokens(self._params, tokens, seed=req.seed, temperature=req.temperature)
-        self._note_prefill_routes(req, prefix)
-        self._state = self.engine.insert(prefix, self._state, slot)
-        self._slots[slot] = req
-        self.stats["prefills"] += 1
+    # ------------------------------------------------------------------ slots: prefill, holds
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
+
+    def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
+        """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
+        h = self._held.pop(session, None)
+        if h is None:
+            return None
+        self._held_slot.pop(h.slot, None)
+        if reason:
+            self.stats[reason] += 1
+        return h.slot
+
+    def _hold(self, req: _Req, slot: int) -> None:
+        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
+        (the last sampled token was never fed), for the session's next turn."""
+        ctx = req.prompt + req.tokens[:-1]
+        if not req.tokens or len(ctx) >= self._S - 1:
+            return
+        self._drop_hold(req.session)
+        self._held[req.session] = _Held(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
+        self._held_slot[slot] = req.session
+        self.stats["kv_holds"] += 1
+
+    def _apply_releases(self) -> None:
+        with self._lock:
+            rel, self._releases = self._releases, []
+        for session in rel:
+            self._drop_hold(session)
+
+    def _prefill_batch(self, items: list) -> None:
+        """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
+        ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
+        prompts once), or one ``prefill_tokens`` + ``insert`` per item for an engine without it.
+        Each request is in its slot afterwards; a failing row fails its own request only (the
+        batch is retried row by row when a batched call raises)."""
+        if not items:
+            return
+        if not self._batched:
+            res = []
+            for slot, req, toks, _start in items:
+                try:
+                    prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+                except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
+                    self._prefill_failed(slot, req, e)
+                    res.append(None)
+                    continue
+                self._state = self.engine.insert(prefix, self._state, slot)
+                res.append({"prefill_tokens": len(toks) - 1, "shared": False, "routes": prefix.get("routes")})
+        else:
+            from rollout.engine import SlotPrefill
+
+            rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
+            try:
+                self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
+                self.stats["prefill_calls"] += 1
+            except Exception as e:  # noqa: BLE001 - find the culprit: row by row
+                if len(items) == 1:
+                    self._prefill_failed(items[0][0], items[0][1], e)
+                    return
+                log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
+                for it in items:
+                    self._prefill_batch([it])
+                return
+        for (slot, req, toks, start), r in zip(items, res):
+            if r is None:
+                continue
+            n = int(r["prefill_tokens"])
+            req.prefill_tokens += n
+            req.shared_prefill = req.shared_prefill or bool(r.get("shared"))
+            self.stats["prefill_tokens"] += n
+            self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += int(bool(r.get("shared")))
+            routes = r.get("routes")
+            if routes is not None:  # the positions it ran take their new routes (module docstring)
+                del req.routes[start:]
+                req.routes.extend(np.asarray(routes))
+            self._slots[slot] = req
+
+    def _prefill_failed(self, slot: int, req: _Req, e: BaseException) -> None:
+        log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
+        self.stats["prefill_errors"] += 1
+        if self._slots[slot] is req:
+            self._slots[slot] = None
+        if not req.future.done():
+            req.future.set_exception(e)
 
     def _apply_pending(self) -> None:
         with self._lock:
@@ -399,14 +579,17 @@ class Generator:
         self._params, self._version = pending
         self.stats["updates"] += 1
         if self.partial == "continue":
-            return
+            return  # held slots keep their K/V too: the next turn's new tokens carry the new version
+        for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
+            self._drop_hold(session, "kv_dropped_swap")
+        items = []
         for slot, req in enumerate(self._slots):
             if req is None:
                 continue
             if self.partial == "recompute_kv":
                 req.recomputes += 1
                 self.stats["recomputes"] += 1
-                self._prefill_into(slot, req, req.prompt + req.tokens)
+                items.append((slot, req, req.prompt + req.tokens, 0))
             else:  # abort: drop the partial turn, re-issue with the remaining budget
                 n = len(req.tokens)
                 req.dropped += n
@@ -419,32 +602,127 @@ class Generator:
                     self._slots[slot] = None
                     self._resolve(req, "aborted")
                 else:
-                    self._prefill_into(slot, req, req.prompt)
+                    items.append((slot, req, req.prompt, 0))
+        for slot, *_ in items:
+            self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
+        self._prefill_batch(items)
 
     def _admit(self) -> None:
-        for slot in range(self._B):
-            if self._slots[slot] is not None:
-                continue
+        """Admit queued requests (FIFO) into slots, then prefill them all in one batched call.
+
+        Slots: a request of a session with a held slot whose context its prompt extends takes that
+        slot and runs only its new tokens; otherwise a free slot, else the least recently held slot
+        is evicted (``kv_evictions``; its session's next turn re-prefills). Starvation bound: while
+        any slot is decoding, a step admits requests only until their prefill tokens reach
+        ``prefill_budget`` (the first request of a step is always admitted, and a prompt identical
+        to one admitted in the same step costs nothing: its K/V are copied); with no slot decoding
+        there is nothing to starve and every request that finds a slot is admitted.
+        """
+        self._apply_releases()
+        decoding = self.num_active > 0
+        free = self._free_slots()
+        items: list = []
+        copies: list = []  # (slot, req, index in items of the identical prompt it copies after the prefill)
+        pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
+        seen: set = set()
+        spent = 0
+        while True:
             with self._lock:
                 if not self._queue:
-                    return
-                req = self._queue.popleft()
-            if req.future.cancelled():
-                continue
+                    break
+                req = self._queue[0]
+                if req.future.cancelled():
+                    self._queue.popleft()
+                    continue
+            slot, start = None, 0
+            held = self._held.get(req.session) if req.session is not None else None
+            if held is not None:
+                c = len(held.context)
+                if self.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
+                    slot, start = held.slot, c
+                else:  # a prompt that does not extend the held context: nothing to reuse
+                    free.append(self._drop_hold(req.session, "kv_mismatch"))
+            key = tuple(req.prompt) if start == 0 else None
+            pre = copy_of = None
+            if start == 0 and self.prefix_cache and req.prefix_len and key not in seen:
+                if key in pre_first:  # a GRPO group's next sample: copy the first one's slot
+                    copy_of = pre_first[key]
+                else:
+                    pre = (tuple(req.prompt[: req.prefix_len]), self._version)
+                    start = req.prefix_len
+            cost = 0 if (key in seen or copy_of is not None) else len(req.prompt) - 1 - start
+            if pre is not None and pre not in self._prefixes:
+                cost += start
+            if decoding and items and spent + cost > self.prefill_budget:
+                break
+            if slot is None:
+                if not free:
+                    if not self._held:
+                        break
+                    victim = min(self._held.values(), key=lambda h: h.t)
+                    free.append(self._drop_hold(self._held_slot[victim.slot], "kv_evictions"))
+                slot = free.pop(0)
+            else:
+                self._drop_hold(req.session)  # the slot is the request's now
+                req.routes = list(held.routes)  # the kept positions keep the routes their K/V came from
+                req.kv_reused += start
+                self.stats["kv_reused_tokens"] += start
+            with self._lock:
+                self._queue.popleft()
+            if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
+                seen.add(key)
+            spent += cost
             req.t_start = time.monotonic()
-            try:
-                prefix = self.engine.prefill_tokens(self._params, req.prompt, seed=req.seed,
-                                                    temperature=req.temperature)
-            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone, not the batch
-                log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
-                self.stats["prefill_errors"] += 1
-                if not req.future.done():
-                    req.future.set_exception(e)
+            if copy_of is not None:
+                copies.append((slot, req, copy_of))
                 continue
-            self._note_prefill_routes(req, prefix)
-            self._state = self.engine.insert(prefix, self._state, slot)
-            self._slots[slot] = req
+            if pre is not None:
+                if not self._use_prefix(pre, req, slot):
+                    continue  # the prefix's prefill failed: the request is failed (counted)
+                pre_first[key] = len(items)
+            items.append((slot, req, req.prompt, start))
+        self._prefill_batch(items)
+        for slot, req, i in copies:
+            src, first = items[i][0], items[i][1]
+            if self._slots[src] is not first:  # its first sample's prefill failed: try again next step
+                with self._lock:
+                    self._queue.appendleft(req)
+                continue
+            self._state = self.engine.copy_slot(self._state, src, slot, token=req.prompt[-1], seed=req.seed,
+                                                temperature=req.temperature)
+            req.routes = list(first.routes)
+            req.shared_prefill = True
             self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += 1
+            self._slots[slot] = req
+
+    def _use_prefix(self, pre: tuple, req: _Req, slot: int) -> bool:
+        """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled
+        now on a miss, ``prefix_misses``; else ``prefix_hits``); the request's rows then append the
+        rest of its prompt. Returns False when the prefix's prefill failed (the request is failed)."""
+        prefix = self._prefixes.get(pre)
+        if prefix is None:
+            toks = list(pre[0]) + [req.prompt[len(pre[0])]]
+            try:
+                prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
+                self._prefill_failed(slot, req, e)
+                return False
+            self._prefixes[pre] = prefix
+            while len(self._prefixes) > self.prefix_cache:
+                self._prefixes.popitem(last=False)
+            n = len(pre[0])
+            req.prefill_tokens += n
+            self.stats["prefill_tokens"] += n
+            self.stats["prefix_misses"] += 1
+        else:
+            self._prefixes.move_to_end(pre)
+            req.prefix_hits += 1
+            self.stats["prefix_hits"] += 1
+        self._state = self.engine.insert(prefix, self._state, slot)  # positions [0, len(prefix)) of the slot
+        routes = prefix.get("routes")
+        req.routes = [] if routes is None else list(np.asarray(routes))
+        return True
 
     def _decode(self) -> None:
         if self.decode_steps == 1:
@@ -471,6 +749,10 @@ class Generator:
             if req is None:
                 if live[slot] and valid[slot]:
                     self.stats["discarded_tokens"] += 1
+                if not valid[slot] and slot in self._held_slot:
+                    # the idle slot ran out of cache and went inactive: an inactive slot's decode
+                    # writes at position 0, so its K/V are no longer the held context's
+                    self._drop_hold(self._held_slot[slot], "kv_hold_expired")
                 continue
             if not valid[slot]:  # cache full before this token (should not happen: see below)
                 self._slots[slot] = None
@@ -492,6 +774,8 @@ class Generator:
             else:
                 continue
             self._slots[slot] = None
+            if self.keep_kv and req.session is not None:
+                self._hold(req, slot)
             self._resolve(req, reason)
 
     def _resolve(self, req: _Req, reason: str) -> None:
@@ -504,6 +788,10 @@ class Generator:
             "budget": req.budget,
             "queue_s": (req.t_start or now) - req.t_submit,
             "gen_s": now - (req.t_start or now),
+            "prefill_tokens": req.prefill_tokens,
+            "kv_reused": req.kv_reused,
+            "shared_prefill": req.shared_prefill,
+            "prefix_hits": req.prefix_hits,
         }
         if self._truncating:
             info["kept_mass"] = list(req.kept)

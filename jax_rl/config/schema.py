@@ -403,6 +403,20 @@ class RolloutConfig(_Section):
     (keys are per request seed and position); 1 = one dispatch per token. 4: on the 2-core CPU the
     process CPU time per token fell 4% at 4 and 8% at 8 (most of a step is the matmuls and the
     sampling), so 4 keeps the swap latency and mid-call idling short (README, bench)."""
+    keep_kv: bool = True
+    """Keep an episode's K/V cache across its turns: its slot is held while the tools run and the next turn
+    runs only its new tokens (tool output + generation prompt) at the cache's current length instead of
+    re-prefilling the conversation. A held slot is given up (and that turn re-prefilled) when a new request
+    finds no free slot (least recently held first), when its idle decode reaches the cache end, or at a
+    weight swap under partial=recompute_kv|abort. false = every turn re-prefills (the reference path)."""
+    prefill_tokens_per_step: Optional[int] = Field(None, ge=1)
+    """Prefill budget per generator step (tokens) while any slot is decoding, so a burst of new requests does not
+    stall the decoding slots: requests are admitted until their prefill tokens reach it (at least one per
+    step; a prompt identical to one admitted in the same step is free). null = 4 x max_prefill_length."""
+    prefix_cache: int = Field(4, ge=0)
+    """Shared prefixes (an env's system prompt + tool schemas, common to every episode) whose K/V each generator
+    keeps per weight version: a prompt that starts with one copies its K/V and prefills only the rest (hits
+    logged as prefix_cache_hits); 0 = off."""
     max_prefill_length: int = Field(256, ge=8)
     """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)

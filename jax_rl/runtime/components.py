@@ -610,7 +610,8 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         mesh=mesh,
         quantize=r.quantize,
     )
-    gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps)
+    gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
+                    prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
     gen.start()
     return gen
 
@@ -756,6 +757,11 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
         "reward_mean": float(rewards.mean()),
         "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
         "episode_len_mean": float(np.mean([len(t) for t in trajs])),
+        # the engines' prefill work for these trajectories (re-prefills included; a GRPO group's shared
+        # prompt counted once) against their own lengths: ~turns/2 when every turn re-prefills
+        "prefill_tokens": int(sum(int(t.info.get("prefill_tokens", 0)) for t in trajs)),
+        "episode_tokens": int(sum(len(t) for t in trajs)),
+        "prefix_cache_hits": int(sum(int(t.info.get("prefix_hits", 0)) for t in trajs)),
         "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
     })
     if cfg.env.name == "tau2":  # the agentic workload's shape (issue 38): per-episode means over the batch

@@ -338,3 +338,54 @@ def test_groups_run_concurrently_with_tool_latency():
         assert all(t.reward == 1.0 for t in g)
     seeds = {r["seed"] for r in gen.requests}
     assert len(seeds) == len(gen.requests)  # every request has its own sampling seed
+
+
+class SessionGenerator(ScriptedGenerator):
+    """A scripted generator with sessions (``release_session``) reporting ``info["prefill_tokens"]``
+    as a kept-K/V generator would: the first turn its prompt, later turns only the new tokens."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.sessions: list = []
+        self.released: list = []
+        self.held: dict = {}
+        self.prefix_lens: list = []
+
+    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids, session=None, prefix_len=0):
+        f = super().submit(prompt_ids, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids)
+        c = f.result()
+        with self.lock:
+            self.sessions.append(session)
+            self.prefix_lens.append(prefix_len)
+            start = self.held.get(session, 0)
+            c.info["prefill_tokens"] = len(prompt_ids) - 1 - start
+            self.held[session] = len(prompt_ids) + len(c.tokens) - 1
+        return f
+
+    def release_session(self, session):
+        with self.lock:
+            self.released.append(session)
+
+
+def test_agent_keeps_one_session_per_episode_and_sums_prefill_tokens():
+    """Every turn of an episode goes to the generator under the episode's own session key; the
+    session is released once at the end; ``info["prefill_tokens"]`` sums the turns' prefill work."""
+    kw = {"task_kinds": ("exchange",)}
+    gen = SessionGenerator(reference_script("retail", **kw))
+    loop = AgentLoop(gen, TOK, lambda: make_env("retail", **kw), CFG)
+    trajs = loop.run_groups([5], group_size=2)[0]
+    loop.close()
+    assert all(t.reward == 1.0 for t in trajs) and min(t.info["turns"] for t in trajs) >= 3
+    keys = set(gen.sessions)
+    # the shared prefix: the rendered system message (policy + tool schemas), the same for every episode
+    env = make_env("retail", **kw)
+    msgs, tools = env.reset(5)
+    sys_ids, _ = TOK.render_chat(msgs[:1], tools)
+    assert set(gen.prefix_lens) == {len(sys_ids)}
+    assert None not in keys and len(keys) == 2 and sorted(gen.released, key=str) == sorted(keys, key=str)
+    for t in trajs:
+        gen_toks = int(t.loss_mask.sum())
+        # kept K/V: turn k > 0 prefills the previous turn's last token + its observation but the
+        # observation's last token (pending), i.e. as many as the observation: every token the model
+        # did not generate, but the prompt's last one, was prefilled once
+        assert t.info["prefill_tokens"] == len(t) - gen_toks - 1

@@ -175,16 +175,17 @@ def test_continuous_batching_more_requests_than_slots(engine):
 
 
 def test_a_failing_prefill_fails_its_request_only(engine, monkeypatch):
-    # one bad request used to fail every request in the generator's slots and queue (_fail_all)
-    orig = engine.prefill_tokens
+    # one bad request used to fail every request in the generator's slots and queue (_fail_all);
+    # the batched prefill (one call for the three) is retried row by row to find the culprit
+    orig = engine.prefill_slots
 
-    def prefill(params, tokens, **kw):
-        if list(tokens) == [9, 9, 9]:
+    def prefill_slots(params, state, rows):
+        if any(list(r.tokens) == [9, 9, 9] for r in rows):
             raise OverflowError("bad request")
-        return orig(params, tokens, **kw)
+        return orig(params, state, rows)
 
-    monkeypatch.setattr(engine, "prefill_tokens", prefill)
-    gen = Generator(engine)
+    monkeypatch.setattr(engine, "prefill_slots", prefill_slots)
+    gen = Generator(engine, prefill_budget=100)
     futs = [gen.submit(p, max_new_tokens=3, seed=i) for i, p in enumerate([[1, 2, 3], [9, 9, 9], [4, 5, 6]])]
     gen.run_until_idle()
     with pytest.raises(OverflowError):

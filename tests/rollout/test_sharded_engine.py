@@ -155,3 +155,33 @@ def test_sharded_moe_engine_expert_parallel(dispatch, devices):
     with jax.set_mesh(mesh):  # as the engine traces it
         text = eng.programs["generate"].lower(eng.params, s1).as_text()
     assert ("all_to_all" in text or "all-to-all" in text) is (dispatch == "ragged")
+
+
+def test_sharded_engine_batched_group_and_kept_kv_prefill(devices, learner):
+    """The RL path's prefill on a sharded engine (data=2, tensor=2): a batched burst with a GRPO
+    group (one shared prefill) and a second turn appended on kept K/V give the colocated engine's
+    tokens and log-probs (fp32, 1e-5), the decode state keeping its shardings."""
+    from rollout.generator import Generator
+
+    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs=rollout_model_kwargs(learner.cfg))
+    ref = Qwen3Engine(learner.model_config, learner.get_params(), **kw)
+    eng = Qwen3Engine(learner.model_config, learner.get_params(), mesh=_engine_mesh(devices, data=2, tensor=2), **kw)
+
+    def run(e):
+        gen = Generator(e)
+        futs = [gen.submit(p, max_new_tokens=4, seed=s, session=i)
+                for i, (p, s) in enumerate(zip([PROMPTS[0]] * 2 + PROMPTS[1:3], SEEDS))]
+        gen.run_until_idle()
+        first = [f.result(timeout=0) for f in futs]
+        ctx = PROMPTS[0] + first[0].tokens + [9, 10]
+        f = gen.submit(ctx, max_new_tokens=4, seed=7, session=0)
+        gen.run_until_idle()
+        return first + [f.result(timeout=0)], gen
+
+    got, gen = run(eng)
+    want, _ = run(ref)
+    assert gen.stats["shared_prefills"] == 1 and got[-1].info["kv_reused"] > 0
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logps, w.logps, atol=1e-5, rtol=0)
+    assert gen._state["tokens"].sharding.spec == jax.sharding.PartitionSpec("data")

@@ -24,6 +24,7 @@ from jax_rl.models.qwen3.layers import (
     _attend_causal,
     _constrain,
     _param,
+    attend,
     attend_cached,
     attend_cached_t,
     remat_policy_fn,
@@ -459,6 +460,55 @@ class Qwen3ForCausalLM(nnx.Module):
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
                         v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
                         lengths=lengths)
+        if return_expert_ids:
+            return self.lm_logits(h), cache, ids
+        return self.lm_logits(h), cache
+
+    def extend(self, input_ids: Array, starts: Array, lengths: Array, cache: KVCache, *,
+               return_expert_ids: bool = False):
+        """Append-prefill: run new tokens on top of rows that already hold K/V.
+
+        input_ids [B,T] int32 right-padded, ``lengths`` [B] int32 valid new tokens per row,
+        ``starts`` [B] int32: row b's cache holds the K/V of positions ``< starts[b]`` (the
+        conversation so far); token t of row b is placed at position ``starts[b] + t`` and attends
+        to every position ``<= starts[b] + t`` (the cached ones and the new ones before it).
+        ``cache``: stacked [L,B,K,S,H] (``S >= starts + lengths``; ``lengths`` is ignored).
+
+        Returns (logits [B,T,V] f32, cache whose k/v hold the new tokens' K/V at positions
+        ``[starts, starts + lengths)`` and the old values elsewhere, ``lengths = starts + lengths``)
+        (+ per-MoE-layer expert ids, list of [B,T,k] int32, with ``return_expert_ids``). With
+        ``starts == 0`` this is :meth:`prefill` over keys of length S instead of T (the same values
+        up to fp32 summation order). The attention is the XLA ``attend`` (never splash): the keys
+        are the whole row, masked past each query's position. Padded tokens (``t >= lengths``) take
+        no MoE capacity and write nothing.
+        """
+        if cache.is_per_layer:
+            raise ValueError("extend takes a stacked KV cache (cache.stacked())")
+        input_ids = jnp.asarray(input_ids)
+        B, T = input_ids.shape
+        S = cache.max_len
+        starts = jnp.asarray(starts, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B,T]
+        valid = jnp.arange(T)[None, :] < lengths[:, None]
+        spos = jnp.arange(S, dtype=jnp.int32)
+        rel = spos[None, :] - starts[:, None]  # [B,S]: index of cache position s among the new tokens
+        take = ((rel >= 0) & (rel < lengths[:, None]))[:, None, :, None]  # [B,1,S,1]
+        idx = jnp.clip(rel, 0, T - 1)[:, None, :, None]
+        mask = spos[None, None, :] <= positions[:, :, None]  # [B,T,S]
+
+        def merge(new, old):  # new [B,T,K,H] -> old [B,K,S,H] with positions [start, start+len) replaced
+            g = jnp.take_along_axis(new.swapaxes(1, 2), idx, axis=2)
+            return jnp.where(take, g.astype(old.dtype), old)
+
+        def layer_attend(q, k, v, xs):
+            ck, cv = merge(k, xs[0]), merge(v, xs[1])
+            o = attend(q, ck.swapaxes(1, 2).astype(q.dtype), cv.swapaxes(1, 2).astype(q.dtype), mask)
+            return o, (ck, cv)
+
+        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v),
+                                        valid=valid)
+        cache = KVCache(k=k, v=v, lengths=starts + lengths)
         if return_expert_ids:
             return self.lm_logits(h), cache, ids
         return self.lm_logits(h), cache
