@@ -663,6 +663,8 @@ class Qwen3Engine(Engine):
             return self.params
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
+        if self._already_placed(params):  # laid out, cast and placed by the sender (jax_rl.weight_sync)
+            return params
         dt = self.dtype
         if self.quantize != "none":  # one jitted re-layout + quantisation where the params are
             out = self._cast_jit(params)
@@ -687,6 +689,21 @@ class Qwen3Engine(Engine):
                 lambda x: (lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a)(np.asarray(x)),
                 params))
         return self._place(out)
+
+    def _already_placed(self, params: Any) -> bool:
+        """True when ``params`` already are this engine's tree, leaf for leaf with its shapes, dtypes and
+        shardings (a multi-process publish, :mod:`jax_rl.weight_sync`, sends them so): taken as is."""
+        want = self._engine_abstract
+        if jax.tree.structure(params) != jax.tree.structure(want):
+            return False
+        sh = (jax.tree.leaves(self._engine_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+              if self._sharded else None)
+        for i, (x, a) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(want))):
+            if not isinstance(x, jax.Array) or x.shape != a.shape or x.dtype != a.dtype:
+                return False
+            if not (x.sharding == sh[i] if sh is not None else x.sharding.device_set == self._sharding.device_set):
+                return False
+        return True
 
     def _place(self, tree: Any) -> Any:
         """``device_put`` of a tree shaped like the engine's params to :attr:`param_shardings`."""
