@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 __all__ = ["WeightSyncError", "SyncTarget", "ShardedWeightSync", "configure_transfer", "transfer_address",
-           "engine_targets", "shard_bytes"]
+           "engine_targets", "shard_bytes", "allgather_json"]
 
 _SEQ = itertools.count()
 
@@ -324,3 +324,50 @@ class ShardedWeightSync:
                 client.key_value_delete(f"jax_rl/weight_sync/{seq - 2}/{jax.process_index()}")
             except Exception:  # noqa: BLE001 - housekeeping only
                 pass
+
+
+_GATHER_SEQ = itertools.count()
+_CHUNK = 1 << 20  # characters per key-value entry (the coordination service's gRPC messages stay small)
+
+
+def allgather_json(obj: Any, *, timeout_s: float = 100.0, what: str = "state") -> list:
+    """Every process's JSON-safe ``obj``, in process order (a collective: every process calls it at the
+    same point). Through the ``jax.distributed`` key-value store, not a device collective, so it never
+    waits on devices busy with rollouts; one process: ``[obj]``.
+
+    Raises:
+        WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
+    """
+    import json
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    seq = next(_GATHER_SEQ)
+    base = f"jax_rl/gather/{seq}"
+    me = jax.process_index()
+    text = json.dumps(obj)
+    chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
+    for i, c in enumerate(chunks):
+        client.key_value_set(f"{base}/{me}/{i}", c)
+    client.key_value_set(f"{base}/{me}/n", str(len(chunks)))
+    deadline = time.monotonic() + float(timeout_s)
+    out = []
+    for q in range(jax.process_count()):
+        if q == me:
+            out.append(json.loads(text))
+            continue
+        try:
+            n = int(client.blocking_key_value_get(f"{base}/{q}/n", max(1, int(1000 * (deadline - time.monotonic())))))
+            out.append(json.loads("".join(client.blocking_key_value_get(f"{base}/{q}/{i}", 10_000) for i in range(n))))
+        except Exception:  # noqa: BLE001 - a timeout or the coordination service gone
+            raise WeightSyncError(f"process {q} did not hand in its {what} within {float(timeout_s):g} s "
+                                  "(runtime.peer_timeout_s): peer lost") from None
+    if seq >= 2:  # read by everyone by now
+        try:
+            client.key_value_delete(f"jax_rl/gather/{seq - 2}/{me}")
+        except Exception:  # noqa: BLE001 - housekeeping only
+            pass
+    return out
