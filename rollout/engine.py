@@ -649,9 +649,12 @@ class Qwen3Engine(Engine):
         is only supported as a "cross-host transfer" (``jax._src.dispatch``:
         same HLO sharding on both sides, a backend with ``supports_cross_host_transfers`` or the
         ``jax_cross_host_transfer_socket_address`` DCN flags), and ``jax.experimental.transfer``
-        (a ``TransferServer`` that ``pull``s a pytree by id over DCN) is the general tool. Neither is
-        wired here yet (issue 26, multi-host rollout): such params raise ValueError; host params
-        (``Learner.get_params(host=True)``, the Ray path) work on every host.
+        (a ``TransferServer`` that ``pull``s a pytree by id over DCN) is the general tool. The
+        multi-process runtime therefore does the cross-process part before this method:
+        :mod:`jax_rl.weight_sync` reshards and casts on the learner's devices into this engine's layout and
+        ``device_put``s each shard across processes, and a tree that arrives already in this engine's
+        tree, dtypes and shardings is taken as is (no copy). Other non-addressable params raise
+        ValueError; host params (``Learner.get_params(host=True)``, the Ray path) work on every host.
 
         Raises:
             ValueError: a tree or leaf-shape mismatch; a sharded engine given device params that this
