@@ -98,7 +98,7 @@ def measure_multiprocess(size: str, mode: str, rounds: int, tmp: str) -> dict:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     outs = [os.path.join(tmp, f"{size}-{mode}-p{p}.json") for p in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.runtime.ws_worker", str(p), str(port), mode, outs[p],
-                               str(rounds + 1), SIZES[size]], cwd=root, env=env, stdout=subprocess.PIPE,
+                               str(rounds + 1)] + ([SIZES[size]] if SIZES[size] != "{}" else []), cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
     logs = [p.communicate(timeout=900)[0] for p in procs]
     for p, log_ in zip(procs, logs):
