@@ -4,6 +4,7 @@ Usage::
 
     .venv/bin/python bench/weight_sync.py [--sizes tiny,small,medium] [--dtypes bfloat16,float32]
         [--threads 1] [--rounds 5]
+    .venv/bin/python bench/weight_sync.py --processes 2 [--mode disagg|colocated] [--sizes tiny,small]
 
 For each model size and rollout dtype, builds the run's own objects (``RunContext``: the
 learner with its fp32 params; ``EmbeddedProducer``: ``--threads`` started generators over
@@ -18,6 +19,14 @@ machine's load is printed before and after; sizes:
 - ``tiny``: ``configs/tiny_cpu.yaml``'s model (d=64, 2 layers, V=640);
 - ``small``: V=1024, d=256, 4 layers, 8/4 heads of 32, ff=768 (bench/rollout_decode.py's);
 - ``medium``: V=32768, d=1024, 8 layers, 16/8 heads of 64, ff=3072 (~134 M params).
+
+``--processes 2``: the multi-process sync instead (:mod:`jax_rl.weight_sync`, no full gather): two jax
+processes on 127.0.0.1 (gloo, 2 fake CPU devices each; the worker is ``tests/runtime/ws_worker.py``),
+``--mode disagg`` (learner fsdp 2 on process 0, one engine tensor 2 on process 1: every shard crosses)
+or ``colocated`` (learner fsdp 4 over both, one single-device engine per process). Prints, per size, the
+median [min-max] push seconds (``--rounds``, the first, which compiles, left out) on each process and
+the bytes each process staged (learner side, in the engine's layout), sent and received per push, the
+most any one device staged, and the full params in ``rollout.dtype`` for scale.
 """
 
 from __future__ import annotations
@@ -75,6 +84,49 @@ def measure(size: str, dtype: str, threads: int, rounds: int, tmp: str) -> dict:
         ctx.learner.close()
 
 
+def measure_multiprocess(size: str, mode: str, rounds: int, tmp: str) -> dict:
+    """Two ``tests.runtime.ws_worker`` processes; returns their JSON results by process."""
+    import json
+    import socket
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    outs = [os.path.join(tmp, f"{size}-{mode}-p{p}.json") for p in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.runtime.ws_worker", str(p), str(port), mode, outs[p],
+                               str(rounds + 1)] + ([SIZES[size]] if SIZES[size] != "{}" else []), cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, log_ in zip(procs, logs):
+        if p.returncode != 0:
+            raise RuntimeError(f"worker failed: {log_[-2000:]}")
+    return {p: json.load(open(outs[p])) for p in (0, 1)}
+
+
+def main_multiprocess(a) -> None:
+    print(f"multi-process weight sync (jax_rl.weight_sync, {a.mode}): 2 processes x 2 fake CPU devices on 127.0.0.1, "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; push s: median [min-max] of {a.rounds} (after a "
+          "compiling first); bytes per push and process")
+    print(f"{'size':8} {'proc':>4} {'push ms':>22} {'staged KiB':>11} {'max/device KiB':>15} {'sent KiB':>9} "
+          f"{'recv KiB':>9} {'full KiB':>9}")
+    import tempfile as _t
+
+    with _t.TemporaryDirectory() as tmp:
+        for size in a.sizes.split(","):
+            r = measure_multiprocess(size, a.mode, a.rounds, tmp)
+            for p in (0, 1):
+                rs = r[p]["rounds"][1:]
+                last = rs[-1]
+                print(f"{size:8} {p:>4} {_fmt([x['s'] for x in rs]):>22} {last['weight_sync_staged_bytes'] / 1024:11.1f} "
+                      f"{last['weight_sync_staged_max_device_bytes'] / 1024:15.1f} {last['weight_sync_sent_bytes'] / 1024:9.1f} "
+                      f"{last['weight_sync_recv_bytes'] / 1024:9.1f} {r[p]['full_bytes'] / 1024:9.1f}", flush=True)
+    print(f"load after: {os.getloadavg()[0]:.1f}")
+
+
 def _fmt(xs: list) -> str:
     ms = [1e3 * x for x in xs]
     return f"{statistics.median(ms):8.1f} [{min(ms):.1f}-{max(ms):.1f}]"
@@ -86,7 +138,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--threads", type=int, default=1, help="rollout.threads: engines published to")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=1, choices=(1, 2),
+                    help="2: the multi-process shard-by-shard sync (jax_rl.weight_sync)")
+    ap.add_argument("--mode", default="disagg", choices=("disagg", "colocated"), help="with --processes 2")
     a = ap.parse_args()
+    if a.processes == 2:
+        return main_multiprocess(a)
     import jax
 
     print(f"weight sync (embedded publish) on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, "

@@ -210,10 +210,14 @@ def initialize_distributed(runtime: RuntimeConfig) -> bool:
     if runtime.coordinator:
         if runtime.num_processes is None or runtime.process_id is None:
             raise ValueError("runtime.coordinator needs runtime.num_processes and runtime.process_id")
+        from jax_rl.weight_sync import configure_transfer
+
+        configure_transfer(runtime)  # the cross-host transfer server (weight sync), before the backend starts
         jax.distributed.initialize(
             coordinator_address=runtime.coordinator,
             num_processes=runtime.num_processes,
             process_id=runtime.process_id,
+            heartbeat_timeout_seconds=max(1, int(getattr(runtime, "peer_timeout_s", 100))),
         )
         return True
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")

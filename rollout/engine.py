@@ -750,9 +750,12 @@ class Qwen3Engine(Engine):
         is only supported as a "cross-host transfer" (``jax._src.dispatch``:
         same HLO sharding on both sides, a backend with ``supports_cross_host_transfers`` or the
         ``jax_cross_host_transfer_socket_address`` DCN flags), and ``jax.experimental.transfer``
-        (a ``TransferServer`` that ``pull``s a pytree by id over DCN) is the general tool. Neither is
-        wired here yet (issue 26, multi-host rollout): such params raise ValueError; host params
-        (``Learner.get_params(host=True)``, the Ray path) work on every host.
+        (a ``TransferServer`` that ``pull``s a pytree by id over DCN) is the general tool. The
+        multi-process runtime therefore does the cross-process part before this method:
+        :mod:`jax_rl.weight_sync` reshards and casts on the learner's devices into this engine's layout and
+        ``device_put``s each shard across processes, and a tree that arrives already in this engine's
+        tree, dtypes and shardings is taken as is (no copy). Other non-addressable params raise
+        ValueError; host params (``Learner.get_params(host=True)``, the Ray path) work on every host.
 
         Raises:
             ValueError: a tree or leaf-shape mismatch; a sharded engine given device params that this
@@ -764,6 +767,8 @@ class Qwen3Engine(Engine):
             return self.params
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
+        if self._already_placed(params):  # laid out, cast and placed by the sender (jax_rl.weight_sync)
+            return params
         dt = self.dtype
         if self.quantize != "none":  # one jitted re-layout + quantisation where the params are
             out = self._cast_jit(params)
@@ -788,6 +793,21 @@ class Qwen3Engine(Engine):
                 lambda x: (lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a)(np.asarray(x)),
                 params))
         return self._place(out)
+
+    def _already_placed(self, params: Any) -> bool:
+        """True when ``params`` already are this engine's tree, leaf for leaf with its shapes, dtypes and
+        shardings (a multi-process publish, :mod:`jax_rl.weight_sync`, sends them so): taken as is."""
+        want = self._engine_abstract
+        if jax.tree.structure(params) != jax.tree.structure(want):
+            return False
+        sh = (jax.tree.leaves(self._engine_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+              if self._sharded else None)
+        for i, (x, a) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(want))):
+            if not isinstance(x, jax.Array) or x.shape != a.shape or x.dtype != a.dtype:
+                return False
+            if not (x.sharding == sh[i] if sh is not None else x.sharding.device_set == self._sharding.device_set):
+                return False
+        return True
 
     def _place(self, tree: Any) -> Any:
         """``device_put`` of a tree shaped like the engine's params to :attr:`param_shardings`."""

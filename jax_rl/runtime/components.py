@@ -35,6 +35,8 @@ __all__ = [
     "engine_memory_bytes",
     "build_generator",
     "engine_mesh",
+    "build_engine",
+    "synced_generators",
     "adopt_checkpoint_layer_layout",
     "sft_examples",
     "compute_advantages",
@@ -589,13 +591,32 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
     (``engine=None``) is on the mesh of the first engine this process runs (engine 0 in one process;
     multi-process: each host evaluates on its own engine's devices).
     """
-    from jax_rl.model_builder import rollout_model_kwargs
-    from rollout.engine import Qwen3Engine
+
+    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles)
+    gen = new_generator(cfg, eng, version)
+    gen.start()
+    return gen
+
+
+def new_generator(cfg: Config, eng, version: int):
+    """An unstarted :class:`rollout.generator.Generator` over ``eng`` with the run's rollout knobs
+    (``rollout.partial``, ``decode_steps``, ``keep_kv``, ``prefill_tokens_per_step``, ``prefix_cache``)."""
     from rollout.generator import Generator
 
     r = cfg.rollout
-    mesh = engine_mesh(cfg, engine, roles)
-    engine = Qwen3Engine(
+    return Generator(eng, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
+                     prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
+
+
+def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
+                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None):
+    """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
+    ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
+    from jax_rl.model_builder import rollout_model_kwargs
+    from rollout.engine import Qwen3Engine
+
+    r = cfg.rollout
+    return Qwen3Engine(
         model_config,
         params,
         slots=slots or r.slots,
@@ -607,13 +628,38 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
-        mesh=mesh,
+        mesh=engine_mesh(cfg, engine, roles),
         quantize=r.quantize,
     )
-    gen = Generator(engine, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
-                    prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
-    gen.start()
-    return gen
+
+
+def synced_generators(cfg: Config, model_config, learner, indices: list, version: int, *,
+                      temperature: Optional[float] = None, roles: Any = None, eval_only: bool = False):
+    """Multi-process: engines ``indices`` of this process (None = the eval engine) built empty, then filled by
+    ONE :class:`jax_rl.weight_sync.ShardedWeightSync` push of the learner's params (a collective: every
+    process calls it at the same point). Returns ``(generators, sync, keys)``: started generators at
+    ``version``, the sync for later publishes, and each generator's target key in ``sync.push``'s result."""
+    import jax
+
+    from jax_rl.placement import resolve_roles
+    from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
+
+    roles = resolve_roles(cfg) if roles is None else roles
+    engines = [build_engine(cfg, model_config, None, temperature=temperature, engine=i, roles=roles) for i in indices]
+    keys = []
+    for i in indices:
+        m = engine_mesh(cfg, i, roles)
+        keys.append(SyncTarget(mesh=m).key if m is not None else SyncTarget(device=jax.local_devices()[0]).key)
+    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), engines[0]._cast_jit,
+                             engines[0], timeout_s=cfg.runtime.peer_timeout_s)
+    placed = sync.push(learner.params, int(version))
+    gens = []
+    for eng, k in zip(engines, keys):
+        eng.params = eng.load_params(placed[k])  # already the engine's layout: taken as is
+        g = new_generator(cfg, eng, version)
+        g.start()
+        gens.append(g)
+    return gens, sync, keys
 
 
 def adopt_checkpoint_layer_layout(cfg: Config, ckpt_dir: Any, step: Optional[int] = None,

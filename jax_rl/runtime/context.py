@@ -244,17 +244,27 @@ class RunContext:
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int, label: str = "eval") -> dict:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
+        import jax
+
         from jax_rl.evaluation import eval_seeds, summarize_eval
         from rollout.agent import AgentLoop
 
         cfg = self.cfg
         t = time.perf_counter()
-        params = self.learner.rollout_params()
-        if self._eval_gen is None:
-            self._eval_gen = C.build_generator(cfg, self.model_config, params, self.learner.version,
-                                               temperature=cfg.eval.temperature)
+        if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
+            if self._eval_gen is None:
+                gens, self._eval_sync, keys = C.synced_generators(
+                    cfg, self.model_config, self.learner, [None], self.learner.version,
+                    temperature=cfg.eval.temperature, eval_only=True)
+                self._eval_gen, self._eval_key = gens[0], keys[0]
+            else:
+                placed = self._eval_sync.push(self.learner.params, self.learner.version)
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+        elif self._eval_gen is None:
+            self._eval_gen = C.build_generator(cfg, self.model_config, self.learner.rollout_params(),
+                                               self.learner.version, temperature=cfg.eval.temperature)
         else:
-            self._eval_gen.update_params(params, self.learner.version)
+            self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
         seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
         agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
                           max_workers=max(cfg.rollout.slots, cfg.eval.k))

@@ -25,8 +25,10 @@ local rollout devices (``placement.rollout`` / ``Roles.local_engines``, or its f
 colocated). Process p of n starts groups ``p, p + n, p + 2n, ...``, contributes
 ``optim.batch_size / group_size / n`` groups to each step, and the learner trains on the union
 (``train_step(..., process_local=True)``): each process's trajectories reach the learner once, none twice.
-Checkpoints record process 0's producer state; on resume each process restarts its stream at that
-count (its in-flight groups that are not process 0's are started afresh, not re-issued).
+Checkpoints record every process's producer state and buffer (``processes``, gathered through the
+``jax.distributed`` key-value store); on resume each process takes its own: its next group, its
+in-flight groups re-issued, its pending groups back in its buffer, so no group is lost or trained twice.
+Weights reach every process's engines shard by shard (:mod:`jax_rl.weight_sync`), never as a full copy.
 """
 
 from __future__ import annotations
@@ -259,6 +261,16 @@ class RolloutManager:
                 pass
 
 
+def _own_state(meta: dict) -> dict:
+    """This process's ``buffer`` / ``producer`` from checkpoint metadata: its entry of ``processes`` when the
+    checkpoint has one per process for this process count (:meth:`EmbeddedProducer.state`), else the top
+    level (process 0's; a checkpoint written before every process's state was saved)."""
+    procs = meta.get("processes")
+    if isinstance(procs, list) and len(procs) == jax.process_count() and jax.process_count() > 1:
+        return {**meta, **procs[jax.process_index()]}
+    return meta
+
+
 class EmbeddedProducer:
     """The embedded runtime's :class:`~jax_rl.runtime.loop.Producer`: ``rollout.threads``
     generators with their agent loops, one :class:`~rollout.buffer.TrajectoryBuffer` and the
@@ -275,7 +287,7 @@ class EmbeddedProducer:
         from rollout.buffer import TrajectoryBuffer
 
         cfg = ctx.cfg
-        meta = meta or {}
+        meta = _own_state(meta or {})
         self._learner = ctx.learner
         self.cfg = cfg
         strategy = ctx.learner.strategy
@@ -284,7 +296,9 @@ class EmbeddedProducer:
                                        groups_per_step=C.local_groups_per_step(cfg),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=strategy.scores_before_buffer)
-        params = ctx.learner.rollout_params()
+        self.sync = None  # multi-process: the shard-by-shard weight sync (jax_rl.weight_sync)
+        multi = jax.process_count() > 1
+        params = None if multi else ctx.learner.rollout_params()
         self.scorer = None
         self.retirer = None  # a route that retires versions (jax_rl.old_logits.RetiringScorer)
         self._scorer_s_reported = 0.0
@@ -303,8 +317,16 @@ class EmbeddedProducer:
 
         roles = resolve_roles(cfg)
         mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
-        self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i, roles=roles)
-                           for i in mine]
+        if multi:  # every engine of every process filled shard by shard, no full gather (a collective)
+            if not mine:
+                raise ValueError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
+                                 "rollout engine: every process generates its share of each step; give every host "
+                                 "whole engines")
+            self.generators, self.sync, self._sync_keys = C.synced_generators(
+                cfg, ctx.model_config, ctx.learner, list(mine), ctx.learner.version, roles=roles)
+        else:
+            self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i,
+                                                 roles=roles) for i in mine]
         # a retiring route: the agents keep every unscored episode (finished or partial) for the retires
         track = self.route is not None and self.route.track_unscored
         agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=track)
@@ -366,6 +388,15 @@ class EmbeddedProducer:
         :attr:`weight_sync` (``weight_sync_s``: all of it up to the hand-over; ``weight_sync_cast_s``:
         the generators' ``load_params``)."""
         t0 = time.perf_counter()
+        if self.sync is not None:  # multi-process: each engine receives its own shards (jax_rl.weight_sync)
+            placed = self.sync.push(self._learner.params, int(version))
+            cast_s = 0.0
+            for g, key in zip(self.generators, self._sync_keys):
+                cast_s += g.update_params(placed[key], version)
+            self.weight_sync.add(time.perf_counter() - t0, cast_s)
+            self._published = int(version)
+            self.buffer.notify()
+            return
         params = jax.block_until_ready(self._learner.rollout_params())  # blocked: the copy is timed here
         if self.route is not None:  # the route's publish: its scorer / retirer first, then the generators
             # (a retiring route's weight_sync_s includes interrupt's stall and retire's wait, also logged apart)
@@ -417,8 +448,19 @@ class EmbeddedProducer:
         return out
 
     def state(self) -> dict:
-        return {"buffer": self.buffer.export_state(), "buffer_stats": self.buffer.stats(),
-                "producer": self.manager.state()}
+        """Checkpoint metadata: the buffer (pending groups) and the producer state (next group, in-flight and
+        re-issue groups, counters). Multi-process: every process's, in ``processes`` (process order; gathered
+        through the ``jax.distributed`` key-value store, a collective), beside process 0's at the top level
+        (Orbax writes the metadata from process 0)."""
+        own = {"buffer": self.buffer.export_state(), "buffer_stats": self.buffer.stats(),
+               "producer": self.manager.state()}
+        if jax.process_count() == 1:
+            return own
+        from jax_rl.weight_sync import allgather_json
+
+        every = allgather_json({k: own[k] for k in ("buffer", "producer")}, timeout_s=self.cfg.runtime.peer_timeout_s,
+                               what="producer state")
+        return {**own, **every[0], "processes": every}
 
     def stop(self) -> None:
         self.manager.stop(timeout=5.0)

@@ -5,7 +5,8 @@ Usage: python -m tests.runtime.mh_rollout_worker PROCESS_ID NUM_PROCESSES PORT R
 Runs ``jax-rl train`` (``jax_rl.cli.main``) on 2 fake CPU devices per process with gloo collectives,
 after wrapping ``jax_rl.runtime.components.learner_batch`` so that every batch this process hands the
 learner is recorded (RL step order, group ids, task seeds, token versions, the learner's version) to
-RUN_DIR/trained_p<PROCESS_ID>.jsonl. Test instrumentation only: nothing of the run changes.
+RUN_DIR/trained_p<PROCESS_ID>.jsonl. Test instrumentation only: nothing of the run changes, except that
+with JAX_RL_TEST_KILL_AT=n the process SIGKILLs itself when it builds its n-th batch (a lost host).
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ def main() -> int:
     log_path = os.path.join(run_dir + "_records", f"trained_p{pid}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
 
+    kill_at = int(os.environ.get("JAX_RL_TEST_KILL_AT", "0"))  # SIGKILL this process at its n-th batch
+    n_batches = [0]
+
     def recording(cfg, groups, pad_id):
+        n_batches[0] += 1
+        if kill_at and n_batches[0] == kill_at:
+            os.kill(os.getpid(), 9)  # kill -9 mid-step: before this step's batch reaches the learner
         groups, trajs, batch = real(cfg, groups, pad_id)
         v = np.asarray(batch["versions"])
         m = np.asarray(batch["loss_mask"]).astype(bool)
