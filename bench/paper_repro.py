@@ -79,8 +79,10 @@ MODES: dict[str, list[str]] = {
     "exact": ["loss.correction=exact", "old_logits.route=snapshot"],
     # the reset the paper's text implies (to the current actor when R drops, then a cool-down before the next)
     "ppo_ewma_cooldown": ["loss.correction=ppo_ewma", "loss.ewma_reset_cooldown=10", "old_logits.measure_error=true"],
+    # issue 42: the reset that keeps theta_bar unless the current params keep more of the triggering batch's tokens
+    "ppo_ewma_guarded": ["loss.correction=ppo_ewma", "loss.ewma_reset=guarded", "old_logits.measure_error=true"],
 }
-APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown")
+APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown", "ppo_ewma_guarded")
 MASK_HIGH = (1.5, 2.0, 4.0)
 CLIP = (0.1, 0.2, 0.4)
 GRID_DEFAULT = (2.0, 0.2)  # configs/paper_small.yaml's loss.train_infer_high and clip_eps_low/high
@@ -1095,6 +1097,57 @@ for c learner steps after one; mode `ppo_ewma_cooldown` runs it with c = 10 (cla
 """
 
 
+# Issue 42's pre-registration, written and committed (2026-12-04 18:37 UTC) before any run it names started;
+# emitted into the doc as is. Nothing in it is edited after a result is seen (results go in the tables below it).
+PREREG_42 = """\
+## Pre-registration: a safe reset for PPO-EWMA (issue 42)
+
+Written and committed on 2026-12-04 at 18:37 UTC, before any of the runs it names started; not edited after.
+
+*Question.* Which `loss.ewma_reset` rule should `ppo_ewma` use by default? `current` is the paper's rule
+(theta_bar <- theta when the train-infer mask keeps fewer than `loss.ewma_reset_threshold` = 0.9 of the tokens);
+`guarded` is the same trigger, but theta_bar is replaced by theta only when theta's log-probs keep *more* tokens of
+the triggering batch inside the mask than theta_bar's do (otherwise theta_bar stays, and the step trains against
+it): the reference the mask sees can never keep fewer tokens than the one it replaces, on the batch that
+triggered it.
+
+*Setting.* `configs/paper_small_drift.yaml --shared-sft 2` (setting `160cc6e841e5`), K = 8, 150 RL steps, one
+pinned core per run (`taskset -c 1`), one run at a time (2-core host shared with other work; load recorded).
+
+*Arms and seeds.* Seeds 0-9 in each of four arms: `ppo_ewma` (`current`), `ppo_ewma_noreset` (threshold 0),
+`ppo_ewma_cooldown` (`current`, `loss.ewma_reset_cooldown=10`) and `ppo_ewma_guarded` (`loss.ewma_reset=guarded`).
+Seeds 0-6 of the first three arms exist (2026-12-03, commit 6ad0cf8; no file under `jax_rl/` or `configs/` changed
+since); seeds 7-9 of those three and 0-9 of `guarded` run now, in that order (7, 8, 9 for the three existing
+arms, then `guarded` 0-9). No seed is added after a result is seen; a run that fails (non-zero exit) is rerun with
+the same seed; a run not finished by 21:10 UTC is reported missing, and a condition short of its 10 seeds gets no
+verdict ("incomplete").
+
+*Metrics.* Final held-out avg@4 (`summary.final_avg_at_4`, 256 tasks x 4 samples) and the lowest R of the run
+(min over steps of `train_infer_retained`).
+
+*Interval rule.* The doc's rule: paired by seed, 95% percentile bootstrap of the mean difference (9999 resamples,
+rng seed 0) widened to the Student-t interval where that is wider.
+
+*Conditions for `guarded` to become the default* (all four, the issue's):
+1. no collapse: final held-out avg@4 >= 0.05 in every one of the 10 seeds;
+2. ends no lower than no reset: final avg@4, guarded minus no reset, interval lower bound above -0.05;
+3. beats `current`: final avg@4, guarded minus current, interval lower bound above 0;
+4. keeps R up: lowest R of the run, guarded minus no reset, interval lower bound above -0.05 (the same
+   non-inferiority margin as 2; the issue says "no lower than no reset's", and a paired interval cannot show
+   exact equality).
+Guarded minus the cool-down (final avg@4 and lowest R) is reported beside them, with no condition attached.
+
+*No-regression check* (if time remains after the 40 runs above, in this order): `configs/paper_small_stale.yaml
+--shared-sft 2` (setting `f89beb774d44`, where the reset never fired in 16 seeds), `ppo_ewma_guarded` seeds 0-4,
+paired against the existing `ppo_ewma` records of the same seeds; "costs nothing" when the interval of final
+avg@4 (guarded minus current) lies inside +-0.05. Where R never falls below the threshold the two rules run the
+same computation (the candidate forward is never taken), so this check measures the pipeline's run-to-run noise.
+
+*Decision.* If all four conditions hold, the default of `loss.ewma_reset` becomes `guarded`; otherwise it stays
+`current` and this doc says which condition failed, with its interval.
+"""
+
+
 LEGACY_CONFIG = "configs/paper_small.yaml"  # records made before --config was recorded
 
 
@@ -1175,6 +1228,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
                  f"{st['first'][:16]} to {st['last'][:16]} |")
     L.append("")
     L.append(SETTING_NOTES + "\n")
+    L.append(PREREG_42 + "\n")
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER
