@@ -151,7 +151,10 @@ def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Op
 # reference every config inherits) gained `loss.ewma_reset_cooldown: 0` (d77bc58), the default that leaves the
 # loss unchanged (tests/losses/test_proximal_advantages.py: cool-down 0 is the old rule); the SFT checkpoints of both ids are
 # byte-identical (checked with cmp, 2026-12-03).
-SETTING_ALIASES = {"a255683aed9e": "f89beb774d44"}
+# Issue 42 added `loss.ewma_reset: current` to configs/base.yaml: the default is the rule every earlier record ran
+# (the same computation: tests/losses/test_ewma_reset_rule.py), so the drift, stale and MoE settings keep their ids.
+SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44", "bf0298d94486": "160cc6e841e5",
+                   "ffb9a6d0e061": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:
