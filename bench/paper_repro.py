@@ -1141,9 +1141,11 @@ rng seed 0) widened to the Student-t interval where that is wider.
 Guarded minus the cool-down (final avg@4 and lowest R) is reported beside them, with no condition attached.
 
 *No-regression check* (if time remains after the 40 runs above, in this order): `configs/paper_small_stale.yaml
---shared-sft 2` (setting `f89beb774d44`, where the reset never fired in 16 seeds), `ppo_ewma_guarded` seeds 0-4,
-paired against the existing `ppo_ewma` records of the same seeds; "costs nothing" when the interval of final
-avg@4 (guarded minus current) lies inside +-0.05. Where R never falls below the threshold the two rules run the
+--shared-sft 2` (setting `f89beb774d44`, where the reset never fired in 16 seeds), `ppo_ewma_guarded` seeds 0-9 in
+that order, paired against the existing `ppo_ewma` records of the same seeds; the verdict uses the seeds finished
+by 21:10 UTC (a stop set by the clock, not by a result; at least 3 seeds, else "incomplete"); "costs nothing" when
+the interval of final avg@4 (guarded minus current) lies inside +-0.05. (Amended at 18:51 UTC from "seeds 0-4",
+before any run of this plan had finished.) Where R never falls below the threshold the two rules run the
 same computation (the candidate forward is never taken), so this check measures the pipeline's run-to-run noise.
 
 *Decision.* If all four conditions hold, the default of `loss.ewma_reset` becomes `guarded`; otherwise it stays
