@@ -87,7 +87,8 @@ MASK_HIGH = (1.5, 2.0, 4.0)
 CLIP = (0.1, 0.2, 0.4)
 GRID_DEFAULT = (2.0, 0.2)  # configs/paper_small.yaml's loss.train_infer_high and clip_eps_low/high
 KEEP_KEYS = ("step", "version", "reward_mean", "train_infer_retained", "clip_frac", "ratio_out_of_band_frac",
-             "ewma_reset", "ewma_resets", "ewma_reset_rejected", "ewma_retained_candidate", "staleness_mean", "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
+             "ewma_reset", "ewma_resets", "ewma_reset_rejected", "ewma_retained_candidate", "staleness_mean",
+             "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
              "step_time_s", "old_logits_s", "old_logits_bytes", "tokens", "tokens_per_s", "wall_s", "wait_s")
 
 
