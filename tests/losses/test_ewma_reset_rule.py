@@ -92,7 +92,7 @@ class PpoEwmaResetRuleTest(chex.TestCase):
                                                 ("current", better, 1.0, 0.875), ("guarded", better, 1.0, 0.875)]:
             strat = make_correction(_cfg(rule))
             out = self.variant(lambda a, b, c, d, s=strat: _step(s, a, b, c, d))(bar, theta, behav, lmask)
-            prox, new, m, r_bar, r_theta, r_prox = out
+            _, new, m, r_bar, r_theta, r_prox = out
             self.assertAlmostEqual(float(r_bar), 0.75)
             self.assertEqual(float(m["ewma_reset"]), want_reset, rule)
             self.assertAlmostEqual(float(r_prox), want_R, places=6)
