@@ -982,6 +982,18 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
             nums += (f" Without the reset EWMA did not drift: its lowest R stayed above the reset threshold "
                      f"(`loss.ewma_reset_threshold` = {thr:g}), so with the reset on it never fired and the two "
                      "variants were one algorithm (drift not reproduced; the reset not testable here).")
+        if ("ppo_ewma_guarded", kw) in stats:
+            gr = stats[("ppo_ewma_guarded", kw)]["recs"]
+            acc = sum(_resets(r) for r in gr)
+            rej = sum(sum(x.get("ewma_reset_rejected") or 0 for x in r.get("metrics", [])) for r in gr)
+            rg = _ms([_min_key(r, "train_infer_retained") for r in gr])
+            nums += (f" The guarded reset (`loss.ewma_reset=guarded`): {acc + rej:.0f} triggers in {len(gr)} runs, "
+                     f"{acc:.0f} accepted (the current params kept more of the batch's tokens than theta_bar) and "
+                     f"{rej:.0f} rejected; its lowest R {_fmt(*rg)}.")
+            if acc == 0 and rej > 0:
+                nums += (" It never found the current params the better reference, so in this setting it ran the "
+                         "no-reset algorithm plus one scoring forward per trigger: its differences from no reset "
+                         "are the pipeline's run-to-run noise.")
         v.append(f"- **Claim 2 (drift and reset), K={kw}:** {nums}")
     if grid:
         g_rows = grid_claim_rows(grid)
