@@ -1200,7 +1200,13 @@ PREREG_42_CHANGES = """\
   in order; the existing arms' seeds 8 and 9 run only if time remains. Results seen before this change: seed 7
   of no reset (final avg@4 0.379) and of `current` (0.392), nothing of `guarded`. The conditions still need 10
   paired seeds; with fewer, each is reported "incomplete" and the default is not changed.
-- The stale no-regression check runs only if time remains after that.
+- The stale no-regression check runs only if time remains after that. The load fell after 20:00 (runs took
+  3.5-5 min again), so seeds 8-9 of the three arms ran (20:00-20:27) and the stale check started at 20:27; it
+  was stopped at 20:55 UTC (not 21:10: the doc has to be rebuilt on the same core before 21:10), and its
+  verdict uses the seeds finished by then.
+- Seeds 8-9 of the three existing arms and every `guarded` run ran at commits 39106a5 / d85675f (the
+  `loss.ewma_reset` code); `current`, no reset and the cool-down run the same computation there as at 6ad0cf8
+  (`tests/losses/test_ewma_reset_rule.py`), and the records carry their commits.
 """
 
 PREREG_SETTING, PREREG_STALE, PREREG_SEEDS = "160cc6e841e5", "f89beb774d44", 10
