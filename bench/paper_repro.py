@@ -79,13 +79,16 @@ MODES: dict[str, list[str]] = {
     "exact": ["loss.correction=exact", "old_logits.route=snapshot"],
     # the reset the paper's text implies (to the current actor when R drops, then a cool-down before the next)
     "ppo_ewma_cooldown": ["loss.correction=ppo_ewma", "loss.ewma_reset_cooldown=10", "old_logits.measure_error=true"],
+    # issue 42: the reset that keeps theta_bar unless the current params keep more of the triggering batch's tokens
+    "ppo_ewma_guarded": ["loss.correction=ppo_ewma", "loss.ewma_reset=guarded", "old_logits.measure_error=true"],
 }
-APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown")
+APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown", "ppo_ewma_guarded")
 MASK_HIGH = (1.5, 2.0, 4.0)
 CLIP = (0.1, 0.2, 0.4)
 GRID_DEFAULT = (2.0, 0.2)  # configs/paper_small.yaml's loss.train_infer_high and clip_eps_low/high
 KEEP_KEYS = ("step", "version", "reward_mean", "train_infer_retained", "clip_frac", "ratio_out_of_band_frac",
-             "ewma_reset", "ewma_resets", "staleness_mean", "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
+             "ewma_reset", "ewma_resets", "ewma_reset_rejected", "ewma_retained_candidate", "staleness_mean",
+             "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
              "step_time_s", "old_logits_s", "old_logits_bytes", "tokens", "tokens_per_s", "wall_s", "wait_s")
 
 
@@ -149,7 +152,10 @@ def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Op
 # reference every config inherits) gained `loss.ewma_reset_cooldown: 0` (d77bc58), the default that leaves the
 # loss unchanged (tests/losses/test_proximal_advantages.py: cool-down 0 is the old rule); the SFT checkpoints of both ids are
 # byte-identical (checked with cmp, 2026-12-03).
-SETTING_ALIASES = {"a255683aed9e": "f89beb774d44"}
+# Issue 42 added `loss.ewma_reset: current` to configs/base.yaml: the default is the rule every earlier record ran
+# (the same computation: tests/losses/test_ewma_reset_rule.py), so the drift, stale and MoE settings keep their ids.
+SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44", "bf0298d94486": "160cc6e841e5",
+                   "ffb9a6d0e061": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:
@@ -504,6 +510,21 @@ CLAIMS: list[tuple[str, str, str, str, Optional[float]]] = [
      "ppo_ewma_cooldown", "ppo_ewma_noreset", "final", None),
     ("2d. the reset with a 10-step cool-down keeps R up (lowest R, cool-down minus no reset)", "ppo_ewma_cooldown",
      "ppo_ewma_noreset", "min_r", None),
+    # issue 42's pre-registered comparison (PREREG_42): conditions 2, 4 and 3 of the default, then two rows reported
+    # beside them with no condition attached
+    (f"2e. the guarded reset ends no lower than no reset (final avg@4, guarded minus no reset, at most "
+     f"{EQUIV_MARGIN:g} below; condition 2)", "ppo_ewma_guarded", "ppo_ewma_noreset", "final", EQUIV_MARGIN),
+    (f"2f. the guarded reset keeps R up (lowest R, guarded minus no reset, at most {EQUIV_MARGIN:g} below; "
+     "condition 4)", "ppo_ewma_guarded", "ppo_ewma_noreset", "min_r", EQUIV_MARGIN),
+    ("2g. the guarded reset beats the paper's (final avg@4, guarded minus current; condition 3)",
+     "ppo_ewma_guarded", "ppo_ewma", "final", None),
+    ("2h. the guarded reset vs the cool-down (final avg@4, guarded minus cool-down; reported, no condition)",
+     "ppo_ewma_guarded", "ppo_ewma_cooldown", "final", None),
+    ("2i. the guarded reset vs the cool-down (lowest R, guarded minus cool-down; reported, no condition)",
+     "ppo_ewma_guarded", "ppo_ewma_cooldown", "min_r", None),
+    (f"2j. the guarded reset costs nothing where the reset does not fire (final avg@4, guarded minus current, "
+     f"at most {EQUIV_MARGIN:g} below; the no-regression check)", "ppo_ewma_guarded", "ppo_ewma", "final",
+     EQUIV_MARGIN),
     ("4. exact costs more (learner s/step, exact minus EWMA)", "exact", "ppo_ewma", "learner_s", None),
     ("5a. EWMA's reference is closer to pi_v than decoupled's (mean abs(log pi_prox - log pi_v), decoupled minus "
      "EWMA)",
@@ -567,8 +588,13 @@ def claim_rows(main: list[dict], ks: list[int]) -> list[dict]:
             seeds, d = paired_metric(a, b, metric)
             if not d:
                 continue
+            if ma == "ppo_ewma_guarded" and mb == "ppo_ewma":
+                fired = any(_resets(r) > 0 for r in b)  # 2g where the paper's reset fired (the drift setting),
+                if name.startswith("2j.") == fired:  # 2j where it never did (the no-regression check)
+                    continue
             untestable = None
-            if mb == "ppo_ewma_noreset" and not any(_resets(r) > 0 for r in a):
+            if ma in ("ppo_ewma", "ppo_ewma_cooldown") and mb == "ppo_ewma_noreset" and \
+                    not any(_resets(r) > 0 for r in a):
                 untestable = "the reset never fired: both variants ran one algorithm"
             rows.append(_claim_row(name, k, metric, seeds, d, margin, untestable))
     return rows
@@ -824,19 +850,22 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
 
     # --- reset ablation
     L.append("## Reset ablation (ppo_ewma with and without the automatic reset)\n")
-    L.append("| K | variant | final avg@4 | min R | mean R (last half) | resets per run |")
-    L.append("|---|---|---|---|---|---|")
-    for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown")):
+    L.append("| K | variant | final avg@4 | min R | mean R (last half) | resets per run | candidates rejected per run |")
+    L.append("|---|---|---|---|---|---|---|")
+    for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown",
+                                                 "ppo_ewma_guarded")):
         half = max(1, len(rs[0].get("metrics", [])) // 2)
         minr = _ms([_min_key(r, "train_infer_retained") for r in rs])
         lastr = _ms([_mean_key(r, "train_infer_retained", half) for r in rs])
         resets = _ms([_resets(r) for r in rs])
+        rej = [sum(x.get("ewma_reset_rejected") or 0 for x in r.get("metrics", [])) for r in rs
+               if any("ewma_reset_rejected" in x for x in r.get("metrics", []))]
         L.append(f"| {k} | {m} | {_fmt(*stats[(m, k)]['avg'])} | {_fmt(*minr)} | {_fmt(*lastr)} | "
-                 f"{_fmt(*resets, nd=1)} |")
+                 f"{_fmt(*resets, nd=1)} | {_fmt(*_ms(rej), nd=1) if m == 'ppo_ewma_guarded' and rej else '-'} |")
     L.append("")
 
     events = [f"- {m}, K={k}, seed {r['seed']}: {ev}"
-              for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma", "ppo_ewma_cooldown"))
+              for k, m, rs in _mode_cells(stats, all_ks, ("ppo_ewma", "ppo_ewma_cooldown", "ppo_ewma_guarded"))
               for r in rs if (ev := _reset_events(r)) is not None]
     if events:
         L.append(f"Runs in which the reset fired (`loss.ewma_reset_threshold` = {_reset_threshold():g}: R below it "
@@ -939,8 +968,8 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
         thr = _reset_threshold()
         nums = (f"Lowest R with reset {_fmt(*ra)} vs without {_fmt(*rb)}; {n_resets:.0f} resets in "
                 f"{len(a['recs'])} runs with reset.")
-        variants = [(m, stats[(m, kw)]["recs"]) for m in ("ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown")
-                    if (m, kw) in stats]
+        variants = [(m, stats[(m, kw)]["recs"]) for m in ("ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_cooldown",
+                                                          "ppo_ewma_guarded") if (m, kw) in stats]
         nums += (" Runs that collapsed (final held-out avg@4 below " + f"{COLLAPSED:g}): "
                  + ", ".join(f"{m} {sum(_collapsed(r) for r in rs)} of {len(rs)}" for m, rs in variants) + ".")
         fired = [st for r in a["recs"] if (st := _reset_stats(r)) is not None]
@@ -953,6 +982,18 @@ def build_doc(newest: dict[str, dict], count: dict[str, int], ks: list[int], see
             nums += (f" Without the reset EWMA did not drift: its lowest R stayed above the reset threshold "
                      f"(`loss.ewma_reset_threshold` = {thr:g}), so with the reset on it never fired and the two "
                      "variants were one algorithm (drift not reproduced; the reset not testable here).")
+        if ("ppo_ewma_guarded", kw) in stats:
+            gr = stats[("ppo_ewma_guarded", kw)]["recs"]
+            acc = sum(_resets(r) for r in gr)
+            rej = sum(sum(x.get("ewma_reset_rejected") or 0 for x in r.get("metrics", [])) for r in gr)
+            rg = _ms([_min_key(r, "train_infer_retained") for r in gr])
+            nums += (f" The guarded reset (`loss.ewma_reset=guarded`): {acc + rej:.0f} triggers in {len(gr)} runs, "
+                     f"{acc:.0f} accepted (the current params kept more of the batch's tokens than theta_bar) and "
+                     f"{rej:.0f} rejected; its lowest R {_fmt(*rg)}.")
+            if acc == 0 and rej > 0:
+                nums += (" It never found the current params the better reference, so in this setting it ran the "
+                         "no-reset algorithm plus one scoring forward per trigger: its differences from no reset "
+                         "are the pipeline's run-to-run noise.")
         v.append(f"- **Claim 2 (drift and reset), K={kw}:** {nums}")
     if grid:
         g_rows = grid_claim_rows(grid)
@@ -1095,6 +1136,147 @@ for c learner steps after one; mode `ppo_ewma_cooldown` runs it with c = 10 (cla
 """
 
 
+# Issue 42's pre-registration, written and committed (2026-12-04 18:37 UTC) before any run it names started;
+# emitted into the doc as is. Nothing in it is edited after a result is seen (results go in the tables below it).
+PREREG_42 = """\
+## Pre-registration: a safe reset for PPO-EWMA (issue 42)
+
+Written and committed on 2026-12-04 at 18:37 UTC, before any of the runs it names started; not edited after.
+
+*Question.* Which `loss.ewma_reset` rule should `ppo_ewma` use by default? `current` is the paper's rule
+(theta_bar <- theta when the train-infer mask keeps fewer than `loss.ewma_reset_threshold` = 0.9 of the tokens);
+`guarded` is the same trigger, but theta_bar is replaced by theta only when theta's log-probs keep *more* tokens of
+the triggering batch inside the mask than theta_bar's do (otherwise theta_bar stays, and the step trains against
+it): the reference the mask sees can never keep fewer tokens than the one it replaces, on the batch that
+triggered it.
+
+*Setting.* `configs/paper_small_drift.yaml --shared-sft 2` (setting `160cc6e841e5`), K = 8, 150 RL steps, one
+pinned core per run (`taskset -c 1`), one run at a time (2-core host shared with other work; load recorded).
+
+*Arms and seeds.* Seeds 0-9 in each of four arms: `ppo_ewma` (`current`), `ppo_ewma_noreset` (threshold 0),
+`ppo_ewma_cooldown` (`current`, `loss.ewma_reset_cooldown=10`) and `ppo_ewma_guarded` (`loss.ewma_reset=guarded`).
+Seeds 0-6 of the first three arms exist (2026-12-03, commit 6ad0cf8; no file under `jax_rl/` or `configs/` changed
+since); seeds 7-9 of those three and 0-9 of `guarded` run now, in that order (7, 8, 9 for the three existing
+arms, then `guarded` 0-9). No seed is added after a result is seen; a run that fails (non-zero exit) is rerun with
+the same seed; a run not finished by 21:10 UTC is reported missing, and a condition short of its 10 seeds gets no
+verdict ("incomplete").
+
+*Metrics.* Final held-out avg@4 (`summary.final_avg_at_4`, 256 tasks x 4 samples) and the lowest R of the run
+(min over steps of `train_infer_retained`).
+
+*Interval rule.* The doc's rule: paired by seed, 95% percentile bootstrap of the mean difference (9999 resamples,
+rng seed 0) widened to the Student-t interval where that is wider.
+
+*Conditions for `guarded` to become the default* (all four, the issue's):
+1. no collapse: final held-out avg@4 >= 0.05 in every one of the 10 seeds;
+2. ends no lower than no reset: final avg@4, guarded minus no reset, interval lower bound above -0.05;
+3. beats `current`: final avg@4, guarded minus current, interval lower bound above 0;
+4. keeps R up: lowest R of the run, guarded minus no reset, interval lower bound above -0.05 (the same
+   non-inferiority margin as 2; the issue says "no lower than no reset's", and a paired interval cannot show
+   exact equality).
+Guarded minus the cool-down (final avg@4 and lowest R) is reported beside them, with no condition attached.
+
+*No-regression check* (if time remains after the 40 runs above, in this order): `configs/paper_small_stale.yaml
+--shared-sft 2` (setting `f89beb774d44`, where the reset never fired in 16 seeds), `ppo_ewma_guarded` seeds 0-9 in
+that order, paired against the existing `ppo_ewma` records of the same seeds; the verdict uses the seeds finished
+by 21:10 UTC (a stop set by the clock, not by a result; at least 3 seeds, else "incomplete"); "costs nothing" when
+the interval of final avg@4 (guarded minus current) lies inside +-0.05. (Amended at 18:51 UTC from "seeds 0-4",
+before any run of this plan had finished.) Where R never falls below the threshold the two rules run the
+same computation (the candidate forward is never taken), so this check measures the pipeline's run-to-run noise.
+
+*Decision.* If all four conditions hold, the default of `loss.ewma_reset` becomes `guarded`; otherwise it stays
+`current` and this doc says which condition failed, with its interval.
+"""
+
+
+# What changed in the plan after it started, when and why (the pre-registration above stays as written).
+PREREG_42_CHANGES = """\
+*Changes to the plan after it started* (said plainly; none changes an arm, a seed, a metric or a condition):
+
+- 19:08 UTC: the host's load average rose to ~20-24 (other sessions' work on the 2 shared cores); a pinned run
+  took 10-13 min instead of 3.5-4 (the records carry each run's load and wall time), so the 40 runs planned
+  could not finish by 21:10. The order was changed to give the new rule its paired seeds first: the three
+  existing arms stop after seed 7 (seed 8 of no reset was stopped as it began), then `guarded` runs seeds 0-9
+  in order; the existing arms' seeds 8 and 9 run only if time remains. Results seen before this change: seed 7
+  of no reset (final avg@4 0.379) and of `current` (0.392), nothing of `guarded`. The conditions still need 10
+  paired seeds; with fewer, each is reported "incomplete" and the default is not changed.
+- The stale no-regression check runs only if time remains after that. The load fell after 20:00 (runs took
+  3.5-5 min again), so seeds 8-9 of the three arms ran (20:00-20:27) and the stale check started at 20:27; it
+  was stopped at 20:55 UTC (not 21:10: the doc has to be rebuilt on the same core before 21:10), and its
+  verdict uses the seeds finished by then.
+- Seeds 8-9 of the three existing arms and every `guarded` run ran at commits 39106a5 / d85675f (the
+  `loss.ewma_reset` code); `current`, no reset and the cool-down run the same computation there as at 6ad0cf8
+  (`tests/losses/test_ewma_reset_rule.py`), and the records carry their commits.
+"""
+
+PREREG_SETTING, PREREG_STALE, PREREG_SEEDS = "160cc6e841e5", "f89beb774d44", 10
+
+
+def _seeds_str(seeds: list[int]) -> str:
+    """Seeds as ranges: [0, 1, 2, 5] -> '0-2, 5'."""
+    out, run = [], []
+    for sd in sorted(seeds):
+        if run and sd != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(sd)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def prereg_result(rows_all: list[tuple[dict, dict]], records: Path) -> list[str]:
+    """Issue 42's pre-registered decision (``PREREG_42``) from the claim rows of every setting: the four
+    conditions on ``ppo_ewma_guarded`` in the drift setting, each met / not met / incomplete (fewer than
+    ``PREREG_SEEDS`` paired seeds), and the stale setting's no-regression check."""
+    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    newest, _ = load_records(records, setting=PREREG_SETTING)
+    g = [r for r in newest.values() if r.get("mode") == "ppo_ewma_guarded" and r.get("part") == "main"]
+    if not g:
+        return ["*Result:* no run of `ppo_ewma_guarded` in the drift setting yet.\n"]
+
+    def cond(key: str, what: str) -> tuple[str, str]:
+        r = rows.get((PREREG_SETTING, key))
+        if r is None:
+            return "incomplete", f"{what}: no paired seed yet"
+        fig = f"{what}: {r['mean']:+.3f}, 95% CI {_fmt_ci(r['ci'])}, n = {r['n']} (seeds {_seeds_str(r['seeds'])})"
+        if r["n"] < PREREG_SEEDS:
+            return "incomplete", fig
+        return ("met" if r["verdict"] == "reproduced" else "not met"), fig
+
+    finals = sorted((r["seed"], _final(r)[0]) for r in g)
+    low = [f"seed {sd}: {fa:.3f}" for sd, fa in finals if fa is not None and fa < COLLAPSED]
+    c1 = ("incomplete" if len(finals) < PREREG_SEEDS else ("not met" if low else "met"),
+          f"final avg@4 of the {len(finals)} guarded runs: min {min(fa for _, fa in finals):.3f}; "
+          + (f"collapsed: {', '.join(low)}" if low else f"none below {COLLAPSED:g}"))
+    conds = [("1. no collapse", c1), ("2. ends no lower than no reset (lower bound > -0.05)",
+                                      cond("2e", "guarded minus no reset, final avg@4")),
+             ("3. beats `current` (lower bound > 0)", cond("2g", "guarded minus current, final avg@4")),
+             ("4. keeps R up (lower bound > -0.05)", cond("2f", "guarded minus no reset, lowest R"))]
+    L = ["### Result of the pre-registered comparison\n",
+         f"Setting `{PREREG_SETTING}` (drift), K = 8; intervals as in the verdict table below (rows 2e-2i).\n",
+         "| condition | status | figures |", "|---|---|---|"]
+    L += [f"| {name} | **{st}** | {fig} |" for name, (st, fig) in conds]
+    stale = rows.get((PREREG_STALE, "2j"))
+    if stale is not None:
+        inside = stale["n"] >= MIN_SEEDS and -TARGET_DIFF < stale["ci"][0] and stale["ci"][1] < TARGET_DIFF
+        L.append(f"| no regression where the reset does not fire (`{PREREG_STALE}`, interval inside ±0.05) | "
+                 f"**{'met' if inside else ('incomplete' if stale['n'] < MIN_SEEDS else 'not met')}** | "
+                 f"guarded minus current, final avg@4: {stale['mean']:+.3f}, 95% CI {_fmt_ci(stale['ci'])}, "
+                 f"n = {stale['n']} (seeds {_seeds_str(stale['seeds'])}) |")
+    L.append("")
+    status = [st for _, (st, _) in conds]
+    if all(x == "met" for x in status):
+        L.append("*Decision:* all four conditions hold: `guarded` becomes the default of `loss.ewma_reset`.\n")
+    elif "not met" in status:
+        failed = ", ".join(n.split(".")[0] for n, (st, _) in conds if st == "not met")
+        L.append(f"*Decision:* condition(s) {failed} not met: the default of `loss.ewma_reset` stays `current`.\n")
+    else:
+        L.append("*Decision:* incomplete (fewer than 10 paired seeds for some condition): the default of "
+                 "`loss.ewma_reset` stays `current` until the pre-registered seeds are in.\n")
+    return L
+
+
 LEGACY_CONFIG = "configs/paper_small.yaml"  # records made before --config was recorded
 
 
@@ -1175,6 +1357,9 @@ def build_full_doc(records: Path, doc: Path) -> str:
                  f"{st['first'][:16]} to {st['last'][:16]} |")
     L.append("")
     L.append(SETTING_NOTES + "\n")
+    L.append(PREREG_42 + "\n")
+    L.append(PREREG_42_CHANGES + "\n")
+    L += prereg_result(rows_all, records)
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER

@@ -31,7 +31,9 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     beta from the staleness window K (``loss.ewma_beta_rule``; docs/design.md §2.3 EWMA proximal). Reset
     theta_bar <- theta when the train-infer mask on pi_{theta_bar}/mu keeps fewer than
     ``loss.ewma_reset_threshold`` of the tokens for ``loss.ewma_reset_patience`` steps
-    (effective for the same step). Cost: 1 param copy + 1 forward.
+    (effective for the same step); ``loss.ewma_reset=guarded`` resets only when theta keeps more
+    of that batch's tokens than theta_bar (:func:`jax_rl.proximal.reset_accept`). Cost: 1 param
+    copy + 1 forward (+1 on a triggering step).
 ``exact``
     log pi_prox = log pi_{v_t}, each token's own behaviour version (paper §2.1, the target
     the others approximate), from the ``old_logits.route`` registry
@@ -270,16 +272,37 @@ class EwmaState:
 
 @register("ppo_ewma")
 class PpoEwma(Correction):
-    cost = Cost(extra_forwards="1 (theta_bar; a 2nd only on a reset)", extra_param_copies="1 (theta_bar, fp32)")
+    """PPO-EWMA: pi_prox under theta_bar, an EWMA of the params, with an automatic reset.
+
+    The reset (``loss.ewma_reset``, :func:`jax_rl.proximal.reset_accept`): a step whose batch R under
+    theta_bar triggers :func:`jax_rl.proximal.reset_predicate` scores the batch once more with the
+    current params theta (the candidate reference). ``current`` takes theta on every trigger (the
+    paper's); ``guarded`` takes it only when theta's R on this batch is higher than theta_bar's, so
+    the step's reference never keeps fewer tokens than theta_bar would have. Either way the chosen
+    reference is pi_prox for the triggering step itself. A rejected candidate consumes the trigger
+    like a reset does (the streak restarts; the cool-down applies), so the candidate forward runs at
+    most once per ``patience`` low-R steps. Metrics: ``ewma_reset`` (theta_bar replaced),
+    ``ewma_reset_rejected`` (triggered, candidate kept fewer or equal tokens), ``ewma_retained`` (R
+    under theta_bar), ``ewma_retained_candidate`` (R under theta on a triggering step, else R).
+    """
+
     approximate = True
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         lc = cfg.loss
         self.beta = proximal.ewma_beta(int(cfg.async_.max_staleness), lc.ewma_beta_rule, lc.ewma_beta)
+        self.rule = lc.ewma_reset
+        if lc.ewma_reset_threshold <= 0:
+            second = "0 (reset off: loss.ewma_reset_threshold=0)"
+        elif self.rule == "guarded":
+            second = "a 2nd on each triggering step (the candidate theta, kept only if it keeps more tokens)"
+        else:
+            second = "a 2nd only on a reset"
+        self.cost = Cost(extra_forwards=f"1 (theta_bar; {second})", extra_param_copies="1 (theta_bar, fp32)")
 
     def describe(self) -> str:
-        return f"{super().describe()}; ewma_beta={self.beta:.4g}"
+        return f"{super().describe()}; ewma_beta={self.beta:.4g}; ewma_reset={self.rule}"
 
     def init_state(self, params):
         return EwmaState(params=jax.tree.map(lambda x: x.astype(jnp.float32), params), count=jnp.float32(1.0),
@@ -317,15 +340,27 @@ class PpoEwma(Correction):
         tokens, amask = batch.tokens, batch.attention_mask
         ew_lp = logprobs(cstate.params, tokens, amask)
         R = self._retained(ew_lp, batch)
-        reset, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience, cstate.streak,
-                                                 lc.ewma_reset_cooldown)
-        ew_params, count = proximal.ewma_reset(cstate.params, params, reset, cstate.count)
+        trigger, streak = proximal.reset_predicate(R, lc.ewma_reset_threshold, lc.ewma_reset_patience,
+                                                   cstate.streak, lc.ewma_reset_cooldown)
+        R_cand = R
         if lc.ewma_reset_threshold <= 0:  # reset off: R < 0 never holds; trace no reset branch (2nd forward)
-            prox = ew_lp
-        else:
+            reset, prox = trigger, ew_lp
+        elif self.rule == "current":
+            reset = proximal.reset_accept("current", trigger, R, R)
             prox = lax.cond(reset, lambda: logprobs(params, tokens, amask), lambda: ew_lp)
+        else:  # guarded: score the candidate only on a triggering step, keep it only if it keeps more tokens
+            def candidate():
+                lp = logprobs(params, tokens, amask)
+                return lp, self._retained(lp, batch)
+
+            cand_lp, R_cand = lax.cond(trigger, candidate, lambda: (ew_lp, R))
+            reset = proximal.reset_accept("guarded", trigger, R, R_cand)
+            prox = jnp.where(reset, cand_lp, ew_lp)
+        ew_params, count = proximal.ewma_reset(cstate.params, params, reset, cstate.count)
         new = EwmaState(params=ew_params, count=count, streak=streak, resets=cstate.resets + reset.astype(jnp.int32))
-        return lax.stop_gradient(prox), new, {"ewma_reset": reset.astype(jnp.float32), "ewma_retained": R}
+        return lax.stop_gradient(prox), new, {"ewma_reset": reset.astype(jnp.float32), "ewma_retained": R,
+                                              "ewma_reset_rejected": (trigger & ~reset).astype(jnp.float32),
+                                              "ewma_retained_candidate": R_cand}
 
     def after_update(self, params, cstate):
         lc = self.loss

@@ -18,7 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["loglinear_logp", "ewma_beta", "ewma_update", "ewma_reset", "reset_predicate"]
+__all__ = ["RESET_RULES", "loglinear_logp", "ewma_beta", "ewma_update", "ewma_reset", "reset_predicate",
+           "reset_accept"]
+
+# ``loss.ewma_reset``: what a triggered reset does (:func:`reset_accept`).
+RESET_RULES = ("current", "guarded")
 
 
 def loglinear_logp(behav_logp, logp, versions, current_version) -> jax.Array:
@@ -197,3 +201,37 @@ def reset_predicate(retained, threshold, patience, streak, cooldown=0) -> tuple[
     s = jnp.where(cooling | below, streak + 1, 0).astype(jnp.int32)
     pred = ~cooling & (s >= jnp.asarray(patience, jnp.int32))
     return pred, jnp.where(pred, -jnp.asarray(cooldown, jnp.int32), s).astype(jnp.int32)
+
+
+def reset_accept(rule: str, trigger, retained_ewma, retained_candidate) -> jax.Array:
+    """Whether a triggered reset replaces theta_bar by theta (``loss.ewma_reset``), in jit.
+
+    Rules:
+        ``current``  the paper's (2605.12070, reset to the current actor): every trigger resets.
+        ``guarded``  a trigger resets only when the candidate reference keeps strictly MORE of the
+                     triggering batch's loss tokens inside the train-infer mask than theta_bar does
+                     (``retained_candidate > retained_ewma``); otherwise theta_bar stays and the step
+                     trains against it. So the reference the mask sees never keeps fewer tokens than
+                     the one it replaces, on the batch that triggered it (jax-rl, issue 42: at a wide
+                     staleness window theta, the newest params, is often the reference furthest from
+                     the behaviour policy, and ``current`` then hands the mask a worse one).
+
+    Args:
+        rule: ``current`` | ``guarded`` (static).
+        trigger: bool scalar, :func:`reset_predicate`'s predicate.
+        retained_ewma: fp32 scalar R of the batch under pi_{theta_bar} (in [0, 1]).
+        retained_candidate: fp32 scalar R of the same batch under pi_theta (``guarded`` only;
+            its value is not read under ``current``).
+
+    Returns:
+        bool scalar: theta_bar <- theta on this step (pass to :func:`ewma_reset`).
+
+    Raises:
+        ValueError: unknown rule.
+    """
+    if rule not in RESET_RULES:
+        raise ValueError(f"loss.ewma_reset={rule!r} must be one of {list(RESET_RULES)}")
+    trig = jnp.asarray(trigger, bool)
+    if rule == "current":
+        return trig
+    return trig & (jnp.asarray(retained_candidate, jnp.float32) > jnp.asarray(retained_ewma, jnp.float32))

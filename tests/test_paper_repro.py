@@ -337,3 +337,40 @@ def test_setting_aliases_merge_records_of_one_setting(pr, tmp_path, monkeypatch)
     assert list(newest) == [cell["id"]] and count == {cell["id"]: 1}
     assert pr.pending([cell], newest, [], None) == []
     assert [st["setting"] for st in pr.settings_in(path)] == [canon]
+
+
+def _drift_records(pr, path, finals, seeds=range(10), collapse=None):
+    """Issue 42's four arms in the drift setting, one record per seed, written to ``path``."""
+    for seed in seeds:
+        for c in pr.cells(["main"], list(finals), [8], [seed]):
+            m = c["mode"]
+            fa = 0.0 if (m, seed) == collapse else finals[m] + 0.002 * (seed - 4.5) * (1 if m == "ppo_ewma" else -1)
+            r = _rec(pr, c, fa, retained=0.9 if m == "ppo_ewma_guarded" else 0.8,
+                     resets=2.0 if m in ("ppo_ewma", "ppo_ewma_cooldown") else 0.0)
+            pr.append_record({**r, "setting": pr.PREREG_SETTING}, path)
+
+
+def test_guarded_claims_and_the_preregistered_decision(pr, tmp_path):
+    finals = dict(ppo_ewma=0.17, ppo_ewma_noreset=0.36, ppo_ewma_cooldown=0.32, ppo_ewma_guarded=0.37)
+
+    def decide(path):
+        newest, _ = pr.load_records(path, setting=pr.PREREG_SETTING)
+        rows = pr.claim_rows(list(newest.values()), [8])
+        return {r["claim"].split(".")[0]: r for r in rows}, "\n".join(
+            pr.prereg_result([({"setting": pr.PREREG_SETTING}, r) for r in rows], path))
+
+    _drift_records(pr, tmp_path / "a.jsonl", finals)
+    rows, text = decide(tmp_path / "a.jsonl")
+    assert {k: rows[k]["verdict"] for k in ("2e", "2f", "2g")} == {k: "reproduced" for k in ("2e", "2f", "2g")}
+    assert "2j" not in rows  # the paper's reset fired here: 2g, not the no-regression row
+    assert text.count("| **met** |") == 4 and "`guarded` becomes the default" in text
+    # one collapsed guarded seed fails condition 1 whatever the intervals say
+    _drift_records(pr, tmp_path / "b.jsonl", finals, collapse=("ppo_ewma_guarded", 3))
+    _, text = decide(tmp_path / "b.jsonl")
+    assert "| 1. no collapse | **not met** |" in text and "stays `current`" in text
+    # fewer than the 10 pre-registered seeds: incomplete, the default unchanged
+    _drift_records(pr, tmp_path / "c.jsonl", finals, seeds=range(7))
+    _, text = decide(tmp_path / "c.jsonl")
+    assert "**incomplete**" in text and "**met**" not in text.replace("**incomplete**", "")
+    assert "stays `current`" in text
+    assert pr._seeds_str([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

@@ -337,6 +337,8 @@ class LossConfig(_Section):
     """Consecutive low-R steps before theta_bar resets."""
     ewma_reset_cooldown: int = Field(0, ge=0)
     """Learner steps after a reset during which no reset fires (R not counted); 0: none."""
+    ewma_reset: Literal["current", "guarded"] = "current"
+    """What a triggered reset does: current = theta_bar <- theta (the paper's); guarded = only if theta keeps more of the batch's tokens in the mask than theta_bar."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
     over the policy term's kept tokens, H the per-token entropy (nats) of the temperature-scaled

@@ -552,7 +552,7 @@ class PolicyLossTest(chex.TestCase):
         }
         # knobs that do not act on policy_loss; they are tested in test_proximal.py
         elsewhere = {"correction", "ewma_beta_rule", "ewma_beta", "ewma_bias_correction",
-                     "ewma_reset_threshold", "ewma_reset_patience", "ewma_reset_cooldown"}
+                     "ewma_reset_threshold", "ewma_reset_patience", "ewma_reset_cooldown", "ewma_reset"}
         self.assertEqual(set(LossConfig.model_fields), set(knobs) | elsewhere)
         cfgs, names = [], []
         for knob, values in knobs.items():
