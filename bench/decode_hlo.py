@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import re
 import sys
@@ -59,16 +58,6 @@ _THROUGH = ("bitcast", "reshape", "convert", "copy", "transpose")
 _NOT_KERNELS = _ht._FREE | {"while", "conditional", "call"}
 
 
-def _operands(rest: str) -> list[str]:
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += (ch == "(") - (ch == ")")
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%[\w.\-]+", rest[:end])
-
-
 def step_profile(hlo: str) -> dict:
     """Per-step counts of a compiled module's text (``compiled.as_text()``); see the module doc.
 
@@ -77,31 +66,16 @@ def step_profile(hlo: str) -> dict:
     updates write), ``by_kind`` (Counter of traffic by a short label), ``rows`` (the instructions
     with their per-step bytes and multiplicity), ``unknown_trip_loops`` (while loops whose trip
     count the text does not give: counted once)."""
-    lines = list(_ht._logical_lines(hlo))
-    internal = set(re.findall(r"calls=(%[\w.\-]+)", hlo)) | set(re.findall(r"to_apply=(%[\w.\-]+)", hlo))
+    internal = _ht.internal_computations(hlo)
     roots: dict[str, str] = {}  # computation -> opcode of its ROOT (through bitcasts, converts, ...)
     defs: dict[str, tuple[str, list[str]]] = {}  # instruction -> (opcode, operands)
     trips: dict[str, tuple[str, int]] = {}  # while body / condition -> (calling computation, trip count)
     sizes: dict[str, int] = {}
     insts = []
     unknown = 0  # while loops without a known trip count (their bodies are counted once)
-    comp = None
-    for line in lines:
-        if line.endswith("{") and not line.startswith(" "):
-            words = line.split()
-            comp = words[1] if words[0] == "ENTRY" else words[0]
-            continue
-        if line.rstrip() == "}":
-            comp = None
-            continue
-        if comp is None:
-            continue
-        m = _ht._INST.match(line)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
+    for comp, line, (name, shape, op, rest) in _ht.instructions(hlo):
         sizes[name] = _ht.shape_bytes(shape)
-        defs[name] = (op, _operands(rest))
+        defs[name] = (op, _ht.operand_names(rest))
         if line.lstrip().startswith("ROOT "):
             roots[comp] = name
         if op == "while":
@@ -130,7 +104,7 @@ def step_profile(hlo: str) -> dict:
     for comp, name, shape, op, rest, line in insts:
         if comp in internal or op in _NOT_KERNELS:
             continue
-        ops = _operands(rest)
+        ops = _ht.operand_names(rest)
         out = sizes[name]
         opb = [sizes.get(o, 0) for o in ops]
         callee = re.search(r"calls=(%[\w.\-]+)", line)

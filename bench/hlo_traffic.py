@@ -79,17 +79,15 @@ def _logical_lines(hlo: str):
         yield cur
 
 
-def top_level_traffic(hlo: str) -> list[dict]:
-    """One dict per top-level instruction of a compiled HLO module's text
-    (``compiled.as_text()``): ``bytes`` (operands + output), ``op`` (HLO opcode), ``name``,
-    ``shape`` (output), ``op_name`` (the JAX op from its metadata) and ``computation``.
+def internal_computations(hlo: str) -> set[str]:
+    """Names of the computations that are fusion bodies (``calls=``) or reducers (``to_apply=``)."""
+    return set(re.findall(r"calls=(%[\w.\-]+)", hlo)) | set(re.findall(r"to_apply=(%[\w.\-]+)", hlo))
 
-    Top-level = in a computation that is not a fusion body (``calls=``) or a reducer
-    (``to_apply=``). Operand bytes come from the operands' own output shapes (names are unique
-    in a module). Parameters, constants, tuples and bitcasts move nothing and are skipped."""
-    internal = set(re.findall(r"calls=(%[\w.\-]+)", hlo)) | set(re.findall(r"to_apply=(%[\w.\-]+)", hlo))
-    sizes: dict[str, int] = {}
-    rows: list[dict] = []
+
+def instructions(hlo: str):
+    """Every instruction of a compiled HLO module's text, in order: ``(computation, line,
+    (name, shape, opcode, rest))`` with ``rest`` the text after the opcode's ``(``; lines outside a
+    computation or that are not instructions are skipped."""
     comp = None
     for line in _logical_lines(hlo):
         if line.endswith("{") and not line.startswith(" "):
@@ -102,20 +100,38 @@ def top_level_traffic(hlo: str) -> list[dict]:
         if comp is None:
             continue
         m = _INST.match(line)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
+        if m:
+            yield comp, line, m.groups()
+
+
+def operand_names(rest: str) -> list[str]:
+    """The ``%name`` operands of an instruction: ``rest`` up to the ``)`` that closes its operand list."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%[\w.\-]+", rest[:end])
+
+
+def top_level_traffic(hlo: str) -> list[dict]:
+    """One dict per top-level instruction of a compiled HLO module's text
+    (``compiled.as_text()``): ``bytes`` (operands + output), ``op`` (HLO opcode), ``name``,
+    ``shape`` (output), ``op_name`` (the JAX op from its metadata) and ``computation``.
+
+    Top-level = in a computation that is not a fusion body (``calls=``) or a reducer
+    (``to_apply=``). Operand bytes come from the operands' own output shapes (names are unique
+    in a module). Parameters, constants, tuples and bitcasts move nothing and are skipped."""
+    internal = internal_computations(hlo)
+    sizes: dict[str, int] = {}
+    rows: list[dict] = []
+    for comp, line, (name, shape, op, rest) in instructions(hlo):
         out = shape_bytes(shape)
         sizes[name] = out
         if op in _FREE or comp in internal:
             continue
-        depth, end = 1, len(rest)
-        for i, ch in enumerate(rest):  # the operand list ends at its matching ")"
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                end = i
-                break
-        operands = sum(sizes.get(o, 0) for o in re.findall(r"%[\w.\-]+", rest[:end]))
+        operands = sum(sizes.get(o, 0) for o in operand_names(rest))
         meta = re.search(r'op_name="([^"]+)"', line)
         rows.append(dict(bytes=operands + out, op=op, name=name, shape=shape, computation=comp,
                          op_name=meta.group(1) if meta else ""))

@@ -123,7 +123,7 @@ def require_tau2() -> None:
     """Import tau² offline: litellm's local cost map (no DNS lookup at import), tau²'s loguru
     output off. Raises ImportError (one line, with the install command) when it is not installed."""
     with _import_lock:
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # always: a user value of False would let litellm fetch its map
         try:
             from loguru import logger
 
