@@ -250,6 +250,58 @@ def eval_hf(hf_dir: Path, src: Path, n_tasks: int, k: int) -> dict:
 # ---------------------------------------------------------------------------- the Tunix arm
 
 
+class _TunixMeter:
+    """Per-RL-step figures of a Tunix learner, gathered by wrapping its cluster's ``generate``,
+    ``update_actor`` and ``sync_weights`` (seconds in each, generated tokens, generate calls, trained
+    tokens); one row per ``update_actor`` call. Thread-safe: Tunix's agentic learner generates from
+    several threads. ``extra``: more accumulators (0 / 0.0) an arm fills through :meth:`timed`."""
+
+    def __init__(self, cluster, **extra):
+        import threading
+
+        self.acc: dict = {"gen_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0,
+                          "gen_calls": 0, **extra}
+        self.rows: list[dict] = []
+        self.lock = threading.Lock()
+        cluster.generate = self.timed("gen_s", cluster.generate, self._on_gen)
+        cluster.update_actor = self.timed("update_s", cluster.update_actor, self._on_update)
+        cluster.sync_weights = self.timed("sync_s", cluster.sync_weights)
+
+    def timed(self, name: str, fn, after=None):
+        """``fn`` wrapped to add its seconds to ``acc[name]`` and then call ``after(out, *args)``."""
+        def w(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            with self.lock:
+                self.acc[name] += time.perf_counter() - t
+                if after:
+                    after(out, *a, **kw)
+            return out
+        return w
+
+    def _on_gen(self, out, *a, **kw):
+        self.acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
+        self.acc["gen_calls"] += 1
+
+    def _on_update(self, out, train_ds, *a, **kw):
+        import numpy as np
+
+        exs = train_ds if isinstance(train_ds, list) else [train_ds]
+        self.acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask))
+                                              for e in exs))
+        self.rows.append({"t_end": time.perf_counter(), **self.acc})
+        for key in self.acc:
+            self.acc[key] = 0 if isinstance(self.acc[key], int) else 0.0
+
+    def walls(self, t0: float) -> list[tuple[float, dict]]:
+        """``(wall seconds since the previous row, or since t0, row)`` per RL step."""
+        out, prev = [], t0
+        for r in self.rows:
+            out.append((r["t_end"] - prev, r))
+            prev = r["t_end"]
+        return out
+
+
 def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: int = 0) -> dict:
     """``steps`` RL steps of Tunix's GRPOLearner (colocated, synchronous) from ``hf_dir``, timed
     per step by wrappers around its own methods (module doc); then :func:`heldout_success` of the
@@ -299,38 +351,14 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
 
     learner = GRPOLearner(cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
                                               loss_agg_mode="token-mean"), reward_fns=reward_fn)
-    acc = {"gen_s": 0.0, "score_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0,
-           "reward_sum": 0.0, "n": 0}
-    rows: list[dict] = []
-
-    def timed(name, fn, after=None):
-        def w(*a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            acc[name] += time.perf_counter() - t
-            if after:
-                after(out, *a, **kw)
-            return out
-        return w
-
-    def on_gen(out, *a, **kw):
-        acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
+    meter = _TunixMeter(cluster, score_s=0.0, reward_sum=0.0, n=0)
+    acc = meter.acc
 
     def on_rewards(r, *a, **kw):
         acc["reward_sum"] += float(np.sum(r))
         acc["n"] += len(r)
 
-    def on_update(out, train_ds, *a, **kw):
-        exs = train_ds if isinstance(train_ds, list) else [train_ds]
-        acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask)) for e in exs))
-        rows.append({"t_end": time.perf_counter(), **acc})
-        for key in acc:
-            acc[key] = 0 if isinstance(acc[key], int) else 0.0
-
-    cluster.generate = timed("gen_s", cluster.generate, on_gen)
-    learner._compute_rewards = timed("score_s", learner._compute_rewards, on_rewards)
-    cluster.update_actor = timed("update_s", cluster.update_actor, on_update)
-    cluster.sync_weights = timed("sync_s", cluster.sync_weights)
+    learner._compute_rewards = meter.timed("score_s", learner._compute_rewards, on_rewards)
 
     def batches():
         for i in range(steps):
@@ -341,11 +369,8 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
     t0 = time.perf_counter()
     learner.train(batches())
     t_end = time.perf_counter()
-    prev = t0
     step_rows = []
-    for i, r in enumerate(rows):
-        wall = r["t_end"] - prev
-        prev = r["t_end"]
+    for i, (wall, r) in enumerate(meter.walls(t0)):
         step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
                           "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "score_s": r["score_s"],
                           "update_s": r["update_s"], "sync_s": r["sync_s"],
@@ -488,35 +513,7 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
                             loss_agg_mode="token-mean", off_policy_steps=off_policy_steps,
                             max_response_length=AGENTIC_MAX_TOKENS, system_prompt=system, max_concurrency=BATCH),
         chat_parser=_ChatParser(tok), agent_class=agent_cls, env_class=env_cls, env_kwargs=env_kwargs)
-    acc = {"gen_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0, "gen_calls": 0}
-    rows: list[dict] = []
-    lock = __import__("threading").Lock()
-
-    def timed(name, fn, after=None):
-        def w(*a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            with lock:
-                acc[name] += time.perf_counter() - t
-                if after:
-                    after(out, *a, **kw)
-            return out
-        return w
-
-    def on_gen(out, *a, **kw):
-        acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
-        acc["gen_calls"] += 1
-
-    def on_update(out, train_ds, *a, **kw):
-        exs = train_ds if isinstance(train_ds, list) else [train_ds]
-        acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask)) for e in exs))
-        rows.append({"t_end": time.perf_counter(), **acc})
-        for key in acc:
-            acc[key] = 0 if isinstance(acc[key], int) else 0.0
-
-    cluster.generate = timed("gen_s", cluster.generate, on_gen)
-    cluster.update_actor = timed("update_s", cluster.update_actor, on_update)
-    cluster.sync_weights = timed("sync_s", cluster.sync_weights)
+    meter = _TunixMeter(cluster)
 
     def batches():
         for i in range(steps):
@@ -527,10 +524,8 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
     t0 = time.perf_counter()
     learner.train(batches())
     t_end = time.perf_counter()
-    prev, step_rows = t0, []
-    for i, r in enumerate(rows):
-        wall = r["t_end"] - prev
-        prev = r["t_end"]
+    step_rows = []
+    for i, (wall, r) in enumerate(meter.walls(t0)):
         step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
                           "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "update_s": r["update_s"],
                           "sync_s": r["sync_s"], "gen_calls": r["gen_calls"]})
