@@ -152,7 +152,7 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
     C.build_model_config(cfg)  # the row's keys checked against the model, as a run does
     t0 = time.perf_counter()
     gen = C.build_generator(cfg, m.ctx.model_config, m.ctx.learner.rollout_params(), 0)
-    agent = AgentLoop(gen, m.ctx.tokenizer, m.ctx.env_factory, cfg.rollout)
+    agent = AgentLoop(gen, m.ctx.tokenizer, m.ctx.env_factory, cfg.rollout, group_size=cfg.algo.group_size)
     try:
         seeds = [cfg.env.train_seed_offset + 10_000 + i for i in range(groups)]  # not the SFT demos' seeds
         trajs = [t for g in agent.run_groups(seeds) for t in g]
@@ -199,7 +199,7 @@ def _git_commit() -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", type=int, default=16, help="GRPO groups per row (x rollout.group_size episodes)")
+    ap.add_argument("--groups", type=int, default=16, help="GRPO groups per row (x algo.group_size episodes)")
     ap.add_argument("--sft-steps", type=int, default=400, help="SFT steps of each config's warm start")
     ap.add_argument("--only", action="append", help="run only the rows whose name contains this (repeatable)")
     ap.add_argument("--json", type=Path, default=None,

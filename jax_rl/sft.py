@@ -35,7 +35,7 @@ def make_sft_step(cfg: Config, graphdef, tx, schedule, mesh, *, rest: Any, param
     """Jitted ``(params, opt_state, count, {tokens, attention_mask, loss_mask} [1,m,r,T]) ->
     (params, opt_state, metrics)`` (params and optimizer state donated). A non-finite loss,
     gradient or update is skipped (``nonfinite_updates`` = 1)."""
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.algo.temperature), cfg.model.logits_chunk_tokens)
 
     def fn(params, opt_state, count, d):
         n = jnp.maximum(jnp.sum(d["loss_mask"].astype(jnp.float32)), 1.0)

@@ -112,15 +112,17 @@ def test_no_import_cycle():
 
 
 def test_registries_agree_with_the_config():
-    """``loss.correction`` and ``old_logits.route`` accept exactly the registries' names."""
+    """``loss.correction``, ``old_logits.route`` and ``algo.advantage`` accept exactly the registries' names."""
     import typing
 
-    from jax_rl.config import LossConfig, OldLogitsConfig
+    from jax_rl.advantages import REGISTRY as ADVANTAGES
+    from jax_rl.config import AlgoConfig, LossConfig, OldLogitsConfig
     from jax_rl.correction import REGISTRY
     from jax_rl.old_logits.routes import ROUTES
 
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
+    assert set(typing.get_args(AlgoConfig.model_fields["advantage"].annotation)) == set(ADVANTAGES)
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:

@@ -21,7 +21,7 @@ from jax_rl.config.loading import (_format_errors, _literal_choices, _section_fi
                                    render_base_yaml, validate_config)
 from jax_rl.config.schema import *  # noqa: F401,F403 (the sections, Config, ConfigError, CONFIG_DIR)
 from jax_rl.config.schema import __all__ as _schema_all
-from jax_rl.config.schema import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, AsyncConfig, CheckpointConfig,
+from jax_rl.config.schema import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, AlgoConfig, AsyncConfig, CheckpointConfig,
                                   Config, ConfigError, EnvConfig, EvalConfig, LoggingConfig, LossConfig, MeshConfig,
                                   ModelConfig, MoEConfig, OldLogitsConfig, OptimConfig, PlacementConfig,
                                   RolloutConfig, RolloutMeshConfig, RunConfig, RuntimeConfig, SFTConfig)

@@ -39,11 +39,7 @@ __all__ = [
     "synced_generators",
     "adopt_checkpoint_layer_layout",
     "sft_examples",
-    "compute_advantages",
     "pad_examples",
-    "learner_batch",
-    "local_groups_per_step",
-    "step_row",
     "rollout_preflight",
     "EpisodeGuard",
 ]
@@ -467,7 +463,7 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
     frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
     ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
-    It runs on the eval engine's devices (the first rollout engine's mesh), at ``rollout.temperature``,
+    It runs on the eval engine's devices (the first rollout engine's mesh), at ``algo.temperature``,
     with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
     model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
 
@@ -623,7 +619,7 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         max_cache_len=r.max_cache_len,
         max_prefill_length=r.max_prefill_length,
         dtype=r.dtype,
-        temperature=temperature if temperature is not None else r.temperature,
+        temperature=temperature if temperature is not None else cfg.algo.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
@@ -719,124 +715,6 @@ def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int 
         attn[i, : len(t)] = True
         lm[i, : len(m)] = m
     return {"tokens": tokens, "attention_mask": attn, "loss_mask": lm}
-
-
-def compute_advantages(cfg: Config, groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
-    """Per-trajectory advantages per group (GRPO or RLOO), as a list of float32 [G] arrays."""
-    from jax_rl.advantages import grpo_advantages, rloo_advantages
-
-    rewards = np.concatenate([np.asarray([t.reward for t in g], np.float32) for g in groups])
-    gids = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(groups)])
-    if cfg.rollout.advantage == "grpo":
-        adv = grpo_advantages(rewards, gids, normalize_std=cfg.rollout.advantage_std_normalize)
-    else:
-        adv = rloo_advantages(rewards, gids)
-    adv = np.asarray(adv, np.float32)
-    out, i = [], 0
-    for g in groups:
-        out.append(adv[i: i + len(g)])
-        i += len(g)
-    return out
-
-
-def local_groups_per_step(cfg: Config) -> int:
-    """GRPO groups this process contributes to each learner step: ``optim.batch_size /
-    rollout.group_size`` over ``jax.process_count()`` (every process generates an equal share in a
-    multi-process run; the run refuses a count that does not divide, ``RunContext``)."""
-    import jax
-
-    return cfg.optim.batch_size // cfg.rollout.group_size // jax.process_count()
-
-
-def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
-    """Turn GRPO groups from the buffer into a learner batch.
-
-    Groups are sorted by ``group_id`` so the row order (hence fp32 summation order) does not
-    depend on which rollout thread finished first.
-
-    Returns:
-        ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
-        the padded ``[B, T]`` batch of :func:`jax_rl.learner.collate` with per-trajectory
-        advantages broadcast over each row. B is ``optim.batch_size`` (divided by the process count in a
-        multi-process run: each process's share) whenever the groups hold
-        fewer trajectories (a group short of failed / over-long members): inert rows
-        (:func:`jax_rl.batch.pad_rows`, no loss tokens) fill it, so the batch always splits into
-        ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
-        ``padded_rows``.
-
-    Raises:
-        jax_rl.learner.BatchError: a trajectory longer than ``optim.max_seq_len``.
-    """
-    from jax_rl.learner import collate
-
-    groups = sorted(groups, key=lambda g: g[0].group_id)
-    adv = compute_advantages(cfg, groups)
-    trajs = [t for g in groups for t in g]
-    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-    rows = local_groups_per_step(cfg) * cfg.rollout.group_size  # multi-process: this process's share
-    if len(trajs) < rows:
-        from jax_rl.batch import pad_rows
-
-        batch = pad_rows(batch, rows, pad_id)
-    return groups, trajs, batch
-
-
-def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, groups, trajs,
-             version_trained: int) -> dict:
-    """The ``metrics.jsonl`` fields every runtime writes for one learner step.
-
-    ``staleness_mean`` / ``staleness_max`` (versions) come from the learner's metrics; they are
-    computed here from ``batch["versions"]`` against ``version_trained`` only when missing.
-    """
-    row = dict(metrics)
-    row["padded_rows"] = int(batch["tokens"].shape[0]) - len(trajs)
-    v = batch["versions"]
-    m = batch["loss_mask"] & (v >= 0)
-    s = (version_trained - v)[m]
-    row.setdefault("staleness_mean", float(s.mean()) if s.size else 0.0)
-    row.setdefault("staleness_max", int(s.max()) if s.size else 0)
-    rewards = np.asarray([t.reward for t in trajs], np.float32)
-    row.update({
-        "step": step,
-        "version": version,
-        "group_ids": [int(g[0].group_id) for g in groups],
-        "reward_mean": float(rewards.mean()),
-        "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
-        "episode_len_mean": float(np.mean([len(t) for t in trajs])),
-        # the engines' prefill work for these trajectories (re-prefills included; a GRPO group's shared
-        # prompt counted once) against their own lengths: ~turns/2 when every turn re-prefills
-        "prefill_tokens": int(sum(int(t.info.get("prefill_tokens", 0)) for t in trajs)),
-        "episode_tokens": int(sum(len(t) for t in trajs)),
-        "prefix_cache_hits": int(sum(int(t.info.get("prefix_hits", 0)) for t in trajs)),
-        "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
-    })
-    if cfg.env.name == "tau2":  # the agentic workload's shape (issue 38): per-episode means over the batch
-        row.update(tau2_episode_stats(trajs))
-    return row
-
-
-def tau2_episode_stats(trajs) -> dict:
-    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
-    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
-    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
-    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
-    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
-    infos = [t.info or {} for t in trajs]
-
-    def mean(f) -> float:
-        return float(np.mean([f(i) for i in infos])) if infos else 0.0
-
-    return {
-        "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
-        "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
-        "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
-        "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
-        "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
-        "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
-        "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
-        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
-        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
-    }
 
 
 # Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.

@@ -322,9 +322,9 @@ def _check_processes(cfg: Config) -> None:
     import jax
 
     n = jax.process_count()
-    groups = cfg.optim.batch_size // cfg.rollout.group_size
+    groups = cfg.optim.batch_size // cfg.algo.group_size
     if n > 1 and groups % n:
-        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / rollout.group_size={cfg.rollout.group_size} = "
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / algo.group_size={cfg.algo.group_size} = "
                           f"{groups} groups per step do not split over the {n} processes (each generates an equal "
                           "share): make the group count a multiple of runtime.num_processes")
     if n > 1 and cfg.runtime.kind != "embedded":

@@ -316,7 +316,8 @@ def _actors():
 
             if self.gen is None:
                 self.gen = C.build_generator(self.cfg, self.mc, params, version)
-                self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout)
+                self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
+                                              group_size=self.cfg.algo.group_size)
                 return 0.0
             return float(self.gen.update_params(params, version))
 
@@ -500,8 +501,8 @@ class RayProducer:
         self._worker_cls, buffer_cls = actor_classes
         self.counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
         self.counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in self.counters})
-        n_groups = cfg.optim.batch_size // cfg.rollout.group_size
-        self.buffer = buffer_cls.remote(cfg.rollout.group_size, cfg.async_.max_staleness, n_groups,
+        n_groups = cfg.optim.batch_size // cfg.algo.group_size
+        self.buffer = buffer_cls.remote(cfg.algo.group_size, cfg.async_.max_staleness, n_groups,
                                         meta.get("buffer"), cfg.optim.max_seq_len)
         prod = meta.get("producer") or {}
         self.next_gid = int(prod.get("next_group", 0))
@@ -513,7 +514,7 @@ class RayProducer:
         # groups a worker holds at once: its slots' worth plus one step's batch, so that it keeps
         # decoding while the driver is blocked in a learner step (groups are dispatched only between
         # steps); admission (async.max_staleness) bounds them all the same
-        self.per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + n_groups
+        self.per_worker = max(1, cfg.rollout.slots // cfg.algo.group_size) + n_groups
         self.workers: list = []
         self.version = 0
         self.params_ref = None
@@ -675,7 +676,7 @@ class RayProducer:
                 log.warning("group %d failed on rollout worker %d: %r", gid, wi, e)
                 self.in_flight.pop(ref)
                 ray.get(self.buffer.cancel.remote(1))
-                self.guard.record_error(self.cfg.rollout.group_size, f"group {gid}: {type(e).__name__}")
+                self.guard.record_error(self.cfg.algo.group_size, f"group {gid}: {type(e).__name__}")
                 continue
             self.in_flight.pop(ref)
             if gid in self.done_gids:

@@ -291,7 +291,7 @@ def test_agent_tracks_partial_and_finished_episodes():
 
     tok = compact_tokenizer()
     cfg = RolloutConfig(max_turns=1, max_new_tokens_per_turn=8, max_tokens_per_episode=8, max_cache_len=4096,
-                        episode_timeout_s=30.0, group_size=1, slots=1)
+                        episode_timeout_s=30.0, slots=1)
     gen = _PendingGen()
     agent = AgentLoop(gen, tok, CalculatorEnv, cfg, track=True)
     fut = agent.submit_episode(7, group_id=3, sample_idx=0)
@@ -335,7 +335,7 @@ def test_agent_prefix_routes_align_with_the_trajectory():
 
     tok = compact_tokenizer()
     cfg = RolloutConfig(max_turns=1, max_new_tokens_per_turn=8, max_tokens_per_episode=8, max_cache_len=4096,
-                        episode_timeout_s=30.0, group_size=1, slots=1)
+                        episode_timeout_s=30.0, slots=1)
     gen = _PendingGen()
     agent = AgentLoop(gen, tok, CalculatorEnv, cfg, track=True)
     fut = agent.submit_episode(7, group_id=1, sample_idx=0)

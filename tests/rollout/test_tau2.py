@@ -283,7 +283,7 @@ def test_agent_loop_counts_bad_calls_and_user_turns_are_not_trained():
     ]
     gen = _Gen(tok, agent_turns)
     cfg = RolloutConfig(max_turns=10, max_new_tokens_per_turn=512, max_tokens_per_episode=4096, max_cache_len=16384,
-                        episode_timeout_s=60.0, group_size=1, slots=1)
+                        episode_timeout_s=60.0, slots=1)
     factory = lambda: _env("mock", user="model", user_simulator=ScriptedUser(["yes"]))  # noqa: E731
     with AgentLoop(gen, tok, factory, cfg) as loop:
         traj = loop.run_episode(seed)
@@ -419,7 +419,7 @@ def test_two_step_train_with_the_served_user_model(tmp_path):
 
 
 def test_tau2_episode_stats_are_means_of_the_episode_info():
-    from jax_rl.runtime.components import tau2_episode_stats
+    from jax_rl.runtime.loop import tau2_episode_stats
     from rollout.types import Trajectory
 
     def traj(**info):

@@ -30,7 +30,7 @@ class InfLatencyEnv(CalculatorEnv):
 
 def _manager(bad, limit=6):
     cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=1024", "optim.max_seq_len=1024",
-                                 "rollout.group_size=2", "optim.batch_size=4", "rollout.slots=2",
+                                 "algo.group_size=2", "optim.batch_size=4", "rollout.slots=2",
                                  "rollout.max_new_tokens_per_turn=200", "rollout.max_tokens_per_episode=400",
                                  "async.max_staleness=0", f"rollout.max_consecutive_episode_errors={limit}"])
     env_cls = type("Env", (InfLatencyEnv,), {"bad": staticmethod(bad)})

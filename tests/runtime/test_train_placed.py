@@ -22,7 +22,9 @@ PLACED = ["placement.learner=4", "placement.rollout=4", "rollout.mesh.tensor=2",
 @pytest.mark.timeout(300)
 def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
     engines, batches = [], []
-    build, collate = C.build_generator, C.learner_batch
+    from jax_rl import batch as B
+
+    build, collate = C.build_generator, B.learner_batch
 
     def spy_build(*a, **kw):
         gen = build(*a, **kw)
@@ -35,7 +37,7 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
         return out
 
     monkeypatch.setattr(C, "build_generator", spy_build)
-    monkeypatch.setattr(C, "learner_batch", spy_batch)
+    monkeypatch.setattr(B, "learner_batch", spy_batch)
     cfg = _cfg(tmp_path, *PLACED)
     assert run_train(cfg) == 0
 
