@@ -200,10 +200,26 @@ def test_cli_help(sub):
                                                        "route=snapshot"]),
 ])
 def test_mode_and_route_refusals_name_the_keys(overrides, names):
+    from jax_rl.correction import check_config, make_correction
+
+    cfg = load_config(None, overrides)  # the config, a leaf, knows no mode's rules: the registries check
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        check_config(cfg)
     for n in names:
         assert n in str(e.value), (n, str(e.value))
+    with pytest.raises(ConfigError) as e:  # and no strategy is built for a refused config
+        make_correction(cfg)
+    for n in names:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_cli_refuses_a_mode_route_combination_in_one_line():
+    """The registries' checks run in the CLI's loader: exit 2 and one line, before anything is built."""
+    r = subprocess.run([sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"),
+                        "loss.correction=ppo", "old_logits.measure_error=true", "--print-config"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "old_logits.measure_error=true" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "linear_prox", "ppo_ewma"])
@@ -212,7 +228,10 @@ def test_measure_error_allowed_for_every_approximation(mode):
     from jax_rl.correction import REGISTRY
 
     assert REGISTRY[mode].approximate
-    assert load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"]).old_logits.measure_error
+    from jax_rl.correction import check_config
+
+    assert check_config(load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"])
+                        ).old_logits.measure_error
 
 
 def test_moved_keys_read_under_their_new_name_with_a_note(tmp_path, caplog):

@@ -1,9 +1,12 @@
 """The run configuration's schema: one pydantic v2 model per section (``model``, ``mesh``,
-``placement``, ``optim``, ``loss``, ``async``, ``rollout``, ``env``, ``runtime``, ``checkpoint``,
+``placement``, ``optim``, ``loss``, ``async``, ``algo``, ``rollout``, ``env``, ``runtime``, ``checkpoint``,
 ``eval``, ``run``, ``sft``, ``moe``, ``old_logits``, ``logging``) and :class:`Config`, their
-cross-section checks. Every section has ``extra="forbid"``. What a correction mode allows with it
-(``old_logits.measure_error``, an ``old_logits.route``) is asked of the registries
-(:meth:`jax_rl.correction.Correction.check`), which is the one place validation imports jax.
+cross-section checks. Every section has ``extra="forbid"``.
+
+The config is a leaf of the import graph: it imports no registry (``tests/test_structure.py``). What a
+correction mode allows with it (``old_logits.measure_error``, an ``old_logits.route``) is the registries'
+knowledge, checked by :func:`jax_rl.correction.check_config` where a run is built (the CLI's loader and
+:func:`jax_rl.correction.make_correction`).
 """
 
 from __future__ import annotations
@@ -812,11 +815,6 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
-        # what a correction mode allows with it (measure_error, the old_logits.route and the route's own
-        # refusals) is the strategy's and the route's knowledge: ask them (jax_rl.correction registry)
-        from jax_rl.correction import REGISTRY
-
-        REGISTRY[self.loss.correction].check(self)
         pl = self.placement
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "

@@ -383,15 +383,15 @@ def test_retire_refuses_prefixes_without_routes_under_r3():
 
 def test_config_accepts_new_routes_and_refuses_ray():
     from jax_rl.config import ConfigError
+    from jax_rl.correction import check_config
 
     for route in ("interrupt", "retire"):
-        cfg = load_config(None, ["loss.correction=exact", f"old_logits.route={route}"])
+        cfg = check_config(load_config(None, ["loss.correction=exact", f"old_logits.route={route}"]))
         assert cfg.old_logits.route == route
-        with pytest.raises((ConfigError, ValueError), match=f"old_logits.route={route} is implemented for "
-                                                            "runtime=embedded only"):
-            load_config(None, ["loss.correction=exact", f"old_logits.route={route}", "runtime=ray"])
-        with pytest.raises((ConfigError, ValueError), match="serves loss.correction=exact only"):
-            load_config(None, [f"old_logits.route={route}"])
+        with pytest.raises(ConfigError, match=f"old_logits.route={route} is implemented for runtime=embedded only"):
+            check_config(load_config(None, ["loss.correction=exact", f"old_logits.route={route}", "runtime=ray"]))
+        with pytest.raises(ConfigError, match="serves loss.correction=exact only"):
+            check_config(load_config(None, [f"old_logits.route={route}"]))
     lrn_cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "retire"})
     from jax_rl.correction import make_correction
     from jax_rl.old_logits.routes import Retire
