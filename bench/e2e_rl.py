@@ -175,10 +175,10 @@ class Task:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any):
-        from jax_rl.runtime import components as C
+        from jax_rl.runtime.envs import build_env_factory
 
         self.cfg, self.tok = cfg, tokenizer
-        self.env_factory = C.build_env_factory(cfg)
+        self.env_factory = build_env_factory(cfg)
         self._env = self.env_factory()
 
     def prompt(self, seed: int) -> tuple[list[int], str]:

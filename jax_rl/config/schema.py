@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 BPE_CORPUS_DEMOS = 2000
 """Reference-solver demos (training seeds from ``env.train_seed_offset``) a ``model.tokenizer=bpe``
-is trained on (:func:`jax_rl.runtime.components.build_tokenizer`)."""
+is trained on (:func:`jax_rl.runtime.envs.build_tokenizer`)."""
 
 __all__ = [
     "ConfigError",

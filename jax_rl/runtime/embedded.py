@@ -43,8 +43,8 @@ import jax
 
 from jax_rl.batch import local_groups_per_step
 from jax_rl.config import Config
-from jax_rl.runtime import components as C
-from jax_rl.runtime.components import EpisodeGuard
+from jax_rl.runtime import engines
+from jax_rl.runtime.loop import EpisodeGuard
 from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
@@ -323,10 +323,10 @@ class EmbeddedProducer:
                 raise ValueError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
                                  "rollout engine: every process generates its share of each step; give every host "
                                  "whole engines")
-            self.generators, self.sync, self._sync_keys = C.synced_generators(
+            self.generators, self.sync, self._sync_keys = engines.synced_generators(
                 cfg, ctx.model_config, ctx.learner, list(mine), ctx.learner.version, roles=roles)
         else:
-            self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i,
+            self.generators = [engines.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i,
                                                  roles=roles) for i in mine]
         # a retiring route: the agents keep every unscored episode (finished or partial) for the retires
         track = self.route is not None and self.route.track_unscored

@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -327,3 +328,59 @@ def tau2_episode_stats(trajs) -> dict:
         "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
         "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
     }
+
+
+class EpisodeGuard:
+    """Counts unusable episodes for a runtime and decides when a rollout is failing systematically.
+
+    An episode is unusable when it failed (an env/tool exception, ``info["failed"]``; or its group's
+    loop raised) or its prompt did not fit (``info["overlong"]``). Each is dropped and counted and the
+    run goes on; ``rollout.max_consecutive_episode_errors`` of them in a row (no usable episode in
+    between) set :attr:`fatal`, the message the runtime stops with. Thread-safe.
+
+    Attributes:
+        episode_errors: failed episodes so far (overlong ones are counted by the buffer).
+        consecutive: unusable episodes since the last usable one.
+        fatal: None, or the reason to stop.
+    """
+
+    def __init__(self, limit: int, episode_errors: int = 0):
+        self.limit = int(limit)
+        self.episode_errors = int(episode_errors)
+        self.consecutive = 0
+        self.last: str = ""
+        self.fatal: Optional[str] = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _info(t: Any) -> dict:
+        return (t.get("info") if isinstance(t, dict) else getattr(t, "info", None)) or {}
+
+    def record(self, trajectories: Sequence[Any]) -> None:
+        """Account one finished group (Trajectory objects or their ``to_dict()``)."""
+        with self._lock:
+            for t in trajectories:
+                info = self._info(t)
+                if info.get("failed"):
+                    self.episode_errors += 1
+                    self.consecutive += 1
+                    self.last = f"episode failed: {info.get('fail_reason', '?')}"
+                elif info.get("overlong"):
+                    self.consecutive += 1
+                    self.last = f"over-long: {info.get('drop_reason', info.get('overlong'))}"
+                else:
+                    self.consecutive = 0
+            self._check()
+
+    def record_error(self, n_episodes: int, message: str) -> None:
+        """Account ``n_episodes`` lost to an exception outside an episode (a group's loop)."""
+        with self._lock:
+            self.episode_errors += int(n_episodes)
+            self.consecutive += int(n_episodes)
+            self.last = message
+            self._check()
+
+    def _check(self) -> None:
+        if self.limit and self.fatal is None and self.consecutive >= self.limit:
+            self.fatal = (f"rollout failed: {self.consecutive} episodes in a row were unusable (env/tool errors or "
+                          f"over-long prompts; rollout.max_consecutive_episode_errors={self.limit}); last: {self.last}")

@@ -284,13 +284,13 @@ def _actors():
             pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
             from jax_rl.config import Config
             from jax_rl.models.qwen3 import Qwen3Config
-            from jax_rl.runtime import components as C
+            from jax_rl.runtime.envs import build_env_factory, build_tokenizer
             from rollout.agent import AgentLoop
 
             self.cfg = Config.model_validate(cfg_dict)
             self.mc = Qwen3Config.from_hf(model_config_hf)
-            self.tok = C.build_tokenizer(self.cfg)
-            self.env_factory = C.build_env_factory(self.cfg)
+            self.tok = build_tokenizer(self.cfg)
+            self.env_factory = build_env_factory(self.cfg)
             self.gen = None
             self.agent_cls = AgentLoop
             self.agent = None
@@ -312,10 +312,10 @@ def _actors():
         def set_params(self, params, version: int) -> float:
             """Build the generator (first call) or swap its weights; returns the seconds of the
             swap's cast/reshard (``Generator.update_params``; 0.0 for the first build)."""
-            from jax_rl.runtime import components as C
+            from jax_rl.runtime import engines
 
             if self.gen is None:
-                self.gen = C.build_generator(self.cfg, self.mc, params, version)
+                self.gen = engines.build_generator(self.cfg, self.mc, params, version)
                 self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
                                               group_size=self.cfg.algo.group_size)
                 return 0.0
@@ -490,7 +490,7 @@ class RayProducer:
                  actor_classes: tuple):
         import ray
 
-        from jax_rl.runtime.components import EpisodeGuard
+        from jax_rl.runtime.loop import EpisodeGuard
 
         self._ray = ray
         meta = meta or {}
@@ -701,9 +701,11 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.checkpoint import resolve_checkpoint_dir
     from jax_rl.metrics import MetricsWriter
-    from jax_rl.runtime import components as C
+    from jax_rl.model_builder import build_model_config
     from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
+    from jax_rl.runtime.envs import build_env_factory, build_tokenizer
     from jax_rl.runtime.loop import run_rl, sft_line
+    from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 
     t0 = time.perf_counter()
     if cfg.rollout.threads != 1:
@@ -713,14 +715,14 @@ def run_train_ray(cfg: Config) -> int:
     check_ray_endpoints(cfg.runtime)  # an address that does not answer: one line, before anything exists
     # the actors build these again; building them here first refuses a bad env, tokenizer or
     # checkpoint (and a config where no prompt fits) in one line before the run dir and Ray exist
-    env_factory = C.build_env_factory(cfg)
-    tokenizer = C.build_tokenizer(cfg, env_factory)
-    C.build_model_config(cfg, tokenizer)
+    env_factory = build_env_factory(cfg)
+    tokenizer = build_tokenizer(cfg, env_factory)
+    build_model_config(cfg, tokenizer)
     start_of_run_lines(cfg, tokenizer, env_factory)
     if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
         init_ray(None, runtime=cfg.runtime)
-    C.delete_earlier_run(cfg, C.resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
-    run_dir = C.resolve_run_dir(cfg)
+    delete_earlier_run(cfg, resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
+    run_dir = resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
     stop = StopFlag()

@@ -239,7 +239,7 @@ def test_config_checks(devices):
                       (["old_logits.route=snapshot", "placement.scorer=2"], "read by old_logits.route=dedicated only")]:
         with pytest.raises(ConfigError, match=msg):
             check_config(load_config(None, base + over))
-    from jax_rl.runtime.components import check_mesh
+    from jax_rl.runtime.resources import check_mesh
 
     assert check_mesh(load_config(None, base + ["placement.scorer=2"])) == {"data": 1, "fsdp": 6, "tensor": 1,
                                                                            "expert": 1}

@@ -375,13 +375,13 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     from jax_rl.config import load_config
     from jax_rl.config.schema import ConfigError
     from jax_rl.models.tokenizer import compact_tokenizer
-    from jax_rl.runtime import components as C
+    from jax_rl.runtime.envs import Tau2UserModel, build_env_factory
     from rollout.envs.tau2 import ModelUser
 
     # the compact (byte) tokenizer below: tau²'s user prompt is ~1.8k tokens, so a cache that holds it
     cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "rollout.max_cache_len=4096",
                                                             "rollout.max_prefill_length=4096", "optim.max_seq_len=4096"])
-    factory = C.build_env_factory(cfg)
+    factory = build_env_factory(cfg)
     handle = factory.user_model
     env = factory()
     msgs, _ = env.reset(0)
@@ -393,15 +393,15 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     assert isinstance(env.user, ModelUser)
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "I need the Important Meeting task." and gen.n == 1
-    tight = C.Tau2UserModel(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"]))
+    tight = Tau2UserModel(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"]))
     tight.bind(gen, tok)
     assert tight().max_context == 1536  # bounded by the engine's rollout.max_cache_len
-    env = C.build_env_factory(cfg, user_simulator_factory=tight)()
+    env = build_env_factory(cfg, user_simulator_factory=tight)()
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "###STOP###" and gen.n == 1  # a prompt over it: a user stop, no request
     assert env.user_reply("Hello?") is None and env.termination.value == "user_stop"
     with pytest.raises(ConfigError, match="runtime=embedded"):
-        C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+        build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
 
 
 @pytest.mark.slow

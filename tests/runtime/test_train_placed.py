@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_rl.runtime import components as C
+from jax_rl.runtime import engines as E
 from jax_rl.runtime.train import run_train
 
 from .test_train import _cfg, _rows
@@ -24,7 +24,7 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
     engines, batches = [], []
     from jax_rl import batch as B
 
-    build, collate = C.build_generator, B.learner_batch
+    build, collate = E.build_generator, B.learner_batch
 
     def spy_build(*a, **kw):
         gen = build(*a, **kw)
@@ -36,7 +36,7 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
         batches.append((np.asarray(out[2]["versions"]), np.asarray(out[2]["loss_mask"])))
         return out
 
-    monkeypatch.setattr(C, "build_generator", spy_build)
+    monkeypatch.setattr(E, "build_generator", spy_build)
     monkeypatch.setattr(B, "learner_batch", spy_batch)
     cfg = _cfg(tmp_path, *PLACED)
     assert run_train(cfg) == 0
