@@ -175,10 +175,10 @@ class Task:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any):
-        from jax_rl.runtime import components as C
+        from jax_rl.runtime.envs import build_env_factory
 
         self.cfg, self.tok = cfg, tokenizer
-        self.env_factory = C.build_env_factory(cfg)
+        self.env_factory = build_env_factory(cfg)
         self._env = self.env_factory()
 
     def prompt(self, seed: int) -> tuple[list[int], str]:
@@ -334,7 +334,7 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
                      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     rollout_cfg = base_rollout.RolloutConfig(
-        max_tokens_to_generate=MAX_NEW, temperature=cfg.rollout.temperature, top_p=1.0, top_k=None,
+        max_tokens_to_generate=MAX_NEW, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
         max_prompt_length=P, kv_cache_size=P + MAX_NEW + 8, eos_tokens=list(tok.stop_ids), seed=None)
     cluster = rlc.RLCluster(
         actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
@@ -495,7 +495,7 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
                      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     rollout_cfg = base_rollout.RolloutConfig(
-        max_tokens_to_generate=AGENTIC_MAX_TOKENS, temperature=cfg.rollout.temperature, top_p=1.0, top_k=None,
+        max_tokens_to_generate=AGENTIC_MAX_TOKENS, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
         max_prompt_length=P, kv_cache_size=P + AGENTIC_MAX_TOKENS + 8, eos_tokens=list(tok.stop_ids), seed=None,
         return_logprobs=True)
     cluster = rlc.RLCluster(

@@ -208,7 +208,8 @@ def _learner_variant(variant: str) -> None:
     cfg = Config.model_validate({
         "model": model, "loss": {"correction": "ppo"},
         "optim": {"batch_size": B, "max_seq_len": T, "lr": 1e-4},
-        "rollout": {"group_size": 1, "max_cache_len": T, "max_prefill_length": min(T, 256)},
+        "algo": {"group_size": 1},
+        "rollout": {"max_cache_len": T, "max_prefill_length": min(T, 256)},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
     })
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))

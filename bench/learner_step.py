@@ -94,7 +94,8 @@ def _cfg(model: dict, correction: str, B: int, T: int) -> Config:
     return Config.model_validate({
         "model": model, "loss": {"correction": correction},
         "optim": {"batch_size": B, "max_seq_len": T, "lr": 1e-4},
-        "rollout": {"group_size": 1, "max_cache_len": T},
+        "algo": {"group_size": 1},
+        "rollout": {"max_cache_len": T},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
     })
 

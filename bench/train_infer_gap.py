@@ -8,7 +8,7 @@ tiny MoE config (``configs/tiny_moe_cpu.yaml``), each from its SFT warm start (s
 ``--sft-steps`` steps of ``jax-rl sft``, exported to an fp32 HF dir once and cached under
 ``runs/train_infer_gap/``), every row below:
 
-1. builds the run's rollout engine with the row's overrides (``jax_rl.runtime.components.
+1. builds the run's rollout engine with the row's overrides (``jax_rl.runtime.engines.
    build_generator``: the same engine, weight sync and options a training run uses) on the warm
    start's params, version 0;
 2. runs ``--groups`` GRPO groups of the calculator task (the same task seeds and sampling seeds in
@@ -140,7 +140,8 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
 
     from jax_rl.batch import collate
     from jax_rl.config import load_config
-    from jax_rl.runtime import components as C
+    from jax_rl.model_builder import build_model_config
+    from jax_rl.runtime.engines import build_generator
     from rollout.agent import AgentLoop
 
     # the learner depends on moe.routing_replay only; the engine on the row's rollout.* keys
@@ -149,10 +150,10 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
         learners[learner_key] = _Model(config, hf, list(learner_key[1]))
     m = learners[learner_key]
     cfg = load_config(ROOT / config, m.overrides + overrides)
-    C.build_model_config(cfg)  # the row's keys checked against the model, as a run does
+    build_model_config(cfg)  # the row's keys checked against the model, as a run does
     t0 = time.perf_counter()
-    gen = C.build_generator(cfg, m.ctx.model_config, m.ctx.learner.rollout_params(), 0)
-    agent = AgentLoop(gen, m.ctx.tokenizer, m.ctx.env_factory, cfg.rollout)
+    gen = build_generator(cfg, m.ctx.model_config, m.ctx.learner.rollout_params(), 0)
+    agent = AgentLoop(gen, m.ctx.tokenizer, m.ctx.env_factory, cfg.rollout, group_size=cfg.algo.group_size)
     try:
         seeds = [cfg.env.train_seed_offset + 10_000 + i for i in range(groups)]  # not the SFT demos' seeds
         trajs = [t for g in agent.run_groups(seeds) for t in g]
@@ -199,7 +200,7 @@ def _git_commit() -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", type=int, default=16, help="GRPO groups per row (x rollout.group_size episodes)")
+    ap.add_argument("--groups", type=int, default=16, help="GRPO groups per row (x algo.group_size episodes)")
     ap.add_argument("--sft-steps", type=int, default=400, help="SFT steps of each config's warm start")
     ap.add_argument("--only", action="append", help="run only the rows whose name contains this (repeatable)")
     ap.add_argument("--json", type=Path, default=None,

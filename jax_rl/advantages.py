@@ -1,5 +1,10 @@
 """Group advantages (GRPO, RLOO) and their broadcast over tokens. Pure and jit-able.
 
+``algo.advantage`` names an estimator in :data:`REGISTRY` (``@register("name")``, as the correction
+modes are registered in :mod:`jax_rl.correction`); :func:`compute_advantages` asks it. Adding an
+estimator: one registered function ``(rewards [N], group_ids [N], algo) -> [N]`` and its name in
+``AlgoConfig.advantage`` (``tests/test_structure.py`` checks the two agree).
+
 Group ids may be arbitrary ints (not necessarily 0..G-1, not sorted): they are mapped to
 dense ids with ``jnp.unique(..., size=N)`` and reduced with segment ops (num_segments = N).
 Formula sources: GRPO (DeepSeekMath, arXiv 2402.03300; verl ``compute_grpo_outcome_advantage``),
@@ -8,10 +13,50 @@ RLOO (Ahmadian et al. 2024, arXiv 2402.14740).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["grpo_advantages", "rloo_advantages", "broadcast_advantages"]
+if TYPE_CHECKING:  # annotations only
+    from jax_rl.config import AlgoConfig
+
+__all__ = ["REGISTRY", "register", "compute_advantages", "grpo_advantages", "rloo_advantages",
+           "broadcast_advantages"]
+
+Estimator = Callable[[jax.Array, jax.Array, "AlgoConfig"], jax.Array]
+REGISTRY: dict[str, Estimator] = {}
+"""``algo.advantage`` name -> estimator ``(rewards [N], group_ids [N], algo) -> fp32 [N]``."""
+
+
+def register(name: str) -> Callable[[Estimator], Estimator]:
+    """Function decorator: make ``algo.advantage=name`` use this estimator."""
+
+    def deco(fn: Estimator) -> Estimator:
+        REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def compute_advantages(algo: "AlgoConfig", rewards, group_ids) -> jax.Array:
+    """Per-trajectory advantages by the estimator ``algo.advantage`` names.
+
+    Args:
+        algo: the ``algo`` config section (``advantage``, ``advantage_std_normalize``).
+        rewards: float [N]; group_ids: int [N], arbitrary values.
+
+    Returns:
+        fp32 [N].
+
+    Raises:
+        ValueError: an ``algo.advantage`` no estimator is registered under; shapes not both [N].
+    """
+    try:
+        fn = REGISTRY[algo.advantage]
+    except KeyError:
+        raise ValueError(f"unknown algo.advantage {algo.advantage!r}; known: {sorted(REGISTRY)}") from None
+    return fn(rewards, group_ids, algo)
 
 
 def _groups(rewards, group_ids):
@@ -37,7 +82,7 @@ def grpo_advantages(rewards, group_ids, normalize_std: bool = True, eps: float =
     Args:
         rewards: float [N].
         group_ids: int [N], arbitrary values.
-        normalize_std: divide by std_g + eps (``rollout.advantage_std_normalize``).
+        normalize_std: divide by std_g + eps (``algo.advantage_std_normalize``).
         eps: added to std_g.
 
     Returns:
@@ -77,6 +122,16 @@ def rloo_advantages(rewards, group_ids) -> jax.Array:
     rmax = jax.ops.segment_max(r, dense, num_segments=n)[dense]
     rmin = jax.ops.segment_min(r, dense, num_segments=n)[dense]
     return jnp.where((c <= 1.0) | (rmax == rmin), 0.0, adv).astype(jnp.float32)
+
+
+@register("grpo")
+def _grpo(rewards, group_ids, algo: "AlgoConfig") -> jax.Array:
+    return grpo_advantages(rewards, group_ids, normalize_std=algo.advantage_std_normalize)
+
+
+@register("rloo")
+def _rloo(rewards, group_ids, algo: "AlgoConfig") -> jax.Array:
+    return rloo_advantages(rewards, group_ids)
 
 
 def broadcast_advantages(adv, loss_mask) -> jax.Array:

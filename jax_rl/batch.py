@@ -1,15 +1,24 @@
 """The learner batch: a typed pytree of [B, T] arrays, built by :func:`collate` and checked
-by :func:`validate_batch` (docs/design.md §3.3 Learner batch, docs/interfaces.md "Learner batch")."""
+by :func:`validate_batch` (docs/design.md §3.3 Learner batch, docs/interfaces.md "Learner batch");
+:func:`learner_batch` turns the buffer's GRPO groups into one, with the ``algo.advantage``
+estimator's advantages."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import flax
+import jax
 import numpy as np
 
+from jax_rl.advantages import compute_advantages
+
+if TYPE_CHECKING:  # annotations only
+    from jax_rl.config import AlgoConfig, Config
+
 __all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
-           "pad_len", "pad_rows", "seq_buckets", "validate_batch"]
+           "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages", "local_groups_per_step",
+           "learner_batch"]
 
 
 class BatchError(ValueError):
@@ -160,7 +169,7 @@ def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, 
 def pad_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Append inert rows to a collated batch until it has ``rows`` rows.
 
-    A group can reach the learner short of ``rollout.group_size`` (its failed or over-long
+    A group can reach the learner short of ``algo.group_size`` (its failed or over-long
     trajectories are removed and counted by the buffer), so a batch can hold fewer rows than
     ``optim.batch_size`` and then not split into ``optim.minibatches x optim.microbatches``. The
     learner gets the full ``[optim.batch_size, T]`` instead (one compiled shape, no
@@ -412,3 +421,52 @@ def _field(k: str, kind: str, dt: Any, value: Any, shape: tuple[int, int]) -> np
     elif not np.issubdtype(a.dtype, np.floating):
         raise BatchError(f"batch[{k!r}] has dtype {a.dtype}; expected a float dtype (float32)")
     return np.ascontiguousarray(a, dtype=dt)
+
+
+def group_advantages(algo: AlgoConfig, groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+    """Per-trajectory advantages per group by the ``algo.advantage`` estimator
+    (:func:`jax_rl.advantages.compute_advantages`), as a list of float32 [G] arrays."""
+    rewards = np.concatenate([np.asarray([t.reward for t in g], np.float32) for g in groups])
+    gids = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(groups)])
+    adv = np.asarray(compute_advantages(algo, rewards, gids), np.float32)
+    out, i = [], 0
+    for g in groups:
+        out.append(adv[i: i + len(g)])
+        i += len(g)
+    return out
+
+
+def local_groups_per_step(cfg: Config) -> int:
+    """GRPO groups this process contributes to each learner step: ``optim.batch_size /
+    algo.group_size`` over ``jax.process_count()`` (every process generates an equal share in a
+    multi-process run; the run refuses a count that does not divide, ``RunContext``)."""
+    return cfg.optim.batch_size // cfg.algo.group_size // jax.process_count()
+
+
+def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
+    """Turn GRPO groups from the buffer into a learner batch.
+
+    Groups are sorted by ``group_id`` so the row order (hence fp32 summation order) does not
+    depend on which rollout thread finished first.
+
+    Returns:
+        ``(groups, trajectories, batch)``: the sorted groups, their trajectories flattened, and
+        the padded ``[B, T]`` batch of :func:`collate` with per-trajectory
+        advantages broadcast over each row. B is ``optim.batch_size`` (divided by the process count in a
+        multi-process run: each process's share) whenever the groups hold
+        fewer trajectories (a group short of failed / over-long members): inert rows
+        (:func:`pad_rows`, no loss tokens) fill it, so the batch always splits into
+        ``minibatches x microbatches`` and one shape is compiled; ``step_row`` logs them as
+        ``padded_rows``.
+
+    Raises:
+        BatchError: a trajectory longer than ``optim.max_seq_len``.
+    """
+    groups = sorted(groups, key=lambda g: g[0].group_id)
+    adv = group_advantages(cfg.algo, groups)
+    trajs = [t for g in groups for t in g]
+    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
+    rows = local_groups_per_step(cfg) * cfg.algo.group_size  # multi-process: this process's share
+    if len(trajs) < rows:
+        batch = pad_rows(batch, rows, pad_id)
+    return groups, trajs, batch

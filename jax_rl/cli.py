@@ -79,7 +79,15 @@ def _load(args) -> "object":
         overrides.append("run.overwrite=true")
     if getattr(args, "step", None) is not None:
         overrides.append(f"resume_step={args.step}")
-    return load_config(args.config, overrides)
+    return _checked(load_config(args.config, overrides))
+
+
+def _checked(cfg):
+    """``cfg`` after the registries' checks (:func:`jax_rl.correction.check_config`: what the correction mode
+    and its old-logit route allow), so a refused combination is one line and exit 2 before anything runs."""
+    from jax_rl.correction import check_config  # imports jax: only for the commands that run a config
+
+    return check_config(cfg)
 
 
 def _version() -> str:
@@ -126,7 +134,7 @@ def cmd_sft(args) -> int:
 
 def cmd_eval(args) -> int:
     refuse_base_config(args.config)
-    cfg = load_config(args.config, list(args.overrides))
+    cfg = _checked(load_config(args.config, list(args.overrides)))
     try:
         from jax_rl.runtime.train import run_eval
     except ImportError as e:  # pragma: no cover
@@ -159,7 +167,7 @@ def cmd_compile(args) -> int:
     from jax_rl.tpu import libtpu_available
 
     refuse_base_config(args.config)
-    cfg = load_config(args.config, list(args.overrides))
+    cfg = _checked(load_config(args.config, list(args.overrides)))
     if not libtpu_available():
         print("jax-rl: error: compiling for a TPU needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
         return 2

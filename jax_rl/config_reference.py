@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from jax_rl.config import Config
+from jax_rl.config import MOVED_KEYS, Config
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 REGEN_COMMAND = ".venv/bin/python -m jax_rl.config_reference --write"
@@ -229,6 +229,13 @@ def render_config_reference(root: type[BaseModel] = Config) -> str:
                 out += [section_docs[s], ""]
         if rows:
             out += header + rows + [""]
+    if root is not Config:
+        return "\n".join(out).rstrip() + "\n"
+    out += ["## Moved keys", "",
+            "A config file or override that sets an old key still loads: the value is read under the new key and a",
+            "one-line note names it. Setting both, to different values, is an error.", "",
+            "| old key | new key |", "|---|---|"]
+    out += [f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -50,7 +50,7 @@ optimizer updates (:meth:`Correction.after_update`); its checkpoint items
 :meth:`Correction.describe`). ``old_logits.measure_error`` (exact log-probs next to an
 approximate mode, reported as ``prox_abs_err_mean/max``) is the table's ``approximate`` column:
 :attr:`Correction.learner_store`. What a mode allows with it (measure_error, a route) is
-:meth:`Correction.check`, which the config's validation asks.
+:meth:`Correction.check`, which :func:`check_config` asks where a run is built.
 
 Adding a mode: one subclass and ``@register("name")`` (plus the name in
 ``jax_rl.config.LossConfig.correction``; ``tests/test_structure.py`` checks the two agree).
@@ -59,7 +59,7 @@ Adding a mode: one subclass and ``@register("name")`` (plus the name in
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -67,12 +67,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_rl import losses, proximal
+from jax_rl.config import Config, ConfigError
 from jax_rl.old_logits.routes import ROUTES, Route, make_route
 
-if TYPE_CHECKING:  # annotations only: jax_rl.config asks this registry to validate a config
-    from jax_rl.config import Config
-
-__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "make_correction", "host_inputs",
+__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "check_config", "make_correction", "host_inputs",
            "tree_finite", "tree_where"]
 
 # (params, tokens [U,m,r,T], attention_mask [U,m,r,T]) -> log-probs [U,m,r,T] (training numerics)
@@ -120,7 +118,7 @@ class Correction:
 
     @classmethod
     def check(cls, cfg: Config) -> None:
-        """What this mode allows with it, asked by the config's validation (one line naming the keys).
+        """What this mode allows with it, asked by :func:`check_config` (one line naming the keys).
 
         Raises:
             ValueError: ``old_logits.measure_error`` under a mode that approximates nothing; an
@@ -217,12 +215,38 @@ def register(name: str):
 register("ppo")(Correction)
 
 
-def make_correction(cfg: Config) -> Correction:
-    """The strategy of ``cfg.loss.correction``."""
+def check_config(cfg: Config) -> Config:
+    """What the registries allow with ``cfg``: the correction mode's and its ``old_logits.route``'s own
+    refusals (:meth:`Correction.check`). The config's schema validates every key and the rules between
+    sections; this adds the registries' knowledge, which the config, a leaf of the import graph, does not
+    import. Called where a run is built: the CLI's loader and :func:`make_correction`.
+
+    Returns:
+        ``cfg``, unchanged.
+
+    Raises:
+        ConfigError: one line naming the keys (an unknown ``loss.correction`` included).
+    """
     try:
-        return REGISTRY[cfg.loss.correction](cfg)
+        strategy = REGISTRY[cfg.loss.correction]
     except KeyError:
-        raise ValueError(f"unknown loss.correction {cfg.loss.correction!r}; known: {sorted(REGISTRY)}") from None
+        raise ConfigError(f"unknown loss.correction {cfg.loss.correction!r}; known: {sorted(REGISTRY)}") from None
+    try:
+        strategy.check(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    return cfg
+
+
+def make_correction(cfg: Config) -> Correction:
+    """The strategy of ``cfg.loss.correction``, after :func:`check_config`.
+
+    Raises:
+        ConfigError: what :func:`check_config` refuses.
+    """
+    return REGISTRY[check_config(cfg).loss.correction](cfg)
 
 
 @register("decoupled")

@@ -83,7 +83,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     _check_out_dir(out)
 
     from jax_rl.config import RuntimeConfig, load_config
-    from jax_rl.runtime import components as C
+    from jax_rl.model_builder import adopt_checkpoint_layer_layout, build_model_config
+    from jax_rl.runtime.envs import build_tokenizer
 
     cfg = load_config(run_dir / "config.yaml")
     if cfg.model.tokenizer == "bpe" and (run_dir / "tokenizer.json").is_file():
@@ -98,8 +99,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     learner = None
     try:
         cfg.run.dir = scratch.name  # a snapshot store (exact / measure_error) writes here, not in the run
-        tok = C.build_tokenizer(cfg)
-        mc = C.build_model_config(cfg, tok)
+        tok = build_tokenizer(cfg)
+        mc = build_model_config(cfg, tok)
         import jax
 
         import numpy as np
@@ -109,7 +110,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         from jax_rl.models import hf_io
         from jax_rl.sharding import make_mesh
 
-        note = C.adopt_checkpoint_layer_layout(cfg, ckpt, step, mc)  # either layout exports the same
+        note = adopt_checkpoint_layer_layout(cfg, ckpt, step, mc)  # either layout exports the same
         if note:
             log.warning("export: %s", note)
         mesh = make_mesh(data=1, fsdp=1, tensor=1, expert=1, devices=jax.devices()[:1])

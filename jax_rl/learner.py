@@ -94,7 +94,7 @@ class Learner:
     """The sharded learner (docs/interfaces.md "Learner batch").
 
     Args:
-        cfg: the run config (sections model, mesh, optim, loss, async, rollout.temperature,
+        cfg: the run config (sections model, mesh, optim, loss, async, algo.temperature,
             old_logits, checkpoint, runtime, sft, run.seed are used).
         mesh: a ``('data','fsdp','tensor','expert')`` mesh; default from ``cfg.mesh``.
         model_config: a ``Qwen3Config``; default from ``cfg.model`` (:func:`resolve_model_config`).
@@ -159,7 +159,7 @@ class Learner:
 
         ``(params, tokens int32 [U,m,r,T], attention_mask bool [U,m,r,T]) -> logp float32 [U,m,r,T]``
         (:func:`jax_rl.train_step.make_logprob_step`: fp32 master params, the model's compute
-        dtype, ``rollout.temperature`` and the sampler's ``rollout.top_k`` / ``top_p`` truncation;
+        dtype, ``algo.temperature`` and the sampler's ``rollout.top_k`` / ``top_p`` truncation;
         ``logp[..., 0] = 0``, 0 on padding). ``routes=True``: ``(params, tokens, attention_mask,
         routes [U,m,r,T,n_moe_layers,k]) -> logp`` with those expert ids forced (the r3 forward).
 

@@ -106,7 +106,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-if TYPE_CHECKING:  # annotations only: jax_rl.config validates through the correction registry
+if TYPE_CHECKING:  # annotations only
     from jax_rl.config import LossConfig
 
 __all__ = [

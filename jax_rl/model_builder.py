@@ -16,6 +16,7 @@ from jax_rl.config import Config, ConfigError
 from jax_rl.models.expert_parallel import resolve_moe_matmul
 from jax_rl.models.qwen3 import PRESETS, Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
 from jax_rl.placement import resolve_roles
+from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 
 __all__ = ["HF_REQUIRED_FIELDS", "resolve_mesh", "resolve_model_config", "model_kwargs_for", "learner_model_kwargs", "rollout_model_kwargs",
@@ -68,8 +69,8 @@ def _read_hf_config(ckpt: str) -> dict:
 def resolve_model_config(model_cfg, model_config: Optional[Any] = None, *, check_tensors: bool = False) -> Any:
     """The one model-config resolver: ``Qwen3Config`` from ``cfg.model``, the checkpoint's
     config.json with ``hf_overrides`` applied, else the preset with them (``model_config`` if
-    already given). Used by the learner, ``jax-rl compile`` and the run's components
-    (:func:`jax_rl.runtime.components.build_model_config`, which adds the run's own checks).
+    already given). Used by the learner, ``jax-rl compile`` and
+    :func:`build_model_config` (which adds the run's own checks).
 
     Args:
         model_cfg: ``cfg.model`` (``checkpoint``, ``preset``, ``hf_overrides``).
@@ -224,3 +225,106 @@ def create_sharded_model(config, mesh, seed: int = 0, **model_kw):
     with jax.set_mesh(mesh):
         state = init(jax.random.key(seed))
     return nnx.merge(graphdef, state)
+
+
+def build_model_config(cfg: Config, tokenizer=None):
+    """The run's Qwen3Config (:func:`jax_rl.model_builder.resolve_model_config`, the one resolver:
+    ``model.checkpoint``'s config.json, else ``model.preset``, with ``model.hf_overrides``; with a
+    checkpoint the safetensors headers are checked against it too, no tensor data read), then the
+    run's own checks: a resume's model, the tokenizer's vocabulary, the keys that need a model
+    property (:func:`_check_model_fits_config`). So a bad model is refused here, before a run dir exists.
+
+    Raises:
+        ConfigError: unknown preset, bad override, a vocab smaller than the tokenizer's; for
+            ``model.checkpoint`` (message naming the file): a missing dir or config.json, a
+            config.json that is not a JSON object or lacks :data:`jax_rl.model_builder.HF_REQUIRED_FIELDS`, or
+            safetensors that are missing, truncated or do not match the config.
+    """
+    from jax_rl.model_builder import resolve_model_config
+
+    mc = resolve_model_config(cfg.model, check_tensors=True)
+    _check_resumed_model(cfg, mc)
+    if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, model.tokenizer={cfg.model.tokenizer!r})"
+        )
+    _check_model_fits_config(cfg, mc)
+    return mc
+
+
+def _check_resumed_model(cfg: Config, mc) -> None:
+    """On a resume, the model of the run being resumed (its config.yaml, a preset model) against
+    this config's, before anything else can name a symptom (the vocabulary, a param shape).
+    The checkpoint's own metadata is checked again at restore (``check_compatible``)."""
+    if not cfg.resume or not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
+        return
+    from jax_rl.models.qwen3 import get_preset
+
+    try:
+        import yaml
+
+        m = yaml.safe_load((Path(cfg.run.dir) / "config.yaml").read_text(encoding="utf-8"))["model"]
+        if m.get("checkpoint"):
+            return
+        saved = get_preset(m["preset"], **(m.get("hf_overrides") or {}))
+    except Exception:  # noqa: BLE001 - unreadable: the restore's own checks report the checkpoint
+        return
+    if saved.to_hf() == mc.to_hf():
+        return
+    from jax_rl.checkpoint import describe_model, model_name
+
+    raise ConfigError(
+        f"resume: the run in run.dir={cfg.run.dir!r} was written for "
+        f"{describe_model(saved.to_hf(), model_name(m['preset'], None))} but this config asks for "
+        f"{describe_model(mc.to_hf(), model_name(cfg.model.preset, cfg.model.checkpoint))}; resume with the model "
+        "the run was started with, or start a fresh run dir")
+
+
+def _check_model_fits_config(cfg: Config, mc) -> None:
+    """The config keys that need a property of the model (before anything is built)."""
+    model = f"model.checkpoint={cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"model.preset={cfg.model.preset}"
+    RoutingReplay.from_config(cfg, mc)  # routing replay on a dense model: refused, naming the key
+    ep = int(cfg.mesh.expert)
+    if mc.is_moe and ep > 1 and mc.num_experts % ep:
+        raise ConfigError(f"mesh.expert={ep}: the model's num_experts={mc.num_experts} ({model}) must divide by "
+                          f"mesh.expert (the experts are split evenly over the expert axis); set mesh.expert to a "
+                          f"divisor of {mc.num_experts}")
+    rep = int(cfg.rollout.mesh.expert)
+    if mc.is_moe and rep > 1 and mc.num_experts % rep:
+        raise ConfigError(f"rollout.mesh.expert={rep}: the model's num_experts={mc.num_experts} ({model}) must divide "
+                          f"by it (each engine splits the experts evenly); set a divisor of {mc.num_experts}")
+    r = cfg.rollout
+    if not mc.is_moe and r.moe_router_dtype != "float32":
+        raise ConfigError(f"rollout.moe_router_dtype={r.moe_router_dtype} sets the engine's MoE router; the model "
+                          f"({model}) has no MoE layer: set rollout.moe_router_dtype=float32")
+    if not mc.is_moe and r.moe_capacity_factor is not None:
+        raise ConfigError(f"rollout.moe_capacity_factor={r.moe_capacity_factor} drops the engine's MoE token copies; "
+                          f"the model ({model}) has no MoE layer: set rollout.moe_capacity_factor=null")
+
+
+def adopt_checkpoint_layer_layout(cfg: Config, ckpt_dir: Any, step: Optional[int] = None,
+                                  model_config: Any = None) -> Optional[str]:
+    """For the readers of a finished checkpoint (``jax-rl eval``, ``jax-rl export``), where the
+    layer layout changes no number: set ``cfg.model.scan_layers`` to the layout the checkpoint
+    at ``ckpt_dir`` (``step``, default newest) was saved in, when the config would build the other
+    one (e.g. a run saved before train honoured ``model.scan_layers``). Returns the one-line note
+    to print, or None when nothing changed (same layout, or the layout cannot be read). A resume
+    never adopts: :meth:`jax_rl.checkpoint.Checkpointer.check_layer_layout` refuses it."""
+    from jax_rl.checkpoint import saved_layer_layout
+    from jax_rl.model_builder import layers_stacked, resolve_model_config
+
+    have = saved_layer_layout(ckpt_dir, step)
+    if have is None:
+        return None
+    stacked = have == "stacked"
+    try:
+        mc = resolve_model_config(cfg.model, model_config)
+        builds_stacked = layers_stacked(mc, cfg.model.scan_layers)
+    except Exception:  # noqa: BLE001 - a bad model section is reported where the model is built
+        builds_stacked = bool(cfg.model.scan_layers)
+    if builds_stacked == stacked:
+        return None
+    cfg.model.scan_layers = stacked
+    return (f"{ckpt_dir} stores the decoder layers {have}: reading it with "
+            f"model.scan_layers={'true' if stacked else 'false'}")

@@ -10,7 +10,7 @@ the SFT params and the current version re-snapshotted).
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.batch import validate_batch
-from jax_rl.config import Config
+from jax_rl.config import Config, ConfigError
 from jax_rl.correction import tree_finite, tree_where
 from jax_rl.learner_spec import make_sft_optimizer
 from jax_rl.train_step import make_logprob_fn, opt_state_shardings
@@ -35,7 +35,7 @@ def make_sft_step(cfg: Config, graphdef, tx, schedule, mesh, *, rest: Any, param
     """Jitted ``(params, opt_state, count, {tokens, attention_mask, loss_mask} [1,m,r,T]) ->
     (params, opt_state, metrics)`` (params and optimizer state donated). A non-finite loss,
     gradient or update is skipped (``nonfinite_updates`` = 1)."""
-    logprobs = make_logprob_fn(graphdef, rest, float(cfg.rollout.temperature), cfg.model.logits_chunk_tokens)
+    logprobs = make_logprob_fn(graphdef, rest, float(cfg.algo.temperature), cfg.model.logits_chunk_tokens)
 
     def fn(params, opt_state, count, d):
         n = jnp.maximum(jnp.sum(d["loss_mask"].astype(jnp.float32)), 1.0)
@@ -108,3 +108,35 @@ class SftRunner:
         dt = time.perf_counter() - t0
         out.update(sft_tokens=float(n_loss), step_time_s=dt, tokens_per_s=float(b["attention_mask"].sum()) / dt)
         return out
+
+
+def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Reference-solver demonstrations rendered with the chat template: (tokens, loss_mask) pairs,
+    assistant tokens only in the mask. Seeds are training seeds (below ``eval.seed_offset``)."""
+    from rollout.agent import sft_example
+
+    env = env_factory()
+    out = []
+    for i in range(n):
+        seed = cfg.env.train_seed_offset + seed_offset + i
+        toks, mask = sft_example(env, tokenizer, seed, render_tools=cfg.rollout.render_tools)
+        if len(toks) <= cfg.optim.max_seq_len:
+            out.append((np.asarray(toks, np.int32), np.asarray(mask, bool)))
+    if not out:
+        raise ConfigError(f"no SFT demonstration fits optim.max_seq_len={cfg.optim.max_seq_len}")
+    return out
+
+
+def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int = 0, multiple: int = 32) -> dict:
+    """Right-pad (tokens, loss_mask) pairs to [B, T] with T a multiple of ``multiple``."""
+    T = max(len(t) for t, _ in examples)
+    T = ((T + multiple - 1) // multiple) * multiple
+    B = len(examples)
+    tokens = np.full((B, T), pad_id, np.int32)
+    attn = np.zeros((B, T), bool)
+    lm = np.zeros((B, T), bool)
+    for i, (t, m) in enumerate(examples):
+        tokens[i, : len(t)] = t
+        attn[i, : len(t)] = True
+        lm[i, : len(m)] = m
+    return {"tokens": tokens, "attention_mask": attn, "loss_mask": lm}

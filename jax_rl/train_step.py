@@ -20,7 +20,7 @@ One call does everything for one published version:
 Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 ``optim.microbatches``) into [U, m, r, T]; minibatch u, microbatch j is rows
 ``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
-(``jax_rl.logprobs.sequence_logprobs``: fp32 logits, temperature ``rollout.temperature``,
+(``jax_rl.logprobs.sequence_logprobs``: fp32 logits, temperature ``algo.temperature``,
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
 with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
 
@@ -234,7 +234,7 @@ def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
     strategies, the exact route's snapshot forwards), so pi_prox/mu and pi_theta/pi_prox are
     both ratios of the distribution the rollout sampled from."""
     r = cfg.rollout
-    return make_logprob_fn(graphdef, rest, float(r.temperature), cfg.model.logits_chunk_tokens,
+    return make_logprob_fn(graphdef, rest, float(cfg.algo.temperature), cfg.model.logits_chunk_tokens,
                            top_k=int(r.top_k), top_p=float(r.top_p))
 
 

@@ -129,7 +129,7 @@ def engine_targets(cfg: Any, roles: Any, *, eval_only: bool = False) -> list[Syn
     ``roles`` (:func:`jax_rl.placement.resolve_roles`): with ``roles.engines`` None (colocated), every
     process's engines lie on its first device (one target per process); else engine i's
     ``rollout.mesh`` over ``roles.engines[i]``. ``eval_only``: the eval engines, the first engine of
-    each process (``jax_rl.runtime.components.engine_mesh(cfg, None)`` on that process)."""
+    each process (``jax_rl.runtime.engines.engine_mesh(cfg, None)`` on that process)."""
     from jax_rl.sharding import make_mesh
 
     devs = jax.devices()

@@ -123,8 +123,9 @@ class AgentLoop:
         tokenizer: a :class:`jax_rl.models.tokenizer.ChatTokenizer`.
         env_factory: zero-argument callable returning a fresh :class:`Env` (one per episode).
         cfg: a ``RolloutConfig`` (uses max_turns, max_new_tokens_per_turn, max_tokens_per_episode,
-            max_cache_len, episode_timeout_s, group_size, slots, threads).
-        max_workers: concurrent episodes; default ``max(cfg.slots * cfg.threads, cfg.group_size)``.
+            max_cache_len, episode_timeout_s, slots, threads).
+        group_size: samples per task of :meth:`submit_group` (``algo.group_size``).
+        max_workers: concurrent episodes; default ``max(cfg.slots * cfg.threads, group_size)``.
         env_name: name recorded in ``Trajectory.env`` (default: the env's ``name``).
         track: keep every episode, from its start until :meth:`release`, so that
             :meth:`unscored_prefixes` can ship the prefixes, token versions and recorded routes of
@@ -139,6 +140,7 @@ class AgentLoop:
         env_factory: Callable[[], Env],
         cfg: Any,
         *,
+        group_size: int = 1,
         max_workers: Optional[int] = None,
         env_name: Optional[str] = None,
         track: bool = False,
@@ -151,7 +153,8 @@ class AgentLoop:
         self.env_factory = env_factory
         self.cfg = cfg
         self.env_name = env_name
-        self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, cfg.group_size))
+        self.group_size = int(group_size)
+        self.max_workers = int(max_workers or max(cfg.slots * cfg.threads, self.group_size))
         self._sessions = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
         self._lock = threading.Lock()
@@ -164,9 +167,9 @@ class AgentLoop:
         return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx)
 
     def submit_group(self, task_seed: int, group_id: int, group_size: Optional[int] = None) -> "Future[list[Trajectory]]":
-        """Start ``group_size`` (default ``cfg.group_size``) samples of task ``task_seed``; the future
+        """Start ``group_size`` (default the loop's ``group_size``) samples of task ``task_seed``; the future
         resolves to the list of trajectories (order = sample index) when all are done."""
-        n = int(group_size or self.cfg.group_size)
+        n = int(group_size or self.group_size)
         futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i) for i in range(n)]
         out: Future = Future()
         remaining = [n]

@@ -54,7 +54,7 @@ def test_base_yaml_lists_every_enum_choice():
                 assert f"Choices: {' | '.join(choices)}." in line, (f"{section}.{key}", line)
                 n += 1
     assert n == 24, n  # every Literal knob of the schema (rollout.quantize, rollout.moe_router_dtype: 22nd, 23rd; loss.ewma_reset: 24th)
-    for (section, key), choice in [(("rollout", "partial"), "recompute_kv"), (("rollout", "advantage"), "rloo"),
+    for (section, key), choice in [(("rollout", "partial"), "recompute_kv"), (("algo", "advantage"), "rloo"),
                                    (("loss", "train_infer_mode"), "none")]:
         assert choice in lines[(section, key)]
 
@@ -127,7 +127,7 @@ def test_unknown_section_suggests():
         ("loss.dual_clip_c=0.5", ["loss.dual_clip_c", "0.5", "greater than 1"]),
         ("optim.lr=0", ["optim.lr", "0", "greater than 0"]),
         ("mesh.fsdp=0", ["mesh.fsdp", "0"]),
-        ("rollout.group_size=5", ["optim.batch_size=32", "rollout.group_size=5"]),
+        ("algo.group_size=5", ["optim.batch_size=32", "algo.group_size=5"]),
         ("optim.microbatches=abc", ["optim.microbatches", "'abc'"]),
         # time knobs used by sleeps / future timeouts in rollout threads: finite and bounded
         ("rollout.tool_latency_s=.inf", ["rollout.tool_latency_s", "inf", "finite"]),
@@ -200,10 +200,26 @@ def test_cli_help(sub):
                                                        "route=snapshot"]),
 ])
 def test_mode_and_route_refusals_name_the_keys(overrides, names):
+    from jax_rl.correction import check_config, make_correction
+
+    cfg = load_config(None, overrides)  # the config, a leaf, knows no mode's rules: the registries check
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        check_config(cfg)
     for n in names:
         assert n in str(e.value), (n, str(e.value))
+    with pytest.raises(ConfigError) as e:  # and no strategy is built for a refused config
+        make_correction(cfg)
+    for n in names:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_cli_refuses_a_mode_route_combination_in_one_line():
+    """The registries' checks run in the CLI's loader: exit 2 and one line, before anything is built."""
+    r = subprocess.run([sys.executable, "-m", "jax_rl.cli", "train", str(CONFIG_DIR / "tiny_cpu.yaml"),
+                        "loss.correction=ppo", "old_logits.measure_error=true", "--print-config"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "old_logits.measure_error=true" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "linear_prox", "ppo_ewma"])
@@ -212,4 +228,32 @@ def test_measure_error_allowed_for_every_approximation(mode):
     from jax_rl.correction import REGISTRY
 
     assert REGISTRY[mode].approximate
-    assert load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"]).old_logits.measure_error
+    from jax_rl.correction import check_config
+
+    assert check_config(load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"])
+                        ).old_logits.measure_error
+
+
+def test_moved_keys_read_under_their_new_name_with_a_note(tmp_path, caplog):
+    """``rollout.group_size`` (and the other :data:`MOVED_KEYS`) still load from a file or an override: the
+    value lands on the new key, the file that sets it wins over its base, and a note names the new key."""
+    import logging
+
+    from jax_rl.config import MOVED_KEYS
+    from jax_rl.config import schema as S
+
+    assert MOVED_KEYS["rollout.group_size"] == "algo.group_size"
+    S._noted.clear()
+    with caplog.at_level(logging.WARNING, logger="jax_rl.config"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["rollout.group_size=4", "rollout.temperature=0.7"])
+    assert cfg.algo.group_size == 4 and cfg.algo.temperature == 0.7
+    assert "rollout.group_size is algo.group_size now" in caplog.text
+    assert "rollout.temperature is algo.temperature now" in caplog.text
+    f = tmp_path / "old.yaml"  # tiny_cpu.yaml sets algo.group_size: 8; the child's old key overrides it
+    f.write_text(f"base_config: {CONFIG_DIR / 'tiny_cpu.yaml'}\nrollout:\n  group_size: 2\n  advantage: rloo\n")
+    cfg = load_config(f)
+    assert cfg.algo.group_size == 2 and cfg.algo.advantage == "rloo"
+    f.write_text(f"base_config: {CONFIG_DIR / 'tiny_cpu.yaml'}\nrollout:\n  group_size: 2\nalgo:\n  group_size: 4\n")
+    with pytest.raises(ConfigError, match="rollout.group_size=2 and algo.group_size=4 disagree"):
+        load_config(f)
+    assert Config.model_validate({"rollout": {"group_size": 4}, "optim": {"batch_size": 8}}).algo.group_size == 4

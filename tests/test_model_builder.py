@@ -68,7 +68,7 @@ def test_learner_and_engine_share_the_layout(scan, devices):
     ``build_generator`` builds, for either ``model.scan_layers``; the engine's log-probs of a
     sampled continuation match the learner's forward (fp32 rollout)."""
     from jax_rl.learner import Learner
-    from jax_rl.runtime.components import build_generator
+    from jax_rl.runtime.engines import build_generator
 
     cfg = make_cfg("ppo", model={"scan_layers": scan}, rollout={"dtype": "float32", "slots": 2})
     lrn = Learner(cfg, init_params=init_params(cfg))

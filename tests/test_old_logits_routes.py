@@ -51,7 +51,7 @@ ROUTE_PARAMS = [pytest.param(r, marks=pytest.mark.slow) if r != "dedicated" else
 
 RUN = [
     "loss.correction=exact", "async.max_staleness=2", "rollout.partial=continue", "run.steps=5", "run.seed=3",
-    "sft.steps=0", "optim.batch_size=4", "rollout.group_size=2", "rollout.slots=2",
+    "sft.steps=0", "optim.batch_size=4", "algo.group_size=2", "rollout.slots=2",
     "rollout.max_new_tokens_per_turn=48", "rollout.max_tokens_per_episode=48", "rollout.max_turns=2",
     "rollout.dtype=float32", "eval.num_tasks=2", "eval.k=2", "logging.progress=false", "logging.tensorboard=false",
     "checkpoint.every=0",

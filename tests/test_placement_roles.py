@@ -4,7 +4,7 @@ import pytest
 
 from jax_rl.config import ConfigError, load_config
 from jax_rl.placement import resolve_roles
-from jax_rl.runtime.components import check_mesh
+from jax_rl.runtime.resources import check_mesh
 
 
 def ids(ds):
@@ -85,7 +85,7 @@ def test_ray_refuses_a_sharded_rollout_mesh():
 
 
 def test_rollout_expert_axis_must_divide_the_experts():
-    from jax_rl.runtime.components import build_model_config
+    from jax_rl.model_builder import build_model_config
 
     with pytest.raises(ConfigError, match=r"^rollout.mesh.expert=3: the model's num_experts=4"):
         build_model_config(load_config(None, ["model.preset=tiny_moe", "rollout.mesh.expert=3"]))

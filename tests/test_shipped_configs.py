@@ -44,13 +44,14 @@ def test_configs_are_classified():
 
 @pytest.mark.parametrize("name", CPU)
 def test_cpu_config_passes_the_start_of_run_checks(name):
-    from jax_rl.runtime import components as C
+    from jax_rl.model_builder import build_model_config
+    from jax_rl.runtime.envs import build_env_factory, build_tokenizer
     from jax_rl.runtime.context import start_of_run_lines
 
     cfg = load_config(CONFIG_DIR / name)
-    env_factory = C.build_env_factory(cfg)
-    tok = C.build_tokenizer(cfg, env_factory)
-    C.build_model_config(cfg, tok)
+    env_factory = build_env_factory(cfg)
+    tok = build_tokenizer(cfg, env_factory)
+    build_model_config(cfg, tok)
     warnings = start_of_run_lines(cfg, tok, env_factory)
     assert warnings == [], warnings  # no prompt over rollout.max_cache_len, nothing else to warn about
 

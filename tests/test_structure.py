@@ -1,8 +1,10 @@
 """Structure of the packages: no import cycle between jax_rl / rollout modules, counting imports
 inside functions too (a function-level import that closes a cycle is still a cycle: it only hides
-it from the interpreter's import order). Imports under ``if TYPE_CHECKING:`` are not edges: they
-never run (annotations only). Also: the registries and the config's allowed names agree, and
-nothing outside a registry branches on a route's name."""
+it from the interpreter's import order) and imports under ``if TYPE_CHECKING:`` (a type-only
+import is still a dependency of the reader's model of the code); importing ``a.b.c`` runs the
+packages ``a`` and ``a.b`` first, so those are edges too. The config is a leaf that imports no
+registry. Also: the registries and the config's allowed names agree, and nothing outside a
+registry branches on a route's name."""
 
 import ast
 from pathlib import Path
@@ -32,15 +34,17 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
     """Module -> the project modules it imports (``from a.b import c`` counts ``a.b.c`` when that is
-    a module, else ``a.b``); package ``__init__`` re-exports are edges too."""
+    a module, else ``a.b``), and the packages above each (their ``__init__`` runs first); package
+    ``__init__`` re-exports are edges too. ``type_checking=False`` leaves out the imports under
+    ``if TYPE_CHECKING:`` (what the interpreter runs)."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
         tree = ast.parse(p.read_text())
-        skip = _type_checking_only(tree)
+        skip = set() if type_checking else _type_checking_only(tree)
         for node in ast.walk(tree):
             if id(node) in skip:
                 continue
@@ -58,7 +62,10 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 graph[m].update(a.name for a in node.names if a.name in mods)
     for m in graph:
-        graph[m].discard(m)
+        for dep in list(graph[m]):
+            parts = dep.split(".")
+            graph[m].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in mods)
+        graph[m] -= {m} | {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}  # its own packages
     return graph
 
 
@@ -94,7 +101,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_type_checking_imports_are_not_edges():
+def test_type_checking_imports_are_found():
+    """``import_graph(type_checking=False)`` leaves out exactly the ``if TYPE_CHECKING:`` imports."""
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nimport b\n")
     skip = _type_checking_only(tree)
     kept = [n.names[0].name for n in ast.walk(tree) if isinstance(n, ast.Import) and id(n) not in skip]
@@ -108,19 +116,46 @@ def test_cycle_detector_finds_a_function_level_cycle():
 
 def test_no_import_cycle():
     found = cycles(import_graph())
-    assert not found, f"import cycles (function-level imports included): {found}"
+    assert not found, f"import cycles (function-level and TYPE_CHECKING imports included): {found}"
+
+
+def test_parent_packages_are_edges():
+    """``from jax_rl.old_logits.routes import X`` runs ``jax_rl/old_logits/__init__.py`` first."""
+    g = import_graph()
+    assert {"jax_rl.old_logits.routes", "jax_rl.old_logits"} <= g["jax_rl.correction"]
+
+
+REGISTRIES = ("jax_rl.correction", "jax_rl.advantages", "jax_rl.old_logits")
+
+
+def test_config_imports_no_registry():
+    """The config is a leaf the registries and the rest import: no module of ``jax_rl.config`` imports a
+    registry (nor anything that reaches one), at module level, in a function or for types only. The
+    registries' knowledge of a config (what a mode allows) is :func:`jax_rl.correction.check_config`."""
+    g = import_graph()
+    config = [m for m in g if m == "jax_rl.config" or m.startswith("jax_rl.config.")]
+    seen, todo = set(config), list(config)
+    while todo:
+        for dep in g[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    reached = sorted(m for m in seen if any(m == r or m.startswith(r + ".") for r in REGISTRIES))
+    assert not reached, f"jax_rl.config reaches the registries {reached}"
 
 
 def test_registries_agree_with_the_config():
-    """``loss.correction`` and ``old_logits.route`` accept exactly the registries' names."""
+    """``loss.correction``, ``old_logits.route`` and ``algo.advantage`` accept exactly the registries' names."""
     import typing
 
-    from jax_rl.config import LossConfig, OldLogitsConfig
+    from jax_rl.advantages import REGISTRY as ADVANTAGES
+    from jax_rl.config import AlgoConfig, LossConfig, OldLogitsConfig
     from jax_rl.correction import REGISTRY
     from jax_rl.old_logits.routes import ROUTES
 
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
+    assert set(typing.get_args(AlgoConfig.model_fields["advantage"].annotation)) == set(ADVANTAGES)
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:

@@ -119,7 +119,7 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
         def fwd_piece(cfg_, mc):
             p = _learner(t, mc, cfg_, scan_layers=False)
             b, sh = _batch(t, p.strategy, 1, 1, r, T)
-            lp = make_logprob_fn(p.graphdef, p.rest, float(cfg_.rollout.temperature),
+            lp = make_logprob_fn(p.graphdef, p.rest, float(cfg_.algo.temperature),
                                  cfg_.model.logits_chunk_tokens)
             s2 = jax.sharding.NamedSharding(t.mesh, jax.sharding.PartitionSpec(*sh.spec[2:]))
             fn = jax.jit(lp, in_shardings=(p.param_shardings, s2, s2))

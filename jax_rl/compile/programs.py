@@ -226,7 +226,7 @@ def _engine_keys(t: _Target, row: dict, em) -> None:
 def _scorer_row(t: _Target, log) -> dict:
     """The ``score_step`` row (role ``scorer``): the dedicated old-logit scorer's forward
     (:meth:`jax_rl.learner.Learner.make_scorer` with ``placement.scorer``: fp32 params on an
-    ``fsdp`` mesh over the scorer's devices, one GRPO group of ``rollout.group_size`` rows x
+    ``fsdp`` mesh over the scorer's devices, one GRPO group of ``algo.group_size`` rows x
     ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
     param versions (:func:`_on_chip` adds the other versions' params)."""
     import jax
@@ -246,7 +246,7 @@ def _scorer_row(t: _Target, log) -> dict:
     routing = RoutingReplay.from_config(cfg, t.model_config)
     forced = routing.forces_rollout_routes  # an r3 scorer runs the forward with the recorded routes forced
     fn = make_logprob_step(cfg, graphdef, rest=rest, param_shardings=sh, with_routes=forced)
-    G, T = int(cfg.rollout.group_size), int(cfg.optim.max_seq_len)
+    G, T = int(cfg.algo.group_size), int(cfg.optim.max_seq_len)
     bs = BatchPlacement(mesh, 1, 1).batch_sharding(G)
     args = (abstract_like(abs_params, sh), jax.ShapeDtypeStruct((1, 1, G, T), jnp.int32, sharding=bs),
             jax.ShapeDtypeStruct((1, 1, G, T), jnp.bool_, sharding=bs))

@@ -11,9 +11,10 @@ for a typo (``loss.corection`` -> ``loss.correction``).
 
 The package: :mod:`jax_rl.config.schema` (the sections and :class:`Config`) and
 :mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash, ``base.yaml``); everything is
-importable from ``jax_rl.config``. Importing it does not import jax (cheap for the CLI and tests);
-validating a config asks the correction registry (:meth:`jax_rl.correction.Correction.check`),
-which does. ``python -m jax_rl.config > configs/base.yaml`` regenerates the commented base file.
+importable from ``jax_rl.config``. Importing or validating it does not import jax (cheap for the CLI
+and tests). The package is a leaf of the import graph: what a correction mode allows with it is the
+registries' check, :func:`jax_rl.correction.check_config`. ``python -m jax_rl.config >
+configs/base.yaml`` regenerates the commented base file.
 """
 
 from jax_rl.config.loading import (_format_errors, _literal_choices, _section_fields, _suggest, _valid_keys,
@@ -21,7 +22,7 @@ from jax_rl.config.loading import (_format_errors, _literal_choices, _section_fi
                                    render_base_yaml, validate_config)
 from jax_rl.config.schema import *  # noqa: F401,F403 (the sections, Config, ConfigError, CONFIG_DIR)
 from jax_rl.config.schema import __all__ as _schema_all
-from jax_rl.config.schema import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, AsyncConfig, CheckpointConfig,
+from jax_rl.config.schema import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, AlgoConfig, AsyncConfig, CheckpointConfig,
                                   Config, ConfigError, EnvConfig, EvalConfig, LoggingConfig, LossConfig, MeshConfig,
                                   ModelConfig, MoEConfig, OldLogitsConfig, OptimConfig, PlacementConfig,
                                   RolloutConfig, RolloutMeshConfig, RunConfig, RuntimeConfig, SFTConfig)

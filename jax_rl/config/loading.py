@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from jax_rl.config.schema import CONFIG_DIR, Config, ConfigError
+from jax_rl.config.schema import CONFIG_DIR, Config, ConfigError, move_keys
 
 # --------------------------------------------------------------------------------------
 # Loading, overrides, errors
@@ -125,6 +125,10 @@ def _read_yaml(path: Path, _seen: Optional[set] = None, _what: str = "config fil
                           "file holding `base_config: tiny_cpu.yaml` (the CPU demo) and your changes")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:  # a moved key is read under its new name in the file that sets it, before the files merge
+        data = move_keys(data, source=str(path))
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     parent = data.pop("base_config", None)
     if parent is not None and (not isinstance(parent, str) or not parent.strip()):
         raise ConfigError(f"{path}: base_config={parent!r} must be a YAML file name (a string), "
@@ -176,6 +180,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     # `runtime=ray` sets runtime.kind even when the YAML has a runtime mapping
     if isinstance(delta.get("runtime"), str) and isinstance(data.get("runtime"), dict):
         delta["runtime"] = {"kind": delta["runtime"]}
+    try:
+        delta = move_keys(delta, source="override")
+    except ValueError as e:
+        raise ConfigError(f"overrides: {e}") from None
     return _deep_merge(data, delta)
 
 

@@ -1,13 +1,17 @@
 """The run configuration's schema: one pydantic v2 model per section (``model``, ``mesh``,
-``placement``, ``optim``, ``loss``, ``async``, ``rollout``, ``env``, ``runtime``, ``checkpoint``,
+``placement``, ``optim``, ``loss``, ``async``, ``algo``, ``rollout``, ``env``, ``runtime``, ``checkpoint``,
 ``eval``, ``run``, ``sft``, ``moe``, ``old_logits``, ``logging``) and :class:`Config`, their
-cross-section checks. Every section has ``extra="forbid"``. What a correction mode allows with it
-(``old_logits.measure_error``, an ``old_logits.route``) is asked of the registries
-(:meth:`jax_rl.correction.Correction.check`), which is the one place validation imports jax.
+cross-section checks. Every section has ``extra="forbid"``.
+
+The config is a leaf of the import graph: it imports no registry (``tests/test_structure.py``). What a
+correction mode allows with it (``old_logits.measure_error``, an ``old_logits.route``) is the registries'
+knowledge, checked by :func:`jax_rl.correction.check_config` where a run is built (the CLI's loader and
+:func:`jax_rl.correction.make_correction`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
@@ -16,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 BPE_CORPUS_DEMOS = 2000
 """Reference-solver demos (training seeds from ``env.train_seed_offset``) a ``model.tokenizer=bpe``
-is trained on (:func:`jax_rl.runtime.components.build_tokenizer`)."""
+is trained on (:func:`jax_rl.runtime.envs.build_tokenizer`)."""
 
 __all__ = [
     "ConfigError",
@@ -26,6 +30,7 @@ __all__ = [
     "OptimConfig",
     "LossConfig",
     "AsyncConfig",
+    "AlgoConfig",
     "RolloutConfig",
     "EnvConfig",
     "RuntimeConfig",
@@ -36,9 +41,54 @@ __all__ = [
     "OldLogitsConfig",
     "LoggingConfig",
     "CONFIG_DIR",
+    "MOVED_KEYS",
+    "move_keys",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+MOVED_KEYS: dict[str, str] = {
+    "old_logits.devices": "placement.scorer",
+    "rollout.group_size": "algo.group_size",
+    "rollout.advantage": "algo.advantage",
+    "rollout.advantage_std_normalize": "algo.advantage_std_normalize",
+    "rollout.temperature": "algo.temperature",
+}
+"""Old dotted key -> its new one. A config file or override that sets the old key still loads: the value
+is read as the new key and a one-line note names it (:func:`move_keys`)."""
+
+_log = logging.getLogger("jax_rl.config")
+_noted: set[str] = set()
+
+
+def move_keys(data: dict, source: str = "config") -> dict:
+    """``data`` (a raw, nested config dict) with every :data:`MOVED_KEYS` old key under its new name; logs one
+    note per old key and process.
+
+    Raises:
+        ValueError: the old and the new key both set, to different values.
+    """
+    out = dict(data)
+    for old, new in MOVED_KEYS.items():
+        osec, okey = old.split(".")
+        nsec, nkey = new.split(".")
+        sec = out.get(osec)
+        if not isinstance(sec, dict) or okey not in sec:
+            continue
+        sec = dict(sec)
+        val = sec.pop(okey)
+        out[osec] = sec
+        dst = dict(out.get(nsec) or {})
+        if nkey in dst and dst[nkey] != val:
+            raise ValueError(f"{old}={val!r} and {new}={dst[nkey]!r} disagree: {old} is the old name of {new}; "
+                             f"keep only {new}")
+        dst[nkey] = val
+        out[nsec] = dst
+        if old not in _noted:
+            _noted.add(old)
+            _log.warning("%s: %s is %s now; read as %s=%r", source, old, new, new, val)
+    return out
 
 
 class ConfigError(ValueError):
@@ -235,7 +285,7 @@ class PlacementConfig(_Section):
     scorer: Optional[int | list[int]] = None
     """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
     placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
-    shares the learner's mesh. Was old_logits.devices."""
+    shares the learner's mesh."""
 
     _devs = field_validator("learner", "rollout", "scorer", mode="after")(classmethod(
         lambda cls, v: _check_devices_spec(v)))
@@ -264,7 +314,7 @@ class OptimConfig(_Section):
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     """Global-norm gradient clipping threshold (null = no clipping; RL and SFT)."""
     batch_size: int = Field(32, ge=1)
-    """Trajectories per learner step (a multiple of ``rollout.group_size``)."""
+    """Trajectories per learner step (a multiple of ``algo.group_size``)."""
     microbatches: int = Field(1, ge=1)
     """Gradient accumulation: the batch is split into this many microbatches."""
     ppo_epochs: int = Field(1, ge=1)
@@ -389,6 +439,23 @@ class RolloutMeshConfig(_MeshAxes):
     """Engine expert-parallel axis (MoE experts; model.num_experts must divide by it)."""
 
 
+class AlgoConfig(_Section):
+    """The RL algorithm's knobs: the group, the advantage estimator and the policy's temperature (Tunix's
+    ``algo_config``: ``GRPOConfig.num_generations``; verl's ``algorithm.adv_estimator``,
+    ``algorithm.norm_adv_by_std_in_grpo``). The estimators are the registry in :mod:`jax_rl.advantages`."""
+
+    group_size: int = Field(8, ge=1)
+    """GRPO group: samples per task (Tunix ``num_generations``, AReaL ``group_size``)."""
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """Group advantage estimator (``jax_rl.advantages.REGISTRY``): grpo (reward minus the group mean, see
+    advantage_std_normalize) or rloo (leave-one-out baseline)."""
+    advantage_std_normalize: bool = True
+    """GRPO: divide by the group's reward std (verl ``norm_adv_by_std_in_grpo``)."""
+    temperature: float = Field(1.0, gt=0)
+    """The policy's temperature: the rollout engines sample at it and every learner and SFT log-prob applies
+    it, so pi and mu are the same distribution (rollout.top_k / rollout.top_p are reproduced the same way)."""
+
+
 class RolloutConfig(_Section):
     """Rollout engine, continuous batching and agent loop."""
 
@@ -431,11 +498,9 @@ class RolloutConfig(_Section):
     """Assistant turns per episode."""
     episode_timeout_s: Optional[float] = Field(600.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
     """Wall-clock budget per episode (seconds, at most 86400; null = no limit)."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the learner applies the same one to its log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling (1.0 = off; off by default in RL). The learner reproduces the truncation in
-    every log-prob forward (temperature, top-k, then top-p), so pi/mu is 1 when numerics agree;
+    every log-prob forward (algo.temperature, top-k, then top-p), so pi/mu is 1 when numerics agree;
     tokens outside its kept set are masked and counted (``masked_trunc_outside``). Costs the learner
     a sort over the vocabulary per position when top_k is 0."""
     top_k: int = Field(0, ge=0)
@@ -463,13 +528,6 @@ class RolloutConfig(_Section):
     """What happens to a sequence mid-generation when weights change: continue (keep its KV cache; later
     tokens carry the new version), recompute_kv (re-prefill it under the new weights), abort (drop the
     partial turn and re-issue it)."""
-    group_size: int = Field(8, ge=1)
-    """GRPO group: samples per task."""
-    advantage: Literal["grpo", "rloo"] = "grpo"
-    """Group advantage estimator: grpo (reward minus the group mean, see advantage_std_normalize) or rloo
-    (leave-one-out baseline)."""
-    advantage_std_normalize: bool = True
-    """GRPO: divide by the group's reward std."""
     render_tools: bool = True
     """Render the tool schemas in the system prompt (Qwen3 <tools> block). The byte-level CPU demo
     turns it off to keep prompts short; its env system prompt names the tool instead."""
@@ -718,6 +776,7 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
@@ -739,40 +798,23 @@ class Config(_Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        """``old_logits.devices`` (wave 2) is ``placement.scorer`` now: one mechanism places every role."""
-        if isinstance(data, dict) and isinstance(data.get("old_logits"), dict) and "devices" in data["old_logits"]:
-            data = dict(data)
-            ol = dict(data["old_logits"])
-            spec = ol.pop("devices")
-            data["old_logits"] = ol
-            pl = dict(data.get("placement") or {})
-            if spec is not None and pl.get("scorer") not in (None, spec):
-                raise ValueError(f"old_logits.devices={spec} and placement.scorer={pl['scorer']} disagree: "
-                                 "old_logits.devices is the old name of placement.scorer; keep only placement.scorer")
-            if spec is not None:
-                pl["scorer"] = spec
-                data["placement"] = pl
-        return data
+        """Keys that moved (:data:`MOVED_KEYS`) are read under their new name, with a note."""
+        return move_keys(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
         if self.resume_step is not None and not self.resume:
             raise ValueError(f"resume_step={self.resume_step} needs resume=true (--resume --step N)")
-        if self.optim.batch_size % self.rollout.group_size != 0:
+        if self.optim.batch_size % self.algo.group_size != 0:
             raise ValueError(
                 f"optim.batch_size={self.optim.batch_size} must be a multiple of "
-                f"rollout.group_size={self.rollout.group_size}"
+                f"algo.group_size={self.algo.group_size}"
             )
         if self.optim.batch_size % (self.optim.microbatches * self.optim.minibatches) != 0:
             raise ValueError(
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
-        # what a correction mode allows with it (measure_error, the old_logits.route and the route's own
-        # refusals) is the strategy's and the route's knowledge: ask them (jax_rl.correction registry)
-        from jax_rl.correction import REGISTRY
-
-        REGISTRY[self.loss.correction].check(self)
         pl = self.placement
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
@@ -790,10 +832,10 @@ class Config(_Section):
 
     def training_seed_uses(self) -> dict[str, int]:
         """How many task seeds from ``env.train_seed_offset`` up each part of a run uses at least:
-        ``rl`` = ``run.steps`` x groups per step (``optim.batch_size / rollout.group_size``; one
+        ``rl`` = ``run.steps`` x groups per step (``optim.batch_size / algo.group_size``; one
         seed per GRPO group, the producers hand them out in order), ``sft`` = ``sft.num_demos``
         (when ``sft.steps > 0``), ``bpe`` = the demos a ``model.tokenizer=bpe`` is trained on."""
-        uses = {"rl": int(self.run.steps) * (self.optim.batch_size // self.rollout.group_size)}
+        uses = {"rl": int(self.run.steps) * (self.optim.batch_size // self.algo.group_size)}
         if self.sft.steps > 0:
             uses["sft"] = int(self.sft.num_demos)
         if self.model.tokenizer == "bpe":
@@ -811,8 +853,8 @@ class Config(_Section):
             raise ValueError(f"env.train_seed_offset={lo} must be < eval.seed_offset={ev}: training seeds start at "
                              "env.train_seed_offset and held-out seeds at eval.seed_offset, so training would run "
                              "on the held-out tasks")
-        what = {"rl": f"run.steps={self.run.steps} x {self.optim.batch_size // self.rollout.group_size} groups per "
-                      "step (optim.batch_size / rollout.group_size)",
+        what = {"rl": f"run.steps={self.run.steps} x {self.optim.batch_size // self.algo.group_size} groups per "
+                      "step (optim.batch_size / algo.group_size)",
                 "sft": f"sft.num_demos={self.sft.num_demos}",
                 "bpe": f"the {BPE_CORPUS_DEMOS} demos model.tokenizer=bpe is trained on"}
         for use, n in self.training_seed_uses().items():

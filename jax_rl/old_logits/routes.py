@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
-if TYPE_CHECKING:  # annotations only: config imports this module to validate, never the reverse
+if TYPE_CHECKING:  # annotations only
     from jax_rl.config import Config
     from jax_rl.old_logits.retire import RetiringScorer
     from jax_rl.old_logits.scorer import OldLogitScorer

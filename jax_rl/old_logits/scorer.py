@@ -45,7 +45,7 @@ class OldLogitScorer:
     holds ``{version: params}`` on its devices (:meth:`put` / :meth:`drop`, at most ``keep``, the
     oldest evicted first) and scores tokens exactly as :func:`snapshot_logprobs` does: the same
     jitted forward (:func:`jax_rl.train_step.make_logprob_step`: fp32 master params, the model's
-    compute dtype, ``rollout.temperature``, the sampler's ``rollout.top_k`` / ``top_p``
+    compute dtype, ``algo.temperature``, the sampler's ``rollout.top_k`` / ``top_p``
     truncation reproduced), one forward per version present (:func:`logprobs_by_version`), each
     token keeping its own version's log-prob.
 

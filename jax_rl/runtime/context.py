@@ -27,7 +27,12 @@ import numpy as np
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError, dump_config
-from jax_rl.runtime import components as C
+from jax_rl.model_builder import build_model_config
+from jax_rl.runtime import engines
+from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
+from jax_rl.runtime.resources import check_kv_cache, check_mesh
+from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
+from jax_rl.sft import pad_examples, sft_examples
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -43,13 +48,13 @@ TIMING_KEYS = ("wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens
 
 def start_of_run_lines(cfg: Config, tokenizer, env_factory) -> list[str]:
     """The lines a train run prints before it starts (both runtimes call this, and only this):
-    the rollout preflight warnings (:func:`~jax_rl.runtime.components.rollout_preflight`, logged
+    the rollout preflight warnings (:func:`~jax_rl.runtime.envs.rollout_preflight`, logged
     once each). Returns them.
 
     Raises:
         ConfigError: no sampled prompt fits ``rollout.max_cache_len``.
     """
-    return C.rollout_preflight(cfg, tokenizer, env_factory)
+    return rollout_preflight(cfg, tokenizer, env_factory)
 
 
 class StopFlag:
@@ -100,17 +105,17 @@ class RunContext:
     def __init__(self, cfg: Config, *, create_dir: bool = True, preflight: bool = False):
         self.cfg = cfg
         self.t0 = time.perf_counter()
-        self.run_dir = C.resolve_run_dir(cfg, create=False)
+        self.run_dir = resolve_run_dir(cfg, create=False)
         _, self.ckpt_dir, _ = resolve_checkpoint_dir(cfg)
-        self.env_factory = C.build_env_factory(cfg)
-        self.tokenizer = C.build_tokenizer(cfg, self.env_factory)
-        self.model_config = C.build_model_config(cfg, self.tokenizer)
+        self.env_factory = build_env_factory(cfg)
+        self.tokenizer = build_tokenizer(cfg, self.env_factory)
+        self.model_config = build_model_config(cfg, self.tokenizer)
         from jax_rl.learner import Learner, initialize_distributed
 
         initialize_distributed(cfg.runtime)  # before anything asks jax about devices
         _check_processes(cfg)
-        C.check_mesh(cfg)
-        self.kv_cache_bytes = C.check_kv_cache(cfg, self.model_config)
+        check_mesh(cfg)
+        self.kv_cache_bytes = check_kv_cache(cfg, self.model_config)
         self.warnings = start_of_run_lines(cfg, self.tokenizer, self.env_factory) if preflight else []
 
         mesh, init_params = None, None
@@ -118,7 +123,7 @@ class RunContext:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
         # env.tau2.user=model: the user simulator's frozen model, served beside the policy (else None)
-        self._user_gen = C.start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
+        self._user_gen = start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
                                                  self.learner, load_params=_load_hf_params)
         if preflight and is_primary():  # a train run: say what the correction mode costs, once
             print(self.learner.describe(), flush=True)
@@ -174,8 +179,8 @@ class RunContext:
     def materialize(self) -> None:
         """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
         only once every check (config, restore, compatibility) has passed; with ``run.overwrite``
-        the earlier run in the dir is deleted first (:func:`~jax_rl.runtime.components.delete_earlier_run`)."""
-        C.delete_earlier_run(self.cfg, self.run_dir, primary=is_primary())
+        the earlier run in the dir is deleted first (:func:`~jax_rl.runtime.run_dir.delete_earlier_run`)."""
+        delete_earlier_run(self.cfg, self.run_dir, primary=is_primary())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if is_primary():
             if self.cfg.model.tokenizer == "bpe" and not (self.run_dir / "tokenizer.json").is_file():
@@ -210,7 +215,7 @@ class RunContext:
         if steps <= 0:
             return {}
         t = time.perf_counter()
-        demos = C.sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
+        demos = sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
         rng = np.random.default_rng(cfg.run.seed)
         last: dict = {}
         from jax_rl.console import TrainProgress
@@ -218,7 +223,7 @@ class RunContext:
         with TrainProgress(steps, enabled=progress and cfg.logging.progress, description="SFT") as bar:
             for s in range(steps):
                 idx = rng.choice(len(demos), size=cfg.sft.batch_size, replace=len(demos) < cfg.sft.batch_size)
-                batch = C.pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
+                batch = pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
                 last = self.learner.sft_step(batch)
                 bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
                 if s % 10 == 0 or s == steps - 1:
@@ -253,7 +258,7 @@ class RunContext:
         t = time.perf_counter()
         if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
             if self._eval_gen is None:
-                gens, self._eval_sync, keys = C.synced_generators(
+                gens, self._eval_sync, keys = engines.synced_generators(
                     cfg, self.model_config, self.learner, [None], self.learner.version,
                     temperature=cfg.eval.temperature, eval_only=True)
                 self._eval_gen, self._eval_key = gens[0], keys[0]
@@ -261,7 +266,7 @@ class RunContext:
                 placed = self._eval_sync.push(self.learner.params, self.learner.version)
                 self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
         elif self._eval_gen is None:
-            self._eval_gen = C.build_generator(cfg, self.model_config, self.learner.rollout_params(),
+            self._eval_gen = engines.build_generator(cfg, self.model_config, self.learner.rollout_params(),
                                                self.learner.version, temperature=cfg.eval.temperature)
         else:
             self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
@@ -322,9 +327,9 @@ def _check_processes(cfg: Config) -> None:
     import jax
 
     n = jax.process_count()
-    groups = cfg.optim.batch_size // cfg.rollout.group_size
+    groups = cfg.optim.batch_size // cfg.algo.group_size
     if n > 1 and groups % n:
-        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / rollout.group_size={cfg.rollout.group_size} = "
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / algo.group_size={cfg.algo.group_size} = "
                           f"{groups} groups per step do not split over the {n} processes (each generates an equal "
                           "share): make the group count a multiple of runtime.num_processes")
     if n > 1 and cfg.runtime.kind != "embedded":

@@ -35,7 +35,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     import numpy as np
 
     from jax_rl.model_builder import layers_stacked, learner_model_kwargs
-    from jax_rl.runtime import components as C
+    from jax_rl.runtime.resources import kv_cache_bytes
     from jax_rl.runtime.context import RunContext
 
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
             "params": n_params,
             "param_bytes": int(sum(x.size * x.dtype.itemsize for x in leaves)),
             "kv_cache_bytes": int(tr.kv_cache_bytes),
-            "kv_cache_bytes_per_engine": C.kv_cache_bytes(cfg, tr.model_config),
+            "kv_cache_bytes_per_engine": kv_cache_bytes(cfg, tr.model_config),
             "rollout_engines": cfg.rollout.threads + 1,
             "batch_shape": [B, T],
             "batch_layout": [U, m, r, T],

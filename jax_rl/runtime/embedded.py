@@ -41,9 +41,10 @@ from typing import Callable, Optional
 
 import jax
 
+from jax_rl.batch import local_groups_per_step
 from jax_rl.config import Config
-from jax_rl.runtime import components as C
-from jax_rl.runtime.components import EpisodeGuard
+from jax_rl.runtime import engines
+from jax_rl.runtime.loop import EpisodeGuard
 from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
@@ -129,7 +130,7 @@ class RolloutManager:
 
     # --------------------------------------------------------------- threads
     def start(self) -> None:
-        per_gen = math.ceil(self.cfg.rollout.slots / self.cfg.rollout.group_size) + 1
+        per_gen = math.ceil(self.cfg.rollout.slots / self.cfg.algo.group_size) + 1
         self.t_start = time.perf_counter()  # rollout_tokens_per_s / rollout_idle_frac count from here
         for gi, agent in enumerate(self.agents):
             for j in range(per_gen):
@@ -174,7 +175,7 @@ class RolloutManager:
                 with self._lock:
                     self._in_flight.pop(gid, None)
                 self.buffer.cancel(1)
-                self.guard.record_error(self.cfg.rollout.group_size, f"group {gid}: {e!r}")
+                self.guard.record_error(self.cfg.algo.group_size, f"group {gid}: {e!r}")
                 continue
             if self._stop.is_set():
                 # stopping: keep the group for re-issue after resume instead of a half-consumed state
@@ -292,8 +293,8 @@ class EmbeddedProducer:
         self.cfg = cfg
         strategy = ctx.learner.strategy
         self.route = strategy.route  # loss.correction=exact: the old_logits.route asked below, else None
-        self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
-                                       groups_per_step=C.local_groups_per_step(cfg),
+        self.buffer = TrajectoryBuffer(cfg.algo.group_size, cfg.async_.max_staleness,
+                                       groups_per_step=local_groups_per_step(cfg),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=strategy.scores_before_buffer)
         self.sync = None  # multi-process: the shard-by-shard weight sync (jax_rl.weight_sync)
@@ -322,14 +323,14 @@ class EmbeddedProducer:
                 raise ValueError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
                                  "rollout engine: every process generates its share of each step; give every host "
                                  "whole engines")
-            self.generators, self.sync, self._sync_keys = C.synced_generators(
+            self.generators, self.sync, self._sync_keys = engines.synced_generators(
                 cfg, ctx.model_config, ctx.learner, list(mine), ctx.learner.version, roles=roles)
         else:
-            self.generators = [C.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i,
+            self.generators = [engines.build_generator(cfg, ctx.model_config, params, ctx.learner.version, engine=i,
                                                  roles=roles) for i in mine]
         # a retiring route: the agents keep every unscored episode (finished or partial) for the retires
         track = self.route is not None and self.route.track_unscored
-        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, track=track)
+        agents = [AgentLoop(g, ctx.tokenizer, ctx.env_factory, cfg.rollout, group_size=cfg.algo.group_size, track=track)
                   for g in self.generators]
         if self.scorer is not None:
             def release(keys):
@@ -337,7 +338,7 @@ class EmbeddedProducer:
                     a.release(keys)
 
             self.retirer = self.route.make_retirer(self.scorer, lambda: [p for a in agents for p in a.unscored_prefixes()],
-                                                   release, rows_per_forward=cfg.rollout.group_size)
+                                                   release, rows_per_forward=cfg.algo.group_size)
         self._published = int(ctx.learner.version)
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         prod = meta.get("producer", {})

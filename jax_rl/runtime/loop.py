@@ -30,20 +30,21 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from jax_rl import batch as B
 from jax_rl.config import Config
-from jax_rl.runtime import components as C
 from jax_rl.runtime.context import StopFlag, json_safe, signal_exit_code
 
 log = logging.getLogger("jax_rl.runtime")
 
 __all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns",
-           "WeightSyncClock"]
+           "step_row", "tau2_episode_stats", "WeightSyncClock"]
 
 
 class Producer(Protocol):
@@ -117,7 +118,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
     import jax
 
     nproc = jax.process_count()
-    n_groups = C.local_groups_per_step(cfg)  # this process's share
+    n_groups = B.local_groups_per_step(cfg)  # this process's share
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
@@ -141,14 +142,14 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
-                groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
+                groups, trajs, batch = B.learner_batch(cfg, groups, pad_id)
                 v_train = version
                 # multi-process: each process trains its own groups' rows, the learner the union
                 metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
                 version = learner.version
                 t_pub = time.perf_counter()
                 producer.publish(version)
-                row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
+                row = step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
                 if nproc > 1:
                     row["process_count"] = nproc  # the rollout columns of this row are process 0's share
                 row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
@@ -269,3 +270,117 @@ class WeightSyncClock:
         """``weight_sync_s_total``, ``weight_sync_cast_s_total`` (seconds) and ``weight_syncs`` (publishes)."""
         return {"weight_sync_s_total": self.total_s, "weight_sync_cast_s_total": self.cast_total_s,
                 "weight_syncs": self.count}
+
+
+def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, groups, trajs,
+             version_trained: int) -> dict:
+    """The ``metrics.jsonl`` fields every runtime writes for one learner step.
+
+    ``staleness_mean`` / ``staleness_max`` (versions) come from the learner's metrics; they are
+    computed here from ``batch["versions"]`` against ``version_trained`` only when missing.
+    """
+    row = dict(metrics)
+    row["padded_rows"] = int(batch["tokens"].shape[0]) - len(trajs)
+    v = batch["versions"]
+    m = batch["loss_mask"] & (v >= 0)
+    s = (version_trained - v)[m]
+    row.setdefault("staleness_mean", float(s.mean()) if s.size else 0.0)
+    row.setdefault("staleness_max", int(s.max()) if s.size else 0)
+    rewards = np.asarray([t.reward for t in trajs], np.float32)
+    row.update({
+        "step": step,
+        "version": version,
+        "group_ids": [int(g[0].group_id) for g in groups],
+        "reward_mean": float(rewards.mean()),
+        "success_rate": float((rewards >= 1.0 - 1e-6).mean()),
+        "episode_len_mean": float(np.mean([len(t) for t in trajs])),
+        # the engines' prefill work for these trajectories (re-prefills included; a GRPO group's shared
+        # prompt counted once) against their own lengths: ~turns/2 when every turn re-prefills
+        "prefill_tokens": int(sum(int(t.info.get("prefill_tokens", 0)) for t in trajs)),
+        "episode_tokens": int(sum(len(t) for t in trajs)),
+        "prefix_cache_hits": int(sum(int(t.info.get("prefix_hits", 0)) for t in trajs)),
+        "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+    })
+    if cfg.env.name == "tau2":  # the agentic workload's shape: per-episode means over the batch
+        row.update(tau2_episode_stats(trajs))
+    return row
+
+
+def tau2_episode_stats(trajs) -> dict:
+    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
+    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
+    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
+    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
+    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
+    infos = [t.info or {} for t in trajs]
+
+    def mean(f) -> float:
+        return float(np.mean([f(i) for i in infos])) if infos else 0.0
+
+    return {
+        "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
+        "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
+        "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
+        "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
+        "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
+        "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
+        "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
+        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
+        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
+    }
+
+
+class EpisodeGuard:
+    """Counts unusable episodes for a runtime and decides when a rollout is failing systematically.
+
+    An episode is unusable when it failed (an env/tool exception, ``info["failed"]``; or its group's
+    loop raised) or its prompt did not fit (``info["overlong"]``). Each is dropped and counted and the
+    run goes on; ``rollout.max_consecutive_episode_errors`` of them in a row (no usable episode in
+    between) set :attr:`fatal`, the message the runtime stops with. Thread-safe.
+
+    Attributes:
+        episode_errors: failed episodes so far (overlong ones are counted by the buffer).
+        consecutive: unusable episodes since the last usable one.
+        fatal: None, or the reason to stop.
+    """
+
+    def __init__(self, limit: int, episode_errors: int = 0):
+        self.limit = int(limit)
+        self.episode_errors = int(episode_errors)
+        self.consecutive = 0
+        self.last: str = ""
+        self.fatal: Optional[str] = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _info(t: Any) -> dict:
+        return (t.get("info") if isinstance(t, dict) else getattr(t, "info", None)) or {}
+
+    def record(self, trajectories: Sequence[Any]) -> None:
+        """Account one finished group (Trajectory objects or their ``to_dict()``)."""
+        with self._lock:
+            for t in trajectories:
+                info = self._info(t)
+                if info.get("failed"):
+                    self.episode_errors += 1
+                    self.consecutive += 1
+                    self.last = f"episode failed: {info.get('fail_reason', '?')}"
+                elif info.get("overlong"):
+                    self.consecutive += 1
+                    self.last = f"over-long: {info.get('drop_reason', info.get('overlong'))}"
+                else:
+                    self.consecutive = 0
+            self._check()
+
+    def record_error(self, n_episodes: int, message: str) -> None:
+        """Account ``n_episodes`` lost to an exception outside an episode (a group's loop)."""
+        with self._lock:
+            self.episode_errors += int(n_episodes)
+            self.consecutive += int(n_episodes)
+            self.last = message
+            self._check()
+
+    def _check(self) -> None:
+        if self.limit and self.fatal is None and self.consecutive >= self.limit:
+            self.fatal = (f"rollout failed: {self.consecutive} episodes in a row were unusable (env/tool errors or "
+                          f"over-long prompts; rollout.max_consecutive_episode_errors={self.limit}); last: {self.last}")

@@ -284,13 +284,13 @@ def _actors():
             pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
             from jax_rl.config import Config
             from jax_rl.models.qwen3 import Qwen3Config
-            from jax_rl.runtime import components as C
+            from jax_rl.runtime.envs import build_env_factory, build_tokenizer
             from rollout.agent import AgentLoop
 
             self.cfg = Config.model_validate(cfg_dict)
             self.mc = Qwen3Config.from_hf(model_config_hf)
-            self.tok = C.build_tokenizer(self.cfg)
-            self.env_factory = C.build_env_factory(self.cfg)
+            self.tok = build_tokenizer(self.cfg)
+            self.env_factory = build_env_factory(self.cfg)
             self.gen = None
             self.agent_cls = AgentLoop
             self.agent = None
@@ -312,11 +312,12 @@ def _actors():
         def set_params(self, params, version: int) -> float:
             """Build the generator (first call) or swap its weights; returns the seconds of the
             swap's cast/reshard (``Generator.update_params``; 0.0 for the first build)."""
-            from jax_rl.runtime import components as C
+            from jax_rl.runtime import engines
 
             if self.gen is None:
-                self.gen = C.build_generator(self.cfg, self.mc, params, version)
-                self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout)
+                self.gen = engines.build_generator(self.cfg, self.mc, params, version)
+                self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
+                                              group_size=self.cfg.algo.group_size)
                 return 0.0
             return float(self.gen.update_params(params, version))
 
@@ -489,7 +490,7 @@ class RayProducer:
                  actor_classes: tuple):
         import ray
 
-        from jax_rl.runtime.components import EpisodeGuard
+        from jax_rl.runtime.loop import EpisodeGuard
 
         self._ray = ray
         meta = meta or {}
@@ -500,8 +501,8 @@ class RayProducer:
         self._worker_cls, buffer_cls = actor_classes
         self.counters = {"reissued_groups": 0, "worker_restarts": 0, "duplicate_groups": 0}
         self.counters.update({k: int(v) for k, v in (meta.get("ray_counters") or {}).items() if k in self.counters})
-        n_groups = cfg.optim.batch_size // cfg.rollout.group_size
-        self.buffer = buffer_cls.remote(cfg.rollout.group_size, cfg.async_.max_staleness, n_groups,
+        n_groups = cfg.optim.batch_size // cfg.algo.group_size
+        self.buffer = buffer_cls.remote(cfg.algo.group_size, cfg.async_.max_staleness, n_groups,
                                         meta.get("buffer"), cfg.optim.max_seq_len)
         prod = meta.get("producer") or {}
         self.next_gid = int(prod.get("next_group", 0))
@@ -513,7 +514,7 @@ class RayProducer:
         # groups a worker holds at once: its slots' worth plus one step's batch, so that it keeps
         # decoding while the driver is blocked in a learner step (groups are dispatched only between
         # steps); admission (async.max_staleness) bounds them all the same
-        self.per_worker = max(1, cfg.rollout.slots // cfg.rollout.group_size) + n_groups
+        self.per_worker = max(1, cfg.rollout.slots // cfg.algo.group_size) + n_groups
         self.workers: list = []
         self.version = 0
         self.params_ref = None
@@ -675,7 +676,7 @@ class RayProducer:
                 log.warning("group %d failed on rollout worker %d: %r", gid, wi, e)
                 self.in_flight.pop(ref)
                 ray.get(self.buffer.cancel.remote(1))
-                self.guard.record_error(self.cfg.rollout.group_size, f"group {gid}: {type(e).__name__}")
+                self.guard.record_error(self.cfg.algo.group_size, f"group {gid}: {type(e).__name__}")
                 continue
             self.in_flight.pop(ref)
             if gid in self.done_gids:
@@ -700,9 +701,11 @@ def run_train_ray(cfg: Config) -> int:
 
     from jax_rl.checkpoint import resolve_checkpoint_dir
     from jax_rl.metrics import MetricsWriter
-    from jax_rl.runtime import components as C
+    from jax_rl.model_builder import build_model_config
     from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
+    from jax_rl.runtime.envs import build_env_factory, build_tokenizer
     from jax_rl.runtime.loop import run_rl, sft_line
+    from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 
     t0 = time.perf_counter()
     if cfg.rollout.threads != 1:
@@ -712,14 +715,14 @@ def run_train_ray(cfg: Config) -> int:
     check_ray_endpoints(cfg.runtime)  # an address that does not answer: one line, before anything exists
     # the actors build these again; building them here first refuses a bad env, tokenizer or
     # checkpoint (and a config where no prompt fits) in one line before the run dir and Ray exist
-    env_factory = C.build_env_factory(cfg)
-    tokenizer = C.build_tokenizer(cfg, env_factory)
-    C.build_model_config(cfg, tokenizer)
+    env_factory = build_env_factory(cfg)
+    tokenizer = build_tokenizer(cfg, env_factory)
+    build_model_config(cfg, tokenizer)
     start_of_run_lines(cfg, tokenizer, env_factory)
     if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
         init_ray(None, runtime=cfg.runtime)
-    C.delete_earlier_run(cfg, C.resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
-    run_dir = C.resolve_run_dir(cfg)
+    delete_earlier_run(cfg, resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
+    run_dir = resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
     stop = StopFlag()

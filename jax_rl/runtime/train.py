@@ -35,7 +35,8 @@ import sys
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError
-from jax_rl.runtime import components as C
+from jax_rl.model_builder import adopt_checkpoint_layer_layout
+from jax_rl.runtime.run_dir import resolve_run_dir
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, json_safe,
                                     raise_if_disk_full, resume_rl_step)
 from jax_rl.runtime.loop import run_rl, sft_line
@@ -60,7 +61,7 @@ def run_train(cfg: Config) -> int:
         naming the run dir and the bytes needed; the last good checkpoint is intact).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    C.resolve_run_dir(cfg, create=False, check_fresh=True)
+    resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray
 
@@ -109,7 +110,7 @@ def run_sft(cfg: Config) -> int:
     logging.basicConfig(level=logging.WARNING)
     if cfg.sft.steps <= 0:
         raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
-    C.resolve_run_dir(cfg, create=False, check_fresh=True)
+    resolve_run_dir(cfg, create=False, check_fresh=True)
     ctx = RunContext(cfg, create_dir=False)
     ctx.materialize()
     ctx.open_writer()
@@ -156,7 +157,7 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
                 setattr(cfg, sec, getattr(run_cfg, sec))
         if cfg.model.tokenizer == "bpe" and (ckpt.parent / "tokenizer.json").is_file():
             cfg.model.tokenizer = str(ckpt.parent / "tokenizer.json")
-    note = C.adopt_checkpoint_layer_layout(cfg, ckpt, step)  # either layout evaluates the same
+    note = adopt_checkpoint_layer_layout(cfg, ckpt, step)  # either layout evaluates the same
     if note:
         log.warning("eval: %s", note)
     cfg.run.dir = str(ckpt.parent)

@@ -9,12 +9,13 @@ from jax_rl.config import Config
 
 def make_cfg(correction: str = "ppo", preset: str = "tiny_dense", *, B: int = 8, T: int = 16, mesh=None,
              hf=None, **sections) -> Config:
-    """A validated Config for tiny learner runs (rollout.group_size 4, max_seq_len 32)."""
+    """A validated Config for tiny learner runs (algo.group_size 4, max_seq_len 32)."""
     d = {
         "model": {"preset": preset, "hf_overrides": dict(hf or {})},
         "loss": {"correction": correction},
         "optim": {"batch_size": B, "max_seq_len": 32, "lr": 1e-3},
-        "rollout": {"group_size": 4, "max_cache_len": 32},
+        "algo": {"group_size": 4},
+        "rollout": {"max_cache_len": 32},
         "mesh": dict(mesh or {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}),
         "run": {"steps": 10},
     }

@@ -147,9 +147,9 @@ def test_short_group_is_padded_to_the_batch_size_and_trains(devices):
     63-row batch that optim.minibatches=4 could not split (BatchError: the run died). The
     learner batch is padded to optim.batch_size with inert rows: no loss token, finite step,
     the same loss tokens as the short batch, and padded_rows counted in the step row."""
-    from jax_rl.batch import pad_rows
+    from jax_rl.batch import learner_batch, pad_rows
     from jax_rl.learner import Learner
-    from jax_rl.runtime.components import learner_batch, step_row
+    from jax_rl.runtime.loop import step_row
     from rollout.types import Trajectory
 
     from ._util import init_params, make_cfg

@@ -226,6 +226,7 @@ def test_learner_runs_no_old_logit_forward(devices):
 
 
 def test_config_checks(devices):
+    from jax_rl.correction import check_config
     from jax_rl.placement import resolve_roles
 
     base = ["loss.correction=exact", "old_logits.route=dedicated"]
@@ -237,8 +238,8 @@ def test_config_checks(devices):
                       (["placement.scorer=[1,1]"], "distinct ids"),
                       (["old_logits.route=snapshot", "placement.scorer=2"], "read by old_logits.route=dedicated only")]:
         with pytest.raises(ConfigError, match=msg):
-            load_config(None, base + over)
-    from jax_rl.runtime.components import check_mesh
+            check_config(load_config(None, base + over))
+    from jax_rl.runtime.resources import check_mesh
 
     assert check_mesh(load_config(None, base + ["placement.scorer=2"])) == {"data": 1, "fsdp": 6, "tensor": 1,
                                                                            "expert": 1}

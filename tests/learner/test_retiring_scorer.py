@@ -291,7 +291,7 @@ def test_agent_tracks_partial_and_finished_episodes():
 
     tok = compact_tokenizer()
     cfg = RolloutConfig(max_turns=1, max_new_tokens_per_turn=8, max_tokens_per_episode=8, max_cache_len=4096,
-                        episode_timeout_s=30.0, group_size=1, slots=1)
+                        episode_timeout_s=30.0, slots=1)
     gen = _PendingGen()
     agent = AgentLoop(gen, tok, CalculatorEnv, cfg, track=True)
     fut = agent.submit_episode(7, group_id=3, sample_idx=0)
@@ -335,7 +335,7 @@ def test_agent_prefix_routes_align_with_the_trajectory():
 
     tok = compact_tokenizer()
     cfg = RolloutConfig(max_turns=1, max_new_tokens_per_turn=8, max_tokens_per_episode=8, max_cache_len=4096,
-                        episode_timeout_s=30.0, group_size=1, slots=1)
+                        episode_timeout_s=30.0, slots=1)
     gen = _PendingGen()
     agent = AgentLoop(gen, tok, CalculatorEnv, cfg, track=True)
     fut = agent.submit_episode(7, group_id=1, sample_idx=0)
@@ -383,15 +383,15 @@ def test_retire_refuses_prefixes_without_routes_under_r3():
 
 def test_config_accepts_new_routes_and_refuses_ray():
     from jax_rl.config import ConfigError
+    from jax_rl.correction import check_config
 
     for route in ("interrupt", "retire"):
-        cfg = load_config(None, ["loss.correction=exact", f"old_logits.route={route}"])
+        cfg = check_config(load_config(None, ["loss.correction=exact", f"old_logits.route={route}"]))
         assert cfg.old_logits.route == route
-        with pytest.raises((ConfigError, ValueError), match=f"old_logits.route={route} is implemented for "
-                                                            "runtime=embedded only"):
-            load_config(None, ["loss.correction=exact", f"old_logits.route={route}", "runtime=ray"])
-        with pytest.raises((ConfigError, ValueError), match="serves loss.correction=exact only"):
-            load_config(None, [f"old_logits.route={route}"])
+        with pytest.raises(ConfigError, match=f"old_logits.route={route} is implemented for runtime=embedded only"):
+            check_config(load_config(None, ["loss.correction=exact", f"old_logits.route={route}", "runtime=ray"]))
+        with pytest.raises(ConfigError, match="serves loss.correction=exact only"):
+            check_config(load_config(None, [f"old_logits.route={route}"]))
     lrn_cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "retire"})
     from jax_rl.correction import make_correction
     from jax_rl.old_logits.routes import Retire

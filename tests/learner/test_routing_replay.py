@@ -186,7 +186,7 @@ def test_r3_forward_equals_router_bypass(scan):
     b = _batch(trajs)
     forced = L.logprobs(b)
     ref = sequence_logprobs(L.model(), jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"]),
-                              temperature=L.cfg.rollout.temperature,
+                              temperature=L.cfg.algo.temperature,
                               forced_expert_ids=q.unstack_routes(jnp.asarray(b["routes"])))
     np.testing.assert_allclose(forced, np.asarray(ref), rtol=0, atol=1e-6)
     free = L.logprobs({k: v for k, v in b.items() if k != "routes"})

@@ -217,3 +217,24 @@ class AdvantagesTest(chex.TestCase):
         np.testing.assert_array_equal(out, [[0, 2, 2], [0, 0, 0], [-1, 0, -1]])
         with pytest.raises(ValueError, match="adv must be"):
             broadcast_advantages(np.zeros(2), mask)
+
+
+def test_advantage_registry_dispatches_by_algo_advantage():
+    """``compute_advantages`` asks the registry: grpo honours ``advantage_std_normalize``, rloo is the
+    leave-one-out baseline, an unregistered name is one line naming ``algo.advantage``."""
+    from types import SimpleNamespace
+
+    from jax_rl.advantages import REGISTRY, compute_advantages
+
+    r = jnp.array([1.0, 0.0, 0.0, 3.0])
+    g = jnp.array([7, 7, 7, 7])
+    algo = SimpleNamespace(advantage="grpo", advantage_std_normalize=False)
+    np.testing.assert_allclose(compute_advantages(algo, r, g), r - 1.0)  # centred only: mean 1
+    algo.advantage_std_normalize = True
+    np.testing.assert_allclose(compute_advantages(algo, r, g), grpo_advantages(r, g))
+    algo.advantage = "rloo"
+    np.testing.assert_allclose(compute_advantages(algo, r, g), [1 - 1, 0 - 4 / 3, 0 - 4 / 3, 3 - 1 / 3], rtol=1e-6)
+    assert set(REGISTRY) == {"grpo", "rloo"}
+    algo.advantage = "gae"
+    with pytest.raises(ValueError, match="unknown algo.advantage 'gae'"):
+        compute_advantages(algo, r, g)

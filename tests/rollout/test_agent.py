@@ -18,7 +18,7 @@ from rollout.types import Completion, Trajectory
 
 TOK = compact_tokenizer()
 CFG = RolloutConfig(max_turns=5, max_new_tokens_per_turn=512, max_tokens_per_episode=2048, max_cache_len=8192,
-                    episode_timeout_s=30.0, group_size=2, slots=4)
+                    episode_timeout_s=30.0, slots=4)
 
 
 class ScriptedGenerator:
@@ -327,8 +327,7 @@ def test_retail_malformed_unknown_and_rule_violation():
 def test_groups_run_concurrently_with_tool_latency():
     kw = {"tool_latency_s": 0.02, "tool_latency_dist": "lognormal"}
     gen = ScriptedGenerator(reference_script("retail", **kw))
-    cfg = CFG.model_copy(update={"group_size": 3})
-    loop = AgentLoop(gen, TOK, lambda: RetailEnv(**kw), cfg, max_workers=12)
+    loop = AgentLoop(gen, TOK, lambda: RetailEnv(**kw), CFG, group_size=3, max_workers=12)
     groups = loop.run_groups([0, 1, 2, 3], first_group_id=10)
     loop.close()
     assert [len(g) for g in groups] == [3, 3, 3, 3]

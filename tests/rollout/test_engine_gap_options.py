@@ -140,7 +140,7 @@ def test_moe_engine_router_dtype_and_capacity(moe):
 def test_config_keys_reach_the_engine_and_bad_combinations_name_the_key():
     from jax_rl.config import ConfigError, load_config
     from jax_rl.model_builder import rollout_model_kwargs
-    from jax_rl.runtime.components import build_model_config
+    from jax_rl.model_builder import build_model_config
 
     base = load_config("configs/tiny_moe_cpu.yaml")
     assert "moe_router_dtype" not in rollout_model_kwargs(base)  # unset: the learner's routing

@@ -362,7 +362,7 @@ def test_r3_exact_for_every_turn_with_kept_kv():
 
 def test_step_row_counts_prefill_and_episode_tokens():
     from jax_rl.config import Config
-    from jax_rl.runtime.components import step_row
+    from jax_rl.runtime.loop import step_row
     from rollout.types import Trajectory
 
     def traj(n, gen, info):

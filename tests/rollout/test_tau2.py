@@ -283,7 +283,7 @@ def test_agent_loop_counts_bad_calls_and_user_turns_are_not_trained():
     ]
     gen = _Gen(tok, agent_turns)
     cfg = RolloutConfig(max_turns=10, max_new_tokens_per_turn=512, max_tokens_per_episode=4096, max_cache_len=16384,
-                        episode_timeout_s=60.0, group_size=1, slots=1)
+                        episode_timeout_s=60.0, slots=1)
     factory = lambda: _env("mock", user="model", user_simulator=ScriptedUser(["yes"]))  # noqa: E731
     with AgentLoop(gen, tok, factory, cfg) as loop:
         traj = loop.run_episode(seed)
@@ -375,13 +375,13 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     from jax_rl.config import load_config
     from jax_rl.config.schema import ConfigError
     from jax_rl.models.tokenizer import compact_tokenizer
-    from jax_rl.runtime import components as C
+    from jax_rl.runtime.envs import Tau2UserModel, build_env_factory
     from rollout.envs.tau2 import ModelUser
 
     # the compact (byte) tokenizer below: tau²'s user prompt is ~1.8k tokens, so a cache that holds it
     cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "rollout.max_cache_len=4096",
                                                             "rollout.max_prefill_length=4096", "optim.max_seq_len=4096"])
-    factory = C.build_env_factory(cfg)
+    factory = build_env_factory(cfg)
     handle = factory.user_model
     env = factory()
     msgs, _ = env.reset(0)
@@ -393,15 +393,15 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     assert isinstance(env.user, ModelUser)
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "I need the Important Meeting task." and gen.n == 1
-    tight = C.Tau2UserModel(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"]))
+    tight = Tau2UserModel(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model"]))
     tight.bind(gen, tok)
     assert tight().max_context == 1536  # bounded by the engine's rollout.max_cache_len
-    env = C.build_env_factory(cfg, user_simulator_factory=tight)()
+    env = build_env_factory(cfg, user_simulator_factory=tight)()
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "###STOP###" and gen.n == 1  # a prompt over it: a user stop, no request
     assert env.user_reply("Hello?") is None and env.termination.value == "user_stop"
     with pytest.raises(ConfigError, match="runtime=embedded"):
-        C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+        build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
 
 
 @pytest.mark.slow
@@ -419,7 +419,7 @@ def test_two_step_train_with_the_served_user_model(tmp_path):
 
 
 def test_tau2_episode_stats_are_means_of_the_episode_info():
-    from jax_rl.runtime.components import tau2_episode_stats
+    from jax_rl.runtime.loop import tau2_episode_stats
     from rollout.types import Trajectory
 
     def traj(**info):

@@ -89,7 +89,7 @@ def test_train_step_on_engine_samples_keeps_the_tokens(mode, devices):
     from jax_rl.losses import train_infer_factor
     from tests.learner._util import init_params, make_cfg
 
-    cfg = make_cfg(mode, model={"scan_layers": False}, rollout={"top_k": TOP_K, "top_p": TOP_P, "temperature": TEMP,
+    cfg = make_cfg(mode, model={"scan_layers": False}, algo={"temperature": TEMP}, rollout={"top_k": TOP_K, "top_p": TOP_P,
                                                                   "dtype": "float32"})
     lrn = Learner(cfg, init_params=init_params(cfg))
     try:

@@ -3,7 +3,7 @@
 Usage: python -m tests.runtime.mh_rollout_worker PROCESS_ID NUM_PROCESSES PORT RUN_DIR [key=value ...]
 
 Runs ``jax-rl train`` (``jax_rl.cli.main``) on 2 fake CPU devices per process with gloo collectives,
-after wrapping ``jax_rl.runtime.components.learner_batch`` so that every batch this process hands the
+after wrapping ``jax_rl.batch.learner_batch`` so that every batch this process hands the
 learner is recorded (RL step order, group ids, task seeds, token versions, the learner's version) to
 RUN_DIR/trained_p<PROCESS_ID>.jsonl. Test instrumentation only: nothing of the run changes, except that
 with JAX_RL_TEST_KILL_AT=n the process SIGKILLs itself when it builds its n-th batch (a lost host).
@@ -27,9 +27,9 @@ def main() -> int:
     import numpy as np
 
     from jax_rl import cli
-    from jax_rl.runtime import components as C
+    from jax_rl import batch as B
 
-    real = C.learner_batch
+    real = B.learner_batch
     log_path = os.path.join(run_dir + "_records", f"trained_p{pid}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
 
@@ -53,7 +53,7 @@ def main() -> int:
             }) + "\n")
         return groups, trajs, batch
 
-    C.learner_batch = recording
+    B.learner_batch = recording
     argv = ["train", "configs/tiny_cpu.yaml", f"run.dir={run_dir}",
             f"runtime.coordinator=127.0.0.1:{port}", f"runtime.num_processes={nproc}", f"runtime.process_id={pid}",
             *extra]

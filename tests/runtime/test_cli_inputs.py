@@ -111,7 +111,7 @@ def test_print_config_prints_the_resolved_yaml_and_creates_nothing(tmp_path, cap
 def test_dry_run_reports_and_creates_nothing(tmp_path, capsys):
     # exact: the step that takes the extra prox_logp input
     argv = ["train", TINY_CFG, "--dry-run", *FAST, "loss.correction=exact", "optim.batch_size=4",
-            "rollout.group_size=2", "optim.max_seq_len=32", "rollout.max_cache_len=32", "rollout.slots=4",
+            "algo.group_size=2", "optim.max_seq_len=32", "rollout.max_cache_len=32", "rollout.slots=4",
             "rollout.max_prefill_length=16", f"run.dir={tmp_path / 'r'}"]
     capsys.readouterr()
     assert main(argv) == 0

@@ -39,7 +39,7 @@ def test_held_out_guard_at_config_time(tmp_path, capsys, runtime, overrides, wor
 
 def test_held_out_guard_counts_the_bpe_demos_and_sft_only_when_used():
     base = {"eval": {"seed_offset": 100}, "run": {"steps": 2}, "optim": {"batch_size": 8},
-            "rollout": {"group_size": 4}}
+            "algo": {"group_size": 4}}
     cfg = Config.model_validate(base)
     assert cfg.training_seed_uses() == {"rl": 4}  # sft.steps=0, compact tokenizer: RL only
     with pytest.raises(ValueError, match="model.tokenizer=bpe"):

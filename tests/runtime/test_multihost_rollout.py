@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, K = 4, 1
 OVERRIDES = [f"run.steps={STEPS}", f"async.max_staleness={K}", "sft.steps=4", "sft.num_demos=64", "sft.batch_size=16",
-             "optim.batch_size=32", "rollout.group_size=4", "rollout.slots=8", "eval.every=0", "eval.num_tasks=8",
+             "optim.batch_size=32", "algo.group_size=4", "rollout.slots=8", "eval.every=0", "eval.num_tasks=8",
              "eval.k=1", "checkpoint.every=0", "logging.progress=false", "logging.tensorboard=false"]
 
 

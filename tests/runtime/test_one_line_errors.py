@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 
 from jax_rl.cli import build_parser, main
-from jax_rl.config import CONFIG_DIR, dump_config, load_config
-from jax_rl.runtime import components as C
+from jax_rl.config import CONFIG_DIR, ConfigError, dump_config, load_config
+from jax_rl.model_builder import build_model_config
+from jax_rl.runtime import resources as R
+from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 
 TINY_CFG = str(CONFIG_DIR / "tiny_cpu.yaml")
 TINY_MOE_CFG = str(CONFIG_DIR / "tiny_moe_cpu.yaml")
@@ -33,25 +35,25 @@ def _one_line_exit_2(capsys, argv, *names):
 
 def _tiny(overrides=()):
     cfg = load_config(TINY_CFG, [*FAST, *overrides])
-    return cfg, C.build_model_config(cfg)
+    return cfg, build_model_config(cfg)
 
 
 def test_slots_refused_when_the_decode_buffers_do_not_fit(monkeypatch):
     """The KV cache alone fits; the decode state and the decode step's buffers do not: refused."""
     cfg, mc = _tiny()
     engines = cfg.rollout.threads + 1
-    kv_only = C.kv_cache_bytes(cfg, mc) * engines
-    monkeypatch.setattr(C, "available_memory_bytes", lambda: (int(kv_only * 1.5), "test RAM"))
-    with pytest.raises(C.ConfigError) as e:
-        C.check_kv_cache(cfg, mc)
+    kv_only = R.kv_cache_bytes(cfg, mc) * engines
+    monkeypatch.setattr(R, "available_memory_bytes", lambda: (int(kv_only * 1.5), "test RAM"))
+    with pytest.raises(ConfigError) as e:
+        R.check_kv_cache(cfg, mc)
     msg = str(e.value)
     assert msg.startswith(f"rollout.slots={cfg.rollout.slots}:") and "slot(s) fit" in msg, msg
     # what fits is what the message says
     fit = int(msg.split("at most ")[1].split()[0])
     assert 0 < fit < cfg.rollout.slots
-    monkeypatch.setattr(C, "available_memory_bytes",
-                        lambda: (engines * C.engine_memory_bytes(cfg, mc)["total"], "test RAM"))
-    assert C.check_kv_cache(cfg, mc) == kv_only  # exactly enough: accepted; returns the KV bytes
+    monkeypatch.setattr(R, "available_memory_bytes",
+                        lambda: (engines * R.engine_memory_bytes(cfg, mc)["total"], "test RAM"))
+    assert R.check_kv_cache(cfg, mc) == kv_only  # exactly enough: accepted; returns the KV bytes
 
 
 def test_engine_memory_estimate_bounds_what_xla_allocates():
@@ -72,13 +74,13 @@ def test_engine_memory_estimate_bounds_what_xla_allocates():
         state = jax.eval_shape(e.programs["init_state"], params)
         ma = e.programs["generate"].lower(params, state).compile().memory_analysis()
         real = ma.argument_size_in_bytes + ma.temp_size_in_bytes
-        est = C.engine_memory_bytes(cfg, mc)["total"]
+        est = R.engine_memory_bytes(cfg, mc)["total"]
         assert real <= est <= 1.5 * real, (extra, real, est)
 
 
 def test_cli_slots_100000_is_one_line(tmp_path, capsys, monkeypatch):
     """``rollout.slots=100000`` on tiny_cpu used to be OOM-killed after start-up (exit 137)."""
-    monkeypatch.setattr(C, "available_memory_bytes", lambda: (16 << 30, "available host RAM"))
+    monkeypatch.setattr(R, "available_memory_bytes", lambda: (16 << 30, "available host RAM"))
     _one_line_exit_2(capsys, ["train", TINY_CFG, *FAST, "rollout.slots=100000", f"run.dir={tmp_path / 'r'}"],
                      "rollout.slots=100000", "decode buffers", "slot(s) fit")
     assert not (tmp_path / "r").exists()
@@ -125,9 +127,9 @@ def test_partial_run_dir_is_refused_unless_overwrite(tmp_path, capsys):
 
     cfg = _load(args)
     assert cfg.run.overwrite is True
-    C.resolve_run_dir(cfg, create=False, check_fresh=True)
+    resolve_run_dir(cfg, create=False, check_fresh=True)
     (d / "checkpoints" / "3").mkdir(parents=True)
-    C.delete_earlier_run(cfg, d)
+    delete_earlier_run(cfg, d)
     assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
     assert cfg.run.overwrite is False  # the new run's config.yaml does not carry it
 

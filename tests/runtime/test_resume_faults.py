@@ -31,7 +31,7 @@ PY = sys.executable
 
 # the TINY run of test_train.py, plus one checkpoint per step and no periodic eval
 TINY = [
-    "sft.steps=2", "sft.batch_size=4", "sft.num_demos=8", "optim.batch_size=4", "rollout.group_size=2",
+    "sft.steps=2", "sft.batch_size=4", "sft.num_demos=8", "optim.batch_size=4", "algo.group_size=2",
     "rollout.slots=4", "rollout.max_new_tokens_per_turn=24", "rollout.max_tokens_per_episode=48",
     "rollout.max_turns=2", "eval.num_tasks=2", "eval.k=2", "logging.progress=false", "rollout.dtype=float32",
     "eval.every=0", "checkpoint.every=1", "checkpoint.max_to_keep=10",

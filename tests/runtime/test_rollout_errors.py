@@ -8,7 +8,7 @@ import time
 
 
 from jax_rl.config import CONFIG_DIR, load_config
-from jax_rl.runtime import components as C
+from jax_rl.runtime.envs import build_env_factory, rollout_preflight
 from jax_rl.runtime.embedded import RolloutManager
 from rollout.agent import AgentLoop
 from rollout.buffer import TrajectoryBuffer
@@ -30,7 +30,7 @@ class InfLatencyEnv(CalculatorEnv):
 
 def _manager(bad, limit=6):
     cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=1024", "optim.max_seq_len=1024",
-                                 "rollout.group_size=2", "optim.batch_size=4", "rollout.slots=2",
+                                 "algo.group_size=2", "optim.batch_size=4", "rollout.slots=2",
                                  "rollout.max_new_tokens_per_turn=200", "rollout.max_tokens_per_episode=400",
                                  "async.max_staleness=0", f"rollout.max_consecutive_episode_errors={limit}"])
     env_cls = type("Env", (InfLatencyEnv,), {"bad": staticmethod(bad)})
@@ -102,7 +102,7 @@ def test_preflight_warns_once_for_overlong_prompts_not_for_top_p(caplog):
     cfg = load_config(TINY_CFG, ["model.tokenizer=compact", "rollout.max_cache_len=160", "optim.max_seq_len=160",
                                  "rollout.top_p=0.9", "rollout.top_k=20"])
     with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"):
-        ws = C.rollout_preflight(cfg, TOK, C.build_env_factory(cfg))
+        ws = rollout_preflight(cfg, TOK, build_env_factory(cfg))
     assert len(ws) == 1 and len(caplog.records) == 1
     assert "do not fit rollout.max_cache_len=160" in ws[0] and "dropped_overlong" in ws[0]
     assert not any("top_p" in w or "top_k" in w for w in ws)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_rl.runtime import components as C
+from jax_rl.runtime import engines as E
 from jax_rl.runtime.train import run_train
 
 from .test_train import _cfg, _rows
@@ -22,7 +22,9 @@ PLACED = ["placement.learner=4", "placement.rollout=4", "rollout.mesh.tensor=2",
 @pytest.mark.timeout(300)
 def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
     engines, batches = [], []
-    build, collate = C.build_generator, C.learner_batch
+    from jax_rl import batch as B
+
+    build, collate = E.build_generator, B.learner_batch
 
     def spy_build(*a, **kw):
         gen = build(*a, **kw)
@@ -34,8 +36,8 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
         batches.append((np.asarray(out[2]["versions"]), np.asarray(out[2]["loss_mask"])))
         return out
 
-    monkeypatch.setattr(C, "build_generator", spy_build)
-    monkeypatch.setattr(C, "learner_batch", spy_batch)
+    monkeypatch.setattr(E, "build_generator", spy_build)
+    monkeypatch.setattr(B, "learner_batch", spy_batch)
     cfg = _cfg(tmp_path, *PLACED)
     assert run_train(cfg) == 0
 

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from jax_rl.config import CONFIG_DIR, ConfigError, load_config
-from jax_rl.runtime import components as C
+from jax_rl.model_builder import build_model_config
+from jax_rl.runtime.envs import _train_bpe, build_env_factory, build_tokenizer
+from jax_rl.runtime.run_dir import resolve_run_dir
+from jax_rl.sft import sft_examples
 
 
 def test_run_context_starts_from_hf_checkpoint(tmp_path):
@@ -35,26 +38,26 @@ def test_run_context_starts_from_hf_checkpoint(tmp_path):
 
 
 def test_model_config_errors_name_the_culprit(tmp_path):
-    tok = C.build_tokenizer(load_config(CONFIG_DIR / "tiny_cpu.yaml"))
+    tok = build_tokenizer(load_config(CONFIG_DIR / "tiny_cpu.yaml"))
     with pytest.raises(ConfigError, match="model.preset='nope'"):
-        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.preset=nope"]), tok)
+        build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.preset=nope"]), tok)
     with pytest.raises(ConfigError, match="vocab"):
-        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={vocab_size: 100}"]), tok)
+        build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={vocab_size: 100}"]), tok)
     with pytest.raises(ConfigError, match="model"):
-        C.build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={hiden_size: 8}"]), tok)
+        build_model_config(load_config(CONFIG_DIR / "tiny_cpu.yaml", ["model.hf_overrides={hiden_size: 8}"]), tok)
 
 
 def test_bpe_tokenizer_from_config_is_reproducible_and_compact():
     """``model.tokenizer=bpe``: the same vocabulary in every process (rebuilt, not cached), and a
     demo of the default config is well under a third of its byte length."""
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml")
-    tok = C.build_tokenizer(cfg)
-    assert C.build_tokenizer(cfg) is tok  # cached in-process
-    rebuilt = C._train_bpe(cfg, C.build_env_factory(cfg))
+    tok = build_tokenizer(cfg)
+    assert build_tokenizer(cfg) is tok  # cached in-process
+    rebuilt = _train_bpe(cfg, build_env_factory(cfg))
     assert rebuilt.tokenizer.to_str() == tok.tokenizer.to_str()
     assert tok.vocab_size <= cfg.model.bpe_vocab_size
-    assert tok.vocab_size <= C.build_model_config(cfg, tok).vocab_size
-    toks, mask = C.sft_examples(cfg, tok, C.build_env_factory(cfg), 1, seed_offset=10**6)[0]
+    assert tok.vocab_size <= build_model_config(cfg, tok).vocab_size
+    toks, mask = sft_examples(cfg, tok, build_env_factory(cfg), 1, seed_offset=10**6)[0]
     text = tok.decode(toks.tolist())
     assert len(toks) * 3 < len(text.encode())
     assert tok.decode(toks[mask].tolist()).startswith("<tool_call>")
@@ -71,7 +74,9 @@ def test_group_advantages_per_group():
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml")
     groups = [[traj(1.0, 0), traj(0.0, 0)], [traj(1.0, 1), traj(1.0, 1)]]
-    adv = C.compute_advantages(cfg, groups)
+    from jax_rl.batch import group_advantages
+
+    adv = group_advantages(cfg.algo, groups)
     assert adv[0][0] > 0 > adv[0][1]
     np.testing.assert_array_equal(adv[1], [0.0, 0.0])  # equal rewards: exactly zero
 
@@ -80,7 +85,7 @@ def test_resume_without_run_dir_fails_clearly(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["resume=true"])
     with pytest.raises(ConfigError, match="resume=true"):
-        C.resolve_run_dir(cfg)
+        resolve_run_dir(cfg)
 
 
 def test_embedded_publish_is_timed_into_weight_sync_columns(tmp_path):

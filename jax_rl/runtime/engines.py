@@ -1,0 +1,128 @@
+"""The rollout engines of a run: each engine's mesh (``placement.rollout`` / ``rollout.mesh``), a
+:class:`rollout.engine.Qwen3Engine` with the run's sampling and numerics, its started
+:class:`rollout.generator.Generator`, and engines that receive the learner's weights across processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jax_rl.config import Config, ConfigError
+from jax_rl.routing_replay import RoutingReplay
+
+__all__ = ["engine_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
+
+
+def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
+    """The mesh of rollout engine ``index`` (``placement.rollout`` / ``rollout.mesh``,
+    :func:`jax_rl.placement.resolve_roles`): ``rollout.mesh`` over that engine's devices, or None
+    for the colocated single-device engine (the default placement).
+
+    Raises:
+        ConfigError: (one line naming the key) the placement does not resolve, or ``index`` is not an
+            engine of ``rollout.threads``.
+    """
+    import jax
+
+    from jax_rl.placement import resolve_roles
+    from jax_rl.sharding import make_mesh
+
+    if roles is None:
+        try:
+            roles = resolve_roles(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if roles.engines is None:
+        return None
+    if index is None:  # the eval engine: the first engine this process runs (engine 0 in one process)
+        local = roles.local_engines()
+        if not local:
+            raise ConfigError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
+                              "rollout engine of its own: give every host whole engines")
+        index = local[0][0]
+    if not 0 <= index < len(roles.engines):
+        raise ConfigError(f"rollout engine {index} does not exist: rollout.threads={cfg.rollout.threads}")
+    return make_mesh(**roles.engine_mesh, devices=roles.engines[index])
+
+
+def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
+                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None):
+    """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
+
+    The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
+    learner's ``model.scan_layers`` / ``moe_dispatch``, ``attention`` for prefill), so ``params``
+    and every later ``update_params`` take the learner's params tree as is. ``engine``: which of
+    the ``rollout.threads`` engines this is; with ``placement.rollout`` / ``rollout.mesh`` it runs
+    sharded on that engine's mesh (:func:`engine_mesh`; ``roles``: an already resolved
+    :class:`jax_rl.placement.Roles`), else on this process's first device as always. The eval engine
+    (``engine=None``) is on the mesh of the first engine this process runs (engine 0 in one process;
+    multi-process: each host evaluates on its own engine's devices).
+    """
+
+    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles)
+    gen = new_generator(cfg, eng, version)
+    gen.start()
+    return gen
+
+
+def new_generator(cfg: Config, eng, version: int):
+    """An unstarted :class:`rollout.generator.Generator` over ``eng`` with the run's rollout knobs
+    (``rollout.partial``, ``decode_steps``, ``keep_kv``, ``prefill_tokens_per_step``, ``prefix_cache``)."""
+    from rollout.generator import Generator
+
+    r = cfg.rollout
+    return Generator(eng, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
+                     prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
+
+
+def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
+                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None):
+    """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
+    ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
+    from jax_rl.model_builder import rollout_model_kwargs
+    from rollout.engine import Qwen3Engine
+
+    r = cfg.rollout
+    return Qwen3Engine(
+        model_config,
+        params,
+        slots=slots or r.slots,
+        max_cache_len=r.max_cache_len,
+        max_prefill_length=r.max_prefill_length,
+        dtype=r.dtype,
+        temperature=temperature if temperature is not None else cfg.algo.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        model_kwargs=rollout_model_kwargs(cfg),
+        record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
+        mesh=engine_mesh(cfg, engine, roles),
+        quantize=r.quantize,
+    )
+
+
+def synced_generators(cfg: Config, model_config, learner, indices: list, version: int, *,
+                      temperature: Optional[float] = None, roles: Any = None, eval_only: bool = False):
+    """Multi-process: engines ``indices`` of this process (None = the eval engine) built empty, then filled by
+    ONE :class:`jax_rl.weight_sync.ShardedWeightSync` push of the learner's params (a collective: every
+    process calls it at the same point). Returns ``(generators, sync, keys)``: started generators at
+    ``version``, the sync for later publishes, and each generator's target key in ``sync.push``'s result."""
+    import jax
+
+    from jax_rl.placement import resolve_roles
+    from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
+
+    roles = resolve_roles(cfg) if roles is None else roles
+    engines = [build_engine(cfg, model_config, None, temperature=temperature, engine=i, roles=roles) for i in indices]
+    keys = []
+    for i in indices:
+        m = engine_mesh(cfg, i, roles)
+        keys.append(SyncTarget(mesh=m).key if m is not None else SyncTarget(device=jax.local_devices()[0]).key)
+    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), engines[0]._cast_jit,
+                             engines[0], timeout_s=cfg.runtime.peer_timeout_s)
+    placed = sync.push(learner.params, int(version))
+    gens = []
+    for eng, k in zip(engines, keys):
+        eng.params = eng.load_params(placed[k])  # already the engine's layout: taken as is
+        g = new_generator(cfg, eng, version)
+        g.start()
+        gens.append(g)
+    return gens, sync, keys

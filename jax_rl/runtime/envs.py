@@ -1,0 +1,274 @@
+"""The task side of a run: the environment factory (``env.name``, with tau²'s user model when it is a
+model), the tokenizer (``model.tokenizer``; ``bpe`` is trained on the env's reference demonstrations)
+and the start-of-run check that the env's prompts fit the rollout's cache."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jax_rl.config import Config, ConfigError
+from jax_rl.config.schema import BPE_CORPUS_DEMOS  # the bpe tokenizer's demos (the held-out guard counts them)
+from jax_rl.runtime.engines import build_generator
+
+log = logging.getLogger("jax_rl.runtime")
+
+__all__ = ["build_tokenizer", "build_env_factory", "Tau2UserModel", "start_tau2_user_model", "PREFLIGHT_SEEDS",
+           "rollout_preflight"]
+
+# One trained ``bpe`` tokenizer per (env config, render_tools, vocab) in this process: tests and
+# ``jax-rl eval`` build several RunContexts from one config.
+_BPE_CACHE: dict[tuple, Any] = {}
+
+
+def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None):
+    """The :class:`~jax_rl.models.tokenizer.ChatTokenizer` of ``model.tokenizer``.
+
+    ``bpe`` trains :func:`~jax_rl.models.tokenizer.train_bpe_tokenizer` (vocab at most
+    ``model.bpe_vocab_size``) on the chat transcripts of :data:`BPE_CORPUS_DEMOS` reference
+    demonstrations from training seeds, so held-out eval seeds never shape the vocabulary. It is
+    deterministic, so every process (Ray workers, ``jax-rl eval``) rebuilds the same one.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``: no tokenizer.json at the path, a file that is not a
+            tokenizer.json, or a tokenizer without the Qwen3 chat tokens.
+    """
+    from jax_rl.models.tokenizer import load_tokenizer
+
+    if cfg.model.tokenizer != "bpe":
+        try:
+            return load_tokenizer(cfg.model.tokenizer)
+        except FileNotFoundError as e:
+            raise ConfigError(
+                f"model.tokenizer={cfg.model.tokenizer!r}: {e}; point it at a checkpoint's tokenizer.json "
+                "(or use 'compact' / 'bpe')"
+            ) from None
+        except ValueError as e:  # not a tokenizer.json, or one without the Qwen3 chat tokens
+            raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: {e}") from None
+    key = (cfg.env.model_dump_json(), cfg.rollout.render_tools, cfg.model.bpe_vocab_size)
+    tok = _BPE_CACHE.get(key)
+    if tok is None:
+        tok = _BPE_CACHE[key] = _train_bpe(cfg, env_factory or build_env_factory(cfg))
+    return tok
+
+
+def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
+    from jax_rl.models.tokenizer import render_chat_text, train_bpe_tokenizer
+    from rollout.agent import demo_chat
+
+    env = env_factory()
+    texts = [render_chat_text(*demo_chat(env, cfg.env.train_seed_offset + i, cfg.rollout.render_tools),
+                              preserve_thinking=True)
+             for i in range(BPE_CORPUS_DEMOS)]
+    return train_bpe_tokenizer(texts, cfg.model.bpe_vocab_size, name="bpe")
+
+
+def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
+    """A zero-argument env factory for ``env``, checked by building one env (and, for
+    ``calculator``, each reasoning-gym dataset with its ``env.dataset_config``).
+
+    Raises:
+        ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
+            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob.
+    """
+    from rollout.envs import env_factory_from_config
+
+    _check_env(cfg)
+    if cfg.env.name == "tau2":
+        return _tau2_env_factory(cfg, user_simulator_factory)
+    factory = env_factory_from_config(cfg.env, cfg.rollout)
+    try:
+        factory()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.{'retail' if cfg.env.name == 'retail' else 'dataset_config'}: {e}") from None
+    return factory
+
+
+class Tau2UserModel:
+    """``env.tau2.user=model``: the user simulator's served model, bound late.
+
+    The env factory exists before the learner (the tokenizer and the prompt checks need it), so the
+    factory holds this handle and :func:`start_tau2_user_model` binds the user model's generator once
+    the policy's model is built. Until then (BPE corpus, SFT demonstrations, prompt checks: no episode
+    runs) each env gets a :class:`rollout.envs.tau2.TicketUser` (the ticket / scenario as the opening);
+    after :meth:`bind`, a :class:`rollout.envs.tau2.ModelUser` over the bound generator.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.generator: Any = None
+        self.tokenizer: Any = None
+
+    def bind(self, generator: Any, tokenizer: Any) -> None:
+        self.generator, self.tokenizer = generator, tokenizer
+
+    def __call__(self) -> Any:
+        from rollout.envs.tau2 import ModelUser, TicketUser
+
+        if self.generator is None:
+            return TicketUser()
+        um = self.cfg.env.tau2.user_model
+        # the user model's engine has the policy's rollout.max_cache_len
+        return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
+                         max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
+                         timeout_s=self.cfg.rollout.episode_timeout_s)
+
+
+def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
+    handle (the factory's ``user_model`` attribute) unless one is given."""
+    from rollout.envs import env_factory_from_config
+    from rollout.envs.tau2 import load_domain
+
+    try:
+        load_domain(cfg.env.tau2.domain)
+    except ImportError as e:
+        raise ConfigError(f"env.name=tau2: {e}") from None
+    handle = None
+    if cfg.env.tau2.user == "model":
+        if cfg.runtime.kind == "ray":
+            raise ConfigError("env.tau2.user=model runs its user model in the embedded runtime only; use runtime=embedded "
+                              "or env.tau2.user=ticket")
+        if user_simulator_factory is None:
+            user_simulator_factory = handle = Tau2UserModel(cfg)
+    try:
+        factory = env_factory_from_config(cfg.env, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
+                                          user_simulator_factory=user_simulator_factory)
+        factory()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.tau2: {e}") from None
+    if handle is not None:
+        factory.user_model = handle
+    return factory
+
+
+def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any,
+                          load_params: Optional[Callable[[Config, Any], tuple]] = None) -> Any:
+    """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
+    frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
+    ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
+    It runs on the eval engine's devices (the first rollout engine's mesh), at ``algo.temperature``,
+    with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
+    model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
+
+    Raises:
+        ConfigError: the checkpoint does not load, or its vocabulary is smaller than the tokenizer's.
+    """
+    handle = getattr(env_factory, "user_model", None)
+    if handle is None:
+        return None
+    um = cfg.env.tau2.user_model
+    mc, params = model_config, None
+    if um.checkpoint:
+        from jax_rl.model_builder import resolve_model_config
+
+        if load_params is None:
+            raise ValueError("start_tau2_user_model: env.tau2.user_model.checkpoint needs load_params")
+        ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": um.checkpoint,
+                                                                             "hf_overrides": {}})})
+        try:
+            mc = resolve_model_config(ucfg.model, check_tensors=True)
+        except Exception as e:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: {e}") from None
+        if mc.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"env.tau2.user_model.checkpoint={um.checkpoint!r}: vocab_size {mc.vocab_size} < the "
+                              f"tokenizer's {tokenizer.vocab_size} (the user model shares the policy's tokenizer)")
+        params, _ = load_params(ucfg, mc)
+    else:
+        params = learner.rollout_params()
+    gen = build_generator(cfg, mc, params, version=0)
+    handle.bind(gen, tokenizer)
+    return gen
+
+
+def _check_env(cfg: Config) -> None:
+    import difflib
+    import inspect
+
+    def hint(name: str, known, prefix: str = "") -> str:
+        m = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        return f"; did you mean '{prefix}{m[0]}'?" if m else ""
+
+    env = cfg.env
+    if env.name == "tau2":  # its knobs are checked by its schema and by building one env
+        return
+    if env.name == "retail":
+        from rollout.envs import RetailEnv
+        from rollout.envs.base import BaseEnv
+
+        known = {n for c in (RetailEnv, BaseEnv) for n, prm in inspect.signature(c.__init__).parameters.items()
+                 if n != "self" and prm.kind is prm.POSITIONAL_OR_KEYWORD} - {"tool_latency_s", "tool_latency_dist"}
+        for k in env.retail:
+            if k not in known:
+                raise ConfigError(f"unknown config key 'env.retail.{k}'{hint(k, known, 'env.retail.')} (env.retail takes "
+                                  f"{sorted(known)})")
+        return
+    import reasoning_gym.factory as rg
+    from rollout.envs.calculator import _get_dataset
+
+    for name in env.datasets:
+        if name not in rg.DATASETS:
+            raise ConfigError(f"env.datasets: {name!r} is not a reasoning-gym dataset{hint(name, rg.DATASETS)}")
+    for name in env.dataset_config:
+        if name not in env.datasets:
+            raise ConfigError(f"env.dataset_config.{name} names a dataset not in env.datasets={env.datasets}")
+    from rollout.envs.calculator import check_dataset_config
+
+    for name in env.datasets:
+        try:  # the dataset's own knob schema (reasoning-gym's config dataclass): names the knob and value
+            check_dataset_config(name, env.dataset_config.get(name, {}))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        try:
+            _get_dataset(name, 0, dict(env.dataset_config.get(name, {})))
+        except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
+            raise ConfigError(f"env.dataset_config.{name}={env.dataset_config.get(name, {})}: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+# Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.
+PREFLIGHT_SEEDS = 32
+
+
+def rollout_preflight(cfg: Config, tokenizer, env_factory, n_seeds: int = PREFLIGHT_SEEDS) -> list[str]:
+    """Start-of-run checks of the rollout config; logs each warning once and returns them.
+
+    * Renders the prompts of the first ``n_seeds`` training tasks: a prompt that fills
+      ``rollout.max_cache_len`` cannot generate and its group is dropped (``dropped_overlong``);
+      a warning gives the fraction and the lengths. When *every* sampled prompt is too long the
+      run could never train: :class:`ConfigError` (before anything is built or written).
+
+    Raises:
+        ConfigError: no sampled prompt fits ``rollout.max_cache_len``.
+    """
+    r = cfg.rollout
+    out: list[str] = []
+    env = env_factory()
+    lens = []
+    for i in range(int(n_seeds)):
+        messages, tools = env.reset(cfg.env.train_seed_offset + i)
+        ids, _ = tokenizer.render_chat(messages, tools if r.render_tools else None, add_generation_prompt=True)
+        lens.append(len(ids))
+    lens_a = np.asarray(lens)
+    over = int((lens_a >= r.max_cache_len).sum())
+    fix = (f"raise rollout.max_cache_len (and optim.max_seq_len >= it) to at least "
+           f"{int(lens_a.max()) + r.max_new_tokens_per_turn}, or shorten the prompts (rollout.render_tools=false, "
+           f"model.tokenizer=bpe)")
+    if over == len(lens):
+        raise ConfigError(
+            f"rollout.max_cache_len={r.max_cache_len}: every sampled prompt is too long "
+            f"({int(lens_a.min())}..{int(lens_a.max())} tokens over {len(lens)} training tasks), nothing could "
+            f"be generated or trained; {fix}")
+    if over:
+        out.append(f"{over}/{len(lens)} sampled prompts ({int(lens_a.min())}..{int(lens_a.max())} tokens) do not fit "
+                   f"rollout.max_cache_len={r.max_cache_len}: their groups will be dropped and counted as "
+                   f"dropped_overlong; {fix}")
+    elif int(lens_a.max()) + r.max_new_tokens_per_turn > r.max_cache_len:
+        out.append(f"prompts of up to {int(lens_a.max())} tokens leave less than rollout.max_new_tokens_per_turn="
+                   f"{r.max_new_tokens_per_turn} tokens of rollout.max_cache_len={r.max_cache_len}: long episodes "
+                   f"end truncated at the context (reward 0)")
+    for w in out:
+        log.warning("%s", w)
+    return out
