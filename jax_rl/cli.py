@@ -329,9 +329,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row): one line, exit 1
+    except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
         lrn = sys.modules.get("jax_rl.learner")
-        if not (lrn and isinstance(e, lrn.NonFiniteTrainingError)):
+        rr = sys.modules.get("jax_rl.runtime.ray_runtime")
+        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
             raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 1
