@@ -52,6 +52,7 @@ def check_writable(cfg) -> None:
         ConfigError: naming the key, the path and the dir that cannot be written.
     """
     import os
+    import tempfile
     from pathlib import Path
 
     for key, d in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
@@ -67,6 +68,11 @@ def check_writable(cfg) -> None:
             raise ConfigError(f"{key}={d}: {q} is a file, not a directory")
         if not os.access(q, os.W_OK | os.X_OK):
             raise ConfigError(f"{key}={d}: cannot write there ({q} is not writable)")
+        try:  # what access() cannot see (root, /proc, a read-only or pseudo file system): make a dir there
+            os.rmdir(tempfile.mkdtemp(prefix=".jax-rl-write-check-", dir=q))
+        except OSError as e:
+            raise ConfigError(f"{key}={d}: cannot write there (making a dir in {q}: "
+                              f"{e.strerror or type(e).__name__})") from None
 
 
 def _load(args) -> "object":

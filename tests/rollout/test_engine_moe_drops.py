@@ -136,3 +136,24 @@ def test_step_row_sums_the_rollout_moe_drops():
                              T({})])
     assert row == {"rollout/moe_dropped_copies": 4, "rollout/moe_copies": 80, "rollout/moe_dropped_frac": 0.05}
     assert rollout_moe_drops([T({"moe_dropped_copies": 0, "moe_copies": 0})])["rollout/moe_dropped_frac"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tiny_moe_run_logs_the_engines_drops(tmp_path):
+    """``jax-rl train configs/tiny_moe_cpu.yaml rollout.moe_capacity_factor=0.5``: each step row has
+    the engines' drops, counted over every copy the step's trajectories routed."""
+    from jax_rl.config import CONFIG_DIR, load_config
+    from jax_rl.metrics import read_jsonl
+    from jax_rl.runtime.train import run_train
+    from tests.runtime.test_train import TINY
+
+    cfg = load_config(CONFIG_DIR / "tiny_moe_cpu.yaml", TINY + ["run.steps=1", "sft.steps=0",
+                                                              "rollout.moe_capacity_factor=0.5",
+                                                              f"run.dir={tmp_path / 'r'}"])
+    assert run_train(cfg) == 0
+    row = read_jsonl(tmp_path / "r" / "metrics.jsonl")[0]
+    mc = q.get_preset("tiny_moe")
+    assert row["rollout/moe_copies"] >= row["episode_tokens"] // 2 * len(mc.moe_layers) * mc.num_experts_per_tok
+    assert 0 < row["rollout/moe_dropped_copies"] < row["rollout/moe_copies"]
+    assert row["rollout/moe_dropped_frac"] == pytest.approx(row["rollout/moe_dropped_copies"] / row["rollout/moe_copies"])

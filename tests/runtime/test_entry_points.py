@@ -4,6 +4,8 @@ of ``serve``, ``export``, ``eval``, ``plot``, ``compile`` and ``sft``; env knobs
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jax_rl.cli import main
@@ -163,6 +165,17 @@ def test_unwritable_run_dir_is_one_line(tmp_path, capsys, monkeypatch):
     err = _err(capsys, ["train", TINY_CFG, f"run.dir={tmp_path / 'ok'}", f"checkpoint.dir={ro / 'ck'}"])
     assert "checkpoint.dir=" in err
     assert not (ro / "run").exists() and not (tmp_path / "ok").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+@pytest.mark.parametrize("key", ["run.dir", "checkpoint.dir"])
+def test_a_dir_access_calls_writable_but_nothing_can_be_made_in(tmp_path, capsys, key):
+    """/proc passes os.access(W_OK) as root, yet no dir can be made there (ENOENT): refused before
+    the run in one line naming the key, not found mid-run at the first checkpoint."""
+    over = [f"{key}=/proc/jax-rl-{os.getpid()}/x"] + ([f"run.dir={tmp_path / 'r'}"] if key != "run.dir" else [])
+    err = _err(capsys, ["train", TINY_CFG, *over])
+    assert err.startswith(f"jax-rl: config error: {key}=/proc/") and "cannot write there" in err, err
+    assert not (tmp_path / "r").exists()
 
 
 def test_permission_error_mid_run_names_the_path(capsys, monkeypatch):
