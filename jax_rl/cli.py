@@ -189,6 +189,14 @@ def cmd_plot(args) -> int:
     from pathlib import Path
 
     group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
+    if group_by:  # a misspelt key would group every run as "key=?" (one silent group): refuse it by name
+        from jax_rl.config.loading import _suggest, _valid_keys
+
+        valid = _valid_keys()
+        leaves = [v for v in valid if not any(w.startswith(v + ".") for w in valid)]
+        for k in group_by:
+            if k not in valid and not any(k.startswith(v + ".") for v in leaves):  # env.retail.num_users: a dict knob
+                raise ConfigError(f"--group-by {k}: not a config key{_suggest(k)}")
     for d in args.run_dirs:
         p = Path(d)
         if not p.exists():

@@ -267,3 +267,23 @@ def test_rollout_threads_under_ray_is_named(caplog):
     with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"), pytest.raises(ConfigError, match="bind_host"):
         run_train_ray(cfg)
     assert any("rollout.threads=3" in r.getMessage() and "ray_workers" in r.getMessage() for r in caplog.records)
+
+
+def test_plot_group_by_a_misspelt_key_is_refused(tmp_path, capsys):
+    """--group-by loss.corection would put every run in one "corection=?" group: refused by name."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    err = _err(capsys, ["plot", str(d), "--group-by", "loss.correction,loss.corection", "--out", str(tmp_path / "p")])
+    assert err == "jax-rl: config error: --group-by loss.corection: not a config key; did you mean 'loss.correction'?"
+    assert not (tmp_path / "p").exists()
+    capsys.readouterr()
+    assert main(["plot", str(d), "--group-by", "loss.correction,env.retail.num_users", "--out", str(tmp_path / "p")]) == 0
+
+
+def test_export_to_a_file_says_so(tmp_path):
+    from jax_rl.export import ExportError, _check_out_dir
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        _check_out_dir(tmp_path / "f")
