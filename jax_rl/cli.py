@@ -75,6 +75,29 @@ def check_writable(cfg) -> None:
                               f"{e.strerror or type(e).__name__})") from None
 
 
+def check_writable_file(flag: str, path: str) -> None:
+    """An output file ``path`` (given as ``flag``) can be written: its dir exists and takes a new file.
+
+    Raises:
+        ConfigError: naming the flag, the path and why.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path).absolute()
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory, not a file")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: its directory {p.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jax-rl-write-check-", dir=p.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({p.parent}: {e.strerror or type(e).__name__})") from None
+
+
 def _load(args) -> "object":
     if not getattr(args, "print_config", False):  # printing the resolved base is fine; running it is not
         refuse_base_config(args.config)
@@ -166,6 +189,8 @@ def cmd_compile(args) -> int:
 
     refuse_base_config(args.config)
     cfg = load_config(args.config, list(args.overrides))
+    if args.json:  # the report is written after minutes of compiling: a path that cannot take it fails first
+        check_writable_file("--json", args.json)
     if not libtpu_available():
         print("jax-rl: error: compiling for a TPU needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
         return 2

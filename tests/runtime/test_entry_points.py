@@ -287,3 +287,14 @@ def test_export_to_a_file_says_so(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ExportError, match="is a file"):
         _check_out_dir(tmp_path / "f")
+
+
+def test_compile_json_that_cannot_be_written_fails_before_compiling(tmp_path, capsys):
+    """--json is written after minutes of compiling: a dir that does not exist, a directory, or a
+    place nothing can be made (/proc) is one line naming --json, at once (no libtpu needed)."""
+    for path, words in ((tmp_path / "no" / "r.json", "does not exist"), (tmp_path, "is a directory"),
+                        (f"/proc/jax-rl-{os.getpid()}.json", "cannot write there")):
+        if str(path).startswith("/proc") and not os.path.isdir("/proc/self"):
+            continue
+        err = _err(capsys, ["compile", TINY_CFG, "--topology", "v5e-8", "--json", str(path)])
+        assert err.startswith(f"jax-rl: config error: --json {path}") and words in err, err
