@@ -629,7 +629,7 @@ def resolve_checkpoint_dir(where: Any, *, error: type = FileNotFoundError) -> tu
 
     Raises:
         error: a config with neither ``checkpoint.dir`` nor ``run.dir``; a path with no
-            checkpoint dir, or a step dir that does not exist.
+            checkpoint dir, a checkpoint dir with no step dir, or a step dir that does not exist.
     """
     if hasattr(where, "checkpoint") and hasattr(where, "run"):  # a Config (duck-typed: no import of config)
         ck, rd = where.checkpoint.dir, where.run.dir
@@ -643,10 +643,16 @@ def resolve_checkpoint_dir(where: Any, *, error: type = FileNotFoundError) -> tu
         p, step = p.parent, int(p.name)
     ckpt = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     if not ckpt.is_dir():
-        raise error(f"no checkpoint dir at {str(where)!r}: no checkpoints there (give a run dir, its "
-                    "checkpoints/ or a step dir checkpoints/N)")
+        what = "does not exist" if not p.exists() else "is not a directory" if not p.is_dir() else "has no checkpoints"
+        raise error(f"no checkpoints at {str(where)!r}: it {what} (give a run dir, its checkpoints/ or a step "
+                    "dir checkpoints/N)")
     if step is not None and not (ckpt / str(step)).is_dir():
         raise error(f"no checkpoint step dir {ckpt / str(step)}")
+    if step is None and not any(c.name.isdigit() and c.is_dir() for c in ckpt.iterdir()):
+        # refused before a checkpoint manager is opened there (Orbax scans a dir it manages for its
+        # temporary paths in a background thread: not something to do to an arbitrary directory)
+        raise error(f"no checkpoints at {str(where)!r}: {ckpt} holds no step dir (checkpoints/N); give a run "
+                    "dir that has saved a checkpoint, its checkpoints/ or a step dir checkpoints/N")
     return ckpt.parent, ckpt, step
 
 

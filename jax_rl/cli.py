@@ -52,6 +52,7 @@ def check_writable(cfg) -> None:
         ConfigError: naming the key, the path and the dir that cannot be written.
     """
     import os
+    import tempfile
     from pathlib import Path
 
     for key, d in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
@@ -67,6 +68,34 @@ def check_writable(cfg) -> None:
             raise ConfigError(f"{key}={d}: {q} is a file, not a directory")
         if not os.access(q, os.W_OK | os.X_OK):
             raise ConfigError(f"{key}={d}: cannot write there ({q} is not writable)")
+        try:  # what access() cannot see (root, /proc, a read-only or pseudo file system): make a dir there
+            os.rmdir(tempfile.mkdtemp(prefix=".jax-rl-write-check-", dir=q))
+        except OSError as e:
+            raise ConfigError(f"{key}={d}: cannot write there (making a dir in {q}: "
+                              f"{e.strerror or type(e).__name__})") from None
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """An output file ``path`` (given as ``flag``) can be written: its dir exists and takes a new file.
+
+    Raises:
+        ConfigError: naming the flag, the path and why.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path).absolute()
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory, not a file")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: its directory {p.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jax-rl-write-check-", dir=p.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({p.parent}: {e.strerror or type(e).__name__})") from None
 
 
 def _load(args) -> "object":
@@ -168,6 +197,8 @@ def cmd_compile(args) -> int:
 
     refuse_base_config(args.config)
     cfg = _checked(load_config(args.config, list(args.overrides)))
+    if args.json:  # the report is written after minutes of compiling: a path that cannot take it fails first
+        check_writable_file("--json", args.json)
     if not libtpu_available():
         print("jax-rl: error: compiling for a TPU needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
         return 2
@@ -191,6 +222,14 @@ def cmd_plot(args) -> int:
     from pathlib import Path
 
     group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
+    if group_by:  # a misspelt key would group every run as "key=?" (one silent group): refuse it by name
+        from jax_rl.config.loading import _suggest, _valid_keys
+
+        valid = _valid_keys()
+        leaves = [v for v in valid if not any(w.startswith(v + ".") for w in valid)]
+        for k in group_by:
+            if k not in valid and not any(k.startswith(v + ".") for v in leaves):  # env.retail.num_users: a dict knob
+                raise ConfigError(f"--group-by {k}: not a config key{_suggest(k)}")
     for d in args.run_dirs:
         p = Path(d)
         if not p.exists():
@@ -337,9 +376,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row): one line, exit 1
+    except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
         lrn = sys.modules.get("jax_rl.learner")
-        if not (lrn and isinstance(e, lrn.NonFiniteTrainingError)):
+        rr = sys.modules.get("jax_rl.runtime.ray_runtime")
+        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
             raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 1

@@ -54,7 +54,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path, Optional[in
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"OUT_DIR {out_dir} is a file; give a new or empty directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"OUT_DIR {out_dir} exists and is not empty; give a new or empty directory")
 
 

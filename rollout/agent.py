@@ -359,6 +359,9 @@ class AgentLoop:
                 info["finish_reasons"].append(comp.finish_reason)
                 info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
                 info["prefix_hits"] += int((comp.info or {}).get("prefix_hits", 0))
+                for key in ("moe_dropped_copies", "moe_copies"):  # engine-side MoE capacity drops
+                    if key in (comp.info or {}):
+                        info[key] = info.get(key, 0) + int(comp.info[key])
                 if comp.finish_reason == "aborted":
                     raise RuntimeError("generation aborted")
                 info["turn_starts"].append(len(tokens))

@@ -65,6 +65,16 @@ also records the top-k expert ids each MoE layer chose for each token it ran thr
 (pending) token, i.e. of position ``lengths[b]``, as ``n_moe_layers * k`` more int32 columns
 (``unpack_result(...)["routes"]`` [B, n_moe_layers * k]). The last sampled token of a request
 is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
+
+MoE capacity drops (``counts_moe_drops``: an MoE model built with a ``moe_capacity_factor``, e.g.
+``rollout.moe_capacity_factor``): every program that runs tokens through the model also counts,
+per row, the token copies its MoE layers dropped for capacity (int32, summed over the row's
+tokens and the MoE layers): ``prefix["moe_dropped"]``, ``prefill_slots``' per-row
+``moe_dropped`` and, per ``generate`` step, one LAST int32 column (the fed token's dropped
+copies; ``unpack_result(..., moe_drops=True)["moe_dropped"]`` [B]). The generator adds them up
+per request (``Completion.info["moe_dropped_copies"]`` against ``moe_copies``, the copies its
+tokens routed) and the runtimes log their step sums as ``rollout/moe_dropped_copies``,
+``rollout/moe_copies`` and ``rollout/moe_dropped_frac``.
 """
 
 from __future__ import annotations
@@ -232,15 +242,21 @@ def sample_tokens(
     return tokens, logp.astype(jnp.float32), kept_mass.astype(jnp.float32)
 
 
-def unpack_result(result: Any) -> dict[str, np.ndarray]:
+def unpack_result(result: Any, moe_drops: bool = False) -> dict[str, np.ndarray]:
     """One host transfer of a ``generate`` result (a ``ResultTokens``, or a [B, cols] data
     array such as one step ``generate_steps(...)[1][i]``).
 
     Returns a dict of numpy arrays [B]: ``tokens`` int32, ``valid`` bool, ``lengths`` int32
-    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32; and
-    ``routes`` int32 [B, n_moe_layers * k] when the engine records routes (``record_routes``).
+    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32;
+    ``routes`` int32 [B, n_moe_layers * k] when the engine records routes (``record_routes``);
+    ``moe_dropped`` int32 [B] (the fed token's MoE copies dropped for capacity, the last column)
+    when ``moe_drops`` (pass the engine's ``counts_moe_drops``).
     """
     data = np.asarray(getattr(result, "data", result))  # a ResultTokens or its data array
+    extra = {}
+    if moe_drops:
+        extra["moe_dropped"] = data[:, -1].astype(np.int32)
+        data = data[:, :-1]
     out = {
         "tokens": data[:, 0].astype(np.int32),
         "valid": data[:, 1].astype(bool),
@@ -250,6 +266,7 @@ def unpack_result(result: Any) -> dict[str, np.ndarray]:
     }
     if data.shape[1] > _N_COLS:
         out["routes"] = data[:, _N_COLS:].astype(np.int32)
+    out.update(extra)
     return out
 
 
@@ -418,6 +435,12 @@ class Qwen3Engine(Engine):
         # decode step tells it which slots are active, so an idle slot takes no expert capacity
         self._decode_valid = bool(model_config.is_moe and kw.get("moe_capacity_all_paths")
                                   and kw.get("moe_capacity_factor") is not None)
+        self.counts_moe_drops = bool(model_config.is_moe and kw.get("moe_capacity_factor") is not None)
+        """The model can drop MoE token copies for capacity, and every program counts them per row
+        (module doc, "MoE capacity drops")."""
+        self.moe_copies_per_token = (len(model_config.moe_layers) * int(model_config.num_experts_per_tok)
+                                     if model_config.is_moe else 0)
+        """Token copies one token routes (MoE layers x k): the denominator of the drop fraction."""
 
         def build(**extra):
             return nnx.eval_shape(lambda: _q.Qwen3ForCausalLM(
@@ -477,21 +500,31 @@ class Qwen3Engine(Engine):
         S, B, dt = self.max_cache_len, self._slots, self.dtype
         top_k, top_p = self.top_k, self.top_p
         record = self.record_routes
+        count = self.counts_moe_drops
+
+        def drops_kw():  # (kwargs for the model's forward, the list it appends per-row drops to)
+            lst: list = []
+            return ({"moe_row_drops": lst} if count else {}), lst
 
         def prefill_fn(params, tokens, n):
             # tokens [1, P] int32, n int32 scalar: cache positions to fill (0 <= n <= P).
             model = self._model(params)
             P = tokens.shape[1]
             cache = model.init_cache(1, P, dtype=dt)
-            out = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache, return_expert_ids=record)
+            dkw, drops = drops_kw()
+            out = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache, return_expert_ids=record,
+                                **dkw)
             cache = out[1]
             keep = (jnp.arange(P) < n)[None, None, None, :, None]  # cache [L,1,K,P,H]
             # Zero the padded rows (jnp.where, not *, so NaNs from all-masked rows vanish too).
             k = jnp.where(keep, cache.k, jnp.zeros((), cache.k.dtype))
             v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
+            res = (k, v)
             if record:  # [P, n_moe_layers, k] int32: the prompt positions' routes
-                return k, v, _q.stack_routes(out[2])[0].astype(jnp.int32)
-            return k, v
+                res += (_q.stack_routes(out[2])[0].astype(jnp.int32),)
+            if count:  # int32 []: the prompt's MoE copies dropped for capacity
+                res += (drops[0][0],)
+            return res
 
         per_layer = self._per_layer_cache
 
@@ -555,9 +588,10 @@ class Qwen3Engine(Engine):
             cache = state["cache"]
             active = state["active"] & (cache.lengths < S)  # room to write the pending token
             lengths_in = jnp.where(active, cache.lengths, 0)
+            dkw, drops = drops_kw()
             dec = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in),
                                     return_expert_ids=record,
-                                    **({"valid": active} if self._decode_valid else {}))
+                                    **({"valid": active} if self._decode_valid else {}), **dkw)
             logits, cache = dec[0], dec[1]
             pos = lengths_in + 1  # absolute position of the token being sampled
             keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
@@ -584,6 +618,8 @@ class Qwen3Engine(Engine):
             )
             if record:  # + n_moe_layers * k columns: the fed token's expert ids
                 data = jnp.concatenate([data, _q.stack_routes(dec[2]).reshape(B, -1).astype(jnp.int32)], axis=1)
+            if count:  # + the last column: the fed token's MoE copies dropped for capacity (0 if inactive)
+                data = jnp.concatenate([data, jnp.where(active, drops[0], 0)[:, None]], axis=1)
             return new_state, data
 
         def generate_steps_fn(params, state, n):
@@ -611,7 +647,8 @@ class Qwen3Engine(Engine):
             # one row (a GRPO group's prompt) can fill several slots; pending/seeds/temps [B]
             model = self._model(params)
             n, P = tokens.shape
-            out = model.prefill(tokens, lengths, model.init_cache(n, P, dtype=dt), return_expert_ids=record)
+            dkw, drops = drops_kw()
+            out = model.prefill(tokens, lengths, model.init_cache(n, P, dtype=dt), return_expert_ids=record, **dkw)
             keep = (jnp.arange(P)[None, :] < lengths[:, None])[None, :, None, :, None]  # [1,n,1,P,1]
             k = jnp.where(keep, out[1].k, jnp.zeros((), out[1].k.dtype))  # padding zeroed (no NaN)
             v = jnp.where(keep, out[1].v, jnp.zeros((), out[1].v.dtype))
@@ -631,7 +668,7 @@ class Qwen3Engine(Engine):
                 new_v = cache.v.at[:, :, :, :P].set(jnp.where(s5, vg.astype(cache.v.dtype), cache.v[:, :, :, :P]))
             cache = _replace_cache(cache, k=new_k, v=new_v, lengths=jnp.where(sel, lengths[rows], cache.lengths))
             routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
-            return arm(state, cache, sel, pending, seeds, temps), routes
+            return arm(state, cache, sel, pending, seeds, temps), (routes, drops[0] if count else None)
 
         def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps):
             # append-prefill into the slots' own cached rows: tokens [n, T] at positions starts + t,
@@ -646,7 +683,9 @@ class Qwen3Engine(Engine):
                 rk, rv = cache.k[:, src], cache.v[:, src]
             from jax_rl.models.qwen3.cache import KVCache as _KV
 
-            out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record)
+            dkw, drops = drops_kw()
+            out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record,
+                               **dkw)
             nk, nv = out[1].k, out[1].v
             if per_layer:
                 new_k = tuple(c.at[slots].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
@@ -660,7 +699,8 @@ class Qwen3Engine(Engine):
             cache = _replace_cache(cache, k=new_k, v=new_v,
                                    lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
             routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,T,n_moe,k]
-            return arm(state, cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)), routes
+            return (arm(state, cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
+                    (routes, drops[0] if count else None))
 
         if not self._sharded:  # the colocated single-device engine: programs as they always were
             self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,))
@@ -680,7 +720,7 @@ class Qwen3Engine(Engine):
             st = self.state_shardings = self._decode_state_shardings(jax.eval_shape(init_state_fn, self._abstract_params))
         kv = self._named(_CACHE_NAMES, (self.config.num_hidden_layers, 1, self.config.num_key_value_heads,
                                         self.max_cache_len, self.config.head_dim))
-        self._prefill_jit = jax.jit(prefill_fn, out_shardings=(kv, kv, rep) if record else (kv, kv))
+        self._prefill_jit = jax.jit(prefill_fn, out_shardings=(kv, kv) + (rep,) * (int(record) + int(count)))
         self._init_state_jit = jax.jit(init_state_fn, out_shardings=st)
         self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,), out_shardings=st)
         self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,), out_shardings=st)
@@ -915,7 +955,8 @@ class Qwen3Engine(Engine):
         Returns:
           Prefix dict: ``k``, ``v`` [L,1,Hkv,P,Dh] (P = power-of-two bucket), ``length`` int,
           ``token`` int (pending), ``seed`` int, ``temperature`` float; with ``record_routes``
-          ``routes`` int32 [length, n_moe_layers, k] (numpy).
+          ``routes`` int32 [length, n_moe_layers, k] (numpy); with ``counts_moe_drops``
+          ``moe_dropped`` int (the prompt's MoE copies dropped for capacity).
 
         Raises:
           NotImplementedError: ``existing_prefix`` given. ValueError: empty prompt or prompt
@@ -953,6 +994,8 @@ class Qwen3Engine(Engine):
         }
         if self.record_routes:
             prefix["routes"] = np.asarray(res[2])[:n]  # [n, n_moe_layers, k] int32
+        if self.counts_moe_drops:
+            prefix["moe_dropped"] = int(res[-1])
         return prefix
 
     def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
@@ -993,8 +1036,10 @@ class Qwen3Engine(Engine):
         Returns:
           ``(new_state, results)``: one dict per row, in order: ``prefill_tokens`` (int: cache
           positions this row's program computed; 0 for a row that shared another row's prefill),
-          ``shared`` (bool) and, with ``record_routes``, ``routes`` int32 [len(tokens) - 1 - start,
-          n_moe_layers, k] (the routes of positions ``start .. len(tokens) - 2``).
+          ``shared`` (bool), with ``record_routes`` ``routes`` int32 [len(tokens) - 1 - start,
+          n_moe_layers, k] (the routes of positions ``start .. len(tokens) - 2``) and, with
+          ``counts_moe_drops``, ``moe_dropped`` (int: the MoE copies this row's program dropped for
+          capacity; 0 for a row that shared another row's prefill).
 
         Raises:
           ValueError: a slot out of range or used twice, an empty or too long row, a bad start.
@@ -1076,9 +1121,13 @@ class Qwen3Engine(Engine):
             lens[j] = len(t) - 1
             buf[j, : lens[j]] = np.asarray(t[:-1], np.int32)
         with self._in_mesh():
-            state, routes = self._prefill_slots_jit(params, jnp.asarray(buf), jnp.asarray(lens), state,
-                                                    jnp.asarray(dest), jnp.asarray(pending), jnp.asarray(seeds),
-                                                    jnp.asarray(temps))
+            state, (routes, drops) = self._prefill_slots_jit(params, jnp.asarray(buf), jnp.asarray(lens), state,
+                                                             jnp.asarray(dest), jnp.asarray(pending),
+                                                             jnp.asarray(seeds), jnp.asarray(temps))
+        if self.counts_moe_drops:
+            drops = np.asarray(drops)
+            for i in idx:
+                results[i]["moe_dropped"] = 0 if results[i]["shared"] else int(drops[int(dest[int(rows[i].slot)])])
         if self.record_routes:
             routes = np.asarray(routes)
             for i in idx:
@@ -1107,9 +1156,13 @@ class Qwen3Engine(Engine):
             temps[j] = self.temperature if r.temperature is None else float(r.temperature)
             results[i]["prefill_tokens"] = len(new)
         with self._in_mesh():
-            state, routes = self._extend_slots_jit(params, state, jnp.asarray(buf), jnp.asarray(starts),
-                                                   jnp.asarray(lens), jnp.asarray(slots), jnp.asarray(pending),
-                                                   jnp.asarray(seeds), jnp.asarray(temps))
+            state, (routes, drops) = self._extend_slots_jit(params, state, jnp.asarray(buf), jnp.asarray(starts),
+                                                            jnp.asarray(lens), jnp.asarray(slots), jnp.asarray(pending),
+                                                            jnp.asarray(seeds), jnp.asarray(temps))
+        if self.counts_moe_drops:
+            drops = np.asarray(drops)
+            for j, i in enumerate(idx):
+                results[i]["moe_dropped"] = int(drops[j])
         if self.record_routes:
             routes = np.asarray(routes)
             for j, i in enumerate(idx):

@@ -31,7 +31,9 @@ change is prefilled with the new weights, and all its tokens carry the new versi
 
 Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``prompt_len``,
 ``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s``; ``kept_mass`` (float per
-token) when top-k/top-p truncation is on.
+token) when top-k/top-p truncation is on; ``moe_dropped_copies`` / ``moe_copies`` (int) when the
+engine can drop MoE token copies for capacity (``engine.counts_moe_drops``): the copies of the
+request's prefilled and fed tokens the MoE layers dropped, and all the copies they routed.
 
 Routing replay (an engine built with ``record_routes``, MoE): ``Completion.routes`` holds the
 expert ids the engine's MoE layers chose at every position of prompt + generated tokens: the
@@ -148,6 +150,8 @@ class _Req:
     shared_prefill: bool = False  # its prompt's K/V came from another request's prefill (a GRPO group)
     prefix_len: int = 0  # the shared prefix (env system prompt + tools) the prefix cache may serve
     prefix_hits: int = 0  # admissions whose first prefix_len positions came from the prefix cache
+    moe_dropped: int = 0  # MoE token copies the engine dropped for capacity on this request's tokens
+    moe_copies: int = 0  # MoE token copies its tokens routed (prefilled + fed positions x MoE layers x k)
 
 
 @dataclasses.dataclass
@@ -203,6 +207,8 @@ class Generator:
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
                                   else 4 * int(getattr(engine, "max_prefill_length", 256)))
         self._batched = hasattr(engine, "prefill_slots")
+        self._moe_drops = bool(getattr(engine, "counts_moe_drops", False))  # engine docstring, "MoE capacity drops"
+        self._moe_cpt = int(getattr(engine, "moe_copies_per_token", 0))
         self.keep_kv = self.keep_kv and self._batched  # append-prefill needs prefill_slots
         self.prefix_cache = int(prefix_cache) if self._batched else 0
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
@@ -532,7 +538,8 @@ class Generator:
                     res.append(None)
                     continue
                 self._state = self.engine.insert(prefix, self._state, slot)
-                res.append({"prefill_tokens": len(toks) - 1, "shared": False, "routes": prefix.get("routes")})
+                res.append({"prefill_tokens": len(toks) - 1, "shared": False, "routes": prefix.get("routes"),
+                            "moe_dropped": prefix.get("moe_dropped", 0)})
         else:
             from rollout.engine import SlotPrefill
 
@@ -554,6 +561,9 @@ class Generator:
             n = int(r["prefill_tokens"])
             req.prefill_tokens += n
             req.shared_prefill = req.shared_prefill or bool(r.get("shared"))
+            if self._moe_drops:
+                req.moe_dropped += int(r.get("moe_dropped", 0))
+                req.moe_copies += n * self._moe_cpt
             self.stats["prefill_tokens"] += n
             self.stats["prefills"] += 1
             self.stats["shared_prefills"] += int(bool(r.get("shared")))
@@ -713,6 +723,9 @@ class Generator:
                 self._prefixes.popitem(last=False)
             n = len(pre[0])
             req.prefill_tokens += n
+            if self._moe_drops:
+                req.moe_dropped += int(prefix.get("moe_dropped", 0))
+                req.moe_copies += n * self._moe_cpt
             self.stats["prefill_tokens"] += n
             self.stats["prefix_misses"] += 1
         else:
@@ -727,10 +740,10 @@ class Generator:
     def _decode(self) -> None:
         if self.decode_steps == 1:
             self._state, result = self.engine.generate(self._params, self._state)
-            steps = [unpack_result(result)]  # the one host sync of the step
+            steps = [unpack_result(result, self._moe_drops)]  # the one host sync of the step
         else:  # n steps in one call: [n, B, cols], one host sync for all of them
             self._state, data = self.engine.generate_steps(self._params, self._state, self.decode_steps)
-            steps = [unpack_result(d) for d in np.asarray(data)]
+            steps = [unpack_result(d, self._moe_drops) for d in np.asarray(data)]
         v = self._version  # all n tokens of the call were produced by self._params
         self.stats["calls"] += 1
         live = [req is not None for req in self._slots]  # slots with a request when the call began
@@ -744,6 +757,7 @@ class Generator:
         slot whose request finished earlier in the call is discarded and counted)."""
         toks, valid, logps, kept = r["tokens"], r["valid"], r["logps"], r["kept_mass"]
         routes = r.get("routes")
+        drops = r.get("moe_dropped")
         self.stats["steps"] += 1
         for slot, req in enumerate(self._slots):
             if req is None:
@@ -759,6 +773,9 @@ class Generator:
                 self._resolve(req, "length")
                 continue
             tok = int(toks[slot])
+            if drops is not None:  # the fed token's copies (engine docstring, "MoE capacity drops")
+                req.moe_dropped += int(drops[slot])
+                req.moe_copies += self._moe_cpt
             req.tokens.append(tok)
             req.logps.append(float(logps[slot]))
             req.versions.append(v)
@@ -793,6 +810,9 @@ class Generator:
             "shared_prefill": req.shared_prefill,
             "prefix_hits": req.prefix_hits,
         }
+        if self._moe_drops:
+            info["moe_dropped_copies"] = req.moe_dropped
+            info["moe_copies"] = req.moe_copies
         if self._truncating:
             info["kept_mass"] = list(req.kept)
         comp = Completion(req.request_id, list(req.tokens), list(req.logps), list(req.versions), reason, info,

@@ -237,7 +237,8 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
 
     x [N, D], w [N, k] (x.dtype), ids [N, k] int32 global expert ids, valid [N] bool (False =
     padding token), wg/wu [El, D, F'], wd [El, F', D] (this shard's El = E/EP experts, F' the
-    local F slice). Returns (y [N, D] partial over the F slice, dropped copies int32 []).
+    local F slice). Returns (y [N, D] partial over the F slice, dropped copies int32 [],
+    dropped copies per token int32 [N]).
     """
     N, D = x.shape
     k = ids.shape[-1]
@@ -252,7 +253,8 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
     pos_km = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest_km[:, None], axis=1)[:, 0] - 1
     pos = pos_km.reshape(k, N).T  # [N, k]
     keep = valid[:, None] & (pos < C)
-    dropped = jnp.sum(valid[:, None] & (pos >= C), dtype=jnp.int32)
+    dropped_tok = jnp.sum(valid[:, None] & (pos >= C), axis=1, dtype=jnp.int32)  # [N]
+    dropped = jnp.sum(dropped_tok, dtype=jnp.int32)
     slot = jnp.where(keep, dest * C + pos, ep * C)  # [N, k]; ep*C = "nowhere"
     flat_slot = slot.reshape(-1)
     token = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[:, None], (N, k)).reshape(-1)
@@ -275,13 +277,13 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
     # a dropped copy (slot ep*C, past the end) reads zeros (no padded copy of the [ep*C, D] buffer)
     y = jnp.einsum("nkd,nk->nd", jnp.take(back, slot, axis=0, mode="fill", fill_value=0),
                    jnp.where(keep, w, jnp.zeros_like(w)))
-    return y, dropped
+    return y, dropped, dropped_tok
 
 
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
                         capacity_factor: float | None = None, valid: Array | None = None,
                         batch_axes: Sequence[str] | str | None = None,
-                        mesh=None, matmul: str = "ragged_dot") -> tuple[Array, Array]:
+                        mesh=None, matmul: str = "ragged_dot", per_token: bool = False) -> tuple[Array, ...]:
     """Expert-parallel experts + combine of a MoE block (pure, jit-able; see the module doc):
     ``y[b,t] = sum_k w[b,t,k] * expert_{ids[b,t,k]}(x[b,t])``, the SwiGLU expert
     ``(silu(x @ wg[e]) * (x @ wu[e])) @ wd[e]``.
@@ -301,10 +303,13 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
       matmul: the local experts' grouped matmul, ``ragged_dot`` or ``megablox``
         (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
+      per_token: also return, third, each token's dropped copies int32 [B, T] (laid out like x's
+        tokens; the rollout engine's per-slot drop count). Default False: the program is unchanged.
 
     Returns:
       (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: valid token copies
-      dropped for capacity over the whole batch, 0 when dropless).
+      dropped for capacity over the whole batch, 0 when dropless) (+ per-token drops with
+      ``per_token``).
 
     Raises:
       ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
@@ -361,18 +366,23 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
     valid = to_chunks(jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool).reshape(B, T))
 
     def body(x, w, ids, valid, wg, wu, wd):
-        y, dropped = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity, matmul=matmul)
+        y, dropped, dropped_tok = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity,
+                                                 matmul=matmul)
         if f_axes:  # each device holds an F slice of its experts: sum the partial outputs
             y = jax.lax.psum(y, f_axes)
+        if per_token:
+            return y, jax.lax.psum(dropped, token_axes), dropped_tok
         return y, jax.lax.psum(dropped, token_axes)
 
     tok = P(spec(token_axes), None)
     f = spec(f_axes)
     wspec, dspec = P(EXPERT_AXIS, None, f), P(EXPERT_AXIS, f, None)
-    fn = jax.shard_map(body, mesh=mesh, out_specs=(tok, P()),
+    fn = jax.shard_map(body, mesh=mesh, out_specs=(tok, P(), P(spec(token_axes))) if per_token else (tok, P()),
                        in_specs=(tok, tok, tok, P(spec(token_axes)), wspec, wspec, dspec),
                        check_vma=matmul != "megablox")
-    y, dropped = fn(to_chunks(x.reshape(B, T, D)), to_chunks(w.astype(x.dtype).reshape(B, T, k)),
-                    to_chunks(ids.astype(jnp.int32).reshape(B, T, k)), valid, wg, wu, wd)
-    y = y.reshape(n_batch, n_chunks * chunk, D)[:, :n_local].reshape(B, T, D)
-    return y, dropped
+    out = fn(to_chunks(x.reshape(B, T, D)), to_chunks(w.astype(x.dtype).reshape(B, T, k)),
+             to_chunks(ids.astype(jnp.int32).reshape(B, T, k)), valid, wg, wu, wd)
+    y = out[0].reshape(n_batch, n_chunks * chunk, D)[:, :n_local].reshape(B, T, D)
+    if per_token:
+        return y, out[1], out[2].reshape(n_batch, n_chunks * chunk)[:, :n_local].reshape(B, T)
+    return y, out[1]

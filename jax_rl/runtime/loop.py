@@ -44,7 +44,7 @@ from jax_rl.runtime.context import StopFlag, json_safe, signal_exit_code
 log = logging.getLogger("jax_rl.runtime")
 
 __all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns",
-           "step_row", "tau2_episode_stats", "WeightSyncClock"]
+           "step_row", "rollout_moe_drops", "tau2_episode_stats", "WeightSyncClock"]
 
 
 class Producer(Protocol):
@@ -301,9 +301,24 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
         "prefix_cache_hits": int(sum(int(t.info.get("prefix_hits", 0)) for t in trajs)),
         "gen_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
     })
+    if any("moe_copies" in (t.info or {}) for t in trajs):  # the engines drop MoE copies (capacity)
+        row.update(rollout_moe_drops(trajs))
     if cfg.env.name == "tau2":  # the agentic workload's shape: per-episode means over the batch
         row.update(tau2_episode_stats(trajs))
     return row
+
+
+def rollout_moe_drops(trajs) -> dict:
+    """The rollout engines' MoE capacity drops on ``trajs``' tokens (``Trajectory.info``, summed):
+    ``rollout/moe_dropped_copies`` (token copies an engine's MoE layers dropped for capacity,
+    ``rollout.moe_capacity_factor``), ``rollout/moe_copies`` (the copies those tokens routed:
+    prefilled and decoded positions x MoE layers x k; a GRPO group's shared prompt once) and
+    ``rollout/moe_dropped_frac`` (their ratio, 0 when nothing was routed). A dropped copy makes the
+    behaviour policy differ from the learner's (dropless) forward: docs/correction.md."""
+    dropped = int(sum(int((t.info or {}).get("moe_dropped_copies", 0)) for t in trajs))
+    copies = int(sum(int((t.info or {}).get("moe_copies", 0)) for t in trajs))
+    return {"rollout/moe_dropped_copies": dropped, "rollout/moe_copies": copies,
+            "rollout/moe_dropped_frac": dropped / copies if copies else 0.0}
 
 
 def tau2_episode_stats(trajs) -> dict:

@@ -30,10 +30,39 @@ from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["run_train_ray", "init_ray", "check_ray_endpoints", "RayDaemonWatch", "RayProducer", "RemoteLearner"]
+__all__ = ["run_train_ray", "init_ray", "check_ray_endpoints", "RayDaemonWatch", "RayProducer", "RemoteLearner",
+           "RayFailure"]
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class RayFailure(RuntimeError):
+    """Ray itself failed the run, not the config: the local Ray node did not start (Ray gives its
+    raylet 30 s to register, which a loaded host can miss), or the learner actor died or could not
+    start. The CLI prints it in one line and exits 1 (a failed run, docs/usage.md#exit-codes)."""
+
+
+def _kill_ray_started_under(tmp: Path) -> None:
+    """After a failed ``ray.init``: end the Ray processes it started (their command lines name its
+    temp dir ``tmp``; nothing else is touched), so a failed start leaves no daemon behind."""
+    try:
+        import ray
+
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the processes are killed below anyway
+        pass
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil ships with ray
+        return
+    root = str(tmp)
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and root in " ".join(p.info["cmdline"] or []):
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
 
 
 def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
@@ -60,6 +89,8 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
 
     Raises:
         RuntimeError: a loopback bind was asked for but Ray came up with another node IP.
+        RayFailure: the local Ray node did not start (its processes are killed first).
+        ConfigError: ``ray_address`` given and the cluster cannot be joined.
     """
     address = getattr(runtime, "ray_address", None)
     host = getattr(runtime, "bind_host", None) or "127.0.0.1"
@@ -104,9 +135,15 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
             link.symlink_to(short)
         tmp = short
     tmp.mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
-             _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),
-             log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+    try:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
+                 _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),
+                 log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node times out at startup
+        _kill_ray_started_under(tmp)
+        raise RayFailure(f"runtime=ray: the local Ray node did not start ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}); on a loaded host Ray's 30 s startup wait can run "
+                         "out: retry when the host is less busy, or use runtime=embedded") from None
     if loopback:
         ip = ray.util.get_node_ip_address()
         if ip != "127.0.0.1":
@@ -521,6 +558,10 @@ class RayProducer:
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         self._fatal: Optional[str] = None
         self._syncs: list = []  # set_params refs of publishes whose worker seconds are not collected yet
+        self.stop_event = None
+        """A ``threading.Event`` (the run's :class:`~jax_rl.runtime.context.StopFlag` event) that ends
+        :meth:`start`'s wait for the workers' first weights early: a SIGTERM while the workers build
+        their engines stops the run at once instead of after every engine has compiled."""
 
     @property
     def fatal(self) -> Optional[str]:
@@ -535,7 +576,12 @@ class RayProducer:
         self.version = int(ray.get(self._learner.version.remote()))
         self.params_ref = self._learner.get_params.remote()  # lives in the object store; every worker reads it
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.ray_workers)]
-        ray.get([w.set_params.remote(self.params_ref, self.version) for w in self.workers])
+        pending = [w.set_params.remote(self.params_ref, self.version) for w in self.workers]
+        while pending:  # each worker builds its engine (compiles) here: minutes on a loaded host
+            if self.stop_event is not None and self.stop_event.is_set():
+                return  # stopped: the loop sees the flag before its first step; stop() ends the workers
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            ray.get(ready)  # a worker that failed to build raises here
 
     def _new_worker(self, i: int):
         # its per_worker groups run at once (one thread each, blocked on the group's future) and a
@@ -722,12 +768,24 @@ def run_train_ray(cfg: Config) -> int:
     if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
         init_ray(None, runtime=cfg.runtime)
     delete_earlier_run(cfg, resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
+    fresh = not resolve_run_dir(cfg, create=False).exists()
     run_dir = resolve_run_dir(cfg)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
     stop = StopFlag()
     stop.install()
-    init_ray(run_dir, runtime=cfg.runtime)
+    try:
+        init_ray(run_dir, runtime=cfg.runtime)
+    except RayFailure:
+        stop.restore()
+        if fresh:  # nothing of the run exists yet: leave no run dir (nor Ray's temp dir) behind
+            import shutil
+
+            link = run_dir / "ray_tmp"
+            if link.is_symlink():
+                shutil.rmtree(link.resolve(), ignore_errors=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     _reclaim_signals(stop)  # SIGTERM: finish the step, checkpoint, summary.json, exit 143 (as embedded)
     # the driver beside its learner (after Ray's daemons started, which stay unpinned)
     from jax_rl.runtime.affinity import pin_process
@@ -756,10 +814,18 @@ def run_train_ray(cfg: Config) -> int:
             sft_eval = _ray_get(actor.sft_and_eval.remote())
             print(sft_line(cfg, sft_eval), flush=True)
         producer = RayProducer(cfg, actor, hf, meta, actor_classes=(RolloutWorker, BufferActor))
+        producer.stop_event = stop.event  # a SIGTERM while the workers compile does not wait for them
         return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
                       sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
     except Exception as e:
         raise_if_disk_full(e, run_dir, ckpt_dir)
+        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) \
+                and watch.dead() is None:  # the learner actor died or never started: one line, exit 1
+            steps = sorted(int(p.name) for p in Path(ckpt_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()) \
+                if Path(ckpt_dir).is_dir() else []
+            last = str(Path(ckpt_dir) / str(steps[-1])) if steps else "none"
+            raise RayFailure(f"runtime=ray: the learner actor died or could not start ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]}); last checkpoint: {last}") from None
         raise
     finally:
         if writer is not None:

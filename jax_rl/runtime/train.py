@@ -142,12 +142,12 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     checkpoint was saved in (``model.scan_layers`` adopted from it, with a warning, when they differ).
 
     Raises:
-        ConfigError: no such checkpoint dir.
+        FileNotFoundError: no checkpoint at ``checkpoint_dir`` (the CLI: one line naming it, exit 2).
     """
     from jax_rl.config import load_config
 
     logging.basicConfig(level=logging.WARNING)
-    _, ckpt, step = resolve_checkpoint_dir(checkpoint_dir, error=ConfigError)
+    _, ckpt, step = resolve_checkpoint_dir(checkpoint_dir)  # FileNotFoundError: one line naming it, exit 2
     saved = ckpt.parent / "config.yaml"
     if saved.is_file():
         run_cfg = load_config(saved)

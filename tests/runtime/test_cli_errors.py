@@ -35,8 +35,24 @@ def test_missing_paths_name_their_key(tmp_path, capsys, override, key):
 
 def test_eval_of_a_missing_dir_creates_nothing(tmp_path, capsys):
     err = _err(capsys, ["eval", str(tmp_path / "none"), TINY_CFG])
-    assert "no checkpoint dir" in err
+    assert err.startswith("jax-rl: error: no checkpoints at") and str(tmp_path / "none") in err, err
+    assert "config error" not in err and "does not exist" in err  # the checkpoint is the culprit, not the config
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("sub", ["", "checkpoints"])
+def test_eval_and_export_of_a_dir_without_a_saved_step(tmp_path, capsys, sub):
+    """A dir with no step dir (any dir; a run stopped before its first checkpoint) is refused by
+    name before a checkpoint manager is opened on it (Orbax scans the dirs it manages in a thread
+    that outlived the process: a traceback after the one line, under load)."""
+    d = tmp_path / "run"
+    (d / sub).mkdir(parents=True)
+    (d / "notes").mkdir()
+    for argv in (["eval", str(d), TINY_CFG], ["export", str(d), str(tmp_path / "out")]):
+        err = _err(capsys, argv)
+        assert "no checkpoints at" in err and "holds no step dir" in err, err
+    assert sorted(p.name for p in d.iterdir()) == sorted({"notes", sub} - {""})
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_without_a_checkpoint(tmp_path, capsys):

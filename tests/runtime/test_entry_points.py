@@ -4,6 +4,8 @@ of ``serve``, ``export``, ``eval``, ``plot``, ``compile`` and ``sft``; env knobs
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jax_rl.cli import main
@@ -165,6 +167,17 @@ def test_unwritable_run_dir_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (ro / "run").exists() and not (tmp_path / "ok").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+@pytest.mark.parametrize("key", ["run.dir", "checkpoint.dir"])
+def test_a_dir_access_calls_writable_but_nothing_can_be_made_in(tmp_path, capsys, key):
+    """/proc passes os.access(W_OK) as root, yet no dir can be made there (ENOENT): refused before
+    the run in one line naming the key, not found mid-run at the first checkpoint."""
+    over = [f"{key}=/proc/jax-rl-{os.getpid()}/x"] + ([f"run.dir={tmp_path / 'r'}"] if key != "run.dir" else [])
+    err = _err(capsys, ["train", TINY_CFG, *over])
+    assert err.startswith(f"jax-rl: config error: {key}=/proc/") and "cannot write there" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_permission_error_mid_run_names_the_path(capsys, monkeypatch):
     """A write refused later (a dir made read-only during the run, an Orbax-wrapped EROFS): one line
     naming the path, exit 2, not a traceback."""
@@ -254,3 +267,34 @@ def test_rollout_threads_under_ray_is_named(caplog):
     with caplog.at_level(logging.WARNING, logger="jax_rl.runtime"), pytest.raises(ConfigError, match="bind_host"):
         run_train_ray(cfg)
     assert any("rollout.threads=3" in r.getMessage() and "ray_workers" in r.getMessage() for r in caplog.records)
+
+
+def test_plot_group_by_a_misspelt_key_is_refused(tmp_path, capsys):
+    """--group-by loss.corection would put every run in one "corection=?" group: refused by name."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    err = _err(capsys, ["plot", str(d), "--group-by", "loss.correction,loss.corection", "--out", str(tmp_path / "p")])
+    assert err == "jax-rl: config error: --group-by loss.corection: not a config key; did you mean 'loss.correction'?"
+    assert not (tmp_path / "p").exists()
+    capsys.readouterr()
+    assert main(["plot", str(d), "--group-by", "loss.correction,env.retail.num_users", "--out", str(tmp_path / "p")]) == 0
+
+
+def test_export_to_a_file_says_so(tmp_path):
+    from jax_rl.export import ExportError, _check_out_dir
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        _check_out_dir(tmp_path / "f")
+
+
+def test_compile_json_that_cannot_be_written_fails_before_compiling(tmp_path, capsys):
+    """--json is written after minutes of compiling: a dir that does not exist, a directory, or a
+    place nothing can be made (/proc) is one line naming --json, at once (no libtpu needed)."""
+    for path, words in ((tmp_path / "no" / "r.json", "does not exist"), (tmp_path, "is a directory"),
+                        (f"/proc/jax-rl-{os.getpid()}.json", "cannot write there")):
+        if str(path).startswith("/proc") and not os.path.isdir("/proc/self"):
+            continue
+        err = _err(capsys, ["compile", TINY_CFG, "--topology", "v5e-8", "--json", str(path)])
+        assert err.startswith(f"jax-rl: config error: --json {path}") and words in err, err

@@ -68,13 +68,21 @@ def _wait_rows(p: subprocess.Popen, d: Path, n: int, timeout: float = 700, name:
 @pytest.mark.timeout(1200)
 def test_sigterm_under_ray_checkpoints_and_exits_143(tmp_path):
     """SIGTERM once SFT's eval is written (checkpoint.every=0: before this fix SFT and every RL step
-    were lost): the RL step in progress finishes, the end checkpoint holds SFT (and that step)."""
+    were lost): the RL step in progress finishes, the end checkpoint holds SFT (and that step).
+
+    The signal lands while the rollout workers build (compile) their engines: the driver stops
+    without waiting for them (``RayProducer.stop_event``), so the exit is bounded by the checkpoint
+    and Ray's shutdown, not by the engines' compile time on a loaded host (the cause of this test's
+    earlier timeouts). One deadline bounds the whole test below its pytest timeout."""
+    deadline = time.monotonic() + 1100
     d = tmp_path / "r"
-    p = _start(d)
-    _wait_rows(p, d, 1, name="eval.jsonl")  # the after-SFT eval row
+    p = _start(d, "eval.num_tasks=1", "eval.k=1")
+    _wait_rows(p, d, 1, name="eval.jsonl", timeout=deadline - time.monotonic() - 300)  # the after-SFT eval row
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=400)
+    t_sig = time.monotonic()
+    out, err = p.communicate(timeout=max(60.0, deadline - time.monotonic()))
     assert p.returncode == 143, (out[-3000:], err[-3000:])
+    print(f"SIGTERM -> exit: {time.monotonic() - t_sig:.1f} s")
     assert "PC:" not in err and "SIGTERM received" not in err, err[-3000:]
     assert "loss.correction=ppo_ewma:" in out  # the correction mode's cost line, printed under Ray too
     s = json.loads((d / "summary.json").read_text())
@@ -122,3 +130,28 @@ def test_unreachable_ray_endpoints_are_one_line(tmp_path, capsys, override, word
     err = capsys.readouterr().err.strip()
     assert err.startswith("jax-rl") and "\n" not in err and all(w in err for w in words), err
     assert time.monotonic() - t < 60 and not d.exists()
+
+
+def test_a_ray_node_that_does_not_start_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    """Ray's startup wait running out on a loaded host (``ray.init`` raises the bare Exception Ray's
+    node raises): one line naming it, exit 1 (a failed run), and the fresh run dir is not left behind.
+    No Ray is started: ``ray.init`` is replaced by what Ray raises at its 30 s raylet wait."""
+    import ray
+
+    from jax_rl.cli import main
+
+    calls = []
+
+    def timed_out(**kw):
+        calls.append(kw["_temp_dir"])
+        raise Exception("The current node timed out during startup. This could happen because some of the "
+                        "raylet failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "init", timed_out)
+    d = tmp_path / "r"
+    capsys.readouterr()
+    assert main(["train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY, "runtime=ray", f"run.dir={d}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert calls and err.startswith("jax-rl: error: runtime=ray: the local Ray node did not start"), err
+    assert "\n" not in err and "timed out during startup" in err and "runtime=embedded" in err
+    assert not d.exists() and not Path(calls[0]).exists()  # neither the run dir nor Ray's temp dir

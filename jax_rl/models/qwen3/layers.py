@@ -392,7 +392,7 @@ class MoE(nnx.Module):
         return w, ids.astype(jnp.int32)
 
     def __call__(self, x: Array, forced_expert_ids: Array | None = None, valid: Array | None = None,
-                 return_dropped: bool = False):
+                 return_dropped: bool = False, dropped_per_token: bool = False):
         """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32).
 
         ``forced_expert_ids`` [B,T,k] int: use these experts instead of the top-k (routing
@@ -404,17 +404,22 @@ class MoE(nnx.Module):
         takes no capacity slot and gets y = 0; the other paths ignore it unless they drop
         (``capacity_all_paths``: a False token takes no slot there either).
         ``return_dropped``: also return, third, the int32 [] count of valid token copies dropped
-        for capacity (``expert_parallel_moe``, or :func:`capacity_keep`; 0 on a dropless path)."""
+        for capacity (``expert_parallel_moe``, or :func:`capacity_keep`; 0 on a dropless path);
+        with ``dropped_per_token`` that count per token instead, int32 [B, T] (summed over the k
+        copies; the rollout engine attributes its drops to its slots)."""
         dt = self.dtype
         x = x.astype(dt)
         w, ids = self.route(x, forced_expert_ids)
         wg = self.gate_proj[...].astype(dt)
         wu = self.up_proj[...].astype(dt)
         wd = self.down_proj[...].astype(dt)
-        dropped = jnp.int32(0)
+        dropped = jnp.zeros(ids.shape[:2], jnp.int32) if dropped_per_token else jnp.int32(0)
         local = self.dispatch == "dense" or expert_parallel_size() <= 1
         if local and self.capacity_all_paths and self.capacity_factor is not None:
             keep, dropped = capacity_keep(ids, valid, wg.shape[0], self.capacity_factor)
+            if dropped_per_token:
+                ok = jnp.ones(ids.shape[:2], bool) if valid is None else jnp.asarray(valid, bool)
+                dropped = jnp.sum(ok[..., None] & ~keep, axis=-1, dtype=jnp.int32)
             w = jnp.where(keep, w, 0.0)  # a dropped copy contributes nothing; the residual passes
         if self.dispatch == "dense":
             E = wg.shape[0]
@@ -424,8 +429,10 @@ class MoE(nnx.Module):
             a = jax.nn.silu(g) * u * combine[..., None]
             y = jnp.einsum("btef,efd->btd", a, wd)
         elif expert_parallel_size() > 1:
-            y, dropped = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
-                                             capacity_factor=self.capacity_factor, matmul=self.matmul)
+            y, dropped, *tok = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
+                                                   capacity_factor=self.capacity_factor, matmul=self.matmul,
+                                                   per_token=dropped_per_token)
+            dropped = tok[0] if dropped_per_token else dropped
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
         return (y, ids, dropped) if return_dropped else (y, ids)
@@ -510,16 +517,18 @@ class DecoderLayer(nnx.Module):
                            param_dtype=param_dtype)
 
     def __call__(self, x: Array, positions: Array, attend_fn: AttendFn,
-                 forced_expert_ids: Array | None = None, valid: Array | None = None
-                 ) -> tuple[Array, Array | None, Array | None]:
+                 forced_expert_ids: Array | None = None, valid: Array | None = None,
+                 drops_per_token: bool = False) -> tuple[Array, Array | None, Array | None]:
         """x [B,T,D] -> (x [B,T,D], expert ids [B,T,k] or None, MoE capacity drops int32 [] or
-        None). ``attend_fn(q,k,v)`` does the attention core (full-sequence, prefill or cached
-        decode); ``valid`` [B,T] bool: the tokens that take MoE capacity (:class:`MoE`)."""
+        None; [B,T] per token with ``drops_per_token``). ``attend_fn(q,k,v)`` does the attention
+        core (full-sequence, prefill or cached decode); ``valid`` [B,T] bool: the tokens that take
+        MoE capacity (:class:`MoE`)."""
         q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
         h = x + self.attn.out(checkpoint_name(attend_fn(q, k, v), "context")).astype(x.dtype)
         y = self.post_attention_layernorm(h)
         if self.is_moe:
-            y, ids, dropped = self.mlp(y, forced_expert_ids, valid=valid, return_dropped=True)
+            y, ids, dropped = self.mlp(y, forced_expert_ids, valid=valid, return_dropped=True,
+                                       dropped_per_token=drops_per_token)
         else:
             y, ids, dropped = self.mlp(y), None, None
         out = h + y.astype(h.dtype)

@@ -232,7 +232,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
                forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False,
-               carry: Any = None, valid: Array | None = None, moe_drops: list | None = None):
+               carry: Any = None, valid: Array | None = None, moe_drops: list | None = None,
+               moe_row_drops: list | None = None):
         """Runs the decoder stack.
 
         ``attend(q, k, v, xs_i) -> (o, ys_i)`` does the attention core of one layer; ``xs_i`` is
@@ -249,7 +250,11 @@ class Qwen3ForCausalLM(nnx.Module):
         ``moe_drops``: a list the trunk appends ``(dropped, copies)`` to, float32 [] each: the
         token copies the MoE layers' expert-parallel dispatch dropped for capacity and the valid
         copies routed (valid tokens x k x MoE layers), summed over the layers.
+        ``moe_row_drops``: a list the trunk appends one int32 [B] to: each row's valid token copies
+        dropped for capacity, summed over its tokens and the MoE layers (zeros for a dropless or
+        dense model; the rollout engine's per-slot count).
         """
+        per_token = moe_row_drops is not None
         policy = remat_policy_fn(self.remat_policy) if remat else None
         with_carry = carry is not None
 
@@ -264,7 +269,7 @@ class Qwen3ForCausalLM(nnx.Module):
                     (o, box["ys"]), box["c"] = attend(q, k, v, xs_i), None
                 return o
 
-            x, ids, dropped = layer(x, positions, fn, forced, valid)
+            x, ids, dropped = layer(x, positions, fn, forced, valid, drops_per_token=per_token)
             return x, ids, dropped, box["ys"], box["c"]
 
         if remat:
@@ -277,6 +282,7 @@ class Qwen3ForCausalLM(nnx.Module):
             out = self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
                                       output_hidden_states, carry)
             self._count_drops(moe_drops, out[-1], valid, x.shape[:2])
+            self._row_drops(moe_row_drops, out[-1], x.shape[0])
             return out[:5] if with_carry else out[:4]
         expert_ids: list[Array] = []
         drops: list[Array] = []
@@ -306,6 +312,7 @@ class Qwen3ForCausalLM(nnx.Module):
             hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
         ys = None if ys_list[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys_list)
         self._count_drops(moe_drops, jnp.stack(drops) if drops else None, valid, x.shape[:2])
+        self._row_drops(moe_row_drops, jnp.stack(drops) if drops else None, x.shape[0])
         if with_carry:
             return h, expert_ids, hidden, ys, carry
         return h, expert_ids, hidden, ys
@@ -351,6 +358,15 @@ class Qwen3ForCausalLM(nnx.Module):
                    else jnp.sum(jnp.asarray(valid, bool), dtype=jnp.float32))
         copies = n_valid * jnp.float32(dropped.shape[0] * self.config.num_experts_per_tok)
         moe_drops.append((jnp.sum(dropped.astype(jnp.float32)), copies))
+
+    @staticmethod
+    def _row_drops(moe_row_drops: list | None, dropped: Array | None, batch: int) -> None:
+        """Append each row's dropped copies int32 [B] (``dropped``: [n_moe, B, T] per layer and
+        token, or None: no MoE layer) to ``moe_row_drops`` (see :meth:`_trunk`)."""
+        if moe_row_drops is None:
+            return
+        moe_row_drops.append(jnp.zeros((batch,), jnp.int32) if dropped is None
+                             else jnp.sum(dropped, axis=(0, 2), dtype=jnp.int32))
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -434,14 +450,15 @@ class Qwen3ForCausalLM(nnx.Module):
                        lengths=jnp.zeros((batch_size,), jnp.int32))
 
     def prefill(self, input_ids: Array, lengths: Array, cache: KVCache, *,
-                return_expert_ids: bool = False):
+                return_expert_ids: bool = False, moe_row_drops: list | None = None):
         """Prompt pass writing K/V for positions 0..T-1 of every row.
 
         input_ids [B,T] right-padded, lengths [B] int32 (valid tokens per row), cache with
         S >= T. Returns (logits [B,T,V] f32, cache with ``lengths`` set). The next-token logit
         of row b is ``logits[b, lengths[b]-1]``. Rows' previous cache contents are replaced.
         With ``return_expert_ids`` the per-MoE-layer expert ids (list of [B,T,k] int32, the
-        routes the router chose for every position) come third.
+        routes the router chose for every position) come third. ``moe_row_drops``: a list this
+        appends each row's MoE token copies dropped for capacity to, int32 [B] (:meth:`_trunk`).
         """
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
@@ -454,7 +471,8 @@ class Qwen3ForCausalLM(nnx.Module):
         def layer_attend(q, k, v, _xs):
             return core(q, k, v), (k, v)
 
-        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid)
+        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid,
+                                        moe_row_drops=moe_row_drops)
         k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
         v = v.astype(cache.v.dtype).swapaxes(2, 3)
         cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
@@ -465,7 +483,7 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.lm_logits(h), cache
 
     def extend(self, input_ids: Array, starts: Array, lengths: Array, cache: KVCache, *,
-               return_expert_ids: bool = False):
+               return_expert_ids: bool = False, moe_row_drops: list | None = None):
         """Append-prefill: run new tokens on top of rows that already hold K/V.
 
         input_ids [B,T] int32 right-padded, ``lengths`` [B] int32 valid new tokens per row,
@@ -480,7 +498,7 @@ class Qwen3ForCausalLM(nnx.Module):
         ``starts == 0`` this is :meth:`prefill` over keys of length S instead of T (the same values
         up to fp32 summation order). The attention is the XLA ``attend`` (never splash): the keys
         are the whole row, masked past each query's position. Padded tokens (``t >= lengths``) take
-        no MoE capacity and write nothing.
+        no MoE capacity and write nothing. ``moe_row_drops``: as in :meth:`prefill`.
         """
         if cache.is_per_layer:
             raise ValueError("extend takes a stacked KV cache (cache.stacked())")
@@ -507,14 +525,15 @@ class Qwen3ForCausalLM(nnx.Module):
             return o, (ck, cv)
 
         h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v),
-                                        valid=valid)
+                                        valid=valid, moe_row_drops=moe_row_drops)
         cache = KVCache(k=k, v=v, lengths=starts + lengths)
         if return_expert_ids:
             return self.lm_logits(h), cache, ids
         return self.lm_logits(h), cache
 
     def decode_step(self, tokens: Array, cache: KVCache, *, forced_expert_ids=None,
-                    return_expert_ids: bool = False, valid: Array | None = None):
+                    return_expert_ids: bool = False, valid: Array | None = None,
+                    moe_row_drops: list | None = None):
         """One decode token per slot.
 
         tokens [B] int32 is placed at position ``cache.lengths[b]`` and attends to cache
@@ -522,6 +541,8 @@ class Qwen3ForCausalLM(nnx.Module):
         (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
         caller's business (mask them; their lengths still advance). ``valid`` [B] bool: the slots
         whose token takes MoE capacity (None: all; only a dropping MoE path reads it).
+        ``moe_row_drops``: a list this appends each slot's MoE token copies dropped for capacity
+        to, int32 [B] (:meth:`_trunk`).
 
         The cache is written at one position per slot and layer: the whole [L,B,K,S,H] k/v
         buffers are threaded through the layers (the scan carry under ``scan_layers``) and
@@ -583,7 +604,8 @@ class Qwen3ForCausalLM(nnx.Module):
         h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, attend_fn,
                                            layer_idx, forced, carry=(tuple(cache.k), tuple(cache.v))
                                            if cache.is_per_layer else (cache.k, cache.v),
-                                           valid=None if valid is None else jnp.asarray(valid, bool)[:, None])
+                                           valid=None if valid is None else jnp.asarray(valid, bool)[:, None],
+                                           moe_row_drops=moe_row_drops)
         cache = KVCache(k=k, v=v, lengths=pos + 1)
         logits = self.lm_logits(h)[:, 0]
         if return_expert_ids:
