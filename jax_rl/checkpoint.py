@@ -10,7 +10,7 @@ Items of one checkpoint (a step directory ``<dir>/<step>/``):
   (only when the store holds something);
 - ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
   from exactly this step), ``version`` (published versions), ``opt_step`` (optimizer updates;
-  ``ppo_epochs x minibatches`` per RL step; also under the old name ``step``),
+  ``ppo_epochs x minibatches`` per RL step; also written as ``step``),
   ``config_hash`` (:func:`jax_rl.config.config_hash`), ``model_arch`` (the model's HF config
   dict), ``correction``, ``snapshot_versions`` and ``runtime`` (whatever JSON-able dict the
   runtime hands in: buffer state, rollout counters).

@@ -24,7 +24,7 @@ forwards this step: 0 under ``old_logits.route=dedicated``, whose batches arrive
 ``routing_agreement`` / ``routing_pairs`` (:mod:`jax_rl.train_step`). After ``optim.max_skipped_steps`` consecutive calls whose every update was
 skipped as non-finite, :class:`NonFiniteTrainingError` is raised (also for SFT; 0 = never).
 
-Fixed cost per step (issue 36): a batch [B, T] is padded to the smallest of ``optim.seq_len_buckets``
+Fixed cost per step: a batch [B, T] is padded to the smallest of ``optim.seq_len_buckets``
 (default powers of two up to ``optim.max_seq_len``, :func:`jax_rl.batch.seq_buckets`) that holds T,
 so a run compiles one train-step program per bucket it meets, not one per distinct T; the jitted step
 computes the train-infer factor once per step (:func:`jax_rl.train_step.train_infer_once`) and returns

@@ -92,9 +92,10 @@ reads log rho = 0 in the metrics. Only -inf means "outside": a NaN prox is still
 
 Metrics: a dict of fp32 scalars with fixed keys for a given set of optional arguments.
 Token metrics are means over VALID tokens (loss_mask); at a valid token with non-finite
-behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Combine microbatch
-metrics with :func:`combine_metrics` (sums for counts, max/min for extremes, means weighted
-by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` is recomputed).
+behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Each metric declares how
+it combines over microbatches (:data:`METRIC_REDUCTIONS`: sums for counts, max/min for extremes,
+means weighted by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` recomputed), and
+:func:`combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ __all__ = [
     "train_infer_factor",
     "TrainInfer",
     "combine_metrics",
-    "metric_rule",
+    "combine_updates",
+    "Reduction",
+    "METRIC_REDUCTIONS",
     "STALENESS_MAX_BUCKET",
 ]
 
@@ -356,7 +359,7 @@ def policy_loss(
 
     Returns:
         (loss fp32 scalar, metrics dict of fp32 scalars; keys documented in the module
-        docstring and in :func:`metric_rule`).
+        docstring, each with its reduction in :data:`METRIC_REDUCTIONS`).
 
     Raises:
         ValueError: shapes differ from loss_mask's [B, T]; level ``turn`` without turn_ids;
@@ -491,63 +494,140 @@ def policy_loss(
 # Combining microbatch metrics
 # --------------------------------------------------------------------------------------
 
-_SUM_KEYS = {"valid_tokens", "staleness_tokens", "masked_nonfinite_behav", "masked_nonfinite_prox", "masked_trunc_outside",
-             "moe_dropped_copies", "moe_copies"}
-_MAX_KEYS = {"denominator"}
+class Reduction(NamedTuple):
+    """How one metric combines over the microbatches of a minibatch (each metric declares one in
+    :data:`METRIC_REDUCTIONS`; nothing is inferred from its name). Over processes nothing is left to
+    combine: the step runs under ``jit`` on the global batch, so every sum / max / mean in
+    :func:`policy_loss` already spans every process's rows. Over the optimizer updates of one step the
+    train step averages each metric (:attr:`over_updates`).
 
-
-def metric_rule(key: str) -> tuple[str, Optional[str]]:
-    """How to combine metric ``key`` over microbatches / shards.
-
-    Returns ``("sum", None)``, ``("max", None)``, ``("min", None)``, ``("ess", None)``
-    (recompute ``is_weight_mean**2 / is_weight_sq_mean``) or ``("mean", weight_key)``
-    (a weighted mean with weights ``metrics[weight_key]``).
+    Attributes:
+        kind: ``sum`` (counts), ``max`` / ``min`` (extremes), ``mean`` (a mean weighted by the count
+            metric :attr:`weight`), ``ess`` (``is_weight_mean**2 / is_weight_sq_mean`` recomputed
+            from the combined means) or ``update`` (one value per optimizer update, such as the loss
+            or the gradient norm: never a microbatch metric).
+        weight: the count metric a ``mean`` is weighted by.
+        over_updates: ``mean`` or ``sum`` over the step's optimizer updates.
     """
-    if key in _SUM_KEYS or key.endswith("/tokens"):
-        return "sum", None
-    if key in _MAX_KEYS or key.endswith("_max"):
-        return "max", None
-    if key.endswith("_min"):
-        return "min", None
-    if key == "ess_frac":
-        return "ess", None
-    if key.startswith("staleness/"):
-        return "mean", key.rsplit("/", 1)[0] + "/tokens"
-    if key == "staleness_mean":
-        return "mean", "staleness_tokens"
-    return "mean", "valid_tokens"
+
+    kind: str
+    weight: Optional[str] = None
+    over_updates: str = "mean"
 
 
-def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Combine per-microbatch metrics into full-batch metrics (jit-able).
+SUM, MAX, MIN = Reduction("sum"), Reduction("max"), Reduction("min")
+TOKEN_MEAN = Reduction("mean", "valid_tokens")
+
+
+def _staleness_buckets() -> dict[str, Reduction]:
+    out = {}
+    for k in range(STALENESS_MAX_BUCKET + 1):
+        name = f"staleness/{k}+" if k == STALENESS_MAX_BUCKET else f"staleness/{k}"
+        out.update({f"{name}/tokens": SUM, f"{name}/retained": Reduction("mean", f"{name}/tokens"),
+                    f"{name}/clip_frac": Reduction("mean", f"{name}/tokens")})
+    return out
+
+
+METRIC_REDUCTIONS: dict[str, Reduction] = {
+    "valid_tokens": SUM,
+    "denominator": MAX,
+    "train_infer_retained": TOKEN_MEAN,
+    "train_infer_out_of_band_frac": TOKEN_MEAN,
+    "train_infer_catastrophic_frac": TOKEN_MEAN,
+    "masked_nonfinite_behav": SUM,
+    "masked_nonfinite_prox": SUM,
+    "masked_trunc_outside": SUM,
+    "trunc_outside_frac": TOKEN_MEAN,
+    "clip_frac": TOKEN_MEAN,
+    "clip_active_frac": TOKEN_MEAN,
+    "ratio_out_of_band_frac": TOKEN_MEAN,
+    "dual_clip_frac": TOKEN_MEAN,
+    "is_weight_mean": TOKEN_MEAN,
+    "is_weight_sq_mean": TOKEN_MEAN,
+    "is_weight_max": MAX,
+    "ess_frac": Reduction("ess"),
+    "kl_train_infer_k1": TOKEN_MEAN,
+    "kl_train_infer_k3": TOKEN_MEAN,
+    "kl_drift_k1": TOKEN_MEAN,
+    "kl_drift_k3": TOKEN_MEAN,
+    "ratio_mean": TOKEN_MEAN,
+    "ratio_min": MIN,
+    "ratio_max": MAX,
+    "entropy_mean": TOKEN_MEAN,
+    "staleness_tokens": SUM,
+    "staleness_mean": Reduction("mean", "staleness_tokens"),
+    "staleness_max": MAX,
+    **_staleness_buckets(),
+    "prox_abs_err_mean": TOKEN_MEAN,
+    "prox_abs_err_max": MAX,
+}
+"""The declared :class:`Reduction` of every metric :func:`policy_loss` returns. A caller adding
+metrics of its own passes their reductions to :func:`combine_metrics`."""
+
+
+def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+                    reductions: Optional[Mapping[str, Reduction]] = None) -> dict[str, jax.Array]:
+    """Combine per-microbatch metrics into full-batch metrics (jit-able), each by its declared
+    :class:`Reduction`.
 
     Args:
         parts: a list of metric dicts from :func:`policy_loss`, or one dict whose values are
             stacked along a leading axis (e.g. the output of ``lax.scan``).
+        reductions: the declarations (default :data:`METRIC_REDUCTIONS`); a caller with metrics
+            of its own passes ``{**METRIC_REDUCTIONS, **its_own}``.
 
     Returns:
-        dict with the same keys; counts are summed, extremes max/min-ed, means weighted by
-        their count (``valid_tokens``, ``staleness_tokens`` or ``staleness/<k>/tokens``),
-        ``ess_frac`` recomputed. A mean whose total weight is 0 takes the first part's value.
+        dict with the same keys: counts summed, extremes max/min-ed, means weighted by their
+        declared count, ``ess_frac`` recomputed. A mean whose total weight is 0 takes the first
+        part's value.
+
+    Raises:
+        ValueError: a metric without a declared reduction (named), or a mean whose weight metric
+            is missing.
     """
+    reductions = METRIC_REDUCTIONS if reductions is None else reductions
     if isinstance(parts, Mapping):
         stacked = {k: jnp.asarray(v, jnp.float32) for k, v in parts.items()}
     else:
         parts = list(parts)
         stacked = {k: jnp.stack([jnp.asarray(p[k], jnp.float32) for p in parts]) for k in parts[0]}
+    undeclared = sorted(k for k in stacked if k not in reductions)
+    if undeclared:
+        raise ValueError(f"metrics {undeclared} have no declared reduction: add them to the reductions passed to "
+                         "combine_metrics (jax_rl.losses.METRIC_REDUCTIONS for policy_loss's own)")
     out: dict[str, jax.Array] = {}
     for k, v in stacked.items():
-        rule, wkey = metric_rule(k)
-        if rule == "sum":
+        red = reductions[k]
+        if red.kind == "sum":
             out[k] = jnp.sum(v)
-        elif rule == "max":
+        elif red.kind == "max":
             out[k] = jnp.max(v)
-        elif rule == "min":
+        elif red.kind == "min":
             out[k] = jnp.min(v)
-        elif rule == "mean":
-            w = stacked[wkey]
+        elif red.kind == "mean":
+            if red.weight not in stacked:
+                raise ValueError(f"metric {k!r} is a mean weighted by {red.weight!r}, which is not among the metrics")
+            w = stacked[red.weight]
             W = jnp.sum(w)
             out[k] = jnp.where(W > 0, jnp.sum(w * v) / jnp.maximum(W, 1e-30), v[0])
-    if "ess_frac" in stacked:
-        out["ess_frac"] = out["is_weight_mean"] ** 2 / jnp.maximum(out["is_weight_sq_mean"], 1e-30)
+        elif red.kind != "ess":
+            raise ValueError(f"metric {k!r}: a {red.kind!r} metric is not combined over microbatches")
+    for k, v in stacked.items():
+        if reductions[k].kind == "ess":
+            out[k] = out["is_weight_mean"] ** 2 / jnp.maximum(out["is_weight_sq_mean"], 1e-30)
     return out
+
+
+def combine_updates(per_update: Mapping[str, jax.Array],
+                    reductions: Optional[Mapping[str, Reduction]] = None) -> dict[str, jax.Array]:
+    """Combine metrics stacked over a step's optimizer updates (leading axis), each by its declared
+    :attr:`Reduction.over_updates` (``mean`` or ``sum``).
+
+    Raises:
+        ValueError: a metric without a declared reduction (named).
+    """
+    reductions = METRIC_REDUCTIONS if reductions is None else reductions
+    undeclared = sorted(k for k in per_update if k not in reductions)
+    if undeclared:
+        raise ValueError(f"metrics {undeclared} have no declared reduction over the step's updates")
+    return {k: (jnp.sum(v) if reductions[k].over_updates == "sum" else jnp.mean(v)) for k, v in per_update.items()}

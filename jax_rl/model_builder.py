@@ -152,7 +152,7 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
     kw["moe_matmul"] = resolve_moe_matmul(kw["moe_matmul"])
     if role == "rollout":
         kw.pop("remat_policy")
-        r = cfg.rollout  # the engine-only MoE options (issue 27), passed only when set: else the learner's
+        r = cfg.rollout  # the engine-only MoE options, passed only when set: else the learner's
         if r.moe_router_dtype != "float32":
             kw["moe_router_dtype"] = r.moe_router_dtype
         if r.moe_capacity_factor is not None:

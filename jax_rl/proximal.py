@@ -212,7 +212,7 @@ def reset_accept(rule: str, trigger, retained_ewma, retained_candidate) -> jax.A
                      triggering batch's loss tokens inside the train-infer mask than theta_bar does
                      (``retained_candidate > retained_ewma``); otherwise theta_bar stays and the step
                      trains against it. So the reference the mask sees never keeps fewer tokens than
-                     the one it replaces, on the batch that triggered it (jax-rl, issue 42: at a wide
+                     the one it replaces, on the batch that triggered it (jax-rl's rule: at a wide
                      staleness window theta, the newest params, is often the reference furthest from
                      the behaviour policy, and ``current`` then hands the mask a worse one).
 

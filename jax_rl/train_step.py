@@ -333,8 +333,23 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     else:
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox, ti))
-        metr = losses.combine_metrics(metr)
+        metr = losses.combine_metrics(metr, STEP_REDUCTIONS)
     return loss, grads, _with_moe_frac(metr) if moe else metr
+
+
+STEP_REDUCTIONS: dict[str, losses.Reduction] = {
+    **losses.METRIC_REDUCTIONS,
+    "moe_dropped_copies": losses.SUM,  # the MoE layers' capacity drops in the gradient forward (counts)
+    "moe_copies": losses.SUM,
+    "moe_dropped_frac": losses.Reduction("update"),  # recomputed from the two counts
+    "loss": losses.Reduction("update"),
+    "grad_norm": losses.Reduction("update"),
+    "lr": losses.Reduction("update"),
+    "nonfinite_updates": losses.Reduction("update", over_updates="sum"),
+}
+"""The declared reduction of every metric one optimizer update yields: :func:`jax_rl.losses.policy_loss`'s
+and the train step's own (:func:`jax_rl.losses.combine_metrics` over microbatches,
+:func:`jax_rl.losses.combine_updates` over the step's updates)."""
 
 
 def _with_moe_frac(metrics: dict) -> dict:
@@ -409,7 +424,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         (params, opt_state, opt_step), metr = lax.scan(
             one_update, (params0, state.opt_state, state.step), jnp.arange(n_up, dtype=jnp.int32)
         )
-        metrics = {k: (jnp.sum(v) if k == "nonfinite_updates" else jnp.mean(v)) for k, v in metr.items()}
+        metrics = losses.combine_updates(metr, STEP_REDUCTIONS)
         if "moe_dropped_frac" in metrics:  # pooled over the updates, not a mean of their fractions
             metrics = _with_moe_frac(metrics)
         cstate, after = strategy.after_update(params, cstate)

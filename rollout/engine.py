@@ -365,8 +365,8 @@ class Qwen3Engine(Engine):
         + cache, 2-layer Qwen3-0.6B, 32 x 1024, v5e).
       record_routes: also return the expert ids every MoE layer chose (module docstring,
         "Routing replay"); ignored (False) for a dense model.
-      quantize: ``rollout.quantize``: ``"none"`` (default: every float param cast to ``dtype``, the
-        programs as before), or ``"int8"`` / ``"fp8"`` / ``"int4"``: weight-only per-output-channel
+      quantize: ``rollout.quantize``: ``"none"`` (default: every float param cast to ``dtype``, no
+        quantised program), or ``"int8"`` / ``"fp8"`` / ``"int4"``: weight-only per-output-channel
         quantisation of the decoder layers' matmul weights at every :meth:`load_params` (the weight
         sync), from the values as given (the learner's fp32 master weights). The engine stores them
         quantised (``qwix.QArray``: int8 / float8_e4m3fn / int4 values + float32 scales) and

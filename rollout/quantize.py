@@ -2,7 +2,7 @@
 
 What production inference servers do to fit a model (vLLM / TensorRT-LLM "W8A16" weight-only
 int8, fp8 e4m3 checkpoints, int4), as a rollout option, so the engine's numerics differ from the
-fp32 learner's the way a real deployment's do (issue 27: a train-infer gap where the mask bites).
+fp32 learner's the way a real deployment's do (a train-infer gap where the mask bites).
 
 Scheme: symmetric, per output channel (one scale per output element of the matmul: every axis
 but the contracted input axes keeps its own scale, so a stacked ``[L, ...]`` layer axis and the

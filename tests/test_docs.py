@@ -267,3 +267,43 @@ def test_design_doc_exists_and_every_citation_names_a_section():
         bad += [f"{p.relative_to(ROOT)}: {b}" for b in bad_design_citations(text, sections)]
     assert n > 0, "no docstring cites docs/design.md"
     assert not bad, "citations of docs/design.md that name no section of it:\n" + "\n".join(bad)
+
+
+# Words that tell a reader what the code or the project *was* ("wave 2", "issue 27", "as before", a
+# date): they belong in docs/ (with the date), not in code a reader wants to read as what *is*.
+HISTORY = re.compile(r"\bwave[- ]?\d|\bissues? #?\d+|\bas before\b|\bpreviously\b|\bformerly\b|\bused to be\b"
+                     r"|\b20\d\d-\d\d-\d\d\b|\(was |\b(is|are) now\b|\bre-?measured\b|\bold name\b", re.I)
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    import ast
+    import io
+    import tokenize
+
+    src = path.read_text(encoding="utf-8")
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+           if t.type == tokenize.COMMENT]
+    out += [(n.lineno, n.value.value) for n in ast.walk(ast.parse(src))
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+    return out
+
+
+def test_history_words_pattern():
+    for hit in ("wave 2 code", "issue 27", "as before", "(was old_logits.devices)", "measured 2026-12-03",
+                "is now on by default", "re-measured"):
+        assert HISTORY.search(hit), hit
+    for ok in ("the version it was generated at", "prefilled now on a miss", "a wave of requests"):
+        assert not HISTORY.search(ok), ok
+
+
+def test_no_history_words_in_code_or_the_readme():
+    """Comments and docstrings of jax_rl/ and rollout/, and the README, say what is: no history words
+    and no dated measurement (those go in docs/, with the date and host load)."""
+    bad = []
+    for pkg in ("jax_rl", "rollout"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            for line, text in _comments_and_docstrings(p):
+                bad += [f"{p.relative_to(ROOT)}:{line}: {m.group(0)!r}" for m in HISTORY.finditer(text)]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    bad += [f"README.md:{i}: {m.group(0)!r}" for i, t in enumerate(readme, 1) for m in HISTORY.finditer(t)]
+    assert not bad, "history words (move them to docs/):\n" + "\n".join(bad)

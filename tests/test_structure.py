@@ -191,3 +191,20 @@ def test_route_names_only_in_the_registry_and_the_config():
             if v in ROUTES or pat.search(v):
                 bad.append(f"{p.relative_to(ROOT)}:{line}: {v!r}")
     assert not bad, "route names outside the registry:\n" + "\n".join(bad)
+
+
+def test_no_metric_suffix_rules():
+    """No module decides how a metric combines from its name's suffix (``key.endswith("_max")``,
+    ``"/tokens"``...): each metric declares its reduction (:data:`jax_rl.losses.METRIC_REDUCTIONS`)."""
+    import re
+
+    pat = re.compile(r"^(_max|_min|_mean|_sum|_frac|/tokens)$")
+    bad = []
+    for p in (ROOT / "jax_rl").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "endswith"
+                    and any(isinstance(a, ast.Constant) and isinstance(a.value, str) and pat.match(a.value)
+                            for a in node.args)):
+                bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "metric name rules:\n" + "\n".join(bad)

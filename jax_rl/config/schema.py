@@ -281,7 +281,7 @@ class PlacementConfig(_Section):
     rollout: Optional[int | list[int]] = None
     """The rollout engines' devices: an int n = the last n of jax.devices(), a list = ids (may overlap the
     learner's: colocated sharded engines), null = colocated on the learner's first devices (one rollout.mesh
-    each; a single device by default, as before). Split evenly over the rollout.threads engines."""
+    each; a single device by default). Split evenly over the rollout.threads engines."""
     scorer: Optional[int | list[int]] = None
     """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
     placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
@@ -469,9 +469,8 @@ class RolloutConfig(_Section):
     """Decode steps per jitted engine call (one on-device scan, one host transfer): a weight swap or a
     newly admitted request waits at most decode_steps - 1 tokens, and a slot that stops mid-call idles
     (its extra tokens are discarded) until the call ends. Samples and log-probs do not depend on it
-    (keys are per request seed and position); 1 = one dispatch per token. 4: on the 2-core CPU the
-    process CPU time per token fell 4% at 4 and 8% at 8 (most of a step is the matmuls and the
-    sampling), so 4 keeps the swap latency and mid-call idling short (README, bench)."""
+    (keys are per request seed and position); 1 = one dispatch per token. 4 keeps the swap latency and
+    mid-call idling short while most of the per-dispatch cost is already saved (docs/performance.md)."""
     keep_kv: bool = True
     """Keep an episode's K/V cache across its turns: its slot is held while the tools run and the next turn
     runs only its new tokens (tool output + generation prompt) at the cache's current length instead of

@@ -619,3 +619,41 @@ class PolicyLossTest(chex.TestCase):
         loss, m = policy_loss(lp, lp, lp, lp, mask, _cfg())
         self.assertEqual(loss.dtype, jnp.float32)
         self.assertTrue(all(v.shape == () and v.dtype == jnp.float32 for v in m.values()))
+
+
+# ---------------- declared metric reductions ----------------
+
+
+def test_a_name_alone_decides_no_reduction():
+    """``foo_max`` is not max-combined because of its name: undeclared, it is refused by name; declared
+    a mean, it is a weighted mean; declared a max, a max."""
+    from jax_rl.losses import SUM, Reduction
+
+    parts = [{"valid_tokens": 1.0, "foo_max": 4.0}, {"valid_tokens": 3.0, "foo_max": 0.0}]
+    with pytest.raises(ValueError, match=r"\['foo_max'\] have no declared reduction"):
+        combine_metrics(parts)
+    as_mean = {"valid_tokens": SUM, "foo_max": Reduction("mean", "valid_tokens")}
+    assert float(combine_metrics(parts, as_mean)["foo_max"]) == 1.0  # (1*4 + 3*0) / 4
+    as_max = {"valid_tokens": SUM, "foo_max": Reduction("max")}
+    assert float(combine_metrics(parts, as_max)["foo_max"]) == 4.0
+    with pytest.raises(ValueError, match="weighted by 'count'"):
+        combine_metrics(parts, {"valid_tokens": SUM, "foo_max": Reduction("mean", "count")})
+
+
+def test_every_policy_loss_metric_declares_its_reduction():
+    """Every key :func:`policy_loss` can return (all optional inputs given, truncation on) has a declared
+    reduction, and the train step declares every key one of its updates adds."""
+    from jax_rl.losses import METRIC_REDUCTIONS
+    from jax_rl.train_step import STEP_REDUCTIONS
+
+    rng = np.random.default_rng(0)
+    B, T = 2, 5
+    mask = np.ones((B, T), bool)
+    lp = rng.normal(size=(B, T)).astype(np.float32) - 2
+    _, m = policy_loss(lp, lp - 0.1, lp + 0.1, np.ones((B, T), np.float32), mask, _cfg(dual_clip_c=3.0),
+                       versions=np.zeros((B, T), np.int32), current_version=2, old_logp=lp,
+                       entropy=np.ones((B, T), np.float32), truncated=True)
+    assert set(m) <= set(METRIC_REDUCTIONS), sorted(set(m) - set(METRIC_REDUCTIONS))
+    assert {f"staleness/{STALENESS_MAX_BUCKET}+/tokens", "prox_abs_err_max", "entropy_mean"} <= set(m)
+    assert set(METRIC_REDUCTIONS) <= set(STEP_REDUCTIONS)
+    assert STEP_REDUCTIONS["nonfinite_updates"].over_updates == "sum"

@@ -181,7 +181,7 @@ def attend_cached(q: Array, kh: Array, vh: Array, mask: Array) -> Array:
     """
     # the same einsums as ``attend`` on a [B,S,K,H] view: XLA folds the swapaxes into the
     # dots' dimension numbers (no copy of the cache on TPU), and XLA:CPU gives the same bits
-    # as before the cache became head-major
+    # as ``attend`` on a [B,S,K,H] cache
     return attend(q, kh.swapaxes(1, 2), vh.swapaxes(1, 2), mask)
 
 
@@ -369,7 +369,7 @@ class MoE(nnx.Module):
 
     def route(self, x: Array, forced_expert_ids: Array | None = None) -> tuple[Array, Array]:
         """x [B,T,D] -> (weights [B,T,k] float32, expert ids [B,T,k] int32)."""
-        rd = self.router_dtype  # float32 (the default): the same program as before the option
+        rd = self.router_dtype  # float32 (the default): the learner's routing
         logits = jnp.einsum("btd,de->bte", x.astype(rd), self.router[...].astype(rd)).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         if forced_expert_ids is None:
