@@ -94,6 +94,8 @@ def test_held_out_guard_in_the_ray_producer():
     (["preset:tiny_dense", "--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine"]),
     (["preset:nope"], ["preset:nope", "tiny_dense"]),
     (["/nonexistent/hf"], ["/nonexistent/hf"]),
+    # an engine that cannot fit: one line naming the flags (was an XLA RESOURCE_EXHAUSTED traceback)
+    (["preset:tiny_dense", "--slots", "100000000"], ["--slots 100000000 --max-len 256", "slot(s) of --max-len 256 fit"]),
 ])
 def test_serve_bad_arguments_are_one_line(capsys, argv, words):
     err = _err(capsys, ["serve", *argv])
