@@ -748,7 +748,7 @@ def run_train_ray(cfg: Config) -> int:
     from jax_rl.metrics import MetricsWriter
     from jax_rl.runtime import components as C
     from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
-    from jax_rl.runtime.loop import run_rl, sft_line
+    from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
 
     t0 = time.perf_counter()
     if cfg.rollout.threads != 1:
@@ -802,6 +802,10 @@ def run_train_ray(cfg: Config) -> int:
             meta = _ray_get(actor.restore.remote())  # one-line errors; nothing written yet
             print(meta.pop("resume_line"), flush=True)
         start_step = int(meta.get("rl_steps", 0))
+        done = finished_run_line(cfg, run_dir, start_step) if cfg.resume else None
+        if done:  # nothing to train, evaluate or write
+            print(done, flush=True)
+            return 0
         _ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
         writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                resume_step=start_step if cfg.resume else None)

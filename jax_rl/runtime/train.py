@@ -38,7 +38,7 @@ from jax_rl.config import Config, ConfigError
 from jax_rl.runtime import components as C
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, json_safe,
                                     raise_if_disk_full, resume_rl_step)
-from jax_rl.runtime.loop import run_rl, sft_line
+from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -76,6 +76,11 @@ def run_train(cfg: Config) -> int:
         if cfg.resume:
             start_step = ctx.resume()  # every check; raises before anything is written
             print(ctx.resume_line, flush=True)
+            done = finished_run_line(cfg, C.resolve_run_dir(cfg, create=False), start_step)
+            if done:  # nothing to train, evaluate or write
+                print(done, flush=True)
+                failed = False
+                return 0
         ctx.materialize()
         if cfg.resume:
             drop_newer_checkpoints(ctx.learner, ctx.ckpt_dir, ctx.resumed_step)

@@ -300,3 +300,26 @@ def test_compile_json_that_cannot_be_written_fails_before_compiling(tmp_path, ca
             continue
         err = _err(capsys, ["compile", TINY_CFG, "--topology", "v5e-8", "--json", str(path)])
         assert err.startswith(f"jax-rl: config error: --json {path}") and words in err, err
+
+
+def test_finished_run_line(tmp_path):
+    """A resume of a finished run is a no-op only when summary.json says it finished (final eval
+    run: not interrupted, no failed rollout or Ray) at run.steps and the checkpoint is there too."""
+    import json
+
+    from jax_rl.runtime.loop import finished_run_line
+
+    cfg = load_config(TINY_CFG, ["run.steps=4"])
+    assert finished_run_line(cfg, tmp_path, 4) is None  # no summary.json
+    done = {"rl_steps": 4, "interrupted": False, "final_success": 0.5}
+    for summary, step, finished in ((done, 4, True), (done, 3, False), ({**done, "rl_steps": 2}, 4, False),
+                                    ({**done, "interrupted": True}, 4, False),
+                                    ({**done, "rollout_failed": "x"}, 4, False), ({**done, "ray_failed": "x"}, 4, False)):
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        line = finished_run_line(cfg, tmp_path, step)
+        assert (line is not None) == finished, (summary, step, line)
+    (tmp_path / "summary.json").write_text(json.dumps(done))
+    assert "nothing to do; raise run.steps" in finished_run_line(cfg, tmp_path, 4)
+    assert finished_run_line(load_config(TINY_CFG, ["run.steps=6"]), tmp_path, 4) is None  # extended: trains on
+    (tmp_path / "summary.json").write_text("{trunc")
+    assert finished_run_line(cfg, tmp_path, 4) is None
