@@ -213,3 +213,14 @@ def test_measure_error_allowed_for_every_approximation(mode):
 
     assert REGISTRY[mode].approximate
     assert load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"]).old_logits.measure_error
+
+
+def test_a_union_knob_names_the_key_not_pydantics_member_tags():
+    """placement.learner takes an int or a list of device ids: a bad value is one message under the
+    key the user wrote (pydantic tags each union member's error 'placement.learner.int',
+    'placement.learner.list[int]')."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", ["placement.learner=abc"])
+    msg = str(e.value)
+    assert msg.count("invalid value 'placement.learner'='abc'") == 1 and ".int'" not in msg and "list[int]" not in msg
+    assert "valid integer" in msg and "valid list" in msg
