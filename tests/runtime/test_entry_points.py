@@ -323,3 +323,13 @@ def test_finished_run_line(tmp_path):
     assert finished_run_line(load_config(TINY_CFG, ["run.steps=6"]), tmp_path, 4) is None  # extended: trains on
     (tmp_path / "summary.json").write_text("{trunc")
     assert finished_run_line(cfg, tmp_path, 4) is None
+
+
+@pytest.mark.parametrize("argv", [["eval", "some/run"], ["train"], ["sft"], ["compile", "--topology", "v5e-8"]])
+def test_a_missing_config_names_only_what_is_missing(capsys, argv):
+    """Overrides are optional: argparse listed them as required beside the config
+    ('the following arguments are required: config, overrides')."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.endswith("the following arguments are required: config"), err
