@@ -114,7 +114,10 @@ def run_sft(cfg: Config) -> int:
     logging.basicConfig(level=logging.WARNING)
     if cfg.sft.steps <= 0:
         raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
-    C.resolve_run_dir(cfg, create=False, check_fresh=True)
+    if cfg.resume:  # SFT from scratch into the run dir asked to be continued would overwrite its checkpoint
+        raise ConfigError("resume=true: `jax-rl sft` does not resume (it starts SFT from scratch); `jax-rl train "
+                          "--resume` continues a train run, --overwrite starts this SFT over in the same run.dir")
+    C.resolve_run_dir(cfg, create=False, check_fresh=True, resumable=False)
     ctx = RunContext(cfg, create_dir=False)
     ctx.materialize()
     ctx.open_writer()

@@ -333,3 +333,16 @@ def test_a_missing_config_names_only_what_is_missing(capsys, argv):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and err.endswith("the following arguments are required: config"), err
+
+
+def test_sft_into_an_existing_run_offers_no_resume_and_refuses_one(tmp_path, capsys):
+    """`jax-rl sft` has no --resume: a run dir that holds a run is refused without suggesting it,
+    and resume=true (which would run SFT from scratch over the run's checkpoint) is refused."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("{}\n")
+    err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}"])
+    assert "already holds a run" in err and "--resume" not in err and "--overwrite" in err, err
+    err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}", "resume=true"])
+    assert "resume=true: `jax-rl sft` does not resume" in err, err
+    assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl"]
