@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
     t.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    t.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in run.dir")
     t.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --resume: resume from checkpoints/N (the RL step) instead of the newest")
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="SFT on reference-solver demonstrations only", epilog=EPILOG)
     s.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml (sft.steps must be > 0)")
-    s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    s.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     s.add_argument("--overwrite", action="store_true",
                    help="run.dir already holds a run: delete that run's files and start over (run.overwrite=true)")
     s.set_defaults(func=cmd_sft)
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint_dir", help="a run dir, its checkpoints/ dir, or one step's dir checkpoints/N")
     e.add_argument("config", help="YAML config giving the eval and env settings (model, correction and "
                                   "staleness come from the run's config.yaml when it has one)")
-    e.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.num_tasks=16 eval.k=4")
+    e.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. eval.num_tasks=16 eval.k=4")
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face dir (transformers, jax-rl serve)",
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "measurements. Exit 0 if every program fits in HBM, 1 if one does not.",
                        epilog=EPILOG)
     c.add_argument("config", help="YAML config, e.g. configs/qwen3_4b.yaml")
-    c.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. mesh.tensor=8 optim.microbatches=16")
+    c.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. mesh.tensor=8 optim.microbatches=16")
     c.add_argument("--topology", required=True, metavar="NAME",
                    help="Cloud TPU type (v5e-8, v5p-8, v5p-64, v6e-8, v4-16) or topology (v5p:4x4x4, v5e:2x2)")
     c.add_argument("--json", default=None, metavar="PATH",

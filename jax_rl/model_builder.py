@@ -52,6 +52,12 @@ def _read_hf_config(ckpt: str) -> dict:
                           "holding config.json + model.safetensors)")
     f = d / "config.json"
     if not f.is_file():
+        run_dir = next((r for r in (d, d.parent, d.parent.parent)
+                        if (r / "checkpoints").is_dir() or (r / "config.yaml").is_file()), None)
+        if run_dir is not None:  # a jax-rl run (or its checkpoints/): the export that makes an HF dir of it
+            raise ConfigError(f"model.checkpoint={ckpt!r} is a jax-rl run's checkpoint, not an HF checkpoint: run "
+                              f"`jax-rl export {ckpt} OUT_DIR` and set model.checkpoint=OUT_DIR (or continue the "
+                              "run itself with --resume)")
         raise ConfigError(f"model.checkpoint={ckpt!r}: no HF checkpoint there ({f} not found)")
     try:
         hf = json.loads(f.read_bytes().decode("utf-8"))

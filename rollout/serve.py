@@ -179,6 +179,7 @@ def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_
 
     scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
     cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
+    check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype)
     tok = _load_tokenizer(checkpoint, tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
@@ -308,6 +309,33 @@ def check_args(args: Any) -> None:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise ServeArgError(f"--host {args.host}: not an address this machine can bind ({e})") from None
+
+
+def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str) -> None:
+    """The serving engine's allocation, from its arguments alone, against the free memory
+    (:func:`jax_rl.runtime.components.available_memory_bytes`): the weights in ``dtype``, the KV cache
+    (layers x ``slots`` x ``max_len`` x kv heads x head_dim x 2 x the dtype's bytes) and the sampling
+    buffers (float32 [slots, vocab] x 2). A lower bound of what the engine allocates.
+
+    Raises:
+        ServeArgError: naming ``--slots`` and ``--max-len``, the bytes needed and free, and the most
+            slots that would fit.
+    """
+    from jax_rl.models.qwen3 import count_params
+    from jax_rl.runtime.components import available_memory_bytes
+
+    mc = model_config
+    item = 2 if dtype == "bfloat16" else 4
+    per_slot = (int(mc.num_hidden_layers) * int(max_len) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
+                + 2 * int(mc.vocab_size) * 4)
+    params = int(count_params(mc)) * item
+    need = params + per_slot * int(slots)
+    have, where = available_memory_bytes()
+    if need > have:
+        fit = max(0, (have - params) // per_slot)
+        raise ServeArgError(f"--slots {slots} --max-len {max_len}: the engine needs at least {need:,} bytes (weights "
+                            f"{params:,} + {per_slot:,} per slot: KV cache and sampling buffers, {dtype}) but "
+                            f"{have:,} bytes of {where} are free; at most {fit} slot(s) of --max-len {max_len} fit")
 
 
 def check_checkpoint(checkpoint: str) -> None:

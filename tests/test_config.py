@@ -257,3 +257,15 @@ def test_moved_keys_read_under_their_new_name_with_a_note(tmp_path, caplog):
     with pytest.raises(ConfigError, match="rollout.group_size=2 and algo.group_size=4 disagree"):
         load_config(f)
     assert Config.model_validate({"rollout": {"group_size": 4}, "optim": {"batch_size": 8}}).algo.group_size == 4
+
+
+
+def test_a_union_knob_names_the_key_not_pydantics_member_tags():
+    """placement.learner takes an int or a list of device ids: a bad value is one message under the
+    key the user wrote (pydantic tags each union member's error 'placement.learner.int',
+    'placement.learner.list[int]')."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", ["placement.learner=abc"])
+    msg = str(e.value)
+    assert msg.count("invalid value 'placement.learner'='abc'") == 1 and ".int'" not in msg and "list[int]" not in msg
+    assert "valid integer" in msg and "valid list" in msg

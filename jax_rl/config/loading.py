@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -61,10 +62,16 @@ _NO_LIMIT_HINTS = {
 }
 
 
+# pydantic's loc tags for the member of a union a value was tried against (``int``, ``list[int]``,
+# ``function-after[...]``): not part of the key the user wrote
+_UNION_TAG = re.compile(r"^(int|float|str|bool|none|[a-z-]+\[.*\])$")
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
+    by_key: dict = {}  # a union's members fail one by one: one line per key, their messages joined
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) or True)
+        loc = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
         loc = loc.replace("async_", "async")
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{loc}'{_suggest(loc)}")
@@ -78,7 +85,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
                 msg = "must be a finite number (no .inf / .nan)" + _NO_LIMIT_HINTS.get(loc, "")
             if not loc or isinstance(val, dict):  # a section-level rule: its message names the keys
                 lines.append(f"invalid config{' in ' + repr(loc) if loc else ''}: {msg}")
+            elif (loc, repr(val)) in by_key:
+                lines[by_key[(loc, repr(val))]] += f", or {msg[:1].lower()}{msg[1:]}"
             else:
+                by_key[(loc, repr(val))] = len(lines)
                 lines.append(f"invalid value '{loc}'={val!r}: {msg}")
     return f"{source}: " + "; ".join(lines)
 

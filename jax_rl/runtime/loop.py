@@ -101,6 +101,23 @@ class FaultHooks:
 fault_hooks: FaultHooks = FaultHooks()
 
 
+def finished_run_line(cfg: Config, run_dir: Path, start_step: int) -> Optional[str]:
+    """A resume of a run that already finished: its ``summary.json`` says it reached ``run.steps``
+    with the final eval (not interrupted, no failed rollout) and the checkpoint resumed from is at
+    ``start_step >= run.steps``. Returns the line to print (nothing is run or written: exit 0), else
+    None (a stopped or failed run resumes as usual; so does ``--step N`` of an earlier checkpoint)."""
+    if start_step < cfg.run.steps:
+        return None
+    try:
+        s = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if s.get("interrupted") or s.get("rollout_failed") or s.get("ray_failed") or int(s.get("rl_steps", -1)) < cfg.run.steps:
+        return None
+    return (f"run.dir={str(run_dir)!r} is finished (RL step {start_step} of run.steps={cfg.run.steps}, final eval in "
+            f"summary.json): nothing to do; raise run.steps to train it further")
+
+
 def sft_line(cfg: Config, ev: dict) -> str:
     """The console line after SFT's held-out eval (``sft.steps=0``: the initial policy's, no SFT ran)."""
     what = "after SFT" if cfg.sft.steps > 0 else "at the start (sft.steps=0: no SFT)"

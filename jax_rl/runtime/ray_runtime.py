@@ -750,7 +750,7 @@ def run_train_ray(cfg: Config) -> int:
     from jax_rl.model_builder import build_model_config
     from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
     from jax_rl.runtime.envs import build_env_factory, build_tokenizer
-    from jax_rl.runtime.loop import run_rl, sft_line
+    from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
     from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 
     t0 = time.perf_counter()
@@ -805,6 +805,10 @@ def run_train_ray(cfg: Config) -> int:
             meta = _ray_get(actor.restore.remote())  # one-line errors; nothing written yet
             print(meta.pop("resume_line"), flush=True)
         start_step = int(meta.get("rl_steps", 0))
+        done = finished_run_line(cfg, run_dir, start_step) if cfg.resume else None
+        if done:  # nothing to train, evaluate or write
+            print(done, flush=True)
+            return 0
         _ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
         writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                resume_step=start_step if cfg.resume else None)

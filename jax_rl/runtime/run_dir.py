@@ -14,7 +14,7 @@ log = logging.getLogger("jax_rl.runtime")
 __all__ = ["RUN_FILES", "RUN_DIRS", "resolve_run_dir", "delete_earlier_run"]
 
 
-def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = False) -> Path:
+def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = False, resumable: bool = True) -> Path:
     """``run.dir`` or ``runs/<name>-<UTC timestamp>``; with ``resume`` and no ``run.dir``, the
     newest existing ``runs/<name>-*`` dir.
 
@@ -22,7 +22,8 @@ def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = Fal
         ConfigError: ``resume=true`` and no earlier run dir exists; ``check_fresh`` (a new train or
             SFT run) and ``run.dir`` already holds a run, finished or not (any of :data:`RUN_FILES`
             or a checkpoint), without ``resume`` or ``run.overwrite`` (then
-            :func:`delete_earlier_run` clears it once the new run has passed its checks).
+            :func:`delete_earlier_run` clears it once the new run has passed its checks); the line
+            offers ``--resume`` only when ``resumable`` (``jax-rl sft`` does not resume).
     """
     name = cfg.run.name or "run"
     if cfg.run.dir:
@@ -41,9 +42,10 @@ def resolve_run_dir(cfg: Config, *, create: bool = True, check_fresh: bool = Fal
         found = [n for n in RUN_FILES if (d / n).exists()] + (["checkpoints/"] if any((d / "checkpoints").glob("*"))
                                                               else [])
         if found and not cfg.run.overwrite:
-            raise ConfigError(f"run.dir={str(d)!r} already holds a run, finished or not ({', '.join(found)}); pass "
-                              "--resume (resume=true) to continue it, --overwrite (run.overwrite=true) to delete it "
-                              "and start over, or choose another run.dir")
+            resume = "pass --resume (resume=true) to continue it, " if resumable else ""
+            raise ConfigError(f"run.dir={str(d)!r} already holds a run, finished or not ({', '.join(found)}); "
+                              f"{resume}--overwrite (run.overwrite=true) to delete it and start over, or choose "
+                              "another run.dir")
     if create:
         d.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(d)

@@ -39,7 +39,7 @@ from jax_rl.model_builder import adopt_checkpoint_layer_layout
 from jax_rl.runtime.run_dir import resolve_run_dir
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, json_safe,
                                     raise_if_disk_full, resume_rl_step)
-from jax_rl.runtime.loop import run_rl, sft_line
+from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -77,6 +77,11 @@ def run_train(cfg: Config) -> int:
         if cfg.resume:
             start_step = ctx.resume()  # every check; raises before anything is written
             print(ctx.resume_line, flush=True)
+            done = finished_run_line(cfg, C.resolve_run_dir(cfg, create=False), start_step)
+            if done:  # nothing to train, evaluate or write
+                print(done, flush=True)
+                failed = False
+                return 0
         ctx.materialize()
         if cfg.resume:
             drop_newer_checkpoints(ctx.learner, ctx.ckpt_dir, ctx.resumed_step)
@@ -110,7 +115,10 @@ def run_sft(cfg: Config) -> int:
     logging.basicConfig(level=logging.WARNING)
     if cfg.sft.steps <= 0:
         raise ConfigError("sft.steps must be > 0 for `jax-rl sft`")
-    resolve_run_dir(cfg, create=False, check_fresh=True)
+    if cfg.resume:  # SFT from scratch into the run dir asked to be continued would overwrite its checkpoint
+        raise ConfigError("resume=true: `jax-rl sft` does not resume (it starts SFT from scratch); `jax-rl train "
+                          "--resume` continues a train run, --overwrite starts this SFT over in the same run.dir")
+    resolve_run_dir(cfg, create=False, check_fresh=True, resumable=False)
     ctx = RunContext(cfg, create_dir=False)
     ctx.materialize()
     ctx.open_writer()

@@ -98,3 +98,15 @@ def test_resume_into_the_other_layer_layout_is_one_line_and_eval_reads_either(tm
     assert main(["eval", str(d), TINY_CFG, "eval.num_tasks=1", "eval.k=1"]) == 0
     out = capsys.readouterr().out
     assert "pass@1" in json.loads(out[out.index("{"):])
+
+
+@pytest.mark.parametrize("sub", ["", "checkpoints", "checkpoints/3"])
+def test_model_checkpoint_given_a_run_dir_names_the_export(tmp_path, capsys, sub):
+    """model.checkpoint takes an HF dir: a jax-rl run dir (or its checkpoints/, a step dir) gets the
+    `jax-rl export` command that makes one, as `jax-rl serve` does."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "config.yaml").write_text("x: 1\n")
+    where = run / sub if sub else run
+    err = _err(capsys, ["train", TINY_CFG, f"model.checkpoint={where}", "--dry-run"])
+    assert "is a jax-rl run's checkpoint, not an HF checkpoint" in err and f"jax-rl export {where} OUT_DIR" in err, err

@@ -94,6 +94,8 @@ def test_held_out_guard_in_the_ray_producer():
     (["preset:tiny_dense", "--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine"]),
     (["preset:nope"], ["preset:nope", "tiny_dense"]),
     (["/nonexistent/hf"], ["/nonexistent/hf"]),
+    # an engine that cannot fit: one line naming the flags (was an XLA RESOURCE_EXHAUSTED traceback)
+    (["preset:tiny_dense", "--slots", "100000000"], ["--slots 100000000 --max-len 256", "slot(s) of --max-len 256 fit"]),
 ])
 def test_serve_bad_arguments_are_one_line(capsys, argv, words):
     err = _err(capsys, ["serve", *argv])
@@ -298,3 +300,49 @@ def test_compile_json_that_cannot_be_written_fails_before_compiling(tmp_path, ca
             continue
         err = _err(capsys, ["compile", TINY_CFG, "--topology", "v5e-8", "--json", str(path)])
         assert err.startswith(f"jax-rl: config error: --json {path}") and words in err, err
+
+
+def test_finished_run_line(tmp_path):
+    """A resume of a finished run is a no-op only when summary.json says it finished (final eval
+    run: not interrupted, no failed rollout or Ray) at run.steps and the checkpoint is there too."""
+    import json
+
+    from jax_rl.runtime.loop import finished_run_line
+
+    cfg = load_config(TINY_CFG, ["run.steps=4"])
+    assert finished_run_line(cfg, tmp_path, 4) is None  # no summary.json
+    done = {"rl_steps": 4, "interrupted": False, "final_success": 0.5}
+    for summary, step, finished in ((done, 4, True), (done, 3, False), ({**done, "rl_steps": 2}, 4, False),
+                                    ({**done, "interrupted": True}, 4, False),
+                                    ({**done, "rollout_failed": "x"}, 4, False), ({**done, "ray_failed": "x"}, 4, False)):
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        line = finished_run_line(cfg, tmp_path, step)
+        assert (line is not None) == finished, (summary, step, line)
+    (tmp_path / "summary.json").write_text(json.dumps(done))
+    assert "nothing to do; raise run.steps" in finished_run_line(cfg, tmp_path, 4)
+    assert finished_run_line(load_config(TINY_CFG, ["run.steps=6"]), tmp_path, 4) is None  # extended: trains on
+    (tmp_path / "summary.json").write_text("{trunc")
+    assert finished_run_line(cfg, tmp_path, 4) is None
+
+
+@pytest.mark.parametrize("argv", [["eval", "some/run"], ["train"], ["sft"], ["compile", "--topology", "v5e-8"]])
+def test_a_missing_config_names_only_what_is_missing(capsys, argv):
+    """Overrides are optional: argparse listed them as required beside the config
+    ('the following arguments are required: config, overrides')."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.endswith("the following arguments are required: config"), err
+
+
+def test_sft_into_an_existing_run_offers_no_resume_and_refuses_one(tmp_path, capsys):
+    """`jax-rl sft` has no --resume: a run dir that holds a run is refused without suggesting it,
+    and resume=true (which would run SFT from scratch over the run's checkpoint) is refused."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("{}\n")
+    err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}"])
+    assert "already holds a run" in err and "--resume" not in err and "--overwrite" in err, err
+    err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}", "resume=true"])
+    assert "resume=true: `jax-rl sft` does not resume" in err, err
+    assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl"]

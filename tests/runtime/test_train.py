@@ -181,6 +181,13 @@ def test_resume_k2_keeps_buffer_and_counters(tmp_path):
     # each consumed group id is unique: no trajectory trained twice
     ids = [g for r in rows for g in r.get("group_ids", [])]
     assert len(ids) == len(set(ids)) == 4 * 2
+    # resuming the finished run: one line, exit 0, nothing run or written (issue 39: it re-ran the
+    # producer and the final eval, appended a second final row and rewrote summary.json)
+    files = {p.name: p.read_bytes() for p in Path(c2.run.dir).iterdir() if p.is_file()}
+    ckpts = sorted(p.name for p in (Path(c2.run.dir) / "checkpoints").iterdir())
+    assert run_train(_cfg(tmp_path, *common, "run.steps=4", "resume=true", name="r")) == 0
+    assert {p.name: p.read_bytes() for p in Path(c2.run.dir).iterdir() if p.is_file()} == files
+    assert sorted(p.name for p in (Path(c2.run.dir) / "checkpoints").iterdir()) == ckpts
 
 
 def _groups_conserved(summary):
