@@ -77,7 +77,7 @@ def run_train(cfg: Config) -> int:
         if cfg.resume:
             start_step = ctx.resume()  # every check; raises before anything is written
             print(ctx.resume_line, flush=True)
-            done = finished_run_line(cfg, C.resolve_run_dir(cfg, create=False), start_step)
+            done = finished_run_line(cfg, resolve_run_dir(cfg, create=False), start_step)
             if done:  # nothing to train, evaluate or write
                 print(done, flush=True)
                 failed = False
