@@ -313,7 +313,7 @@ def check_args(args: Any) -> None:
 
 def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str) -> None:
     """The serving engine's allocation, from its arguments alone, against the free memory
-    (:func:`jax_rl.runtime.components.available_memory_bytes`): the weights in ``dtype``, the KV cache
+    (:func:`jax_rl.runtime.resources.available_memory_bytes`): the weights in ``dtype``, the KV cache
     (layers x ``slots`` x ``max_len`` x kv heads x head_dim x 2 x the dtype's bytes) and the sampling
     buffers (float32 [slots, vocab] x 2). A lower bound of what the engine allocates.
 
@@ -322,7 +322,7 @@ def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str
             slots that would fit.
     """
     from jax_rl.models.qwen3 import count_params
-    from jax_rl.runtime.components import available_memory_bytes
+    from jax_rl.runtime.resources import available_memory_bytes
 
     mc = model_config
     item = 2 if dtype == "bfloat16" else 4
