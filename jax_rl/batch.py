@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jax_rl.advantages import compute_advantages
+from jax_rl.models.qwen3 import route_dtype
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig, Config
@@ -400,7 +401,6 @@ def _routes_field(value: Any, shape: tuple[int, int], num_experts: Optional[int]
         raise BatchError(f"batch['routes'] has expert ids outside [-1, {hi}) (min {a.min()}, max {a.max()})")
     if num_experts is None:
         return np.ascontiguousarray(a, dtype=np.int32)
-    from jax_rl.models.qwen3 import route_dtype
 
     return np.ascontiguousarray(a, dtype=route_dtype(num_experts))
 

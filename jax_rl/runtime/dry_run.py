@@ -13,6 +13,9 @@ import time
 from typing import Any, Optional
 
 from jax_rl.config import Config
+from jax_rl.model_builder import layers_stacked, learner_model_kwargs
+from jax_rl.runtime.context import RunContext
+from jax_rl.runtime.resources import kv_cache_bytes
 
 __all__ = ["dry_run", "run_dry_run"]
 
@@ -34,9 +37,6 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from jax_rl.model_builder import layers_stacked, learner_model_kwargs
-    from jax_rl.runtime.resources import kv_cache_bytes
-    from jax_rl.runtime.context import RunContext
 
     t0 = time.perf_counter()
     cfg = cfg.model_copy(deep=True)

@@ -8,6 +8,8 @@ import os
 from typing import Optional
 
 from jax_rl.config import Config, ConfigError
+from jax_rl.models.qwen3 import count_params
+from jax_rl.placement import resolve_roles
 
 __all__ = ["check_mesh", "check_kv_cache", "kv_cache_bytes", "engine_memory_bytes", "available_memory_bytes"]
 
@@ -25,7 +27,6 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
     """
     import jax
 
-    from jax_rl.placement import resolve_roles
 
     if n_devices is None:
         n_devices = jax.device_count()
@@ -100,7 +101,6 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
     """
     import jax
 
-    from jax_rl.models.qwen3 import count_params
 
     r, mc = cfg.rollout, model_config
     B = int(slots or r.slots)
