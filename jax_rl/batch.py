@@ -92,8 +92,6 @@ def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False,
     ``prox_logp`` (``prox``: a host-supplied pi_prox, ``exact``) and ``old_logp`` (``old``: the
     exact log-probs beside an approximate mode); ``routes`` = ((n_moe_layers, k), dtype): the
     recorded expert ids [*shape, n_moe_layers, k] (``moe.routing_replay``)."""
-    import jax
-
     fields = {k: jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sharding) for k, (_, dt) in BATCH_FIELDS.items()}
     for name, want in (("prox_logp", prox), ("old_logp", old)):
         if want:

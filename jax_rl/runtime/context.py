@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, resolve_checkpoint_dir, tree_nbytes
@@ -250,9 +252,6 @@ class RunContext:
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int, label: str = "eval") -> dict:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
-        import jax
-
-
         cfg = self.cfg
         t = time.perf_counter()
         if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
@@ -304,9 +303,7 @@ class RunContext:
 def _load_hf_params(cfg: Config, model_config):
     """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout: fp32, in the
     learner's layer layout (HF's ``model.layers.{i}.*`` stacked [L, ...] under ``model.scan_layers``)."""
-    import jax.numpy as jnp
     from flax import nnx
-
 
     mesh = resolve_mesh(cfg)
     # only the params are kept: fp32 (the learner's master dtype), the learner's layout
@@ -321,8 +318,6 @@ def _load_hf_params(cfg: Config, model_config):
 def _check_processes(cfg: Config) -> None:
     """Multi-process: every process generates an equal share of each step's groups (module
     :mod:`jax_rl.runtime.embedded`). Raises ConfigError (one line) when the groups do not split."""
-    import jax
-
     n = jax.process_count()
     groups = cfg.optim.batch_size // cfg.algo.group_size
     if n > 1 and groups % n:
@@ -336,8 +331,6 @@ def _check_processes(cfg: Config) -> None:
 
 def is_primary() -> bool:
     """True on JAX process 0 (the one that writes run files)."""
-    import jax
-
     return jax.process_index() == 0
 
 

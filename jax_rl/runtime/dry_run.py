@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+import jax
+import numpy as np
+
 from jax_rl.config import Config
 from jax_rl.model_builder import layers_stacked, learner_model_kwargs
 from jax_rl.runtime.context import RunContext
@@ -34,10 +37,6 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         ConfigError: everything ``jax-rl train`` would refuse before its first step (bad
             tokenizer, checkpoint, env, mesh, a KV cache larger than memory).
     """
-    import jax
-    import numpy as np
-
-
     t0 = time.perf_counter()
     cfg = cfg.model_copy(deep=True)
     cfg.resume = False  # a dry run restores nothing

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
+
 from jax_rl.config import Config, ConfigError
 from jax_rl.model_builder import rollout_model_kwargs
 from jax_rl.placement import resolve_roles
@@ -27,9 +29,6 @@ def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
         ConfigError: (one line naming the key) the placement does not resolve, or ``index`` is not an
             engine of ``rollout.threads``.
     """
-    import jax
-
-
     if roles is None:
         try:
             roles = resolve_roles(cfg)
@@ -104,9 +103,6 @@ def synced_generators(cfg: Config, model_config, learner, indices: list, version
     ONE :class:`jax_rl.weight_sync.ShardedWeightSync` push of the learner's params (a collective: every
     process calls it at the same point). Returns ``(generators, sync, keys)``: started generators at
     ``version``, the sync for later publishes, and each generator's target key in ``sync.push``'s result."""
-    import jax
-
-
     roles = resolve_roles(cfg) if roles is None else roles
     engines = [build_engine(cfg, model_config, None, temperature=temperature, engine=i, roles=roles) for i in indices]
     keys = []

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
+import jax
 import numpy as np
 
 from jax_rl import batch as B
@@ -118,8 +119,6 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
         written); 128 + signal number when stopped by a signal.
     """
-    import jax
-
     nproc = jax.process_count()
     n_groups = B.local_groups_per_step(cfg)  # this process's share
     last: dict = {}
