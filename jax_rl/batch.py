@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jax_rl.advantages import compute_advantages
+from jax_rl.models.qwen3 import route_dtype
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig, Config
@@ -91,8 +92,6 @@ def abstract_batch(shape: tuple[int, ...], sharding: Any, *, prox: bool = False,
     ``prox_logp`` (``prox``: a host-supplied pi_prox, ``exact``) and ``old_logp`` (``old``: the
     exact log-probs beside an approximate mode); ``routes`` = ((n_moe_layers, k), dtype): the
     recorded expert ids [*shape, n_moe_layers, k] (``moe.routing_replay``)."""
-    import jax
-
     fields = {k: jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sharding) for k, (_, dt) in BATCH_FIELDS.items()}
     for name, want in (("prox_logp", prox), ("old_logp", old)):
         if want:
@@ -400,7 +399,6 @@ def _routes_field(value: Any, shape: tuple[int, int], num_experts: Optional[int]
         raise BatchError(f"batch['routes'] has expert ids outside [-1, {hi}) (min {a.min()}, max {a.max()})")
     if num_experts is None:
         return np.ascontiguousarray(a, dtype=np.int32)
-    from jax_rl.models.qwen3 import route_dtype
 
     return np.ascontiguousarray(a, dtype=route_dtype(num_experts))
 

@@ -17,11 +17,6 @@ from jax_rl.config import ConfigError, load_config
 EPILOG = "Overrides: key.sub=value, e.g. loss.correction=ppo async.max_staleness=0 mesh.fsdp=4"
 
 
-def _not_built(what: str) -> int:
-    print(f"jax-rl: '{what}' is not built yet in this version", file=sys.stderr)
-    return 3
-
-
 BASE_HEADER = "# jax-rl base config:"
 
 
@@ -144,38 +139,30 @@ def cmd_train(args) -> int:
 
         return run_dry_run(cfg)
     check_writable(cfg)
-    try:
-        from jax_rl.runtime.train import run_train
-    except ImportError as e:  # pragma: no cover - only while the runtime is missing
-        return _not_built(f"train ({e})")
+    from jax_rl.runtime.train import run_train  # jax, flax, orbax: only for the commands that run
+
     return run_train(cfg)
 
 
 def cmd_sft(args) -> int:
     cfg = _load(args)
     check_writable(cfg)
-    try:
-        from jax_rl.runtime.train import run_sft
-    except ImportError as e:  # pragma: no cover
-        return _not_built(f"sft ({e})")
+    from jax_rl.runtime.train import run_sft  # jax, flax, orbax: only for the commands that run
+
     return run_sft(cfg)
 
 
 def cmd_eval(args) -> int:
     refuse_base_config(args.config)
     cfg = _checked(load_config(args.config, list(args.overrides)))
-    try:
-        from jax_rl.runtime.train import run_eval
-    except ImportError as e:  # pragma: no cover
-        return _not_built(f"eval ({e})")
+    from jax_rl.runtime.train import run_eval  # jax, flax, orbax: only for the commands that run
+
     return run_eval(cfg, args.checkpoint_dir)
 
 
 def cmd_serve(args) -> int:
-    try:
-        from rollout.serve import main as serve_main
-    except ImportError as e:  # pragma: no cover
-        return _not_built(f"serve ({e})")
+    from rollout.serve import main as serve_main  # jax and JetStream's gRPC server: only for serve
+
     return serve_main(args)
 
 
@@ -215,11 +202,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    try:
-        from jax_rl.plots import plot_runs
-    except ImportError as e:  # pragma: no cover
-        return _not_built(f"plot ({e})")
     from pathlib import Path
+
+    from jax_rl.plots import plot_runs  # matplotlib: only for plot
 
     group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
     if group_by:  # a misspelt key would group every run as "key=?" (one silent group): refuse it by name
@@ -376,6 +361,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # a broken or partial install: say which module, not "not built"
+        print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} (a broken or partial install: "
+              "pip install -e . with the extras the command needs)", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
         lrn = sys.modules.get("jax_rl.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")

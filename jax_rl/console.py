@@ -191,7 +191,7 @@ def print_summary(
 
     Args:
         summary: e.g. ``summary.json`` contents (``sft_success``, ``final_success``,
-            ``final_pass_at_k``, ``wall_s``, ``rl_steps``, buffer counters...). Nested dicts are
+            ``final_pass_at_<k>``, ``wall_s``, ``rl_steps``, buffer counters...). Nested dicts are
             shown inline.
         paths: name -> path (str/Path) or list of paths, e.g. ``{"run dir": ..., "metrics":
             ".../metrics.jsonl", "checkpoints": ..., "plots": [png, ...]}``. Lists get one row each.

@@ -95,17 +95,19 @@ Token metrics are means over VALID tokens (loss_mask); at a valid token with non
 behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Each metric declares how
 it combines over microbatches (:data:`METRIC_REDUCTIONS`: sums for counts, max/min for extremes,
 means weighted by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` recomputed), and
-:func:`combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
+:func:`jax_rl.reductions.combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax_rl.reductions import MAX, MIN, SUM, Reduction
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import LossConfig
@@ -115,9 +117,6 @@ __all__ = [
     "loss_denominator",
     "train_infer_factor",
     "TrainInfer",
-    "combine_metrics",
-    "combine_updates",
-    "Reduction",
     "METRIC_REDUCTIONS",
     "STALENESS_MAX_BUCKET",
 ]
@@ -491,31 +490,10 @@ def policy_loss(
 
 
 # --------------------------------------------------------------------------------------
-# Combining microbatch metrics
+# Each metric's reduction (jax_rl.reductions)
 # --------------------------------------------------------------------------------------
 
-class Reduction(NamedTuple):
-    """How one metric combines over the microbatches of a minibatch (each metric declares one in
-    :data:`METRIC_REDUCTIONS`; nothing is inferred from its name). Over processes nothing is left to
-    combine: the step runs under ``jit`` on the global batch, so every sum / max / mean in
-    :func:`policy_loss` already spans every process's rows. Over the optimizer updates of one step the
-    train step averages each metric (:attr:`over_updates`).
 
-    Attributes:
-        kind: ``sum`` (counts), ``max`` / ``min`` (extremes), ``mean`` (a mean weighted by the count
-            metric :attr:`weight`), ``ess`` (``is_weight_mean**2 / is_weight_sq_mean`` recomputed
-            from the combined means) or ``update`` (one value per optimizer update, such as the loss
-            or the gradient norm: never a microbatch metric).
-        weight: the count metric a ``mean`` is weighted by.
-        over_updates: ``mean`` or ``sum`` over the step's optimizer updates.
-    """
-
-    kind: str
-    weight: Optional[str] = None
-    over_updates: str = "mean"
-
-
-SUM, MAX, MIN = Reduction("sum"), Reduction("max"), Reduction("min")
 TOKEN_MEAN = Reduction("mean", "valid_tokens")
 
 
@@ -561,73 +539,5 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     "prox_abs_err_mean": TOKEN_MEAN,
     "prox_abs_err_max": MAX,
 }
-"""The declared :class:`Reduction` of every metric :func:`policy_loss` returns. A caller adding
-metrics of its own passes their reductions to :func:`combine_metrics`."""
-
-
-def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any],
-                    reductions: Optional[Mapping[str, Reduction]] = None) -> dict[str, jax.Array]:
-    """Combine per-microbatch metrics into full-batch metrics (jit-able), each by its declared
-    :class:`Reduction`.
-
-    Args:
-        parts: a list of metric dicts from :func:`policy_loss`, or one dict whose values are
-            stacked along a leading axis (e.g. the output of ``lax.scan``).
-        reductions: the declarations (default :data:`METRIC_REDUCTIONS`); a caller with metrics
-            of its own passes ``{**METRIC_REDUCTIONS, **its_own}``.
-
-    Returns:
-        dict with the same keys: counts summed, extremes max/min-ed, means weighted by their
-        declared count, ``ess_frac`` recomputed. A mean whose total weight is 0 takes the first
-        part's value.
-
-    Raises:
-        ValueError: a metric without a declared reduction (named), or a mean whose weight metric
-            is missing.
-    """
-    reductions = METRIC_REDUCTIONS if reductions is None else reductions
-    if isinstance(parts, Mapping):
-        stacked = {k: jnp.asarray(v, jnp.float32) for k, v in parts.items()}
-    else:
-        parts = list(parts)
-        stacked = {k: jnp.stack([jnp.asarray(p[k], jnp.float32) for p in parts]) for k in parts[0]}
-    undeclared = sorted(k for k in stacked if k not in reductions)
-    if undeclared:
-        raise ValueError(f"metrics {undeclared} have no declared reduction: add them to the reductions passed to "
-                         "combine_metrics (jax_rl.losses.METRIC_REDUCTIONS for policy_loss's own)")
-    out: dict[str, jax.Array] = {}
-    for k, v in stacked.items():
-        red = reductions[k]
-        if red.kind == "sum":
-            out[k] = jnp.sum(v)
-        elif red.kind == "max":
-            out[k] = jnp.max(v)
-        elif red.kind == "min":
-            out[k] = jnp.min(v)
-        elif red.kind == "mean":
-            if red.weight not in stacked:
-                raise ValueError(f"metric {k!r} is a mean weighted by {red.weight!r}, which is not among the metrics")
-            w = stacked[red.weight]
-            W = jnp.sum(w)
-            out[k] = jnp.where(W > 0, jnp.sum(w * v) / jnp.maximum(W, 1e-30), v[0])
-        elif red.kind != "ess":
-            raise ValueError(f"metric {k!r}: a {red.kind!r} metric is not combined over microbatches")
-    for k, v in stacked.items():
-        if reductions[k].kind == "ess":
-            out[k] = out["is_weight_mean"] ** 2 / jnp.maximum(out["is_weight_sq_mean"], 1e-30)
-    return out
-
-
-def combine_updates(per_update: Mapping[str, jax.Array],
-                    reductions: Optional[Mapping[str, Reduction]] = None) -> dict[str, jax.Array]:
-    """Combine metrics stacked over a step's optimizer updates (leading axis), each by its declared
-    :attr:`Reduction.over_updates` (``mean`` or ``sum``).
-
-    Raises:
-        ValueError: a metric without a declared reduction (named).
-    """
-    reductions = METRIC_REDUCTIONS if reductions is None else reductions
-    undeclared = sorted(k for k in per_update if k not in reductions)
-    if undeclared:
-        raise ValueError(f"metrics {undeclared} have no declared reduction over the step's updates")
-    return {k: (jnp.sum(v) if reductions[k].over_updates == "sum" else jnp.mean(v)) for k, v in per_update.items()}
+"""The declared :class:`~jax_rl.reductions.Reduction` of every metric :func:`policy_loss` returns. A
+caller adding metrics of its own passes theirs beside these to :func:`jax_rl.reductions.combine_metrics`."""

@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.checkpoint import describe_model, model_name, saved_layer_layout
 from jax_rl.config import Config, ConfigError
 from jax_rl.models.expert_parallel import resolve_moe_matmul
+from jax_rl.models.hf_io import CheckpointError, read_safetensors_index
+from jax_rl.models.hf_io import check_tensors as check
 from jax_rl.models.qwen3 import PRESETS, Qwen3Config, Qwen3ForCausalLM, get_preset, model_kwargs, resolve_attention
 from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
@@ -105,8 +108,6 @@ def resolve_model_config(model_cfg, model_config: Optional[Any] = None, *, check
         except (TypeError, ValueError, KeyError) as e:
             raise ConfigError(f"model.checkpoint: {f}: {e}") from None
         if check_tensors:
-            from jax_rl.models.hf_io import CheckpointError, check_tensors as check, read_safetensors_index
-
             try:
                 check(mc, read_safetensors_index(model_cfg.checkpoint))
             except CheckpointError as e:
@@ -246,8 +247,6 @@ def build_model_config(cfg: Config, tokenizer=None):
             config.json that is not a JSON object or lacks :data:`jax_rl.model_builder.HF_REQUIRED_FIELDS`, or
             safetensors that are missing, truncated or do not match the config.
     """
-    from jax_rl.model_builder import resolve_model_config
-
     mc = resolve_model_config(cfg.model, check_tensors=True)
     _check_resumed_model(cfg, mc)
     if tokenizer is not None and tokenizer.vocab_size > mc.vocab_size:
@@ -265,7 +264,6 @@ def _check_resumed_model(cfg: Config, mc) -> None:
     The checkpoint's own metadata is checked again at restore (``check_compatible``)."""
     if not cfg.resume or not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
         return
-    from jax_rl.models.qwen3 import get_preset
 
     try:
         import yaml
@@ -278,7 +276,6 @@ def _check_resumed_model(cfg: Config, mc) -> None:
         return
     if saved.to_hf() == mc.to_hf():
         return
-    from jax_rl.checkpoint import describe_model, model_name
 
     raise ConfigError(
         f"resume: the run in run.dir={cfg.run.dir!r} was written for "
@@ -317,9 +314,6 @@ def adopt_checkpoint_layer_layout(cfg: Config, ckpt_dir: Any, step: Optional[int
     one (e.g. a run saved before train honoured ``model.scan_layers``). Returns the one-line note
     to print, or None when nothing changed (same layout, or the layout cannot be read). A resume
     never adopts: :meth:`jax_rl.checkpoint.Checkpointer.check_layer_layout` refuses it."""
-    from jax_rl.checkpoint import saved_layer_layout
-    from jax_rl.model_builder import layers_stacked, resolve_model_config
-
     have = saved_layer_layout(ckpt_dir, step)
     if have is None:
         return None

@@ -17,13 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_rl.batch import validate_batch
 from jax_rl.config import Config, ConfigError
 from jax_rl.correction import tree_finite, tree_where
 from jax_rl.learner_spec import make_sft_optimizer
 from jax_rl.train_step import make_logprob_fn, opt_state_shardings
+from rollout.agent import sft_example
 
 __all__ = ["SFT_FIELDS", "make_sft_step", "SftRunner"]
 
@@ -113,8 +115,6 @@ class SftRunner:
 def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """Reference-solver demonstrations rendered with the chat template: (tokens, loss_mask) pairs,
     assistant tokens only in the mask. Seeds are training seeds (below ``eval.seed_offset``)."""
-    from rollout.agent import sft_example
-
     env = env_factory()
     out = []
     for i in range(n):

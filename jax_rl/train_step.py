@@ -49,6 +49,7 @@ from jax_rl import losses
 from jax_rl.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.correction import Correction, tree_finite, tree_where
+from jax_rl.reductions import SUM, Reduction, combine_metrics, combine_updates
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
 
@@ -200,7 +201,6 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
     ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
     from jax_rl.logprobs import sequence_logprobs
-
     from jax_rl.models.qwen3 import unstack_routes
 
     def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None,
@@ -333,23 +333,23 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
     else:
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox, ti))
-        metr = losses.combine_metrics(metr, STEP_REDUCTIONS)
+        metr = combine_metrics(metr, STEP_REDUCTIONS)
     return loss, grads, _with_moe_frac(metr) if moe else metr
 
 
-STEP_REDUCTIONS: dict[str, losses.Reduction] = {
+STEP_REDUCTIONS: dict[str, Reduction] = {
     **losses.METRIC_REDUCTIONS,
-    "moe_dropped_copies": losses.SUM,  # the MoE layers' capacity drops in the gradient forward (counts)
-    "moe_copies": losses.SUM,
-    "moe_dropped_frac": losses.Reduction("update"),  # recomputed from the two counts
-    "loss": losses.Reduction("update"),
-    "grad_norm": losses.Reduction("update"),
-    "lr": losses.Reduction("update"),
-    "nonfinite_updates": losses.Reduction("update", over_updates="sum"),
+    "moe_dropped_copies": SUM,  # the MoE layers' capacity drops in the gradient forward (counts)
+    "moe_copies": SUM,
+    "moe_dropped_frac": Reduction("update"),  # recomputed from the two counts
+    "loss": Reduction("update"),
+    "grad_norm": Reduction("update"),
+    "lr": Reduction("update"),
+    "nonfinite_updates": Reduction("update", over_updates="sum"),
 }
 """The declared reduction of every metric one optimizer update yields: :func:`jax_rl.losses.policy_loss`'s
-and the train step's own (:func:`jax_rl.losses.combine_metrics` over microbatches,
-:func:`jax_rl.losses.combine_updates` over the step's updates)."""
+and the train step's own (:func:`jax_rl.reductions.combine_metrics` over microbatches,
+:func:`jax_rl.reductions.combine_updates` over the step's updates)."""
 
 
 def _with_moe_frac(metrics: dict) -> dict:
@@ -424,7 +424,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         (params, opt_state, opt_step), metr = lax.scan(
             one_update, (params0, state.opt_state, state.step), jnp.arange(n_up, dtype=jnp.int32)
         )
-        metrics = losses.combine_updates(metr, STEP_REDUCTIONS)
+        metrics = combine_updates(metr, STEP_REDUCTIONS)
         if "moe_dropped_frac" in metrics:  # pooled over the updates, not a mean of their fractions
             metrics = _with_moe_frac(metrics)
         cstate, after = strategy.after_update(params, cstate)

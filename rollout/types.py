@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -19,22 +19,28 @@ ROUTE_MISSING = -1
 learner's MoE block routes it by its own router."""
 
 
-def json_safe(x: Any) -> Any:
-    """Recursively turn numpy scalars/arrays, tuples and sets into JSON-serialisable values.
+def json_safe(x: Any, default: Optional[Callable[[Any], Any]] = None) -> Any:
+    """Recursively turn numpy / jax scalars and arrays, tuples and sets into JSON-serialisable values
+    (dict keys as ``str``). The one conversion: ``Trajectory.info`` (strict), run summaries and
+    checkpoint metadata (``default=str``).
+
+    Args:
+        default: what a value with no JSON form becomes (e.g. ``str``); None raises.
 
     Raises:
-        TypeError: a value that has no JSON form (e.g. an arbitrary object).
+        TypeError: (``default`` None) a value that has no JSON form (e.g. an arbitrary object).
     """
     if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v, default) for k, v in x.items()}
     if isinstance(x, (list, tuple, set, frozenset)):
-        return [json_safe(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.generic):
-        return x.item()
+        return [json_safe(v, default) for v in x]
+    if isinstance(x, (np.ndarray, np.generic)) or (hasattr(x, "__array__") and not isinstance(x, (str, bytes))):
+        a = np.asarray(x)
+        return a.item() if a.ndim == 0 else a.tolist()
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
+    if default is not None:
+        return default(x)
     raise TypeError(f"value of type {type(x).__name__} is not JSON-serialisable: {x!r}")
 
 
@@ -69,7 +75,6 @@ class Completion:
     versions: list[int]
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
-    old_logp: Optional[np.ndarray] = None
     routes: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:

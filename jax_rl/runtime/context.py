@@ -10,7 +10,7 @@ Both runtimes (the embedded one in :mod:`jax_rl.runtime.train` and the Ray one i
 * :func:`start_of_run_lines`: the one place that prints the start-of-run lines (preflight warnings).
 * :class:`StopFlag`, :func:`signal_exit_code`: Ctrl-C / SIGTERM finish the step, then exit 130 / 143.
 * :func:`raise_if_disk_full`: a full disk anywhere ends the run in one line.
-* :func:`resume_rl_step`, :func:`drop_newer_checkpoints`, :func:`json_safe`.
+* :func:`resume_rl_step`, :func:`drop_newer_checkpoints`.
 """
 
 from __future__ import annotations
@@ -23,21 +23,30 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_rl.checkpoint import resolve_checkpoint_dir
+from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, resolve_checkpoint_dir, tree_nbytes
 from jax_rl.config import Config, ConfigError, dump_config
-from jax_rl.model_builder import build_model_config
+from jax_rl.console import TrainProgress
+from jax_rl.evaluation import eval_seeds, summarize_eval
+from jax_rl.learner import Learner, initialize_distributed
+from jax_rl.metrics import MetricsWriter, sanitize
+from jax_rl.model_builder import build_model_config, learner_model_kwargs, resolve_mesh
+from jax_rl.models.hf_io import CheckpointError, load_pretrained
 from jax_rl.runtime import engines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
 from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 from jax_rl.sft import pad_examples, sft_examples
+from rollout.agent import AgentLoop
+from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
 
 __all__ = ["RunContext", "StopFlag", "TIMING_KEYS", "start_of_run_lines", "signal_exit_code", "raise_if_disk_full",
-           "resume_rl_step", "drop_newer_checkpoints", "json_safe", "is_primary"]
+           "resume_rl_step", "drop_newer_checkpoints", "is_primary"]
 
 # metrics that depend on wall-clock time (excluded when comparing runs for reproducibility)
 TIMING_KEYS = ("wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s",
@@ -110,7 +119,6 @@ class RunContext:
         self.env_factory = build_env_factory(cfg)
         self.tokenizer = build_tokenizer(cfg, self.env_factory)
         self.model_config = build_model_config(cfg, self.tokenizer)
-        from jax_rl.learner import Learner, initialize_distributed
 
         initialize_distributed(cfg.runtime)  # before anything asks jax about devices
         _check_processes(cfg)
@@ -159,7 +167,7 @@ class RunContext:
         self.meta["rl_steps"] = int(rl_step)
         if self.writer is not None:
             self.writer.flush()
-        self.learner.save(self.ckpt_dir, extra_metadata=json_safe(self.meta), rl_step=int(rl_step))
+        self.learner.save(self.ckpt_dir, extra_metadata=json_safe(self.meta, default=str), rl_step=int(rl_step))
         if wait:
             self.learner.wait_for_checkpoints()
 
@@ -168,8 +176,6 @@ class RunContext:
                     wandb: Optional[bool] = None):
         """Open the run's :class:`~jax_rl.metrics.MetricsWriter`; ``resume_step`` drops the rows
         (JSONL and TensorBoard) of steps after it, left by the run being resumed."""
-        from jax_rl.metrics import MetricsWriter
-
         lg = self.cfg.logging
         self.writer = MetricsWriter(self.run_dir, tensorboard=lg.tensorboard if tensorboard is None else tensorboard,
                                     wandb=lg.wandb if wandb is None else wandb, is_primary=is_primary(),
@@ -218,7 +224,6 @@ class RunContext:
         demos = sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
         rng = np.random.default_rng(cfg.run.seed)
         last: dict = {}
-        from jax_rl.console import TrainProgress
 
         with TrainProgress(steps, enabled=progress and cfg.logging.progress, description="SFT") as bar:
             for s in range(steps):
@@ -233,8 +238,6 @@ class RunContext:
         return last
 
     def _sft_log(self, step: int, metrics: dict) -> None:
-        from jax_rl.metrics import sanitize
-
         with open(self.run_dir / "sft.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **sanitize(metrics)[0]}) + "\n")
 
@@ -249,11 +252,6 @@ class RunContext:
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int, label: str = "eval") -> dict:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
-        import jax
-
-        from jax_rl.evaluation import eval_seeds, summarize_eval
-        from rollout.agent import AgentLoop
-
         cfg = self.cfg
         t = time.perf_counter()
         if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
@@ -305,11 +303,7 @@ class RunContext:
 def _load_hf_params(cfg: Config, model_config):
     """Params of ``model.checkpoint`` read tensor by tensor into their sharded layout: fp32, in the
     learner's layer layout (HF's ``model.layers.{i}.*`` stacked [L, ...] under ``model.scan_layers``)."""
-    import jax.numpy as jnp
     from flax import nnx
-
-    from jax_rl.models.hf_io import CheckpointError, load_pretrained
-    from jax_rl.model_builder import learner_model_kwargs, resolve_mesh
 
     mesh = resolve_mesh(cfg)
     # only the params are kept: fp32 (the learner's master dtype), the learner's layout
@@ -324,8 +318,6 @@ def _load_hf_params(cfg: Config, model_config):
 def _check_processes(cfg: Config) -> None:
     """Multi-process: every process generates an equal share of each step's groups (module
     :mod:`jax_rl.runtime.embedded`). Raises ConfigError (one line) when the groups do not split."""
-    import jax
-
     n = jax.process_count()
     groups = cfg.optim.batch_size // cfg.algo.group_size
     if n > 1 and groups % n:
@@ -339,8 +331,6 @@ def _check_processes(cfg: Config) -> None:
 
 def is_primary() -> bool:
     """True on JAX process 0 (the one that writes run files)."""
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -363,17 +353,10 @@ def drop_newer_checkpoints(learner, ckpt_dir: Path, restored_step: int) -> None:
               flush=True)
 
 
-def json_safe(d: Any) -> Any:
-    """``d`` as plain JSON types (numpy scalars via ``.item()``, anything else as ``str``)."""
-    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
 def raise_if_disk_full(e: BaseException, run_dir: Path, ckpt_dir: Path, learner=None) -> None:
     """A full disk, wherever it struck (a checkpoint, metrics.jsonl, TensorBoard, summary), ends
     the run with one line naming the run dir, the bytes a checkpoint needs and the last good
     checkpoint (raised as ``CheckpointDiskFullError``). Anything else: returns."""
-    from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_space, tree_nbytes
-
     if isinstance(e, CheckpointDiskFullError):
         raise CheckpointDiskFullError(f"run dir {run_dir}: {e}") from None
     if not is_no_space(e):

@@ -12,7 +12,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+import jax
+import numpy as np
+
 from jax_rl.config import Config
+from jax_rl.model_builder import layers_stacked, learner_model_kwargs
+from jax_rl.runtime.context import RunContext
+from jax_rl.runtime.resources import kv_cache_bytes
 
 __all__ = ["dry_run", "run_dry_run"]
 
@@ -31,13 +37,6 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         ConfigError: everything ``jax-rl train`` would refuse before its first step (bad
             tokenizer, checkpoint, env, mesh, a KV cache larger than memory).
     """
-    import jax
-    import numpy as np
-
-    from jax_rl.model_builder import layers_stacked, learner_model_kwargs
-    from jax_rl.runtime.resources import kv_cache_bytes
-    from jax_rl.runtime.context import RunContext
-
     t0 = time.perf_counter()
     cfg = cfg.model_copy(deep=True)
     cfg.resume = False  # a dry run restores nothing

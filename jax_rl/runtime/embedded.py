@@ -43,9 +43,13 @@ import jax
 
 from jax_rl.batch import local_groups_per_step
 from jax_rl.config import Config
+from jax_rl.old_logits import ScoringQueue
+from jax_rl.placement import resolve_roles
 from jax_rl.runtime import engines
-from jax_rl.runtime.loop import EpisodeGuard
-from jax_rl.runtime.loop import WeightSyncClock, buffer_columns
+from jax_rl.runtime.loop import EpisodeGuard, WeightSyncClock, buffer_columns
+from jax_rl.weight_sync import allgather_json
+from rollout.agent import AgentLoop
+from rollout.buffer import TrajectoryBuffer
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -284,9 +288,6 @@ class EmbeddedProducer:
     """
 
     def __init__(self, ctx, meta: Optional[dict] = None):
-        from rollout.agent import AgentLoop
-        from rollout.buffer import TrajectoryBuffer
-
         cfg = ctx.cfg
         meta = _own_state(meta or {})
         self._learner = ctx.learner
@@ -314,7 +315,6 @@ class EmbeddedProducer:
                 self._score_restored()
         # engine i on its own mesh (placement.rollout / rollout.mesh; colocated: all on device 0); with
         # placement a process builds the engines whose devices it owns (all of them in one process)
-        from jax_rl.placement import resolve_roles
 
         roles = resolve_roles(cfg)
         mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
@@ -347,8 +347,6 @@ class EmbeddedProducer:
                                       episode_errors=prod.get("episode_errors", 0))
         self.scoring = None
         if self.scorer is not None:
-            from jax_rl.old_logits import ScoringQueue
-
             self.scoring = ScoringQueue(self.retirer or self.scorer, self.manager.on_scored,
                                         cfg.old_logits.max_queued_groups)
             self.manager.scoring = self.scoring
@@ -457,7 +455,6 @@ class EmbeddedProducer:
                "producer": self.manager.state()}
         if jax.process_count() == 1:
             return own
-        from jax_rl.weight_sync import allgather_json
 
         every = allgather_json({k: own[k] for k in ("buffer", "producer")}, timeout_s=self.cfg.runtime.peer_timeout_s,
                                what="producer state")

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
+
 from jax_rl.config import Config, ConfigError
+from jax_rl.model_builder import rollout_model_kwargs
+from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
+from jax_rl.sharding import make_mesh
+from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
+from rollout.engine import Qwen3Engine
+from rollout.generator import Generator
 
 __all__ = ["engine_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
 
@@ -21,11 +29,6 @@ def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
         ConfigError: (one line naming the key) the placement does not resolve, or ``index`` is not an
             engine of ``rollout.threads``.
     """
-    import jax
-
-    from jax_rl.placement import resolve_roles
-    from jax_rl.sharding import make_mesh
-
     if roles is None:
         try:
             roles = resolve_roles(cfg)
@@ -67,8 +70,6 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
 def new_generator(cfg: Config, eng, version: int):
     """An unstarted :class:`rollout.generator.Generator` over ``eng`` with the run's rollout knobs
     (``rollout.partial``, ``decode_steps``, ``keep_kv``, ``prefill_tokens_per_step``, ``prefix_cache``)."""
-    from rollout.generator import Generator
-
     r = cfg.rollout
     return Generator(eng, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
                      prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
@@ -78,9 +79,6 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
                  slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None):
     """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
     ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
-    from jax_rl.model_builder import rollout_model_kwargs
-    from rollout.engine import Qwen3Engine
-
     r = cfg.rollout
     return Qwen3Engine(
         model_config,
@@ -105,11 +103,6 @@ def synced_generators(cfg: Config, model_config, learner, indices: list, version
     ONE :class:`jax_rl.weight_sync.ShardedWeightSync` push of the learner's params (a collective: every
     process calls it at the same point). Returns ``(generators, sync, keys)``: started generators at
     ``version``, the sync for later publishes, and each generator's target key in ``sync.push``'s result."""
-    import jax
-
-    from jax_rl.placement import resolve_roles
-    from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
-
     roles = resolve_roles(cfg) if roles is None else roles
     engines = [build_engine(cfg, model_config, None, temperature=temperature, engine=i, roles=roles) for i in indices]
     keys = []

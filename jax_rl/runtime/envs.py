@@ -11,7 +11,14 @@ import numpy as np
 
 from jax_rl.config import Config, ConfigError
 from jax_rl.config.schema import BPE_CORPUS_DEMOS  # the bpe tokenizer's demos (the held-out guard counts them)
+from jax_rl.model_builder import resolve_model_config
+from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
 from jax_rl.runtime.engines import build_generator
+from rollout.agent import demo_chat
+from rollout.envs import RetailEnv, env_factory_from_config
+from rollout.envs.base import BaseEnv
+from rollout.envs.calculator import _get_dataset, check_dataset_config
+from rollout.envs.tau2 import ModelUser, TicketUser, load_domain
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -35,8 +42,6 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
         ConfigError: naming ``model.tokenizer``: no tokenizer.json at the path, a file that is not a
             tokenizer.json, or a tokenizer without the Qwen3 chat tokens.
     """
-    from jax_rl.models.tokenizer import load_tokenizer
-
     if cfg.model.tokenizer != "bpe":
         try:
             return load_tokenizer(cfg.model.tokenizer)
@@ -55,9 +60,6 @@ def build_tokenizer(cfg: Config, env_factory: Optional[Callable[[], Any]] = None
 
 
 def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
-    from jax_rl.models.tokenizer import render_chat_text, train_bpe_tokenizer
-    from rollout.agent import demo_chat
-
     env = env_factory()
     texts = [render_chat_text(*demo_chat(env, cfg.env.train_seed_offset + i, cfg.rollout.render_tools),
                               preserve_thinking=True)
@@ -73,8 +75,6 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
         ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
             ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob.
     """
-    from rollout.envs import env_factory_from_config
-
     _check_env(cfg)
     if cfg.env.name == "tau2":
         return _tau2_env_factory(cfg, user_simulator_factory)
@@ -105,8 +105,6 @@ class Tau2UserModel:
         self.generator, self.tokenizer = generator, tokenizer
 
     def __call__(self) -> Any:
-        from rollout.envs.tau2 import ModelUser, TicketUser
-
         if self.generator is None:
             return TicketUser()
         um = self.cfg.env.tau2.user_model
@@ -119,9 +117,6 @@ class Tau2UserModel:
 def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
     """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
     handle (the factory's ``user_model`` attribute) unless one is given."""
-    from rollout.envs import env_factory_from_config
-    from rollout.envs.tau2 import load_domain
-
     try:
         load_domain(cfg.env.tau2.domain)
     except ImportError as e:
@@ -162,8 +157,6 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     um = cfg.env.tau2.user_model
     mc, params = model_config, None
     if um.checkpoint:
-        from jax_rl.model_builder import resolve_model_config
-
         if load_params is None:
             raise ValueError("start_tau2_user_model: env.tau2.user_model.checkpoint needs load_params")
         ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": um.checkpoint,
@@ -195,9 +188,6 @@ def _check_env(cfg: Config) -> None:
     if env.name == "tau2":  # its knobs are checked by its schema and by building one env
         return
     if env.name == "retail":
-        from rollout.envs import RetailEnv
-        from rollout.envs.base import BaseEnv
-
         known = {n for c in (RetailEnv, BaseEnv) for n, prm in inspect.signature(c.__init__).parameters.items()
                  if n != "self" and prm.kind is prm.POSITIONAL_OR_KEYWORD} - {"tool_latency_s", "tool_latency_dist"}
         for k in env.retail:
@@ -206,7 +196,6 @@ def _check_env(cfg: Config) -> None:
                                   f"{sorted(known)})")
         return
     import reasoning_gym.factory as rg
-    from rollout.envs.calculator import _get_dataset
 
     for name in env.datasets:
         if name not in rg.DATASETS:
@@ -214,7 +203,6 @@ def _check_env(cfg: Config) -> None:
     for name in env.dataset_config:
         if name not in env.datasets:
             raise ConfigError(f"env.dataset_config.{name} names a dataset not in env.datasets={env.datasets}")
-    from rollout.envs.calculator import check_dataset_config
 
     for name in env.datasets:
         try:  # the dataset's own knob schema (reasoning-gym's config dataclass): names the knob and value

@@ -35,11 +35,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
+import jax
 import numpy as np
 
 from jax_rl import batch as B
 from jax_rl.config import Config
-from jax_rl.runtime.context import StopFlag, json_safe, signal_exit_code
+from jax_rl.console import TrainProgress, print_summary
+from jax_rl.metrics import read_jsonl
+from jax_rl.runtime.context import StopFlag, signal_exit_code
+from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -132,15 +136,12 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
         written); 128 + signal number when stopped by a signal.
     """
-    import jax
-
     nproc = jax.process_count()
     n_groups = B.local_groups_per_step(cfg)  # this process's share
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
     cpu0 = time.process_time()  # this process's CPU seconds, all threads (cpu_s: load-independent work)
-    from jax_rl.console import TrainProgress
 
     try:
         producer.start()
@@ -192,7 +193,6 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         "sft_success": sft_success,
         "final_success": final.get("success"),
         f"final_pass_at_{k}": final.get(f"pass@{k}"),
-        "final_pass_at_k": final.get(f"pass@{k}"),
         f"final_avg_at_{k}": final.get(f"avg@{k}"),
         "wall_s": time.perf_counter() - t0,
         "rl_steps": rl_steps,
@@ -216,14 +216,13 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
 
 def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
     """End of a train run: ``summary.json``, the plots, the console summary."""
-    (run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(json_safe(summary, default=str), indent=2))
     try:
         from jax_rl.plots import plot_runs
 
         plot_runs([run_dir])
     except Exception as e:  # plotting must never lose a finished run
         log.warning("plotting failed: %r", e)
-    from jax_rl.console import print_summary
 
     print_summary(summary, {"run dir": run_dir, "metrics": run_dir / "metrics.jsonl",
                             "eval": run_dir / "eval.jsonl", "checkpoints": ckpt_dir,
@@ -231,18 +230,18 @@ def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
 
 
 def _mean_metric(run_dir: Path, key: str) -> Optional[float]:
-    from jax_rl.metrics import read_jsonl
-
     vals = [r[key] for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get(key), (int, float))]
     return float(np.mean(vals)) if vals else None
 
 
 def buffer_columns(stats: dict, episode_errors: int, *, row: bool) -> dict:
     """The buffer / episode counters of a metrics row (``buffer/<k>``) or of the summary
-    (``buffer_<k>``); both runtimes' producers report them through this."""
+    (``buffer_<k>``); both runtimes' producers report them through this. A row also carries
+    ``dropped_overlong`` on its own (the console's and the plots' column); the summary has it once, as
+    ``buffer_dropped_overlong``."""
     sep = "/" if row else "_"
-    return {"episode_errors": int(episode_errors), "dropped_overlong": stats["dropped_overlong"],
-            **{f"buffer{sep}{k}": v for k, v in stats.items()}}
+    own = {"dropped_overlong": stats["dropped_overlong"]} if row else {}
+    return {"episode_errors": int(episode_errors), **own, **{f"buffer{sep}{k}": v for k, v in stats.items()}}
 
 
 class WeightSyncClock:

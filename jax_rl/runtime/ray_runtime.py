@@ -504,9 +504,9 @@ class RemoteLearner:
 
     def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None:
         """Always committed before it returns (the actor waits)."""
-        from jax_rl.runtime.context import json_safe
+        from rollout.types import json_safe
 
-        _ray_get(self.actor.save.remote(int(rl_step), json_safe(meta or {})))
+        _ray_get(self.actor.save.remote(int(rl_step), json_safe(meta or {}, default=str)))
 
 
 class RayProducer:

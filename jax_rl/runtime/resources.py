@@ -7,7 +7,11 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import jax
+
 from jax_rl.config import Config, ConfigError
+from jax_rl.models.qwen3 import count_params
+from jax_rl.placement import resolve_roles
 
 __all__ = ["check_mesh", "check_kv_cache", "kv_cache_bytes", "engine_memory_bytes", "available_memory_bytes"]
 
@@ -23,10 +27,6 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
             not equal the device count (or, with a -1 axis, does not divide it); naming the
             ``placement.*`` / ``rollout.mesh.*`` key when the roles do not fit the devices.
     """
-    import jax
-
-    from jax_rl.placement import resolve_roles
-
     if n_devices is None:
         n_devices = jax.device_count()
     left = ""
@@ -63,8 +63,6 @@ def kv_cache_bytes(cfg: Config, model_config, slots: Optional[int] = None) -> in
 def available_memory_bytes() -> tuple[int, str]:
     """(bytes, where): free host RAM on the CPU backend, else the summed ``bytes_limit`` minus
     ``bytes_in_use`` of the local accelerators (host RAM when the backend reports no stats)."""
-    import jax
-
     if jax.default_backend() != "cpu":
         total = 0
         for d in jax.local_devices():
@@ -98,10 +96,6 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
       models: within 4% of this figure, never above it);
     * ``per_slot``: the bytes each slot adds (everything but ``params``), ``total``.
     """
-    import jax
-
-    from jax_rl.models.qwen3 import count_params
-
     r, mc = cfg.rollout, model_config
     B = int(slots or r.slots)
     itemsize = 2 if r.dtype == "bfloat16" else 4

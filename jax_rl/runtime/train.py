@@ -34,12 +34,14 @@ import logging
 import sys
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
-from jax_rl.config import Config, ConfigError
+from jax_rl.config import Config, ConfigError, load_config
 from jax_rl.model_builder import adopt_checkpoint_layer_layout
-from jax_rl.runtime.run_dir import resolve_run_dir
-from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, json_safe,
-                                    raise_if_disk_full, resume_rl_step)
+from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, raise_if_disk_full,
+                                    resume_rl_step)
+from jax_rl.runtime.embedded import EmbeddedProducer
 from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
+from jax_rl.runtime.run_dir import resolve_run_dir
+from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -88,8 +90,6 @@ def run_train(cfg: Config) -> int:
         ctx.open_writer(resume_step=start_step if cfg.resume else None)
         if not ctx.meta.get("sft_done"):
             print(sft_line(cfg, ctx.sft_and_eval()))
-        from jax_rl.runtime.embedded import EmbeddedProducer
-
         producer = EmbeddedProducer(ctx, ctx.meta)
         rc = run_rl(cfg, ctx, producer, ctx.writer, stop, start_step=start_step, pad_id=ctx.tokenizer.pad_id,
                     sft_success=ctx.meta.get("sft_success"), run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir, t0=ctx.t0)
@@ -126,7 +126,7 @@ def run_sft(cfg: Config) -> int:
         ev = ctx.sft_and_eval()
         ctx.save(0, wait=True)
         out = json_safe({"sft_success": ev["success"], "sft_loss": ctx.meta["sft_metrics"].get("sft_loss"),
-                         "checkpoints": str(ctx.ckpt_dir)})
+                         "checkpoints": str(ctx.ckpt_dir)}, default=str)
         (ctx.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         print(json.dumps(out, indent=2))
         return 0
@@ -152,8 +152,6 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     Raises:
         FileNotFoundError: no checkpoint at ``checkpoint_dir`` (the CLI: one line naming it, exit 2).
     """
-    from jax_rl.config import load_config
-
     logging.basicConfig(level=logging.WARNING)
     _, ckpt, step = resolve_checkpoint_dir(checkpoint_dir)  # FileNotFoundError: one line naming it, exit 2
     saved = ckpt.parent / "config.yaml"
@@ -177,7 +175,7 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
         print(f"evaluating {ckpt / str(meta['checkpoint_step'])} (RL step {resume_rl_step(meta)}, "
               f"version {ctx.learner.version})", file=sys.stderr, flush=True)
         ev = ctx.evaluate(resume_rl_step(meta), label="standalone")
-        print(json.dumps(json_safe(ev), indent=2))
+        print(json.dumps(json_safe(ev, default=str), indent=2))
         return 0
     finally:
         ctx.close()

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_rl.config import LossConfig
-from jax_rl.losses import STALENESS_MAX_BUCKET, combine_metrics, loss_denominator, policy_loss
+from jax_rl.losses import METRIC_REDUCTIONS, STALENESS_MAX_BUCKET, loss_denominator, policy_loss
+from jax_rl.reductions import combine_metrics
 from tests.losses._reference import plain_pg_loss, ref_policy_loss
 
 F32 = np.float32
@@ -365,7 +366,7 @@ class PolicyLossTest(chex.TestCase):
                      for s in (slice(0, 2), slice(2, 4))]
             np.testing.assert_allclose(sum(p[0] for p in parts), full_l, atol=1e-6, rtol=1e-6)
             np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), full_g, atol=1e-6)
-            comb = combine_metrics([p[2] for p in parts])
+            comb = combine_metrics([p[2] for p in parts], METRIC_REDUCTIONS)
             for k, v in full_m.items():
                 np.testing.assert_allclose(float(comb[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)
 
@@ -627,11 +628,11 @@ class PolicyLossTest(chex.TestCase):
 def test_a_name_alone_decides_no_reduction():
     """``foo_max`` is not max-combined because of its name: undeclared, it is refused by name; declared
     a mean, it is a weighted mean; declared a max, a max."""
-    from jax_rl.losses import SUM, Reduction
+    from jax_rl.reductions import SUM, Reduction
 
     parts = [{"valid_tokens": 1.0, "foo_max": 4.0}, {"valid_tokens": 3.0, "foo_max": 0.0}]
     with pytest.raises(ValueError, match=r"\['foo_max'\] have no declared reduction"):
-        combine_metrics(parts)
+        combine_metrics(parts, METRIC_REDUCTIONS)
     as_mean = {"valid_tokens": SUM, "foo_max": Reduction("mean", "valid_tokens")}
     assert float(combine_metrics(parts, as_mean)["foo_max"]) == 1.0  # (1*4 + 3*0) / 4
     as_max = {"valid_tokens": SUM, "foo_max": Reduction("max")}
@@ -643,7 +644,6 @@ def test_a_name_alone_decides_no_reduction():
 def test_every_policy_loss_metric_declares_its_reduction():
     """Every key :func:`policy_loss` can return (all optional inputs given, truncation on) has a declared
     reduction, and the train step declares every key one of its updates adds."""
-    from jax_rl.losses import METRIC_REDUCTIONS
     from jax_rl.train_step import STEP_REDUCTIONS
 
     rng = np.random.default_rng(0)

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from jax_rl.config import LossConfig
-from jax_rl.losses import combine_metrics, policy_loss
+from jax_rl.losses import METRIC_REDUCTIONS, policy_loss
+from jax_rl.reductions import combine_metrics
 
 F32 = np.float32
 LH = math.log(0.5)
@@ -66,7 +67,7 @@ def test_nan_is_not_outside():
 def test_counts_combine_as_sums():
     parts = [{"masked_trunc_outside": 2.0, "trunc_outside_frac": 0.5, "valid_tokens": 4.0},
              {"masked_trunc_outside": 1.0, "trunc_outside_frac": 0.125, "valid_tokens": 8.0}]
-    c = combine_metrics(parts)
+    c = combine_metrics(parts, METRIC_REDUCTIONS)
     assert float(c["masked_trunc_outside"]) == 3.0
     assert float(c["trunc_outside_frac"]) == pytest.approx(3 / 12)
 

@@ -34,7 +34,7 @@ def test_ray_two_workers_survive_a_kill(tmp_path):
     s = json.loads((d / "summary.json").read_text())
     assert s["worker_restarts"] >= 1
     assert s["reissued_groups"] >= 1
-    assert s["episode_errors"] == 0 and s["dropped_overlong"] == s["buffer_dropped_overlong"] == 0
+    assert s["episode_errors"] == 0 and s["buffer_dropped_overlong"] == 0
     ids = [g for x in rows for g in x["group_ids"]]
     assert len(ids) == len(set(ids)), "a group was trained twice"
     # every publish is timed on the driver (the learner's put, the sends); the workers' cast/reshard
