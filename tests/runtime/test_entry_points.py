@@ -346,3 +346,15 @@ def test_sft_into_an_existing_run_offers_no_resume_and_refuses_one(tmp_path, cap
     err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}", "resume=true"])
     assert "resume=true: `jax-rl sft` does not resume" in err, err
     assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl"]
+
+
+def test_plot_out_that_is_a_file_or_under_one(tmp_path, capsys):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    (tmp_path / "f").write_text("x")
+    err = _err(capsys, ["plot", str(d), "--out", str(tmp_path / "f")])
+    assert err == f"jax-rl: config error: --out {tmp_path / 'f'}: is a file, not a directory"
+    err = _err(capsys, ["plot", str(d), "--out", str(tmp_path / "f" / "sub")])
+    assert err.startswith(f"jax-rl: config error: --out {tmp_path / 'f' / 'sub'}: cannot make the directory"), err
+    assert (tmp_path / "f").read_text() == "x"
