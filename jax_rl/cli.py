@@ -224,6 +224,14 @@ def cmd_plot(args) -> int:
             print(f"jax-rl: error: {d} holds no metrics.jsonl: not a run dir (give the run.dir of a `jax-rl train`)",
                   file=sys.stderr)
             return 2
+    if args.out:  # a file there, or a dir that cannot be made: one line naming --out
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {args.out}: is a file, not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {args.out}: cannot make the directory ({e.strerror or type(e).__name__})") from None
     paths = plot_runs(args.run_dirs, out_dir=args.out, group_by=group_by)
     for p in paths:
         print(p)

@@ -64,7 +64,7 @@ def test_export_loads_in_transformers_with_the_same_logits(exported):
 
 def test_export_refuses_a_non_empty_out_dir_in_one_line(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "1").mkdir(parents=True)  # a saved step: the source passes, OUT_DIR is the culprit
     (run / "config.yaml").write_text("{}\n")
     out = tmp_path / "out"
     out.mkdir()

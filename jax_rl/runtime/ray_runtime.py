@@ -824,11 +824,17 @@ def run_train_ray(cfg: Config) -> int:
     except Exception as e:
         raise_if_disk_full(e, run_dir, ckpt_dir)
         if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) \
-                and watch.dead() is None:  # the learner actor died or never started: one line, exit 1
+                and watch.dead() is None:  # an actor died or never started (not a daemon): one line, exit 1
             steps = sorted(int(p.name) for p in Path(ckpt_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()) \
                 if Path(ckpt_dir).is_dir() else []
             last = str(Path(ckpt_dir) / str(steps[-1])) if steps else "none"
-            raise RayFailure(f"runtime=ray: the learner actor died or could not start ({type(e).__name__}: "
+            aid = getattr(e, "actor_id", None)
+            try:
+                learner = None if aid is None else aid == actor._actor_id.hex()
+            except Exception:  # noqa: BLE001 - a Ray without these internals: say it may be either
+                learner = None
+            who = {True: "the learner actor", False: "a rollout-worker actor"}.get(learner, "a Ray actor of the run")
+            raise RayFailure(f"runtime=ray: {who} died or could not start ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]}); last checkpoint: {last}") from None
         raise
     finally:

@@ -119,6 +119,9 @@ def run_sft(cfg: Config) -> int:
         raise ConfigError("resume=true: `jax-rl sft` does not resume (it starts SFT from scratch); `jax-rl train "
                           "--resume` continues a train run, --overwrite starts this SFT over in the same run.dir")
     resolve_run_dir(cfg, create=False, check_fresh=True, resumable=False)
+    if cfg.runtime.kind != "embedded":  # no rollout: nothing for Ray to run
+        log.warning("runtime=%s: `jax-rl sft` runs SFT and its eval in this process; runtime.* applies to "
+                    "`jax-rl train`", cfg.runtime.kind)
     ctx = RunContext(cfg, create_dir=False)
     ctx.materialize()
     ctx.open_writer()

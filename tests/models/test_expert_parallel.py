@@ -393,3 +393,28 @@ def test_learner_step_expert_parallel_matches_one_device(devices, monkeypatch):
     assert traced and all(m["expert"] == 4 for m in traced)
     assert abs(loss - loss0) < 1e-5
     assert max_abs_diff(host(grads), host(grads0)) < 1e-5
+
+
+def test_per_token_drops_are_the_hand_references_missing_copies(devices):
+    """``per_token=True`` (the rollout engine's per-slot count): each token's dropped copies, laid
+    out [B, T] like x, are the copies the hand reference ``_kept_copies`` leaves out (padding never
+    counted), they sum to the scalar count, and y is the per_token=False program's."""
+    cfg, moe = _block()
+    E, k, ep = cfg.num_experts, cfg.num_experts_per_tok, 4
+    B, T = 4, 8
+    x = jax.random.normal(jax.random.key(3), (B, T, cfg.hidden_size))
+    piled = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (B, T, k))
+    valid = np.arange(T)[None, :] < np.array([2, 6, 1, 8])[:, None]
+    cap = ep_capacity(math.ceil(B // 2 * T / ep) * k, ep, 2.0)
+    keep = _kept_copies(np.asarray(piled), 2, ep, E, cap, valid=valid)
+    w = jnp.full((B, T, k), 0.5, x.dtype)
+    wg, wu, wd = moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...]
+    with jax.set_mesh(make_mesh(1, 2, 1, ep)):
+        y, dropped, tok = jax.jit(lambda *a: expert_parallel_moe(*a, capacity_factor=2.0, valid=valid, per_token=True))(
+            x, w, piled, wg, wu, wd)
+        y0, d0 = jax.jit(lambda *a: expert_parallel_moe(*a, capacity_factor=2.0, valid=valid))(x, w, piled, wg, wu, wd)
+    want = np.sum(valid[..., None] & ~keep, axis=-1)
+    assert tok.shape == (B, T) and want.sum() > 0
+    np.testing.assert_array_equal(np.asarray(tok), want)
+    assert int(dropped) == int(d0) == int(want.sum())
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))

@@ -157,3 +157,20 @@ def test_a_tiny_moe_run_logs_the_engines_drops(tmp_path):
     assert row["rollout/moe_copies"] >= row["episode_tokens"] // 2 * len(mc.moe_layers) * mc.num_experts_per_tok
     assert 0 < row["rollout/moe_dropped_copies"] < row["rollout/moe_copies"]
     assert row["rollout/moe_dropped_frac"] == pytest.approx(row["rollout/moe_dropped_copies"] / row["rollout/moe_copies"])
+
+
+def test_the_scanned_engine_counts_what_the_unrolled_one_does(moe):
+    """kv_per_layer=False keeps scan_layers (the TPU default: the drops come stacked out of the layer
+    scan); the counts equal the unrolled engine's, program by program."""
+    cfg, params = moe
+    kw = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="float32", temperature=0.8,
+              model_kwargs=dict(scan_layers=True, moe_capacity_factor=CF, moe_capacity_all_paths=True))
+    got = []
+    for per_layer in (True, False):
+        eng = Qwen3Engine(cfg, params, kv_per_layer=per_layer, **kw)
+        st = eng.init_decode_state()
+        st, res = eng.prefill_slots(eng.params, st, [SlotPrefill([11, 12, 13, 14, 15, 16, 17], 0, 1, None, 0),
+                                                     SlotPrefill([7, 8, 9], 1, 2, None, 0)])
+        st, data = eng.generate_steps(eng.params, st, 3)
+        got.append(([r["moe_dropped"] for r in res], [unpack_result(d, True)["moe_dropped"].tolist() for d in np.asarray(data)]))
+    assert got[0] == got[1] and sum(got[0][0]) > 0

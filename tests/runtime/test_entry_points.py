@@ -346,3 +346,33 @@ def test_sft_into_an_existing_run_offers_no_resume_and_refuses_one(tmp_path, cap
     err = _err(capsys, ["sft", TINY_CFG, f"run.dir={d}", "resume=true"])
     assert "resume=true: `jax-rl sft` does not resume" in err, err
     assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl"]
+
+
+def test_plot_out_that_is_a_file_or_under_one(tmp_path, capsys):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    (tmp_path / "f").write_text("x")
+    err = _err(capsys, ["plot", str(d), "--out", str(tmp_path / "f")])
+    assert err == f"jax-rl: config error: --out {tmp_path / 'f'}: is a file, not a directory"
+    err = _err(capsys, ["plot", str(d), "--out", str(tmp_path / "f" / "sub")])
+    assert err.startswith(f"jax-rl: config error: --out {tmp_path / 'f' / 'sub'}: cannot make the directory"), err
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_sft_under_runtime_ray_says_it_runs_in_process(tmp_path, caplog, monkeypatch):
+    """`jax-rl sft runtime=ray` starts no Ray (SFT has no rollout): a warning says so instead of
+    ignoring the key silently. The context is stopped before it builds anything."""
+    from jax_rl.runtime import train as T
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(T, "RunContext", stop)
+    cfg = load_config(TINY_CFG, ["runtime=ray", f"run.dir={tmp_path / 'r'}", "sft.steps=1"])
+    with caplog.at_level("WARNING", logger="jax_rl.runtime"), pytest.raises(Stop):
+        T.run_sft(cfg)
+    assert any("`jax-rl sft` runs SFT and its eval in this process" in r.message for r in caplog.records)

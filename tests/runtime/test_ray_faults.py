@@ -155,3 +155,55 @@ def test_a_ray_node_that_does_not_start_is_one_line_exit_1(tmp_path, capsys, mon
     assert calls and err.startswith("jax-rl: error: runtime=ray: the local Ray node did not start"), err
     assert "\n" not in err and "timed out during startup" in err and "runtime=embedded" in err
     assert not d.exists() and not Path(calls[0]).exists()  # neither the run dir nor Ray's temp dir
+
+
+@pytest.mark.parametrize("actor_id, who", [("learner-id", "the learner actor"), ("other-id", "a rollout-worker actor"),
+                                           (None, "a Ray actor of the run")])
+def test_an_actor_that_dies_is_one_line_exit_1(tmp_path, capsys, monkeypatch, actor_id, who):
+    """An actor of the run dying (e.g. the learner killed or never started on a loaded host): one line
+    naming which, exit 1, not Ray's traceback. No Ray is started: the actors and ``ray.get`` are fakes
+    that raise what Ray raises (``ActorDiedError``) at the first call."""
+    import ray
+
+    from jax_rl.cli import main
+    from jax_rl.runtime import ray_runtime as rr
+
+    class Handle:
+        _actor_id = type("Id", (), {"hex": lambda self: "learner-id"})()
+
+        def __getattr__(self, name):
+            return type("M", (), {"remote": lambda self, *a, **k: name})()
+
+    class Learner:
+        @staticmethod
+        def remote(*a, **k):
+            return Handle()
+
+    def died(ref, **kw):
+        e = ray.exceptions.ActorDiedError()
+        e.actor_id = actor_id
+        raise e
+
+    class Watch:
+        def __init__(self, *a, **k):
+            pass
+
+        def start(self):
+            return self
+
+        def dead(self):
+            return None
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(rr, "init_ray", lambda *a, **k: ray)
+    monkeypatch.setattr(rr, "_actors", lambda: (None, None, Learner))
+    monkeypatch.setattr(rr, "RayDaemonWatch", Watch)
+    monkeypatch.setattr(ray, "get", died)
+    d = tmp_path / "r"
+    capsys.readouterr()
+    assert main(["train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY, "runtime=ray", f"run.dir={d}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"jax-rl: error: runtime=ray: {who} died or could not start (ActorDiedError"), err
+    assert "\n" not in err and err.endswith("last checkpoint: none"), err
