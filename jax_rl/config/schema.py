@@ -220,10 +220,11 @@ def _check_devices_spec(v: Any) -> Any:
 
 
 class PlacementConfig(_Section):
-    """Which devices each role runs on: learner, rollout engines, old-logit scorer (docs/placement.md).
+    """Which devices each role runs on: learner, rollout engines, scorer, tau² user model (docs/placement.md).
 
     The learner's mesh is mesh.*, each engine's rollout.mesh.*. All null = colocated, the default: the
-    learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh."""
+    learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh,
+    the user model on the eval engine's devices."""
 
     learner: Optional[int | list[int]] = None
     """The learner's devices: an int n = the first n of jax.devices(), a list = jax device ids, null = every
@@ -236,8 +237,13 @@ class PlacementConfig(_Section):
     """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
     placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
     shares the learner's mesh. Was old_logits.devices."""
+    user: Optional[int | list[int]] = None
+    """env.tau2.user=model: the user simulator model's own devices (an int n = the last n devices that
+    placement.rollout and placement.scorer do not take, a list = ids; never the learner's, the rollout's or
+    the scorer's); its engine lays rollout.mesh over them, or fsdp over all of them when rollout.mesh is one
+    device. null = the user model runs on the eval engine's devices."""
 
-    _devs = field_validator("learner", "rollout", "scorer", mode="after")(classmethod(
+    _devs = field_validator("learner", "rollout", "scorer", "user", mode="after")(classmethod(
         lambda cls, v: _check_devices_spec(v)))
 
 
@@ -777,6 +783,12 @@ class Config(_Section):
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
                              "runs its engines in worker processes: use runtime=embedded or placement.rollout=null")
+        if pl.user is not None and not (self.env.name == "tau2" and self.env.tau2.user == "model"):
+            raise ValueError(f"placement.user={pl.user} places the tau² user simulator model, which only "
+                             "env.name=tau2 with env.tau2.user=model runs: set placement.user=null")
+        if pl.user is not None and self.runtime.kind == "ray":
+            raise ValueError(f"placement.user={pl.user} places the user model in this process's devices; runtime=ray "
+                             "runs it in each rollout worker process: use runtime=embedded or placement.user=null")
         if self.runtime.kind == "ray" and any(v > 1 for v in self.rollout.mesh.sizes().values()):
             raise ValueError(f"rollout.mesh={self.rollout.mesh.sizes()} shards engines over this process's devices; "
                              "runtime=ray runs each engine in a worker process of its own: use runtime=embedded")

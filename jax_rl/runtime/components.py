@@ -29,6 +29,7 @@ __all__ = [
     "build_env_factory",
     "Tau2UserModel",
     "start_tau2_user_model",
+    "user_model_mesh",
     "check_mesh",
     "check_kv_cache",
     "kv_cache_bytes",
@@ -254,7 +255,7 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
         n_devices = jax.device_count()
     left = ""
     pl = cfg.placement
-    placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None
+    placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None or pl.user is not None
     if placed or cfg.rollout.mesh.fixed_product() > 1:
         try:
             roles = resolve_roles(cfg, jax.devices()[:n_devices])
@@ -467,8 +468,9 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
     frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
     ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
-    It runs on the eval engine's devices (the first rollout engine's mesh), at ``rollout.temperature``,
-    with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
+    It runs on ``placement.user``'s devices (:func:`user_model_mesh`) or, by default, on the eval engine's
+    (the first rollout engine's mesh), at ``rollout.temperature``, with ``rollout.slots`` slots, and never
+    receives a publish. The caller stops it. ``load_params(cfg,
     model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
 
     Raises:
@@ -496,9 +498,29 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
         params, _ = load_params(ucfg, mc)
     else:
         params = learner.rollout_params()
-    gen = build_generator(cfg, mc, params, version=0)
+    gen = build_generator(cfg, mc, params, version=0, mesh=user_model_mesh(cfg))
     handle.bind(gen, tokenizer)
     return gen
+
+
+def user_model_mesh(cfg: Config, roles: Any = None):
+    """The tau² user model engine's mesh: ``placement.user``'s devices laid out by
+    :func:`jax_rl.placement.user_mesh_sizes`, or None (``placement.user`` null: the eval engine's mesh).
+
+    Raises:
+        ConfigError: (one line naming the key) the placement does not resolve.
+    """
+    if cfg.placement.user is None:
+        return None
+    from jax_rl.placement import resolve_roles
+    from jax_rl.sharding import make_mesh
+
+    if roles is None:
+        try:
+            roles = resolve_roles(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return make_mesh(**roles.user_mesh, devices=roles.user)
 
 
 def _check_env(cfg: Config) -> None:
@@ -579,7 +601,8 @@ def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
 
 
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
-                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None):
+                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None,
+                    mesh: Any = None):
     """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
 
     The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
@@ -589,10 +612,12 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
     sharded on that engine's mesh (:func:`engine_mesh`; ``roles``: an already resolved
     :class:`jax_rl.placement.Roles`), else on this process's first device as always. The eval engine
     (``engine=None``) is on the mesh of the first engine this process runs (engine 0 in one process;
-    multi-process: each host evaluates on its own engine's devices).
+    multi-process: each host evaluates on its own engine's devices). ``mesh``: a mesh of its own instead
+    (the tau² user model's on ``placement.user``, :func:`start_tau2_user_model`).
     """
 
-    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles)
+    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles,
+                       mesh=mesh)
     gen = new_generator(cfg, eng, version)
     gen.start()
     return gen
@@ -609,7 +634,7 @@ def new_generator(cfg: Config, eng, version: int):
 
 
 def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
-                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None):
+                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None, mesh: Any = None):
     """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
     ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
     from jax_rl.model_builder import rollout_model_kwargs
@@ -628,7 +653,7 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
-        mesh=engine_mesh(cfg, engine, roles),
+        mesh=engine_mesh(cfg, engine, roles) if mesh is None else mesh,
         quantize=r.quantize,
     )
 

@@ -435,3 +435,45 @@ def test_tau2_episode_stats_are_means_of_the_episode_info():
                  "episode_tool_errors_mean": 0.5, "episode_prompt_len_mean": 15.0,
                  "episode_submitted_tokens_mean": 30.0, "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.0,
                  "episode_user_s_mean": 0.125}
+
+
+def _tiny_hf_checkpoint(path, seed=7):
+    """A tiny Qwen3 HF checkpoint (the tiny_dense preset, random weights): the frozen user model of the tests."""
+    from flax import nnx
+
+    from jax_rl.models.hf_io import save_pretrained
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+
+    mc = get_preset("tiny_dense")
+    save_pretrained(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(seed), scan_layers=True), mc, path)
+    return path
+
+
+def test_user_model_is_served_on_placement_user_devices(tmp_path, devices):
+    """placement.user: the user model's engine, params and KV cache live on its own devices; it answers."""
+    import jax
+
+    from jax_rl.config import load_config
+    from jax_rl.runtime import components as C
+    from jax_rl.runtime.context import _load_hf_params
+    from rollout.envs.tau2 import ModelUser
+
+    hf = _tiny_hf_checkpoint(tmp_path / "user_hf")
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", [
+        "env.tau2.user=model", f"env.tau2.user_model.checkpoint={hf}", "env.tau2.user_model.max_new_tokens=8",
+        "model.tokenizer=compact", "model.hf_overrides={}", "placement.user=2", "rollout.slots=2",
+        "rollout.max_cache_len=4096", "rollout.max_prefill_length=4096", "optim.max_seq_len=4096"])
+    factory = C.build_env_factory(cfg)
+    tok = C.build_tokenizer(cfg, factory)
+    mc = C.build_model_config(cfg, tok)
+    gen = C.start_tau2_user_model(cfg, factory, tok, mc, learner=None, load_params=_load_hf_params)
+    try:
+        eng = gen.engine
+        assert sorted(d.id for d in eng._mesh.devices.flat) == [6, 7]
+        assert {d.id for x in jax.tree.leaves(eng.load_params()) for d in x.devices()} == {6, 7}
+        env = factory()
+        assert isinstance(env.user, ModelUser)
+        msgs, _ = env.reset(0)  # the user model wrote the opening (up to 8 tokens of a random model)
+        assert msgs[-1]["role"] == "user" and env.user.tokens_generated >= 1
+    finally:
+        gen.stop()
