@@ -498,6 +498,9 @@ class Tau2UserModelConfig(_Section):
     """Tokens per user turn."""
     max_context: int = Field(8192, ge=16)
     """A user-side prompt longer than this (or than rollout.max_cache_len) ends the episode as a user stop."""
+    max_tool_calls: int = Field(8, ge=1)
+    """telecom: the user-device tool calls the user model may make in one turn; more end the episode (tau²
+    MAX_STEPS, reward 0)."""
 
 
 class Tau2Config(_Section):
@@ -507,21 +510,14 @@ class Tau2Config(_Section):
     """tau² domain; training draws from its train split, held-out eval (seeds >= eval.seed_offset) from its test split."""
     user: Literal["ticket", "model"] = "ticket"
     """ticket: no simulated user (the task's scenario or ticket is the first user message; telecom runs tau²'s solo
-    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM."""
+    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM (telecom: it
+    calls the user-device tools)."""
     max_user_turns: int = Field(10, ge=1)
     """User replies after which an episode ends unfinished (tau² max_steps, reward 0)."""
     max_tool_output_chars: int = Field(16000, ge=1)
     """A longer tool output is cut for the model (counted); the evaluator sees it whole."""
     user_model: Tau2UserModelConfig = Field(default_factory=Tau2UserModelConfig)
     """env.tau2.user=model: the served user simulator model."""
-
-    @model_validator(mode="after")
-    def _user_model_domain(self) -> "Tau2Config":
-        if self.user == "model" and self.domain == "telecom":
-            raise ValueError("env.tau2.user=model with env.tau2.domain=telecom: telecom's user acts through 30 "
-                             "user-device tools and the served user model calls none; use env.tau2.user=ticket "
-                             "(tau²'s solo mode)")
-        return self
 
 
 class EnvConfig(_Section):

@@ -432,7 +432,7 @@ class Tau2UserModel:
         # the user model's engine has the policy's rollout.max_cache_len
         return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
                          max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
-                         timeout_s=self.cfg.rollout.episode_timeout_s)
+                         timeout_s=self.cfg.rollout.episode_timeout_s, max_tool_calls=um.max_tool_calls)
 
 
 def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:

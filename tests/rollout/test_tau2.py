@@ -99,11 +99,85 @@ def test_reset_prompt_is_tau2_policy_and_tools():
 
 
 def test_telecom_ticket_mode_is_solo_with_user_device_tools():
+    from tau2.registry import registry
+
     env = _env("telecom")
     msgs, tools = env.reset(0)
     assert env.solo and [m["role"] for m in msgs] == ["system", "user"] and msgs[1]["content"] == env.task.ticket
     names = {t["function"]["name"] for t in tools}
     assert "toggle_airplane_mode" in names and "get_customer_by_phone" in names
+    # tau²'s solo environment's own policy (it differs from the one with a user)
+    assert registry.get_env_constructor("telecom")(solo_mode=True).get_policy() in msgs[0]["content"]
+
+
+def test_telecom_with_a_user_model_the_user_holds_the_device_tools():
+    """user=model on telecom: the agent holds its 13 tools and the conversational policy; the user's gold
+    actions, run as the user's tool calls, and the agent's, run as the agent's, earn tau²'s reward."""
+    from tau2.registry import registry
+
+    from rollout.envs.tau2 import ScriptedUser
+
+    env = _env("telecom", user="model", user_simulator=ScriptedUser([]))
+    msgs, tools = env.reset(0)
+    names = {t["function"]["name"] for t in tools}
+    assert not env.solo and len(tools) == 13 and "toggle_airplane_mode" not in names and "get_customer_by_phone" in names
+    assert [m["role"] for m in msgs] == ["system", "assistant", "user"]
+    assert registry.get_env_constructor("telecom")(solo_mode=False).get_policy() in msgs[0]["content"]
+    with pytest.raises(Exception, match="unknown tool 'toggle_airplane_mode'"):  # the agent cannot touch the phone
+        env.step({"name": "toggle_airplane_mode", "arguments": {}})
+    for seed in (0, 1):
+        env.reset(seed)
+        for a in env.task.evaluation_criteria.actions:
+            call = {"name": a.name, "arguments": dict(a.arguments)}
+            if a.requestor == "user":
+                (obs,) = env._user_tools_call([call])
+                assert not obs.startswith("Error"), obs
+            else:
+                env.step(call)
+        r, info = env.score("Done.")
+        assert r == 1.0, info
+        assert info["user_tool_calls"] == sum(a.requestor == "user" for a in env.task.evaluation_criteria.actions)
+        users = [m for m in env.trajectory if m.role == "user" and m.tool_calls]
+        assert users and all(tc.requestor == "user" for m in users for tc in m.tool_calls)
+    # the same episode without the user's actions fails tau²'s environment assertions
+    env.reset(0)
+    for a in env.task.evaluation_criteria.actions:
+        if a.requestor != "user":
+            env.step({"name": a.name, "arguments": dict(a.arguments)})
+    assert env.score("Done.")[0] == 0.0
+
+
+def test_model_user_calls_its_device_tools_parsed_json_and_is_bounded():
+    """The user model's <tool_call> blocks are parsed as JSON and run as the user's (requestor=user): the
+    output is a tool turn of the user's prompt, never the agent's; a user that never stops calling is cut
+    (tau² MAX_STEPS, reward 0)."""
+    from jax_rl.models.tokenizer import compact_tokenizer, format_tool_call
+    from rollout.envs.tau2 import ModelUser
+
+    tok = compact_tokenizer()
+    texts = ["My phone has no signal.",
+             format_tool_call({"name": "check_status_bar", "arguments": {}}),
+             "<tool_call>\n{__import__('os')}\n</tool_call>" + format_tool_call({"name": "rm_rf", "arguments": {}}),
+             "It shows airplane mode. ###STOP###"]
+    gen = _Gen(tok, texts)
+    env = _env("telecom", user="model", user_simulator=ModelUser(gen, tok, max_new_tokens=64, max_context=100_000))
+    msgs, tools = env.reset(0)
+    assert msgs[-1]["content"] == "My phone has no signal."
+    assert "check_status_bar" in gen.prompts[0] and "simulation" in gen.prompts[0].lower()
+    assert env.user_reply("Please check your status bar.") is None and env.termination.value == "user_stop"
+    # the status bar's output went back to the user model as a tool turn; the malformed and unknown calls as errors
+    status = next(m for m in env.trajectory if m.role == "tool" and m.requestor == "user").content
+    assert "<|im_start|>user\n<tool_response>" in gen.prompts[2] and status in gen.prompts[2]
+    assert "Error: malformed tool call" in gen.prompts[3] and "Error: unknown tool 'rm_rf'" in gen.prompts[3]
+    r, info = env.score("")
+    assert info["user_tool_calls"] == 1 and info["user_tool_errors"] == 1 and info["user_turns"] == 1
+    assert all(status not in m.get("content", "") for m in msgs)  # the agent never sees the user's tool output
+    # a user that calls tools forever: bounded per turn, the episode ends as tau²'s MAX_STEPS
+    gen = _Gen(tok, [format_tool_call({"name": "check_status_bar", "arguments": {}})])
+    env = _env("telecom", user="model", user_simulator=ModelUser(gen, tok, max_context=100_000, max_tool_calls=3))
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == "" and env.termination.value == "max_steps" and gen.n == 4
+    assert env.user_reply("Hello?") is None and env.score("Hello?")[0] == 0.0
 
 
 # ---------------------------------------------------------------------------------- dispatch and errors
@@ -144,8 +218,6 @@ def test_bad_knobs_fail_in_one_line():
         _env("shop")
     with pytest.raises(ValueError, match="env.tau2.user='llm'"):
         _env("mock", user="llm")
-    with pytest.raises(ValueError, match="user=model with domain=telecom"):
-        _env("telecom", user="model", user_simulator=object())
     with pytest.raises(ValueError, match="needs a user simulator"):
         _env("mock", user="model")
 
@@ -316,8 +388,10 @@ def test_config_section_and_one_line_errors():
     assert cfg.env.name == "tau2" and cfg.env.tau2.domain == "mock" and cfg.env.tau2.user == "ticket"
     with pytest.raises(ConfigError, match="env.tau2.domain"):
         load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=shop"])
-    with pytest.raises(ConfigError, match="telecom"):
-        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=telecom", "env.tau2.user=model"])
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=telecom", "env.tau2.user=model"])
+    assert cfg.env.tau2.user_model.max_tool_calls == 8
+    with pytest.raises(ConfigError, match="env.tau2.user_model.max_tool_calls"):
+        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user_model.max_tool_calls=0"])
 
 
 def test_no_network_connection_is_opened():
@@ -354,6 +428,24 @@ def test_gold_replay_of_every_train_task_scores_one(domain):
     env = _env(domain)
     seeds = _gold_seeds(env)
     bad = [(s, info["failed_checks"]) for s in seeds for r, info in [_replay(env, s)] if r != 1.0]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gold_replay_of_every_telecom_train_task_with_the_user_playing_the_device_scores_one():
+    from rollout.envs.tau2 import ScriptedUser
+
+    env = _env("telecom", user="model", user_simulator=ScriptedUser([]))
+    bad = []
+    for s in _gold_seeds(env):
+        env.reset(s)
+        for a in env.task.evaluation_criteria.actions:
+            call = {"name": a.name, "arguments": dict(a.arguments)}
+            env._user_tools_call([call]) if a.requestor == "user" else env.step(call)
+        r, info = env.score("Done.")
+        if r != 1.0:
+            bad.append((s, info["failed_checks"]))
     assert not bad, bad
 
 
