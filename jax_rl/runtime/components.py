@@ -447,9 +447,6 @@ def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
         raise ConfigError(f"env.name=tau2: {e}") from None
     handle = None
     if cfg.env.tau2.user == "model":
-        if cfg.runtime.kind == "ray":
-            raise ConfigError("env.tau2.user=model runs its user model in the embedded runtime only; use runtime=embedded "
-                              "or env.tau2.user=ticket")
         if user_simulator_factory is None:
             user_simulator_factory = handle = Tau2UserModel(cfg)
     try:
@@ -841,26 +838,51 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
 
 
 def tau2_episode_stats(trajs) -> dict:
-    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
-    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
-    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
-    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
-    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
+    """The agentic workload's shape per step (issue 38's Measure), from each ``Trajectory.info``.
+
+    Per-episode means over ``trajs``: assistant turns, user turns, tool calls, tool errors, tokens (the
+    trajectory's length), prompt tokens, prefill tokens (what the engine ran through prefill for the
+    episode, prefix-cache and kept-K/V reuse counted out), submitted context tokens (the sum over turns of
+    the context each turn was generated from: what an engine without any reuse prefills), the user model's
+    generated tokens, and seconds: waiting on the policy's generator (``gen_s``), in the env (``env_s``:
+    tools, tau²'s evaluator, ``reset``, the user's tools: everything but the two models) and waiting on
+    the user model (``user_s``).
+
+    ``episode_time_frac_{policy,env,user_model}``: each part's share of the episodes' wall seconds
+    (summed over the step's episodes; the rest is the loop's own work). Episodes run concurrently and
+    beside the learner, so these are shares of episode time, not of the step's wall: that is the
+    row's ``step_wall_s`` (with ``step_time_s`` the learner's update and ``episodes_per_s``)."""
     infos = [t.info or {} for t in trajs]
 
     def mean(f) -> float:
         return float(np.mean([f(i) for i in infos])) if infos else 0.0
+
+    def env_s(i) -> float:  # reset and the user's turns include the user model's waits: count those out
+        return max(0.0, i.get("tool_s", 0.0) + i.get("reset_s", 0.0) + i.get("user_s", 0.0) - i.get("user_model_s", 0.0))
+
+    total = sum(i.get("total_s", 0.0) for i in infos)
+
+    def frac(f) -> float:
+        return float(sum(f(i) for i in infos) / total) if total > 0 else 0.0
 
     return {
         "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
         "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
         "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
         "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
+        "episode_tokens_mean": float(np.mean([len(t) for t in trajs])) if trajs else 0.0,
         "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
+        "episode_prefill_tokens_mean": mean(lambda i: i.get("prefill_tokens", 0)),
         "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
+        "episode_user_model_tokens_mean": mean(lambda i: i.get("user_model_tokens", 0)),
+        "episode_user_tool_calls_mean": mean(lambda i: i.get("user_tool_calls", 0)),
         "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
-        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
-        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
+        "episode_env_s_mean": mean(env_s),
+        "episode_user_s_mean": mean(lambda i: i.get("user_model_s", 0.0)),
+        "episode_total_s_mean": mean(lambda i: i.get("total_s", 0.0)),
+        "episode_time_frac_policy": frac(lambda i: i.get("gen_s", 0.0)),
+        "episode_time_frac_env": frac(env_s),
+        "episode_time_frac_user_model": frac(lambda i: i.get("user_model_s", 0.0)),
     }
 
 

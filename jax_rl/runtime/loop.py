@@ -126,6 +126,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
 
     try:
         producer.start()
+        t_row = time.perf_counter()  # the previous row's time: a step's wall is the time between rows
         with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
             for step in range(start_step, cfg.run.steps):
                 if stop.event.is_set():
@@ -151,8 +152,12 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
                 if nproc > 1:
                     row["process_count"] = nproc  # the rollout columns of this row are process 0's share
-                row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
-                            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
+                now = time.perf_counter()
+                row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
+                            "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
+                            # the step's wall (since the previous row) and the episodes it trained per second of it
+                            "step_wall_s": now - t_row, "episodes_per_s": len(trajs) / max(now - t_row, 1e-9)})
+                t_row = now
                 writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)

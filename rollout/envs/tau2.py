@@ -668,6 +668,14 @@ class Tau2Env(BaseEnv):
             return None
         return reply
 
+    def episode_info(self) -> dict:
+        """What this episode cost on the user side (the agent loop adds it to ``Trajectory.info``):
+        ``user_model_tokens`` / ``user_model_s`` (the user model's generated tokens and seconds waiting on its
+        generator, opening included; 0 without a user model), ``user_tool_calls``."""
+        u = self.user
+        return {"user_model_tokens": int(getattr(u, "tokens_generated", 0)), "user_model_s": float(getattr(u, "gen_s", 0.0)),
+                "user_tool_calls": int(getattr(self, "user_tool_calls", 0))}
+
     def simulation(self) -> Any:
         """The episode as tau²'s ``SimulationRun``."""
         from tau2.data_model.simulation import SimulationRun, TerminationReason

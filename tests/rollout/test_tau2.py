@@ -465,7 +465,6 @@ def test_two_step_train_on_tau2_mock(tmp_path):
 
 def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     from jax_rl.config import load_config
-    from jax_rl.config.schema import ConfigError
     from jax_rl.models.tokenizer import compact_tokenizer
     from jax_rl.runtime import components as C
     from rollout.envs.tau2 import ModelUser
@@ -492,8 +491,10 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "###STOP###" and gen.n == 1  # a prompt over it: a user stop, no request
     assert env.user_reply("Hello?") is None and env.termination.value == "user_stop"
-    with pytest.raises(ConfigError, match="runtime=embedded"):
-        C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+    # runtime=ray: each rollout worker binds its own handle to the user model it serves (ray_runtime.RolloutWorker)
+    ray_factory = C.build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model",
+                                                                                      "runtime=ray"]))
+    assert isinstance(ray_factory.user_model, C.Tau2UserModel) and ray_factory.user_model.generator is None
 
 
 @pytest.mark.slow
@@ -519,24 +520,32 @@ def test_tau2_episode_stats_are_means_of_the_episode_info():
         return Trajectory(tokens=z, loss_mask=z.astype(bool), behav_logp=z.astype(np.float32), versions=z, turn_ids=z,
                           reward=0.0, group_id=0, env="tau2", seed=0, info=info)
 
-    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10,
-                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25),
-                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, turn_starts=[20], gen_s=3.0,
-                                 tool_s=1.5)])
+    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10, prefill_tokens=12,
+                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25, reset_s=0.5,
+                                 user_model_s=0.5, user_model_tokens=7, user_tool_calls=2, total_s=4.0),
+                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, prefill_tokens=20, turn_starts=[20],
+                                 gen_s=3.0, tool_s=1.5, total_s=6.0)])
     assert s == {"episode_turns_mean": 3.0, "episode_user_turns_mean": 0.5, "episode_tool_calls_mean": 2.0,
-                 "episode_tool_errors_mean": 0.5, "episode_prompt_len_mean": 15.0,
-                 "episode_submitted_tokens_mean": 30.0, "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.0,
-                 "episode_user_s_mean": 0.125}
+                 "episode_tool_errors_mean": 0.5, "episode_tokens_mean": 3.0, "episode_prompt_len_mean": 15.0,
+                 "episode_prefill_tokens_mean": 16.0, "episode_submitted_tokens_mean": 30.0,
+                 "episode_user_model_tokens_mean": 3.5, "episode_user_tool_calls_mean": 1.0,
+                 "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.125, "episode_user_s_mean": 0.25,
+                 "episode_total_s_mean": 5.0, "episode_time_frac_policy": 0.4, "episode_time_frac_env": 0.225,
+                 "episode_time_frac_user_model": 0.05}
 
 
-def _tiny_hf_checkpoint(path, seed=7):
+def _tiny_hf_checkpoint(path, seed=7, vocab_size=None):
     """A tiny Qwen3 HF checkpoint (the tiny_dense preset, random weights): the frozen user model of the tests."""
+    import dataclasses
+
     from flax import nnx
 
     from jax_rl.models.hf_io import save_pretrained
     from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
 
     mc = get_preset("tiny_dense")
+    if vocab_size is not None:
+        mc = dataclasses.replace(mc, vocab_size=int(vocab_size))
     save_pretrained(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(seed), scan_layers=True), mc, path)
     return path
 
@@ -569,3 +578,33 @@ def test_user_model_is_served_on_placement_user_devices(tmp_path, devices):
         assert msgs[-1]["role"] == "user" and env.user.tokens_generated >= 1
     finally:
         gen.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("runtime", ["embedded", "ray"])
+def test_two_step_train_with_a_frozen_user_model_checkpoint(tmp_path, runtime):
+    """user=model with a tiny frozen HF checkpoint as the user: a two-step train and its eval finish under
+    each runtime (ray: every rollout worker serves the learner actor's user model beside its engine), and
+    the user model wrote every episode's opening (its tokens are context, never trained: the fast test
+    test_agent_loop_counts_bad_calls_and_user_turns_are_not_trained checks the mask)."""
+    hf = _tiny_hf_checkpoint(tmp_path / "user_hf", vocab_size=1024)  # tau2_mock's BPE has 1,024 tokens
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "jax_rl.cli", "train", "configs/tau2_mock.yaml", "run.steps=2", "sft.steps=2",
+            "env.tau2.user=model", f"env.tau2.user_model.checkpoint={hf}", "env.tau2.max_user_turns=2",
+            "env.tau2.user_model.max_new_tokens=16", "rollout.max_cache_len=3072", "rollout.max_prefill_length=3072",
+            "optim.max_seq_len=3072", "optim.microbatches=8", "eval.num_tasks=2", "eval.k=2", f"run.dir={run}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if runtime == "ray":
+        args += ["runtime=ray", "runtime.ray_workers=1"]
+        env.update(RAY_AUTH_MODE="disabled")
+        env.pop("XLA_FLAGS", None)  # actors and the driver use 1 CPU device each
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["episode_user_model_tokens_mean"] >= 1 for r in steps), [r["episode_user_model_tokens_mean"] for r in steps]
+    assert all(r["episodes_per_s"] > 0 and 0 < r["episode_time_frac_user_model"] < 1 for r in steps)
+    ev = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert ev and "tau2/pass^2" in ev[-1], sorted(ev[-1])
