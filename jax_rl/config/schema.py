@@ -770,6 +770,11 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
+        if self.sft.steps > 0 and self.sft.batch_size % self.optim.microbatches != 0:
+            raise ValueError(
+                f"sft.batch_size={self.sft.batch_size} must be divisible by optim.microbatches="
+                f"{self.optim.microbatches} (an SFT step accumulates over the same microbatches; or sft.steps=0)"
+            )
         # what a correction mode allows with it (measure_error, the old_logits.route and the route's own
         # refusals) is the strategy's and the route's knowledge: ask them (jax_rl.correction registry)
         from jax_rl.correction import REGISTRY
