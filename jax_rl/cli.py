@@ -305,8 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="AOT-compile the run's programs for a TPU topology on this host (libtpu): "
                                        "HBM per chip, FLOPs, roofline",
                        description="Compile the learner train step, the SFT step, the rollout prefill / decode "
-                                   "steps, the publish's weight_sync reshard and (placement.scorer) the scorer's "
-                                   "score_step of CONFIG for a TPU topology with libtpu's compiler, nothing allocated, "
+                                   "steps, the publish's weight_sync reshard, (placement.scorer) the scorer's "
+                                   "score_step and (placement.user) the tau² user model's user_prefill / "
+                                   "user_decode_step of CONFIG for a TPU topology with libtpu's compiler, nothing allocated, "
                                    "and print per-chip HBM (fits or not), compile seconds, FLOPs and bytes per "
                                    "step, the roofline step time and the MFU bound. Compile-time estimates, not "
                                    "measurements. Exit 0 if every program fits in HBM, 1 if one does not.",
@@ -318,10 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="PATH",
                    help="also write the figures as JSON: a list with one object per compiled function")
     c.add_argument("--only", dest="functions", action="append", default=None,
-                   choices=["train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step"],
+                   choices=["train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step",
+                            "user_prefill", "user_decode_step"],
                    help="compile only this function (repeatable; default: all of them; weight_sync: a "
                         "publish's reshard, learner params -> the rollout engine's dtype and layout; score_step: "
-                        "the dedicated old-logit scorer's forward, with placement.scorer only)")
+                        "the dedicated old-logit scorer's forward, with placement.scorer only; user_prefill / "
+                        "user_decode_step: the tau² user model's engine, with placement.user only)")
     c.add_argument("--no-cost", action="store_true",
                    help="skip the cost pieces (FLOPs / bytes / roofline): memory and compile time only, faster")
     c.set_defaults(func=cmd_compile)

@@ -34,7 +34,7 @@ def resolve_mesh(cfg: Config, mesh=None, devices=None):
         return mesh
     if devices is None:
         pl = cfg.placement
-        if pl.learner is not None or pl.rollout is not None or pl.scorer is not None:
+        if pl.learner is not None or pl.rollout is not None or pl.scorer is not None or pl.user is not None:
             devices = resolve_roles(cfg).learner
     m = cfg.mesh
     kw = {} if devices is None else {"devices": devices}

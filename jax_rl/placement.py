@@ -1,7 +1,7 @@
 """Where each role runs, and putting things on its mesh.
 
 Roles (``placement.*``, docs/placement.md): :func:`resolve_roles` maps the learner, the rollout
-engines and the old-logit scorer to device sets (a role -> devices map, as Tunix's
+engines, the old-logit scorer and the tau² user model to device sets (a role -> devices map, as Tunix's
 ``role_to_mesh`` and MaxText RL's N-train / M-sample split); the learner's mesh is ``mesh.*`` over
 its set, each engine's ``rollout.mesh.*`` over its share of the rollout set.
 
@@ -28,7 +28,8 @@ from jax_rl.batch import BatchError
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import RuntimeConfig
 
-__all__ = ["initialize_distributed", "place_params", "BatchPlacement", "Roles", "resolve_roles", "engine_mesh_sizes"]
+__all__ = ["initialize_distributed", "place_params", "BatchPlacement", "Roles", "resolve_roles", "engine_mesh_sizes",
+           "user_mesh_sizes"]
 
 
 def _spec_str(spec: Any) -> str:
@@ -46,12 +47,18 @@ class Roles:
             single-device engine of waves 1-2 (unchanged behaviour).
         scorer: the dedicated old-logit scorer's devices, ``None`` = it shares the learner's mesh.
         engine_mesh: the resolved ``rollout.mesh`` sizes ``{data, fsdp, tensor, expert}``.
+        user: the tau² user simulator model's devices (``placement.user``), ``None`` = it runs on the
+            eval engine's devices.
+        user_mesh: the user model engine's mesh sizes over ``user`` (:func:`user_mesh_sizes`), ``None``
+            with ``user``.
     """
 
     learner: list
     engines: Optional[list[list]]
     scorer: Optional[list]
     engine_mesh: dict[str, int]
+    user: Optional[list] = None
+    user_mesh: Optional[dict[str, int]] = None
 
     @property
     def separate_rollout(self) -> bool:
@@ -82,6 +89,24 @@ def engine_mesh_sizes(mesh_cfg: Any, n_devices: int, *, where: str = "") -> dict
         shown = " ".join(f"rollout.mesh.{k}={v}" for k, v in mesh_cfg.sizes().items())
         raise ValueError(f"{shown} does not fit the {n_devices} device(s) of each engine{where}: the product of the "
                          f"axes other than a -1 one ({mesh_cfg.fixed_product()}) must {'divide' if wild else 'equal'} it")
+    return sizes
+
+
+def user_mesh_sizes(cfg: Any, n_devices: int) -> dict[str, int]:
+    """The user model engine's mesh over its ``n_devices`` (``placement.user``): ``rollout.mesh`` when it
+    names an axis over 1 (a -1 axis takes the rest), else (the default ``rollout.mesh``, one device per
+    engine) ``fsdp`` over all of them, the scorer's layout.
+
+    Raises:
+        ValueError: (one line naming ``placement.user`` and ``rollout.mesh.*``) the sizes do not fit, or
+            ``rollout.slots`` does not split over the mesh's data axis.
+    """
+    if cfg.rollout.mesh.fixed_product() == 1:  # no explicit axis (data=-1 alone): the colocated default
+        sizes = {"data": 1, "fsdp": n_devices, "tensor": 1, "expert": 1}
+    else:
+        sizes = engine_mesh_sizes(cfg.rollout.mesh, n_devices, where=f" (placement.user={_spec_str(cfg.placement.user)}, "
+                                                                     "the user model's engine)")
+    _check_slots(cfg, sizes)
     return sizes
 
 
@@ -117,8 +142,8 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     """Map ``placement.*`` to device sets (docs/placement.md).
 
     Resolution: the rollout set first (an int n = the last n devices), then the scorer (an int n = the last n
-    devices the rollout does not take), then the learner (an int n = the first n; null = every device neither
-    takes). The rollout set is split into ``rollout.threads`` equal, consecutive engine groups; with
+    devices the rollout does not take), then the user model (an int n = the last n devices neither takes), then
+    the learner (an int n = the first n; null = every device none of them takes). The rollout set is split into ``rollout.threads`` equal, consecutive engine groups; with
     ``placement.rollout`` null but a ``rollout.mesh`` of more than one device (its explicit axes), every
     engine is laid over the learner's first devices (colocated, sharded).
 
@@ -129,7 +154,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
 
     Raises:
         ValueError: one line naming the ``placement.*`` / ``rollout.mesh.*`` key: an unknown id, a count over
-            the devices there are, the scorer overlapping the learner or the rollout, a learner with no
+            the devices there are, the scorer or the user model overlapping another role, a learner with no
             device, a rollout set that does not split into ``rollout.threads`` engines of ``rollout.mesh``.
     """
     devs = list(jax.devices() if devices is None else devices)
@@ -143,11 +168,20 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     if scorer is not None and rids & sids:
         raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.rollout={_spec_str(pl.rollout)} "
                          f"on device(s) {sorted(rids & sids)}: the scorer needs devices of its own")
+    upl = getattr(pl, "user", None)
+    user = _take(upl, "placement.user", devs, from_end=True,
+                 pool=[d for d in devs if d.id not in rids | sids] if isinstance(upl, int) else None)
+    uids = {d.id for d in user or []}
+    for key, spec, other in (("placement.rollout", pl.rollout, rids), ("placement.scorer", pl.scorer, sids)):
+        if uids & other:
+            raise ValueError(f"placement.user={_spec_str(upl)} overlaps {key}={_spec_str(spec)} on device(s) "
+                             f"{sorted(uids & other)}: the user model needs devices of its own")
     if pl.learner is None:
-        learner = [d for d in devs if d.id not in rids and d.id not in sids] if (rollout or scorer) else devs
+        learner = ([d for d in devs if d.id not in rids | sids | uids] if (rollout or scorer or user) else devs)
         if not learner:
             taken = " and ".join(f"{k}={_spec_str(v)}" for k, v in (("placement.rollout", pl.rollout),
-                                                                    ("placement.scorer", pl.scorer)) if v is not None)
+                                                                    ("placement.scorer", pl.scorer),
+                                                                    ("placement.user", upl)) if v is not None)
             raise ValueError(f"{taken} take(s) all {len(devs)} device(s); the learner needs at least one: give "
                              "placement.learner explicitly (it may overlap placement.rollout) or use fewer")
     else:
@@ -157,20 +191,28 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
         raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.learner="
                          f"{_spec_str(pl.learner)} on device(s) {sorted(lids & sids)}: the scorer needs devices of "
                          "its own (null shares the learner's mesh)")
+    if lids & uids:
+        raise ValueError(f"placement.user={_spec_str(upl)} overlaps placement.learner={_spec_str(pl.learner)} on "
+                         f"device(s) {sorted(lids & uids)}: the user model needs devices of its own (null runs it "
+                         "on the eval engine's devices)")
     if scorer is not None and jax.process_count() > 1 and devices is None:
         raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} needs a single-process run (this one has "
                          f"{jax.process_count()} processes); set placement.scorer=null")
+    if user is not None and jax.process_count() > 1 and devices is None:
+        raise ValueError(f"placement.user={_spec_str(upl)} needs a single-process run (this one has "
+                         f"{jax.process_count()} processes); set placement.user=null")
+    uk = {"user": user, "user_mesh": None if user is None else user_mesh_sizes(cfg, len(user))}
     if rollout is None:
         explicit = cfg.rollout.mesh.fixed_product()
         if explicit == 1:
-            return Roles(learner, None, scorer, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1})
+            return Roles(learner, None, scorer, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, **uk)
         if explicit > len(learner):
             raise ValueError(f"rollout.mesh needs {explicit} device(s) per engine; colocated engines "
                              f"(placement.rollout=null) lie on the learner's {len(learner)}")
         group = learner[:explicit]
         sizes = engine_mesh_sizes(cfg.rollout.mesh, explicit, where=" (colocated on the learner's first devices)")
         _check_slots(cfg, sizes)
-        return Roles(learner, [group] * threads, scorer, sizes)
+        return Roles(learner, [group] * threads, scorer, sizes, **uk)
     if len(rollout) % threads:
         raise ValueError(f"placement.rollout={_spec_str(pl.rollout)} ({len(rollout)} devices) does not split "
                          f"evenly over rollout.threads={threads} engines")
@@ -184,7 +226,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
             raise ValueError(f"placement.rollout={_spec_str(pl.rollout)}: engine {i}'s devices span several "
                              "processes; an engine's mesh must lie on one host (give each host's devices whole "
                              "engines: rollout.threads a multiple of the process count)")
-    return Roles(learner, engines, scorer, sizes)
+    return Roles(learner, engines, scorer, sizes, **uk)
 
 
 

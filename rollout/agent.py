@@ -30,7 +30,9 @@ Malformed tool calls (bad JSON, missing name) and unknown tools become error obs
 An env with a user side (``tau2``) has ``user_reply(text) -> str | None``: a turn without a tool call
 goes to it first; a string is the user's next message (a ``user`` turn, mask False, counted in
 ``info["user_turns"]``, its time in ``info["user_s"]``) and the episode goes on; None ends it with
-``env.score(text)`` as above.
+``env.score(text)`` as above. ``info["reset_s"]`` is the seconds of ``env.reset``; an env with
+``episode_info() -> dict`` adds what it measured itself to ``info`` at the end (tau2: its user model's
+tokens and seconds).
 
 K/V across turns: with a generator that has sessions (``release_session``, i.e.
 :class:`rollout.generator.Generator`) every turn is submitted with the episode's session key, so the
@@ -278,6 +280,7 @@ class AgentLoop:
                                 "truncated": None, "answered": False, "failed": False, "gen_s": 0.0, "tool_s": 0.0,
                                 "turn_starts": [], "finish_reasons": []}
         reward = 0.0
+        env = None
         env_name = self.env_name or ""
         # a generator with sessions (rollout.Generator) holds the episode's slot between turns
         session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
@@ -314,7 +317,9 @@ class AgentLoop:
         try:
             env = self.env_factory()
             env_name = self.env_name or getattr(env, "name", "") or type(env).__name__
+            ts = time.monotonic()
             messages, tools = env.reset(int(task_seed))
+            info["reset_s"] = time.monotonic() - ts
             tool_names = {(t.get("function") or t).get("name") for t in (tools or [])}
             shown_tools = tools if getattr(self.cfg, "render_tools", True) else None
             prompt, _ = tok.render_chat(messages, shown_tools, add_generation_prompt=True)
@@ -434,6 +439,12 @@ class AgentLoop:
             reward = 0.0
         if session is not None:
             self.generator.release_session(session)
+        episode_info = getattr(env, "episode_info", None) if env is not None else None
+        if episode_info is not None:  # what the env measured itself (tau2: its user model's tokens and seconds)
+            try:
+                info.update(episode_info())
+            except Exception as e:  # noqa: BLE001 - a measurement never fails the episode
+                info["episode_info_error"] = f"{type(e).__name__}: {e}"
         info["total_s"] = time.monotonic() - t0
         self._count("episodes")
         self._count("tool_calls", info["tool_calls"])

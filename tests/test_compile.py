@@ -330,3 +330,36 @@ def test_tpu_configs_fit_at_full_depth(tmp_path, config, topology, functions):
         assert x["fits"], (name, x)
     if "4b" in config:
         assert rows["train_step"]["hbm_total_bytes"] <= 0.9 * rows["train_step"]["chip_hbm_bytes"]
+
+
+def test_user_model_rows_on_their_own_chips(tmp_path):
+    """placement.user: the tau² user model's prefill / decode on its own chips (a block of their own beside the
+    scorer's), with the user model's own architecture when env.tau2.user_model.checkpoint names one."""
+    from flax import nnx
+
+    from jax_rl.compile import compile_programs
+    from jax_rl.compile.table import format_table, summary_lines
+    from jax_rl.models.hf_io import save_pretrained
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+
+    pytest.importorskip("tau2")
+    tau2 = ["env.name=tau2", "env.tau2.user=model", "placement.user=1", "loss.correction=exact",
+            "old_logits.route=dedicated", "placement.scorer=1"]
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, *tau2])
+    rows = compile_programs(cfg, "v5e:2x2", functions=("score_step", "user_prefill", "user_decode_step"), cost=False)
+    sc, pre, dec = rows
+    assert sc["role"] == "scorer" and sc["device_ids"] == [3]
+    assert [pre["role"], dec["role"]] == ["user", "user"] and pre["device_ids"] == dec["device_ids"] == [2]
+    assert dec["fits_on_chip"] is True and dec["params_bytes_per_chip"] == _tiny_params(2)  # bf16, one chip
+    assert dec["user_mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert any(line.startswith("user model: 1 chips") for line in summary_lines(rows))
+    assert [c.header for c in format_table(rows).columns][0] == "role"
+    # a user model of its own architecture (the tiny_dense preset saved as an HF checkpoint)
+    mc = get_preset("tiny_dense")
+    save_pretrained(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)), mc, tmp_path / "hf")
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, *tau2, f"env.tau2.user_model.checkpoint={tmp_path / 'hf'}"])
+    (dec2,) = compile_programs(cfg, "v5e:2x2", functions=("user_decode_step",), cost=False)
+    assert dec2["params_bytes_per_chip"] != dec["params_bytes_per_chip"]
+    # no user model, no placement.user: no rows
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY])
+    assert compile_programs(cfg, "v5e:2x2", functions=("user_decode_step",), cost=False) == []

@@ -269,3 +269,14 @@ def test_a_union_knob_names_the_key_not_pydantics_member_tags():
     msg = str(e.value)
     assert msg.count("invalid value 'placement.learner'='abc'") == 1 and ".int'" not in msg and "list[int]" not in msg
     assert "valid integer" in msg and "valid list" in msg
+
+
+
+def test_sft_batch_must_split_into_the_microbatches():
+    """An SFT step accumulates over optim.microbatches: a batch that does not split is refused at load, in one
+    line, before any demonstration is built (not as a BatchError minutes into the run)."""
+    with pytest.raises(ConfigError, match=r"sft.batch_size=2 must be divisible by optim.microbatches=8") as e:
+        load_config(None, ["optim.microbatches=8", "sft.batch_size=2", "sft.steps=5"])
+    assert "\n" not in str(e.value)
+    assert load_config(None, ["optim.microbatches=8", "sft.batch_size=2", "sft.steps=0"]).sft.batch_size == 2
+    assert load_config(None, ["optim.microbatches=8", "sft.batch_size=16", "sft.steps=5"]).sft.batch_size == 16

@@ -22,7 +22,7 @@ Arguments are ``jax.ShapeDtypeStruct`` trees with the run's shardings (params, o
 EWMA, batch, KV cache), on the config's mesh built over the topology's devices.
 
 Roles (``placement.*``, :func:`jax_rl.placement.resolve_roles` over the topology's devices): every row
-has a ``role`` (``learner``, ``rollout``, ``scorer``, ``sync``), ``role_chips`` and ``device_ids`` (the
+has a ``role`` (``learner``, ``rollout``, ``scorer``, ``user``, ``sync``), ``role_chips`` and ``device_ids`` (the
 devices it is compiled for), and the table groups the rows by role.
 
 - learner: ``train_step`` and ``sft_step`` on ``mesh.*`` over ``placement.learner``'s devices (all of
@@ -37,6 +37,9 @@ devices it is compiled for), and the table groups the rows by role.
   ``hbm_on_chip_during_sync_bytes`` / ``fits_during_sync`` (a new params copy per updated engine).
 - scorer (``placement.scorer``, ``old_logits.route=dedicated``): ``score_step``, the scorer's forward on
   an ``fsdp`` mesh over its devices, plus its ``async.max_staleness`` + 1 held versions.
+- user (``placement.user``, ``env.tau2.user=model``): ``user_prefill`` and ``user_decode_step``, the tau²
+  user simulator model's engine (``env.tau2.user_model.checkpoint``'s architecture, else the policy's) on
+  its own devices (:func:`jax_rl.placement.user_mesh_sizes`); HBM only, no cost pieces.
 - sync: ``weight_sync`` (colocated: :func:`weight_sync_fn`; sharded engines: :func:`cast_fn` on the
   learner's mesh, then a ``device_put`` per engine) with the bytes one engine receives in
   ``rollout.dtype`` and a roofline at the chip's ICI bandwidth (:func:`_weight_sync_row`).

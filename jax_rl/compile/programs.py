@@ -19,12 +19,13 @@ if TYPE_CHECKING:  # annotations only: jax is imported inside the functions (the
     from jax_rl.learner_spec import LearnerSpec
 
 
-FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step")
+FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step", "user_prefill",
+             "user_decode_step")
 
 
 def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[dict], model_flops: Optional[float],
          shape: Sequence[int], pieces_s: float, *, role: str = "learner", devices: Optional[Sequence] = None) -> dict:
-    """One row. ``role``: learner / rollout / scorer / sync; ``devices``: the role's devices (default the
+    """One row. ``role``: learner / rollout / scorer / user / sync; ``devices``: the role's devices (default the
     learner's): ``role_chips`` and the model FLOPs per chip are over them."""
     chip = t.spec.chip
     chips = t.spec.num_chips
@@ -149,6 +150,9 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         rows.append(_rollout_row(t, fname, cost, log, em))
     if "score_step" in functions and t.roles.scorer is not None:
         rows.append(_scorer_row(t, log))
+    for fname in ("user_prefill", "user_decode_step"):
+        if fname in functions and t.roles.user is not None:
+            rows.append(_user_row(t, fname, log))
     if "weight_sync" in functions:
         rows.append(_weight_sync_row(t, lrn, cost, log, em))
     _on_chip(t, rows)
@@ -259,6 +263,62 @@ def _scorer_row(t: _Target, log) -> dict:
     row = _row(t, "score_step", a, secs, None, None, [1, 1, G, T], 0.0, role="scorer", devices=devs)
     row["versions_held"] = int(cfg.async_.max_staleness) + 1
     row["params_bytes_per_chip"] = _shard_bytes(abs_params, sh, jnp.float32) * _devices_per_chip(t)
+    return row
+
+
+def _user_model_config(t: _Target):
+    """The tau² user model's ``Qwen3Config``: ``env.tau2.user_model.checkpoint``'s ``config.json``, or the
+    policy's (a frozen copy of its starting weights)."""
+    cfg = t.cfg
+    ck = cfg.env.tau2.user_model.checkpoint
+    if not ck:
+        return t.model_config
+    from jax_rl.model_builder import resolve_model_config
+
+    ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": ck, "hf_overrides": {}})})
+    try:
+        return resolve_model_config(ucfg.model, check_tensors=False)
+    except Exception as e:  # noqa: BLE001 - one line naming the key
+        raise ConfigError(f"env.tau2.user_model.checkpoint={ck!r}: {e}") from None
+
+
+def _user_row(t: _Target, fname: str, log) -> dict:
+    """A ``user_prefill`` / ``user_decode_step`` row (role ``user``): the tau² user simulator model's engine
+    (``env.tau2.user=model``) on ``placement.user``'s devices, laid out by
+    :func:`jax_rl.placement.user_mesh_sizes`, with the rollout engines' slots, cache and dtype
+    (:func:`jax_rl.runtime.components.start_tau2_user_model` builds it so). Its params are frozen: no
+    publish reaches it. No cost pieces (HBM only); the decode row adds ``params_bytes_per_chip`` /
+    ``kv_cache_bytes_per_chip``, and ``hbm_on_chip_bytes`` / ``fits_on_chip`` (one engine per chip)."""
+    from jax_rl.sharding import make_mesh
+    from jax_rl.tpu import compile_rollout
+
+    r = t.cfg.rollout
+    key = "prefill" if fname == "user_prefill" else "decode"
+    devs = list(t.roles.user)
+    mesh = make_mesh(**t.roles.user_mesh, devices=devs)
+    mc = _user_model_config(t)
+    shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
+    log(f"{fname}: compiling the user model's {key} ({r.slots} slots, cache {r.max_cache_len}; "
+        f"{'x'.join(str(v) for v in t.roles.user_mesh.values())} mesh over {len(devs)} device(s)) ...")
+    t0 = time.perf_counter()
+    try:
+        full = compile_rollout(mc, t.topology, model_kwargs=t.engine_kw, slots=r.slots, max_cache_len=r.max_cache_len,
+                               prefill_len=r.max_prefill_length, dtype=r.dtype, only=(key,), mesh=mesh)[key]
+    except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over HBM
+        if not _is_hbm_oom(e):
+            raise
+        log(f"{fname}: does not fit ({_oom_text(e)})")
+        return _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0, role="user",
+                    devices=devs)
+    row = _row(t, fname, _short(full), full["compile_s"], None, None, shape, 0.0, role="user", devices=devs)
+    row["user_mesh"] = dict(t.roles.user_mesh)
+    if key == "decode":
+        per_dev = _devices_per_chip(t)
+        row["params_bytes_per_chip"] = full["params_per_chip"] * per_dev
+        row["kv_cache_bytes_per_chip"] = full["kv_cache_per_chip"] * per_dev
+        row["hbm_on_chip_bytes"] = row["hbm_total_bytes"]
+        row["fits_on_chip"] = row["fits"]
+    log(f"{fname}: {full['compile_s']:.1f} s")
     return row
 
 

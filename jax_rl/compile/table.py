@@ -19,12 +19,12 @@ def _gib(n) -> str:
 
 def format_table(rows: list[dict], title: str = "") -> Any:
     """A ``rich.table.Table`` of the rows (bytes in GiB per chip), grouped by role (learner, rollout,
-    scorer, sync: one section each, with the role's chips)."""
+    scorer, user, sync: one section each, with the role's chips)."""
     from rich.table import Table
 
     tb = Table(title=title or None, caption="compile-time estimates from libtpu's compiler (memory_analysis, "
                                             "cost_analysis with loop trip counts); not TPU measurements")
-    order = {"learner": 0, "rollout": 1, "scorer": 2, "sync": 3}
+    order = {"learner": 0, "rollout": 1, "scorer": 2, "user": 3, "sync": 4}
     rows = sorted(rows, key=lambda r: order.get(r.get("role", "learner"), 9))  # stable: keeps the order inside a role
     for h in ("role", "function", "shape", "args GiB", "temp GiB", "out GiB", "total GiB", "chip GiB", "fits",
               "compile s", "TFLOP/chip", "GB accessed/chip", "roofline s", "MFU bound", "FLOPs/model"):
@@ -57,7 +57,7 @@ def format_table(rows: list[dict], title: str = "") -> Any:
 
 def summary_lines(rows: list[dict]) -> list[str]:
     """One line per role placement fact: what the rollout chips hold and whether it fits, the scorer's
-    chips, and the weight sync's bytes and ICI roofline (compile-time estimates and vendor peaks)."""
+    and the tau² user model's chips, and the weight sync's bytes and ICI roofline (compile-time estimates and vendor peaks)."""
     out = []
     for r in rows:
         if r["function"] == "decode_step" and r.get("hbm_on_chip_bytes") is not None:
@@ -80,6 +80,12 @@ def summary_lines(rows: list[dict]) -> list[str]:
         if r["function"] == "score_step" and r.get("hbm_on_chip_bytes") is not None:
             out.append(f"scorer: {r['role_chips']} chips, {r['versions_held']} param versions held: "
                        f"{_gib(r['hbm_on_chip_bytes'])} of {_gib(r['chip_hbm_bytes'])} GiB: "
+                       f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
+        if r["function"] == "user_decode_step" and r.get("hbm_on_chip_bytes") is not None:
+            mesh = "x".join(str(v) for v in r["user_mesh"].values())
+            out.append(f"user model: {r['role_chips']} chips, mesh {mesh} (data x fsdp x tensor x expert), frozen "
+                       f"params {_gib(r['params_bytes_per_chip'])} + KV cache {_gib(r['kv_cache_bytes_per_chip'])} GiB "
+                       f"per chip: {_gib(r['hbm_on_chip_bytes'])} of {_gib(r['chip_hbm_bytes'])} GiB: "
                        f"{'fits' if r['fits_on_chip'] else 'DOES NOT FIT'}")
         if r["function"] == "weight_sync" and "sync_bytes" in r:
             roof = r["sync_ici_roofline_s"]

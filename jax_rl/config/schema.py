@@ -270,10 +270,11 @@ def _check_devices_spec(v: Any) -> Any:
 
 
 class PlacementConfig(_Section):
-    """Which devices each role runs on: learner, rollout engines, old-logit scorer (docs/placement.md).
+    """Which devices each role runs on: learner, rollout engines, scorer, tau² user model (docs/placement.md).
 
     The learner's mesh is mesh.*, each engine's rollout.mesh.*. All null = colocated, the default: the
-    learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh."""
+    learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh,
+    the user model on the eval engine's devices."""
 
     learner: Optional[int | list[int]] = None
     """The learner's devices: an int n = the first n of jax.devices(), a list = jax device ids, null = every
@@ -286,8 +287,13 @@ class PlacementConfig(_Section):
     """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
     placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
     shares the learner's mesh."""
+    user: Optional[int | list[int]] = None
+    """env.tau2.user=model: the user simulator model's own devices (an int n = the last n devices that
+    placement.rollout and placement.scorer do not take, a list = ids; never the learner's, the rollout's or
+    the scorer's); its engine lays rollout.mesh over them, or fsdp over all of them when rollout.mesh is one
+    device. null = the user model runs on the eval engine's devices."""
 
-    _devs = field_validator("learner", "rollout", "scorer", mode="after")(classmethod(
+    _devs = field_validator("learner", "rollout", "scorer", "user", mode="after")(classmethod(
         lambda cls, v: _check_devices_spec(v)))
 
 
@@ -549,6 +555,9 @@ class Tau2UserModelConfig(_Section):
     """Tokens per user turn."""
     max_context: int = Field(8192, ge=16)
     """A user-side prompt longer than this (or than rollout.max_cache_len) ends the episode as a user stop."""
+    max_tool_calls: int = Field(8, ge=1)
+    """telecom: the user-device tool calls the user model may make in one turn; more end the episode (tau²
+    MAX_STEPS, reward 0)."""
 
 
 class Tau2Config(_Section):
@@ -558,21 +567,14 @@ class Tau2Config(_Section):
     """tau² domain; training draws from its train split, held-out eval (seeds >= eval.seed_offset) from its test split."""
     user: Literal["ticket", "model"] = "ticket"
     """ticket: no simulated user (the task's scenario or ticket is the first user message; telecom runs tau²'s solo
-    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM."""
+    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM (telecom: it
+    calls the user-device tools)."""
     max_user_turns: int = Field(10, ge=1)
     """User replies after which an episode ends unfinished (tau² max_steps, reward 0)."""
     max_tool_output_chars: int = Field(16000, ge=1)
     """A longer tool output is cut for the model (counted); the evaluator sees it whole."""
     user_model: Tau2UserModelConfig = Field(default_factory=Tau2UserModelConfig)
     """env.tau2.user=model: the served user simulator model."""
-
-    @model_validator(mode="after")
-    def _user_model_domain(self) -> "Tau2Config":
-        if self.user == "model" and self.domain == "telecom":
-            raise ValueError("env.tau2.user=model with env.tau2.domain=telecom: telecom's user acts through 30 "
-                             "user-device tools and the served user model calls none; use env.tau2.user=ticket "
-                             "(tau²'s solo mode)")
-        return self
 
 
 class EnvConfig(_Section):
@@ -814,10 +816,21 @@ class Config(_Section):
                 f"optim.batch_size={self.optim.batch_size} must be divisible by "
                 f"optim.minibatches*optim.microbatches={self.optim.minibatches * self.optim.microbatches}"
             )
+        if self.sft.steps > 0 and self.sft.batch_size % self.optim.microbatches != 0:
+            raise ValueError(
+                f"sft.batch_size={self.sft.batch_size} must be divisible by optim.microbatches="
+                f"{self.optim.microbatches} (an SFT step accumulates over the same microbatches; or sft.steps=0)"
+            )
         pl = self.placement
         if pl.rollout is not None and self.runtime.kind == "ray":
             raise ValueError(f"placement.rollout={pl.rollout} places engines in this process's devices; runtime=ray "
                              "runs its engines in worker processes: use runtime=embedded or placement.rollout=null")
+        if pl.user is not None and not (self.env.name == "tau2" and self.env.tau2.user == "model"):
+            raise ValueError(f"placement.user={pl.user} places the tau² user simulator model, which only "
+                             "env.name=tau2 with env.tau2.user=model runs: set placement.user=null")
+        if pl.user is not None and self.runtime.kind == "ray":
+            raise ValueError(f"placement.user={pl.user} places the user model in this process's devices; runtime=ray "
+                             "runs it in each rollout worker process: use runtime=embedded or placement.user=null")
         if self.runtime.kind == "ray" and any(v > 1 for v in self.rollout.mesh.sizes().values()):
             raise ValueError(f"rollout.mesh={self.rollout.mesh.sizes()} shards engines over this process's devices; "
                              "runtime=ray runs each engine in a worker process of its own: use runtime=embedded")

@@ -17,7 +17,7 @@ from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
 
-__all__ = ["engine_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
+__all__ = ["engine_mesh", "user_model_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
 
 
 def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
@@ -47,8 +47,26 @@ def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
     return make_mesh(**roles.engine_mesh, devices=roles.engines[index])
 
 
+def user_model_mesh(cfg: Config, roles: Any = None):
+    """The tau² user model engine's mesh: ``placement.user``'s devices laid out by
+    :func:`jax_rl.placement.user_mesh_sizes`, or None (``placement.user`` null: the eval engine's mesh).
+
+    Raises:
+        ConfigError: (one line naming the key) the placement does not resolve.
+    """
+    if cfg.placement.user is None:
+        return None
+    if roles is None:
+        try:
+            roles = resolve_roles(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return make_mesh(**roles.user_mesh, devices=roles.user)
+
+
 def build_generator(cfg: Config, model_config, params, version: int, *, temperature: Optional[float] = None,
-                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None):
+                    slots: Optional[int] = None, seed: int = 0, engine: Optional[int] = None, roles: Any = None,
+                    mesh: Any = None):
     """A started :class:`rollout.generator.Generator` over a fresh :class:`Qwen3Engine`.
 
     The engine's model is built with :func:`jax_rl.model_builder.rollout_model_kwargs` (the
@@ -58,10 +76,12 @@ def build_generator(cfg: Config, model_config, params, version: int, *, temperat
     sharded on that engine's mesh (:func:`engine_mesh`; ``roles``: an already resolved
     :class:`jax_rl.placement.Roles`), else on this process's first device as always. The eval engine
     (``engine=None``) is on the mesh of the first engine this process runs (engine 0 in one process;
-    multi-process: each host evaluates on its own engine's devices).
+    multi-process: each host evaluates on its own engine's devices). ``mesh``: a mesh of its own instead
+    (the tau² user model's on ``placement.user``, :func:`user_model_mesh`).
     """
 
-    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles)
+    eng = build_engine(cfg, model_config, params, temperature=temperature, slots=slots, engine=engine, roles=roles,
+                       mesh=mesh)
     gen = new_generator(cfg, eng, version)
     gen.start()
     return gen
@@ -76,7 +96,7 @@ def new_generator(cfg: Config, eng, version: int):
 
 
 def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
-                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None):
+                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None, mesh: Any = None):
     """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
     ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
     r = cfg.rollout
@@ -92,7 +112,7 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
-        mesh=engine_mesh(cfg, engine, roles),
+        mesh=engine_mesh(cfg, engine, roles) if mesh is None else mesh,
         quantize=r.quantize,
     )
 

@@ -13,7 +13,7 @@ from jax_rl.config import Config, ConfigError
 from jax_rl.config.schema import BPE_CORPUS_DEMOS  # the bpe tokenizer's demos (the held-out guard counts them)
 from jax_rl.model_builder import resolve_model_config
 from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
-from jax_rl.runtime.engines import build_generator
+from jax_rl.runtime.engines import build_generator, user_model_mesh
 from rollout.agent import demo_chat
 from rollout.envs import RetailEnv, env_factory_from_config
 from rollout.envs.base import BaseEnv
@@ -111,7 +111,7 @@ class Tau2UserModel:
         # the user model's engine has the policy's rollout.max_cache_len
         return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
                          max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
-                         timeout_s=self.cfg.rollout.episode_timeout_s)
+                         timeout_s=self.cfg.rollout.episode_timeout_s, max_tool_calls=um.max_tool_calls)
 
 
 def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
@@ -123,9 +123,6 @@ def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
         raise ConfigError(f"env.name=tau2: {e}") from None
     handle = None
     if cfg.env.tau2.user == "model":
-        if cfg.runtime.kind == "ray":
-            raise ConfigError("env.tau2.user=model runs its user model in the embedded runtime only; use runtime=embedded "
-                              "or env.tau2.user=ticket")
         if user_simulator_factory is None:
             user_simulator_factory = handle = Tau2UserModel(cfg)
     try:
@@ -144,8 +141,9 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
     frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
     ``model.checkpoint``) or a copy of the policy's params at this call (the run's starting weights).
-    It runs on the eval engine's devices (the first rollout engine's mesh), at ``algo.temperature``,
-    with ``rollout.slots`` slots, and never receives a publish. The caller stops it. ``load_params(cfg,
+    It runs on ``placement.user``'s devices (:func:`jax_rl.runtime.engines.user_model_mesh`) or, by default,
+    on the eval engine's (the first rollout engine's mesh), at ``algo.temperature``, with ``rollout.slots``
+    slots, and never receives a publish. The caller stops it. ``load_params(cfg,
     model_config) -> (params, mesh)`` reads ``cfg.model.checkpoint`` (the run context's HF loader).
 
     Raises:
@@ -171,7 +169,7 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
         params, _ = load_params(ucfg, mc)
     else:
         params = learner.rollout_params()
-    gen = build_generator(cfg, mc, params, version=0)
+    gen = build_generator(cfg, mc, params, version=0, mesh=user_model_mesh(cfg))
     handle.bind(gen, tokenizer)
     return gen
 

@@ -145,6 +145,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
 
     try:
         producer.start()
+        t_row = time.perf_counter()  # the previous row's time: a step's wall is the time between rows
         with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
             for step in range(start_step, cfg.run.steps):
                 if stop.event.is_set():
@@ -170,8 +171,12 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 row = step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
                 if nproc > 1:
                     row["process_count"] = nproc  # the rollout columns of this row are process 0's share
-                row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
-                            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
+                now = time.perf_counter()
+                row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
+                            "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
+                            # the step's wall (since the previous row) and the episodes it trained per second of it
+                            "step_wall_s": now - t_row, "episodes_per_s": len(trajs) / max(now - t_row, 1e-9)})
+                t_row = now
                 writer.write(step + 1, row)
                 last = row
                 bar.update(step + 1, row)
@@ -338,26 +343,51 @@ def rollout_moe_drops(trajs) -> dict:
 
 
 def tau2_episode_stats(trajs) -> dict:
-    """Per-episode means over ``trajs`` (from ``Trajectory.info``): assistant turns, user turns, tool calls,
-    tool errors, prompt tokens, submitted context tokens (the sum over turns of the context each turn was
-    generated from: what the engine prefills without prefix or K/V reuse), and seconds waiting on the
-    policy's generator (``gen_s``), in the env (tools + tau²'s evaluator, ``tool_s``) and on the user
-    model (``user_s``). Episodes run concurrently: the seconds are per episode, not shares of a step."""
+    """The agentic workload's shape per step, from each ``Trajectory.info``.
+
+    Per-episode means over ``trajs``: assistant turns, user turns, tool calls, tool errors, tokens (the
+    trajectory's length), prompt tokens, prefill tokens (what the engine ran through prefill for the
+    episode, prefix-cache and kept-K/V reuse counted out), submitted context tokens (the sum over turns of
+    the context each turn was generated from: what an engine without any reuse prefills), the user model's
+    generated tokens, and seconds: waiting on the policy's generator (``gen_s``), in the env (``env_s``:
+    tools, tau²'s evaluator, ``reset``, the user's tools: everything but the two models) and waiting on
+    the user model (``user_s``).
+
+    ``episode_time_frac_{policy,env,user_model}``: each part's share of the episodes' wall seconds
+    (summed over the step's episodes; the rest is the loop's own work). Episodes run concurrently and
+    beside the learner, so these are shares of episode time, not of the step's wall: that is the
+    row's ``step_wall_s`` (with ``step_time_s`` the learner's update and ``episodes_per_s``)."""
     infos = [t.info or {} for t in trajs]
 
     def mean(f) -> float:
         return float(np.mean([f(i) for i in infos])) if infos else 0.0
+
+    def env_s(i) -> float:  # reset and the user's turns include the user model's waits: count those out
+        return max(0.0, i.get("tool_s", 0.0) + i.get("reset_s", 0.0) + i.get("user_s", 0.0) - i.get("user_model_s", 0.0))
+
+    total = sum(i.get("total_s", 0.0) for i in infos)
+
+    def frac(f) -> float:
+        return float(sum(f(i) for i in infos) / total) if total > 0 else 0.0
 
     return {
         "episode_turns_mean": mean(lambda i: i.get("turns", 0)),
         "episode_user_turns_mean": mean(lambda i: i.get("user_turns", 0)),
         "episode_tool_calls_mean": mean(lambda i: i.get("tool_calls", 0)),
         "episode_tool_errors_mean": mean(lambda i: len(i.get("tool_errors", []))),
+        "episode_tokens_mean": float(np.mean([len(t) for t in trajs])) if trajs else 0.0,
         "episode_prompt_len_mean": mean(lambda i: i.get("prompt_len", 0)),
+        "episode_prefill_tokens_mean": mean(lambda i: i.get("prefill_tokens", 0)),
         "episode_submitted_tokens_mean": mean(lambda i: sum(i.get("turn_starts", []))),
+        "episode_user_model_tokens_mean": mean(lambda i: i.get("user_model_tokens", 0)),
+        "episode_user_tool_calls_mean": mean(lambda i: i.get("user_tool_calls", 0)),
         "episode_gen_s_mean": mean(lambda i: i.get("gen_s", 0.0)),
-        "episode_env_s_mean": mean(lambda i: i.get("tool_s", 0.0)),
-        "episode_user_s_mean": mean(lambda i: i.get("user_s", 0.0)),
+        "episode_env_s_mean": mean(env_s),
+        "episode_user_s_mean": mean(lambda i: i.get("user_model_s", 0.0)),
+        "episode_total_s_mean": mean(lambda i: i.get("total_s", 0.0)),
+        "episode_time_frac_policy": frac(lambda i: i.get("gen_s", 0.0)),
+        "episode_time_frac_env": frac(env_s),
+        "episode_time_frac_user_model": frac(lambda i: i.get("user_model_s", 0.0)),
     }
 
 

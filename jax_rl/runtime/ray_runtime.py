@@ -315,7 +315,7 @@ def _actors():
         groups it is given at once (:attr:`RayProducer.per_worker`): its groups decode together in
         the engine's ``rollout.slots`` and a ``set_params`` is not queued behind them."""
 
-        def __init__(self, cfg_dict: dict, model_config_hf: dict, worker_id: int):
+        def __init__(self, cfg_dict: dict, model_config_hf: dict, worker_id: int, user_model: Optional[dict] = None):
             from jax_rl.runtime.affinity import pin_process
 
             pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
@@ -332,6 +332,9 @@ def _actors():
             self.agent_cls = AgentLoop
             self.agent = None
             self.worker_id = worker_id
+            # env.tau2.user=model: the learner actor's frozen user model ({model_config_hf, params}), served here
+            self._user_model = user_model
+            self.user_gen = None
 
         def pid(self) -> int:
             return os.getpid()
@@ -353,6 +356,14 @@ def _actors():
 
             if self.gen is None:
                 self.gen = engines.build_generator(self.cfg, self.mc, params, version)
+                if self._user_model is not None:  # the tau² user model beside the engine: frozen, never published to
+                    from jax_rl.models.qwen3 import Qwen3Config
+
+                    self.user_gen = engines.build_generator(
+                        self.cfg, Qwen3Config.from_hf(self._user_model["model_config_hf"]),
+                        self._user_model["params"], 0)
+                    self.env_factory.user_model.bind(self.user_gen, self.tok)
+                    self._user_model = None
                 self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
                                               group_size=self.cfg.algo.group_size)
                 return 0.0
@@ -365,6 +376,8 @@ def _actors():
         def stop(self) -> None:
             if self.gen is not None:
                 self.gen.stop()
+            if self.user_gen is not None:
+                self.user_gen.stop()
 
     @ray.remote(num_cpus=0)
     class BufferActor:
@@ -458,6 +471,17 @@ def _actors():
 
         def get_params(self):
             return self.ctx.learner.get_params(host=True)
+
+        def user_model(self) -> Optional[dict]:
+            """env.tau2.user=model: the frozen user model this actor serves for held-out eval
+            (:func:`~jax_rl.runtime.envs.start_tau2_user_model`: the checkpoint, or the run's
+            starting weights), as ``{model_config_hf, params}`` (host arrays in ``rollout.dtype``) for the
+            rollout workers to serve the same model; None without one."""
+            g = getattr(self.ctx, "_user_gen", None)
+            if g is None:
+                return None
+            return {"model_config_hf": g.engine.config.to_hf(),
+                    "params": jax_tree_to_host(g.engine.load_params())}
 
         def version(self) -> int:
             return self.ctx.version
@@ -555,6 +579,7 @@ class RayProducer:
         self.workers: list = []
         self.version = 0
         self.params_ref = None
+        self.user_ref = None  # env.tau2.user=model: the learner actor's user model, in the object store
         self.weight_sync = WeightSyncClock()  # publish timings (weight_sync_s columns)
         self._fatal: Optional[str] = None
         self._syncs: list = []  # set_params refs of publishes whose worker seconds are not collected yet
@@ -575,6 +600,8 @@ class RayProducer:
         ray = self._ray
         self.version = int(ray.get(self._learner.version.remote()))
         self.params_ref = self._learner.get_params.remote()  # lives in the object store; every worker reads it
+        if self.cfg.env.name == "tau2" and self.cfg.env.tau2.user == "model":  # one copy for every worker
+            self.user_ref = self._learner.user_model.remote()
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.ray_workers)]
         pending = [w.set_params.remote(self.params_ref, self.version) for w in self.workers]
         while pending:  # each worker builds its engine (compiles) here: minutes on a loaded host
@@ -586,7 +613,8 @@ class RayProducer:
     def _new_worker(self, i: int):
         # its per_worker groups run at once (one thread each, blocked on the group's future) and a
         # set_params and the cpu_s / affinity probes beside them
-        return self._worker_cls.options(max_concurrency=self.per_worker + 2).remote(self._cfg_dict, self._hf, i)
+        return self._worker_cls.options(max_concurrency=self.per_worker + 2).remote(self._cfg_dict, self._hf, i,
+                                                                                   self.user_ref)
 
     def poll(self, n_groups: int, version: int) -> Optional[list]:
         from rollout.types import Trajectory
@@ -737,6 +765,14 @@ class RayProducer:
                 self.guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
                 continue
             self.guard.record(group)
+
+
+def jax_tree_to_host(tree):
+    """``tree`` with every leaf as a numpy array (what crosses Ray's object store)."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(np.asarray, tree)
 
 
 def run_train_ray(cfg: Config) -> int:

@@ -31,7 +31,7 @@ def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
         n_devices = jax.device_count()
     left = ""
     pl = cfg.placement
-    placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None
+    placed = pl.learner is not None or pl.rollout is not None or pl.scorer is not None or pl.user is not None
     if placed or cfg.rollout.mesh.fixed_product() > 1:
         try:
             roles = resolve_roles(cfg, jax.devices()[:n_devices])

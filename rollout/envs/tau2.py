@@ -35,6 +35,12 @@ With a :class:`UserSimulator` (``user="model"`` or a scripted one), an assistant
 to the user (:meth:`Tau2Env.user_reply`); the user's reply is the next user turn, and the episode
 ends when the user says one of tau²'s stop tokens (``###STOP###``, ``###TRANSFER###``,
 ``###OUT-OF-SCOPE###``: ``USER_STOP``) or after ``max_user_turns`` replies (``MAX_STEPS``, reward 0).
+``telecom`` with a user model runs as tau² runs it with a user: the agent holds its own 13 tools and
+the telecom policy for a conversation (not the solo one), and the user acts on their phone through
+the 30 user-device tools (:class:`ModelUser` calls them through :meth:`Tau2Env._user_tools_call`,
+tau²'s ``requestor="user"``; recorded in the trajectory the evaluator replays, never shown to the
+agent). A user that makes more than its bound of tool calls in one turn ends the episode
+(``MAX_STEPS``).
 
 Tool calls are ``{"name", "arguments"}`` dicts parsed from JSON by the agent loop (never evaluated);
 :meth:`Tau2Env.step` hands each to tau²'s ``Environment.get_response`` (which dispatches to the
@@ -145,10 +151,13 @@ class Tau2Domain:
     tasks: dict  # task id -> tau2 Task
     train: list[str]
     test: list[str]
-    policy: str
+    policy: str  # the agent's policy with a user present (tau²'s non-solo environment)
     solo: bool  # the domain has user-device tools: ticket mode runs tau²'s solo mode
-    tools: list[dict]  # OpenAI tool schemas the agent sees (agent tools, + user tools in solo mode)
+    tools: list[dict]  # OpenAI tool schemas the agent sees in ticket mode (agent tools, + user tools in solo mode)
     tool_names: set = field(default_factory=set)
+    agent_tools: list[dict] = field(default_factory=list)  # the agent's own tools (a user is present)
+    user_tools: list[dict] = field(default_factory=list)  # the user-device tools (telecom), [] elsewhere
+    solo_policy: Optional[str] = None  # the policy of tau²'s solo environment (telecom), else None
 
     def constructor(self, solo_mode: bool = False):
         from tau2.registry import registry
@@ -193,12 +202,31 @@ def load_domain(name: str) -> Tau2Domain:
         raise ValueError(f"tau2 {name}: split names unknown task ids {missing[:3]}")
     env = registry.get_env_constructor(name)()
     solo = env.user_tools is not None
-    tools = [t.openai_schema for t in env.get_tools()]
-    if solo:
-        tools += [t.openai_schema for t in env.get_user_tools()]
+    agent_tools = [t.openai_schema for t in env.get_tools()]
+    user_tools = [t.openai_schema for t in env.get_user_tools()] if solo else []
+    tools = agent_tools + user_tools
     names = {t["function"]["name"] for t in tools}
+    solo_policy = registry.get_env_constructor(name)(solo_mode=True).get_policy() if solo else None
     return Tau2Domain(name=name, tasks=by_id, train=train, test=test, policy=env.get_policy(), solo=solo,
-                      tools=tools, tool_names=names)
+                      tools=tools, tool_names=names, agent_tools=agent_tools, user_tools=user_tools,
+                      solo_policy=solo_policy)
+
+
+def _user_view(history: Sequence[Any]) -> list[dict]:
+    """tau² messages as the user sees them (tau²'s ``UserState.flip_roles`` keeps the same ones): the
+    agent's text, the user's own messages (with its tool calls) and the outputs of the user's tools."""
+    out: list[dict] = []
+    for m in history:
+        if m.role == "assistant" and m.content and not m.tool_calls:
+            out.append({"role": "agent", "content": m.content})
+        elif m.role == "user" and (m.content or m.tool_calls):
+            d: dict = {"role": "user", "content": m.content or ""}
+            if m.tool_calls:
+                d["tool_calls"] = [{"name": tc.name, "arguments": dict(tc.arguments)} for tc in m.tool_calls]
+            out.append(d)
+        elif m.role == "tool" and getattr(m, "requestor", None) == "user":
+            out.append({"role": "tool", "content": m.content or ""})
+    return out
 
 
 def _chat_messages(history: Sequence[Any]) -> list[dict]:
@@ -222,15 +250,27 @@ class UserSimulator(Protocol):
 
     ``opening(task)`` is the first user message (after the agent's greeting); ``reply(task,
     conversation)`` is the user's answer to the agent's last text message, given the conversation as
-    the *user* sees it (``[{"role": "agent"|"user", "content": str}]``, agent tool calls and tool
+    the *user* sees it (``[{"role": "agent"|"user"|"tool", "content": str}]``, a user message with the
+    user's own ``tool_calls``, ``tool`` the outputs of the user's tools; the agent's tool calls and their
     outputs left out, as tau²'s ``UserState.flip_roles`` leaves them out). A reply containing one of
     tau²'s stop tokens ends the episode (``USER_STOP``); ``None`` means there is no user to answer
     (the episode ends as an agent stop).
+
+    A user with tools (telecom's user-device tools) also has ``attach_tools(schemas, call)``: the env
+    calls it at each reset with the user tools' OpenAI schemas (``None`` for a domain without) and
+    ``call(calls, content) -> observations``, which runs parsed ``{"name", "arguments"}`` calls on the
+    episode's environment as the user's (tau²'s ``requestor="user"``) and records them in the episode
+    (``content``: the text the user wrote beside them). A user that exceeds its bound on tool calls
+    raises :class:`UserToolLimit` (the episode ends as tau²'s ``MAX_STEPS``, reward 0).
     """
 
     def opening(self, task: Any) -> str: ...
 
     def reply(self, task: Any, conversation: list[dict]) -> Optional[str]: ...
+
+
+class UserToolLimit(RuntimeError):
+    """The user called tools more times in one turn than its bound allows (``MAX_STEPS``)."""
 
 
 class TicketUser:
@@ -275,10 +315,16 @@ class ModelUser:
     Unlike tau²'s: the model is a local checkpoint behind a jax-rl generator (``generator.submit``,
     the agent loop's interface; frozen: its tokens are never in any trajectory, so never in
     ``loss_mask``), rendered through the Qwen3 chat template (``tokenizer.render_chat``) rather than
-    an API model's, with no tools (telecom's user-device tools need a tool-calling user: telecom runs
-    in ticket / solo mode), sampled with the generator's temperature and a per-turn seed; its
-    ``<think>`` block is dropped; the opening message is generated as tau²'s is, in answer to the
-    agent's greeting.
+    an API model's, sampled with the generator's temperature and a per-turn seed; its ``<think>`` block
+    is dropped; the opening message is generated as tau²'s is, in answer to the agent's greeting.
+
+    Tools (telecom: the user acts on their phone through 30 user-device tools): after
+    :meth:`attach_tools`, the prompt is tau²'s tool-using user prompt (``simulation_guidelines_tools``)
+    with the user tools' schemas rendered by the chat template; ``<tool_call>`` blocks in the user's
+    output are parsed as JSON (:func:`rollout.agent.parse_tool_calls`, never evaluated) and run through
+    the env's callback (tau²'s ``Environment.get_response`` with ``requestor="user"``); their outputs
+    are shown to the user as tool turns and the user is asked again, until it writes text without a
+    call. More than ``max_tool_calls`` calls in one turn raise :class:`UserToolLimit`.
 
     Args:
         generator: ``submit(prompt_ids, *, max_new_tokens, seed, stop_ids) -> Future[Completion]``.
@@ -286,11 +332,16 @@ class ModelUser:
         max_new_tokens: per user turn.
         max_context: a user prompt longer than this ends the episode (``reply`` returns the stop token).
         seed: base sampling seed (combined with the episode seed and the turn).
+        max_tool_calls: tool calls (and malformed call blocks) the user may make in one turn.
     """
 
     def __init__(self, generator: Any, tokenizer: Any, max_new_tokens: int = 256, max_context: int = 8192,
-                 seed: int = 0, timeout_s: Optional[float] = 600.0):
+                 seed: int = 0, timeout_s: Optional[float] = 600.0, max_tool_calls: int = 8):
         self.generator = generator
+        self.max_tool_calls = int(max_tool_calls)
+        self.tools: Optional[list[dict]] = None
+        self._call: Any = None
+        self.tool_calls = 0
         self.tok = tokenizer
         self.max_new_tokens = int(max_new_tokens)
         self.max_context = int(max_context)
@@ -300,22 +351,59 @@ class ModelUser:
         self.tokens_generated = 0
         self.gen_s = 0.0
 
+    def attach_tools(self, schemas: Optional[Sequence[dict]], call: Any) -> None:
+        """The user's tools for this episode (``None`` / ``[]``: none) and the env's ``call(calls) -> observations``."""
+        self.tools = [dict(t) for t in schemas] if schemas else None
+        self._call = call if schemas else None
+
     @staticmethod
-    def system_prompt(task: Any) -> str:
-        """tau²'s user-simulator system prompt for ``task`` (guidelines without tools)."""
+    def system_prompt(task: Any, use_tools: bool = False) -> str:
+        """tau²'s user-simulator system prompt for ``task`` (its guidelines with or without tools)."""
         from tau2.user.user_simulator import SYSTEM_PROMPT, get_global_user_sim_guidelines
 
-        return SYSTEM_PROMPT.format(global_user_sim_guidelines=get_global_user_sim_guidelines(use_tools=False),
+        return SYSTEM_PROMPT.format(global_user_sim_guidelines=get_global_user_sim_guidelines(use_tools=use_tools),
                                     instructions=str(task.user_scenario))
 
     def _generate(self, task: Any, conversation: list[dict]) -> str:
-        msgs = [{"role": "system", "content": self.system_prompt(task)}]
-        msgs += [{"role": "user" if m["role"] == "agent" else "assistant", "content": m["content"]}
-                 for m in conversation]
-        ids, _ = self.tok.render_chat(msgs, None, add_generation_prompt=True)
+        """The user's next text message; its tool calls (with tools attached) run first (class doc)."""
+        from rollout.agent import parse_tool_calls
+
+        conv = list(conversation)
+        n_calls = 0
+        while True:
+            text = self._sample(task, conv)
+            if text is None:  # the prompt outgrew max_context
+                return "###STOP###"
+            body = _strip_think(text)
+            if self._call is None or "<tool_call>" not in body:
+                return body
+            calls, errors = parse_tool_calls(body)
+            n_calls += len(calls) + len(errors)
+            self.tool_calls += len(calls)
+            if n_calls > self.max_tool_calls:
+                raise UserToolLimit(f"the user model made more than {self.max_tool_calls} tool calls in one turn")
+            content = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", body, flags=re.DOTALL).strip()
+            observations = list(self._call(calls, content)) + [f"Error: {e}" for e in errors]
+            conv.append({"role": "user", "content": content, "tool_calls": calls})
+            conv += [{"role": "tool", "content": o} for o in observations]
+
+    def _sample(self, task: Any, conv: list[dict]) -> Optional[str]:
+        """One completion of the user model on ``conv`` (roles flipped), or None when the prompt is too long."""
+        msgs = [{"role": "system", "content": self.system_prompt(task, use_tools=self.tools is not None)}]
+        for m in conv:
+            if m["role"] == "agent":
+                msgs.append({"role": "user", "content": m["content"]})
+            elif m["role"] == "tool":
+                msgs.append({"role": "tool", "content": m["content"]})
+            else:
+                d = {"role": "assistant", "content": m["content"]}
+                if m.get("tool_calls"):
+                    d["tool_calls"] = m["tool_calls"]
+                msgs.append(d)
+        ids, _ = self.tok.render_chat(msgs, self.tools, add_generation_prompt=True)
         room = self.max_context - len(ids)
         if room <= 0:
-            return "###STOP###"
+            return None
         seed = (self.seed * 1_000_003 + self._turn * 101 + 7) % (2**31 - 1)
         self._turn += 1
         t0 = time.monotonic()
@@ -327,7 +415,7 @@ class ModelUser:
         self.tokens_generated += len(toks)
         if toks and toks[-1] in tuple(self.tok.stop_ids):
             toks = toks[:-1]
-        return _strip_think(self.tok.decode(toks))
+        return self.tok.decode(toks)
 
     def opening(self, task: Any) -> str:
         from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
@@ -372,15 +460,18 @@ class Tau2Env(BaseEnv):
             raise ValueError(f"env.tau2.max_tool_output_chars must be >= 1, got {max_tool_output_chars}")
         self.dom = load_domain(domain)
         if user == "model":
-            if self.dom.solo:
-                raise ValueError(f"env.tau2.user=model with domain={domain}: its user acts through user-device tools "
-                                 "and the jax-rl user model calls no tools; use env.tau2.user=ticket (tau²'s solo mode)")
             if user_simulator is None:
                 raise ValueError("env.tau2.user=model needs a user simulator (a ModelUser over a served model)")
         self.domain = domain
         self.user_mode = user
         self.user: UserSimulator = user_simulator if user == "model" else TicketUser()
         self.solo = self.dom.solo and user == "ticket"
+        # the agent's tools: ticket mode's (solo: the user-device tools too), or its own beside a user model
+        self.tools = self.dom.tools if user == "ticket" else self.dom.agent_tools
+        self.tool_names = {t["function"]["name"] for t in self.tools}
+        # the user's own tools (telecom with user=model: the user acts on their phone)
+        self.user_tools = self.dom.user_tools if (user == "model" and self.dom.solo) else []
+        self.user_tool_names = {t["function"]["name"] for t in self.user_tools}
         self.eval_seed_offset = int(eval_seed_offset)
         self.max_user_turns = int(max_user_turns)
         self.max_tool_output_chars = int(max_tool_output_chars)
@@ -393,8 +484,9 @@ class Tau2Env(BaseEnv):
         """The agent's system prompt (the same for every episode of a domain and user mode)."""
         from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT
 
-        if self.solo:
-            return SYSTEM_PROMPT.format(agent_instruction=SOLO_INSTRUCTION, domain_policy=self.dom.policy)
+        if self.solo:  # tau²'s solo environment's own policy (telecom's differs from the one with a user)
+            return SYSTEM_PROMPT.format(agent_instruction=SOLO_INSTRUCTION,
+                                        domain_policy=self.dom.solo_policy or self.dom.policy)
         instruction = AGENT_INSTRUCTION if self.user_mode == "model" else AGENT_INSTRUCTION + "\n\n" + TICKET_NOTE
         return SYSTEM_PROMPT.format(agent_instruction=instruction, domain_policy=self.dom.policy)
 
@@ -417,30 +509,75 @@ class Tau2Env(BaseEnv):
         self.termination = None
         self.user_turns = 0
         self.tool_outputs_truncated = 0
+        self.user_tool_calls = 0
+        self.user_tool_errors = 0
         self._n_calls = 0
         if isinstance(self.user, ModelUser):
             self.user.seed = self.seed
+        if hasattr(self.user, "attach_tools"):  # telecom with user=model: the user's own phone tools
+            self.user.attach_tools(self.user_tools or None, self._user_tools_call)
         messages = [{"role": "system", "content": self.system_prompt()}]
         if history:  # the task starts mid-conversation (one mock task): tau²'s history, as chat turns
             messages += _chat_messages(history)
-            self.conversation += [{"role": "agent" if m.role == "assistant" else "user", "content": m.content}
-                                  for m in history if m.role in ("assistant", "user") and m.content
-                                  and not m.tool_calls]
+            self.conversation += _user_view(history)
         elif not self.solo:
             greeting = DEFAULT_FIRST_AGENT_MESSAGE.content
             self.trajectory.append(AssistantMessage(role="assistant", content=greeting))
             self.conversation.append({"role": "agent", "content": greeting})
             messages.append({"role": "assistant", "content": greeting})
-        opening = self.user.opening(self.task)
+        try:
+            opening = self.user.opening(self.task)
+        except UserToolLimit:  # the user never stopped calling tools: tau²'s MAX_STEPS, the agent's next text ends
+            from tau2.data_model.simulation import TerminationReason
+
+            self.termination = TerminationReason.MAX_STEPS
+            opening = ""
         if not self.solo:  # tau²'s solo trajectory holds no user message (the ticket is the agent's)
             self.trajectory.append(UserMessage(role="user", content=opening))
             self.conversation.append({"role": "user", "content": opening})
-            if self.user_mode == "model" and Tau2User.is_stop(self.trajectory[-1]):
+            if self.user_mode == "model" and self.termination is None and Tau2User.is_stop(self.trajectory[-1]):
                 from tau2.data_model.simulation import TerminationReason
 
                 self.termination = TerminationReason.USER_STOP  # the user stopped at once: the next text ends
         messages.append({"role": "user", "content": opening})
-        return messages, [dict(t) for t in self.dom.tools]
+        return messages, [dict(t) for t in self.tools]
+
+    def _user_tools_call(self, calls: Sequence[dict], content: str = "") -> list[str]:
+        """Run the user's parsed calls on the episode's environment (tau²'s ``requestor="user"``), record them
+        in tau²'s trajectory (one user message holding the calls, then a tool message per call, as tau²'s
+        orchestrator records them) and the user's view; returns one observation per call. An unknown user
+        tool is an error observation, counted and not recorded; a failing tool is tau²'s error message."""
+        from tau2.data_model.message import ToolCall, UserMessage
+
+        out: list[str] = [""] * len(calls)
+        valid = []
+        for i, c in enumerate(calls):
+            if c.get("name") not in self.user_tool_names:
+                self.user_tool_errors += 1
+                out[i] = (f"Error: unknown tool {c.get('name')!r}; available: "
+                          f"{', '.join(sorted(self.user_tool_names))}")
+            else:
+                self._n_calls += 1
+                valid.append((i, ToolCall(id=f"jr_user_call_{self._n_calls}", name=c["name"],
+                                          arguments=dict(c.get("arguments") or {}), requestor="user")))
+        if valid:
+            env = self._environment()
+            self.trajectory.append(UserMessage(role="user", content=content or None, tool_calls=[tc for _, tc in valid]))
+            self.conversation.append({"role": "user", "content": content or "",
+                                      "tool_calls": [{"name": tc.name, "arguments": dict(tc.arguments)}
+                                                     for _, tc in valid]})
+            for i, tc in valid:
+                self.user_tool_calls += 1
+                resp = env.get_response(tc)
+                self.trajectory.append(resp)
+                self.user_tool_errors += int(bool(resp.error))
+                o = resp.content or ""
+                if len(o) > self.max_tool_output_chars:
+                    self.tool_outputs_truncated += 1
+                    o = o[: self.max_tool_output_chars] + f"\n[... output cut at {self.max_tool_output_chars} characters]"
+                out[i] = o
+                self.conversation.append({"role": "tool", "content": o})
+        return out
 
     def _tools(self) -> dict[str, Any]:  # dispatch goes through tau²'s Environment (step)
         raise NotImplementedError
@@ -473,8 +610,8 @@ class Tau2Env(BaseEnv):
         if not isinstance(tool_call, dict):
             raise ToolError("a tool call must be a JSON object with 'name' and 'arguments'")
         name = tool_call.get("name")
-        if name not in self.dom.tool_names:
-            raise ToolError(f"unknown tool {name!r}; available: {', '.join(sorted(self.dom.tool_names))}")
+        if name not in self.tool_names:
+            raise ToolError(f"unknown tool {name!r}; available: {', '.join(sorted(self.tool_names))}")
         args = tool_call.get("arguments") or {}
         if not isinstance(args, dict):
             raise ToolError(f"arguments of {name} must be a JSON object, got {type(args).__name__}")
@@ -514,7 +651,11 @@ class Tau2Env(BaseEnv):
         if self.user_turns >= self.max_user_turns:
             self.termination = TerminationReason.MAX_STEPS
             return None
-        reply = self.user.reply(self.task, list(self.conversation))
+        try:
+            reply = self.user.reply(self.task, list(self.conversation))
+        except UserToolLimit:  # the user never stopped calling tools (tau²'s MAX_STEPS, reward 0)
+            self.termination = TerminationReason.MAX_STEPS
+            return None
         if reply is None:
             self.termination = TerminationReason.AGENT_STOP
             return None
@@ -526,6 +667,14 @@ class Tau2Env(BaseEnv):
             self.termination = TerminationReason.USER_STOP
             return None
         return reply
+
+    def episode_info(self) -> dict:
+        """What this episode cost on the user side (the agent loop adds it to ``Trajectory.info``):
+        ``user_model_tokens`` / ``user_model_s`` (the user model's generated tokens and seconds waiting on its
+        generator, opening included; 0 without a user model), ``user_tool_calls``."""
+        u = self.user
+        return {"user_model_tokens": int(getattr(u, "tokens_generated", 0)), "user_model_s": float(getattr(u, "gen_s", 0.0)),
+                "user_tool_calls": int(getattr(self, "user_tool_calls", 0))}
 
     def simulation(self) -> Any:
         """The episode as tau²'s ``SimulationRun``."""
@@ -562,7 +711,8 @@ class Tau2Env(BaseEnv):
             return 0.0, {"task_id": self.task.id, "split": self.split, "domain": self.domain,
                          "termination": str(sim.termination_reason.value), "failed_checks": ["evaluator_error"],
                          "evaluator_error": f"{type(e).__name__}: {e}"[:500], "user_turns": self.user_turns,
-                         "nl_assertions_skipped": nl_skipped, "tool_outputs_truncated": self.tool_outputs_truncated}
+                         "nl_assertions_skipped": nl_skipped, "tool_outputs_truncated": self.tool_outputs_truncated,
+                         "user_tool_calls": self.user_tool_calls, "user_tool_errors": self.user_tool_errors}
         breakdown = {str(getattr(k, "value", k)): float(v) for k, v in (ri.reward_breakdown or {}).items()}
         info = {
             "task_id": self.task.id, "split": self.split, "domain": self.domain,
@@ -573,6 +723,7 @@ class Tau2Env(BaseEnv):
             "db_match": None if ri.db_check is None else bool(ri.db_check.db_match),
             "nl_assertions_skipped": nl_skipped, "user_turns": self.user_turns,
             "tool_outputs_truncated": self.tool_outputs_truncated,
+            "user_tool_calls": self.user_tool_calls, "user_tool_errors": self.user_tool_errors,
         }
         if ri.reward_basis is None and ri.info:
             info["note"] = str(ri.info.get("note", ""))
@@ -582,7 +733,8 @@ class Tau2Env(BaseEnv):
         """The task's ground-truth actions played through :meth:`step` (real tool outputs), then a
         final message stating the task's ``communicate_info``. Every action is called by the agent
         (in solo mode the agent holds the user-device tools; elsewhere the packaged gold actions are
-        the agent's). The messages follow ``reset(seed)``'s. A task's demonstration is played once per
+        the agent's), except telecom's user actions beside a user model (``user=model``): those are
+        played as the user's tool calls (:meth:`_user_tools_call`) and are not in the messages. The messages follow ``reset(seed)``'s. A task's demonstration is played once per
         process and then copied from a cache (the env is then left as ``reset`` left it)."""
         self.reset(seed)
         key = (self.domain, self.solo, self.max_tool_output_chars, self.task.id)
@@ -594,6 +746,9 @@ class Tau2Env(BaseEnv):
         msgs: list[dict] = []
         for a in (crit.actions if crit is not None else None) or []:
             call = {"name": a.name, "arguments": dict(a.arguments)}
+            if self.user_tools and a.requestor == "user":  # beside a user model: the user's action, not the agent's
+                self._user_tools_call([call])
+                continue
             msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
             try:
                 obs = self.step(call)

@@ -99,11 +99,85 @@ def test_reset_prompt_is_tau2_policy_and_tools():
 
 
 def test_telecom_ticket_mode_is_solo_with_user_device_tools():
+    from tau2.registry import registry
+
     env = _env("telecom")
     msgs, tools = env.reset(0)
     assert env.solo and [m["role"] for m in msgs] == ["system", "user"] and msgs[1]["content"] == env.task.ticket
     names = {t["function"]["name"] for t in tools}
     assert "toggle_airplane_mode" in names and "get_customer_by_phone" in names
+    # tau²'s solo environment's own policy (it differs from the one with a user)
+    assert registry.get_env_constructor("telecom")(solo_mode=True).get_policy() in msgs[0]["content"]
+
+
+def test_telecom_with_a_user_model_the_user_holds_the_device_tools():
+    """user=model on telecom: the agent holds its 13 tools and the conversational policy; the user's gold
+    actions, run as the user's tool calls, and the agent's, run as the agent's, earn tau²'s reward."""
+    from tau2.registry import registry
+
+    from rollout.envs.tau2 import ScriptedUser
+
+    env = _env("telecom", user="model", user_simulator=ScriptedUser([]))
+    msgs, tools = env.reset(0)
+    names = {t["function"]["name"] for t in tools}
+    assert not env.solo and len(tools) == 13 and "toggle_airplane_mode" not in names and "get_customer_by_phone" in names
+    assert [m["role"] for m in msgs] == ["system", "assistant", "user"]
+    assert registry.get_env_constructor("telecom")(solo_mode=False).get_policy() in msgs[0]["content"]
+    with pytest.raises(Exception, match="unknown tool 'toggle_airplane_mode'"):  # the agent cannot touch the phone
+        env.step({"name": "toggle_airplane_mode", "arguments": {}})
+    for seed in (0, 1):
+        env.reset(seed)
+        for a in env.task.evaluation_criteria.actions:
+            call = {"name": a.name, "arguments": dict(a.arguments)}
+            if a.requestor == "user":
+                (obs,) = env._user_tools_call([call])
+                assert not obs.startswith("Error"), obs
+            else:
+                env.step(call)
+        r, info = env.score("Done.")
+        assert r == 1.0, info
+        assert info["user_tool_calls"] == sum(a.requestor == "user" for a in env.task.evaluation_criteria.actions)
+        users = [m for m in env.trajectory if m.role == "user" and m.tool_calls]
+        assert users and all(tc.requestor == "user" for m in users for tc in m.tool_calls)
+    # the same episode without the user's actions fails tau²'s environment assertions
+    env.reset(0)
+    for a in env.task.evaluation_criteria.actions:
+        if a.requestor != "user":
+            env.step({"name": a.name, "arguments": dict(a.arguments)})
+    assert env.score("Done.")[0] == 0.0
+
+
+def test_model_user_calls_its_device_tools_parsed_json_and_is_bounded():
+    """The user model's <tool_call> blocks are parsed as JSON and run as the user's (requestor=user): the
+    output is a tool turn of the user's prompt, never the agent's; a user that never stops calling is cut
+    (tau² MAX_STEPS, reward 0)."""
+    from jax_rl.models.tokenizer import compact_tokenizer, format_tool_call
+    from rollout.envs.tau2 import ModelUser
+
+    tok = compact_tokenizer()
+    texts = ["My phone has no signal.",
+             format_tool_call({"name": "check_status_bar", "arguments": {}}),
+             "<tool_call>\n{__import__('os')}\n</tool_call>" + format_tool_call({"name": "rm_rf", "arguments": {}}),
+             "It shows airplane mode. ###STOP###"]
+    gen = _Gen(tok, texts)
+    env = _env("telecom", user="model", user_simulator=ModelUser(gen, tok, max_new_tokens=64, max_context=100_000))
+    msgs, tools = env.reset(0)
+    assert msgs[-1]["content"] == "My phone has no signal."
+    assert "check_status_bar" in gen.prompts[0] and "simulation" in gen.prompts[0].lower()
+    assert env.user_reply("Please check your status bar.") is None and env.termination.value == "user_stop"
+    # the status bar's output went back to the user model as a tool turn; the malformed and unknown calls as errors
+    status = next(m for m in env.trajectory if m.role == "tool" and m.requestor == "user").content
+    assert "<|im_start|>user\n<tool_response>" in gen.prompts[2] and status in gen.prompts[2]
+    assert "Error: malformed tool call" in gen.prompts[3] and "Error: unknown tool 'rm_rf'" in gen.prompts[3]
+    r, info = env.score("")
+    assert info["user_tool_calls"] == 1 and info["user_tool_errors"] == 1 and info["user_turns"] == 1
+    assert all(status not in m.get("content", "") for m in msgs)  # the agent never sees the user's tool output
+    # a user that calls tools forever: bounded per turn, the episode ends as tau²'s MAX_STEPS
+    gen = _Gen(tok, [format_tool_call({"name": "check_status_bar", "arguments": {}})])
+    env = _env("telecom", user="model", user_simulator=ModelUser(gen, tok, max_context=100_000, max_tool_calls=3))
+    msgs, _ = env.reset(0)
+    assert msgs[-1]["content"] == "" and env.termination.value == "max_steps" and gen.n == 4
+    assert env.user_reply("Hello?") is None and env.score("Hello?")[0] == 0.0
 
 
 # ---------------------------------------------------------------------------------- dispatch and errors
@@ -144,8 +218,6 @@ def test_bad_knobs_fail_in_one_line():
         _env("shop")
     with pytest.raises(ValueError, match="env.tau2.user='llm'"):
         _env("mock", user="llm")
-    with pytest.raises(ValueError, match="user=model with domain=telecom"):
-        _env("telecom", user="model", user_simulator=object())
     with pytest.raises(ValueError, match="needs a user simulator"):
         _env("mock", user="model")
 
@@ -316,8 +388,10 @@ def test_config_section_and_one_line_errors():
     assert cfg.env.name == "tau2" and cfg.env.tau2.domain == "mock" and cfg.env.tau2.user == "ticket"
     with pytest.raises(ConfigError, match="env.tau2.domain"):
         load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=shop"])
-    with pytest.raises(ConfigError, match="telecom"):
-        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=telecom", "env.tau2.user=model"])
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.domain=telecom", "env.tau2.user=model"])
+    assert cfg.env.tau2.user_model.max_tool_calls == 8
+    with pytest.raises(ConfigError, match="env.tau2.user_model.max_tool_calls"):
+        load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user_model.max_tool_calls=0"])
 
 
 def test_no_network_connection_is_opened():
@@ -358,6 +432,24 @@ def test_gold_replay_of_every_train_task_scores_one(domain):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gold_replay_of_every_telecom_train_task_with_the_user_playing_the_device_scores_one():
+    from rollout.envs.tau2 import ScriptedUser
+
+    env = _env("telecom", user="model", user_simulator=ScriptedUser([]))
+    bad = []
+    for s in _gold_seeds(env):
+        env.reset(s)
+        for a in env.task.evaluation_criteria.actions:
+            call = {"name": a.name, "arguments": dict(a.arguments)}
+            env._user_tools_call([call]) if a.requestor == "user" else env.step(call)
+        r, info = env.score("Done.")
+        if r != 1.0:
+            bad.append((s, info["failed_checks"]))
+    assert not bad, bad
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_two_step_train_on_tau2_mock(tmp_path):
     run = tmp_path / "run"
@@ -373,7 +465,6 @@ def test_two_step_train_on_tau2_mock(tmp_path):
 
 def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     from jax_rl.config import load_config
-    from jax_rl.config.schema import ConfigError
     from jax_rl.models.tokenizer import compact_tokenizer
     from jax_rl.runtime.envs import Tau2UserModel, build_env_factory
     from rollout.envs.tau2 import ModelUser
@@ -400,8 +491,10 @@ def test_user_model_handle_is_ticket_until_bound_then_a_model_user():
     msgs, _ = env.reset(0)
     assert msgs[-1]["content"] == "###STOP###" and gen.n == 1  # a prompt over it: a user stop, no request
     assert env.user_reply("Hello?") is None and env.termination.value == "user_stop"
-    with pytest.raises(ConfigError, match="runtime=embedded"):
-        build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model", "runtime=ray"]))
+    # runtime=ray: each rollout worker binds its own handle to the user model it serves (ray_runtime.RolloutWorker)
+    ray_factory = build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user=model",
+                                                                                    "runtime=ray"]))
+    assert isinstance(ray_factory.user_model, Tau2UserModel) and ray_factory.user_model.generator is None
 
 
 @pytest.mark.slow
@@ -427,11 +520,92 @@ def test_tau2_episode_stats_are_means_of_the_episode_info():
         return Trajectory(tokens=z, loss_mask=z.astype(bool), behav_logp=z.astype(np.float32), versions=z, turn_ids=z,
                           reward=0.0, group_id=0, env="tau2", seed=0, info=info)
 
-    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10,
-                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25),
-                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, turn_starts=[20], gen_s=3.0,
-                                 tool_s=1.5)])
+    s = tau2_episode_stats([traj(turns=2, user_turns=1, tool_calls=3, tool_errors=["x"], prompt_len=10, prefill_tokens=12,
+                                 turn_starts=[10, 30], gen_s=1.0, tool_s=0.5, user_s=0.25, reset_s=0.5,
+                                 user_model_s=0.5, user_model_tokens=7, user_tool_calls=2, total_s=4.0),
+                            traj(turns=4, tool_calls=1, tool_errors=[], prompt_len=20, prefill_tokens=20, turn_starts=[20],
+                                 gen_s=3.0, tool_s=1.5, total_s=6.0)])
     assert s == {"episode_turns_mean": 3.0, "episode_user_turns_mean": 0.5, "episode_tool_calls_mean": 2.0,
-                 "episode_tool_errors_mean": 0.5, "episode_prompt_len_mean": 15.0,
-                 "episode_submitted_tokens_mean": 30.0, "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.0,
-                 "episode_user_s_mean": 0.125}
+                 "episode_tool_errors_mean": 0.5, "episode_tokens_mean": 3.0, "episode_prompt_len_mean": 15.0,
+                 "episode_prefill_tokens_mean": 16.0, "episode_submitted_tokens_mean": 30.0,
+                 "episode_user_model_tokens_mean": 3.5, "episode_user_tool_calls_mean": 1.0,
+                 "episode_gen_s_mean": 2.0, "episode_env_s_mean": 1.125, "episode_user_s_mean": 0.25,
+                 "episode_total_s_mean": 5.0, "episode_time_frac_policy": 0.4, "episode_time_frac_env": 0.225,
+                 "episode_time_frac_user_model": 0.05}
+
+
+def _tiny_hf_checkpoint(path, seed=7, vocab_size=None):
+    """A tiny Qwen3 HF checkpoint (the tiny_dense preset, random weights): the frozen user model of the tests."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jax_rl.models.hf_io import save_pretrained
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+
+    mc = get_preset("tiny_dense")
+    if vocab_size is not None:
+        mc = dataclasses.replace(mc, vocab_size=int(vocab_size))
+    save_pretrained(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(seed), scan_layers=True), mc, path)
+    return path
+
+
+def test_user_model_is_served_on_placement_user_devices(tmp_path, devices):
+    """placement.user: the user model's engine, params and KV cache live on its own devices; it answers."""
+    import jax
+
+    from jax_rl.config import load_config
+    from jax_rl.model_builder import build_model_config
+    from jax_rl.runtime.envs import build_env_factory, build_tokenizer, start_tau2_user_model
+    from jax_rl.runtime.context import _load_hf_params
+    from rollout.envs.tau2 import ModelUser
+
+    hf = _tiny_hf_checkpoint(tmp_path / "user_hf")
+    cfg = load_config(ROOT / "configs" / "tau2_mock.yaml", [
+        "env.tau2.user=model", f"env.tau2.user_model.checkpoint={hf}", "env.tau2.user_model.max_new_tokens=8",
+        "model.tokenizer=compact", "model.hf_overrides={}", "placement.user=2", "rollout.slots=2",
+        "rollout.max_cache_len=4096", "rollout.max_prefill_length=4096", "optim.max_seq_len=4096"])
+    factory = build_env_factory(cfg)
+    tok = build_tokenizer(cfg, factory)
+    mc = build_model_config(cfg, tok)
+    gen = start_tau2_user_model(cfg, factory, tok, mc, learner=None, load_params=_load_hf_params)
+    try:
+        eng = gen.engine
+        assert sorted(d.id for d in eng._mesh.devices.flat) == [6, 7]
+        assert {d.id for x in jax.tree.leaves(eng.load_params()) for d in x.devices()} == {6, 7}
+        env = factory()
+        assert isinstance(env.user, ModelUser)
+        msgs, _ = env.reset(0)  # the user model wrote the opening (up to 8 tokens of a random model)
+        assert msgs[-1]["role"] == "user" and env.user.tokens_generated >= 1
+    finally:
+        gen.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("runtime", ["embedded", "ray"])
+def test_two_step_train_with_a_frozen_user_model_checkpoint(tmp_path, runtime):
+    """user=model with a tiny frozen HF checkpoint as the user: a two-step train and its eval finish under
+    each runtime (ray: every rollout worker serves the learner actor's user model beside its engine), and
+    the user model wrote every episode's opening (its tokens are context, never trained: the fast test
+    test_agent_loop_counts_bad_calls_and_user_turns_are_not_trained checks the mask)."""
+    hf = _tiny_hf_checkpoint(tmp_path / "user_hf", vocab_size=1024)  # tau2_mock's BPE has 1,024 tokens
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "jax_rl.cli", "train", "configs/tau2_mock.yaml", "run.steps=2", "sft.steps=2",
+            "env.tau2.user=model", f"env.tau2.user_model.checkpoint={hf}", "env.tau2.max_user_turns=2",
+            "env.tau2.user_model.max_new_tokens=16", "rollout.max_cache_len=3072", "rollout.max_prefill_length=3072",
+            "optim.max_seq_len=3072", "optim.microbatches=8", "eval.num_tasks=2", "eval.k=2", f"run.dir={run}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if runtime == "ray":
+        args += ["runtime=ray", "runtime.ray_workers=1"]
+        env.update(RAY_AUTH_MODE="disabled")
+        env.pop("XLA_FLAGS", None)  # actors and the driver use 1 CPU device each
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["episode_user_model_tokens_mean"] >= 1 for r in steps), [r["episode_user_model_tokens_mean"] for r in steps]
+    assert all(r["episodes_per_s"] > 0 and 0 < r["episode_time_frac_user_model"] < 1 for r in steps)
+    ev = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert ev and "tau2/pass^2" in ev[-1], sorted(ev[-1])
