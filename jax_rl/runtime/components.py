@@ -43,6 +43,9 @@ __all__ = [
     "pad_examples",
     "learner_batch",
     "local_groups_per_step",
+    "rollout_rank",
+    "split_processes",
+    "exchange_groups",
     "step_row",
     "rollout_preflight",
     "EpisodeGuard",
@@ -650,8 +653,13 @@ def synced_generators(cfg: Config, model_config, learner, indices: list, version
     for i in indices:
         m = engine_mesh(cfg, i, roles)
         keys.append(SyncTarget(mesh=m).key if m is not None else SyncTarget(device=jax.local_devices()[0]).key)
-    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), engines[0]._cast_jit,
-                             engines[0], timeout_s=cfg.runtime.peer_timeout_s)
+    # a process with no engine of its own (a learner-only host, disaggregated) still sends its learner shards:
+    # its template is engine 0 built on the other host's devices (nothing is allocated here: jax runs a
+    # program over another process's devices as a no-op on this one)
+    template = engines[0] if engines else build_engine(cfg, model_config, None, temperature=temperature, engine=0,
+                                                        roles=roles)
+    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), template._cast_jit,
+                             template, timeout_s=cfg.runtime.peer_timeout_s)
     placed = sync.push(learner.params, int(version))
     gens = []
     for eng, k in zip(engines, keys):
@@ -745,11 +753,64 @@ def local_groups_per_step(cfg: Config) -> int:
     multi-process run; the run refuses a count that does not divide, ``RunContext``)."""
     import jax
 
-    return cfg.optim.batch_size // cfg.rollout.group_size // jax.process_count()
+    groups = cfg.optim.batch_size // cfg.rollout.group_size
+    if jax.process_count() == 1:
+        return groups
+    rank, n = rollout_rank(cfg)
+    return 0 if rank is None else groups // n
 
 
-def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
-    """Turn GRPO groups from the buffer into a learner batch.
+def rollout_rank(cfg: Config) -> tuple[Optional[int], int]:
+    """``(rank, n)``: this process's index among the ``n`` processes that run rollout engines
+    (:meth:`jax_rl.placement.Roles.rollout_processes`; colocated: every process, rank = process index), or
+    ``(None, n)`` for a process that runs none (a learner-only host of a disaggregated run). Rollout process
+    of rank r starts groups ``r, r + n, r + 2n, ...``."""
+    import jax
+
+    if jax.process_count() == 1:
+        return 0, 1
+    from jax_rl.placement import resolve_roles
+
+    procs = resolve_roles(cfg).rollout_processes()
+    me = jax.process_index()
+    return (procs.index(me) if me in procs else None), len(procs)
+
+
+def exchange_groups(cfg: Config, groups: Sequence[Sequence[Any]]) -> list:
+    """Every process's groups of this step, in process order (a collective every process calls once per step of
+    a disaggregated run, :func:`split_processes`): the rollout processes' trajectories reach the learner's.
+
+    Through the ``jax.distributed`` key-value store as JSON (``Trajectory.to_dict``: float32 log-probs and int
+    tokens round-trip exactly), not a device collective, so it never waits on devices busy decoding. A learner
+    process waits at most ``runtime.peer_timeout_s`` for a rollout process's groups of one step.
+
+    Raises:
+        jax_rl.weight_sync.WeightSyncError: (one line) a peer did not hand in its groups in time (a lost host).
+    """
+    from jax_rl.weight_sync import allgather_json
+    from rollout.types import Trajectory
+
+    every = allgather_json([[t.to_dict() for t in g] for g in groups], timeout_s=cfg.runtime.peer_timeout_s,
+                           what="rollout groups")
+    return [[Trajectory.from_dict(d) for d in g] for part in every for g in part]
+
+
+def split_processes(cfg: Config) -> bool:
+    """True in a multi-process run where some process holds no learner device or no engine
+    (:attr:`jax_rl.placement.Roles.split_processes`): the groups then cross to every process each step and
+    the learner trains on the global batch (``jax_rl.runtime.loop``)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    from jax_rl.placement import resolve_roles
+
+    return resolve_roles(cfg).split_processes
+
+
+def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, global_batch: bool = False):
+    """Turn GRPO groups from the buffer into a learner batch (``global_batch``: every process's groups of a
+    disaggregated multi-process step, padded to the whole ``optim.batch_size``).
 
     Groups are sorted by ``group_id`` so the row order (hence fp32 summation order) does not
     depend on which rollout thread finished first.
@@ -773,7 +834,9 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     adv = compute_advantages(cfg, groups)
     trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-    rows = local_groups_per_step(cfg) * cfg.rollout.group_size  # multi-process: this process's share
+    # multi-process: this process's share; a disaggregated run's global batch: all of it
+    rows = (cfg.optim.batch_size // cfg.rollout.group_size if global_batch else local_groups_per_step(cfg)) \
+        * cfg.rollout.group_size
     if len(trajs) < rows:
         from jax_rl.batch import pad_rows
 

@@ -75,7 +75,9 @@ class RolloutManager:
         self._lock = threading.Lock()
         # multi-process (jax.distributed): process p of n starts groups p, p + n, p + 2n, ... (its share of the
         # task stream), so no two processes ever generate the same task; _next_group counts this process's groups
-        self._nproc, self._pid = jax.process_count(), jax.process_index()
+        # (disaggregated: over the processes that run engines, C.rollout_rank; a learner-only process starts none)
+        rank, n = C.rollout_rank(cfg)
+        self._nproc, self._pid = n, (-1 if rank is None else rank)
         self._next_group = int(next_group)
         self._reissue = [tuple(r) for r in (reissue or []) if int(r[0]) % self._nproc == self._pid]
         self._in_flight: dict[int, int] = {}  # group_id -> task seed
@@ -293,7 +295,7 @@ class EmbeddedProducer:
         strategy = ctx.learner.strategy
         self.route = strategy.route  # loss.correction=exact: the old_logits.route asked below, else None
         self.buffer = TrajectoryBuffer(cfg.rollout.group_size, cfg.async_.max_staleness,
-                                       groups_per_step=C.local_groups_per_step(cfg),
+                                       groups_per_step=max(1, C.local_groups_per_step(cfg)),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=strategy.scores_before_buffer)
         self.sync = None  # multi-process: the shard-by-shard weight sync (jax_rl.weight_sync)
@@ -318,7 +320,7 @@ class EmbeddedProducer:
         roles = resolve_roles(cfg)
         mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
         if multi:  # every engine of every process filled shard by shard, no full gather (a collective)
-            if not mine:
+            if not mine and not roles.split_processes:
                 raise ValueError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
                                  "rollout engine: every process generates its share of each step; give every host "
                                  "whole engines")

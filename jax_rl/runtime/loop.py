@@ -117,7 +117,8 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
     import jax
 
     nproc = jax.process_count()
-    n_groups = C.local_groups_per_step(cfg)  # this process's share
+    n_groups = C.local_groups_per_step(cfg)  # this process's share (0 on a learner-only process)
+    split = C.split_processes(cfg)  # disaggregated across processes: the groups cross to the learner's processes
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
@@ -140,17 +141,23 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                         break
                 if groups is None:
                     break
+                if split:  # every process gets every process's groups; the learner trains the global batch
+                    groups = C.exchange_groups(cfg, groups)
                 wait_s = time.perf_counter() - t_wait
-                groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
                 v_train = version
-                # multi-process: each process trains its own groups' rows, the learner the union
-                metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
+                if split:
+                    groups, trajs, batch = C.learner_batch(cfg, groups, pad_id, global_batch=True)
+                    metrics = learner.train_step(batch)
+                else:
+                    groups, trajs, batch = C.learner_batch(cfg, groups, pad_id)
+                    # multi-process: each process trains its own groups' rows, the learner the union
+                    metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
                 version = learner.version
                 t_pub = time.perf_counter()
                 producer.publish(version)
                 row = C.step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
-                if nproc > 1:
-                    row["process_count"] = nproc  # the rollout columns of this row are process 0's share
+                if nproc > 1:  # the rollout columns of this row are process 0's share (disaggregated: the step's)
+                    row["process_count"] = nproc
                 row.update({"wait_s": wait_s, "publish_s": time.perf_counter() - t_pub, **producer.row(),
                             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
                 writer.write(step + 1, row)
