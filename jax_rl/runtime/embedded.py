@@ -354,6 +354,7 @@ class EmbeddedProducer:
                                         cfg.old_logits.max_queued_groups)
             self.manager.scoring = self.scoring
         self._started = False
+        self._nbytes: Optional[float] = None  # _engine_bytes, counted once
 
     def _score_restored(self) -> None:
         """Restored pending trajectories without ``old_logp`` (a checkpoint written under another
@@ -395,7 +396,9 @@ class EmbeddedProducer:
             cast_s = 0.0
             for g, key in zip(self.generators, self._sync_keys):
                 cast_s += g.update_params(placed[key], version)
-            self.weight_sync.add(time.perf_counter() - t0, cast_s)
+            last = self.sync.last
+            self.weight_sync.add(time.perf_counter() - t0, cast_s,
+                                 last.get("weight_sync_sent_bytes", 0.0) + last.get("weight_sync_recv_bytes", 0.0))
             self._published = int(version)
             self.buffer.notify()
             return
@@ -408,9 +411,16 @@ class EmbeddedProducer:
             cast_s = 0.0
             for g in self.generators:
                 cast_s += g.update_params(params, version)
-        self.weight_sync.add(time.perf_counter() - t0, cast_s)
+        self.weight_sync.add(time.perf_counter() - t0, cast_s, self._engine_bytes())
         self._published = int(version)
         self.buffer.notify()
+
+    def _engine_bytes(self) -> float:
+        """Bytes of every local engine's params (``rollout.dtype``, as loaded): what one publish hands them."""
+        if self._nbytes is None:
+            self._nbytes = float(sum(getattr(x, "nbytes", 0) for g in self.generators
+                                     for x in jax.tree.leaves(getattr(g.engine, "params", None))))
+        return self._nbytes
 
     def _scorer_columns(self) -> dict:
         if self.scorer is None:

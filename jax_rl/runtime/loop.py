@@ -244,7 +244,11 @@ class WeightSyncClock:
 
     :meth:`row` gives the seconds since the previous row (the publishes in between: one per
     learner step in :func:`run_rl`), :meth:`summary` the totals and the number of publishes of
-    this process (not checkpointed: a resumed run counts from its resume).
+    this process (not checkpointed: a resumed run counts from its resume). Where the producer counts
+    them (the embedded runtime), ``weight_sync_bytes``: the bytes the publishes since the previous row
+    moved on this process (one process: the engines' params in ``rollout.dtype`` they received;
+    multi-process: this process's shards sent to and received from other processes plus its own engines'
+    local copies, :attr:`jax_rl.weight_sync.ShardedWeightSync.last`).
     """
 
     def __init__(self) -> None:
@@ -253,13 +257,17 @@ class WeightSyncClock:
         self.count = 0
         self._row_s = 0.0
         self._row_cast_s = 0.0
+        self._row_bytes: Optional[float] = None
 
-    def add(self, seconds: float, cast_s: float = 0.0) -> None:
-        """One publish that took ``seconds`` (wall, on the publishing side), ``cast_s`` of it casting."""
+    def add(self, seconds: float, cast_s: float = 0.0, nbytes: Optional[float] = None) -> None:
+        """One publish that took ``seconds`` (wall, on the publishing side), ``cast_s`` of it casting,
+        moving ``nbytes`` bytes on this process (None: not counted)."""
         self.total_s += float(seconds)
         self._row_s += float(seconds)
         self.count += 1
         self.add_cast(cast_s)
+        if nbytes is not None:
+            self._row_bytes = (self._row_bytes or 0.0) + float(nbytes)
 
     def add_cast(self, cast_s: float) -> None:
         """Cast/reshard seconds reported on their own (Ray workers report theirs when they finish)."""
@@ -269,6 +277,9 @@ class WeightSyncClock:
     def row(self) -> dict:
         """``weight_sync_s`` / ``weight_sync_cast_s``: seconds since the previous row (then reset)."""
         out = {"weight_sync_s": self._row_s, "weight_sync_cast_s": self._row_cast_s}
+        if self._row_bytes is not None:
+            out["weight_sync_bytes"] = self._row_bytes
+            self._row_bytes = 0.0
         self._row_s = self._row_cast_s = 0.0
         return out
 
