@@ -43,6 +43,7 @@ writes log lines. Checkpoints are written and read cooperatively by Orbax.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
