@@ -87,3 +87,25 @@ def test_learner_and_engine_on_different_processes_train_like_one_process(tmp_pa
     assert [e["label"] for e in evals] == ["after_sft", "eval", "final"]
     assert [e["success"] for e in evals] == [e["success"] for e in ref_evals]
     assert (tmp_path / "disagg" / "checkpoints" / str(STEPS)).is_dir()  # saved by the learner's process
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_disaggregated_run_resumes_from_the_learner_process_checkpoint(tmp_path):
+    """Saved by the learner's process only (Orbax's active processes), resumed by both: the engine's process takes
+    the restored counters from the learner's (it holds no learner device) and its own producer state from the
+    checkpoint, so the resumed step trains the next groups, none again and none lost."""
+    short = [o for o in OVER if not o.startswith(("run.steps", "checkpoint.every", "eval.every"))] + [
+        "sft.steps=4", "sft.num_demos=64", "sft.batch_size=16", "eval.every=0", "checkpoint.every=1",
+        "checkpoint.async_save=false", *DISAGG]
+    run = tmp_path / "run"
+    _launch(run, 2, [*short, "run.steps=2"], devices=2)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+    outs = _launch(run, 2, [*short, "run.steps=3", "resume=true"], devices=2)
+    for o in outs:  # both processes restored the same state: RL step 2, version 2
+        assert "resumed from" in o and "at RL step 2 (version 2, optimizer step 2)" in o, o[-2000:]
+    for pid in (0, 1):
+        ids = [r["group_ids"] for r in _trained(tmp_path / "run_records" / f"trained_p{pid}.jsonl")]
+        assert ids == [list(range(8 * s, 8 * s + 8)) for s in range(3)], (pid, ids)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
