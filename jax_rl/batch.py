@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig, Config
 
 __all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
-           "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages", "local_groups_per_step",
+           "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages",
            "learner_batch"]
 
 
@@ -434,15 +434,11 @@ def group_advantages(algo: AlgoConfig, groups: Sequence[Sequence[Any]]) -> list[
     return out
 
 
-def local_groups_per_step(cfg: Config) -> int:
-    """GRPO groups this process contributes to each learner step: ``optim.batch_size /
-    algo.group_size`` over ``jax.process_count()`` (every process generates an equal share in a
-    multi-process run; the run refuses a count that does not divide, ``RunContext``)."""
-    return cfg.optim.batch_size // cfg.algo.group_size // jax.process_count()
-
-
-def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
-    """Turn GRPO groups from the buffer into a learner batch.
+def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, rows: Optional[int] = None):
+    """Turn GRPO groups from the buffer into a learner batch of at least ``rows`` rows (default
+    ``optim.batch_size`` over ``jax.process_count()``: each process's equal share; the runtime passes
+    :func:`jax_rl.runtime.engines.local_groups_per_step` x ``algo.group_size``, or the whole
+    ``optim.batch_size`` for a disaggregated run's global batch).
 
     Groups are sorted by ``group_id`` so the row order (hence fp32 summation order) does not
     depend on which rollout thread finished first.
@@ -464,7 +460,8 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int):
     adv = group_advantages(cfg.algo, groups)
     trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
-    rows = local_groups_per_step(cfg) * cfg.algo.group_size  # multi-process: this process's share
+    if rows is None:  # multi-process: this process's share
+        rows = cfg.optim.batch_size // cfg.algo.group_size // jax.process_count() * cfg.algo.group_size
     if len(trajs) < rows:
         batch = pad_rows(batch, rows, pad_id)
     return groups, trajs, batch

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 __all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
@@ -254,6 +255,13 @@ def saved_layer_layout(directory: str | Path, step: Optional[int] = None) -> Opt
     return None
 
 
+def _host_local_to_numpy(tree: Any) -> Any:
+    """``tree`` with every fully addressable ``jax.Array`` as a numpy array (None stays None)."""
+    if tree is None:
+        return None
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, tree)
+
+
 class Checkpointer:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` with the learner's items.
 
@@ -263,17 +271,27 @@ class Checkpointer:
         every: save interval in learner steps for :meth:`should_save` (0 = never periodic).
         max_to_keep: newest checkpoints kept; older ones are deleted after a save commits.
         async_save: write in a background thread (Orbax async checkpointing).
+        active_processes: multi-process with the learner on some processes only (disaggregated): the
+            processes that hold its arrays and call this Checkpointer (Orbax's
+            ``MultiprocessingOptions.active_processes``, the first one primary); None = every process.
     """
 
-    def __init__(self, directory: str | Path, *, every: int = 0, max_to_keep: int = 2, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, every: int = 0, max_to_keep: int = 2, async_save: bool = True,
+                 active_processes: Optional[set] = None):
         self.directory = Path(directory).absolute()
         self.every = int(every)
+        mp = ocp.options.MultiprocessingOptions() if active_processes is None else \
+            ocp.options.MultiprocessingOptions(primary_host=min(active_processes),
+                                               active_processes=set(active_processes))
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
-            create=True,
+            create=active_processes is None,  # (Orbax does not create it for a subset of processes: done here)
             cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step
+            multiprocessing_options=mp,
         )
+        if active_processes is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEM_NAMES)
         self._need = 0  # bytes of the last save attempted (for the disk-full message)
         self._disk_full_reported = False
@@ -316,6 +334,10 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         if free < need:
             raise self._disk_full(step, need, free)
+        if jax.process_count() > 1:  # the learner on one process of several: Orbax refuses a process-local
+            # jax.Array in a multi-process run, so its fully addressable arrays are saved as host arrays (the
+            # same tensorstore layout; restored onto the learner's shardings as usual)
+            state, ewma, snapshots = (_host_local_to_numpy(t) for t in (state, ewma, snapshots))
         items = {"state": ocp.args.StandardSave(state), "metadata": ocp.args.JsonSave(metadata)}
         if ewma is not None:
             items["ewma"] = ocp.args.StandardSave(ewma)

@@ -9,6 +9,7 @@ path, incompatible or corrupt checkpoint: one line naming the culprit); 128 + si
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -367,6 +368,66 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("--step", "--topology", "--json", "--only"):
         argv = _flag_to_end(argv, flag)
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except Exception as e:  # a multi-process run whose peer is gone: one line naming it, no hang at exit
+        _exit_if_peer_lost(e)
+        raise
+
+
+def _exit_if_peer_lost(e: BaseException) -> None:
+    """Multi-process (``jax.distributed``): when ``e`` ended the run because a peer process is gone (a
+    :class:`jax_rl.weight_sync.WeightSyncError`, or a collective whose peer closed the connection), print ONE
+    line naming the lost process(es) and leave with exit code 3 at once (``os._exit``: jax's exit-time shutdown
+    barrier would wait for the dead peer). The lost processes are the ones the ``jax.distributed`` coordination
+    service no longer lists as alive (the coordinator's own loss: process 0). Returns otherwise."""
+    jx = sys.modules.get("jax")
+    ws = sys.modules.get("jax_rl.weight_sync")
+    if jx is None:
+        return
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None or jx.process_count() < 2:
+            return
+        n, me = jx.process_count(), jx.process_index()
+    except Exception:  # noqa: BLE001 - no distributed runtime: nothing to name
+        return
+    text = " ".join(str(e).split())
+    peerish = (ws is not None and isinstance(e, ws.WeightSyncError)) or any(
+        k in text for k in ("Connection closed by peer", "Connection reset", "UNAVAILABLE", "heartbeat", "Gloo"))
+    if not peerish:
+        return
+    lost: list = []
+    if not (ws is not None and isinstance(e, ws.WeightSyncError)):  # (that one names its peer already)
+        import threading
+
+        got: list = []
+
+        def ask() -> None:  # a collective over the live processes: returns once the dead are known to the service
+            try:
+                live = set(client.get_live_nodes(list(range(n))))
+                got.append([q for q in range(n) if q not in live])
+            except Exception:  # noqa: BLE001 - the coordination service itself is gone: process 0 was lost
+                got.append([0] if me != 0 else [])
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        t.join(timeout=10.0)  # the service has not noticed yet (its heartbeat timeout): do not wait for it
+        lost = got[0] if got else []
+    others = [q for q in range(n) if q != me]
+    if lost or len(others) == 1:  # two processes: the collective's only peer is the lost one
+        what = f"lost peer process(es) {lost or others}: "
+    else:
+        what = f"a peer among process(es) {others} is lost: "
+    print(f"jax-rl: error: {what}{text[:300]} (process {me} stops; relaunch every process with resume=true)",
+          file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def _dispatch(args) -> int:
+    """Run the subcommand; the one-line errors and their exit codes (:func:`main`)."""
     try:
         rc = args.func(args)
     except ConfigError as e:

@@ -43,10 +43,11 @@ writes log lines. Checkpoints are written and read cooperatively by Orbax.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -127,6 +128,12 @@ class Learner:
         self.old_logit_forwards = 0  # old-logit forwards the learner ran itself (snapshot route), this session
         self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
+        # multi-process with the learner on some processes only (disaggregated: the engines' hosts hold no
+        # learner device): the others run its programs as no-ops and read the step's metrics from a holder
+        self._holders = sorted({d.process_index for d in self.mesh.devices.flat})
+        self._remote_metrics = jax.process_count() > 1 and len(self._holders) < jax.process_count()
+        self._holds_learner = jax.process_index() in self._holders
+        self._in_shared = False
         self._gather_jit = None  # multi-process rollout_params: the cast + all-gather program, built once
         self._replicated = NamedSharding(self.mesh, P())
         self._sft = None
@@ -222,6 +229,9 @@ class Learner:
         the one it returned (no device -> host transfer), else read from the state."""
         arrs, v, st = self._counters
         if arrs is None or arrs[0] is not self.state.version or arrs[1] is not self.state.step:
+            if not self._holds_learner:  # nothing to read here: the counters train_step / restore tracked
+                self._counters = ((self.state.version, self.state.step), v, st)
+                return v, st
             v, st = int(self.state.version), int(self.state.step)
             self._counters = ((self.state.version, self.state.step), v, st)
         return v, st
@@ -404,7 +414,7 @@ class Learner:
             self.store.put(g + 1, self.state.params)
             old_stats["old_logits_bytes"] = float(self.store.nbytes)
             old_stats["old_logits_versions"] = float(len(self.store))
-        out = fn.metrics(lb, vec)  # every metric in one device -> host transfer
+        out = self.host_values(lambda: fn.metrics(lb, vec))  # every metric in one device -> host transfer
         opt_step = int(out.pop("opt_step"))
         self._counters = ((self.state.version, self.state.step), g + 1, opt_step)
         out.update(old_stats)
@@ -414,6 +424,23 @@ class Learner:
                    padded_len=float(b["tokens"].shape[1]))
         self._note_nonfinite(out, "train_step", int(out["updates"]), g + 1)
         return out
+
+    def host_values(self, get: Callable[[], dict]) -> dict[str, float]:
+        """``get()`` (a step's metrics fetched to the host: ``{name: float}``); a process holding no learner
+        device (disaggregated across processes) receives them from the first process that holds one, through
+        the ``jax.distributed`` key-value store (:func:`jax_rl.weight_sync.allgather_json`; then a collective
+        every process calls).
+
+        Raises:
+            jax_rl.weight_sync.WeightSyncError: the holder did not answer within ``runtime.peer_timeout_s``.
+        """
+        if not self._remote_metrics:
+            return get()
+        from jax_rl.weight_sync import allgather_json
+
+        mine = get() if jax.process_index() == self._holders[0] else None
+        every = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="learner metrics")
+        return {k: float(v) for k, v in every[self._holders[0]].items()}
 
     def _check_routes(self, b: dict) -> None:
         """The routing-replay policy's batch check: an r3 step never trains without the rollout's routes."""
@@ -554,7 +581,8 @@ class Learner:
         d = str(Path(d).absolute())
         if d not in self._ckptrs:
             c = self.cfg.checkpoint
-            self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save)
+            self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save,
+                                                active_processes=set(self._holders) if self._remote_metrics else None)
         return self._ckptrs[d]
 
     def _metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
@@ -591,6 +619,8 @@ class Learner:
             jax_rl.checkpoint.CheckpointDiskFullError: not enough disk space (one line; earlier
                 steps intact).
         """
+        if not self._holds_learner:  # a process with no learner device: the holders save (checkpoint.Checkpointer)
+            return False
         ck = self._checkpointer(ckpt_dir)
         snaps = self.store.export(self.param_shardings) if self.store is not None and len(self.store) else None
         items = ckpt.train_state_items(self.state, self.strategy, snaps)
@@ -629,6 +659,8 @@ class Learner:
                 correction mode (never skipped: the whole dir is another run's).
             CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
         """
+        if self._remote_metrics and not self._in_shared:  # the learner on some processes only: the holders restore
+            return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
         ck = self._checkpointer(ckpt_dir)
         if step is not None:
             ck.resolve(step)  # FileNotFoundError naming the steps there
@@ -656,6 +688,40 @@ class Learner:
         raise ckpt.CheckpointCorruptError(
             f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
 
+    def _restore_shared(self, ckpt_dir, step) -> dict:
+        """:meth:`restore` with the learner on some processes only (a collective every process calls): the
+        holders restore, then every process gets the first holder's metadata (or its one-line error) through
+        the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
+        counters (version, optimizer step)."""
+        from jax_rl.weight_sync import allgather_json
+
+        meta, err = None, None
+        if self._holds_learner:
+            self._in_shared = True  # restore as a plain holder
+            try:
+                meta = self.restore(ckpt_dir, step)
+            except Exception as e:  # noqa: BLE001 - handed to every process, then raised everywhere
+                err = e
+            finally:
+                self._in_shared = False
+        mine = None if not self._holds_learner or jax.process_index() != self._holders[0] else \
+            ({"meta": json.loads(json.dumps(meta, default=str))} if err is None else
+             {"error": type(err).__name__, "message": ckpt.one_line(err)})
+        got = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="restored checkpoint")
+        got = got[self._holders[0]]
+        if err is not None:
+            raise err
+        if "error" in got:
+            kinds = {"FileNotFoundError": FileNotFoundError, "CheckpointMismatchError": ckpt.CheckpointMismatchError,
+                     "CheckpointCorruptError": ckpt.CheckpointCorruptError}
+            raise kinds.get(got["error"], RuntimeError)(got["message"])
+        if self._holds_learner:
+            return meta
+        meta = got["meta"]
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self._counters = ((self.state.version, self.state.step), int(meta["version"]), int(meta["opt_step"]))
+        return meta
+
     def _restore_step(self, ck, step: int) -> dict:
         meta = ck.check_step(step)
         ckpt.check_compatible(meta, model_arch=self.model_config.to_hf(), correction=self.correction,
@@ -679,7 +745,7 @@ class Learner:
 
     def delete_checkpoints_after(self, step: int, ckpt_dir: Optional[str | Path] = None) -> list[int]:
         """Delete the checkpoint steps newer than ``step`` (primary process); returns them."""
-        if jax.process_index() != 0:
+        if jax.process_index() != (self._holders[0] if self._remote_metrics else 0):
             return []
         return self._checkpointer(ckpt_dir).delete_after(step)
 

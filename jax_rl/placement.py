@@ -76,6 +76,25 @@ class Roles:
         me = jax.process_index()
         return [(i, e) for i, e in enumerate(self.engines) if all(d.process_index == me for d in e)]
 
+    def rollout_processes(self) -> list[int]:
+        """The processes that run rollout engines, in order (colocated: every process)."""
+        if self.engines is None:
+            return list(range(jax.process_count()))
+        return sorted({e[0].process_index for e in self.engines})
+
+    def learner_processes(self) -> list[int]:
+        """The processes that hold learner devices, in order."""
+        return sorted({d.process_index for d in self.learner})
+
+    @property
+    def split_processes(self) -> bool:
+        """Multi-process with some process holding no learner device or no engine (disaggregated across
+        processes: e.g. the learner on one host, the engines on another). Then the rollout processes hand
+        their groups to every process each step (``jax_rl.runtime.loop``) and the learner trains on the global
+        batch, instead of each process feeding its own rows."""
+        n = jax.process_count()
+        return n > 1 and (len(self.rollout_processes()) < n or len(self.learner_processes()) < n)
+
 
 def engine_mesh_sizes(mesh_cfg: Any, n_devices: int, *, where: str = "") -> dict[str, int]:
     """``rollout.mesh`` axis sizes over an engine's ``n_devices`` (a -1 axis takes the rest).
@@ -361,6 +380,13 @@ class BatchPlacement:
         sh = self.batch_sharding(r)
         gshape = (U, m, r, T)
         out = {}
+        if nproc > 1 and not process_local and not sh.addressable_devices:
+            # this process holds no learner device (disaggregated): an array of the others' shards only
+            for k, v in batch.items():
+                a = np.asarray(v)
+                a = a.reshape(gshape + a.shape[2:])
+                out[k] = jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx], dtype=a.dtype)
+            return out, r
         if nproc > 1:
             lo, hi = self.local_row_range(r, T)
         for k, v in batch.items():

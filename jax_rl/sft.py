@@ -105,7 +105,7 @@ class SftRunner:
         with jax.set_mesh(lrn.mesh):
             params, self.opt_state, metr = self._steps[r](params, self.opt_state, jnp.int32(self.count), dev)
         lrn.state = lrn.state.replace(params=params)
-        out = {k: float(v) for k, v in jax.device_get(metr).items()}
+        out = lrn.host_values(lambda: {k: float(v) for k, v in jax.device_get(metr).items()})
         self.count += int(out["nonfinite_updates"] == 0)  # like AdamW's count: applied updates
         dt = time.perf_counter() - t0
         out.update(sft_tokens=float(n_loss), step_time_s=dt, tokens_per_s=float(b["attention_mask"].sum()) / dt)

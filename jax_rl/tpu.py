@@ -55,6 +55,7 @@ class ChipSpec:
     cores: int
     source: str
     ici_bandwidth: Optional[float] = None
+    dcn_bandwidth: Optional[float] = None  # the page's data center network (DCN) bandwidth per chip, bytes/s
 
 
 CHIPS: dict[str, ChipSpec] = {
@@ -65,8 +66,9 @@ CHIPS: dict[str, ChipSpec] = {
     # bandwidth per chip 400 GBps
     "v5e": ChipSpec("v5e", 16 * GB, 197e12, 819 * GB, 1, "https://cloud.google.com/tpu/docs/v5e", 400 * GB),
     # "TPU v5p" page, chip specifications: 95 GB HBM2e, 2765 GBps, 459 TFLOPs bf16; bidirectional ICI
-    # bandwidth per chip 1200 GBps (4800 Gbps on the older page)
-    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 2, "https://cloud.google.com/tpu/docs/v5p", 1200 * GB),
+    # bandwidth per chip 1200 GBps (4800 Gbps on the older page); DCN bandwidth per chip 50 Gbps
+    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 2, "https://cloud.google.com/tpu/docs/v5p", 1200 * GB,
+                    50e9 / 8),
     # "TPU v6e" (Trillium) page: 32 GB HBM, 1640 GBps, 918 TFLOPs bf16; bidirectional ICI bandwidth per
     # chip 800 GBps
     "v6e": ChipSpec("v6e", 32 * GB, 918e12, 1640 * GB, 1, "https://cloud.google.com/tpu/docs/v6e", 800 * GB),

@@ -152,6 +152,16 @@ def test_separate_placement_has_a_block_per_role():
     assert sync["sync_ici_roofline_s"] == pytest.approx(
         max(sync["sync_in_bytes_per_chip"], sync["sync_out_bytes_per_chip"]) / (400e9 / 2))
     assert sync["sync_dest_device_ids"] == [2, 3]
+    # across processes (jax_rl.weight_sync): each learner chip stages one engine chip's shard, never the whole
+    # copy; one engine, one replica group of the learner's 2 chips: each chip sends its staged shard once
+    assert sync["sync_staged_bytes_per_learner_chip"] == sync["sync_in_bytes_per_chip"] < whole
+    assert sync["sync_send_bytes_per_learner_chip"] == sync["sync_staged_bytes_per_learner_chip"]
+    assert sync["sync_recv_bytes_per_engine_chip"] == sync["sync_in_bytes_per_chip"]
+    assert sync["dcn_bandwidth"] is None and sync["sync_dcn_roofline_s"] is None  # v5e: no per-chip DCN figure
+    assert sync["sync_ici_cross_roofline_s"] == pytest.approx(sync["sync_in_bytes_per_chip"] / (400e9 / 2))
+    # the learner's chips during a publish: live state (train_step's arguments) + the staged shard
+    assert tr["hbm_during_sync_bytes"] == tr["hbm_args_bytes"] + sync["sync_staged_bytes_per_learner_chip"]
+    assert tr["fits_during_sync"] is True
     # two one-device engines on the rollout chips: one compile stands for both
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "placement.learner=2", "placement.rollout=2",
                                                      "rollout.threads=2"])

@@ -42,7 +42,12 @@ devices it is compiled for), and the table groups the rows by role.
   its own devices (:func:`jax_rl.placement.user_mesh_sizes`); HBM only, no cost pieces.
 - sync: ``weight_sync`` (colocated: :func:`weight_sync_fn`; sharded engines: :func:`cast_fn` on the
   learner's mesh, then a ``device_put`` per engine) with the bytes one engine receives in
-  ``rollout.dtype`` and a roofline at the chip's ICI bandwidth (:func:`_weight_sync_row`).
+  ``rollout.dtype`` and a roofline at the chip's ICI bandwidth (:func:`_weight_sync_row`); for a publish
+  across processes (:class:`jax_rl.weight_sync.ShardedWeightSync`) ``sync_staged_bytes_per_learner_chip``
+  (one engine chip's shard, held beside the learner's live state: the train_step row's
+  ``hbm_during_sync_bytes`` / ``fits_during_sync``), ``sync_send_bytes_per_learner_chip``,
+  ``sync_recv_bytes_per_engine_chip`` and rooflines over ICI (``sync_ici_cross_roofline_s``, one direction)
+  and DCN (``sync_dcn_roofline_s``, the chip's ``dcn_bandwidth``, v5p only: 50 Gb/s, Cloud TPU v5p page).
 
 Figures, per chip (every figure is a compile-time estimate, never a measurement):
 

@@ -443,6 +443,20 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
                sync_out_bytes_per_chip=out, ici_bandwidth=ici,
                sync_ici_roofline_s=(max(into, out) / (ici / 2)) if ici else None,
                sync_dest_device_ids=[int(d.id) for d in dest])
+    # A publish across processes (jax_rl.weight_sync.ShardedWeightSync): each learner chip stages ONE engine
+    # chip's shard in rollout.dtype (the learner's chips viewed as replicas of the engine's mesh; a one-chip
+    # engine: the whole copy), each replica group sends it to the engines assigned to it (spread evenly), and
+    # the learner holds it beside its live state (params + optimizer state: the train_step's arguments) while
+    # the step's temporaries are gone. Rooflines at the vendor's per-chip ICI (one direction) and DCN figures.
+    e_chips = _chips(t, t.roles.engines[0]) if em is not None else 1
+    replicas = max(1, row["role_chips"] // max(1, e_chips))
+    staged = into if em is not None else one
+    send = -(-engines // replicas) * staged if em is not None else into
+    dcn = t.spec.chip.dcn_bandwidth
+    row.update(sync_staged_bytes_per_learner_chip=staged, sync_send_bytes_per_learner_chip=send,
+               sync_recv_bytes_per_engine_chip=into, dcn_bandwidth=dcn,
+               sync_ici_cross_roofline_s=(max(send, into) / (ici / 2)) if ici else None,
+               sync_dcn_roofline_s=(max(send, into) / dcn) if dcn else None)
     return row
 
 
@@ -491,6 +505,12 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
         if overlap and learner is not None:
             d["hbm_with_learner_bytes"] = d["hbm_on_chip_bytes"]
             d["fits_with_learner"] = d["fits_on_chip"]
+    ws = by.get("weight_sync")
+    if tr is not None and ws is not None and tr.get("hbm_args_bytes") is not None \
+            and ws.get("sync_staged_bytes_per_learner_chip") is not None:
+        # during a publish (between steps) a learner chip holds its live state plus the staged shard
+        tr["hbm_during_sync_bytes"] = tr["hbm_args_bytes"] + ws["sync_staged_bytes_per_learner_chip"]
+        tr["fits_during_sync"] = tr["hbm_during_sync_bytes"] <= tr["chip_hbm_bytes"]
     sc = by.get("score_step")
     if sc is not None and sc["hbm_total_bytes"] is not None:
         sc["hbm_on_chip_bytes"] = sc["hbm_total_bytes"] + (sc["versions_held"] - 1) * sc["params_bytes_per_chip"]

@@ -95,6 +95,20 @@ def summary_lines(rows: list[dict]) -> list[str]:
                        + ("- (no per-chip ICI figure for this chip)" if roof is None else
                           f"{roof * 1e3:.1f} ms at half of {r['ici_bandwidth'] / 1e9:.0f} GB/s bidirectional "
                           "(vendor peak; a lower bound)"))
+            if r.get("sync_staged_bytes_per_learner_chip") is not None:
+                ici_x, dcn = r.get("sync_ici_cross_roofline_s"), r.get("sync_dcn_roofline_s")
+                out.append(f"  across processes (jax_rl.weight_sync): each learner chip stages "
+                           f"{_gib(r['sync_staged_bytes_per_learner_chip'])} GiB and sends "
+                           f"{_gib(r['sync_send_bytes_per_learner_chip'])} GiB, each engine chip receives "
+                           f"{_gib(r['sync_recv_bytes_per_engine_chip'])} GiB; roofline "
+                           + ("-" if ici_x is None else f"{ici_x * 1e3:.1f} ms over ICI") + ", "
+                           + ("- over DCN (no per-chip DCN figure for this chip)" if dcn is None else
+                              f"{dcn:.2f} s over DCN at {r['dcn_bandwidth'] * 8 / 1e9:.0f} Gb/s per chip")
+                           + " (vendor peaks; lower bounds)")
+        if r["function"] == "train_step" and r.get("hbm_during_sync_bytes") is not None:
+            out.append(f"learner during a publish (live state + the staged shard): "
+                       f"{_gib(r['hbm_during_sync_bytes'])} of {_gib(r['chip_hbm_bytes'])} GiB: "
+                       f"{'fits' if r['fits_during_sync'] else 'DOES NOT FIT'}")
     return out
 
 

@@ -625,7 +625,7 @@ class RuntimeConfig(_Section):
     transfer_address: Optional[str] = None
     """host:port this process's cross-host weight-transfer server listens on (multi-process); None = the coordinator's host, port coordinator port + 1 + process_id (docs/placement.md "Multi-host")."""
     peer_timeout_s: float = Field(100.0, gt=0)
-    """Multi-process: seconds a process waits for a peer (a weight sync's confirmation, the transfer's metadata exchange, jax.distributed's heartbeat) before it stops with one line naming the lost peer."""
+    """Multi-process: seconds a process waits for a peer (a weight sync's confirmation, the transfer's metadata exchange, a disaggregated run's groups of a step, jax.distributed's heartbeat) before it stops with one line naming the lost peer."""
     ray_address: Optional[str] = None
     """runtime=ray: address of an existing Ray cluster to join (host:port or ray://...); None = start a local Ray bound to bind_host. RISK: that cluster's own bind and auth settings apply."""
     bind_host: str = "127.0.0.1"

@@ -254,20 +254,46 @@ class RunContext:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
         cfg = self.cfg
         t = time.perf_counter()
-        if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
-            if self._eval_gen is None:
+        multi = jax.process_count() > 1
+        # a learner-only process (disaggregated across processes) runs no engine: it sends its shards and
+        # takes the summary of the first rollout process
+        runs = not multi or engines.rollout_rank(cfg)[0] is not None
+        if multi:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
+            if getattr(self, "_eval_sync", None) is None:
                 gens, self._eval_sync, keys = engines.synced_generators(
-                    cfg, self.model_config, self.learner, [None], self.learner.version,
+                    cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
                     temperature=cfg.eval.temperature, eval_only=True)
-                self._eval_gen, self._eval_key = gens[0], keys[0]
+                if gens:
+                    self._eval_gen, self._eval_key = gens[0], keys[0]
             else:
                 placed = self._eval_sync.push(self.learner.params, self.learner.version)
-                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+                if self._eval_gen is not None:
+                    self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
         elif self._eval_gen is None:
             self._eval_gen = engines.build_generator(cfg, self.model_config, self.learner.rollout_params(),
                                                self.learner.version, temperature=cfg.eval.temperature)
         else:
             self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
+        if multi and engines.split_processes(cfg):
+            summary = self._eval_here(step, label, t) if runs else None
+            from jax_rl.weight_sync import allgather_json
+
+            every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
+            summary = next(x for x in every if x is not None)
+            if self.writer is not None:
+                self.writer.write_eval(step, summary)
+            return summary
+        summary = self._eval_here(step, label, t)
+        if self.writer is not None:
+            self.writer.write_eval(step, summary)
+        return summary
+
+    def _eval_here(self, step: int, label: str, t: float) -> dict:
+        """The held-out eval on this process's eval engine (:meth:`evaluate`)."""
+        from jax_rl.evaluation import eval_seeds, summarize_eval
+        from rollout.agent import AgentLoop
+
+        cfg = self.cfg
         seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
         agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
                           max_workers=max(cfg.rollout.slots, cfg.eval.k))
@@ -284,8 +310,6 @@ class RunContext:
         summary["eval_s"] = time.perf_counter() - t
         summary["label"] = label
         summary["version"] = self.learner.version
-        if self.writer is not None:
-            self.writer.write_eval(step, summary)
         return summary
 
     def close(self) -> None:
@@ -319,14 +343,15 @@ def _check_processes(cfg: Config) -> None:
     """Multi-process: every process generates an equal share of each step's groups (module
     :mod:`jax_rl.runtime.embedded`). Raises ConfigError (one line) when the groups do not split."""
     n = jax.process_count()
-    groups = cfg.optim.batch_size // cfg.algo.group_size
-    if n > 1 and groups % n:
-        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / algo.group_size={cfg.algo.group_size} = "
-                          f"{groups} groups per step do not split over the {n} processes (each generates an equal "
-                          "share): make the group count a multiple of runtime.num_processes")
     if n > 1 and cfg.runtime.kind != "embedded":
         raise ConfigError(f"runtime={cfg.runtime.kind} with {n} jax processes: multi-process runs use runtime=embedded "
                           "(each process runs its own rollout threads)")
+    groups = cfg.optim.batch_size // cfg.algo.group_size
+    r = engines.rollout_rank(cfg)[1] if n > 1 else 1  # the processes that run engines (all of them unless disaggregated)
+    if r > 1 and groups % r:
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} / algo.group_size={cfg.algo.group_size} = "
+                          f"{groups} groups per step do not split over the {r} processes that run rollout engines "
+                          "(each generates an equal share): make the group count a multiple of their number")
 
 
 def is_primary() -> bool:

@@ -41,7 +41,6 @@ from typing import Callable, Optional
 
 import jax
 
-from jax_rl.batch import local_groups_per_step
 from jax_rl.config import Config
 from jax_rl.old_logits import ScoringQueue
 from jax_rl.placement import resolve_roles
@@ -80,7 +79,9 @@ class RolloutManager:
         self._lock = threading.Lock()
         # multi-process (jax.distributed): process p of n starts groups p, p + n, p + 2n, ... (its share of the
         # task stream), so no two processes ever generate the same task; _next_group counts this process's groups
-        self._nproc, self._pid = jax.process_count(), jax.process_index()
+        # (disaggregated: over the processes that run engines, engines.rollout_rank; a learner-only process starts none)
+        rank, n = engines.rollout_rank(cfg)
+        self._nproc, self._pid = n, (-1 if rank is None else rank)
         self._next_group = int(next_group)
         self._reissue = [tuple(r) for r in (reissue or []) if int(r[0]) % self._nproc == self._pid]
         self._in_flight: dict[int, int] = {}  # group_id -> task seed
@@ -295,7 +296,7 @@ class EmbeddedProducer:
         strategy = ctx.learner.strategy
         self.route = strategy.route  # loss.correction=exact: the old_logits.route asked below, else None
         self.buffer = TrajectoryBuffer(cfg.algo.group_size, cfg.async_.max_staleness,
-                                       groups_per_step=local_groups_per_step(cfg),
+                                       groups_per_step=max(1, engines.local_groups_per_step(cfg)),
                                        max_seq_len=cfg.optim.max_seq_len,
                                        require_old_logp=strategy.scores_before_buffer)
         self.sync = None  # multi-process: the shard-by-shard weight sync (jax_rl.weight_sync)
@@ -319,7 +320,7 @@ class EmbeddedProducer:
         roles = resolve_roles(cfg)
         mine = range(cfg.rollout.threads) if roles.engines is None else [i for i, _ in roles.local_engines()]
         if multi:  # every engine of every process filled shard by shard, no full gather (a collective)
-            if not mine:
+            if not mine and not roles.split_processes:
                 raise ValueError(f"placement.rollout={cfg.placement.rollout} gives process {jax.process_index()} no "
                                  "rollout engine: every process generates its share of each step; give every host "
                                  "whole engines")
@@ -351,6 +352,7 @@ class EmbeddedProducer:
                                         cfg.old_logits.max_queued_groups)
             self.manager.scoring = self.scoring
         self._started = False
+        self._nbytes: Optional[float] = None  # _engine_bytes, counted once
 
     def _score_restored(self) -> None:
         """Restored pending trajectories without ``old_logp`` (a checkpoint written under another
@@ -392,7 +394,9 @@ class EmbeddedProducer:
             cast_s = 0.0
             for g, key in zip(self.generators, self._sync_keys):
                 cast_s += g.update_params(placed[key], version)
-            self.weight_sync.add(time.perf_counter() - t0, cast_s)
+            last = self.sync.last
+            self.weight_sync.add(time.perf_counter() - t0, cast_s,
+                                 last.get("weight_sync_sent_bytes", 0.0) + last.get("weight_sync_recv_bytes", 0.0))
             self._published = int(version)
             self.buffer.notify()
             return
@@ -405,9 +409,16 @@ class EmbeddedProducer:
             cast_s = 0.0
             for g in self.generators:
                 cast_s += g.update_params(params, version)
-        self.weight_sync.add(time.perf_counter() - t0, cast_s)
+        self.weight_sync.add(time.perf_counter() - t0, cast_s, self._engine_bytes())
         self._published = int(version)
         self.buffer.notify()
+
+    def _engine_bytes(self) -> float:
+        """Bytes of every local engine's params (``rollout.dtype``, as loaded): what one publish hands them."""
+        if self._nbytes is None:
+            self._nbytes = float(sum(getattr(x, "nbytes", 0) for g in self.generators
+                                     for x in jax.tree.leaves(getattr(g.engine, "params", None))))
+        return self._nbytes
 
     def _scorer_columns(self) -> dict:
         if self.scorer is None:

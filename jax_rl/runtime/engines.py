@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 
@@ -13,11 +13,60 @@ from jax_rl.model_builder import rollout_model_kwargs
 from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh
-from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
+from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_json, engine_targets
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
+from rollout.types import Trajectory
 
-__all__ = ["engine_mesh", "user_model_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
+__all__ = ["local_groups_per_step", "rollout_rank", "split_processes", "exchange_groups", "engine_mesh", "user_model_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
+
+
+def local_groups_per_step(cfg: Config) -> int:
+    """GRPO groups this process generates for each learner step: ``optim.batch_size / algo.group_size`` over
+    the processes that run rollout engines (every process unless disaggregated, :func:`rollout_rank`; the run
+    refuses a count that does not divide, ``RunContext``); 0 on a process that runs none."""
+    groups = cfg.optim.batch_size // cfg.algo.group_size
+    if jax.process_count() == 1:
+        return groups
+    rank, n = rollout_rank(cfg)
+    return 0 if rank is None else groups // n
+
+
+def rollout_rank(cfg: Config) -> tuple[Optional[int], int]:
+    """``(rank, n)``: this process's index among the ``n`` processes that run rollout engines
+    (:meth:`jax_rl.placement.Roles.rollout_processes`; colocated: every process, rank = process index), or
+    ``(None, n)`` for a process that runs none (a learner-only host of a disaggregated run). Rollout process
+    of rank r starts groups ``r, r + n, r + 2n, ...``."""
+    if jax.process_count() == 1:
+        return 0, 1
+    procs = resolve_roles(cfg).rollout_processes()
+    me = jax.process_index()
+    return (procs.index(me) if me in procs else None), len(procs)
+
+
+def exchange_groups(cfg: Config, groups: Sequence[Sequence[Any]]) -> list:
+    """Every process's groups of this step, in process order (a collective every process calls once per step of
+    a disaggregated run, :func:`split_processes`): the rollout processes' trajectories reach the learner's.
+
+    Through the ``jax.distributed`` key-value store as JSON (``Trajectory.to_dict``: float32 log-probs and int
+    tokens round-trip exactly), not a device collective, so it never waits on devices busy decoding. A learner
+    process waits at most ``runtime.peer_timeout_s`` for a rollout process's groups of one step.
+
+    Raises:
+        jax_rl.weight_sync.WeightSyncError: (one line) a peer did not hand in its groups in time (a lost host).
+    """
+    every = allgather_json([[t.to_dict() for t in g] for g in groups], timeout_s=cfg.runtime.peer_timeout_s,
+                           what="rollout groups")
+    return [[Trajectory.from_dict(d) for d in g] for part in every for g in part]
+
+
+def split_processes(cfg: Config) -> bool:
+    """True in a multi-process run where some process holds no learner device or no engine
+    (:attr:`jax_rl.placement.Roles.split_processes`): the groups then cross to every process each step and
+    the learner trains on the global batch (``jax_rl.runtime.loop``)."""
+    if jax.process_count() == 1:
+        return False
+    return resolve_roles(cfg).split_processes
 
 
 def engine_mesh(cfg: Config, index: Optional[int] = 0, roles: Any = None):
@@ -129,8 +178,13 @@ def synced_generators(cfg: Config, model_config, learner, indices: list, version
     for i in indices:
         m = engine_mesh(cfg, i, roles)
         keys.append(SyncTarget(mesh=m).key if m is not None else SyncTarget(device=jax.local_devices()[0]).key)
-    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), engines[0]._cast_jit,
-                             engines[0], timeout_s=cfg.runtime.peer_timeout_s)
+    # a process with no engine of its own (a learner-only host, disaggregated) still sends its learner shards:
+    # its template is engine 0 built on the other host's devices (nothing is allocated here: jax runs a
+    # program over another process's devices as a no-op on this one)
+    template = engines[0] if engines else build_engine(cfg, model_config, None, temperature=temperature, engine=0,
+                                                        roles=roles)
+    sync = ShardedWeightSync(learner.mesh, engine_targets(cfg, roles, eval_only=eval_only), template._cast_jit,
+                             template, timeout_s=cfg.runtime.peer_timeout_s)
     placed = sync.push(learner.params, int(version))
     gens = []
     for eng, k in zip(engines, keys):

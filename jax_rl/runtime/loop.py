@@ -42,6 +42,7 @@ from jax_rl import batch as B
 from jax_rl.config import Config
 from jax_rl.console import TrainProgress, print_summary
 from jax_rl.metrics import read_jsonl
+from jax_rl.runtime import engines
 from jax_rl.runtime.context import StopFlag, signal_exit_code
 from rollout.types import json_safe
 
@@ -137,7 +138,8 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         written); 128 + signal number when stopped by a signal.
     """
     nproc = jax.process_count()
-    n_groups = B.local_groups_per_step(cfg)  # this process's share
+    n_groups = engines.local_groups_per_step(cfg)  # this process's share (0 on a learner-only process)
+    split = engines.split_processes(cfg)  # disaggregated across processes: the groups cross to the learner's processes
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
@@ -160,17 +162,23 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                         break
                 if groups is None:
                     break
+                if split:  # every process gets every process's groups; the learner trains the global batch
+                    groups = engines.exchange_groups(cfg, groups)
                 wait_s = time.perf_counter() - t_wait
-                groups, trajs, batch = B.learner_batch(cfg, groups, pad_id)
                 v_train = version
-                # multi-process: each process trains its own groups' rows, the learner the union
-                metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
+                if split:
+                    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=cfg.optim.batch_size)
+                    metrics = learner.train_step(batch)
+                else:
+                    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=n_groups * cfg.algo.group_size)
+                    # multi-process: each process trains its own groups' rows, the learner the union
+                    metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
                 version = learner.version
                 t_pub = time.perf_counter()
                 producer.publish(version)
                 row = step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
-                if nproc > 1:
-                    row["process_count"] = nproc  # the rollout columns of this row are process 0's share
+                if nproc > 1:  # the rollout columns of this row are process 0's share (disaggregated: the step's)
+                    row["process_count"] = nproc
                 now = time.perf_counter()
                 row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
                             "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
@@ -259,7 +267,11 @@ class WeightSyncClock:
 
     :meth:`row` gives the seconds since the previous row (the publishes in between: one per
     learner step in :func:`run_rl`), :meth:`summary` the totals and the number of publishes of
-    this process (not checkpointed: a resumed run counts from its resume).
+    this process (not checkpointed: a resumed run counts from its resume). Where the producer counts
+    them (the embedded runtime), ``weight_sync_bytes``: the bytes the publishes since the previous row
+    moved on this process (one process: the engines' params in ``rollout.dtype`` they received;
+    multi-process: this process's shards sent to and received from other processes plus its own engines'
+    local copies, :attr:`jax_rl.weight_sync.ShardedWeightSync.last`).
     """
 
     def __init__(self) -> None:
@@ -268,13 +280,17 @@ class WeightSyncClock:
         self.count = 0
         self._row_s = 0.0
         self._row_cast_s = 0.0
+        self._row_bytes: Optional[float] = None
 
-    def add(self, seconds: float, cast_s: float = 0.0) -> None:
-        """One publish that took ``seconds`` (wall, on the publishing side), ``cast_s`` of it casting."""
+    def add(self, seconds: float, cast_s: float = 0.0, nbytes: Optional[float] = None) -> None:
+        """One publish that took ``seconds`` (wall, on the publishing side), ``cast_s`` of it casting,
+        moving ``nbytes`` bytes on this process (None: not counted)."""
         self.total_s += float(seconds)
         self._row_s += float(seconds)
         self.count += 1
         self.add_cast(cast_s)
+        if nbytes is not None:
+            self._row_bytes = (self._row_bytes or 0.0) + float(nbytes)
 
     def add_cast(self, cast_s: float) -> None:
         """Cast/reshard seconds reported on their own (Ray workers report theirs when they finish)."""
@@ -284,6 +300,9 @@ class WeightSyncClock:
     def row(self) -> dict:
         """``weight_sync_s`` / ``weight_sync_cast_s``: seconds since the previous row (then reset)."""
         out = {"weight_sync_s": self._row_s, "weight_sync_cast_s": self._row_cast_s}
+        if self._row_bytes is not None:
+            out["weight_sync_bytes"] = self._row_bytes
+            self._row_bytes = 0.0
         self._row_s = self._row_cast_s = 0.0
         return out
 

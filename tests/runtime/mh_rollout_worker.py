@@ -2,7 +2,8 @@
 
 Usage: python -m tests.runtime.mh_rollout_worker PROCESS_ID NUM_PROCESSES PORT RUN_DIR [key=value ...]
 
-Runs ``jax-rl train`` (``jax_rl.cli.main``) on 2 fake CPU devices per process with gloo collectives,
+Runs ``jax-rl train`` (``jax_rl.cli.main``) on 2 fake CPU devices per process (JAX_RL_TEST_DEVICES=n: n)
+with gloo collectives (NUM_PROCESSES=1: one process, no jax.distributed, a reference run),
 after wrapping ``jax_rl.batch.learner_batch`` so that every batch this process hands the
 learner is recorded (RL step order, group ids, task seeds, token versions, the learner's version) to
 RUN_DIR/trained_p<PROCESS_ID>.jsonl. Test instrumentation only: nothing of the run changes, except that
@@ -19,7 +20,8 @@ import sys
 def main() -> int:
     pid, nproc, port, run_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     extra = sys.argv[5:]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    ndev = int(os.environ.get("JAX_RL_TEST_DEVICES", "2"))  # fake CPU devices of this process
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
@@ -36,11 +38,11 @@ def main() -> int:
     kill_at = int(os.environ.get("JAX_RL_TEST_KILL_AT", "0"))  # SIGKILL this process at its n-th batch
     n_batches = [0]
 
-    def recording(cfg, groups, pad_id):
+    def recording(cfg, groups, pad_id, **kw):
         n_batches[0] += 1
         if kill_at and n_batches[0] == kill_at:
             os.kill(os.getpid(), 9)  # kill -9 mid-step: before this step's batch reaches the learner
-        groups, trajs, batch = real(cfg, groups, pad_id)
+        groups, trajs, batch = real(cfg, groups, pad_id, **kw)
         v = np.asarray(batch["versions"])
         m = np.asarray(batch["loss_mask"]).astype(bool)
         with open(log_path, "a") as f:
@@ -50,13 +52,15 @@ def main() -> int:
                 "seeds": sorted({int(t.seed) for t in trajs}),
                 "rows": int(np.shape(batch["tokens"])[0]), "trajectories": len(trajs),
                 "min_version": int(v[m].min()) if m.any() else None, "max_version": int(v[m].max()) if m.any() else None,
+                # per trajectory: (group id, tokens, behaviour log-probs), to compare runs token by token
+                "trajs": [[int(t.group_id), t.tokens.tolist(), t.behav_logp.tolist()] for t in trajs],
             }) + "\n")
         return groups, trajs, batch
 
     B.learner_batch = recording
-    argv = ["train", "configs/tiny_cpu.yaml", f"run.dir={run_dir}",
-            f"runtime.coordinator=127.0.0.1:{port}", f"runtime.num_processes={nproc}", f"runtime.process_id={pid}",
-            *extra]
+    dist = [f"runtime.coordinator=127.0.0.1:{port}", f"runtime.num_processes={nproc}",
+            f"runtime.process_id={pid}"] if nproc > 1 else []  # NUM_PROCESSES=1: a single-process reference run
+    argv = ["train", "configs/tiny_cpu.yaml", f"run.dir={run_dir}", *dist, *extra]
     return cli.main(argv)
 
 
