@@ -290,9 +290,6 @@ class RunContext:
 
     def _eval_here(self, step: int, label: str, t: float) -> dict:
         """The held-out eval on this process's eval engine (:meth:`evaluate`)."""
-        from jax_rl.evaluation import eval_seeds, summarize_eval
-        from rollout.agent import AgentLoop
-
         cfg = self.cfg
         seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
         agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
