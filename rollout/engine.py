@@ -911,31 +911,11 @@ class Qwen3Engine(Engine):
           mask bool [B]) -> state``;
         * ``prefill`` ``(params, tokens int32 [1, P], n int32) -> KV rows (+ routes)``: batch-1
           prefill (JetStream's API, the prefix cache's entries).
-
-        :meth:`abstract_prefill_args` gives ``prefill_slots`` / ``append_prefill`` abstract args."""
+        :func:`jax_rl.tpu.compile_rollout` lowers ``prefill``, ``append_prefill`` and ``generate``."""
         return {"prefill": self._prefill_jit, "init_state": self._init_state_jit, "generate": self._decode_jit,
                 "decode_steps": self._generate_steps_jit, "generate_result": self._generate_jit,
                 "prefill_slots": self._prefill_slots_jit, "append_prefill": self._extend_slots_jit,
                 "copy_slot": self._copy_slot_jit, "insert": self._insert_jit, "free_slots": self._deactivate_jit}
-
-    def abstract_prefill_args(self, kind: str, rows: int, length: int, params: Any, state: Any) -> tuple:
-        """Arguments to lower ``programs[kind]`` (``"prefill_slots"`` or ``"append_prefill"``) for
-        ``rows`` rows of ``length`` positions: ``params`` / ``state`` as given (abstract or real),
-        the per-row and per-slot vectors as ``jax.ShapeDtypeStruct`` (replicated on a sharded
-        engine's mesh). Raises ValueError for another ``kind``."""
-        B = self._slots
-        sh = {"sharding": self._sharding} if self._sharded else {}
-
-        def a(shape, dt):
-            return jax.ShapeDtypeStruct(shape, dt, **sh)
-
-        if kind == "prefill_slots":
-            return (params, a((rows, length), jnp.int32), a((rows,), jnp.int32), state, a((B,), jnp.int32),
-                    a((B,), jnp.int32), a((B,), jnp.uint32), a((B,), jnp.float32))
-        if kind == "append_prefill":
-            return (params, state, a((rows, length), jnp.int32), a((rows,), jnp.int32), a((rows,), jnp.int32),
-                    a((rows,), jnp.int32), a((rows,), jnp.int32), a((rows,), jnp.uint32), a((rows,), jnp.float32))
-        raise ValueError(f"abstract_prefill_args: kind must be 'prefill_slots' or 'append_prefill', got {kind!r}")
 
     @functools.cached_property
     def _cast_jit(self) -> Any:
