@@ -310,7 +310,7 @@ class AgentLoop:
                 turns.extend([-1] * len(ids))
             else:
                 mask.extend([True] * len(ids))
-                logp.extend(float(x) for x in gen.logps)
+                logp.extend(float(x) for x in gen.behav_logp)
                 vers.extend(int(v) for v in gen.versions)
                 turns.extend([turn] * len(ids))
 
