@@ -1138,7 +1138,13 @@ class Qwen3Engine(Engine):
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
                       results: list[dict]) -> dict:
         B = self._slots
-        nb = self._row_bucket(len(idx))
+        # Always B rows (padding rows write nowhere), never the row bucket of len(idx): on XLA:CPU an
+        # append-prefill row's values changed at fp32 rounding with the call's row count, and which
+        # requests share a call depends on when they reached the generator (thread timing), so a
+        # request's K/V and log-probs depended on its neighbours (a resumed K=0 run differed from the
+        # straight one). One program per T bucket; a row's numerics are its own (test_prefill.py,
+        # test_a_rows_prefill_is_bit_identical_whatever_shares_its_call).
+        nb = B
         buf = np.zeros((nb, T), np.int32)
         starts = np.zeros((nb,), np.int32)
         lens = np.zeros((nb,), np.int32)
