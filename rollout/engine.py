@@ -1138,13 +1138,16 @@ class Qwen3Engine(Engine):
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
                       results: list[dict]) -> dict:
         B = self._slots
-        # Always B rows (padding rows write nowhere), never the row bucket of len(idx): on XLA:CPU an
+        # B rows (padding rows write nowhere), not the row bucket of len(idx): on XLA:CPU an
         # append-prefill row's values changed at fp32 rounding with the call's row count, and which
         # requests share a call depends on when they reached the generator (thread timing), so a
         # request's K/V and log-probs depended on its neighbours (a resumed K=0 run differed from the
         # straight one). One program per T bucket; a row's numerics are its own (test_prefill.py,
-        # test_a_rows_prefill_is_bit_identical_whatever_shares_its_call).
-        nb = B
+        # test_a_rows_prefill_is_bit_identical_whatever_shares_its_call). Except with MoE capacity
+        # drops (counts_moe_drops): there the rows of a call share the experts' capacity, which the
+        # program's shape sets (module doc), so a row's result depends on its call whatever the
+        # padding, and B padding rows would only raise the capacity: the row bucket stays.
+        nb = self._row_bucket(len(idx)) if self.counts_moe_drops else B
         buf = np.zeros((nb, T), np.int32)
         starts = np.zeros((nb,), np.int32)
         lens = np.zeros((nb,), np.int32)
