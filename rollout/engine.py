@@ -1024,8 +1024,14 @@ class Qwen3Engine(Engine):
 
         Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
         ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
-        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` programs of each kind.
-        Padding rows and positions are inert (no slot written, no MoE capacity taken).
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs. The
+        append-prefill always runs ``slots`` rows (one program per length bucket): its per-row
+        values changed at fp32 rounding with the row count on XLA:CPU, and which requests share a
+        call depends on thread timing, so a row's K/V and log-probs are its own only that way
+        (bit-identical whatever shares the call; a resumed run reproduces the straight one). A
+        capacity-dropping MoE engine (``counts_moe_drops``) keeps the row bucket there: its rows
+        share the experts' capacity anyway. Padding rows and positions are inert (no slot written,
+        no MoE capacity taken).
 
         Args:
           params: engine params (from :meth:`load_params`).
