@@ -1105,8 +1105,14 @@ class Qwen3Engine(Engine):
 
         Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
         ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
-        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` programs of each kind.
-        Padding rows and positions are inert (no slot written, no MoE capacity taken).
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs. The
+        append-prefill always runs ``slots`` rows (one program per length bucket): its per-row
+        values changed at fp32 rounding with the row count on XLA:CPU, and which requests share a
+        call depends on thread timing, so a row's K/V and log-probs are its own only that way
+        (bit-identical whatever shares the call; a resumed run reproduces the straight one). A
+        capacity-dropping MoE engine (``counts_moe_drops``) keeps the row bucket there: its rows
+        share the experts' capacity anyway. Padding rows and positions are inert (no slot written,
+        no MoE capacity taken).
 
         Args:
           params: engine params (from :meth:`load_params`).
@@ -1216,7 +1222,16 @@ class Qwen3Engine(Engine):
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
                       results: list[dict]) -> dict:
         B = self._slots
-        nb = self._row_bucket(len(idx))
+        # B rows (padding rows write nowhere), not the row bucket of len(idx): on XLA:CPU an
+        # append-prefill row's values changed at fp32 rounding with the call's row count, and which
+        # requests share a call depends on when they reached the generator (thread timing), so a
+        # request's K/V and log-probs depended on its neighbours (a resumed K=0 run differed from the
+        # straight one). One program per T bucket; a row's numerics are its own (test_prefill.py,
+        # test_a_rows_prefill_is_bit_identical_whatever_shares_its_call). Except with MoE capacity
+        # drops (counts_moe_drops): there the rows of a call share the experts' capacity, which the
+        # program's shape sets (module doc), so a row's result depends on its call whatever the
+        # padding, and B padding rows would only raise the capacity: the row bucket stays.
+        nb = self._row_bucket(len(idx)) if self.counts_moe_drops else B
         buf = np.zeros((nb, T), np.int32)
         starts = np.zeros((nb,), np.int32)
         lens = np.zeros((nb,), np.int32)

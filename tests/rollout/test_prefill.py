@@ -6,6 +6,8 @@ per call, the whole conversation re-prefilled each turn) or a model-level refere
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -455,3 +457,42 @@ def test_prefix_cache_and_group_sharing_combine(engine):
     for g, w in zip(got, ref):
         _close(g, w, 1e-5)
     assert len({tuple(g.tokens) for g in got}) > 1
+
+
+# ------------------------------------------------------------------ (6) a row's numerics are its own
+
+
+@pytest.mark.parametrize("kind", ["fresh", "append"])
+def test_a_rows_prefill_is_bit_identical_whatever_shares_its_call(kind):
+    """Which requests share a ``prefill_slots`` call depends on when they reached the generator
+    (thread timing), so a request's K/V, first token and decode log-probs must not depend on the
+    other rows of its call: bit-identical (not 1e-6) alone, with one or three other rows of its
+    length bucket, in any row position. (An append-prefill's values changed with the call's row
+    count on XLA:CPU, which made a resumed K=0 run differ from the straight one at fp32 rounding:
+    tests/runtime/test_train.py::test_resume_k0_identical.)"""
+    cfg = dataclasses.replace(q.get_preset("tiny_dense"), num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=64, vocab_size=640)
+    m = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    eng = Qwen3Engine(cfg, nnx.state(m, nnx.Param), slots=4, max_cache_len=128, dtype="float32")
+    pre = _prompts(1, [20], seed=3, vocab=600)[0]
+    start = len(pre) if kind == "append" else 0
+    x, *others = [pre + p for p in _prompts(4, [23, 26, 29, 24], seed=4, vocab=600)]  # one bucket
+
+    def run(companions, x_slot):
+        st = eng.init_decode_state()
+        rows = [SlotPrefill(x, x_slot, 1, 1.0, start)]
+        free = [s for s in range(4) if s != x_slot]
+        rows += [SlotPrefill(o, free[i], 5 + i, 1.0, start) for i, o in enumerate(companions)]
+        if start:  # the slots hold the shared prefix (an earlier turn's K/V)
+            pref = eng.prefill_tokens(eng.params, pre + [x[start]], seed=1, temperature=1.0)
+            for r in rows:
+                st = eng.insert(pref, st, r.slot)
+        st, _ = eng.prefill_slots(eng.params, st, rows[1:] + rows[:1])  # x last among the rows
+        toks, lps = _decode(eng, st, steps=12)
+        return toks[:, x_slot], lps[:, x_slot]
+
+    want_t, want_l = run([], 0)
+    for companions, slot in [(others[:1], 0), (others[:1], 1), (others, 2), (others, 3)]:
+        got_t, got_l = run(companions, slot)
+        np.testing.assert_array_equal(got_t, want_t)
+        np.testing.assert_array_equal(got_l, want_l)
