@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import re
 import threading
 import time
 import traceback
@@ -56,14 +54,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .envs.base import Env, ToolError
+from .envs.base import Env, ToolError, parse_tool_calls  # parse_tool_calls: re-exported
 from .types import ROUTE_MISSING, Completion, Trajectory
 
 __all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build_sft_example", "sft_example",
            "episode_seed"]
-
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
 
 class _Overlong(Exception):
     """The episode's prompt does not fit ``max_cache_len`` (ends the episode; not a failure)."""
@@ -71,44 +66,6 @@ class _Overlong(Exception):
 
 class GeneratorLike(Protocol):
     def submit(self, prompt_ids: list[int], *, max_new_tokens: int, seed: int, stop_ids: Sequence[int]) -> "Future[Completion]": ...
-
-
-def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
-    """Find ``<tool_call>{json}</tool_call>`` blocks in assistant text (``json.loads``, never eval).
-
-    Returns:
-        ``(calls, errors)``: ``calls`` are ``{"name": str, "arguments": dict}`` for well-formed blocks;
-        ``errors`` one message per malformed block (bad JSON, not an object, no string ``name``,
-        non-object ``arguments``, or an unclosed ``<tool_call>``).
-    """
-    calls: list[dict] = []
-    errors: list[str] = []
-    for body in _TOOL_CALL_RE.findall(text):
-        try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            errors.append(f"malformed tool call (invalid JSON: {e.msg} at char {e.pos})")
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append('malformed tool call (expected {"name": <function-name>, "arguments": {...}})')
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
-                continue
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
-            continue
-        calls.append({"name": obj["name"], "arguments": args})
-    tail = text.rsplit("</tool_call>", 1)[-1]
-    if "<tool_call>" in tail:
-        errors.append("malformed tool call (<tool_call> without </tool_call>)")
-    return calls, errors
 
 
 def episode_seed(task_seed: int, sample_idx: int, turn: int) -> int:

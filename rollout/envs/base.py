@@ -20,13 +20,16 @@ a factory). Its contract:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import re
 import time
 from typing import Any, Optional, Protocol, runtime_checkable
 
-__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "MAX_TOOL_LATENCY_S"]
+__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "parse_tool_calls", "MAX_TOOL_LATENCY_S"]
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 # Longest simulated tool latency (seconds); also the cap on one lognormal draw. Matches
 # ``jax_rl.config.MAX_TOOL_LATENCY_S`` (this package does not import the config).
@@ -159,3 +162,41 @@ class BaseEnv:
         if len(ans) > self.max_answer_chars:
             return None, {"answer": ans[: self.max_answer_chars], "reason": "answer too long"}
         return ans, {"answer": ans}
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """Find ``<tool_call>{json}</tool_call>`` blocks in assistant text (``json.loads``, never eval).
+
+    Returns:
+        ``(calls, errors)``: ``calls`` are ``{"name": str, "arguments": dict}`` for well-formed blocks;
+        ``errors`` one message per malformed block (bad JSON, not an object, no string ``name``,
+        non-object ``arguments``, or an unclosed ``<tool_call>``).
+    """
+    calls: list[dict] = []
+    errors: list[str] = []
+    for body in _TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            errors.append(f"malformed tool call (invalid JSON: {e.msg} at char {e.pos})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append('malformed tool call (expected {"name": <function-name>, "arguments": {...}})')
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
+                continue
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            errors.append(f"malformed tool call (arguments of {obj['name']} are not a JSON object)")
+            continue
+        calls.append({"name": obj["name"], "arguments": args})
+    tail = text.rsplit("</tool_call>", 1)[-1]
+    if "<tool_call>" in tail:
+        errors.append("malformed tool call (<tool_call> without </tool_call>)")
+    return calls, errors

@@ -76,7 +76,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-from .base import BaseEnv, ToolError
+from .base import BaseEnv, ToolError, parse_tool_calls
 
 __all__ = [
     "DOMAINS",
@@ -321,7 +321,7 @@ class ModelUser:
     Tools (telecom: the user acts on their phone through 30 user-device tools): after
     :meth:`attach_tools`, the prompt is tau²'s tool-using user prompt (``simulation_guidelines_tools``)
     with the user tools' schemas rendered by the chat template; ``<tool_call>`` blocks in the user's
-    output are parsed as JSON (:func:`rollout.agent.parse_tool_calls`, never evaluated) and run through
+    output are parsed as JSON (:func:`rollout.envs.base.parse_tool_calls`, never evaluated) and run through
     the env's callback (tau²'s ``Environment.get_response`` with ``requestor="user"``); their outputs
     are shown to the user as tool turns and the user is asked again, until it writes text without a
     call. More than ``max_tool_calls`` calls in one turn raise :class:`UserToolLimit`.
@@ -366,8 +366,6 @@ class ModelUser:
 
     def _generate(self, task: Any, conversation: list[dict]) -> str:
         """The user's next text message; its tool calls (with tools attached) run first (class doc)."""
-        from rollout.agent import parse_tool_calls
-
         conv = list(conversation)
         n_calls = 0
         while True:
