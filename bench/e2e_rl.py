@@ -123,7 +123,10 @@ SIZE_ENV = "E2E_RL_SIZE"  # the model size every worker process builds (set by m
 # system prompt (prompts ~3x longer), where compute rather than dispatch dominates a step.
 SIZES = {
     "tiny": [],
-    "small": ["model.hf_overrides.hidden_size=256", "model.hf_overrides.intermediate_size=768",
+    # every hf_overrides key is set (an override replaces the yaml's dict): vocab 640 (the BPE), rope 1e6 (Tunix)
+    "small": ["model.hf_overrides.vocab_size=640", "model.hf_overrides.rope_theta=1000000.0",
+              "model.hf_overrides.hidden_size=256",
+              "model.hf_overrides.intermediate_size=768",
               "model.hf_overrides.num_hidden_layers=4", "model.hf_overrides.num_attention_heads=8",
               "model.hf_overrides.num_key_value_heads=4", "model.hf_overrides.head_dim=32",
               "rollout.render_tools=true", "rollout.max_prefill_length=320", "rollout.max_cache_len=400",

@@ -147,7 +147,7 @@ def part_decode() -> None:
                                  f"{med / rl['tok_s']:.1%} of the decode roofline {rl['tok_s']:,.0f} tok/s "
                                  f"({rl['step_ms']:.3f} ms/step at {A.hbm_bw / 1e12:.1f} TB/s); warm-up {warm:.1f}s",
                        layout=layout, slots=slots, tok_s=xs, roofline=rl)
-                del eng
+                eng = None  # free its buffers before the next engine
             except Exception as e:  # noqa: BLE001
                 import traceback
 

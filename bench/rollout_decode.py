@@ -137,7 +137,7 @@ def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=T
         t = time.perf_counter()
         outs = gen.generate(prompts, max_new_tokens=new_tokens, seeds=seeds)
         dt = time.perf_counter() - t
-        assert all(len(o.logps) == len(o.tokens) == len(o.versions) for o in outs)
+        assert all(len(o.behav_logp) == len(o.tokens) == len(o.versions) for o in outs)
         return sum(len(o.tokens) for o in outs) / dt
 
     return run

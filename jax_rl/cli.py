@@ -320,9 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="PATH",
                    help="also write the figures as JSON: a list with one object per compiled function")
     c.add_argument("--only", dest="functions", action="append", default=None,
-                   choices=["train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step",
-                            "user_prefill", "user_decode_step"],
-                   help="compile only this function (repeatable; default: all of them; weight_sync: a "
+                   choices=["train_step", "sft_step", "prefill", "append_prefill", "decode_step", "weight_sync",
+                            "score_step", "user_prefill", "user_decode_step"],
+                   help="compile only this function (repeatable; default: all of them; append_prefill: an "
+                        "agent turn's new tokens appended to every slot's kept K/V; weight_sync: a "
                         "publish's reshard, learner params -> the rollout engine's dtype and layout; score_step: "
                         "the dedicated old-logit scorer's forward, with placement.scorer only; user_prefill / "
                         "user_decode_step: the tau² user model's engine, with placement.user only)")

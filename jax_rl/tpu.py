@@ -242,10 +242,12 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
                     model_kwargs: Optional[dict] = None,
                     only: tuple[str, ...] = ("prefill", "decode"),
                     compiler_options: Optional[dict] = None, mesh: Any = None) -> dict[str, dict[str, Any]]:
-    """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens) and decode step
-    (``slots`` slots, ``max_cache_len`` cache) for ``topology`` (see ``resolve_topology``), params
-    and state replicated on every chip as the engine places them. ``only``: the steps to
-    compile (each result has ``compile_s``, seconds).
+    """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
+    (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
+    (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
+    turn's program) for ``topology`` (see ``resolve_topology``), params and state replicated on every
+    chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
+    seconds).
 
     ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,
     ``attention="splash"``). Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
@@ -313,7 +315,17 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     import contextlib
 
     # contexts built lazily: jax.set_mesh(mesh) sets the mesh as soon as it is called
+    def rows_of(shape, dt):  # the append-prefill's per-row vectors, replicated
+        return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+
+    # append_prefill: an agent turn's new tokens appended to ``slots`` kept K/V rows at once (the
+    # largest row bucket), ``prefill_len`` new positions each (Qwen3Engine.programs)
+    ext_args = (params, state, rows_of((slots, prefill_len), jnp.int32),
+                *(rows_of((slots,), dt) for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32,
+                                                    jnp.float32)))
     steps = {"prefill": (progs["prefill"], (params, tokens, n), lambda: jax.set_mesh(mesh)),
+             "append_prefill": (progs["append_prefill"], ext_args,
+                                (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext),
              "decode": (progs["generate"], (params, state),
                         (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
     import time

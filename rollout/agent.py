@@ -54,13 +54,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .envs.base import Env, ToolError, parse_tool_calls
+from .envs.base import Env, ToolError, parse_tool_calls  # parse_tool_calls: re-exported
 from .types import ROUTE_MISSING, Completion, Trajectory
 
 __all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build_sft_example", "sft_example",
            "episode_seed"]
-
-
 
 class _Overlong(Exception):
     """The episode's prompt does not fit ``max_cache_len`` (ends the episode; not a failure)."""
@@ -269,7 +267,7 @@ class AgentLoop:
                 turns.extend([-1] * len(ids))
             else:
                 mask.extend([True] * len(ids))
-                logp.extend(float(x) for x in gen.logps)
+                logp.extend(float(x) for x in gen.behav_logp)
                 vers.extend(int(v) for v in gen.versions)
                 turns.extend([turn] * len(ids))
 

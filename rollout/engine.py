@@ -1,29 +1,30 @@
-"""``Qwen3Engine``: JetStream 0.2.2 ``engine_api.Engine`` for our Qwen3, with per-token log-probs.
+"""``Qwen3Engine``: the rollout engine over our Qwen3, with per-token log-probs, versions and routes.
 
-Layout (MaxText ``MaxEngine`` style, adapted so that no token is lost and every emitted token
-is produced by the params passed to the ``generate`` call that emitted it):
+Two interfaces over the same jitted programs:
 
-* ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]`` (bucketed, batch 1) and keeps the
-  last token as the slot's *pending* token. It samples nothing (0.2.2's API returns no token).
-* ``insert(prefix, state, slot)`` copies that prefix into row ``slot`` of the batched decode
-  state and arms the slot (seed, temperature, pending token).
-* ``generate(params, state)`` runs ONE jitted step for all slots: feed each active slot's pending
-  token at position ``lengths[b]`` (``decode_step``), sample the next token from the resulting
-  logits, and return per slot ``(token, valid, n_generated, logp, kept_mass)``. The sampled
-  token becomes the new pending token. So weights swapped between two ``generate`` calls take
-  effect on the very next token (there is no one-step lag).
-* ``generate_steps(params, state, n)`` runs ``n`` such steps in one jitted ``lax.scan`` (one
-  dispatch and one host transfer for ``n`` tokens per slot; ``rollout.decode_steps``): the same
-  tokens and log-probs as ``n`` ``generate`` calls, all produced by ``params``.
-
-The RL path (:class:`rollout.generator.Generator`) does not use ``prefill`` / ``insert`` (batch 1,
-kept for JetStream's Driver and ``jax-rl serve``) but :meth:`Qwen3Engine.prefill_slots`: every
-request admitted in a generator step in one call, one jitted program per length bucket (fresh
-prompts batched ``[n, bucket]`` with per-row lengths, a GRPO group's identical prompts prefilled
-once and copied into each slot, and append-prefills of new tokens on a slot's kept K/V), plus
-:meth:`Qwen3Engine.copy_slot` (one slot's row into another). Compiled shapes are bounded: row
-buckets are powers of two up to ``slots``, length buckets powers of two from 16 up to
-``max_cache_len`` (docs/interfaces.md, "The RL engine's prefill").
+* **The RL path** (:class:`rollout.generator.Generator`), typed. :meth:`Qwen3Engine.prefill_slots`
+  prefills every request admitted in a generator step in one call, one jitted program per length
+  bucket (fresh prompts batched ``[n, bucket]`` with per-row lengths, a GRPO group's identical
+  prompts prefilled once and copied into each slot, and append-prefills of new tokens on a slot's
+  kept K/V), each row answered by a :class:`PrefillResult`; :meth:`Qwen3Engine.copy_slot` copies
+  one slot's row into another; :meth:`Qwen3Engine.decode` runs ONE step for all slots: feed each
+  active slot's pending token at position ``lengths[b]`` (``decode_step``), sample the next token
+  from the resulting logits, and return a :class:`StepOutput` (token, valid, generated,
+  ``behav_logp``, version, route per slot); the sampled token becomes the new pending token, so
+  weights swapped between two calls take effect on the very next token (no one-step lag).
+  :meth:`Qwen3Engine.generate_steps` runs ``n`` such steps in one ``lax.scan`` (one dispatch, one
+  host transfer; ``rollout.decode_steps``). :meth:`Qwen3Engine.free_slots` deactivates the slots
+  whose request ended or that are held for a session's next turn: an inactive slot neither emits
+  tokens nor touches its cached K/V. Compiled shapes are bounded: row buckets are powers of two
+  up to ``slots``, length buckets powers of two from 16 up to ``max_cache_len``
+  (docs/interfaces.md, "The RL engine's prefill"); every program is in :attr:`Qwen3Engine.programs`
+  for AOT compiles.
+* **JetStream 0.2.2's** ``engine_api.Engine`` (MaxText ``MaxEngine`` style), an adapter for its
+  Driver and ``jax-rl serve``: ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]``
+  (bucketed, batch 1) and keeps the last token pending (0.2.2's API samples nothing there);
+  ``insert(prefix, state, slot)`` copies it into row ``slot`` and arms the slot (seed,
+  temperature, pending token); ``generate(params, state)`` is :meth:`Qwen3Engine.decode` packed
+  into JetStream's ``ResultTokens`` (bit-cast int32 columns, below).
 
 Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
 
@@ -44,37 +45,36 @@ generated      [B] int32           tokens emitted so far in this slot
 
 Sampling (``sample_tokens``): logits are fp32; ``logits / temperature``; optional top-k then
 top-p (HF warper order) truncation; one uniform per token drawn from its key, inverted through
-the running sum of the probabilities (``inverse_cdf_index``). The reported ``logp`` is the
+the running sum of the probabilities (``inverse_cdf_index``). The reported ``behav_logp`` is the
 log-prob of the sampled token under the distribution actually sampled from (renormalised over
-the kept set), and
-``kept_mass`` is the probability mass (under the tempered, untruncated distribution) of the
-kept set, so the learner can reproduce ``logp = log_softmax(logits/T)[tok] - log(kept_mass)``.
-With truncation off, ``kept_mass == 1``. Greedy slots (temperature <= 0) report the log-prob of
-the argmax under T = 1. The key of the token sampled at absolute position ``p`` is
-``fold_in(PRNGKey(seed), p)``: reproducible from the seed regardless of slot, batch
-composition, or whether the KV cache was recomputed.
+the kept set); the learner reproduces the truncation from its own logits (``jax_rl.sampling``:
+``logp = log_softmax(logits/T)[tok] - log(kept_mass)``), so no kept mass leaves the engine.
+Greedy slots (temperature <= 0) report the log-prob of the argmax under T = 1. The key of the
+token sampled at absolute position ``p`` is ``fold_in(PRNGKey(seed), p)``: reproducible from the
+seed regardless of slot, batch composition, or whether the KV cache was recomputed.
 
-``ResultTokens.data`` is int32 [B, 5]: columns token | valid | n_generated | logp bits |
-kept_mass bits (float32 bit-cast to int32; JetStream's Driver reads only the first three).
-Use :func:`unpack_result` to get numpy arrays back in one host transfer.
+JetStream's ``ResultTokens.data`` (the adapter only) is int32 [B, 4]: columns token | valid |
+n_generated | behav_logp bits (float32 bit-cast to int32; JetStream's Driver reads only the
+first three), then the route columns; :func:`unpack_result` reads it back in one host transfer.
 
 Routing replay (``record_routes=True``, MoE models; ``moe.routing_replay`` r2/r3): the engine
 also records the top-k expert ids each MoE layer chose for each token it ran through the model.
-``prefill`` returns them for the cached prompt positions (``prefix["routes"]`` int32
-[n, n_moe_layers, k], position-aligned), and each ``generate`` step appends the ids of the fed
-(pending) token, i.e. of position ``lengths[b]``, as ``n_moe_layers * k`` more int32 columns
-(``unpack_result(...)["routes"]`` [B, n_moe_layers * k]). The last sampled token of a request
-is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
+``prefill_slots`` / ``prefill`` return them for the positions they ran (``PrefillResult.routes``,
+``prefix["routes"]`` int32 [n, n_moe_layers, k], position-aligned), and each decode step gives the
+ids of the fed (pending) token, i.e. of position ``lengths[b]`` (``StepOutput.route`` [B,
+n_moe_layers, k]; in the adapter's rows ``n_moe_layers * k`` more int32 columns). The last sampled
+token of a request is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
 
 MoE capacity drops (``counts_moe_drops``: an MoE model built with a ``moe_capacity_factor``, e.g.
 ``rollout.moe_capacity_factor``): every program that runs tokens through the model also counts,
 per row, the token copies its MoE layers dropped for capacity (int32, summed over the row's
-tokens and the MoE layers): ``prefix["moe_dropped"]``, ``prefill_slots``' per-row
-``moe_dropped`` and, per ``generate`` step, one LAST int32 column (the fed token's dropped
-copies; ``unpack_result(..., moe_drops=True)["moe_dropped"]`` [B]). The generator adds them up
-per request (``Completion.info["moe_dropped_copies"]`` against ``moe_copies``, the copies its
-tokens routed) and the runtimes log their step sums as ``rollout/moe_dropped_copies``,
-``rollout/moe_copies`` and ``rollout/moe_dropped_frac``.
+tokens and the MoE layers): ``PrefillResult.moe_dropped`` per ``prefill_slots`` row,
+``prefix["moe_dropped"]`` (``prefill``) and, per decode step, ``StepOutput.moe_dropped`` [B] (the
+fed token's dropped copies, 0 for an inactive slot); an engine that does not count leaves them
+None. JetStream's adapter rows do not carry them. The generator adds them up per request
+(``Completion.info["moe_dropped_copies"]`` against ``moe_copies``, the copies its tokens routed)
+and the runtimes log their step sums as ``rollout/moe_dropped_copies``, ``rollout/moe_copies`` and
+``rollout/moe_dropped_frac``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ import dataclasses
 import functools
 import itertools
 import threading
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +107,11 @@ __all__ = [
     "sample_tokens",
     "inverse_cdf_index",
     "unpack_result",
+    "pack_result",
+    "StepOutput",
     "prefill_bucket",
     "SlotPrefill",
+    "PrefillResult",
     "NO_BOS",
 ]
 
@@ -116,7 +119,6 @@ NO_BOS = -1
 """BOS placeholder id given to JetStream (Qwen3 has no BOS); prefill drops leading negative ids."""
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
-_N_COLS = 5
 # logical names of the KV cache (jax_rl.sharding.LOGICAL_RULES): stacked k/v [L,B,K,S,H] (a prefix
 # [L,1,K,P,H]); one layer's v [B,K,S,H] is _CACHE_NAMES[1:]; one layer's key-transposed k [B,K,H,S]
 _CACHE_NAMES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_sequence", "cache_head_dim")
@@ -242,31 +244,80 @@ def sample_tokens(
     return tokens, logp.astype(jnp.float32), kept_mass.astype(jnp.float32)
 
 
-def unpack_result(result: Any, moe_drops: bool = False) -> dict[str, np.ndarray]:
-    """One host transfer of a ``generate`` result (a ``ResultTokens``, or a [B, cols] data
-    array such as one step ``generate_steps(...)[1][i]``).
+class StepOutput(NamedTuple):
+    """What one decode step gives the RL path, per slot: the engine's typed output.
+
+    :meth:`Qwen3Engine.decode` returns one ([B] leaves), :meth:`Qwen3Engine.generate_steps` one
+    per step stacked on a leading axis ([n, B] leaves). Device arrays as the engine returns them;
+    ``jax.device_get(out)`` brings the whole record to the host in one transfer (the generator does
+    so once per engine call) and :meth:`at` picks one step of a stacked record. The names are the
+    ones the :class:`rollout.types.Completion` and the Trajectory carry on (``behav_logp``,
+    ``versions``, ``routes``), so the behaviour log-prob has one name from engine to loss.
+
+    Attributes:
+      token: int32 [B]: the token sampled this step (the slot's new pending token).
+      valid: bool [B]: the slot was active and had room in its cache, i.e. ``token`` is real; an
+        inactive slot (free, finished, held for its session's next turn) or a full one is False and
+        its other fields are meaningless.
+      generated: int32 [B]: tokens the slot has emitted since it was armed (this one included).
+      behav_logp: float32 [B]: log mu of ``token`` under the distribution it was sampled from
+        (temperature, then top-k / top-p truncation renormalised: :func:`sample_tokens`); the
+        learner reproduces a truncation itself (:mod:`jax_rl.sampling`), so no kept mass travels.
+      version: int32 [B]: the policy version of the params that produced ``token`` (the
+        ``version`` the caller passed with those params), -1 where not ``valid``.
+      route: None, or int32 [B, n_moe_layers, k] (``record_routes``): the experts each MoE layer
+        chose for the token this step FED (the slot's previous pending token, at position
+        ``length`` before the step), not for ``token``.
+      moe_dropped: None, or int32 [B] (``counts_moe_drops``): the MoE token copies dropped for
+        capacity on the token this step FED (summed over the MoE layers; 0 where not ``valid``).
+    """
+
+    token: Any
+    valid: Any
+    generated: Any
+    behav_logp: Any
+    version: Any
+    route: Any = None
+    moe_dropped: Any = None
+
+    def at(self, i: int) -> "StepOutput":
+        """Step ``i`` of a record stacked over steps (``generate_steps``): every leaf ``x[i]``."""
+        return StepOutput(*(None if x is None else x[i] for x in self))
+
+
+_RESULT_COLS = 4  # token | valid | n_generated | behav_logp bits (then the route columns)
+
+
+def pack_result(out: StepOutput) -> jax.Array:
+    """JetStream's ``ResultTokens.data`` of one step (traceable; :meth:`Qwen3Engine.generate`):
+    int32 [B, 4 (+ n_moe_layers * k)]: token | valid | n_generated | behav_logp (float32 bit-cast
+    to int32) | the fed token's route ids. JetStream's Driver reads the first three columns."""
+    cols = [out.token.astype(jnp.int32), out.valid.astype(jnp.int32), out.generated.astype(jnp.int32),
+            jax.lax.bitcast_convert_type(out.behav_logp.astype(jnp.float32), jnp.int32)]
+    data = jnp.stack(cols, axis=1)
+    if out.route is not None:
+        data = jnp.concatenate([data, out.route.reshape(out.route.shape[0], -1).astype(jnp.int32)], axis=1)
+    return data
+
+
+def unpack_result(result: Any) -> dict[str, np.ndarray]:
+    """One host transfer of a JetStream-adapter result (:meth:`Qwen3Engine.generate`'s
+    ``ResultTokens`` or its ``data`` array) for ``jax-rl serve`` and tests of the adapter; the RL
+    path reads :class:`StepOutput` instead.
 
     Returns a dict of numpy arrays [B]: ``tokens`` int32, ``valid`` bool, ``lengths`` int32
-    (tokens generated so far in the slot), ``logps`` float32, ``kept_mass`` float32;
-    ``routes`` int32 [B, n_moe_layers * k] when the engine records routes (``record_routes``);
-    ``moe_dropped`` int32 [B] (the fed token's MoE copies dropped for capacity, the last column)
-    when ``moe_drops`` (pass the engine's ``counts_moe_drops``).
+    (tokens generated so far in the slot), ``behav_logp`` float32; and ``routes`` int32
+    [B, n_moe_layers * k] when the engine records routes (``record_routes``).
     """
     data = np.asarray(getattr(result, "data", result))  # a ResultTokens or its data array
-    extra = {}
-    if moe_drops:
-        extra["moe_dropped"] = data[:, -1].astype(np.int32)
-        data = data[:, :-1]
     out = {
         "tokens": data[:, 0].astype(np.int32),
         "valid": data[:, 1].astype(bool),
         "lengths": data[:, 2].astype(np.int32),
-        "logps": np.ascontiguousarray(data[:, 3]).view(np.float32),
-        "kept_mass": np.ascontiguousarray(data[:, 4]).view(np.float32),
+        "behav_logp": np.ascontiguousarray(data[:, 3]).view(np.float32),
     }
-    if data.shape[1] > _N_COLS:
-        out["routes"] = data[:, _N_COLS:].astype(np.int32)
-    out.update(extra)
+    if data.shape[1] > _RESULT_COLS:
+        out["routes"] = data[:, _RESULT_COLS:].astype(np.int32)
     return out
 
 
@@ -578,16 +629,21 @@ class Qwen3Engine(Engine):
             fill = lambda x: jnp.full((B,), x)  # noqa: E731
             return arm(state, cache, sel, fill(pending), fill(seed), fill(temperature))
 
-        def deactivate_fn(state, slot):
+        def deactivate_fn(state, mask):
+            # mask [B] bool: the slots to stop (their cache and lengths are left as they are)
             new = dict(state)
-            new["active"] = state["active"].at[slot].set(False)
+            new["active"] = state["active"] & ~mask
             return new
 
-        def generate_fn(params, state):
+        def generate_fn(params, state, version=0):
+            # one decode step for all slots -> (state, StepOutput); ``version`` (int32 scalar) tags
+            # the step's tokens. An inactive slot (free, finished or held for its session's next
+            # turn) feeds its pending token at min(length, S - 1), a position past every cached
+            # token it holds, and keeps its length: its cached K/V (a held context) stay intact.
             model = self._model(params)
             cache = state["cache"]
             active = state["active"] & (cache.lengths < S)  # room to write the pending token
-            lengths_in = jnp.where(active, cache.lengths, 0)
+            lengths_in = jnp.minimum(cache.lengths, S - 1)
             dkw, drops = drops_kw()
             dec = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in),
                                     return_expert_ids=record,
@@ -595,9 +651,9 @@ class Qwen3Engine(Engine):
             logits, cache = dec[0], dec[1]
             pos = lengths_in + 1  # absolute position of the token being sampled
             keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-            tok, logp, kept = sample_tokens(logits, keys, state["temperature"], top_k=top_k, top_p=top_p)
+            tok, logp, _kept = sample_tokens(logits, keys, state["temperature"], top_k=top_k, top_p=top_p)
             generated = state["generated"] + active.astype(jnp.int32)
-            cache = _replace_cache(cache, lengths=jnp.where(active, lengths_in + 1, 0))
+            cache = _replace_cache(cache, lengths=jnp.where(active, lengths_in + 1, state["cache"].lengths))
             new_state = {
                 "cache": cache,
                 "tokens": jnp.where(active, tok, state["tokens"]),
@@ -606,28 +662,29 @@ class Qwen3Engine(Engine):
                 "temperature": state["temperature"],
                 "generated": generated,
             }
-            data = jnp.stack(
-                [
-                    tok,
-                    active.astype(jnp.int32),
-                    generated,
-                    jax.lax.bitcast_convert_type(logp, jnp.int32),
-                    jax.lax.bitcast_convert_type(kept, jnp.int32),
-                ],
-                axis=1,
+            out = StepOutput(
+                token=tok,
+                valid=active,
+                generated=generated,
+                behav_logp=logp,
+                version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
+                route=_q.stack_routes(dec[2]).astype(jnp.int32) if record else None,  # [B, n_moe, k]
+                # the fed token's MoE copies dropped for capacity [B] (0 if inactive)
+                moe_dropped=jnp.where(active, drops[0], 0).astype(jnp.int32) if count else None,
             )
-            if record:  # + n_moe_layers * k columns: the fed token's expert ids
-                data = jnp.concatenate([data, _q.stack_routes(dec[2]).reshape(B, -1).astype(jnp.int32)], axis=1)
-            if count:  # + the last column: the fed token's MoE copies dropped for capacity (0 if inactive)
-                data = jnp.concatenate([data, jnp.where(active, drops[0], 0)[:, None]], axis=1)
-            return new_state, data
+            return new_state, out
 
-        def generate_steps_fn(params, state, n):
-            # n steps of generate_fn in one on-device loop; every per-step output leaf (data
-            # [B, cols]) is stacked on a new leading axis [n, ...]; quantised weights are
-            # dequantised once per call, not once per step
+        def result_fn(params, state):
+            # JetStream's adapter (``generate``): the typed step packed into ResultTokens' int32 rows
+            new_state, out = generate_fn(params, state)
+            return new_state, pack_result(out)
+
+        def generate_steps_fn(params, state, n, version=0):
+            # n steps of generate_fn in one on-device loop; every StepOutput leaf ([B, ...]) is
+            # stacked on a new leading axis [n, ...]; quantised weights are dequantised once per
+            # call, not once per step
             params = self._dequantized(params)
-            return jax.lax.scan(lambda st, _: generate_fn(params, st), state, None, length=n)
+            return jax.lax.scan(lambda st, _: generate_fn(params, st, version), state, None, length=n)
 
         def arm(state, cache, sel, pending, seeds, temps):
             # the per-slot fields of the slots in ``sel`` [B] bool: pending token, key, temperature
@@ -710,7 +767,8 @@ class Qwen3Engine(Engine):
             self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
             self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,))
             self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,))
-            self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,))
+            self._decode_jit = jax.jit(generate_fn, donate_argnums=(1,))
+            self._generate_jit = jax.jit(result_fn, donate_argnums=(1,))
             self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,))
             return
         # sharded: explicit out_shardings (the decode state keeps its layout step after step, so
@@ -725,7 +783,8 @@ class Qwen3Engine(Engine):
         self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,), out_shardings=st)
         self._deactivate_jit = jax.jit(deactivate_fn, donate_argnums=(0,), out_shardings=st)
         self._copy_slot_jit = jax.jit(copy_slot_fn, donate_argnums=(0,), out_shardings=st)
-        self._generate_jit = jax.jit(generate_fn, donate_argnums=(1,), out_shardings=(st, rep))
+        self._decode_jit = jax.jit(generate_fn, donate_argnums=(1,), out_shardings=(st, rep))
+        self._generate_jit = jax.jit(result_fn, donate_argnums=(1,), out_shardings=(st, rep))
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
                                            out_shardings=(st, rep))
         self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,), out_shardings=(st, rep))
@@ -869,11 +928,33 @@ class Qwen3Engine(Engine):
 
     @property
     def programs(self) -> dict[str, Any]:
-        """The engine's jitted programs by name, for AOT ``lower(...).compile()``: ``prefill``
-        ``(params, tokens int32 [1, L], n int32) -> KV rows (+ routes)``, ``init_state``
-        ``(params) -> decode state``, ``generate`` ``(params, state) -> (state, rows)`` (the
-        state donated)."""
-        return {"prefill": self._prefill_jit, "init_state": self._init_state_jit, "generate": self._generate_jit}
+        """The engine's jitted programs by name, for AOT ``lower(...).compile()`` (``jax-rl compile``,
+        :func:`jax_rl.tpu.compile_rollout`); ``state`` is the decode state (donated where it is an
+        argument), B = ``slots``, S = ``max_cache_len``:
+
+        * ``init_state`` ``(params) -> state``;
+        * ``generate`` ``(params, state[, version int32]) -> (state, StepOutput)``: the RL path's
+          decode step (:meth:`decode`); ``decode_steps`` ``(params, state, n static[, version])``
+          its ``n``-step scan (:meth:`generate_steps`); ``generate_result`` the same step packed
+          into JetStream's rows (:meth:`generate`, the serving adapter);
+        * ``prefill_slots`` ``(params, tokens int32 [n, P], lengths int32 [n], state, dest int32
+          [B], pending int32 [B], seeds uint32 [B], temps float32 [B]) -> (state, (routes,
+          moe_dropped))``: the batched fresh prefill + bulk insert (:meth:`prefill_slots`; each of
+          routes / moe_dropped None unless ``record_routes`` / ``counts_moe_drops``);
+        * ``append_prefill`` ``(params, state, tokens int32 [n, T], starts int32 [n], lengths int32
+          [n], slots int32 [n], pending int32 [n], seeds uint32 [n], temps float32 [n]) -> (state,
+          (routes, moe_dropped))``: the append-prefill of new tokens onto slots' kept K/V (an
+          episode's next turn);
+        * ``copy_slot`` ``(state, src, dst, pending, seed, temperature) -> state``; ``insert``
+          ``(k, v, n, token, seed, temperature, state, slot) -> state``; ``free_slots`` ``(state,
+          mask bool [B]) -> state``;
+        * ``prefill`` ``(params, tokens int32 [1, P], n int32) -> KV rows (+ routes)``: batch-1
+          prefill (JetStream's API, the prefix cache's entries).
+        :func:`jax_rl.tpu.compile_rollout` lowers ``prefill``, ``append_prefill`` and ``generate``."""
+        return {"prefill": self._prefill_jit, "init_state": self._init_state_jit, "generate": self._decode_jit,
+                "decode_steps": self._generate_steps_jit, "generate_result": self._generate_jit,
+                "prefill_slots": self._prefill_slots_jit, "append_prefill": self._extend_slots_jit,
+                "copy_slot": self._copy_slot_jit, "insert": self._insert_jit, "free_slots": self._deactivate_jit}
 
     @functools.cached_property
     def _cast_jit(self) -> Any:
@@ -1008,7 +1089,7 @@ class Qwen3Engine(Engine):
             return self._insert_jit(*args)
 
     def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence["SlotPrefill"]
-                      ) -> tuple[dict, list[dict]]:
+                      ) -> tuple[dict, list["PrefillResult"]]:
         """Prefill many requests into their slots: the RL path's batched prefill + insert.
 
         Rows with ``start == 0`` (fresh) are grouped by length bucket P
@@ -1024,8 +1105,14 @@ class Qwen3Engine(Engine):
 
         Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
         ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
-        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` programs of each kind.
-        Padding rows and positions are inert (no slot written, no MoE capacity taken).
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs. The
+        append-prefill always runs ``slots`` rows (one program per length bucket): its per-row
+        values changed at fp32 rounding with the row count on XLA:CPU, and which requests share a
+        call depends on thread timing, so a row's K/V and log-probs are its own only that way
+        (bit-identical whatever shares the call; a resumed run reproduces the straight one). A
+        capacity-dropping MoE engine (``counts_moe_drops``) keeps the row bucket there: its rows
+        share the experts' capacity anyway. Padding rows and positions are inert (no slot written,
+        no MoE capacity taken).
 
         Args:
           params: engine params (from :meth:`load_params`).
@@ -1034,12 +1121,8 @@ class Qwen3Engine(Engine):
             and ``start < len(tokens)``.
 
         Returns:
-          ``(new_state, results)``: one dict per row, in order: ``prefill_tokens`` (int: cache
-          positions this row's program computed; 0 for a row that shared another row's prefill),
-          ``shared`` (bool), with ``record_routes`` ``routes`` int32 [len(tokens) - 1 - start,
-          n_moe_layers, k] (the routes of positions ``start .. len(tokens) - 2``) and, with
-          ``counts_moe_drops``, ``moe_dropped`` (int: the MoE copies this row's program dropped for
-          capacity; 0 for a row that shared another row's prefill).
+          ``(new_state, results)``: one :class:`PrefillResult` per row, in order (its
+          ``moe_dropped`` an int with ``counts_moe_drops``, else None).
 
         Raises:
           ValueError: a slot out of range or used twice, an empty or too long row, a bad start.
@@ -1067,7 +1150,8 @@ class Qwen3Engine(Engine):
             state = self._prefill_group(params, state, rows, idx, P, results)
         for T, idx in sorted(ext.items()):
             state = self._extend_group(params, state, rows, idx, T, results)
-        return state, results
+        return state, [PrefillResult(int(r["prefill_tokens"]), bool(r["shared"]), r.get("routes"), r.get("moe_dropped"))
+                       for r in results]
 
     def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
                   temperature: Optional[float] = None) -> dict:
@@ -1138,7 +1222,16 @@ class Qwen3Engine(Engine):
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
                       results: list[dict]) -> dict:
         B = self._slots
-        nb = self._row_bucket(len(idx))
+        # B rows (padding rows write nowhere), not the row bucket of len(idx): on XLA:CPU an
+        # append-prefill row's values changed at fp32 rounding with the call's row count, and which
+        # requests share a call depends on when they reached the generator (thread timing), so a
+        # request's K/V and log-probs depended on its neighbours (a resumed K=0 run differed from the
+        # straight one). One program per T bucket; a row's numerics are its own (test_prefill.py,
+        # test_a_rows_prefill_is_bit_identical_whatever_shares_its_call). Except with MoE capacity
+        # drops (counts_moe_drops): there the rows of a call share the experts' capacity, which the
+        # program's shape sets (module doc), so a row's result depends on its call whatever the
+        # padding, and B padding rows would only raise the capacity: the row bucket stays.
+        nb = self._row_bucket(len(idx)) if self.counts_moe_drops else B
         buf = np.zeros((nb, T), np.int32)
         starts = np.zeros((nb,), np.int32)
         lens = np.zeros((nb,), np.int32)
@@ -1170,45 +1263,71 @@ class Qwen3Engine(Engine):
         return state
 
     def free_slot(self, decode_state: dict, slot: int) -> dict:
-        """Deactivate ``slot`` (not part of the 0.2.2 API; the generator uses it). Donates state."""
-        slot = jnp.int32(slot)
+        """Deactivate ``slot`` (not part of the 0.2.2 API). Donates state."""
+        return self.free_slots(decode_state, [int(slot)])
+
+    def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
+        """Deactivate ``slots`` in one call (the generator's finished and held slots): they stop
+        decoding, and their cached K/V and lengths stay as they are (an inactive slot's decode
+        writes only past its cached positions: :class:`StepOutput`, module docstring). Donates
+        the state. Raises ValueError for a slot out of range."""
+        mask = np.zeros((self._slots,), bool)
+        for s_ in slots:
+            if not 0 <= int(s_) < self._slots:
+                raise ValueError(f"slot {s_} out of range [0, {self._slots})")
+            mask[int(s_)] = True
         with self._in_mesh():
-            return self._deactivate_jit(decode_state, slot)
+            return self._deactivate_jit(decode_state, jnp.asarray(mask))
+
+    def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
+        """One decode step for all slots, the RL path's typed step (``decode_state`` is donated).
+
+        Each active slot feeds its pending token at position ``lengths[b]``, samples the next one
+        from the resulting logits (its key: ``fold_in(PRNGKey(seed), lengths[b] + 1)``) and keeps it
+        pending. A slot whose cache is full, or that is inactive, is reported ``valid = False`` and
+        left inactive, its cache untouched.
+
+        Args:
+          params: engine params (from :meth:`load_params`).
+          decode_state: the decode state (module docstring).
+          version: the policy version of ``params``; the step's valid tokens carry it.
+
+        Returns:
+          ``(new_state, StepOutput)`` with [B] device arrays.
+        """
+        with self._in_mesh():
+            return self._decode_jit(params, decode_state, jnp.int32(version))
 
     def generate(self, params: Any, decode_state: dict) -> tuple[dict, Any]:
-        """One decode step for all slots (``decode_state`` is donated).
-
-        Returns ``(new_state, ResultTokens)`` with ``data`` int32 [B, 5] (see module doc).
-        A slot whose cache is full (``lengths == max_cache_len``) or that is inactive is
-        reported ``valid = 0`` and left inactive.
-        """
+        """JetStream 0.2.2's ``generate``: :meth:`decode` packed into ``ResultTokens`` (the adapter
+        for JetStream's Driver and ``jax-rl serve``; ``data`` int32 [B, 4 (+ route columns)], see
+        :func:`pack_result` / :func:`unpack_result`). Donates ``decode_state``."""
         with self._in_mesh():
             state, data = self._generate_jit(params, decode_state)
         return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
 
-    def generate_steps(self, params: Any, decode_state: dict, n: int) -> tuple[dict, Any]:
+    def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
         """``n`` decode steps for all slots in ONE jitted call (``decode_state`` is donated).
 
-        A ``jax.lax.scan`` of the very step :meth:`generate` runs, carrying the decode state
+        A ``jax.lax.scan`` of the very step :meth:`decode` runs, carrying the decode state
         (the cache written in place at each slot's position, as one step does): the same tokens,
-        log-probs and keys as ``n`` :meth:`generate` calls (a token's key depends only on its
+        log-probs and keys as ``n`` :meth:`decode` calls (a token's key depends only on its
         request seed and absolute position), with one dispatch and one host transfer instead of
         ``n``. The caller cannot act between the ``n`` steps: a slot keeps decoding after a stop
-        token or its budget (the caller discards those tokens; the slot's cache rows past its
-        length are masked and overwritten by the next :meth:`insert`), and a slot whose cache
-        fills mid-chunk turns inactive (``valid = 0``) for the rest of the chunk, as it would
+        token or its budget (the caller discards those tokens; its cache positions past the kept
+        tokens are masked and overwritten before they are read), and a slot whose cache fills
+        mid-chunk turns inactive (``valid = False``) for the rest of the chunk, as it would
         across calls. All ``n`` tokens are produced by ``params``. ``n`` is static: each value
         compiles its own program.
 
         Args:
           params: engine params (from :meth:`load_params`).
-          decode_state: the state from :meth:`init_decode_state` / :meth:`insert` / a previous call.
+          decode_state: the state from :meth:`init_decode_state` / :meth:`prefill_slots` / a previous call.
           n: steps, >= 1.
+          version: the policy version of ``params`` (every valid token carries it).
 
         Returns:
-          ``(new_state, data)``: ``data`` int32 [n, B, cols], step ``i``'s ``ResultTokens.data``
-          at ``data[i]`` (columns as in the module docstring; :func:`unpack_result` reads
-          ``data[i]``).
+          ``(new_state, StepOutput)`` with leaves [n, B, ...]; ``out.at(i)`` is step ``i``.
 
         Raises:
           ValueError: ``n < 1``.
@@ -1217,7 +1336,7 @@ class Qwen3Engine(Engine):
         if n < 1:
             raise ValueError(f"generate_steps needs n >= 1, got {n}")
         with self._in_mesh():
-            return self._generate_steps_jit(params, decode_state, n)
+            return self._generate_steps_jit(params, decode_state, n, jnp.int32(version))
 
     def get_prefix_destination_sharding(self) -> Any:
         return self._sharding
@@ -1281,6 +1400,25 @@ class SlotPrefill:
     seed: int = 0
     temperature: Optional[float] = None
     start: int = 0
+
+
+class PrefillResult(NamedTuple):
+    """What :meth:`Qwen3Engine.prefill_slots` reports for one :class:`SlotPrefill` row.
+
+    Attributes:
+      prefill_tokens: cache positions this row's program computed (0 for a row that shared another
+        row's prefill: a GRPO group's later samples).
+      shared: the row's K/V were copied from another row's prefill.
+      routes: None, or int32 [len(tokens) - 1 - start, n_moe_layers, k] (``record_routes``): the
+        routes of the positions ``start .. len(tokens) - 2`` the row ran.
+      moe_dropped: None, or int (``counts_moe_drops``): the MoE token copies this row's program
+        dropped for capacity, summed over its positions and the MoE layers (0 for a shared row).
+    """
+
+    prefill_tokens: int
+    shared: bool
+    routes: Optional[np.ndarray] = None
+    moe_dropped: Optional[int] = None
 
 
 def _replace_cache(cache: Any, **kw: Any) -> Any:

@@ -7,13 +7,13 @@ log-probs). One loop iteration (:meth:`Generator.step`):
    steps) and treat the sequences already in slots according to ``partial``;
 2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
    jitted program per length bucket; "Prefill" below), with the *current* params;
-3. one jitted ``engine.generate`` for all slots (``decode_steps`` = n > 1: one
-   ``engine.generate_steps`` of n steps); tokens/log-probs come back in ONE host transfer;
-4. append per slot (token, logp, version), step by step, finish sequences that hit a stop id,
+3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
+   ``engine.generate_steps`` of n steps); its ``StepOutput`` comes back in ONE host transfer;
+4. append per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
    finished slot decoded later in the same call are discarded).
 
-Version semantics: ``engine.generate`` feeds each slot's pending token and samples the next one
+Version semantics: ``engine.decode`` feeds each slot's pending token and samples the next one
 in the same call, so a token is produced by exactly the params of the step that emitted it; its
 version is the generator's version at that step. A request waiting in the queue while weights
 change is prefilled with the new weights, and all its tokens carry the new version.
@@ -30,10 +30,17 @@ change is prefilled with the new weights, and all its tokens carry the new versi
   ``info["reissues"]`` / ``info["dropped_tokens"]`` count it.
 
 Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``prompt_len``,
-``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s``; ``kept_mass`` (float per
-token) when top-k/top-p truncation is on; ``moe_dropped_copies`` / ``moe_copies`` (int) when the
-engine can drop MoE token copies for capacity (``engine.counts_moe_drops``): the copies of the
-request's prefilled and fed tokens the MoE layers dropped, and all the copies they routed.
+``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s`` (and the prefill keys below);
+``moe_dropped_copies`` / ``moe_copies`` (int) when the engine can drop MoE token copies for capacity
+(``engine.counts_moe_drops``): the copies of the request's prefilled and fed tokens the MoE layers
+dropped (``PrefillResult.moe_dropped``, ``StepOutput.moe_dropped``), and all the copies they routed.
+
+Engine interface: the generator reads the engine's typed :class:`rollout.engine.StepOutput` (token,
+valid, ``behav_logp``, version, route, ``moe_dropped`` per slot; one host transfer per engine call)
+and hands the agent :class:`rollout.types.Completion` records (``tokens``, ``behav_logp``,
+``versions``, ``routes``): the behaviour log-prob keeps one name from the engine to the Trajectory.
+JetStream's bit-cast ``ResultTokens`` rows are only ``Qwen3Engine.generate``'s adapter for serving. A
+slot whose request ended (or that is held) is deactivated before the next decode call.
 
 Routing replay (an engine built with ``record_routes``, MoE): ``Completion.routes`` holds the
 expert ids the engine's MoE layers chose at every position of prompt + generated tokens: the
@@ -55,8 +62,7 @@ position). Starvation bound: while any slot is decoding, a step admits requests 
 prefill tokens reach ``prefill_budget`` (``rollout.prefill_tokens_per_step``; the first request of
 a step is always admitted, a prompt identical to one already admitted in the step costs nothing),
 so a burst of new requests delays the decoding slots by at most one bounded prefill per step; with
-no slot decoding every request that finds a slot is admitted at once. An engine without
-``prefill_slots`` gets one ``prefill_tokens`` + ``insert`` per request (no sessions).
+no slot decoding every request that finds a slot is admitted at once.
 
 Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
 agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
@@ -70,9 +76,8 @@ whole conversation; each counted in ``stats``) when
 
 * a queued request finds no free slot: the least recently held slot is evicted (``kv_evictions``),
   so slow tools never starve the fleet of slots;
-* its idle decode reaches the cache end (``kv_hold_expired``): a held slot stays active in the
-  engine (its sampled tokens are discarded), and an inactive slot's decode overwrites position 0;
-  this bounds a hold to ``max_cache_len - len(context)`` decode steps;
+* (no bound in decode steps: a held slot is deactivated in the engine, ``Qwen3Engine.free_slots``,
+  so it neither decodes nor writes its cache while the tool runs; its K/V stay as they were);
 * its session's next prompt does not extend the held context (``kv_mismatch``), or the session is
   released (:meth:`Generator.release_session`, at the end of the episode);
 * a weight swap under ``partial=recompute_kv`` or ``abort`` (``kv_dropped_swap``): the next turn
@@ -114,8 +119,7 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
-from rollout.engine import unpack_result
-from rollout.types import ROUTE_MISSING, Completion  # tokens, logps, versions, finish_reason, info
+from rollout.types import ROUTE_MISSING, Completion  # tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -136,9 +140,8 @@ class _Req:
     t_submit: float
     budget: int = 0
     tokens: list = dataclasses.field(default_factory=list)
-    logps: list = dataclasses.field(default_factory=list)
+    behav_logp: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
-    kept: list = dataclasses.field(default_factory=list)
     routes: list = dataclasses.field(default_factory=list)  # [n_moe_layers, k] per context position
     reissues: int = 0
     dropped: int = 0
@@ -167,15 +170,17 @@ class Generator:
     """Continuous-batching generator over a JetStream-style engine.
 
     Args:
-      engine: a :class:`rollout.engine.Qwen3Engine` (or any engine with the same
-        ``prefill_tokens`` / ``insert`` / ``generate`` / ``load_params`` /
-        ``init_decode_state`` / ``max_concurrent_decodes`` / ``max_cache_len``).
+      engine: a :class:`rollout.engine.Qwen3Engine`, or any engine with its RL interface:
+        ``prefill_slots`` / ``copy_slot`` / ``prefill_tokens`` + ``insert`` (prefix cache) /
+        ``decode`` / ``generate_steps`` (returning :class:`rollout.engine.StepOutput`) /
+        ``free_slots`` / ``load_params`` / ``init_decode_state`` / ``max_concurrent_decodes`` /
+        ``max_cache_len``.
       partial: ``"continue" | "recompute_kv" | "abort"`` (see module doc).
       params: initial params (already loaded with ``engine.load_params``); default
         ``engine.params``.
       version: version of the initial params.
       decode_steps: decode steps per engine call (``rollout.decode_steps``, >= 1). 1: one
-        ``engine.generate`` per step. n > 1: one ``engine.generate_steps(params, state, n)``
+        ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, n)``
         (one dispatch, one host transfer) per step; the n tokens of each slot are consumed in
         order and a slot that finishes mid-chunk (stop id, budget, cache capacity) keeps the
         tokens up to and including its last one, the rest are discarded (counted in
@@ -206,11 +211,9 @@ class Generator:
         self.keep_kv = bool(keep_kv)
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
                                   else 4 * int(getattr(engine, "max_prefill_length", 256)))
-        self._batched = hasattr(engine, "prefill_slots")
         self._moe_drops = bool(getattr(engine, "counts_moe_drops", False))  # engine docstring, "MoE capacity drops"
         self._moe_cpt = int(getattr(engine, "moe_copies_per_token", 0))
-        self.keep_kv = self.keep_kv and self._batched  # append-prefill needs prefill_slots
-        self.prefix_cache = int(prefix_cache) if self._batched else 0
+        self.prefix_cache = int(prefix_cache)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine
         self.partial = partial
@@ -220,7 +223,6 @@ class Generator:
         self._version = int(version)
         self._B = int(engine.max_concurrent_decodes)
         self._S = int(engine.max_cache_len)
-        self._truncating = getattr(engine, "top_k", 0) > 0 or getattr(engine, "top_p", 1.0) < 1.0
 
         self._lock = threading.Lock()  # guards queue, pending params, counters read by others
         self._wake = threading.Condition(self._lock)
@@ -231,6 +233,7 @@ class Generator:
         self._held: dict[Any, _Held] = {}  # session -> its held slot (keep_kv)
         self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
         self._releases: list = []  # sessions ended by release_session (applied at the next step)
+        self._finished: list[int] = []  # slots whose request ended since the last decode (deactivated)
         self._state = engine.init_decode_state()
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -474,6 +477,7 @@ class Generator:
             if not r.future.done():
                 r.future.set_exception(exc)
         self._slots = [None] * self._B
+        self._finished = list(range(self._B))  # deactivated at the next decode unless re-armed
         self._held.clear()  # the decode state is rebuilt: nothing is held any more
         self._held_slot.clear()
 
@@ -523,51 +527,36 @@ class Generator:
     def _prefill_batch(self, items: list) -> None:
         """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
         ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
-        prompts once), or one ``prefill_tokens`` + ``insert`` per item for an engine without it.
+        prompts once).
         Each request is in its slot afterwards; a failing row fails its own request only (the
         batch is retried row by row when a batched call raises)."""
         if not items:
             return
-        if not self._batched:
-            res = []
-            for slot, req, toks, _start in items:
-                try:
-                    prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
-                except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
-                    self._prefill_failed(slot, req, e)
-                    res.append(None)
-                    continue
-                self._state = self.engine.insert(prefix, self._state, slot)
-                res.append({"prefill_tokens": len(toks) - 1, "shared": False, "routes": prefix.get("routes"),
-                            "moe_dropped": prefix.get("moe_dropped", 0)})
-        else:
-            from rollout.engine import SlotPrefill
+        from rollout.engine import SlotPrefill
 
-            rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
-            try:
-                self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
-                self.stats["prefill_calls"] += 1
-            except Exception as e:  # noqa: BLE001 - find the culprit: row by row
-                if len(items) == 1:
-                    self._prefill_failed(items[0][0], items[0][1], e)
-                    return
-                log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
-                for it in items:
-                    self._prefill_batch([it])
+        rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
+        try:
+            self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
+            self.stats["prefill_calls"] += 1
+        except Exception as e:  # noqa: BLE001 - find the culprit: row by row
+            if len(items) == 1:
+                self._prefill_failed(items[0][0], items[0][1], e)
                 return
-        for (slot, req, toks, start), r in zip(items, res):
-            if r is None:
-                continue
-            n = int(r["prefill_tokens"])
+            log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
+            for it in items:
+                self._prefill_batch([it])
+            return
+        for (slot, req, toks, start), r in zip(items, res):  # r: a rollout.engine.PrefillResult
+            n = int(r.prefill_tokens)
             req.prefill_tokens += n
-            req.shared_prefill = req.shared_prefill or bool(r.get("shared"))
+            req.shared_prefill = req.shared_prefill or bool(r.shared)
             if self._moe_drops:
-                req.moe_dropped += int(r.get("moe_dropped", 0))
+                req.moe_dropped += int(r.moe_dropped or 0)
                 req.moe_copies += n * self._moe_cpt
             self.stats["prefill_tokens"] += n
             self.stats["prefills"] += 1
-            self.stats["shared_prefills"] += int(bool(r.get("shared")))
-            routes = r.get("routes")
+            self.stats["shared_prefills"] += int(bool(r.shared))
+            routes = r.routes
             if routes is not None:  # the positions it ran take their new routes (module docstring)
                 del req.routes[start:]
                 req.routes.extend(np.asarray(routes))
@@ -578,6 +567,7 @@ class Generator:
         self.stats["prefill_errors"] += 1
         if self._slots[slot] is req:
             self._slots[slot] = None
+        self._finished.append(slot)
         if not req.future.done():
             req.future.set_exception(e)
 
@@ -605,16 +595,16 @@ class Generator:
                 req.dropped += n
                 req.budget -= n
                 req.reissues += 1
-                req.tokens, req.logps, req.versions, req.kept = [], [], [], []
+                req.tokens, req.behav_logp, req.versions = [], [], []
                 del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
                 self.stats["reissues"] += 1
                 if req.budget <= 0:
-                    self._slots[slot] = None
-                    self._resolve(req, "aborted")
+                    self._end(slot, req, "aborted")
                 else:
                     items.append((slot, req, req.prompt, 0))
         for slot, *_ in items:
             self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
+            self._finished.append(slot)
         self._prefill_batch(items)
 
     def _admit(self) -> None:
@@ -738,51 +728,58 @@ class Generator:
         return True
 
     def _decode(self) -> None:
+        """One engine call (``decode``, or ``generate_steps`` of ``decode_steps``) for all slots, its
+        :class:`rollout.engine.StepOutput` brought to the host in ONE transfer, then consumed step
+        by step; the slots that finished are deactivated before the next call."""
+        self._free_finished()
+        v = self._version  # every token of the call is produced by self._params
         if self.decode_steps == 1:
-            self._state, result = self.engine.generate(self._params, self._state)
-            steps = [unpack_result(result, self._moe_drops)]  # the one host sync of the step
-        else:  # n steps in one call: [n, B, cols], one host sync for all of them
-            self._state, data = self.engine.generate_steps(self._params, self._state, self.decode_steps)
-            steps = [unpack_result(d, self._moe_drops) for d in np.asarray(data)]
-        v = self._version  # all n tokens of the call were produced by self._params
+            self._state, out = self.engine.decode(self._params, self._state, version=v)
+            steps = [jax.device_get(out)]  # the one host sync of the step
+        else:  # n steps in one call: [n, B] leaves, one host sync for all of them
+            self._state, out = self.engine.generate_steps(self._params, self._state, self.decode_steps, version=v)
+            out = jax.device_get(out)
+            steps = [out.at(i) for i in range(self.decode_steps)]
         self.stats["calls"] += 1
         live = [req is not None for req in self._slots]  # slots with a request when the call began
         for r in steps:
-            self._consume_step(r, v, live)
+            self._consume_step(r, live)
 
-    def _consume_step(self, r: dict, v: int, live: list) -> None:
-        """Append one decode step's outputs (``unpack_result`` dict of [B] arrays) to the live
-        requests in slots, finishing those that stop. ``v``: the version of the step's params;
-        ``live`` [B] bool: the slot held a request when the call began (a valid token of such a
-        slot whose request finished earlier in the call is discarded and counted)."""
-        toks, valid, logps, kept = r["tokens"], r["valid"], r["logps"], r["kept_mass"]
-        routes = r.get("routes")
-        drops = r.get("moe_dropped")
+    def _free_finished(self) -> None:
+        """Deactivate the slots whose request ended since the last call and that no request took
+        since (one ``engine.free_slots``):
+        a finished or held slot does not decode, and its cached K/V (a held context) stay intact."""
+        done = [s for s in self._finished if self._slots[s] is None]
+        self._finished = []
+        if done:
+            self._state = self.engine.free_slots(self._state, sorted(set(done)))
+
+    def _consume_step(self, r: Any, live: list) -> None:
+        """Append one decode step's outputs (a host :class:`rollout.engine.StepOutput` of [B]
+        arrays) to the live requests in slots, finishing those that stop. ``live`` [B] bool: the
+        slot held a request when the call began (a valid token of such a slot whose request
+        finished earlier in the call is discarded and counted)."""
+        toks, valid, logp, vers = r.token, r.valid, r.behav_logp, r.version
+        routes = r.route
+        drops = r.moe_dropped  # None unless the engine counts MoE capacity drops
         self.stats["steps"] += 1
         for slot, req in enumerate(self._slots):
             if req is None:
                 if live[slot] and valid[slot]:
                     self.stats["discarded_tokens"] += 1
-                if not valid[slot] and slot in self._held_slot:
-                    # the idle slot ran out of cache and went inactive: an inactive slot's decode
-                    # writes at position 0, so its K/V are no longer the held context's
-                    self._drop_hold(self._held_slot[slot], "kv_hold_expired")
                 continue
             if not valid[slot]:  # cache full before this token (should not happen: see below)
-                self._slots[slot] = None
-                self._resolve(req, "length")
+                self._end(slot, req, "length")
                 continue
             tok = int(toks[slot])
             if drops is not None:  # the fed token's copies (engine docstring, "MoE capacity drops")
                 req.moe_dropped += int(drops[slot])
                 req.moe_copies += self._moe_cpt
             req.tokens.append(tok)
-            req.logps.append(float(logps[slot]))
-            req.versions.append(v)
-            if self._truncating:
-                req.kept.append(float(kept[slot]))
+            req.behav_logp.append(float(logp[slot]))
+            req.versions.append(int(vers[slot]))
             if routes is not None:  # the route of the token this step fed (position len(context) - 2)
-                req.routes.append(routes[slot].reshape(self.engine.route_shape))
+                req.routes.append(np.asarray(routes[slot]))
             self.stats["tokens"] += 1
             if tok in req.stop_ids:
                 reason = "stop"
@@ -790,10 +787,16 @@ class Generator:
                 reason = "length"  # budget, or the sequence fills the cache
             else:
                 continue
-            self._slots[slot] = None
             if self.keep_kv and req.session is not None:
+                self._slots[slot] = None
                 self._hold(req, slot)
-            self._resolve(req, reason)
+            self._end(slot, req, reason)
+
+    def _end(self, slot: int, req: _Req, reason: str) -> None:
+        """``req`` leaves ``slot`` (deactivated before the next decode call) and resolves."""
+        self._slots[slot] = None
+        self._finished.append(slot)
+        self._resolve(req, reason)
 
     def _resolve(self, req: _Req, reason: str) -> None:
         now = time.monotonic()
@@ -813,9 +816,7 @@ class Generator:
         if self._moe_drops:
             info["moe_dropped_copies"] = req.moe_dropped
             info["moe_copies"] = req.moe_copies
-        if self._truncating:
-            info["kept_mass"] = list(req.kept)
-        comp = Completion(req.request_id, list(req.tokens), list(req.logps), list(req.versions), reason, info,
+        comp = Completion(req.request_id, list(req.tokens), list(req.behav_logp), list(req.versions), reason, info,
                           routes=self._routes_array(req))
         if not req.future.done():
             req.future.set_result(comp)

@@ -58,12 +58,13 @@ class Completion:
     Attributes:
         request_id: the generator's id of the request.
         tokens: generated token ids (the stop token included when it was sampled).
-        logps: behaviour log-prob of each generated token under the sampling distribution
-            (temperature applied), float, len == len(tokens).
+        behav_logp: behaviour log-prob (log mu) of each generated token under the distribution it
+            was sampled from (temperature, then any top-k / top-p truncation renormalised), float,
+            len == len(tokens): the engine's ``StepOutput.behav_logp``, the Trajectory's ``behav_logp``.
         versions: policy version that produced each token, len == len(tokens).
         finish_reason: ``"stop"`` (a stop id was sampled), ``"length"`` (max_new_tokens reached) or
             ``"aborted"`` (the generator gave up on the request).
-        info: extra data, e.g. ``kept_mass`` when top-p/top-k is on, number of reissues.
+        info: extra data, e.g. number of reissues, prefill tokens (:mod:`rollout.generator`).
         routes: None, or the expert ids the engine's MoE layers chose at every position of
             prompt + ``tokens`` ([len(prompt) + len(tokens), n_moe_layers, k], a compact int
             dtype, ``ROUTE_MISSING`` where none: the last token); ``moe.routing_replay``.
@@ -71,17 +72,17 @@ class Completion:
 
     request_id: int
     tokens: list[int]
-    logps: list[float]
+    behav_logp: list[float]
     versions: list[int]
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
     routes: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
-        if not (len(self.tokens) == len(self.logps) == len(self.versions)):
+        if not (len(self.tokens) == len(self.behav_logp) == len(self.versions)):
             raise ValueError(
-                f"Completion {self.request_id}: tokens/logps/versions lengths differ "
-                f"({len(self.tokens)}, {len(self.logps)}, {len(self.versions)})"
+                f"Completion {self.request_id}: tokens/behav_logp/versions lengths differ "
+                f"({len(self.tokens)}, {len(self.behav_logp)}, {len(self.versions)})"
             )
         if self.finish_reason not in ("stop", "length", "aborted"):
             raise ValueError(f"Completion.finish_reason must be stop|length|aborted, got {self.finish_reason!r}")

@@ -31,17 +31,20 @@ def _cli(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_compiles_all_five_programs_for_v5e_2x2(tmp_path):
+def test_cli_compiles_all_six_programs_for_v5e_2x2(tmp_path):
     out = tmp_path / "c.json"
     r = _cli(str(CONFIG_DIR / "tiny_cpu.yaml"), "--topology", "v5e:2x2", *TINY, "--no-cost", "--json", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "INVALID_ARGUMENT" not in r.stderr, r.stderr[-2000:]
     assert "not TPU measurements" in r.stdout
     rows = json.loads(out.read_text())
-    assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "decode_step", "weight_sync"]
+    assert [x["function"] for x in rows] == ["train_step", "sft_step", "prefill", "append_prefill", "decode_step",
+                                             "weight_sync"]
     # colocated (placement.* null): today's rows, each with its role; the engines beside the learner
-    assert [x["role"] for x in rows] == ["learner", "learner", "rollout", "rollout", "sync"]
-    dec = rows[3]
+    assert [x["role"] for x in rows] == ["learner", "learner", "rollout", "rollout", "rollout", "sync"]
+    # the append-prefill (an agent turn onto every slot's kept K/V): [slots, max_prefill_length] new tokens
+    assert rows[3]["shape"] == [json.loads(out.read_text())[4]["shape"][0], rows[2]["shape"][1]]
+    dec = rows[4]
     assert dec["engine_mesh"] is None and dec["device_ids"] == [0] and dec["engines"] == 2  # threads + eval
     assert dec["hbm_with_learner_bytes"] == rows[0]["hbm_total_bytes"] + 2 * dec["hbm_total_bytes"]
     assert dec["fits_with_learner"] is True and dec["hbm_on_chip_bytes"] == dec["hbm_with_learner_bytes"]

@@ -60,6 +60,7 @@ def test_sizes_and_the_agentic_task_are_valid_configs(e2e, monkeypatch):
     cfg = e2e.load_cfg(ROOT, e2e.AGENTIC_OVERRIDES)
     hf = cfg.model.hf_overrides
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["head_dim"]) == (256, 4, 32)
+    assert hf["vocab_size"] >= cfg.model.bpe_vocab_size  # the BPE fits the embedding (a run would refuse)
     assert cfg.rollout.max_turns == e2e.AGENTIC_TURNS == 2 and cfg.rollout.render_tools
     assert cfg.rollout.max_cache_len <= cfg.optim.max_seq_len
     monkeypatch.setenv(e2e.SIZE_ENV, "tiny")

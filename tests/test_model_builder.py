@@ -92,7 +92,7 @@ def test_learner_and_engine_share_the_layout(scan, devices):
             gen.stop()
         toks = np.asarray([[5, 6, 7, 8] + list(out.tokens)], np.int32)
         want = lrn.logprobs({"tokens": toks, "attention_mask": np.ones_like(toks, bool)})[0, 4:]
-        np.testing.assert_allclose(np.asarray(out.logps), want, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(out.behav_logp), want, atol=2e-5)
     finally:
         lrn.close()
 

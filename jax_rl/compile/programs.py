@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # annotations only: jax is imported inside the functions (the
     from jax_rl.learner_spec import LearnerSpec
 
 
-FUNCTIONS = ("train_step", "sft_step", "prefill", "decode_step", "weight_sync", "score_step", "user_prefill",
-             "user_decode_step")
+FUNCTIONS = ("train_step", "sft_step", "prefill", "append_prefill", "decode_step", "weight_sync", "score_step",
+             "user_prefill", "user_decode_step")
 
 
 def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[dict], model_flops: Optional[float],
@@ -138,13 +138,13 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         rows.append(_row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps))
         log(f"sft_step: {secs:.1f} s")
     em = _engine_mesh(t)
-    if em is not None and ("prefill" in functions or "decode_step" in functions):
+    if em is not None and any(f in functions for f in ("prefill", "append_prefill", "decode_step")):
         n = len(t.roles.engines)
         log(f"rollout: {n} engine(s), each on a {'x'.join(str(v) for v in t.roles.engine_mesh.values())} "
             f"(data x fsdp x tensor x expert) mesh of {len(t.roles.engines[0])} device(s); "
             + (f"the {n} engines have the same shape: compiled once, for engine 0 (devices "
                f"{[d.id for d in t.roles.engines[0]]})" if n > 1 else "compiled for its devices"))
-    for fname in ("prefill", "decode_step"):
+    for fname in ("prefill", "append_prefill", "decode_step"):
         if fname not in functions:
             continue
         rows.append(_rollout_row(t, fname, cost, log, em))
@@ -166,13 +166,14 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 
     r = t.cfg.rollout
-    key = "prefill" if fname == "prefill" else "decode"
+    key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
               only=(key,), mesh=em)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
     rk = dict(role="rollout", devices=devs)
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
-    shape = [1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_cache_len]
+    shape = ([1, r.max_prefill_length] if key == "prefill" else [r.slots, r.max_prefill_length]
+             if key == "append_prefill" else [r.slots, r.max_cache_len])
     t0 = time.perf_counter()
     try:
         full = compile_rollout(t.model_config, t.topology, model_kwargs=t.engine_kw, **kw)[key]
@@ -286,7 +287,7 @@ def _user_row(t: _Target, fname: str, log) -> dict:
     """A ``user_prefill`` / ``user_decode_step`` row (role ``user``): the tau² user simulator model's engine
     (``env.tau2.user=model``) on ``placement.user``'s devices, laid out by
     :func:`jax_rl.placement.user_mesh_sizes`, with the rollout engines' slots, cache and dtype
-    (:func:`jax_rl.runtime.components.start_tau2_user_model` builds it so). Its params are frozen: no
+    (:func:`jax_rl.runtime.envs.start_tau2_user_model` builds it so). Its params are frozen: no
     publish reaches it. No cost pieces (HBM only); the decode row adds ``params_bytes_per_chip`` /
     ``kv_cache_bytes_per_chip``, and ``hbm_on_chip_bytes`` / ``fits_on_chip`` (one engine per chip)."""
     from jax_rl.sharding import make_mesh

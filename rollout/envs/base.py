@@ -27,10 +27,9 @@ import re
 import time
 from typing import Any, Optional, Protocol, runtime_checkable
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
 __all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "parse_tool_calls", "MAX_TOOL_LATENCY_S"]
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 # Longest simulated tool latency (seconds); also the cap on one lognormal draw. Matches
 # ``jax_rl.config.MAX_TOOL_LATENCY_S`` (this package does not import the config).

@@ -70,7 +70,7 @@ def _rollouts(learner: Learner, engine_params, *, n=8, new=12, dtype="bfloat16",
         c = f.result()
         P, G = len(p), len(c.tokens)
         trajs.append(Trajectory(tokens=p + c.tokens, loss_mask=[False] * P + [True] * G,
-                                behav_logp=[0.0] * P + c.logps, versions=[-1] * P + c.versions,
+                                behav_logp=[0.0] * P + c.behav_logp, versions=[-1] * P + c.versions,
                                 turn_ids=[-1] * P + [0] * G, routes=c.routes))
     return trajs, eng
 
@@ -323,7 +323,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
         c = f.result()
         P, G = len(p), len(c.tokens)
         trajs.append(Trajectory(tokens=p + c.tokens, loss_mask=[False] * P + [True] * G,
-                                behav_logp=[0.0] * P + c.logps, versions=[-1] * P + c.versions,
+                                behav_logp=[0.0] * P + c.behav_logp, versions=[-1] * P + c.versions,
                                 turn_ids=[-1] * P + [0] * G, routes=c.routes, group_id=0, info={"sample_idx": i}))
     assert all(set(t.versions[t.loss_mask].tolist()) == {0, 1} for t in trajs)
     kept, dropped = rs.score_group(trajs)
@@ -362,7 +362,7 @@ def _swap_episode(L: Learner, p0, p1, partial: str, *, prompt_len=8, new=12, ste
         assert c.versions == [1] * (new - steps)
     else:
         assert c.versions == [0] * steps + [1] * (new - steps)
-    return Trajectory(tokens=prompt + c.tokens, loss_mask=[False] * P + [True] * G, behav_logp=[0.0] * P + c.logps,
+    return Trajectory(tokens=prompt + c.tokens, loss_mask=[False] * P + [True] * G, behav_logp=[0.0] * P + c.behav_logp,
                       versions=[-1] * P + c.versions, turn_ids=[-1] * P + [0] * G, routes=c.routes)
 
 
@@ -476,7 +476,7 @@ def test_r3_after_a_swap_between_turns_replays_the_second_prefill_routes():
     routes = _merge_routes(_merge_routes(None, c1.routes), c2.routes)
     n1, n2 = len(prompt) + 4, len(ctx) + 6
     t = Trajectory(tokens=ctx + c2.tokens, loss_mask=[False] * 8 + [True] * 4 + [False] * 3 + [True] * 6,
-                   behav_logp=[0.0] * 8 + c1.logps + [0.0] * 3 + c2.logps,
+                   behav_logp=[0.0] * 8 + c1.behav_logp + [0.0] * 3 + c2.behav_logp,
                    versions=[-1] * 8 + [0] * 4 + [-1] * 3 + [1] * 6,
                    turn_ids=[-1] * 8 + [0] * 4 + [-1] * 3 + [1] * 6, routes=routes)
     assert len(t) == n2 and _same_sets(t.routes[:-1], c2.routes[:-1])

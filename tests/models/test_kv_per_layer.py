@@ -111,7 +111,7 @@ def test_cpu_engine_unstacks_scanned_params_and_samples_the_same():
             st, res = eng.generate(p, st)
             r = unpack_result(res)
             toks.append(int(r["tokens"][0]))
-            lps.append(float(r["logps"][0]))
+            lps.append(float(r["behav_logp"][0]))
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)

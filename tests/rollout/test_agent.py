@@ -46,7 +46,7 @@ class ScriptedGenerator:
             n = len(self.requests)
             self.requests.append({"prompt": list(prompt_ids), "out": ids, "seed": seed, "max_new": max_new_tokens})
         f: Future = Future()
-        f.set_result(Completion(request_id=n, tokens=ids, logps=[-0.01 * (n + 1)] * len(ids), versions=[n] * len(ids),
+        f.set_result(Completion(request_id=n, tokens=ids, behav_logp=[-0.01 * (n + 1)] * len(ids), versions=[n] * len(ids),
                                 finish_reason=finish))
         return f
 

@@ -1,5 +1,5 @@
 """``rollout.decode_steps``: n decode steps per engine call (``Qwen3Engine.generate_steps``, one
-``lax.scan``) give the same tokens, log-probs, kept mass and version tags as one step per call,
+``lax.scan``) give the same tokens, behaviour log-probs and version tags as one step per call,
 with stops and cache ends mid-chunk and weight swaps between chunks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.models import qwen3 as q
-from rollout.engine import Qwen3Engine
+from rollout.engine import Qwen3Engine, StepOutput
 from rollout.generator import Generator
 
 S = 32
@@ -29,7 +29,7 @@ def params2(model):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # top_k on: kept_mass is a real per-token output, not the constant 1
+    # top_k on: the truncated, renormalised behav_logp
     return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=2, max_cache_len=S,
                        dtype="float32", temperature=1.0, top_k=16)
 
@@ -47,16 +47,22 @@ def test_generate_steps_equals_repeated_generate_through_the_cache_end(engine):
     a = _armed(engine, prompts)
     one = []
     for _ in range(2 * N):
-        a, res = engine.generate(engine.params, a)
-        one.append(np.asarray(res.data))
+        a, out = engine.decode(engine.params, a, version=3)
+        one.append(jax.device_get(out))
     b = _armed(engine, prompts)
-    b, d1 = engine.generate_steps(engine.params, b, N)
-    b, d2 = engine.generate_steps(engine.params, b, N)
-    chunked = np.concatenate([np.asarray(d1), np.asarray(d2)])
-    assert chunked.shape == (2 * N, 2, np.stack(one).shape[-1])
-    np.testing.assert_array_equal(chunked, np.stack(one))  # tokens, valid, n_generated, logp/kept bits
-    valid = chunked[:, 1, 1]
+    b, d1 = engine.generate_steps(engine.params, b, N, version=3)
+    b, d2 = engine.generate_steps(engine.params, b, N, version=3)
+    d1, d2 = jax.device_get(d1), jax.device_get(d2)
+    assert isinstance(d1, StepOutput) and d1.route is None and d1.token.shape == (N, 2)
+    for name in ("token", "valid", "generated", "behav_logp", "version"):  # bit-identical
+        chunked = np.concatenate([getattr(d1, name), getattr(d2, name)])
+        np.testing.assert_array_equal(chunked, np.stack([getattr(o, name) for o in one]), err_msg=name)
+    assert [o.generated[0] for o in one] == list(range(1, 2 * N + 1))
+    valid = np.concatenate([d1.valid, d2.valid])[:, 1]
     assert valid[:6].all() and not valid[6:].any()  # 6 free positions, then inactive, in chunk 2
+    vers = np.concatenate([d1.version, d2.version])
+    assert (vers[:, 0] == 3).all() and (vers[:6, 1] == 3).all() and (vers[6:, 1] == -1).all()
+    assert d1.at(2).token.shape == (2,) and d1.at(2).token[0] == d1.token[2, 0]
     assert int(np.asarray(b["cache"].lengths)[0]) == 3 - 1 + 2 * N
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # same cache, keys, lengths
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -89,9 +95,9 @@ def test_generator_decode_steps_identical_with_stops_budgets_and_cache_end(engin
         got, gen = _run(engine, N, prompts, budgets, stop_ids=stops)
         for w, g in zip(want, got):
             assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
-            assert g.logps == w.logps  # bit-identical floats
+            assert g.behav_logp == w.behav_logp  # bit-identical floats
             assert g.versions == w.versions == [0] * len(w.tokens)
-            assert g.info["kept_mass"] == w.info["kept_mass"]
+            assert "kept_mass" not in g.info  # the learner recomputes a truncation: nothing carries it
         assert gen.stats["steps"] == N * gen.stats["calls"]
         assert gen.stats["discarded_tokens"] > 0  # slots that finished mid-chunk decoded on
 
@@ -112,7 +118,7 @@ def test_weight_swap_between_chunks_tags_versions(engine, params2, partial):
 
     ref, got = run(1, N), run(N, N)  # the swap lands after N tokens in both
     for w, g in zip(ref, got):
-        assert g.tokens == w.tokens and g.logps == w.logps and g.versions == w.versions
+        assert g.tokens == w.tokens and g.behav_logp == w.behav_logp and g.versions == w.versions
         assert g.info["reissues"] == w.info["reissues"] and g.info["recomputes"] == w.info["recomputes"]
     if partial == "abort":  # the partial turns were dropped and re-issued under version 1
         assert all(set(g.versions) == {1} for g in got)
@@ -120,7 +126,7 @@ def test_weight_swap_between_chunks_tags_versions(engine, params2, partial):
         assert all(g.versions == [0] * N + [1] * (len(g.tokens) - N) for g in got)
     # the new params really produce the later tokens: not the tokens an unswapped run samples
     plain, _ = _run(engine, N, prompts, budgets)
-    assert any(g.logps != p.logps for g, p in zip(got, plain))
+    assert any(g.behav_logp != p.behav_logp for g, p in zip(got, plain))
 
 
 def test_decode_steps_validated(engine):
@@ -138,6 +144,6 @@ def test_routes_recorded_per_step_are_the_same_in_chunks():
     ref, _ = _run(eng, 1, prompts, budgets)
     got, _ = _run(eng, N, prompts, budgets)
     for w, g in zip(ref, got):
-        assert g.tokens == w.tokens and g.logps == w.logps
+        assert g.tokens == w.tokens and g.behav_logp == w.behav_logp
         assert g.routes is not None and g.routes.shape[0] == len(prompts[g.request_id]) + len(g.tokens)
         np.testing.assert_array_equal(g.routes, w.routes)

@@ -50,7 +50,7 @@ def _run_staggered(engine, prompts, seeds, n_steps):
             assert r["valid"][s]
             if len(out[i][0]) < n_steps:
                 out[i][0].append(int(r["tokens"][s]))
-                out[i][1].append(float(r["logps"][s]))
+                out[i][1].append(float(r["behav_logp"][s]))
     return out
 
 
@@ -142,7 +142,7 @@ def test_greedy_temperature_zero(model, engine32, learner_logps):
         st, res = engine32.generate(engine32.params, st)
         r = unpack_result(res)
         toks.append(int(r["tokens"][0]))
-        lps.append(float(r["logps"][0]))
+        lps.append(float(r["behav_logp"][0]))
     # greedy == argmax of the full-forward logits at each step
     seq = np.zeros((1, _T), np.int32)
     seq[0, : len(PROMPTS[0]) + 5] = PROMPTS[0] + toks
@@ -217,3 +217,60 @@ def test_scan_layers_engine_samples_the_same_tokens_and_logps(engine32, model):
     for i in range(2):
         assert a[i][0] == b[i][0]
         np.testing.assert_allclose(a[i][1], b[i][1], atol=1e-6, rtol=0)
+
+
+def test_typed_decode_and_the_jetstream_adapter_agree(engine32):
+    """The RL path's typed step (``decode`` -> StepOutput) and JetStream's adapter (``generate`` ->
+    ResultTokens rows, ``unpack_result``) are the same step: equal tokens, valid flags, counts and
+    bit-equal behav_logp; the typed step tags valid tokens with the version it was given, -1 elsewhere."""
+    from rollout.engine import StepOutput
+
+    def armed():
+        st = engine32.init_decode_state()
+        for slot, p in ((0, PROMPTS[0]), (2, PROMPTS[1])):
+            st = engine32.insert(engine32.prefill_tokens(engine32.params, p, seed=slot + 5), st, slot)
+        return st
+
+    a, b = armed(), armed()
+    for _ in range(3):
+        a, out = engine32.decode(engine32.params, a, version=7)
+        b, res = engine32.generate(engine32.params, b)
+        out, r = jax.device_get(out), unpack_result(res)
+        assert isinstance(out, StepOutput) and out.route is None
+        np.testing.assert_array_equal(out.token, r["tokens"])
+        np.testing.assert_array_equal(out.valid, r["valid"])
+        np.testing.assert_array_equal(out.generated, r["lengths"])
+        np.testing.assert_array_equal(out.behav_logp.view(np.int32), r["behav_logp"].view(np.int32))
+        assert out.valid.tolist() == [True, False, True, False]
+        assert out.version.tolist() == [7, -1, 7, -1]
+    assert np.asarray(res.data).shape == (engine32.max_concurrent_decodes, 4)
+
+
+def test_an_inactive_slot_keeps_its_cache_and_length(engine32):
+    """A slot deactivated by ``free_slots`` (a held or finished request) emits nothing and keeps its
+    cached K/V and length bit-identical while the other slots decode (its decode writes only past
+    its cached positions); re-armed at that length it decodes on as if never paused."""
+    st = engine32.init_decode_state()
+    for slot, p in ((0, PROMPTS[0]), (1, PROMPTS[2])):
+        st = engine32.insert(engine32.prefill_tokens(engine32.params, p, seed=3 + slot), st, slot)
+    st, _ = engine32.decode(engine32.params, st)
+    st = engine32.free_slots(st, [1])
+    n = int(np.asarray(st["cache"].lengths)[1])
+    assert n == len(PROMPTS[2])  # prompt - 1 cached + the fed pending token
+
+    def kv(s):
+        c = s["cache"]
+        if isinstance(c.k, tuple):
+            return [np.asarray(k[1, ..., :n]) for k in c.k] + [np.asarray(v[1, :, :n]) for v in c.v]
+        return [np.asarray(c.k[:, 1, :, :n]), np.asarray(c.v[:, 1, :, :n])]
+
+    before = kv(st)
+    for _ in range(6):
+        st, out = engine32.decode(engine32.params, st)
+        out = jax.device_get(out)
+        assert out.valid.tolist()[:2] == [True, False] and out.version[1] == -1
+    assert int(np.asarray(st["cache"].lengths)[1]) == n
+    for x, y in zip(before, kv(st)):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="out of range"):
+        engine32.free_slots(st, [engine32.max_concurrent_decodes])

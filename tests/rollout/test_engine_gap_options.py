@@ -12,7 +12,7 @@ from flax import nnx
 
 from jax_rl.models import qwen3 as q
 from jax_rl.sharding import make_mesh
-from rollout.engine import Qwen3Engine, unpack_result
+from rollout.engine import Qwen3Engine
 from rollout.quantize import dequantize_params, is_qarray, quantize_params
 
 S = 48
@@ -27,14 +27,15 @@ def _decode(engine, prompts=PROMPTS, steps=STEPS, chunk=1):
     toks, logps = [], []
     for _ in range(steps // chunk):
         if chunk == 1:
-            st, res = engine.generate(engine.params, st)
-            rows = [unpack_result(res)]
+            st, out = engine.decode(engine.params, st)
+            rows = [jax.device_get(out)]
         else:
-            st, data = engine.generate_steps(engine.params, st, chunk)
-            rows = [unpack_result(d) for d in np.asarray(data)]
+            st, out = engine.generate_steps(engine.params, st, chunk)
+            out = jax.device_get(out)
+            rows = [out.at(i) for i in range(chunk)]
         for r in rows:
-            toks.append(r["tokens"][: len(prompts)])
-            logps.append(r["logps"][: len(prompts)])
+            toks.append(r.token[: len(prompts)])
+            logps.append(r.behav_logp[: len(prompts)])
     return np.stack(toks), np.stack(logps)
 
 

@@ -8,6 +8,7 @@ what GShard capacity does to those routes, row by row and layer by layer."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -62,29 +63,30 @@ def test_prefill_and_decode_count_the_drops_capacity_makes_of_their_routes(moe):
     valid = np.zeros((4, P), bool)
     for i, p in enumerate(prompts):
         m = len(p) - 1
-        routes[i, :m], valid[i, :m] = res[i]["routes"], True
+        routes[i, :m], valid[i, :m] = res[i].routes, True
     want = _hand_drops(routes, valid, cfg.num_experts, CF)
-    got = [r["moe_dropped"] for r in res]
+    got = [r.moe_dropped for r in res]
     assert got == list(want[:3])
     assert sum(got) > 0  # the factor bites at this size (else the test could not fail)
-    # decode: each step's last column counts the fed token's dropped copies, active slots only
+    # decode: each step's StepOutput.moe_dropped counts the fed token's dropped copies, active slots only
     seen = 0
     for _ in range(4):
-        st, out = eng.generate(eng.params, st)
-        r = unpack_result(out, moe_drops=True)
-        assert r["routes"].shape[1] == int(np.prod(eng.route_shape))  # the drop column is not a route
-        fed = r["routes"].reshape(4, 1, *eng.route_shape)
-        want = _hand_drops(fed, r["valid"][:, None], cfg.num_experts, CF)
-        np.testing.assert_array_equal(r["moe_dropped"], want)
-        assert r["moe_dropped"][3] == 0 and not r["valid"][3]  # the idle slot: no token, no drop
-        seen += int(r["moe_dropped"].sum())
+        st, out = eng.decode(eng.params, st)
+        out = jax.device_get(out)
+        assert out.route.shape == (4, *eng.route_shape)  # the drop count is not a route
+        assert out.moe_dropped.shape == (4,) and out.moe_dropped.dtype == np.int32
+        fed = np.asarray(out.route).reshape(4, 1, *eng.route_shape)
+        want = _hand_drops(fed, np.asarray(out.valid)[:, None], cfg.num_experts, CF)
+        np.testing.assert_array_equal(out.moe_dropped, want)
+        assert out.moe_dropped[3] == 0 and not out.valid[3]  # the idle slot: no token, no drop
+        seen += int(out.moe_dropped.sum())
     assert seen > 0
     # append-prefill (a later turn on the slot's own rows) counts its new positions
     st, res2 = eng.prefill_slots(eng.params, st, [SlotPrefill(prompts[1] + [1, 2, 3, 4, 5, 6], 1, 3, None, 3)])
-    new = np.asarray(res2[0]["routes"])  # [5, n_moe, k]: positions 3..7, one row of a [1, 16] program
+    new = np.asarray(res2[0].routes)  # [5, n_moe, k]: positions 3..7, one row of a [1, 16] program
     want = _hand_drops(np.pad(new, ((0, P - len(new)), (0, 0), (0, 0)))[None], (np.arange(P) < len(new))[None],
                        cfg.num_experts, CF)
-    assert res2[0]["moe_dropped"] == int(want[0])
+    assert res2[0].moe_dropped == int(want[0])
     # the JetStream-style prefill (serve, the prefix cache) counts too
     prefix = eng.prefill(params=eng.params, padded_tokens=np.asarray(prompts[0]), true_length=len(prompts[0]))
     r0 = np.asarray(prefix["routes"])
@@ -93,21 +95,24 @@ def test_prefill_and_decode_count_the_drops_capacity_makes_of_their_routes(moe):
     assert prefix["moe_dropped"] == int(want[0])
 
 
-def test_a_dropless_engine_adds_no_column_and_a_roomy_factor_drops_nothing(moe):
+def test_a_dropless_engine_counts_nothing_and_a_roomy_factor_drops_nothing(moe):
     plain = _engine(moe, cf=None, record=False)
     assert not plain.counts_moe_drops
     st = plain.init_decode_state()
     st, res = plain.prefill_slots(plain.params, st, [SlotPrefill([5, 6, 7], 0, 1, None, 0)])
-    assert "moe_dropped" not in res[0]
-    st, out = plain.generate(plain.params, st)
-    assert np.asarray(out.data).shape[1] == 5 and "moe_dropped" not in unpack_result(out)
+    assert res[0].moe_dropped is None
+    st, out = plain.decode(plain.params, st)
+    assert out.moe_dropped is None
+    st, out = plain.generate(plain.params, st)  # JetStream's adapter: 4 columns, no drop column
+    assert np.asarray(out.data).shape[1] == 4 and "moe_dropped" not in unpack_result(out)
     roomy = _engine(moe, cf=100.0, record=False)
     st = roomy.init_decode_state()
     st, res = roomy.prefill_slots(roomy.params, st, [SlotPrefill([5, 6, 7, 8, 9], 0, 1, None, 0)])
-    assert res[0]["moe_dropped"] == 0
-    st, out = roomy.generate(roomy.params, st)
-    r = unpack_result(out, moe_drops=True)
-    assert np.asarray(out.data).shape[1] == 6 and r["moe_dropped"].tolist() == [0, 0, 0, 0]
+    assert res[0].moe_dropped == 0
+    st, out = roomy.decode(roomy.params, st)
+    assert jax.device_get(out.moe_dropped).tolist() == [0, 0, 0, 0]
+    st, out = roomy.generate(roomy.params, st)  # the adapter's rows are the same for a counting engine
+    assert np.asarray(out.data).shape[1] == 4 and "moe_dropped" not in unpack_result(out)
 
 
 def test_generator_info_adds_each_requests_drops_and_copies(moe):
@@ -171,6 +176,6 @@ def test_the_scanned_engine_counts_what_the_unrolled_one_does(moe):
         st = eng.init_decode_state()
         st, res = eng.prefill_slots(eng.params, st, [SlotPrefill([11, 12, 13, 14, 15, 16, 17], 0, 1, None, 0),
                                                      SlotPrefill([7, 8, 9], 1, 2, None, 0)])
-        st, data = eng.generate_steps(eng.params, st, 3)
-        got.append(([r["moe_dropped"] for r in res], [unpack_result(d, True)["moe_dropped"].tolist() for d in np.asarray(data)]))
+        st, out = eng.generate_steps(eng.params, st, 3)
+        got.append(([r.moe_dropped for r in res], jax.device_get(out.moe_dropped).tolist()))  # [3 steps, 4 slots]
     assert got[0] == got[1] and sum(got[0][0]) > 0

@@ -6,6 +6,8 @@ per call, the whole conversation re-prefilled each turn) or a model-level refere
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.models import qwen3 as q
-from rollout.engine import Qwen3Engine, SlotPrefill, unpack_result
+from rollout.engine import PrefillResult, Qwen3Engine, SlotPrefill
 from rollout.generator import Generator
 
 S = 64
@@ -35,16 +37,23 @@ def engine(model):
 
 
 class PerRequest:
-    """The engine without ``prefill_slots``: the generator falls back to one prefill + insert per
-    request and re-prefills every turn (the reference path)."""
+    """The reference path: the engine whose ``prefill_slots`` runs one batch-1 ``prefill`` +
+    ``insert`` per row (JetStream's per-request prefill; no sharing, no append-prefill)."""
 
     def __init__(self, engine):
         self._e = engine
 
     def __getattr__(self, name):
-        if name == "prefill_slots":
-            raise AttributeError(name)
         return getattr(self._e, name)
+
+    def prefill_slots(self, params, state, rows):
+        out = []
+        for r in rows:
+            assert r.start == 0, "the reference prefills whole prompts"
+            pre = self._e.prefill_tokens(params, r.tokens, seed=r.seed, temperature=r.temperature)
+            state = self._e.insert(pre, state, r.slot)
+            out.append(PrefillResult(len(r.tokens) - 1, False, pre.get("routes")))
+        return state, out
 
 
 def _prompts(n, lens, seed=0, vocab=100):
@@ -55,14 +64,14 @@ def _prompts(n, lens, seed=0, vocab=100):
 def _decode(eng, st, steps=6):
     out = []
     for _ in range(steps):
-        st, r = eng.generate(eng.params, st)
-        out.append(unpack_result(r))
-    return np.stack([o["tokens"] for o in out]), np.stack([o["logps"] for o in out])
+        st, r = eng.decode(eng.params, st)
+        out.append(jax.device_get(r))
+    return np.stack([o.token for o in out]), np.stack([o.behav_logp for o in out])
 
 
 def _close(a, b, tol):
     assert a.tokens == b.tokens
-    np.testing.assert_allclose(a.logps, b.logps, rtol=0, atol=tol)
+    np.testing.assert_allclose(a.behav_logp, b.behav_logp, rtol=0, atol=tol)
     assert a.versions == b.versions
 
 
@@ -87,7 +96,7 @@ def test_prefill_slots_equals_per_request_prefill(model, per_layer):
     got_t, got_l = _decode(eng, st)
     np.testing.assert_array_equal(got_t, want_t)
     np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-6)
-    assert [r["prefill_tokens"] for r in res] == [4, 8, 0, 19] and [r["shared"] for r in res] == [0, 0, 1, 0]
+    assert [r.prefill_tokens for r in res] == [4, 8, 0, 19] and [r.shared for r in res] == [0, 0, 1, 0]
     assert not np.array_equal(got_t[:, 1], got_t[:, 2])  # the group's two samples: their own seeds
 
 
@@ -198,23 +207,45 @@ def test_kept_kv_survives_a_concurrent_request_and_is_evicted_when_slots_run_out
     _close(c1, Generator(PerRequest(eng)).generate([ctx], max_new_tokens=4, seeds=[9])[0], 1e-5)
 
 
-def test_held_slot_expires_when_its_idle_decode_fills_the_cache(engine, model):
-    """A held slot keeps decoding idle (its tokens discarded); once it reaches the cache end it
-    goes inactive (whose decode writes position 0), so the hold is dropped and counted; the next
-    turn re-prefills and equals the reference."""
+def _slot_kv(eng, st, slot, n):
+    """The K/V rows of positions [0, n) of ``slot`` (per-layer cache: k [B,K,H,S], v [B,K,S,H])."""
+    c = st["cache"]
+    ks = c.k if isinstance(c.k, tuple) else [c.k[i] for i in range(c.k.shape[0])]
+    vs = c.v if isinstance(c.v, tuple) else [c.v[i] for i in range(c.v.shape[0])]
+    if isinstance(c.k, tuple):
+        return [np.asarray(k[slot, ..., :n]) for k in ks] + [np.asarray(v[slot, :, :n]) for v in vs]
+    return [np.asarray(k[slot, :, :n]) for k in ks] + [np.asarray(v[slot, :, :n]) for v in vs]
+
+
+def test_held_slot_does_not_decode_and_keeps_its_kv_while_others_decode(engine, model):
+    """A held slot (its session's tool running) is inactive in the engine: while the other slot
+    decodes 29 steps (past where the held slot's own cache would end) it emits no valid token, its
+    length and its cached K/V stay bit-identical, the hold survives (nothing expires), and the
+    session's next turn appends to it and equals the re-prefilled reference."""
     eng = Qwen3Engine(model.config, engine.params, slots=2, max_cache_len=32, dtype="float32")
     gen = Generator(eng)
     prompt = _prompts(1, [6], seed=6)[0]
     f = gen.submit(prompt, max_new_tokens=3, seed=1, session="a")
     gen.run_until_idle()
     c0 = f.result(timeout=0)
-    gen.generate([[5, 6]], max_new_tokens=29, seeds=[0], stop_ids=())  # decodes 29 steps on the other slot
-    assert gen.stats["kv_hold_expired"] == 1 and gen.num_held == 0
+    held = gen._held["a"]
+    n = len(held.context)
+    g = gen.submit([5, 6], max_new_tokens=29, seed=0)
+    gen.step()  # admits the other request; deactivates the held slot before its decode
+    assert not bool(np.asarray(gen._state["active"])[held.slot])
+    before = _slot_kv(eng, gen._state, held.slot, n)
+    length = int(np.asarray(gen._state["cache"].lengths)[held.slot])
+    gen.run_until_idle()
+    assert len(g.result(timeout=0).tokens) == 29 and gen.num_held == 1
+    assert gen.stats["discarded_tokens"] == 0  # the held slot produced no valid token
+    assert int(np.asarray(gen._state["cache"].lengths)[held.slot]) == length == n
+    for x, y in zip(before, _slot_kv(eng, gen._state, held.slot, n)):
+        np.testing.assert_array_equal(x, y)
     ctx = prompt + c0.tokens + [7, 8]
     f = gen.submit(ctx, max_new_tokens=4, seed=2, session="a")
     gen.run_until_idle()
     c1 = f.result(timeout=0)
-    assert c1.info["kv_reused"] == 0
+    assert c1.info["kv_reused"] == n and gen.stats["kv_evictions"] == 0
     _close(c1, Generator(PerRequest(eng)).generate([ctx], max_new_tokens=4, seeds=[2])[0], 1e-5)
 
 
@@ -274,7 +305,7 @@ def test_swap_between_turns_follows_partial(engine, params2, mixed_ref, partial)
         buf[0, : len(seq)] = seq
         lps = np.asarray(mixed_ref(p1, engine.load_params(params2), jnp.asarray(buf), jnp.int32(c)))
         want = lps[ctx1_len - 1 - c: ctx1_len - 1 - c + len(kept[1].tokens)]
-        np.testing.assert_allclose(kept[1].logps, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(kept[1].behav_logp, want, rtol=0, atol=1e-5)
     else:
         assert kept[1].info["kv_reused"] == 0 and gen.stats["kv_dropped_swap"] == 1
         re = _episode(Generator(engine, partial=partial, keep_kv=False), prompt, 2, session="e", swap=(params2, 1))
@@ -341,7 +372,7 @@ def test_r3_exact_for_every_turn_with_kept_kv():
         routes = _merge_routes(routes, c.routes)
         toks += c.tokens
         mask += [True] * len(c.tokens)
-        lp += c.logps
+        lp += c.behav_logp
         if i < len(comps) - 1:
             obs = list(map(int, rng.integers(1, 100, size=3)))
             toks += obs
@@ -426,3 +457,42 @@ def test_prefix_cache_and_group_sharing_combine(engine):
     for g, w in zip(got, ref):
         _close(g, w, 1e-5)
     assert len({tuple(g.tokens) for g in got}) > 1
+
+
+# ------------------------------------------------------------------ (6) a row's numerics are its own
+
+
+@pytest.mark.parametrize("kind", ["fresh", "append"])
+def test_a_rows_prefill_is_bit_identical_whatever_shares_its_call(kind):
+    """Which requests share a ``prefill_slots`` call depends on when they reached the generator
+    (thread timing), so a request's K/V, first token and decode log-probs must not depend on the
+    other rows of its call: bit-identical (not 1e-6) alone, with one or three other rows of its
+    length bucket, in any row position. (An append-prefill's values changed with the call's row
+    count on XLA:CPU, which made a resumed K=0 run differ from the straight one at fp32 rounding:
+    tests/runtime/test_train.py::test_resume_k0_identical.)"""
+    cfg = dataclasses.replace(q.get_preset("tiny_dense"), num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=64, vocab_size=640)
+    m = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    eng = Qwen3Engine(cfg, nnx.state(m, nnx.Param), slots=4, max_cache_len=128, dtype="float32")
+    pre = _prompts(1, [20], seed=3, vocab=600)[0]
+    start = len(pre) if kind == "append" else 0
+    x, *others = [pre + p for p in _prompts(4, [23, 26, 29, 24], seed=4, vocab=600)]  # one bucket
+
+    def run(companions, x_slot):
+        st = eng.init_decode_state()
+        rows = [SlotPrefill(x, x_slot, 1, 1.0, start)]
+        free = [s for s in range(4) if s != x_slot]
+        rows += [SlotPrefill(o, free[i], 5 + i, 1.0, start) for i, o in enumerate(companions)]
+        if start:  # the slots hold the shared prefix (an earlier turn's K/V)
+            pref = eng.prefill_tokens(eng.params, pre + [x[start]], seed=1, temperature=1.0)
+            for r in rows:
+                st = eng.insert(pref, st, r.slot)
+        st, _ = eng.prefill_slots(eng.params, st, rows[1:] + rows[:1])  # x last among the rows
+        toks, lps = _decode(eng, st, steps=12)
+        return toks[:, x_slot], lps[:, x_slot]
+
+    want_t, want_l = run([], 0)
+    for companions, slot in [(others[:1], 0), (others[:1], 1), (others, 2), (others, 3)]:
+        got_t, got_l = run(companions, slot)
+        np.testing.assert_array_equal(got_t, want_t)
+        np.testing.assert_array_equal(got_l, want_l)

@@ -29,9 +29,9 @@ def _decode(engine, prompts=PROMPTS, steps=STEPS):
     st = engine.init_decode_state()
     for i, p in enumerate(prompts):
         st = engine.insert(engine.prefill_tokens(engine.params, p, seed=SEEDS[i]), st, i)
-    st, data = engine.generate_steps(engine.params, st, steps)
-    data = np.asarray(data)
-    return data[..., 0], np.ascontiguousarray(data[..., 3]).view(np.float32), st
+    st, out = engine.generate_steps(engine.params, st, steps)
+    out = jax.device_get(out)
+    return out.token, out.behav_logp, st
 
 
 def _engine_mesh(devices, **sizes):
@@ -183,5 +183,5 @@ def test_sharded_engine_batched_group_and_kept_kv_prefill(devices, learner):
     assert gen.stats["shared_prefills"] == 1 and got[-1].info["kv_reused"] > 0
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
-        np.testing.assert_allclose(g.logps, w.logps, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(g.behav_logp, w.behav_logp, atol=1e-5, rtol=0)
     assert gen._state["tokens"].sharding.spec == jax.sharding.PartitionSpec("data")

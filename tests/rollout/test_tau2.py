@@ -310,7 +310,7 @@ class _Gen:
         ids = self.tok.encode(self.texts[min(self.n, len(self.texts) - 1)]) + [self.tok.im_end_id]
         self.n += 1
         f: Future = Future()
-        f.set_result(Completion(request_id=self.n, tokens=ids, logps=[-0.1] * len(ids), versions=[0] * len(ids),
+        f.set_result(Completion(request_id=self.n, tokens=ids, behav_logp=[-0.1] * len(ids), versions=[0] * len(ids),
                                 finish_reason="stop"))
         return f
 
