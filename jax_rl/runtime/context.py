@@ -246,38 +246,67 @@ class RunContext:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
         import jax
 
+        from jax_rl.evaluation import eval_seeds, summarize_eval
+        from rollout.agent import AgentLoop
+
         cfg = self.cfg
         t = time.perf_counter()
-        multi = jax.process_count() > 1
-        # a learner-only process (disaggregated across processes) runs no engine: it sends its shards and
-        # takes the summary of the first rollout process
-        runs = not multi or C.rollout_rank(cfg)[0] is not None
-        if multi:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
-            if getattr(self, "_eval_sync", None) is None:
+        if jax.process_count() > 1 and C.split_processes(cfg):  # disaggregated across processes
+            return self._evaluate_split(step, label, t)
+        if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
+            if self._eval_gen is None:
                 gens, self._eval_sync, keys = C.synced_generators(
-                    cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
+                    cfg, self.model_config, self.learner, [None], self.learner.version,
                     temperature=cfg.eval.temperature, eval_only=True)
-                if gens:
-                    self._eval_gen, self._eval_key = gens[0], keys[0]
+                self._eval_gen, self._eval_key = gens[0], keys[0]
             else:
                 placed = self._eval_sync.push(self.learner.params, self.learner.version)
-                if self._eval_gen is not None:
-                    self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
         elif self._eval_gen is None:
             self._eval_gen = C.build_generator(cfg, self.model_config, self.learner.rollout_params(),
                                                self.learner.version, temperature=cfg.eval.temperature)
         else:
             self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
-        if multi and C.split_processes(cfg):
-            summary = self._eval_here(step, label, t) if runs else None
-            from jax_rl.weight_sync import allgather_json
+        seeds = eval_seeds(cfg.eval.num_tasks, cfg.eval.seed_offset)
+        agent = AgentLoop(self._eval_gen, self.tokenizer, self.env_factory, cfg.rollout,
+                          max_workers=max(cfg.rollout.slots, cfg.eval.k))
+        try:
+            groups = agent.run_groups(seeds, group_size=cfg.eval.k, first_group_id=10**9)
+        finally:
+            agent.close()
+        results = [
+            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g]}
+            for s, g in zip(seeds, groups)
+        ]
+        summary = summarize_eval(results, cfg.eval.k)
+        summary["success"] = float(np.mean([r for res in results for r in res["rewards"]])) if results else 0.0
+        summary["eval_s"] = time.perf_counter() - t
+        summary["label"] = label
+        summary["version"] = self.learner.version
+        if self.writer is not None:
+            self.writer.write_eval(step, summary)
+        return summary
 
-            every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
-            summary = next(x for x in every if x is not None)
-            if self.writer is not None:
-                self.writer.write_eval(step, summary)
-            return summary
-        summary = self._eval_here(step, label, t)
+    def _evaluate_split(self, step: int, label: str, t: float) -> dict:
+        """:meth:`evaluate` in a run disaggregated across processes: a learner-only process runs no engine, so it
+        sends its shards and takes the summary of the first rollout process (a collective every process calls)."""
+        from jax_rl.weight_sync import allgather_json
+
+        cfg = self.cfg
+        runs = C.rollout_rank(cfg)[0] is not None
+        if getattr(self, "_eval_sync", None) is None:
+            gens, self._eval_sync, keys = C.synced_generators(
+                cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
+                temperature=cfg.eval.temperature, eval_only=True)
+            if gens:
+                self._eval_gen, self._eval_key = gens[0], keys[0]
+        else:
+            placed = self._eval_sync.push(self.learner.params, self.learner.version)
+            if self._eval_gen is not None:
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+        summary = self._eval_here(step, label, t) if runs else None
+        every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
+        summary = next(x for x in every if x is not None)
         if self.writer is not None:
             self.writer.write_eval(step, summary)
         return summary
