@@ -40,6 +40,7 @@ from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_pref
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
 from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
 from jax_rl.sft import pad_examples, sft_examples
+from jax_rl.weight_sync import allgather_json
 from rollout.agent import AgentLoop
 from rollout.types import json_safe
 
@@ -254,36 +255,45 @@ class RunContext:
         """Held-out avg@k / pass@k on seeds ``eval.seed_offset + i`` with the current params."""
         cfg = self.cfg
         t = time.perf_counter()
-        multi = jax.process_count() > 1
-        # a learner-only process (disaggregated across processes) runs no engine: it sends its shards and
-        # takes the summary of the first rollout process
-        runs = not multi or engines.rollout_rank(cfg)[0] is not None
-        if multi:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
-            if getattr(self, "_eval_sync", None) is None:
+        if jax.process_count() > 1 and engines.split_processes(cfg):  # disaggregated across processes
+            return self._evaluate_split(step, label, t)
+        if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
+            if self._eval_gen is None:
                 gens, self._eval_sync, keys = engines.synced_generators(
-                    cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
+                    cfg, self.model_config, self.learner, [None], self.learner.version,
                     temperature=cfg.eval.temperature, eval_only=True)
-                if gens:
-                    self._eval_gen, self._eval_key = gens[0], keys[0]
+                self._eval_gen, self._eval_key = gens[0], keys[0]
             else:
                 placed = self._eval_sync.push(self.learner.params, self.learner.version)
-                if self._eval_gen is not None:
-                    self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
         elif self._eval_gen is None:
             self._eval_gen = engines.build_generator(cfg, self.model_config, self.learner.rollout_params(),
-                                               self.learner.version, temperature=cfg.eval.temperature)
+                                                     self.learner.version, temperature=cfg.eval.temperature)
         else:
             self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
-        if multi and engines.split_processes(cfg):
-            summary = self._eval_here(step, label, t) if runs else None
-            from jax_rl.weight_sync import allgather_json
-
-            every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
-            summary = next(x for x in every if x is not None)
-            if self.writer is not None:
-                self.writer.write_eval(step, summary)
-            return summary
         summary = self._eval_here(step, label, t)
+        if self.writer is not None:
+            self.writer.write_eval(step, summary)
+        return summary
+
+    def _evaluate_split(self, step: int, label: str, t: float) -> dict:
+        """:meth:`evaluate` in a run disaggregated across processes: a learner-only process runs no engine, so it
+        sends its shards and takes the summary of the first rollout process (a collective every process calls)."""
+        cfg = self.cfg
+        runs = engines.rollout_rank(cfg)[0] is not None
+        if getattr(self, "_eval_sync", None) is None:
+            gens, self._eval_sync, keys = engines.synced_generators(
+                cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
+                temperature=cfg.eval.temperature, eval_only=True)
+            if gens:
+                self._eval_gen, self._eval_key = gens[0], keys[0]
+        else:
+            placed = self._eval_sync.push(self.learner.params, self.learner.version)
+            if self._eval_gen is not None:
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+        summary = self._eval_here(step, label, t) if runs else None
+        every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
+        summary = next(x for x in every if x is not None)
         if self.writer is not None:
             self.writer.write_eval(step, summary)
         return summary
