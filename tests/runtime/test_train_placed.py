@@ -31,8 +31,8 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
         engines.append(gen.engine)
         return gen
 
-    def spy_batch(cfg, groups, pad_id):
-        out = collate(cfg, groups, pad_id)
+    def spy_batch(cfg, groups, pad_id, **kw):
+        out = collate(cfg, groups, pad_id, **kw)
         batches.append((np.asarray(out[2]["versions"]), np.asarray(out[2]["loss_mask"])))
         return out
 
