@@ -31,13 +31,15 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)  # _record
+
+from _record import append_record, median_range  # noqa: E402
 
 SIZES = {
     "tiny": {},
@@ -188,8 +190,7 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
 
     def med(name, key):
-        xs = [m[key] for m in res[name]]
-        return statistics.median(xs), min(xs), max(xs)
+        return median_range([m[key] for m in res[name]])
 
     print(f"\n{a.env}, {a.size}, fp32: {a.episodes} episodes x {a.turns} turns, {a.rounds} rounds; same tokens in "
           f"every arm: {same}")
@@ -209,14 +210,7 @@ def main(argv=None) -> int:
     rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "args": vars(a),
            "same_tokens": same, "load_before": load0, "load_after": load1, "results": res}
     if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        old = []
-        if os.path.exists(a.json):
-            with open(a.json) as f:
-                old = json.load(f)
-        with open(a.json, "w") as f:
-            json.dump(old + [rec], f, indent=1)
-        print(f"appended to {a.json}")
+        append_record(a.json, rec)
     return 0
 
 
