@@ -24,3 +24,16 @@ def append_record(path: str, rec: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(old + [rec], f, indent=1)
     print(f"appended to {path}")
+
+
+def finish(args: Any, load_before: tuple, load_after: tuple, results: dict, **extra: Any) -> dict:
+    """Print the load average after the rounds and, with ``args.json``, append the run's record (date, the
+    arguments, both load averages, ``results`` and ``extra``) to that file. Returns the record."""
+    import datetime as dt
+
+    print(f"load average after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}")
+    rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "args": vars(args), **extra,
+           "load_before": load_before, "load_after": load_after, "results": results}
+    if getattr(args, "json", None):
+        append_record(args.json, rec)
+    return rec

@@ -39,7 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # _record
 
-from _record import append_record, median_range  # noqa: E402
+from _record import finish, median_range  # noqa: E402
 
 SIZES = {
     "tiny": {},
@@ -206,11 +206,7 @@ def main(argv=None) -> int:
             m, lo, hi = med(name, key)
             c.append(f"{m:.2f} [{lo:.2f}-{hi:.2f}]")
         print(f"| {name} | " + " | ".join(c) + " |")
-    print(f"load average after: {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")
-    rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "args": vars(a),
-           "same_tokens": same, "load_before": load0, "load_after": load1, "results": res}
-    if a.json:
-        append_record(a.json, rec)
+    finish(a, load0, load1, res, same_tokens=same)
     return 0
 
 

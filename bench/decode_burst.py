@@ -40,7 +40,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # _record
 
-from _record import append_record, median_range  # noqa: E402
+from _record import finish, median_range  # noqa: E402
 
 SIZES = {
     "tiny": {},
@@ -165,11 +165,7 @@ def main(argv=None) -> int:
             m, lo, hi = med(name, key)
             cells.append(f"{fmt.format(m)} [{fmt.format(lo)}-{fmt.format(hi)}]")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(f"load average after: {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")
-    rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "args": vars(a),
-           "budget_tokens": default_budget, "load_before": load0, "load_after": load1, "results": res}
-    if a.json:
-        append_record(a.json, rec)
+    finish(a, load0, load1, res, budget_tokens=default_budget)
     return 0
 
 
