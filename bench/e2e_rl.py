@@ -305,19 +305,44 @@ class _TunixMeter:
         return out
 
 
-def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: int = 0) -> dict:
-    """``steps`` RL steps of Tunix's GRPOLearner (colocated, synchronous) from ``hf_dir``, timed
-    per step by wrappers around its own methods (module doc); then :func:`heldout_success` of the
-    trained actor."""
+def tunix_cluster(cfg: Any, model: Any, tok: Any, prompt_len: int, max_tokens: int, steps: int, **rollout_kw) -> Any:
+    """Tunix's ``RLCluster`` for both Tunix arms: actor, reference and rollout on one device, the
+    optimizer jax-rl's (global-norm clip then AdamW, ``cfg.optim``), the vanilla rollout engine at
+    ``cfg.algo.temperature`` with a KV cache of ``prompt_len + max_tokens + 8`` tokens (``rollout_kw``:
+    more ``RolloutConfig`` fields, e.g. ``return_logprobs``)."""
     import jax
     import numpy as np
     import optax
     import _tunix as T
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.rollout import base_rollout
+
+    o = cfg.optim
+    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    rollout_cfg = base_rollout.RolloutConfig(
+        max_tokens_to_generate=max_tokens, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
+        max_prompt_length=prompt_len, kv_cache_size=prompt_len + max_tokens + 8, eos_tokens=list(tok.stop_ids),
+        seed=None, **rollout_kw)
+    return rlc.RLCluster(
+        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
+        cluster_config=rlc.ClusterConfig(
+            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+            rollout_engine="vanilla", offload_to_cpu=False,
+            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
+            rollout_config=rollout_cfg))
+
+
+def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: int = 0) -> dict:
+    """``steps`` RL steps of Tunix's GRPOLearner (colocated, synchronous) from ``hf_dir``, timed
+    per step by wrappers around its own methods (module doc); then :func:`heldout_success` of the
+    trained actor."""
+    import numpy as np
+    import _tunix as T
     from jax_rl.models import hf_io
     from jax_rl.models.tokenizer import load_tokenizer
-    from tunix.rl import rl_cluster as rlc
     from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
-    from tunix.rl.rollout import base_rollout
 
     cfg = load_cfg(src)
     tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
@@ -332,20 +357,7 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
         if tok.encode(text) != ids:
             raise RuntimeError(f"seed {s}: encode(render_text) != render_chat ids")
     P = max(len(p[0]) for p in prompts.values())
-    o = cfg.optim
-    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
-                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    rollout_cfg = base_rollout.RolloutConfig(
-        max_tokens_to_generate=MAX_NEW, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
-        max_prompt_length=P, kv_cache_size=P + MAX_NEW + 8, eos_tokens=list(tok.stop_ids), seed=None)
-    cluster = rlc.RLCluster(
-        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
-        cluster_config=rlc.ClusterConfig(
-            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-            rollout_engine="vanilla", offload_to_cpu=False,
-            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
-            rollout_config=rollout_cfg))
+    cluster = tunix_cluster(cfg, model, tok, P, MAX_NEW, steps)
 
     def reward_fn(prompts, completions, seed, **_):
         # Tunix's completion text ends before the stop id; a 40-token completion had none
@@ -475,15 +487,11 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
     """``steps`` RL steps of Tunix's agentic GRPO learner (``tunix.rl.agentic.agentic_grpo_learner``,
     ``off_policy_steps``) on the 2-turn calculator task from ``hf_dir``, colocated, timed per step like
     :func:`tunix_run` (``RLCluster.generate`` = generation, every turn's call; ``update_actor``; sync)."""
-    import jax
     import numpy as np
-    import optax
     import _tunix as T
     from jax_rl.models import hf_io
     from jax_rl.models.tokenizer import load_tokenizer
-    from tunix.rl import rl_cluster as rlc
     from tunix.rl.agentic.agentic_grpo_learner import GRPOConfig, GRPOLearner
-    from tunix.rl.rollout import base_rollout
 
     cfg = load_cfg(src, AGENTIC_OVERRIDES)
     tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
@@ -493,21 +501,7 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
     n_prompts = BATCH // GROUP
     train_seeds = [cfg.env.train_seed_offset + i for i in range(steps * n_prompts)]
     P = cfg.rollout.max_cache_len
-    o = cfg.optim
-    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
-                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    rollout_cfg = base_rollout.RolloutConfig(
-        max_tokens_to_generate=AGENTIC_MAX_TOKENS, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
-        max_prompt_length=P, kv_cache_size=P + AGENTIC_MAX_TOKENS + 8, eos_tokens=list(tok.stop_ids), seed=None,
-        return_logprobs=True)
-    cluster = rlc.RLCluster(
-        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
-        cluster_config=rlc.ClusterConfig(
-            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-            rollout_engine="vanilla", offload_to_cpu=False,
-            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
-            rollout_config=rollout_cfg))
+    cluster = tunix_cluster(cfg, model, tok, P, AGENTIC_MAX_TOKENS, steps, return_logprobs=True)
     agent_cls, env_cls, env_kwargs, _ = tunix_agentic_parts(task)
     env0 = task.env_factory()
     system = env0.reset(train_seeds[0])[0][0]["content"]
