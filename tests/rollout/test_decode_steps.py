@@ -18,16 +18,6 @@ N = 4  # decode_steps under test
 
 
 @pytest.fixture(scope="module")
-def model():
-    return q.Qwen3ForCausalLM(q.get_preset("tiny_dense"), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def params2(model):
-    return nnx.state(q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(1)), nnx.Param)
-
-
-@pytest.fixture(scope="module")
 def engine(model):
     # top_k on: the truncated, renormalised behav_logp
     return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=2, max_cache_len=S,

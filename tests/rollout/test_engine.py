@@ -18,12 +18,6 @@ S = 64
 
 
 @pytest.fixture(scope="module")
-def model():
-    cfg = q.get_preset("tiny_dense")
-    return q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
 def params(model):
     return nnx.state(model, nnx.Param)
 

@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 from jax_rl.logprobs import sequence_logprobs
-from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
 
@@ -22,18 +21,8 @@ _T = 32
 
 
 @pytest.fixture(scope="module")
-def model():
-    return q.Qwen3ForCausalLM(q.get_preset("tiny_dense"), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
 def params1(model):
     return nnx.state(model, nnx.Param)
-
-
-@pytest.fixture(scope="module")
-def params2(model):
-    return nnx.state(q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(1)), nnx.Param)
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,6 @@ S = 64
 
 
 @pytest.fixture(scope="module")
-def model():
-    return q.Qwen3ForCausalLM(q.get_preset("tiny_dense"), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def params2(model):
-    return nnx.state(q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(1)), nnx.Param)
-
-
-@pytest.fixture(scope="module")
 def engine(model):
     return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32")
 
