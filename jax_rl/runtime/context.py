@@ -258,14 +258,7 @@ class RunContext:
         if jax.process_count() > 1 and engines.split_processes(cfg):  # disaggregated across processes
             return self._evaluate_split(step, label, t)
         if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
-            if self._eval_gen is None:
-                gens, self._eval_sync, keys = engines.synced_generators(
-                    cfg, self.model_config, self.learner, [None], self.learner.version,
-                    temperature=cfg.eval.temperature, eval_only=True)
-                self._eval_gen, self._eval_key = gens[0], keys[0]
-            else:
-                placed = self._eval_sync.push(self.learner.params, self.learner.version)
-                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+            self._sync_eval_engine(runs=True)
         elif self._eval_gen is None:
             self._eval_gen = engines.build_generator(cfg, self.model_config, self.learner.rollout_params(),
                                                      self.learner.version, temperature=cfg.eval.temperature)
@@ -281,22 +274,29 @@ class RunContext:
         sends its shards and takes the summary of the first rollout process (a collective every process calls)."""
         cfg = self.cfg
         runs = engines.rollout_rank(cfg)[0] is not None
-        if getattr(self, "_eval_sync", None) is None:
-            gens, self._eval_sync, keys = engines.synced_generators(
-                cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
-                temperature=cfg.eval.temperature, eval_only=True)
-            if gens:
-                self._eval_gen, self._eval_key = gens[0], keys[0]
-        else:
-            placed = self._eval_sync.push(self.learner.params, self.learner.version)
-            if self._eval_gen is not None:
-                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+        self._sync_eval_engine(runs)
         summary = self._eval_here(step, label, t) if runs else None
         every = allgather_json(summary, timeout_s=cfg.runtime.peer_timeout_s, what="eval summary")
         summary = next(x for x in every if x is not None)
         if self.writer is not None:
             self.writer.write_eval(step, summary)
         return summary
+
+    def _sync_eval_engine(self, runs: bool) -> None:
+        """Multi-process: push the learner's params to this process's eval engine shard by shard (a collective
+        every process calls, :mod:`jax_rl.weight_sync`); the first call builds the engine empty and the sync.
+        ``runs``: this process runs an eval engine (False on a learner-only process of a disaggregated run,
+        which still sends its shards)."""
+        if getattr(self, "_eval_sync", None) is None:
+            gens, self._eval_sync, keys = engines.synced_generators(
+                self.cfg, self.model_config, self.learner, [None] if runs else [], self.learner.version,
+                temperature=self.cfg.eval.temperature, eval_only=True)
+            if gens:
+                self._eval_gen, self._eval_key = gens[0], keys[0]
+        else:
+            placed = self._eval_sync.push(self.learner.params, self.learner.version)
+            if self._eval_gen is not None:
+                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
 
     def _eval_here(self, step: int, label: str, t: float) -> dict:
         """The held-out eval on this process's eval engine (:meth:`evaluate`)."""
