@@ -140,6 +140,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
     nproc = jax.process_count()
     n_groups = engines.local_groups_per_step(cfg)  # this process's share (0 on a learner-only process)
     split = engines.split_processes(cfg)  # disaggregated across processes: the groups cross to the learner's processes
+    batch_rows = cfg.optim.batch_size if split else n_groups * cfg.algo.group_size
     last: dict = {}
     rollout_failed: Optional[str] = None
     version = learner.version
@@ -166,13 +167,10 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                     groups = engines.exchange_groups(cfg, groups)
                 wait_s = time.perf_counter() - t_wait
                 v_train = version
-                if split:
-                    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=cfg.optim.batch_size)
-                    metrics = learner.train_step(batch)
-                else:
-                    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=n_groups * cfg.algo.group_size)
-                    # multi-process: each process trains its own groups' rows, the learner the union
-                    metrics = learner.train_step(batch, process_local=True) if nproc > 1 else learner.train_step(batch)
+                # disaggregated: the global batch on every process; colocated multi-process: each process trains its
+                # own groups' rows, the learner the union
+                groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
+                metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
                 version = learner.version
                 t_pub = time.perf_counter()
                 producer.publish(version)
