@@ -520,7 +520,11 @@ class RemoteLearner:
     def opt_step(self) -> int:
         return int(_ray_get(self.actor.opt_step.remote()))
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: dict, *, process_local: bool = False) -> dict:
+        """One learner step on the actor. ``process_local`` must be False: the Ray driver is one
+        process and sends the whole batch. Raises ValueError otherwise."""
+        if process_local:
+            raise ValueError("runtime=ray: the driver sends whole batches; process_local=True is a multi-process embedded option")
         return _ray_get(self.actor.train_step.remote(batch))
 
     def evaluate(self, step: int, label: str = "eval") -> dict:
