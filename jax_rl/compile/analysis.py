@@ -5,8 +5,15 @@ jaxpr, and the TPU compiler's out-of-HBM refusal turned into a row's ``error`` /
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Optional
+
+import jax
+from jax.extend import core as jcore
+
+from jax_rl.models.attention import SPLASH_BLOCK
+from jax_rl.tpu import _analysis as analysis, no_persistent_cache
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.compile.target import _Target
@@ -22,8 +29,6 @@ def _short(a: dict) -> dict[str, float]:
 
 def _analysis(compiled) -> dict[str, float]:
     """Memory and cost analysis of a compiled program (:func:`_short` keys)."""
-    from jax_rl.tpu import _analysis as analysis
-
     return _short(analysis(compiled))
 
 
@@ -36,10 +41,6 @@ def _splash_calls(jaxpr) -> dict[str, int]:
     """How many splash kernels of each kind ``jaxpr`` runs (``pallas_call`` equations named
     ``splash_mha_{fwd,dq,dkv}*``), nested jaxprs included (scans by their length; a ``cond`` by
     its costliest branch, like XLA's cost analysis: ``ppo_ewma``'s reset forward counts)."""
-    import re
-
-    from jax.extend import core as jcore
-
     def subs(v):
         if isinstance(v, jcore.ClosedJaxpr):
             yield v.jaxpr
@@ -78,10 +79,6 @@ def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, f
     XLA's cost analysis cannot see into a Pallas kernel, so with ``attn_unit`` (FLOPs of one
     causal [T, T] matmul over every head and row, per device) the splash-attention kernels the
     program calls are added analytically: ``_SPLASH_MATMULS`` matmuls each (fwd 2, dq 3, dkv 4)."""
-    import jax
-
-    from jax_rl.tpu import no_persistent_cache
-
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"), no_persistent_cache():
         traced = fn.trace(*args)
@@ -101,8 +98,6 @@ def _is_hbm_oom(e: BaseException) -> bool:
 
 
 def _oom_text(e: BaseException) -> str:
-    import re
-
     m = re.search(r"(the total memory required.*?exceeds available HBM \([^)]*\))", str(e))
     return m.group(1) if m else " ".join(str(e).split())[:200]
 
@@ -110,8 +105,6 @@ def _oom_text(e: BaseException) -> str:
 def _oom_analysis(e: BaseException) -> dict:
     """An analysis dict for a program the compiler refused: ``oom`` (its message) and, when it
     names one, the memory it says is required as ``required`` bytes."""
-    import re
-
     unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     m = re.search(r"required for [^(]*\(([\d.]+)([KMGT])\)", str(e))
     return {"oom": _oom_text(e), "required": int(float(m.group(1)) * unit[m.group(2)]) if m else None}
@@ -131,8 +124,6 @@ def _compile_or_oom(fn, args, mesh) -> tuple[dict, float]:
 def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
     """Per-device FLOPs of one causal attention matmul on [rows, T] (None unless splash): the
     kernel runs under shard_map over the batch and head axes, assumed to cover the mesh."""
-    from jax_rl.models.attention import SPLASH_BLOCK
-
     if t.learner_kw.get("attention") != "splash":
         return None
     mc = t.model_config

@@ -9,18 +9,25 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import jax
+import jax.numpy as jnp
+
+from jax_rl.checkpoint import abstract_like
 from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
+from jax_rl.correction import tree_finite, tree_where
+from jax_rl.logprobs import _CHUNK_ELEMS, _chunk_len
+from jax_rl.placement import BatchPlacement
+from jax_rl.sft import SFT_FIELDS, make_sft_step
+from jax_rl.train_step import make_grads_fn, make_logprob_fn, opt_state_shardings
 
-if TYPE_CHECKING:  # annotations only: jax is imported inside the functions (the platform is chosen first)
+if TYPE_CHECKING:  # annotations only
     from jax_rl.learner_spec import LearnerSpec
 
 
 def _forwards_in_prox(strategy, cfg, lrn: LearnerSpec, U: int, m: int, r: int, T: int, t: _Target) -> int:
     """How many chunked forwards the strategy's in-jit pi_prox runs (counted while tracing it)."""
-    import jax
-
     calls = []
 
     def chunk(params, tokens, attention_mask):
@@ -53,8 +60,6 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     rows per forward), fits ``X(d, C) = a + d*layer + b*C`` from (d, C) = (1, C1), (2, C1),
     (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``; where it is one chunk (no loop),
     ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes}, compile seconds)."""
-    from jax_rl.logprobs import _CHUNK_ELEMS, _chunk_len
-
     mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
     chunked = _chunk_len(rows, T, t.model_config.vocab_size, _CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T
     c1, c2 = _chunks(T)
@@ -79,8 +84,6 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
     strategy's pi_prox forward included) on one microbatch of ``r`` rows x ``T`` tokens, layers
     unrolled, for model config ``mc`` under ``cfg_``: ``(jitted fn, abstract args)`` for
     ``fn.trace(*args)``. The piece :func:`_fit` costs the train step from."""
-    from jax_rl.train_step import make_grads_fn
-
     p = _learner(t, mc, cfg_, scan_layers=False)
     b, sh = _batch(t, p.strategy, 1, 1, r, T)
     fn = make_grads_fn(cfg_, p.graphdef, p.strategy, t.mesh, rest=p.rest, param_shardings=p.param_shardings,
@@ -101,10 +104,6 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
     """The train step's cost on a step without a reset (see :func:`_steady`), compile seconds of
     the pieces, the pi_prox forwards in that step, and the extra cost of a step whose EWMA reset
     fires (one more forward per microbatch; None when the strategy has no reset branch)."""
-    import jax
-
-    from jax_rl.train_step import make_logprob_fn
-
     cfg = t.cfg
     U, m, E = cfg.optim.minibatches, cfg.optim.microbatches, cfg.optim.ppo_epochs
     r = _layout(B, U, m, "optim.batch_size")
@@ -147,13 +146,6 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
 
 
 def _opt_update_cost(t: _Target, lrn: LearnerSpec, tx) -> tuple[dict, float]:
-    import jax
-
-    from jax_rl.checkpoint import abstract_like
-
-    from jax_rl.correction import tree_finite, tree_where
-    from jax_rl.train_step import opt_state_shardings
-
     opt_sh = opt_state_shardings(tx, lrn.params, lrn.param_shardings, t.mesh)
     opt = abstract_like(jax.eval_shape(tx.init, lrn.params), opt_sh)
 
@@ -168,15 +160,6 @@ def _opt_update_cost(t: _Target, lrn: LearnerSpec, tx) -> tuple[dict, float]:
 
 
 def _sft_fn_args(t: _Target, p: LearnerSpec, tx, schedule, m: int, r: int, T: int, cfg: Optional[Config] = None):
-    import jax
-
-    from jax_rl.checkpoint import abstract_like
-    import jax.numpy as jnp
-
-    from jax_rl.placement import BatchPlacement
-    from jax_rl.sft import SFT_FIELDS, make_sft_step
-    from jax_rl.train_step import opt_state_shardings
-
     sh = BatchPlacement(t.mesh, 1, m).batch_sharding(r)
     opt_sh = opt_state_shardings(tx, p.params, p.param_shardings, t.mesh)
     opt = abstract_like(jax.eval_shape(tx.init, p.params), opt_sh)

@@ -5,17 +5,32 @@ weight-sync rows; what the rollout and scorer chips hold (:func:`_on_chip`); the
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_rl.checkpoint import abstract_like
 from jax_rl.compile.analysis import _compile_or_oom, _is_hbm_oom, _oom_analysis, _oom_text, _short
 from jax_rl.compile.flops import model_flops_per_token
 from jax_rl.compile.pieces import _fit, _opt_update_cost, _sft_fn_args, _train_cost
 from jax_rl.compile.target import (_Target, _batch, _chips, _depth, _devices_per_chip, _engine_mesh, _layout,
                                    _learner, _target)
 from jax_rl.config import Config, ConfigError
+from jax_rl.learner_spec import make_sft_optimizer, scorer_placement
+from jax_rl.model_builder import abstract_model_split, resolve_model_config
+from jax_rl.placement import BatchPlacement
+from jax_rl.routing_replay import RoutingReplay
+from jax_rl.sharding import make_mesh, state_shardings
+from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
+from jax_rl.train_step import make_logprob_step, make_train_step
+from rollout.engine import _resolve_dtype
 
-if TYPE_CHECKING:  # annotations only: jax is imported inside the functions (the platform is chosen first)
+if TYPE_CHECKING:  # annotations only
     from jax_rl.learner_spec import LearnerSpec
 
 
@@ -92,8 +107,6 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
     if "train_step" in functions or "sft_step" in functions:
         lrn = _learner(t)
     if "train_step" in functions:
-        from jax_rl.train_step import make_train_step
-
         B = int(cfg.optim.batch_size)
         U, m = cfg.optim.minibatches, cfg.optim.microbatches
         r = _layout(B, U, m, "optim.batch_size")
@@ -117,8 +130,6 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
             rows[-1]["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
         log(f"train_step: {secs:.1f} s")
     if "sft_step" in functions:
-        from jax_rl.learner_spec import make_sft_optimizer
-
         B = int(cfg.sft.batch_size)
         m = cfg.optim.microbatches
         r = _layout(B, 1, m, "sft.batch_size")
@@ -163,8 +174,6 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     """A rollout row (role ``rollout``): the colocated engine's step (``em`` None: params replicated,
     as the one-device engine holds them) or a sharded engine's on its mesh ``em`` (engine 0's; every
     engine has the same shape, so one compile stands for all: ``same_shape_engines``)."""
-    from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
-
     r = t.cfg.rollout
     key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
@@ -234,16 +243,6 @@ def _scorer_row(t: _Target, log) -> dict:
     ``fsdp`` mesh over the scorer's devices, one GRPO group of ``algo.group_size`` rows x
     ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
     param versions (:func:`_on_chip` adds the other versions' params)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_rl.checkpoint import abstract_like
-    from jax_rl.learner_spec import scorer_placement
-    from jax_rl.model_builder import abstract_model_split
-    from jax_rl.placement import BatchPlacement
-    from jax_rl.routing_replay import RoutingReplay
-    from jax_rl.train_step import make_logprob_step
-
     cfg = t.cfg
     devs = t.roles.scorer
     mesh, abs_params, sh = scorer_placement(cfg, t.model_config, devs, model_kw=t.learner_kw)
@@ -274,8 +273,6 @@ def _user_model_config(t: _Target):
     ck = cfg.env.tau2.user_model.checkpoint
     if not ck:
         return t.model_config
-    from jax_rl.model_builder import resolve_model_config
-
     ucfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"checkpoint": ck, "hf_overrides": {}})})
     try:
         return resolve_model_config(ucfg.model, check_tensors=False)
@@ -290,9 +287,6 @@ def _user_row(t: _Target, fname: str, log) -> dict:
     (:func:`jax_rl.runtime.envs.start_tau2_user_model` builds it so). Its params are frozen: no
     publish reaches it. No cost pieces (HBM only); the decode row adds ``params_bytes_per_chip`` /
     ``kv_cache_bytes_per_chip``, and ``hbm_on_chip_bytes`` / ``fits_on_chip`` (one engine per chip)."""
-    from jax_rl.sharding import make_mesh
-    from jax_rl.tpu import compile_rollout
-
     r = t.cfg.rollout
     key = "prefill" if fname == "user_prefill" else "decode"
     devs = list(t.roles.user)
@@ -328,13 +322,6 @@ def weight_sync_fn(abs_params, param_shardings, mesh, dtype: str):
     engine's params: float leaves cast to ``dtype`` (``rollout.dtype``, as
     :meth:`rollout.engine.Qwen3Engine.load_params` casts them), every leaf replicated on ``mesh``.
     Returns ``(fn, args)`` with ``args`` the ``ShapeDtypeStruct`` params (nothing allocated)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jax_rl.checkpoint import abstract_like
-    from rollout.engine import _resolve_dtype
-
     dt = _resolve_dtype(dtype)
     rep = NamedSharding(mesh, P())
 
@@ -353,12 +340,6 @@ def cast_fn(abs_params, param_shardings, dtype: str):
     ``_cast_jit``): float leaves cast to ``dtype`` where the params are, in the learner's shardings; the
     shards then travel to the engine's devices by ``jax.device_put`` (a device-to-device copy over ICI, which
     no single program on one device set can express). Returns ``(fn, args)`` (nothing allocated)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_rl.checkpoint import abstract_like
-    from rollout.engine import _resolve_dtype
-
     dt = _resolve_dtype(dtype)
 
     def cast(params):
@@ -370,11 +351,6 @@ def cast_fn(abs_params, param_shardings, dtype: str):
 
 def _shard_bytes(abs_params, shardings, dtype) -> int:
     """Bytes of one device's shards of ``abs_params`` laid out by ``shardings``, float leaves in ``dtype``."""
-    import math
-
-    import jax
-    import jax.numpy as jnp
-
     def one(x, sh):
         size = jnp.dtype(dtype).itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize
         return math.prod(sh.shard_shape(x.shape)) * size
@@ -398,11 +374,6 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
     (evenly spread: the best case); ``sync_ici_roofline_s`` = max(in, out) / (half the chip's
     bidirectional ICI bandwidth, :data:`jax_rl.tpu.CHIPS`). Colocated: each engine's whole copy goes to
     the learner's first chip (in = engines x (sync_bytes - that chip's own shard), out = one shard)."""
-    import jax
-
-    from jax_rl.model_builder import abstract_model_split
-    from jax_rl.sharding import state_shardings
-
     if lrn is not None:
         abs_params, param_sh = lrn.params, lrn.param_shardings
     else:
@@ -421,8 +392,6 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
     c = {"flops": a["flops"], "bytes": a["bytes"]} if cost and "oom" not in a else None
     log(f"weight_sync: {secs:.1f} s")
     row = _row(t, "weight_sync", a, secs, c, None, [n], 0.0, role="sync")
-
-    from rollout.engine import _resolve_dtype
 
     rdt = _resolve_dtype(dt)
     one = sum(int(x.size) * (jax.numpy.dtype(rdt).itemsize if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
@@ -477,8 +446,6 @@ def _on_chip(t: _Target, rows: list[dict]) -> None:
       engine a publish updates on those chips, held beside the old one until the engine swaps (the eval
       engine is updated at eval time, between publishes: at most as many copies).
     """
-    import collections
-
     by = {r["function"]: r for r in rows}
     tr, d = by.get("train_step"), by.get("decode_step")
     learner = tr["hbm_total_bytes"] if tr is not None else None

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from rich.console import Console
+from rich.table import Table
+
 from jax_rl.compile.programs import FUNCTIONS, compile_programs
 from jax_rl.config import Config
 
@@ -20,8 +23,6 @@ def _gib(n) -> str:
 def format_table(rows: list[dict], title: str = "") -> Any:
     """A ``rich.table.Table`` of the rows (bytes in GiB per chip), grouped by role (learner, rollout,
     scorer, user, sync: one section each, with the role's chips)."""
-    from rich.table import Table
-
     tb = Table(title=title or None, caption="compile-time estimates from libtpu's compiler (memory_analysis, "
                                             "cost_analysis with loop trip counts); not TPU measurements")
     order = {"learner": 0, "rollout": 1, "scorer": 2, "user": 3, "sync": 4}
@@ -116,8 +117,6 @@ def run_compile(cfg: Config, topology: str, *, json_path: Optional[str] = None, 
                 cost: bool = True) -> int:
     """The CLI: compile, print the table (and write ``json_path``). Exit 0 when every program
     fits in the chip's HBM, 1 when one does not."""
-    from rich.console import Console
-
     con = Console(width=200) if not sys.stdout.isatty() else Console()
     rows = compile_programs(cfg, topology, functions=functions, cost=cost, log=lambda s: con.print(s))
     con.print(format_table(rows, title=f"jax-rl compile: {topology} ({rows[0]['chips'] if rows else '?'} chips), "

@@ -9,7 +9,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jax.numpy as jnp
+
 from jax_rl.config import Config, ConfigError
+from jax_rl.learner_spec import learner_batch_spec, learner_spec
+from jax_rl.model_builder import resolve_model_config
+from jax_rl.models.qwen3 import get_preset, model_kwargs
+from jax_rl.placement import BatchPlacement, resolve_roles
+from jax_rl.routing_replay import RoutingReplay
+from jax_rl.sharding import make_mesh
+from jax_rl.tpu import get_topology, resolve_topology
 
 
 @dataclasses.dataclass
@@ -30,9 +39,6 @@ class _Target:
 def _model_config(cfg: Config, notes: list):
     """The run's ``Qwen3Config``: the checkpoint's config.json when it exists, else the preset
     (a TPU config names a checkpoint path on the pod, usually absent on the compiling host)."""
-    from jax_rl.model_builder import resolve_model_config
-    from jax_rl.models.qwen3 import get_preset
-
     ck = cfg.model.checkpoint
     if ck and not (Path(ck) / "config.json").is_file():
         if not cfg.model.preset:
@@ -44,14 +50,6 @@ def _model_config(cfg: Config, notes: list):
 
 
 def _target(cfg: Config, topology: str) -> _Target:
-    import jax.numpy as jnp
-
-    from jax_rl.models.qwen3 import model_kwargs
-    from jax_rl.sharding import make_mesh
-    from jax_rl.tpu import get_topology, resolve_topology
-
-    from jax_rl.placement import resolve_roles
-
     spec = resolve_topology(topology)
     all_devices = list(get_topology(topology).devices)
     try:
@@ -85,8 +83,6 @@ def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_o
     """The learner's recipe on the target mesh, abstract (:func:`jax_rl.learner_spec.learner_spec`,
     the one ``Learner.__init__`` builds from); ``kw_over`` overrides model build options (e.g.
     ``scan_layers=False`` for the cost pieces)."""
-    from jax_rl.learner_spec import learner_spec
-
     return learner_spec(cfg or t.cfg, model_config or t.model_config, t.mesh, abstract=True,
                         model_kw=dict(t.learner_kw, **kw_over))
 
@@ -95,10 +91,6 @@ def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
     """The abstract learner batch [U, m, r, T] the run's train step reads
     (:func:`jax_rl.learner_spec.learner_batch_spec`, as ``Learner.abstract_batch``: the recorded
     routes included under ``moe.routing_replay`` r2/r3)."""
-    from jax_rl.learner_spec import learner_batch_spec
-    from jax_rl.placement import BatchPlacement
-    from jax_rl.routing_replay import RoutingReplay
-
     sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
     routing = RoutingReplay.from_config(t.cfg, t.model_config)
     return learner_batch_spec(strategy, routing, t.model_config, (U, m, r, T), sh), sh
@@ -129,6 +121,4 @@ def _engine_mesh(t: _Target):
     """Engine 0's mesh (``rollout.mesh`` over its devices), or None for the colocated one-device engine."""
     if t.roles is None or t.roles.engines is None:
         return None
-    from jax_rl.sharding import make_mesh
-
     return make_mesh(**t.roles.engine_mesh, devices=t.roles.engines[0])
