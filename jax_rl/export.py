@@ -27,6 +27,18 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import jax
+import numpy as np
+
+from jax_rl.checkpoint import resolve_checkpoint_dir
+from jax_rl.config import RuntimeConfig, load_config
+from jax_rl.learner import Learner
+from jax_rl.model_builder import (abstract_model_split, adopt_checkpoint_layer_layout, build_model_config,
+                                  learner_model_kwargs)
+from jax_rl.models import hf_io
+from jax_rl.runtime.envs import build_tokenizer
+from jax_rl.sharding import make_mesh
+
 __all__ = ["ExportError", "export_checkpoint", "resolve_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -43,8 +55,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path, Optional[in
     Raises:
       ExportError: no checkpoints dir there, or no ``config.yaml`` in the run dir.
     """
-    from jax_rl.checkpoint import resolve_checkpoint_dir
-
     run_dir, ckpt, step = resolve_checkpoint_dir(path, error=ExportError)
     if ckpt.name != "checkpoints":  # the run dir (its config.yaml) must be the checkpoints dir's parent
         raise ExportError(f"no checkpoints at {str(path)!r} (give a run dir, its checkpoints/ or checkpoints/N)")
@@ -84,10 +94,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     _check_out_dir(out)
 
-    from jax_rl.config import RuntimeConfig, load_config
-    from jax_rl.model_builder import adopt_checkpoint_layer_layout, build_model_config
-    from jax_rl.runtime.envs import build_tokenizer
-
     cfg = load_config(run_dir / "config.yaml")
     if cfg.model.tokenizer == "bpe" and (run_dir / "tokenizer.json").is_file():
         cfg.model.tokenizer = str(run_dir / "tokenizer.json")  # never retrain: take the run's own
@@ -103,15 +109,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         cfg.run.dir = scratch.name  # a snapshot store (exact / measure_error) writes here, not in the run
         tok = build_tokenizer(cfg)
         mc = build_model_config(cfg, tok)
-        import jax
-
-        import numpy as np
-
-        from jax_rl.learner import Learner
-        from jax_rl.model_builder import abstract_model_split, learner_model_kwargs
-        from jax_rl.models import hf_io
-        from jax_rl.sharding import make_mesh
-
         note = adopt_checkpoint_layer_layout(cfg, ckpt, step, mc)  # either layout exports the same
         if note:
             log.warning("export: %s", note)

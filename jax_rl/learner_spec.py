@@ -19,13 +19,14 @@ from typing import Any, Optional
 import jax
 from flax import nnx
 
+from jax_rl.batch import abstract_batch
 from jax_rl.checkpoint import abstract_like
 from jax_rl.config import Config, ConfigError
 from jax_rl.correction import Correction, make_correction
 from jax_rl.model_builder import abstract_model_split, create_sharded_model, learner_model_kwargs
 from jax_rl.placement import place_params
 from jax_rl.routing_replay import RoutingReplay
-from jax_rl.sharding import state_shardings
+from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
                                train_state_shardings)
 
@@ -81,8 +82,6 @@ def learner_batch_spec(strategy: Correction, routing: RoutingReplay, model_confi
     snapshot store, ``routes`` [U, m, r, T, n_moe_layers, k] when the routing-replay policy records
     them. Used by :meth:`jax_rl.learner.Learner.abstract_batch` (the dry run) and ``jax-rl compile``,
     so both lower the program training runs."""
-    from jax_rl.batch import abstract_batch
-
     exact = strategy.needs_exact
     return abstract_batch(tuple(shape), sharding, prox=exact, old=not exact and strategy.learner_store,
                           routes=routing.route_spec(model_config))
@@ -93,8 +92,6 @@ def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Opt
     (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
     the learner's fp32 params sharded by the learner's logical rules there. Used by
     :meth:`jax_rl.learner.Learner.make_scorer` and ``jax-rl compile``'s ``score_step``."""
-    from jax_rl.sharding import make_mesh
-
     mesh = make_mesh(fsdp=-1, devices=devices)
     _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
                                                              else dict(model_kw)))

@@ -21,9 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import distributed
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.batch import BatchError
+from jax_rl.sharding import logical_to_pspec
+from jax_rl.weight_sync import configure_transfer
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import RuntimeConfig
@@ -252,8 +256,6 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
 
 def _distributed_initialized() -> bool:
     try:
-        from jax._src import distributed
-
         return distributed.global_state.client is not None
     except Exception:  # pragma: no cover - private API moved
         return False
@@ -271,8 +273,6 @@ def initialize_distributed(runtime: RuntimeConfig) -> bool:
     if runtime.coordinator:
         if runtime.num_processes is None or runtime.process_id is None:
             raise ValueError("runtime.coordinator needs runtime.num_processes and runtime.process_id")
-        from jax_rl.weight_sync import configure_transfer
-
         configure_transfer(runtime)  # the cross-host transfer server (weight sync), before the backend starts
         jax.distributed.initialize(
             coordinator_address=runtime.coordinator,
@@ -331,8 +331,6 @@ class BatchPlacement:
 
     def batch_sharding(self, r: int) -> NamedSharding:
         """Sharding of a chunked batch array [U, m, r, T]: rows over ``activation_batch``'s axes."""
-        from jax_rl.sharding import logical_to_pspec
-
         spec = logical_to_pspec(("activation_batch",), shape=(r,), mesh=self.mesh)
         return NamedSharding(self.mesh, P(None, None, spec[0], None))
 
@@ -407,8 +405,6 @@ class BatchPlacement:
         n_loss = int(b["loss_mask"].sum())
         if jax.process_count() == 1:
             return b, n_loss
-        from jax.experimental import multihost_utils
-
         T = b["tokens"].shape[1]
         allv = np.asarray(multihost_utils.process_allgather(np.array([T, n_loss], np.int64))).reshape(-1, 2)
         T_glob, n_glob = int(allv[:, 0].max()), int(allv[:, 1].sum())

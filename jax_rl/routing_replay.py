@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_rl.batch import BatchError
+from jax_rl.config import ConfigError
+from jax_rl.models.qwen3 import route_dtype
 
 __all__ = ["RoutingReplay", "MODES", "routing_agreement"]
 
@@ -75,8 +77,6 @@ class RoutingReplay:
         mode = cfg.moe.routing_replay
         moe = bool(model_config.is_moe)
         if mode != "none" and not moe:
-            from jax_rl.config import ConfigError
-
             m = cfg.model
             model = f"model.checkpoint={m.checkpoint!r}" if m.checkpoint else f"model.preset={m.preset}"
             raise ConfigError(f"moe.routing_replay={mode} replays MoE expert routes; the model ({model}) has no "
@@ -143,6 +143,4 @@ class RoutingReplay:
         them, else None (:func:`jax_rl.batch.abstract_batch`)."""
         if not self.records:
             return None
-        from jax_rl.models.qwen3 import route_dtype
-
         return (len(model_config.moe_layers), int(model_config.num_experts_per_tok)), route_dtype(self.num_experts)

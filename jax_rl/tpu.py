@@ -274,7 +274,7 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from rollout.engine import Qwen3Engine
+    from rollout.engine import Qwen3Engine  # lazy: jax; the CLI imports this module before it chooses the platform
 
     spec = resolve_topology(topology)
     topo = get_topology(topology)

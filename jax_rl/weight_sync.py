@@ -47,12 +47,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from jax._src import distributed
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jax_rl.sharding import make_mesh
 
 __all__ = ["WeightSyncError", "SyncTarget", "ShardedWeightSync", "configure_transfer", "transfer_address",
            "engine_targets", "shard_bytes", "allgather_json"]
@@ -130,8 +134,6 @@ def engine_targets(cfg: Any, roles: Any, *, eval_only: bool = False) -> list[Syn
     process's engines lie on its first device (one target per process); else engine i's
     ``rollout.mesh`` over ``roles.engines[i]``. ``eval_only``: the eval engines, the first engine of
     each process (``jax_rl.runtime.engines.engine_mesh(cfg, None)`` on that process)."""
-    from jax_rl.sharding import make_mesh
-
     devs = jax.devices()
     if roles.engines is None:
         firsts: dict[int, Any] = {}
@@ -300,8 +302,6 @@ class ShardedWeightSync:
         until then); a peer silent for ``timeout_s`` is a lost host: WeightSyncError naming it."""
         if jax.process_count() == 1:
             return
-        from jax._src import distributed
-
         client = distributed.global_state.client
         seq = next(_SEQ)
         base = f"jax_rl/weight_sync/{seq}"
@@ -338,12 +338,8 @@ def allgather_json(obj: Any, *, timeout_s: float = 100.0, what: str = "state") -
     Raises:
         WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
     """
-    import json
-
     if jax.process_count() == 1:
         return [obj]
-    from jax._src import distributed
-
     client = distributed.global_state.client
     seq = next(_GATHER_SEQ)
     base = f"jax_rl/gather/{seq}"

@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
+import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,7 +41,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+from flax import nnx
 
+from jax_rl.config import ModelConfig
+from jax_rl.models import hf_io, qwen3 as q
+from jax_rl.models.qwen3 import count_params, resolve_attention
+from jax_rl.models.qwen3.config import PRESETS
+from jax_rl.models.tokenizer import load_tokenizer
+from jax_rl.runtime.resources import available_memory_bytes
 from rollout import jetstream_compat as jc
 from rollout.engine import Qwen3Engine
 
@@ -49,8 +59,6 @@ log = logging.getLogger(__name__)
 
 
 def _default_scan_layers() -> bool:
-    from jax_rl.config import ModelConfig
-
     return bool(ModelConfig().scan_layers)
 
 
@@ -64,10 +72,6 @@ def load_checkpoint(checkpoint: str, *, scan_layers: Optional[bool] = None) -> t
     Raises:
       FileNotFoundError: no such directory. ImportError: hf_io not available.
     """
-    from flax import nnx
-
-    from jax_rl.models import qwen3 as q
-
     scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
     if checkpoint.startswith("preset:"):
         cfg = q.get_preset(checkpoint.split(":", 1)[1])
@@ -75,8 +79,6 @@ def load_checkpoint(checkpoint: str, *, scan_layers: Optional[bool] = None) -> t
         return cfg, nnx.state(model, nnx.Param)
     if not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"checkpoint dir not found: {checkpoint}")
-    from jax_rl.models import hf_io
-
     out = hf_io.load_pretrained(checkpoint, scan_layers=scan)
     return _config_and_params(out)
 
@@ -84,8 +86,6 @@ def load_checkpoint(checkpoint: str, *, scan_layers: Optional[bool] = None) -> t
 def _config_and_params(out: Any) -> tuple[Any, Any]:
     """Normalise what ``hf_io.load_pretrained`` returns: a model, or a tuple holding a model /
     a config and params."""
-    from flax import nnx
-
     if isinstance(out, nnx.Module):
         return out.config, nnx.state(out, nnx.Param)
     if isinstance(out, (tuple, list)):
@@ -113,8 +113,6 @@ def check_port_free(host: str, port: int) -> None:
       PortInUseError: the port is held (the message names host and port).
       ServeArgError: the host is not an address of this machine, or the port needs privileges.
     """
-    import socket
-
     if int(port) == 0:
         return
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -123,8 +121,6 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), int(port)))
         except OSError as e:
-            import errno
-
             if e.errno == errno.EADDRNOTAVAIL:
                 raise ServeArgError(f"--host {host}: not an address of this machine ({e.strerror})") from None
             if e.errno in (errno.EACCES, errno.EPERM):
@@ -140,8 +136,6 @@ def resolve_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> tuple[Any, s
     Raises:
       FileNotFoundError: ``tokenizer`` names a missing file.
     """
-    from jax_rl.models.tokenizer import load_tokenizer
-
     if tokenizer:
         return load_tokenizer(tokenizer), f"tokenizer {tokenizer} (--tokenizer)"
     p = Path(checkpoint)
@@ -175,8 +169,6 @@ def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_
     ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy.
     ``scan_layers`` (default: ``model.scan_layers``'s default): the engine's decoder layers are
     stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla)."""
-    from jax_rl.models.qwen3 import resolve_attention
-
     scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
     cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
     check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype)
@@ -289,9 +281,6 @@ def check_args(args: Any) -> None:
             ``--max-len`` < 2, ``--temperature`` negative or not finite, ``--host`` empty or not an
             address of this machine.
     """
-    import math
-    import socket
-
     port, slots, max_len = int(args.port), int(getattr(args, "slots", 4)), int(getattr(args, "max_len", 256))
     temperature = float(getattr(args, "temperature", 0.0) or 0.0)
     if not 0 <= port <= 65535:
@@ -321,9 +310,6 @@ def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str
         ServeArgError: naming ``--slots`` and ``--max-len``, the bytes needed and free, and the most
             slots that would fit.
     """
-    from jax_rl.models.qwen3 import count_params
-    from jax_rl.runtime.resources import available_memory_bytes
-
     mc = model_config
     item = 2 if dtype == "bfloat16" else 4
     per_slot = (int(mc.num_hidden_layers) * int(max_len) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
@@ -347,8 +333,6 @@ def check_checkpoint(checkpoint: str) -> None:
         ServeArgError: one line naming the checkpoint and what to give instead.
     """
     if checkpoint.startswith("preset:"):
-        from jax_rl.models.qwen3.config import PRESETS
-
         name = checkpoint.split(":", 1)[1]
         if name not in PRESETS:
             raise ServeArgError(f"checkpoint {checkpoint}: unknown model preset {name!r}; known: {sorted(PRESETS)}")

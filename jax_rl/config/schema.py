@@ -18,6 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jax_rl.runtime.affinity import check_cpus
+from rollout.envs.retail import check_retail_knobs
+
 BPE_CORPUS_DEMOS = 2000
 """Reference-solver demos (training seeds from ``env.train_seed_offset``) a ``model.tokenizer=bpe``
 is trained on (:func:`jax_rl.runtime.envs.build_tokenizer`)."""
@@ -597,8 +600,6 @@ class EnvConfig(_Section):
     @classmethod
     def _retail_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
         """The retail env's own knob schema (:class:`rollout.envs.retail.RetailKnobs`)."""
-        from rollout.envs.retail import check_retail_knobs
-
         return check_retail_knobs(v)
 
     @model_validator(mode="after")
@@ -638,8 +639,6 @@ class RuntimeConfig(_Section):
     @field_validator("learner_cpus", "rollout_cpus")
     @classmethod
     def _cpus_exist(cls, v: Optional[list[int]]) -> Optional[list[int]]:
-        from jax_rl.runtime.affinity import check_cpus
-
         return check_cpus(v)
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ retiring one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from jax_rl.batch import collate
 from jax_rl.old_logits.scorer import OldLogitScorer
 from jax_rl.old_logits.store import StaleVersionError
 
@@ -206,8 +208,6 @@ class RetiringScorer:
         """Fill ``old_logp`` of each trainable trajectory of one finished group (in place), from the
         stashes of its retired versions and the params of the versions still held; then release the
         group's keys. Same contract as :meth:`OldLogitScorer.score_group`: ``(kept, dropped)``."""
-        from jax_rl.batch import collate
-
         sc = self.scorer
         with self._lock:
             held = sc.held()
@@ -270,8 +270,6 @@ class RetiringScorer:
         Returns:
             the generators' cast seconds (``update_params``), summed.
         """
-        import contextlib
-
         version = int(version)
         if not self.pause:
             self.publish_wait_s += self.wait_retired()  # bound: the current and at most one retiring version

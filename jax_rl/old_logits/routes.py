@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
+from jax_rl.old_logits.retire import RetiringScorer
+
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import Config
-    from jax_rl.old_logits.retire import RetiringScorer
     from jax_rl.old_logits.scorer import OldLogitScorer
 
 __all__ = ["Route", "ROUTES", "register_route", "make_route"]
@@ -188,8 +189,6 @@ class _Retiring(Route):
         return 2
 
     def make_retirer(self, scorer, sources, release, *, rows_per_forward):
-        from jax_rl.old_logits.retire import RetiringScorer
-
         return RetiringScorer(scorer, sources, release, pause=self.pauses_rollouts,
                               rows_per_forward=rows_per_forward)
 

@@ -25,7 +25,9 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jax_rl.batch import collate
 from jax_rl.old_logits.store import StaleVersionError, logprobs_by_version, versions_needed
+from jax_rl.placement import BatchPlacement
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,6 @@ class OldLogitScorer:
                  pad_id: int = 0, pad_to_multiple: int = 16, routes_fn: Optional[Callable] = None):
         if keep < 1:
             raise ValueError(f"OldLogitScorer keep={keep} must be >= 1")
-        from jax_rl.placement import BatchPlacement
-
         self.logprob_fn = logprob_fn
         self.param_shardings = param_shardings
         self.mesh = mesh
@@ -211,8 +211,6 @@ class OldLogitScorer:
         Returns:
             ``(kept, dropped)``: the group without the dropped trajectories (order kept), and them.
         """
-        from jax_rl.batch import collate
-
         with self._lock:
             held = dict(self._params)
         kept, dropped, todo = [], [], []

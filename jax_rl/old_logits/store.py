@@ -37,6 +37,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+
+from jax_rl.checkpoint import abstract_like
 
 __all__ = ["SnapshotStore", "StaleVersionError", "snapshot_logprobs", "versions_needed", "logprobs_by_version"]
 
@@ -188,8 +191,6 @@ class SnapshotStore:
             )
         if self.kind == "host":
             return jax.tree.map(lambda leaf, s: leaf.to_device(s), self._host[version], shardings, is_leaf=_is_host_leaf)
-        from jax_rl.checkpoint import abstract_like
-
         self._wait()
         target = abstract_like(self._shapes, shardings)
         return self._ckptr.restore(self._disk[version], target)
@@ -234,8 +235,6 @@ def versions_needed(versions: np.ndarray, loss_mask: np.ndarray) -> list[int]:
     local = np.unique(np.asarray(versions)[np.asarray(loss_mask, bool)]).astype(np.int64)
     if jax.process_count() == 1:
         return [int(v) for v in local]
-    from jax.experimental import multihost_utils
-
     width = 256  # at most this many distinct versions per batch
     if local.size > width:
         raise ValueError(f"a batch holds {local.size} distinct versions; at most {width} are supported")

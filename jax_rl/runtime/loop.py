@@ -42,6 +42,7 @@ from jax_rl import batch as B
 from jax_rl.config import Config
 from jax_rl.console import TrainProgress, print_summary
 from jax_rl.metrics import read_jsonl
+from jax_rl.plots import plot_runs
 from jax_rl.runtime import engines
 from jax_rl.runtime.context import StopFlag, signal_exit_code
 from rollout.types import json_safe
@@ -229,8 +230,6 @@ def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:
     """End of a train run: ``summary.json``, the plots, the console summary."""
     (run_dir / "summary.json").write_text(json.dumps(json_safe(summary, default=str), indent=2))
     try:
-        from jax_rl.plots import plot_runs
-
         plot_runs([run_dir])
     except Exception as e:  # plotting must never lose a finished run
         log.warning("plotting failed: %r", e)

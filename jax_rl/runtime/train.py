@@ -65,7 +65,7 @@ def run_train(cfg: Config) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
-        from jax_rl.runtime.ray_runtime import run_train_ray
+        from jax_rl.runtime.ray_runtime import run_train_ray  # lazy: Ray (the embedded runtime runs without it)
 
         return run_train_ray(cfg)
     # start-of-run lines (a config where no prompt fits ends here); the run dir is created by

