@@ -174,14 +174,14 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
 
 
 def test_route_names_only_in_the_registry_and_the_config():
-    """No module but the route registry and the config's schema holds an ``old_logits.route`` name
+    """No module but the route registry and the config's section that names them holds an ``old_logits.route`` name
     in its code (a literal equal to it, or a message naming ``route=<name>``): the others ask the
     route object. Docstrings may name routes."""
     import re
 
     from jax_rl.old_logits.routes import ROUTES
 
-    allowed = {ROOT / "jax_rl" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "schema.py"}
+    allowed = {ROOT / "jax_rl" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
     pat = re.compile(r"route=(" + "|".join(ROUTES) + r")\b")
     bad = []
     for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):

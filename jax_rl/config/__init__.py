@@ -9,8 +9,10 @@ Every section is a pydantic model with ``extra="forbid"``, so an unknown key is 
 names the dotted key, the bad value and the constraint, and suggests the closest valid key
 for a typo (``loss.corection`` -> ``loss.correction``).
 
-The package: :mod:`jax_rl.config.schema` (the sections and :class:`Config`) and
-:mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash, ``base.yaml``); everything is
+The package: :mod:`jax_rl.config.schema` (:class:`Config`) over the sections in :mod:`~jax_rl.config.base`,
+:mod:`~jax_rl.config.model`, :mod:`~jax_rl.config.training`, :mod:`~jax_rl.config.rollout` and
+:mod:`~jax_rl.config.run`, and :mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash,
+``base.yaml``); everything is
 importable from ``jax_rl.config``. Importing or validating it does not import jax (cheap for the CLI
 and tests). The package is a leaf of the import graph: what a correction mode allows with it is the
 registries' check, :func:`jax_rl.correction.check_config`. ``python -m jax_rl.config >

