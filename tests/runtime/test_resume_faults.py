@@ -283,7 +283,7 @@ def test_checkpointer_disk_full_precheck_one_line(tmp_path, monkeypatch):
     with C.Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(1, state={"w": jnp.ones((256, 256))}, metadata={"version": 1})
         real = shutil.disk_usage
-        monkeypatch.setattr(C.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
         with pytest.raises(C.CheckpointDiskFullError) as e:
             ck.save(2, state={"w": jnp.ones((256, 256))}, metadata={"version": 2})
         monkeypatch.undo()
@@ -299,7 +299,7 @@ import jax_rl.checkpoint as C
 ck = C.Checkpointer(sys.argv[1], max_to_keep=5)
 ck.save(1, state={"w": jax.random.normal(jax.random.key(0), (64, 64))}, metadata={"version": 1})
 ck.wait()
-C.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40)  # let it past the pre-check
+shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40)  # let it past the pre-check
 try:
     ck.save(2, state={"w": jax.random.normal(jax.random.key(1), (1024, 1024))}, metadata={"version": 2})
     ck.wait()
