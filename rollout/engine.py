@@ -727,17 +727,20 @@ class Qwen3Engine(Engine):
             routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
             return arm(state, cache, sel, pending, seeds, temps), (routes, drops[0] if count else None)
 
-        def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps):
+        def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps, window=None):
             # append-prefill into the slots' own cached rows: tokens [n, T] at positions starts + t,
-            # lengths [n]; slots [n] (B for a padding row: read clamped, written nowhere)
+            # lengths [n]; slots [n] (B for a padding row: read clamped, written nowhere). window
+            # (static; None = S): only cache positions [0, window) are read, attended to and written
+            # back (starts + lengths <= window; the positions past it are left as they are)
             model = self._model(params)
             cache = state["cache"]
+            W = S if window is None else int(window)
             src = jnp.minimum(slots, B - 1)
             if per_layer:
-                rk = jnp.stack([c[src].swapaxes(2, 3) for c in cache.k])  # [L,n,K,S,H]
-                rv = jnp.stack([c[src] for c in cache.v])
+                rk = jnp.stack([c[src][..., :W].swapaxes(2, 3) for c in cache.k])  # [L,n,K,W,H]
+                rv = jnp.stack([c[src][:, :, :W] for c in cache.v])
             else:
-                rk, rv = cache.k[:, src], cache.v[:, src]
+                rk, rv = cache.k[:, src, :, :W], cache.v[:, src, :, :W]
             from jax_rl.models.qwen3.cache import KVCache as _KV
 
             dkw, drops = drops_kw()
@@ -745,12 +748,13 @@ class Qwen3Engine(Engine):
                                **dkw)
             nk, nv = out[1].k, out[1].v
             if per_layer:
-                new_k = tuple(c.at[slots].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
+                new_k = tuple(c.at[slots, :, :, :W].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
                               for i, c in enumerate(cache.k))
-                new_v = tuple(c.at[slots].set(nv[i].astype(c.dtype), mode="drop") for i, c in enumerate(cache.v))
+                new_v = tuple(c.at[slots, :, :W].set(nv[i].astype(c.dtype), mode="drop")
+                              for i, c in enumerate(cache.v))
             else:
-                new_k = cache.k.at[:, slots].set(nk.astype(cache.k.dtype), mode="drop")
-                new_v = cache.v.at[:, slots].set(nv.astype(cache.v.dtype), mode="drop")
+                new_k = cache.k.at[:, slots, :, :W].set(nk.astype(cache.k.dtype), mode="drop")
+                new_v = cache.v.at[:, slots, :, :W].set(nv.astype(cache.v.dtype), mode="drop")
             sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
             spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
             cache = _replace_cache(cache, k=new_k, v=new_v,
@@ -761,7 +765,7 @@ class Qwen3Engine(Engine):
 
         if not self._sharded:  # the colocated single-device engine: programs as they always were
             self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,))
-            self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,))
+            self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), static_argnames=("window",))
             self._prefill_jit = jax.jit(prefill_fn)
             self._init_state_jit = jax.jit(init_state_fn)
             self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
@@ -788,7 +792,8 @@ class Qwen3Engine(Engine):
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
                                            out_shardings=(st, rep))
         self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,), out_shardings=(st, rep))
-        self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), out_shardings=(st, rep))
+        self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), static_argnames=("window",),
+                                         out_shardings=(st, rep))
 
     def _named(self, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
         """NamedSharding on the engine's mesh of an array ``shape`` with logical ``names``."""
@@ -942,9 +947,10 @@ class Qwen3Engine(Engine):
           moe_dropped))``: the batched fresh prefill + bulk insert (:meth:`prefill_slots`; each of
           routes / moe_dropped None unless ``record_routes`` / ``counts_moe_drops``);
         * ``append_prefill`` ``(params, state, tokens int32 [n, T], starts int32 [n], lengths int32
-          [n], slots int32 [n], pending int32 [n], seeds uint32 [n], temps float32 [n]) -> (state,
-          (routes, moe_dropped))``: the append-prefill of new tokens onto slots' kept K/V (an
-          episode's next turn);
+          [n], slots int32 [n], pending int32 [n], seeds uint32 [n], temps float32 [n], *, window
+          static int = None) -> (state, (routes, moe_dropped))``: the append-prefill of new tokens
+          onto slots' kept K/V (an episode's next turn), reading and writing only cache positions
+          ``[0, window)`` (``starts + lengths <= window``; None: all S, the largest program);
         * ``copy_slot`` ``(state, src, dst, pending, seed, temperature) -> state``; ``insert``
           ``(k, v, n, token, seed, temperature, state, slot) -> state``; ``free_slots`` ``(state,
           mask bool [B]) -> state``;
@@ -1100,13 +1106,19 @@ class Qwen3Engine(Engine):
         with its own seed and temperature (a token's key depends on its seed and position only,
         so the samples equal G separate prefills). Rows with ``start > 0`` (append-prefill: the
         slot already holds the K/V of ``tokens[:start]``, e.g. an episode's earlier turns) are
-        grouped by the bucket T of their new positions and run through
-        :meth:`Qwen3ForCausalLM.extend` on the slots' own rows, one program per group.
+        grouped by the bucket T of their new positions and the bucket W of their own end position
+        ``len(tokens) - 1`` and run through :meth:`Qwen3ForCausalLM.extend` on a window of the
+        slots' own rows, one program per group: only cache positions ``[0, W)`` are read, attended
+        to and written back (the rest of the row is left as it is), so an append costs in
+        proportion to the row's live length, not to ``max_cache_len``. W is the row's own (not the
+        longest row's of the call), so a row's numerics do not depend on what shares its call.
 
         Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
         ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
-        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs. The
-        append-prefill always runs ``slots`` rows (one program per length bucket): its per-row
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs; the
+        append-prefill has one program per (T, W) pair with T <= W, both buckets of that set, so
+        at most k (k + 1) / 2 for the k length buckets. The
+        append-prefill always runs ``slots`` rows: its per-row
         values changed at fp32 rounding with the row count on XLA:CPU, and which requests share a
         call depends on thread timing, so a row's K/V and log-probs are its own only that way
         (bit-identical whatever shares the call; a resumed run reproduces the straight one). A
@@ -1140,16 +1152,19 @@ class Qwen3Engine(Engine):
                 raise ValueError(f"prefill_slots: start={r.start} outside [0, {n_tok}) tokens")
         results: list[dict] = [dict(prefill_tokens=0, shared=False) for _ in rows]
         fresh: dict[int, list[int]] = {}
-        ext: dict[int, list[int]] = {}
+        ext: dict[tuple[int, int], list[int]] = {}
         for i, r in enumerate(rows):
             m = len(r.tokens) - 1 - int(r.start)
-            (fresh if int(r.start) == 0 else ext).setdefault(prefill_bucket(max(m, 1), self.max_cache_len),
-                                                             []).append(i)
+            bucket = prefill_bucket(max(m, 1), self.max_cache_len)
+            if int(r.start) == 0:
+                fresh.setdefault(bucket, []).append(i)
+            else:  # (new-token bucket T, window W: the bucket of the row's own end position)
+                ext.setdefault((bucket, prefill_bucket(len(r.tokens) - 1, self.max_cache_len)), []).append(i)
         state = decode_state
         for P, idx in sorted(fresh.items()):
             state = self._prefill_group(params, state, rows, idx, P, results)
-        for T, idx in sorted(ext.items()):
-            state = self._extend_group(params, state, rows, idx, T, results)
+        for (T, W), idx in sorted(ext.items()):
+            state = self._extend_group(params, state, rows, idx, T, results, window=W)
         return state, [PrefillResult(int(r["prefill_tokens"]), bool(r["shared"]), r.get("routes"), r.get("moe_dropped"))
                        for r in results]
 
@@ -1220,7 +1235,7 @@ class Qwen3Engine(Engine):
         return state
 
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
-                      results: list[dict]) -> dict:
+                      results: list[dict], window: Optional[int] = None) -> dict:
         B = self._slots
         # B rows (padding rows write nowhere), not the row bucket of len(idx): on XLA:CPU an
         # append-prefill row's values changed at fp32 rounding with the call's row count, and which
@@ -1251,7 +1266,8 @@ class Qwen3Engine(Engine):
         with self._in_mesh():
             state, (routes, drops) = self._extend_slots_jit(params, state, jnp.asarray(buf), jnp.asarray(starts),
                                                             jnp.asarray(lens), jnp.asarray(slots), jnp.asarray(pending),
-                                                            jnp.asarray(seeds), jnp.asarray(temps))
+                                                            jnp.asarray(seeds), jnp.asarray(temps),
+                                                            window=None if window == self.max_cache_len else window)
         if self.counts_moe_drops:
             drops = np.asarray(drops)
             for j, i in enumerate(idx):
