@@ -91,7 +91,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_rl.models import qwen3 as _q
+from jax_rl.models.qwen3.cache import KVCache as _KV
+from jax_rl.sampling import kept_set, log_kept_mass, truncates
+from jax_rl.sharding import logical_to_pspec, state_shardings
 from rollout import jetstream_compat as _jc
+from rollout.quantize import QUANTIZE_MODES, dequantize_params, quantize_params, quantized_shardings
 
 _engine_api = _jc.engine_api()
 _tokenizer_api = _jc.tokenizer_api()
@@ -220,8 +225,6 @@ def sample_tokens(
       of the sampled token under the truncated, renormalised, tempered distribution;
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
     """
-    from jax_rl.sampling import kept_set, log_kept_mass, truncates
-
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
@@ -445,9 +448,6 @@ class Qwen3Engine(Engine):
         record_routes: bool = False,
         quantize: str = "none",
     ) -> None:
-        from jax_rl.models import qwen3 as _q
-        from rollout.quantize import QUANTIZE_MODES
-
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if max_cache_len < 2:
@@ -511,8 +511,6 @@ class Qwen3Engine(Engine):
         self._sharded = mesh is not None  # (the ``mesh`` property fills ``_mesh`` in lazily)
         self._param_shardings = None
         if mesh is not None:
-            from jax_rl.sharding import state_shardings
-
             # replicated: the model's non-param state, prefill tokens, the per-step result rows
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._param_shardings = state_shardings(self._abstract_params, mesh)
@@ -521,8 +519,6 @@ class Qwen3Engine(Engine):
         # the tree the engine holds (= the model's params unless quantised: QArray leaves then)
         self._engine_abstract, self._engine_shardings = self._abstract_params, self._param_shardings
         if quantize != "none":
-            from rollout.quantize import quantize_params, quantized_shardings
-
             self._engine_abstract = jax.eval_shape(lambda p: quantize_params(p, quantize, dt), self._abstract_params)
             if self._param_shardings is not None:
                 self._engine_shardings = quantized_shardings(self._engine_abstract, self._param_shardings)
@@ -541,13 +537,9 @@ class Qwen3Engine(Engine):
         dtype, in the calling program; a no-op when nothing is quantised)."""
         if self.quantize == "none":
             return params
-        from rollout.quantize import dequantize_params
-
         return dequantize_params(params, self.dtype)
 
     def _build_jits(self) -> None:
-        from jax_rl.models import qwen3 as _q
-
         S, B, dt = self.max_cache_len, self._slots, self.dtype
         top_k, top_p = self.top_k, self.top_p
         record = self.record_routes
@@ -741,8 +733,6 @@ class Qwen3Engine(Engine):
                 rv = jnp.stack([c[src][:, :, :W] for c in cache.v])
             else:
                 rk, rv = cache.k[:, src, :, :W], cache.v[:, src, :, :W]
-            from jax_rl.models.qwen3.cache import KVCache as _KV
-
             dkw, drops = drops_kw()
             out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record,
                                **dkw)
@@ -797,8 +787,6 @@ class Qwen3Engine(Engine):
 
     def _named(self, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
         """NamedSharding on the engine's mesh of an array ``shape`` with logical ``names``."""
-        from jax_rl.sharding import logical_to_pspec
-
         return jax.sharding.NamedSharding(self._mesh, logical_to_pspec(names, shape=shape, mesh=self._mesh))
 
     def _decode_state_shardings(self, abstract_state: dict) -> dict:
@@ -969,8 +957,6 @@ class Qwen3Engine(Engine):
         (:func:`rollout.quantize.quantize_params` of the values as given)."""
         dt = self.dtype
         if self.quantize != "none":
-            from rollout.quantize import quantize_params
-
             mode = self.quantize
             return jax.jit(lambda params: quantize_params(self._layout(params), mode, dt))
 
@@ -1002,8 +988,6 @@ class Qwen3Engine(Engine):
         pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
         if not isinstance(pure, dict) or "layers" not in pure:
             return params  # not the stacked layout: the structure check below reports it
-        from jax_rl.models import qwen3 as _q
-
         target = jax.tree.map(lambda a: a, self._abstract_params)
         target.replace_by_pure_dict(_q.unstack_layer_params(pure, self._unstack_layers))
         return target
