@@ -91,7 +91,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_rl.models import qwen3 as _q
+from jax_rl.models.qwen3.cache import KVCache as _KV
+from jax_rl.sampling import kept_set, log_kept_mass, truncates
+from jax_rl.sharding import logical_to_pspec, state_shardings
 from rollout import jetstream_compat as _jc
+from rollout.quantize import QUANTIZE_MODES, dequantize_params, quantize_params, quantized_shardings
 
 _engine_api = _jc.engine_api()
 _tokenizer_api = _jc.tokenizer_api()
@@ -220,8 +225,6 @@ def sample_tokens(
       of the sampled token under the truncated, renormalised, tempered distribution;
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
     """
-    from jax_rl.sampling import kept_set, log_kept_mass, truncates
-
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
@@ -445,9 +448,6 @@ class Qwen3Engine(Engine):
         record_routes: bool = False,
         quantize: str = "none",
     ) -> None:
-        from jax_rl.models import qwen3 as _q
-        from rollout.quantize import QUANTIZE_MODES
-
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if max_cache_len < 2:
@@ -511,8 +511,6 @@ class Qwen3Engine(Engine):
         self._sharded = mesh is not None  # (the ``mesh`` property fills ``_mesh`` in lazily)
         self._param_shardings = None
         if mesh is not None:
-            from jax_rl.sharding import state_shardings
-
             # replicated: the model's non-param state, prefill tokens, the per-step result rows
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._param_shardings = state_shardings(self._abstract_params, mesh)
@@ -521,8 +519,6 @@ class Qwen3Engine(Engine):
         # the tree the engine holds (= the model's params unless quantised: QArray leaves then)
         self._engine_abstract, self._engine_shardings = self._abstract_params, self._param_shardings
         if quantize != "none":
-            from rollout.quantize import quantize_params, quantized_shardings
-
             self._engine_abstract = jax.eval_shape(lambda p: quantize_params(p, quantize, dt), self._abstract_params)
             if self._param_shardings is not None:
                 self._engine_shardings = quantized_shardings(self._engine_abstract, self._param_shardings)
@@ -541,13 +537,9 @@ class Qwen3Engine(Engine):
         dtype, in the calling program; a no-op when nothing is quantised)."""
         if self.quantize == "none":
             return params
-        from rollout.quantize import dequantize_params
-
         return dequantize_params(params, self.dtype)
 
     def _build_jits(self) -> None:
-        from jax_rl.models import qwen3 as _q
-
         S, B, dt = self.max_cache_len, self._slots, self.dtype
         top_k, top_p = self.top_k, self.top_p
         record = self.record_routes
@@ -727,30 +719,32 @@ class Qwen3Engine(Engine):
             routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
             return arm(state, cache, sel, pending, seeds, temps), (routes, drops[0] if count else None)
 
-        def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps):
+        def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps, window=None):
             # append-prefill into the slots' own cached rows: tokens [n, T] at positions starts + t,
-            # lengths [n]; slots [n] (B for a padding row: read clamped, written nowhere)
+            # lengths [n]; slots [n] (B for a padding row: read clamped, written nowhere). window
+            # (static; None = S): only cache positions [0, window) are read, attended to and written
+            # back (starts + lengths <= window; the positions past it are left as they are)
             model = self._model(params)
             cache = state["cache"]
+            W = S if window is None else int(window)
             src = jnp.minimum(slots, B - 1)
             if per_layer:
-                rk = jnp.stack([c[src].swapaxes(2, 3) for c in cache.k])  # [L,n,K,S,H]
-                rv = jnp.stack([c[src] for c in cache.v])
+                rk = jnp.stack([c[src][..., :W].swapaxes(2, 3) for c in cache.k])  # [L,n,K,W,H]
+                rv = jnp.stack([c[src][:, :, :W] for c in cache.v])
             else:
-                rk, rv = cache.k[:, src], cache.v[:, src]
-            from jax_rl.models.qwen3.cache import KVCache as _KV
-
+                rk, rv = cache.k[:, src, :, :W], cache.v[:, src, :, :W]
             dkw, drops = drops_kw()
             out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record,
                                **dkw)
             nk, nv = out[1].k, out[1].v
             if per_layer:
-                new_k = tuple(c.at[slots].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
+                new_k = tuple(c.at[slots, :, :, :W].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
                               for i, c in enumerate(cache.k))
-                new_v = tuple(c.at[slots].set(nv[i].astype(c.dtype), mode="drop") for i, c in enumerate(cache.v))
+                new_v = tuple(c.at[slots, :, :W].set(nv[i].astype(c.dtype), mode="drop")
+                              for i, c in enumerate(cache.v))
             else:
-                new_k = cache.k.at[:, slots].set(nk.astype(cache.k.dtype), mode="drop")
-                new_v = cache.v.at[:, slots].set(nv.astype(cache.v.dtype), mode="drop")
+                new_k = cache.k.at[:, slots, :, :W].set(nk.astype(cache.k.dtype), mode="drop")
+                new_v = cache.v.at[:, slots, :, :W].set(nv.astype(cache.v.dtype), mode="drop")
             sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
             spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
             cache = _replace_cache(cache, k=new_k, v=new_v,
@@ -761,7 +755,7 @@ class Qwen3Engine(Engine):
 
         if not self._sharded:  # the colocated single-device engine: programs as they always were
             self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,))
-            self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,))
+            self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), static_argnames=("window",))
             self._prefill_jit = jax.jit(prefill_fn)
             self._init_state_jit = jax.jit(init_state_fn)
             self._insert_jit = jax.jit(insert_fn, donate_argnums=(6,))
@@ -788,12 +782,11 @@ class Qwen3Engine(Engine):
         self._generate_steps_jit = jax.jit(generate_steps_fn, static_argnums=(2,), donate_argnums=(1,),
                                            out_shardings=(st, rep))
         self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,), out_shardings=(st, rep))
-        self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), out_shardings=(st, rep))
+        self._extend_slots_jit = jax.jit(extend_slots_fn, donate_argnums=(1,), static_argnames=("window",),
+                                         out_shardings=(st, rep))
 
     def _named(self, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
         """NamedSharding on the engine's mesh of an array ``shape`` with logical ``names``."""
-        from jax_rl.sharding import logical_to_pspec
-
         return jax.sharding.NamedSharding(self._mesh, logical_to_pspec(names, shape=shape, mesh=self._mesh))
 
     def _decode_state_shardings(self, abstract_state: dict) -> dict:
@@ -942,9 +935,10 @@ class Qwen3Engine(Engine):
           moe_dropped))``: the batched fresh prefill + bulk insert (:meth:`prefill_slots`; each of
           routes / moe_dropped None unless ``record_routes`` / ``counts_moe_drops``);
         * ``append_prefill`` ``(params, state, tokens int32 [n, T], starts int32 [n], lengths int32
-          [n], slots int32 [n], pending int32 [n], seeds uint32 [n], temps float32 [n]) -> (state,
-          (routes, moe_dropped))``: the append-prefill of new tokens onto slots' kept K/V (an
-          episode's next turn);
+          [n], slots int32 [n], pending int32 [n], seeds uint32 [n], temps float32 [n], *, window
+          static int = None) -> (state, (routes, moe_dropped))``: the append-prefill of new tokens
+          onto slots' kept K/V (an episode's next turn), reading and writing only cache positions
+          ``[0, window)`` (``starts + lengths <= window``; None: all S, the largest program);
         * ``copy_slot`` ``(state, src, dst, pending, seed, temperature) -> state``; ``insert``
           ``(k, v, n, token, seed, temperature, state, slot) -> state``; ``free_slots`` ``(state,
           mask bool [B]) -> state``;
@@ -963,8 +957,6 @@ class Qwen3Engine(Engine):
         (:func:`rollout.quantize.quantize_params` of the values as given)."""
         dt = self.dtype
         if self.quantize != "none":
-            from rollout.quantize import quantize_params
-
             mode = self.quantize
             return jax.jit(lambda params: quantize_params(self._layout(params), mode, dt))
 
@@ -996,8 +988,6 @@ class Qwen3Engine(Engine):
         pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
         if not isinstance(pure, dict) or "layers" not in pure:
             return params  # not the stacked layout: the structure check below reports it
-        from jax_rl.models import qwen3 as _q
-
         target = jax.tree.map(lambda a: a, self._abstract_params)
         target.replace_by_pure_dict(_q.unstack_layer_params(pure, self._unstack_layers))
         return target
@@ -1100,13 +1090,19 @@ class Qwen3Engine(Engine):
         with its own seed and temperature (a token's key depends on its seed and position only,
         so the samples equal G separate prefills). Rows with ``start > 0`` (append-prefill: the
         slot already holds the K/V of ``tokens[:start]``, e.g. an episode's earlier turns) are
-        grouped by the bucket T of their new positions and run through
-        :meth:`Qwen3ForCausalLM.extend` on the slots' own rows, one program per group.
+        grouped by the bucket T of their new positions and the bucket W of their own end position
+        ``len(tokens) - 1`` and run through :meth:`Qwen3ForCausalLM.extend` on a window of the
+        slots' own rows, one program per group: only cache positions ``[0, W)`` are read, attended
+        to and written back (the rest of the row is left as it is), so an append costs in
+        proportion to the row's live length, not to ``max_cache_len``. W is the row's own (not the
+        longest row's of the call), so a row's numerics do not depend on what shares its call.
 
         Compiled shapes: (row bucket n, length bucket) per program, n a power of two capped at
         ``slots`` and the length bucket a power of two >= 16 capped at ``max_cache_len``, so at most
-        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs. The
-        append-prefill always runs ``slots`` rows (one program per length bucket): its per-row
+        ``ceil(log2 slots) + 1`` times ``log2(max_cache_len / 16) + 1`` fresh programs; the
+        append-prefill has one program per (T, W) pair with T <= W, both buckets of that set, so
+        at most k (k + 1) / 2 for the k length buckets. The
+        append-prefill always runs ``slots`` rows: its per-row
         values changed at fp32 rounding with the row count on XLA:CPU, and which requests share a
         call depends on thread timing, so a row's K/V and log-probs are its own only that way
         (bit-identical whatever shares the call; a resumed run reproduces the straight one). A
@@ -1140,16 +1136,19 @@ class Qwen3Engine(Engine):
                 raise ValueError(f"prefill_slots: start={r.start} outside [0, {n_tok}) tokens")
         results: list[dict] = [dict(prefill_tokens=0, shared=False) for _ in rows]
         fresh: dict[int, list[int]] = {}
-        ext: dict[int, list[int]] = {}
+        ext: dict[tuple[int, int], list[int]] = {}
         for i, r in enumerate(rows):
             m = len(r.tokens) - 1 - int(r.start)
-            (fresh if int(r.start) == 0 else ext).setdefault(prefill_bucket(max(m, 1), self.max_cache_len),
-                                                             []).append(i)
+            bucket = prefill_bucket(max(m, 1), self.max_cache_len)
+            if int(r.start) == 0:
+                fresh.setdefault(bucket, []).append(i)
+            else:  # (new-token bucket T, window W: the bucket of the row's own end position)
+                ext.setdefault((bucket, prefill_bucket(len(r.tokens) - 1, self.max_cache_len)), []).append(i)
         state = decode_state
         for P, idx in sorted(fresh.items()):
             state = self._prefill_group(params, state, rows, idx, P, results)
-        for T, idx in sorted(ext.items()):
-            state = self._extend_group(params, state, rows, idx, T, results)
+        for (T, W), idx in sorted(ext.items()):
+            state = self._extend_group(params, state, rows, idx, T, results, window=W)
         return state, [PrefillResult(int(r["prefill_tokens"]), bool(r["shared"]), r.get("routes"), r.get("moe_dropped"))
                        for r in results]
 
@@ -1220,7 +1219,7 @@ class Qwen3Engine(Engine):
         return state
 
     def _extend_group(self, params: Any, state: dict, rows: list, idx: list[int], T: int,
-                      results: list[dict]) -> dict:
+                      results: list[dict], window: Optional[int] = None) -> dict:
         B = self._slots
         # B rows (padding rows write nowhere), not the row bucket of len(idx): on XLA:CPU an
         # append-prefill row's values changed at fp32 rounding with the call's row count, and which
@@ -1251,7 +1250,8 @@ class Qwen3Engine(Engine):
         with self._in_mesh():
             state, (routes, drops) = self._extend_slots_jit(params, state, jnp.asarray(buf), jnp.asarray(starts),
                                                             jnp.asarray(lens), jnp.asarray(slots), jnp.asarray(pending),
-                                                            jnp.asarray(seeds), jnp.asarray(temps))
+                                                            jnp.asarray(seeds), jnp.asarray(temps),
+                                                            window=None if window == self.max_cache_len else window)
         if self.counts_moe_drops:
             drops = np.asarray(drops)
             for j, i in enumerate(idx):

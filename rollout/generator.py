@@ -8,7 +8,8 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
    jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
-   ``engine.generate_steps`` of n steps); its ``StepOutput`` comes back in ONE host transfer;
+   ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
+   ``StepOutput`` comes back in ONE host transfer;
 4. append per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
    finished slot decoded later in the same call are discarded).
@@ -179,15 +180,20 @@ class Generator:
       params: initial params (already loaded with ``engine.load_params``); default
         ``engine.params``.
       version: version of the initial params.
-      decode_steps: decode steps per engine call (``rollout.decode_steps``, >= 1). 1: one
-        ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, n)``
-        (one dispatch, one host transfer) per step; the n tokens of each slot are consumed in
-        order and a slot that finishes mid-chunk (stop id, budget, cache capacity) keeps the
-        tokens up to and including its last one, the rest are discarded (counted in
-        ``stats["discarded_tokens"]``). Weight swaps and admissions happen between calls, so a
-        swap waits at most n - 1 tokens; every token carries the version of the params that
-        produced it. The tokens and log-probs equal decode_steps=1's (keys are per request seed
-        and position); only the batching of later requests shifts.
+      decode_steps: the most decode steps per engine call (``rollout.decode_steps``, >= 1). 1:
+        one ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, m)``
+        (one dispatch, one host transfer) per step, where m is the smallest of
+        :attr:`step_counts` (the powers of two below n, and n: at most ``floor(log2 n) + 2``
+        compiled decode programs, m = 1 being ``engine.decode``) that covers the largest number
+        of tokens a live slot can still emit (its remaining ``max_new_tokens`` budget, capped by
+        its cache room): a call never runs steps that no slot can use (a 1-token request runs
+        one step, not n). A stop id cannot be foreseen: the m tokens of each slot are consumed
+        in order and a slot that finishes mid-chunk (stop id, or a budget shorter than
+        another slot's) keeps the tokens up to and including its last one, the rest are
+        discarded (counted in ``stats["discarded_tokens"]``). Weight swaps and admissions
+        happen between calls, so a swap waits at most n - 1 tokens; every token carries the
+        version of the params that produced it. The tokens and log-probs equal decode_steps=1's
+        (keys are per request seed and position); only the batching of later requests shifts.
       keep_kv: hold a finished session's slot for its next turn (module docstring, "Kept K/V");
         False: every request is prefilled from scratch (the re-prefill reference path).
       prefill_budget: prefill tokens per step while a slot decodes (module docstring, "Prefill");
@@ -208,6 +214,10 @@ class Generator:
         if prefill_budget is not None and int(prefill_budget) < 1:
             raise ValueError(f"prefill_budget must be >= 1 token, got {prefill_budget}")
         self.decode_steps = int(decode_steps)
+        self.step_counts = tuple(sorted({1 << i for i in range(self.decode_steps.bit_length())
+                                         if 1 << i < self.decode_steps} | {self.decode_steps}))
+        """The decode-step counts an engine call may run (:meth:`_call_steps`): the powers of two
+        below ``decode_steps``, and ``decode_steps``; one compiled program each."""
         self.keep_kv = bool(keep_kv)
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
                                   else 4 * int(getattr(engine, "max_prefill_length", 256)))
@@ -727,19 +737,33 @@ class Generator:
         req.routes = [] if routes is None else list(np.asarray(routes))
         return True
 
+    def _call_steps(self) -> int:
+        """Decode steps of the next engine call: the fewest of :attr:`step_counts` that cover the
+        largest number of tokens any live slot can still emit (its remaining budget, capped by its
+        cache room), so a call never runs steps no slot can use (a 1-token request runs a 1-step
+        program, not a ``decode_steps`` scan whose later tokens would all be discarded)."""
+        need = 1
+        for req in self._slots:
+            if req is not None:
+                left = min(req.budget - len(req.tokens), self._S - len(req.prompt) - len(req.tokens))
+                need = max(need, left)
+        return next(n for n in self.step_counts if n >= need) if need < self.decode_steps else self.decode_steps
+
     def _decode(self) -> None:
-        """One engine call (``decode``, or ``generate_steps`` of ``decode_steps``) for all slots, its
-        :class:`rollout.engine.StepOutput` brought to the host in ONE transfer, then consumed step
-        by step; the slots that finished are deactivated before the next call."""
+        """One engine call (``decode``, or ``generate_steps`` of n <= ``decode_steps`` steps:
+        :meth:`_call_steps`) for all slots, its :class:`rollout.engine.StepOutput` brought to the
+        host in ONE transfer, then consumed step by step; the slots that finished are deactivated
+        before the next call."""
         self._free_finished()
         v = self._version  # every token of the call is produced by self._params
-        if self.decode_steps == 1:
+        n = self._call_steps()
+        if n == 1:
             self._state, out = self.engine.decode(self._params, self._state, version=v)
             steps = [jax.device_get(out)]  # the one host sync of the step
         else:  # n steps in one call: [n, B] leaves, one host sync for all of them
-            self._state, out = self.engine.generate_steps(self._params, self._state, self.decode_steps, version=v)
+            self._state, out = self.engine.generate_steps(self._params, self._state, n, version=v)
             out = jax.device_get(out)
-            steps = [out.at(i) for i in range(self.decode_steps)]
+            steps = [out.at(i) for i in range(n)]
         self.stats["calls"] += 1
         live = [req is not None for req in self._slots]  # slots with a request when the call began
         for r in steps:

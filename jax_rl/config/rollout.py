@@ -44,11 +44,13 @@ class RolloutConfig(_Section):
     slots: int = Field(16, ge=1)
     """Concurrent decode slots per generator (JetStream max_concurrent_decodes)."""
     decode_steps: int = Field(4, ge=1, le=256)
-    """Decode steps per jitted engine call (one on-device scan, one host transfer): a weight swap or a
-    newly admitted request waits at most decode_steps - 1 tokens, and a slot that stops mid-call idles
-    (its extra tokens are discarded) until the call ends. Samples and log-probs do not depend on it
-    (keys are per request seed and position); 1 = one dispatch per token. 4 keeps the swap latency and
-    mid-call idling short while most of the per-dispatch cost is already saved (docs/performance.md)."""
+    """The most decode steps per jitted engine call (one on-device scan, one host transfer; a call runs
+    no more steps than the live slots' largest remaining budget, rounded up to a power of two or to
+    decode_steps): a weight swap or a newly admitted request waits at most decode_steps - 1 tokens,
+    and a slot that stops mid-call idles (its extra tokens are discarded) until the call ends. Samples
+    and log-probs do not depend on it (keys are per request seed and position); 1 = one dispatch per
+    token. 4 keeps the swap latency and mid-call idling short while most of the per-dispatch cost is
+    already saved (docs/performance.md)."""
     keep_kv: bool = True
     """Keep an episode's K/V cache across its turns: its slot is held while the tools run and the next turn
     runs only its new tokens (tool output + generation prompt) at the cache's current length instead of

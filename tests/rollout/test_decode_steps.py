@@ -88,8 +88,54 @@ def test_generator_decode_steps_identical_with_stops_budgets_and_cache_end(engin
             assert g.behav_logp == w.behav_logp  # bit-identical floats
             assert g.versions == w.versions == [0] * len(w.tokens)
             assert "kept_mass" not in g.info  # the learner recomputes a truncation: nothing carries it
-        assert gen.stats["steps"] == N * gen.stats["calls"]
+        assert N * gen.stats["calls"] > gen.stats["steps"] > gen.stats["calls"]  # short calls near the ends
         assert gen.stats["discarded_tokens"] > 0  # slots that finished mid-chunk decoded on
+
+
+def _spied(engine, monkeypatch):
+    """Record the step count of every decode call the engine runs (1 for ``decode``)."""
+    calls: list[int] = []
+    decode, steps = engine.decode, engine.generate_steps
+
+    def spy_decode(*a, **k):
+        calls.append(1)
+        return decode(*a, **k)
+
+    def spy_steps(params, state, n, **k):
+        calls.append(int(n))
+        return steps(params, state, n, **k)
+
+    monkeypatch.setattr(engine, "decode", spy_decode)
+    monkeypatch.setattr(engine, "generate_steps", spy_steps)
+    return calls
+
+
+@pytest.mark.parametrize("prompts,budgets,want_calls", [
+    ([[5, 6, 7], [9, 10]], [1, 1], [1]),  # a 1-token request: one 1-step program, no discarded step
+    ([[5, 6, 7], [9, 10]], [6, 2], [4, 2]),  # the chunk shrinks to the largest remaining budget
+    ([[5, 6, 7], [9, 10]], [3, 1], [4]),  # rounded up to a compiled count (1, 2, 4)
+    ([list(range(1, S - 1)), [9]], [40, 2], [2]),  # capped by the cache room (2 positions left)
+])
+def test_a_call_runs_no_more_steps_than_the_live_slots_can_use(engine, monkeypatch, prompts, budgets, want_calls):
+    # the fixed N-step path (every call a whole decode_steps scan, as before)
+    monkeypatch.setattr(Generator, "_call_steps", lambda self: self.decode_steps)
+    ref, gen_ref = _run(engine, N, prompts, budgets)
+    monkeypatch.undo()
+    calls = _spied(engine, monkeypatch)
+    got, gen = _run(engine, N, prompts, budgets)
+    assert gen.step_counts == (1, 2, 4)
+    assert calls == want_calls and gen.stats["steps"] == sum(want_calls)
+    assert gen_ref.stats["steps"] == N * len(want_calls)
+    for w, g in zip(ref, got):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+        assert g.behav_logp == w.behav_logp and g.versions == w.versions  # bit-identical
+    assert [len(c.tokens) for c in got] == [min(b, S - len(p)) for p, b in zip(prompts, budgets)]
+
+
+def test_step_counts_are_powers_of_two_below_decode_steps(engine):
+    assert Generator(engine, decode_steps=1).step_counts == (1,)
+    assert Generator(engine, decode_steps=6).step_counts == (1, 2, 4, 6)
+    assert Generator(engine, decode_steps=16).step_counts == (1, 2, 4, 8, 16)
 
 
 @pytest.mark.parametrize("partial", ["continue", "recompute_kv", "abort"])

@@ -486,3 +486,71 @@ def test_a_rows_prefill_is_bit_identical_whatever_shares_its_call(kind):
         got_t, got_l = run(companions, slot)
         np.testing.assert_array_equal(got_t, want_t)
         np.testing.assert_array_equal(got_l, want_l)
+
+
+# ------------------------------------------------------------------ (7) the append-prefill reads a window
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer_cache", "stacked_cache"])
+def test_windowed_append_prefill_equals_the_whole_cache_path(model, per_layer):
+    """An append-prefill reads, attends to and writes back only the bucket W of each row's end
+    position (``window``), not all ``max_cache_len`` positions: the same K/V (fp32, 1e-5), the
+    same positions past W left untouched (bit-identical) and the same decode tokens and log-probs
+    as the program over the whole cache (``window=None``, the path before); ``prefill_slots`` runs
+    one program per (T, W) pair, each row in its own W."""
+    S_ = 256
+    eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S_, dtype="float32",
+                      kv_per_layer=per_layer)
+    held = _prompts(3, [20, 40, 70], seed=5)  # cached contexts (earlier turns) in slots 0..2
+    new = _prompts(3, [6, 9, 12], seed=6)  # the next turn's tokens (the last one stays pending)
+    rows = [SlotPrefill(h + n, i, 30 + i, 1.0, start=len(h)) for i, (h, n) in enumerate(zip(held, new))]
+
+    def armed():
+        st = eng.init_decode_state()
+        for i, h in enumerate(held):
+            st = eng.insert(eng.prefill_tokens(eng.params, h + [new[i][0]], seed=1, temperature=1.0), st, i)
+        return jax.tree.map(lambda x: x + 0 if isinstance(x, jax.Array) else x, st)  # fresh buffers
+
+    windows: list = []
+    prog = eng._extend_slots_jit
+
+    def spy(*a, **k):
+        windows.append(k.get("window"))
+        return prog(*a, **k)
+
+    eng._extend_slots_jit = spy
+    try:
+        st_w, res = eng.prefill_slots(eng.params, armed(), rows)
+    finally:
+        eng._extend_slots_jit = prog
+    assert sorted(windows) == [32, 64, 128]  # each row's own window: 25, 48, 81 end positions
+    assert [r.prefill_tokens for r in res] == [len(n) - 1 for n in new]
+    # the reference: every row through the whole-cache program, one call (B rows, as before)
+    B = 4
+    T = 16
+    buf, starts, lens = np.zeros((B, T), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+    slots, pend = np.full((B,), B, np.int32), np.zeros((B,), np.int32)
+    seeds, temps = np.zeros((B,), np.uint32), np.ones((B,), np.float32)
+    for j, r in enumerate(rows):
+        toks = r.tokens[r.start:-1]
+        buf[j, :len(toks)], starts[j], lens[j], slots[j], pend[j], seeds[j] = toks, r.start, len(toks), j, r.tokens[-1], r.seed
+    st_f, _ = eng.programs["append_prefill"](eng.params, armed(), *map(jnp.asarray, (buf, starts, lens, slots, pend,
+                                                                                      seeds, temps)))
+    ck_w, ck_f = st_w["cache"], st_f["cache"]
+    np.testing.assert_array_equal(np.asarray(ck_w.lengths), np.asarray(ck_f.lengths))
+    for a, b in zip(jax.tree.leaves((ck_w.k, ck_w.v)), jax.tree.leaves((ck_f.k, ck_f.v))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    # past each row's window its cache row is bit-identical to the armed state's (untouched)
+    before = armed()["cache"]
+    for i, W in enumerate([32, 64, 128]):
+        for a, b in zip(jax.tree.leaves((ck_w.k, ck_w.v)), jax.tree.leaves((before.k, before.v))):
+            a, b = np.asarray(a), np.asarray(b)
+            if per_layer and a.shape[-1] == S_:  # a layer's key-transposed k [B,K,H,S]
+                np.testing.assert_array_equal(a[i, ..., W:], b[i, ..., W:])
+            else:  # v [B,K,S,H] per layer, or stacked [L,B,K,S,H]
+                sl = (i, slice(None), slice(W, None)) if per_layer else (slice(None), i, slice(None), slice(W, None))
+                np.testing.assert_array_equal(a[sl], b[sl])
+    got_t, got_l = _decode(eng, st_w)
+    want_t, want_l = _decode(eng, st_f)
+    np.testing.assert_array_equal(got_t, want_t)
+    np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-5)
