@@ -176,7 +176,7 @@ def _time_model_fwd_bwd(lrn, b) -> float:
     tok, am = jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"])
     from jax_rl.logprobs import sequence_logprobs
 
-    f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am))))
+    f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am).logp)))
     return _median_time(f, lrn.state.params)
 
 

@@ -68,7 +68,7 @@ def main() -> None:
         am = jnp.ones((args.B, args.T), bool)
 
         def loss(p):
-            return -jnp.mean(sequence_logprobs(graphdef, p, tok, am))
+            return -jnp.mean(sequence_logprobs(graphdef, p, tok, am).logp)
 
         fb = jax.jit(jax.value_and_grad(loss))
         fw = jax.jit(loss)

@@ -1,18 +1,46 @@
 """The RL log-prob heads: :func:`sequence_logprobs` (per-token log-probs of a sequence under a
-Qwen3 model, the LM head chunked over T) and :func:`token_logprobs` (from logits), with the
-sampler's top-k / top-p truncation (:mod:`jax_rl.sampling`) and the entropy."""
+Qwen3 model, the LM head chunked over T, as a :class:`LogprobOutput`) and :func:`token_logprobs`
+(from logits), with the sampler's top-k / top-p truncation (:mod:`jax_rl.sampling`) and the
+entropy."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.models.qwen3.outputs import MoeDrops
+
 Array = jax.Array
 
-__all__ = ["token_logprobs", "sequence_logprobs"]
+__all__ = ["LogprobOutput", "token_logprobs", "sequence_logprobs"]
+
+
+@flax.struct.dataclass
+class LogprobOutput:
+    """What :func:`sequence_logprobs` (and the train step's log-prob forward,
+    :func:`jax_rl.train_step.make_logprob_fn`) returns: a pytree, so it passes through ``jax.jit``
+    and ``lax.map``; a field not asked for is None.
+
+    Attributes:
+        logp: float32 [B,T], ``logp[:, t] = log p(tokens[t] | tokens[:t])`` (temperature and any
+            truncation applied), ``logp[:, 0] = 0``, 0 where attention_mask is False (the
+            alignment of ``behav_logp``).
+        entropy: float32 [B,T] (nats, same alignment and zeros), with ``return_entropy``.
+        expert_ids: tuple of int32 [B,T,k], one per MoE layer (empty for a dense model), with
+            ``return_expert_ids``.
+        moe_drops: :class:`jax_rl.models.qwen3.MoeDrops` (``dropped``, ``copies``: float32 []),
+            with ``return_moe_drops``.
+    """
+
+    logp: Array
+    entropy: Optional[Array] = None
+    expert_ids: Optional[tuple[Array, ...]] = None
+    moe_drops: Optional[MoeDrops] = None
 
 _CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
 _UNROLL_CHUNKS: bool | int = 1  # scan unroll of the LM-head chunk loop (1: a loop)
@@ -125,23 +153,24 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
                       chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None,
-                      top_k: int = 0, top_p: float = 1.0, return_moe_drops: bool = False):
+                      top_k: int = 0, top_p: float = 1.0, return_moe_drops: bool = False) -> LogprobOutput:
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
     ``sequence_logprobs(graphdef, state, tokens, attention_mask=None, temperature=1.0)``.
-    tokens [B,T] int32, attention_mask [B,T] bool (right padding). Returns [B,T] float32 with
-    ``out[:, 0] = 0`` and ``out[:, t] = log p(tokens[t] | tokens[:t])`` (temperature applied),
-    zero where attention_mask is False - the alignment of ``behav_logp``. The LM head and
-    log-softmax run chunked over T, so the full [B,T,V] logits are never materialised.
-    With ``return_entropy`` returns ``(logp, entropy)``: entropy [B,T] float32 in nats of the
+    tokens [B,T] int32, attention_mask [B,T] bool (right padding). Returns a
+    :class:`LogprobOutput` whose ``logp`` [B,T] float32 has ``logp[:, 0] = 0`` and
+    ``logp[:, t] = log p(tokens[t] | tokens[:t])`` (temperature applied), zero where
+    attention_mask is False - the alignment of ``behav_logp``. The LM head and log-softmax run
+    chunked over T, so the full [B,T,V] logits are never materialised. The flags fill the other
+    fields (None otherwise): ``return_entropy``: ``entropy`` [B,T] float32 in nats of the
     temperature-scaled next-token distribution that predicts ``tokens[t]`` (same alignment and
-    zeros as logp; verl's ``entropy_from_logits``). With ``return_expert_ids`` the per-MoE-layer
-    expert ids come next, and with ``return_moe_drops`` last the pair ``(dropped, copies)``
-    (float32 [] each): the token copies the MoE layers' expert-parallel dispatch dropped for
-    capacity (``model.moe_capacity_factor``; 0 when dropless or without EP) and the copies
-    routed, over the valid tokens (attention_mask) and every MoE layer (0, 0 for a dense model).
-    Padding takes no MoE capacity.
+    zeros as logp; verl's ``entropy_from_logits``); ``return_expert_ids``: the per-MoE-layer
+    ``expert_ids``; ``return_moe_drops``: ``moe_drops`` (``dropped``, ``copies``, float32 []
+    each): the token copies the MoE layers' expert-parallel dispatch dropped for capacity
+    (``model.moe_capacity_factor``; 0 when dropless or without EP) and the copies routed, over
+    the valid tokens (attention_mask) and every MoE layer (0, 0 for a dense model). Padding takes
+    no MoE capacity.
 
     The LM head runs over T-chunks of C positions (a rematerialised ``lax.map``): C is the
     largest divisor of T with B*C*V <= ``chunk_elems`` (default 4M logits, ~16 MB of fp32), or
@@ -179,9 +208,9 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     if len(rest) > 3:
         raise TypeError("too many positional arguments to sequence_logprobs")
     B, T = tokens.shape
-    drops: list = []
-    h, ids, _ = model.hidden_states(tokens, positions, attention_mask,
-                                    forced_expert_ids=forced_expert_ids, moe_drops=drops)
+    trunk = model.hidden_states(tokens, positions, attention_mask, forced_expert_ids=forced_expert_ids,
+                                return_moe_drops=return_moe_drops)
+    h = trunk.hidden
     V = model.config.vocab_size
 
     per_token = _per_token_fn(temperature, top_k, top_p, return_entropy)
@@ -200,9 +229,6 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     if attention_mask is not None:
         am = jnp.asarray(attention_mask, bool)
         out = jnp.where(am[..., None] if k else am, out, 0.0)
-    res = (out[..., 0], out[..., 1]) if return_entropy else (out,)
-    if return_expert_ids:
-        res = (*res, ids)
-    if return_moe_drops:
-        res = (*res, drops[0])
-    return res if len(res) > 1 else res[0]
+    return LogprobOutput(logp=out[..., 0] if return_entropy else out,
+                         entropy=out[..., 1] if return_entropy else None,
+                         expert_ids=trunk.expert_ids if return_expert_ids else None, moe_drops=trunk.moe_drops)

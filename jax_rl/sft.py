@@ -43,7 +43,7 @@ def make_sft_step(cfg: Config, graphdef, tx, schedule, mesh, *, rest: Any, param
         n = jnp.maximum(jnp.sum(d["loss_mask"].astype(jnp.float32)), 1.0)
 
         def mloss(p, x):
-            lp = logprobs(p, x["tokens"], x["attention_mask"])
+            lp = logprobs(p, x["tokens"], x["attention_mask"]).logp
             return -jnp.sum(jnp.where(x["loss_mask"], lp, 0.0)) / n
 
         vg = jax.value_and_grad(mloss)

@@ -193,9 +193,10 @@ def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings
 
 def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None, *,
                     top_k: int = 0, top_p: float = 1.0):
-    """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False) -> logp [r,T]`` (and
-    the entropy with ``return_entropy``; the MoE capacity drops ``(dropped, copies)`` last with
-    ``return_moe_drops``, see ``sequence_logprobs``), training numerics, ``out[:, 0] = 0``. ``chunk_tokens``:
+    """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False, routes=None,
+    return_moe_drops=False) -> LogprobOutput`` (:class:`jax_rl.logprobs.LogprobOutput`: ``logp``
+    [r,T] float32, ``logp[:, 0] = 0``; ``entropy`` [r,T] with ``return_entropy``; ``moe_drops``
+    with ``return_moe_drops``; see ``sequence_logprobs``), training numerics. ``chunk_tokens``:
     LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget).
     ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
@@ -222,8 +223,7 @@ def make_route_fn(graphdef, rest: Any):
 
     def routes(params, tokens, attention_mask):
         model = nnx.merge(graphdef, lax.stop_gradient(params), rest)
-        _, ids, _ = model.hidden_states(tokens, None, attention_mask)
-        return stack_routes(ids).astype(jnp.int32)
+        return stack_routes(model.hidden_states(tokens, None, attention_mask).expert_ids).astype(jnp.int32)
 
     return routes
 
@@ -238,11 +238,20 @@ def _rl_logprob_fn(cfg: Config, graphdef, rest: Any):
                            top_k=int(r.top_k), top_p=float(r.top_p))
 
 
+def _logp_only(logprobs) -> Callable[..., jax.Array]:
+    """A :func:`make_logprob_fn` closure as ``(params, tokens, attention_mask, routes=None) -> logp
+    [r,T]`` (its ``LogprobOutput.logp``): what :func:`chunked` maps over a batch."""
+    return lambda params, tokens, attention_mask, routes=None: logprobs(params, tokens, attention_mask,
+                                                                        routes=routes).logp
+
+
 def chunked(logprobs, *, with_routes: bool = True) -> Callable[..., jax.Array]:
     """Log-probs of a chunked batch [U, m, r, T], one microbatch forward at a time:
     ``(params, tokens, attention_mask, routes=None)``; ``routes`` [U, m, r, T, n_moe_layers, k]
-    forces those expert ids (``moe.routing_replay``). ``with_routes=False``: ``logprobs`` takes
-    no ``routes`` (e.g. :func:`make_route_fn`); the output keeps its trailing dims."""
+    forces those expert ids (``moe.routing_replay``). ``logprobs(params, tokens [r,T],
+    attention_mask [r,T], routes=...)`` returns an array [r,T,...] (:func:`_logp_only` of a
+    log-prob forward). ``with_routes=False``: ``logprobs`` takes no ``routes`` (e.g.
+    :func:`make_route_fn`); the output keeps its trailing dims."""
 
     def chunk_logprobs(params, tokens, attention_mask, routes=None):
         U, m, r, T = tokens.shape
@@ -303,19 +312,15 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         with_ent = lc.entropy_coef != 0.0  # entropy bonus: one pass over the same logits
         out = logprobs(p, x.tokens, x.attention_mask, return_entropy=with_ent, routes=x.routes,
                        return_moe_drops=moe)
-        out = out if isinstance(out, tuple) else (out,)
-        if moe:
-            *out, (dropped, copies) = out
-        logp, ent = out if with_ent else (out[0], None)
-        pl = prox_j if prox_j is not None else strategy.micro_prox(logp, x, g)
+        pl = prox_j if prox_j is not None else strategy.micro_prox(out.logp, x, g)
         loss, metr = losses.policy_loss(
-            logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
+            out.logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
             turn_ids=x.turn_ids, versions=x.versions, current_version=g,
-            old_logp=x.old_logp, denominator=denom, entropy=ent, truncated=truncated, train_infer=ti_j,
+            old_logp=x.old_logp, denominator=denom, entropy=out.entropy, truncated=truncated, train_infer=ti_j,
         )
         if moe:
-            metr = dict(metr, moe_dropped_copies=lax.stop_gradient(dropped),
-                        moe_copies=lax.stop_gradient(copies))
+            metr = dict(metr, moe_dropped_copies=lax.stop_gradient(out.moe_drops.dropped),
+                        moe_copies=lax.stop_gradient(out.moe_drops.copies))
         return loss, metr
 
     vg = jax.value_and_grad(micro_loss, has_aux=True)
@@ -389,7 +394,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
             learner fetches: one transfer per step) instead of a dict of scalars.
     """
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
-    chunk = chunked(logprobs)
+    chunk = chunked(_logp_only(logprobs))
     route_chunk = _route_chunk(graphdef, rest, routing)
     n_epochs = int(cfg.optim.ppo_epochs)
 
@@ -493,7 +498,7 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
     """Jitted ``(params, correction state, version, LearnerBatch [U,m,r,T]) -> (loss, grads,
     metrics)`` of the FIRST minibatch with the strategy's pi_prox (tests, debugging)."""
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
-    chunk = chunked(logprobs)
+    chunk = chunked(_logp_only(logprobs))
     route_chunk = _route_chunk(graphdef, rest, routing)
 
     def fn(params, cstate, version, b: LearnerBatch):
@@ -512,7 +517,7 @@ def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any,
     """Jitted ``(params, tokens [U,m,r,T], attention_mask) -> logp [U,m,r,T]`` (no gradient);
     ``with_routes``: ``(params, tokens, attention_mask, routes [U,m,r,T,n_moe_layers,k])`` with
     those expert ids forced (``moe.routing_replay=r3``)."""
-    chunk = chunked(_rl_logprob_fn(cfg, graphdef, rest))
+    chunk = chunked(_logp_only(_rl_logprob_fn(cfg, graphdef, rest)))
     if with_routes:
         return jax.jit(chunk, in_shardings=(param_shardings, None, None, None))
     return jax.jit(lambda p, t, a: chunk(p, t, a), in_shardings=(param_shardings, None, None))

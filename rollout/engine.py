@@ -545,28 +545,23 @@ class Qwen3Engine(Engine):
         record = self.record_routes
         count = self.counts_moe_drops
 
-        def drops_kw():  # (kwargs for the model's forward, the list it appends per-row drops to)
-            lst: list = []
-            return ({"moe_row_drops": lst} if count else {}), lst
-
         def prefill_fn(params, tokens, n):
             # tokens [1, P] int32, n int32 scalar: cache positions to fill (0 <= n <= P).
             model = self._model(params)
             P = tokens.shape[1]
             cache = model.init_cache(1, P, dtype=dt)
-            dkw, drops = drops_kw()
             out = model.prefill(tokens, jnp.reshape(n, (1,)).astype(jnp.int32), cache, return_expert_ids=record,
-                                **dkw)
-            cache = out[1]
+                                return_moe_drops=count)
+            cache = out.cache
             keep = (jnp.arange(P) < n)[None, None, None, :, None]  # cache [L,1,K,P,H]
             # Zero the padded rows (jnp.where, not *, so NaNs from all-masked rows vanish too).
             k = jnp.where(keep, cache.k, jnp.zeros((), cache.k.dtype))
             v = jnp.where(keep, cache.v, jnp.zeros((), cache.v.dtype))
             res = (k, v)
             if record:  # [P, n_moe_layers, k] int32: the prompt positions' routes
-                res += (_q.stack_routes(out[2])[0].astype(jnp.int32),)
+                res += (_q.stack_routes(out.expert_ids)[0].astype(jnp.int32),)
             if count:  # int32 []: the prompt's MoE copies dropped for capacity
-                res += (drops[0][0],)
+                res += (out.moe_drops.per_row[0],)
             return res
 
         per_layer = self._per_layer_cache
@@ -636,11 +631,10 @@ class Qwen3Engine(Engine):
             cache = state["cache"]
             active = state["active"] & (cache.lengths < S)  # room to write the pending token
             lengths_in = jnp.minimum(cache.lengths, S - 1)
-            dkw, drops = drops_kw()
             dec = model.decode_step(state["tokens"], _replace_cache(cache, lengths=lengths_in),
-                                    return_expert_ids=record,
-                                    **({"valid": active} if self._decode_valid else {}), **dkw)
-            logits, cache = dec[0], dec[1]
+                                    return_expert_ids=record, return_moe_drops=count,
+                                    **({"valid": active} if self._decode_valid else {}))
+            logits, cache = dec.logits, dec.cache
             pos = lengths_in + 1  # absolute position of the token being sampled
             keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
             tok, logp, _kept = sample_tokens(logits, keys, state["temperature"], top_k=top_k, top_p=top_p)
@@ -660,9 +654,9 @@ class Qwen3Engine(Engine):
                 generated=generated,
                 behav_logp=logp,
                 version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
-                route=_q.stack_routes(dec[2]).astype(jnp.int32) if record else None,  # [B, n_moe, k]
+                route=_q.stack_routes(dec.expert_ids).astype(jnp.int32) if record else None,  # [B, n_moe, k]
                 # the fed token's MoE copies dropped for capacity [B] (0 if inactive)
-                moe_dropped=jnp.where(active, drops[0], 0).astype(jnp.int32) if count else None,
+                moe_dropped=jnp.where(active, dec.moe_drops.per_row, 0).astype(jnp.int32) if count else None,
             )
             return new_state, out
 
@@ -696,11 +690,11 @@ class Qwen3Engine(Engine):
             # one row (a GRPO group's prompt) can fill several slots; pending/seeds/temps [B]
             model = self._model(params)
             n, P = tokens.shape
-            dkw, drops = drops_kw()
-            out = model.prefill(tokens, lengths, model.init_cache(n, P, dtype=dt), return_expert_ids=record, **dkw)
+            out = model.prefill(tokens, lengths, model.init_cache(n, P, dtype=dt), return_expert_ids=record,
+                                return_moe_drops=count)
             keep = (jnp.arange(P)[None, :] < lengths[:, None])[None, :, None, :, None]  # [1,n,1,P,1]
-            k = jnp.where(keep, out[1].k, jnp.zeros((), out[1].k.dtype))  # padding zeroed (no NaN)
-            v = jnp.where(keep, out[1].v, jnp.zeros((), out[1].v.dtype))
+            k = jnp.where(keep, out.cache.k, jnp.zeros((), out.cache.k.dtype))  # padding zeroed (no NaN)
+            v = jnp.where(keep, out.cache.v, jnp.zeros((), out.cache.v.dtype))
             sel = dest >= 0
             rows = jnp.maximum(dest, 0)
             kg, vg = k[:, rows], v[:, rows]  # [L,B,K,P,H]
@@ -716,8 +710,8 @@ class Qwen3Engine(Engine):
                 new_k = cache.k.at[:, :, :, :P].set(jnp.where(s5, kg.astype(cache.k.dtype), cache.k[:, :, :, :P]))
                 new_v = cache.v.at[:, :, :, :P].set(jnp.where(s5, vg.astype(cache.v.dtype), cache.v[:, :, :, :P]))
             cache = _replace_cache(cache, k=new_k, v=new_v, lengths=jnp.where(sel, lengths[rows], cache.lengths))
-            routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
-            return arm(state, cache, sel, pending, seeds, temps), (routes, drops[0] if count else None)
+            routes = _q.stack_routes(out.expert_ids).astype(jnp.int32) if record else None  # [n,P,n_moe,k]
+            return arm(state, cache, sel, pending, seeds, temps), (routes, out.moe_drops.per_row if count else None)
 
         def extend_slots_fn(params, state, tokens, starts, lengths, slots, pending, seeds, temps, window=None):
             # append-prefill into the slots' own cached rows: tokens [n, T] at positions starts + t,
@@ -733,10 +727,9 @@ class Qwen3Engine(Engine):
                 rv = jnp.stack([c[src][:, :, :W] for c in cache.v])
             else:
                 rk, rv = cache.k[:, src, :, :W], cache.v[:, src, :, :W]
-            dkw, drops = drops_kw()
-            out = model.extend(tokens, starts, lengths, _KV(k=rk, v=rv, lengths=starts), return_expert_ids=record,
-                               **dkw)
-            nk, nv = out[1].k, out[1].v
+            out = model.extend(tokens, starts, lengths, _q.StackedKVCache(k=rk, v=rv, lengths=starts),
+                               return_expert_ids=record, return_moe_drops=count)
+            nk, nv = out.cache.k, out.cache.v
             if per_layer:
                 new_k = tuple(c.at[slots, :, :, :W].set(nk[i].swapaxes(2, 3).astype(c.dtype), mode="drop")
                               for i, c in enumerate(cache.k))
@@ -749,9 +742,9 @@ class Qwen3Engine(Engine):
             spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
             cache = _replace_cache(cache, k=new_k, v=new_v,
                                    lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
-            routes = _q.stack_routes(out[2]).astype(jnp.int32) if record else None  # [n,T,n_moe,k]
+            routes = _q.stack_routes(out.expert_ids).astype(jnp.int32) if record else None  # [n,T,n_moe,k]
             return (arm(state, cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
-                    (routes, drops[0] if count else None))
+                    (routes, out.moe_drops.per_row if count else None))
 
         if not self._sharded:  # the colocated single-device engine: programs as they always were
             self._prefill_slots_jit = jax.jit(prefill_slots_fn, donate_argnums=(3,))

@@ -26,8 +26,8 @@ def test_entropy_bonus_enters_loss_grads_and_metrics():
     l1, g1, m1 = bonus.loss_and_grads(batch)
     assert "entropy_mean" not in m0
     # the entropy by hand: the model's own next-token distributions on the loss tokens
-    _, ent = sequence_logprobs(nnx.merge(bonus.graphdef, bonus.state.params, bonus.rest), batch["tokens"],
-                               batch["attention_mask"], return_entropy=True)
+    ent = sequence_logprobs(nnx.merge(bonus.graphdef, bonus.state.params, bonus.rest), batch["tokens"],
+                            batch["attention_mask"], return_entropy=True).entropy
     lm = batch["loss_mask"]
     want = float(np.asarray(ent)[lm].mean())
     assert m1["entropy_mean"] == pytest.approx(want, rel=1e-5)

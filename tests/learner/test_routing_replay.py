@@ -82,7 +82,7 @@ def _batch(trajs):
 
 def _own_routes(learner: Learner, b) -> np.ndarray:
     model = learner.model()
-    ids = model.forward(jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]))["expert_ids"]
+    ids = model.forward(jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"])).expert_ids
     return np.asarray(q.stack_routes(ids))
 
 
@@ -103,12 +103,12 @@ def test_missing_route_falls_back_to_the_router():
     m = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     out = m.forward(tok)
-    own = out["expert_ids"]
+    own = out.expert_ids
     missing = [jnp.full_like(i, q.ROUTE_MISSING) for i in own]
-    np.testing.assert_array_equal(np.asarray(m.forward(tok, forced_expert_ids=missing)["logits"]),
-                                  np.asarray(out["logits"]))
+    np.testing.assert_array_equal(np.asarray(m.forward(tok, forced_expert_ids=missing).logits),
+                                  np.asarray(out.logits))
     flipped = [(i + 1) % cfg.num_experts for i in own]  # a different set at every token
-    assert np.abs(np.asarray(m.forward(tok, forced_expert_ids=flipped)["logits"] - out["logits"])).max() > 1e-4
+    assert np.abs(np.asarray(m.forward(tok, forced_expert_ids=flipped).logits - out.logits)).max() > 1e-4
     assert q.route_dtype(4) == np.int8 and q.route_dtype(128) == np.int16
 
 
@@ -187,7 +187,7 @@ def test_r3_forward_equals_router_bypass(scan):
     forced = L.logprobs(b)
     ref = sequence_logprobs(L.model(), jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"]),
                               temperature=L.cfg.algo.temperature,
-                              forced_expert_ids=q.unstack_routes(jnp.asarray(b["routes"])))
+                              forced_expert_ids=q.unstack_routes(jnp.asarray(b["routes"]))).logp
     np.testing.assert_allclose(forced, np.asarray(ref), rtol=0, atol=1e-6)
     free = L.logprobs({k: v for k, v in b.items() if k != "routes"})
     differs = _route_differs(_own_routes(L, b), b["routes"], b["attention_mask"])
@@ -377,7 +377,7 @@ def _version_err(L: Learner, b, params, v: int, forced: bool = True) -> float:
 def _own(L: Learner, t: Trajectory, params) -> np.ndarray:
     """[T, n_moe_layers, k] the routes a full forward of ``t.tokens`` at ``params`` picks (unforced)."""
     model = L.model(jax.tree.map(jnp.asarray, params))
-    ids = model.forward(jnp.asarray(t.tokens)[None], attention_mask=jnp.ones((1, len(t)), bool))["expert_ids"]
+    ids = model.forward(jnp.asarray(t.tokens)[None], attention_mask=jnp.ones((1, len(t)), bool)).expert_ids
     return np.asarray(q.stack_routes(ids))[0]
 
 

@@ -92,7 +92,8 @@ def test_model_loss_and_grads_finite_with_tokens_outside_the_kept_set():
     lc = LossConfig(entropy_coef=0.01)
 
     def logp_ent(p):
-        return sequence_logprobs(nnx.merge(gd, p), tokens, am, temperature=0.7, top_k=200, top_p=0.8, return_entropy=True)
+        out = sequence_logprobs(nnx.merge(gd, p), tokens, am, temperature=0.7, top_k=200, top_p=0.8, return_entropy=True)
+        return out.logp, out.entropy
 
     lp0, _ = logp_ent(params)
     lp0 = jax.lax.stop_gradient(lp0)

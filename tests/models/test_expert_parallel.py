@@ -55,8 +55,8 @@ def _runner(model, mesh_shape):
 
     def loss(params, tokens, forced):
         out = nnx.merge(graphdef, params, rest).forward(tokens, forced_expert_ids=forced)
-        coef = jax.random.normal(jax.random.key(9), out["logits"].shape)
-        return jnp.sum(out["logits"] * coef), (out["logits"], out["expert_ids"])
+        coef = jax.random.normal(jax.random.key(9), out.logits.shape)
+        return jnp.sum(out.logits * coef), (out.logits, out.expert_ids)
 
     f = jax.jit(jax.value_and_grad(loss, has_aux=True))
 

@@ -106,7 +106,7 @@ def test_parity_with_transformers(case, scan, tmp_path):
     if case == "dense_tied_theta1e6":
         # per-layer hidden states, unpadded row
         ref_l, ref_h = _hf_logits(m, ids[:1], hidden=True)
-        hs = model.forward(ids[:1], output_hidden_states=True)["hidden_states"]
+        hs = model.forward(ids[:1], output_hidden_states=True).hidden_states
         assert len(hs) == len(ref_h) == cfg.num_hidden_layers + 1
         for a, b in zip(hs, ref_h):
             assert np.abs(np.asarray(a) - b).max() <= TOL

@@ -1,13 +1,14 @@
-"""The per-layer KV cache form (``KVCache.per_layer``) that the rollout engine decodes with when
-layers are unrolled: same logits and cache contents as the stacked [L,B,K,S,H] form, and the
-JetStream-engine path built on it still writes one position per slot."""
+"""The per-layer KV cache (``LayerKVCache``, ``KVCache.per_layer()``) that the rollout engine decodes
+with when layers are unrolled: same logits and cache contents as the stacked [L,B,K,S,H]
+``StackedKVCache``, one type per layout, and the JetStream-engine path built on it still writes one
+position per slot."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+from jax_rl.models.qwen3 import KVCache, LayerKVCache, Qwen3ForCausalLM, StackedKVCache, get_preset
 
 
 def _model(**kw):
@@ -26,7 +27,9 @@ def test_per_layer_round_trip_and_max_len():
     cfg, m = _model()
     c = _random_cache(m, 3, 8, np.array([0, 2, 5], np.int32))
     p = c.per_layer()
+    assert type(c) is StackedKVCache and type(p) is LayerKVCache and isinstance(p, KVCache)
     assert p.is_per_layer and not c.is_per_layer
+    assert c.stacked() is c and p.per_layer() is p  # each converts to its own type as itself
     assert len(p.k) == cfg.num_hidden_layers and p.k[0].shape == c.k.shape[1:3] + c.k.shape[4:] + c.k.shape[3:4]
     assert p.v[0].shape == c.v.shape[1:]  # keys transposed [B,K,H,S], values [B,K,S,H]
     assert p.max_len == c.max_len == 8
@@ -45,9 +48,9 @@ def test_decode_step_per_layer_matches_stacked():
     step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
     for t in ([5, 17, 99, 3], [1, 2, 3, 4]):
         tok = jnp.asarray(t, jnp.int32)
-        ls, stacked = step(m, tok, stacked)
-        lp, per = step(m, tok, per)
-        assert per.is_per_layer
+        out_s, out_p = step(m, tok, stacked), step(m, tok, per)
+        (ls, stacked), (lp, per) = (out_s.logits, out_s.cache), (out_p.logits, out_p.cache)
+        assert type(per) is LayerKVCache and type(stacked) is StackedKVCache  # the type it was given
         np.testing.assert_allclose(np.asarray(lp), np.asarray(ls), atol=1e-6, rtol=0)
         np.testing.assert_allclose(np.asarray(per.stacked().k), np.asarray(stacked.k), atol=1e-6, rtol=0)
         np.testing.assert_allclose(np.asarray(per.stacked().v), np.asarray(stacked.v), atol=1e-6, rtol=0)
@@ -69,6 +72,16 @@ def test_scanned_model_refuses_a_per_layer_cache():
     c = m.init_cache(2, 8).per_layer()
     with pytest.raises(ValueError, match="per-layer"):
         m.decode_step(jnp.zeros((2,), jnp.int32), c)
+
+
+def test_extend_refuses_a_per_layer_cache_and_the_base_type_is_not_a_cache():
+    cfg, m = _model()
+    c = m.init_cache(2, 8).per_layer()
+    z = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="StackedKVCache.*LayerKVCache"):
+        m.extend(jnp.zeros((2, 3), jnp.int32), z, z, c)
+    with pytest.raises(TypeError):
+        KVCache(k=c.k, v=c.v, lengths=c.lengths)
 
 
 def test_engine_keeps_a_per_layer_cache_only_when_unrolled():

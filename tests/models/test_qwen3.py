@@ -123,7 +123,8 @@ def test_cache_decode_matches_full_forward_with_slots_at_different_positions(nam
     prompt = full[:, :T].copy()
     prompt[np.arange(T)[None, :] >= lengths[:, None]] = 0  # right padding
     cache = m.init_cache(B, S)
-    logits_p, cache = nnx.jit(lambda m, x, l, c: m.prefill(x, l, c))(m, prompt, lengths, cache)
+    out = nnx.jit(lambda m, x, l, c: m.prefill(x, l, c))(m, prompt, lengths, cache)
+    logits_p, cache = out.logits, out.cache
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
 
     # Reference: the full forward on each row's true sequence (prompt then decoded tokens).
@@ -137,7 +138,8 @@ def test_cache_decode_matches_full_forward_with_slots_at_different_positions(nam
                                    atol=1e-5, rtol=0)
     step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
     for j in range(n_new):
-        logits_d, cache = step(m, jnp.asarray(full[:, T + j]), cache)
+        out = step(m, jnp.asarray(full[:, T + j]), cache)
+        logits_d, cache = out.logits, out.cache
         for b in range(B):
             np.testing.assert_allclose(np.asarray(logits_d)[b], ref[b][lengths[b] + j],
                                        atol=1e-5, rtol=0)
@@ -147,7 +149,7 @@ def test_cache_decode_matches_full_forward_with_slots_at_different_positions(nam
 def _decode_rewriting_whole_cache(m, tokens, cache):
     """The decode step before issue 13 item 1 (every layer's cache rewritten with jnp.where
     and restacked), kept as the numerics reference for the in-place write."""
-    from jax_rl.models.qwen3 import KVCache, attend
+    from jax_rl.models.qwen3 import StackedKVCache, attend
 
     S = cache.max_len
     pos = cache.lengths.astype(jnp.int32)
@@ -161,9 +163,9 @@ def _decode_rewriting_whole_cache(m, tokens, cache):
         out = attend(q, ki.astype(q.dtype), vi.astype(q.dtype), mask)
         return out, (ki.swapaxes(1, 2), vi.swapaxes(1, 2))
 
-    h, _, _, (k, v) = m._trunk(m.embed(tokens[:, None]), pos[:, None], layer_attend,
-                               (cache.k, cache.v))
-    return m.lm_logits(h)[:, 0], KVCache(k=k, v=v, lengths=pos + 1)
+    t = m._trunk(m.embed(tokens[:, None]), pos[:, None], layer_attend, (cache.k, cache.v))
+    k, v = t.ys
+    return m.lm_logits(t.h)[:, 0], StackedKVCache(k=k, v=v, lengths=pos + 1)
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -183,7 +185,8 @@ def test_decode_writes_only_each_slots_position_and_matches_the_whole_cache_rewr
                           lengths=jnp.asarray(lengths))
     tokens = jnp.asarray([5, 17, 99, 3], jnp.int32)
     k0, v0 = np.asarray(cache.k), np.asarray(cache.v)
-    new_logits, new = nnx.jit(lambda m, t, c: m.decode_step(t, c))(m, tokens, cache)
+    out = nnx.jit(lambda m, t, c: m.decode_step(t, c))(m, tokens, cache)
+    new_logits, new = out.logits, out.cache
     ref_logits, ref = nnx.jit(_decode_rewriting_whole_cache)(m, tokens, cache)
     # XLA:CPU fuses the new k/v (norm, RoPE) differently into the two programs: fp32
     # rounding (<= 3e-7 seen) in the written entries and the logits; bf16 is bit-equal here.
@@ -209,11 +212,11 @@ def test_cache_insert_moves_a_prefilled_row_into_a_slot():
     cfg, m = _model("tiny_dense")
     prompt = _ids(2, (1, 4), cfg.vocab_size)
     small = m.init_cache(1, 8)
-    _, small = nnx.jit(lambda m, x, c: m.prefill(x, jnp.array([4]), c))(m, prompt, small)
+    small = nnx.jit(lambda m, x, c: m.prefill(x, jnp.array([4]), c))(m, prompt, small).cache
     big = m.init_cache(3, 8)
     big = big.insert(small, 2)
     np.testing.assert_array_equal(np.asarray(big.lengths), [0, 0, 4])
-    logits, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c))(m, jnp.array([5, 5, 5]), big)
+    logits = nnx.jit(lambda m, t, c: m.decode_step(t, c))(m, jnp.array([5, 5, 5]), big).logits
     ref = _fwd(m, jnp.concatenate([prompt, jnp.array([[5]])], axis=1))[0, -1]
     np.testing.assert_allclose(np.asarray(logits[2]), np.asarray(ref), atol=1e-5, rtol=0)
 
@@ -299,22 +302,22 @@ def test_moe_dense_and_ragged_dispatch_agree_and_forced_ids():
     ids = _ids(6, (2, 9), cfg.vocab_size)
     fwd = nnx.jit(lambda m, ids, forced=None: m.forward(ids, forced_expert_ids=forced))
     od, orr = fwd(md, ids), fwd(mr, ids)
-    np.testing.assert_allclose(np.asarray(od["logits"]), np.asarray(orr["logits"]), atol=1e-5)
-    assert len(od["expert_ids"]) == 2
-    for a, b in zip(od["expert_ids"], orr["expert_ids"]):
+    np.testing.assert_allclose(np.asarray(od.logits), np.asarray(orr.logits), atol=1e-5)
+    assert len(od.expert_ids) == 2
+    for a, b in zip(od.expert_ids, orr.expert_ids):
         assert a.shape == (2, 9, 2) and a.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # forcing the router's own choice reproduces the logits
-    again = fwd(md, ids, od["expert_ids"])
-    np.testing.assert_allclose(np.asarray(again["logits"]), np.asarray(od["logits"]), atol=1e-6)
+    again = fwd(md, ids, od.expert_ids)
+    np.testing.assert_allclose(np.asarray(again.logits), np.asarray(od.logits), atol=1e-6)
     # forcing other experts changes the output, identically in both dispatch paths
-    other = [(e + 1) % cfg.num_experts for e in od["expert_ids"]]
+    other = [(e + 1) % cfg.num_experts for e in od.expert_ids]
     fd = fwd(md, ids, other)
     fr = fwd(mr, ids, jnp.stack(other))
-    for a, b in zip(fd["expert_ids"], other):
+    for a, b in zip(fd.expert_ids, other):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(fd["logits"]), np.asarray(fr["logits"]), atol=1e-5)
-    assert np.abs(np.asarray(fd["logits"]) - np.asarray(od["logits"])).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(fd.logits), np.asarray(fr.logits), atol=1e-5)
+    assert np.abs(np.asarray(fd.logits) - np.asarray(od.logits)).max() > 1e-3
 
 
 # ---------------------------------------------------------------- log-probs
@@ -342,17 +345,17 @@ def test_sequence_logprobs_alignment_masking_and_graphdef_form():
     mask = jnp.arange(T)[None] < jnp.array([[8], [5]])
     logits = _fwd(m, toks, mask)
     ref = token_logprobs(logits[:, :-1], toks[:, 1:], 1.3)
-    out = nnx.jit(lambda m, t, msk: sequence_logprobs(m, t, msk, temperature=1.3))(m, toks, mask)
+    out = nnx.jit(lambda m, t, msk: sequence_logprobs(m, t, msk, temperature=1.3).logp)(m, toks, mask)
     assert out.shape == (B, T) and out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out[:, 0]), 0.0)
     np.testing.assert_allclose(np.asarray(out[0, 1:]), np.asarray(ref[0]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[1, 1:5]), np.asarray(ref[1, :4]), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[1, 5:]), 0.0)
     gd, st = nnx.split(m)
-    jitted = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, 1.3, chunk_elems=3 * B * cfg.vocab_size))
+    jitted = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, 1.3, chunk_elems=3 * B * cfg.vocab_size).logp)
     np.testing.assert_allclose(np.asarray(jitted(st, toks, mask)), np.asarray(out), atol=1e-5)
     # differentiable w.r.t. params
-    grads = jax.jit(jax.grad(lambda st: jnp.sum(sequence_logprobs(gd, st, toks, mask))))(st)
+    grads = jax.jit(jax.grad(lambda st: jnp.sum(sequence_logprobs(gd, st, toks, mask).logp)))(st)
     gn = sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(grads))
     assert np.isfinite(gn) and gn > 0
 
@@ -363,7 +366,7 @@ def test_remat_forward_and_grad_match():
     toks = _ids(4, (2, 6), cfg.vocab_size)
     gd, st = nnx.split(m)
     gdr, str_ = nnx.split(mr)
-    f = lambda gd: (lambda st: jnp.sum(sequence_logprobs(gd, st, toks)))  # noqa: E731
+    f = lambda gd: (lambda st: jnp.sum(sequence_logprobs(gd, st, toks).logp))  # noqa: E731
     v1, g1 = jax.jit(jax.value_and_grad(f(gd)))(st)
     v2, g2 = jax.jit(jax.value_and_grad(f(gdr)))(str_)
     np.testing.assert_allclose(float(v1), float(v2), rtol=1e-6)
@@ -382,10 +385,12 @@ def test_sequence_logprobs_entropy_matches_softmax_formula_chunked_and_direct():
     want = -(np.exp(logp_np) * logp_np).sum(-1)  # [B,T] entropy of the distribution at t
     gd, st = nnx.split(m)
     for chunk in (1 << 22, 3 * B * cfg.vocab_size):  # direct, and 3-token chunks
-        lp, ent = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, temp, return_entropy=True,
-                                                                chunk_elems=chunk))(st, toks, mask)
+        out = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, temp, return_entropy=True,
+                                                            chunk_elems=chunk))(st, toks, mask)
+        lp, ent = out.logp, out.entropy
+        assert out.expert_ids is None and out.moe_drops is None  # not asked for
         assert ent.shape == (B, T) and ent.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(lp), np.asarray(sequence_logprobs(gd, st, toks, mask, temp)), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(sequence_logprobs(gd, st, toks, mask, temp).logp), atol=1e-6)
         np.testing.assert_allclose(np.asarray(ent[0, 1:]), want[0, :-1], atol=1e-4)
         np.testing.assert_allclose(np.asarray(ent[1, 1:6]), want[1, :5], atol=1e-4)
         np.testing.assert_array_equal(np.asarray(ent[:, 0]), 0.0)

@@ -40,15 +40,16 @@ def test_scan_layers_same_params_logits_cache_as_unrolled(name):
     toks, mask = _batch(cfg)
     fwd = nnx.jit(lambda m, t, k: m(t, attention_mask=k))
     np.testing.assert_array_equal(np.asarray(fwd(mu, toks, mask)), np.asarray(fwd(ms, toks, mask)))
-    pre = nnx.jit(lambda m, t: m.prefill(t, jnp.array([8, 5]), m.init_cache(2, 16)))
-    dec = nnx.jit(lambda m, t, c: m.decode_step(t, c))
+    lc = lambda o: (o.logits, o.cache)  # noqa: E731
+    pre = nnx.jit(lambda m, t: lc(m.prefill(t, jnp.array([8, 5]), m.init_cache(2, 16))))
+    dec = nnx.jit(lambda m, t, c: lc(m.decode_step(t, c)))
     (lu, cu), (ls, cs) = pre(mu, toks[:, :8]), pre(ms, toks[:, :8])
     np.testing.assert_array_equal(np.asarray(lu), np.asarray(ls))
     (du, cu), (ds, cs) = dec(mu, toks[:, 8], cu), dec(ms, toks[:, 8], cs)
     np.testing.assert_array_equal(np.asarray(du), np.asarray(ds))
     np.testing.assert_array_equal(np.asarray(cu.k), np.asarray(cs.k))
-    hs_u = mu.forward(toks, output_hidden_states=True)["hidden_states"]
-    hs_s = ms.forward(toks, output_hidden_states=True)["hidden_states"]
+    hs_u = mu.forward(toks, output_hidden_states=True).hidden_states
+    hs_s = ms.forward(toks, output_hidden_states=True).hidden_states
     assert len(hs_s) == len(hs_u) == L + 1
     for a, b in zip(hs_u, hs_s):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
@@ -67,7 +68,7 @@ def test_remat_policies_give_the_unrematerialised_gradient(policy):
 
     def vg(m):
         gd, st = nnx.split(m)
-        return jax.jit(jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, toks, mask))))(st)
+        return jax.jit(jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, toks, mask).logp)))(st)
 
     (v1, g1), (v2, g2) = vg(mu), vg(ms)
     np.testing.assert_allclose(float(v1), float(v2), rtol=1e-6)
@@ -87,7 +88,7 @@ def test_scan_unroll_changes_no_value_only_the_loop(policy):
         m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True, scan_unroll=u, remat_policy=policy)
         assert m.scan_unroll == {1: 1, 2: 2, "full": 3}[u]
         gd, st = nnx.split(m)
-        f = jax.jit(jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, toks, mask))))
+        f = jax.jit(jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, toks, mask).logp)))
         hlo = f.lower(st).as_text()
         assert ("while" in hlo) == (u != "full"), u
         out[u] = f(st)
@@ -163,7 +164,7 @@ def test_model_with_splash_attention_matches_xla_on_cpu(monkeypatch):
     toks, mask = _batch(cfg)
     a, b = np.asarray(mx(toks, attention_mask=mask)), np.asarray(ms(toks, attention_mask=mask))
     assert np.abs(a - b)[np.asarray(mask)].max() < 1e-5
-    (la, _), (lb, cb) = (m.prefill(toks[:, :8], jnp.array([8, 5]), m.init_cache(2, 16)) for m in (mx, ms))
+    la, lb = (m.prefill(toks[:, :8], jnp.array([8, 5]), m.init_cache(2, 16)).logits for m in (mx, ms))
     valid = np.arange(8)[None] < np.array([[8], [5]])
     assert np.abs(np.asarray(la) - np.asarray(lb))[valid].max() < 1e-5
 
@@ -197,7 +198,7 @@ def test_splash_scanned_forward_and_grad_compile_for_tpu_v5e_2x2():
         mask = jax.ShapeDtypeStruct((B, T), jnp.bool_, sharding=data)
 
         def step(s, t, m):
-            return jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, t, m)))(s)
+            return jax.value_and_grad(lambda s: jnp.sum(sequence_logprobs(gd, s, t, m).logp))(s)
 
         # conftest sets jax_default_matmul_precision="highest" (fp32 parity); Mosaic rejects
         # fp32-precision dots of bf16 operands, and a real run uses the default precision

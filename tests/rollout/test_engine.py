@@ -62,7 +62,7 @@ def learner_logps(model):
     @jax.jit
     def ref(state, seq, mask, temperature):
         m = nnx.merge(graphdef, state)
-        lp = sequence_logprobs(m, seq, mask, temperature=temperature)
+        lp = sequence_logprobs(m, seq, mask, temperature=temperature).logp
         logits = m(seq, attention_mask=mask)
         lp2 = token_logprobs(logits[:, :-1], seq[:, 1:], temperature)
         return lp, lp2

@@ -38,18 +38,19 @@ def refs(model):
     @jax.jit
     def full(params, seq, mask):
         m = nnx.merge(graphdef, params, rest)
-        return sequence_logprobs(m, seq, mask, temperature=1.0)
+        return sequence_logprobs(m, seq, mask, temperature=1.0).logp
 
     @jax.jit
     def mixed(p_old, p_new, seq, c):
         """KV of seq[:c] from p_old, then p_new decodes seq[c:], logp of seq[t] for t > c."""
         m_old, m_new = nnx.merge(graphdef, p_old, rest), nnx.merge(graphdef, p_new, rest)
         cache = m_old.init_cache(1, _T)
-        _, cache = m_old.prefill(seq, jnp.reshape(c, (1,)), cache)
+        cache = m_old.prefill(seq, jnp.reshape(c, (1,)), cache).cache
 
         def body(cache, t):
             i = jnp.minimum(c + t, _T - 2)
-            logits, cache2 = m_new.decode_step(jax.lax.dynamic_slice(seq[0], (i,), (1,)), cache)
+            out = m_new.decode_step(jax.lax.dynamic_slice(seq[0], (i,), (1,)), cache)
+            logits, cache2 = out.logits, out.cache
             lp = jax.nn.log_softmax(logits[0])[seq[0, i + 1]]
             return cache2, lp
 

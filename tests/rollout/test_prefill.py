@@ -260,12 +260,12 @@ def mixed_ref(model):
     @jax.jit
     def mixed(p_old, p_new, seq, c):
         m_old, m_new = nnx.merge(graphdef, p_old, rest), nnx.merge(graphdef, p_new, rest)
-        _, cache = m_old.prefill(seq, jnp.reshape(c, (1,)), m_old.init_cache(1, S))
+        cache = m_old.prefill(seq, jnp.reshape(c, (1,)), m_old.init_cache(1, S)).cache
 
         def body(cache, t):
             i = jnp.minimum(c + t, S - 2)
-            logits, cache2 = m_new.decode_step(jax.lax.dynamic_slice(seq[0], (i,), (1,)), cache)
-            return cache2, jax.nn.log_softmax(logits[0])[seq[0, i + 1]]
+            out = m_new.decode_step(jax.lax.dynamic_slice(seq[0], (i,), (1,)), cache)
+            return out.cache, jax.nn.log_softmax(out.logits[0])[seq[0, i + 1]]
 
         return jax.lax.scan(body, cache, jnp.arange(S - 1))[1]
 

@@ -63,7 +63,7 @@ def test_learner_logp_equals_engine_behav_logp_under_top_k_top_p():
     out = _generate(cfg, params, PROMPTS, n_new=16)
     seq, am, lm, behav = _pad(PROMPTS, out, 32)
     gd, st = nnx.split(model)
-    f = jax.jit(lambda st, k, p: sequence_logprobs(nnx.merge(gd, st), seq, am, temperature=TEMP, top_k=k, top_p=p),
+    f = jax.jit(lambda st, k, p: sequence_logprobs(nnx.merge(gd, st), seq, am, temperature=TEMP, top_k=k, top_p=p).logp,
                 static_argnums=(1, 2))
     on = np.asarray(f(st, TOP_K, TOP_P))
     off = np.asarray(f(st, 0, 1.0))  # the bug: the learner ignores the truncation
@@ -109,6 +109,6 @@ def test_train_step_on_engine_samples_keeps_the_tokens(mode, devices):
     # what the untruncated learner's pi_prox would have given: every token out of the band
     model = q.Qwen3ForCausalLM(lrn.model_config, rngs=nnx.Rngs(0), scan_layers=False)
     nnx.update(model, params)
-    lp_full = np.where(lm, np.asarray(sequence_logprobs(model, seq, am, temperature=TEMP)), 0.0)
+    lp_full = np.where(lm, np.asarray(sequence_logprobs(model, seq, am, temperature=TEMP).logp), 0.0)
     ti = train_infer_factor(jnp.asarray(lp_full), jnp.asarray(behav), jnp.asarray(lm), cfg.loss)
     assert float(jnp.sum(ti.kept)) == 0.0

@@ -37,16 +37,17 @@ Files:
     config.py   Qwen3Config (HF config.json conversion), PRESETS, get_preset
     layers.py   RMSNorm, RoPE, attention cores (attend, attend_cached, custom VJPs), the dense
                 projections, Attention, MLP, MoE, DecoderLayer, REMAT_POLICIES / remat_policy_fn
-    cache.py    KVCache
+    cache.py    the KV cache, one type per layout: StackedKVCache, LayerKVCache (base KVCache)
+    outputs.py  the typed call outputs (ModelOutput, MoeDrops, TrunkOutput), the routing-replay
+                route helpers (ROUTE_MISSING, route_dtype, stack_routes, unstack_routes)
     model.py    Qwen3ForCausalLM, scan_layers stacking (stack_layer_params, ...), resolve_attention,
-                resolve_scan_unroll, the routing-replay route helpers (ROUTE_MISSING, route_dtype,
-                stack_routes, unstack_routes), count_params, model_kwargs
+                resolve_scan_unroll, count_params, model_kwargs
 
 The RL log-prob heads (``sequence_logprobs``, ``token_logprobs``) live in :mod:`jax_rl.logprobs`.
 Every public name above is importable from this package (``from jax_rl.models.qwen3 import X``).
 """
 
-from jax_rl.models.qwen3.cache import KVCache
+from jax_rl.models.qwen3.cache import KVCache, LayerKVCache, StackedKVCache
 from jax_rl.models.qwen3.config import PRESETS, Qwen3Config, get_preset
 from jax_rl.models.qwen3.layers import (
     MLP,
@@ -64,16 +65,22 @@ from jax_rl.models.qwen3.layers import (
 )
 from jax_rl.models.qwen3.model import (
     ATTENTION_KINDS,
-    ROUTE_MISSING,
     Qwen3ForCausalLM,
     count_params,
     model_kwargs,
     resolve_attention,
     resolve_scan_unroll,
-    route_dtype,
     stack_layer_params,
-    stack_routes,
     unstack_layer_params,
+)
+from jax_rl.models.qwen3.outputs import (
+    ROUTE_MISSING,
+    ModelOutput,
+    MoeDrops,
+    TrunkOutput,
+    count_moe_drops,
+    route_dtype,
+    stack_routes,
     unstack_routes,
 )
 
@@ -88,6 +95,12 @@ __all__ = [
     "DecoderLayer",
     "Qwen3ForCausalLM",
     "KVCache",
+    "StackedKVCache",
+    "LayerKVCache",
+    "ModelOutput",
+    "MoeDrops",
+    "TrunkOutput",
+    "count_moe_drops",
     "count_params",
     "REMAT_POLICIES",
     "remat_policy_fn",

@@ -1,4 +1,12 @@
-"""The decode KV cache (:class:`KVCache`), stacked or per-layer."""
+"""The decode KV cache, one type per layout: :class:`StackedKVCache` (k/v [L,B,K,S,H]) and
+:class:`LayerKVCache` (L per-layer buffers, keys transposed); :class:`KVCache` is their common base.
+
+Why two types and not one with an array-or-tuple ``k``: the two layouts are different programs
+(a scanned stack needs the stacked form, an unrolled one decodes faster on XLA:CPU over its own
+buffers), so code that reads a cache must know which it holds. The type says it (and each type's
+``k`` has one shape), where one class whose ``k`` is an array or a tuple had every reader tell the
+two apart with ``isinstance``. ``stacked()`` / ``per_layer()`` convert either way (same values).
+"""
 
 from __future__ import annotations
 
@@ -10,65 +18,139 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "StackedKVCache", "LayerKVCache"]
 
 
-@flax.struct.dataclass
 class KVCache:
-    """Per-slot KV cache (a pytree).
+    """Base of the two KV cache layouts (a pytree of either subclass; never built itself).
 
-    k, v: [L,B,K,S,H] (cache dtype; head-major, as JetStream/MaxText decode caches, so the
-    decode attention reads each layer's [B,K,S,H] in place); lengths: [B] int32 = number of
-    valid positions per slot (the next token of slot b goes to position ``lengths[b]``).
-
-    Per-layer form (``per_layer()``; what the rollout engine keeps for unrolled layers, i.e. off
-    a TPU): k is a tuple of L key-transposed arrays [B,K,H,S] and v a tuple of L arrays
-    [B,K,S,H]. Same values; ``decode_step`` then writes and reads each layer's own buffer,
-    where the stacked form makes XLA:CPU copy the layer's [B,K,S,H] out of the [L,...] buffer
-    before the attention dots (two cache-layer copies per layer per token). Keys are stored
-    transposed so the decode score dot ``q [G,H] @ k [H,S]`` has the positions as its
-    contiguous output dim: XLA:CPU ran it 2.8x faster than over [B,K,S,H] (32 slots x 145
-    positions, 4 kv heads of 32: 0.43 vs 1.2 ms, ``bench/rollout_decode.py``). Scanned layers
-    need the stacked form.
+    Every cache has ``k``, ``v`` (cache dtype) and ``lengths`` [B] int32 = the number of valid
+    positions per slot (the next token of slot b goes to position ``lengths[b]``);
+    ``is_per_layer`` (a class constant) says which layout it is.
     """
 
-    k: Any
-    v: Any
-    lengths: Array
-
-    @property
-    def is_per_layer(self) -> bool:
-        return isinstance(self.k, (tuple, list))
+    is_per_layer = False
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2] if self.is_per_layer else self.k.shape[3]
+        """S, the positions per slot."""
+        raise NotImplementedError
 
-    def per_layer(self) -> "KVCache":
-        """This cache with k as a tuple of per-layer key-transposed [B,K,H,S] arrays and v as a
-        tuple of per-layer [B,K,S,H] arrays."""
-        if self.is_per_layer:
-            return self
+    def stacked(self) -> "StackedKVCache":
+        """This cache as a :class:`StackedKVCache` (itself when it is one)."""
+        raise NotImplementedError
+
+    def per_layer(self) -> "LayerKVCache":
+        """This cache as a :class:`LayerKVCache` (itself when it is one)."""
+        raise NotImplementedError
+
+    def insert(self, other: "StackedKVCache", slot: int | Array, row: int = 0) -> "KVCache":
+        """Copy row ``row`` of a stacked cache (e.g. a batch-1 prefill) into slot ``slot``; the
+        result has this cache's type."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_decode(kv: tuple[Any, Any], i: int | Array, new_k: Array, new_v: Array,
+                     idx: tuple[Array, Array, Array]) -> tuple[tuple[Any, Any], Array, Array]:
+        """One decode step's write into layer ``i`` of this layout's ``(k, v)`` buffers and the
+        read back of that layer (``Qwen3ForCausalLM.decode_step``; the buffers are the layer carry).
+
+        new_k, new_v [B,K,H]: slot b's new entry goes to position ``pos[b]`` (dropped when
+        ``pos[b] >= S``); ``idx = (b [B,1], kv head [1,K], pos [B,1])`` int32 index arrays.
+        ``i``: a static layer index (unrolled layers) or a traced one (scanned). Returns the new
+        buffers and layer i's keys and values in this layout's per-layer form (stacked:
+        [B,K,S,H] each; per-layer: keys [B,K,H,S], values [B,K,S,H]).
+        """
+        raise NotImplementedError
+
+
+@flax.struct.dataclass
+class StackedKVCache(KVCache):
+    """The stacked layout: k, v [L,B,K,S,H] (cache dtype; head-major, as JetStream/MaxText decode
+    caches, so the decode attention reads each layer's [B,K,S,H] in place); lengths [B] int32.
+
+    What :meth:`Qwen3ForCausalLM.init_cache` builds and ``prefill`` / ``extend`` write; the form a
+    ``scan_layers`` model decodes with (the whole buffer is the scan carry, written at one
+    position per layer and step).
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    is_per_layer = False
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def stacked(self) -> "StackedKVCache":
+        return self
+
+    def per_layer(self) -> "LayerKVCache":
         L = self.k.shape[0]
-        return KVCache(k=tuple(self.k[i].swapaxes(2, 3) for i in range(L)),
-                       v=tuple(self.v[i] for i in range(L)),
-                       lengths=self.lengths)
+        return LayerKVCache(k=tuple(self.k[i].swapaxes(2, 3) for i in range(L)),
+                            v=tuple(self.v[i] for i in range(L)), lengths=self.lengths)
 
-    def stacked(self) -> "KVCache":
-        """This cache with k/v as [L,B,K,S,H] arrays."""
-        if not self.is_per_layer:
-            return self
-        return KVCache(k=jnp.stack([k.swapaxes(2, 3) for k in self.k]), v=jnp.stack(self.v),
-                       lengths=self.lengths)
-
-    def insert(self, other: "KVCache", slot: int | Array, row: int = 0) -> "KVCache":
-        """Copy row ``row`` of another (stacked) cache (e.g. a batch-1 prefill) into slot ``slot``."""
+    def insert(self, other: "StackedKVCache", slot: int | Array, row: int = 0) -> "StackedKVCache":
         s = other.k.shape[3]
-        if self.is_per_layer:
-            k = tuple(c.at[slot, :, :, :s].set(other.k[i, row].swapaxes(1, 2).astype(c.dtype))
-                      for i, c in enumerate(self.k))
-            v = tuple(c.at[slot, :, :s].set(other.v[i, row].astype(c.dtype)) for i, c in enumerate(self.v))
-        else:
-            k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
-            v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
-        return KVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
+        k = self.k.at[:, slot, :, :s].set(other.k[:, row].astype(self.k.dtype))
+        v = self.v.at[:, slot, :, :s].set(other.v[:, row].astype(self.v.dtype))
+        return StackedKVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
+
+    @staticmethod
+    def write_decode(kv, i, new_k, new_v, idx):
+        # one scatter per buffer: c[i, b, k, pos[b]] = new[b, k]
+        ck, cv = (c.at[(i, *idx)].set(n.astype(c.dtype), mode="drop") for c, n in zip(kv, (new_k, new_v)))
+        if isinstance(i, jax.Array):  # scanned: traced layer index
+            return (ck, cv), *(jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in (ck, cv))
+        return (ck, cv), ck[int(i)], cv[int(i)]  # unrolled: a static layer index
+
+
+@flax.struct.dataclass
+class LayerKVCache(KVCache):
+    """The per-layer layout (what the rollout engine keeps for unrolled layers, i.e. off a TPU):
+    k a tuple of L key-transposed arrays [B,K,H,S], v a tuple of L arrays [B,K,S,H]; lengths [B]
+    int32.
+
+    Same values as the stacked form; ``decode_step`` then writes and reads each layer's own
+    buffer, where the stacked form makes XLA:CPU copy the layer's [B,K,S,H] out of the [L,...]
+    buffer before the attention dots (two cache-layer copies per layer per token). Keys are stored
+    transposed so the decode score dot ``q [G,H] @ k [H,S]`` has the positions as its contiguous
+    output dim: XLA:CPU ran it 2.8x faster than over [B,K,S,H] (32 slots x 145 positions, 4 kv
+    heads of 32: 0.43 vs 1.2 ms, ``bench/rollout_decode.py``). Scanned layers need the stacked form.
+    """
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    lengths: Array
+
+    is_per_layer = True
+
+    @property
+    def max_len(self) -> int:
+        return self.v[0].shape[2]
+
+    def stacked(self) -> StackedKVCache:
+        return StackedKVCache(k=jnp.stack([k.swapaxes(2, 3) for k in self.k]), v=jnp.stack(self.v),
+                              lengths=self.lengths)
+
+    def per_layer(self) -> "LayerKVCache":
+        return self
+
+    def insert(self, other: StackedKVCache, slot: int | Array, row: int = 0) -> "LayerKVCache":
+        s = other.k.shape[3]
+        k = tuple(c.at[slot, :, :, :s].set(other.k[i, row].swapaxes(1, 2).astype(c.dtype))
+                  for i, c in enumerate(self.k))
+        v = tuple(c.at[slot, :, :s].set(other.v[i, row].astype(c.dtype)) for i, c in enumerate(self.v))
+        return LayerKVCache(k=k, v=v, lengths=self.lengths.at[slot].set(other.lengths[row]))
+
+    @staticmethod
+    def write_decode(kv, i, new_k, new_v, idx):
+        # layer i's own buffers: keys [B,K,H,S] c[b, k, :, pos[b]], values [B,K,S,H] c[b, k, pos[b]]
+        i, (b, h, p) = int(i), idx
+        ck, cv = list(kv[0]), list(kv[1])
+        ck[i] = ck[i].at[b, h, :, p].set(new_k.astype(ck[i].dtype), mode="drop")
+        cv[i] = cv[i].at[b, h, p].set(new_v.astype(cv[i].dtype), mode="drop")
+        return (tuple(ck), tuple(cv)), ck[i], cv[i]
+

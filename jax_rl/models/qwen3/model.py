@@ -10,10 +10,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jax_rl.models.qwen3.cache import KVCache
+from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
 from jax_rl.models.qwen3.config import Qwen3Config
 from jax_rl.models.qwen3.layers import (
     REMAT_POLICIES,
@@ -29,6 +28,7 @@ from jax_rl.models.qwen3.layers import (
     attend_cached_t,
     remat_policy_fn,
 )
+from jax_rl.models.qwen3.outputs import ModelOutput, TrunkOutput, count_moe_drops
 
 Array = jax.Array
 
@@ -39,10 +39,6 @@ __all__ = [
     "resolve_scan_unroll",
     "stack_layer_params",
     "unstack_layer_params",
-    "ROUTE_MISSING",
-    "route_dtype",
-    "stack_routes",
-    "unstack_routes",
     "count_params",
     "model_kwargs",
 ]
@@ -225,36 +221,26 @@ class Qwen3ForCausalLM(nnx.Module):
         return jnp.einsum("btd,dv->btv", h, self.lm_head[...].astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _forced_for(self, forced_expert_ids, moe_idx: int):
-        if forced_expert_ids is None:
-            return None
-        return forced_expert_ids[moe_idx]
-
     def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
                forced_expert_ids=None, output_hidden_states: bool = False, remat: bool = False,
-               carry: Any = None, valid: Array | None = None, moe_drops: list | None = None,
-               moe_row_drops: list | None = None):
-        """Runs the decoder stack.
+               carry: Any = None, valid: Array | None = None, row_drops: bool = False) -> TrunkOutput:
+        """Runs the decoder stack on x [B,T,D] -> :class:`TrunkOutput`.
 
         ``attend(q, k, v, xs_i) -> (o, ys_i)`` does the attention core of one layer; ``xs_i`` is
         layer i's slice of ``layer_xs`` (a pytree of [L, ...] arrays, e.g. the KV cache, or
         None) and the ``ys_i`` (same structure for every layer, or None) come back stacked
-        [L, ...]. Returns (final-normed h, expert ids list, hidden list | None, stacked ys).
+        [L, ...] as ``ys``.
 
         With ``carry`` (a pytree threaded through the layers in order, e.g. the whole KV cache
         updated in place) the signature is ``attend(q, k, v, xs_i, carry) -> (o, ys_i, carry)``
-        and the final carry is returned fifth. Under ``scan_layers`` it is the scan carry, so
+        and the final carry comes back as ``carry``. Under ``scan_layers`` it is the scan carry, so
         XLA updates its buffers in place instead of restacking per-layer outputs.
 
         ``valid`` [B,T] bool: the tokens that take MoE capacity (padding does not; :class:`MoE`).
-        ``moe_drops``: a list the trunk appends ``(dropped, copies)`` to, float32 [] each: the
-        token copies the MoE layers' expert-parallel dispatch dropped for capacity and the valid
-        copies routed (valid tokens x k x MoE layers), summed over the layers.
-        ``moe_row_drops``: a list the trunk appends one int32 [B] to: each row's valid token copies
-        dropped for capacity, summed over its tokens and the MoE layers (zeros for a dropless or
-        dense model; the rollout engine's per-slot count).
+        ``dropped`` holds the MoE layers' capacity drops per layer, int32 [n_moe], or with
+        ``row_drops`` per layer and token, [n_moe,B,T] (:func:`count_moe_drops` sums them).
         """
-        per_token = moe_row_drops is not None
+        per_token = row_drops
         policy = remat_policy_fn(self.remat_policy) if remat else None
         with_carry = carry is not None
 
@@ -279,11 +265,8 @@ class Qwen3ForCausalLM(nnx.Module):
                                  prevent_cse=not self.scan_layers or self.scan_unroll != 1,
                                  static_argnums=(0,))
         if self.scan_layers:
-            out = self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
-                                      output_hidden_states, carry)
-            self._count_drops(moe_drops, out[-1], valid, x.shape[:2])
-            self._row_drops(moe_row_drops, out[-1], x.shape[0])
-            return out[:5] if with_carry else out[:4]
+            return self._trunk_scanned(run, x, positions, layer_xs, forced_expert_ids,
+                                       output_hidden_states, carry)
         expert_ids: list[Array] = []
         drops: list[Array] = []
         hidden = [x] if output_hidden_states else None
@@ -292,7 +275,7 @@ class Qwen3ForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             forced = None
             if layer.is_moe:
-                forced = self._forced_for(forced_expert_ids, moe_idx)
+                forced = None if forced_expert_ids is None else forced_expert_ids[moe_idx]
                 moe_idx += 1
             if layer_xs is None or isinstance(layer_xs, tuple) and len(layer_xs) == len(self.layers) \
                     and all(isinstance(a, int) for a in layer_xs):
@@ -311,11 +294,8 @@ class Qwen3ForCausalLM(nnx.Module):
         if hidden is not None:
             hidden[-1] = h  # HF convention: the last entry is the final-normed hidden state
         ys = None if ys_list[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys_list)
-        self._count_drops(moe_drops, jnp.stack(drops) if drops else None, valid, x.shape[:2])
-        self._row_drops(moe_row_drops, jnp.stack(drops) if drops else None, x.shape[0])
-        if with_carry:
-            return h, expert_ids, hidden, ys, carry
-        return h, expert_ids, hidden, ys
+        return TrunkOutput(h=h, expert_ids=tuple(expert_ids), hidden_states=None if hidden is None else tuple(hidden),
+                           ys=ys, carry=carry if with_carry else None, dropped=jnp.stack(drops) if drops else None)
 
     def _trunk_scanned(self, run, x, positions, layer_xs, forced_expert_ids,
                        output_hidden_states, layer_carry=None):
@@ -338,35 +318,15 @@ class Qwen3ForCausalLM(nnx.Module):
         (x, layer_carry), (ids, dropped, ys, hs) = jax.lax.scan(
             body, (x, layer_carry), (state, layer_xs, forced), length=L, unroll=self.scan_unroll)
         h = self.norm(x)
-        expert_ids = [ids[i] for i in range(L)] if is_moe else []
         hidden = None
         if output_hidden_states:  # HF convention: [embeddings, ..., final-normed]
-            hidden = [x0] + [hs[i] for i in range(L - 1)] + [h]
-        return h, expert_ids, hidden, ys, layer_carry, dropped  # dropped: None for dense layers
+            hidden = (x0, *(hs[i] for i in range(L - 1)), h)
+        return TrunkOutput(h=h, expert_ids=tuple(ids[i] for i in range(L)) if is_moe else (),
+                           hidden_states=hidden, ys=ys, carry=layer_carry, dropped=dropped)  # dropped: None if dense
 
-    def _count_drops(self, moe_drops: list | None, dropped: Array | None, valid: Array | None,
-                     bt: tuple[int, int]) -> None:
-        """Append ``(dropped, copies)`` (float32 [] each: summed over layers they can pass int32
-        for a big batch) to ``moe_drops`` (see :meth:`_trunk`); ``dropped``: the per-MoE-layer
-        drop counts int32 [n_moe] (None: no MoE layer)."""
-        if moe_drops is None:
-            return
-        if dropped is None:
-            moe_drops.append((jnp.float32(0), jnp.float32(0)))
-            return
-        n_valid = (jnp.float32(bt[0] * bt[1]) if valid is None
-                   else jnp.sum(jnp.asarray(valid, bool), dtype=jnp.float32))
-        copies = n_valid * jnp.float32(dropped.shape[0] * self.config.num_experts_per_tok)
-        moe_drops.append((jnp.sum(dropped.astype(jnp.float32)), copies))
-
-    @staticmethod
-    def _row_drops(moe_row_drops: list | None, dropped: Array | None, batch: int) -> None:
-        """Append each row's dropped copies int32 [B] (``dropped``: [n_moe, B, T] per layer and
-        token, or None: no MoE layer) to ``moe_row_drops`` (see :meth:`_trunk`)."""
-        if moe_row_drops is None:
-            return
-        moe_row_drops.append(jnp.zeros((batch,), jnp.int32) if dropped is None
-                             else jnp.sum(dropped, axis=(0, 2), dtype=jnp.int32))
+    def _moe_drops(self, t: TrunkOutput, valid: Array | None, bt: tuple[int, int], per_row: bool = False):
+        """The call's :class:`MoeDrops` from the trunk's per-layer drops (:func:`count_moe_drops`)."""
+        return count_moe_drops(t.dropped, valid, bt, self.config.num_experts_per_tok, per_row)
 
     @staticmethod
     def _full_mask(B: int, T: int, attention_mask: Array | None) -> Array:
@@ -384,22 +344,22 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
                       attention_mask: Array | None = None, *, forced_expert_ids=None,
-                      output_hidden_states: bool = False, moe_drops: list | None = None):
-        """Final-normed hidden [B,T,D] (compute dtype), expert ids, per-layer hidden list.
-
-        Padding (``attention_mask`` False) takes no MoE capacity slot. ``moe_drops``: a list
-        this appends ``(dropped, copies)`` to (the MoE layers' capacity drops; :meth:`_trunk`)."""
+                      output_hidden_states: bool = False, return_moe_drops: bool = False) -> ModelOutput:
+        """The decoder stack without the LM head (arguments as :meth:`forward`) ->
+        :class:`ModelOutput` with ``hidden`` [B,T,D] (compute dtype, final-normed),
+        ``expert_ids``, ``hidden_states`` (with ``output_hidden_states``) and ``moe_drops``
+        (:class:`MoeDrops` ``dropped`` / ``copies`` over the valid tokens, with
+        ``return_moe_drops``). Padding (``attention_mask`` False) takes no MoE capacity slot."""
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
         if positions is None:
             positions = self._default_positions(B, T)
         mask = self._full_mask(B, T, attention_mask)
         core = self._causal_core(attention_mask, B, T, mask)
-        h, ids, hidden, _ = self._trunk(
-            self.embed(input_ids), positions, lambda q, k, v, _xs: (core(q, k, v), None), None,
-            forced_expert_ids, output_hidden_states, remat=self.remat, valid=attention_mask,
-            moe_drops=moe_drops)
-        return h, ids, hidden
+        t = self._trunk(self.embed(input_ids), positions, lambda q, k, v, _xs: (core(q, k, v), None), None,
+                        forced_expert_ids, output_hidden_states, remat=self.remat, valid=attention_mask)
+        return ModelOutput(hidden=t.h, expert_ids=t.expert_ids, hidden_states=t.hidden_states,
+                           moe_drops=self._moe_drops(t, attention_mask, (B, T)) if return_moe_drops else None)
 
     def _causal_core(self, valid: Array | None, B: int, T: int, mask: Array) -> AttendFn:
         """The full-sequence causal attention core for ``self.attention``: splash (Pallas TPU
@@ -420,45 +380,43 @@ class Qwen3ForCausalLM(nnx.Module):
     # ---- public forward paths ----------------------------------------------------------------
     def forward(self, input_ids: Array, positions: Array | None = None,
                 attention_mask: Array | None = None, *, forced_expert_ids=None,
-                output_hidden_states: bool = False) -> dict[str, Any]:
+                output_hidden_states: bool = False, return_moe_drops: bool = False) -> ModelOutput:
         """Full-sequence forward.
 
         input_ids [B,T] int32; positions [B,T] (default arange(T)); attention_mask [B,T] bool
         (False = padding key). ``forced_expert_ids``: per MoE layer (in layer order) [B,T,k]
         ids to use instead of the router's top-k (a list, or an array [n_moe_layers,B,T,k]).
-        Returns ``dict(logits [B,T,V] f32, expert_ids list of [B,T,k] int32 per MoE layer,
-        hidden_states)``; hidden_states (when requested) is the list
-        ``[embeddings, after layer 0, ..., after layer L-2, final norm(after layer L-1)]``
-        (L+1 arrays [B,T,D]; HF ``output_hidden_states`` convention).
+        Returns :class:`ModelOutput`: ``logits`` [B,T,V] f32, ``expert_ids`` (int32 [B,T,k] per
+        MoE layer), ``hidden_states`` with ``output_hidden_states`` (L+1 arrays [B,T,D]; HF
+        convention), ``moe_drops`` with ``return_moe_drops``.
         """
-        h, ids, hs = self.hidden_states(input_ids, positions, attention_mask,
-                                        forced_expert_ids=forced_expert_ids,
-                                        output_hidden_states=output_hidden_states)
-        return dict(logits=self.lm_logits(h), expert_ids=ids, hidden_states=hs)
+        out = self.hidden_states(input_ids, positions, attention_mask, forced_expert_ids=forced_expert_ids,
+                                 output_hidden_states=output_hidden_states, return_moe_drops=return_moe_drops)
+        return out.replace(logits=self.lm_logits(out.hidden), hidden=None)
 
     def __call__(self, input_ids: Array, positions: Array | None = None,
                  attention_mask: Array | None = None) -> Array:
         """input_ids [B,T] int32 -> logits [B,T,V] float32."""
-        return self.forward(input_ids, positions, attention_mask)["logits"]
+        return self.forward(input_ids, positions, attention_mask).logits
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> StackedKVCache:
         """Empty cache: k/v zeros [L,B,K,S,H] in ``dtype`` (default: compute dtype)."""
         c = self.config
         shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim)
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
-        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                       lengths=jnp.zeros((batch_size,), jnp.int32))
+        return StackedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                              lengths=jnp.zeros((batch_size,), jnp.int32))
 
-    def prefill(self, input_ids: Array, lengths: Array, cache: KVCache, *,
-                return_expert_ids: bool = False, moe_row_drops: list | None = None):
+    def prefill(self, input_ids: Array, lengths: Array, cache: StackedKVCache, *,
+                return_expert_ids: bool = False, return_moe_drops: bool = False) -> ModelOutput:
         """Prompt pass writing K/V for positions 0..T-1 of every row.
 
-        input_ids [B,T] right-padded, lengths [B] int32 (valid tokens per row), cache with
-        S >= T. Returns (logits [B,T,V] f32, cache with ``lengths`` set). The next-token logit
-        of row b is ``logits[b, lengths[b]-1]``. Rows' previous cache contents are replaced.
-        With ``return_expert_ids`` the per-MoE-layer expert ids (list of [B,T,k] int32, the
-        routes the router chose for every position) come third. ``moe_row_drops``: a list this
-        appends each row's MoE token copies dropped for capacity to, int32 [B] (:meth:`_trunk`).
+        input_ids [B,T] right-padded, lengths [B] int32 (valid tokens per row), a stacked cache
+        with S >= T. Returns :class:`ModelOutput`: ``logits`` [B,T,V] f32, ``cache`` with
+        ``lengths`` set (rows' previous contents replaced); the next-token logit of row b is
+        ``logits[b, lengths[b]-1]``. With ``return_expert_ids``: ``expert_ids`` (int32 [B,T,k] per
+        MoE layer, the routes the router chose for every position); with ``return_moe_drops``:
+        ``moe_drops`` over the valid tokens, ``per_row`` included (:class:`MoeDrops`).
         """
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
@@ -471,37 +429,41 @@ class Qwen3ForCausalLM(nnx.Module):
         def layer_attend(q, k, v, _xs):
             return core(q, k, v), (k, v)
 
-        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid,
-                                        moe_row_drops=moe_row_drops)
+        t = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid, row_drops=return_moe_drops)
+        k, v = t.ys
         k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
         v = v.astype(cache.v.dtype).swapaxes(2, 3)
-        cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
-                        v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
-                        lengths=lengths)
-        if return_expert_ids:
-            return self.lm_logits(h), cache, ids
-        return self.lm_logits(h), cache
+        cache = StackedKVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
+                               v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
+                               lengths=lengths)
+        return ModelOutput(logits=self.lm_logits(t.h), cache=cache,
+                           expert_ids=t.expert_ids if return_expert_ids else None,
+                           moe_drops=self._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
 
-    def extend(self, input_ids: Array, starts: Array, lengths: Array, cache: KVCache, *,
-               return_expert_ids: bool = False, moe_row_drops: list | None = None):
+    def extend(self, input_ids: Array, starts: Array, lengths: Array, cache: StackedKVCache, *,
+               return_expert_ids: bool = False, return_moe_drops: bool = False) -> ModelOutput:
         """Append-prefill: run new tokens on top of rows that already hold K/V.
 
         input_ids [B,T] int32 right-padded, ``lengths`` [B] int32 valid new tokens per row,
         ``starts`` [B] int32: row b's cache holds the K/V of positions ``< starts[b]`` (the
         conversation so far); token t of row b is placed at position ``starts[b] + t`` and attends
         to every position ``<= starts[b] + t`` (the cached ones and the new ones before it).
-        ``cache``: stacked [L,B,K,S,H] (``S >= starts + lengths``; ``lengths`` is ignored).
+        ``cache``: a :class:`StackedKVCache` [L,B,K,S,H] (``S >= starts + lengths``; its ``lengths``
+        is ignored).
 
-        Returns (logits [B,T,V] f32, cache whose k/v hold the new tokens' K/V at positions
-        ``[starts, starts + lengths)`` and the old values elsewhere, ``lengths = starts + lengths``)
-        (+ per-MoE-layer expert ids, list of [B,T,k] int32, with ``return_expert_ids``). With
+        Returns :class:`ModelOutput`: ``logits`` [B,T,V] f32, ``cache`` whose k/v hold the new
+        tokens' K/V at positions ``[starts, starts + lengths)`` and the old values elsewhere,
+        ``lengths = starts + lengths``; ``expert_ids`` / ``moe_drops`` as in :meth:`prefill`. With
         ``starts == 0`` this is :meth:`prefill` over keys of length S instead of T (the same values
         up to fp32 summation order). The attention is the XLA ``attend`` (never splash): the keys
         are the whole row, masked past each query's position. Padded tokens (``t >= lengths``) take
-        no MoE capacity and write nothing. ``moe_row_drops``: as in :meth:`prefill`.
+        no MoE capacity and write nothing.
+
+        Raises:
+            ValueError: ``cache`` is not a :class:`StackedKVCache`.
         """
-        if cache.is_per_layer:
-            raise ValueError("extend takes a stacked KV cache (cache.stacked())")
+        if not isinstance(cache, StackedKVCache):
+            raise ValueError(f"extend takes a StackedKVCache (cache.stacked()), got {type(cache).__name__}")
         input_ids = jnp.asarray(input_ids)
         B, T = input_ids.shape
         S = cache.max_len
@@ -524,25 +486,25 @@ class Qwen3ForCausalLM(nnx.Module):
             o = attend(q, ck.swapaxes(1, 2).astype(q.dtype), cv.swapaxes(1, 2).astype(q.dtype), mask)
             return o, (ck, cv)
 
-        h, ids, _, (k, v) = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v),
-                                        valid=valid, moe_row_drops=moe_row_drops)
-        cache = KVCache(k=k, v=v, lengths=starts + lengths)
-        if return_expert_ids:
-            return self.lm_logits(h), cache, ids
-        return self.lm_logits(h), cache
+        t = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v), valid=valid,
+                        row_drops=return_moe_drops)
+        k, v = t.ys
+        return ModelOutput(logits=self.lm_logits(t.h), cache=StackedKVCache(k=k, v=v, lengths=starts + lengths),
+                           expert_ids=t.expert_ids if return_expert_ids else None,
+                           moe_drops=self._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
 
     def decode_step(self, tokens: Array, cache: KVCache, *, forced_expert_ids=None,
                     return_expert_ids: bool = False, valid: Array | None = None,
-                    moe_row_drops: list | None = None):
+                    return_moe_drops: bool = False) -> ModelOutput:
         """One decode token per slot.
 
         tokens [B] int32 is placed at position ``cache.lengths[b]`` and attends to cache
-        positions ``<= lengths[b]``; then lengths += 1. Returns (logits [B,V] f32, cache)
-        (plus expert ids list of [B,k] when ``return_expert_ids``). Inactive slots are the
-        caller's business (mask them; their lengths still advance). ``valid`` [B] bool: the slots
-        whose token takes MoE capacity (None: all; only a dropping MoE path reads it).
-        ``moe_row_drops``: a list this appends each slot's MoE token copies dropped for capacity
-        to, int32 [B] (:meth:`_trunk`).
+        positions ``<= lengths[b]``; then lengths += 1. Returns :class:`ModelOutput`: ``logits``
+        [B,V] f32, ``cache`` (the type it was given); ``expert_ids`` (int32 [B,k] per MoE layer)
+        with ``return_expert_ids``; ``moe_drops`` (``per_row``: each slot's token copies dropped
+        for capacity) with ``return_moe_drops``. Inactive slots are the caller's business (mask
+        them; their lengths still advance). ``valid`` [B] bool: the slots whose token takes MoE
+        capacity (None: all; only a dropping MoE path reads it).
 
         The cache is written at one position per slot and layer: the whole [L,B,K,S,H] k/v
         buffers are threaded through the layers (the scan carry under ``scan_layers``) and
@@ -550,9 +512,9 @@ class Qwen3ForCausalLM(nnx.Module):
         at ``lengths[b] >= S`` is dropped), then reads its layer back for attention. Under
         ``jit`` with the cache donated XLA does this in place: a step touches the params and
         the cache once, not a rewritten copy of the cache (``bench/decode_compile.py``).
-        A per-layer cache (``KVCache.per_layer()``; unrolled layers only) is threaded as L
-        separate buffers, each written at one position and read by the attention in place; the
-        cache comes back in the same form.
+        A :class:`LayerKVCache` (unrolled layers only) is threaded as L separate buffers, each
+        written at one position and read by the attention in place; the cache comes back in the
+        same form.
         """
         if cache.is_per_layer and self.scan_layers:
             raise ValueError("a per-layer KV cache needs unrolled layers; pass cache.stacked() "
@@ -565,85 +527,29 @@ class Qwen3ForCausalLM(nnx.Module):
         L = self.config.num_hidden_layers
 
         B, K = tokens.shape[0], self.config.num_key_value_heads
-        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-        k_idx = jnp.arange(K, dtype=jnp.int32)[None, :]
+        idx = (jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(K, dtype=jnp.int32)[None, :], pos[:, None])
+        core = attend_cached_t if cache.is_per_layer else attend_cached
 
-        def write(c, new, i):
-            # c [L,B,K,S,H], new [B,K,H]: c[i, b, k, pos[b]] = new[b, k] (one scatter)
-            return c.at[i, b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
-
-        def write_layer(c, new):
-            # c [B,K,S,H] (one layer's own buffer): c[b, k, pos[b]] = new[b, k]
-            return c.at[b_idx, k_idx, pos[:, None]].set(new.astype(c.dtype), mode="drop")
-
-        def write_layer_t(c, new):
-            # c [B,K,H,S] (one layer's key-transposed buffer): c[b, k, :, pos[b]] = new[b, k]
-            return c.at[b_idx, k_idx, :, pos[:, None]].set(new.astype(c.dtype), mode="drop")
-
-        def layer_attend_per_layer(q, k, v, i, kv):
-            i = int(i)
-            ck, cv = list(kv[0]), list(kv[1])
-            ck[i], cv[i] = write_layer_t(ck[i], k[:, 0]), write_layer(cv[i], v[:, 0])
-            o = attend_cached_t(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
-            return o, None, (tuple(ck), tuple(cv))
-
-        def layer_attend(q, k, v, i, kv):
-            ck, cv = write(kv[0], k[:, 0], i), write(kv[1], v[:, 0], i)
-            if isinstance(i, jax.Array):  # scanned: traced layer index
-                ki = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False)
-                vi = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False)
-            else:  # unrolled: a static layer index
-                ki, vi = ck[int(i)], cv[int(i)]
-            return attend_cached(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, (ck, cv)
+        def layer_attend(q, k, v, i, kv):  # kv: the cache's (k, v) buffers, the layer carry
+            kv, ki, vi = cache.write_decode(kv, i, k[:, 0], v[:, 0], idx)
+            return core(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, kv
 
         forced = None
         if forced_expert_ids is not None:
             forced = [jnp.asarray(f)[:, None] for f in forced_expert_ids]
         layer_idx = jnp.arange(L, dtype=jnp.int32) if self.scan_layers else tuple(range(L))
-        attend_fn = layer_attend_per_layer if cache.is_per_layer else layer_attend
-        h, ids, _, _, (k, v) = self._trunk(self.embed(tokens[:, None]), positions, attend_fn,
-                                           layer_idx, forced, carry=(tuple(cache.k), tuple(cache.v))
-                                           if cache.is_per_layer else (cache.k, cache.v),
-                                           valid=None if valid is None else jnp.asarray(valid, bool)[:, None],
-                                           moe_row_drops=moe_row_drops)
-        cache = KVCache(k=k, v=v, lengths=pos + 1)
-        logits = self.lm_logits(h)[:, 0]
-        if return_expert_ids:
-            return logits, cache, [i[:, 0] for i in ids]
-        return logits, cache
+        valid = None if valid is None else jnp.asarray(valid, bool)[:, None]
+        t = self._trunk(self.embed(tokens[:, None]), positions, layer_attend, layer_idx, forced,
+                        carry=(cache.k, cache.v), valid=valid, row_drops=return_moe_drops)
+        k, v = t.carry
+        return ModelOutput(logits=self.lm_logits(t.h)[:, 0], cache=cache.replace(k=k, v=v, lengths=pos + 1),
+                           expert_ids=tuple(i[:, 0] for i in t.expert_ids) if return_expert_ids else None,
+                           moe_drops=self._moe_drops(t, valid, (B, 1), True) if return_moe_drops else None)
 
 
 # --------------------------------------------------------------------------------------
-# Routes (routing replay), parameter count, constructor arguments
+# Parameter count, constructor arguments
 # --------------------------------------------------------------------------------------
-
-ROUTE_MISSING = -1
-"""Expert id meaning "no recorded route" in a routes array (any value outside [0, E) does):
-the MoE block routes such a token by its own router (:meth:`MoE.route`)."""
-
-
-def route_dtype(num_experts: int) -> np.dtype:
-    """Compact storage dtype of recorded expert ids (routing replay, ``moe.routing_replay``):
-    int8 for up to 127 experts, int16 up to 32767, else int32; :data:`ROUTE_MISSING` fits all."""
-    for dt in (np.int8, np.int16):
-        if num_experts <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.int32)
-
-
-def stack_routes(expert_ids: Sequence[Array]) -> Array:
-    """Per-MoE-layer expert ids (list of [..., T, k]) -> one [..., T, n_moe_layers, k] array
-    (the layout of ``Trajectory.routes`` / ``LearnerBatch.routes``)."""
-    return jnp.stack([jnp.asarray(i) for i in expert_ids], axis=-2)
-
-
-def unstack_routes(routes: Array | None) -> list[Array] | None:
-    """[..., T, n_moe_layers, k] -> the per-MoE-layer list ``forced_expert_ids`` takes."""
-    if routes is None:
-        return None
-    routes = jnp.asarray(routes)
-    return [routes[..., i, :] for i in range(routes.shape[-2])]
-
 
 def count_params(config: Qwen3Config) -> int:
     """Number of parameters, from ``nnx.eval_shape`` (nothing is allocated)."""
