@@ -326,7 +326,7 @@ def validate_batch(
         vocab_size: token ids under the attention mask must lie in [0, vocab_size).
         row_divisor: B must be a multiple of this (minibatches * microbatches).
         current_version: loss tokens may not carry a version above it (a future version).
-        require_versions: every loss token must carry a version >= 0 (exact old logits).
+        require_versions: every loss token must carry a version >= 0 (the snapshot store scores them).
         num_experts: ``routes`` ids must lie in [-1, num_experts) and are stored in
             ``jax_rl.models.qwen3.route_dtype(num_experts)`` (None: int32, ids >= -1).
 
@@ -383,7 +383,7 @@ def validate_batch(
             f"batch has loss tokens of version {int(v.max())} > the learner's version {current_version} (future version)"
         )
     if require_versions and v.size and v.min() < 0:
-        raise BatchError("loss.correction=exact needs batch['versions'] >= 0 on every loss token")
+        raise BatchError("exact old log-probs from the snapshot store need batch['versions'] >= 0 on every loss token")
     return out
 
 

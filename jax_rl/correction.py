@@ -43,7 +43,7 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     learner runs no extra forward). The route declares the cost and what it refuses.
 
 A strategy owns: its state inside ``TrainState.correction`` (:meth:`Correction.init_state`);
-an optional host step (:meth:`Correction.host_inputs`); the in-jit ``prox_logp``
+its host-side inputs (:func:`plan_host_inputs`, :func:`host_inputs`); the in-jit ``prox_logp``
 (:meth:`Correction.prox_logp`, :meth:`Correction.micro_prox`); the in-jit hook after the
 optimizer updates (:meth:`Correction.after_update`); its checkpoint items
 (:meth:`Correction.checkpoint_items`); its declared cost (:attr:`Correction.cost`,
@@ -70,7 +70,8 @@ from jax_rl import losses, proximal
 from jax_rl.config import Config, ConfigError
 from jax_rl.old_logits.routes import ROUTES, Route, make_route
 
-__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "check_config", "make_correction", "host_inputs",
+__all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "check_config", "make_correction", "HostInputs",
+           "plan_host_inputs", "host_inputs",
            "tree_finite", "tree_where"]
 
 # (params, tokens [U,m,r,T], attention_mask [U,m,r,T]) -> log-probs [U,m,r,T] (training numerics)
@@ -434,39 +435,66 @@ class Exact(Correction):
         return batch.prox_logp, cstate, {}
 
 
-def host_inputs(strategy: Correction, cfg: Config, batch: dict,
-                score: Optional[Callable[[], tuple[jax.Array, dict]]]) -> tuple[dict, dict]:
-    """The host step before the jitted step: fill the exact old log-probs it needs.
+@dataclasses.dataclass(frozen=True)
+class HostInputs:
+    """What the host step puts in the learner batch before the jitted step (:func:`plan_host_inputs`).
+
+    Attributes:
+        field: ``"prox_logp"`` (``exact``: the jitted step reads pi_prox from the batch),
+            ``"old_logp"`` (an approximate mode measuring its error, ``old_logits.measure_error``)
+            or None (pi_prox is computed in jit: the batch carries neither).
+        score: the field is filled by the learner's snapshot store (the batch carries no
+            ``old_logp``); False: from the batch's own ``old_logp``.
+    """
+
+    field: Optional[str]
+    score: bool
+
+
+def plan_host_inputs(strategy: Correction, *, given: bool, store: bool) -> HostInputs:
+    """The one decision of pi_prox's host-side inputs, for every caller (the learner's train step,
+    ``loss_and_grads`` and the abstract batch ``jax-rl compile`` lowers).
 
     Args:
-        batch: device arrays by field name; may hold a caller-supplied ``old_logp``.
+        strategy: the correction strategy (``loss.correction``).
+        given: the batch carries ``old_logp`` (exact old log-probs from a rollout-side route or
+            the caller).
+        store: the learner keeps a snapshot store that can score the batch.
+
+    Raises:
+        ValueError: ``exact`` without a store and without a given ``old_logp`` (never trained on
+            missing exact old log-probs).
+    """
+    field = "prox_logp" if strategy.needs_exact else "old_logp" if strategy.learner_store else None
+    if field is not None and not given and not store:
+        raise ValueError(f"loss.correction={strategy.name} with old_logits.route={strategy.cfg.old_logits.route}: the "
+                         "batch carries no old_logp (the route fills it before the learner) and the learner keeps no "
+                         "snapshot store; refusing to train without exact old log-probs")
+    return HostInputs(field=field, score=field is not None and not given)
+
+
+def host_inputs(strategy: Correction, batch: dict,
+                score: Optional[Callable[[], tuple[jax.Array, dict]]]) -> tuple[dict, dict]:
+    """The host step before the jitted step: the batch with the fields :func:`plan_host_inputs`
+    decides (a caller's ``prox_logp`` is never taken as is).
+
+    Args:
+        batch: arrays by field name (device arrays, or ``jax.ShapeDtypeStruct`` for an abstract
+            batch); may hold a caller-supplied ``old_logp``.
         score: computes the exact old log-probs from the snapshot store: ``(old_logp, stats)``;
-            None when the learner keeps no store (``old_logits.route`` other than snapshot).
+            None when the learner keeps no store.
 
     Returns:
         ``(batch, stats)``: under ``exact`` the batch carries ``prox_logp`` (the given
         ``old_logp`` or the store's); an approximate mode measuring its error carries
-        ``old_logp``; otherwise ``old_logp`` is dropped.
+        ``old_logp``; otherwise neither. ``stats``: the store's (empty when nothing was scored).
 
     Raises:
-        ValueError: ``exact`` without a store and the batch carries no ``old_logp`` (never
-            trained on missing exact old logits).
+        ValueError: as :func:`plan_host_inputs`.
     """
-    batch = dict(batch)
-    have_old = "old_logp" in batch
+    plan = plan_host_inputs(strategy, given="old_logp" in batch, store=score is not None)
+    out = {k: v for k, v in batch.items() if k not in ("prox_logp", "old_logp")}
     stats: dict = {}
-    if strategy.needs_exact:
-        if have_old:
-            batch["prox_logp"] = batch.pop("old_logp")
-        elif score is None:
-            raise ValueError(f"loss.correction=exact with old_logits.route={cfg.old_logits.route}: the batch carries "
-                             "no old_logp (the route fills it before the learner); refusing to train without exact "
-                             "old log-probs")
-        else:
-            batch["prox_logp"], stats = score()
-    elif strategy.learner_store:
-        if not have_old:
-            batch["old_logp"], stats = score()
-    else:
-        batch.pop("old_logp", None)
-    return batch, stats
+    if plan.field is not None:
+        out[plan.field], stats = score() if plan.score else (batch["old_logp"], {})
+    return out, stats

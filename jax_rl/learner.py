@@ -58,7 +58,7 @@ from jax_rl import checkpoint as ckpt
 from jax_rl.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
                           validate_batch)
 from jax_rl.config import Config, config_hash
-from jax_rl.correction import host_inputs
+from jax_rl.correction import host_inputs, plan_host_inputs
 from jax_rl.learner_spec import learner_batch_spec, learner_spec, scorer_placement
 from jax_rl.model_builder import resolve_mesh, resolve_model_config
 from jax_rl.old_logits import snapshot_logprobs, versions_needed
@@ -384,15 +384,7 @@ class Learner:
         """
         t0 = time.perf_counter()
         g = self.version
-        b = validate_batch(
-            batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
-            row_divisor=self.minibatches * self.microbatches, current_version=g,
-            require_versions=self.strategy.needs_exact and "old_logp" not in batch,
-            num_experts=self.num_experts or None,
-        )
-        self._check_routes(b)
-        b.pop("prox_logp", None)
-        b = self._bucketed(b)
+        b = self._bucketed(self._host_batch(batch, current_version=g))
         b, n_loss = self.placement.sync_global(b)
         if n_loss == 0:
             self.skipped_steps += 1
@@ -402,8 +394,7 @@ class Learner:
                     "step": float(self.step), "step_time_s": time.perf_counter() - t0, "tokens": 0.0,
                     "tokens_per_s": 0.0}
         dev, r = self.device_batch(b, process_local=process_local)
-        dev, old_stats = host_inputs(self.strategy, self.cfg, dev,
-                                     None if self.store is None else (lambda: self._score_old(b, dev, g)))
+        dev, old_stats = self._prox_inputs(b, dev, g)
         if self.strategy.needs_exact:  # the learner's own old-logit forwards (0 under route=dedicated)
             old_stats.setdefault("old_logits_forwards", 0.0)
             self.old_logit_forwards += int(old_stats["old_logits_forwards"])
@@ -442,9 +433,22 @@ class Learner:
         every = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="learner metrics")
         return {k: float(v) for k, v in every[self._holders[0]].items()}
 
-    def _check_routes(self, b: dict) -> None:
-        """The routing-replay policy's batch check: an r3 step never trains without the rollout's routes."""
+    def _host_batch(self, batch: Mapping[str, Any], current_version: Optional[int] = None) -> dict[str, np.ndarray]:
+        """``batch`` validated (:func:`jax_rl.batch.validate_batch`; loss tokens need a version >= 0 when the
+        snapshot store scores them, :func:`jax_rl.correction.plan_host_inputs`) and checked by the
+        routing-replay policy (an r3 step never trains without the rollout's routes)."""
+        plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.store is not None)
+        b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
+                           row_divisor=self.minibatches * self.microbatches, current_version=current_version,
+                           require_versions=plan.score, num_experts=self.num_experts or None)
         self.routing.check_batch(b)
+        b.pop("prox_logp", None)  # pi_prox is never the caller's: host_inputs decides it
+        return b
+
+    def _prox_inputs(self, b: dict, dev: dict, g: int) -> tuple[dict, dict]:
+        """The device batch with pi_prox's host-side inputs (:func:`jax_rl.correction.host_inputs`: the one
+        decision, for :meth:`train_step` and :meth:`loss_and_grads` alike) and the store's stats."""
+        return host_inputs(self.strategy, dev, None if self.store is None else (lambda: self._score_old(b, dev, g)))
 
     def _forward_fn(self, dev: dict):
         """The learner's no-grad log-prob forward for ``dev``'s batch: forces its routes when the
@@ -514,15 +518,17 @@ class Learner:
     def loss_and_grads(self, batch: Mapping[str, Any]) -> tuple[float, Any, dict]:
         """Loss, grads (an ``nnx.State`` like the params, sharded like them) and metrics of the
         FIRST minibatch of ``batch`` at the current params, with microbatch accumulation and the
-        correction strategy's pi_prox at the current state (``exact``: the batch's ``old_logp``,
-        else behav_logp). No state changes (for tests and debugging)."""
-        b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
-                           row_divisor=self.minibatches * self.microbatches, num_experts=self.num_experts or None)
-        self._check_routes(b)
-        if self.strategy.needs_exact:
-            b["prox_logp"] = b.pop("old_logp", b["behav_logp"])
-        b.pop("old_logp", None)
-        dev, r = self.device_batch(self._bucketed(b), process_local=False)
+        correction strategy's pi_prox at the current state, its host-side inputs decided as in
+        :meth:`train_step` (:func:`jax_rl.correction.host_inputs`). No state changes (for tests and
+        debugging).
+
+        Raises:
+            BatchError / ValueError: as :meth:`train_step`.
+        """
+        g = self.version
+        b = self._bucketed(self._host_batch(batch, current_version=g))
+        dev, r = self.device_batch(b, process_local=False)
+        dev, _ = self._prox_inputs(b, dev, g)
         key = ("grads", r)
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,

@@ -22,7 +22,7 @@ from flax import nnx
 from jax_rl.batch import abstract_batch
 from jax_rl.checkpoint import abstract_like
 from jax_rl.config import Config, ConfigError
-from jax_rl.correction import Correction, make_correction
+from jax_rl.correction import Correction, make_correction, plan_host_inputs
 from jax_rl.model_builder import abstract_model_split, create_sharded_model, learner_model_kwargs
 from jax_rl.placement import place_params
 from jax_rl.routing_replay import RoutingReplay
@@ -82,8 +82,8 @@ def learner_batch_spec(strategy: Correction, routing: RoutingReplay, model_confi
     snapshot store, ``routes`` [U, m, r, T, n_moe_layers, k] when the routing-replay policy records
     them. Used by :meth:`jax_rl.learner.Learner.abstract_batch` (the dry run) and ``jax-rl compile``,
     so both lower the program training runs."""
-    exact = strategy.needs_exact
-    return abstract_batch(tuple(shape), sharding, prox=exact, old=not exact and strategy.learner_store,
+    plan = plan_host_inputs(strategy, given=True, store=False)  # the fields, as the learner's host step fills them
+    return abstract_batch(tuple(shape), sharding, prox=plan.field == "prox_logp", old=plan.field == "old_logp",
                           routes=routing.route_spec(model_config))
 
 
