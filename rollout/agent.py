@@ -230,7 +230,7 @@ class AgentLoop:
         # the per-token fields as one array per appended piece (prompt, generated turn, tool / user turn),
         # concatenated once into the Trajectory: the Completion's behav_logp / versions are never unpacked
         mask: list[np.ndarray] = []
-        logp: list[np.ndarray] = []
+        behav_logp: list[np.ndarray] = []
         vers: list[np.ndarray] = []
         turns: list[np.ndarray] = []
         routes: Optional[np.ndarray] = None  # [<= len(tokens), n_moe_layers, k] (moe.routing_replay)
@@ -264,12 +264,12 @@ class AgentLoop:
             tokens.extend(int(i) for i in ids)
             if gen is None:
                 mask.append(np.zeros(n, bool))
-                logp.append(np.zeros(n, np.float32))
+                behav_logp.append(np.zeros(n, np.float32))
                 vers.append(np.full(n, -1, np.int32))
                 turns.append(np.full(n, -1, np.int32))
             else:
                 mask.append(np.ones(n, bool))
-                logp.append(gen.behav_logp)
+                behav_logp.append(gen.behav_logp)
                 vers.append(gen.versions)
                 turns.append(np.full(n, turn, np.int32))
 
@@ -419,7 +419,7 @@ class AgentLoop:
         if routes is not None:  # positions the engine never ran (a last tool turn): no route
             routes = _merge_routes(routes, np.full((len(tokens), *routes.shape[1:]), ROUTE_MISSING, routes.dtype))
         traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=_cat(mask, bool),
-                          behav_logp=_cat(logp, np.float32), versions=_cat(vers, np.int32),
+                          behav_logp=_cat(behav_logp, np.float32), versions=_cat(vers, np.int32),
                           turn_ids=_cat(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
                           seed=int(task_seed), info=info, routes=routes)
         with lock:  # tracked: kept (finished, unscored) until release()
