@@ -186,7 +186,7 @@ class AgentLoop:
                 if fin is not None:
                     out.append((key, fin.tokens, fin.versions, fin.loss_mask, fin.routes))
                     continue
-                toks, vers, mask = list(ep["tokens"]), list(ep["vers"]), list(ep["mask"])
+                toks, vers, mask = list(ep["tokens"]), _cat(ep["vers"], np.int32), _cat(ep["mask"], bool)
                 routes = ep.get("routes")
                 fut = ep["fut"]
                 extra = None
@@ -199,15 +199,14 @@ class AgentLoop:
                         extra = (c.tokens, c.versions, getattr(c, "routes", None))
                 if extra:
                     toks += list(extra[0])
-                    vers += list(extra[1])
-                    mask += [True] * len(extra[0])
+                    vers = np.concatenate([vers, np.asarray(extra[1], np.int32)])
+                    mask = np.concatenate([mask, np.ones(len(extra[0]), bool)])
                     if len(extra) > 2 and extra[2] is not None:
                         routes = _merge_routes(routes, np.asarray(extra[2]))
                 if routes is not None:  # aligned with toks: MISSING where nothing ran yet
                     routes = _merge_routes(routes, np.full((len(toks), *routes.shape[1:]), ROUTE_MISSING,
                                                            routes.dtype))
-                out.append((key, np.asarray(toks, np.int32), np.asarray(vers, np.int32), np.asarray(mask, bool),
-                            routes))
+                out.append((key, np.asarray(toks, np.int32), vers, mask, routes))
         return out
 
     def release(self, keys) -> None:
@@ -227,11 +226,13 @@ class AgentLoop:
         t0 = time.monotonic()
         # episode_timeout_s=None: no wall-clock limit (result(timeout=None) waits for good)
         deadline = None if cfg.episode_timeout_s is None else t0 + float(cfg.episode_timeout_s)
-        tokens: list[int] = []
-        mask: list[bool] = []
-        logp: list[float] = []
-        vers: list[int] = []
-        turns: list[int] = []
+        tokens: list[int] = []  # the context the generator is given (a list: it is submitted as one)
+        # the per-token fields as one array per appended piece (prompt, generated turn, tool / user turn),
+        # concatenated once into the Trajectory: the Completion's behav_logp / versions are never unpacked
+        mask: list[np.ndarray] = []
+        behav_logp: list[np.ndarray] = []
+        vers: list[np.ndarray] = []
+        turns: list[np.ndarray] = []
         routes: Optional[np.ndarray] = None  # [<= len(tokens), n_moe_layers, k] (moe.routing_replay)
         info: dict[str, Any] = {"sample_idx": int(sample_idx), "turns": 0, "tool_calls": 0, "tool_errors": [],
                                 "truncated": None, "answered": False, "failed": False, "gen_s": 0.0, "tool_s": 0.0,
@@ -259,17 +260,18 @@ class AgentLoop:
                     live["routes"] = gen_routes
 
         def _append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
+            n = len(ids)
             tokens.extend(int(i) for i in ids)
             if gen is None:
-                mask.extend([False] * len(ids))
-                logp.extend([0.0] * len(ids))
-                vers.extend([-1] * len(ids))
-                turns.extend([-1] * len(ids))
+                mask.append(np.zeros(n, bool))
+                behav_logp.append(np.zeros(n, np.float32))
+                vers.append(np.full(n, -1, np.int32))
+                turns.append(np.full(n, -1, np.int32))
             else:
-                mask.extend([True] * len(ids))
-                logp.extend(float(x) for x in gen.behav_logp)
-                vers.extend(int(v) for v in gen.versions)
-                turns.extend([turn] * len(ids))
+                mask.append(np.ones(n, bool))
+                behav_logp.append(gen.behav_logp)
+                vers.append(gen.versions)
+                turns.append(np.full(n, turn, np.int32))
 
         try:
             env = self.env_factory()
@@ -416,9 +418,9 @@ class AgentLoop:
             self._count("truncated")
         if routes is not None:  # positions the engine never ran (a last tool turn): no route
             routes = _merge_routes(routes, np.full((len(tokens), *routes.shape[1:]), ROUTE_MISSING, routes.dtype))
-        traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, bool),
-                          behav_logp=np.asarray(logp, np.float32), versions=np.asarray(vers, np.int32),
-                          turn_ids=np.asarray(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
+        traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=_cat(mask, bool),
+                          behav_logp=_cat(behav_logp, np.float32), versions=_cat(vers, np.int32),
+                          turn_ids=_cat(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
                           seed=int(task_seed), info=info, routes=routes)
         with lock:  # tracked: kept (finished, unscored) until release()
             live["final"], live["fut"] = traj, None
@@ -433,6 +435,11 @@ def _shared_prefix_len(tok: Any, messages: Sequence[dict], tools: Optional[Seque
     ids, _ = tok.render_chat(list(messages[:1]), tools)
     n = len(ids)
     return n if 0 < n < len(prompt) and list(prompt[:n]) == list(ids) else 0
+
+
+def _cat(chunks: Sequence[np.ndarray], dtype: Any) -> np.ndarray:
+    """The pieces of one per-token field as one ``dtype`` array [sum of lengths] (empty when none)."""
+    return np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
 
 
 def _merge_routes(old: Optional[np.ndarray], new: np.ndarray) -> np.ndarray:

@@ -840,7 +840,8 @@ class Generator:
         if self._moe_drops:
             info["moe_dropped_copies"] = req.moe_dropped
             info["moe_copies"] = req.moe_copies
-        comp = Completion(req.request_id, list(req.tokens), list(req.behav_logp), list(req.versions), reason, info,
-                          routes=self._routes_array(req))
+        # the request's behav_logp / versions lists become the record's float32 / int32 arrays (one copy)
+        comp = Completion(req.request_id, req.tokens, np.asarray(req.behav_logp, np.float32),
+                          np.asarray(req.versions, np.int32), reason, info, routes=self._routes_array(req))
         if not req.future.done():
             req.future.set_result(comp)

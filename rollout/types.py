@@ -1,7 +1,10 @@
 """Data shared by the rollout side: :class:`Trajectory` (docs/design.md §3.2 Trajectory) and :class:`Completion`.
 
-No jax here: everything is numpy on the host. Both classes convert to and from JSON-safe
-dicts (numpy arrays become lists); nothing is pickled.
+No jax here: everything is numpy on the host, per-token fields as arrays under one name each
+(``behav_logp``, ``versions``, ``loss_mask``, ``routes``) from the generator to the learner batch.
+Processes exchange the arrays themselves (Ray's object store); :meth:`Trajectory.to_dict` /
+:meth:`Trajectory.from_dict` (arrays as JSON lists) are for disk (the buffer's checkpointed state)
+and the ``jax.distributed`` key-value store; nothing is pickled to disk.
 """
 
 from __future__ import annotations
@@ -55,31 +58,43 @@ def _int_dtype(name: str) -> np.dtype:
 class Completion:
     """One finished generation request (Generator -> agent), see docs/interfaces.md.
 
+    The per-token values the learner uses are numpy arrays under the names the :class:`Trajectory`
+    and the learner batch use (lists given to the constructor are converted once; arrays of the
+    right dtype are kept as they are); ``tokens`` stays a list of ints, the generator's prompt type
+    (the agent submits it back as context).
+
     Attributes:
         request_id: the generator's id of the request.
-        tokens: generated token ids (the stop token included when it was sampled).
-        behav_logp: behaviour log-prob (log mu) of each generated token under the distribution it
-            was sampled from (temperature, then any top-k / top-p truncation renormalised), float,
-            len == len(tokens): the engine's ``StepOutput.behav_logp``, the Trajectory's ``behav_logp``.
-        versions: policy version that produced each token, len == len(tokens).
+        tokens: list of n ints, generated token ids (the stop token included when it was sampled).
+        behav_logp: float32 [n], behaviour log-prob (log mu) of each generated token under the
+            distribution it was sampled from (temperature, then any top-k / top-p truncation
+            renormalised): the engine's ``StepOutput.behav_logp``, the Trajectory's ``behav_logp``.
+        versions: int32 [n], policy version that produced each token.
         finish_reason: ``"stop"`` (a stop id was sampled), ``"length"`` (max_new_tokens reached) or
             ``"aborted"`` (the generator gave up on the request).
         info: extra data, e.g. number of reissues, prefill tokens (:mod:`rollout.generator`).
         routes: None, or the expert ids the engine's MoE layers chose at every position of
-            prompt + ``tokens`` ([len(prompt) + len(tokens), n_moe_layers, k], a compact int
+            prompt + ``tokens`` ([len(prompt) + n, n_moe_layers, k], a compact int
             dtype, ``ROUTE_MISSING`` where none: the last token); ``moe.routing_replay``.
+
+    Raises (on construction):
+        ValueError: ``tokens`` / ``behav_logp`` / ``versions`` of different lengths, or an unknown
+            ``finish_reason``.
     """
 
     request_id: int
     tokens: list[int]
-    behav_logp: list[float]
-    versions: list[int]
+    behav_logp: np.ndarray
+    versions: np.ndarray
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
     routes: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
-        if not (len(self.tokens) == len(self.behav_logp) == len(self.versions)):
+        self.tokens = [int(t) for t in self.tokens]
+        self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32).reshape(-1)
+        self.versions = np.asarray(self.versions, dtype=np.int32).reshape(-1)
+        if not (len(self.tokens) == self.behav_logp.shape[0] == self.versions.shape[0]):
             raise ValueError(
                 f"Completion {self.request_id}: tokens/behav_logp/versions lengths differ "
                 f"({len(self.tokens)}, {len(self.behav_logp)}, {len(self.versions)})"

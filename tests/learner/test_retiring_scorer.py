@@ -261,7 +261,7 @@ def test_generator_partial_pause_and_swap_now():
     t.join(30)
     gen.run_until_idle()
     comp = fa.result(timeout=0)
-    assert comp.versions == [0, 0, 0] + [1] * 7 and comp.tokens[:3] == toks
+    assert comp.versions.tolist() == [0, 0, 0] + [1] * 7 and comp.tokens[:3] == toks
 
 
 class _PendingGen:

@@ -70,7 +70,7 @@ def _rollouts(learner: Learner, engine_params, *, n=8, new=12, dtype="bfloat16",
         c = f.result()
         P, G = len(p), len(c.tokens)
         trajs.append(Trajectory(tokens=p + c.tokens, loss_mask=[False] * P + [True] * G,
-                                behav_logp=[0.0] * P + c.behav_logp, versions=[-1] * P + c.versions,
+                                behav_logp=[0.0] * P + c.behav_logp.tolist(), versions=[-1] * P + c.versions.tolist(),
                                 turn_ids=[-1] * P + [0] * G, routes=c.routes))
     return trajs, eng
 
@@ -323,7 +323,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
         c = f.result()
         P, G = len(p), len(c.tokens)
         trajs.append(Trajectory(tokens=p + c.tokens, loss_mask=[False] * P + [True] * G,
-                                behav_logp=[0.0] * P + c.behav_logp, versions=[-1] * P + c.versions,
+                                behav_logp=[0.0] * P + c.behav_logp.tolist(), versions=[-1] * P + c.versions.tolist(),
                                 turn_ids=[-1] * P + [0] * G, routes=c.routes, group_id=0, info={"sample_idx": i}))
     assert all(set(t.versions[t.loss_mask].tolist()) == {0, 1} for t in trajs)
     kept, dropped = rs.score_group(trajs)
@@ -359,11 +359,11 @@ def _swap_episode(L: Learner, p0, p1, partial: str, *, prompt_len=8, new=12, ste
     c = fut.result()
     P, G = len(prompt), len(c.tokens)
     if partial == "abort":  # the swap dropped the version-0 tokens; they count against the budget
-        assert c.versions == [1] * (new - steps)
+        assert c.versions.tolist() == [1] * (new - steps)
     else:
-        assert c.versions == [0] * steps + [1] * (new - steps)
-    return Trajectory(tokens=prompt + c.tokens, loss_mask=[False] * P + [True] * G, behav_logp=[0.0] * P + c.behav_logp,
-                      versions=[-1] * P + c.versions, turn_ids=[-1] * P + [0] * G, routes=c.routes)
+        assert c.versions.tolist() == [0] * steps + [1] * (new - steps)
+    return Trajectory(tokens=prompt + c.tokens, loss_mask=[False] * P + [True] * G, behav_logp=[0.0] * P + c.behav_logp.tolist(),
+                      versions=[-1] * P + c.versions.tolist(), turn_ids=[-1] * P + [0] * G, routes=c.routes)
 
 
 def _version_err(L: Learner, b, params, v: int, forced: bool = True) -> float:
@@ -472,11 +472,11 @@ def test_r3_after_a_swap_between_turns_replays_the_second_prefill_routes():
     tool = list(rng.integers(0, mc.vocab_size, 3))
     ctx = prompt + c1.tokens + tool
     c2 = gen.generate([ctx], max_new_tokens=6, seeds=[1])[0]
-    assert c1.versions == [0] * 4 and c2.versions == [1] * 6
+    assert c1.versions.tolist() == [0] * 4 and c2.versions.tolist() == [1] * 6
     routes = _merge_routes(_merge_routes(None, c1.routes), c2.routes)
     n1, n2 = len(prompt) + 4, len(ctx) + 6
     t = Trajectory(tokens=ctx + c2.tokens, loss_mask=[False] * 8 + [True] * 4 + [False] * 3 + [True] * 6,
-                   behav_logp=[0.0] * 8 + c1.behav_logp + [0.0] * 3 + c2.behav_logp,
+                   behav_logp=[0.0] * 8 + c1.behav_logp.tolist() + [0.0] * 3 + c2.behav_logp.tolist(),
                    versions=[-1] * 8 + [0] * 4 + [-1] * 3 + [1] * 6,
                    turn_ids=[-1] * 8 + [0] * 4 + [-1] * 3 + [1] * 6, routes=routes)
     assert len(t) == n2 and _same_sets(t.routes[:-1], c2.routes[:-1])

@@ -85,8 +85,8 @@ def test_generator_decode_steps_identical_with_stops_budgets_and_cache_end(engin
         got, gen = _run(engine, N, prompts, budgets, stop_ids=stops)
         for w, g in zip(want, got):
             assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
-            assert g.behav_logp == w.behav_logp  # bit-identical floats
-            assert g.versions == w.versions == [0] * len(w.tokens)
+            assert g.behav_logp.tolist() == w.behav_logp.tolist()  # bit-identical floats
+            assert g.versions.tolist() == w.versions.tolist() == [0] * len(w.tokens)
             assert "kept_mass" not in g.info  # the learner recomputes a truncation: nothing carries it
         assert N * gen.stats["calls"] > gen.stats["steps"] > gen.stats["calls"]  # short calls near the ends
         assert gen.stats["discarded_tokens"] > 0  # slots that finished mid-chunk decoded on
@@ -154,15 +154,15 @@ def test_weight_swap_between_chunks_tags_versions(engine, params2, partial):
 
     ref, got = run(1, N), run(N, N)  # the swap lands after N tokens in both
     for w, g in zip(ref, got):
-        assert g.tokens == w.tokens and g.behav_logp == w.behav_logp and g.versions == w.versions
+        assert g.tokens == w.tokens and g.behav_logp.tolist() == w.behav_logp.tolist() and g.versions.tolist() == w.versions.tolist()
         assert g.info["reissues"] == w.info["reissues"] and g.info["recomputes"] == w.info["recomputes"]
     if partial == "abort":  # the partial turns were dropped and re-issued under version 1
         assert all(set(g.versions) == {1} for g in got)
     else:
-        assert all(g.versions == [0] * N + [1] * (len(g.tokens) - N) for g in got)
+        assert all(g.versions.tolist() == [0] * N + [1] * (len(g.tokens) - N) for g in got)
     # the new params really produce the later tokens: not the tokens an unswapped run samples
     plain, _ = _run(engine, N, prompts, budgets)
-    assert any(g.behav_logp != p.behav_logp for g, p in zip(got, plain))
+    assert any(g.behav_logp.tolist() != p.behav_logp.tolist() for g, p in zip(got, plain))
 
 
 def test_decode_steps_validated(engine):
@@ -180,6 +180,6 @@ def test_routes_recorded_per_step_are_the_same_in_chunks():
     ref, _ = _run(eng, 1, prompts, budgets)
     got, _ = _run(eng, N, prompts, budgets)
     for w, g in zip(ref, got):
-        assert g.tokens == w.tokens and g.behav_logp == w.behav_logp
+        assert g.tokens == w.tokens and g.behav_logp.tolist() == w.behav_logp.tolist()
         assert g.routes is not None and g.routes.shape[0] == len(prompts[g.request_id]) + len(g.tokens)
         np.testing.assert_array_equal(g.routes, w.routes)

@@ -62,7 +62,7 @@ def _decode(eng, st, steps=6):
 def _close(a, b, tol):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.behav_logp, b.behav_logp, rtol=0, atol=tol)
-    assert a.versions == b.versions
+    assert a.versions.tolist() == b.versions.tolist()
 
 
 # ------------------------------------------------------------------ (1) batched prefill
@@ -284,7 +284,7 @@ def test_swap_between_turns_follows_partial(engine, params2, mixed_ref, partial)
     p1 = engine.params
     gen = Generator(engine, partial=partial)
     kept = _episode(gen, prompt, 2, session="e", swap=(params2, 1))
-    assert kept[0].versions == [0] * len(kept[0].tokens) and kept[1].versions == [1] * len(kept[1].tokens)
+    assert kept[0].versions.tolist() == [0] * len(kept[0].tokens) and kept[1].versions.tolist() == [1] * len(kept[1].tokens)
     if partial == "continue":
         assert kept[1].info["kv_reused"] > 0 and gen.stats["kv_dropped_swap"] == 0
         ctx1_len = kept[1].info["prompt_len"]
@@ -362,7 +362,7 @@ def test_r3_exact_for_every_turn_with_kept_kv():
         routes = _merge_routes(routes, c.routes)
         toks += c.tokens
         mask += [True] * len(c.tokens)
-        lp += c.behav_logp
+        lp += c.behav_logp.tolist()
         if i < len(comps) - 1:
             obs = list(map(int, rng.integers(1, 100, size=3)))
             toks += obs

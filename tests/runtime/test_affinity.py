@@ -84,11 +84,11 @@ def test_ray_rollout_worker_is_pinned(tmp_path):
     probe = r"""
 import json, sys
 from jax_rl.config import CONFIG_DIR, load_config
-from jax_rl.runtime.ray_runtime import _actors, init_ray
+from jax_rl.runtime.ray_runtime import actor_classes, init_ray
 cpu = int(sys.argv[2])
 cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["runtime=ray", f"runtime.rollout_cpus=[{cpu}]", "sft.num_demos=8"])
 ray = init_ray(sys.argv[1], num_cpus=1)
-RolloutWorker, _, _ = _actors()
+RolloutWorker, _, _ = actor_classes()
 w = RolloutWorker.remote(cfg.to_dict(), {}, 0)
 print("PROBE " + json.dumps(ray.get(w.affinity.remote())))
 ray.shutdown()

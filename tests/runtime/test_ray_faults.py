@@ -198,7 +198,7 @@ def test_an_actor_that_dies_is_one_line_exit_1(tmp_path, capsys, monkeypatch, ac
             pass
 
     monkeypatch.setattr(rr, "init_ray", lambda *a, **k: ray)
-    monkeypatch.setattr(rr, "_actors", lambda: (None, None, Learner))
+    monkeypatch.setattr(rr, "actor_classes", lambda: (None, None, Learner))
     monkeypatch.setattr(rr, "RayDaemonWatch", Watch)
     monkeypatch.setattr(ray, "get", died)
     d = tmp_path / "r"
