@@ -406,6 +406,20 @@ AGENTIC_MAX_TOKENS = 80  # generated tokens per episode, both turns together (Tu
 AGENTIC_OVERRIDES = [f"rollout.max_turns={AGENTIC_TURNS}", f"rollout.max_tokens_per_episode={AGENTIC_MAX_TOKENS}"]
 
 
+def question_text(q: Any) -> str:
+    """The text of one episode's ``question`` as Tunix's agentic learner passes it: a ``str``, or a numpy
+    string array of one element (0-d or ``[1]``: the learner slices its batch into per-episode rows).
+    Raises ValueError when it holds more or fewer than one string."""
+    import numpy as np
+
+    if isinstance(q, str):
+        return str(q)
+    a = np.asarray(q).reshape(-1)
+    if a.size != 1:
+        raise ValueError(f"question: expected one string, got {a.size} values")
+    return str(a[0])
+
+
 def tunix_agentic_parts(task: Task):
     """Tunix's agentic classes wired to the bench task (``tunix.rl.agentic``): a ``ToolAgent`` whose
     conversation is the jax-rl env's own (its system prompt and question, the tool result as a ``tool``
@@ -443,6 +457,10 @@ def tunix_agentic_parts(task: Task):
             if isinstance(observation, dict) and "tool_outputs" in observation:
                 for call_id, out in observation["tool_outputs"].items():
                     self._messages.append({"role": "tool", "tool_call_id": call_id, "content": out or ""})
+            elif isinstance(observation, dict) and "question" in observation:
+                # the learner hands each episode its batch row's numpy values (an array, not a str), which
+                # the chat rendering would show as an empty user turn (the model then never saw the task)
+                self._messages.append({"role": "user", "content": question_text(observation["question"])})
             else:
                 super()._observation_to_messages(observation, reward, done, info)
 

@@ -115,3 +115,17 @@ def test_a_crashed_run_costs_that_run_only(e2e, tmp_path, monkeypatch):
             st.update(gen_tokens=100, trained_tokens=400)
     s = e2e.arm_summary(runs["tunix_agentic_k0"], warmup=1)
     assert s["timed_steps"] == 2 and s["wall_s"] == pytest.approx(5.0) and s["rl_wall_s"] == 10.0
+
+
+def test_question_text_reads_the_learners_numpy_rows(e2e):
+    """Tunix's agentic learner hands each episode its batch row as numpy; rendered as is, the user turn
+    came out empty (the bench's Tunix agentic arm ran on an empty question until this was caught)."""
+    import numpy as np
+
+    q = "State the final answer to the following arithmetic problem: 4 - 1 ="
+    for x in (q, np.str_(q), np.array(q), np.array([q])):
+        assert e2e.question_text(x) == q and type(e2e.question_text(x)) is str
+    with pytest.raises(ValueError, match="one string"):
+        e2e.question_text(np.array([q, q]))
+    with pytest.raises(ValueError, match="one string"):
+        e2e.question_text(np.array([], dtype=str))
