@@ -406,6 +406,20 @@ AGENTIC_MAX_TOKENS = 80  # generated tokens per episode, both turns together (Tu
 AGENTIC_OVERRIDES = [f"rollout.max_turns={AGENTIC_TURNS}", f"rollout.max_tokens_per_episode={AGENTIC_MAX_TOKENS}"]
 
 
+def question_text(q: Any) -> str:
+    """The text of one episode's ``question`` as Tunix's agentic learner passes it: a ``str``, or a numpy
+    string array of one element (0-d or ``[1]``: the learner slices its batch into per-episode rows).
+    Raises ValueError when it holds more or fewer than one string."""
+    import numpy as np
+
+    if isinstance(q, str):
+        return str(q)
+    a = np.asarray(q).reshape(-1)
+    if a.size != 1:
+        raise ValueError(f"question: expected one string, got {a.size} values")
+    return str(a[0])
+
+
 def tunix_agentic_parts(task: Task):
     """Tunix's agentic classes wired to the bench task (``tunix.rl.agentic``): a ``ToolAgent`` whose
     conversation is the jax-rl env's own (its system prompt and question, the tool result as a ``tool``
@@ -443,6 +457,10 @@ def tunix_agentic_parts(task: Task):
             if isinstance(observation, dict) and "tool_outputs" in observation:
                 for call_id, out in observation["tool_outputs"].items():
                     self._messages.append({"role": "tool", "tool_call_id": call_id, "content": out or ""})
+            elif isinstance(observation, dict) and "question" in observation:
+                # the learner hands each episode its batch row's numpy values (an array, not a str), which
+                # the chat rendering would show as an empty user turn (the model then never saw the task)
+                self._messages.append({"role": "user", "content": question_text(observation["question"])})
             else:
                 super()._observation_to_messages(observation, reward, done, info)
 
@@ -630,13 +648,25 @@ def _sub(args: list[str], timeout: float, log: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def attempt(fn, *args, **kw) -> dict:
+    """``fn(*args, **kw)``, a run's record; a run that fails (an exit code, a signal such as Tunix's agentic
+    learner's SIGSEGV, a timeout) gives ``{"steps": [], "rl_wall_s": 0.0, "error": "<type>: <message>"}``
+    instead of raising, so one crashed run costs that run and not the bench's other rounds and record.
+    The summaries leave such runs out (:func:`arm_summary`, :func:`round_ratios`); the record keeps them."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 (recorded, not swallowed: the record and the log name it)
+        return {"steps": [], "rl_wall_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+
+
 def med(xs: list[float]) -> Optional[float]:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
 
 def arm_summary(runs: list[dict], warmup: int) -> dict:
-    """Medians over the steps after ``warmup`` of every run of one arm."""
+    """Medians over the steps after ``warmup`` of every run of one arm (failed runs, no steps, left out)."""
+    runs = [r for r in runs if r["steps"]]
     st = [s for r in runs for s in r["steps"][warmup:]]
     out = {"timed_steps": len(st), "wall_s": med([s["wall_s"] for s in st]),
            "gen_tok_s": med([s["gen_tokens"] / s["wall_s"] for s in st]),
@@ -734,34 +764,48 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
     runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
     for rnd in range(a.rounds):
+        print(f"round {rnd} start: {T.machine_load()}", flush=True)
         for arm in a.arms:
             load0 = os.getloadavg()
             rd = out / f"{arm}_r{rnd}"
             if arm == "tunix":
-                rec = _sub(["_tunix", str(hf), str(src), str(a.steps), str(a.eval_tasks if not a.no_eval else 0),
-                            str(a.eval_k)], a.run_timeout, Path(str(rd) + ".log"))
+                rec = attempt(_sub, ["_tunix", str(hf), str(src), str(a.steps),
+                                     str(a.eval_tasks if not a.no_eval else 0), str(a.eval_k)],
+                              a.run_timeout, Path(str(rd) + ".log"))
             elif arm.startswith("tunix_agentic"):
-                rec = _sub(["_tunix_agentic", str(hf_agentic), str(src), str(a.steps), "2" if arm.endswith("k2") else "0"],
-                           a.run_timeout, Path(str(rd) + ".log"))
+                rec = attempt(_sub, ["_tunix_agentic", str(hf_agentic), str(src), str(a.steps),
+                                     "2" if arm.endswith("k2") else "0"], a.run_timeout, Path(str(rd) + ".log"))
             else:
-                rec = jaxrl_run(arm, hf_agentic if arm.startswith("agentic") else hf, src, rd, a.steps,
-                                a.jax_rl_python, a.seed, a.run_timeout)
-                if not a.no_eval and arm in SINGLE_TURN_ARMS:
-                    rec["heldout"] = _sub(["_evalrun", str(rd), str(src), str(a.eval_tasks), str(a.eval_k)],
-                                          a.run_timeout, Path(str(rd) + ".eval.log"))
+                rec = attempt(jaxrl_run, arm, hf_agentic if arm.startswith("agentic") else hf, src, rd, a.steps,
+                              a.jax_rl_python, a.seed, a.run_timeout)
+                if not a.no_eval and arm in SINGLE_TURN_ARMS and "error" not in rec:
+                    rec["heldout"] = attempt(_sub, ["_evalrun", str(rd), str(src), str(a.eval_tasks),
+                                                    str(a.eval_k)], a.run_timeout, Path(str(rd) + ".eval.log"))
+                    if "error" in rec["heldout"]:
+                        rec["heldout"] = {"success": None, "error": rec["heldout"]["error"]}
             rec.update({"arm": arm, "round": rnd, "load_before": list(load0), "load_after": list(os.getloadavg())})
             runs[arm].append(rec)
+            # every finished run on disk at once: a bench killed later keeps the runs so far
+            (out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+            if "error" in rec:
+                print(f"  round {rnd} {arm:16s} FAILED ({rec['error']}), load {load0[0]:.2f}->"
+                      f"{os.getloadavg()[0]:.2f}; the other runs go on", flush=True)
+                continue
             w = [s["wall_s"] for s in rec["steps"][a.warmup:]]
             ho = (rec.get("heldout") or {}).get("success")
             print(f"  round {rnd} {arm:16s} median {med(w):.3f} s/step over {len(w)} steps, RL wall "
                   f"{rec['rl_wall_s']:.1f} s, held-out {'-' if ho is None else f'{ho:.3f}'}, load "
                   f"{load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
+        print(f"round {rnd} end: {T.machine_load()}", flush=True)
     probe = None
     if a.gen_probe_rounds > 0:
         P = max((r.get("prompt_len_max") for rs in runs.values() for r in rs if r.get("prompt_len_max")), default=48)
         probe_hf = hf if (hf / "model.safetensors").exists() else hf_agentic
-        probe = _sub(["_genprobe", str(probe_hf), str(src), str(P), str(a.gen_probe_rounds)], a.run_timeout,
-                     out / "genprobe.log")
+        probe = attempt(_sub, ["_genprobe", str(probe_hf), str(src), str(P), str(a.gen_probe_rounds)],
+                        a.run_timeout, out / "genprobe.log")
+    if probe and "error" in probe:
+        print(f"generation probe FAILED ({probe['error']})", flush=True)
+    elif probe:
         print(f"generation probe (64 prompts of {P} tokens, s per call, median of {a.gen_probe_rounds}): "
               f"prefill+1 token jax-rl {probe['jaxrl_1']:.3f} / Tunix {probe['tunix_1']:.3f}; 8 tokens jax-rl "
               f"{probe['jaxrl_8']:.3f} / Tunix {probe['tunix_8']:.3f}; decode per token jax-rl "
@@ -772,11 +816,14 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"median [min-max] of {a.gen_probe_rounds}): jax-rl {probe['jaxrl_prefill_prompts_per_s']:.0f} "
               f"[{jr[0]:.0f}-{jr[1]:.0f}] / Tunix batched prefill {probe['tunix_prefill_prompts_per_s']:.0f} "
               f"[{tr[0]:.0f}-{tr[1]:.0f}] = {probe['prefill_ratio']:.2f}x (target >= 1.5x)", flush=True)
-    summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if rs}
+    summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if any(r["steps"] for r in rs)}
     for s in summ.values():
         if s.get("heldout_final") is not None and base.get("success") is not None:
             s["heldout_gain_per_100s"] = (s["heldout_final"] - base["success"]) / s["rl_wall_s"] * 100
     rr = round_ratios(runs, a.warmup)
+    failed = [f"{r['arm']} r{r['round']}: {r['error']}" for rs in runs.values() for r in rs if "error" in r]
+    if failed:
+        print("failed runs (left out of the medians, kept in the record):\n  " + "\n  ".join(failed))
     print(f"\n{'arm':16s} {'s/step':>7s} {'gen tok/s':>9s} {'train tok/s':>11s} {'x ref (s/step)':>14s} "
           f"{'per round [min-max]':>20s} {'gen':>6s} {'score':>6s} {'wait':>6s} {'update':>6s} {'sync':>6s} "
           f"{'host':>6s} {'held-out':>8s}")

@@ -80,3 +80,52 @@ def test_grouped_prompts_are_a_grpo_batch():
     assert len({tuple(p) for p in rd.grouped_prompts(16, 12, 100)}) == 16
     with pytest.raises(ValueError, match="groups"):
         rd.grouped_prompts(64, 12, 100, groups=7)
+
+
+def test_a_crashed_run_costs_that_run_only(e2e, tmp_path, monkeypatch):
+    """A worker killed by a signal (Tunix's agentic learner once died of SIGSEGV mid-bench) or exiting
+    non-zero becomes a run record with ``error`` and no steps; the summaries leave it out."""
+    segv = tmp_path / "segv.sh"  # stands in for the worker's interpreter: dies of SIGSEGV, as the crash did
+    segv.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    segv.chmod(0o755)
+    monkeypatch.setattr(e2e.sys, "executable", str(segv))
+    rec = e2e.attempt(e2e._sub, ["_tunix_agentic"], 60, tmp_path / "w.log")
+    assert rec["steps"] == [] and rec["rl_wall_s"] == 0.0
+    assert rec["error"].startswith("RuntimeError") and "exited -11" in rec["error"] and "w.log" in rec["error"]
+    monkeypatch.undo()
+    rec = e2e.attempt(e2e._sub, ["_no_such_mode"], 60, tmp_path / "x.log")  # the real script, exit 1
+    assert "exited 1" in rec["error"] and "unknown worker mode" in (tmp_path / "x.log").read_text()
+    assert e2e.attempt(lambda x: {"steps": [x]}, 3) == {"steps": [3]}
+
+    def interrupted():
+        raise KeyboardInterrupt  # not a run failure: stops the bench
+
+    with pytest.raises(KeyboardInterrupt):
+        e2e.attempt(interrupted)
+    failed = {**rec, "arm": "tunix_agentic_k0", "round": 1}
+    runs = {"tunix_agentic_k0": [_run("tunix_agentic_k0", 0, [9, 4.0]), failed,
+                                 _run("tunix_agentic_k0", 2, [9, 6.0])],
+            "agentic_k0": [_run("agentic_k0", 0, [9, 1.0]), _run("agentic_k0", 1, [9, 1.0]),
+                           _run("agentic_k0", 2, [9, 2.0])]}
+    rr = e2e.round_ratios(runs, warmup=1)
+    assert rr["agentic_k0"]["rounds"] == pytest.approx([4.0, 3.0])  # round 1 has no reference
+    for r in runs["tunix_agentic_k0"]:
+        r["rl_wall_s"] = 10.0
+        for st in r["steps"]:
+            st.update(gen_tokens=100, trained_tokens=400)
+    s = e2e.arm_summary(runs["tunix_agentic_k0"], warmup=1)
+    assert s["timed_steps"] == 2 and s["wall_s"] == pytest.approx(5.0) and s["rl_wall_s"] == 10.0
+
+
+def test_question_text_reads_the_learners_numpy_rows(e2e):
+    """Tunix's agentic learner hands each episode its batch row as numpy; rendered as is, the user turn
+    came out empty (the bench's Tunix agentic arm ran on an empty question until this was caught)."""
+    import numpy as np
+
+    q = "State the final answer to the following arithmetic problem: 4 - 1 ="
+    for x in (q, np.str_(q), np.array(q), np.array([q])):
+        assert e2e.question_text(x) == q and type(e2e.question_text(x)) is str
+    with pytest.raises(ValueError, match="one string"):
+        e2e.question_text(np.array([q, q]))
+    with pytest.raises(ValueError, match="one string"):
+        e2e.question_text(np.array([], dtype=str))
