@@ -92,7 +92,6 @@ import numpy as np
 from flax import nnx
 
 from jax_rl.models import qwen3 as _q
-from jax_rl.models.qwen3.cache import KVCache as _KV
 from jax_rl.sampling import kept_set, log_kept_mass, truncates
 from jax_rl.sharding import logical_to_pspec, state_shardings
 from rollout import jetstream_compat as _jc
