@@ -201,11 +201,11 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
     ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
     ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
-    from jax_rl.logprobs import sequence_logprobs
+    from jax_rl.logprobs import LogprobOutput, sequence_logprobs
     from jax_rl.models.qwen3 import unstack_routes
 
     def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None,
-                 return_moe_drops: bool = False):
+                 return_moe_drops: bool = False) -> LogprobOutput:
         # routes [r,T,n_moe_layers,k] or None: forced expert ids (moe.routing_replay)
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,

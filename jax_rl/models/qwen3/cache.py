@@ -1,11 +1,12 @@
 """The decode KV cache, one type per layout: :class:`StackedKVCache` (k/v [L,B,K,S,H]) and
 :class:`LayerKVCache` (L per-layer buffers, keys transposed); :class:`KVCache` is their common base.
 
-Why two types and not one with an array-or-tuple ``k``: the two layouts are different programs
-(a scanned stack needs the stacked form, an unrolled one decodes faster on XLA:CPU over its own
-buffers), so code that reads a cache must know which it holds. The type says it (and each type's
-``k`` has one shape), where one class whose ``k`` is an array or a tuple had every reader tell the
-two apart with ``isinstance``. ``stacked()`` / ``per_layer()`` convert either way (same values).
+Why two types and not one class whose ``k`` is an array or a tuple: the two layouts are different
+programs (a scanned stack needs the stacked form, an unrolled one decodes faster on XLA:CPU over its
+own buffers), so code that reads a cache must know which it holds. The type says it, each type's
+``k`` has one shape, and each type owns its layout's indexing (:meth:`KVCache.insert`,
+:meth:`KVCache.write_decode`), so no reader inspects ``k`` to tell the two apart.
+``stacked()`` / ``per_layer()`` convert either way (same values).
 """
 
 from __future__ import annotations
