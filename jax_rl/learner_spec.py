@@ -26,7 +26,7 @@ from jax_rl.correction import Correction, make_correction, plan_host_inputs
 from jax_rl.model_builder import abstract_model_split, create_sharded_model, learner_model_kwargs
 from jax_rl.placement import place_params
 from jax_rl.routing_replay import RoutingReplay
-from jax_rl.sharding import state_shardings
+from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
                                train_state_shardings)
 
@@ -91,9 +91,7 @@ def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Opt
     """``(mesh, abstract params, param shardings)`` of an old-logit scorer on its own ``devices``
     (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
     the learner's fp32 params sharded by the learner's logical rules there. Used by
-    :meth:`jax_rl.learner.Learner.make_scorer` and ``jax-rl compile``'s ``score_step``."""
-    from jax_rl.sharding import make_mesh
-
+    :meth:`jax_rl.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
     mesh = make_mesh(fsdp=-1, devices=devices)
     _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
                                                              else dict(model_kw)))
