@@ -152,7 +152,7 @@ def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int,
     cfg = load_config(ROOT / config, m.overrides + overrides)
     build_model_config(cfg)  # the row's keys checked against the model, as a run does
     t0 = time.perf_counter()
-    gen = build_generator(cfg, m.ctx.model_config, m.ctx.learner.rollout_params(), 0)
+    gen = build_generator(cfg, m.ctx.model_config, m.ctx.publisher.params(), 0)
     agent = AgentLoop(gen, m.ctx.tokenizer, m.ctx.env_factory, cfg.rollout, group_size=cfg.algo.group_size)
     try:
         seeds = [cfg.env.train_seed_offset + 10_000 + i for i in range(groups)]  # not the SFT demos' seeds

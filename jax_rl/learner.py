@@ -1,13 +1,21 @@
 """The learner: a host shell around the pure train step (:mod:`jax_rl.train_step`).
 
 One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod. The
-:class:`Learner` owns what is not pure: placing the model on the mesh (built directly in its
-sharded layout on ``('data','fsdp','tensor','expert')``), turning host batches into global
-[U, m, r, T] arrays (process-local rows), the snapshot store of the exact route, the
-correction strategy's host step (:func:`jax_rl.correction.host_inputs`), checkpoints
-(:mod:`jax_rl.checkpoint`) and the non-finite streak. Where pi_prox comes from is decided
-by the strategy of ``loss.correction`` (:mod:`jax_rl.correction`); the learner never branches
-on the mode's name.
+:class:`Learner` holds the train state and the step: the model placed on the mesh (built directly
+in its sharded layout on ``('data','fsdp','tensor','expert')``), host batches turned into global
+[U, m, r, T] arrays (process-local rows), pi_prox's host-side inputs
+(:func:`jax_rl.correction.host_inputs`, the one decision) and the non-finite streak. Its stages
+are objects of their own:
+
+- ``Learner.old_logits`` (:class:`jax_rl.old_logits.stage.OldLogitStage`): the no-grad forward,
+  the snapshot store, the run's rollout-side scorer;
+- ``Learner.checkpoints`` (:class:`jax_rl.learner_checkpoints.LearnerCheckpoints`): save,
+  restore with fallback, delete newer steps;
+- publishing to the engines is :class:`jax_rl.publish.Publisher` (``RunContext.publisher``), the
+  one path of both runtimes.
+
+Where pi_prox comes from is decided by the strategy of ``loss.correction``
+(:mod:`jax_rl.correction`); the learner never branches on the mode's name.
 
 :meth:`Learner.train_step` metrics (python floats): the policy-loss metrics
 (:func:`jax_rl.losses.policy_loss`, combined over microbatches, averaged over the updates of the
@@ -43,29 +51,27 @@ writes log lines. Checkpoints are written and read cooperatively by Orbax.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from jax_rl import checkpoint as ckpt
 from jax_rl.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
                           validate_batch)
-from jax_rl.config import Config, config_hash
+from jax_rl.config import Config
 from jax_rl.correction import host_inputs, plan_host_inputs
-from jax_rl.learner_spec import learner_batch_spec, learner_spec, scorer_placement
+from jax_rl.learner_checkpoints import LearnerCheckpoints
+from jax_rl.learner_spec import learner_batch_spec, learner_spec
 from jax_rl.model_builder import resolve_mesh, resolve_model_config
-from jax_rl.old_logits import snapshot_logprobs, versions_needed
+from jax_rl.old_logits.stage import OldLogitStage
 from jax_rl.placement import BatchPlacement, initialize_distributed
 from jax_rl.sft import SftRunner
-from jax_rl.train_step import (TrainState, make_grads_fn, make_logprob_step, make_optimizer, make_schedule,
-                               make_train_step)
+from jax_rl.train_step import TrainState, make_grads_fn, make_optimizer, make_schedule, make_train_step
+from jax_rl.weight_sync import allgather_json
 
 __all__ = [
     "BATCH_FIELDS",
@@ -104,8 +110,10 @@ class Learner:
 
     Attributes:
         version (int), step (int), mesh, model_config, graphdef, state (:class:`TrainState`),
-        state_shardings, strategy (the correction strategy), store (snapshot store or None),
-        skipped_steps (int: all-masked batches skipped).
+        state_shardings, strategy (the correction strategy), skipped_steps (int: all-masked
+        batches skipped), old_logits (the old-logit stage), checkpoints (the checkpoint stage),
+        holders (the process indices holding learner devices), holds_learner (this process is one),
+        on_some_processes (multi-process with the learner on some processes only).
     """
 
     def __init__(self, cfg: Config, mesh=None, model_config=None, init_params=None):
@@ -130,15 +138,11 @@ class Learner:
         self._is_main = jax.process_index() == 0
         # multi-process with the learner on some processes only (disaggregated: the engines' hosts hold no
         # learner device): the others run its programs as no-ops and read the step's metrics from a holder
-        self._holders = sorted({d.process_index for d in self.mesh.devices.flat})
-        self._remote_metrics = jax.process_count() > 1 and len(self._holders) < jax.process_count()
-        self._holds_learner = jax.process_index() in self._holders
-        self._in_shared = False
-        self._gather_jit = None  # multi-process rollout_params: the cast + all-gather program, built once
-        self._replicated = NamedSharding(self.mesh, P())
+        self.holders = sorted({d.process_index for d in self.mesh.devices.flat})
+        self.on_some_processes = jax.process_count() > 1 and len(self.holders) < jax.process_count()
+        self.holds_learner = jax.process_index() in self.holders
         self._sft = None
         self.placement = BatchPlacement(self.mesh, self.minibatches, self.microbatches)
-        self._ckptrs: dict[str, Any] = {}
         self._steps: dict[Any, Any] = {}
 
         self.graphdef, self.rest = spec.graphdef, spec.rest
@@ -146,80 +150,12 @@ class Learner:
         self.tx, self.schedule = spec.tx, spec.schedule
         self.state_shardings, self.state = spec.state_shardings, spec.state
         del spec
-        self._logprob_fns: dict[bool, Any] = {}
-        self.store = None
-        if self.strategy.learner_store:
-            from jax_rl.old_logits import SnapshotStore
-
-            store_dir = cfg.old_logits.dir or (
-                str(Path(cfg.run.dir) / "old_logits") if cfg.run.dir else None)
-            self.store = SnapshotStore(self.max_staleness + 1, cfg.old_logits.store, store_dir)
-            self.store.put(0, self.state.params)
+        self.old_logits = OldLogitStage(self)  # the no-grad forward, the snapshot store, the run's scorer
+        self.checkpoints = LearnerCheckpoints(self)
 
     def describe(self) -> str:
         """One line for the start of a run: the correction mode and its declared cost."""
         return self.strategy.describe()
-
-    def logprob_fn(self, routes: bool = False, param_shardings: Any = None):
-        """The learner's no-grad log-prob forward with its training numerics, jitted (the one every
-        old-logit scorer runs: :mod:`jax_rl.old_logits`).
-
-        ``(params, tokens int32 [U,m,r,T], attention_mask bool [U,m,r,T]) -> logp float32 [U,m,r,T]``
-        (:func:`jax_rl.train_step.make_logprob_step`: fp32 master params, the model's compute
-        dtype, ``algo.temperature`` and the sampler's ``rollout.top_k`` / ``top_p`` truncation;
-        ``logp[..., 0] = 0``, 0 on padding). ``routes=True``: ``(params, tokens, attention_mask,
-        routes [U,m,r,T,n_moe_layers,k]) -> logp`` with those expert ids forced (the r3 forward).
-
-        Args:
-            param_shardings: where the params it reads live (default: the learner's own; built
-                once and cached then). Another tree (a scorer on ``placement.scorer``) gets the
-                same forward jitted for it.
-        """
-        if param_shardings is not None:
-            return make_logprob_step(self.cfg, self.graphdef, rest=self.rest, param_shardings=param_shardings,
-                                     with_routes=routes)
-        if routes not in self._logprob_fns:
-            self._logprob_fns[routes] = make_logprob_step(self.cfg, self.graphdef, rest=self.rest,
-                                                          param_shardings=self.param_shardings, with_routes=routes)
-        return self._logprob_fns[routes]
-
-    def make_scorer(self, *, keep: Optional[int] = None, pad_id: int = 0, devices: Any = "placement"):
-        """The rollout-side old-logit scorer of this run (:class:`jax_rl.old_logits.OldLogitScorer`),
-        holding at most ``keep`` versions (default ``async.max_staleness + 1``): on the learner's
-        mesh with the learner's own forward (no scorer devices), else on a
-        ``('data','fsdp','tensor','expert')`` mesh over the scorer's devices (fsdp = all of them)
-        with the same forward jitted there. It forces the rollout's routes when the routing-replay
-        policy does.
-
-        Args:
-            devices: the scorer's devices: default ``placement.scorer`` of this run
-                (:func:`jax_rl.placement.resolve_roles`); None = the learner's.
-
-        Raises:
-            ValueError: a multi-process run (the scorer thread runs in one process); a model with
-                non-param state on ``placement.scorer``.
-        """
-        from jax_rl.old_logits import OldLogitScorer
-        from jax_rl.placement import resolve_roles
-
-        if jax.process_count() > 1:
-            raise ValueError(f"old_logits.route={self.cfg.old_logits.route} runs its scorer thread in a single-process "
-                             f"run only (this one has {jax.process_count()} processes): use old_logits.route's default "
-                             "(the learner's snapshot store)")
-        forced = self.routing.forces_rollout_routes
-        keep = self.max_staleness + 1 if keep is None else int(keep)
-        common = dict(keep=keep, max_seq_len=self.cfg.optim.max_seq_len, pad_id=pad_id)
-        devs = resolve_roles(self.cfg).scorer if isinstance(devices, str) else devices
-        if devs is None:
-            return OldLogitScorer(self.logprob_fn(), self.param_shardings, self.mesh,
-                                  routes_fn=self.logprob_fn(routes=True) if forced else None, **common)
-        if jax.tree.leaves(self.rest):
-            raise ValueError("placement.scorer: the model has non-param state; share the learner's devices "
-                             "(placement.scorer=null)")
-        mesh, _, shardings = scorer_placement(self.cfg, self.model_config, devs)
-        return OldLogitScorer(self.logprob_fn(param_shardings=shardings), shardings, mesh,
-                              routes_fn=self.logprob_fn(routes=True, param_shardings=shardings) if forced else None,
-                              **common)
 
     # ---------------------------------------------------------------------------------
     # setup helpers and properties
@@ -229,12 +165,18 @@ class Learner:
         the one it returned (no device -> host transfer), else read from the state."""
         arrs, v, st = self._counters
         if arrs is None or arrs[0] is not self.state.version or arrs[1] is not self.state.step:
-            if not self._holds_learner:  # nothing to read here: the counters train_step / restore tracked
-                self._counters = ((self.state.version, self.state.step), v, st)
+            if not self.holds_learner:  # nothing to read here: the counters train_step / restore tracked
+                self.track_counters(v, st)
                 return v, st
             v, st = int(self.state.version), int(self.state.step)
-            self._counters = ((self.state.version, self.state.step), v, st)
+            self.track_counters(v, st)
         return v, st
+
+    def track_counters(self, version: int, step: int) -> None:
+        """Record (version, optimizer step) on the host as those of the current state (no device -> host
+        transfer until the state changes): after a train step, or a restore on a process that holds no
+        learner device."""
+        self._counters = ((self.state.version, self.state.step), int(version), int(step))
 
     @property
     def version(self) -> int:
@@ -282,39 +224,6 @@ class Learner:
             return jax.tree.map(lambda x: np.asarray(x), self.state.params)
         return jax.tree.map(lambda x: x.copy(), self.state.params)
 
-    def rollout_params(self) -> Any:
-        """The params a publish hands this process's rollout engines (and the eval engine).
-
-        Single process: :meth:`get_params` (device arrays on the learner's mesh; each engine casts and
-        reshards them, ``Qwen3Engine.load_params``). Multi-process (``jax.distributed``): the learner's
-        shards live on every host, and jax 0.10.2 moves a non-addressable array to another device set only
-        as a backend-specific cross-host transfer (none on CPU; ``jax.experimental.transfer`` over DCN on
-        TPU), so ONE jitted program on the learner's mesh casts to ``rollout.dtype`` and all-gathers the
-        params to every learner device (the mesh's collectives: ICI/DCN on a pod, gloo on CPU), and this
-        process keeps the copy on its first addressable learner device (single-device arrays, which its
-        engines then ``device_put`` onto their own local meshes). Every process must call it at the same
-        point (a collective): the RL loop does, after each train step and at each eval. Cost: a transient
-        full rollout-dtype copy per learner device during the publish.
-        """
-        if jax.process_count() == 1:
-            return self.get_params()
-        if self._gather_jit is None:
-            import jax.numpy as jnp
-
-            dt = jnp.dtype(self.cfg.rollout.dtype)
-            replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), self.state.params)
-
-            def cast(p):
-                return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-
-            self._gather_jit = jax.jit(cast, out_shardings=replicated)
-        with jax.set_mesh(self.mesh):
-            full = self._gather_jit(self.state.params)
-        return jax.tree.map(lambda x: x.addressable_shards[0].data, full)
-
-    # ---------------------------------------------------------------------------------
-    # batch placement
-    # ---------------------------------------------------------------------------------
     # ---------------------------------------------------------------------------------
     # batch placement (jax_rl.placement)
     # ---------------------------------------------------------------------------------
@@ -401,13 +310,14 @@ class Learner:
         fn, lb = self.train_step_fn(r), LearnerBatch.from_dict(dev)
         with jax.set_mesh(self.mesh):
             self.state, vec = fn(self.state, lb)
-        if self.store is not None:
-            self.store.put(g + 1, self.state.params)
-            old_stats["old_logits_bytes"] = float(self.store.nbytes)
-            old_stats["old_logits_versions"] = float(len(self.store))
+        store = self.old_logits.store
+        if store is not None:
+            store.put(g + 1, self.state.params)
+            old_stats["old_logits_bytes"] = float(store.nbytes)
+            old_stats["old_logits_versions"] = float(len(store))
         out = self.host_values(lambda: fn.metrics(lb, vec))  # every metric in one device -> host transfer
         opt_step = int(out.pop("opt_step"))
-        self._counters = ((self.state.version, self.state.step), g + 1, opt_step)
+        self.track_counters(g + 1, opt_step)
         out.update(old_stats)
         dt = time.perf_counter() - t0
         out.update(step_time_s=dt, tokens_per_s=out["tokens"] / max(dt, 1e-9), version=float(g + 1),
@@ -425,19 +335,17 @@ class Learner:
         Raises:
             jax_rl.weight_sync.WeightSyncError: the holder did not answer within ``runtime.peer_timeout_s``.
         """
-        if not self._remote_metrics:
+        if not self.on_some_processes:
             return get()
-        from jax_rl.weight_sync import allgather_json
-
-        mine = get() if jax.process_index() == self._holders[0] else None
+        mine = get() if jax.process_index() == self.holders[0] else None
         every = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="learner metrics")
-        return {k: float(v) for k, v in every[self._holders[0]].items()}
+        return {k: float(v) for k, v in every[self.holders[0]].items()}
 
     def _host_batch(self, batch: Mapping[str, Any], current_version: Optional[int] = None) -> dict[str, np.ndarray]:
         """``batch`` validated (:func:`jax_rl.batch.validate_batch`; loss tokens need a version >= 0 when the
         snapshot store scores them, :func:`jax_rl.correction.plan_host_inputs`) and checked by the
         routing-replay policy (an r3 step never trains without the rollout's routes)."""
-        plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.store is not None)
+        plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.old_logits.store is not None)
         b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
                            row_divisor=self.minibatches * self.microbatches, current_version=current_version,
                            require_versions=plan.score, num_experts=self.num_experts or None)
@@ -448,24 +356,8 @@ class Learner:
     def _prox_inputs(self, b: dict, dev: dict, g: int) -> tuple[dict, dict]:
         """The device batch with pi_prox's host-side inputs (:func:`jax_rl.correction.host_inputs`: the one
         decision, for :meth:`train_step` and :meth:`loss_and_grads` alike) and the store's stats."""
-        return host_inputs(self.strategy, dev, None if self.store is None else (lambda: self._score_old(b, dev, g)))
-
-    def _forward_fn(self, dev: dict):
-        """The learner's no-grad log-prob forward for ``dev``'s batch: forces its routes when the
-        routing-replay policy says so (r3)."""
-        if self.routing.forces_rollout_routes and dev.get("routes") is not None:
-            routes, fn = dev["routes"], self.logprob_fn(routes=True)
-            return lambda p, t, a: fn(p, t, a, routes)
-        return self.logprob_fn()
-
-    def _score_old(self, b: dict, dev: dict, g: int):
-        """Exact old log-probs of the batch from the snapshot store (the strategy's host step);
-        under ``moe.routing_replay=r3`` every version's forward forces the rollout's routes."""
-        return snapshot_logprobs(
-            self.store, self._forward_fn(dev), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
-            versions=dev["versions"], needed=versions_needed(b["versions"], b["loss_mask"]), current_version=g,
-            current_params=self.state.params, shardings=self.param_shardings,
-        )
+        score = None if self.old_logits.store is None else (lambda: self.old_logits.score(b, dev, g))
+        return host_inputs(self.strategy, dev, score)
 
     def _note_nonfinite(self, out: dict, what: str, n_up: int, version: int) -> None:
         """Warn about skipped non-finite updates; count calls whose every update was skipped and
@@ -509,7 +401,7 @@ class Learner:
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
         dev, r = self.device_batch(sub, process_local=False, U=U, m=m)
         with jax.set_mesh(self.mesh):
-            out = self._forward_fn(dev)(self.state.params if params is None else params, dev["tokens"],
+            out = self.old_logits.forward(dev)(self.state.params if params is None else params, dev["tokens"],
                                         dev["attention_mask"])
         if jax.process_count() > 1:
             return out
@@ -574,199 +466,13 @@ class Learner:
             cstate = jax.jit(self.strategy.reset, in_shardings=(self.param_shardings, self.state_shardings.correction),
                              out_shardings=self.state_shardings.correction)(st.params, st.correction)
         self.state = st.replace(correction=cstate)
-        if self.store is not None:
-            self.store.put(self.version, self.state.params)
-
-    # ---------------------------------------------------------------------------------
-    # checkpoints
-    # ---------------------------------------------------------------------------------
-    def _checkpointer(self, ckpt_dir: Optional[str | Path]):
-        from jax_rl.checkpoint import resolve_checkpoint_dir
-
-        d = ckpt_dir or resolve_checkpoint_dir(self.cfg, error=ValueError)[1]
-        d = str(Path(d).absolute())
-        if d not in self._ckptrs:
-            c = self.cfg.checkpoint
-            self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save,
-                                                active_processes=set(self._holders) if self._remote_metrics else None)
-        return self._ckptrs[d]
-
-    def _metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
-        return {
-            "rl_step": int(self.version if rl_step is None else rl_step),
-            "version": self.version,
-            "opt_step": self.step,
-            "step": self.step,  # = opt_step (kept for checkpoints read by older code)
-            "config_hash": config_hash(self.cfg),
-            "model_arch": self.model_config.to_hf(),
-            "model_name": ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint),
-            "correction": self.correction,
-            "skipped_steps": self.skipped_steps,
-            "snapshot_versions": self.store.versions if self.store is not None else [],
-            "process_count": jax.process_count(),
-            "runtime": dict(extra or {}),
-        }
-
-    def save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None, *,
-             wait: bool = False, rl_step: Optional[int] = None) -> bool:
-        """Save a checkpoint (async unless ``wait``) in the step dir ``<ckpt_dir>/<rl_step>``.
-
-        Items (:func:`jax_rl.checkpoint.train_state_items`): state (params, opt_state, version,
-        step, rng), the correction strategy's items, snapshots (snapshot store), metadata (JSON:
-        ``rl_step``, ``version``, ``opt_step`` (optimizer updates), model/correction identity;
-        ``extra_metadata`` goes under ``"runtime"``). Re-saving the same step replaces that
-        checkpoint. Every process must call it.
-
-        Args:
-            rl_step: the RL step this state is at (the runtime's loop counter); the step dir's
-                name. None (a learner used on its own) names it by the version.
-
-        Raises:
-            jax_rl.checkpoint.CheckpointDiskFullError: not enough disk space (one line; earlier
-                steps intact).
-        """
-        if not self._holds_learner:  # a process with no learner device: the holders save (checkpoint.Checkpointer)
-            return False
-        ck = self._checkpointer(ckpt_dir)
-        snaps = self.store.export(self.param_shardings) if self.store is not None and len(self.store) else None
-        items = ckpt.train_state_items(self.state, self.strategy, snaps)
-        v = self.version if rl_step is None else int(rl_step)
-        if v in ck.all_steps():
-            ck.wait()
-            ck.delete(v)
-        ok = ck.save(v, metadata=self._metadata(extra_metadata, v), **items)
-        if wait:
-            ck.wait()
-        return ok
-
-    def maybe_save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None) -> bool:
-        """Save when ``checkpoint.every`` divides the current version (> 0)."""
-        ck = self._checkpointer(ckpt_dir)
-        if ck.should_save(self.version):
-            return self.save(ckpt_dir, extra_metadata)
-        return False
-
-    def restore(self, ckpt_dir: Optional[str | Path] = None, step: Optional[int] = None) -> dict:
-        """Restore a checkpoint onto this learner's mesh (any shape).
-
-        With ``step=None`` the newest step is validated (item dirs present, metadata JSON
-        parses, the arrays restore); a bad one is skipped with a one-line warning and the next
-        newest is tried, until one restores. With an explicit ``step`` only that one is tried.
-
-        Returns:
-            the metadata dict (``rl_step``, ``version``, ``opt_step``, ``config_hash``,
-            ``correction``, ``model_arch``, ``runtime`` = the ``extra_metadata`` given to
-            :meth:`save`, ...) plus ``checkpoint_step`` (the step dir restored) and
-            ``skipped_checkpoints`` (``[[step, reason], ...]`` for bad newer steps passed over).
-
-        Raises:
-            FileNotFoundError: no checkpoint (or no such ``step``).
-            CheckpointMismatchError: the checkpoint is from a different model architecture or
-                correction mode (never skipped: the whole dir is another run's).
-            CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
-        """
-        if self._remote_metrics and not self._in_shared:  # the learner on some processes only: the holders restore
-            return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
-        ck = self._checkpointer(ckpt_dir)
-        if step is not None:
-            ck.resolve(step)  # FileNotFoundError naming the steps there
-            candidates = [int(step)]
-        else:
-            ck.resolve(None)
-            candidates = sorted(ck.all_steps(), reverse=True)
-        skipped: list = []
-        for s in candidates:
-            try:
-                meta = self._restore_step(ck, s)
-            except (ckpt.CheckpointMismatchError, KeyboardInterrupt):
-                raise
-            except Exception as e:
-                why = str(e) if isinstance(e, ckpt.CheckpointCorruptError) else \
-                    f"checkpoint {ck.directory / str(s)} failed to restore ({ckpt.one_line(e)})"
-                if step is not None:
-                    raise ckpt.CheckpointCorruptError(why) from None
-                log.warning("%s; trying an older step", why)
-                skipped.append([s, why])
-                continue
-            meta["checkpoint_step"] = s
-            meta["skipped_checkpoints"] = skipped
-            return meta
-        raise ckpt.CheckpointCorruptError(
-            f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
-
-    def _restore_shared(self, ckpt_dir, step) -> dict:
-        """:meth:`restore` with the learner on some processes only (a collective every process calls): the
-        holders restore, then every process gets the first holder's metadata (or its one-line error) through
-        the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
-        counters (version, optimizer step)."""
-        from jax_rl.weight_sync import allgather_json
-
-        meta, err = None, None
-        if self._holds_learner:
-            self._in_shared = True  # restore as a plain holder
-            try:
-                meta = self.restore(ckpt_dir, step)
-            except Exception as e:  # noqa: BLE001 - handed to every process, then raised everywhere
-                err = e
-            finally:
-                self._in_shared = False
-        mine = None if not self._holds_learner or jax.process_index() != self._holders[0] else \
-            ({"meta": json.loads(json.dumps(meta, default=str))} if err is None else
-             {"error": type(err).__name__, "message": ckpt.one_line(err)})
-        got = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="restored checkpoint")
-        got = got[self._holders[0]]
-        if err is not None:
-            raise err
-        if "error" in got:
-            kinds = {"FileNotFoundError": FileNotFoundError, "CheckpointMismatchError": ckpt.CheckpointMismatchError,
-                     "CheckpointCorruptError": ckpt.CheckpointCorruptError}
-            raise kinds.get(got["error"], RuntimeError)(got["message"])
-        if self._holds_learner:
-            return meta
-        meta = got["meta"]
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self._counters = ((self.state.version, self.state.step), int(meta["version"]), int(meta["opt_step"]))
-        return meta
-
-    def _restore_step(self, ck, step: int) -> dict:
-        meta = ck.check_step(step)
-        ckpt.check_compatible(meta, model_arch=self.model_config.to_hf(), correction=self.correction,
-                              directory=ck.directory,
-                              model=ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint))
-        snap_versions = [int(v) for v in meta.get("snapshot_versions", [])] if self.store is not None else []
-        need = tuple(self.strategy.checkpoint_items(self.state.correction)) + (("snapshots",) if snap_versions else ())
-        if need:
-            ck.check_step(step, need)
-        self.state, snaps = ckpt.restore_train_state(ck, step, self.state, self.state_shardings, self.strategy,
-                                                     snap_versions)
-        if self.store is not None:
-            if snaps is not None:
-                self.store.load(snaps)
-            else:
-                for v in list(self.store.versions):
-                    self.store.evict(v)
-                self.store.put(self.version, self.state.params)
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        return meta
-
-    def delete_checkpoints_after(self, step: int, ckpt_dir: Optional[str | Path] = None) -> list[int]:
-        """Delete the checkpoint steps newer than ``step`` (primary process); returns them."""
-        if jax.process_index() != (self._holders[0] if self._remote_metrics else 0):
-            return []
-        return self._checkpointer(ckpt_dir).delete_after(step)
-
-    def wait_for_checkpoints(self) -> None:
-        """Block until every async save has been committed."""
-        for c in self._ckptrs.values():
-            c.wait()
+        if self.old_logits.store is not None:
+            self.old_logits.store.put(self.version, self.state.params)
 
     def close(self) -> None:
         """Finish pending checkpoint writes and release the snapshot store."""
-        for c in self._ckptrs.values():
-            c.close()
-        self._ckptrs.clear()
-        if self.store is not None:
-            self.store.close()
+        self.checkpoints.close()
+        self.old_logits.close()
 
 
 

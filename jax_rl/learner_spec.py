@@ -91,7 +91,7 @@ def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Opt
     """``(mesh, abstract params, param shardings)`` of an old-logit scorer on its own ``devices``
     (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
     the learner's fp32 params sharded by the learner's logical rules there. Used by
-    :meth:`jax_rl.learner.Learner.make_scorer` and ``jax-rl compile``'s ``score_step``."""
+    :meth:`jax_rl.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
     mesh = make_mesh(fsdp=-1, devices=devices)
     _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
                                                              else dict(model_kw)))

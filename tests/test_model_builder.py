@@ -156,8 +156,8 @@ def test_saved_layer_layout_reads_the_tree_metadata(tmp_path, devices):
         cfg = make_cfg("ppo", model={"scan_layers": scan})
         lrn = Learner(cfg, init_params=init_params(cfg))
         d = tmp_path / f"ck_{scan}"
-        lrn.save(d)
-        lrn.wait_for_checkpoints()
+        lrn.checkpoints.save(d)
+        lrn.checkpoints.wait()
         lrn.close()
         want = "stacked" if scan else "unrolled (one subtree per layer)"
         assert saved_layer_layout(d) == want and saved_layer_layout(d, 0) == want

@@ -85,7 +85,7 @@ def test_exact_routes_agree_with_snapshot(tmp_path, monkeypatch, route):
         dev, _ = self.device_batch({k: batch[k] for k in ("tokens", "attention_mask", "versions")},
                                    process_local=False)
         needed = versions_needed(batch["versions"], batch["loss_mask"])
-        snap, _ = snapshot_logprobs(store, self.logprob_fn(), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
+        snap, _ = snapshot_logprobs(store, self.old_logits.logprob_fn(), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
                                     versions=dev["versions"], needed=needed, current_version=g,
                                     current_params=self.state.params, shardings=self.param_shardings)
         rec = {"route": np.asarray(batch["old_logp"]), "snap": np.asarray(snap).reshape(B, T),

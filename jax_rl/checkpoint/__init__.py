@@ -21,7 +21,7 @@ on its own names them by version.
 Faults. A save writes into ``<step>.orbax-checkpoint-tmp*`` and renames it when committed, so
 a killed or failed save never leaves a step a restore would pick (the tmp dir is removed on
 the next start or at once after a failure). :meth:`Checkpointer.check_step` validates a step
-(items present, metadata JSON parses); :meth:`jax_rl.learner.Learner.restore` adds the array
+(items present, metadata JSON parses); :meth:`jax_rl.learner_checkpoints.LearnerCheckpoints.restore` adds the array
 restore and falls back past bad steps (:class:`CheckpointCorruptError`). A save that would not
 fit on the disk (raw array bytes vs ``shutil.disk_usage``), or that fails with ENOSPC /
 ``RESOURCE_EXHAUSTED`` in Orbax's background thread, raises one

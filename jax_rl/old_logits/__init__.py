@@ -12,11 +12,13 @@ The map (docs/design.md §4 Layout):
   bounded queue and thread that feed it finished groups (:class:`ScoringQueue`): the dedicated route.
 - :mod:`jax_rl.old_logits.retire`: interrupt and retire (:class:`RetiringScorer`): version v's
   tokens, finished and partial, scored when the fleet leaves v.
+- :mod:`jax_rl.old_logits.stage`: the learner's old-logit stage (``Learner.old_logits``,
+  :class:`~jax_rl.old_logits.stage.OldLogitStage`): its no-grad forward, its store, the run's scorer.
 
 Which devices a scorer runs on is a placement question (``placement.scorer``,
 :func:`jax_rl.placement.resolve_roles`); the learner builds the scorer of its run
-(:meth:`jax_rl.learner.Learner.make_scorer`) with its public forward
-(:meth:`jax_rl.learner.Learner.logprob_fn`).
+(:meth:`jax_rl.old_logits.stage.OldLogitStage.make_scorer`) with its public forward
+(:meth:`jax_rl.old_logits.stage.OldLogitStage.logprob_fn`).
 """
 
 from jax_rl.old_logits.retire import RetiringScorer, trajectory_key

@@ -35,6 +35,7 @@ from jax_rl.learner import Learner, initialize_distributed
 from jax_rl.metrics import MetricsWriter, sanitize
 from jax_rl.model_builder import build_model_config, learner_model_kwargs, resolve_mesh
 from jax_rl.models.hf_io import CheckpointError, load_pretrained
+from jax_rl.publish import Publisher
 from jax_rl.runtime import engines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
@@ -131,9 +132,10 @@ class RunContext:
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
+        self.publisher = Publisher(self.learner)  # the learner's params -> the engines (both runtimes)
         # env.tau2.user=model: the user simulator's frozen model, served beside the policy (else None)
         self._user_gen = start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
-                                                 self.learner, load_params=_load_hf_params)
+                                                 self.publisher, load_params=_load_hf_params)
         if preflight and is_primary():  # a train run: say what the correction mode costs, once
             print(self.learner.describe(), flush=True)
         if create_dir:  # only once the config has proved buildable: a bad one leaves no run dir
@@ -168,9 +170,10 @@ class RunContext:
         self.meta["rl_steps"] = int(rl_step)
         if self.writer is not None:
             self.writer.flush()
-        self.learner.save(self.ckpt_dir, extra_metadata=json_safe(self.meta, default=str), rl_step=int(rl_step))
+        self.learner.checkpoints.save(self.ckpt_dir, extra_metadata=json_safe(self.meta, default=str),
+                                      rl_step=int(rl_step))
         if wait:
-            self.learner.wait_for_checkpoints()
+            self.learner.checkpoints.wait()
 
     # ---------------------------------------------------------------- outputs
     def open_writer(self, resume_step: Optional[int] = None, *, tensorboard: Optional[bool] = None,
@@ -196,7 +199,7 @@ class RunContext:
 
     def resume(self) -> int:
         """Restore the checkpoint to resume from (validated, with fallback; see
-        :meth:`jax_rl.learner.Learner.restore`), set ``self.meta`` to its runtime metadata and
+        :meth:`jax_rl.learner_checkpoints.LearnerCheckpoints.restore`), set ``self.meta`` to its runtime metadata and
         return its RL step. Writes nothing.
 
         Raises:
@@ -204,7 +207,7 @@ class RunContext:
         """
         if not self.ckpt_dir.is_dir():  # (Orbax would create it: a refused resume must write nothing)
             raise FileNotFoundError(f"no checkpoint found in {self.ckpt_dir} (nothing to resume)")
-        meta = self.learner.restore(self.ckpt_dir, step=self.cfg.resume_step)
+        meta = self.learner.checkpoints.restore(self.ckpt_dir, step=self.cfg.resume_step)
         self.meta = dict(meta.get("runtime") or {})  # what save() handed in as extra_metadata
         rl_step = resume_rl_step(meta)
         self.meta["rl_steps"] = rl_step
@@ -260,10 +263,10 @@ class RunContext:
         if jax.process_count() > 1:  # each host's eval engine receives its own shards (jax_rl.weight_sync)
             self._sync_eval_engine(runs=True)
         elif self._eval_gen is None:
-            self._eval_gen = engines.build_generator(cfg, self.model_config, self.learner.rollout_params(),
+            self._eval_gen = engines.build_generator(cfg, self.model_config, self.publisher.params(),
                                                      self.learner.version, temperature=cfg.eval.temperature)
         else:
-            self._eval_gen.update_params(self.learner.rollout_params(), self.learner.version)
+            self.publisher.publish(self.learner.version, [self._eval_gen])
         summary = self._eval_here(step, label, t)
         if self.writer is not None:
             self.writer.write_eval(step, summary)
@@ -294,9 +297,9 @@ class RunContext:
             if gens:
                 self._eval_gen, self._eval_key = gens[0], keys[0]
         else:
-            placed = self._eval_sync.push(self.learner.params, self.learner.version)
-            if self._eval_gen is not None:
-                self._eval_gen.update_params(placed[self._eval_key], self.learner.version)
+            own = [self._eval_gen] if self._eval_gen is not None else []  # a learner-only process sends only
+            self.publisher.publish(self.learner.version, own, sync=self._eval_sync,
+                                   sync_keys=[self._eval_key] if own else [])
 
     def _eval_here(self, step: int, label: str, t: float) -> dict:
         """The held-out eval on this process's eval engine (:meth:`evaluate`)."""
@@ -380,7 +383,7 @@ def drop_newer_checkpoints(learner, ckpt_dir: Path, restored_step: int) -> None:
     """Once a resume has passed every check: delete the checkpoints newer than the restored one
     (a corrupt step, or the future of an explicit ``resume_step``), each named on one line, so a
     later ``--resume`` can never pick a step from the abandoned timeline."""
-    for s in learner.delete_checkpoints_after(restored_step, ckpt_dir):
+    for s in learner.checkpoints.delete_after(restored_step, ckpt_dir):
         print(f"removed checkpoint {Path(ckpt_dir) / str(s)} (newer than the restored step {restored_step})",
               flush=True)
 

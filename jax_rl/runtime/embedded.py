@@ -292,6 +292,7 @@ class EmbeddedProducer:
         cfg = ctx.cfg
         meta = _own_state(meta or {})
         self._learner = ctx.learner
+        self.publisher = ctx.publisher
         self.cfg = cfg
         strategy = ctx.learner.strategy
         self.route = strategy.route  # loss.correction=exact: the old_logits.route asked below, else None
@@ -301,15 +302,15 @@ class EmbeddedProducer:
                                        require_old_logp=strategy.scores_before_buffer)
         self.sync = None  # multi-process: the shard-by-shard weight sync (jax_rl.weight_sync)
         multi = jax.process_count() > 1
-        params = None if multi else ctx.learner.rollout_params()
+        params = None if multi else ctx.publisher.params()
         self.scorer = None
         self.retirer = None  # a route that retires versions (jax_rl.old_logits.RetiringScorer)
         self._scorer_s_reported = 0.0
         self._stall_reported = (0.0, 0.0)
         keep = self.route.scorer_keep() if self.route is not None else None
         if keep is not None:  # the route scores on the rollout side, before the buffer
-            self.scorer = ctx.learner.make_scorer(keep=keep, pad_id=ctx.tokenizer.pad_id)
-            self.scorer.put(ctx.learner.version, params, copy=False)  # get_params() is already a copy
+            self.scorer = ctx.learner.old_logits.make_scorer(keep=keep, pad_id=ctx.tokenizer.pad_id)
+            self.scorer.put(ctx.learner.version, params, copy=False)  # Publisher.params() is already a copy
         if meta.get("buffer"):
             self.buffer.import_state(meta["buffer"])
             if self.scorer is not None:
@@ -384,32 +385,16 @@ class EmbeddedProducer:
         return self.buffer.get_batch(n_groups, version, timeout=1.0)
 
     def publish(self, version: int) -> None:
-        """Hand the learner's params of ``version`` to the route's scorer (:meth:`jax_rl.old_logits.routes.Route.publish`)
-        and every generator (cast + reshard in this thread), then tell the buffer. Timed into
-        :attr:`weight_sync` (``weight_sync_s``: all of it up to the hand-over; ``weight_sync_cast_s``:
+        """Hand the learner's params of ``version`` to the route's scorer and every generator
+        (:meth:`jax_rl.publish.Publisher.publish`: cast + reshard in this thread; several processes:
+        shard by shard), then tell the buffer. Timed into :attr:`weight_sync` (``weight_sync_s``: all
+        of it up to the hand-over, a retiring route's stall and wait included; ``weight_sync_cast_s``:
         the generators' ``load_params``)."""
         t0 = time.perf_counter()
-        if self.sync is not None:  # multi-process: each engine receives its own shards (jax_rl.weight_sync)
-            placed = self.sync.push(self._learner.params, int(version))
-            cast_s = 0.0
-            for g, key in zip(self.generators, self._sync_keys):
-                cast_s += g.update_params(placed[key], version)
-            last = self.sync.last
-            self.weight_sync.add(time.perf_counter() - t0, cast_s,
-                                 last.get("weight_sync_sent_bytes", 0.0) + last.get("weight_sync_recv_bytes", 0.0))
-            self._published = int(version)
-            self.buffer.notify()
-            return
-        params = jax.block_until_ready(self._learner.rollout_params())  # blocked: the copy is timed here
-        if self.route is not None:  # the route's publish: its scorer / retirer first, then the generators
-            # (a retiring route's weight_sync_s includes interrupt's stall and retire's wait, also logged apart)
-            cast_s = self.route.publish(int(version), params, self.generators, scorer=self.scorer,
-                                        retirer=self.retirer)
-        else:
-            cast_s = 0.0
-            for g in self.generators:
-                cast_s += g.update_params(params, version)
-        self.weight_sync.add(time.perf_counter() - t0, cast_s, self._engine_bytes())
+        cast_s, moved = self.publisher.publish(version, self.generators, sync=self.sync,
+                                               sync_keys=self._sync_keys if self.sync is not None else (),
+                                               route=self.route, scorer=self.scorer, retirer=self.retirer)
+        self.weight_sync.add(time.perf_counter() - t0, cast_s, self._engine_bytes() if moved is None else moved)
         self._published = int(version)
         self.buffer.notify()
 

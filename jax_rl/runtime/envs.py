@@ -136,7 +136,7 @@ def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     return factory
 
 
-def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, learner: Any,
+def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, publisher: Any,
                           load_params: Optional[Callable[[Config, Any], tuple]] = None) -> Any:
     """Build and bind the user model of ``env.tau2.user=model`` (else None): a started generator over
     frozen params, ``env.tau2.user_model.checkpoint`` (an HF Qwen3 checkpoint, read like
@@ -168,7 +168,7 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
                               f"tokenizer's {tokenizer.vocab_size} (the user model shares the policy's tokenizer)")
         params, _ = load_params(ucfg, mc)
     else:
-        params = learner.rollout_params()
+        params = publisher.params()
     gen = build_generator(cfg, mc, params, version=0, mesh=user_model_mesh(cfg))
     handle.bind(gen, tokenizer)
     return gen

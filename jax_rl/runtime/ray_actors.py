@@ -172,7 +172,8 @@ def actor_classes() -> tuple:
             return self.ctx.sft_and_eval(progress=False)
 
         def get_params(self):
-            return self.ctx.learner.get_params(host=True)
+            """The params of a publish (:meth:`jax_rl.publish.Publisher.params`, numpy: one object-store copy)."""
+            return self.ctx.publisher.params(host=True)
 
         def user_model(self) -> Optional[dict]:
             """env.tau2.user=model: the frozen user model this actor serves for held-out eval

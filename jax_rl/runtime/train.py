@@ -174,7 +174,7 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     cfg.resume = False
     ctx = RunContext(cfg, create_dir=False)
     try:
-        meta = ctx.learner.restore(ckpt, step=step)
+        meta = ctx.learner.checkpoints.restore(ckpt, step=step)
         print(f"evaluating {ckpt / str(meta['checkpoint_step'])} (RL step {resume_rl_step(meta)}, "
               f"version {ctx.learner.version})", file=sys.stderr, flush=True)
         ev = ctx.evaluate(resume_rl_step(meta), label="standalone")

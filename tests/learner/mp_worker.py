@@ -54,9 +54,9 @@ def main() -> None:
     params = {k: np.asarray(getattr(v, "get_value", lambda: v)()) for k, v in params.items()}
 
     ck = os.path.join(out, f"ck_{nproc}")
-    lrn.save(ck, {"note": "mp"}, wait=True)
+    lrn.checkpoints.save(ck, {"note": "mp"}, wait=True)
     other = Learner(cfg, init_params=init_params(cfg, seed=1))
-    meta = other.restore(ck)
+    meta = other.checkpoints.restore(ck)
     restored = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(gather(other.state.params))}
     ok = all(np.array_equal(np.asarray(getattr(v, "get_value", lambda: v)()), params[k]) for k, v in restored.items())
     lrn.close()

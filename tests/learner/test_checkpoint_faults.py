@@ -26,12 +26,12 @@ def test_counters_and_fallback_past_corrupt_steps(tmp_path, caplog):
     a = Learner(cfg, init_params=init_params(cfg))
     for s in (1, 2, 3):
         a.train_step(make_batch(s, B=4, T=16))
-        a.save(ck, {"rl_steps": s}, rl_step=s)
-    a.wait_for_checkpoints()
+        a.checkpoints.save(ck, {"rl_steps": s}, rl_step=s)
+    a.checkpoints.wait()
     a.close()
 
     b = Learner(cfg, init_params=init_params(cfg, seed=1))
-    meta = b.restore(ck)
+    meta = b.checkpoints.restore(ck)
     assert (meta["checkpoint_step"], meta["rl_step"], meta["version"], meta["opt_step"]) == (3, 3, 3, 12)
     assert meta["skipped_checkpoints"] == []
 
@@ -39,7 +39,7 @@ def test_counters_and_fallback_past_corrupt_steps(tmp_path, caplog):
     (ck / "2" / "metadata" / "metadata").write_text('{"version": 2, ')  # bad JSON
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jax_rl.learner"):
-        meta = b.restore(ck)
+        meta = b.checkpoints.restore(ck)
     assert meta["checkpoint_step"] == 1 and meta["rl_step"] == 1 and b.version == 1 and b.step == 4
     assert [s for s, _ in meta["skipped_checkpoints"]] == [3, 2]
     warns = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -49,18 +49,18 @@ def test_counters_and_fallback_past_corrupt_steps(tmp_path, caplog):
 
     # an explicit bad step is an error (one line), never a silent fallback
     with pytest.raises(CheckpointCorruptError, match="missing item\\(s\\) ewma") as e:
-        b.restore(ck, step=3)
+        b.checkpoints.restore(ck, step=3)
     assert "\n" not in str(e.value)
     with pytest.raises(CheckpointCorruptError, match="unreadable metadata"):
-        b.restore(ck, step=2)
+        b.checkpoints.restore(ck, step=2)
     with pytest.raises(FileNotFoundError, match="step 7"):
-        b.restore(ck, step=7)
+        b.checkpoints.restore(ck, step=7)
 
     # array data that does not restore: caught too; nothing good left -> one-line error
     for f in (ck / "1" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(b"garbage")
     with pytest.raises(CheckpointCorruptError, match="no restorable checkpoint") as e:
-        b.restore(ck)
+        b.checkpoints.restore(ck)
     assert "\n" not in str(e.value) and "failed to restore" in str(e.value)
     b.close()

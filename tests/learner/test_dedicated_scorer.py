@@ -40,17 +40,17 @@ def trained():
 
 
 def _scorer(lrn, keep=3):
-    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=keep, max_seq_len=32)
-    for v in lrn.store.versions:
+    sc = OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=keep, max_seq_len=32)
+    for v in lrn.old_logits.store.versions:
         if v != lrn.version:
-            sc.put(v, lrn.store.get(v, lrn.param_shardings), copy=False)
+            sc.put(v, lrn.old_logits.store.get(v, lrn.param_shardings), copy=False)
     sc.put(lrn.version, lrn.state.params)  # a copy: the learner donates its own params
     return sc
 
 
 def _snapshot(lrn, b):
     dev, r = lrn.device_batch(b, process_local=False)
-    old, _ = snapshot_logprobs(lrn.store, lrn.logprob_fn(), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
+    old, _ = snapshot_logprobs(lrn.old_logits.store, lrn.old_logits.logprob_fn(), tokens=dev["tokens"], attention_mask=dev["attention_mask"],
                                versions=dev["versions"], needed=versions_needed(b["versions"], b["loss_mask"]),
                                current_version=lrn.version, current_params=lrn.state.params,
                                shardings=lrn.param_shardings)
@@ -69,7 +69,7 @@ def test_scorer_equals_snapshot_bitwise_same_shape(trained, devices):
     np.testing.assert_array_equal(got, want)
     assert sc.forwards == 3 and sc.seconds > 0
     # the spanning row really takes two policies' log-probs
-    lp2 = lrn.logprobs(b, params=jax.device_put(lrn.store.get(2, lrn.param_shardings)))
+    lp2 = lrn.logprobs(b, params=jax.device_put(lrn.old_logits.store.get(2, lrn.param_shardings)))
     lp3 = lrn.logprobs(b)
     lm0 = b["loss_mask"][0]
     assert np.abs(lp2[0] - lp3[0])[lm0].max() > 1e-4
@@ -215,7 +215,7 @@ def test_trajectory_old_logp_round_trip():
 def test_learner_runs_no_old_logit_forward(devices):
     cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "dedicated"})
     lrn = Learner(cfg, init_params=init_params(cfg))
-    assert lrn.store is None and "old_logits.route=dedicated" in lrn.describe()
+    assert lrn.old_logits.store is None and "old_logits.route=dedicated" in lrn.describe()
     b = make_batch(3, B=8, T=16, version=0)
     with pytest.raises(ValueError, match="carries no old_logp"):
         lrn.train_step(b)
@@ -264,10 +264,10 @@ def test_scorer_on_its_own_devices_matches(trained, devices):
     cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "dedicated"}, placement={"scorer": 2})
     from jax_rl.placement import resolve_roles
 
-    sc = lrn.make_scorer(devices=resolve_roles(cfg).scorer)
+    sc = lrn.old_logits.make_scorer(devices=resolve_roles(cfg).scorer)
     assert sorted(d.id for d in sc.mesh.devices.flat) == [6, 7]
     for v in (1, 2):
-        sc.put(v, lrn.store.get(v, lrn.param_shardings))
+        sc.put(v, lrn.old_logits.store.get(v, lrn.param_shardings))
     sc.put(3, lrn.state.params)
     leaf = jax.tree.leaves(sc._params[3])[0]
     assert {d.id for d in leaf.devices()} <= {6, 7}

@@ -33,13 +33,13 @@ def test_resume_bit_exact_and_reshard(tmp_path, devices):
     for i, b in enumerate(batches):
         ma.append(a.train_step(b))
         if i == 1:
-            a.save(ck, {"buffer": {"consumed": 16}})
+            a.checkpoints.save(ck, {"buffer": {"consumed": 16}})
             half = _state(a)
-    a.wait_for_checkpoints()
+    a.checkpoints.wait()
     assert ma[0]["ewma_beta"] == pytest.approx(4 / 6)
 
     b = Learner(cfg, init_params=init_params(cfg, seed=1))  # different init: all comes from the checkpoint
-    meta = b.restore(ck)
+    meta = b.checkpoints.restore(ck)
     assert meta["version"] == 2 and meta["runtime"] == {"buffer": {"consumed": 16}}
     assert max_abs_diff(_state(b), half) == 0.0
     mb = [b.train_step(x) for x in batches[2:]]
@@ -49,7 +49,7 @@ def test_resume_bit_exact_and_reshard(tmp_path, devices):
 
     # restore onto a different mesh shape: same values, the new mesh's shardings
     c = Learner(cfg, mesh=make_mesh(1, 2, 2, 2), init_params=init_params(cfg))
-    c.restore(ck, step=2)
+    c.checkpoints.restore(ck, step=2)
     assert max_abs_diff(_state(c), half) == 0.0
     leaf = layer_leaf(c.state.params, "mlp", "gate_proj").get_value()
     assert leaf.sharding.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
@@ -58,6 +58,6 @@ def test_resume_bit_exact_and_reshard(tmp_path, devices):
     # another correction mode: a clear refusal
     d = Learner(make_cfg("ppo", mesh={"data": 2, "fsdp": 4}), init_params=init_params(cfg))
     with pytest.raises(CheckpointMismatchError, match="correction"):
-        d.restore(ck)
+        d.checkpoints.restore(ck)
     for x in (a, b, c, d):
         x.close()

@@ -77,7 +77,7 @@ class _FakeGen:
 
 
 def _params(lrn, v):
-    return lrn.store.get(v, lrn.param_shardings) if v != lrn.version else jax.tree.map(lambda x: x.copy(),
+    return lrn.old_logits.store.get(v, lrn.param_shardings) if v != lrn.version else jax.tree.map(lambda x: x.copy(),
                                                                                         lrn.state.params)
 
 
@@ -88,7 +88,7 @@ def test_interrupt_scores_partial_prefixes_before_dropping(trained, devices):
     (stash + the fleet's version) equal the snapshot route's on every loss token."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(1, _params(lrn, 1), copy=False)
     gens = [_FakeGen(), _FakeGen()]
     leaving = {"v": None}
@@ -131,7 +131,7 @@ def test_retire_drops_params_only_after_last_token(trained, devices):
     and only then drops theta_v."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(2, _params(lrn, 2), copy=False)
     go, inside = threading.Event(), threading.Event()
     seen = []
@@ -170,7 +170,7 @@ def test_at_most_two_versions_held_whatever_k(trained, devices):
     (the learner waits; never the rollouts), so the scorer never holds more than 2 versions."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     held_seen = []
     retired_at_put = []
     orig_put = sc.put
@@ -203,7 +203,7 @@ def test_at_most_two_versions_held_whatever_k(trained, devices):
     assert retired_at_put == [(1, None), (2, 0), (3, 1), (4, 2), (5, 3)]
     rs.stop()
     with pytest.raises(ValueError, match="holds 2 versions"):
-        RetiringScorer(OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=1, max_seq_len=32),
+        RetiringScorer(OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=1, max_seq_len=32),
                        list)
 
 
@@ -213,7 +213,7 @@ def test_mismatched_or_missing_version_is_dropped_and_counted(trained, devices):
     while tokens of it wait says so."""
     lrn, b = trained
     trajs = _final(b)
-    sc = OldLogitScorer(lrn.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
+    sc = OldLogitScorer(lrn.old_logits.logprob_fn(), lrn.param_shardings, lrn.mesh, keep=2, max_seq_len=32)
     sc.put(2, _params(lrn, 2), copy=False)
     key, tok, ver, lm = _prefix_when_leaving(trajs[2], 2)
     tok = tok.copy()

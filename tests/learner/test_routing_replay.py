@@ -244,7 +244,7 @@ def test_r3_with_every_correction(correction):
     if correction == "exact":
         # the snapshot route's forward at the current version is the forced forward
         b["versions"] = np.where(b["loss_mask"], L.version, -1).astype(np.int32)
-        old, _ = L._score_old(b, L.device_batch(b, process_local=False)[0], L.version)
+        old, _ = L.old_logits.score(b, L.device_batch(b, process_local=False)[0], L.version)
         np.testing.assert_allclose(np.asarray(old).reshape(b["tokens"].shape)[b["loss_mask"]],
                                    L.logprobs(b)[b["loss_mask"]], atol=1e-6)
 
@@ -271,7 +271,7 @@ def test_dedicated_scorer_forces_r3_routes():
     """old_logits.route=dedicated under r3: the scorer's old_logp is the learner's forced forward."""
     L = _learner("exact", "r3", True, old_logits={"route": "dedicated"})
     trajs, _ = _rollouts(L, _perturbed(L.get_params(host=True), 0.5), n=4, new=8)
-    sc = L.make_scorer()
+    sc = L.old_logits.make_scorer()
     assert sc.routes_fn is not None
     sc.put(0, L.get_params())
     kept, dropped = sc.score_group(trajs)
@@ -303,7 +303,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     futs = [gen.submit(p, max_new_tokens=10, seed=i) for i, p in enumerate(prompts)]
     for _ in range(4):
         gen.step()
-    sc = L.make_scorer(keep=2)
+    sc = L.old_logits.make_scorer(keep=2)
     assert sc.routes_fn is not None
     sc.put(0, L.get_params())
     prefixes = []

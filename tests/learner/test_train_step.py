@@ -97,7 +97,7 @@ def test_linear_prox_default_init_and_disk_store(tmp_path):
     m = lrn.train_step(make_batch(11, B=8, T=16, version=0))
     # fresh tokens (staleness 0): pi_prox = mu exactly, and the exact old logits are pi_0
     assert m["prox_abs_err_mean"] > 0 and np.isfinite(m["loss"]) and m["old_logits_versions"] == 2
-    assert lrn.store.kind == "disk" and (tmp_path / "old_logits" / "v1").exists()
+    assert lrn.old_logits.store.kind == "disk" and (tmp_path / "old_logits" / "v1").exists()
     m = lrn.train_step(make_batch(12, B=8, T=16, version=0))  # staleness 1: alpha = 1/2
     assert m["staleness_mean"] == 1.0 and lrn.version == 2
     lrn.close()

@@ -568,7 +568,7 @@ def test_user_model_is_served_on_placement_user_devices(tmp_path, devices):
     factory = build_env_factory(cfg)
     tok = build_tokenizer(cfg, factory)
     mc = build_model_config(cfg, tok)
-    gen = start_tau2_user_model(cfg, factory, tok, mc, learner=None, load_params=_load_hf_params)
+    gen = start_tau2_user_model(cfg, factory, tok, mc, publisher=None, load_params=_load_hf_params)
     try:
         eng = gen.engine
         assert sorted(d.id for d in eng._mesh.devices.flat) == [6, 7]

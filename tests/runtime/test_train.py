@@ -276,6 +276,6 @@ def test_sigterm_leaves_restorable_checkpoint(tmp_path):
 
     cfg = load_config(d / "config.yaml")
     lrn = Learner(cfg)
-    meta = lrn.restore(d / "checkpoints")
+    meta = lrn.checkpoints.restore(d / "checkpoints")
     assert lrn.version == steps and meta["rl_step"] == steps and meta["checkpoint_step"] == steps
     lrn.close()

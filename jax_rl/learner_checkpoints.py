@@ -1,0 +1,241 @@
+"""The learner's checkpoint stage: its train state to and from Orbax (:mod:`jax_rl.checkpoint`).
+
+:class:`LearnerCheckpoints` (``Learner.checkpoints``) saves the learner's
+:class:`~jax_rl.train_step.TrainState`, the correction strategy's items and the snapshot store
+(:func:`jax_rl.checkpoint.train_state_items`) with the run's metadata, restores them onto the
+learner's mesh (any shape) with a fallback past bad steps, and keeps one
+:class:`~jax_rl.checkpoint.Checkpointer` per checkpoint directory. Every process calls
+:meth:`~LearnerCheckpoints.save` / :meth:`~LearnerCheckpoints.restore` (Orbax writes and reads
+cooperatively); with the learner on some processes only, the holders write and read and the other
+processes take the metadata they restored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+
+from jax_rl import checkpoint as ckpt
+from jax_rl.config import config_hash
+from jax_rl.weight_sync import allgather_json
+
+__all__ = ["LearnerCheckpoints"]
+
+log = logging.getLogger(__name__)
+
+
+class LearnerCheckpoints:
+    """Checkpoints of one learner (``checkpoint.*``: ``every``, ``max_to_keep``, ``async_save``).
+
+    Args:
+        learner: the :class:`~jax_rl.learner.Learner` whose state is saved and restored.
+    """
+
+    def __init__(self, learner: Any):  # a jax_rl.learner.Learner (which imports this module)
+        self._lrn = learner
+        self._ckptrs: dict[str, ckpt.Checkpointer] = {}
+        self._in_shared = False
+
+    def checkpointer(self, ckpt_dir: Optional[str | Path] = None) -> ckpt.Checkpointer:
+        """The :class:`~jax_rl.checkpoint.Checkpointer` of ``ckpt_dir`` (default: the run's,
+        :func:`jax_rl.checkpoint.resolve_checkpoint_dir`), built once per directory.
+
+        Raises:
+            ValueError: no ``ckpt_dir`` and the config names no checkpoint directory.
+        """
+        lrn = self._lrn
+        d = ckpt_dir or ckpt.resolve_checkpoint_dir(lrn.cfg, error=ValueError)[1]
+        d = str(Path(d).absolute())
+        if d not in self._ckptrs:
+            c = lrn.cfg.checkpoint
+            self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save,
+                                                active_processes=set(lrn.holders) if lrn.on_some_processes else None)
+        return self._ckptrs[d]
+
+    def metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
+        """The ``metadata`` item of a checkpoint (:mod:`jax_rl.checkpoint`); ``extra`` goes under ``runtime``."""
+        lrn = self._lrn
+        store = lrn.old_logits.store
+        return {
+            "rl_step": int(lrn.version if rl_step is None else rl_step),
+            "version": lrn.version,
+            "opt_step": lrn.step,
+            "step": lrn.step,  # = opt_step (kept for checkpoints read by older code)
+            "config_hash": config_hash(lrn.cfg),
+            "model_arch": lrn.model_config.to_hf(),
+            "model_name": ckpt.model_name(lrn.cfg.model.preset, lrn.cfg.model.checkpoint),
+            "correction": lrn.correction,
+            "skipped_steps": lrn.skipped_steps,
+            "snapshot_versions": store.versions if store is not None else [],
+            "process_count": jax.process_count(),
+            "runtime": dict(extra or {}),
+        }
+
+    def save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None, *,
+             wait: bool = False, rl_step: Optional[int] = None) -> bool:
+        """Save a checkpoint (async unless ``wait``) in the step dir ``<ckpt_dir>/<rl_step>``.
+
+        Items (:func:`jax_rl.checkpoint.train_state_items`): state (params, opt_state, version,
+        step, rng), the correction strategy's items, snapshots (snapshot store), metadata (JSON:
+        ``rl_step``, ``version``, ``opt_step`` (optimizer updates), model/correction identity;
+        ``extra_metadata`` goes under ``"runtime"``). Re-saving the same step replaces that
+        checkpoint. Every process must call it.
+
+        Args:
+            rl_step: the RL step this state is at (the runtime's loop counter); the step dir's
+                name. None (a learner used on its own) names it by the version.
+
+        Returns:
+            True when a save was started (False on a process holding no learner device).
+
+        Raises:
+            jax_rl.checkpoint.CheckpointDiskFullError: not enough disk space (one line; earlier
+                steps intact).
+        """
+        lrn = self._lrn
+        if not lrn.holds_learner:  # a process with no learner device: the holders save (checkpoint.Checkpointer)
+            return False
+        ck = self.checkpointer(ckpt_dir)
+        store = lrn.old_logits.store
+        snaps = store.export(lrn.param_shardings) if store is not None and len(store) else None
+        items = ckpt.train_state_items(lrn.state, lrn.strategy, snaps)
+        v = lrn.version if rl_step is None else int(rl_step)
+        if v in ck.all_steps():
+            ck.wait()
+            ck.delete(v)
+        ok = ck.save(v, metadata=self.metadata(extra_metadata, v), **items)
+        if wait:
+            ck.wait()
+        return ok
+
+    def maybe_save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None) -> bool:
+        """Save when ``checkpoint.every`` divides the current version (> 0)."""
+        if self.checkpointer(ckpt_dir).should_save(self._lrn.version):
+            return self.save(ckpt_dir, extra_metadata)
+        return False
+
+    def restore(self, ckpt_dir: Optional[str | Path] = None, step: Optional[int] = None) -> dict:
+        """Restore a checkpoint onto the learner's mesh (any shape).
+
+        With ``step=None`` the newest step is validated (item dirs present, metadata JSON
+        parses, the arrays restore); a bad one is skipped with a one-line warning and the next
+        newest is tried, until one restores. With an explicit ``step`` only that one is tried.
+
+        Returns:
+            the metadata dict (``rl_step``, ``version``, ``opt_step``, ``config_hash``,
+            ``correction``, ``model_arch``, ``runtime`` = the ``extra_metadata`` given to
+            :meth:`save`, ...) plus ``checkpoint_step`` (the step dir restored) and
+            ``skipped_checkpoints`` (``[[step, reason], ...]`` for bad newer steps passed over).
+
+        Raises:
+            FileNotFoundError: no checkpoint (or no such ``step``).
+            CheckpointMismatchError: the checkpoint is from a different model architecture or
+                correction mode (never skipped: the whole dir is another run's).
+            CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
+        """
+        if self._lrn.on_some_processes and not self._in_shared:  # the holders restore
+            return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
+        ck = self.checkpointer(ckpt_dir)
+        if step is not None:
+            ck.resolve(step)  # FileNotFoundError naming the steps there
+            candidates = [int(step)]
+        else:
+            ck.resolve(None)
+            candidates = sorted(ck.all_steps(), reverse=True)
+        skipped: list = []
+        for s in candidates:
+            try:
+                meta = self._restore_step(ck, s)
+            except (ckpt.CheckpointMismatchError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                why = str(e) if isinstance(e, ckpt.CheckpointCorruptError) else \
+                    f"checkpoint {ck.directory / str(s)} failed to restore ({ckpt.one_line(e)})"
+                if step is not None:
+                    raise ckpt.CheckpointCorruptError(why) from None
+                log.warning("%s; trying an older step", why)
+                skipped.append([s, why])
+                continue
+            meta["checkpoint_step"] = s
+            meta["skipped_checkpoints"] = skipped
+            return meta
+        raise ckpt.CheckpointCorruptError(
+            f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
+
+    def _restore_shared(self, ckpt_dir, step) -> dict:
+        """:meth:`restore` with the learner on some processes only (a collective every process calls): the
+        holders restore, then every process gets the first holder's metadata (or its one-line error) through
+        the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
+        counters (version, optimizer step)."""
+        lrn = self._lrn
+        meta, err = None, None
+        if lrn.holds_learner:
+            self._in_shared = True  # restore as a plain holder
+            try:
+                meta = self.restore(ckpt_dir, step)
+            except Exception as e:  # noqa: BLE001 - handed to every process, then raised everywhere
+                err = e
+            finally:
+                self._in_shared = False
+        mine = None if not lrn.holds_learner or jax.process_index() != lrn.holders[0] else \
+            ({"meta": json.loads(json.dumps(meta, default=str))} if err is None else
+             {"error": type(err).__name__, "message": ckpt.one_line(err)})
+        got = allgather_json(mine, timeout_s=lrn.cfg.runtime.peer_timeout_s, what="restored checkpoint")
+        got = got[lrn.holders[0]]
+        if err is not None:
+            raise err
+        if "error" in got:
+            kinds = {"FileNotFoundError": FileNotFoundError, "CheckpointMismatchError": ckpt.CheckpointMismatchError,
+                     "CheckpointCorruptError": ckpt.CheckpointCorruptError}
+            raise kinds.get(got["error"], RuntimeError)(got["message"])
+        if lrn.holds_learner:
+            return meta
+        meta = got["meta"]
+        lrn.skipped_steps = int(meta.get("skipped_steps", 0))
+        lrn.track_counters(int(meta["version"]), int(meta["opt_step"]))
+        return meta
+
+    def _restore_step(self, ck: ckpt.Checkpointer, step: int) -> dict:
+        lrn = self._lrn
+        store = lrn.old_logits.store
+        meta = ck.check_step(step)
+        ckpt.check_compatible(meta, model_arch=lrn.model_config.to_hf(), correction=lrn.correction,
+                              directory=ck.directory,
+                              model=ckpt.model_name(lrn.cfg.model.preset, lrn.cfg.model.checkpoint))
+        snap_versions = [int(v) for v in meta.get("snapshot_versions", [])] if store is not None else []
+        need = tuple(lrn.strategy.checkpoint_items(lrn.state.correction)) + (("snapshots",) if snap_versions else ())
+        if need:
+            ck.check_step(step, need)
+        lrn.state, snaps = ckpt.restore_train_state(ck, step, lrn.state, lrn.state_shardings, lrn.strategy,
+                                                    snap_versions)
+        if store is not None:
+            if snaps is not None:
+                store.load(snaps)
+            else:
+                for v in list(store.versions):
+                    store.evict(v)
+                store.put(lrn.version, lrn.state.params)
+        lrn.skipped_steps = int(meta.get("skipped_steps", 0))
+        return meta
+
+    def delete_after(self, step: int, ckpt_dir: Optional[str | Path] = None) -> list[int]:
+        """Delete the checkpoint steps newer than ``step`` (on the primary holder); returns them."""
+        lrn = self._lrn
+        if jax.process_index() != (lrn.holders[0] if lrn.on_some_processes else 0):
+            return []
+        return self.checkpointer(ckpt_dir).delete_after(step)
+
+    def wait(self) -> None:
+        """Block until every async save has been committed."""
+        for c in self._ckptrs.values():
+            c.wait()
+
+    def close(self) -> None:
+        """Finish pending writes and close every checkpointer."""
+        for c in self._ckptrs.values():
+            c.close()
+        self._ckptrs.clear()
