@@ -75,7 +75,10 @@ conversation (:func:`tunix_agentic_parts`) and the shared tokenizer's chat rende
 8 groups of 8, the same optimizer and loss. Each arm's ratio is against its own reference
 (:data:`REFERENCE`: single-turn arms against ``tunix``, agentic ones against the Tunix agentic arm of the
 same K), per round (:func:`round_ratios`: median over ``--rounds`` with min-max). Tunix's agentic stage
-timer ``gen_s`` sums its concurrent per-episode ``generate`` calls (it is not wall time).
+timer ``gen_s`` sums its concurrent per-episode ``generate`` calls (it is not wall time). Left as Tunix
+0.1.7 runs it: its agentic learner calls ``generate`` once per episode turn with batch 1, and its
+``vanilla`` rollout samples every call with the same key (``RolloutConfig.seed`` None -> ``PRNGKey(0)``),
+so the 8 samples of a group are identical (the same lengths; zero GRPO advantages).
 
 ``--size small``: bench/learner_step.py's ``small`` Qwen3 (d=256, 4 layers, 8/4 heads, ff 768) with the
 tool schemas rendered into the system prompt (:data:`SIZES`), for every arm, the SFT and Tunix (which
