@@ -487,20 +487,20 @@ class _ChatParser:
     """Tunix's chat-template parser interface over the shared tokenizer's own rendering (the same text
     jax-rl renders: :meth:`Task.prompt`), message by message as Tunix's trajectory engine asks."""
 
-    def __init__(self, tok: Any):
+    def __init__(self, tok: Any, tools: Optional[list] = None):
         from tunix.rl.agentic.parser.chat_template_parser.parser import QwenChatTemplateParser
 
         class _T:  # the two attributes Qwen's parser reads
             bos_token, eos_token = "", "<|im_end|>"
 
         self._q = QwenChatTemplateParser(_T())
-        self.tok = tok
+        self.tok, self.tools = tok, tools
         self.assistant_token = self._q.tokens.assistant_token
 
     def parse(self, messages, add_generation_prompt: bool = False, is_first_msg: bool = False) -> str:
         msgs = [dict(m, role="tool") if m.get("role") == "tool" else m for m in messages]
         if is_first_msg:
-            return self.tok.render_text(msgs, None, add_generation_prompt=add_generation_prompt)
+            return self.tok.render_text(msgs, self.tools, add_generation_prompt=add_generation_prompt)
         return self._q.parse(msgs, add_generation_prompt=add_generation_prompt, is_first_msg=False)
 
 
@@ -525,12 +525,15 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
     cluster = tunix_cluster(cfg, model, tok, P, AGENTIC_MAX_TOKENS, steps, return_logprobs=True)
     agent_cls, env_cls, env_kwargs, _ = tunix_agentic_parts(task)
     env0 = task.env_factory()
-    system = env0.reset(train_seeds[0])[0][0]["content"]
+    (sys_msg, *_), tools = env0.reset(train_seeds[0])
+    system = sys_msg["content"]
+    # the tool schemas in the system turn exactly when jax-rl renders them (``rollout.render_tools``, the
+    # small size): without them Tunix's episodes met a prompt the SFT never showed (one malformed turn)
     learner = GRPOLearner(
         cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
                             loss_agg_mode="token-mean", off_policy_steps=off_policy_steps,
                             max_response_length=AGENTIC_MAX_TOKENS, system_prompt=system, max_concurrency=BATCH),
-        chat_parser=_ChatParser(tok), agent_class=agent_cls, env_class=env_cls, env_kwargs=env_kwargs)
+        chat_parser=_ChatParser(tok, tools if cfg.rollout.render_tools else None), agent_class=agent_cls, env_class=env_cls, env_kwargs=env_kwargs)
     meter = _TunixMeter(cluster)
 
     def batches():
