@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from jax_rl.old_logits.routes import Route
     from jax_rl.weight_sync import ShardedWeightSync
 
-__all__ = ["Publisher"]
+__all__ = ["Publisher", "hand_over"]
 
 
 class Publisher:
@@ -99,6 +99,24 @@ class Publisher:
             last = sync.last
             return float(cast_s), last.get("weight_sync_sent_bytes", 0.0) + last.get("weight_sync_recv_bytes", 0.0)
         params = jax.block_until_ready(self.params())  # blocked: the copy is timed with the publish
-        if route is not None:  # the route's publish: its scorer / retirer first, then the generators
-            return float(route.publish(int(version), params, list(generators), scorer=scorer, retirer=retirer)), None
-        return float(sum(g.update_params(params, version) for g in generators)), None
+        return hand_over(params, version, generators, route=route, scorer=scorer, retirer=retirer), None
+
+
+def hand_over(params: Any, version: int, generators: Sequence[Any], *, route: Optional["Route"] = None,
+              scorer: Any = None, retirer: Any = None) -> float:
+    """The last leg of every publish, in the process that holds the generators: ``route``'s publish
+    (its scorer / retirer first, then the generators) when the exact route scores on the rollout side,
+    else each generator casts and reshards ``params`` (``Generator.update_params``). Called by
+    :meth:`Publisher.publish` (embedded runtime, one process) and by the Ray rollout workers'
+    ``set_params`` (the params arriving from the object store, numpy).
+
+    Args:
+        params: an ``nnx.State`` like the learner's params (device or numpy arrays, any float dtype).
+        version: the policy version the params are.
+
+    Returns:
+        The generators' cast/reshard seconds (float).
+    """
+    if route is not None:
+        return float(route.publish(int(version), params, list(generators), scorer=scorer, retirer=retirer))
+    return float(sum(g.update_params(params, version) for g in generators))

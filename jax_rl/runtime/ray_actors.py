@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_rl.config import Config
 from jax_rl.models.qwen3 import Qwen3Config
+from jax_rl.publish import hand_over
 from jax_rl.runtime import engines
 from jax_rl.runtime.affinity import pin_process, thread_affinities
 from jax_rl.runtime.context import RunContext, drop_newer_checkpoints
@@ -73,7 +74,8 @@ def actor_classes() -> tuple:
 
         def set_params(self, params, version: int) -> float:
             """Build the generator (first call) or swap its weights; returns the seconds of the
-            swap's cast/reshard (``Generator.update_params``; 0.0 for the first build)."""
+            swap's cast/reshard (:func:`jax_rl.publish.hand_over`, the publish's last leg in both runtimes; 0.0
+            for the first build)."""
             if self.gen is None:
                 self.gen = engines.build_generator(self.cfg, self.mc, params, version)
                 if self._user_model is not None:  # the tau² user model beside the engine: frozen, never published to
@@ -85,7 +87,7 @@ def actor_classes() -> tuple:
                 self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
                                               group_size=self.cfg.algo.group_size)
                 return 0.0
-            return float(self.gen.update_params(params, version))
+            return hand_over(params, version, [self.gen])
 
         def run_group(self, group_id: int, task_seed: int) -> list[Trajectory]:
             """Run one GRPO group; its trajectories go back as they are (arrays through the object store)."""
