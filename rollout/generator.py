@@ -10,7 +10,7 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
    ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
    ``StepOutput`` comes back in ONE host transfer;
-4. append per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
+4. record per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
    finished slot decoded later in the same call are discarded).
 
