@@ -10,7 +10,7 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
    ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
    ``StepOutput`` comes back in ONE host transfer;
-4. append per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
+4. record per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
    finished slot decoded later in the same call are discarded).
 
@@ -141,8 +141,10 @@ class _Req:
     t_submit: float
     budget: int = 0
     tokens: list = dataclasses.field(default_factory=list)
-    behav_logp: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)
+    # float32 / int32 [capacity]: the step outputs' columns written in place per generated token
+    # (:meth:`Generator._consume_step`); the first len(tokens) entries are real (set at admission)
+    behav_logp: Optional[np.ndarray] = None
+    versions: Optional[np.ndarray] = None
     routes: list = dataclasses.field(default_factory=list)  # [n_moe_layers, k] per context position
     reissues: int = 0
     dropped: int = 0
@@ -386,7 +388,7 @@ class Generator:
         with self._step_lock:
             for req in self._slots:
                 if req is not None and req.request_id == request_id:
-                    return list(req.tokens), list(req.versions), self._routes_array(req)
+                    return list(req.tokens), req.versions[:len(req.tokens)].tolist(), self._routes_array(req)
         return None
 
     def step(self) -> bool:
@@ -605,7 +607,7 @@ class Generator:
                 req.dropped += n
                 req.budget -= n
                 req.reissues += 1
-                req.tokens, req.behav_logp, req.versions = [], [], []
+                req.tokens = []  # its behav_logp / versions buffers are overwritten from index 0
                 del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
                 self.stats["reissues"] += 1
                 if req.budget <= 0:
@@ -683,6 +685,9 @@ class Generator:
                 seen.add(key)
             spent += cost
             req.t_start = time.monotonic()
+            if req.behav_logp is None:  # the most tokens it can generate: its budget, capped by the cache room
+                cap = min(req.max_new_tokens, self._S - len(req.prompt))
+                req.behav_logp, req.versions = np.empty(cap, np.float32), np.empty(cap, np.int32)
             if copy_of is not None:
                 copies.append((slot, req, copy_of))
                 continue
@@ -783,7 +788,7 @@ class Generator:
         arrays) to the live requests in slots, finishing those that stop. ``live`` [B] bool: the
         slot held a request when the call began (a valid token of such a slot whose request
         finished earlier in the call is discarded and counted)."""
-        toks, valid, logp, vers = r.token, r.valid, r.behav_logp, r.version
+        toks, valid, behav_logp, versions = r.token, r.valid, r.behav_logp, r.version
         routes = r.route
         drops = r.moe_dropped  # None unless the engine counts MoE capacity drops
         self.stats["steps"] += 1
@@ -799,9 +804,10 @@ class Generator:
             if drops is not None:  # the fed token's copies (engine docstring, "MoE capacity drops")
                 req.moe_dropped += int(drops[slot])
                 req.moe_copies += self._moe_cpt
+            i = len(req.tokens)
             req.tokens.append(tok)
-            req.behav_logp.append(float(logp[slot]))
-            req.versions.append(int(vers[slot]))
+            req.behav_logp[i] = behav_logp[slot]  # float32 -> float32 in place: no Python float
+            req.versions[i] = versions[slot]
             if routes is not None:  # the route of the token this step fed (position len(context) - 2)
                 req.routes.append(np.asarray(routes[slot]))
             self.stats["tokens"] += 1
@@ -840,8 +846,12 @@ class Generator:
         if self._moe_drops:
             info["moe_dropped_copies"] = req.moe_dropped
             info["moe_copies"] = req.moe_copies
-        # the request's behav_logp / versions lists become the record's float32 / int32 arrays (one copy)
-        comp = Completion(req.request_id, req.tokens, np.asarray(req.behav_logp, np.float32),
-                          np.asarray(req.versions, np.int32), reason, info, routes=self._routes_array(req))
+        # the record's behav_logp / versions are views of the request's buffers (no copy); a request
+        # resolved before admission (max_new_tokens=0) has none
+        n = len(req.tokens)
+        behav_logp = req.behav_logp[:n] if req.behav_logp is not None else np.zeros(0, np.float32)
+        versions = req.versions[:n] if req.versions is not None else np.zeros(0, np.int32)
+        comp = Completion(req.request_id, req.tokens, behav_logp, versions, reason, info,
+                          routes=self._routes_array(req))
         if not req.future.done():
             req.future.set_result(comp)

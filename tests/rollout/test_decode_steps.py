@@ -128,7 +128,7 @@ def test_a_call_runs_no_more_steps_than_the_live_slots_can_use(engine, monkeypat
     assert gen_ref.stats["steps"] == N * len(want_calls)
     for w, g in zip(ref, got):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
-        assert g.behav_logp == w.behav_logp and g.versions == w.versions  # bit-identical
+        assert g.behav_logp.tobytes() == w.behav_logp.tobytes() and np.array_equal(g.versions, w.versions)  # bit-identical
     assert [len(c.tokens) for c in got] == [min(b, S - len(p)) for p, b in zip(prompts, budgets)]
 
 

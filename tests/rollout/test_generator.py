@@ -149,6 +149,36 @@ def test_stop_ids_budget_and_cache_full(engine):
         gen.submit([], max_new_tokens=1)
 
 
+def test_completion_holds_the_step_outputs_bit_for_bit(engine, params2, monkeypatch):
+    """``Completion.behav_logp`` / ``versions`` are the engine's ``StepOutput`` columns, bit for bit
+    (written in place into the request's float32 / int32 buffers), also after ``abort`` drops a
+    partial turn and its re-issue overwrites the buffers from index 0."""
+    stream: dict[int, list] = {0: [], 1: []}  # slot -> (behav_logp, version) of every valid step
+    decode = engine.decode
+
+    def spy(params, state, **k):
+        state, out = decode(params, state, **k)
+        host = jax.device_get(out)
+        for slot in np.flatnonzero(host.valid):
+            stream[int(slot)].append((host.behav_logp[slot], host.version[slot]))
+        return state, out
+
+    monkeypatch.setattr(engine, "decode", spy)
+    gen = Generator(engine, partial="abort", version=0)
+    fa, fb = gen.submit(PA, max_new_tokens=8, seed=1), gen.submit(PB, max_new_tokens=8, seed=2)
+    for _ in range(3):
+        gen.step()
+    gen.update_params(params2, 1)
+    gen.run_until_idle()
+    for slot, f in enumerate((fa, fb)):  # the two requests took slots 0 and 1 (FIFO), kept them on re-issue
+        c = f.result(timeout=0)
+        assert c.info["reissues"] == 1 and len(c.tokens) == 8 - c.info["dropped_tokens"] > 0
+        lp, ver = zip(*stream[slot][-len(c.tokens):])
+        assert c.behav_logp.dtype == np.float32 and c.versions.dtype == np.int32
+        assert c.behav_logp.tobytes() == np.asarray(lp, np.float32).tobytes()
+        assert c.versions.tolist() == [int(v) for v in ver] == [1] * len(c.tokens)
+
+
 def test_continuous_batching_more_requests_than_slots(engine):
     gen = Generator(engine)
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
