@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.models.qwen3.outputs import MoeDrops
+from jax_rl.sampling import check_truncation, kept_set, log_kept_mass, truncates
 
 Array = jax.Array
 
@@ -106,7 +107,6 @@ def _trunc_logp_from_logits(logits: Array, targets: Array, temperature, top_k: i
     The kept set is stop-gradient, the kept mass carries gradient; a ``-inf`` entry has an exact
     zero gradient. With ``return_entropy`` [..., 2]: also the entropy (nats) of the truncated,
     renormalised distribution."""
-    from jax_rl.sampling import kept_set, log_kept_mass
 
     lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)  # as the sampler
     kept = kept_set(lp, top_k, top_p)
@@ -126,7 +126,6 @@ def _per_token_fn(temperature, top_k: int, top_p: float, return_entropy: bool) -
     """``(logits [...,V], targets [...]) -> [...]`` (or [..., 2] with the entropy): the plain
     tempered log-softmax when no truncation is on (the untruncated code path, unchanged), else
     :func:`_trunc_logp_from_logits`."""
-    from jax_rl.sampling import check_truncation, truncates
 
     check_truncation(top_k, top_p)
     if truncates(top_k, top_p):

@@ -43,12 +43,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_rl import losses
 from jax_rl.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.correction import Correction, tree_finite, tree_where
+from jax_rl.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.reductions import SUM, Reduction, combine_metrics, combine_updates
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
@@ -201,8 +204,6 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
     ``top_k`` / ``top_p``: the rollout sampler's truncation (``rollout.top_k`` / ``rollout.top_p``),
     reproduced in the chunked head (log pi_trunc, ``-inf`` outside the kept set; see
     ``sequence_logprobs``); the defaults leave the untruncated path unchanged."""
-    from jax_rl.logprobs import LogprobOutput, sequence_logprobs
-    from jax_rl.models.qwen3 import unstack_routes
 
     def logprobs(params, tokens, attention_mask, return_entropy: bool = False, routes=None,
                  return_moe_drops: bool = False) -> LogprobOutput:
@@ -219,7 +220,6 @@ def make_route_fn(graphdef, rest: Any):
     """``(params, tokens [r,T], attention_mask [r,T]) -> routes int32 [r,T,n_moe_layers,k]``: the
     top-k expert ids the model's own routers pick at every position (the decoder trunk only, no
     LM head; no gradient). The learner's side of ``routing_agreement`` and r2's recorded routes."""
-    from jax_rl.models.qwen3 import stack_routes
 
     def routes(params, tokens, attention_mask):
         model = nnx.merge(graphdef, lax.stop_gradient(params), rest)

@@ -120,6 +120,7 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
+from rollout.engine import SlotPrefill
 from rollout.types import ROUTE_MISSING, Completion  # tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
@@ -544,7 +545,6 @@ class Generator:
         batch is retried row by row when a batched call raises)."""
         if not items:
             return
-        from rollout.engine import SlotPrefill
 
         rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
         try:

@@ -33,6 +33,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _sm
 from jax.sharding import PartitionSpec as P
 
+from jax_rl.sharding import logical_to_pspec
+
 Array = jax.Array
 
 __all__ = ["splash_attend", "SPLASH_BLOCK", "cudnn_attend"]
@@ -97,8 +99,6 @@ def splash_attend(q: Array, k: Array, v: Array, segment_ids: Array, *,
     body = functools.partial(_local, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None and not mesh.empty:
-        from jax_rl.sharding import logical_to_pspec
-
         bspec = logical_to_pspec(("activation_batch",), shape=(B,), mesh=mesh)[0]
         hspec = logical_to_pspec(("q_heads",), shape=(N,), mesh=mesh)[0]
         kspec = logical_to_pspec(("kv_heads",), shape=(K,), mesh=mesh)[0]

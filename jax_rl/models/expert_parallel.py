@@ -71,6 +71,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_rl.sharding import logical_to_pspec
+
 Array = jax.Array
 
 __all__ = ["EXPERT_AXIS", "MOE_MATMULS", "expert_parallel_size", "ep_capacity", "expert_parallel_moe",
@@ -315,7 +317,6 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
       an unknown ``matmul``.
     """
-    from jax_rl.sharding import logical_to_pspec
 
     matmul = resolve_moe_matmul(matmul)
 

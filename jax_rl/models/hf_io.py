@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jax_rl.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from jax_rl.sharding import state_shardings
 
 __all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "hf_param_specs",
            "read_safetensors_index"]
@@ -361,8 +362,6 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), **kw))
     shardings = None
     if mesh is not None:
-        from jax_rl.sharding import state_shardings
-
         shardings = state_shardings(nnx.state(model), mesh)
     target = np.dtype(jnp.dtype(kw["param_dtype"]))
     L = cfg.num_hidden_layers

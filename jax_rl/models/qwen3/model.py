@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.models.attention import cudnn_attend, splash_attend
 from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
 from jax_rl.models.qwen3.config import Qwen3Config
 from jax_rl.models.qwen3.layers import (
@@ -368,12 +369,8 @@ class Qwen3ForCausalLM(nnx.Module):
         if self.attention == "splash":
             seg = (jnp.ones((B, T), jnp.int32) if valid is None
                    else jnp.asarray(valid, bool).astype(jnp.int32))
-            from jax_rl.models.attention import splash_attend
-
             return lambda q, k, v: splash_attend(q, k, v, seg)
         if self.attention == "cudnn":
-            from jax_rl.models.attention import cudnn_attend
-
             return lambda q, k, v: cudnn_attend(q, k, v, valid)
         return lambda q, k, v: _attend_causal(q, k, v, mask)
 
