@@ -144,7 +144,7 @@ def learner_spec(cfg: Config, model_config: Any, mesh: Any, *, abstract: bool, i
         state = abstract_like(jax.eval_shape(lambda p: initial_state(tx, strategy, p), params), state_sh)
     else:
         with jax.set_mesh(mesh):
-            state = init_train_state(tx, strategy, params, cfg.run.seed, state_sh)
+            state = init_train_state(tx, strategy, params, state_sh)
     return LearnerSpec(graphdef=graphdef, rest=rest, params=params, param_shardings=param_shardings, tx=tx,
                        schedule=schedule, strategy=strategy, routing=routing, state=state,
                        state_shardings=state_sh)

@@ -71,7 +71,10 @@ class TrainState:
             None for the stateless modes).
         version: int32 scalar, published versions (one per train step).
         step: int32 scalar, applied optimizer updates.
-        rng: uint32 [2] PRNG key (split once per step; reserved for stochastic parts).
+
+    No PRNG key: the train step is deterministic (sampling keys live in the engine, per request
+    seed and position). Checkpoints written with the former ``rng`` leaf still restore
+    (:data:`jax_rl.checkpoint.trees.RETIRED_STATE_LEAVES`).
     """
 
     params: Any
@@ -79,7 +82,6 @@ class TrainState:
     correction: Any
     version: jax.Array
     step: jax.Array
-    rng: jax.Array
 
 
 # ======================================================================================
@@ -174,18 +176,18 @@ def train_state_shardings(tx, strategy: Correction, param_shardings: Any, abstra
     opt_sh = opt_state_shardings(tx, abstract_params, param_shardings, mesh)
     return TrainState(params=param_shardings, opt_state=opt_sh,
                       correction=strategy.state_shardings(param_shardings, rep),
-                      version=rep, step=rep, rng=rep)
+                      version=rep, step=rep)
 
 
-def initial_state(tx, strategy: Correction, params: Any, seed: int = 0) -> TrainState:
+def initial_state(tx, strategy: Correction, params: Any) -> TrainState:
     """The step-0 TrainState of ``params`` (pure: jit it, or ``jax.eval_shape`` it for AOT)."""
     return TrainState(params=params, opt_state=tx.init(params), correction=strategy.init_state(params),
-                      version=jnp.int32(0), step=jnp.int32(0), rng=jax.random.PRNGKey(seed))
+                      version=jnp.int32(0), step=jnp.int32(0))
 
 
-def init_train_state(tx, strategy: Correction, params: Any, seed: int, shardings: TrainState) -> TrainState:
+def init_train_state(tx, strategy: Correction, params: Any, shardings: TrainState) -> TrainState:
     """The step-0 TrainState on the mesh (:func:`initial_state` jitted with the given out shardings)."""
-    return jax.jit(lambda p: initial_state(tx, strategy, p, seed), in_shardings=(shardings.params,),
+    return jax.jit(lambda p: initial_state(tx, strategy, p), in_shardings=(shardings.params,),
                    out_shardings=shardings)(params)
 
 
@@ -440,7 +442,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
         metrics["loss_tokens"] = jnp.sum(b.loss_mask.astype(jnp.float32))
         metrics["updates"] = jnp.float32(n_up)
         new_state = TrainState(params=params, opt_state=opt_state, correction=cstate, version=g + 1,
-                               step=opt_step, rng=jax.random.split(state.rng)[0])
+                               step=opt_step)
         if packed_metrics:  # one float32 vector: one device -> host transfer for every metric
             metrics["opt_step"] = opt_step
             names = tuple(sorted(metrics))

@@ -16,8 +16,9 @@ import orbax.checkpoint as ocp
 from jax_rl.checkpoint.faults import (_NOSPACE_FILTER, CheckpointCorruptError, CheckpointDiskFullError,
                                       CheckpointMismatchError, _cancel_unstarted_writes, _install_closed_loop_hook,
                                       _is_no_space, disk_full_error, one_line)
-from jax_rl.checkpoint.trees import (_core, _host_local_to_numpy, _layers_layout_of_tree, abstract_like, from_nested,
-                                     saved_layer_layout, to_nested, tree_nbytes)
+from jax_rl.checkpoint.trees import (RETIRED_STATE_LEAVES, _core, _host_local_to_numpy, _layers_layout_of_tree,
+                                     abstract_like, from_nested, saved_layer_layout, saved_state_keys, to_nested,
+                                     tree_nbytes)
 
 log = logging.getLogger("jax_rl.checkpoint")
 
@@ -154,6 +155,12 @@ class Checkpointer:
         """
         step = self.resolve(step)
         self.check_layer_layout(step, state)
+        # leaves earlier versions saved and the TrainState no longer has: read beside the rest, dropped
+        retired = {k: v for k, v in RETIRED_STATE_LEAVES.items()
+                   if k not in state and k in saved_state_keys(self.directory, step)}
+        if retired:
+            rep = jax.tree.leaves(state["version"])[0].sharding
+            state = {**state, **{k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in retired.items()}}
         items = {"state": ocp.args.StandardRestore(state), "metadata": ocp.args.JsonRestore()}
         if ewma is not None:
             items["ewma"] = ocp.args.StandardRestore(ewma)
@@ -161,7 +168,7 @@ class Checkpointer:
             items["snapshots"] = ocp.args.StandardRestore(snapshots)
         out = self._mgr.restore(step, args=ocp.args.Composite(**items))
         return {
-            "state": out.state,
+            "state": {k: v for k, v in out.state.items() if k not in retired},
             "ewma": out.ewma if ewma is not None else None,
             "snapshots": out.snapshots if snapshots else None,
             "metadata": dict(out.metadata),

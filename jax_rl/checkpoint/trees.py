@@ -88,7 +88,21 @@ def _host_local_to_numpy(tree: Any) -> Any:
 
 
 
-STATE_KEYS = ("params", "opt_state", "version", "step", "rng")
+STATE_KEYS = ("params", "opt_state", "version", "step")
+
+RETIRED_STATE_LEAVES = {"rng": ((2,), "uint32")}
+"""Leaves of the ``state`` item that checkpoints of earlier versions hold and the TrainState no longer
+has (name -> saved shape, dtype): :meth:`jax_rl.checkpoint.Checkpointer.restore` reads and drops them."""
+
+
+def saved_state_keys(directory: str | Path, step: int) -> set[str]:
+    """The top-level keys of a checkpoint's ``state`` item, read from its tree metadata (no array is
+    read); empty when the metadata does not read."""
+    try:
+        meta = json.loads((Path(directory) / str(int(step)) / "state" / "_METADATA").read_text())
+        return {v["key_metadata"][0]["key"] for v in meta["tree_metadata"].values() if v["key_metadata"]}
+    except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
+        return set()
 
 
 def _key_name(k: Any) -> str:

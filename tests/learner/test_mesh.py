@@ -65,5 +65,5 @@ def test_mesh_equivalence_and_shardings(reference, shape, devices):
     for tree in (adam.mu, adam.nu, grads):
         for path, x in nnx.to_flat_state(tree):
             assert x.get_value().sharding.spec == _expected_spec(lrn, logical[path]), path
-    for leaf in (lrn.state.version, lrn.state.step, lrn.state.rng, adam.count):
+    for leaf in (lrn.state.version, lrn.state.step, adam.count):
         assert all(s is None for s in leaf.sharding.spec)
