@@ -64,7 +64,6 @@ class LearnerCheckpoints:
             "rl_step": int(lrn.version if rl_step is None else rl_step),
             "version": lrn.version,
             "opt_step": lrn.step,
-            "step": lrn.step,  # = opt_step (kept for checkpoints read by older code)
             "config_hash": config_hash(lrn.cfg),
             "model_arch": lrn.model_config.to_hf(),
             "model_name": ckpt.model_name(lrn.cfg.model.preset, lrn.cfg.model.checkpoint),
