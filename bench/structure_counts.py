@@ -30,16 +30,7 @@ def project_imports() -> tuple[int, list[str]]:
         in_func = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                    for s in f.body for n in ast.walk(s)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)] + ([base] if base else []))
-                hit = base in mods or any(f"{base}.{a.name}" in mods for a in node.names)
-            elif isinstance(node, ast.Import):
-                hit = any(a.name in mods for a in node.names)
-            else:
-                continue
-            if hit:
+            if ts.imports_project(node, pkg, mods):
                 total += 1
                 if id(node) in in_func:
                     inside.append(f"{p.relative_to(ROOT)}:{node.lineno}")

@@ -36,6 +36,27 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return out
 
 
+def import_base(node: ast.ImportFrom, pkg: str) -> str:
+    """The absolute module a ``from ... import`` statement in package ``pkg`` reads from (relative
+    levels resolved)."""
+    base = node.module or ""
+    if node.level:
+        up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+        base = ".".join(up + ([base] if base else []))
+    return base
+
+
+def imports_project(node: ast.AST, pkg: str, mods: dict) -> bool:
+    """Whether ``node`` is an import statement naming a project module (``from a.b import c``: ``a.b.c``
+    or ``a.b``)."""
+    if isinstance(node, ast.ImportFrom):
+        base = import_base(node, pkg)
+        return base in mods or any(f"{base}.{a.name}" in mods for a in node.names)
+    if isinstance(node, ast.Import):
+        return any(a.name in mods for a in node.names)
+    return False
+
+
 def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
     """Module -> the project modules it imports (``from a.b import c`` counts ``a.b.c`` when that is
     a module, else ``a.b``), and the packages above each (their ``__init__`` runs first); package
@@ -51,10 +72,7 @@ def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
             if id(node) in skip:
                 continue
             if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                    base = ".".join(up + ([base] if base else []))
+                base = import_base(node, pkg)
                 for a in node.names:
                     full = f"{base}.{a.name}"
                     if full in mods:
@@ -228,17 +246,7 @@ def function_level_imports() -> list[tuple[str, int, str]]:
         for node in ast.walk(tree):
             if id(node) not in inside or id(node) in skip:
                 continue
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                    base = ".".join(up + ([base] if base else []))
-                hit = base in mods or any(f"{base}.{a.name}" in mods for a in node.names)
-            elif isinstance(node, ast.Import):
-                hit = any(a.name in mods for a in node.names)
-            else:
-                continue
-            if hit:
+            if imports_project(node, pkg, mods):
                 src = "\n".join(lines[node.lineno - 1: node.end_lineno])
                 out.append((str(p.relative_to(ROOT)), node.lineno, src))
     return out
