@@ -391,9 +391,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           f"{_fmt(roles['pipeline_cap'], '.2f')}x over K=0's {s0:.2f} s per step")
             if sp > roles["overlap_bound"]:
                 c0 = roles.get("rollout_cpu_s_per_step_k0")
-                con.print(f"above the overlap bound: R is the rollout's time per batch from a standing start; fed "
-                          f"continuously at K=2 it also hides the batch's tail (its last episodes' tool sleeps and "
-                          f"decode steps with few slots busy), so its seconds per batch fall below R"
+                con.print("above the overlap bound: R is the rollout's time per batch from a standing start; fed "
+                          "continuously at K=2 it also hides the batch's tail (its last episodes' tool sleeps and "
+                          "decode steps with few slots busy), so its seconds per batch fall below R"
                           + (f" (rollout CPU s per step K=0 {c0:.2f}, K=2 {roles['rollout_cpu_s_per_step']:.2f}: "
                              "the same work)" if c0 is not None and roles.get("rollout_cpu_s_per_step") else ""))
             con.print(f"bound by the {roles['bound_by']}")

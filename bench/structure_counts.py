@@ -51,7 +51,7 @@ def main(argv=None) -> int:
           + "".join(f"\n  {len(c)} modules: {', '.join(c)}" for c in found))
     sizes = sorted(((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in (ROOT / "jax_rl").rglob("*.py")),
                    reverse=True)
-    print(f"largest jax_rl modules (lines): " + ", ".join(f"{n} {p}" for n, p in sizes[: args.top]))
+    print("largest jax_rl modules (lines): " + ", ".join(f"{n} {p}" for n, p in sizes[: args.top]))
     print(f"jax_rl modules over 600 lines: {sum(1 for n, _ in sizes if n > 600)}")
     return 0
 
