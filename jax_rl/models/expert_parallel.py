@@ -285,7 +285,8 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
                         capacity_factor: float | None = None, valid: Array | None = None,
                         batch_axes: Sequence[str] | str | None = None,
-                        mesh=None, matmul: str = "ragged_dot", per_token: bool = False) -> tuple[Array, ...]:
+                        mesh=None, matmul: str = "ragged_dot", per_token: bool = False
+                        ) -> tuple[Array, Array, Array | None]:
     """Expert-parallel experts + combine of a MoE block (pure, jit-able; see the module doc):
     ``y[b,t] = sum_k w[b,t,k] * expert_{ids[b,t,k]}(x[b,t])``, the SwiGLU expert
     ``(silu(x @ wg[e]) * (x @ wu[e])) @ wd[e]``.
@@ -305,13 +306,14 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
       matmul: the local experts' grouped matmul, ``ragged_dot`` or ``megablox``
         (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
-      per_token: also return, third, each token's dropped copies int32 [B, T] (laid out like x's
-        tokens; the rollout engine's per-slot drop count). Default False: the program is unchanged.
+      per_token: fill the third output, each token's dropped copies int32 [B, T] (laid out like x's
+        tokens; the rollout engine's per-slot drop count). Default False: the program is unchanged
+        and the third output None (no flag changes the arity).
 
     Returns:
       (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: valid token copies
-      dropped for capacity over the whole batch, 0 when dropless) (+ per-token drops with
-      ``per_token``).
+      dropped for capacity over the whole batch, 0 when dropless; per-token drops [B, T] int32 with
+      ``per_token``, else None).
 
     Raises:
       ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
@@ -384,6 +386,5 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
     out = fn(to_chunks(x.reshape(B, T, D)), to_chunks(w.astype(x.dtype).reshape(B, T, k)),
              to_chunks(ids.astype(jnp.int32).reshape(B, T, k)), valid, wg, wu, wd)
     y = out[0].reshape(n_batch, n_chunks * chunk, D)[:, :n_local].reshape(B, T, D)
-    if per_token:
-        return y, out[1], out[2].reshape(n_batch, n_chunks * chunk)[:, :n_local].reshape(B, T)
-    return y, out[1]
+    tok_drops = out[2].reshape(n_batch, n_chunks * chunk)[:, :n_local].reshape(B, T) if per_token else None
+    return y, out[1], tok_drops

@@ -290,7 +290,7 @@ def test_moe_block_matches_reference(norm_topk_prob, dispatch):
     moe = MoE(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32, param_dtype=jnp.float32, dispatch=dispatch)
     moe.router[...] = moe.router[...] * 50  # make routing decisive (no near-ties)
     x = jax.random.normal(jax.random.key(2), (2, 5, cfg.hidden_size))
-    y, ids = moe(x)
+    y, ids, _ = moe(x)
     ref_y, ref_ids = _numpy_moe(moe, x, norm_topk_prob, 3)
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
     np.testing.assert_allclose(np.asarray(y), ref_y, atol=1e-5, rtol=1e-5)

@@ -392,8 +392,9 @@ class MoE(nnx.Module):
         return w, ids.astype(jnp.int32)
 
     def __call__(self, x: Array, forced_expert_ids: Array | None = None, valid: Array | None = None,
-                 return_dropped: bool = False, dropped_per_token: bool = False):
-        """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32).
+                 dropped_per_token: bool = False) -> tuple[Array, Array, Array]:
+        """x [B,T,D] -> (y [B,T,D] compute dtype, expert ids [B,T,k] int32, dropped), always three
+        (no flag changes the arity; an unused ``dropped`` costs nothing under jit).
 
         ``forced_expert_ids`` [B,T,k] int: use these experts instead of the top-k (routing
         replay); their router probabilities are the combine weights (renormalised over the k
@@ -403,7 +404,7 @@ class MoE(nnx.Module):
         ``valid`` [B,T] bool (e.g. the attention mask): on the EP path a False token (padding)
         takes no capacity slot and gets y = 0; the other paths ignore it unless they drop
         (``capacity_all_paths``: a False token takes no slot there either).
-        ``return_dropped``: also return, third, the int32 [] count of valid token copies dropped
+        ``dropped``: the int32 [] count of valid token copies dropped
         for capacity (``expert_parallel_moe``, or :func:`capacity_keep`; 0 on a dropless path);
         with ``dropped_per_token`` that count per token instead, int32 [B, T] (summed over the k
         copies; the rollout engine attributes its drops to its slots)."""
@@ -429,13 +430,13 @@ class MoE(nnx.Module):
             a = jax.nn.silu(g) * u * combine[..., None]
             y = jnp.einsum("btef,efd->btd", a, wd)
         elif expert_parallel_size() > 1:
-            y, dropped, *tok = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
+            y, dropped, tok = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
                                                    capacity_factor=self.capacity_factor, matmul=self.matmul,
                                                    per_token=dropped_per_token)
-            dropped = tok[0] if dropped_per_token else dropped
+            dropped = tok if dropped_per_token else dropped
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
-        return (y, ids, dropped) if return_dropped else (y, ids)
+        return y, ids, dropped
 
     @staticmethod
     def _ragged(x, w, ids, wg, wu, wd):
@@ -527,7 +528,7 @@ class DecoderLayer(nnx.Module):
         h = x + self.attn.out(checkpoint_name(attend_fn(q, k, v), "context")).astype(x.dtype)
         y = self.post_attention_layernorm(h)
         if self.is_moe:
-            y, ids, dropped = self.mlp(y, forced_expert_ids, valid=valid, return_dropped=True,
+            y, ids, dropped = self.mlp(y, forced_expert_ids, valid=valid,
                                        dropped_per_token=drops_per_token)
         else:
             y, ids, dropped = self.mlp(y), None, None
