@@ -1,5 +1,5 @@
-"""Shared by the bench scripts that run interleaved rounds: a figure's median with its range, and the
-JSON record file each run appends to (``--json``)."""
+"""Shared by the bench scripts: a figure's median with its range, the JSON record file each run appends to
+(``--json``), and :data:`SMALL_DIMS`, the ``small`` model size they measure beside the tiny preset."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import json
 import os
 import statistics
 from typing import Any, Sequence
+
+
+SMALL_DIMS = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 32}
+"""The benches' ``small`` Qwen3 (HF config names, over the ``tiny_dense`` preset; the vocabulary is each
+bench's own): where compute rather than dispatch dominates a step on the CPU."""
 
 
 def median_range(xs: Sequence[float]) -> tuple[float, float, float]:

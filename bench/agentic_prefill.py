@@ -39,12 +39,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # _record
 
-from _record import finish, median_range  # noqa: E402
+from _record import SMALL_DIMS, finish, median_range  # noqa: E402
 
 SIZES = {
     "tiny": {},
-    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
+    "small": SMALL_DIMS,
 }
 ARMS = {"keep_kv": dict(keep_kv=True, prefix_cache=4), "reprefill": dict(keep_kv=False, prefix_cache=4),
         "reprefill_nocache": dict(keep_kv=False, prefix_cache=0)}

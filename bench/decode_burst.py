@@ -40,12 +40,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # _record
 
-from _record import finish, median_range  # noqa: E402
+from _record import SMALL_DIMS, finish, median_range  # noqa: E402
 
 SIZES = {
     "tiny": {},
-    "small": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
+    "small": {"vocab_size": 1024, **SMALL_DIMS},
 }
 UNBOUNDED = 10**9
 

@@ -78,15 +78,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import _tunix  # noqa: E402
+from _record import SMALL_DIMS  # noqa: E402
 
 from jax_rl.config import Config  # noqa: E402
 from jax_rl.learner import Learner, resolve_model_config  # noqa: E402
 
 CONFIGS = {
     "tiny": {"preset": "tiny_dense", "hf_overrides": {}},
-    "small": {"preset": "tiny_dense", "hf_overrides": {
-        "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}},
+    "small": {"preset": "tiny_dense", "hf_overrides": {"vocab_size": 1024, **SMALL_DIMS}},
 }
 
 

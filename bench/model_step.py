@@ -26,11 +26,11 @@ from flax import nnx  # noqa: E402
 from jax_rl.logprobs import sequence_logprobs  # noqa: E402
 from jax_rl.models import qwen3 as q  # noqa: E402
 
+from _record import SMALL_DIMS  # noqa: E402  (bench/, the script's own directory)
+
 CONFIGS = {
     "tiny": {},
-    "small": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "head_dim": 32},
+    "small": {"vocab_size": 1024, **SMALL_DIMS},
 }
 
 

@@ -62,9 +62,9 @@ sys.path.insert(0, _HERE)
 import numpy as np  # noqa: E402
 
 import _tunix  # noqa: E402
+from _record import SMALL_DIMS  # noqa: E402
 
-SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+SMALL = {"vocab_size": 1024, **SMALL_DIMS}
 """The issue's reference Qwen3 (= ``bench/learner_step.py``'s ``small``)."""
 
 
