@@ -71,13 +71,21 @@ def saved_layer_layout(directory: str | Path, step: Optional[int] = None) -> Opt
     else:
         steps = [int(step)]
     for s in steps:
-        try:
-            meta = json.loads((directory / str(s) / "state" / "_METADATA").read_text())
-            paths = [[k["key"] for k in v["key_metadata"]] for v in meta["tree_metadata"].values()]
-        except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
-            continue
-        return _layers_layout_of_paths(paths)
+        paths = _saved_state_paths(directory, s)
+        if paths is not None:
+            return _layers_layout_of_paths(paths)
     return None
+
+
+def _saved_state_paths(directory: Path, step: int) -> Optional[list[list[str]]]:
+    """The key path of every leaf of a checkpoint's ``state`` item, read from its tree metadata (no
+    array is read); None when the metadata does not read (an unreadable step is reported by the
+    restore itself)."""
+    try:
+        meta = json.loads((Path(directory) / str(int(step)) / "state" / "_METADATA").read_text())
+        return [[k["key"] for k in v["key_metadata"]] for v in meta["tree_metadata"].values()]
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
 
 
 def _host_local_to_numpy(tree: Any) -> Any:
@@ -85,7 +93,6 @@ def _host_local_to_numpy(tree: Any) -> Any:
     if tree is None:
         return None
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, tree)
-
 
 
 STATE_KEYS = ("params", "opt_state", "version", "step")
@@ -98,11 +105,7 @@ has (name -> saved shape, dtype): :meth:`jax_rl.checkpoint.Checkpointer.restore`
 def saved_state_keys(directory: str | Path, step: int) -> set[str]:
     """The top-level keys of a checkpoint's ``state`` item, read from its tree metadata (no array is
     read); empty when the metadata does not read."""
-    try:
-        meta = json.loads((Path(directory) / str(int(step)) / "state" / "_METADATA").read_text())
-        return {v["key_metadata"][0]["key"] for v in meta["tree_metadata"].values() if v["key_metadata"]}
-    except Exception:  # noqa: BLE001 - an unreadable step is reported by the restore itself
-        return set()
+    return {p[0] for p in _saved_state_paths(Path(directory), step) or [] if p}
 
 
 def _key_name(k: Any) -> str:
