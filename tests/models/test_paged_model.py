@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
-from jax_rl.models.qwen3.paged import init_paged_cache, paged_decode_step, paged_extend
+from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
 
 TOL = 1e-5
 PS, M = 4, 6  # page size, pages per row: 24 positions
@@ -86,3 +86,19 @@ def test_paged_decode_writes_nothing_for_a_row_without_a_page():
     for layer in out.cache.kv:
         nz = np.argwhere(np.any(np.asarray(layer) != 0, axis=(2, 3)))
         assert [tuple(x) for x in nz] == [(3, 0)]
+
+
+def test_paged_decode_write_mask_and_copy_pages():
+    """``write`` False: the row's K/V are not written (an inactive engine slot); ``copy_pages``
+    copies whole pages in every layer and skips -1."""
+    model = Qwen3ForCausalLM(get_preset("tiny_dense"), rngs=nnx.Rngs(0))
+    pc = init_paged_cache(model, 2, num_pages=8, page_size=PS, max_pages=M)
+    pc = pc.replace(page_table=jnp.array([[3] + [-1] * (M - 1), [5] + [-1] * (M - 1)], jnp.int32))
+    step = _jit(model, lambda m, t, c, w: paged_decode_step(m, t, c, num_pages=1, write=w))
+    out = step(jnp.array([5, 6], jnp.int32), pc, jnp.array([True, False]))
+    for layer in out.cache.kv:
+        assert np.any(np.asarray(layer[3]) != 0) and not np.any(np.asarray(layer[5]) != 0)
+    cp = copy_pages(out.cache, jnp.array([3, 3]), jnp.array([6, -1]))
+    for a, b in zip(cp.kv, out.cache.kv):
+        np.testing.assert_array_equal(a[6], b[3])
+        np.testing.assert_array_equal(np.delete(np.asarray(a), 6, 0), np.delete(np.asarray(b), 6, 0))

@@ -26,7 +26,7 @@ from jax_rl.models.qwen3.outputs import ModelOutput
 
 Array = jax.Array
 
-__all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend"]
+__all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend", "copy_pages"]
 
 
 @flax.struct.dataclass
@@ -99,21 +99,22 @@ def _layer_ids(model) -> Any:
 def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: int | None = None,
                       forced_expert_ids=None, return_expert_ids: bool = False,
                       valid: Array | None = None, return_moe_drops: bool = False,
-                      backend: str | None = None) -> ModelOutput:
+                      write: Array | None = None, backend: str | None = None) -> ModelOutput:
     """One decode token per row: ``Qwen3ForCausalLM.decode_step`` on a :class:`PagedKVCache`.
 
     tokens [B] int32 goes to position ``cache.lengths[b]`` (its K/V written into the page the
     table names; a row without that page writes nothing) and attends to positions
     ``<= lengths[b]``; lengths += 1. ``num_pages`` (static): pages gathered per row on the XLA
     path, >= every row's ``ceil((lengths + 1) / page_size)`` (``page_bucket``; default all M).
-    ``valid`` [B] bool: the rows whose token takes MoE capacity and is written (None: all).
+    ``valid`` [B] bool: the rows whose token takes MoE capacity (None: all). ``write`` [B] bool: the
+    rows whose K/V are written (None: all; an engine's inactive slots write nothing).
     ``backend``: the attention path (``paged_attention``). Returns :class:`ModelOutput` (logits
     [B,V] f32, ``cache`` a :class:`PagedKVCache`; ``expert_ids`` / ``moe_drops`` as decode_step).
     """
     tokens = jnp.asarray(tokens)
     B = tokens.shape[0]
     pos = cache.lengths.astype(jnp.int32)
-    write_ok = jnp.ones((B, 1), bool) if valid is None else jnp.asarray(valid, bool)[:, None]
+    write_ok = jnp.ones((B, 1), bool) if write is None else jnp.asarray(write, bool)[:, None]
     ones = jnp.ones((B,), jnp.int32)
 
     def layer_attend(q, k, v, i, kv):
@@ -122,7 +123,7 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
         return o.astype(q.dtype), None, kv
 
     forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
-    mvalid = None if valid is None else write_ok
+    mvalid = None if valid is None else jnp.asarray(valid, bool)[:, None]
     t = model._trunk(model.embed(tokens[:, None]), pos[:, None], layer_attend, _layer_ids(model), forced,
                      carry=cache.kv, valid=mvalid, row_drops=return_moe_drops)
     return ModelOutput(logits=model.lm_logits(t.h)[:, 0], cache=cache.replace(kv=t.carry, lengths=pos + 1),
@@ -162,3 +163,19 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
     return ModelOutput(logits=model.lm_logits(t.h), cache=cache.replace(kv=t.carry, lengths=starts + lengths),
                        expert_ids=t.expert_ids if return_expert_ids else None,
                        moe_drops=model._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
+
+
+def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+    """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
+    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding)."""
+    src = jnp.maximum(jnp.asarray(src, jnp.int32), 0)
+    dst = jnp.asarray(dst, jnp.int32)
+    P = cache.num_pages
+    dst = jnp.where(dst < 0, P, dst)
+
+    def one(pool, lead=()):
+        return pool.at[(*lead, dst)].set(pool[(*lead, src)], mode="drop")
+
+    if isinstance(cache.kv, tuple):
+        return cache.replace(kv=tuple(one(p) for p in cache.kv))
+    return cache.replace(kv=cache.kv.at[:, dst].set(cache.kv[:, src], mode="drop"))
