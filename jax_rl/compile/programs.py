@@ -28,7 +28,7 @@ from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 from jax_rl.train_step import make_logprob_step, make_train_step
-from rollout.engine import _resolve_dtype
+from rollout.engine import resolve_dtype
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.learner_spec import LearnerSpec
@@ -322,7 +322,7 @@ def weight_sync_fn(abs_params, param_shardings, mesh, dtype: str):
     engine's params: float leaves cast to ``dtype`` (``rollout.dtype``, as
     :meth:`rollout.engine.Qwen3Engine.load_params` casts them), every leaf replicated on ``mesh``.
     Returns ``(fn, args)`` with ``args`` the ``ShapeDtypeStruct`` params (nothing allocated)."""
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     rep = NamedSharding(mesh, P())
 
     def cast(x, sh):  # in the learner's layout first, as load_params' eager astype: the gather moves rollout bytes
@@ -340,7 +340,7 @@ def cast_fn(abs_params, param_shardings, dtype: str):
     ``_cast_jit``): float leaves cast to ``dtype`` where the params are, in the learner's shardings; the
     shards then travel to the engine's devices by ``jax.device_put`` (a device-to-device copy over ICI, which
     no single program on one device set can express). Returns ``(fn, args)`` (nothing allocated)."""
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
 
     def cast(params):
         return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
@@ -393,7 +393,7 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
     log(f"weight_sync: {secs:.1f} s")
     row = _row(t, "weight_sync", a, secs, c, None, [n], 0.0, role="sync")
 
-    rdt = _resolve_dtype(dt)
+    rdt = resolve_dtype(dt)
     one = sum(int(x.size) * (jax.numpy.dtype(rdt).itemsize if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
                              else x.dtype.itemsize) for x in jax.tree.leaves(abs_params))
     per_dev = _devices_per_chip(t)

@@ -512,17 +512,17 @@ def test_windowed_append_prefill_equals_the_whole_cache_path(model, per_layer):
         return jax.tree.map(lambda x: x + 0 if isinstance(x, jax.Array) else x, st)  # fresh buffers
 
     windows: list = []
-    prog = eng._extend_slots_jit
+    prog = eng._jits["append_prefill"]
 
     def spy(*a, **k):
         windows.append(k.get("window"))
         return prog(*a, **k)
 
-    eng._extend_slots_jit = spy
+    eng._jits["append_prefill"] = spy
     try:
         st_w, res = eng.prefill_slots(eng.params, armed(), rows)
     finally:
-        eng._extend_slots_jit = prog
+        eng._jits["append_prefill"] = prog
     assert sorted(windows) == [32, 64, 128]  # each row's own window: 25, 48, 81 end positions
     assert [r.prefill_tokens for r in res] == [len(n) - 1 for n in new]
     # the reference: every row through the whole-cache program, one call (B rows, as before)
