@@ -1,4 +1,4 @@
-"""Host-side page pool of the paged K/V cache (issue 46): which sequence holds which pages.
+"""Host-side page pool of the paged K/V cache: which sequence holds which pages.
 
 One :class:`PagePool` per engine owns ``num_pages`` fixed-size pages (``page_size`` positions of
 every layer's K/V; the device pool is ``jax_rl.models.qwen3.paged.PagedKVCache``). Per sequence it
@@ -164,18 +164,18 @@ class PagePool:
             out.append(p)
         return out
 
-    def admit(self, seq_id, tokens, version: int, reserve: int = 0) -> int:
+    def admit(self, seq_id, tokens, version: int, reserve: int = 0, lookup: bool = True) -> int:
         """Start a sequence of prompt ``tokens`` at weight ``version``: reference the published
         pages of its leading full pages (no copy; ``kv_prefix_page_hits``) and allocate pages for
-        the rest of the prompt plus ``reserve`` more positions. Returns how many leading positions
-        already hold K/V (the prefill starts there).
+        the rest of the prompt plus ``reserve`` more positions (``lookup`` False: no shared pages).
+        Returns how many leading positions already hold K/V (the prefill starts there).
 
         Raises:
             ValueError: ``seq_id`` is already admitted.
             PoolExhausted: not enough pages (nothing is taken then)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
-        hits = self.lookup(tokens, version)
+        hits = self.lookup(tokens, version) if lookup else []
         need = self.pages_for(len(tokens) + reserve) - len(hits)
         cached_hits = sum(1 for p in hits if self.refs[p] == 0)
         if need > self.pages_available - cached_hits:

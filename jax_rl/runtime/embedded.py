@@ -421,11 +421,21 @@ class EmbeddedProducer:
             self._stall_reported = (stall, wait)
         return st
 
+    def _kv_columns(self) -> dict:
+        """The paged engines' K/V pool counters summed (``kv_pages_in_use``, ``kv_prefix_page_hits``,
+        ``kv_preemptions``, ...; rollout.kv_layout=paged only: none for contiguous engines)."""
+        out: dict = {}
+        for g in self.generators:
+            if getattr(g.engine, "kv_layout", "contiguous") == "paged":
+                for k, v in g.engine.kv_stats().items():
+                    out[k] = out.get(k, 0) + int(v)
+        return out
+
     def row(self) -> dict:
         return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
                 "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
                 "rollout_idle_frac": self.manager.rollout_idle_frac(), **self._scorer_columns(),
-                **self.weight_sync.row()}
+                **self.weight_sync.row(), **self._kv_columns()}
 
     def summary(self) -> dict:
         out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
