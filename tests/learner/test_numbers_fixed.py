@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 
 from tests.numbers_fixture import record_or_compare
 
