@@ -1,8 +1,10 @@
 """Every pin in pyproject.toml (the dependencies and every extra) installs on each Python that
 ``requires-python`` admits, checked from this host's Python 3.11 without the other interpreters.
 
-One resolve per Python version over the union of the dependencies and all the extras (their
-environment markers evaluated for that version on linux x86_64): ``pip install --dry-run
+``make test`` checks each pin alone (``--no-deps``: a wheel for the version; one pip call per version,
+over the dependencies and every extra, their environment markers evaluated for that version on linux
+x86_64); ``make test-slow`` resolves whole dependency trees (the dependencies with ``[gpu]`` and ``[tpu]``,
+then with every extra), which takes minutes against PyPI. Each is ``pip install --dry-run
 --ignore-installed --only-binary=:all: --python-version X.Y --target TMP --report`` (``--target``
 because pip takes ``--python-version`` only with it; nothing is installed, ``.venv`` is never touched).
 pip refuses sdists under ``--python-version``, so a dependency that PyPI ships only as an sdist is
@@ -11,8 +13,7 @@ version and joins the resolve through ``--find-links``; one with compiled code (
 ``pycosat==0.6.6`` has no wheel for any Python, 3.11 included) is built with that Python's own
 interpreter when this host has it (pyenv), else the test skips in one line naming it.
 
-Skips in one line when PyPI cannot be reached (a 3 s TCP probe). Measured on this 2-core host,
-both versions at once: see the report in docs/testing.md.
+Skips in one line when PyPI cannot be reached (a 3 s TCP probe). Times: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -164,10 +165,12 @@ def test_every_pin_has_a_wheel_on_312_and_313(tmp_path):
     _check(tmp_path, None, no_deps=True, timeout=300)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_runtime_and_platform_extras_resolve_on_312_and_313(tmp_path):
-    """What a user installs, ``jax-rl`` with ``[gpu]`` and ``[tpu]``: the whole dependency tree, wheels only."""
-    _check(tmp_path, ["gpu", "tpu"], no_deps=False, timeout=500)
+    """What a user installs, ``jax-rl`` with ``[gpu]`` and ``[tpu]``: the whole dependency tree, wheels only
+    (four resolves per version here, one per sdist-only dependency met: minutes, so ``slow``)."""
+    _check(tmp_path, ["gpu", "tpu"], no_deps=False, timeout=1500)
 
 
 @pytest.mark.slow
