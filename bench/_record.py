@@ -13,9 +13,19 @@ import statistics
 import sys
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: jax_rl
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+"""``--platform`` -> ``JAX_PLATFORMS`` (``gpu``: the CUDA plugin of the ``gpu`` extra)."""
 
-from jax_rl.chips import PLATFORMS, backend_report, chip_for  # noqa: E402  (imports no jax)
+
+def _chips():
+    """:mod:`jax_rl.chips`, imported when first needed: a bench that runs another source tree's jax_rl
+    (``bench/e2e_rl.py --src``) puts that tree on ``sys.path`` first; this checkout is only the fallback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.append(root)
+    from jax_rl import chips
+
+    return chips
 
 
 def select_platform(argv: Optional[Sequence[str]] = None, default: str = "cpu") -> str:
@@ -50,10 +60,11 @@ def environment(echo: bool = True) -> dict[str, Any]:
     """jax-rl / jax / jaxlib versions, the backend, its devices and the chip (:func:`jax_rl.chips.backend_report`)
     plus the chip's vendor peaks (``hbm_bandwidth`` bytes/s, ``peak_bf16_flops`` FLOP/s; None on a CPU or an
     unknown chip). ``echo``: also print it as one ``env:`` line. Put it in every record."""
-    rep = backend_report()
+    chips = _chips()
+    rep = chips.backend_report()
     spec = None
     if "error" not in rep and rep["devices"]:
-        spec = chip_for(rep["devices"][0]["kind"])
+        spec = chips.chip_for(rep["devices"][0]["kind"])
     rep["hbm_bandwidth"] = spec.hbm_bandwidth if spec else None
     rep["peak_bf16_flops"] = spec.peak_bf16_flops if spec else None
     if echo:

@@ -758,6 +758,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; size {a.size}; "
           f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
+    _src_path(src)  # the jax_rl of --src, as the workers import it
     env = environment()  # versions, backend, devices, chip: printed and in the record
     hf = out / "base" / "hf"
     hf_agentic = out / "base_agentic" / "hf"

@@ -23,13 +23,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 __all__ = ["ChipSpec", "CHIPS", "TPU_CHIPS", "GPU_CHIPS", "chip_for", "backend_report", "format_report",
-           "require_backend", "BackendUnavailable", "PLATFORMS"]
+           "require_backend", "BackendUnavailable"]
 
 GiB = 1 << 30
 GB = 10 ** 9
-
-PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
-"""``--platform`` of the benches -> ``JAX_PLATFORMS`` (``gpu``: the CUDA plugin of the ``gpu`` extra)."""
 
 
 @dataclasses.dataclass(frozen=True)
