@@ -12,7 +12,8 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   ``--new`` tokens per slot in ``generate_steps`` calls of ``--decode-steps`` (prefill and host
   work of the generator excluded; the cache holds zeros, which costs the same as real K/V). The
   roofline per step: all weights once (bf16, the tied LM head once) plus each slot's K/V up to its
-  current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/chips.py``); figures are decode-only tokens/s and % of it. Then the
+  current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/chips.py``);
+  figures are decode-only tokens/s and % of it. Then the
   end-to-end ``Generator`` figure (prefill included, ``bench/rollout_decode.py``'s runner, the
   engine's default layout) as the shared GPU harness measures it.
 - ``learner``: ``Learner.train_step`` (``ppo``, fp32 master, bf16 compute, scan_layers) at B=``--lb``,
