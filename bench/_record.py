@@ -69,7 +69,8 @@ def environment(echo: bool = True) -> dict[str, Any]:
     rep["peak_bf16_flops"] = spec.peak_bf16_flops if spec else None
     if echo:
         if "error" in rep:
-            print(f"env: jax-rl {rep['jax-rl']}, jax {rep['jax']}, jaxlib {rep['jaxlib']}; backend error: {rep['error']}")
+            print(f"env: jax-rl {rep['jax-rl']}, jax {rep['jax']}, jaxlib {rep['jaxlib']}; "
+                  f"backend error: {rep['error']}")
         else:
             kinds = sorted({d["kind"] for d in rep["devices"]})
             chip = (f"; chip {spec.name}: HBM {spec.hbm_bandwidth / 1e12:.2f} TB/s, bf16 "

@@ -246,7 +246,8 @@ def _learner_variant(variant: str) -> None:
     peak = st.get("peak_bytes_in_use", 0) / 2 ** 30
     beside = f" = MFU {flops / dt / A.peak_flops:.1%} of {A.peak_flops / 1e12:.0f}" if A.peak_flops else ""
     record("learner", f"Learner.train_step ppo attention={attention} remat={remat} B={B} T={T}: {dt:.4f} s/step "
-                      f"[{min(walls):.4f}-{max(walls):.4f}], {flops / dt / 1e12:.1f} TFLOP/s{beside}; peak mem {peak:.1f} GiB; "
+                      f"[{min(walls):.4f}-{max(walls):.4f}], {flops / dt / 1e12:.1f} TFLOP/s{beside}; "
+                      f"peak mem {peak:.1f} GiB; "
                       f"compile {compile_s:.1f}s", variant=variant, step_s=walls, flops=flops, peak_gib=peak)
 
 
@@ -276,7 +277,8 @@ def main(argv=None) -> int:
         _learner_variant(A.variant)
         return 0
     print(f"gpu_perf: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; decode roofline at "
-          f"{A.hbm_bw or 0:.3g} B/s, MFU against {A.peak_flops or 0:.3g} FLOP/s (0: none, not an accelerator)", flush=True)
+          f"{A.hbm_bw or 0:.3g} B/s, MFU against {A.peak_flops or 0:.3g} FLOP/s (0: none, not an accelerator)",
+          flush=True)
     parts = {"decode": part_decode, "learner": part_learner, "profile": part_profile}
     for name in A.parts:
         t0 = time.perf_counter()

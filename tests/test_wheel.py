@@ -28,7 +28,8 @@ _SKIP = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.egg-in
 
 def _run(cmd, cwd, env=None, timeout=600) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} exited {r.returncode}:\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (f"{' '.join(map(str, cmd))} exited {r.returncode}:\n{r.stdout[-1500:]}\n"
+                               f"{r.stderr[-3000:]}")
     return r
 
 
