@@ -39,7 +39,7 @@ from jax_rl.publish import Publisher
 from jax_rl.runtime import engines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
-from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
+from jax_rl.runtime.run_dir import delete_earlier_run, hold_run_dir_all, lock_run_dir, resolve_run_dir
 from jax_rl.sft import pad_examples, sft_examples
 from jax_rl.weight_sync import allgather_json
 from rollout.agent import AgentLoop
@@ -187,6 +187,25 @@ class RunContext:
                                     wandb=lg.wandb if wandb is None else wandb, is_primary=is_primary(),
                                     resume_step=resume_step)
         return self.writer
+
+    @staticmethod
+    def lock_what(cfg: Config) -> str:
+        """What a refused lock refuses, for its line: ``--resume``, ``--overwrite`` or a new run."""
+        return "--resume" if cfg.resume else "--overwrite" if cfg.run.overwrite else "a new run in it"
+
+    def hold(self, command: str) -> None:
+        """Take the run dir's lock before :meth:`materialize` writes (or deletes) anything: this process, or
+        in a multi-process run process 0 with the others checking it
+        (:func:`~jax_rl.runtime.run_dir.hold_run_dir_all`). Idempotent.
+
+        Raises:
+            RunDirHeldError: another live process holds it (nothing was changed)."""
+        if jax.process_count() > 1:
+            hold_run_dir_all(self.run_dir, command=command, what=self.lock_what(self.cfg),
+                             process_index=jax.process_index(), gather=lambda o: allgather_json(o, what="run-dir lock"))
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(self.run_dir, command=command, what=self.lock_what(self.cfg))
 
     def materialize(self) -> None:
         """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
