@@ -333,7 +333,8 @@ class RunContext:
         finally:
             agent.close()
         results = [
-            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g]}
+            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g],
+             "task": (g[0].info or {}).get("task_id", int(s)) if g else int(s)}  # tau²: its task id
             for s, g in zip(seeds, groups)
         ]
         summary = summarize_eval(results, cfg.eval.k)

@@ -146,3 +146,15 @@ def test_eval_seeds_disjoint_from_training():
         check_disjoint_seeds([3, 10, 11], 10)
     with pytest.raises(ValueError):
         eval_seeds(-1, 0)
+
+
+def test_eval_summary_counts_distinct_tasks_and_samples_per_task():
+    """Issue 48 item 2: the eval JSON says how many distinct tasks it covered and how many samples each:
+    two seeds that land on the same task (``task``) count once."""
+    s = summarize_eval([dict(env="tau2", task_seed=10, task="t1", rewards=[1.0, 0.0]),
+                        dict(env="tau2", task_seed=13, task="t1", rewards=[0.0, 0.0]),
+                        dict(env="tau2", task_seed=11, task="t2", rewards=[1.0, 1.0])], k=2)
+    assert s["num_tasks"] == 3 and s["num_distinct_tasks"] == 2 and s["samples_per_task"] == 2
+    s = summarize_eval([dict(env="calculator", task_seed=0, rewards=[1.0, 0.0]),
+                        dict(env="calculator", task_seed=1, rewards=[1.0, 0.0, 1.0, 1.0])], k=2)
+    assert s["num_distinct_tasks"] == 2 and s["samples_per_task"] == pytest.approx(3.0)  # unequal: the mean
