@@ -432,7 +432,7 @@ def _dispatch(args) -> int:
         if rd and isinstance(e, rd.RunDirHeldError):  # another live train / sft holds run.dir: exit 2, nothing touched
             print(f"jax-rl: error: {e}", file=sys.stderr)
             return 2
-        lrn = sys.modules.get("jax_rl.learner")
+        lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
         if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
             raise
