@@ -119,7 +119,8 @@ def test_summarize_eval_more_samples_than_k_and_k1():
     assert s["pass@2"] == pytest.approx(0.5) and s["avg@2"] == pytest.approx(0.25)
     s1 = summarize_eval([dict(env="e", task_seed=0, rewards=[1.0])], k=1)
     assert s1 == {"e/avg@1": 1.0, "e/pass@1": 1.0, "e/num_tasks": 1, "e/num_samples": 1,
-                  "avg@1": 1.0, "pass@1": 1.0, "num_tasks": 1, "num_samples": 1}
+                  "avg@1": 1.0, "pass@1": 1.0, "num_tasks": 1, "num_samples": 1, "num_distinct_tasks": 1,
+                  "samples_per_task": 1}
 
 
 @pytest.mark.parametrize(
