@@ -102,6 +102,11 @@ Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``pr
 ``kv_reused_tokens``, the eviction counters above, ``prefix_hits`` / ``prefix_misses``. Each ``Completion.info`` has its request's
 ``prefill_tokens``, ``kv_reused``, ``shared_prefill`` and ``prefix_hits``.
 
+Admission order (``rollout.admission``): requests with an ``order`` key are admitted by it, not by
+arrival, and a ``gang`` (a GRPO group's first requests) waits until all its members are queued (or
+withdrawn, :meth:`Generator.withdraw`) and is admitted in one step, so which requests share a prefill
+never depends on thread timing.
+
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
 """

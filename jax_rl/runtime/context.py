@@ -50,9 +50,10 @@ log = logging.getLogger("jax_rl.runtime")
 __all__ = ["RunContext", "StopFlag", "TIMING_KEYS", "start_of_run_lines", "signal_exit_code", "raise_if_disk_full",
            "resume_rl_step", "drop_newer_checkpoints", "is_primary"]
 
-# metrics that depend on wall-clock time or thread timing (excluded when comparing runs for reproducibility):
-# the engines' prefill work counters depend on which requests of a group reached the generator in the same
-# step (a group's shared prompt is prefilled once per admission batch), never the tokens or log-probs
+# metrics that depend on wall-clock time or thread timing (excluded when comparing runs for reproducibility).
+# The engines' prefill work counters (the first three) are reproducible since admission is deterministic
+# (rollout/admission.py; the K=0 resume test compares them); they stay here because the recorded-number
+# fixtures (tests/runtime/fixtures) predate them.
 TIMING_KEYS = ("prefill_tokens", "prefix_cache_hits", "episode_prefill_tokens_mean", "wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s",
                "publish_s", "old_logits_scorer_s_total", "weight_sync_s", "weight_sync_cast_s", "weight_sync_s_total",
                "weight_sync_cast_s_total", "rollout_idle_frac", "old_logits_stall_s", "old_logits_publish_wait_s",

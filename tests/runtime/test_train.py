@@ -164,7 +164,7 @@ def test_resume_k0_identical(tmp_path):
     assert all(r["staleness_max"] == 0 for r in ra + rb)
     assert all(r["buffer/dropped_stale"] == 0 for r in ra + rb)
     for x, y in zip(ra[2:4], rb[2:4]):
-        assert all(k in x for k in PREFILL_COUNTERS), sorted(x)
+        assert "prefill_tokens" in x and "prefix_cache_hits" in x  # (episode_prefill_tokens_mean: tau2 rows only)
         assert _strip(x) == _strip(y)
 
 
