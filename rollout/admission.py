@@ -1,4 +1,4 @@
-"""Deterministic admission to the :class:`rollout.generator.Generator` (issue 48): what reaches a step
+"""Deterministic admission to the :class:`rollout.generator.Generator`: what reaches a step
 must not depend on thread timing, or the prefill counters (``prefill_tokens``, ``prefix_hits``) of two
 identical runs differ.
 
@@ -79,7 +79,7 @@ def admission_sorted(queue: Iterable[Any]) -> collections.deque:
 def gang_fits(queue: Iterable[Any], head: Any, slots_available: int, max_slots: int) -> bool:
     """Whether the gang of ``head`` (the next request to admit) fits in ``slots_available`` slots now: its
     members still queued, all of them. A gang larger than the engine (``max_slots``) could never fit
-    whole: it is admitted piecewise, as before. Requests without a gang always fit."""
+    whole: it is admitted piecewise. Requests without a gang always fit."""
     key = getattr(head, "gang", None)
     if key is None:
         return True
