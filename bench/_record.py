@@ -1,12 +1,27 @@
-"""Shared by the bench scripts: a figure's median with its range, the JSON record file each run appends to
-(``--json``), and :data:`SMALL_DIMS`, the ``small`` model size they measure beside the tiny preset."""
+"""Shared by the bench scripts: their preamble, a figure's median with its range, the median time of a jitted
+call, the JSON record file each run appends to (``--json``), and :data:`SMALL_DIMS`, the ``small`` model size
+they measure beside the tiny preset.
+
+The preamble: a bench script's first project import is ``from _record import ...`` (``bench/`` is on
+``sys.path`` as the script's own directory, or by ``tests/bench_module.load_bench``); importing this module
+puts the repository root (:data:`ROOT`) first on ``sys.path``, so ``jax_rl`` and ``rollout`` come from the
+checkout the script sits in, not from an installed copy. It imports no jax (a script may set XLA flags first).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
-from typing import Any, Sequence
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (the bench scripts' checkout)."""
+if not sys.path or sys.path[0] != str(ROOT):
+    sys.path.insert(0, str(ROOT))
 
 
 SMALL_DIMS = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -18,6 +33,20 @@ bench's own): where compute rather than dispatch dominates a step on the CPU."""
 def median_range(xs: Sequence[float]) -> tuple[float, float, float]:
     """``(median, min, max)`` of one figure over the rounds."""
     return statistics.median(xs), min(xs), max(xs)
+
+
+def median_time(fn: Callable, *args: Any, reps: int = 3) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``reps`` calls, each waited for (``jax.block_until_ready``),
+    after one untimed call (compile, warm-up)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def append_record(path: str, rec: dict[str, Any]) -> None:

@@ -46,9 +46,7 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 import hlo_traffic as _ht  # noqa: E402
 

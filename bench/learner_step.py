@@ -68,17 +68,15 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import _tunix  # noqa: E402
-from _record import SMALL_DIMS  # noqa: E402
+from _record import SMALL_DIMS, median_time  # noqa: E402
 
 from jax_rl.config import Config  # noqa: E402
 from jax_rl.learner.learner import Learner, resolve_model_config  # noqa: E402
@@ -149,16 +147,6 @@ def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_lay
             "param_MB": param_bytes / 2**20, "mc": lrn.model_config, **extra}
 
 
-def _median_time(fn, *args, reps: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _time_ewma_update(lrn) -> float:
     """Seconds of the EWMA bookkeeping alone (reset select + bias-corrected update, jitted)."""
     from jax_rl.correction import proximal
@@ -167,7 +155,7 @@ def _time_ewma_update(lrn) -> float:
         ew, W = proximal.ewma_reset(ew, p, W < 0, W)
         return proximal.ewma_update(ew, p, 0.5, W)
 
-    return _median_time(jax.jit(f), lrn.state.correction.params, lrn.state.params, lrn.state.correction.count)
+    return median_time(jax.jit(f), lrn.state.correction.params, lrn.state.params, lrn.state.correction.count)
 
 
 def _time_model_fwd_bwd(lrn, b) -> float:
@@ -176,7 +164,7 @@ def _time_model_fwd_bwd(lrn, b) -> float:
     from jax_rl.learner.logprobs import sequence_logprobs
 
     f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am).logp)))
-    return _median_time(f, lrn.state.params)
+    return median_time(f, lrn.state.params)
 
 
 def bench_torch(mc, B: int, T: int, steps: int) -> dict:
