@@ -298,3 +298,21 @@ def test_no_module_over_600_lines():
     assert not over, f"modules over {MAX_LINES} lines (split them by concern): {over}"
     stale = sorted(p for p in OVER_MAX_LINES if sizes.get(p, 0) <= MAX_LINES)
     assert not stale, f"OVER_MAX_LINES names modules no longer over {MAX_LINES} lines: delete {stale}"
+
+
+def test_env_names_only_in_the_registry():
+    """No module outside ``rollout/envs/`` and the config (whose ``env.name`` choices and sections name them)
+    compares a value with an env's name (``env.name == "tau2"``): it asks the env's registry entry
+    (:data:`rollout.envs.ENVS`, :class:`rollout.envs.EnvSpec`) instead."""
+    from rollout.envs import ENVS
+
+    bad = []
+    for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):
+        rel = p.relative_to(ROOT).parts
+        if rel[:2] in (("rollout", "envs"), ("jax_rl", "config")):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in ENVS
+                                                     for c in [node.left, *node.comparators]):
+                bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "env names compared outside the registry:\n" + "\n".join(bad)
