@@ -17,7 +17,7 @@ from jax_rl.models.qwen3 import route_dtype
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig, Config
 
-__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "INERT_FILL", "inert", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
            "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages",
            "learner_batch"]
 
@@ -135,7 +135,9 @@ def seq_buckets(max_seq_len: int, buckets: Optional[Sequence[int]] = None) -> tu
 
 
 def bucket_len(T: int, buckets: Sequence[int]) -> int:
-    """The smallest of ``buckets`` (ascending, :func:`seq_buckets`) that holds ``T`` tokens.
+    """The smallest of ``buckets`` (ascending, :func:`seq_buckets`) that holds ``T`` tokens: the one rule for
+    the padded length of a batch, applied by :func:`collate`, the learner (a batch from elsewhere) and the
+    old-logit scorers, so they compile the same shapes.
 
     Raises:
         BatchError: ``T`` above the largest bucket (``optim.max_seq_len``).
@@ -144,6 +146,18 @@ def bucket_len(T: int, buckets: Sequence[int]) -> int:
         if b >= T:
             return int(b)
     raise BatchError(f"batch has T={T} > optim.max_seq_len={buckets[-1]} (over-long sequences)")
+
+
+INERT_FILL: dict[str, int] = {"versions": -1, "turn_ids": -1, "routes": -1}
+"""The value a padded position of a batch field holds when it is not 0: ``versions`` / ``turn_ids`` -1 (not
+generated, no turn), ``routes`` -1 (no recorded expert); ``tokens`` take the tokenizer's ``pad_id``
+(:func:`inert`). Every other field pads with 0 / False (no attention, no loss, no advantage)."""
+
+
+def inert(field: str, pad_id: int = 0) -> int:
+    """The padding value of batch field ``field`` (:data:`INERT_FILL`; ``pad_id`` for ``tokens``; 0 else): what
+    :func:`collate`, :func:`pad_len` and :func:`pad_rows` write where there is no token."""
+    return pad_id if field == "tokens" else INERT_FILL.get(field, 0)
 
 
 def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -160,8 +174,7 @@ def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, 
         raise BatchError(f"pad_len: batch has T={T0} columns, more than the {T} asked for")
     if T == T0:
         return batch
-    fill = {"tokens": pad_id, "versions": -1, "turn_ids": -1, "routes": -1}
-    return {k: np.pad(v, ((0, 0), (0, T - T0)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=fill.get(k, 0))
+    return {k: np.pad(v, ((0, 0), (0, T - T0)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=inert(k, pad_id))
             for k, v in batch.items()}
 
 
@@ -196,8 +209,7 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> dict[s
     out = {}
     for k, a in batch.items():
         a = np.asarray(a)
-        fill = -1 if k in ("versions", "turn_ids", "routes") else (pad_id if k == "tokens" else 0)
-        extra = np.full((n,) + a.shape[1:], fill, a.dtype)
+        extra = np.full((n,) + a.shape[1:], inert(k, pad_id), a.dtype)
         if k == "attention_mask":
             extra[:, 0] = True
         out[k] = np.concatenate([a, extra])
@@ -208,7 +220,7 @@ def collate(
     trajectories: Sequence[Any],
     advantages_per_traj: Sequence[Any],
     max_seq_len: int,
-    pad_to_multiple: int = 16,
+    buckets: Optional[Sequence[int]] = None,
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
     """Right-pad trajectories into a learner batch.
@@ -220,9 +232,9 @@ def collate(
         advantages_per_traj: one float per trajectory (broadcast over its tokens) or an
             array [T_i] per trajectory.
         max_seq_len: longest accepted trajectory (``optim.max_seq_len``).
-        pad_to_multiple: T is the longest length rounded up to this multiple (a bucket, so
-            fewer distinct shapes are compiled), capped at ``max_seq_len``.
-        pad_id: token id written in padding (masked out everywhere).
+        buckets: ``optim.seq_len_buckets``: T is the smallest of :func:`seq_buckets` that holds the longest
+            trajectory (:func:`bucket_len`; few distinct shapes are compiled, the learner's own).
+        pad_id: token id written in padding (masked out everywhere; :func:`inert`).
 
     Returns:
         dict of numpy arrays [B, T]: tokens int32, attention_mask bool, loss_mask bool,
@@ -253,24 +265,17 @@ def collate(
             f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
             "raise optim.max_seq_len or cap rollout.max_cache_len"
         )
-    m = max(1, int(pad_to_multiple))
-    T = min(max_seq_len, -(-max(lens) // m) * m)
+    T = bucket_len(max(lens), seq_buckets(max_seq_len, buckets))
     B = len(trajectories)
-    out = {
-        "tokens": np.full((B, T), pad_id, np.int32),
-        "attention_mask": np.zeros((B, T), bool),
-        "loss_mask": np.zeros((B, T), bool),
-        "behav_logp": np.zeros((B, T), np.float32),
-        "versions": np.full((B, T), -1, np.int32),
-        "turn_ids": np.full((B, T), -1, np.int32),
-        "advantages": np.zeros((B, T), np.float32),
-    }
+    dtypes = {"tokens": np.int32, "attention_mask": bool, "loss_mask": bool, "behav_logp": np.float32,
+              "versions": np.int32, "turn_ids": np.int32, "advantages": np.float32}
+    out = {k: np.full((B, T), inert(k, pad_id), dt) for k, dt in dtypes.items()}
     olds = [(t.get("old_logp") if isinstance(t, Mapping) else getattr(t, "old_logp", None)) for t in trajectories]
     if any(o is not None for o in olds):
         if any(o is None for o in olds):
             raise BatchError(f"{sum(o is None for o in olds)} of {B} trajectories carry no old_logp while the others "
                              "do; a batch's exact old log-probs must come from one route")
-        out["old_logp"] = np.zeros((B, T), np.float32)
+        out["old_logp"] = np.full((B, T), inert("old_logp"), np.float32)
         for b, o in enumerate(olds):
             a = np.asarray(o, np.float32)
             if a.shape != (lens[b],):
@@ -285,7 +290,7 @@ def collate(
         if len(tails) != 1 or len(next(iter(tails))) != 2:
             raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
         dt = np.result_type(*[np.asarray(r).dtype for r in rts])
-        out["routes"] = np.full((B, T, *next(iter(tails))), -1, dt)
+        out["routes"] = np.full((B, T, *next(iter(tails))), inert("routes"), dt)
         for b, r in enumerate(rts):
             if np.shape(r)[0] != lens[b]:
                 raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
@@ -459,7 +464,7 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, 
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = group_advantages(cfg.algo, groups)
     trajs = [t for g in groups for t in g]
-    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
+    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, cfg.optim.seq_len_buckets, pad_id=pad_id)
     if rows is None:  # multi-process: this process's share
         rows = cfg.optim.batch_size // cfg.algo.group_size // jax.process_count() * cfg.algo.group_size
     if len(trajs) < rows:
