@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     if a.backend == "tpu":
         from jax_rl import tpu
 
-        tpu._quiet_libtpu_env(tpu.resolve_topology(a.topology))
+        tpu.quiet_libtpu_env(tpu.resolve_topology(a.topology))
     cfg = get_preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
     itemsize = 2 if a.dtype in ("bfloat16", "bf16") else 4
     live = a.live or a.cache

@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     import jax
 
     from jax_rl.models import hf_io
-    from rollout.serve import _config_and_params
+    from rollout.serve import config_and_params
 
     cfg = _config(a.preset)
     tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         hf = _checkpoint(cfg, d, use_hf=not a.no_hf)
         ours_model, _ = hf_io.load_pretrained(d, scan_layers=scan)
-        _, params = _config_and_params(ours_model)
+        _, params = config_and_params(ours_model)
         tmodel = None
         if tunix_err is None:
             tmodel = _tunix.load_model(d, cfg, a.tunix_dtype)
