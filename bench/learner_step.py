@@ -65,6 +65,7 @@ import argparse
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -299,16 +300,17 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
     print(f"{name:10} load after: {_tunix.machine_load()}\n")
 
 
-def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[dict]:
+def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[SimpleNamespace]:
     """B trajectories of a prompt of ``prompt`` tokens plus generated ones, the longest ``longest``
     tokens (as the runtime hands :func:`jax_rl.learner.batch.collate`)."""
     out = []
     for i in range(B):
         n = longest if i == 0 else int(rng.integers(min(prompt + 1, longest), longest + 1))
         lm = np.arange(n) >= min(prompt, n - 1)
-        out.append({"tokens": rng.integers(1, V, n).astype(np.int32), "loss_mask": lm,
-                    "behav_logp": np.where(lm, -np.log(V), 0.0).astype(np.float32),
-                    "versions": np.where(lm, 0, -1).astype(np.int32), "turn_ids": np.where(lm, 0, -1).astype(np.int32)})
+        out.append(SimpleNamespace(tokens=rng.integers(1, V, n).astype(np.int32), loss_mask=lm,
+                                   behav_logp=np.where(lm, -np.log(V), 0.0).astype(np.float32),
+                                   versions=np.where(lm, 0, -1).astype(np.int32),
+                                   turn_ids=np.where(lm, 0, -1).astype(np.int32)))
     return out
 
 
@@ -325,7 +327,7 @@ def bench_fixed_cost(steps: int, lens: tuple[int, int], B: int, max_seq_len: int
     for i in range(steps):
         trajs = _rl_trajectories(rng, V, B, int(rng.integers(lens[0], lens[1] + 1)))
         for t in trajs:
-            t["versions"] = np.where(t["loss_mask"], lrn.version, -1).astype(np.int32)
+            t.versions = np.where(t.loss_mask, lrn.version, -1).astype(np.int32)
         adv = rng.normal(size=B).astype(np.float32)
         b = collate(trajs, adv, cfg.optim.max_seq_len)
         m = lrn.train_step(b)

@@ -11,6 +11,7 @@ import flax
 import jax
 import numpy as np
 
+from jax_rl.errors import BatchError
 from jax_rl.learner.advantages import compute_advantages
 from jax_rl.models.qwen3 import route_dtype
 
@@ -20,10 +21,6 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "INERT_FILL", "inert", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
            "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages",
            "learner_batch"]
-
-
-class BatchError(ValueError):
-    """A malformed learner batch: missing field, wrong shape/dtype, too long, bad masks."""
 
 
 @flax.struct.dataclass
@@ -226,7 +223,7 @@ def collate(
     """Right-pad trajectories into a learner batch.
 
     Args:
-        trajectories: objects (or dicts) with ``tokens`` int [T_i], ``loss_mask`` bool [T_i],
+        trajectories: objects with the attributes ``tokens`` int [T_i], ``loss_mask`` bool [T_i],
             ``behav_logp`` float [T_i], ``versions`` int [T_i], ``turn_ids`` int [T_i]
             (``rollout.types.Trajectory``).
         advantages_per_traj: one float per trajectory (broadcast over its tokens) or an
@@ -248,69 +245,94 @@ def collate(
             ``old_logp`` or ``routes`` on some trajectories but not all, routes of different
             shapes.
     """
+    lens = _lengths(trajectories, advantages_per_traj, max_seq_len)
+    T = bucket_len(max(lens), seq_buckets(max_seq_len, buckets))
+    B = len(trajectories)
+    out = {k: np.full((B, T), inert(k, pad_id), dt) for k, dt in _COLLATED.items()}
+    old_logp = _optional_field(trajectories, "old_logp", "; a batch's exact old log-probs must come from one route")
+    if old_logp is not None:
+        out["old_logp"] = _old_logp_rows(old_logp, lens, T)
+    routes = _optional_field(trajectories, "routes",
+                             " (moe.routing_replay records them for every trajectory of a run)")
+    if routes is not None:
+        out["routes"] = _route_rows(routes, lens, T)
+    for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
+        _fill_row(out, b, t, adv, lens[b])
+    return out
+
+
+_COLLATED = {"tokens": np.int32, "attention_mask": bool, "loss_mask": bool, "behav_logp": np.float32,
+             "versions": np.int32, "turn_ids": np.int32, "advantages": np.float32}
+"""The fields :func:`collate` always writes, with their dtypes."""
+
+
+def _lengths(trajectories: Sequence[Any], advantages_per_traj: Sequence[Any], max_seq_len: int) -> list[int]:
+    """Each trajectory's token count, checked: some trajectories, one advantage each, none over ``max_seq_len``."""
     if len(trajectories) == 0:
         raise BatchError("collate got no trajectories")
     if len(advantages_per_traj) != len(trajectories):
-        raise BatchError(
-            f"collate got {len(trajectories)} trajectories but {len(advantages_per_traj)} advantages"
-        )
-
-    def get(t, k):
-        return t[k] if isinstance(t, Mapping) else getattr(t, k)
-
-    lens = [len(get(t, "tokens")) for t in trajectories]
+        raise BatchError(f"collate got {len(trajectories)} trajectories but {len(advantages_per_traj)} advantages")
+    bad = [i for i, t in enumerate(trajectories) if not hasattr(t, "tokens")]
+    if bad:
+        raise BatchError(f"collate takes trajectories (rollout.types.Trajectory: attributes tokens, loss_mask, ...); "
+                         f"item {bad[0]} is a {type(trajectories[bad[0]]).__name__}")
+    lens = [len(t.tokens) for t in trajectories]
     if max(lens) > max_seq_len:
         i = int(np.argmax(lens))
-        raise BatchError(
-            f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
-            "raise optim.max_seq_len or cap rollout.max_cache_len"
-        )
-    T = bucket_len(max(lens), seq_buckets(max_seq_len, buckets))
-    B = len(trajectories)
-    dtypes = {"tokens": np.int32, "attention_mask": bool, "loss_mask": bool, "behav_logp": np.float32,
-              "versions": np.int32, "turn_ids": np.int32, "advantages": np.float32}
-    out = {k: np.full((B, T), inert(k, pad_id), dt) for k, dt in dtypes.items()}
-    olds = [(t.get("old_logp") if isinstance(t, Mapping) else getattr(t, "old_logp", None)) for t in trajectories]
-    if any(o is not None for o in olds):
-        if any(o is None for o in olds):
-            raise BatchError(f"{sum(o is None for o in olds)} of {B} trajectories carry no old_logp while the others "
-                             "do; a batch's exact old log-probs must come from one route")
-        out["old_logp"] = np.full((B, T), inert("old_logp"), np.float32)
-        for b, o in enumerate(olds):
-            a = np.asarray(o, np.float32)
-            if a.shape != (lens[b],):
-                raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
-            out["old_logp"][b, :lens[b]] = a
-    rts = [(t.get("routes") if isinstance(t, Mapping) else getattr(t, "routes", None)) for t in trajectories]
-    if any(r is not None for r in rts):
-        if any(r is None for r in rts):
-            raise BatchError(f"{sum(r is None for r in rts)} of {B} trajectories carry no routes while the others do "
-                             "(moe.routing_replay records them for every trajectory of a run)")
-        tails = {np.shape(r)[1:] for r in rts}
-        if len(tails) != 1 or len(next(iter(tails))) != 2:
-            raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
-        dt = np.result_type(*[np.asarray(r).dtype for r in rts])
-        out["routes"] = np.full((B, T, *next(iter(tails))), inert("routes"), dt)
-        for b, r in enumerate(rts):
-            if np.shape(r)[0] != lens[b]:
-                raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
-            out["routes"][b, :lens[b]] = r
-    for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
-        n = lens[b]
-        for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
-            a = np.asarray(get(t, k))
-            if a.shape != (n,):
-                raise BatchError(f"trajectory {b}: field {k} has shape {a.shape}, tokens has ({n},)")
-            out[k][b, :n] = a
-        out["attention_mask"][b, :n] = True
-        a = np.asarray(adv, np.float32)
-        if a.ndim == 0:
-            out["advantages"][b, :n] = a
-        elif a.shape == (n,):
-            out["advantages"][b, :n] = a
-        else:
-            raise BatchError(f"trajectory {b}: advantages shape {a.shape}; expected a scalar or ({n},)")
+        raise BatchError(f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
+                         "raise optim.max_seq_len or cap rollout.max_cache_len")
+    return lens
+
+
+def _optional_field(trajectories: Sequence[Any], k: str, why: str) -> Optional[list[Any]]:
+    """Each trajectory's ``k`` (``old_logp`` / ``routes``) when they all carry one, None when none does.
+
+    Raises:
+        BatchError: some carry it and others not (the message ends with ``why``)."""
+    vals = [getattr(t, k, None) for t in trajectories]
+    if all(v is None for v in vals):
+        return None
+    missing = sum(v is None for v in vals)
+    if missing:
+        raise BatchError(f"{missing} of {len(vals)} trajectories carry no {k} while the others do{why}")
+    return vals
+
+
+def _old_logp_rows(olds: list[Any], lens: list[int], T: int) -> np.ndarray:
+    out = np.full((len(olds), T), inert("old_logp"), np.float32)
+    for b, o in enumerate(olds):
+        a = np.asarray(o, np.float32)
+        if a.shape != (lens[b],):
+            raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
+        out[b, :lens[b]] = a
     return out
+
+
+def _route_rows(rts: list[Any], lens: list[int], T: int) -> np.ndarray:
+    tails = {np.shape(r)[1:] for r in rts}
+    if len(tails) != 1 or len(next(iter(tails))) != 2:
+        raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
+    dt = np.result_type(*[np.asarray(r).dtype for r in rts])
+    out = np.full((len(rts), T, *next(iter(tails))), inert("routes"), dt)
+    for b, r in enumerate(rts):
+        if np.shape(r)[0] != lens[b]:
+            raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
+        out[b, :lens[b]] = r
+    return out
+
+
+def _fill_row(out: dict[str, np.ndarray], b: int, t: Any, adv: Any, n: int) -> None:
+    """Row ``b`` of ``out``: trajectory ``t``'s ``n`` tokens and its advantage (a scalar broadcast, or one per token)."""
+    for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
+        a = np.asarray(getattr(t, k))
+        if a.shape != (n,):
+            raise BatchError(f"trajectory {b}: field {k} has shape {a.shape}, tokens has ({n},)")
+        out[k][b, :n] = a
+    out["attention_mask"][b, :n] = True
+    a = np.asarray(adv, np.float32)
+    if a.ndim != 0 and a.shape != (n,):
+        raise BatchError(f"trajectory {b}: advantages shape {a.shape}; expected a scalar or ({n},)")
+    out["advantages"][b, :n] = a
 
 
 def validate_batch(

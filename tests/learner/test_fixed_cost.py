@@ -78,6 +78,12 @@ def test_collate_pads_by_the_learners_bucket(n, buckets, want):
     assert pad_len(b, want) is b
 
 
+def test_collate_takes_trajectories_only():
+    t = _Traj(5)
+    with pytest.raises(BatchError, match="item 1 is a dict"):
+        collate([t, dict(vars(t))], [0.0, 0.0], 32)
+
+
 def test_collate_pad_len_and_pad_rows_fill_alike():
     """The inert-fill table is one: a row padded by collate, a column by pad_len and a row by pad_rows hold the
     same values in every field (attention_mask's one True at position 0 of an added row aside)."""
