@@ -316,3 +316,68 @@ def test_env_names_only_in_the_registry():
                                                      for c in [node.left, *node.comparators]):
                 bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "env names compared outside the registry:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------------ bench/
+# bench/'s scripts follow the package rules too (issue 49 item 6): 600 lines a module, 80 a function, no
+# private name imported from jax_rl / rollout. (No upward-import rule: nothing imports a bench script.) The
+# ceilings below name what is still over; lower one when a change shrinks it, delete it when it is back under.
+BENCH_OVER_MAX_LINES: dict[str, int] = {"bench/paper_repro.py": 1440, "bench/e2e_rl.py": 914}
+BENCH_MAX_FUNCTION_LINES = 80
+BENCH_LONG_FUNCTIONS: dict[str, int] = {"bench/paper_repro.py:build_doc": 286, "bench/async_speedup.py:main": 199,
+                                        "bench/e2e_rl.py:main": 153, "bench/old_logits_cost.py:main": 105,
+                                        "bench/rollout_decode.py:main": 99}
+
+
+def _bench_files() -> list[Path]:
+    return sorted((ROOT / "bench").glob("*.py"))
+
+
+def bench_long_functions(files: list[Path], limit: int = BENCH_MAX_FUNCTION_LINES, root: Path = ROOT) -> dict[str, int]:
+    """``{"path:name": lines}`` of each function (nested ones too, each counted whole) over ``limit`` lines."""
+    return {f"{p.relative_to(root)}:{n.name}": n.end_lineno - n.lineno + 1
+            for p in files for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit}
+
+
+def bench_private_imports(files: list[Path], root: Path = ROOT) -> list[str]:
+    """``path:line: module._name`` of each ``from jax_rl... / rollout... import _name`` in ``files``."""
+    out = []
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("jax_rl", "rollout")
+                    and node.level == 0):
+                out += [f"{p.relative_to(root)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_bench_rule_finders(tmp_path):
+    """The finders see a long function and a private project import, and nothing else."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(6))
+    f = tmp_path / "b.py"
+    f.write_text(f"from jax_rl.tpu import _analysis, CHIPS\nfrom _record import ROOT\n\n\ndef g():\n{body}\n\ndef h():\n    pass\n")
+    assert bench_long_functions([f], limit=5, root=tmp_path) == {"b.py:g": 7}
+    assert bench_private_imports([f], root=tmp_path) == ["b.py:1: jax_rl.tpu._analysis"]
+
+
+def test_bench_modules_under_600_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _bench_files()}
+    over = {p: n for p, n in sizes.items() if n > max(MAX_LINES, BENCH_OVER_MAX_LINES.get(p, 0))}
+    assert not over, f"bench scripts over {MAX_LINES} lines (split them): {over}"
+    stale = sorted(p for p in BENCH_OVER_MAX_LINES if sizes.get(p, 0) <= MAX_LINES)
+    assert not stale, f"BENCH_OVER_MAX_LINES names scripts no longer over {MAX_LINES} lines: delete {stale}"
+
+
+def test_bench_functions_under_80_lines():
+    found = bench_long_functions(_bench_files())
+    over = {f: n for f, n in found.items() if n > BENCH_LONG_FUNCTIONS.get(f, BENCH_MAX_FUNCTION_LINES)}
+    assert not over, f"bench functions over {BENCH_MAX_FUNCTION_LINES} lines (split them into named steps): {over}"
+    stale = sorted(f for f in BENCH_LONG_FUNCTIONS if f not in found)
+    assert not stale, f"BENCH_LONG_FUNCTIONS names functions no longer over {BENCH_MAX_FUNCTION_LINES} lines: {stale}"
+
+
+def test_bench_imports_no_private_project_name():
+    """A bench script uses jax_rl's and rollout's public names only (what it needs is made public)."""
+    found = bench_private_imports(_bench_files())
+    assert not found, "private project names imported by bench/:\n" + "\n".join(found)
