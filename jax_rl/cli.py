@@ -2,7 +2,8 @@
 
 Each subcommand has ``--help``. Exit codes: 0 done; 1 a failed run (e.g. the disk filled up:
 one line naming the run dir and the bytes needed); 2 a config error or a bad input (missing
-path, incompatible or corrupt checkpoint: one line naming the culprit); 128 + signal number
+path, incompatible or corrupt checkpoint, a run dir another live ``train`` / ``sft`` holds: one
+line naming the culprit); 128 + signal number
 (130 Ctrl-C, 143 SIGTERM) for a run stopped by a signal after its checkpoint.
 """
 
@@ -427,6 +428,10 @@ def _dispatch(args) -> int:
               "pip install -e . with the extras the command needs)", file=sys.stderr)
         return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
+        rd = sys.modules.get("jax_rl.runtime.run_dir")
+        if rd and isinstance(e, rd.RunDirHeldError):  # another live train / sft holds run.dir: exit 2, nothing touched
+            print(f"jax-rl: error: {e}", file=sys.stderr)
+            return 2
         lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
         if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):

