@@ -1,10 +1,10 @@
 """TPU facts and ahead-of-time compilation for a TPU topology from a CPU host.
 
-Three parts, a module each (this package re-exports their public names):
+Three parts (this package re-exports their public names):
 
-* ``CHIPS`` (``chips.py``): per-chip figures of the Cloud TPU generations (HBM bytes, peak bf16 FLOP/s, HBM
-  bandwidth, bidirectional ICI bandwidth), as published on Google Cloud's TPU pages (sources in ``ChipSpec.source``). They
-  are the vendor's peak figures, for roofline estimates, not measurements.
+* ``CHIPS``: the TPU part of :data:`jax_rl.chips.CHIPS` (per-chip HBM bytes, peak bf16 FLOP/s, HBM
+  bandwidth, bidirectional ICI bandwidth, as published on Google Cloud's TPU pages; sources in
+  ``ChipSpec.source``). Vendor peak figures, for roofline estimates, not measurements.
 * ``resolve_topology`` (``topology.py``): a Cloud TPU type (``v5e-8``, ``v5litepod-8``, ``v5p-8``, ``v5p-64``,
   ``v6e-8``, ``v4-16``) or a raw topology name (``v5p:4x4x4``) -> the arguments of
   ``jax.experimental.topologies.get_topology_desc``. Cloud names count TensorCores for v4 and
@@ -22,11 +22,11 @@ Three parts, a module each (this package re-exports their public names):
 """
 
 from jax_rl.tpu.analysis import HBM_SIDE_OPTIONS, program_analysis
-from jax_rl.tpu.chips import CHIPS, GB, GiB, ChipSpec
+from jax_rl.chips import GB, ChipSpec
 from jax_rl.tpu.rollout import compile_rollout
-from jax_rl.tpu.topology import (TopologySpec, cpu_unless_tpu_present, get_topology, libtpu_available, quiet_libtpu_env,
+from jax_rl.tpu.topology import (CHIPS, TopologySpec, cpu_unless_tpu_present, get_topology, libtpu_available, quiet_libtpu_env,
                                  no_persistent_cache, resolve_topology)
 
-__all__ = ["ChipSpec", "CHIPS", "GB", "GiB", "TopologySpec", "resolve_topology", "get_topology", "compile_rollout",
+__all__ = ["ChipSpec", "CHIPS", "GB", "TopologySpec", "resolve_topology", "get_topology", "compile_rollout",
            "cpu_unless_tpu_present", "libtpu_available", "quiet_libtpu_env", "no_persistent_cache", "program_analysis",
            "HBM_SIDE_OPTIONS"]

@@ -19,9 +19,15 @@ import math
 import os
 import re
 
-from jax_rl.tpu.chips import ALIASES as _ALIASES, CHIPS, TORUS_3D as _3D, ChipSpec
+from jax_rl.chips import TPU_CHIPS, ChipSpec
 
-__all__ = ["TopologySpec", "resolve_topology", "get_topology", "cpu_unless_tpu_present", "libtpu_available", "quiet_libtpu_env",
+CHIPS: dict[str, ChipSpec] = TPU_CHIPS
+"""The TPU generations of :data:`jax_rl.chips.CHIPS` (the one chip table; the figures and their sources are there)."""
+
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
+_3D = ("v4", "v5p")  # 3-D torus generations (topology AxBxC)
+
+__all__ = ["CHIPS", "TopologySpec", "resolve_topology", "get_topology", "cpu_unless_tpu_present", "libtpu_available", "quiet_libtpu_env",
            "no_persistent_cache"]
 
 
