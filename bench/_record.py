@@ -1,9 +1,17 @@
-"""Shared by the bench scripts: a figure's median with its range, the JSON record file each run appends to
+"""Shared by the bench scripts: their preamble, a figure's median with its range, the median time of a jitted call,
+the JSON record file each run appends to
 (``--json``), :data:`SMALL_DIMS`, the ``small`` model size they measure beside the tiny preset, and the
 platform preamble: ``--platform cpu|gpu|tpu`` chosen before jax is imported (:func:`select_platform`,
 :func:`add_platform_arg`), the versions and devices printed and put in every record
 (:func:`environment`), and the figure beside its roofline from the one chip table,
-:data:`jax_rl.chips.CHIPS` (:func:`decode_roofline`, :func:`mfu`)."""
+:data:`jax_rl.chips.CHIPS` (:func:`decode_roofline`, :func:`mfu`).
+
+The preamble: a bench script's first project import is ``from _record import ...`` (``bench/`` is on
+``sys.path`` as the script's own directory, or by ``tests/bench_module.load_bench``); importing this module
+puts the repository root (:data:`ROOT`) first on ``sys.path``, so ``jax_rl`` and ``rollout`` come from the
+checkout the script sits in, not from an installed copy (``bench/e2e_rl.py --src`` puts its other tree ahead
+of it later, before it imports jax_rl). It imports no jax (a script chooses the platform first).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,14 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Optional, Sequence
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (the bench scripts' checkout)."""
+if not sys.path or sys.path[0] != str(ROOT):
+    sys.path.insert(0, str(ROOT))
 
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 """``--platform`` -> ``JAX_PLATFORMS`` (``gpu``: the CUDA plugin of the ``gpu`` extra)."""
@@ -104,6 +119,20 @@ bench's own): where compute rather than dispatch dominates a step on the CPU."""
 def median_range(xs: Sequence[float]) -> tuple[float, float, float]:
     """``(median, min, max)`` of one figure over the rounds."""
     return statistics.median(xs), min(xs), max(xs)
+
+
+def median_time(fn: Callable, *args: Any, reps: int = 3) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``reps`` calls, each waited for (``jax.block_until_ready``),
+    after one untimed call (compile, warm-up)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def append_record(path: str, rec: dict[str, Any]) -> None:

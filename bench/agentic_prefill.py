@@ -36,8 +36,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)  # _record
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 from _record import SMALL_DIMS, finish, median_range  # noqa: E402
 
@@ -79,7 +78,7 @@ def episodes_spec(env_name: str, n: int, turns: int):
     """(tokenizer, [(prompt ids, shared prefix length, [(turn tokens to generate, observation ids)])])."""
     from jax_rl.config import load_config
     from jax_rl.runtime.envs import build_env_factory, build_tokenizer
-    from rollout.agent import _shared_prefix_len
+    from rollout.agent import shared_prefix_len
 
     cfg = load_config(os.path.join(os.path.dirname(_HERE), "configs", "tiny_cpu.yaml"), [f"env.name={env_name}"])
     factory = build_env_factory(cfg)
@@ -104,7 +103,7 @@ def episodes_spec(env_name: str, n: int, turns: int):
         plan = [(len(tok.encode(t)) + 1, tok.tool_turn_ids(o, add_generation_prompt=True))
                 for t, o in (tool_turns[k % len(tool_turns)] for k in range(turns - 1))]
         plan.append((len(tok.encode(answer)) + 1, None))
-        out.append((prompt, _shared_prefix_len(tok, msgs, tools, prompt), plan))
+        out.append((prompt, shared_prefix_len(tok, msgs, tools, prompt), plan))
     return tok, out
 
 

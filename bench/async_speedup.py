@@ -61,7 +61,7 @@ gets ``runtime=ray runtime.ray_workers=1 runtime.learner_cpus=[--learner-cpus]
 runtime.rollout_cpus=[--rollout-cpus]`` (default: the first and the second CPU this process may run
 on), i.e. the learner actor and the driver pinned to one core, the rollout worker's process (engine,
 generator, agent threads) to the other, each XLA thread pool sized to its one core
-(:mod:`jax_rl.runtime.affinity`). The learner's work per step is then the same in every K (nothing
+(:mod:`jax_rl.affinity`). The learner's work per step is then the same in every K (nothing
 else runs on its core). Extra figures per run, from the ``learner_cpu_s`` / ``rollout_cpu_s``
 columns (CPU seconds of the learner actor's process and of the rollout worker's):
 ``learner_cpu_s_per_step`` / ``rollout_cpu_s_per_step`` and ``learner_core_busy`` /

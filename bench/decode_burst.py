@@ -37,8 +37,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)  # _record
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 from _record import SMALL_DIMS, finish, median_range  # noqa: E402
 

@@ -53,9 +53,7 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 import hlo_traffic as _ht  # noqa: E402
 
@@ -260,7 +258,7 @@ def main(argv=None) -> int:
     if a.backend == "tpu":
         from jax_rl import tpu
 
-        tpu._quiet_libtpu_env(tpu.resolve_topology(a.topology))
+        tpu.quiet_libtpu_env(tpu.resolve_topology(a.topology))
     cfg = get_preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
     itemsize = 2 if a.dtype in ("bfloat16", "bf16") else 4
     live = a.live or a.cache

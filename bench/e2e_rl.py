@@ -611,12 +611,12 @@ def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict
     cfg = load_cfg(src)  # jax_rl and rollout from src first: rollout_decode puts its own root on sys.path
     import _tunix as T
     from jax_rl.models import hf_io
-    from rollout.serve import _config_and_params
+    from rollout.serve import config_and_params
 
     import rollout_decode as RD
     qcfg = hf_io.load_config(hf_dir)
     ours_model, _ = hf_io.load_pretrained(str(hf_dir), scan_layers=cfg.model.scan_layers)
-    _, params = _config_and_params(ours_model)
+    _, params = config_and_params(ours_model)
     tmodel = T.load_model(str(hf_dir), qcfg)
     runners, calls = {}, {}
     for n in (1, 8):

@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 from _record import finish, median_range  # noqa: E402
 from agentic_prefill import TimedEngine  # noqa: E402

@@ -40,8 +40,7 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 from _record import PLATFORMS, add_platform_arg, environment  # noqa: E402  (no jax)
 

@@ -34,12 +34,10 @@ import argparse
 import collections
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -203,12 +201,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-out", default=None, help="also write the compiled module's text here")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
-    from jax_rl.tpu import _analysis
+    from jax_rl.tpu import program_analysis
 
     t0 = time.perf_counter()
     compiled, cfg, r, T = compile_piece(a.config, a.topology, a.depth, a.overrides)
     secs = time.perf_counter() - t0
-    an = _analysis(compiled)
+    an = program_analysis(compiled)
     print(f"{Path(a.config).name} on {a.topology}, {a.depth} layer(s), one microbatch of {r} rows x {T} tokens "
           f"(global shapes), moe_matmul={cfg.model.moe_matmul}, capacity factor {cfg.model.moe_capacity_factor}: "
           f"compiled in {secs:.0f} s (libtpu, compile-time estimate)")

@@ -65,13 +65,11 @@ import argparse
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
-import sys  # noqa: E402
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _record import SMALL_DIMS, add_platform_arg, environment, mfu, select_platform  # noqa: E402
+from _record import SMALL_DIMS, add_platform_arg, environment, median_time, mfu, select_platform  # noqa: E402
 
 select_platform()  # --platform cpu|gpu|tpu, before jax is imported (default cpu)
 
@@ -150,16 +148,6 @@ def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_lay
             "param_MB": param_bytes / 2**20, "mc": lrn.model_config, **extra}
 
 
-def _median_time(fn, *args, reps: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _time_ewma_update(lrn) -> float:
     """Seconds of the EWMA bookkeeping alone (reset select + bias-corrected update, jitted)."""
     from jax_rl.correction import proximal
@@ -168,7 +156,7 @@ def _time_ewma_update(lrn) -> float:
         ew, W = proximal.ewma_reset(ew, p, W < 0, W)
         return proximal.ewma_update(ew, p, 0.5, W)
 
-    return _median_time(jax.jit(f), lrn.state.correction.params, lrn.state.params, lrn.state.correction.count)
+    return median_time(jax.jit(f), lrn.state.correction.params, lrn.state.params, lrn.state.correction.count)
 
 
 def _time_model_fwd_bwd(lrn, b) -> float:
@@ -177,7 +165,7 @@ def _time_model_fwd_bwd(lrn, b) -> float:
     from jax_rl.learner.logprobs import sequence_logprobs
 
     f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am).logp)))
-    return _median_time(f, lrn.state.params)
+    return median_time(f, lrn.state.params)
 
 
 def bench_torch(mc, B: int, T: int, steps: int) -> dict:
@@ -312,16 +300,17 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
     print(f"{name:10} load after: {_tunix.machine_load()}\n")
 
 
-def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[dict]:
+def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[SimpleNamespace]:
     """B trajectories of a prompt of ``prompt`` tokens plus generated ones, the longest ``longest``
     tokens (as the runtime hands :func:`jax_rl.learner.batch.collate`)."""
     out = []
     for i in range(B):
         n = longest if i == 0 else int(rng.integers(min(prompt + 1, longest), longest + 1))
         lm = np.arange(n) >= min(prompt, n - 1)
-        out.append({"tokens": rng.integers(1, V, n).astype(np.int32), "loss_mask": lm,
-                    "behav_logp": np.where(lm, -np.log(V), 0.0).astype(np.float32),
-                    "versions": np.where(lm, 0, -1).astype(np.int32), "turn_ids": np.where(lm, 0, -1).astype(np.int32)})
+        out.append(SimpleNamespace(tokens=rng.integers(1, V, n).astype(np.int32), loss_mask=lm,
+                                   behav_logp=np.where(lm, -np.log(V), 0.0).astype(np.float32),
+                                   versions=np.where(lm, 0, -1).astype(np.int32),
+                                   turn_ids=np.where(lm, 0, -1).astype(np.int32)))
     return out
 
 
@@ -338,7 +327,7 @@ def bench_fixed_cost(steps: int, lens: tuple[int, int], B: int, max_seq_len: int
     for i in range(steps):
         trajs = _rl_trajectories(rng, V, B, int(rng.integers(lens[0], lens[1] + 1)))
         for t in trajs:
-            t["versions"] = np.where(t["loss_mask"], lrn.version, -1).astype(np.int32)
+            t.versions = np.where(t.loss_mask, lrn.version, -1).astype(np.int32)
         adv = rng.normal(size=B).astype(np.float32)
         b = collate(trajs, adv, cfg.optim.max_seq_len)
         m = lrn.train_step(b)

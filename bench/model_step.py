@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,25 +22,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 from jax_rl.learner.logprobs import sequence_logprobs  # noqa: E402
 from jax_rl.models import qwen3 as q  # noqa: E402
 
-from _record import SMALL_DIMS  # noqa: E402  (bench/, the script's own directory)
+from _record import SMALL_DIMS, median_time  # noqa: E402
 
 CONFIGS = {
     "tiny": {},
     "small": {"vocab_size": 1024, **SMALL_DIMS},
 }
-
-
-def _median(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -79,8 +69,8 @@ def main() -> None:
         t0 = time.perf_counter()
         jax.block_until_ready(fb(params))
         c = time.perf_counter() - t0
-        t_fb = _median(fb, params, reps=args.reps)
-        t_fw = _median(fw, params, reps=args.reps)
+        t_fb = median_time(fb, params, reps=args.reps)
+        t_fw = median_time(fw, params, reps=args.reps)
         ntok = args.B * args.T
         print(f"{name:6} fwd+bwd {t_fb * 1e3:8.1f} ms {ntok / t_fb:9.0f} tok/s (compile {c:.1f}s) | "
               f"fwd {t_fw * 1e3:8.1f} ms {ntok / t_fw:9.0f} tok/s")
@@ -95,7 +85,7 @@ def main() -> None:
             m = nnx.merge(graphdef, p)
             return m.decode_step(toks, cache)
 
-        t_d = _median(dec, params, toks, cache, reps=args.reps * 4)
+        t_d = median_time(dec, params, toks, cache, reps=args.reps * 4)
         print(f"{name:6} decode step ({args.decode_slots} slots, S={S}) {t_d * 1e3:8.2f} ms "
               f"{args.decode_slots / t_d:9.0f} tok/s")
 

@@ -59,9 +59,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "bench"))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -54,9 +54,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 from _record import SMALL_DIMS, add_platform_arg, decode_roofline, environment, select_platform  # noqa: E402
 
@@ -273,7 +271,7 @@ def main(argv=None) -> int:
     import tempfile
 
     from jax_rl.models import hf_io
-    from rollout.serve import _config_and_params
+    from rollout.serve import config_and_params
 
     cfg = _config(a.preset)
     tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
@@ -291,7 +289,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         hf = _checkpoint(cfg, d, use_hf=not a.no_hf)
         ours_model, _ = hf_io.load_pretrained(d, scan_layers=scan)
-        _, params = _config_and_params(ours_model)
+        _, params = config_and_params(ours_model)
         tmodel = None
         if tunix_err is None:
             tmodel = _tunix.load_model(d, cfg, a.tunix_dtype)

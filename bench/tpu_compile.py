@@ -31,8 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 RUNS = {

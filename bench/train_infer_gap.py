@@ -43,8 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 DENSE, MOE = "configs/paper_small.yaml", "configs/tiny_moe_cpu.yaml"
 # (name, config, overrides): the engine's options; the learner is the same fp32 model in every row of a config

@@ -39,7 +39,7 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 
 SIZES = {
     "tiny": "{}",

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_rl.dtypes import cast_floating
+
 if TYPE_CHECKING:
     from jax_rl.learner.learner import Learner
     from jax_rl.correction.old_logits.routes import Route
@@ -66,11 +68,7 @@ class Publisher:
         if self._gather_jit is None:
             dt = jnp.dtype(lrn.cfg.rollout.dtype)
             replicated = jax.tree.map(lambda _: NamedSharding(lrn.mesh, P()), lrn.state.params)
-
-            def cast(p):
-                return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-
-            self._gather_jit = jax.jit(cast, out_shardings=replicated)
+            self._gather_jit = jax.jit(lambda p: cast_floating(p, dt), out_shardings=replicated)
         with jax.set_mesh(lrn.mesh):
             full = self._gather_jit(lrn.state.params)
         return jax.tree.map(lambda x: x.addressable_shards[0].data, full)

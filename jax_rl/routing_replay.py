@@ -24,7 +24,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_rl.learner.batch import BatchError
+from jax_rl.errors import BatchError
 from jax_rl.config import ConfigError
 from jax_rl.models.qwen3 import route_dtype
 
@@ -102,7 +102,7 @@ class RoutingReplay:
         """Refuse a batch an r3 step cannot train (no ``routes``); drop ``routes`` when nothing reads them.
 
         Raises:
-            jax_rl.learner.batch.BatchError: r3 and ``b`` carries no ``routes``.
+            jax_rl.errors.BatchError: r3 and ``b`` carries no ``routes``.
         """
         if self.forces_rollout_routes and b.get("routes") is None:
             raise BatchError("moe.routing_replay=r3 needs batch['routes'] (the rollout engine's expert ids, "

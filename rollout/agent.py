@@ -305,7 +305,7 @@ class AgentLoop:
             budget = int(cfg.max_tokens_per_episode)
             stop_ids = tuple(tok.stop_ids)
             if session is not None:  # the generator keeps this episode's K/V between its turns
-                session_kw = {"session": session, "prefix_len": _shared_prefix_len(tok, messages, shown_tools, prompt)}
+                session_kw = {"session": session, "prefix_len": shared_prefix_len(tok, messages, shown_tools, prompt)}
             for turn in range(int(cfg.max_turns)):
                 room = int(cfg.max_cache_len) - len(tokens)
                 max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
@@ -446,7 +446,7 @@ class AgentLoop:
         return traj
 
 
-def _shared_prefix_len(tok: Any, messages: Sequence[dict], tools: Optional[Sequence[dict]], prompt: Sequence[int]) -> int:
+def shared_prefix_len(tok: Any, messages: Sequence[dict], tools: Optional[Sequence[dict]], prompt: Sequence[int]) -> int:
     """Tokens of ``prompt`` every episode of the env shares: the rendered system message (with the tool
     schemas), when the prompt starts with it; 0 otherwise (the generator's prefix cache key)."""
     if not messages or messages[0].get("role") != "system":

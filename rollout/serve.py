@@ -80,10 +80,10 @@ def load_checkpoint(checkpoint: str, *, scan_layers: Optional[bool] = None) -> t
     if not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"checkpoint dir not found: {checkpoint}")
     out = hf_io.load_pretrained(checkpoint, scan_layers=scan)
-    return _config_and_params(out)
+    return config_and_params(out)
 
 
-def _config_and_params(out: Any) -> tuple[Any, Any]:
+def config_and_params(out: Any) -> tuple[Any, Any]:
     """Normalise what ``hf_io.load_pretrained`` returns: a model, or a tuple holding a model /
     a config and params."""
     if isinstance(out, nnx.Module):

@@ -13,14 +13,14 @@ import jax
 from jax.extend import core as jcore
 
 from jax_rl.models.attention import SPLASH_BLOCK
-from jax_rl.tpu import _analysis as analysis, no_persistent_cache
+from jax_rl.tpu import no_persistent_cache, program_analysis as analysis
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.compile.target import _Target
 
 
 def _short(a: dict) -> dict[str, float]:
-    """:func:`jax_rl.tpu._analysis`'s dict under this module's short keys (bytes per device):
+    """:func:`jax_rl.tpu.analysis.program_analysis`'s dict under this module's short keys (bytes per device):
     ``args``, ``out``, ``alias``, ``temp``, ``flops``, ``bytes`` (accessed)."""
     return {"args": a.get("argument_size_in_bytes", 0), "out": a.get("output_size_in_bytes", 0),
             "alias": a.get("alias_size_in_bytes", 0), "temp": a.get("temp_size_in_bytes", 0),

@@ -21,6 +21,7 @@ from jax_rl.compile.pieces import _fit, _opt_update_cost, _sft_fn_args, _train_c
 from jax_rl.compile.target import (_Target, _batch, _chips, _depth, _devices_per_chip, _engine_mesh, _layout,
                                    _learner, _target)
 from jax_rl.config import Config, ConfigError
+from jax_rl.dtypes import cast_floating, is_floating, resolve_dtype
 from jax_rl.learner.spec import make_sft_optimizer, scorer_placement
 from jax_rl.model_builder import abstract_model_split, resolve_model_config
 from jax_rl.placement import BatchPlacement
@@ -28,7 +29,6 @@ from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 from jax_rl.learner.train_step import make_logprob_step, make_train_step
-from rollout.engine import resolve_dtype
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.learner.spec import LearnerSpec
@@ -325,11 +325,8 @@ def weight_sync_fn(abs_params, param_shardings, mesh, dtype: str):
     dt = resolve_dtype(dtype)
     rep = NamedSharding(mesh, P())
 
-    def cast(x, sh):  # in the learner's layout first, as load_params' eager astype: the gather moves rollout bytes
-        return jax.lax.with_sharding_constraint(x.astype(dt), sh) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    def sync(params):
-        return jax.tree.map(cast, params, param_shardings)
+    def sync(params):  # cast in the learner's layout first, as load_params' eager astype: the gather moves rollout bytes
+        return cast_floating(params, dt, param_shardings)
 
     fn = jax.jit(sync, in_shardings=(param_shardings,), out_shardings=jax.tree.map(lambda _: rep, abs_params))
     return fn, (abstract_like(abs_params, param_shardings),)
@@ -341,18 +338,14 @@ def cast_fn(abs_params, param_shardings, dtype: str):
     shards then travel to the engine's devices by ``jax.device_put`` (a device-to-device copy over ICI, which
     no single program on one device set can express). Returns ``(fn, args)`` (nothing allocated)."""
     dt = resolve_dtype(dtype)
-
-    def cast(params):
-        return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-
-    fn = jax.jit(cast, in_shardings=(param_shardings,), out_shardings=param_shardings)
+    fn = jax.jit(lambda params: cast_floating(params, dt), in_shardings=(param_shardings,), out_shardings=param_shardings)
     return fn, (abstract_like(abs_params, param_shardings),)
 
 
 def _shard_bytes(abs_params, shardings, dtype) -> int:
     """Bytes of one device's shards of ``abs_params`` laid out by ``shardings``, float leaves in ``dtype``."""
     def one(x, sh):
-        size = jnp.dtype(dtype).itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize
+        size = jnp.dtype(dtype).itemsize if is_floating(x) else x.dtype.itemsize
         return math.prod(sh.shard_shape(x.shape)) * size
 
     return sum(jax.tree.leaves(jax.tree.map(one, abs_params, shardings)))
@@ -394,7 +387,7 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
     row = _row(t, "weight_sync", a, secs, c, None, [n], 0.0, role="sync")
 
     rdt = resolve_dtype(dt)
-    one = sum(int(x.size) * (jax.numpy.dtype(rdt).itemsize if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    one = sum(int(x.size) * (jax.numpy.dtype(rdt).itemsize if is_floating(x)
                              else x.dtype.itemsize) for x in jax.tree.leaves(abs_params))
     per_dev = _devices_per_chip(t)
     own = _shard_bytes(abs_params, param_sh, rdt) * per_dev  # one learner chip's shard, in the rollout dtype

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from jax_rl.config.base import _Section
 from jax_rl.config.model import _MeshAxes
-from rollout.envs.retail import check_retail_knobs
+from rollout.envs import check_knobs
 
 
 # Upper bounds of the rollout's time knobs: finite, so ``time.sleep`` / ``Future.result(timeout=)``
@@ -182,8 +182,9 @@ class EnvConfig(_Section):
     @field_validator("retail")
     @classmethod
     def _retail_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        """The retail env's own knob schema (:class:`rollout.envs.retail.RetailKnobs`)."""
-        return check_retail_knobs(v)
+        """The retail env's own knob schema (its registry entry's ``check_knobs``:
+        :class:`rollout.envs.retail.RetailKnobs`)."""
+        return check_knobs("retail", v)
 
     @model_validator(mode="after")
     def _has_datasets(self) -> "EnvConfig":

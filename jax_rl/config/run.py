@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from jax_rl.config.base import _Section
-from jax_rl.runtime.affinity import check_cpus
+from jax_rl.affinity import check_cpus
 
 
 class RuntimeConfig(_Section):

@@ -11,19 +11,16 @@ import flax
 import jax
 import numpy as np
 
+from jax_rl.errors import BatchError
 from jax_rl.learner.advantages import compute_advantages
 from jax_rl.models.qwen3 import route_dtype
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig, Config
 
-__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
+__all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "INERT_FILL", "inert", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
            "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages",
            "learner_batch"]
-
-
-class BatchError(ValueError):
-    """A malformed learner batch: missing field, wrong shape/dtype, too long, bad masks."""
 
 
 @flax.struct.dataclass
@@ -135,7 +132,9 @@ def seq_buckets(max_seq_len: int, buckets: Optional[Sequence[int]] = None) -> tu
 
 
 def bucket_len(T: int, buckets: Sequence[int]) -> int:
-    """The smallest of ``buckets`` (ascending, :func:`seq_buckets`) that holds ``T`` tokens.
+    """The smallest of ``buckets`` (ascending, :func:`seq_buckets`) that holds ``T`` tokens: the one rule for
+    the padded length of a batch, applied by :func:`collate`, the learner (a batch from elsewhere) and the
+    old-logit scorers, so they compile the same shapes.
 
     Raises:
         BatchError: ``T`` above the largest bucket (``optim.max_seq_len``).
@@ -144,6 +143,18 @@ def bucket_len(T: int, buckets: Sequence[int]) -> int:
         if b >= T:
             return int(b)
     raise BatchError(f"batch has T={T} > optim.max_seq_len={buckets[-1]} (over-long sequences)")
+
+
+INERT_FILL: dict[str, int] = {"versions": -1, "turn_ids": -1, "routes": -1}
+"""The value a padded position of a batch field holds when it is not 0: ``versions`` / ``turn_ids`` -1 (not
+generated, no turn), ``routes`` -1 (no recorded expert); ``tokens`` take the tokenizer's ``pad_id``
+(:func:`inert`). Every other field pads with 0 / False (no attention, no loss, no advantage)."""
+
+
+def inert(field: str, pad_id: int = 0) -> int:
+    """The padding value of batch field ``field`` (:data:`INERT_FILL`; ``pad_id`` for ``tokens``; 0 else): what
+    :func:`collate`, :func:`pad_len` and :func:`pad_rows` write where there is no token."""
+    return pad_id if field == "tokens" else INERT_FILL.get(field, 0)
 
 
 def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -160,8 +171,7 @@ def pad_len(batch: dict[str, np.ndarray], T: int, pad_id: int = 0) -> dict[str, 
         raise BatchError(f"pad_len: batch has T={T0} columns, more than the {T} asked for")
     if T == T0:
         return batch
-    fill = {"tokens": pad_id, "versions": -1, "turn_ids": -1, "routes": -1}
-    return {k: np.pad(v, ((0, 0), (0, T - T0)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=fill.get(k, 0))
+    return {k: np.pad(v, ((0, 0), (0, T - T0)) + ((0, 0),) * (np.ndim(v) - 2), constant_values=inert(k, pad_id))
             for k, v in batch.items()}
 
 
@@ -196,8 +206,7 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> dict[s
     out = {}
     for k, a in batch.items():
         a = np.asarray(a)
-        fill = -1 if k in ("versions", "turn_ids", "routes") else (pad_id if k == "tokens" else 0)
-        extra = np.full((n,) + a.shape[1:], fill, a.dtype)
+        extra = np.full((n,) + a.shape[1:], inert(k, pad_id), a.dtype)
         if k == "attention_mask":
             extra[:, 0] = True
         out[k] = np.concatenate([a, extra])
@@ -208,21 +217,21 @@ def collate(
     trajectories: Sequence[Any],
     advantages_per_traj: Sequence[Any],
     max_seq_len: int,
-    pad_to_multiple: int = 16,
+    buckets: Optional[Sequence[int]] = None,
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
     """Right-pad trajectories into a learner batch.
 
     Args:
-        trajectories: objects (or dicts) with ``tokens`` int [T_i], ``loss_mask`` bool [T_i],
+        trajectories: objects with the attributes ``tokens`` int [T_i], ``loss_mask`` bool [T_i],
             ``behav_logp`` float [T_i], ``versions`` int [T_i], ``turn_ids`` int [T_i]
             (``rollout.types.Trajectory``).
         advantages_per_traj: one float per trajectory (broadcast over its tokens) or an
             array [T_i] per trajectory.
         max_seq_len: longest accepted trajectory (``optim.max_seq_len``).
-        pad_to_multiple: T is the longest length rounded up to this multiple (a bucket, so
-            fewer distinct shapes are compiled), capped at ``max_seq_len``.
-        pad_id: token id written in padding (masked out everywhere).
+        buckets: ``optim.seq_len_buckets``: T is the smallest of :func:`seq_buckets` that holds the longest
+            trajectory (:func:`bucket_len`; few distinct shapes are compiled, the learner's own).
+        pad_id: token id written in padding (masked out everywhere; :func:`inert`).
 
     Returns:
         dict of numpy arrays [B, T]: tokens int32, attention_mask bool, loss_mask bool,
@@ -236,76 +245,94 @@ def collate(
             ``old_logp`` or ``routes`` on some trajectories but not all, routes of different
             shapes.
     """
+    lens = _lengths(trajectories, advantages_per_traj, max_seq_len)
+    T = bucket_len(max(lens), seq_buckets(max_seq_len, buckets))
+    B = len(trajectories)
+    out = {k: np.full((B, T), inert(k, pad_id), dt) for k, dt in _COLLATED.items()}
+    old_logp = _optional_field(trajectories, "old_logp", "; a batch's exact old log-probs must come from one route")
+    if old_logp is not None:
+        out["old_logp"] = _old_logp_rows(old_logp, lens, T)
+    routes = _optional_field(trajectories, "routes",
+                             " (moe.routing_replay records them for every trajectory of a run)")
+    if routes is not None:
+        out["routes"] = _route_rows(routes, lens, T)
+    for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
+        _fill_row(out, b, t, adv, lens[b])
+    return out
+
+
+_COLLATED = {"tokens": np.int32, "attention_mask": bool, "loss_mask": bool, "behav_logp": np.float32,
+             "versions": np.int32, "turn_ids": np.int32, "advantages": np.float32}
+"""The fields :func:`collate` always writes, with their dtypes."""
+
+
+def _lengths(trajectories: Sequence[Any], advantages_per_traj: Sequence[Any], max_seq_len: int) -> list[int]:
+    """Each trajectory's token count, checked: some trajectories, one advantage each, none over ``max_seq_len``."""
     if len(trajectories) == 0:
         raise BatchError("collate got no trajectories")
     if len(advantages_per_traj) != len(trajectories):
-        raise BatchError(
-            f"collate got {len(trajectories)} trajectories but {len(advantages_per_traj)} advantages"
-        )
-
-    def get(t, k):
-        return t[k] if isinstance(t, Mapping) else getattr(t, k)
-
-    lens = [len(get(t, "tokens")) for t in trajectories]
+        raise BatchError(f"collate got {len(trajectories)} trajectories but {len(advantages_per_traj)} advantages")
+    bad = [i for i, t in enumerate(trajectories) if not hasattr(t, "tokens")]
+    if bad:
+        raise BatchError(f"collate takes trajectories (rollout.types.Trajectory: attributes tokens, loss_mask, ...); "
+                         f"item {bad[0]} is a {type(trajectories[bad[0]]).__name__}")
+    lens = [len(t.tokens) for t in trajectories]
     if max(lens) > max_seq_len:
         i = int(np.argmax(lens))
-        raise BatchError(
-            f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
-            "raise optim.max_seq_len or cap rollout.max_cache_len"
-        )
-    m = max(1, int(pad_to_multiple))
-    T = min(max_seq_len, -(-max(lens) // m) * m)
-    B = len(trajectories)
-    out = {
-        "tokens": np.full((B, T), pad_id, np.int32),
-        "attention_mask": np.zeros((B, T), bool),
-        "loss_mask": np.zeros((B, T), bool),
-        "behav_logp": np.zeros((B, T), np.float32),
-        "versions": np.full((B, T), -1, np.int32),
-        "turn_ids": np.full((B, T), -1, np.int32),
-        "advantages": np.zeros((B, T), np.float32),
-    }
-    olds = [(t.get("old_logp") if isinstance(t, Mapping) else getattr(t, "old_logp", None)) for t in trajectories]
-    if any(o is not None for o in olds):
-        if any(o is None for o in olds):
-            raise BatchError(f"{sum(o is None for o in olds)} of {B} trajectories carry no old_logp while the others "
-                             "do; a batch's exact old log-probs must come from one route")
-        out["old_logp"] = np.zeros((B, T), np.float32)
-        for b, o in enumerate(olds):
-            a = np.asarray(o, np.float32)
-            if a.shape != (lens[b],):
-                raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
-            out["old_logp"][b, :lens[b]] = a
-    rts = [(t.get("routes") if isinstance(t, Mapping) else getattr(t, "routes", None)) for t in trajectories]
-    if any(r is not None for r in rts):
-        if any(r is None for r in rts):
-            raise BatchError(f"{sum(r is None for r in rts)} of {B} trajectories carry no routes while the others do "
-                             "(moe.routing_replay records them for every trajectory of a run)")
-        tails = {np.shape(r)[1:] for r in rts}
-        if len(tails) != 1 or len(next(iter(tails))) != 2:
-            raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
-        dt = np.result_type(*[np.asarray(r).dtype for r in rts])
-        out["routes"] = np.full((B, T, *next(iter(tails))), -1, dt)
-        for b, r in enumerate(rts):
-            if np.shape(r)[0] != lens[b]:
-                raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
-            out["routes"][b, :lens[b]] = r
-    for b, (t, adv) in enumerate(zip(trajectories, advantages_per_traj)):
-        n = lens[b]
-        for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
-            a = np.asarray(get(t, k))
-            if a.shape != (n,):
-                raise BatchError(f"trajectory {b}: field {k} has shape {a.shape}, tokens has ({n},)")
-            out[k][b, :n] = a
-        out["attention_mask"][b, :n] = True
-        a = np.asarray(adv, np.float32)
-        if a.ndim == 0:
-            out["advantages"][b, :n] = a
-        elif a.shape == (n,):
-            out["advantages"][b, :n] = a
-        else:
-            raise BatchError(f"trajectory {b}: advantages shape {a.shape}; expected a scalar or ({n},)")
+        raise BatchError(f"trajectory {i} has {lens[i]} tokens > optim.max_seq_len={max_seq_len}; "
+                         "raise optim.max_seq_len or cap rollout.max_cache_len")
+    return lens
+
+
+def _optional_field(trajectories: Sequence[Any], k: str, why: str) -> Optional[list[Any]]:
+    """Each trajectory's ``k`` (``old_logp`` / ``routes``) when they all carry one, None when none does.
+
+    Raises:
+        BatchError: some carry it and others not (the message ends with ``why``)."""
+    vals = [getattr(t, k, None) for t in trajectories]
+    if all(v is None for v in vals):
+        return None
+    missing = sum(v is None for v in vals)
+    if missing:
+        raise BatchError(f"{missing} of {len(vals)} trajectories carry no {k} while the others do{why}")
+    return vals
+
+
+def _old_logp_rows(olds: list[Any], lens: list[int], T: int) -> np.ndarray:
+    out = np.full((len(olds), T), inert("old_logp"), np.float32)
+    for b, o in enumerate(olds):
+        a = np.asarray(o, np.float32)
+        if a.shape != (lens[b],):
+            raise BatchError(f"trajectory {b}: field old_logp has shape {a.shape}, tokens has ({lens[b]},)")
+        out[b, :lens[b]] = a
     return out
+
+
+def _route_rows(rts: list[Any], lens: list[int], T: int) -> np.ndarray:
+    tails = {np.shape(r)[1:] for r in rts}
+    if len(tails) != 1 or len(next(iter(tails))) != 2:
+        raise BatchError(f"trajectory routes must all be [T_i, n_moe_layers, k] of one shape; got tails {sorted(tails)}")
+    dt = np.result_type(*[np.asarray(r).dtype for r in rts])
+    out = np.full((len(rts), T, *next(iter(tails))), inert("routes"), dt)
+    for b, r in enumerate(rts):
+        if np.shape(r)[0] != lens[b]:
+            raise BatchError(f"trajectory {b}: routes has {np.shape(r)[0]} positions, tokens has {lens[b]}")
+        out[b, :lens[b]] = r
+    return out
+
+
+def _fill_row(out: dict[str, np.ndarray], b: int, t: Any, adv: Any, n: int) -> None:
+    """Row ``b`` of ``out``: trajectory ``t``'s ``n`` tokens and its advantage (a scalar broadcast, or one per token)."""
+    for k in ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids"):
+        a = np.asarray(getattr(t, k))
+        if a.shape != (n,):
+            raise BatchError(f"trajectory {b}: field {k} has shape {a.shape}, tokens has ({n},)")
+        out[k][b, :n] = a
+    out["attention_mask"][b, :n] = True
+    a = np.asarray(adv, np.float32)
+    if a.ndim != 0 and a.shape != (n,):
+        raise BatchError(f"trajectory {b}: advantages shape {a.shape}; expected a scalar or ({n},)")
+    out["advantages"][b, :n] = a
 
 
 def validate_batch(
@@ -459,7 +486,7 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, 
     groups = sorted(groups, key=lambda g: g[0].group_id)
     adv = group_advantages(cfg.algo, groups)
     trajs = [t for g in groups for t in g]
-    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, pad_id=pad_id)
+    batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, cfg.optim.seq_len_buckets, pad_id=pad_id)
     if rows is None:  # multi-process: this process's share
         rows = cfg.optim.batch_size // cfg.algo.group_size // jax.process_count() * cfg.algo.group_size
     if len(trajs) < rows:

@@ -18,7 +18,7 @@ from jax_rl.sampling import check_truncation, kept_set, log_kept_mass, truncates
 
 Array = jax.Array
 
-__all__ = ["LogprobOutput", "token_logprobs", "sequence_logprobs"]
+__all__ = ["LogprobOutput", "token_logprobs", "sequence_logprobs", "CHUNK_ELEMS", "chunk_len"]
 
 
 @flax.struct.dataclass
@@ -43,7 +43,8 @@ class LogprobOutput:
     expert_ids: Optional[tuple[Array, ...]] = None
     moe_drops: Optional[MoeDrops] = None
 
-CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
+CHUNK_ELEMS = 1 << 22
+"""Default fp32 logits per LM-head chunk (~16 MB; ``sequence_logprobs`` chunk_elems, :func:`chunk_len`)."""
 _UNROLL_CHUNKS: bool | int = 1  # scan unroll of the LM-head chunk loop (1: a loop)
 
 

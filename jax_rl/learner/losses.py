@@ -159,6 +159,46 @@ class TrainInfer(NamedTuple):
     nonfinite_prox: jax.Array  # bool, valid & non-finite prox
 
 
+def _sequence_level(lr, use_f, usable, turn_ids):  # the row's summed log-ratio, on each of its tokens
+    return jnp.broadcast_to(jnp.sum(lr, axis=-1, keepdims=True), lr.shape)
+
+
+def _geometric_level(lr, use_f, usable, turn_ids):  # the row's mean log-ratio over its usable tokens
+    tot = jnp.sum(lr, axis=-1, keepdims=True)
+    return jnp.broadcast_to(tot / jnp.maximum(jnp.sum(use_f, axis=-1, keepdims=True), 1.0), lr.shape)
+
+
+def _turn_level(lr, use_f, usable, turn_ids):
+    """The mean log-ratio of each token's assistant turn (``turn_ids``; a token without a turn is its own
+    segment), on every token of the turn."""
+    shape = tuple(jnp.shape(lr))
+    if turn_ids is None:
+        raise ValueError("loss.train_infer_level='turn' needs turn_ids [B, T]")
+    _check_2d("turn_ids", turn_ids, shape)
+    B, T = shape
+    tid = jnp.asarray(turn_ids, dtype=jnp.int32)
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(T, dtype=jnp.int32)[None, :]
+    seg = jnp.where(tid >= 0, rows * T + jnp.clip(tid, 0, T - 1), B * T + rows * T + cols)
+    nseg = 2 * B * T + 1
+    seg = jnp.where(usable, seg, nseg - 1).reshape(-1)  # non-usable -> dummy segment
+    sums = jax.ops.segment_sum(lr.reshape(-1), seg, num_segments=nseg)
+    cnts = jax.ops.segment_sum(use_f.reshape(-1), seg, num_segments=nseg)
+    return (sums / jnp.maximum(cnts, 1.0))[seg].reshape(shape)
+
+
+LEVELS = {"token": lambda lr, use_f, usable, turn_ids: lr, "sequence": _sequence_level, "geometric": _geometric_level, "turn": _turn_level}
+"""``loss.train_infer_level`` -> ``(log-ratio [B, T], usable as float, usable, turn_ids) -> the level's statistic
+[B, T]`` (fp32; the caller zeroes the unusable tokens)."""
+
+
+def _catastrophic_rows(lr, usable, threshold) -> jax.Array:
+    """bool [B]: rows with a usable token whose log-ratio is below ``loss.catastrophic_logratio`` (None: none)."""
+    if threshold is None:
+        return jnp.zeros((lr.shape[0],), dtype=bool)
+    return jnp.any(usable & (lr < float(threshold)), axis=-1)
+
+
 def train_infer_factor(
     prox_logp, behav_logp, loss_mask, cfg: LossConfig, *, turn_ids=None
 ) -> TrainInfer:
@@ -181,7 +221,6 @@ def train_infer_factor(
     shape = tuple(jnp.shape(loss_mask))
     _check_2d("prox_logp", prox_logp, shape)
     _check_2d("behav_logp", behav_logp, shape)
-    B, T = shape
     valid = jnp.asarray(loss_mask, dtype=bool)
     prox = lax.stop_gradient(_f32(prox_logp))
     behav = lax.stop_gradient(_f32(behav_logp))
@@ -193,40 +232,17 @@ def train_infer_factor(
     lr = prox0 - behav0  # 0 where not usable
     use_f = usable.astype(jnp.float32)
 
-    level = cfg.train_infer_level
-    if level == "token":
-        s = lr
-    elif level in ("sequence", "geometric"):
-        tot = jnp.sum(lr, axis=-1, keepdims=True)
-        if level == "geometric":
-            n = jnp.sum(use_f, axis=-1, keepdims=True)
-            tot = tot / jnp.maximum(n, 1.0)
-        s = jnp.broadcast_to(tot, shape)
-    elif level == "turn":
-        if turn_ids is None:
-            raise ValueError("loss.train_infer_level='turn' needs turn_ids [B, T]")
-        _check_2d("turn_ids", turn_ids, shape)
-        tid = jnp.asarray(turn_ids, dtype=jnp.int32)
-        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-        cols = jnp.arange(T, dtype=jnp.int32)[None, :]
-        seg = jnp.where(tid >= 0, rows * T + jnp.clip(tid, 0, T - 1), B * T + rows * T + cols)
-        nseg = 2 * B * T + 1
-        seg = jnp.where(usable, seg, nseg - 1).reshape(-1)  # non-usable -> dummy segment
-        sums = jax.ops.segment_sum(lr.reshape(-1), seg, num_segments=nseg)
-        cnts = jax.ops.segment_sum(use_f.reshape(-1), seg, num_segments=nseg)
-        s = (sums / jnp.maximum(cnts, 1.0))[seg].reshape(shape)
-    else:  # pragma: no cover - pydantic validates
-        raise ValueError(f"loss.train_infer_level={level!r} must be one of token, sequence, geometric, turn")
+    level = LEVELS.get(cfg.train_infer_level)
+    if level is None:  # pragma: no cover - pydantic validates
+        raise ValueError(f"loss.train_infer_level={cfg.train_infer_level!r} must be one of {', '.join(LEVELS)}")
+    s = level(lr, use_f, usable, turn_ids)
     s = jnp.where(usable, s, 0.0)
 
     low, high = cfg.train_infer_bounds
     log_lo, log_hi = _log_bound(low), _log_bound(high)
     in_band = (s >= log_lo) & (s <= log_hi)
 
-    if cfg.catastrophic_logratio is not None:
-        cat_row = jnp.any(usable & (lr < float(cfg.catastrophic_logratio)), axis=-1)
-    else:
-        cat_row = jnp.zeros((B,), dtype=bool)
+    cat_row = _catastrophic_rows(lr, usable, cfg.catastrophic_logratio)
 
     kept = usable & ~cat_row[:, None]
     if cfg.train_infer_mode == "mask":
@@ -375,22 +391,50 @@ def policy_loss(
     else:
         ti = train_infer
         _check_2d("train_infer.kept", ti.kept, shape)
-    valid, usable, kept = ti.valid, ti.usable, ti.kept
-    M = float(cfg.max_log_ratio)
-    pg_ok = usable  # tokens whose policy term can be computed
-    if truncated:  # -inf = outside the learner's kept set (pi_prox's or pi_theta's)
-        out_prox = valid & (lax.stop_gradient(_f32(prox_logp)) == -jnp.inf)
-        out_theta = valid & (lax.stop_gradient(_f32(logp)) == -jnp.inf)
-        trunc_out = out_prox | out_theta
-        pg_ok = usable & ~out_theta
+    pg_ok, trunc_out = _truncation(ti, prox_logp, logp, truncated)
+    clip = _ppo_clip(logp, advantages, ti, pg_ok, truncated, cfg)
+    loss, Z, kept_pg = _aggregate(clip.pg, ti, pg_ok, truncated, cfg, denominator, entropy, shape)
+    m = _ratio_metrics(ti, clip, Z, trunc_out, entropy, cfg)
+    if versions is not None:
+        m.update(_staleness_metrics(versions, current_version, ti, clip.clipped, shape))
+    if old_logp is not None:
+        m.update(_prox_error_metrics(old_logp, ti, shape))
+    m = {k: lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
+    return loss, m
 
-    # --- PPO clip on rho = pi_theta / pi_prox (gradient only through logp) ---
+
+def _truncation(ti: TrainInfer, prox_logp, logp, truncated: bool):
+    """``(pg_ok, trunc_out)``: the tokens whose policy term can be computed (usable, and inside pi_theta's kept
+    set under truncation) and, under truncation, the valid tokens outside pi_prox's or pi_theta's kept set
+    (``-inf`` log-prob; else None)."""
+    if not truncated:
+        return ti.usable, None
+    out_prox = ti.valid & (lax.stop_gradient(_f32(prox_logp)) == -jnp.inf)
+    out_theta = ti.valid & (lax.stop_gradient(_f32(logp)) == -jnp.inf)
+    return ti.usable & ~out_theta, out_prox | out_theta
+
+
+class _Clip(NamedTuple):  # the PPO clip's per-token pieces (_ppo_clip)
+    pg: jax.Array  # the per-token policy term, with gradient through logp
+    ratio: jax.Array
+    log_ratio: jax.Array
+    clip_active: jax.Array
+    dual_active: jax.Array
+    clipped: jax.Array  # the clipped term is chosen: zero gradient (verl pg_clipfrac)
+    lo: float
+    hi: float
+
+
+def _ppo_clip(logp, advantages, ti: TrainInfer, pg_ok, truncated: bool, cfg: LossConfig) -> _Clip:
+    """The PPO clip on rho = pi_theta / pi_prox (gradient only through logp), asymmetric in the advantage's
+    sign, with the dual clip when ``loss.dual_clip_c`` is set."""
+    M = float(cfg.max_log_ratio)
     logp_s = jnp.where(pg_ok, _f32(logp), 0.0)  # double-where: NaN/inf never reach arithmetic
     log_ratio = logp_s - ti.prox  # 0 where not usable
     if truncated:
         log_ratio = jnp.where(pg_ok, log_ratio, 0.0)  # and 0 outside pi_theta's kept set
     ratio = jnp.exp(jnp.clip(log_ratio, -M, M))
-    adv = jnp.where(valid, _f32(advantages), 0.0)
+    adv = jnp.where(ti.valid, _f32(advantages), 0.0)
     lo = 1.0 - float(cfg.clip_eps_low)
     hi = 1.0 + float(cfg.clip_eps_high)
     pos, neg = adv > 0, adv < 0
@@ -403,29 +447,36 @@ def policy_loss(
         dual_active = neg & (pg > cap)
         pg = jnp.where(dual_active, cap, pg)
     else:
-        dual_active = jnp.zeros(shape, bool)
+        dual_active = jnp.zeros(jnp.shape(adv), bool)
+    return _Clip(pg, ratio, log_ratio, clip_active, dual_active, clip_active | dual_active, lo, hi)
 
-    # --- aggregation ---
-    denom_mask = valid if cfg.keep_masked_in_denominator else kept
+
+def _aggregate(pg, ti: TrainInfer, pg_ok, truncated: bool, cfg: LossConfig, denominator, entropy, shape):
+    """``(loss, Z, kept_pg)``: the kept tokens' weighted policy terms over the denominator Z (the batch's own, or
+    ``denominator``), minus the entropy bonus when ``entropy`` is given."""
+    denom_mask = ti.valid if cfg.keep_masked_in_denominator else ti.kept
     c, Z_local = _agg_parts(denom_mask, cfg)
     Z = Z_local if denominator is None else _f32(denominator)
     Z_safe = jnp.where(Z > 0, Z, 1.0)
-    kept_pg = kept & pg_ok if truncated else kept
+    kept_pg = ti.kept & pg_ok if truncated else ti.kept
     tok_loss = jnp.where(kept_pg, ti.weight * pg * c, 0.0)
     loss = jnp.sum(tok_loss) / Z_safe
     if entropy is not None:
         _check_2d("entropy", entropy, shape)
         ent = jnp.where(kept_pg, jnp.where(kept_pg, _f32(entropy), 0.0) * c, 0.0)
         loss = loss - float(cfg.entropy_coef) * (jnp.sum(ent) / Z_safe)
+    return loss, Z, kept_pg
 
-    # --- metrics (detached) ---
-    sg = lax.stop_gradient
-    ratio_d, lr_d = sg(ratio), sg(log_ratio)
+
+def _ratio_metrics(ti: TrainInfer, clip: _Clip, Z, trunc_out, entropy, cfg: LossConfig) -> dict[str, jax.Array]:
+    """The detached metrics of the train-infer factor, the clip and the ratios (module docstring)."""
+    sg, M = lax.stop_gradient, float(cfg.max_log_ratio)
+    valid, usable, kept = ti.valid, ti.usable, ti.kept
+    ratio_d, lr_d = sg(clip.ratio), sg(clip.log_ratio)
     nv = jnp.sum(valid.astype(jnp.float32))
     raw_is = jnp.exp(jnp.clip(ti.level_logratio, -M, M))
     tl = ti.token_logratio
-    out_of_band = (ratio_d < lo) | (ratio_d > hi)
-    clipped = clip_active | dual_active  # the clipped term is chosen: zero gradient (verl pg_clipfrac)
+    out_of_band = (ratio_d < clip.lo) | (ratio_d > clip.hi)
     m: dict[str, jax.Array] = {}
     m["valid_tokens"] = nv
     m["denominator"] = sg(Z)
@@ -433,16 +484,16 @@ def policy_loss(
     m["train_infer_out_of_band_frac"] = _vmean(usable & ~ti.in_band, valid, nv)
     m["train_infer_catastrophic_frac"] = _vmean(usable & ti.catastrophic_row[:, None], valid, nv)
     m["masked_nonfinite_behav"] = jnp.sum(ti.nonfinite_behav.astype(jnp.float32))
-    if truncated:
+    if trunc_out is not None:
         m["masked_nonfinite_prox"] = jnp.sum((ti.nonfinite_prox & ~trunc_out).astype(jnp.float32))
         m["masked_trunc_outside"] = jnp.sum(trunc_out.astype(jnp.float32))
         m["trunc_outside_frac"] = _vmean(trunc_out, valid, nv)
     else:
         m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
-    m["clip_frac"] = _vmean(clipped, valid, nv)
-    m["clip_active_frac"] = _vmean(clip_active, valid, nv)
+    m["clip_frac"] = _vmean(clip.clipped, valid, nv)
+    m["clip_active_frac"] = _vmean(clip.clip_active, valid, nv)
     m["ratio_out_of_band_frac"] = _vmean(out_of_band, valid, nv)
-    m["dual_clip_frac"] = _vmean(dual_active, valid, nv)
+    m["dual_clip_frac"] = _vmean(clip.dual_active, valid, nv)
     m["is_weight_mean"] = _vmean(raw_is, valid, nv, empty=1.0)
     m["is_weight_sq_mean"] = _vmean(raw_is * raw_is, valid, nv, empty=1.0)
     m["is_weight_max"] = jnp.max(jnp.where(valid, raw_is, 0.0))
@@ -456,37 +507,42 @@ def policy_loss(
     m["ratio_max"] = jnp.max(jnp.where(valid, ratio_d, 0.0))
     if entropy is not None:
         m["entropy_mean"] = _vmean(jnp.where(valid, sg(_f32(entropy)), 0.0), valid, nv)
+    return m
 
-    if versions is not None:
-        _check_2d("versions", versions, shape)
-        ver = jnp.asarray(versions, jnp.int32)
-        g = jnp.asarray(current_version, jnp.int32)
-        has_v = valid & (ver >= 0)
-        st = jnp.where(has_v, g - ver, 0)
-        stc = jnp.clip(st, 0, STALENESS_MAX_BUCKET)
-        n_v = jnp.sum(has_v.astype(jnp.float32))
-        m["staleness_tokens"] = n_v
-        m["staleness_mean"] = _vmean(st, has_v, n_v)
-        m["staleness_max"] = jnp.max(jnp.where(has_v, st, 0)).astype(jnp.float32)
-        for k in range(STALENESS_MAX_BUCKET + 1):
-            name = f"{k}+" if k == STALENESS_MAX_BUCKET else str(k)
-            in_k = has_v & (stc == k)
-            n_k = jnp.sum(in_k.astype(jnp.float32))
-            m[f"staleness/{name}/tokens"] = n_k
-            m[f"staleness/{name}/retained"] = _vmean(kept, in_k, n_k, empty=1.0)
-            m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
 
-    if old_logp is not None:
-        _check_2d("old_logp", old_logp, shape)
-        ex = sg(_f32(old_logp))
-        ok = usable & jnp.isfinite(ex)
-        err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
-        err = jnp.where(ok, err, 0.0)
-        m["prox_abs_err_mean"] = _vmean(err, valid, nv)
-        m["prox_abs_err_max"] = jnp.max(err)
+def _staleness_metrics(versions, current_version, ti: TrainInfer, clipped, shape) -> dict[str, jax.Array]:
+    """Staleness g - v of the valid tokens with a version: its mean and max, and per bucket (0 .. the last,
+    open one) the tokens, the train-infer retained fraction and the clip fraction."""
+    _check_2d("versions", versions, shape)
+    ver = jnp.asarray(versions, jnp.int32)
+    g = jnp.asarray(current_version, jnp.int32)
+    has_v = ti.valid & (ver >= 0)
+    st = jnp.where(has_v, g - ver, 0)
+    stc = jnp.clip(st, 0, STALENESS_MAX_BUCKET)
+    n_v = jnp.sum(has_v.astype(jnp.float32))
+    m: dict[str, jax.Array] = {}
+    m["staleness_tokens"] = n_v
+    m["staleness_mean"] = _vmean(st, has_v, n_v)
+    m["staleness_max"] = jnp.max(jnp.where(has_v, st, 0)).astype(jnp.float32)
+    for k in range(STALENESS_MAX_BUCKET + 1):
+        name = f"{k}+" if k == STALENESS_MAX_BUCKET else str(k)
+        in_k = has_v & (stc == k)
+        n_k = jnp.sum(in_k.astype(jnp.float32))
+        m[f"staleness/{name}/tokens"] = n_k
+        m[f"staleness/{name}/retained"] = _vmean(ti.kept, in_k, n_k, empty=1.0)
+        m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
+    return m
 
-    m = {k: sg(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
-    return loss, m
+
+def _prox_error_metrics(old_logp, ti: TrainInfer, shape) -> dict[str, jax.Array]:
+    """``prox_abs_err_mean`` / ``_max``: |log pi_prox - log pi_v| where the exact ``old_logp`` is finite."""
+    _check_2d("old_logp", old_logp, shape)
+    ex = lax.stop_gradient(_f32(old_logp))
+    ok = ti.usable & jnp.isfinite(ex)
+    err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
+    err = jnp.where(ok, err, 0.0)
+    nv = jnp.sum(ti.valid.astype(jnp.float32))
+    return {"prox_abs_err_mean": _vmean(err, ti.valid, nv), "prox_abs_err_max": jnp.max(err)}
 
 
 # --------------------------------------------------------------------------------------

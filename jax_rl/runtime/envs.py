@@ -15,10 +15,8 @@ from jax_rl.model_builder import resolve_model_config
 from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
 from jax_rl.runtime.engines import build_generator, user_model_mesh
 from rollout.agent import demo_chat
-from rollout.envs import RetailEnv, env_factory_from_config
-from rollout.envs.base import BaseEnv
-from rollout.envs.calculator import _get_dataset, check_dataset_config
-from rollout.envs.tau2 import ModelUser, TicketUser, load_domain
+from rollout.envs import env_factory_from_config, env_spec
+from rollout.envs.tau2 import ModelUser, TicketUser
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -68,22 +66,53 @@ def _train_bpe(cfg: Config, env_factory: Callable[[], Any]):
 
 
 def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
-    """A zero-argument env factory for ``env``, checked by building one env (and, for
-    ``calculator``, each reasoning-gym dataset with its ``env.dataset_config``).
+    """A zero-argument env factory for ``env``, checked by the env's own run-start checks
+    (:class:`rollout.envs.EnvSpec` ``check``: e.g. ``calculator``'s reasoning-gym datasets) and by building one
+    env. An env whose user simulator is a served model (``env.tau2.user=model``) gets a
+    :class:`Tau2UserModel` handle (the factory's ``user_model`` attribute) unless ``user_simulator_factory``
+    is given; its seeds split at ``eval.seed_offset``.
 
     Raises:
         ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
-            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob.
+            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
+            ``eval.num_tasks`` above a fixed held-out split (tau2's test split).
     """
-    _check_env(cfg)
-    if cfg.env.name == "tau2":
-        return _tau2_env_factory(cfg, user_simulator_factory)
-    factory = env_factory_from_config(cfg.env, cfg.rollout)
     try:
+        spec = env_spec(cfg.env.name)
+        if spec.check is not None:
+            spec.check(cfg.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_eval_tasks(cfg, spec)
+    handle = None
+    if spec.user_model(cfg.env) and user_simulator_factory is None:
+        user_simulator_factory = handle = Tau2UserModel(cfg)
+    try:
+        factory = env_factory_from_config(cfg.env, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
+                                          user_simulator_factory=user_simulator_factory)
         factory()
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"env.{'retail' if cfg.env.name == 'retail' else 'dataset_config'}: {e}") from None
+        raise ConfigError(f"env.{spec.section}: {e}") from None
+    if handle is not None:
+        factory.user_model = handle
     return factory
+
+
+def _check_eval_tasks(cfg: Config, spec: Any) -> None:
+    """``eval.num_tasks`` within an env's fixed held-out split (``EnvSpec.held_out_tasks``: tau2's test split),
+    for ``jax-rl train`` (its in-training eval) and ``jax-rl eval`` alike: more would evaluate some tasks twice
+    and weight them unevenly in avg@k / pass@k.
+
+    Raises:
+        ConfigError: ``eval.num_tasks`` above the split."""
+    if spec.held_out_tasks is None:
+        return
+    held_out, where = spec.held_out_tasks(cfg.env)
+    if cfg.eval.num_tasks > held_out:
+        raise ConfigError(f"eval.num_tasks={cfg.eval.num_tasks}: {where} has "
+                          f"{held_out} held-out tasks (its test split); more would evaluate some of them twice and "
+                          f"weight them unevenly in avg@k / pass@k: set eval.num_tasks<={held_out} "
+                          "(eval.k samples each)")
 
 
 class Tau2UserModel:
@@ -112,38 +141,6 @@ class Tau2UserModel:
         return ModelUser(self.generator, self.tokenizer, max_new_tokens=um.max_new_tokens,
                          max_context=min(um.max_context, self.cfg.rollout.max_cache_len),
                          timeout_s=self.cfg.rollout.episode_timeout_s, max_tool_calls=um.max_tool_calls)
-
-
-def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
-    """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
-    handle (the factory's ``user_model`` attribute) unless one is given.
-
-    Raises:
-        ConfigError: ``eval.num_tasks`` above the domain's held-out (test) split (mock: 3), for
-            ``jax-rl train`` (its in-training eval) and ``jax-rl eval`` alike; tau² not installed."""
-    try:
-        dom = load_domain(cfg.env.tau2.domain)
-    except ImportError as e:
-        raise ConfigError(f"env.name=tau2: {e}") from None
-    held_out = len(dom.test)  # a fixed split: more eval tasks would repeat some and weight them unevenly
-    if cfg.eval.num_tasks > held_out:
-        raise ConfigError(f"eval.num_tasks={cfg.eval.num_tasks}: env.tau2.domain={cfg.env.tau2.domain} has "
-                          f"{held_out} held-out tasks (its test split); more would evaluate some of them twice and "
-                          f"weight them unevenly in avg@k / pass@k: set eval.num_tasks<={held_out} "
-                          "(eval.k samples each)")
-    handle = None
-    if cfg.env.tau2.user == "model":
-        if user_simulator_factory is None:
-            user_simulator_factory = handle = Tau2UserModel(cfg)
-    try:
-        factory = env_factory_from_config(cfg.env, cfg.rollout, eval_seed_offset=cfg.eval.seed_offset,
-                                          user_simulator_factory=user_simulator_factory)
-        factory()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"env.tau2: {e}") from None
-    if handle is not None:
-        factory.user_model = handle
-    return factory
 
 
 def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_config: Any, publisher: Any,
@@ -182,46 +179,6 @@ def start_tau2_user_model(cfg: Config, env_factory: Any, tokenizer: Any, model_c
     gen = build_generator(cfg, mc, params, version=0, mesh=user_model_mesh(cfg))
     handle.bind(gen, tokenizer)
     return gen
-
-
-def _check_env(cfg: Config) -> None:
-    import difflib
-    import inspect
-
-    def hint(name: str, known, prefix: str = "") -> str:
-        m = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-        return f"; did you mean '{prefix}{m[0]}'?" if m else ""
-
-    env = cfg.env
-    if env.name == "tau2":  # its knobs are checked by its schema and by building one env
-        return
-    if env.name == "retail":
-        known = {n for c in (RetailEnv, BaseEnv) for n, prm in inspect.signature(c.__init__).parameters.items()
-                 if n != "self" and prm.kind is prm.POSITIONAL_OR_KEYWORD} - {"tool_latency_s", "tool_latency_dist"}
-        for k in env.retail:
-            if k not in known:
-                raise ConfigError(f"unknown config key 'env.retail.{k}'{hint(k, known, 'env.retail.')} (env.retail takes "
-                                  f"{sorted(known)})")
-        return
-    import reasoning_gym.factory as rg
-
-    for name in env.datasets:
-        if name not in rg.DATASETS:
-            raise ConfigError(f"env.datasets: {name!r} is not a reasoning-gym dataset{hint(name, rg.DATASETS)}")
-    for name in env.dataset_config:
-        if name not in env.datasets:
-            raise ConfigError(f"env.dataset_config.{name} names a dataset not in env.datasets={env.datasets}")
-
-    for name in env.datasets:
-        try:  # the dataset's own knob schema (reasoning-gym's config dataclass): names the knob and value
-            check_dataset_config(name, env.dataset_config.get(name, {}))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        try:
-            _get_dataset(name, 0, dict(env.dataset_config.get(name, {})))
-        except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
-            raise ConfigError(f"env.dataset_config.{name}={env.dataset_config.get(name, {})}: "
-                              f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 # Training seeds whose prompts :func:`rollout_preflight` renders at the start of a run.

@@ -45,6 +45,7 @@ from jax_rl.metrics import read_jsonl
 from jax_rl.plots import plot_runs
 from jax_rl.runtime import engines
 from jax_rl.runtime.context import StopFlag, signal_exit_code
+from rollout.envs import env_spec
 from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
@@ -343,7 +344,7 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
     })
     if any("moe_copies" in (t.info or {}) for t in trajs):  # the engines drop MoE copies (capacity)
         row.update(rollout_moe_drops(trajs))
-    if cfg.env.name == "tau2":  # the agentic workload's shape: per-episode means over the batch
+    if env_spec(cfg.env.name).agentic:  # the agentic workload's shape: per-episode means over the batch
         row.update(tau2_episode_stats(trajs))
     return row
 

@@ -25,7 +25,7 @@ from jax_rl.config import Config
 from jax_rl.models.qwen3 import Qwen3Config
 from jax_rl.publish import hand_over
 from jax_rl.runtime import engines
-from jax_rl.runtime.affinity import pin_process, thread_affinities
+from jax_rl.affinity import pin_process, thread_affinities
 from jax_rl.runtime.context import RunContext, drop_newer_checkpoints
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
 from rollout.agent import AgentLoop

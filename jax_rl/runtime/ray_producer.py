@@ -16,6 +16,7 @@ from typing import Optional
 from jax_rl.config import Config
 from jax_rl.runtime.loop import EpisodeGuard, WeightSyncClock, buffer_columns
 from jax_rl.runtime.ray_cluster import ray_get
+from rollout.envs import env_spec
 from rollout.types import Trajectory, json_safe
 
 log = logging.getLogger("jax_rl.runtime")
@@ -119,7 +120,7 @@ class RayProducer:
         ray = self._ray
         self.version = int(ray.get(self._learner.version.remote()))
         self.params_ref = self._learner.get_params.remote()  # lives in the object store; every worker reads it
-        if self.cfg.env.name == "tau2" and self.cfg.env.tau2.user == "model":  # one copy for every worker
+        if env_spec(self.cfg.env.name).user_model(self.cfg.env):  # a served user model: one copy for every worker
             self.user_ref = self._learner.user_model.remote()
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.ray_workers)]
         pending = [w.set_params.remote(self.params_ref, self.version) for w in self.workers]

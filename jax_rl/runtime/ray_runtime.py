@@ -34,7 +34,7 @@ from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config
 from jax_rl.metrics import MetricsWriter
 from jax_rl.model_builder import build_model_config
-from jax_rl.runtime.affinity import pin_process
+from jax_rl.affinity import pin_process
 from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
 from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line

@@ -20,14 +20,15 @@ a factory). Its contract:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
 import re
 import time
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-__all__ = ["Env", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "parse_tool_calls", "MAX_TOOL_LATENCY_S"]
+__all__ = ["Env", "EnvSpec", "ToolError", "BaseEnv", "extract_final_answer", "tool_schema", "parse_tool_calls", "MAX_TOOL_LATENCY_S"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -200,3 +201,34 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     if "<tool_call>" in tail:
         errors.append("malformed tool call (<tool_call> without </tool_call>)")
     return calls, errors
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """One registered environment (``rollout.envs.ENVS[env.name]``): how to build it and what of the config it
+    reads, so no caller branches on ``env.name``.
+
+    Attributes:
+        make: ``(**knobs) -> Env``, one instance (one episode at a time).
+        section: the config key under ``env`` its knobs live in (``env.<section>``), named in its errors.
+        kwargs: ``(env_cfg) -> dict`` of constructor knobs from ``jax_rl.config.EnvConfig``.
+        check_knobs: ``(value of env.<section>) -> value``, the section's own schema, run when the config is
+            loaded (ValueError naming the knob), or None.
+        check: ``(env_cfg) -> None``, the run-start checks that need the env's own dependencies (datasets, a
+            domain), ValueError naming the key; or None.
+        splits_eval_seeds: the env takes ``eval_seed_offset`` (``eval.seed_offset``: train / test tasks).
+        user_model: ``(env_cfg) -> bool``: the env's user simulator is a served model the runtime builds.
+        agentic: per-episode shape metrics (turns, tool calls) are logged for it.
+        held_out_tasks: ``(env_cfg) -> (count, where)`` for an env whose eval tasks are a fixed split (tau2's test
+            split: ``where`` names the key that picks it, e.g. ``env.tau2.domain=mock``); None: unbounded seeds.
+    """
+
+    make: Callable[..., Any]
+    section: str
+    kwargs: Callable[[Any], dict]
+    check_knobs: Optional[Callable[[Any], Any]] = None
+    check: Optional[Callable[[Any], None]] = None
+    splits_eval_seeds: bool = False
+    user_model: Callable[[Any], bool] = lambda env_cfg: False
+    agentic: bool = False
+    held_out_tasks: Optional[Callable[[Any], tuple[int, str]]] = None

@@ -18,7 +18,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Optional
 
-from .base import BaseEnv, ToolError, tool_schema
+from .base import BaseEnv, EnvSpec, ToolError, tool_schema
 
 __all__ = ["CalculatorEnv", "safe_eval", "format_number", "CalcError"]
 
@@ -273,3 +273,40 @@ class CalculatorEnv(BaseEnv):
             {"role": "tool", "content": obs},
             {"role": "assistant", "content": f"<answer>{obs}</answer>"},
         ]
+
+
+def check_config(env_cfg: Any) -> None:
+    """``env.datasets`` and ``env.dataset_config`` (``jax_rl.config.EnvConfig``) checked at the start of a run:
+    each dataset is a reasoning-gym one, each ``dataset_config`` entry names one of them, its knobs pass the
+    dataset's own schema (:func:`check_dataset_config`) and the dataset builds with them.
+
+    Raises:
+        ValueError: one line naming the key (``env.datasets``, ``env.dataset_config.<name>...``).
+    """
+    import difflib
+
+    import reasoning_gym.factory as rg
+
+    def hint(name: str) -> str:
+        m = difflib.get_close_matches(name, list(rg.DATASETS), n=1, cutoff=0.6)
+        return f"; did you mean '{m[0]}'?" if m else ""
+
+    for name in env_cfg.datasets:
+        if name not in rg.DATASETS:
+            raise ValueError(f"env.datasets: {name!r} is not a reasoning-gym dataset{hint(name)}")
+    for name in env_cfg.dataset_config:
+        if name not in env_cfg.datasets:
+            raise ValueError(f"env.dataset_config.{name} names a dataset not in env.datasets={env_cfg.datasets}")
+    for name in env_cfg.datasets:
+        knobs = env_cfg.dataset_config.get(name, {})
+        check_dataset_config(name, knobs)  # the dataset's own knob schema: names the knob and value
+        try:
+            _get_dataset(name, 0, dict(knobs))
+        except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
+            raise ValueError(f"env.dataset_config.{name}={knobs}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+SPEC = EnvSpec(make=CalculatorEnv, section="dataset_config",
+               kwargs=lambda env_cfg: {"datasets": list(env_cfg.datasets), "dataset_config": dict(env_cfg.dataset_config)},
+               check=check_config)
+"""``env.name=calculator`` in :data:`rollout.envs.ENVS`."""

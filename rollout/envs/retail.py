@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from .base import BaseEnv, ToolError, tool_schema
+from .base import BaseEnv, EnvSpec, ToolError, tool_schema
 
 __all__ = ["RetailEnv"]
 
@@ -351,3 +351,27 @@ class RetailEnv(BaseEnv):
             turn(*({"name": "get_order", "arguments": {"order_id": o}} for o in json.loads(u)["orders"]))
         msgs.append({"role": "assistant", "content": f"<answer>{t['answer']}</answer>"})
         return msgs
+
+
+def check_config(env_cfg: Any) -> None:
+    """``env.retail`` (``jax_rl.config.EnvConfig``) checked at the start of a run: each knob is one
+    :class:`RetailEnv` takes (the tool latency aside: ``rollout.tool_latency_s``).
+
+    Raises:
+        ValueError: an unknown knob, with the closest known one and the known ones.
+    """
+    import difflib
+    import inspect
+
+    known = {n for c in (RetailEnv, BaseEnv) for n, prm in inspect.signature(c.__init__).parameters.items()
+             if n != "self" and prm.kind is prm.POSITIONAL_OR_KEYWORD} - {"tool_latency_s", "tool_latency_dist"}
+    for k in env_cfg.retail:
+        if k not in known:
+            m = difflib.get_close_matches(k, list(known), n=1, cutoff=0.6)
+            hint = f"; did you mean 'env.retail.{m[0]}'?" if m else ""
+            raise ValueError(f"unknown config key 'env.retail.{k}'{hint} (env.retail takes {sorted(known)})")
+
+
+SPEC = EnvSpec(make=RetailEnv, section="retail", kwargs=lambda env_cfg: dict(env_cfg.retail),
+               check_knobs=check_retail_knobs, check=check_config)
+"""``env.name=retail`` in :data:`rollout.envs.ENVS`."""

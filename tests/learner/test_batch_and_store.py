@@ -27,7 +27,7 @@ class _Traj:
 
 
 def test_collate_pads_right_and_broadcasts_advantages():
-    b = collate([_Traj(5, 2, 0), _Traj(11, 3, 1)], [0.5, -1.0], max_seq_len=32, pad_to_multiple=8)
+    b = collate([_Traj(5, 2, 0), _Traj(11, 3, 1)], [0.5, -1.0], max_seq_len=32)  # T: the smallest default bucket holding 11 (16, 24, 32)
     assert b["tokens"].shape == (2, 16) and b["tokens"].dtype == np.int32
     assert b["attention_mask"][0].sum() == 5 and b["attention_mask"][1].sum() == 11
     assert np.all(b["versions"][0, 5:] == -1) and np.all(b["turn_ids"][1, 11:] == -1)
@@ -36,7 +36,7 @@ def test_collate_pads_right_and_broadcasts_advantages():
     with pytest.raises(BatchError, match="max_seq_len"):
         collate([_Traj(40, 2, 0)], [1.0], max_seq_len=32)
     # bucket capped at max_seq_len
-    assert collate([_Traj(30, 2, 0)], [1.0], max_seq_len=30, pad_to_multiple=16)["tokens"].shape == (1, 30)
+    assert collate([_Traj(30, 2, 0)], [1.0], max_seq_len=30)["tokens"].shape == (1, 30)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_rl.learner import losses
-from jax_rl.learner.batch import BatchError, LearnerBatch, bucket_len, pad_len, seq_buckets
+from jax_rl.learner.batch import BatchError, LearnerBatch, bucket_len, collate, inert, pad_len, pad_rows, seq_buckets
 from jax_rl.config import Config
 from jax_rl.learner.learner import Learner
 from jax_rl.sharding import make_mesh
@@ -57,6 +57,47 @@ def test_pad_len_is_inert():
     assert pad_len(b, 12) is b
     with pytest.raises(BatchError, match="more than"):
         pad_len(b, 8)
+
+
+class _Traj:
+    def __init__(self, n: int):
+        self.tokens = np.arange(n) % 7 + 1
+        self.loss_mask = np.arange(n) >= 2
+        self.behav_logp = np.where(self.loss_mask, -0.5, 0.0).astype(np.float32)
+        self.versions = np.where(self.loss_mask, 3, -1).astype(np.int32)
+        self.turn_ids = np.where(self.loss_mask, 0, -1).astype(np.int32)
+        self.routes = np.full((n, 2, 1), 1, np.int8)
+
+
+@pytest.mark.parametrize("n, buckets, want", [(17, None, 24), (25, None, 32), (5, [8], 8), (9, [8, 12], 12)])
+def test_collate_pads_by_the_learners_bucket(n, buckets, want):
+    """One rule for T: collate pads to the learner's bucket (17 tokens: 24, not the multiple of 16, 32, that the
+    learner then had to pad again), so the learner's own padding is a no-op on a collated batch."""
+    b = collate([_Traj(n), _Traj(3)], [1.0, -1.0], 32, buckets, pad_id=5)
+    assert b["tokens"].shape == (2, want) == (2, bucket_len(n, seq_buckets(32, buckets)))
+    assert pad_len(b, want) is b
+
+
+def test_collate_takes_trajectories_only():
+    t = _Traj(5)
+    with pytest.raises(BatchError, match="item 1 is a dict"):
+        collate([t, dict(vars(t))], [0.0, 0.0], 32)
+
+
+def test_collate_pad_len_and_pad_rows_fill_alike():
+    """The inert-fill table is one: a row padded by collate, a column by pad_len and a row by pad_rows hold the
+    same values in every field (attention_mask's one True at position 0 of an added row aside)."""
+    b = collate([_Traj(20), _Traj(3)], [1.0, -1.0], 64, [20, 24], pad_id=5)
+    cols = pad_len(b, 24, pad_id=5)
+    rows = pad_rows(b, 3, pad_id=5)
+    for k in b:
+        fill = inert(k, 5)
+        assert (b[k][1, 3:] == fill).all(), k  # collate's padding of the short row
+        assert (cols[k][:, 20:] == fill).all(), k
+        if k != "attention_mask":
+            assert (rows[k][2] == fill).all(), k
+    assert inert("tokens", 5) == 5 and inert("versions") == inert("turn_ids") == inert("routes") == -1
+    assert inert("behav_logp") == 0 and inert("loss_mask") == 0
 
 
 def test_config_rejects_buckets_above_max_seq_len():

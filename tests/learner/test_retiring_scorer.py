@@ -375,7 +375,7 @@ def test_retire_refuses_prefixes_without_routes_under_r3():
         rs._pad([row(0, 4, np.zeros((4, 2, 2), np.int8)), row(1, 4, None)])
     with pytest.raises(ValueError, match="3 positions"):
         rs._pad([row(0, 4, np.zeros((3, 2, 2), np.int8))])
-    rts = rs._pad([row(0, 4, np.ones((4, 2, 2), np.int8))])[4]  # T rounded up to pad_to_multiple=16
+    rts = rs._pad([row(0, 4, np.ones((4, 2, 2), np.int8))])[4]  # T: the smallest seq bucket holding 4 (16)
     assert rts.shape == (1, 16, 2, 2) and rts.dtype == np.int8 and (rts[0, :4] == 1).all() and (rts[0, 4:] == -1).all()
     sc.routes_fn = None  # not r3: routes are not forced, so not required
     assert rs._pad([row(0, 4, np.zeros((4, 2, 2), np.int8)), row(1, 4, None)])[4] is None

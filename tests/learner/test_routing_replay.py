@@ -163,7 +163,7 @@ def test_collate_routes():
     ts = [Trajectory(tokens=np.arange(n), loss_mask=[False] + [True] * (n - 1), behav_logp=np.zeros(n),
                      versions=[-1] + [0] * (n - 1), turn_ids=[-1] + [0] * (n - 1), routes=r)
           for n, r in ((5, rts[0]), (3, rts[1]))]
-    b = collate(ts, [0.0, 0.0], 16, pad_to_multiple=8)
+    b = collate(ts, [0.0, 0.0], 16, buckets=[8])
     assert b["routes"].shape == (2, 8, 2, 2) and b["routes"].dtype == np.int8
     assert np.all(b["routes"][1, 3:] == -1) and np.all(b["routes"][1, :3] == 1)
     ts[1].routes = None

@@ -257,10 +257,10 @@ def _params_from_hf(hf_model, abstract_params, tmp_path):
     except ImportError:
         hf_io = None
     if hf_io is not None:
-        from rollout.serve import _config_and_params
+        from rollout.serve import config_and_params
 
         hf_model.save_pretrained(tmp_path)
-        return _config_and_params(hf_io.load_pretrained(str(tmp_path)))[1]
+        return config_and_params(hf_io.load_pretrained(str(tmp_path)))[1]
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
 
     def conv(keys, shape):

@@ -45,7 +45,7 @@ def test_pinning_keys_validate():
 
 _PROBE = r"""
 import json, os, sys, threading, time
-from jax_rl.runtime.affinity import pin_process, thread_affinities, allowed_cpus
+from jax_rl.affinity import pin_process, thread_affinities, allowed_cpus
 before = sorted(allowed_cpus())
 want = json.loads(sys.argv[1])
 got = pin_process(want)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jax_rl.learner.batch import collate
+from jax_rl.learner.batch import bucket_len, collate, inert
 from jax_rl.correction.old_logits.scorer import OldLogitScorer
 from jax_rl.correction.old_logits.store import StaleVersionError
 
@@ -139,13 +139,12 @@ class RetiringScorer:
         Raises:
             ValueError: under r3, some rows carry routes and others not, or a row's routes do not
                 match its tokens (the forward would silently route those rows by the router)."""
-        m = max(1, self.scorer.pad_to_multiple)
-        T = min(self.scorer.max_seq_len, -(-max(len(r[1]) for r in rows) // m) * m)
+        T = bucket_len(max(len(r[1]) for r in rows), self.scorer.buckets)
         B = len(rows)
-        tok = np.full((B, T), self.scorer.pad_id, np.int32)
-        am = np.zeros((B, T), bool)
-        ver = np.full((B, T), -1, np.int32)
-        lm = np.zeros((B, T), bool)
+        tok = np.full((B, T), inert("tokens", self.scorer.pad_id), np.int32)
+        am = np.full((B, T), inert("attention_mask"), bool)
+        ver = np.full((B, T), inert("versions"), np.int32)
+        lm = np.full((B, T), inert("loss_mask"), bool)
         for i, (_, t, v, l, _) in enumerate(rows):
             n = len(t)
             tok[i, :n], am[i, :n], ver[i, :n], lm[i, :n] = t, True, v, l
@@ -159,7 +158,7 @@ class RetiringScorer:
             tails = {np.shape(r)[1:] for r in rts}
             if len(tails) != 1:
                 raise ValueError(f"retire: prefix routes must all be [L, n_moe_layers, k] of one shape; got {sorted(tails)}")
-            routes = np.full((B, T, *next(iter(tails))), -1, np.asarray(rts[0]).dtype)
+            routes = np.full((B, T, *next(iter(tails))), inert("routes"), np.asarray(rts[0]).dtype)
             for i, (key, t, _, _, r) in enumerate(rows):
                 if len(r) != len(t):
                     raise ValueError(f"retire: episode {key}'s prefix routes have {len(r)} positions, its tokens "
@@ -241,8 +240,7 @@ class RetiringScorer:
                 todo.append((t, old, rest))
             live = [(t, old, rest) for t, old, rest in todo if rest]
             if live:
-                b = collate([t for t, _, _ in live], [0.0] * len(live), sc.max_seq_len,
-                            pad_to_multiple=sc.pad_to_multiple, pad_id=sc.pad_id)
+                b = collate([t for t, _, _ in live], [0.0] * len(live), sc.max_seq_len, sc.buckets, pad_id=sc.pad_id)
                 vs = sorted(set().union(*(r for _, _, r in live)))
                 lm = b["loss_mask"] & np.isin(b["versions"], vs)
                 new = sc.score_arrays(b["tokens"], b["attention_mask"], b["versions"], lm, held=held,

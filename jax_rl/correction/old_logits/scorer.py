@@ -20,12 +20,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
 
-from jax_rl.learner.batch import collate
+from jax_rl.learner.batch import collate, seq_buckets
 from jax_rl.correction.old_logits.store import StaleVersionError, logprobs_by_version, versions_needed
 from jax_rl.placement import BatchPlacement
 
@@ -59,8 +59,9 @@ class OldLogitScorer:
         keep: versions held at most (``async.max_staleness + 1``), >= 1.
         max_seq_len: longest trajectory scored (``optim.max_seq_len``).
         pad_id: token written in padding (masked; causal attention never reads it).
-        pad_to_multiple: T of a scored group is its longest trajectory rounded up to this (as
-            :func:`jax_rl.learner.batch.collate`), so few shapes are compiled.
+        buckets: ``optim.seq_len_buckets``: T of a scored group is the smallest of
+            :func:`jax_rl.learner.batch.seq_buckets` that holds its longest trajectory
+            (:func:`jax_rl.learner.batch.bucket_len`, the learner's rule), so few shapes are compiled.
         routes_fn: the same forward with recorded expert ids forced, ``(params, tokens,
             attention_mask, routes) -> logp`` (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.logprob_fn`
             ``routes=True``), when the routing-replay policy forces the rollout's routes (r3).
@@ -75,7 +76,7 @@ class OldLogitScorer:
     """
 
     def __init__(self, logprob_fn: Callable, param_shardings: Any, mesh: Any, *, keep: int, max_seq_len: int,
-                 pad_id: int = 0, pad_to_multiple: int = 16, routes_fn: Optional[Callable] = None):
+                 pad_id: int = 0, buckets: Optional[Sequence[int]] = None, routes_fn: Optional[Callable] = None):
         if keep < 1:
             raise ValueError(f"OldLogitScorer keep={keep} must be >= 1")
         self.logprob_fn = logprob_fn
@@ -84,7 +85,7 @@ class OldLogitScorer:
         self.keep = int(keep)
         self.max_seq_len = int(max_seq_len)
         self.pad_id = int(pad_id)
-        self.pad_to_multiple = int(pad_to_multiple)
+        self.buckets = seq_buckets(self.max_seq_len, buckets)
         self.placement = BatchPlacement(mesh, 1, 1)
         self._params: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -225,8 +226,7 @@ class OldLogitScorer:
             kept.append(t)
             todo.append(t)
         if todo:
-            b = collate(todo, [0.0] * len(todo), self.max_seq_len, pad_to_multiple=self.pad_to_multiple,
-                        pad_id=self.pad_id)
+            b = collate(todo, [0.0] * len(todo), self.max_seq_len, self.buckets, pad_id=self.pad_id)
             old = self.score_arrays(b["tokens"], b["attention_mask"], b["versions"], b["loss_mask"], held=held,
                                     routes=b.get("routes"))
             for i, t in enumerate(todo):

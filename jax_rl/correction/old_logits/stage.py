@@ -129,7 +129,8 @@ class OldLogitStage:
                              "(the learner's snapshot store)")
         forced = lrn.routing.forces_rollout_routes
         keep = int(lrn.cfg.async_.max_staleness) + 1 if keep is None else int(keep)
-        common = dict(keep=keep, max_seq_len=lrn.cfg.optim.max_seq_len, pad_id=pad_id)
+        common = dict(keep=keep, max_seq_len=lrn.cfg.optim.max_seq_len, buckets=lrn.cfg.optim.seq_len_buckets,
+                      pad_id=pad_id)
         devs = resolve_roles(lrn.cfg).scorer if isinstance(devices, str) else devices
         if devs is None:
             return OldLogitScorer(self.logprob_fn(), lrn.param_shardings, lrn.mesh,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["Qwen3Config", "PRESETS", "get_preset"]
 
@@ -132,90 +132,17 @@ class Qwen3Config:
         scaling, sliding window, attention bias, non-silu activation, unknown keys, ...).
         """
         d = dict(hf)
-        model_type = d.pop("model_type", None)
-        archs = d.get("architectures")
-        if model_type is None:
-            model_type = "qwen3_moe" if "num_experts" in d else "qwen3"
-        if model_type not in _HF_DEFAULTS:
-            raise ValueError(f"config.model_type={model_type!r} is not supported "
-                             "(expected 'qwen3' or 'qwen3_moe')")
-        if archs is not None:
-            ok = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
-            bad = [a for a in archs if a != ok]
-            if bad:
-                raise ValueError(f"config.architectures={archs!r} is not supported (expected [{ok!r}])")
+        model_type = _hf_model_type(d)
         out = dict(_HF_DEFAULTS[model_type])
-
-        # --- rope
-        theta_top = d.pop("rope_theta", None)
-        theta = theta_top
-        for key in ("rope_parameters", "rope_scaling"):
-            rp = d.pop(key, None)
-            if rp is None:
-                continue
-            if not isinstance(rp, dict):
-                raise ValueError(f"config.{key}={rp!r} is not supported")
-            rp = dict(rp)
-            rtype = rp.pop("rope_type", rp.pop("type", "default"))
-            if rtype not in (None, "default"):
-                raise ValueError(f"config.{key}.rope_type={rtype!r} is not supported "
-                                 "(only 'default' RoPE is implemented)")
-            if "rope_theta" in rp:
-                t = float(rp.pop("rope_theta"))
-                if theta is not None and float(theta) != t:
-                    raise ValueError(f"config.{key}.rope_theta={t} disagrees with "
-                                     f"config.rope_theta={theta}")
-                theta = t
-            prf = rp.pop("partial_rotary_factor", 1.0)
-            if prf != 1.0:
-                raise ValueError(f"config.{key}.partial_rotary_factor={prf} is not supported")
-            if rp:
-                raise ValueError(f"config.{key} has unsupported entries {sorted(rp)}")
+        theta = _hf_rope_theta(d)
         if theta is not None:
-            out["rope_theta"] = float(theta)
-
-        # --- aliases (transformers 5 writes num_local_experts next to num_experts)
-        if "num_local_experts" in d:
-            nle = d.pop("num_local_experts")
-            if d.setdefault("num_experts", nle) != nle:
-                raise ValueError(f"config.num_local_experts={nle} disagrees with "
-                                 f"config.num_experts={d['num_experts']}")
-
-        # --- dtype
-        dt = d.pop("dtype", None)
-        tdt = d.pop("torch_dtype", None)
-        dt = dt if dt is not None else tdt
+            out["rope_theta"] = theta
+        _hf_expert_alias(d)
+        dt = _hf_dtype(d)
         if dt is not None:
-            out["dtype"] = str(dt).replace("torch.", "")
-
-        # --- values we do not implement
-        def _require(key, allowed, default):
-            v = d.pop(key, default)
-            if v not in allowed:
-                raise ValueError(f"config.{key}={v!r} is not supported (supported: {allowed})")
-
-        _require("hidden_act", ("silu",), "silu")
-        _require("attention_bias", (False,), False)
-        _require("use_sliding_window", (False,), False)
-        _require("attention_dropout", (0, 0.0), 0.0)
-        _require("mlp_bias", (False,), False)
-        lt = d.pop("layer_types", None)
-        if lt is not None and any(t != "full_attention" for t in lt):
-            raise ValueError(f"config.layer_types={lt!r} is not supported (only 'full_attention')")
-
-        fields = {f.name for f in dataclasses.fields(cls)} - {"dtype"}
-        if model_type == "qwen3":
-            fields -= {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
-        unknown = []
-        for key, v in d.items():
-            if key in fields:
-                out[key] = v
-            elif key not in _IGNORED_HF_KEYS:
-                unknown.append(key)
-        if unknown:
-            raise ValueError(f"config has unsupported keys {sorted(unknown)} for model_type "
-                             f"{model_type!r}")
+            out["dtype"] = dt
+        _hf_require_implemented(d)
+        out.update(_hf_fields(d, {f.name for f in dataclasses.fields(cls)} - {"dtype"}, model_type))
         if out.get("head_dim") is None:
             out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
         if model_type == "qwen3_moe" and not out.get("num_experts"):
@@ -320,3 +247,100 @@ def get_preset(name: str, **hf_overrides: Any) -> Qwen3Config:
     if bad:
         raise ValueError(f"unknown Qwen3Config override(s) {bad}")
     return cfg.replace(**hf_overrides)
+
+
+# ------------------------------------------------------------------ Qwen3Config.from_hf's steps (each pops what it reads)
+
+
+def _hf_model_type(d: dict[str, Any]) -> str:
+    """``model_type`` (inferred from ``num_experts`` when absent), checked with ``architectures``."""
+    model_type = d.pop("model_type", None)
+    archs = d.get("architectures")
+    if model_type is None:
+        model_type = "qwen3_moe" if "num_experts" in d else "qwen3"
+    if model_type not in _HF_DEFAULTS:
+        raise ValueError(f"config.model_type={model_type!r} is not supported "
+                         "(expected 'qwen3' or 'qwen3_moe')")
+    if archs is not None:
+        ok = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
+        bad = [a for a in archs if a != ok]
+        if bad:
+            raise ValueError(f"config.architectures={archs!r} is not supported (expected [{ok!r}])")
+    return model_type
+
+
+def _hf_rope_theta(d: dict[str, Any]) -> Optional[float]:
+    """The RoPE base from a top-level ``rope_theta`` and / or ``rope_parameters`` / ``rope_scaling`` (default
+    RoPE only; they must agree), or None."""
+    theta = d.pop("rope_theta", None)
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = d.pop(key, None)
+        if rp is None:
+            continue
+        if not isinstance(rp, dict):
+            raise ValueError(f"config.{key}={rp!r} is not supported")
+        rp = dict(rp)
+        rtype = rp.pop("rope_type", rp.pop("type", "default"))
+        if rtype not in (None, "default"):
+            raise ValueError(f"config.{key}.rope_type={rtype!r} is not supported "
+                             "(only 'default' RoPE is implemented)")
+        if "rope_theta" in rp:
+            t = float(rp.pop("rope_theta"))
+            if theta is not None and float(theta) != t:
+                raise ValueError(f"config.{key}.rope_theta={t} disagrees with "
+                                 f"config.rope_theta={theta}")
+            theta = t
+        prf = rp.pop("partial_rotary_factor", 1.0)
+        if prf != 1.0:
+            raise ValueError(f"config.{key}.partial_rotary_factor={prf} is not supported")
+        if rp:
+            raise ValueError(f"config.{key} has unsupported entries {sorted(rp)}")
+    return None if theta is None else float(theta)
+
+
+def _hf_expert_alias(d: dict[str, Any]) -> None:
+    """transformers 5 writes ``num_local_experts`` next to ``num_experts``: folded into it (they must agree)."""
+    if "num_local_experts" in d:
+        nle = d.pop("num_local_experts")
+        if d.setdefault("num_experts", nle) != nle:
+            raise ValueError(f"config.num_local_experts={nle} disagrees with "
+                             f"config.num_experts={d['num_experts']}")
+
+
+def _hf_dtype(d: dict[str, Any]) -> Optional[str]:
+    """``dtype`` (or transformers 4's ``torch_dtype``) without a ``torch.`` prefix, or None."""
+    dt = d.pop("dtype", None)
+    tdt = d.pop("torch_dtype", None)
+    dt = dt if dt is not None else tdt
+    return None if dt is None else str(dt).replace("torch.", "")
+
+
+def _hf_require_implemented(d: dict[str, Any]) -> None:
+    """The values we do not implement (bias, sliding window, dropout, non-silu, non-full attention) rejected."""
+    for key, allowed, default in (("hidden_act", ("silu",), "silu"), ("attention_bias", (False,), False),
+                                  ("use_sliding_window", (False,), False), ("attention_dropout", (0, 0.0), 0.0),
+                                  ("mlp_bias", (False,), False)):
+        v = d.pop(key, default)
+        if v not in allowed:
+            raise ValueError(f"config.{key}={v!r} is not supported (supported: {allowed})")
+    lt = d.pop("layer_types", None)
+    if lt is not None and any(t != "full_attention" for t in lt):
+        raise ValueError(f"config.layer_types={lt!r} is not supported (only 'full_attention')")
+
+
+def _hf_fields(d: dict[str, Any], fields: set[str], model_type: str) -> dict[str, Any]:
+    """The remaining keys that are :class:`Qwen3Config` fields (the MoE ones only for ``qwen3_moe``); any other
+    key not in ``_IGNORED_HF_KEYS`` is an error."""
+    if model_type == "qwen3":
+        fields = fields - {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
+    out, unknown = {}, []
+    for key, v in d.items():
+        if key in fields:
+            out[key] = v
+        elif key not in _IGNORED_HF_KEYS:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"config has unsupported keys {sorted(unknown)} for model_type "
+                         f"{model_type!r}")
+    return out

@@ -1,0 +1,159 @@
+"""AOT compile of the rollout engine's steps for a TPU topology from a CPU host (:func:`compile_rollout`):
+``rollout.engine.Qwen3Engine``'s prefill, append-prefill and decode programs lowered with
+``ShapeDtypeStruct`` arguments and compiled through libtpu's compiler (the ``tpu`` extra); returns
+``memory_analysis()`` (bytes per chip) and ``cost_analysis()`` figures. These are compile-time estimates:
+nothing runs on a TPU, and ``cost_analysis`` counts a loop (e.g. a scanned layer stack) body once. Imports jax
+only when called (the CLI imports the package before it chooses the platform)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Optional
+
+from jax_rl.tpu.analysis import program_analysis
+from jax_rl.tpu.topology import get_topology, no_persistent_cache, resolve_topology
+
+__all__ = ["compile_rollout"]
+
+
+def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_len: int = 2048,
+                    prefill_len: int = 1024, dtype: str = "bfloat16",
+                    model_kwargs: Optional[dict] = None,
+                    only: tuple[str, ...] = ("prefill", "decode"),
+                    compiler_options: Optional[dict] = None, mesh: Any = None) -> dict[str, dict[str, Any]]:
+    """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
+    (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
+    (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
+    turn's program) for ``topology`` (see ``resolve_topology``), params and state replicated on every
+    chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
+    seconds).
+
+    ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,
+    ``attention="splash"``). Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
+    each step's dict has ``memory_analysis`` fields (bytes per chip), ``peak_bytes_per_chip``
+    (arguments + outputs - aliases + temporaries), ``flops`` and ``bytes_accessed``
+    (``cost_analysis``; a scanned loop body is counted once) and ``hbm_fraction``
+    (peak / the chip's HBM). The decode dict also has ``params_per_chip`` and
+    ``kv_cache_per_chip`` (bytes, from the argument shapes) and ``bytes_accessed_ratio`` =
+    bytes accessed / (params + KV cache per chip) (1.0 = each read once; with
+    ``scan_layers`` the loop body is counted once, so compare unrolled layouts). The decode
+    step is compiled without an ambient mesh, as the engine runs it (its state donated);
+    prefill under ``jax.set_mesh`` (splash). ``compiler_options`` go to ``Lowered.compile``
+    (e.g. :data:`HBM_SIDE_OPTIONS`). Compile-time estimates, not TPU measurements.
+
+    ``mesh``: an engine mesh ``('data', 'fsdp', 'tensor', 'expert')`` over some of the topology's
+    devices (:func:`jax_rl.sharding.make_mesh`, ``placement.rollout`` / ``rollout.mesh``): the engine
+    is built as ``Qwen3Engine(..., mesh=mesh)`` and its params / decode state take the engine's own
+    shardings (``param_shardings``, ``state_shardings``); both steps are compiled under
+    ``jax.set_mesh(mesh)``, as the sharded engine runs them. ``params_per_chip`` and
+    ``kv_cache_per_chip`` are then the bytes of one device's shards.
+    """
+    spec = resolve_topology(topology)
+    topo = get_topology(topology)
+    engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, slots, max_cache_len, prefill_len,
+                                                             dtype, model_kwargs, mesh)
+    out: dict[str, dict[str, Any]] = {}
+    for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, slots, prefill_len).items():
+        if name not in only:
+            continue
+        out[name] = _compile_step(fn, args, ctx, compiler_options, spec.chip.hbm_bytes)
+    if "decode" in out:
+        _decode_bytes(out["decode"], params, state)
+    out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
+                       "devices": len(topo.devices), "chip": spec.chip.name,
+                       "hbm_bytes_per_chip": spec.chip.hbm_bytes}
+    return out
+
+
+def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh):
+    """The engine (``kv_per_layer=False``: the stacked cache; the CPU-only per-layer form costs bytes on a TPU),
+    its mesh (the topology's devices on one ``data`` axis unless ``mesh`` is given), and its params and
+    decode state as ``ShapeDtypeStruct`` (replicated, or the sharded engine's own shardings)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from rollout.engine import Qwen3Engine  # lazy: jax; the CLI imports this module before it chooses the platform
+
+    kw = dict(scan_layers=True, attention="splash")
+    kw.update(model_kwargs or {})
+    sharded = mesh is not None
+    engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
+                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
+                         **({"mesh": mesh} if sharded else {}))
+    if not sharded:
+        mesh = Mesh(np.array(topo.devices), ("data",))
+    rep = NamedSharding(mesh, P())
+
+    def abstract(tree, shardings=None):
+        if shardings is None:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+    progs = engine.programs
+    if sharded:
+        params = abstract(engine.abstract_params, engine.param_shardings)
+        with jax.set_mesh(mesh):
+            abs_state = jax.eval_shape(progs["init_state"], engine.abstract_params)
+        state = abstract(abs_state, engine.state_shardings)
+    else:
+        params = abstract(engine.abstract_params)
+        state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
+    return engine, mesh, sharded, params, state, rep
+
+
+def _steps(progs, params, state, rep, mesh, sharded, slots, prefill_len) -> dict:
+    """``name -> (program, abstract args, context factory)`` of the engine's prefill, append-prefill and decode.
+
+    Prefill runs under ``jax.set_mesh`` (the splash kernel runs under shard_map on the ambient mesh: a Mosaic
+    kernel cannot be partitioned automatically). Decode runs with no ambient mesh unless the engine is sharded
+    (the engine runs it so; under set_mesh the activation constraints would shard the batch while the
+    replicated cache is donated, and the output cache could not alias the input). The contexts are built
+    lazily: ``jax.set_mesh(mesh)`` sets the mesh as soon as it is called."""
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jax.ShapeDtypeStruct((1, prefill_len), jnp.int32, sharding=rep)
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+
+    def rows_of(shape, dt):  # the append-prefill's per-row vectors, replicated
+        return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+
+    # append_prefill: an agent turn's new tokens appended to ``slots`` kept K/V rows at once (the
+    # largest row bucket), ``prefill_len`` new positions each (Qwen3Engine.programs)
+    ext_args = (params, state, rows_of((slots, prefill_len), jnp.int32),
+                *(rows_of((slots,), dt) for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32,
+                                                    jnp.float32)))
+    return {"prefill": (progs["prefill"], (params, tokens, n), lambda: jax.set_mesh(mesh)),
+            "append_prefill": (progs["append_prefill"], ext_args,
+                               (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext),
+            "decode": (progs["generate"], (params, state),
+                       (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
+
+
+def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: int) -> dict[str, Any]:
+    """One step lowered and compiled (no persistent cache: ``compile_s`` is a real compile) and its
+    :func:`~jax_rl.tpu.analysis.program_analysis` with ``compile_s`` and ``hbm_fraction``."""
+    import jax
+
+    t0 = time.perf_counter()
+    with ctx(), jax.default_matmul_precision("default"), no_persistent_cache():
+        a = program_analysis(fn.lower(*args).compile(compiler_options=compiler_options or None))
+    a["compile_s"] = time.perf_counter() - t0
+    a["hbm_fraction"] = a["peak_bytes_per_chip"] / hbm_bytes
+    return a
+
+
+def _decode_bytes(dec: dict[str, Any], params, state) -> None:
+    """``params_per_chip``, ``kv_cache_per_chip`` (one device's shard of every leaf; replicated: the whole
+    leaf) and ``bytes_accessed_ratio`` into the decode step's dict."""
+    import jax
+
+    def nbytes(tree):
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    dec["params_per_chip"] = nbytes(params)
+    dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
+    dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"] + dec["kv_cache_per_chip"])
