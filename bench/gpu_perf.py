@@ -196,7 +196,7 @@ def _learner_variant(variant: str) -> None:
     import numpy as np
 
     from jax_rl.config import Config
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from learner_step import _batch, step_flops
 
     attention, remat = variant.split(":")

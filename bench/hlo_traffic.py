@@ -6,7 +6,7 @@ its HLO instructions ranked by the HBM traffic they imply.
 
 ``jax-rl compile`` reports ``bytes_accessed_per_chip`` from XLA's ``cost_analysis()``, a single
 number. This script compiles the same loop-free piece ``jax-rl compile`` costs the train step
-from (:func:`jax_rl.train_step.make_grads_fn` on one microbatch, layers unrolled to ``--depth``,
+from (:func:`jax_rl.learner.train_step.make_grads_fn` on one microbatch, layers unrolled to ``--depth``,
 the LM head at its first chunk length) and, from the compiled module's text, lists:
 
 - the compiler's own figures for the piece (FLOPs, bytes accessed, temporaries);

@@ -46,7 +46,7 @@ host metrics, in this one process; it prints median [min-max] step seconds and t
 
 Fixed cost per step (``--fixed-cost N``, issue 36; no torch or Tunix needed): ``N`` learner steps of
 the ``tiny`` model (``loss.correction=ppo``) on batches shaped like ``bench/e2e_rl.py``'s (B=64 rows,
-the runtime's :func:`jax_rl.batch.collate`), whose longest row varies from step to step (uniform in
+the runtime's :func:`jax_rl.learner.batch.collate`), whose longest row varies from step to step (uniform in
 ``--fixed-lens``, default 40-100 tokens: a prompt of ~43 plus 0-60 generated). It prints the train-step
 programs compiled over the run (one per distinct padded length T) and the seconds they took, the
 median ``step_time_s`` after them, the median device time of the bare jitted step at the same shape
@@ -81,7 +81,7 @@ import _tunix  # noqa: E402
 from _record import SMALL_DIMS  # noqa: E402
 
 from jax_rl.config import Config  # noqa: E402
-from jax_rl.learner import Learner, resolve_model_config  # noqa: E402
+from jax_rl.learner.learner import Learner, resolve_model_config  # noqa: E402
 
 CONFIGS = {
     "tiny": {"preset": "tiny_dense", "hf_overrides": {}},
@@ -161,7 +161,7 @@ def _median_time(fn, *args, reps: int = 3) -> float:
 
 def _time_ewma_update(lrn) -> float:
     """Seconds of the EWMA bookkeeping alone (reset select + bias-corrected update, jitted)."""
-    from jax_rl import proximal
+    from jax_rl.correction import proximal
 
     def f(ew, p, W):
         ew, W = proximal.ewma_reset(ew, p, W < 0, W)
@@ -173,7 +173,7 @@ def _time_ewma_update(lrn) -> float:
 def _time_model_fwd_bwd(lrn, b) -> float:
     """Seconds of a bare jitted value_and_grad of the model's summed log-probs (no loss/optimizer)."""
     tok, am = jnp.asarray(b["tokens"]), jnp.asarray(b["attention_mask"])
-    from jax_rl.logprobs import sequence_logprobs
+    from jax_rl.learner.logprobs import sequence_logprobs
 
     f = jax.jit(jax.value_and_grad(lambda p: -jnp.mean(sequence_logprobs(lrn.model(p), tok, am).logp)))
     return _median_time(f, lrn.state.params)
@@ -313,7 +313,7 @@ def bench_vs_tunix(name: str, B: int, T: int, P: int, rounds: int, scan_layers: 
 
 def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> list[dict]:
     """B trajectories of a prompt of ``prompt`` tokens plus generated ones, the longest ``longest``
-    tokens (as the runtime hands :func:`jax_rl.batch.collate`)."""
+    tokens (as the runtime hands :func:`jax_rl.learner.batch.collate`)."""
     out = []
     for i in range(B):
         n = longest if i == 0 else int(rng.integers(min(prompt + 1, longest), longest + 1))
@@ -326,7 +326,7 @@ def _rl_trajectories(rng, V: int, B: int, longest: int, prompt: int = 43) -> lis
 
 def bench_fixed_cost(steps: int, lens: tuple[int, int], B: int, max_seq_len: int = 256) -> None:
     """The learner's fixed cost per step and its compiles over a run of varying lengths (module doc)."""
-    from jax_rl.batch import LearnerBatch, collate
+    from jax_rl.learner.batch import LearnerBatch, collate
 
     cfg = _cfg({**CONFIGS["tiny"], "scan_layers": True}, "ppo", B, max_seq_len)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))

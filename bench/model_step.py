@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_rl.logprobs import sequence_logprobs  # noqa: E402
+from jax_rl.learner.logprobs import sequence_logprobs  # noqa: E402
 from jax_rl.models import qwen3 as q  # noqa: E402
 
 from _record import SMALL_DIMS  # noqa: E402  (bench/, the script's own directory)

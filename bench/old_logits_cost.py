@@ -139,7 +139,7 @@ def learner_seconds(cfg_path: str, overrides: list[str], rounds: int, modes: lis
     import numpy as np
 
     from jax_rl.config import load_config
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     base = load_config(ROOT / cfg_path, [*overrides, "model.tokenizer=compact"])
     K = int(base.async_.max_staleness)

@@ -74,11 +74,13 @@ FIG_DIR = ROOT / "docs" / "paper_repro"
 MODES: dict[str, list[str]] = {
     "decoupled": ["loss.correction=decoupled", "old_logits.measure_error=true"],
     "linear_prox": ["loss.correction=linear_prox", "old_logits.measure_error=true"],
-    "ppo_ewma": ["loss.correction=ppo_ewma", "old_logits.measure_error=true"],
+    # the paper's reset, pinned: `loss.ewma_reset` defaults to guarded since issue 50
+    "ppo_ewma": ["loss.correction=ppo_ewma", "loss.ewma_reset=current", "old_logits.measure_error=true"],
     "ppo_ewma_noreset": ["loss.correction=ppo_ewma", "loss.ewma_reset_threshold=0", "old_logits.measure_error=true"],
     "exact": ["loss.correction=exact", "old_logits.route=snapshot"],
     # the reset the paper's text implies (to the current actor when R drops, then a cool-down before the next)
-    "ppo_ewma_cooldown": ["loss.correction=ppo_ewma", "loss.ewma_reset_cooldown=10", "old_logits.measure_error=true"],
+    "ppo_ewma_cooldown": ["loss.correction=ppo_ewma", "loss.ewma_reset=current", "loss.ewma_reset_cooldown=10",
+                          "old_logits.measure_error=true"],
     # issue 42: the reset that keeps theta_bar unless the current params keep more of the triggering batch's tokens
     "ppo_ewma_guarded": ["loss.correction=ppo_ewma", "loss.ewma_reset=guarded", "old_logits.measure_error=true"],
 }
@@ -155,7 +157,11 @@ def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Op
 # Issue 42 added `loss.ewma_reset: current` to configs/base.yaml: the default is the rule every earlier record ran
 # (the same computation: tests/losses/test_ewma_reset_rule.py), so the drift, stale and MoE settings keep their ids.
 SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44", "bf0298d94486": "160cc6e841e5",
-                   "ffb9a6d0e061": "6b7ef691a83e"}
+                   "ffb9a6d0e061": "6b7ef691a83e",
+                   # issue 50: base.yaml's `loss.ewma_reset` default current -> guarded; every mode pins its rule
+                   # (MODES), so no cell computes anything else
+                   "bf91e5af75e8": "fe44208e4440", "0b3537383779": "61ef306916a7", "8677c7bf3a4d": "6db4c725c5c6",
+                   "fb1f8042dc15": "f89beb774d44", "cd5b2842097c": "6b7ef691a83e", "9d995f6eb520": "160cc6e841e5"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:
@@ -1209,6 +1215,44 @@ PREREG_42_CHANGES = """\
   (`tests/losses/test_ewma_reset_rule.py`), and the records carry their commits.
 """
 
+PREREG_50 = """\
+## Pre-registration: the reset default settled, and claim 1a (issue 50)
+
+Written and committed on 2026-12-05 at 06:00 UTC, before any of the runs it names started; not edited after
+(changes, if any, go below it with their time).
+
+*Default, now.* `loss.ewma_reset` defaults to `guarded` from this commit on (issue 50: `current` collapsed 6 of
+10 drift runs; `guarded` none, and it beat `current`). `bench/paper_repro.py`'s `ppo_ewma` and
+`ppo_ewma_cooldown` modes pin `loss.ewma_reset=current`, so every mode computes what it did before.
+
+*(a) `guarded` against no reset.* Setting `configs/paper_small_drift.yaml --shared-sft 2` (`160cc6e841e5`), K = 8,
+150 RL steps; arms `ppo_ewma_guarded` and `ppo_ewma_noreset`; seeds 10-23 (with the existing 0-9: 24, the top of
+the doc's 16-24 estimate), paired by seed. Metric: final held-out avg@4 (256 tasks x 4); lowest R reported beside
+it, no condition attached.
+
+*(b) Claim 1a.* Setting `configs/paper_small_stale.yaml --shared-sft 2` (`f89beb774d44`), K = 8; arms `ppo_ewma`
+(the paper's reset pinned; it never fired in this setting's 16 seeds) and `decoupled`; seeds 16-23 (with the
+existing 0-15: 24, inside the doc's 17-27 estimate). Metric: final held-out avg@4.
+
+*Order and stopping.* One run at a time, pinned to core 1 (`taskset -c 1`; the other core is shared with this
+session's other work, so load is high: each record carries its load and wall time). Seeds interleaved: (b) seed
+16 (`ppo_ewma`, then `decoupled`), (a) seed 10 (`guarded`, then no reset), (b) 17, (a) 11, ... until (b) is
+done, then (a) alone. The runs stop at 08:05 UTC on 2026-12-05 (a stop set by the clock, not by a result); each
+verdict uses the seeds whose two arms both finished by then; a seed with one arm only is dropped and reported.
+A failed run (non-zero exit) is rerun once with the same seed. No seed is added after a result is seen; seeds
+left unrun carry over to a later session under this same rule, in the same order.
+
+*Verdict rules* (the doc's interval: paired by seed, 95% percentile bootstrap widened to Student-t).
+(a) guarded minus no reset, final avg@4: lower bound above -0.05: `guarded` stays the default ("no worse than no
+reset by 0.05"); upper bound below -0.05: the default becomes `loss.ewma_reset_threshold=0` (no reset) and this
+doc says the paper's reset is not supported in our settings; otherwise: undecided at n, `guarded` stays the
+default (no collapse in any seed; in the drift setting it never accepted a reset) and the remaining seeds run
+next. (b) the doc's rule for claim 1a: reproduced when the interval lies above 0, contradicted below 0, "no
+difference as large as 0.05" when it lies inside +-0.05, else inconclusive.
+
+*Claims 3a and 3c* are not run in this session (one core for (a) and (b) only); their pilot is planned next.
+"""
+
 PREREG_SETTING, PREREG_STALE, PREREG_SEEDS = "160cc6e841e5", "f89beb774d44", 10
 
 
@@ -1274,6 +1318,65 @@ def prereg_result(rows_all: list[tuple[dict, dict]], records: Path) -> list[str]
     else:
         L.append("*Decision:* incomplete (fewer than 10 paired seeds for some condition): the default of "
                  "`loss.ewma_reset` stays `current` until the pre-registered seeds are in.\n")
+    return L
+
+
+PREREG50_NEW_SEEDS = {"2e": range(10, 24), "1a": range(16, 24)}  # PREREG_50's seeds, fixed in advance
+
+
+def prereg50_result(rows_all: list[tuple[dict, dict]]) -> list[str]:
+    """Issue 50's pre-registered verdicts (``PREREG_50``) from the claim rows of every setting: (a) the
+    default of ``loss.ewma_reset`` from row 2e of the drift setting (guarded minus no reset, final avg@4:
+    lower bound above -``EQUIV_MARGIN``: ``guarded`` stays; upper bound below it: no reset; else
+    undecided, ``guarded`` stays), (b) claim 1a in the stale setting by the doc's rule."""
+    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    L = ["### Result of issue 50's pre-registered runs\n", "| part | seeds run now | figures | verdict |",
+         "|---|---|---|---|"]
+    for part, setting, key, what in (("(a) guarded vs no reset", PREREG_SETTING, "2e",
+                                      "guarded minus no reset, final avg@4"),
+                                     ("(b) claim 1a", PREREG_STALE, "1a", "PPO-EWMA minus decoupled, final avg@4")):
+        r = rows.get((setting, key))
+        if r is None:
+            L.append(f"| {part} | - | no paired seed | - |")
+            continue
+        new = [sd for sd in r["seeds"] if sd in PREREG50_NEW_SEEDS[key]]
+        lo, hi = r["ci"]
+        if key == "2e":
+            v = ("`guarded` stays the default (no worse than no reset by 0.05)" if lo > -EQUIV_MARGIN else
+                 "the default becomes no reset (guarded worse by more than 0.05)" if hi < -EQUIV_MARGIN else
+                 "undecided at this n: `guarded` stays the default; the remaining seeds run next")
+        else:
+            v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
+        L.append(f"| {part} | {_seeds_str(new) if new else 'none'} | {what}: {r['mean']:+.3f}, 95% CI "
+                 f"{_fmt_ci(r['ci'])}, n = {r['n']} (seeds {_seeds_str(r['seeds'])}) | **{v}** |")
+    L.append("")
+    return L
+
+
+# Where each claim of the paper is judged (the summary table at the top of the doc): the setting in which it can
+# engage (the stale window for claims 1, 4, 5; the drift setting, where R falls under the reset threshold, for 2;
+# the MoE setting, where the mask cuts, for 3)
+SUMMARY_SETTINGS = {"1a": "f89beb774d44", "1b": "f89beb774d44", "1c": "f89beb774d44", "2a": "160cc6e841e5",
+                    "2b": "160cc6e841e5", "2e": "160cc6e841e5", "2g": "160cc6e841e5", "3a": "6b7ef691a83e",
+                    "3b": "6b7ef691a83e", "3c": "6b7ef691a83e", "4": "f89beb774d44", "5a": "f89beb774d44",
+                    "5b": "f89beb774d44"}
+
+
+def summary_table(rows_all: list[tuple[dict, dict]]) -> list[str]:
+    """The table a reader sees first: one row per claim of ``SUMMARY_SETTINGS``, from the claim rows of
+    the setting that judges it (verdict, mean paired difference, 95% interval, seeds)."""
+    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    L = ["## Summary: each claim, where it is judged, our verdict\n",
+         "| claim | setting | verdict | mean paired diff | 95% CI | seeds (n) |", "|---|---|---|---|---|---|"]
+    for key, setting in SUMMARY_SETTINGS.items():
+        r = rows.get((setting, key))
+        if r is None:
+            continue
+        nd = 4 if r["metric"] in ("prox_err", "early_r") else 3
+        v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
+        L.append(f"| {r['claim']} | `{setting}` | **{v}** | {r['mean']:+.{nd}f} | {_fmt_ci(r['ci'], nd)} | "
+                 f"{_seeds_str(r['seeds'])} ({r['n']}) |")
+    L.append("")
     return L
 
 
@@ -1356,10 +1459,13 @@ def build_full_doc(records: Path, doc: Path) -> str:
         L.append(f"| `{st['setting']}` | `{st['config']}` ({why}; no paired comparison, left out) | {st['n']} | "
                  f"{st['first'][:16]} to {st['last'][:16]} |")
     L.append("")
+    L[2:2] = summary_table(rows_all)
     L.append(SETTING_NOTES + "\n")
     L.append(PREREG_42 + "\n")
     L.append(PREREG_42_CHANGES + "\n")
     L += prereg_result(rows_all, records)
+    L.append(PREREG_50 + "\n")
+    L += prereg50_result(rows_all)
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER

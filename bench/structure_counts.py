@@ -1,10 +1,15 @@
 """The code's shape, counted: project imports (and how many sit inside functions), import cycles (type-only
 imports and parent packages counted, as ``tests/test_structure.py`` counts them) and the largest modules.
 
-    .venv/bin/python bench/structure_counts.py [--top 10] [--list-function-level]
+    .venv/bin/python bench/structure_counts.py [--top 10] [--list-function-level] [--list-upward] [--list-long]
 
 An import statement counts once however many names it imports; "project" means a module of ``jax_rl/``
-or ``rollout/``. Prints figures; asserts nothing (the structure test guards the cycle).
+or ``rollout/``. Also: modules; import levels (the longest chain of project imports, a module that imports
+none is level 1); upward imports (an import from a module of folder F to a module outside F's subfolders
+that itself reaches a module of F: the folder leans on something that leans on it, e.g.
+``old_logits/stage.py`` -> ``train_step`` -> ``correction`` -> ``old_logits/``); functions over 80 lines and
+modules over 600 lines in ``jax_rl/``, ``rollout/`` and ``bench/``. Prints figures; asserts nothing (the
+structure test guards the rules).
 """
 
 from __future__ import annotations
@@ -37,11 +42,80 @@ def project_imports() -> tuple[int, list[str]]:
     return total, inside
 
 
+def levels(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Module -> its import level (1 + the highest level it imports; 1 for a module that imports none)."""
+    out: dict[str, int] = {}
+
+    def level(m: str) -> int:
+        if m not in out:
+            out[m] = 0  # a cycle (the structure test forbids them) would stop here
+            out[m] = 1 + max((level(d) for d in graph[m]), default=0)
+        return out[m]
+
+    for m in graph:
+        level(m)
+    return out
+
+
+def _folder(m: str, mods: dict) -> str:
+    return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import from a module of folder F to a module outside F's subfolders that reaches
+    (transitively) a module of F."""
+    mods = ts._modules()
+    reach: dict[str, set[str]] = {}
+
+    def reached(m: str) -> set[str]:
+        if m not in reach:
+            reach[m] = set()
+            acc = set(graph[m])
+            for d in graph[m]:
+                acc |= reached(d)
+            reach[m] = acc
+        return reach[m]
+
+    out = []
+    for m in sorted(graph):
+        f = _folder(m, mods)
+        for d in sorted(graph[m]):
+            if d == f or d.startswith(f + ".") or f.startswith(d + "."):  # down the tree, or its own packages
+                continue
+            if any(r == f or r.startswith(f + ".") for r in reached(d)):
+                out.append(f"{m} -> {d}")
+    return out
+
+
+def long_functions(limit: int = 80) -> list[tuple[int, str]]:
+    """(lines, ``path:name``) of each function over ``limit`` lines in jax_rl/, rollout/ and bench/ (a nested
+    function counts in its own right and inside its parent)."""
+    out = []
+    for pkg in ("jax_rl", "rollout", "bench"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > limit:
+                        out.append((n, f"{p.relative_to(ROOT)}:{node.name}"))
+    return sorted(out, reverse=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=10, help="largest modules to list")
     ap.add_argument("--list-function-level", action="store_true", help="print every function-level import")
+    ap.add_argument("--list-upward", action="store_true", help="print every upward import")
+    ap.add_argument("--list-long", action="store_true", help="print every function over 80 lines")
     args = ap.parse_args(argv)
+    graph = ts.import_graph()
+    lv = levels(graph)
+    print(f"modules (jax_rl/, rollout/): {len(graph)}; import levels: {max(lv.values())}")
+    up = upward_imports(graph)
+    print(f"upward imports: {len(up)}" + "".join(f"\n  {e}" for e in up if args.list_upward))
+    longf = long_functions()
+    print(f"functions over 80 lines (jax_rl/, rollout/, bench/): {len(longf)}"
+          + "".join(f"\n  {n} {w}" for n, w in longf if args.list_long))
     total, inside = project_imports()
     print(f"project import statements: {total}; inside functions: {len(inside)}")
     if args.list_function_level:
@@ -49,10 +123,11 @@ def main(argv=None) -> int:
     found = ts.cycles(ts.import_graph())
     print(f"import cycles (function-level, TYPE_CHECKING and parent packages counted): {len(found)}"
           + "".join(f"\n  {len(c)} modules: {', '.join(c)}" for c in found))
-    sizes = sorted(((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in (ROOT / "jax_rl").rglob("*.py")),
-                   reverse=True)
-    print("largest jax_rl modules (lines): " + ", ".join(f"{n} {p}" for n, p in sizes[: args.top]))
-    print(f"jax_rl modules over 600 lines: {sum(1 for n, _ in sizes if n > 600)}")
+    sizes = sorted(((len(p.read_text().splitlines()), str(p.relative_to(ROOT)))
+                    for pkg in ("jax_rl", "rollout", "bench") for p in (ROOT / pkg).rglob("*.py")), reverse=True)
+    print("largest modules (lines): " + ", ".join(f"{n} {p}" for n, p in sizes[: args.top]))
+    for pkg in ("jax_rl", "rollout", "bench"):
+        print(f"{pkg} modules over 600 lines: {sum(1 for n, p in sizes if n > 600 and p.startswith(pkg + '/'))}")
     return 0
 
 

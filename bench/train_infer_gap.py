@@ -20,7 +20,7 @@ tiny MoE config (``configs/tiny_moe_cpu.yaml``), each from its SFT warm start (s
    train-infer factor;
 4. prints, over the loss tokens: mean and p99 of |log pi_learner - log mu|, R
    (``train_infer_retained``: the share whose pi_prox / mu lies inside the configured mask,
-   ``jax_rl.losses.train_infer_factor`` with the config's ``loss.train_infer_*``), the
+   ``jax_rl.learner.losses.train_infer_factor`` with the config's ``loss.train_infer_*``), the
    train_infer_ratio pi_prox / mu (mean, min, max, the shares below the low and above the high
    bound) and the k3 KL estimate of KL(mu || pi_learner), the same |dlogp| and R over the uncertain
    tokens only (mu < 0.9; a peaked policy's gap lives there), and the episodes' mean reward; under
@@ -91,7 +91,7 @@ def gap_stats(logp, behav, loss_mask, loss_cfg) -> dict[str, float]:
     and the engine's ``behav`` (both float [B, T]), under ``loss_cfg`` (``LossConfig``: the mask)."""
     import numpy as np
 
-    from jax_rl.losses import train_infer_factor
+    from jax_rl.learner.losses import train_infer_factor
 
     ti = train_infer_factor(logp, behav, loss_mask, loss_cfg)
     valid = np.asarray(ti.valid)
@@ -138,7 +138,7 @@ class _Model:
 def run_row(name: str, config: str, overrides: list[str], hf: Path, groups: int, learners: dict) -> dict[str, Any]:
     import numpy as np
 
-    from jax_rl.batch import collate
+    from jax_rl.learner.batch import collate
     from jax_rl.config import load_config
     from jax_rl.model_builder import build_model_config
     from jax_rl.runtime.engines import build_generator

@@ -427,7 +427,7 @@ def _dispatch(args) -> int:
               "pip install -e . with the extras the command needs)", file=sys.stderr)
         return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
-        lrn = sys.modules.get("jax_rl.learner")
+        lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
         if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
             raise

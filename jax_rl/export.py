@@ -32,7 +32,7 @@ import numpy as np
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import RuntimeConfig, load_config
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from jax_rl.model_builder import (abstract_model_split, adopt_checkpoint_layer_layout, build_model_config,
                                   learner_model_kwargs)
 from jax_rl.models import hf_io

@@ -25,7 +25,7 @@ from jax._src import distributed
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_rl.batch import BatchError
+from jax_rl.learner.batch import BatchError
 from jax_rl.sharding import logical_to_pspec
 from jax_rl.weight_sync import configure_transfer
 

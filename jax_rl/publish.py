@@ -5,7 +5,7 @@
 
 - embedded runtime, one process: a device copy of the params; the route's scorer gets them first
   when the ``old_logits.route`` scores on the rollout side
-  (:meth:`jax_rl.old_logits.routes.Route.publish`), then every generator casts and reshards them
+  (:meth:`jax_rl.correction.old_logits.routes.Route.publish`), then every generator casts and reshards them
   (``Generator.update_params``);
 - embedded runtime, several processes (``jax.distributed``): one
   :class:`jax_rl.weight_sync.ShardedWeightSync` push, each engine receiving its own shards;
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 if TYPE_CHECKING:
-    from jax_rl.learner import Learner
-    from jax_rl.old_logits.routes import Route
+    from jax_rl.learner.learner import Learner
+    from jax_rl.correction.old_logits.routes import Route
     from jax_rl.weight_sync import ShardedWeightSync
 
 __all__ = ["Publisher", "hand_over"]
@@ -33,7 +33,7 @@ class Publisher:
     """The publish stage of one learner.
 
     Args:
-        learner: the :class:`~jax_rl.learner.Learner` whose live params are published.
+        learner: the :class:`~jax_rl.learner.learner.Learner` whose live params are published.
     """
 
     def __init__(self, learner: "Learner"):
@@ -43,7 +43,7 @@ class Publisher:
     def params(self, host: bool = False) -> Any:
         """The params a publish hands the rollout side (an ``nnx.State`` like the learner's params).
 
-        Single process: a copy of the learner's params (:meth:`jax_rl.learner.Learner.get_params`):
+        Single process: a copy of the learner's params (:meth:`jax_rl.learner.learner.Learner.get_params`):
         device arrays on the learner's mesh (each engine casts and reshards them,
         ``Qwen3Engine.load_params``), or with ``host`` numpy arrays (the Ray object store's copy).
         Multi-process (``jax.distributed``): the learner's shards live on every host, and jax 0.10.2

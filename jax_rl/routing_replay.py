@@ -24,7 +24,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_rl.batch import BatchError
+from jax_rl.learner.batch import BatchError
 from jax_rl.config import ConfigError
 from jax_rl.models.qwen3 import route_dtype
 
@@ -102,7 +102,7 @@ class RoutingReplay:
         """Refuse a batch an r3 step cannot train (no ``routes``); drop ``routes`` when nothing reads them.
 
         Raises:
-            jax_rl.batch.BatchError: r3 and ``b`` carries no ``routes``.
+            jax_rl.learner.batch.BatchError: r3 and ``b`` carries no ``routes``.
         """
         if self.forces_rollout_routes and b.get("routes") is None:
             raise BatchError("moe.routing_replay=r3 needs batch['routes'] (the rollout engine's expert ids, "
@@ -116,10 +116,10 @@ class RoutingReplay:
 
         Args:
             route_chunk: the chunked no-grad routing forward ``(params, tokens, attention_mask) ->
-                routes int32 [U, m, r, T, n_moe_layers, k]`` (:func:`jax_rl.train_step.make_route_fn`),
+                routes int32 [U, m, r, T, n_moe_layers, k]`` (:func:`jax_rl.learner.train_step.make_route_fn`),
                 None when inactive.
             params: the step's starting params.
-            b: the :class:`jax_rl.batch.LearnerBatch` [U, m, r, T] (``routes`` optional).
+            b: the :class:`jax_rl.learner.batch.LearnerBatch` [U, m, r, T] (``routes`` optional).
 
         ``none``: no forced routes anywhere. ``r3``: the rollout's ``b.routes`` everywhere. ``r2``:
         the routes of one no-grad routing forward at ``params`` in the gradient forward; the pi_prox
@@ -140,7 +140,7 @@ class RoutingReplay:
 
     def route_spec(self, model_config: Any) -> Optional[tuple[tuple[int, int], Any]]:
         """``((n_moe_layers, k), dtype)`` of a batch's ``routes`` trailing dims when the engine records
-        them, else None (:func:`jax_rl.batch.abstract_batch`)."""
+        them, else None (:func:`jax_rl.learner.batch.abstract_batch`)."""
         if not self.records:
             return None
         return (len(model_config.moe_layers), int(model_config.num_experts_per_tok)), route_dtype(self.num_experts)

@@ -4,7 +4,7 @@ The rollout engine (:func:`rollout.engine.sample_tokens`) samples from the tempe
 distribution truncated by the HF warpers in HF order: temperature, then top-k, then top-p
 over the top-k-renormalised distribution (the token that crosses ``top_p`` is kept), and
 reports ``behav_logp`` = log mu under that truncated, renormalised distribution. The learner
-(:func:`jax_rl.logprobs.sequence_logprobs` with ``top_k`` / ``top_p``) computes log pi
+(:func:`jax_rl.learner.logprobs.sequence_logprobs` with ``top_k`` / ``top_p``) computes log pi
 under the same truncation of its own logits, with this same :func:`kept_set`, so pi_prox / mu
 is exactly 1 when the two sides' logits agree and differs only by numerics otherwise::
 

@@ -189,12 +189,12 @@ def test_scorer_row_on_its_own_chip():
 def test_routing_replay_programs_take_the_recorded_routes():
     """moe.routing_replay=r3: compile lowers the step training runs, with the recorded routes
     [U, m, r, T, n_moe_layers, k] in its batch (the batch Learner.abstract_batch builds: one
-    recipe, jax_rl.learner_spec.learner_batch_spec), and the dedicated scorer's forward with the
+    recipe, jax_rl.learner.spec.learner_batch_spec), and the dedicated scorer's forward with the
     routes forced; without replay, no routes."""
     import jax
 
     from jax_rl import compile as C
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     moe = CONFIG_DIR / "tiny_moe_cpu.yaml"
     for rr in ("none", "r3"):
@@ -218,8 +218,8 @@ def _exact(monkeypatch, *extra):
     """The train step's own cost_analysis with every loop written out (unrolled layers, one
     minibatch / microbatch / epoch, the LM-head chunk loop unrolled), with (target, learner)."""
     from jax_rl import compile as C
-    from jax_rl import logprobs
-    from jax_rl.train_step import make_train_step
+    from jax_rl.learner import logprobs
+    from jax_rl.learner.train_step import make_train_step
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", "model.scan_layers=false",
                                                      *extra])
@@ -290,7 +290,7 @@ def test_decode_row_has_the_hbm_side_count():
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C
-    from jax_rl.train_step import make_train_step
+    from jax_rl.learner.train_step import make_train_step
 
     figs = {}
     for scan in ("false", "true"):

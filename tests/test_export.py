@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def exported(tmp_path_factory):
     """A tiny run (8-device fsdp mesh, one PPO step so params differ from any init) saved at
     version 1, exported on one device. Returns (out_dir, reference logits, ids, mask)."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     tmp = tmp_path_factory.mktemp("export")
     run = tmp / "run"
@@ -116,7 +116,7 @@ def test_export_reads_a_checkpoint_in_either_layer_layout(tmp_path):
     from flax import nnx
 
     from jax_rl.checkpoint import saved_layer_layout
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from jax_rl.models import hf_io
 
     run = tmp_path / "run"

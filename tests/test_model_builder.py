@@ -67,7 +67,7 @@ def test_learner_and_engine_share_the_layout(scan, devices):
     """The learner's params (device and host copies) load into the engine that
     ``build_generator`` builds, for either ``model.scan_layers``; the engine's log-probs of a
     sampled continuation match the learner's forward (fp32 rollout)."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from jax_rl.runtime.engines import build_generator
 
     cfg = make_cfg("ppo", model={"scan_layers": scan}, rollout={"dtype": "float32", "slots": 2})
@@ -100,7 +100,7 @@ def test_learner_and_engine_share_the_layout(scan, devices):
 def test_init_params_of_either_layout_land_in_the_learners(devices):
     """User-given params (here unrolled, as ``Qwen3ForCausalLM``'s default builds them) are
     restacked for a scan_layers learner and give the same train step as an unrolled learner."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from jax_rl.placement import _match_layer_layout
 
     on, off = make_cfg("ppo"), make_cfg("ppo", model={"scan_layers": False})
@@ -149,7 +149,7 @@ def test_hf_checkpoint_import_lands_stacked(tmp_path, devices):
 
 
 def test_saved_layer_layout_reads_the_tree_metadata(tmp_path, devices):
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     assert saved_layer_layout(tmp_path / "none") is None
     for scan in (False, True):
@@ -166,7 +166,7 @@ def test_saved_layer_layout_reads_the_tree_metadata(tmp_path, devices):
 
 def test_weight_decay_skips_norms_in_either_layout():
     """A stacked norm weight is [L, H]: still a vector per layer, so not decayed."""
-    from jax_rl.train_step import _decay_mask
+    from jax_rl.learner.train_step import _decay_mask
 
     mc = q.get_preset("tiny_dense")
 

@@ -374,3 +374,31 @@ def test_guarded_claims_and_the_preregistered_decision(pr, tmp_path):
     assert "**incomplete**" in text and "**met**" not in text.replace("**incomplete**", "")
     assert "stays `current`" in text
     assert pr._seeds_str([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def test_issue50_decision_follows_the_interval_and_counts_only_new_seeds(pr, tmp_path):
+    """Issue 50's rule on guarded minus no reset (final avg@4): inside -0.05 keeps `guarded`, wholly
+    below -0.05 switches to no reset, straddling -0.05 is undecided; the summary table shows the row."""
+    def decide(finals, seeds):
+        path = tmp_path / f"{finals['ppo_ewma_guarded']}_{len(seeds)}.jsonl"
+        _drift_records(pr, path, finals, seeds=seeds)
+        newest, _ = pr.load_records(path, setting=pr.PREREG_SETTING)
+        rows = [({"setting": pr.PREREG_SETTING}, r) for r in pr.claim_rows(list(newest.values()), [8])]
+        return "\n".join(pr.prereg50_result(rows)), "\n".join(pr.summary_table(rows))
+
+    base = dict(ppo_ewma=0.17, ppo_ewma_noreset=0.36)
+    text, summary = decide({**base, "ppo_ewma_guarded": 0.36}, range(12))
+    assert "`guarded` stays the default (no worse" in text and "| 10-11 |" in text  # seeds 0-9 are not new
+    assert "| 2e. the guarded reset" in summary and "0-11 (12)" in summary
+    text, _ = decide({**base, "ppo_ewma_guarded": 0.20}, range(12))
+    assert "the default becomes no reset" in text
+    # noisy differences around -0.05: undecided, guarded kept
+    noisy = tmp_path / "noisy.jsonl"
+    for seed in range(4):
+        for c in pr.cells(["main"], ["ppo_ewma_guarded", "ppo_ewma_noreset"], [8], [seed]):
+            fa = 0.36 + ((-0.25 if seed % 2 else 0.15) if c["mode"] == "ppo_ewma_guarded" else 0.0)
+            pr.append_record({**_rec(pr, c, fa), "setting": pr.PREREG_SETTING}, noisy)
+    newest, _ = pr.load_records(noisy, setting=pr.PREREG_SETTING)
+    rows = [({"setting": pr.PREREG_SETTING}, r) for r in pr.claim_rows(list(newest.values()), [8])]
+    assert "undecided at this n" in "\n".join(pr.prereg50_result(rows))
+    assert "no paired seed" in "\n".join(pr.prereg50_result([]))

@@ -140,12 +140,12 @@ def test_no_import_cycle():
 
 
 def test_parent_packages_are_edges():
-    """``from jax_rl.old_logits.routes import X`` runs ``jax_rl/old_logits/__init__.py`` first."""
+    """``from jax_rl.correction.old_logits.routes import X`` runs ``jax_rl/correction/old_logits/__init__.py`` first."""
     g = import_graph()
-    assert {"jax_rl.old_logits.routes", "jax_rl.old_logits"} <= g["jax_rl.correction"]
+    assert {"jax_rl.correction.old_logits.routes", "jax_rl.correction.old_logits"} <= g["jax_rl.correction"]
 
 
-REGISTRIES = ("jax_rl.correction", "jax_rl.advantages", "jax_rl.old_logits")
+REGISTRIES = ("jax_rl.correction", "jax_rl.learner.advantages", "jax_rl.correction.old_logits")
 
 
 def test_config_imports_no_registry():
@@ -168,10 +168,10 @@ def test_registries_agree_with_the_config():
     """``loss.correction``, ``old_logits.route`` and ``algo.advantage`` accept exactly the registries' names."""
     import typing
 
-    from jax_rl.advantages import REGISTRY as ADVANTAGES
+    from jax_rl.learner.advantages import REGISTRY as ADVANTAGES
     from jax_rl.config import AlgoConfig, LossConfig, OldLogitsConfig
     from jax_rl.correction import REGISTRY
-    from jax_rl.old_logits.routes import ROUTES
+    from jax_rl.correction.old_logits.routes import ROUTES
 
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
@@ -199,9 +199,9 @@ def test_route_names_only_in_the_registry_and_the_config():
     route object. Docstrings may name routes."""
     import re
 
-    from jax_rl.old_logits.routes import ROUTES
+    from jax_rl.correction.old_logits.routes import ROUTES
 
-    allowed = {ROOT / "jax_rl" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
+    allowed = {ROOT / "jax_rl" / "correction" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
     pat = re.compile(r"route=(" + "|".join(ROUTES) + r")\b")
     bad = []
     for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):
@@ -215,7 +215,7 @@ def test_route_names_only_in_the_registry_and_the_config():
 
 def test_no_metric_suffix_rules():
     """No module decides how a metric combines from its name's suffix (``key.endswith("_max")``,
-    ``"/tokens"``...): each metric declares its reduction (:data:`jax_rl.losses.METRIC_REDUCTIONS`)."""
+    ``"/tokens"``...): each metric declares its reduction (:data:`jax_rl.learner.losses.METRIC_REDUCTIONS`)."""
     import re
 
     pat = re.compile(r"^(_max|_min|_mean|_sum|_frac|/tokens)$")

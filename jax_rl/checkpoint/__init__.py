@@ -2,11 +2,11 @@
 
 Items of one checkpoint (a step directory ``<dir>/<step>/``):
 
-- ``state``: the learner's :class:`~jax_rl.train_step.TrainState` minus the correction's
+- ``state``: the learner's :class:`~jax_rl.learner.train_step.TrainState` minus the correction's
   state, as a nested dict of jax arrays ``{params, opt_state, version, step, rng}``;
 - the correction strategy's items (:meth:`jax_rl.correction.Correction.checkpoint_items`;
   ``ewma``: ``{params, count, streak, resets}`` for the EWMA strategy);
-- ``snapshots``: the snapshot store of :mod:`jax_rl.old_logits`, ``{"v<n>": params}``
+- ``snapshots``: the snapshot store of :mod:`jax_rl.correction.old_logits`, ``{"v<n>": params}``
   (only when the store holds something);
 - ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
   from exactly this step), ``version`` (published versions), ``opt_step`` (optimizer updates;
@@ -21,7 +21,7 @@ on its own names them by version.
 Faults. A save writes into ``<step>.orbax-checkpoint-tmp*`` and renames it when committed, so
 a killed or failed save never leaves a step a restore would pick (the tmp dir is removed on
 the next start or at once after a failure). :meth:`Checkpointer.check_step` validates a step
-(items present, metadata JSON parses); :meth:`jax_rl.learner_checkpoints.LearnerCheckpoints.restore` adds the array
+(items present, metadata JSON parses); :meth:`jax_rl.learner.checkpoints.LearnerCheckpoints.restore` adds the array
 restore and falls back past bad steps (:class:`CheckpointCorruptError`). A save that would not
 fit on the disk (raw array bytes vs ``shutil.disk_usage``), or that fails with ENOSPC /
 ``RESOURCE_EXHAUSTED`` in Orbax's background thread, raises one

@@ -5,10 +5,10 @@ What is compiled (libtpu's real TPU compiler, targeted through
 ``jax.experimental.topologies.get_topology_desc``; MaxText's ``train_compile.py`` is the model):
 
 - ``train_step``: the learner's jitted step of ``loss.correction``
-  (:func:`jax_rl.train_step.make_train_step`: the strategy's pi_prox forward, EWMA update and
+  (:func:`jax_rl.learner.train_step.make_train_step`: the strategy's pi_prox forward, EWMA update and
   reset, ``ppo_epochs x minibatches`` updates over ``microbatches`` accumulation steps) for the
   worst-case batch ``[optim.batch_size, optim.max_seq_len]``;
-- ``sft_step``: :func:`jax_rl.sft.make_sft_step` for ``[sft.batch_size, optim.max_seq_len]``;
+- ``sft_step``: :func:`jax_rl.learner.sft.make_sft_step` for ``[sft.batch_size, optim.max_seq_len]``;
 - ``prefill`` and ``decode_step``: the rollout engine's (:class:`rollout.engine.Qwen3Engine`) at
   ``rollout.slots`` slots, ``rollout.max_cache_len`` cache and ``rollout.max_prefill_length``
   prompt tokens, params replicated as the engine places them;
@@ -58,7 +58,7 @@ Figures, per chip (every figure is a compile-time estimate, never a measurement)
   from loop-free pieces compiled for the same mesh, summed with their trip counts:
 
   * one piece per function: the train step's first-minibatch gradient
-    (:func:`jax_rl.train_step.make_grads_fn`, one microbatch of ``r`` rows, with the strategy's
+    (:func:`jax_rl.learner.train_step.make_grads_fn`, one microbatch of ``r`` rows, with the strategy's
     pi_prox forward), the bare log-prob forward (only when ``ppo_epochs > 1`` and the strategy
     runs a forward), the optimizer update and the strategy's ``after_update`` (full depth: no
     loops), the SFT step at one microbatch, prefill and decode;

@@ -17,13 +17,13 @@ from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
 from jax_rl.correction import tree_finite, tree_where
-from jax_rl.logprobs import _CHUNK_ELEMS, _chunk_len
+from jax_rl.learner.logprobs import _CHUNK_ELEMS, _chunk_len
 from jax_rl.placement import BatchPlacement
-from jax_rl.sft import SFT_FIELDS, make_sft_step
-from jax_rl.train_step import make_grads_fn, make_logprob_fn, opt_state_shardings
+from jax_rl.learner.sft import SFT_FIELDS, make_sft_step
+from jax_rl.learner.train_step import make_grads_fn, make_logprob_fn, opt_state_shardings
 
 if TYPE_CHECKING:  # annotations only
-    from jax_rl.learner_spec import LearnerSpec
+    from jax_rl.learner.spec import LearnerSpec
 
 
 def _forwards_in_prox(strategy, cfg, lrn: LearnerSpec, U: int, m: int, r: int, T: int, t: _Target) -> int:
@@ -80,7 +80,7 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
 
 
 def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tuple]:
-    """The train step's first-minibatch gradient (:func:`jax_rl.train_step.make_grads_fn`, the
+    """The train step's first-minibatch gradient (:func:`jax_rl.learner.train_step.make_grads_fn`, the
     strategy's pi_prox forward included) on one microbatch of ``r`` rows x ``T`` tokens, layers
     unrolled, for model config ``mc`` under ``cfg_``: ``(jitted fn, abstract args)`` for
     ``fn.trace(*args)``. The piece :func:`_fit` costs the train step from."""

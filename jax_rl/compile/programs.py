@@ -21,17 +21,17 @@ from jax_rl.compile.pieces import _fit, _opt_update_cost, _sft_fn_args, _train_c
 from jax_rl.compile.target import (_Target, _batch, _chips, _depth, _devices_per_chip, _engine_mesh, _layout,
                                    _learner, _target)
 from jax_rl.config import Config, ConfigError
-from jax_rl.learner_spec import make_sft_optimizer, scorer_placement
+from jax_rl.learner.spec import make_sft_optimizer, scorer_placement
 from jax_rl.model_builder import abstract_model_split, resolve_model_config
 from jax_rl.placement import BatchPlacement
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
-from jax_rl.train_step import make_logprob_step, make_train_step
+from jax_rl.learner.train_step import make_logprob_step, make_train_step
 from rollout.engine import resolve_dtype
 
 if TYPE_CHECKING:  # annotations only
-    from jax_rl.learner_spec import LearnerSpec
+    from jax_rl.learner.spec import LearnerSpec
 
 
 FUNCTIONS = ("train_step", "sft_step", "prefill", "append_prefill", "decode_step", "weight_sync", "score_step",
@@ -239,7 +239,7 @@ def _engine_keys(t: _Target, row: dict, em) -> None:
 
 def _scorer_row(t: _Target, log) -> dict:
     """The ``score_step`` row (role ``scorer``): the dedicated old-logit scorer's forward
-    (:meth:`jax_rl.old_logits.stage.OldLogitStage.make_scorer` with ``placement.scorer``: fp32 params on an
+    (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.make_scorer` with ``placement.scorer``: fp32 params on an
     ``fsdp`` mesh over the scorer's devices, one GRPO group of ``algo.group_size`` rows x
     ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
     param versions (:func:`_on_chip` adds the other versions' params)."""

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 
 from jax_rl.config import Config, ConfigError
-from jax_rl.learner_spec import learner_batch_spec, learner_spec
+from jax_rl.learner.spec import learner_batch_spec, learner_spec
 from jax_rl.model_builder import resolve_model_config
 from jax_rl.models.qwen3 import get_preset, model_kwargs
 from jax_rl.placement import BatchPlacement, resolve_roles
@@ -80,7 +80,7 @@ def _target(cfg: Config, topology: str) -> _Target:
 
 
 def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_over):
-    """The learner's recipe on the target mesh, abstract (:func:`jax_rl.learner_spec.learner_spec`,
+    """The learner's recipe on the target mesh, abstract (:func:`jax_rl.learner.spec.learner_spec`,
     the one ``Learner.__init__`` builds from); ``kw_over`` overrides model build options (e.g.
     ``scan_layers=False`` for the cost pieces)."""
     return learner_spec(cfg or t.cfg, model_config or t.model_config, t.mesh, abstract=True,
@@ -89,7 +89,7 @@ def _learner(t: _Target, model_config=None, cfg: Optional[Config] = None, **kw_o
 
 def _batch(t: _Target, strategy, U: int, m: int, r: int, T: int):
     """The abstract learner batch [U, m, r, T] the run's train step reads
-    (:func:`jax_rl.learner_spec.learner_batch_spec`, as ``Learner.abstract_batch``: the recorded
+    (:func:`jax_rl.learner.spec.learner_batch_spec`, as ``Learner.abstract_batch``: the recorded
     routes included under ``moe.routing_replay`` r2/r3)."""
     sh = BatchPlacement(t.mesh, U, m).batch_sharding(r)
     routing = RoutingReplay.from_config(t.cfg, t.model_config)

@@ -46,7 +46,7 @@ class OptimConfig(_Section):
     seq_len_buckets: Optional[list[int]] = None
     """Padded lengths T a learner batch may take (the learner pads each batch to the smallest that fits,
     so at most one train-step program per length is compiled; ``max_seq_len`` is always one of them).
-    null = powers of two from 16 and their 1.5x midpoints (16, 24, 32, 48, 64, 96, ...) up to ``max_seq_len``, then ``max_seq_len`` itself (``jax_rl.batch.seq_buckets``);
+    null = powers of two from 16 and their 1.5x midpoints (16, 24, 32, 48, 64, 96, ...) up to ``max_seq_len``, then ``max_seq_len`` itself (``jax_rl.learner.batch.seq_buckets``);
     ``[N]`` with N = ``max_seq_len``: one shape, as Tunix pads every batch to prompt + completion length."""
     max_skipped_steps: int = Field(10, ge=0)
     """Stop the run (NonFiniteTrainingError) after this many consecutive learner steps (RL or SFT) in
@@ -62,7 +62,7 @@ class OptimConfig(_Section):
 
 
 class LossConfig(_Section):
-    """Policy loss and the source of pi_prox. See ``jax_rl.losses.policy_loss``.
+    """Policy loss and the source of pi_prox. See ``jax_rl.learner.losses.policy_loss``.
 
     Formula sources: paper 2605.12070 via docs/design.md §2.1 The loss per token, AReaL
     ``ppo_actor_loss_fn``, ROLL ``agg_loss`` / ``InferCorrectionHandler``.
@@ -107,8 +107,8 @@ class LossConfig(_Section):
     """Consecutive low-R steps before theta_bar resets."""
     ewma_reset_cooldown: int = Field(0, ge=0)
     """Learner steps after a reset during which no reset fires (R not counted); 0: none."""
-    ewma_reset: Literal["current", "guarded"] = "current"
-    """What a triggered reset does: current = theta_bar <- theta (the paper's); guarded = only if theta keeps more of the batch's tokens in the mask than theta_bar."""
+    ewma_reset: Literal["current", "guarded"] = "guarded"
+    """What a triggered reset does: guarded (default) = theta_bar <- theta only if theta keeps more of the batch's tokens in the mask than theta_bar; current = theta_bar <- theta always (the paper's rule; collapsed 6 of 10 runs at K=8 in docs/paper_repro.md's drift setting)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
     over the policy term's kept tokens, H the per-token entropy (nats) of the temperature-scaled
@@ -140,12 +140,12 @@ class AsyncConfig(_Section):
 class AlgoConfig(_Section):
     """The RL algorithm's knobs: the group, the advantage estimator and the policy's temperature (Tunix's
     ``algo_config``: ``GRPOConfig.num_generations``; verl's ``algorithm.adv_estimator``,
-    ``algorithm.norm_adv_by_std_in_grpo``). The estimators are the registry in :mod:`jax_rl.advantages`."""
+    ``algorithm.norm_adv_by_std_in_grpo``). The estimators are the registry in :mod:`jax_rl.learner.advantages`."""
 
     group_size: int = Field(8, ge=1)
     """GRPO group: samples per task (Tunix ``num_generations``, AReaL ``group_size``)."""
     advantage: Literal["grpo", "rloo"] = "grpo"
-    """Group advantage estimator (``jax_rl.advantages.REGISTRY``): grpo (reward minus the group mean, see
+    """Group advantage estimator (``jax_rl.learner.advantages.REGISTRY``): grpo (reward minus the group mean, see
     advantage_std_normalize) or rloo (leave-one-out baseline)."""
     advantage_std_normalize: bool = True
     """GRPO: divide by the group's reward std (verl ``norm_adv_by_std_in_grpo``)."""

@@ -4,7 +4,7 @@ Both runtimes (the embedded one in :mod:`jax_rl.runtime.train` and the Ray one i
 :mod:`jax_rl.runtime.ray_runtime`) import this module by its public names; it imports neither.
 
 * :class:`RunContext`: config, run dir, checkpoint dir, tokenizer, model config, env factory and the
-  :class:`~jax_rl.learner.Learner`; SFT, held-out eval, checkpoint save / resume, the metrics writer.
+  :class:`~jax_rl.learner.learner.Learner`; SFT, held-out eval, checkpoint save / resume, the metrics writer.
   It is also the learner handle the RL loop (:mod:`jax_rl.runtime.loop`) drives in the embedded
   runtime.
 * :func:`start_of_run_lines`: the one place that prints the start-of-run lines (preflight warnings).
@@ -31,7 +31,7 @@ from jax_rl.checkpoint import CheckpointDiskFullError, disk_full_error, is_no_sp
 from jax_rl.config import Config, ConfigError, dump_config
 from jax_rl.console import TrainProgress
 from jax_rl.evaluation import eval_seeds, summarize_eval
-from jax_rl.learner import Learner, initialize_distributed
+from jax_rl.learner.learner import Learner, initialize_distributed
 from jax_rl.metrics import MetricsWriter, sanitize
 from jax_rl.model_builder import build_model_config, learner_model_kwargs, resolve_mesh
 from jax_rl.models.hf_io import CheckpointError, load_pretrained
@@ -40,7 +40,7 @@ from jax_rl.runtime import engines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
 from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
-from jax_rl.sft import pad_examples, sft_examples
+from jax_rl.learner.sft import pad_examples, sft_examples
 from jax_rl.weight_sync import allgather_json
 from rollout.agent import AgentLoop
 from rollout.types import json_safe
@@ -201,7 +201,7 @@ class RunContext:
 
     def resume(self) -> int:
         """Restore the checkpoint to resume from (validated, with fallback; see
-        :meth:`jax_rl.learner_checkpoints.LearnerCheckpoints.restore`), set ``self.meta`` to its runtime metadata and
+        :meth:`jax_rl.learner.checkpoints.LearnerCheckpoints.restore`), set ``self.meta`` to its runtime metadata and
         return its RL step. Writes nothing.
 
         Raises:

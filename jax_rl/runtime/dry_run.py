@@ -1,6 +1,6 @@
 """``jax-rl train CONFIG --dry-run``: build everything a run needs, compile one train step, exit.
 
-Builds the env factory, tokenizer, model config, mesh and :class:`~jax_rl.learner.Learner`
+Builds the env factory, tokenizer, model config, mesh and :class:`~jax_rl.learner.learner.Learner`
 (params on the mesh) exactly as ``jax-rl train`` does, checks that the rollout KV cache fits,
 then lowers and compiles the learner's train step for the worst-case batch ``[optim.batch_size,
 optim.max_seq_len]`` from shapes alone (no batch is allocated, no step runs). Prints one table.

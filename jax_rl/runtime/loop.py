@@ -38,7 +38,7 @@ from typing import Any, Optional, Protocol, Sequence
 import jax
 import numpy as np
 
-from jax_rl import batch as B
+from jax_rl.learner import batch as B
 from jax_rl.config import Config
 from jax_rl.console import TrainProgress, print_summary
 from jax_rl.metrics import read_jsonl

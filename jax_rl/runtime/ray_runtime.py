@@ -3,7 +3,7 @@
 * ``runtime.ray_workers`` ``RolloutWorker`` actors, each with its own engine, generator and
   agent loop. Each runs whole GRPO groups (``run_group``) and returns them as
   :class:`rollout.types.Trajectory` objects (numpy arrays through Ray's object store).
-* one ``LearnerActor`` holding the :class:`~jax_rl.learner.Learner` (multi-host learners use
+* one ``LearnerActor`` holding the :class:`~jax_rl.learner.learner.Learner` (multi-host learners use
   ``runtime.coordinator`` / ``jax.distributed`` inside it).
 * one ``BufferActor`` wrapping :class:`rollout.buffer.TrajectoryBuffer`.
 

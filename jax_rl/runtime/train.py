@@ -3,7 +3,7 @@
 ``run_train(cfg)``:
 
 1. resolve ``run.dir``, write ``config.yaml``;
-2. build tokenizer, model config, mesh and :class:`~jax_rl.learner.Learner` (from
+2. build tokenizer, model config, mesh and :class:`~jax_rl.learner.learner.Learner` (from
    ``model.checkpoint`` or from scratch with ``run.seed``);
 3. SFT warm start for ``sft.steps`` on reference-solver demonstrations, then a held-out eval
    (``sft_success``);

@@ -55,7 +55,7 @@ def trained_exact_learner():
     versions 1, 2, 3, and a batch [B=8, T=16] whose rows mix versions 1..3; rows 0 (2 then 3) and
     5 (1 then 2) span two versions, as ``rollout.partial=continue`` rollouts do. Returns (learner,
     batch)."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     cfg = make_cfg("exact", **{"async": {"max_staleness": 2}})
     lrn = Learner(cfg, init_params=init_params(cfg))
@@ -107,7 +107,7 @@ def init_params(cfg: Config, seed: int = 0):
     import jax
     from flax import nnx
 
-    from jax_rl.learner import resolve_model_config
+    from jax_rl.learner.learner import resolve_model_config
     from jax_rl.models.qwen3 import Qwen3ForCausalLM
 
     mc = resolve_model_config(cfg.model)

@@ -26,7 +26,7 @@ def main() -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from jax_rl.learner import Learner, initialize_distributed
+    from jax_rl.learner.learner import Learner, initialize_distributed
     from tests.learner._util import init_params, make_batch, make_cfg
 
     runtime = {"coordinator": f"127.0.0.1:{port}", "num_processes": nproc, "process_id": pid} if nproc > 1 else {}

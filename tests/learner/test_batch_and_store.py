@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.checkpoint import Checkpointer, CheckpointMismatchError, check_compatible
-from jax_rl.learner import BatchError, collate, make_schedule, validate_batch
-from jax_rl.old_logits import SnapshotStore, StaleVersionError, snapshot_logprobs
+from jax_rl.learner.learner import BatchError, collate, make_schedule, validate_batch
+from jax_rl.correction.old_logits import SnapshotStore, StaleVersionError, snapshot_logprobs
 from jax_rl.sharding import make_mesh
 
 from ._util import make_batch
@@ -147,8 +147,8 @@ def test_short_group_is_padded_to_the_batch_size_and_trains(devices):
     63-row batch that optim.minibatches=4 could not split (BatchError: the run died). The
     learner batch is padded to optim.batch_size with inert rows: no loss token, finite step,
     the same loss tokens as the short batch, and padded_rows counted in the step row."""
-    from jax_rl.batch import learner_batch, pad_rows
-    from jax_rl.learner import Learner
+    from jax_rl.learner.batch import learner_batch, pad_rows
+    from jax_rl.learner.learner import Learner
     from jax_rl.runtime.loop import step_row
     from rollout.types import Trajectory
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from jax_rl.checkpoint import CheckpointCorruptError
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 
 from ._util import init_params, make_batch, make_cfg
 
@@ -38,7 +38,7 @@ def test_counters_and_fallback_past_corrupt_steps(tmp_path, caplog):
     shutil.rmtree(ck / "3" / "ewma")  # a deleted item
     (ck / "2" / "metadata" / "metadata").write_text('{"version": 2, ')  # bad JSON
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="jax_rl.learner"):
+    with caplog.at_level(logging.WARNING, logger="jax_rl.learner.learner"):
         meta = b.checkpoints.restore(ck)
     assert meta["checkpoint_step"] == 1 and meta["rl_step"] == 1 and b.version == 1 and b.step == 4
     assert [s for s, _ in meta["skipped_checkpoints"]] == [3, 2]

@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 
 from ._util import init_params, make_batch, make_cfg
 

@@ -1,4 +1,4 @@
-"""``old_logits.route=dedicated`` pieces: the scorer (:class:`jax_rl.old_logits.OldLogitScorer`)
+"""``old_logits.route=dedicated`` pieces: the scorer (:class:`jax_rl.correction.old_logits.OldLogitScorer`)
 against the snapshot route on the same tokens and params, multi-version trajectories, eviction
 (dropped and counted), the bounded scoring queue, the buffer that never hands out an unscored
 trajectory, the learner that runs no old-logit forward, and the config / device checks."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from jax_rl.config import ConfigError, load_config
-from jax_rl.learner import Learner
-from jax_rl.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, snapshot_logprobs,
+from jax_rl.learner.learner import Learner
+from jax_rl.correction.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, snapshot_logprobs,
                                versions_needed)
 from rollout.buffer import TrajectoryBuffer
 from rollout.types import Trajectory

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.learner import Learner
-from jax_rl.logprobs import sequence_logprobs
+from jax_rl.learner.learner import Learner
+from jax_rl.learner.logprobs import sequence_logprobs
 from jax_rl.sharding import make_mesh
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl import proximal
-from jax_rl.learner import Learner
-from jax_rl.old_logits import StaleVersionError, snapshot_logprobs, versions_needed
+from jax_rl.correction import proximal
+from jax_rl.learner.learner import Learner
+from jax_rl.correction.old_logits import StaleVersionError, snapshot_logprobs, versions_needed
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
 
@@ -23,7 +23,7 @@ def _ewma_expected(ewma, params, beta, W):
 @pytest.mark.slow
 def test_ewma_shardings_reset_and_beta(devices):
     cfg = make_cfg("ppo_ewma", mesh={"data": 2, "fsdp": 4}, old_logits={"measure_error": True},
-                   **{"async": {"max_staleness": 2}})
+                   loss={"ewma_reset": "current"}, **{"async": {"max_staleness": 2}})
     lrn = Learner(cfg, init_params=init_params(cfg))
     p0 = host(lrn.state.params)
     m1 = lrn.train_step(make_batch(7, B=8, T=16, version=0))

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_rl import losses
-from jax_rl.batch import BatchError, LearnerBatch, bucket_len, pad_len, seq_buckets
+from jax_rl.learner import losses
+from jax_rl.learner.batch import BatchError, LearnerBatch, bucket_len, pad_len, seq_buckets
 from jax_rl.config import Config
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from jax_rl.sharding import make_mesh
-from jax_rl.train_step import make_train_step, train_infer_once
+from jax_rl.learner.train_step import make_train_step, train_infer_once
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
 

@@ -7,7 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from jax_rl.sharding import LOGICAL_RULES, logical_to_pspec, make_mesh
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff

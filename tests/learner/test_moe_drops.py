@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from tests.learner._util import make_batch, make_cfg
 
 EP_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 4}

@@ -54,7 +54,7 @@ def _reference(devices):
     import jax
     from flax import nnx
 
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from jax_rl.sharding import make_mesh
 
     from ._util import init_params, make_batch, make_cfg

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-import jax_rl.learner as learner_mod
-from jax_rl.batch import LearnerBatch
+import jax_rl.learner.learner as learner_mod
+from jax_rl.learner.batch import LearnerBatch
 from jax_rl.correction import make_correction, plan_host_inputs
-from jax_rl.learner import Learner
-from jax_rl.learner_spec import learner_batch_spec
+from jax_rl.learner.learner import Learner
+from jax_rl.learner.spec import learner_batch_spec
 from jax_rl.sharding import make_mesh
 
 from ._util import init_params, make_batch, make_cfg
@@ -46,7 +46,7 @@ def _learner(correction, old_logits):
 
 
 class _Recorder:
-    """Stands in for ``LearnerBatch`` in :mod:`jax_rl.learner`: records every dict the learner turns
+    """Stands in for ``LearnerBatch`` in :mod:`jax_rl.learner.learner`: records every dict the learner turns
     into the batch of a jitted program."""
 
     def __init__(self):

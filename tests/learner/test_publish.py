@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from jax_rl.publish import Publisher
 from jax_rl.sharding import make_mesh
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jax_rl.checkpoint import CheckpointMismatchError
-from jax_rl.learner import Learner
+from jax_rl.learner.learner import Learner
 from jax_rl.sharding import make_mesh
 
 from ._util import host, init_params, layer_leaf, make_batch, make_cfg, max_abs_diff

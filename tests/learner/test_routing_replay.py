@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.batch import BatchError, collate
-from jax_rl.learner import Learner
-from jax_rl.logprobs import sequence_logprobs
+from jax_rl.learner.batch import BatchError, collate
+from jax_rl.learner.learner import Learner
+from jax_rl.learner.logprobs import sequence_logprobs
 from jax_rl.models import qwen3 as q
 from rollout.buffer import TrajectoryBuffer
 from rollout.engine import Qwen3Engine
@@ -290,7 +290,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     old_logp (stash for the version-0 tokens, held params for the version-1 ones) equal the
     learner's forced forward of the whole trajectory, and the version-0 tokens differ from the
     unforced forward (a prefix scored without its routes would give that one)."""
-    from jax_rl.old_logits import RetiringScorer
+    from jax_rl.correction.old_logits import RetiringScorer
 
     L = _learner("exact", "r3", True, old_logits={"route": "retire"})
     mc = L.model_config

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_rl.learner import BatchError, Learner
+from jax_rl.learner.learner import BatchError, Learner
 from jax_rl.sharding import make_mesh
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff

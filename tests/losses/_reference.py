@@ -1,4 +1,4 @@
-"""Straightforward float64 numpy reference of jax_rl.losses.policy_loss (loss and d loss/d logp).
+"""Straightforward float64 numpy reference of jax_rl.learner.losses.policy_loss (loss and d loss/d logp).
 
 Written independently of the JAX code, with loops and the textbook max/min PPO form.
 """

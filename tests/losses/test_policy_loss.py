@@ -1,4 +1,4 @@
-"""jax_rl.losses.policy_loss: hand tables, the issue-4 bug-class list, float64 reference.
+"""jax_rl.learner.losses.policy_loss: hand tables, the issue-4 bug-class list, float64 reference.
 
 Every test runs with and without jit (chex.variants). Jitted callables are cached per
 (test variant, config, optional-arg pattern) so hypothesis examples do not recompile.
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_rl.config import LossConfig
-from jax_rl.losses import METRIC_REDUCTIONS, STALENESS_MAX_BUCKET, loss_denominator, policy_loss
-from jax_rl.reductions import combine_metrics
+from jax_rl.learner.losses import METRIC_REDUCTIONS, STALENESS_MAX_BUCKET, loss_denominator, policy_loss
+from jax_rl.learner.reductions import combine_metrics
 from tests.losses._reference import plain_pg_loss, ref_policy_loss
 
 F32 = np.float32
@@ -628,7 +628,7 @@ class PolicyLossTest(chex.TestCase):
 def test_a_name_alone_decides_no_reduction():
     """``foo_max`` is not max-combined because of its name: undeclared, it is refused by name; declared
     a mean, it is a weighted mean; declared a max, a max."""
-    from jax_rl.reductions import SUM, Reduction
+    from jax_rl.learner.reductions import SUM, Reduction
 
     parts = [{"valid_tokens": 1.0, "foo_max": 4.0}, {"valid_tokens": 3.0, "foo_max": 0.0}]
     with pytest.raises(ValueError, match=r"\['foo_max'\] have no declared reduction"):
@@ -644,7 +644,7 @@ def test_a_name_alone_decides_no_reduction():
 def test_every_policy_loss_metric_declares_its_reduction():
     """Every key :func:`policy_loss` can return (all optional inputs given, truncation on) has a declared
     reduction, and the train step declares every key one of its updates adds."""
-    from jax_rl.train_step import STEP_REDUCTIONS
+    from jax_rl.learner.train_step import STEP_REDUCTIONS
 
     rng = np.random.default_rng(0)
     B, T = 2, 5

@@ -1,4 +1,4 @@
-"""jax_rl.proximal (linear_prox, EWMA, reset) and jax_rl.advantages (GRPO, RLOO, broadcast)."""
+"""jax_rl.correction.proximal (linear_prox, EWMA, reset) and jax_rl.learner.advantages (GRPO, RLOO, broadcast)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_rl.advantages import broadcast_advantages, grpo_advantages, rloo_advantages
+from jax_rl.learner.advantages import broadcast_advantages, grpo_advantages, rloo_advantages
 from jax_rl.config import LossConfig
-from jax_rl.proximal import ewma_beta, ewma_reset, ewma_update, loglinear_logp, reset_predicate
+from jax_rl.correction.proximal import ewma_beta, ewma_reset, ewma_update, loglinear_logp, reset_predicate
 
 HSET = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.differing_executors, HealthCheck.too_slow])
@@ -224,7 +224,7 @@ def test_advantage_registry_dispatches_by_algo_advantage():
     leave-one-out baseline, an unregistered name is one line naming ``algo.advantage``."""
     from types import SimpleNamespace
 
-    from jax_rl.advantages import REGISTRY, compute_advantages
+    from jax_rl.learner.advantages import REGISTRY, compute_advantages
 
     r = jnp.array([1.0, 0.0, 0.0, 3.0])
     g = jnp.array([7, 7, 7, 7])

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jax_rl.config import LossConfig
-from jax_rl.losses import METRIC_REDUCTIONS, policy_loss
-from jax_rl.reductions import combine_metrics
+from jax_rl.learner.losses import METRIC_REDUCTIONS, policy_loss
+from jax_rl.learner.reductions import combine_metrics
 
 F32 = np.float32
 LH = math.log(0.5)
@@ -76,7 +76,7 @@ def test_model_loss_and_grads_finite_with_tokens_outside_the_kept_set():
     """Through the model: top_k=200, top_p=0.8 put a part of the random targets outside the kept set; the policy loss
     (with the entropy bonus) and its gradient w.r.t. every param are finite, the outside tokens are
     counted, and they carry no gradient (the loss equals the one with them removed)."""
-    from jax_rl.logprobs import sequence_logprobs
+    from jax_rl.learner.logprobs import sequence_logprobs
     from jax_rl.models import qwen3 as q
 
     cfg_m = q.get_preset("tiny_dense")

@@ -370,7 +370,7 @@ def test_ep_errors(devices):
 def test_learner_step_expert_parallel_matches_one_device(devices, monkeypatch):
     """The learner's own loss and grads (moe_dispatch: ragged) on one device vs a mesh with
     expert=4: the EP path inside the real train step (scan, remat, chunked LM head)."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
     from jax_rl.models.qwen3 import layers as qwen3_layers
     from tests.learner._util import host, init_params, make_batch, make_cfg, max_abs_diff
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
 from jax_rl.models.qwen3 import (ModelOutput, MoeDrops, Qwen3ForCausalLM, StackedKVCache, count_moe_drops,
                                  get_preset)
 from jax_rl.models.qwen3.layers import capacity_keep

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.logprobs import sequence_logprobs, token_logprobs
+from jax_rl.learner.logprobs import sequence_logprobs, token_logprobs
 from jax_rl.models.qwen3 import (
     MLP,
     MoE,

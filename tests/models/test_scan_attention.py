@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jax_rl import tpu
-from jax_rl.logprobs import sequence_logprobs
+from jax_rl.learner.logprobs import sequence_logprobs
 from jax_rl.models import attention as A
 from jax_rl.models.qwen3 import (REMAT_POLICIES, Qwen3ForCausalLM, attend, get_preset, stack_layer_params,
                                  unstack_layer_params)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_rl.logprobs import token_logprobs
+from jax_rl.learner.logprobs import token_logprobs
 from jax_rl.sampling import check_truncation, kept_set, log_kept_mass
 from rollout.engine import sample_tokens
 
@@ -92,7 +92,7 @@ def test_gradient_of_the_renormalisation():
 
 
 def test_truncated_entropy_hand():
-    from jax_rl.logprobs import _trunc_logp_from_logits
+    from jax_rl.learner.logprobs import _trunc_logp_from_logits
 
     out = np.asarray(_trunc_logp_from_logits(jnp.asarray(LOGITS6)[None], jnp.zeros((1,), jnp.int32), TEMP, 3, 1.0,
                                              return_entropy=True))[0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.logprobs import sequence_logprobs, token_logprobs
+from jax_rl.learner.logprobs import sequence_logprobs, token_logprobs
 from jax_rl.models import qwen3 as q
 from rollout import jetstream_compat as jc
 from rollout.engine import NO_BOS, Qwen3Engine, prefill_bucket, sample_tokens, unpack_result

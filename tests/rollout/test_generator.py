@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.logprobs import sequence_logprobs
+from jax_rl.learner.logprobs import sequence_logprobs
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
 

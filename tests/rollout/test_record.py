@@ -1,7 +1,7 @@
 """One record from the generator to the learner batch: a behaviour log-prob keeps its name
 (``behav_logp``), its dtype (float32 arrays, never Python float lists) and its bits from the
 :class:`rollout.types.Completion` through the agent's :class:`rollout.types.Trajectory` and the buffer
-to :func:`jax_rl.batch.learner_batch` and :func:`jax_rl.batch.validate_batch`, NaN / -inf /
+to :func:`jax_rl.learner.batch.learner_batch` and :func:`jax_rl.learner.batch.validate_batch`, NaN / -inf /
 subnormal included: values are checked once, where the batch is built, and the loss masks and counts
 non-finite ones (``masked_nonfinite_behav``, tests/losses)."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from jax_rl.batch import learner_batch, validate_batch
+from jax_rl.learner.batch import learner_batch, validate_batch
 from jax_rl.config import CONFIG_DIR, load_config
 from rollout.agent import AgentLoop
 from rollout.buffer import TrajectoryBuffer

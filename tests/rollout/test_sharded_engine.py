@@ -42,7 +42,7 @@ def _engine_mesh(devices, **sizes):
 @pytest.fixture(scope="module")
 def learner(devices):
     """A tiny dense learner on the first 4 devices (placement.learner=4, fsdp=4), scan_layers params."""
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     cfg = make_cfg("ppo", placement={"learner": 4}, rollout={"dtype": "float32", "slots": 4, "max_cache_len": S})
     lrn = Learner(cfg, init_params=init_params(cfg))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.logprobs import sequence_logprobs
+from jax_rl.learner.logprobs import sequence_logprobs
 from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine
 
@@ -82,8 +82,8 @@ def test_train_step_on_engine_samples_keeps_the_tokens(mode, devices):
     """End to end: a decoupled learner step on a batch the fp32 engine sampled with top_k=20,
     top_p=0.9 keeps every token (train_infer_retained 1, nothing outside the kept set); the
     untruncated pi_prox would reject them all (|log pi_prox/mu| ~ 2.5 > log 2)."""
-    from jax_rl.learner import Learner
-    from jax_rl.losses import train_infer_factor
+    from jax_rl.learner.learner import Learner
+    from jax_rl.learner.losses import train_infer_factor
     from tests.learner._util import init_params, make_cfg
 
     cfg = make_cfg(mode, model={"scan_layers": False}, algo={"temperature": TEMP}, rollout={"top_k": TOP_K, "top_p": TOP_P,

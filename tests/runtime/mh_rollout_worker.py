@@ -4,7 +4,7 @@ Usage: python -m tests.runtime.mh_rollout_worker PROCESS_ID NUM_PROCESSES PORT R
 
 Runs ``jax-rl train`` (``jax_rl.cli.main``) on 2 fake CPU devices per process (JAX_RL_TEST_DEVICES=n: n)
 with gloo collectives (NUM_PROCESSES=1: one process, no jax.distributed, a reference run),
-after wrapping ``jax_rl.batch.learner_batch`` so that every batch this process hands the
+after wrapping ``jax_rl.learner.batch.learner_batch`` so that every batch this process hands the
 learner is recorded (RL step order, group ids, task seeds, token versions, the learner's version) to
 RUN_DIR/trained_p<PROCESS_ID>.jsonl. Test instrumentation only: nothing of the run changes, except that
 with JAX_RL_TEST_KILL_AT=n the process SIGKILLs itself when it builds its n-th batch (a lost host).
@@ -29,7 +29,7 @@ def main() -> int:
     import numpy as np
 
     from jax_rl import cli
-    from jax_rl import batch as B
+    from jax_rl.learner import batch as B
 
     real = B.learner_batch
     log_path = os.path.join(run_dir + "_records", f"trained_p{pid}.jsonl")

@@ -130,7 +130,7 @@ def test_staleness_sources_and_series(tmp_path):
 
 
 def test_open_bucket_from_losses(tmp_path):
-    """jax_rl.losses logs staleness/0..7/tokens and staleness/8+/tokens (>= 8) every step."""
+    """jax_rl.learner.losses logs staleness/0..7/tokens and staleness/8+/tokens (>= 8) every step."""
     d = tmp_path / "b"
     d.mkdir()
     rows = []
@@ -179,7 +179,7 @@ def test_group_by_seeds_writes_bands(tmp_path):
 
 
 def test_plots_key_on_columns_not_mode_names():
-    """jax_rl/plots/ names no correction mode (the registry in jax_rl/correction.py owns the names):
+    """jax_rl/plots/ names no correction mode (the registry in jax_rl/correction/__init__.py owns the names):
     what a figure draws follows the logged columns."""
     import ast
 

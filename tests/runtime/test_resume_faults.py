@@ -208,7 +208,7 @@ def test_disk_full_one_line_last_checkpoint_intact(tmp_path):
     mnt.mkdir()
     d = mnt / "run"
     train = " ".join(_train(d, "run.steps=50", "logging.tensorboard=false"))
-    check = (f"{PY} -c \"from jax_rl.learner import Learner; from jax_rl.config import load_config; "
+    check = (f"{PY} -c \"from jax_rl.learner.learner import Learner; from jax_rl.config import load_config; "
              f"lrn = Learner(load_config('{d}/config.yaml')); m = lrn.checkpoints.restore('{d}/checkpoints'); "
              f"print('RESTORED', m['checkpoint_step'], m['rl_step']); lrn.close()\"")
     script = f"""

@@ -9,7 +9,7 @@ from jax_rl.config import CONFIG_DIR, ConfigError, load_config
 from jax_rl.model_builder import build_model_config
 from jax_rl.runtime.envs import _train_bpe, build_env_factory, build_tokenizer
 from jax_rl.runtime.run_dir import resolve_run_dir
-from jax_rl.sft import sft_examples
+from jax_rl.learner.sft import sft_examples
 
 
 def test_run_context_starts_from_hf_checkpoint(tmp_path):
@@ -74,7 +74,7 @@ def test_group_advantages_per_group():
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml")
     groups = [[traj(1.0, 0), traj(0.0, 0)], [traj(1.0, 1), traj(1.0, 1)]]
-    from jax_rl.batch import group_advantages
+    from jax_rl.learner.batch import group_advantages
 
     adv = group_advantages(cfg.algo, groups)
     assert adv[0][0] > 0 > adv[0][1]

@@ -122,7 +122,7 @@ def _check_plot_cli(run_dir, out):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_k2_slow_learner_bounded_and_stale(tmp_path, monkeypatch):
-    from jax_rl import learner as L
+    from jax_rl.learner import learner as L
 
     orig = L.Learner.train_step
 
@@ -272,7 +272,7 @@ def test_sigterm_leaves_restorable_checkpoint(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, out[-3000:]  # 143: stopped by SIGTERM, after its checkpoint
     steps = len(_rows(d))
     assert steps < 200
-    from jax_rl.learner import Learner
+    from jax_rl.learner.learner import Learner
 
     cfg = load_config(d / "config.yaml")
     lrn = Learner(cfg)

@@ -22,7 +22,7 @@ PLACED = ["placement.learner=4", "placement.rollout=4", "rollout.mesh.tensor=2",
 @pytest.mark.timeout(300)
 def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
     engines, batches = [], []
-    from jax_rl import batch as B
+    from jax_rl.learner import batch as B
 
     build, collate = E.build_generator, B.learner_batch
 

@@ -43,7 +43,7 @@ Files:
     model.py    Qwen3ForCausalLM, scan_layers stacking (stack_layer_params, ...), resolve_attention,
                 resolve_scan_unroll, count_params, model_kwargs
 
-The RL log-prob heads (``sequence_logprobs``, ``token_logprobs``) live in :mod:`jax_rl.logprobs`.
+The RL log-prob heads (``sequence_logprobs``, ``token_logprobs``) live in :mod:`jax_rl.learner.logprobs`.
 Every public name above is importable from this package (``from jax_rl.models.qwen3 import X``).
 """
 

@@ -43,9 +43,9 @@ def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any],
     :class:`Reduction`.
 
     Args:
-        parts: a list of metric dicts (e.g. from :func:`jax_rl.losses.policy_loss`), or one dict whose
+        parts: a list of metric dicts (e.g. from :func:`jax_rl.learner.losses.policy_loss`), or one dict whose
             values are stacked along a leading axis (e.g. the output of ``lax.scan``).
-        reductions: every metric's declaration (:data:`jax_rl.losses.METRIC_REDUCTIONS` for
+        reductions: every metric's declaration (:data:`jax_rl.learner.losses.METRIC_REDUCTIONS` for
             ``policy_loss``'s; a caller with metrics of its own adds theirs).
 
     Returns:
@@ -65,7 +65,7 @@ def combine_metrics(parts: Sequence[Mapping[str, Any]] | Mapping[str, Any],
     undeclared = sorted(k for k in stacked if k not in reductions)
     if undeclared:
         raise ValueError(f"metrics {undeclared} have no declared reduction: add them to the reductions passed to "
-                         "combine_metrics (jax_rl.losses.METRIC_REDUCTIONS declares policy_loss's own)")
+                         "combine_metrics (jax_rl.learner.losses.METRIC_REDUCTIONS declares policy_loss's own)")
     out: dict[str, jax.Array] = {}
     for k, v in stacked.items():
         red = reductions[k]

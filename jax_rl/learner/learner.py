@@ -1,4 +1,4 @@
-"""The learner: a host shell around the pure train step (:mod:`jax_rl.train_step`).
+"""The learner: a host shell around the pure train step (:mod:`jax_rl.learner.train_step`).
 
 One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod. The
 :class:`Learner` holds the train state and the step: the model placed on the mesh (built directly
@@ -7,9 +7,9 @@ in its sharded layout on ``('data','fsdp','tensor','expert')``), host batches tu
 (:func:`jax_rl.correction.host_inputs`, the one decision) and the non-finite streak. Its stages
 are objects of their own:
 
-- ``Learner.old_logits`` (:class:`jax_rl.old_logits.stage.OldLogitStage`): the no-grad forward,
+- ``Learner.old_logits`` (:class:`jax_rl.correction.old_logits.stage.OldLogitStage`): the no-grad forward,
   the snapshot store, the run's rollout-side scorer;
-- ``Learner.checkpoints`` (:class:`jax_rl.learner_checkpoints.LearnerCheckpoints`): save,
+- ``Learner.checkpoints`` (:class:`jax_rl.learner.checkpoints.LearnerCheckpoints`): save,
   restore with fallback, delete newer steps;
 - publishing to the engines is :class:`jax_rl.publish.Publisher` (``RunContext.publisher``), the
   one path of both runtimes.
@@ -18,7 +18,7 @@ Where pi_prox comes from is decided by the strategy of ``loss.correction``
 (:mod:`jax_rl.correction`); the learner never branches on the mode's name.
 
 :meth:`Learner.train_step` metrics (python floats): the policy-loss metrics
-(:func:`jax_rl.losses.policy_loss`, combined over microbatches, averaged over the updates of the
+(:func:`jax_rl.learner.losses.policy_loss`, combined over microbatches, averaged over the updates of the
 call), ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``, ``loss_tokens``,
 ``padded_len`` (the T the step ran at: the batch's length padded to its ``optim.seq_len_buckets``
 bucket), ``step_time_s`` (wall seconds, host included), ``tokens_per_s``, ``updates``,
@@ -29,15 +29,15 @@ bucket), ``step_time_s`` (wall seconds, host included), ``tokens_per_s``, ``upda
 ``old_logits_s``, and under ``exact`` ``old_logits_forwards`` (the learner's own old-logit
 forwards this step: 0 under ``old_logits.route=dedicated``, whose batches arrive with
 ``old_logp``; :attr:`Learner.old_logit_forwards` sums them), under ``moe.routing_replay`` r2/r3
-``routing_agreement`` / ``routing_pairs`` (:mod:`jax_rl.train_step`). After ``optim.max_skipped_steps`` consecutive calls whose every update was
+``routing_agreement`` / ``routing_pairs`` (:mod:`jax_rl.learner.train_step`). After ``optim.max_skipped_steps`` consecutive calls whose every update was
 skipped as non-finite, :class:`NonFiniteTrainingError` is raised (also for SFT; 0 = never).
 
 Fixed cost per step: a batch [B, T] is padded to the smallest of ``optim.seq_len_buckets``
-(default powers of two up to ``optim.max_seq_len``, :func:`jax_rl.batch.seq_buckets`) that holds T,
+(default powers of two up to ``optim.max_seq_len``, :func:`jax_rl.learner.batch.seq_buckets`) that holds T,
 so a run compiles one train-step program per bucket it meets, not one per distinct T; the jitted step
-computes the train-infer factor once per step (:func:`jax_rl.train_step.train_infer_once`) and returns
+computes the train-infer factor once per step (:func:`jax_rl.learner.train_step.train_infer_once`) and returns
 every metric in one float32 vector, fetched in one device -> host transfer
-(:class:`jax_rl.train_step.PackedStep`); the version and optimizer step are then known on the host
+(:class:`jax_rl.learner.train_step.PackedStep`); the version and optimizer step are then known on the host
 without another transfer.
 
 Multi-process (TPU pods, or CPU processes with gloo collectives): call
@@ -60,17 +60,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jax_rl.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
+from jax_rl.learner.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
                           validate_batch)
 from jax_rl.config import Config
 from jax_rl.correction import host_inputs, plan_host_inputs
-from jax_rl.learner_checkpoints import LearnerCheckpoints
-from jax_rl.learner_spec import learner_batch_spec, learner_spec
+from jax_rl.learner.checkpoints import LearnerCheckpoints
+from jax_rl.learner.spec import learner_batch_spec, learner_spec
 from jax_rl.model_builder import resolve_mesh, resolve_model_config
-from jax_rl.old_logits.stage import OldLogitStage
+from jax_rl.correction.old_logits.stage import OldLogitStage
 from jax_rl.placement import BatchPlacement, initialize_distributed
-from jax_rl.sft import SftRunner
-from jax_rl.train_step import TrainState, make_grads_fn, make_optimizer, make_schedule, make_train_step
+from jax_rl.learner.sft import SftRunner
+from jax_rl.learner.train_step import TrainState, make_grads_fn, make_optimizer, make_schedule, make_train_step
 from jax_rl.weight_sync import allgather_json
 
 __all__ = [
@@ -190,7 +190,7 @@ class Learner:
 
     def padded_len(self, T: int) -> int:
         """The length a batch of ``T`` columns is padded to: the smallest ``optim.seq_len_buckets``
-        bucket that holds it (:func:`jax_rl.batch.bucket_len`).
+        bucket that holds it (:func:`jax_rl.learner.batch.bucket_len`).
 
         Raises:
             BatchError: ``T`` > ``optim.max_seq_len``.
@@ -198,7 +198,7 @@ class Learner:
         return bucket_len(int(T), self.seq_buckets)
 
     def _bucketed(self, b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``b`` with its columns padded to :meth:`padded_len` (inert padding, :func:`jax_rl.batch.pad_len`)."""
+        """``b`` with its columns padded to :meth:`padded_len` (inert padding, :func:`jax_rl.learner.batch.pad_len`)."""
         return pad_len(dict(b), self.padded_len(np.shape(b["tokens"])[1]))
 
     @property
@@ -249,7 +249,7 @@ class Learner:
     # ---------------------------------------------------------------------------------
     def train_step_fn(self, r: int):
         """The jitted train step for batches with ``r`` rows per chunk (built once per ``r``; one
-        compiled program per padded length T): a :class:`jax_rl.train_step.PackedStep`,
+        compiled program per padded length T): a :class:`jax_rl.learner.train_step.PackedStep`,
         ``(state, LearnerBatch [U,m,r,T]) -> (state, metrics vector)``."""
         key = ("train", r)
         if key not in self._steps:
@@ -275,7 +275,7 @@ class Learner:
         """Train on one batch: ``ppo_epochs x minibatches`` updates, then publish one version.
 
         Args:
-            batch: learner batch (:class:`jax_rl.batch.LearnerBatch` fields as a dict of numpy
+            batch: learner batch (:class:`jax_rl.learner.batch.LearnerBatch` fields as a dict of numpy
                 [B, T]; optional ``old_logp`` [B, T] exact old log-probs, used instead of the
                 snapshot route under ``exact`` and as the reference of ``measure_error``). B must
                 be a multiple of ``minibatches*microbatches`` (of the process's rows with
@@ -342,7 +342,7 @@ class Learner:
         return {k: float(v) for k, v in every[self.holders[0]].items()}
 
     def _host_batch(self, batch: Mapping[str, Any], current_version: Optional[int] = None) -> dict[str, np.ndarray]:
-        """``batch`` validated (:func:`jax_rl.batch.validate_batch`; loss tokens need a version >= 0 when the
+        """``batch`` validated (:func:`jax_rl.learner.batch.validate_batch`; loss tokens need a version >= 0 when the
         snapshot store scores them, :func:`jax_rl.correction.plan_host_inputs`) and checked by the
         routing-replay policy (an r3 step never trains without the rollout's routes)."""
         plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.old_logits.store is not None)
@@ -435,7 +435,7 @@ class Learner:
     # SFT
     # ---------------------------------------------------------------------------------
     def sft_step(self, batch: Mapping[str, Any]) -> dict[str, float]:
-        """One supervised step (:mod:`jax_rl.sft`): mean cross-entropy over ``loss_mask`` tokens.
+        """One supervised step (:mod:`jax_rl.learner.sft`): mean cross-entropy over ``loss_mask`` tokens.
 
         Args:
             batch: ``tokens`` int [B, T], ``attention_mask`` bool [B, T], ``loss_mask`` bool

@@ -1,7 +1,7 @@
 """The learner's checkpoint stage: its train state to and from Orbax (:mod:`jax_rl.checkpoint`).
 
 :class:`LearnerCheckpoints` (``Learner.checkpoints``) saves the learner's
-:class:`~jax_rl.train_step.TrainState`, the correction strategy's items and the snapshot store
+:class:`~jax_rl.learner.train_step.TrainState`, the correction strategy's items and the snapshot store
 (:func:`jax_rl.checkpoint.train_state_items`) with the run's metadata, restores them onto the
 learner's mesh (any shape) with a fallback past bad steps, and keeps one
 :class:`~jax_rl.checkpoint.Checkpointer` per checkpoint directory. Every process calls
@@ -32,10 +32,10 @@ class LearnerCheckpoints:
     """Checkpoints of one learner (``checkpoint.*``: ``every``, ``max_to_keep``, ``async_save``).
 
     Args:
-        learner: the :class:`~jax_rl.learner.Learner` whose state is saved and restored.
+        learner: the :class:`~jax_rl.learner.learner.Learner` whose state is saved and restored.
     """
 
-    def __init__(self, learner: Any):  # a jax_rl.learner.Learner (which imports this module)
+    def __init__(self, learner: Any):  # a jax_rl.learner.learner.Learner (which imports this module)
         self._lrn = learner
         self._ckptrs: dict[str, ckpt.Checkpointer] = {}
         self._in_shared = False

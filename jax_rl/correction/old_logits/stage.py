@@ -5,13 +5,13 @@ log-probs (``loss.correction=exact``, or an approximate mode's ``old_logits.meas
 
 - :meth:`~OldLogitStage.logprob_fn`: the learner's no-grad log-prob forward with its training
   numerics, jitted once per (routes, param shardings); every old-logit scorer runs it;
-- :attr:`~OldLogitStage.store`: the snapshot store (:class:`jax_rl.old_logits.SnapshotStore`) when
+- :attr:`~OldLogitStage.store`: the snapshot store (:class:`jax_rl.correction.old_logits.SnapshotStore`) when
   the correction strategy asks for it (:attr:`jax_rl.correction.Correction.learner_store`), holding
   the last ``async.max_staleness + 1`` versions;
 - :meth:`~OldLogitStage.score`: a batch's exact old log-probs from the store (the learner's host
   step, :func:`jax_rl.correction.host_inputs`);
 - :meth:`~OldLogitStage.make_scorer`: the rollout-side scorer of a route that scores before the
-  buffer (:class:`jax_rl.old_logits.OldLogitScorer`), on the learner's devices or on
+  buffer (:class:`jax_rl.correction.old_logits.OldLogitScorer`), on the learner's devices or on
   ``placement.scorer``.
 """
 
@@ -22,11 +22,11 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jax_rl.learner_spec import scorer_placement
-from jax_rl.old_logits.scorer import OldLogitScorer
-from jax_rl.old_logits.store import SnapshotStore, snapshot_logprobs, versions_needed
+from jax_rl.learner.spec import scorer_placement
+from jax_rl.correction.old_logits.scorer import OldLogitScorer
+from jax_rl.correction.old_logits.store import SnapshotStore, snapshot_logprobs, versions_needed
 from jax_rl.placement import resolve_roles
-from jax_rl.train_step import make_logprob_step
+from jax_rl.learner.train_step import make_logprob_step
 
 __all__ = ["OldLogitStage"]
 
@@ -35,7 +35,7 @@ class OldLogitStage:
     """The old-logit stage of one learner.
 
     Args:
-        learner: the :class:`~jax_rl.learner.Learner` (its config, model split, param shardings,
+        learner: the :class:`~jax_rl.learner.learner.Learner` (its config, model split, param shardings,
             mesh, routing-replay policy and live params are read).
 
     Attributes:
@@ -43,7 +43,7 @@ class OldLogitStage:
             strategy keeps none.
     """
 
-    def __init__(self, learner: Any):  # a jax_rl.learner.Learner (which imports this module)
+    def __init__(self, learner: Any):  # a jax_rl.learner.learner.Learner (which imports this module)
         self._lrn = learner
         self._fns: dict[bool, Any] = {}
         self.store: Optional[SnapshotStore] = None
@@ -58,7 +58,7 @@ class OldLogitStage:
         old-logit scorer runs).
 
         ``(params, tokens int32 [U,m,r,T], attention_mask bool [U,m,r,T]) -> logp float32 [U,m,r,T]``
-        (:func:`jax_rl.train_step.make_logprob_step`: fp32 master params, the model's compute
+        (:func:`jax_rl.learner.train_step.make_logprob_step`: fp32 master params, the model's compute
         dtype, ``algo.temperature`` and the sampler's ``rollout.top_k`` / ``top_p`` truncation;
         ``logp[..., 0] = 0``, 0 on padding). ``routes=True``: ``(params, tokens, attention_mask,
         routes [U,m,r,T,n_moe_layers,k]) -> logp`` with those expert ids forced (the r3 forward).
@@ -96,7 +96,7 @@ class OldLogitStage:
             g: the learner's version (its live params score version ``g``).
 
         Raises:
-            jax_rl.old_logits.StaleVersionError: a version the store no longer holds.
+            jax_rl.correction.old_logits.StaleVersionError: a version the store no longer holds.
         """
         lrn = self._lrn
         return snapshot_logprobs(
@@ -107,7 +107,7 @@ class OldLogitStage:
 
     def make_scorer(self, *, keep: Optional[int] = None, pad_id: int = 0, devices: Any = "placement"
                     ) -> OldLogitScorer:
-        """The rollout-side old-logit scorer of this run (:class:`jax_rl.old_logits.OldLogitScorer`),
+        """The rollout-side old-logit scorer of this run (:class:`jax_rl.correction.old_logits.OldLogitScorer`),
         holding at most ``keep`` versions (default ``async.max_staleness + 1``): on the learner's
         mesh with the learner's own forward (no scorer devices), else on a
         ``('data','fsdp','tensor','expert')`` mesh over the scorer's devices (fsdp = all of them)

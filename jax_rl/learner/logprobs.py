@@ -24,7 +24,7 @@ __all__ = ["LogprobOutput", "token_logprobs", "sequence_logprobs"]
 @flax.struct.dataclass
 class LogprobOutput:
     """What :func:`sequence_logprobs` (and the train step's log-prob forward,
-    :func:`jax_rl.train_step.make_logprob_fn`) returns: a pytree, so it passes through ``jax.jit``
+    :func:`jax_rl.learner.train_step.make_logprob_fn`) returns: a pytree, so it passes through ``jax.jit``
     and ``lax.map``; a field not asked for is None.
 
     Attributes:

@@ -20,11 +20,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_rl.batch import validate_batch
+from jax_rl.learner.batch import validate_batch
 from jax_rl.config import Config, ConfigError
 from jax_rl.correction import tree_finite, tree_where
-from jax_rl.learner_spec import make_sft_optimizer
-from jax_rl.train_step import make_logprob_fn, opt_state_shardings
+from jax_rl.learner.spec import make_sft_optimizer
+from jax_rl.learner.train_step import make_logprob_fn, opt_state_shardings
 from rollout.agent import sft_example
 
 __all__ = ["SFT_FIELDS", "make_sft_step", "SftRunner"]

@@ -1,13 +1,13 @@
 """The learner's recipe, in one place: what a config builds for the train step.
 
-:func:`learner_spec` is used by :class:`jax_rl.learner.Learner` (real arrays on the mesh, which
+:func:`learner_spec` is used by :class:`jax_rl.learner.learner.Learner` (real arrays on the mesh, which
 the dry run ``jax-rl train --dry-run`` compiles) and by ``jax-rl compile`` (abstract shapes on a
 TPU topology): the model split, the param shardings, the optimizer and its schedule, the
 correction strategy, the routing-replay policy, the train-state shardings and the initial state.
 So the program ``jax-rl compile`` sizes is the program training runs, as MaxText's
 ``train_compile.py`` shares its state setup with ``train.py``.
 
-:func:`make_sft_optimizer` is the SFT phase's optimizer (:class:`jax_rl.sft.SftRunner` and
+:func:`make_sft_optimizer` is the SFT phase's optimizer (:class:`jax_rl.learner.sft.SftRunner` and
 ``jax-rl compile``'s ``sft_step``).
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import jax
 from flax import nnx
 
-from jax_rl.batch import abstract_batch
+from jax_rl.learner.batch import abstract_batch
 from jax_rl.checkpoint import abstract_like
 from jax_rl.config import Config, ConfigError
 from jax_rl.correction import Correction, make_correction, plan_host_inputs
@@ -27,7 +27,7 @@ from jax_rl.model_builder import abstract_model_split, create_sharded_model, lea
 from jax_rl.placement import place_params
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
-from jax_rl.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
+from jax_rl.learner.train_step import (TrainState, init_train_state, initial_state, make_optimizer,
                                train_state_shardings)
 
 __all__ = ["LearnerSpec", "learner_spec", "total_updates", "make_sft_optimizer", "learner_batch_spec",
@@ -46,7 +46,7 @@ class LearnerSpec:
         tx / schedule: the RL optimizer chain and its learning-rate schedule (:func:`make_optimizer`).
         strategy: the correction strategy (``loss.correction``).
         routing: the routing-replay policy (``moe.routing_replay``).
-        state: the step-0 :class:`jax_rl.train_step.TrainState` (arrays, or ShapeDtypeStructs
+        state: the step-0 :class:`jax_rl.learner.train_step.TrainState` (arrays, or ShapeDtypeStructs
             with their shardings when abstract).
         state_shardings: the TrainState's shardings.
     """
@@ -76,11 +76,11 @@ def make_sft_optimizer(cfg: Config):
 
 def learner_batch_spec(strategy: Correction, routing: RoutingReplay, model_config: Any, shape: tuple,
                        sharding: Any):
-    """The abstract learner batch (``jax.ShapeDtypeStruct`` fields, :func:`jax_rl.batch.abstract_batch`)
+    """The abstract learner batch (``jax.ShapeDtypeStruct`` fields, :func:`jax_rl.learner.batch.abstract_batch`)
     the run's train step reads, of ``shape`` = [U, m, r, T] with ``sharding``: ``prox_logp`` under
     ``exact``, ``old_logp`` when an approximate mode measures its error against the learner's
     snapshot store, ``routes`` [U, m, r, T, n_moe_layers, k] when the routing-replay policy records
-    them. Used by :meth:`jax_rl.learner.Learner.abstract_batch` (the dry run) and ``jax-rl compile``,
+    them. Used by :meth:`jax_rl.learner.learner.Learner.abstract_batch` (the dry run) and ``jax-rl compile``,
     so both lower the program training runs."""
     plan = plan_host_inputs(strategy, given=True, store=False)  # the fields, as the learner's host step fills them
     return abstract_batch(tuple(shape), sharding, prox=plan.field == "prox_logp", old=plan.field == "old_logp",
@@ -91,7 +91,7 @@ def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Opt
     """``(mesh, abstract params, param shardings)`` of an old-logit scorer on its own ``devices``
     (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
     the learner's fp32 params sharded by the learner's logical rules there. Used by
-    :meth:`jax_rl.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
+    :meth:`jax_rl.correction.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
     mesh = make_mesh(fsdp=-1, devices=devices)
     _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
                                                              else dict(model_kw)))

@@ -11,7 +11,7 @@ import flax
 import jax
 import numpy as np
 
-from jax_rl.advantages import compute_advantages
+from jax_rl.learner.advantages import compute_advantages
 from jax_rl.models.qwen3 import route_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -423,7 +423,7 @@ def _field(k: str, kind: str, dt: Any, value: Any, shape: tuple[int, int]) -> np
 
 def group_advantages(algo: AlgoConfig, groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
     """Per-trajectory advantages per group by the ``algo.advantage`` estimator
-    (:func:`jax_rl.advantages.compute_advantages`), as a list of float32 [G] arrays."""
+    (:func:`jax_rl.learner.advantages.compute_advantages`), as a list of float32 [G] arrays."""
     rewards = np.concatenate([np.asarray([t.reward for t in g], np.float32) for g in groups])
     gids = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(groups)])
     adv = np.asarray(compute_advantages(algo, rewards, gids), np.float32)

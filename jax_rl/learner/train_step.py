@@ -11,7 +11,7 @@ One call does everything for one published version:
 2. ``optim.ppo_epochs x optim.minibatches`` optimizer updates (``lax.scan``), each over
    ``optim.microbatches`` gradient-accumulation microbatches (``lax.scan``). Normalisation is
    global: every microbatch's loss is divided by the minibatch's
-   :func:`jax_rl.losses.loss_denominator`, so the summed loss and gradient equal the
+   :func:`jax_rl.learner.losses.loss_denominator`, so the summed loss and gradient equal the
    single-microbatch ones whatever the split. An update with a non-finite loss, gradient norm
    or updated params is skipped (params and optimizer state kept; ``nonfinite_updates``).
 3. ``strategy.after_update`` (the EWMA update), then ``version += 1`` and
@@ -20,7 +20,7 @@ One call does everything for one published version:
 Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 ``optim.microbatches``) into [U, m, r, T]; minibatch u, microbatch j is rows
 ``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
-(``jax_rl.logprobs.sequence_logprobs``: fp32 logits, temperature ``algo.temperature``,
+(``jax_rl.learner.logprobs.sequence_logprobs``: fp32 logits, temperature ``algo.temperature``,
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
 with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
 
@@ -46,13 +46,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_rl import losses
-from jax_rl.batch import LearnerBatch
+from jax_rl.learner import losses
+from jax_rl.learner.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.correction import Correction, tree_finite, tree_where
-from jax_rl.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
-from jax_rl.reductions import SUM, Reduction, combine_metrics, combine_updates
+from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
 
@@ -199,7 +199,7 @@ def init_train_state(tx, strategy: Correction, params: Any, shardings: TrainStat
 def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optional[int] = None, *,
                     top_k: int = 0, top_p: float = 1.0):
     """``(params, tokens [r,T], attention_mask [r,T], return_entropy=False, routes=None,
-    return_moe_drops=False) -> LogprobOutput`` (:class:`jax_rl.logprobs.LogprobOutput`: ``logp``
+    return_moe_drops=False) -> LogprobOutput`` (:class:`jax_rl.learner.logprobs.LogprobOutput`: ``logp``
     [r,T] float32, ``logp[:, 0] = 0``; ``entropy`` [r,T] with ``return_entropy``; ``moe_drops``
     with ``return_moe_drops``; see ``sequence_logprobs``), training numerics. ``chunk_tokens``:
     LM-head chunk length (``model.logits_chunk_tokens``; None: by a 4M-logit budget).
@@ -272,7 +272,7 @@ def chunked(logprobs, *, with_routes: bool = True) -> Callable[..., jax.Array]:
 
 def train_infer_once(loss_cfg, prox: jax.Array, b: LearnerBatch) -> losses.TrainInfer:
     """The train-infer factor pi_prox/mu of a whole chunked batch, once per step
-    (:func:`jax_rl.losses.train_infer_factor` over its rows; every leaf [U, m, r, T], the
+    (:func:`jax_rl.learner.losses.train_infer_factor` over its rows; every leaf [U, m, r, T], the
     ``catastrophic_row`` [U, m, r]). pi_prox (computed before the updates), mu, the masks and turn ids
     do not move during the step's ``ppo_epochs x minibatches`` updates, so every update and
     microbatch takes its rows of this one result instead of recomputing it; the factor is per row, so
@@ -354,9 +354,9 @@ STEP_REDUCTIONS: dict[str, Reduction] = {
     "lr": Reduction("update"),
     "nonfinite_updates": Reduction("update", over_updates="sum"),
 }
-"""The declared reduction of every metric one optimizer update yields: :func:`jax_rl.losses.policy_loss`'s
-and the train step's own (:func:`jax_rl.reductions.combine_metrics` over microbatches,
-:func:`jax_rl.reductions.combine_updates` over the step's updates)."""
+"""The declared reduction of every metric one optimizer update yields: :func:`jax_rl.learner.losses.policy_loss`'s
+and the train step's own (:func:`jax_rl.learner.reductions.combine_metrics` over microbatches,
+:func:`jax_rl.learner.reductions.combine_updates` over the step's updates)."""
 
 
 def _with_moe_frac(metrics: dict) -> dict:

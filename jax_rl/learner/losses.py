@@ -95,7 +95,7 @@ Token metrics are means over VALID tokens (loss_mask); at a valid token with non
 behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Each metric declares how
 it combines over microbatches (:data:`METRIC_REDUCTIONS`: sums for counts, max/min for extremes,
 means weighted by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` recomputed), and
-:func:`jax_rl.reductions.combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
+:func:`jax_rl.learner.reductions.combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_rl.reductions import MAX, MIN, SUM, Reduction
+from jax_rl.learner.reductions import MAX, MIN, SUM, Reduction
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import LossConfig
@@ -490,7 +490,7 @@ def policy_loss(
 
 
 # --------------------------------------------------------------------------------------
-# Each metric's reduction (jax_rl.reductions)
+# Each metric's reduction (jax_rl.learner.reductions)
 # --------------------------------------------------------------------------------------
 
 
@@ -539,5 +539,5 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     "prox_abs_err_mean": TOKEN_MEAN,
     "prox_abs_err_max": MAX,
 }
-"""The declared :class:`~jax_rl.reductions.Reduction` of every metric :func:`policy_loss` returns. A
-caller adding metrics of its own passes theirs beside these to :func:`jax_rl.reductions.combine_metrics`."""
+"""The declared :class:`~jax_rl.learner.reductions.Reduction` of every metric :func:`policy_loss` returns. A
+caller adding metrics of its own passes theirs beside these to :func:`jax_rl.learner.reductions.combine_metrics`."""

@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jax_rl.batch import collate
-from jax_rl.old_logits.scorer import OldLogitScorer
-from jax_rl.old_logits.store import StaleVersionError
+from jax_rl.learner.batch import collate
+from jax_rl.correction.old_logits.scorer import OldLogitScorer
+from jax_rl.correction.old_logits.store import StaleVersionError
 
 log = logging.getLogger(__name__)
 

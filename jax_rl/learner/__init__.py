@@ -1,0 +1,19 @@
+"""The learner: everything that turns a batch of trajectories into new params.
+
+- :mod:`jax_rl.learner.learner`: :class:`~jax_rl.learner.learner.Learner`, the host shell around the train
+  step (state, placement, process-local rows, pi_prox's host-side inputs) and its stages.
+- :mod:`jax_rl.learner.checkpoints`: the learner's checkpoint stage (save, restore with fallback).
+- :mod:`jax_rl.learner.spec`: the learner's shapes and shardings (state, batch) for a config.
+- :mod:`jax_rl.learner.train_step`: ``TrainState`` and the one pure jitted train step.
+- :mod:`jax_rl.learner.losses`: the pure policy loss and its metrics; :mod:`jax_rl.learner.reductions`: how
+  metrics combine over microbatches and updates.
+- :mod:`jax_rl.learner.advantages`: the advantage estimators (one registry, ``algo.advantage``).
+- :mod:`jax_rl.learner.batch`: ``LearnerBatch``, ``collate``, padding and validation.
+- :mod:`jax_rl.learner.logprobs`: the RL log-prob heads (truncation, entropy).
+- :mod:`jax_rl.learner.sft`: the SFT warm-start stage.
+
+Where pi_prox comes from (the correction registry, the proximal math and the exact old-logit routes) is
+:mod:`jax_rl.correction`. This ``__init__`` re-exports nothing: importing one pure piece (``losses``) must not
+build the whole learner, and the modules the learner imports (placement, routing replay) read
+``jax_rl.learner.batch``, so a re-export of ``Learner`` here would close an import cycle.
+"""
