@@ -86,18 +86,17 @@ def _draw(s: jax.Array, block_row: Callable[[jax.Array], jax.Array], u: jax.Arra
 
 
 def _draw_from_logp(logp: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
-    """``inverse_cdf_index(exp(logp), u, block)`` with ``exp`` taken where each mass is read (the block
-    sums, then the one block row gathered from ``logp``), so no [B, V] array of masses is written
-    and laid out again for the gather. ``logp`` [B, V] float32 (``-inf``: zero mass)."""
+    """``inverse_cdf_index(exp(logp), u, block)`` bit for bit, with ``exp`` taken where each mass is read
+    (the block sums, then the one block row gathered from ``logp``'s block view), so no [B, V] array
+    of masses is written (docs/performance.md, "The sampler's passes"). ``logp`` [B, V] float32
+    (``-inf``: zero mass)."""
     B, V = logp.shape
     b = _cdf_block(V, block)
     pad = (-V) % b
     lp = jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else logp
     lb = lp.reshape(B, lp.shape[1] // b, b)
-    # the block row gathered from the [B, V] row itself (b consecutive entries), not from the [B, n, b]
-    # view: on a TPU that view is laid out again (a copy of the row) for a gather
     return _draw(jnp.sum(jnp.exp(lb), axis=-1),
-                 lambda blk: jnp.exp(jnp.take_along_axis(lp, blk[:, None] * b + jnp.arange(b)[None, :], axis=1)), u, b)
+                 lambda blk: jnp.exp(jnp.take_along_axis(lb, blk[:, None, None], axis=1)[:, 0]), u, b)
 
 
 def sample_tokens(
