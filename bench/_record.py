@@ -1,12 +1,98 @@
 """Shared by the bench scripts: a figure's median with its range, the JSON record file each run appends to
-(``--json``), and :data:`SMALL_DIMS`, the ``small`` model size they measure beside the tiny preset."""
+(``--json``), :data:`SMALL_DIMS`, the ``small`` model size they measure beside the tiny preset, and the
+platform preamble: ``--platform cpu|gpu|tpu`` chosen before jax is imported (:func:`select_platform`,
+:func:`add_platform_arg`), the versions and devices printed and put in every record
+(:func:`environment`), and the figure beside its roofline from the one chip table,
+:data:`jax_rl.chips.CHIPS` (:func:`decode_roofline`, :func:`mfu`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
-from typing import Any, Sequence
+import sys
+from typing import Any, Optional, Sequence
+
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+"""``--platform`` -> ``JAX_PLATFORMS`` (``gpu``: the CUDA plugin of the ``gpu`` extra)."""
+
+
+def _chips():
+    """:mod:`jax_rl.chips`, imported when first needed: a bench that runs another source tree's jax_rl
+    (``bench/e2e_rl.py --src``) puts that tree on ``sys.path`` first; this checkout is only the fallback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.append(root)
+    from jax_rl import chips
+
+    return chips
+
+
+def select_platform(argv: Optional[Sequence[str]] = None, default: str = "cpu") -> str:
+    """Set ``JAX_PLATFORMS`` from ``--platform cpu|gpu|tpu`` in ``argv`` (default ``sys.argv``) before jax
+    is imported; without the flag a ``JAX_PLATFORMS`` already set is kept, else ``default`` (the CPU: the
+    figures in docs/ were measured so). Call at the top of a bench, before ``import jax``. Returns the
+    value set. Raises SystemExit (one line) for an unknown platform."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plat = None
+    for i, a in enumerate(argv):
+        if a == "--platform" and i + 1 < len(argv):
+            plat = argv[i + 1]
+        elif a.startswith("--platform="):
+            plat = a.split("=", 1)[1]
+    if plat is not None:
+        if plat not in PLATFORMS:
+            raise SystemExit(f"--platform {plat}: one of {', '.join(PLATFORMS)}")
+        os.environ["JAX_PLATFORMS"] = PLATFORMS[plat]
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", PLATFORMS[default])
+    return os.environ["JAX_PLATFORMS"]
+
+
+def add_platform_arg(parser) -> None:
+    """``--platform cpu|gpu|tpu`` on a bench's argparse parser (read earlier by :func:`select_platform`)."""
+    parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
+                        help="JAX backend to measure on (JAX_PLATFORMS=cpu|cuda|tpu; default: JAX_PLATFORMS "
+                             "if set, else cpu)")
+
+
+def environment(echo: bool = True) -> dict[str, Any]:
+    """jax-rl / jax / jaxlib versions, the backend, its devices and the chip (:func:`jax_rl.chips.backend_report`)
+    plus the chip's vendor peaks (``hbm_bandwidth`` bytes/s, ``peak_bf16_flops`` FLOP/s; None on a CPU or an
+    unknown chip). ``echo``: also print it as one ``env:`` line. Put it in every record."""
+    chips = _chips()
+    rep = chips.backend_report()
+    spec = None
+    if "error" not in rep and rep["devices"]:
+        spec = chips.chip_for(rep["devices"][0]["kind"])
+    rep["hbm_bandwidth"] = spec.hbm_bandwidth if spec else None
+    rep["peak_bf16_flops"] = spec.peak_bf16_flops if spec else None
+    if echo:
+        if "error" in rep:
+            print(f"env: jax-rl {rep['jax-rl']}, jax {rep['jax']}, jaxlib {rep['jaxlib']}; "
+                  f"backend error: {rep['error']}")
+        else:
+            kinds = sorted({d["kind"] for d in rep["devices"]})
+            chip = (f"; chip {spec.name}: HBM {spec.hbm_bandwidth / 1e12:.2f} TB/s, bf16 "
+                    f"{spec.peak_bf16_flops / 1e12:.0f} TFLOP/s (vendor peaks)") if spec else ""
+            print(f"env: jax-rl {rep['jax-rl']}, jax {rep['jax']}, jaxlib {rep['jaxlib']}; backend {rep['backend']}, "
+                  f"{len(rep['devices'])} x {', '.join(kinds)}{chip}", flush=True)
+    return rep
+
+
+def decode_roofline(env: dict, bytes_per_step: float, tokens_per_step: int) -> Optional[float]:
+    """Tokens/s a decode step moving ``bytes_per_step`` bytes (weights once + the K/V read) and making
+    ``tokens_per_step`` tokens can reach at the chip's HBM bandwidth (``env`` from :func:`environment`); None
+    off an accelerator (no roofline printed)."""
+    bw = env.get("hbm_bandwidth")
+    return tokens_per_step * bw / bytes_per_step if bw else None
+
+
+def mfu(env: dict, flops_per_s: float) -> Optional[float]:
+    """Model FLOP utilisation: ``flops_per_s`` / the chip's dense bf16 peak (``env`` from :func:`environment`),
+    or None off an accelerator."""
+    peak = env.get("peak_bf16_flops")
+    return flops_per_s / peak if peak else None
 
 
 SMALL_DIMS = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -38,6 +124,8 @@ def finish(args: Any, load_before: tuple, load_after: tuple, results: dict, **ex
     import datetime as dt
 
     print(f"load average after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}")
+    if "env" not in extra:  # the versions and devices in every record
+        extra = {"env": environment(echo=False), **extra}
     rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "args": vars(args), **extra,
            "load_before": load_before, "load_after": load_after, "results": results}
     if getattr(args, "json", None):

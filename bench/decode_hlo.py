@@ -13,7 +13,14 @@ AOT compiler for ``--topology``, the ``tpu`` extra), in each ``--layout``:
   the cache the scan carry: what the engine ran on a GPU before ``kv_per_layer`` defaulted on there;
 - ``stacked``: the same stacked params and cache with the layer loop written out (``scan_unroll=full``);
 - ``per_layer``: ``kv_per_layer=True``: unrolled layers, each with its own params and its own
-  (key-transposed) cache buffer (the engine's default on every backend but a TPU).
+  (key-transposed) cache buffer (the engine's default on every backend but a TPU);
+- ``paged`` / ``paged_xla`` (issue 46): the same step (decode, the engine's ``sample_tokens``,
+  ``behav_logp``) over a paged K/V pool (``jax_rl.models.qwen3.paged``, unrolled layers, one pool
+  per layer), the pool sized to the live positions (``slots x ceil((live + 1) / --page-size)``
+  pages, the reservation per slot gone; the page table still spans ``--cache``). ``paged`` runs
+  the attention on the backend's path (TPU: the ragged paged attention kernel, which reads only
+  the pages below each row's length; its custom call is charged its whole pool here, i.e. the
+  live pages: an upper bound), ``paged_xla`` the XLA gather path (bucketed to the live pages).
 
 For each it prints, per decode step (a while body counted as many times as its known trip count):
 
@@ -181,6 +188,56 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
     return compiled, time.perf_counter() - t0
 
 
+def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dtype: str, backend: str,
+                  topology: str = "v5p-8", kernel: bool = True):
+    """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_rl.models.paged_attention import page_bucket, pages_for
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM
+    from jax_rl.models.qwen3.paged import PagedKVCache, paged_decode_step
+    from rollout.engine import sample_tokens
+
+    dt = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt,
+                                                       scan_layers=False, attention="xla"))
+    graphdef, params = nnx.split(abstract)
+    per_row = pages_for(live + 1, page_size)
+    P, M = slots * per_row, pages_for(cache, page_size)
+    n = page_bucket(per_row, M)
+    path = backend if kernel else "cpu"
+
+    def step(params, cache, tokens, keys, temperature):
+        model = nnx.merge(graphdef, params)
+        dec = paged_decode_step(model, tokens, cache, num_pages=n, backend=path)
+        keys = jax.vmap(jax.random.fold_in)(keys, cache.lengths.astype(jnp.uint32) + 1)
+        tok, logp, _ = sample_tokens(dec.logits, keys, temperature)
+        return dec.cache, tok, logp
+
+    kv = tuple(jax.ShapeDtypeStruct((P, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim), dt)
+               for _ in range(cfg.num_hidden_layers))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    args = (params, PagedKVCache(kv=kv, page_table=i32(slots, M), lengths=i32(slots)), i32(slots),
+            jax.ShapeDtypeStruct((slots, 2), jnp.uint32), jax.ShapeDtypeStruct((slots,), jnp.float32))
+    fn = jax.jit(step, donate_argnums=(1,))
+    t0 = time.perf_counter()
+    if backend == "tpu":
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P_
+
+        from jax_rl import tpu
+
+        mesh = Mesh(np.array(tpu.get_topology(topology).devices[:1]), ("data",))
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P_())), args)
+        with jax.default_matmul_precision("default"), tpu.no_persistent_cache(), jax.set_mesh(mesh):
+            compiled = fn.lower(*args).compile()
+    else:
+        compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3_0p6b")
@@ -188,7 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", default="64,256")
     p.add_argument("--cache", type=int, default=384, help="max_cache_len S")
     p.add_argument("--live", type=int, default=0, help="cached positions per slot for the roofline (0 = S)")
-    p.add_argument("--layout", default="scan,per_layer", help="comma list of scan, stacked, per_layer")
+    p.add_argument("--layout", default="scan,per_layer", help="comma list of scan, stacked, per_layer, paged, paged_xla")
+    p.add_argument("--page-size", type=int, default=16, help="paged layouts: positions per page")
     p.add_argument("--dtype", default="float32", help="rollout dtype (see the module doc for bf16 on XLA:CPU)")
     p.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
     p.add_argument("--topology", default="v5p-8", help="--backend tpu: the topology (one chip of it is used)")
@@ -217,8 +275,13 @@ def main(argv=None) -> int:
               f"+ KV read {rl['kv_read'] / mib:,.0f} + KV write {rl['kv_write'] / mib:.1f}")
         for layout in a.layout.split(","):
             try:
-                compiled, secs = compile_generate(cfg, slots=slots, cache=a.cache, layout=layout, dtype=a.dtype,
-                                                  backend=a.backend, topology=a.topology)
+                if layout.startswith("paged"):
+                    compiled, secs = compile_paged(cfg, slots=slots, cache=a.cache, live=live, page_size=a.page_size,
+                                                   dtype=a.dtype, backend=a.backend, topology=a.topology,
+                                                   kernel=(layout == "paged"))
+                else:
+                    compiled, secs = compile_generate(cfg, slots=slots, cache=a.cache, layout=layout, dtype=a.dtype,
+                                                      backend=a.backend, topology=a.topology)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  {layout:9s}: COMPILE FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue

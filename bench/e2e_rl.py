@@ -111,6 +111,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _record import add_platform_arg, environment, select_platform  # noqa: E402
+
+select_platform()  # --platform cpu|gpu|tpu: JAX_PLATFORMS of this process and of every arm's process (default cpu)
 CONFIG = ROOT / "bench" / "e2e_rl.yaml"
 ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2", "agentic_k0", "tunix_agentic_k0", "agentic_k2",
         "tunix_agentic_k2")
@@ -586,7 +590,7 @@ def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: 
            f"model.tokenizer={hf_dir / 'tokenizer.json'}", "sft.steps=0", f"run.steps={steps}",
            f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={run_dir}", *roles, *size_overrides(),
            *extra]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(src), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(src), "RAY_AUTH_MODE": "disabled"}  # JAX_PLATFORMS: --platform
     t = time.perf_counter()
     with open(str(run_dir) + ".log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src, timeout=timeout).returncode
@@ -645,7 +649,7 @@ def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict
 
 def _sub(args: list[str], timeout: float, log: Path) -> dict:
     """Run this script's worker mode in a fresh bench-venv process; its last stdout line is JSON."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = dict(os.environ)  # JAX_PLATFORMS as --platform set it (select_platform)
     with open(log, "w") as f:
         p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE,
                            stderr=f, env=env, timeout=timeout, text=True)
@@ -741,6 +745,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--gen-probe-rounds", type=int, default=5,
                     help="rounds of the generation-stage probe (prefill vs decode, both sides; 0 = skip)")
+    add_platform_arg(ap)
     a = ap.parse_args(argv)
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
@@ -753,6 +758,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; size {a.size}; "
           f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
+    _src_path(src)  # the jax_rl of --src, as the workers import it
+    env = environment()  # versions, backend, devices, chip: printed and in the record
     hf = out / "base" / "hf"
     hf_agentic = out / "base_agentic" / "hf"
     for want, d, kind in ((any(x in SINGLE_TURN_ARMS for x in a.arms), hf, "direct-answer"),
@@ -856,7 +863,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"[{q['min']:.2f}-{q['max']:.2f}] (target >= {target}x: "
                   f"{'met' if q['median'] >= target else 'missed'})")
     print(T.machine_load())
-    record = {"timestamp": stamp.isoformat(timespec="seconds"), "load_end": T.machine_load(),
+    record = {"timestamp": stamp.isoformat(timespec="seconds"), "env": env, "load_end": T.machine_load(),
               "cpu_count": os.cpu_count(), "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git(ROOT),
               "src": str(src), "tunix": T.version(), "args": vars(a), "start_heldout": base, "gen_probe": probe, "summary": summ,
               "runs": runs}

@@ -12,14 +12,16 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   ``--new`` tokens per slot in ``generate_steps`` calls of ``--decode-steps`` (prefill and host
   work of the generator excluded; the cache holds zeros, which costs the same as real K/V). The
   roofline per step: all weights once (bf16, the tied LM head once) plus each slot's K/V up to its
-  current length, at ``--hbm-bw`` bytes/s; figures are decode-only tokens/s and % of it. Then the
+  current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/chips.py``);
+  figures are decode-only tokens/s and % of it. Then the
   end-to-end ``Generator`` figure (prefill included, ``bench/rollout_decode.py``'s runner, the
   engine's default layout) as the shared GPU harness measures it.
 - ``learner``: ``Learner.train_step`` (``ppo``, fp32 master, bf16 compute, scan_layers) at B=``--lb``,
   T=``--lt`` for each ``--variants`` entry ``attention:remat_policy`` (default ``xla:none`` = the
   config default, ``cudnn:none``, ``cudnn:save_dot_with_context_except_mlp``,
   ``xla:save_dot_with_context_except_mlp``), each in its own process (so the peak memory is its
-  own): s/step, MFU (``bench/learner_step.py``'s FLOP formula) against ``--peak-flops``, and the
+  own): s/step, MFU (``bench/learner_step.py``'s FLOP formula) against ``--peak-flops`` (default: the
+  chip's dense bf16 vendor peak, ``jax_rl/chips.py``), and the
   device's ``peak_bytes_in_use``.
 - ``profile``: a ``jax.profiler`` trace of 8 decode steps (64 slots, default layout) in ``DIR/trace``.
 
@@ -41,11 +43,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
+from _record import PLATFORMS, add_platform_arg, environment  # noqa: E402  (no jax)
+
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("parts", nargs="*", default=["decode", "learner"])
-    p.add_argument("--platform", default=None, help="JAX_PLATFORMS for this run (gpu, tpu, cpu)")
+    add_platform_arg(p)  # default here: JAX_PLATFORMS as set, else JAX's own choice (an accelerator bench)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_perf"))
     p.add_argument("--tiny", action="store_true", help="the small bench model (logic check on a CPU)")
     p.add_argument("--slots", default="64,256")
@@ -54,9 +58,12 @@ def _args(argv=None):
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--hbm-bw", type=float, default=4.8e12, help="bytes/s (H200 HBM3e spec 4.8 TB/s)")
-    p.add_argument("--peak-flops", type=float, default=790e12,
-                   help="FLOP/s for MFU (790e12: an 8192^3 bf16 matmul measured on the H200; spec 989e12)")
+    p.add_argument("--hbm-bw", type=float, default=None,
+                   help="bytes/s of the decode roofline (default: the chip's vendor figure, jax_rl.chips.CHIPS; "
+                        "none on a CPU or an unknown chip)")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="FLOP/s for MFU (default: the chip's dense bf16 vendor peak, jax_rl.chips.CHIPS; e.g. "
+                        "790e12, an 8192^3 bf16 matmul measured on the H200, for an attainable-rate MFU)")
     p.add_argument("--lb", type=int, default=8)
     p.add_argument("--lt", type=int, default=2048)
     p.add_argument("--lsteps", type=int, default=4)
@@ -68,12 +75,13 @@ def _args(argv=None):
 
 
 A = None
+ENV: dict = {}  # _record.environment(): versions, backend, devices, chip; in every record
 
 
 def record(part: str, line: str, **fields) -> None:
     os.makedirs(A.out, exist_ok=True)
     with open(os.path.join(A.out, "gpu_perf.jsonl"), "a") as f:
-        f.write(json.dumps({"part": part, "line": line, **fields}, default=str) + "\n")
+        f.write(json.dumps({"part": part, "line": line, "env": ENV, **fields}, default=str) + "\n")
     print(f"FIGURE [{part}] {line}", flush=True)
 
 
@@ -92,6 +100,8 @@ def _roofline(cfg, slots: int, start: int, new: int) -> dict:
     from decode_hlo import roofline_bytes
 
     per_step = [roofline_bytes(cfg, slots, start + i, 2)["total"] for i in range(new)]
+    if not A.hbm_bw:  # a CPU or an unknown chip: no roofline
+        return dict(step_ms=None, tok_s=None, bytes_per_step=statistics.mean(per_step))
     step_s = statistics.mean(per_step) / A.hbm_bw
     return dict(step_ms=step_s * 1e3, tok_s=slots / step_s, bytes_per_step=statistics.mean(per_step))
 
@@ -142,10 +152,11 @@ def part_decode() -> None:
                 warm = time.perf_counter() - t0
                 xs = [run() for _ in range(A.rounds)]
                 med = statistics.median(xs)
+                beside = (f" = {med / rl['tok_s']:.1%} of the decode roofline {rl['tok_s']:,.0f} tok/s "
+                          f"({rl['step_ms']:.3f} ms/step at {A.hbm_bw / 1e12:.2f} TB/s)") if rl["tok_s"] else ""
                 record("decode", f"decode-only {layout} slots={slots} P={P} new={N} ds{n}: {med:,.0f} tok/s "
-                                 f"[{min(xs):,.0f}-{max(xs):,.0f}], {slots / med * 1e3:.3f} ms/step = "
-                                 f"{med / rl['tok_s']:.1%} of the decode roofline {rl['tok_s']:,.0f} tok/s "
-                                 f"({rl['step_ms']:.3f} ms/step at {A.hbm_bw / 1e12:.1f} TB/s); warm-up {warm:.1f}s",
+                                 f"[{min(xs):,.0f}-{max(xs):,.0f}], {slots / med * 1e3:.3f} ms/step{beside}; "
+                                 f"warm-up {warm:.1f}s",
                        layout=layout, slots=slots, tok_s=xs, roofline=rl)
                 eng = None  # free its buffers before the next engine
             except Exception as e:  # noqa: BLE001
@@ -233,9 +244,10 @@ def _learner_variant(variant: str) -> None:
     except Exception:  # noqa: BLE001
         pass
     peak = st.get("peak_bytes_in_use", 0) / 2 ** 30
+    beside = f" = MFU {flops / dt / A.peak_flops:.1%} of {A.peak_flops / 1e12:.0f}" if A.peak_flops else ""
     record("learner", f"Learner.train_step ppo attention={attention} remat={remat} B={B} T={T}: {dt:.4f} s/step "
-                      f"[{min(walls):.4f}-{max(walls):.4f}], {flops / dt / 1e12:.1f} TFLOP/s = MFU "
-                      f"{flops / dt / A.peak_flops:.1%} of {A.peak_flops / 1e12:.0f}; peak mem {peak:.1f} GiB; "
+                      f"[{min(walls):.4f}-{max(walls):.4f}], {flops / dt / 1e12:.1f} TFLOP/s{beside}; "
+                      f"peak mem {peak:.1f} GiB; "
                       f"compile {compile_s:.1f}s", variant=variant, step_s=walls, flops=flops, peak_gib=peak)
 
 
@@ -243,7 +255,7 @@ def part_learner() -> None:
     for v in A.variants.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--out", A.out, "--lb", str(A.lb),
                "--lt", str(A.lt), "--lsteps", str(A.lsteps), "--chunk", str(A.chunk),
-               "--peak-flops", str(A.peak_flops)] + (["--tiny"] if A.tiny else []) + (
+               ] + (["--peak-flops", str(A.peak_flops)] if A.peak_flops else []) + (["--tiny"] if A.tiny else []) + (
             ["--platform", A.platform] if A.platform else [])
         r = subprocess.run(cmd)
         if r.returncode:
@@ -252,17 +264,20 @@ def part_learner() -> None:
 
 def main(argv=None) -> int:
     global A
+    global ENV
     A = _args(argv)
     if A.platform:
-        os.environ["JAX_PLATFORMS"] = A.platform
+        os.environ["JAX_PLATFORMS"] = PLATFORMS[A.platform]
     # the bench modules imported later default JAX_PLATFORMS to cpu when it is unset: pin "auto" first
     os.environ.setdefault("JAX_PLATFORMS", "")
-    import jax
-
+    ENV = environment(echo=not A.variant)  # versions, backend, devices and the chip's vendor peaks
+    A.hbm_bw = A.hbm_bw or ENV.get("hbm_bandwidth")
+    A.peak_flops = A.peak_flops or ENV.get("peak_bf16_flops")
     if A.variant:
         _learner_variant(A.variant)
         return 0
-    print(f"gpu_perf: jax {jax.__version__} on {jax.devices()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    print(f"gpu_perf: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; decode roofline at "
+          f"{A.hbm_bw or 0:.3g} B/s, MFU against {A.peak_flops or 0:.3g} FLOP/s (0: none, not an accelerator)",
           flush=True)
     parts = {"decode": part_decode, "learner": part_learner, "profile": part_profile}
     for name in A.parts:

@@ -1,6 +1,6 @@
 """Learner train-step throughput: jax-rl vs transformers' Qwen3 (torch fp32) vs a plain matmul.
 
-    .venv/bin/python bench/learner_step.py [--configs tiny,small] [--B 8] [--T 256] [--steps 3]
+    .venv/bin/python bench/learner_step.py [--platform cpu|gpu|tpu] [--configs tiny,small] [--B 8] [--T 256] [--steps 3]
         [--scan-layers true,false]
 
 For each model config (``tiny`` = the tiny_dense preset; ``small`` = 4 layers, d=256, V=1024,
@@ -66,19 +66,20 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _record import SMALL_DIMS, add_platform_arg, environment, mfu, select_platform  # noqa: E402
+
+select_platform()  # --platform cpu|gpu|tpu, before jax is imported (default cpu)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import _tunix  # noqa: E402
-from _record import SMALL_DIMS  # noqa: E402
 
 from jax_rl.config import Config  # noqa: E402
 from jax_rl.learner.learner import Learner, resolve_model_config  # noqa: E402
@@ -426,7 +427,9 @@ def main() -> None:
     ap.add_argument("--fixed-lens", default="40,100", help="min,max of the longest row per step (--fixed-cost)")
     ap.add_argument("--fixed-B", type=int, default=64, help="rows per batch (--fixed-cost)")
     ap.add_argument("--fetch", action="store_true", help="only the metrics-fetch comparison (bench_fetch)")
+    add_platform_arg(ap)
     args = ap.parse_args()
+    env = environment()  # versions, backend, devices, chip (and its peak bf16 FLOP/s on an accelerator)
     if args.fetch:
         bench_fetch()
         return
@@ -464,8 +467,10 @@ def main() -> None:
             for label, r in rows:
                 vs_t = f"{r['tok_s'] / tor['tok_s']:.2f}x" if tor else "-"
                 rate = flops / r["step_s"]
+                u = mfu(env, rate)  # beside the chip's peak bf16 FLOP/s (accelerators only)
                 print(f"{tag:10} {label:22} {r['step_s']:8.3f} {r['tok_s']:9.0f} {rate / 1e9:8.1f} {rate / mm:6.0%} "
-                      f"{vs_t:>8} {r['state_MB']:9.2f} {r['compile_s']:9.1f}")
+                      f"{vs_t:>8} {r['state_MB']:9.2f} {r['compile_s']:9.1f}"
+                      + (f"  MFU {u:.1%} of {env['peak_bf16_flops'] / 1e12:.0f} TFLOP/s ({env['chip']})" if u else ""))
             d = dict(rows)
             fb = d["jax-rl ppo"]["fwdbwd_s"]
             rate = flops / fb

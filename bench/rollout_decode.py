@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python bench/rollout_decode.py [--preset tiny_dense|small|<jax_rl preset>]
+    .venv/bin/python bench/rollout_decode.py [--platform cpu|gpu|tpu] [--preset tiny_dense|small|<jax_rl preset>]
         [--prompt-len 16] [--new-tokens 128] [--slots 1,8,32] [--dtypes bfloat16,float32]
         [--rounds 5] [--scan-layers true|false] [--decode-steps 1,8] [--no-hf] [--no-tunix]
         [--matmul-bound]
@@ -52,17 +52,19 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
+from _record import SMALL_DIMS, add_platform_arg, decode_roofline, environment, select_platform  # noqa: E402
+
+select_platform()  # --platform cpu|gpu|tpu, before jax is imported (default cpu)
+
 import numpy as np  # noqa: E402
 
 import _tunix  # noqa: E402
-from _record import SMALL_DIMS  # noqa: E402
 
 SMALL = {"vocab_size": 1024, **SMALL_DIMS}
 """The issue's reference Qwen3 (= ``bench/learner_step.py``'s ``small``)."""
@@ -234,6 +236,19 @@ def tunix_runner(tmodel, cfg, slots, prompt_len, new_tokens, groups=0):
     return run
 
 
+def _decode_roofline(env: dict, cfg, slots: int, prompt_len: int, new_tokens: int, dtype: str):
+    """Tokens/s at the chip's HBM bandwidth for ``new_tokens`` decode steps of ``slots`` slots from
+    ``prompt_len`` cached positions (weights once + each slot's K/V per step, ``decode_hlo.roofline_bytes``;
+    prefill not counted), or None off an accelerator."""
+    if not env.get("hbm_bandwidth"):
+        return None
+    from decode_hlo import roofline_bytes
+
+    item = 2 if dtype == "bfloat16" else 4
+    total = sum(roofline_bytes(cfg, slots, prompt_len + i, item)["total"] for i in range(new_tokens))
+    return decode_roofline(env, total, slots * new_tokens)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="small (the issue's reference Qwen3) or a jax_rl preset")
@@ -252,11 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--matmul-bound", action="store_true",
                    help="also time, per --dtypes, the decode step's weight matmuls alone (an upper bound on "
                         "tokens/s in that dtype on this machine; see matmul_bound_runner)")
+    add_platform_arg(p)
     a = p.parse_args(argv)
     scan = a.scan_layers == "true"
     import tempfile
-
-    import jax
 
     from jax_rl.models import hf_io
     from rollout.serve import _config_and_params
@@ -271,8 +285,8 @@ def main(argv=None) -> int:
     print(f"preset={a.preset} (V={cfg.vocab_size} d={cfg.hidden_size} layers={cfg.num_hidden_layers} "
           f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads}x{cfg.head_dim} ff={cfg.intermediate_size}; "
           f"scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; temperature 1")
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; pid {os.getpid()}; "
-          f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    env = environment()  # versions, backend, devices, chip
+    print(f"pid {os.getpid()}; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"load before: {_tunix.machine_load()}")
     with tempfile.TemporaryDirectory() as d:
         hf = _checkpoint(cfg, d, use_hf=not a.no_hf)
@@ -309,6 +323,12 @@ def main(argv=None) -> int:
         if "HF generate fp32" in runners:
             print(f"      (torch threads for HF generate at {s} slots: {runners['HF generate fp32'].threads})")
         print(f"{s:>5} " + " ".join(f"{_tunix.summary(res[n]):>{w}}" for n in names), flush=True)
+        for dt, _, name in ours:  # on an accelerator: beside the HBM roofline of this decode
+            rl = _decode_roofline(env, cfg, s, a.prompt_len, a.new_tokens, dt)
+            if rl:
+                print(f"      {name}: {statistics.median(res[name]):,.0f} tokens/s = "
+                      f"{statistics.median(res[name]) / rl:.1%} of the HBM roofline {rl:,.0f} tokens/s "
+                      f"({env['chip']}, {env['hbm_bandwidth'] / 1e12:.2f} TB/s)")
     print()
     med = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in results.items()}
     for s in slots:

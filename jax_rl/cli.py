@@ -2,7 +2,8 @@
 
 Each subcommand has ``--help``. Exit codes: 0 done; 1 a failed run (e.g. the disk filled up:
 one line naming the run dir and the bytes needed); 2 a config error or a bad input (missing
-path, incompatible or corrupt checkpoint: one line naming the culprit); 128 + signal number
+path, incompatible or corrupt checkpoint, a run dir another live ``train`` / ``sft`` holds: one
+line naming the culprit); 128 + signal number
 (130 Ctrl-C, 143 SIGTERM) for a run stopped by a signal after its checkpoint.
 """
 
@@ -14,14 +15,14 @@ import os
 import sys
 import tempfile
 import threading
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
+from jax_rl.chips import BackendUnavailable, require_backend
 from jax_rl.config import ConfigError, load_config
-from jax_rl.config.loading import _suggest, _valid_keys
+from jax_rl.config.loading import _suggest, _valid_keys, resolve_config_path
 from jax_rl.plots import plot_runs
 from jax_rl.tpu import cpu_unless_tpu_present, libtpu_available
 
@@ -42,7 +43,7 @@ def refuse_base_config(path) -> None:
     Raises:
         ConfigError: ``path`` is that file.
     """
-    p = Path(path)
+    p = resolve_config_path(path)  # a shipped config's name too
     try:
         with p.open(encoding="utf-8") as f:
             head = f.readline()
@@ -116,18 +117,24 @@ def _checked(cfg):
     and its old-logit route allow), so a refused combination is one line and exit 2 before anything runs."""
     from jax_rl.correction import check_config  # lazy: imports jax (the platform is chosen in main first)
 
-    return check_config(cfg)
+    cfg = check_config(cfg)
+    require_backend()  # JAX_PLATFORMS names a backend this host lacks: one line, exit 2 (BackendUnavailable)
+    return cfg
 
 
-def _version() -> str:
-    """``jax-rl X (jax Y, flax Z)`` from the installed distributions' metadata (imports nothing)."""
-    def v(dist: str) -> str:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            return "not installed"
+class _VersionAction(argparse.Action):
+    """``--version``: jax-rl, jax and jaxlib, the backend JAX starts here (``JAX_PLATFORMS`` honoured) and
+    its devices, one per line (:func:`jax_rl.chips.backend_report`); an absent backend is one ``backend:
+    error: ...`` line, exit 0. Imports jax only when asked."""
 
-    return f"jax-rl {v('jax-rl')} (jax {v('jax')}, flax {v('flax')})"
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from jax_rl.chips import backend_report, format_report  # lazy: imports jax, starts its backend
+
+        print(format_report(backend_report()), flush=True)
+        parser.exit()
 
 
 def cmd_train(args) -> int:
@@ -233,7 +240,8 @@ def cmd_plot(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jax-rl", description="Asynchronous RL for LLM agents in JAX.")
-    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    p.add_argument("--version", action=_VersionAction,
+                   help="print jax-rl, jax and jaxlib versions, the JAX backend and its devices, and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
@@ -422,11 +430,18 @@ def _dispatch(args) -> int:
     except ConfigError as e:
         print(f"jax-rl: config error: {e}", file=sys.stderr)
         return 2
+    except BackendUnavailable as e:  # JAX_PLATFORMS=cuda on a host without a GPU: the platform, one line
+        print(f"jax-rl: error: {e}", file=sys.stderr)
+        return 2
     except ImportError as e:  # a broken or partial install: say which module, not "not built"
         print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} (a broken or partial install: "
               "pip install -e . with the extras the command needs)", file=sys.stderr)
         return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
+        rd = sys.modules.get("jax_rl.runtime.run_dir")
+        if rd and isinstance(e, rd.RunDirHeldError):  # another live train / sft holds run.dir: exit 2, nothing touched
+            print(f"jax-rl: error: {e}", file=sys.stderr)
+            return 2
         lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
         if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):

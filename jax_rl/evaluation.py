@@ -108,7 +108,8 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
 
     Args:
         results: one dict per task: ``env`` (str), ``task_seed`` (int), ``rewards``
-            (list of ``n >= k`` floats in [0, 1], one per sample). Extra keys are ignored.
+            (list of ``n >= k`` floats in [0, 1], one per sample), optionally ``task`` (the task's
+            identity when seeds may map to the same task). Extra keys are ignored.
         k: the k of avg@k / pass@k (``>= 1``).
     Returns:
         A flat dict of floats (ints for counts), JSON-ready for ``MetricsWriter.write_eval``:
@@ -116,7 +117,10 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
         - ``"avg@{k}"``, ``"pass@{k}"``: means over all tasks;
         - ``"avg@1"``, ``"pass@1"`` too when ``k > 1`` (``avg@1`` equals ``avg@k`` as an estimate;
           ``pass@1`` is the success rate);
-        - ``"num_tasks"``, ``"num_samples"``;
+        - ``"num_tasks"``, ``"num_samples"``; ``"num_distinct_tasks"`` (distinct ``(env, task)``, the
+          ``task`` key when given, e.g. tau²'s task id, else ``task_seed``: below ``num_tasks`` when a
+          task was evaluated twice) and ``"samples_per_task"`` (samples of each task when they are all
+          equal, else their mean);
         - the same keys prefixed ``"<env>/"`` for each environment, e.g. ``"calculator/avg@4"``.
     Raises:
         ValueError: no results, ``k < 1``, a task with fewer than ``k`` rewards, or a
@@ -129,8 +133,11 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
     ks = [k] if k == 1 else [1, k]
     count = 0
     n_samples: dict[str, int] = defaultdict(int)
+    distinct: set = set()
+    per_task_n: list[int] = []
     for r in results:
         env = str(r.get("env", "all"))
+        distinct.add((env, str(r.get("task", r.get("task_seed")))))
         rewards = [float(x) for x in r["rewards"]]
         if any(not math.isfinite(x) for x in rewards):
             raise ValueError(f"summarize_eval: non-finite reward for env={env} seed={r.get('task_seed')}")
@@ -147,6 +154,7 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
             if kk > 1:
                 per_env[env][f"pass^{kk}"].append(pass_hat_k(n, c, kk))
         n_samples[env] += n
+        per_task_n.append(n)
         count += 1
     if count == 0:
         raise ValueError("summarize_eval: no results")
@@ -163,6 +171,8 @@ def summarize_eval(results: Iterable[Mapping[str, Any]], k: int) -> dict[str, fl
         out[key] = _mean(vals)
     out["num_tasks"] = count
     out["num_samples"] = sum(n_samples.values())
+    out["num_distinct_tasks"] = len(distinct)
+    out["samples_per_task"] = per_task_n[0] if len(set(per_task_n)) == 1 else _mean(per_task_n)
     return out
 
 

@@ -121,15 +121,17 @@ class AgentLoop:
                                       "tool_calls": 0, "tool_errors": 0}
 
     # ------------------------------------------------------------------ public
-    def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0) -> "Future[Trajectory]":
-        """Start one episode in the pool."""
-        return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx)
+    def submit_episode(self, task_seed: int, *, group_id: int = 0, sample_idx: int = 0,
+                       group_size: Optional[int] = None) -> "Future[Trajectory]":
+        """Start one episode in the pool (``group_size``: of a group started together, :meth:`run_episode`)."""
+        return self._pool.submit(self.run_episode, task_seed, group_id=group_id, sample_idx=sample_idx,
+                                 group_size=group_size)
 
     def submit_group(self, task_seed: int, group_id: int, group_size: Optional[int] = None) -> "Future[list[Trajectory]]":
         """Start ``group_size`` (default the loop's ``group_size``) samples of task ``task_seed``; the future
         resolves to the list of trajectories (order = sample index) when all are done."""
         n = int(group_size or self.group_size)
-        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i) for i in range(n)]
+        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i, group_size=n) for i in range(n)]
         out: Future = Future()
         remaining = [n]
         lock = threading.Lock()
@@ -224,11 +226,11 @@ class AgentLoop:
                     group_size: Optional[int] = None) -> Trajectory:
         """Run one episode to completion; never raises (failures are recorded in ``info``).
 
-        With a generator that admits deterministically (one with ``withdraw``), every request carries the
-        order key ``(group_id, sample_idx, turn)``, and with ``group_size`` (the episode is one of a group
-        started together) its first request is one of the group's gang, admitted with the others in one
-        step; an episode that ends before its first request withdraws from the gang. Without one (this
-        package's Generator until then), ``group_size`` changes nothing."""
+        With a generator that admits deterministically (``rollout.Generator.withdraw``), every request
+        carries the order key ``(group_id, sample_idx, turn)``, and with ``group_size`` (the episode is one
+        of a group started together, :meth:`submit_group`) its first request is one of the group's gang,
+        admitted with the others in one step (``rollout.admission``); an episode that ends before its first
+        request withdraws from the gang."""
         ep = _Episode(self, task_seed, group_id, sample_idx, group_size)
         try:
             ep.play()

@@ -74,6 +74,11 @@ Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``pr
 ``kv_reused_tokens``, the eviction counters above, ``prefix_hits`` / ``prefix_misses``. Each ``Completion.info`` has its request's
 ``prefill_tokens``, ``kv_reused``, ``shared_prefill`` and ``prefix_hits``.
 
+Admission order (``rollout.admission``): requests with an ``order`` key are admitted by it, not by
+arrival, and a ``gang`` (a GRPO group's first requests) waits until all its members are queued (or
+withdrawn, :meth:`Generator.withdraw`) and is admitted in one step, so which requests share a prefill
+never depends on thread timing.
+
 Use it synchronously (``submit`` then ``run_until_idle`` / ``generate``), or ``start()`` a
 background decode thread and block on the futures from any thread.
 """
@@ -92,8 +97,9 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
+from rollout.admission import GangRoom, admission_sorted, gang_fits
 from rollout.decode_loop import DecodeLoop
-from rollout.kv_holds import KVHolds
+from rollout.kv_holds import HeldSlot, KVHolds
 from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
@@ -132,15 +138,8 @@ class _Req:
     prefix_hits: int = 0  # admissions whose first prefix_len positions came from the prefix cache
     moe_dropped: int = 0  # MoE token copies the engine dropped for capacity on this request's tokens
     moe_copies: int = 0  # MoE token copies its tokens routed (prefilled + fed positions x MoE layers x k)
-
-
-@dataclasses.dataclass
-class _Held:
-    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
-    slot: int
-    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
-    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
-    t: float  # when it was held (the least recently held one is evicted first)
+    order: tuple = ()  # the admission order key (rollout.admission): the agent's (group id, sample, turn)
+    gang: Any = None  # the gang this first request belongs to until it is admitted (rollout.admission)
 
 
 class Generator(KVHolds, DecodeLoop):
@@ -213,10 +212,11 @@ class Generator(KVHolds, DecodeLoop):
         self._lock = threading.Lock()  # guards queue, pending params, counters read by others
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Req] = collections.deque()
+        self._gangs = GangRoom()  # first requests waiting for the rest of their gang (rollout.admission)
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
-        self._held: dict[Any, _Held] = {}  # session -> its held slot (keep_kv)
+        self._held: dict[Any, HeldSlot] = {}  # session -> its held slot (keep_kv)
         self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
         self._releases: list = []  # sessions ended by release_session (applied at the next step)
         self._finished: list[int] = []  # slots whose request ended since the last decode (deactivated)
@@ -251,6 +251,8 @@ class Generator(KVHolds, DecodeLoop):
         temperature: Optional[float] = None,
         session: Any = None,
         prefix_len: int = 0,
+        order: tuple = (),
+        gang: Optional[tuple] = None,
     ) -> concurrent.futures.Future:
         """Queue a request; thread-safe. Returns a Future resolving to a :class:`Completion`.
 
@@ -268,6 +270,10 @@ class Generator(KVHolds, DecodeLoop):
             system prompt and tool schemas): with ``prefix_cache`` its K/V are prefilled once per
             weight version and copied into every request that starts with it (module docstring,
             "Prefix cache"). 0: none.
+          order: admission order key (``rollout.admission``): queued requests are admitted by it, not
+            by arrival; () (default): arrival order, after the keyed ones.
+          gang: ``(key, n)``: this request is one of ``n`` (a GRPO group's first turns) held back until
+            all are queued (or withdrawn, :meth:`withdraw`), then admitted together in one step.
 
         Raises:
           ValueError: empty or too long prompt, negative budget.
@@ -292,6 +298,8 @@ class Generator(KVHolds, DecodeLoop):
             budget=int(max_new_tokens),
             session=session,
             prefix_len=int(prefix_len) if 0 < int(prefix_len) < len(prompt) else 0,
+            order=tuple(order),
+            gang=gang[0] if gang else None,
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
@@ -301,9 +309,19 @@ class Generator(KVHolds, DecodeLoop):
             if getattr(self, "_closed", False):  # stopped: never leave a caller waiting forever
                 fut.set_exception(RuntimeError("generator stopped"))
                 return fut
-            self._queue.append(req)
+            if gang:  # queued once its whole gang is here (rollout.admission)
+                self._queue.extend(self._gangs.add(gang[0], int(gang[1]), req))
+            else:
+                self._queue.append(req)
             self._wake.notify_all()
         return fut
+
+    def withdraw(self, gang: tuple) -> None:
+        """One member of ``gang`` = ``(key, n)`` will submit nothing (its episode ended before its first
+        request): the rest of the gang no longer waits for it. Thread-safe."""
+        with self._lock:
+            self._queue.extend(self._gangs.withdraw(gang[0], int(gang[1])))
+            self._wake.notify_all()
 
     def update_params(self, params: Any, version: int) -> float:
         """Swap weights before the next decode step; thread-safe.
@@ -458,7 +476,7 @@ class Generator(KVHolds, DecodeLoop):
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = list(self._queue) + self._gangs.drain(), collections.deque()
         for r in queued + [r for r in self._slots if r is not None]:
             if not r.future.done():
                 r.future.set_exception(exc)
@@ -466,18 +484,6 @@ class Generator(KVHolds, DecodeLoop):
         self._finished = list(range(self._B))  # deactivated at the next decode unless re-armed
         self._held.clear()  # the decode state is rebuilt: nothing is held any more
         self._held_slot.clear()
-
-    # ------------------------------------------------------------------ slots: holds (rollout.kv_holds)
-    def _hold(self, req: _Req, slot: int) -> None:
-        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
-        (the last sampled token was never fed), for the session's next turn."""
-        ctx = req.prompt + req.tokens[:-1]
-        if not req.tokens or len(ctx) >= self._S - 1:
-            return
-        self._drop_hold(req.session)
-        self._held[req.session] = _Held(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
-        self._held_slot[slot] = req.session
-        self.stats["kv_holds"] += 1
 
     def _admit(self) -> None:
         """Admit queued requests (FIFO) into slots, then prefill them all in one batched call.
@@ -498,6 +504,8 @@ class Generator(KVHolds, DecodeLoop):
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: set = set()
         spent = 0
+        with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
+            self._queue = admission_sorted(self._queue)
         while True:
             with self._lock:
                 if not self._queue:
@@ -506,6 +514,8 @@ class Generator(KVHolds, DecodeLoop):
                 if req.future.cancelled():
                     self._queue.popleft()
                     continue
+                if not gang_fits(self._queue, req, len(free) + len(self._held), self._B):
+                    break  # its whole gang next step (slots free as sequences finish)
             slot, start = None, 0
             held = self._held.get(req.session) if req.session is not None else None
             if held is not None:
@@ -541,6 +551,7 @@ class Generator(KVHolds, DecodeLoop):
                 self.stats["kv_reused_tokens"] += start
             with self._lock:
                 self._queue.popleft()
+            req.gang = None  # admitted: the rest of its gang is checked without it
             if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
                 seen.add(key)
             spent += cost

@@ -38,16 +38,27 @@ the engine's device(s).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any, Optional
 
 import numpy as np
 
 from rollout.engine import SlotPrefill
 
-__all__ = ["KVHolds"]
+__all__ = ["KVHolds", "HeldSlot"]
 
 log = logging.getLogger("rollout.generator")
+
+
+@dataclasses.dataclass
+class HeldSlot:
+    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
+    slot: int
+    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
+    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
+    t: float  # when it was held (the least recently held one is evicted first)
 
 
 class KVHolds:
@@ -65,6 +76,17 @@ class KVHolds:
         if reason:
             self.stats[reason] += 1
         return h.slot
+
+    def _hold(self, req: Any, slot: int) -> None:
+        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
+        (the last sampled token was never fed), for the session's next turn."""
+        ctx = req.prompt + req.tokens[:-1]
+        if not req.tokens or len(ctx) >= self._S - 1:
+            return
+        self._drop_hold(req.session)
+        self._held[req.session] = HeldSlot(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
+        self._held_slot[slot] = req.session
+        self.stats["kv_holds"] += 1
 
     def _apply_releases(self) -> None:
         with self._lock:

@@ -295,9 +295,21 @@ def check_args(args: Any) -> None:
     if not host:
         raise ServeArgError("--host '': give an address to bind, e.g. 127.0.0.1")
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addrs = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise ServeArgError(f"--host {args.host}: not an address this machine can bind ({e})") from None
+    # an address that resolves but is not this machine's (--host 8.8.8.8): a bind on its port 0 (any free
+    # port) fails at once, before the model loads (check_port_free binds the given port only, not port 0)
+    why = ""
+    for fam, kind, proto, _, sa in addrs:
+        try:
+            with socket.socket(fam, kind, proto) as s:
+                s.bind(sa)
+            break
+        except OSError as e:
+            why = e.strerror or str(e)
+    else:
+        raise ServeArgError(f"--host {args.host}: not an address of this machine ({why})")
 
 
 def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str) -> None:

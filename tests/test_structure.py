@@ -308,9 +308,8 @@ MAX_FUNCTION_LINES = 80
 FUNCTION_RULE_PACKAGES = ("rollout",)
 # Functions still over MAX_FUNCTION_LINES ("path:Class.function" -> ceiling), owned by other changes: they may
 # not grow past it until split; an entry back under the limit is deleted.
-# _admit (91 lines): the deterministic-admission change (branch reliability, issue 48) edits it (+6 lines); split
-# it into named steps once that lands.
-LONG_FUNCTIONS: dict[str, int] = {"rollout/generator.py:Generator._admit": 100}
+# _admit (96 lines since the deterministic admission, issue 48): to be split into named steps.
+LONG_FUNCTIONS: dict[str, int] = {"rollout/generator.py:Generator._admit": 96}
 
 
 def long_functions(root: Path = ROOT, packages: tuple = FUNCTION_RULE_PACKAGES,
@@ -403,7 +402,7 @@ def test_private_import_finder(tmp_path):
 
 # Modules still importing a private name across packages (issue 49, owned by other changes): at most this
 # many; lower a ceiling when one is fixed, delete it at 0.
-PRIVATE_IMPORT_CEILINGS: dict[str, int] = {"jax_rl/cli.py": 2, "jax_rl/compile/pieces.py": 2, "jax_rl/runtime/envs.py": 1}
+PRIVATE_IMPORT_CEILINGS: dict[str, int] = {"jax_rl/cli.py": 2, "jax_rl/runtime/envs.py": 1}
 
 
 def test_no_private_import_across_packages():

@@ -17,7 +17,7 @@ from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
 from jax_rl.correction import tree_finite, tree_where
-from jax_rl.learner.logprobs import _CHUNK_ELEMS, _chunk_len
+from jax_rl.learner.logprobs import CHUNK_ELEMS, chunk_len
 from jax_rl.placement import BatchPlacement
 from jax_rl.learner.sft import SFT_FIELDS, make_sft_step
 from jax_rl.learner.train_step import make_grads_fn, make_logprob_fn, opt_state_shardings
@@ -61,7 +61,7 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``; where it is one chunk (no loop),
     ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes}, compile seconds)."""
     mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
-    chunked = _chunk_len(rows, T, t.model_config.vocab_size, _CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T
+    chunked = chunk_len(rows, T, t.model_config.vocab_size, CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T
     c1, c2 = _chunks(T)
     cfg1 = _with_chunk(t.cfg, c1) if chunked else t.cfg
     secs = 0.0

@@ -17,7 +17,9 @@ BPE_CORPUS_DEMOS = 2000
 """Reference-solver demos (training seeds from ``env.train_seed_offset``) a ``model.tokenizer=bpe``
 is trained on (:func:`jax_rl.runtime.envs.build_tokenizer`)."""
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The shipped configs: ``jax_rl/configs``, package data in the wheel; in a checkout a symlink to the
+top-level ``configs/`` (so ``configs/...`` paths and the packaged names are the same files)."""
 
 
 MOVED_KEYS: dict[str, str] = {

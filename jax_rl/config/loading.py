@@ -205,12 +205,26 @@ def validate_config(data: dict, source: str = "config") -> Config:
         raise ConfigError(_format_errors(e, source)) from None
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` when it exists; else, for a relative path, the shipped config of that name in
+    :data:`CONFIG_DIR` (``tiny_cpu``, ``tiny_cpu.yaml`` or ``configs/tiny_cpu.yaml`` from any directory, as an
+    installed wheel runs them) when there is one; else ``path`` unchanged (the loader names it as missing)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
+    shipped = CONFIG_DIR / name
+    if (len(p.parts) == 1 or p.parts[-2] == "configs") and shipped.is_file():
+        return shipped
+    return p
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load ``path`` (default ``configs/base.yaml``) with its ``base_config`` chain and overrides.
 
     Args:
-        path: a YAML file. Relative ``base_config`` entries resolve next to the file, then in
-            the packaged ``configs/`` dir.
+        path: a YAML file, or the name of a shipped config (:func:`resolve_config_path`). Relative
+            ``base_config`` entries resolve next to the file, then in the packaged ``configs/`` dir.
         overrides: ``key.sub=value`` strings, applied last.
 
     Returns:
@@ -220,7 +234,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         ConfigError: missing file, bad YAML, unknown key (with a suggestion), bad value
             (naming key, value and constraint).
     """
-    p = Path(path) if path else CONFIG_DIR / "base.yaml"
+    p = resolve_config_path(path) if path else CONFIG_DIR / "base.yaml"
     data = _read_yaml(p)
     data = apply_overrides(data, list(overrides or []))
     cfg = validate_config(data, source=str(path or p))

@@ -69,6 +69,18 @@ class RolloutConfig(_Section):
     """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)
     """KV-cache length per slot (tokens): prompt + all turns must fit."""
+    kv_layout: Literal["contiguous", "paged"] = "contiguous"
+    """The engine's K/V layout. contiguous: max_cache_len positions reserved and read per slot. paged
+    (rollout/engine/paged.py): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
+    positions need, decode reads only those, a GRPO group's prompt and any prefix pages computed by the same
+    weights are shared by reference (then the engine is the prefix cache: prefix_cache is not used); a full
+    pool preempts a slot held between turns (re-prefilled at its next turn; kv_preemptions). A colocated
+    engine only (no rollout.mesh)."""
+    kv_page_size: int = Field(16, ge=1)
+    """Positions per K/V page (kv_layout: paged)."""
+    kv_pages: Optional[int] = Field(None, ge=1)
+    """Pages in the engine's K/V pool (kv_layout: paged); null = slots x ceil(max_cache_len / kv_page_size), the
+    contiguous layout's memory. Size it to the live tokens to hold more slots in the same memory."""
     max_new_tokens_per_turn: int = Field(64, ge=1)
     """Generated-token budget per assistant turn."""
     max_tokens_per_episode: int = Field(256, ge=1)

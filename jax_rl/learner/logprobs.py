@@ -43,11 +43,11 @@ class LogprobOutput:
     expert_ids: Optional[tuple[Array, ...]] = None
     moe_drops: Optional[MoeDrops] = None
 
-_CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
+CHUNK_ELEMS = 1 << 22  # ~16 MB of fp32 logits per chunk
 _UNROLL_CHUNKS: bool | int = 1  # scan unroll of the LM-head chunk loop (1: a loop)
 
 
-def _chunk_len(B: int, T: int, V: int, chunk_elems: int, chunk_tokens: int | None = None) -> int:
+def chunk_len(B: int, T: int, V: int, chunk_elems: int, chunk_tokens: int | None = None) -> int:
     """Largest divisor of T with B*C*V <= chunk_elems, or, with ``chunk_tokens``, the largest
     divisor of T not above it (at least 1)."""
     target = max(1, chunk_elems // max(1, B * V)) if chunk_tokens is None else max(1, int(chunk_tokens))
@@ -63,7 +63,7 @@ def _map_over_t(fn: Callable[..., Array], arrays: Sequence[Array], B: int, T: in
                 chunk_elems: int, chunk_tokens: int | None = None) -> Array:
     """Apply ``fn(*chunks) -> [B,C,...]`` over T-chunks of ``arrays`` (each [B,T,...]) with a
     rematerialised lax.map, so neither the forward nor the backward keeps a [B,T,V]."""
-    C = _chunk_len(B, T, V, chunk_elems, chunk_tokens)
+    C = chunk_len(B, T, V, chunk_elems, chunk_tokens)
     if C == T:
         return fn(*arrays)
     n = T // C
@@ -135,7 +135,7 @@ def _per_token_fn(temperature, top_k: int, top_p: float, return_entropy: bool) -
 
 
 def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1.0, *,
-                   chunk_elems: int = _CHUNK_ELEMS, top_k: int = 0, top_p: float = 1.0) -> Array:
+                   chunk_elems: int = CHUNK_ELEMS, top_k: int = 0, top_p: float = 1.0) -> Array:
     """``log softmax(logits / temperature)[targets]``.
 
     logits [B,T,V] (any float dtype), targets [B,T] int -> [B,T] float32. Chunked over T
@@ -151,7 +151,7 @@ def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
-                      chunk_elems: int = _CHUNK_ELEMS, chunk_tokens: int | None = None,
+                      chunk_elems: int = CHUNK_ELEMS, chunk_tokens: int | None = None,
                       top_k: int = 0, top_p: float = 1.0, return_moe_drops: bool = False) -> LogprobOutput:
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 

@@ -39,7 +39,7 @@ from jax_rl.publish import Publisher
 from jax_rl.runtime import engines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
-from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
+from jax_rl.runtime.run_dir import delete_earlier_run, hold_run_dir_all, lock_run_dir, resolve_run_dir
 from jax_rl.learner.sft import pad_examples, sft_examples
 from jax_rl.weight_sync import allgather_json
 from rollout.agent import AgentLoop
@@ -50,9 +50,10 @@ log = logging.getLogger("jax_rl.runtime")
 __all__ = ["RunContext", "StopFlag", "TIMING_KEYS", "start_of_run_lines", "signal_exit_code", "raise_if_disk_full",
            "resume_rl_step", "drop_newer_checkpoints", "is_primary"]
 
-# metrics that depend on wall-clock time or thread timing (excluded when comparing runs for reproducibility):
-# the engines' prefill work counters depend on which requests of a group reached the generator in the same
-# step (a group's shared prompt is prefilled once per admission batch), never the tokens or log-probs
+# metrics that depend on wall-clock time or thread timing (excluded when comparing runs for reproducibility).
+# The engines' prefill work counters (the first three) are reproducible since admission is deterministic
+# (rollout/admission.py; the K=0 resume test compares them); they stay here because the recorded-number
+# fixtures (tests/runtime/fixtures) predate them.
 TIMING_KEYS = ("prefill_tokens", "prefix_cache_hits", "episode_prefill_tokens_mean", "wall_s", "cpu_s", "step_time_s", "tokens_per_s", "rollout_tokens_per_s", "wait_s", "old_logits_s",
                "publish_s", "old_logits_scorer_s_total", "weight_sync_s", "weight_sync_cast_s", "weight_sync_s_total",
                "weight_sync_cast_s_total", "rollout_idle_frac", "old_logits_stall_s", "old_logits_publish_wait_s",
@@ -188,6 +189,25 @@ class RunContext:
                                     resume_step=resume_step)
         return self.writer
 
+    @staticmethod
+    def lock_what(cfg: Config) -> str:
+        """What a refused lock refuses, for its line: ``--resume``, ``--overwrite`` or a new run."""
+        return "--resume" if cfg.resume else "--overwrite" if cfg.run.overwrite else "a new run in it"
+
+    def hold(self, command: str) -> None:
+        """Take the run dir's lock before :meth:`materialize` writes (or deletes) anything: this process, or
+        in a multi-process run process 0 with the others checking it
+        (:func:`~jax_rl.runtime.run_dir.hold_run_dir_all`). Idempotent.
+
+        Raises:
+            RunDirHeldError: another live process holds it (nothing was changed)."""
+        if jax.process_count() > 1:
+            hold_run_dir_all(self.run_dir, command=command, what=self.lock_what(self.cfg),
+                             process_index=jax.process_index(), gather=lambda o: allgather_json(o, what="run-dir lock"))
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(self.run_dir, command=command, what=self.lock_what(self.cfg))
+
     def materialize(self) -> None:
         """Create the run dir and write ``config.yaml`` (and a ``bpe`` run's tokenizer). Called
         only once every check (config, restore, compatibility) has passed; with ``run.overwrite``
@@ -314,7 +334,8 @@ class RunContext:
         finally:
             agent.close()
         results = [
-            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g]}
+            {"env": g[0].env if g else cfg.env.name, "task_seed": int(s), "rewards": [float(x.reward) for x in g],
+             "task": (g[0].info or {}).get("task_id", int(s)) if g else int(s)}  # tau²: its task id
             for s, g in zip(seeds, groups)
         ]
         summary = summarize_eval(results, cfg.eval.k)

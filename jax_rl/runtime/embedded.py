@@ -69,7 +69,8 @@ class RolloutManager:
     """
 
     def __init__(self, cfg: Config, generators: list, agents: list, buffer, version_fn: Callable[[], int],
-                 next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0, scoring=None):
+                 next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0, scoring=None,
+                 failures_by_reason: Optional[dict] = None):
         self.cfg = cfg
         self.scoring = scoring  # a route scoring before the buffer: a jax_rl.correction.old_logits.ScoringQueue (set by the producer)
         self.generators = generators
@@ -92,7 +93,8 @@ class RolloutManager:
         self.errors: list[str] = []  # the last few errors (messages), for logs
         self.groups_done = 0
         self.admit_wait_s = 0.0  # seconds, summed over producer threads, blocked in buffer.admit
-        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, episode_errors)
+        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, episode_errors,
+                                  by_reason=failures_by_reason, max_seq_len=cfg.optim.max_seq_len)
         self._fatal: Optional[str] = None
 
     @property
@@ -131,7 +133,8 @@ class RolloutManager:
         with self._lock:
             pending = sorted(self._in_flight.items()) + list(self._reissue)
             return {"next_group": self._next_group, "reissue": [[int(g), int(s)] for g, s in sorted(pending)],
-                    "episode_errors": self.guard.episode_errors}
+                    "episode_errors": self.guard.episode_errors,
+                    "episode_failures_by_reason": dict(self.guard.by_reason)}
 
     # --------------------------------------------------------------- threads
     def start(self) -> None:
@@ -208,7 +211,7 @@ class RolloutManager:
             log.exception("group %d could not be put into the buffer", gid)
             self._error(f"put group {gid}: {e!r}")
             self.buffer.cancel(1)
-            self.guard.record_error(len(trajs), f"put group {gid}: {e!r}")
+            self.guard.record_error(len(trajs), f"put group {gid}: {e!r}", kind="put_error")
             return
         self.guard.record(trajs)
 
@@ -222,7 +225,7 @@ class RolloutManager:
             with self._lock:
                 self._in_flight.pop(gid, None)
             self.buffer.cancel(1)
-            self.guard.record_error(len(dropped), f"old logits of group {gid}: {error!r}")
+            self.guard.record_error(len(dropped), f"old logits of group {gid}: {error!r}", kind="old_logits_error")
             return
         self._put(gid, kept, tuple(dropped))
 
@@ -346,7 +349,8 @@ class EmbeddedProducer:
         prod = meta.get("producer", {})
         self.manager = RolloutManager(cfg, self.generators, agents, self.buffer, lambda: self._published,
                                       next_group=prod.get("next_group", 0), reissue=prod.get("reissue"),
-                                      episode_errors=prod.get("episode_errors", 0))
+                                      episode_errors=prod.get("episode_errors", 0),
+                                      failures_by_reason=prod.get("episode_failures_by_reason"))
         self.scoring = None
         if self.scorer is not None:
             self.scoring = ScoringQueue(self.retirer or self.scorer, self.manager.on_scored,
@@ -421,14 +425,26 @@ class EmbeddedProducer:
             self._stall_reported = (stall, wait)
         return st
 
+    def _kv_columns(self) -> dict:
+        """The paged engines' K/V pool counters summed (``kv_pages_in_use``, ``kv_prefix_page_hits``,
+        ``kv_preemptions``, ...; rollout.kv_layout=paged only: none for contiguous engines)."""
+        out: dict = {}
+        for g in self.generators:
+            if getattr(g.engine, "kv_layout", "contiguous") == "paged":
+                for k, v in g.engine.kv_stats().items():
+                    out[k] = out.get(k, 0) + int(v)
+        return out
+
     def row(self) -> dict:
-        return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True),
+        return {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=True,
+                                 by_reason=self.manager.guard.by_reason),
                 "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
                 "rollout_idle_frac": self.manager.rollout_idle_frac(), **self._scorer_columns(),
-                **self.weight_sync.row()}
+                **self.weight_sync.row(), **self._kv_columns()}
 
     def summary(self) -> dict:
-        out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False),
+        out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False,
+                                by_reason=self.manager.guard.by_reason),
                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
                "rollout_idle_frac": self.manager.rollout_idle_frac(), **self.weight_sync.summary()}
         if self.scorer is not None:

@@ -140,8 +140,10 @@ def new_generator(cfg: Config, eng, version: int):
     """An unstarted :class:`rollout.generator.Generator` over ``eng`` with the run's rollout knobs
     (``rollout.partial``, ``decode_steps``, ``keep_kv``, ``prefill_tokens_per_step``, ``prefix_cache``)."""
     r = cfg.rollout
+    # a paged engine shares prefix pages by reference itself (rollout.kv_layout): no copying prefix cache
+    prefix_cache = 0 if getattr(eng, "kv_layout", "contiguous") == "paged" else r.prefix_cache
     return Generator(eng, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
-                     prefill_budget=r.prefill_tokens_per_step, prefix_cache=r.prefix_cache)
+                     prefill_budget=r.prefill_tokens_per_step, prefix_cache=prefix_cache)
 
 
 def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
@@ -163,6 +165,9 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
         mesh=engine_mesh(cfg, engine, roles) if mesh is None else mesh,
         quantize=r.quantize,
+        kv_layout=r.kv_layout,
+        kv_page_size=r.kv_page_size,
+        kv_pages=r.kv_pages,
     )
 
 

@@ -116,11 +116,21 @@ class Tau2UserModel:
 
 def _tau2_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[], Any]]) -> Callable[[], Any]:
     """``env.name=tau2``: seeds split at ``eval.seed_offset``; ``user=model``: a :class:`Tau2UserModel`
-    handle (the factory's ``user_model`` attribute) unless one is given."""
+    handle (the factory's ``user_model`` attribute) unless one is given.
+
+    Raises:
+        ConfigError: ``eval.num_tasks`` above the domain's held-out (test) split (mock: 3), for
+            ``jax-rl train`` (its in-training eval) and ``jax-rl eval`` alike; tau² not installed."""
     try:
-        load_domain(cfg.env.tau2.domain)
+        dom = load_domain(cfg.env.tau2.domain)
     except ImportError as e:
         raise ConfigError(f"env.name=tau2: {e}") from None
+    held_out = len(dom.test)  # a fixed split: more eval tasks would repeat some and weight them unevenly
+    if cfg.eval.num_tasks > held_out:
+        raise ConfigError(f"eval.num_tasks={cfg.eval.num_tasks}: env.tau2.domain={cfg.env.tau2.domain} has "
+                          f"{held_out} held-out tasks (its test split); more would evaluate some of them twice and "
+                          f"weight them unevenly in avg@k / pass@k: set eval.num_tasks<={held_out} "
+                          "(eval.k samples each)")
     handle = None
     if cfg.env.tau2.user == "model":
         if user_simulator_factory is None:

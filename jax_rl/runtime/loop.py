@@ -244,14 +244,17 @@ def _mean_metric(run_dir: Path, key: str) -> Optional[float]:
     return float(np.mean(vals)) if vals else None
 
 
-def buffer_columns(stats: dict, episode_errors: int, *, row: bool) -> dict:
+def buffer_columns(stats: dict, episode_errors: int, *, row: bool, by_reason: Optional[dict] = None) -> dict:
     """The buffer / episode counters of a metrics row (``buffer/<k>``) or of the summary
     (``buffer_<k>``); both runtimes' producers report them through this. A row also carries
     ``dropped_overlong`` on its own (the console's and the plots' column); the summary has it once, as
-    ``buffer_dropped_overlong``."""
+    ``buffer_dropped_overlong``. ``by_reason`` (:attr:`EpisodeGuard.by_reason`): the lost episodes so far
+    by kind, ``episode_failures_by_reason`` (a dict in the summary; ``episode_failures_by_reason/<kind>``
+    columns in a row)."""
     sep = "/" if row else "_"
     own = {"dropped_overlong": stats["dropped_overlong"]} if row else {}
-    return {"episode_errors": int(episode_errors), **own, **{f"buffer{sep}{k}": v for k, v in stats.items()}}
+    return {"episode_errors": int(episode_errors), "episode_failures_by_reason": dict(sorted((by_reason or {}).items())),
+            **own, **{f"buffer{sep}{k}": v for k, v in stats.items()}}
 
 
 class WeightSyncClock:
@@ -408,30 +411,68 @@ def tau2_episode_stats(trajs) -> dict:
 
 
 class EpisodeGuard:
-    """Counts unusable episodes for a runtime and decides when a rollout is failing systematically.
+    """Counts unusable episodes for a runtime, says why each was lost, and decides when a rollout is
+    failing systematically.
 
     An episode is unusable when it failed (an env/tool exception, ``info["failed"]``; or its group's
     loop raised) or its prompt did not fit (``info["overlong"]``). Each is dropped and counted and the
     run goes on; ``rollout.max_consecutive_episode_errors`` of them in a row (no usable episode in
-    between) set :attr:`fatal`, the message the runtime stops with. Thread-safe.
+    between) set :attr:`fatal`, the message the runtime stops with. An episode longer than
+    ``max_seq_len`` (the buffer drops it alone) is lost too, but does not break the run of usable ones.
+    Every lost episode is counted by kind in :attr:`by_reason` (``failed:<exception type>``,
+    ``prompt_overlong``, ``over_max_seq_len``, ``group_error:<type>``, ``put_error:<type>``,
+    ``old_logits_error:<type>``; the run's ``episode_failures_by_reason``) and logged as one warning
+    line: each of the first ``log_first``, then one line with the counts every ``log_every`` lost
+    episodes. Thread-safe.
 
     Attributes:
         episode_errors: failed episodes so far (overlong ones are counted by the buffer).
         consecutive: unusable episodes since the last usable one.
         fatal: None, or the reason to stop.
+        by_reason: lost episodes so far by kind (restored from a checkpoint's producer state).
     """
 
-    def __init__(self, limit: int, episode_errors: int = 0):
+    def __init__(self, limit: int, episode_errors: int = 0, *, by_reason: Optional[dict] = None,
+                 max_seq_len: Optional[int] = None, log_first: int = 5, log_every: int = 100):
         self.limit = int(limit)
         self.episode_errors = int(episode_errors)
         self.consecutive = 0
         self.last: str = ""
         self.fatal: Optional[str] = None
+        self.by_reason: dict[str, int] = {str(k): int(v) for k, v in (by_reason or {}).items()}
+        self.max_seq_len = max_seq_len
+        self.log_first, self.log_every = int(log_first), max(1, int(log_every))
+        self._logged = 0  # lost episodes seen by this process (the rate limit counts these)
         self._lock = threading.Lock()
 
     @staticmethod
     def _info(t: Any) -> dict:
         return (t.get("info") if isinstance(t, dict) else getattr(t, "info", None)) or {}
+
+    @staticmethod
+    def _where(t: Any) -> str:
+        get = t.get if isinstance(t, dict) else (lambda k, d=None: getattr(t, k, d))
+        return f"env {get('env', '?')}, group {get('group_id', '?')}, seed {get('seed', '?')}"
+
+    @staticmethod
+    def _type_of(text: str) -> str:
+        """``ValueError`` of ``"ValueError: ..."`` / ``"ValueError('...')"`` (a repr), else ``error``."""
+        head = text.split(":", 1)[0].split("(", 1)[0].strip()
+        return head if head.isidentifier() else "error"
+
+    def _lost(self, kind: str, n: int, where: str, why: str) -> None:
+        """Count ``n`` lost episodes of ``kind`` and log them (rate limited). Called under the lock."""
+        self.by_reason[kind] = self.by_reason.get(kind, 0) + int(n)
+        for _ in range(int(n)):
+            self._logged += 1
+            if self._logged <= self.log_first:
+                log.warning("episode lost (%s): %s: %s", kind, where, " ".join(str(why).split())[:300])
+                if self._logged == self.log_first:
+                    log.warning("episode lost: further lost episodes are summed up every %d (episode_failures_by_reason "
+                                "in metrics.jsonl and summary.json)", self.log_every)
+            elif self._logged % self.log_every == 0:
+                log.warning("episodes lost so far in this process: %d, by reason %s", self._logged,
+                            dict(sorted(self.by_reason.items())))
 
     def record(self, trajectories: Sequence[Any]) -> None:
         """Account one finished group (Trajectory objects or their ``to_dict()``)."""
@@ -442,19 +483,31 @@ class EpisodeGuard:
                     self.episode_errors += 1
                     self.consecutive += 1
                     self.last = f"episode failed: {info.get('fail_reason', '?')}"
+                    self._lost(f"failed:{self._type_of(str(info.get('fail_reason', '')))}", 1, self._where(t),
+                               info.get("fail_reason", "?"))
                 elif info.get("overlong"):
                     self.consecutive += 1
                     self.last = f"over-long: {info.get('drop_reason', info.get('overlong'))}"
+                    self._lost("prompt_overlong", 1, self._where(t),
+                               f"the prompt leaves no room in rollout.max_cache_len "
+                               f"({info.get('drop_reason', info.get('overlong'))})")
                 else:
                     self.consecutive = 0
+                    n = len(t["tokens"]) if isinstance(t, dict) and "tokens" in t else len(t) if hasattr(t, "__len__") \
+                        else 0
+                    if self.max_seq_len is not None and n > self.max_seq_len:
+                        self._lost("over_max_seq_len", 1, self._where(t),
+                                   f"{n} tokens > optim.max_seq_len={self.max_seq_len} (dropped by the buffer)")
             self._check()
 
-    def record_error(self, n_episodes: int, message: str) -> None:
-        """Account ``n_episodes`` lost to an exception outside an episode (a group's loop)."""
+    def record_error(self, n_episodes: int, message: str, kind: str = "group_error") -> None:
+        """Account ``n_episodes`` lost to an exception outside an episode (a group's loop); ``kind``
+        (``group_error``, ``put_error``, ``old_logits_error``) gets the exception's type appended."""
         with self._lock:
             self.episode_errors += int(n_episodes)
             self.consecutive += int(n_episodes)
             self.last = message
+            self._lost(f"{kind}:{self._type_of(message.split(': ', 1)[-1])}", n_episodes, "", message)
             self._check()
 
     def _check(self) -> None:

@@ -98,7 +98,9 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
 
     if ray.is_initialized():
         return ray
-    runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "JAX_PLATFORMS": "cpu"}}
+    # the actors start JAX on the driver's platform (JAX_PLATFORMS as the driver has it, "" = JAX's own
+    # choice; the CLI has set "cpu" already where libtpu is installed on a host without a TPU), not the CPU
+    runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}}
     if address is not None:
         log.warning("runtime.ray_address=%s: joining an existing Ray cluster; its bind addresses and auth "
                     "settings apply (RISK: a cluster reachable off this machine accepts jobs from anyone "

@@ -85,7 +85,8 @@ class RayProducer:
                                         meta.get("buffer"), cfg.optim.max_seq_len)
         prod = meta.get("producer") or {}
         self.next_gid = int(prod.get("next_group", 0))
-        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, int(prod.get("episode_errors", 0)))
+        self.guard = EpisodeGuard(cfg.rollout.max_consecutive_episode_errors, int(prod.get("episode_errors", 0)),
+                                  by_reason=prod.get("episode_failures_by_reason"), max_seq_len=cfg.optim.max_seq_len)
         # groups in flight at the checkpoint are re-issued first (their admission is in the buffer's state)
         self.reissue: list[tuple[int, int]] = [(int(g), int(sd)) for g, sd in prod.get("reissue", [])]
         self.in_flight: dict = {}  # ref -> (worker index, gid, seed)
@@ -186,12 +187,14 @@ class RayProducer:
 
     def row(self) -> dict:
         self._collect_syncs()
-        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=True),
+        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=True,
+                                 by_reason=self.guard.by_reason),
                 **{f"ray/{k}": v for k, v in self.counters.items()}, **self.weight_sync.row(), **self.cpu_columns()}
 
     def summary(self) -> dict:
         self._collect_syncs()
-        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=False),
+        return {**buffer_columns(self._ray.get(self.buffer.stats.remote()), self.guard.episode_errors, row=False,
+                                 by_reason=self.guard.by_reason),
                 **self.counters, **self.weight_sync.summary()}
 
     def state(self) -> dict:
@@ -200,7 +203,8 @@ class RayProducer:
         return {"buffer": ray.get(self.buffer.export_state.remote()), "buffer_stats": ray.get(self.buffer.stats.remote()),
                 "ray_counters": dict(self.counters),
                 "producer": {"next_group": self.next_gid, "reissue": [[int(g), int(sd)] for g, sd in pending],
-                             "episode_errors": self.guard.episode_errors}}
+                             "episode_errors": self.guard.episode_errors,
+                             "episode_failures_by_reason": dict(self.guard.by_reason)}}
 
     def stop(self) -> None:
         for w in self.workers:
@@ -279,6 +283,6 @@ class RayProducer:
             except Exception as e:  # a malformed group: drop it, give its slot back, count it
                 log.warning("group %d could not be put into the buffer: %r", gid, e)
                 ray.get(self.buffer.cancel.remote(1))
-                self.guard.record_error(len(group), f"put group {gid}: {type(e).__name__}")
+                self.guard.record_error(len(group), f"put group {gid}: {type(e).__name__}", kind="put_error")
                 continue
             self.guard.record(group)

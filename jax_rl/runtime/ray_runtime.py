@@ -42,7 +42,7 @@ from jax_rl.runtime.ray_actors import actor_classes, jax_tree_to_host
 from jax_rl.runtime.ray_cluster import (RayDaemonWatch, RayFailure, check_ray_endpoints, init_ray, ray_get,
                                         reclaim_signals)
 from jax_rl.runtime.ray_producer import RayProducer, RemoteLearner
-from jax_rl.runtime.run_dir import delete_earlier_run, resolve_run_dir
+from jax_rl.runtime.run_dir import delete_earlier_run, lock_run_dir, resolve_run_dir, unlock_run_dir
 
 log = logging.getLogger("jax_rl.runtime")
 
@@ -70,9 +70,13 @@ def run_train_ray(cfg: Config) -> int:
     start_of_run_lines(cfg, tokenizer, env_factory)
     if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
         init_ray(None, runtime=cfg.runtime)
-    delete_earlier_run(cfg, resolve_run_dir(cfg, create=False))  # run.overwrite (a fresh run only)
     fresh = not resolve_run_dir(cfg, create=False).exists()
     run_dir = resolve_run_dir(cfg)
+    # the driver holds the run dir (it lives for the whole run; the actors never lock it), before the
+    # earlier run's files go (the caller took it already when the dir existed: this is idempotent)
+    lock_run_dir(run_dir, command="train", what="--resume" if cfg.resume else "--overwrite" if cfg.run.overwrite
+                 else "a new run in it")
+    delete_earlier_run(cfg, run_dir)  # run.overwrite (a fresh run only)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
     # config.yaml is written by the learner actor once the restore and its checks have passed
     stop = StopFlag()
@@ -85,6 +89,7 @@ def run_train_ray(cfg: Config) -> int:
             link = run_dir / "ray_tmp"
             if link.is_symlink():
                 shutil.rmtree(link.resolve(), ignore_errors=True)
+            unlock_run_dir(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     reclaim_signals(stop)  # SIGTERM: finish the step, checkpoint, summary.json, exit 143 (as embedded)

@@ -40,7 +40,7 @@ from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newe
                                     resume_rl_step)
 from jax_rl.runtime.embedded import EmbeddedProducer
 from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
-from jax_rl.runtime.run_dir import resolve_run_dir
+from jax_rl.runtime.run_dir import lock_run_dir, multiprocess_start, resolve_run_dir, unlock_run_dir
 from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
@@ -63,6 +63,31 @@ def run_train(cfg: Config) -> int:
         naming the run dir and the bytes needed; the last good checkpoint is intact).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    with _holding_run_dir(cfg, "train"):
+        return _run_train(cfg)
+
+
+class _holding_run_dir:
+    """``with``: this process holds the run dir's lock (:func:`~jax_rl.runtime.run_dir.lock_run_dir`) from
+    here to the end of the command, before anything reads or deletes the earlier run in it. A dir that does
+    not exist yet (a fresh run) and a multi-process run are locked by :meth:`RunContext.hold` just before
+    they are written. Raises RunDirHeldError (one line, exit 2) when another process holds it."""
+
+    def __init__(self, cfg: Config, command: str):
+        self.cfg, self.command = cfg, command
+
+    def __enter__(self):
+        self.dir = resolve_run_dir(self.cfg, create=False)
+        if self.dir.is_dir() and not multiprocess_start(self.cfg.runtime):
+            lock_run_dir(self.dir, command=self.command, what=RunContext.lock_what(self.cfg))
+        return self
+
+    def __exit__(self, *exc):
+        unlock_run_dir(self.dir)
+        return False
+
+
+def _run_train(cfg: Config) -> int:
     resolve_run_dir(cfg, create=False, check_fresh=True)
     if cfg.runtime.kind == "ray":
         from jax_rl.runtime.ray_runtime import run_train_ray  # lazy: Ray (the embedded runtime runs without it)
@@ -84,6 +109,7 @@ def run_train(cfg: Config) -> int:
                 print(done, flush=True)
                 failed = False
                 return 0
+        ctx.hold("train")
         ctx.materialize()
         if cfg.resume:
             drop_newer_checkpoints(ctx.learner, ctx.ckpt_dir, ctx.resumed_step)
@@ -118,11 +144,17 @@ def run_sft(cfg: Config) -> int:
     if cfg.resume:  # SFT from scratch into the run dir asked to be continued would overwrite its checkpoint
         raise ConfigError("resume=true: `jax-rl sft` does not resume (it starts SFT from scratch); `jax-rl train "
                           "--resume` continues a train run, --overwrite starts this SFT over in the same run.dir")
+    with _holding_run_dir(cfg, "sft"):
+        return _run_sft(cfg)
+
+
+def _run_sft(cfg: Config) -> int:
     resolve_run_dir(cfg, create=False, check_fresh=True, resumable=False)
     if cfg.runtime.kind != "embedded":  # no rollout: nothing for Ray to run
         log.warning("runtime=%s: `jax-rl sft` runs SFT and its eval in this process; runtime.* applies to "
                     "`jax-rl train`", cfg.runtime.kind)
     ctx = RunContext(cfg, create_dir=False)
+    ctx.hold("sft")
     ctx.materialize()
     ctx.open_writer()
     try:

@@ -83,6 +83,7 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
+from rollout.engine.paged import PAGED_PROGRAMS, PagedSlots, PagedStepPrograms
 from rollout.engine.programs import StepConfig, StepPrograms, build_programs, program_shardings
 from rollout.engine.sampler import StepOutput
 from rollout.engine.slots import MIN_BUCKET, SlotManager
@@ -92,7 +93,7 @@ from rollout.quantize import QUANTIZE_MODES, dequantize_params, quantize_params,
 __all__ = ["Qwen3Engine"]
 
 
-class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
+class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
     """JetStream ``Engine`` over ``jax_rl.models.qwen3.Qwen3ForCausalLM`` with log-probs.
 
     Args:
@@ -168,8 +169,16 @@ class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
         kv_per_layer: Optional[bool] = None,
         record_routes: bool = False,
         quantize: str = "none",
+        kv_layout: str = "contiguous",
+        kv_page_size: int = 16,
+        kv_pages: Optional[int] = None,
     ) -> None:
         _check_args(slots, max_cache_len, top_p, quantize)
+        if kv_layout not in ("contiguous", "paged") or (kv_layout == "paged" and mesh is not None):
+            raise ValueError(f"kv_layout must be 'contiguous' or 'paged' (paged: a colocated engine, no mesh), "
+                             f"got {kv_layout!r}{' with a mesh' if mesh is not None else ''}")
+        self.kv_layout = kv_layout
+        """``"contiguous"`` (``max_cache_len`` reserved per slot) or ``"paged"`` (:mod:`rollout.engine.paged`)."""
         self.quantize = quantize
         """``rollout.quantize`` of this engine's weights (``"none"``: cast only)."""
         self.config = model_config
@@ -190,6 +199,9 @@ class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
         self._init_moe(model_config, record_routes, dict(model_kwargs or {}))
         self._init_model(model_config, dict(model_kwargs or {}), kv_per_layer)
         self._init_placement(mesh, quantize)
+        if kv_layout == "paged":
+            per_slot = -(-self.max_cache_len // int(kv_page_size))
+            self._init_pages(int(kv_page_size), int(kv_pages) if kv_pages else self._slots * per_slot)
         self._build_programs()
         self.params = self.load_params(params) if params is not None else None
 
@@ -260,6 +272,12 @@ class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
         cfg = StepConfig(slots=self._slots, max_cache_len=self.max_cache_len, dtype=self.dtype, top_k=self.top_k,
                          top_p=self.top_p, record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops,
                          per_layer_cache=self._per_layer_cache, decode_valid=self._decode_valid)
+        if self.kv_layout == "paged":
+            steps = PagedStepPrograms(cfg, self._model, self._dequantized, page_size=self.kv_pool.page_size,
+                                      num_pages=self.kv_pool.num_pages)
+            self._jits = {name: jax.jit(getattr(steps, m), donate_argnums=d, **st)
+                          for name, (m, d, st) in PAGED_PROGRAMS.items()}
+            return
         steps = StepPrograms(cfg, self._model, self._dequantized)
         outs = None
         if self._sharded:
@@ -339,6 +357,8 @@ class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
         Returns:
           ``(new_state, StepOutput)`` with [B] device arrays.
         """
+        if self.kv_layout == "paged":
+            return PagedSlots.decode(self, params, decode_state, version=version)
         with self._in_mesh():
             return self._jits["generate"](params, decode_state, jnp.int32(version))
 
@@ -371,6 +391,8 @@ class Qwen3Engine(SlotManager, EngineWeights, JetStreamAdapter):
         n = int(n)
         if n < 1:
             raise ValueError(f"generate_steps needs n >= 1, got {n}")
+        if self.kv_layout == "paged":
+            return PagedSlots.generate_steps(self, params, decode_state, n, version=version)
         with self._in_mesh():
             return self._jits["decode_steps"](params, decode_state, n, jnp.int32(version))
 

@@ -394,6 +394,33 @@ def test_config_section_and_one_line_errors():
         load_config(ROOT / "configs" / "tau2_mock.yaml", ["env.tau2.user_model.max_tool_calls=0"])
 
 
+def test_eval_num_tasks_above_the_held_out_split_is_one_line(tmp_path, capsys):
+    """Issue 48 item 2: tau² mock holds 3 held-out tasks; eval.num_tasks=10 used to wrap around them in
+    silence (weights 4/3/3). Refused in one line, exit 2, for `train` (its in-training eval) and `eval`
+    alike, before a run dir exists; eval.num_tasks=3 is accepted."""
+    from jax_rl.cli import main
+    from jax_rl.config import load_config
+    from jax_rl.config.schema import ConfigError
+    from jax_rl.runtime.envs import build_env_factory
+
+    with pytest.raises(ConfigError, match=r"eval.num_tasks=10: env.tau2.domain=mock has 3 held-out tasks"):
+        build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["eval.num_tasks=10"]))
+    build_env_factory(load_config(ROOT / "configs" / "tau2_mock.yaml", ["eval.num_tasks=3"]))
+    capsys.readouterr()
+    d = tmp_path / "run"
+    for argv in (["train", str(ROOT / "configs" / "tau2_mock.yaml"), f"run.dir={d}", "eval.num_tasks=10"],
+                 ["eval", str(ROOT / "configs" / "tau2_mock.yaml"), str(ROOT / "configs" / "tau2_mock.yaml")]):
+        if argv[0] == "eval":  # a run dir with a saved step to evaluate: the refusal comes before the restore
+            (d / "checkpoints" / "1" / "state").mkdir(parents=True)
+            (d / "checkpoints" / "1" / "_CHECKPOINT_METADATA").write_text("{}")
+            argv = ["eval", str(d), str(ROOT / "configs" / "tau2_mock.yaml"), "eval.num_tasks=10"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "3 held-out tasks" in err and "eval.num_tasks<=3" in err, err
+        if argv[0] == "train":
+            assert not d.exists()
+
+
 def test_no_network_connection_is_opened():
     """Import tau², replay a task and run its evaluator with every socket connect and DNS lookup refused."""
     code = r"""

@@ -92,6 +92,9 @@ def test_held_out_guard_in_the_ray_producer():
     (["preset:tiny_dense", "--temperature", "nan"], ["--temperature nan"]),
     (["preset:tiny_dense", "--host", "not.a.host"], ["--host not.a.host"]),
     (["preset:tiny_dense", "--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine"]),
+    # --port 0 skipped the host check: the model loaded, then gRPC's raw error blamed the port, exit 1
+    (["preset:tiny_dense", "--host", "8.8.8.8", "--port", "0"], ["--host 8.8.8.8", "not an address of this machine"]),
+    (["preset:tiny_dense", "--host", "::2", "--port", "0"], ["--host ::2", "not an address of this machine"]),
     (["preset:nope"], ["preset:nope", "tiny_dense"]),
     (["/nonexistent/hf"], ["/nonexistent/hf"]),
     # an engine that cannot fit: one line naming the flags (was an XLA RESOURCE_EXHAUSTED traceback)

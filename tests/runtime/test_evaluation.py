@@ -119,7 +119,8 @@ def test_summarize_eval_more_samples_than_k_and_k1():
     assert s["pass@2"] == pytest.approx(0.5) and s["avg@2"] == pytest.approx(0.25)
     s1 = summarize_eval([dict(env="e", task_seed=0, rewards=[1.0])], k=1)
     assert s1 == {"e/avg@1": 1.0, "e/pass@1": 1.0, "e/num_tasks": 1, "e/num_samples": 1,
-                  "avg@1": 1.0, "pass@1": 1.0, "num_tasks": 1, "num_samples": 1}
+                  "avg@1": 1.0, "pass@1": 1.0, "num_tasks": 1, "num_samples": 1, "num_distinct_tasks": 1,
+                  "samples_per_task": 1}
 
 
 @pytest.mark.parametrize(
@@ -146,3 +147,15 @@ def test_eval_seeds_disjoint_from_training():
         check_disjoint_seeds([3, 10, 11], 10)
     with pytest.raises(ValueError):
         eval_seeds(-1, 0)
+
+
+def test_eval_summary_counts_distinct_tasks_and_samples_per_task():
+    """Issue 48 item 2: the eval JSON says how many distinct tasks it covered and how many samples each:
+    two seeds that land on the same task (``task``) count once."""
+    s = summarize_eval([dict(env="tau2", task_seed=10, task="t1", rewards=[1.0, 0.0]),
+                        dict(env="tau2", task_seed=13, task="t1", rewards=[0.0, 0.0]),
+                        dict(env="tau2", task_seed=11, task="t2", rewards=[1.0, 1.0])], k=2)
+    assert s["num_tasks"] == 3 and s["num_distinct_tasks"] == 2 and s["samples_per_task"] == 2
+    s = summarize_eval([dict(env="calculator", task_seed=0, rewards=[1.0, 0.0]),
+                        dict(env="calculator", task_seed=1, rewards=[1.0, 0.0, 1.0, 1.0])], k=2)
+    assert s["num_distinct_tasks"] == 2 and s["samples_per_task"] == pytest.approx(3.0)  # unequal: the mean

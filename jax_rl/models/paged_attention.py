@@ -1,0 +1,184 @@
+"""Paged K/V: the pool layout, the write of new entries through a page table, and attention over
+the pages a sequence holds (the XLA reference, and the TPU ragged paged attention kernel wrapped
+to the same interface).
+
+Layout (the one ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` reads, so the kernel
+reads the pool in place): one layer's pool is ``kv_pages [P, page_size, 2K, H]`` with the keys of
+kv head k at combined head ``2k`` and its values at ``2k + 1``; a model's pool stacks the layers,
+``[L, P, page_size, 2K, H]``. A sequence's positions ``[j * page_size, (j + 1) * page_size)`` live
+in page ``page_table[b, j]``; ``page_table [B, M]`` int32 (M = pages a sequence may hold); entries
+past a sequence's held pages are never read unmasked; -1 there means "no page" (a write to it
+is dropped).
+
+Query convention (both paths): row b's new tokens ``t < lengths[b]`` sit at positions
+``starts[b] + t``; their K/V are already in the pool (``write_kv`` before the attention, as the
+kernel expects); token t attends to positions ``<= starts[b] + t``. Decode is ``T == 1``,
+``lengths == 1``; append-prefill is ``T > 1`` with ``starts`` the cached length.
+
+Which path runs where (``paged_attention``): TPU: the ragged paged attention kernel; CPU and GPU:
+the XLA gather path. The Pallas GPU ``paged_attention`` (``jax.experimental.pallas.ops.gpu``) is
+decode-only (one query per sequence) and wants separate ``[K, P, page_size, H]`` key and value
+pools; in this layout it would need a transpose of the pool per step, so the GPU runs the XLA path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_rl.models.qwen3.layers import attend
+
+Array = jax.Array
+
+__all__ = ["pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
+           "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention", "gather_contiguous"]
+
+
+def pages_for(length: int, page_size: int) -> int:
+    """Pages holding ``length`` positions (ceil division; 0 for 0)."""
+    return -(-int(length) // int(page_size))
+
+
+def page_bucket(live_pages: int, max_pages: int) -> int:
+    """The static page count an attention call gathers: the next power of two >= ``live_pages``
+    (at least 1), capped at ``max_pages`` (so at most log2(M) + 1 programs compile)."""
+    n = 1
+    while n < live_pages:
+        n *= 2
+    return min(n, int(max_pages))
+
+
+def combine_kv(k: Array, v: Array) -> Array:
+    """k, v [..., K, H] -> [..., 2K, H] with k at even and v at odd combined heads (the pool's)."""
+    return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: Array,
+             valid: Array, layer: int | Array | None = None) -> Array:
+    """Scatter new K/V into the pool through the page table.
+
+    kv_pages [P, ps, 2K, H] (or [L, P, ps, 2K, H] with ``layer``, a static or traced index);
+    page_table [B, M] int32; positions [B, T] int32 (absolute positions); k, v [B, T, K, H];
+    valid [B, T] bool: only valid tokens are written (the others, and positions past the table,
+    are dropped). Returns the updated pool (same shape and dtype; in place under jit with the
+    pool donated).
+    """
+    ps = kv_pages.shape[-3]
+    P = kv_pages.shape[-4]
+    M = page_table.shape[1]
+    j = positions // ps
+    page = jnp.take_along_axis(page_table, jnp.clip(j, 0, M - 1), axis=1)
+    page = jnp.where(valid & (j < M) & (positions >= 0) & (page >= 0), page, P)  # P: out of bounds, dropped
+    new = combine_kv(k, v).astype(kv_pages.dtype)  # [B, T, 2K, H]
+    idx = (page, positions % ps) if layer is None else (layer, page, positions % ps)
+    return kv_pages.at[idx].set(new, mode="drop")
+
+
+def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int) -> tuple[Array, Array]:
+    """The first ``num_pages`` pages of every row as contiguous keys and values [B, S, K, H]
+    (S = num_pages * page_size; cache dtype)."""
+    B = page_table.shape[0]
+    _, ps, K2, H = kv_pages.shape
+    kv = kv_pages[jnp.maximum(page_table[:, :num_pages], 0)].reshape(B, num_pages * ps, K2, H)
+    return kv[:, :, 0::2], kv[:, :, 1::2]
+
+
+def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,
+                        lengths: Array, num_pages: int | None = None) -> Array:
+    """GQA attention over the pages a row holds (the XLA reference; HF eager numerics, as
+    ``layers.attend``).
+
+    q [B, T, N, H]; kv_pages [P, ps, 2K, H]; page_table [B, M] int32; starts, lengths [B] int32
+    (module doc); ``num_pages`` (static, default M): the pages gathered per row, at least
+    ``ceil((starts + lengths) / ps)`` of every row (``page_bucket``). Returns [B, T, N, H]
+    (q.dtype); rows' padded tokens (``t >= lengths``) get finite values the caller ignores.
+    """
+    B, T = q.shape[:2]
+    n = page_table.shape[1] if num_pages is None else int(num_pages)
+    k, v = gather_contiguous(kv_pages, page_table, n)
+    pos = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+
+
+def _ragged_layout(lengths: Array, B: int, T: int) -> tuple[Array, Array, Array]:
+    """(cu_q_lens [B+1], flat index [B, T] of each (row, token) in the packed queries, valid)."""
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+    t = jnp.arange(T, dtype=jnp.int32)[None]
+    valid = t < lengths[:, None]
+    return cu, cu[:-1, None] + t, valid
+
+
+def _packed_call(fn, q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
+                 **kw) -> Array:
+    """Run a ragged paged attention ``fn`` (the kernel's signature) on [B, T] queries: they are
+    packed into the ragged [B*T, N, H] form (row b's valid tokens from ``cu_q_lens[b]``) with
+    ``kv_lens = starts + lengths``, and unpacked after (padded tokens 0)."""
+    B, T, N, H = q.shape
+    starts = jnp.asarray(starts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    cu, flat, valid = _ragged_layout(lengths, B, T)
+    qf = jnp.zeros((B * T, N, H), q.dtype).at[jnp.where(valid, flat, B * T)].set(q, mode="drop")
+    out = fn(qf, kv_pages, starts + lengths, jnp.maximum(jnp.asarray(page_table, jnp.int32), 0), cu,
+             jnp.array([B], jnp.int32), sm_scale=float(H) ** -0.5, **kw)
+    o = out[jnp.clip(flat, 0, B * T - 1)]  # [B, T, N, H]
+    return jnp.where(valid[:, :, None, None], o, 0).astype(q.dtype)
+
+
+def paged_attention_kernel_ref(q: Array, kv_pages: Array, page_table: Array, starts: Array,
+                               lengths: Array) -> Array:
+    """:func:`paged_attention_kernel`'s packing around the kernel's own pure-JAX reference
+    (``ref_ragged_paged_attention``, which JAX tests the kernel against). Eager only (the
+    reference loops over the concrete sequence count); for tests off a TPU, where the kernel
+    itself cannot run (see ``tests/test_paged_attention.py``)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    return _packed_call(ref_ragged_paged_attention, q, kv_pages, page_table, starts, lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_kv_pages_per_block",
+                                             "num_queries_per_block", "vmem_limit_bytes"))
+def paged_attention_kernel(q: Array, kv_pages: Array, page_table: Array, starts: Array,
+                           lengths: Array, *, interpret: bool = False,
+                           num_kv_pages_per_block: int | None = None,
+                           num_queries_per_block: int | None = None,
+                           vmem_limit_bytes: int | None = None) -> Array:
+    """``paged_attention_xla``'s interface on the TPU ragged paged attention kernel
+    (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, vLLM-TPU's / sglang-jax's).
+
+    The [B, T] queries are packed into the kernel's ragged [sum(lengths), N, H] form
+    (``_packed_call``); the kernel's causal mask (query i of a row at ``kv_len - q_len + i``) is
+    the module's convention. Needs ``H % 128 == 0`` (the kernel's lane tiling). ``interpret``:
+    Pallas TPU interpret mode; in jax 0.10.2 it fails on this kernel (a reshaped VMEM ref, see
+    the tests). Block sizes: the kernel's tuned table reads the local TPU's version, so off a TPU
+    (an AOT compile from a CPU host) both are needed; default here ``min(M, max(1, 128 // ps))``
+    pages and ``min(B*T, 32)`` queries per block. Returns [B, T, N, H] (q.dtype; padded tokens 0).
+    """
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    B, T = q.shape[:2]
+    M = page_table.shape[1]
+    if num_kv_pages_per_block is None:
+        num_kv_pages_per_block = max(1, min(M, 128 // kv_pages.shape[1]))
+    if num_queries_per_block is None:
+        num_queries_per_block = min(B * T, 32)
+    kw = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block,
+              vmem_limit_bytes=vmem_limit_bytes)
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            return _packed_call(ragged_paged_attention, q, kv_pages, page_table, starts, lengths, **kw)
+    return _packed_call(ragged_paged_attention, q, kv_pages, page_table, starts, lengths, **kw)
+
+
+def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
+                    num_pages: int | None = None, *, backend: str | None = None) -> Array:
+    """Attention over live pages on the path for ``backend`` (default: JAX's default backend):
+    ``"tpu"``: :func:`paged_attention_kernel` (reads the page table itself; ``num_pages`` unused);
+    otherwise :func:`paged_attention_xla`. Same arguments and result as those."""
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
+    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)

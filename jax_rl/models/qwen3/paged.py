@@ -1,0 +1,181 @@
+"""Qwen3 decode and append-prefill over a paged K/V pool (:mod:`jax_rl.models.paged_attention`).
+
+:class:`PagedKVCache` holds the pool, the page table and the live lengths;
+:func:`paged_decode_step` and :func:`paged_extend` are ``Qwen3ForCausalLM.decode_step`` /
+``extend`` on it: the new tokens' K/V are written through the page table, and the attention reads
+only the pages a row holds (``num_pages``, a static bucket of them, on the XLA path; the TPU
+kernel reads the table itself). Same numerics as the contiguous cache (HF eager: fp32 softmax,
+scale after the dot): equal to ``decode_step`` / ``extend`` up to fp32 summation order.
+A prefill from position 0 is :func:`paged_extend` with ``starts = 0``.
+
+Which rows own which pages is the host's business (``rollout.pages.PagePool``); the device side
+only follows the table. A table entry of -1 is "no page": writes there are dropped, reads are
+masked (a row never attends past its length).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jax_rl.models.paged_attention import paged_attention, write_kv
+from jax_rl.models.qwen3.outputs import ModelOutput
+
+Array = jax.Array
+
+__all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend", "copy_pages"]
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """A paged K/V pool with its page table.
+
+    kv: the pool, either one array [L, P, page_size, 2K, H] (stacked; what ``scan_layers``
+        needs) or a tuple of L arrays [P, page_size, 2K, H] (per layer; unrolled layers read each
+        layer's pool in place, the TPU kernel included), cache dtype; keys of kv head k at
+        combined head 2k, values at 2k+1 (the TPU ragged paged attention layout).
+    page_table: [B, M] int32, row b's j-th page (positions [j*ps, (j+1)*ps)); -1 = none.
+    lengths: [B] int32, positions held per row (the next token of row b goes to ``lengths[b]``).
+    """
+
+    kv: Any
+    page_table: Array
+    lengths: Array
+
+    @property
+    def page_size(self) -> int:
+        return self._layer0().shape[-3]
+
+    @property
+    def num_pages(self) -> int:
+        """P, the pool's pages."""
+        return self._layer0().shape[-4]
+
+    def _layer0(self) -> Array:
+        return self.kv[0] if isinstance(self.kv, tuple) else self.kv
+
+    def layer(self, kv: Any, i: int | Array) -> Array:
+        """Layer i's pool [P, ps, 2K, H] of ``kv`` (this cache's form)."""
+        if isinstance(kv, tuple):
+            return kv[int(i)]
+        if isinstance(i, jax.Array):
+            return jax.lax.dynamic_index_in_dim(kv, i, 0, keepdims=False)
+        return kv[int(i)]
+
+
+def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max_pages: int,
+                     dtype=None, per_layer: bool | None = None) -> PagedKVCache:
+    """An empty pool of ``num_pages`` pages of ``page_size`` positions (zeros, ``dtype``, default
+    the model's compute dtype), a page table [batch_size, max_pages] of -1, lengths 0.
+    ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form."""
+    c = model.config
+    dt = model.dtype if dtype is None else jnp.dtype(dtype)
+    shape = (num_pages, page_size, 2 * c.num_key_value_heads, c.head_dim)
+    per_layer = (not model.scan_layers) if per_layer is None else per_layer
+    if per_layer and model.scan_layers:
+        raise ValueError("a per-layer paged pool needs unrolled layers (model.scan_layers is set)")
+    L = c.num_hidden_layers
+    kv = tuple(jnp.zeros(shape, dt) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), dt)
+    return PagedKVCache(kv=kv, page_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
+                        lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def _write(cache: PagedKVCache, kv: Any, i, positions, k, v, valid) -> Any:
+    if isinstance(kv, tuple):
+        out = list(kv)
+        out[int(i)] = write_kv(kv[int(i)], cache.page_table, positions, k, v, valid)
+        return tuple(out)
+    return write_kv(kv, cache.page_table, positions, k, v, valid, layer=i)
+
+
+def _layer_ids(model) -> Any:
+    L = model.config.num_hidden_layers
+    return jnp.arange(L, dtype=jnp.int32) if model.scan_layers else tuple(range(L))
+
+
+def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: int | None = None,
+                      forced_expert_ids=None, return_expert_ids: bool = False,
+                      valid: Array | None = None, return_moe_drops: bool = False,
+                      write: Array | None = None, backend: str | None = None) -> ModelOutput:
+    """One decode token per row: ``Qwen3ForCausalLM.decode_step`` on a :class:`PagedKVCache`.
+
+    tokens [B] int32 goes to position ``cache.lengths[b]`` (its K/V written into the page the
+    table names; a row without that page writes nothing) and attends to positions
+    ``<= lengths[b]``; lengths += 1. ``num_pages`` (static): pages gathered per row on the XLA
+    path, >= every row's ``ceil((lengths + 1) / page_size)`` (``page_bucket``; default all M).
+    ``valid`` [B] bool: the rows whose token takes MoE capacity (None: all). ``write`` [B] bool: the
+    rows whose K/V are written (None: all; an engine's inactive slots write nothing).
+    ``backend``: the attention path (``paged_attention``). Returns :class:`ModelOutput` (logits
+    [B,V] f32, ``cache`` a :class:`PagedKVCache`; ``expert_ids`` / ``moe_drops`` as decode_step).
+    """
+    tokens = jnp.asarray(tokens)
+    B = tokens.shape[0]
+    pos = cache.lengths.astype(jnp.int32)
+    write_ok = jnp.ones((B, 1), bool) if write is None else jnp.asarray(write, bool)[:, None]
+    ones = jnp.ones((B,), jnp.int32)
+
+    def layer_attend(q, k, v, i, kv):
+        kv = _write(cache, kv, i, pos[:, None], k, v, write_ok)
+        o = paged_attention(q, cache.layer(kv, i), cache.page_table, pos, ones, num_pages, backend=backend)
+        return o.astype(q.dtype), None, kv
+
+    forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
+    mvalid = None if valid is None else jnp.asarray(valid, bool)[:, None]
+    t = model._trunk(model.embed(tokens[:, None]), pos[:, None], layer_attend, _layer_ids(model), forced,
+                     carry=cache.kv, valid=mvalid, row_drops=return_moe_drops)
+    return ModelOutput(logits=model.lm_logits(t.h)[:, 0], cache=cache.replace(kv=t.carry, lengths=pos + 1),
+                       expert_ids=tuple(i[:, 0] for i in t.expert_ids) if return_expert_ids else None,
+                       moe_drops=model._moe_drops(t, mvalid, (B, 1), True) if return_moe_drops else None)
+
+
+def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: PagedKVCache, *,
+                 num_pages: int | None = None, return_expert_ids: bool = False,
+                 return_moe_drops: bool = False, backend: str | None = None) -> ModelOutput:
+    """Append-prefill (``Qwen3ForCausalLM.extend``) on a :class:`PagedKVCache`; with
+    ``starts == 0`` a prefill.
+
+    input_ids [B,T] int32 right-padded, ``starts`` [B] int32 (positions already held), ``lengths``
+    [B] int32 (valid new tokens): token t of row b goes to position ``starts[b] + t``, its K/V into
+    the row's page there, and attends to positions ``<= starts[b] + t``. The table must already
+    name pages for positions ``< starts + lengths``. ``num_pages`` as in
+    :func:`paged_decode_step` (>= ``ceil((starts + lengths) / page_size)``). Padded tokens write
+    nothing and take no MoE capacity. Returns :class:`ModelOutput` (logits [B,T,V] f32, ``cache``
+    with ``lengths = starts + lengths``; ``expert_ids`` / ``moe_drops`` as ``extend``).
+    """
+    input_ids = jnp.asarray(input_ids)
+    B, T = input_ids.shape
+    starts = jnp.asarray(starts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+
+    def layer_attend(q, k, v, i, kv):
+        kv = _write(cache, kv, i, positions, k, v, valid)
+        o = paged_attention(q, cache.layer(kv, i), cache.page_table, starts, lengths, num_pages,
+                            backend=backend)
+        return o.astype(q.dtype), None, kv
+
+    t = model._trunk(model.embed(input_ids), positions, layer_attend, _layer_ids(model), carry=cache.kv,
+                     valid=valid, row_drops=return_moe_drops)
+    return ModelOutput(logits=model.lm_logits(t.h), cache=cache.replace(kv=t.carry, lengths=starts + lengths),
+                       expert_ids=t.expert_ids if return_expert_ids else None,
+                       moe_drops=model._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
+
+
+def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+    """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
+    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding)."""
+    src = jnp.maximum(jnp.asarray(src, jnp.int32), 0)
+    dst = jnp.asarray(dst, jnp.int32)
+    P = cache.num_pages
+    dst = jnp.where(dst < 0, P, dst)
+
+    def one(pool, lead=()):
+        return pool.at[(*lead, dst)].set(pool[(*lead, src)], mode="drop")
+
+    if isinstance(cache.kv, tuple):
+        return cache.replace(kv=tuple(one(p) for p in cache.kv))
+    return cache.replace(kv=cache.kv.at[:, dst].set(cache.kv[:, src], mode="drop"))

@@ -1,0 +1,388 @@
+"""The paged K/V layout of :class:`rollout.engine.Qwen3Engine` (``kv_layout="paged"``).
+
+The decode state's cache is a :class:`jax_rl.models.qwen3.paged.PagedKVCache` (one pool of
+``kv_pages`` pages of ``kv_page_size`` positions, a page table row per slot, the slots' lengths);
+:class:`rollout.pages.PagePool` on the host decides which slot holds which pages. What changes
+against the contiguous layout, with the engine's API and outputs unchanged:
+
+- no reservation per slot: a slot holds the pages its positions need, allocated as prefill and
+  decode reach them (``generate_steps(n)`` makes room for ``n`` more positions per active slot
+  first);
+- a GRPO group's identical prompts are prefilled once and the other samples' slots reference the
+  same pages (:meth:`PagePool.fork`: no K/V copied); the first decode write into the shared
+  partial last page copies that page (copy on write);
+- a fresh prompt whose leading full pages were computed before *by the same weights* references
+  them (:meth:`PagePool.admit`; ``kv_prefix_page_hits``) and is prefilled from there: the env
+  prefix cache by reference. Pages are keyed by the engine's weight epoch (+1 whenever a prefill
+  runs other params than the last one), so after a weight swap no new request reads a page of the
+  old weights; a held session keeps its own pages (its partial policy decides, as with the
+  contiguous cache);
+- decode and append-prefill attend over the pages a slot holds (TPU: the ragged paged attention
+  kernel; CPU/GPU: an XLA gather of a power-of-two bucket of pages);
+- pool exhausted: the least recently released *held* slot (an episode between turns) is preempted
+  (its pages freed, ``kv_preemptions``); its next append-prefill re-prefills its whole context
+  (reported in ``PrefillResult.prefill_tokens``). With no held slot to preempt, ``PoolExhausted``
+  is raised (size ``rollout.kv_pages`` for the active slots' live tokens).
+
+Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
+contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
+the pages are the prefix cache).
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_rl.models import qwen3 as _q
+from jax_rl.models.paged_attention import page_bucket, pages_for
+from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from rollout.engine.programs import StepPrograms, replace_cache
+from rollout.engine.sampler import StepOutput, sample_tokens
+from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
+from rollout.pages import PagePool, PoolExhausted
+
+__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS"]
+
+
+class PagedStepPrograms(StepPrograms):
+    """:class:`StepPrograms` over a :class:`PagedKVCache` (``page_size`` positions a page,
+    ``num_pages`` pages; the table spans ``max_cache_len``)."""
+
+    def __init__(self, cfg, model, dequantized, *, page_size: int, num_pages: int) -> None:
+        super().__init__(cfg, model, dequantized)
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.max_pages = pages_for(cfg.max_cache_len, page_size)
+
+    def init_state(self, params: Any) -> dict:
+        c = self.cfg
+        cache = init_paged_cache(self._model(params), c.slots, self.num_pages, self.page_size, self.max_pages,
+                                 dtype=c.dtype, per_layer=c.per_layer_cache)
+        B = c.slots
+        return {"cache": cache, "tokens": jnp.zeros((B,), jnp.int32), "active": jnp.zeros((B,), bool),
+                "keys": jnp.zeros((B, 2), jnp.uint32), "temperature": jnp.ones((B,), jnp.float32),
+                "generated": jnp.zeros((B,), jnp.int32)}
+
+    @staticmethod
+    def set_table(state: dict, table: jax.Array) -> dict:
+        """The host's page table [B, M] int32 into the state."""
+        return {**state, "cache": state["cache"].replace(page_table=table)}
+
+    @staticmethod
+    def copy_pages(state: dict, src: jax.Array, dst: jax.Array) -> dict:
+        """Copy-on-write: pages src [n] -> dst [n] (-1: padding) in every layer."""
+        return {**state, "cache": copy_pages(state["cache"], src, dst)}
+
+    def copy_slot(self, state, src, dst, pending, seed, temperature) -> dict:
+        """Slot ``dst`` takes ``src``'s length (its pages are shared in the table by the host)."""
+        B = self.cfg.slots
+        cache = state["cache"]
+        cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[src]))
+        fill = lambda x: jnp.full((B,), x)  # noqa: E731
+        return self.arm(state, cache, jnp.arange(B) == dst, fill(pending), fill(seed), fill(temperature))
+
+    def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
+                 ) -> tuple[dict, StepOutput]:
+        """:meth:`StepPrograms.generate` over the pages (``num_pages``: the XLA path's static bucket)."""
+        c = self.cfg
+        S = c.max_cache_len
+        model = self._model(params)
+        cache = state["cache"]
+        active = state["active"] & (cache.lengths < S)
+        lengths_in = jnp.minimum(cache.lengths, S - 1)
+        dec = paged_decode_step(model, state["tokens"], cache.replace(lengths=lengths_in), num_pages=num_pages,
+                                write=active, return_expert_ids=c.record_routes,
+                                return_moe_drops=c.counts_moe_drops, valid=active if c.decode_valid else None)
+        pos = lengths_in + 1
+        keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
+        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p)
+        generated = state["generated"] + active.astype(jnp.int32)
+        new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
+        new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,
+                     "keys": state["keys"], "temperature": state["temperature"], "generated": generated}
+        out = StepOutput(
+            token=tok, valid=active, generated=generated, behav_logp=logp,
+            version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
+            route=_q.stack_routes(dec.expert_ids).astype(jnp.int32) if c.record_routes else None,
+            moe_dropped=jnp.where(active, dec.moe_drops.per_row, 0).astype(jnp.int32) if c.counts_moe_drops else None)
+        return new_state, out
+
+    def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0,
+                       num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
+        params = self._dequantized(params)
+        return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
+
+    def extend_slots(self, params, state, tokens, starts, lengths, slots, pending, seeds, temps,
+                     num_pages: Optional[int] = None) -> tuple[dict, Any]:
+        """Prefill (``starts`` 0 or a prefix hit) or append-prefill rows into their slots' pages:
+        tokens [n, T], starts/lengths/slots/pending/seeds/temps [n] (a slot of B: a padding row,
+        writing nowhere); the filled slots are armed."""
+        c = self.cfg
+        B = c.slots
+        cache = state["cache"]
+        real = slots < B
+        table = jnp.where(real[:, None], cache.page_table[jnp.minimum(slots, B - 1)], -1)
+        out = paged_extend(self._model(params), tokens, starts, lengths,
+                           cache.replace(page_table=table, lengths=starts), num_pages=num_pages,
+                           return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops)
+        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
+        new_cache = cache.replace(kv=out.cache.kv, lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
+        return (self.arm(state, new_cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
+                self._rows_extras(out))
+
+    def unsupported(self, *a, **k):
+        """JetStream's ``insert`` / ``generate`` and the copying prefix cache have no paged form."""
+        raise ValueError("JetStream's insert/generate (jax-rl serve) and rollout.prefix_cache's insert need "
+                         "rollout.kv_layout=contiguous")
+
+
+PAGED_PROGRAMS = {  # name -> (method, donate_argnums, static)
+    "init_state": ("init_state", (), {}),
+    "set_table": ("set_table", (0,), {}),
+    "copy_pages": ("copy_pages", (0,), {}),
+    "copy_slot": ("copy_slot", (0,), {}),
+    "free_slots": ("deactivate", (0,), {}),
+    "generate": ("generate", (1,), {"static_argnames": ("num_pages",)}),
+    "decode_steps": ("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
+    "append_prefill": ("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
+    "prefill": ("prefill", (), {}),
+    "insert": ("unsupported", (), {}),
+    "generate_result": ("unsupported", (), {}),
+    "prefill_slots": ("unsupported", (), {}),
+}
+"""The paged engine's programs (the contiguous ``prefill_slots`` / ``insert`` / ``generate_result``
+have no paged form; ``prefill`` is the batch-1 PrefixKV prefill, layout-free)."""
+
+
+class PagedSlots:
+    """Host side of the paged layout, mixed into :class:`Qwen3Engine` before :class:`SlotManager`
+    (module doc). Reads the engine's ``_jits``, ``_slots``, ``max_cache_len``, ``temperature``,
+    ``record_routes``, ``counts_moe_drops``, ``_in_mesh``."""
+
+    def _init_pages(self, page_size: int, num_pages: int) -> None:
+        self.kv_pool = PagePool(num_pages, page_size)
+        self._max_pages = pages_for(self.max_cache_len, page_size)
+        self._table = np.full((self._slots, self._max_pages), -1, np.int32)
+        self._plen = np.zeros(self._slots, np.int64)  # positions each slot holds (host mirror)
+        self._pactive = np.zeros(self._slots, bool)
+        self._held: collections.OrderedDict[int, None] = collections.OrderedDict()  # released slots, LRU
+        self._preempted: set[int] = set()
+        self._kv_epoch = 0
+        self._epoch_leaf: Optional[weakref.ref] = None
+        self._xla_pages = jax.default_backend() != "tpu"  # the XLA path gathers a static bucket
+
+    def kv_stats(self) -> dict[str, int]:
+        """The pool's counters (``kv_pages_in_use``, ``kv_prefix_page_hits``, ``kv_preemptions``, ...)."""
+        return self.kv_pool.stats()
+
+    def _check_epoch(self, params: Any) -> None:
+        """New weights in a prefill (another params tree than the last one): a new page epoch, so pages
+        computed before are never matched by a new request again. Keyed by the params the prefill
+        runs (a weak reference to their first leaf), not by ``load_params``, which runs in the
+        publisher's thread before the generator swaps."""
+        leaf = jax.tree.leaves(params)[0]
+        if self._epoch_leaf is None or self._epoch_leaf() is not leaf:
+            if self._epoch_leaf is not None:
+                self._kv_epoch += 1
+                self.kv_pool.drop_versions_below(self._kv_epoch)
+            self._epoch_leaf = weakref.ref(leaf)
+
+    # ---- pages -------------------------------------------------------------------------------
+    def _retry(self, fn):
+        while True:
+            try:
+                return fn()
+            except PoolExhausted:
+                if not self._held:
+                    raise
+                victim, _ = self._held.popitem(last=False)
+                self.kv_pool.preempt(victim)
+                self._preempted.add(victim)
+                self._plen[victim] = 0
+                self._table[victim] = -1
+
+    def _release(self, slot: int) -> None:
+        if slot in self.kv_pool.seqs:
+            self.kv_pool.free(slot)
+        self._held.pop(slot, None)
+        self._preempted.discard(slot)
+
+    def _row(self, slot: int) -> None:
+        self._table[slot] = self.kv_pool.table(slot, self._max_pages)
+
+    def _push(self, state: dict, copies: Sequence[tuple[int, int]]) -> dict:
+        with self._in_mesh():
+            if copies:
+                n = 1
+                while n < len(copies):
+                    n *= 2
+                src = np.full(n, -1, np.int32)
+                dst = np.full(n, -1, np.int32)
+                src[:len(copies)], dst[:len(copies)] = zip(*copies)
+                state = self._jits["copy_pages"](state, jnp.asarray(src), jnp.asarray(dst))
+            return self._jits["set_table"](state, jnp.asarray(self._table))
+
+    def _bucket(self, positions: int) -> Optional[int]:
+        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages) if self._xla_pages else None
+
+    # ---- the SlotManager / engine API --------------------------------------------------------
+    def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[SlotPrefill]
+                      ) -> tuple[dict, list[PrefillResult]]:
+        """:meth:`SlotManager.prefill_slots` on pages (module doc): fresh rows reference any prefix
+        pages of the current weights and prefill the rest; a group's identical rows share one
+        prefill and its pages; append rows extend their slot's pages (a preempted slot re-prefills)."""
+        if self.kv_layout != "paged":
+            return super().prefill_slots(params, decode_state, rows)
+        rows = list(rows)
+        self._check_rows(rows)
+        self._check_epoch(params)
+        res = [dict(prefill_tokens=0, shared=False) for _ in rows]
+        owners: dict[tuple, int] = {}
+        members: list[tuple[int, int]] = []  # (row index, owner row index)
+        run: list[tuple[int, int]] = []  # (row index, start of the computed positions)
+        copies: list[tuple[int, int]] = []
+        for i, r in enumerate(rows):
+            slot, ctx = int(r.slot), [int(t) for t in r.tokens[:-1]]
+            start = int(r.start)
+            if start and slot not in self._preempted and slot in self.kv_pool.seqs:
+                self._held.pop(slot, None)  # never the victim of its own allocation
+                copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
+                run.append((i, start))
+                continue
+            key = tuple(ctx)
+            self._release(slot)
+            if not start and key in owners:
+                members.append((i, owners[key]))
+                continue
+            owners.setdefault(key, i)
+            # an engine recording MoE routes reports the routes of every prompt position: no prefix hits
+            hit = self._retry(lambda: self.kv_pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes))
+            copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
+            run.append((i, hit))
+        for i, o in members:
+            self.kv_pool.fork(int(rows[o].slot), int(rows[i].slot))
+            res[i]["shared"] = True
+        for i, r in enumerate(rows):
+            self._row(int(r.slot))
+        state = self._push(decode_state, copies)
+        state = self._run_rows(params, state, rows, run, res)
+        for i, o in members:
+            r = rows[i]
+            t = self.temperature if r.temperature is None else float(r.temperature)
+            with self._in_mesh():
+                state = self._jits["copy_slot"](state, jnp.int32(rows[o].slot), jnp.int32(r.slot),
+                                                jnp.int32(r.tokens[-1]), jnp.uint32(int(r.seed) & 0xFFFFFFFF),
+                                                jnp.float32(t))
+            for k in ("routes", "moe_dropped"):
+                if k in res[o]:
+                    res[i][k] = res[o][k] if k == "routes" else 0
+        for i, r in enumerate(rows):
+            slot = int(r.slot)
+            self._plen[slot], self._pactive[slot] = len(r.tokens) - 1, True
+            if int(r.start) == 0 and i in owners.values():
+                self.kv_pool.publish(slot, [int(t) for t in r.tokens[:-1]])
+        return state, [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"), x.get("moe_dropped"))
+                       for x in res]
+
+    def _run_rows(self, params, state, rows, run, res) -> dict:
+        """The computed rows, grouped by (new-token bucket, own page bucket): one program each."""
+        groups: dict[tuple[int, Optional[int]], list[tuple[int, int]]] = {}
+        for i, st in run:
+            n_new = len(rows[i].tokens) - 1 - st
+            groups.setdefault((prefill_bucket(max(n_new, 1), self.max_cache_len),
+                               self._bucket(len(rows[i].tokens) - 1)), []).append((i, st))
+        B = self._slots
+        for (T, npages), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            nb = B
+            buf = np.zeros((nb, T), np.int32)
+            starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))
+            slots = np.full(nb, B, np.int32)
+            seeds, temps = np.zeros(nb, np.uint32), np.ones(nb, np.float32)
+            for j, (i, st) in enumerate(members):
+                r = rows[i]
+                new = np.asarray(r.tokens[st:-1], np.int32)
+                buf[j, :len(new)] = new
+                starts[j], lens[j], slots[j], pending[j] = st, len(new), int(r.slot), int(r.tokens[-1])
+                seeds[j] = int(r.seed) & 0xFFFFFFFF
+                temps[j] = self.temperature if r.temperature is None else float(r.temperature)
+                res[i]["prefill_tokens"] = len(new)
+            with self._in_mesh():
+                state, (routes, drops) = self._jits["append_prefill"](
+                    params, state, jnp.asarray(buf), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(slots),
+                    jnp.asarray(pending), jnp.asarray(seeds), jnp.asarray(temps), num_pages=npages)
+            for j, (i, st) in enumerate(members):
+                asked = int(rows[i].start)  # a re-prefilled (preempted) row reports the positions asked for
+                if self.counts_moe_drops:
+                    res[i]["moe_dropped"] = int(np.asarray(drops)[j])
+                if self.record_routes:
+                    res[i]["routes"] = np.asarray(routes)[j, max(0, asked - st): int(lens[j])]
+        return state
+
+    def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
+                  temperature: Optional[float] = None) -> dict:
+        """:meth:`SlotManager.copy_slot` by reference: ``dst`` shares ``src``'s pages."""
+        if self.kv_layout != "paged":
+            return super().copy_slot(decode_state, src, dst, token=token, seed=seed, temperature=temperature)
+        src, dst = int(src), int(dst)
+        if not (0 <= src < self._slots and 0 <= dst < self._slots) or src == dst:
+            raise ValueError(f"copy_slot: slots {src} -> {dst} (range [0, {self._slots}), distinct)")
+        self._release(dst)
+        self.kv_pool.fork(src, dst)
+        self._row(dst)
+        self._plen[dst], self._pactive[dst] = self._plen[src], True
+        state = self._push(decode_state, [])
+        t = self.temperature if temperature is None else float(temperature)
+        with self._in_mesh():
+            return self._jits["copy_slot"](state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
+                                           jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
+
+    def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
+        """:meth:`SlotManager.free_slots`; the slots keep their pages (held) until reused or preempted."""
+        if self.kv_layout != "paged":
+            return super().free_slots(decode_state, slots)
+        for s_ in slots:
+            if not 0 <= int(s_) < self._slots:
+                raise ValueError(f"slot {s_} out of range [0, {self._slots})")
+            self._pactive[int(s_)] = False
+            if int(s_) in self.kv_pool.seqs:
+                self._held[int(s_)] = None
+                self._held.move_to_end(int(s_))
+        mask = np.zeros((self._slots,), bool)
+        mask[[int(s_) for s_ in slots]] = True
+        with self._in_mesh():
+            return self._jits["free_slots"](decode_state, jnp.asarray(mask))
+
+    def _before_decode(self, state: dict, n: int) -> tuple[dict, Optional[int]]:
+        """Pages for ``n`` more positions of every active slot (copy on write of a shared page), the
+        table pushed; the XLA path's page bucket."""
+        S = self.max_cache_len
+        copies: list[tuple[int, int]] = []
+        top = 1
+        for slot in np.flatnonzero(self._pactive):
+            need = int(min(self._plen[slot] + n, S))
+            copies += self._retry(lambda: self.kv_pool.ensure(int(slot), need))
+            self._row(int(slot))
+            top = max(top, need)
+            self._plen[slot] = need
+            if need >= S:
+                self._pactive[slot] = False
+        return self._push(state, copies), self._bucket(top)
+
+    def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
+        state, npages = self._before_decode(decode_state, 1)
+        with self._in_mesh():
+            return self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
+
+    def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"generate_steps needs n >= 1, got {n}")
+        state, npages = self._before_decode(decode_state, n)
+        with self._in_mesh():
+            return self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)

@@ -1,0 +1,149 @@
+"""Deterministic admission (issue 48 item 5, ``rollout.admission``): a GRPO group's first requests are
+admitted together (one prefill, copied into each sample's slot) however their threads are timed, and a
+step admits by (group, sample, turn), so prefill counters are reproducible."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollout.admission import GangRoom, admission_sorted, gang_fits
+from rollout.engine import Qwen3Engine
+from rollout.generator import Generator
+from rollout.types import Completion
+
+S = 64
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32")
+
+
+class _R:
+    def __init__(self, order=(), gang=None):
+        self.order, self.gang, self.future = order, gang, Future()
+
+
+def test_gang_room_releases_a_gang_whole_in_order_and_on_withdraw():
+    room = GangRoom()
+    a, b, c = _R((4, 1, 0), "g"), _R((4, 0, 0), "g"), _R((4, 2, 0), "g")
+    assert room.add("g", 3, a) == [] and room.add("g", 3, b) == [] and len(room) == 2
+    assert room.add("g", 3, c) == [b, a, c] and len(room) == 0  # released at once, by sample index
+    assert room.withdraw("h", 2) == []  # a withdrawal before any member came
+    d = _R((5, 1, 0), "h")
+    assert room.add("h", 2, d) == [d]
+    e = _R((6, 0, 0), "k")
+    room.add("k", 2, e)
+    assert room.drain() == [e] and len(room) == 0
+
+
+def test_admission_order_is_by_key_then_arrival():
+    x, y, z, u, v = _R((9, 0, 1)), _R((2, 1, 0)), _R(), _R((2, 0, 3)), _R()
+    assert list(admission_sorted([x, y, z, u, v])) == [u, y, x, z, v]
+    q = [_R((1, 0, 0), "g"), _R((1, 1, 0), "g"), _R((3, 0, 0))]
+    assert gang_fits(q, q[0], 2, 4) and not gang_fits(q, q[0], 1, 4)
+    assert gang_fits(q, q[2], 0, 4)  # no gang: always
+    assert gang_fits(q, q[0], 1, 1)  # a gang larger than the engine goes piecewise
+
+
+def _prompt(n=20, seed=0):
+    return list(map(int, np.random.default_rng(seed).integers(1, 100, size=n)))
+
+
+def test_a_group_split_over_two_steps_is_prefilled_once(engine):
+    """The second sample of a group arrives a step late (thread timing). Without a gang its prompt is
+    prefilled twice; as a gang it waits for its sibling and the pair is prefilled once."""
+    p = _prompt()
+    g = Generator(engine)
+    g.submit(p, max_new_tokens=3, seed=1)
+    g.step()
+    g.submit(p, max_new_tokens=3, seed=2)
+    g.run_until_idle()
+    assert g.stats["prefill_tokens"] == 2 * (len(p) - 1) and g.stats["shared_prefills"] == 0  # the bug class
+
+    g = Generator(engine)
+    f0 = g.submit(p, max_new_tokens=3, seed=1, order=(7, 0, 0), gang=("grp7", 2))
+    g.step()
+    assert g.num_active == 0 and g.num_queued == 0 and not f0.done()  # waits for its sibling
+    f1 = g.submit(p, max_new_tokens=3, seed=2, order=(7, 1, 0), gang=("grp7", 2))
+    g.run_until_idle()
+    assert g.stats["prefill_tokens"] == len(p) - 1 and g.stats["shared_prefills"] == 1
+    a, b = f0.result(timeout=5), f1.result(timeout=5)
+    assert b.info["shared_prefill"] and not a.info["shared_prefill"]  # sample 0 prefills, sample 1 copies
+
+
+def test_withdrawn_member_and_order_and_stop(engine):
+    p, q = _prompt(seed=1), _prompt(seed=2)
+    g = Generator(engine)
+    f = [g.submit(p, max_new_tokens=8, seed=s, order=(3, s, 0), gang=("g3", 3)) for s in (1, 0)]
+    g.step()
+    assert g.num_active == 0
+    g.withdraw(("g3", 3))  # sample 2's episode ended before its first request
+    late = g.submit(q, max_new_tokens=8, seed=9, order=(1, 0, 1))  # an older group's later turn, queued last
+    g.step()
+    assert [r.order for r in g._slots if r is not None] == [(1, 0, 1), (3, 0, 0), (3, 1, 0)]  # slots in key order
+    g.run_until_idle()
+    assert all(x.result(timeout=5).finish_reason in ("length", "stop") for x in f + [late])
+    # a generator stopped with a gang still waiting fails its requests (no caller left waiting)
+    g = Generator(engine).start()
+    w = g.submit(p, max_new_tokens=2, seed=0, order=(5, 0, 0), gang=("g5", 2))
+    g.stop()
+    with pytest.raises(RuntimeError, match="generator stopped"):
+        w.result(timeout=5)
+
+
+class _Recording:
+    """A generator with the deterministic-admission interface; records each request's keys."""
+
+    def __init__(self):
+        self.calls, self.withdrawn, self.lock = [], [], threading.Lock()
+
+    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids, session=None, prefix_len=0, order=(), gang=None):
+        from tests.rollout.test_agent import TOK
+
+        with self.lock:
+            self.calls.append((order, gang))
+        f = Future()
+        ids = TOK.encode("<answer>1</answer>") + [TOK.im_end_id]
+        f.set_result(Completion(request_id=len(self.calls), tokens=ids, behav_logp=[0.0] * len(ids),
+                                versions=[0] * len(ids), finish_reason="stop"))
+        return f
+
+    def withdraw(self, gang):
+        with self.lock:
+            self.withdrawn.append(gang)
+
+    def release_session(self, session):
+        pass
+
+
+def test_agent_sends_order_and_gang_and_withdraws_an_episode_that_never_asked():
+    from rollout.agent import AgentLoop
+    from rollout.envs import CalculatorEnv
+    from tests.rollout.test_agent import CFG, TOK
+
+    made = []
+
+    def factory():  # the group's second env fails at reset: that sample never submits
+        made.append(1)
+        env = CalculatorEnv()
+        if len(made) == 2:
+            env.reset = lambda seed: (_ for _ in ()).throw(KeyError("no such task"))
+        return env
+
+    gen = _Recording()
+    loop = AgentLoop(gen, TOK, factory, CFG, max_workers=1)  # one worker: the samples run one after the other
+    try:
+        trajs = loop.submit_group(11, group_id=42, group_size=2).result(timeout=60)
+    finally:
+        loop.close()
+    assert trajs[1].info["failed"] and not trajs[0].info["failed"]
+    key = ((id(loop), 42), 2)
+    assert gen.calls[0] == ((42, 0, 0), key)  # the first request: order key and its gang
+    assert all(g is None and o[:2] == (42, 0) for o, g in gen.calls[1:])  # later turns: order only
+    assert gen.withdrawn == [key]  # the failed sample let its sibling go

@@ -1,0 +1,104 @@
+"""Qwen3Engine(kv_layout="paged") against the contiguous engine (issue 46): a GRPO group prefilled
+once and shared by page reference, decode and append-prefill on the pages, prefix pages shared by
+reference only at the weights that computed them, pool exhaustion preempting a held slot (its next
+turn re-prefilled), all with the contiguous engine's tokens and behav_logp (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollout.engine import Qwen3Engine, SlotPrefill
+from rollout.pages import PoolExhausted
+
+S, PS = 64, 8
+
+
+def _engines(model, **paged):
+    p = nnx.state(model, nnx.Param)
+    kw = dict(slots=4, max_cache_len=S, dtype="float32")
+    return Qwen3Engine(model.config, p, **kw), Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, **paged, **kw)
+
+
+def _run(eng, rows, steps=5, later=None, swap=None):
+    """prefill rows, ``steps`` decode steps (two calls), then optional append rows; (tokens, logp, prefill)."""
+    st = eng.init_decode_state()
+    st, res = eng.prefill_slots(eng.params, st, rows)
+    outs = []
+    st, o = eng.decode(eng.params, st)
+    outs.append((np.asarray(o.token)[None], np.asarray(o.behav_logp)[None], np.asarray(o.valid)[None]))
+    st, o = eng.generate_steps(eng.params, st, steps - 1)
+    outs.append((np.asarray(o.token), np.asarray(o.behav_logp), np.asarray(o.valid)))
+    res2 = []
+    if later is not None:
+        rows2 = later(outs)
+        st = eng.free_slots(st, [r.slot for r in rows2])
+        if swap is not None:
+            eng.params = eng.load_params(swap)
+        st, res2 = eng.prefill_slots(eng.params, st, rows2)
+        st, o = eng.generate_steps(eng.params, st, 3)
+        outs.append((np.asarray(o.token), np.asarray(o.behav_logp), np.asarray(o.valid)))
+    tok = np.concatenate([a for a, _, _ in outs])
+    lp = np.concatenate([b for _, b, _ in outs])
+    valid = np.concatenate([c for _, _, c in outs])
+    return tok, np.where(valid, lp, 0.0), [r.prefill_tokens for r in res] + [r.prefill_tokens for r in res2]
+
+
+def _rows(prompt_a, prompt_b):
+    return [SlotPrefill(prompt_a, slot=0, seed=1), SlotPrefill(prompt_a, slot=1, seed=2),
+            SlotPrefill(prompt_a, slot=2, seed=3), SlotPrefill(prompt_b, slot=3, seed=4, temperature=0.0)]
+
+
+def test_paged_engine_equals_contiguous_with_a_shared_group_and_decode(model):
+    ref, pag = _engines(model)
+    rows = _rows(list(range(3, 23)), list(range(40, 51)))  # 20 tokens: 2 full pages + a partial one
+    t0, l0, p0 = _run(ref, rows)
+    t1, l1, p1 = _run(pag, rows)
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)
+    assert p1 == [19, 0, 0, 10]  # the group's prompt prefilled once
+    s = pag.kv_stats()
+    # slots 0-2 share the prompt's pages; the first two to write copy the partial last page, the third owns it
+    assert s["kv_pages_copied"] == 2
+    assert s["kv_pages_in_use"] < 4 * (S // PS)  # no reservation per slot
+
+
+def test_paged_append_prefill_and_prefix_pages_by_reference_per_weight_version(model, params2):
+    ref, pag = _engines(model)
+    a = list(range(3, 23))
+    rows = _rows(a, list(range(40, 51)))
+    # turn 2 of slot 3 (append-prefill on its kept pages), and a fresh request into slot 0 with the
+    # group's prompt: its 2 full pages are referenced, not recomputed (same weights)
+    def later(outs):
+        gen3 = [int(t) for t in np.concatenate([o[0] for o in outs])[:, 3]]
+        return [SlotPrefill(list(range(40, 51)) + gen3 + [7, 8, 9], slot=3, seed=4, start=10 + len(gen3)),
+                SlotPrefill(a, slot=0, seed=9)]
+    t0, l0, p0 = _run(ref, rows, later=later)
+    t1, l1, p1 = _run(pag, rows, later=later)
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)
+    assert p1[4:] == [3, 19 - 16] and pag.kv_stats()["kv_prefix_page_hits"] == 2
+    # the same with a weight swap before turn 2: no page of the old weights is read by the new request
+    ref, pag = _engines(model)
+    t0, l0, p0 = _run(ref, rows, later=later, swap=params2)
+    t1, l1, p1 = _run(pag, rows, later=later, swap=params2)
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)
+    assert p1[5] == 19 and pag.kv_stats()["kv_prefix_page_hits"] == 0
+
+
+def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
+    _, pag = _engines(model, kv_pages=6)  # 48 positions for 4 slots
+    rows = [SlotPrefill(list(range(3, 20)), slot=0, seed=1), SlotPrefill(list(range(30, 40)), slot=1, seed=2)]
+    st = pag.init_decode_state()
+    st, _ = pag.prefill_slots(pag.params, st, rows)
+    st = pag.free_slots(st, [0])  # slot 0 held between turns (3 pages)
+    big = [SlotPrefill(list(range(50, 80)), slot=2, seed=3)]  # 4 pages: only by preempting slot 0
+    st, res = pag.prefill_slots(pag.params, st, big)
+    assert pag.kv_stats()["kv_preemptions"] == 1 and 0 not in pag.kv_pool.seqs
+    st = pag.free_slots(st, [2])
+    st, res = pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(3, 20)) + [5, 6], slot=0, seed=1, start=17)])
+    assert res[0].prefill_tokens == 18  # the preempted slot's whole context, re-prefilled
+    with pytest.raises(PoolExhausted):  # nothing held left to preempt
+        pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(50, 90)), slot=3, seed=3)])
