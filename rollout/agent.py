@@ -231,218 +231,275 @@ class AgentLoop:
         of a group started together, :meth:`submit_group`) its first request is one of the group's gang,
         admitted with the others in one step (``rollout.admission``); an episode that ends before its first
         request withdraws from the gang."""
-        cfg, tok = self.cfg, self.tok
-        t0 = time.monotonic()
-        # episode_timeout_s=None: no wall-clock limit (result(timeout=None) waits for good)
-        deadline = None if cfg.episode_timeout_s is None else t0 + float(cfg.episode_timeout_s)
-        tokens: list[int] = []  # the context the generator is given (a list: it is submitted as one)
-        # the per-token fields as one array per appended piece (prompt, generated turn, tool / user turn),
-        # concatenated once into the Trajectory: the Completion's behav_logp / versions are never unpacked
-        mask: list[np.ndarray] = []
-        behav_logp: list[np.ndarray] = []
-        vers: list[np.ndarray] = []
-        turns: list[np.ndarray] = []
-        routes: Optional[np.ndarray] = None  # [<= len(tokens), n_moe_layers, k] (moe.routing_replay)
-        info: dict[str, Any] = {"sample_idx": int(sample_idx), "turns": 0, "tool_calls": 0, "tool_errors": [],
-                                "truncated": None, "answered": False, "failed": False, "gen_s": 0.0, "tool_s": 0.0,
-                                "turn_starts": [], "finish_reasons": []}
-        reward = 0.0
-        env = None
-        env_name = self.env_name or ""
-        # a generator with sessions (rollout.Generator) holds the episode's slot between turns
-        session = (id(self), next(self._sessions)) if getattr(self.generator, "release_session", None) else None
-        session_kw: dict = {}
-        ordered = getattr(self.generator, "withdraw", None) is not None  # admits by order key (rollout.admission)
-        gang = None  # (key, n) until the first request is submitted
-        if ordered and group_size and int(group_size) > 1:
-            gang = ((id(self), int(group_id)), int(group_size))
-        info["prefill_tokens"] = 0
-        info["prefix_hits"] = 0
-        live = {"tokens": tokens, "mask": mask, "vers": vers, "fut": None, "final": None, "routes": None}
-        lock = self._live_lock if self.track else contextlib.nullcontext()
-        if self.track:
-            with self._live_lock:
-                self._live[(int(group_id), int(sample_idx))] = live
-
-        def append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1,
-                   gen_routes: Optional[np.ndarray] = None) -> None:
-            with lock:  # tracked: the lists, the routes and the pending request change together
-                _append(ids, gen, turn)
-                live["fut"] = None
-                if gen_routes is not None:
-                    live["routes"] = gen_routes
-
-        def _append(ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1) -> None:
-            n = len(ids)
-            tokens.extend(int(i) for i in ids)
-            if gen is None:
-                mask.append(np.zeros(n, bool))
-                behav_logp.append(np.zeros(n, np.float32))
-                vers.append(np.full(n, -1, np.int32))
-                turns.append(np.full(n, -1, np.int32))
-            else:
-                mask.append(np.ones(n, bool))
-                behav_logp.append(gen.behav_logp)
-                vers.append(gen.versions)
-                turns.append(np.full(n, turn, np.int32))
-
+        ep = _Episode(self, task_seed, group_id, sample_idx, group_size)
         try:
-            env = self.env_factory()
-            env_name = self.env_name or getattr(env, "name", "") or type(env).__name__
-            ts = time.monotonic()
-            messages, tools = env.reset(int(task_seed))
-            info["reset_s"] = time.monotonic() - ts
-            tool_names = {(t.get("function") or t).get("name") for t in (tools or [])}
-            shown_tools = tools if getattr(self.cfg, "render_tools", True) else None
-            prompt, _ = tok.render_chat(messages, shown_tools, add_generation_prompt=True)
-            append(prompt)
-            info["prompt_len"] = len(prompt)
-            if len(prompt) >= int(cfg.max_cache_len):  # no room for one generated token: never trainable
-                info["overlong"] = "prompt"
-                info["truncated"] = "context"
-                raise _Overlong(f"prompt of {len(prompt)} tokens leaves no room in rollout.max_cache_len="
-                                f"{int(cfg.max_cache_len)}")
-            budget = int(cfg.max_tokens_per_episode)
-            stop_ids = tuple(tok.stop_ids)
-            if session is not None:  # the generator keeps this episode's K/V between its turns
-                session_kw = {"session": session, "prefix_len": shared_prefix_len(tok, messages, shown_tools, prompt)}
-            for turn in range(int(cfg.max_turns)):
-                room = int(cfg.max_cache_len) - len(tokens)
-                max_new = min(int(cfg.max_new_tokens_per_turn), budget, room)
-                if max_new <= 0:
-                    info["truncated"] = "token_budget" if budget <= 0 else "context"
-                    break
-                remaining_s = None if deadline is None else deadline - time.monotonic()
-                if remaining_s is not None and remaining_s <= 0:
-                    info["truncated"] = "time"
-                    break
-                ts = time.monotonic()
-                order_kw = {"order": (int(group_id), int(sample_idx), turn)} if ordered else {}
-                if gang is not None:
-                    order_kw["gang"] = gang
-                fut = self.generator.submit(list(tokens), max_new_tokens=max_new,
-                                            seed=episode_seed(task_seed, sample_idx, turn), stop_ids=stop_ids,
-                                            **session_kw, **order_kw)
-                gang = None  # queued (a submit that raised queued nothing: withdrawn below)
-                with lock:
-                    live["fut"] = fut
-                try:
-                    comp: Completion = fut.result(timeout=remaining_s)
-                except FutureTimeout:
-                    fut.cancel()
-                    with lock:
-                        live["fut"] = None
-                    info["truncated"] = "time"
-                    break
-                info["gen_s"] += time.monotonic() - ts
-                if len(comp.tokens) > max_new:
-                    raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
-                info["finish_reasons"].append(comp.finish_reason)
-                info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
-                info["prefix_hits"] += int((comp.info or {}).get("prefix_hits", 0))
-                for key in ("moe_dropped_copies", "moe_copies"):  # engine-side MoE capacity drops
-                    if key in (comp.info or {}):
-                        info[key] = info.get(key, 0) + int(comp.info[key])
-                if comp.finish_reason == "aborted":
-                    raise RuntimeError("generation aborted")
-                info["turn_starts"].append(len(tokens))
-                if getattr(comp, "routes", None) is not None:
-                    routes = _merge_routes(routes, comp.routes)
-                append(comp.tokens, comp, turn, routes)
-                info["turns"] = turn + 1
-                budget -= len(comp.tokens)
-                ended = bool(comp.tokens) and comp.tokens[-1] in stop_ids
-                body_ids = comp.tokens[:-1] if ended else comp.tokens
-                text = tok.decode(body_ids)
-                if not ended:  # cut off mid-turn: no parseable action
-                    info["truncated"] = "turn_length"
-                    break
-                if "<tool_call>" not in text:  # a final answer, or a message to the env's user
-                    user_reply = getattr(env, "user_reply", None)  # envs with a user side (tau2)
-                    if user_reply is not None:
-                        ts = time.monotonic()
-                        reply = user_reply(text)
-                        info["user_s"] = info.get("user_s", 0.0) + time.monotonic() - ts
-                        if reply is not None:  # the user answered: its turn is context, never trained
-                            info["user_turns"] = info.get("user_turns", 0) + 1
-                            if turn == int(cfg.max_turns) - 1:
-                                info["truncated"] = "max_turns"
-                                break
-                            nxt = tok.user_turn_ids(str(reply), add_generation_prompt=True)
-                            if len(tokens) + len(nxt) >= int(cfg.max_cache_len):
-                                info["truncated"] = "context"
-                                break
-                            append(nxt)
-                            continue
-                    ts = time.monotonic()
-                    r, sinfo = env.score(text)
-                    info["tool_s"] += time.monotonic() - ts
-                    reward = float(min(1.0, max(0.0, r)))
-                    info["score"] = sinfo
-                    info["answered"] = True
-                    break
-                calls, errors = parse_tool_calls(text)
-                observations = [f"Error: {e}" for e in errors]
-                ts = time.monotonic()
-                for call in calls:
-                    info["tool_calls"] += 1
-                    if call["name"] not in tool_names:
-                        observations.append(f"Error: unknown tool {call['name']!r}; available: {', '.join(sorted(tool_names))}")
-                        errors.append(f"unknown tool {call['name']!r}")
-                        continue
-                    try:
-                        observations.append(str(env.step(call)))
-                    except ToolError as e:
-                        observations.append(f"Error: {e}")
-                        errors.append(str(e))
-                info["tool_s"] += time.monotonic() - ts
-                info["tool_errors"].extend(errors)
-                if turn == int(cfg.max_turns) - 1:
-                    info["truncated"] = "max_turns"
-                    break
-                nxt = tok.tool_turn_ids(observations, add_generation_prompt=True)
-                if len(tokens) + len(nxt) >= int(cfg.max_cache_len):
-                    info["truncated"] = "context"
-                    break
-                append(nxt)
+            ep.play()
         except _Overlong as e:  # dropped by the buffer (counted as dropped_overlong), not an env failure
-            info["drop_reason"] = str(e)
-            reward = 0.0
+            ep.info["drop_reason"] = str(e)
+            ep.reward = 0.0
         except Exception as e:  # env failure (or a broken generator): fail this episode only
-            info["failed"] = True
-            info["fail_reason"] = f"{type(e).__name__}: {e}"
-            info["traceback"] = traceback.format_exc(limit=4)
-            reward = 0.0
-        if gang is not None:  # ended before its first request: the rest of its group does not wait for it
-            self.generator.withdraw(gang)
-        if session is not None:
-            self.generator.release_session(session)
-        episode_info = getattr(env, "episode_info", None) if env is not None else None
+            ep.info["failed"] = True
+            ep.info["fail_reason"] = f"{type(e).__name__}: {e}"
+            ep.info["traceback"] = traceback.format_exc(limit=4)
+            ep.reward = 0.0
+        return ep.finish()
+
+
+class _Episode:
+    """One episode while :meth:`AgentLoop.run_episode` runs it, in named steps: :meth:`start` (env reset,
+    prompt), per turn :meth:`generate` (submit, wait, budget and deadline) and :meth:`respond` (the answer,
+    the env's user or the tool calls), then :meth:`finish` (counts, the Trajectory). It holds the context
+    given to the generator and the per-token fields as one array per appended piece (prompt, generated
+    turn, tool / user turn), concatenated once into the Trajectory (the Completion's ``behav_logp`` /
+    ``versions`` are never unpacked)."""
+
+    def __init__(self, loop: AgentLoop, task_seed: int, group_id: int, sample_idx: int,
+                 group_size: Optional[int] = None) -> None:
+        self.loop, self.cfg, self.tok = loop, loop.cfg, loop.tok
+        self.task_seed, self.group_id, self.sample_idx = task_seed, group_id, sample_idx
+        self.t0 = time.monotonic()
+        # episode_timeout_s=None: no wall-clock limit (result(timeout=None) waits for good)
+        self.deadline = None if self.cfg.episode_timeout_s is None else self.t0 + float(self.cfg.episode_timeout_s)
+        self.tokens: list[int] = []  # the context the generator is given (a list: it is submitted as one)
+        self.mask: list[np.ndarray] = []
+        self.behav_logp: list[np.ndarray] = []
+        self.vers: list[np.ndarray] = []
+        self.turns: list[np.ndarray] = []
+        self.routes: Optional[np.ndarray] = None  # [<= len(tokens), n_moe_layers, k] (moe.routing_replay)
+        self.info: dict[str, Any] = {"sample_idx": int(sample_idx), "turns": 0, "tool_calls": 0, "tool_errors": [],
+                                     "truncated": None, "answered": False, "failed": False, "gen_s": 0.0,
+                                     "tool_s": 0.0, "turn_starts": [], "finish_reasons": []}
+        self.reward = 0.0
+        self.env: Optional[Env] = None
+        self.env_name = loop.env_name or ""
+        # a generator with sessions (rollout.Generator) holds the episode's slot between turns
+        self.session = (id(loop), next(loop._sessions)) if getattr(loop.generator, "release_session", None) else None
+        self.session_kw: dict = {}
+        self.ordered = getattr(loop.generator, "withdraw", None) is not None  # admits by order key
+        self.gang = None  # (key, n) until the first request is submitted
+        if self.ordered and group_size and int(group_size) > 1:
+            self.gang = ((id(loop), int(group_id)), int(group_size))
+        self.info["prefill_tokens"] = 0
+        self.info["prefix_hits"] = 0
+        self.live = {"tokens": self.tokens, "mask": self.mask, "vers": self.vers, "fut": None, "final": None,
+                     "routes": None}
+        self.lock = loop._live_lock if loop.track else contextlib.nullcontext()
+        if loop.track:
+            with loop._live_lock:
+                loop._live[(int(group_id), int(sample_idx))] = self.live
+
+    def append(self, ids: Sequence[int], gen: Optional[Completion] = None, turn: int = -1,
+               gen_routes: Optional[np.ndarray] = None) -> None:
+        """Append a piece: generated (``gen``, mask True, its behav_logp / versions) or context."""
+        with self.lock:  # tracked: the lists, the routes and the pending request change together
+            n = len(ids)
+            self.tokens.extend(int(i) for i in ids)
+            if gen is None:
+                self.mask.append(np.zeros(n, bool))
+                self.behav_logp.append(np.zeros(n, np.float32))
+                self.vers.append(np.full(n, -1, np.int32))
+                self.turns.append(np.full(n, -1, np.int32))
+            else:
+                self.mask.append(np.ones(n, bool))
+                self.behav_logp.append(gen.behav_logp)
+                self.vers.append(gen.versions)
+                self.turns.append(np.full(n, turn, np.int32))
+            self.live["fut"] = None
+            if gen_routes is not None:
+                self.live["routes"] = gen_routes
+
+    def play(self) -> None:
+        """Reset the env and run turns until the episode ends (``info["truncated"]`` / ``"answered"``)."""
+        self.start()
+        budget = int(self.cfg.max_tokens_per_episode)
+        for turn in range(int(self.cfg.max_turns)):
+            comp = self.generate(turn, budget)
+            if comp is None:
+                break
+            budget -= len(comp.tokens)
+            if not self.respond(comp, turn):
+                break
+
+    def start(self) -> None:
+        """Build the env, reset it, render and append the prompt. Raises _Overlong when the prompt
+        leaves no room for one generated token."""
+        cfg, tok = self.cfg, self.tok
+        env = self.env = self.loop.env_factory()
+        self.env_name = self.loop.env_name or getattr(env, "name", "") or type(env).__name__
+        ts = time.monotonic()
+        messages, tools = env.reset(int(self.task_seed))
+        self.info["reset_s"] = time.monotonic() - ts
+        self.tool_names = {(t.get("function") or t).get("name") for t in (tools or [])}
+        shown_tools = tools if getattr(cfg, "render_tools", True) else None
+        prompt, _ = tok.render_chat(messages, shown_tools, add_generation_prompt=True)
+        self.append(prompt)
+        self.info["prompt_len"] = len(prompt)
+        if len(prompt) >= int(cfg.max_cache_len):  # no room for one generated token: never trainable
+            self.info["overlong"] = "prompt"
+            self.info["truncated"] = "context"
+            raise _Overlong(f"prompt of {len(prompt)} tokens leaves no room in rollout.max_cache_len="
+                            f"{int(cfg.max_cache_len)}")
+        self.stop_ids = tuple(tok.stop_ids)
+        if self.session is not None:  # the generator keeps this episode's K/V between its turns
+            self.session_kw = {"session": self.session,
+                               "prefix_len": shared_prefix_len(tok, messages, shown_tools, prompt)}
+
+    def generate(self, turn: int, budget: int) -> Optional[Completion]:
+        """Turn ``turn``'s completion, appended; None when the episode ends first (token budget, context,
+        deadline: ``info["truncated"]``). Raises RuntimeError for a broken or aborted generation."""
+        info = self.info
+        room = int(self.cfg.max_cache_len) - len(self.tokens)
+        max_new = min(int(self.cfg.max_new_tokens_per_turn), budget, room)
+        if max_new <= 0:
+            info["truncated"] = "token_budget" if budget <= 0 else "context"
+            return None
+        remaining_s = None if self.deadline is None else self.deadline - time.monotonic()
+        if remaining_s is not None and remaining_s <= 0:
+            info["truncated"] = "time"
+            return None
+        ts = time.monotonic()
+        order_kw = {"order": (int(self.group_id), int(self.sample_idx), turn)} if self.ordered else {}
+        if self.gang is not None:
+            order_kw["gang"] = self.gang
+        fut = self.loop.generator.submit(list(self.tokens), max_new_tokens=max_new,
+                                         seed=episode_seed(self.task_seed, self.sample_idx, turn),
+                                         stop_ids=self.stop_ids, **self.session_kw, **order_kw)
+        self.gang = None  # queued (a submit that raised queued nothing: withdrawn in finish)
+        with self.lock:
+            self.live["fut"] = fut
+        try:
+            comp: Completion = fut.result(timeout=remaining_s)
+        except FutureTimeout:
+            fut.cancel()
+            with self.lock:
+                self.live["fut"] = None
+            info["truncated"] = "time"
+            return None
+        info["gen_s"] += time.monotonic() - ts
+        if len(comp.tokens) > max_new:
+            raise RuntimeError(f"generator returned {len(comp.tokens)} tokens > max_new_tokens={max_new}")
+        self.record(comp, turn)
+        return comp
+
+    def record(self, comp: Completion, turn: int) -> None:
+        """Count a completion's engine figures and append its tokens (and routes) as turn ``turn``."""
+        info = self.info
+        info["finish_reasons"].append(comp.finish_reason)
+        info["prefill_tokens"] += int((comp.info or {}).get("prefill_tokens", 0))
+        info["prefix_hits"] += int((comp.info or {}).get("prefix_hits", 0))
+        for key in ("moe_dropped_copies", "moe_copies"):  # engine-side MoE capacity drops
+            if key in (comp.info or {}):
+                info[key] = info.get(key, 0) + int(comp.info[key])
+        if comp.finish_reason == "aborted":
+            raise RuntimeError("generation aborted")
+        info["turn_starts"].append(len(self.tokens))
+        if getattr(comp, "routes", None) is not None:
+            self.routes = _merge_routes(self.routes, comp.routes)
+        self.append(comp.tokens, comp, turn, self.routes)
+        info["turns"] = turn + 1
+
+    def respond(self, comp: Completion, turn: int) -> bool:
+        """Act on turn ``turn``'s text: a final answer is scored, a message goes to the env's user, tool
+        calls run. True when the episode goes on."""
+        ended = bool(comp.tokens) and comp.tokens[-1] in self.stop_ids
+        text = self.tok.decode(comp.tokens[:-1] if ended else comp.tokens)
+        if not ended:  # cut off mid-turn: no parseable action
+            self.info["truncated"] = "turn_length"
+            return False
+        if "<tool_call>" not in text:  # a final answer, or a message to the env's user
+            reply = self.ask_user(text)
+            if reply is None:
+                self.score(text)
+                return False
+            # the user answered: its turn is context, never trained
+            return self.append_turn(turn, lambda: self.tok.user_turn_ids(str(reply), add_generation_prompt=True))
+        observations = self.run_tools(text)
+        return self.append_turn(turn, lambda: self.tok.tool_turn_ids(observations, add_generation_prompt=True))
+
+    def ask_user(self, text: str) -> Optional[str]:
+        """The env's user's reply to ``text`` (envs with a user side, tau2), or None (no user, or it ended)."""
+        user_reply = getattr(self.env, "user_reply", None)
+        if user_reply is None:
+            return None
+        ts = time.monotonic()
+        reply = user_reply(text)
+        self.info["user_s"] = self.info.get("user_s", 0.0) + time.monotonic() - ts
+        if reply is not None:
+            self.info["user_turns"] = self.info.get("user_turns", 0) + 1
+        return reply
+
+    def score(self, text: str) -> None:
+        """The env's reward for the final answer ``text``, clipped to [0, 1]."""
+        ts = time.monotonic()
+        r, sinfo = self.env.score(text)
+        self.info["tool_s"] += time.monotonic() - ts
+        self.reward = float(min(1.0, max(0.0, r)))
+        self.info["score"] = sinfo
+        self.info["answered"] = True
+
+    def run_tools(self, text: str) -> list[str]:
+        """Run the tool calls of ``text``; their observations (errors as ``Error: ...``)."""
+        info = self.info
+        calls, errors = parse_tool_calls(text)
+        observations = [f"Error: {e}" for e in errors]
+        ts = time.monotonic()
+        for call in calls:
+            info["tool_calls"] += 1
+            if call["name"] not in self.tool_names:
+                observations.append(f"Error: unknown tool {call['name']!r}; available: {', '.join(sorted(self.tool_names))}")
+                errors.append(f"unknown tool {call['name']!r}")
+                continue
+            try:
+                observations.append(str(self.env.step(call)))
+            except ToolError as e:
+                observations.append(f"Error: {e}")
+                errors.append(str(e))
+        info["tool_s"] += time.monotonic() - ts
+        info["tool_errors"].extend(errors)
+        return observations
+
+    def append_turn(self, turn: int, render: Callable[[], Sequence[int]]) -> bool:
+        """Append the next context turn after turn ``turn`` (``render()``: a user turn's or the tool
+        observations' ids, rendered only when there is a next turn); False (and ``info["truncated"]``)
+        when ``turn`` was the last one or the new turn does not fit."""
+        if turn == int(self.cfg.max_turns) - 1:
+            self.info["truncated"] = "max_turns"
+            return False
+        nxt = render()
+        if len(self.tokens) + len(nxt) >= int(self.cfg.max_cache_len):
+            self.info["truncated"] = "context"
+            return False
+        self.append(nxt)
+        return True
+
+    def finish(self) -> Trajectory:
+        """Release the session, add the env's own measurements, count the outcome, build the Trajectory."""
+        loop, info = self.loop, self.info
+        if self.gang is not None:  # ended before its first request: the rest of its group does not wait for it
+            loop.generator.withdraw(self.gang)
+        if self.session is not None:
+            loop.generator.release_session(self.session)
+        episode_info = getattr(self.env, "episode_info", None) if self.env is not None else None
         if episode_info is not None:  # what the env measured itself (tau2: its user model's tokens and seconds)
             try:
                 info.update(episode_info())
             except Exception as e:  # noqa: BLE001 - a measurement never fails the episode
                 info["episode_info_error"] = f"{type(e).__name__}: {e}"
-        info["total_s"] = time.monotonic() - t0
-        self._count("episodes")
-        self._count("tool_calls", info["tool_calls"])
-        self._count("tool_errors", len(info["tool_errors"]))
-        if info["failed"]:
-            self._count("failed")
-        elif info.get("overlong"):
-            self._count("overlong")
-        elif info["answered"]:
-            self._count("answered")
-        else:
-            self._count("truncated")
+        info["total_s"] = time.monotonic() - self.t0
+        loop._count("episodes")
+        loop._count("tool_calls", info["tool_calls"])
+        loop._count("tool_errors", len(info["tool_errors"]))
+        loop._count("failed" if info["failed"] else "overlong" if info.get("overlong")
+                    else "answered" if info["answered"] else "truncated")
+        routes = self.routes
         if routes is not None:  # positions the engine never ran (a last tool turn): no route
-            routes = _merge_routes(routes, np.full((len(tokens), *routes.shape[1:]), ROUTE_MISSING, routes.dtype))
-        traj = Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=_cat(mask, bool),
-                          behav_logp=_cat(behav_logp, np.float32), versions=_cat(vers, np.int32),
-                          turn_ids=_cat(turns, np.int32), reward=reward, group_id=group_id, env=env_name,
-                          seed=int(task_seed), info=info, routes=routes)
-        with lock:  # tracked: kept (finished, unscored) until release()
-            live["final"], live["fut"] = traj, None
+            routes = _merge_routes(routes, np.full((len(self.tokens), *routes.shape[1:]), ROUTE_MISSING, routes.dtype))
+        traj = Trajectory(tokens=np.asarray(self.tokens, np.int32), loss_mask=_cat(self.mask, bool),
+                          behav_logp=_cat(self.behav_logp, np.float32), versions=_cat(self.vers, np.int32),
+                          turn_ids=_cat(self.turns, np.int32), reward=self.reward, group_id=self.group_id,
+                          env=self.env_name, seed=int(self.task_seed), info=info, routes=routes)
+        with self.lock:  # tracked: kept (finished, unscored) until release()
+            self.live["final"], self.live["fut"] = traj, None
         return traj
 
 

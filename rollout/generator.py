@@ -65,37 +65,9 @@ a step is always admitted, a prompt identical to one already admitted in the ste
 so a burst of new requests delays the decoding slots by at most one bounded prefill per step; with
 no slot decoding every request that finds a slot is admitted at once.
 
-Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
-agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
-cache holds ``prompt + tokens[:-1]`` (the last sampled token was never fed). The session's next
-request whose prompt starts with that context takes the held slot and runs only its new tokens
-(the last sampled token, the tool output and the generation prompt) through an append-prefill at
-the cache's current length (``SlotPrefill.start``); its ``Completion.routes`` keep, at every held
-position, the route that position's K/V was computed with. Holding policy: a held slot is not
-decoding a request and not free; it is given up (its session's next turn then re-prefills the
-whole conversation; each counted in ``stats``) when
-
-* a queued request finds no free slot: the least recently held slot is evicted (``kv_evictions``),
-  so slow tools never starve the fleet of slots;
-* (no bound in decode steps: a held slot is deactivated in the engine, ``Qwen3Engine.free_slots``,
-  so it neither decodes nor writes its cache while the tool runs; its K/V stay as they were);
-* its session's next prompt does not extend the held context (``kv_mismatch``), or the session is
-  released (:meth:`Generator.release_session`, at the end of the episode);
-* a weight swap under ``partial=recompute_kv`` or ``abort`` (``kv_dropped_swap``): the next turn
-  re-prefills the conversation under the new params, as the re-prefill path does. Under
-  ``continue`` the held K/V stay (computed by older weights, as a ``continue`` slot's within a turn)
-  and the new turn's tokens carry the new version.
-
-Prefix cache (``prefix_cache`` entries, ``rollout.prefix_cache``). A request submitted with
-``prefix_len=p`` (the agent passes the length of the env's rendered system prompt + tool schemas,
-shared by every episode) starts from the K/V of ``prompt[:p]`` kept in an LRU cache keyed by those
-tokens and the weight version: a miss prefills them once (``prefix_misses``; counted in that
-request's ``prefill_tokens``), a hit (``prefix_hits``) copies them into the slot (one ``insert``),
-and the request's row appends only ``prompt[p:]``; the other requests of the step with the same
-whole prompt (a GRPO group's samples) copy that slot's row after the prefill
-(``engine.copy_slot``, each armed with its own seed). A weight swap changes the key, so no request
-ever starts from another version's prefix. Entries are K/V rows of the prefix's length bucket on
-the engine's device(s).
+Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions: a finished turn's slot held for the session's next
+turn, which appends only its new tokens) and the prefix cache (``prefix_cache``: the K/V of the env's shared
+system prompt + tools, keyed by tokens and weight version): :mod:`rollout.kv_holds`.
 
 Counters (``stats``): ``prefills`` (requests prefilled), ``prefill_calls``, ``prefill_tokens``
 (cache positions run through prefill, re-prefills included), ``shared_prefills``, ``kv_holds``,
@@ -126,8 +98,9 @@ import jax
 import numpy as np
 
 from rollout.admission import GangRoom, admission_sorted, gang_fits
-from rollout.engine import SlotPrefill
-from rollout.types import ROUTE_MISSING, Completion  # tokens, behav_logp, versions, finish_reason, info
+from rollout.decode_loop import DecodeLoop
+from rollout.kv_holds import HeldSlot, KVHolds
+from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -169,16 +142,7 @@ class _Req:
     gang: Any = None  # the gang this first request belongs to until it is admitted (rollout.admission)
 
 
-@dataclasses.dataclass
-class _Held:
-    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
-    slot: int
-    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
-    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
-    t: float  # when it was held (the least recently held one is evicted first)
-
-
-class Generator:
+class Generator(KVHolds, DecodeLoop):
     """Continuous-batching generator over a JetStream-style engine.
 
     Args:
@@ -252,7 +216,7 @@ class Generator:
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
         self._slots: list[Optional[_Req]] = [None] * self._B
-        self._held: dict[Any, _Held] = {}  # session -> its held slot (keep_kv)
+        self._held: dict[Any, HeldSlot] = {}  # session -> its held slot (keep_kv)
         self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
         self._releases: list = []  # sessions ended by release_session (applied at the next step)
         self._finished: list[int] = []  # slots whose request ended since the last decode (deactivated)
@@ -521,131 +485,6 @@ class Generator:
         self._held.clear()  # the decode state is rebuilt: nothing is held any more
         self._held_slot.clear()
 
-    def _routes_array(self, req: _Req) -> Optional[np.ndarray]:
-        """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
-        shape = getattr(self.engine, "route_shape", None)
-        if shape is None:
-            return None
-        n = len(req.prompt) + len(req.tokens)
-        out = np.full((n, *shape), ROUTE_MISSING, self.engine.route_dtype)
-        m = min(n, len(req.routes))
-        if m:
-            out[:m] = np.stack(req.routes[:m])
-        return out
-
-    # ------------------------------------------------------------------ slots: prefill, holds
-    def _free_slots(self) -> list[int]:
-        return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
-
-    def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
-        """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
-        h = self._held.pop(session, None)
-        if h is None:
-            return None
-        self._held_slot.pop(h.slot, None)
-        if reason:
-            self.stats[reason] += 1
-        return h.slot
-
-    def _hold(self, req: _Req, slot: int) -> None:
-        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
-        (the last sampled token was never fed), for the session's next turn."""
-        ctx = req.prompt + req.tokens[:-1]
-        if not req.tokens or len(ctx) >= self._S - 1:
-            return
-        self._drop_hold(req.session)
-        self._held[req.session] = _Held(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
-        self._held_slot[slot] = req.session
-        self.stats["kv_holds"] += 1
-
-    def _apply_releases(self) -> None:
-        with self._lock:
-            rel, self._releases = self._releases, []
-        for session in rel:
-            self._drop_hold(session)
-
-    def _prefill_batch(self, items: list) -> None:
-        """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
-        ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
-        prompts once).
-        Each request is in its slot afterwards; a failing row fails its own request only (the
-        batch is retried row by row when a batched call raises)."""
-        if not items:
-            return
-
-        rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
-        try:
-            self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
-            self.stats["prefill_calls"] += 1
-        except Exception as e:  # noqa: BLE001 - find the culprit: row by row
-            if len(items) == 1:
-                self._prefill_failed(items[0][0], items[0][1], e)
-                return
-            log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
-            for it in items:
-                self._prefill_batch([it])
-            return
-        for (slot, req, toks, start), r in zip(items, res):  # r: a rollout.engine.PrefillResult
-            n = int(r.prefill_tokens)
-            req.prefill_tokens += n
-            req.shared_prefill = req.shared_prefill or bool(r.shared)
-            if self._moe_drops:
-                req.moe_dropped += int(r.moe_dropped or 0)
-                req.moe_copies += n * self._moe_cpt
-            self.stats["prefill_tokens"] += n
-            self.stats["prefills"] += 1
-            self.stats["shared_prefills"] += int(bool(r.shared))
-            routes = r.routes
-            if routes is not None:  # the positions it ran take their new routes (module docstring)
-                del req.routes[start:]
-                req.routes.extend(np.asarray(routes))
-            self._slots[slot] = req
-
-    def _prefill_failed(self, slot: int, req: _Req, e: BaseException) -> None:
-        log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
-        self.stats["prefill_errors"] += 1
-        if self._slots[slot] is req:
-            self._slots[slot] = None
-        self._finished.append(slot)
-        if not req.future.done():
-            req.future.set_exception(e)
-
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        self._params, self._version = pending
-        self.stats["updates"] += 1
-        if self.partial == "continue":
-            return  # held slots keep their K/V too: the next turn's new tokens carry the new version
-        for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
-            self._drop_hold(session, "kv_dropped_swap")
-        items = []
-        for slot, req in enumerate(self._slots):
-            if req is None:
-                continue
-            if self.partial == "recompute_kv":
-                req.recomputes += 1
-                self.stats["recomputes"] += 1
-                items.append((slot, req, req.prompt + req.tokens, 0))
-            else:  # abort: drop the partial turn, re-issue with the remaining budget
-                n = len(req.tokens)
-                req.dropped += n
-                req.budget -= n
-                req.reissues += 1
-                req.tokens = []  # its behav_logp / versions buffers are overwritten from index 0
-                del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
-                self.stats["reissues"] += 1
-                if req.budget <= 0:
-                    self._end(slot, req, "aborted")
-                else:
-                    items.append((slot, req, req.prompt, 0))
-        for slot, *_ in items:
-            self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
-            self._finished.append(slot)
-        self._prefill_batch(items)
-
     def _admit(self) -> None:
         """Admit queued requests (FIFO) into slots, then prefill them all in one batched call.
 
@@ -742,148 +581,3 @@ class Generator:
             self.stats["prefills"] += 1
             self.stats["shared_prefills"] += 1
             self._slots[slot] = req
-
-    def _use_prefix(self, pre: tuple, req: _Req, slot: int) -> bool:
-        """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled
-        now on a miss, ``prefix_misses``; else ``prefix_hits``); the request's rows then append the
-        rest of its prompt. Returns False when the prefix's prefill failed (the request is failed)."""
-        prefix = self._prefixes.get(pre)
-        if prefix is None:
-            toks = list(pre[0]) + [req.prompt[len(pre[0])]]
-            try:
-                prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
-            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
-                self._prefill_failed(slot, req, e)
-                return False
-            self._prefixes[pre] = prefix
-            while len(self._prefixes) > self.prefix_cache:
-                self._prefixes.popitem(last=False)
-            n = len(pre[0])
-            req.prefill_tokens += n
-            if self._moe_drops:
-                req.moe_dropped += int(prefix.get("moe_dropped", 0))
-                req.moe_copies += n * self._moe_cpt
-            self.stats["prefill_tokens"] += n
-            self.stats["prefix_misses"] += 1
-        else:
-            self._prefixes.move_to_end(pre)
-            req.prefix_hits += 1
-            self.stats["prefix_hits"] += 1
-        self._state = self.engine.insert(prefix, self._state, slot)  # positions [0, len(prefix)) of the slot
-        routes = prefix.get("routes")
-        req.routes = [] if routes is None else list(np.asarray(routes))
-        return True
-
-    def _call_steps(self) -> int:
-        """Decode steps of the next engine call: the fewest of :attr:`step_counts` that cover the
-        largest number of tokens any live slot can still emit (its remaining budget, capped by its
-        cache room), so a call never runs steps no slot can use (a 1-token request runs a 1-step
-        program, not a ``decode_steps`` scan whose later tokens would all be discarded)."""
-        need = 1
-        for req in self._slots:
-            if req is not None:
-                left = min(req.budget - len(req.tokens), self._S - len(req.prompt) - len(req.tokens))
-                need = max(need, left)
-        return next(n for n in self.step_counts if n >= need) if need < self.decode_steps else self.decode_steps
-
-    def _decode(self) -> None:
-        """One engine call (``decode``, or ``generate_steps`` of n <= ``decode_steps`` steps:
-        :meth:`_call_steps`) for all slots, its :class:`rollout.engine.StepOutput` brought to the
-        host in ONE transfer, then consumed step by step; the slots that finished are deactivated
-        before the next call."""
-        self._free_finished()
-        v = self._version  # every token of the call is produced by self._params
-        n = self._call_steps()
-        if n == 1:
-            self._state, out = self.engine.decode(self._params, self._state, version=v)
-            steps = [jax.device_get(out)]  # the one host sync of the step
-        else:  # n steps in one call: [n, B] leaves, one host sync for all of them
-            self._state, out = self.engine.generate_steps(self._params, self._state, n, version=v)
-            out = jax.device_get(out)
-            steps = [out.at(i) for i in range(n)]
-        self.stats["calls"] += 1
-        live = [req is not None for req in self._slots]  # slots with a request when the call began
-        for r in steps:
-            self._consume_step(r, live)
-
-    def _free_finished(self) -> None:
-        """Deactivate the slots whose request ended since the last call and that no request took
-        since (one ``engine.free_slots``):
-        a finished or held slot does not decode, and its cached K/V (a held context) stay intact."""
-        done = [s for s in self._finished if self._slots[s] is None]
-        self._finished = []
-        if done:
-            self._state = self.engine.free_slots(self._state, sorted(set(done)))
-
-    def _consume_step(self, r: Any, live: list) -> None:
-        """Append one decode step's outputs (a host :class:`rollout.engine.StepOutput` of [B]
-        arrays) to the live requests in slots, finishing those that stop. ``live`` [B] bool: the
-        slot held a request when the call began (a valid token of such a slot whose request
-        finished earlier in the call is discarded and counted)."""
-        toks, valid, behav_logp, versions = r.token, r.valid, r.behav_logp, r.version
-        routes = r.route
-        drops = r.moe_dropped  # None unless the engine counts MoE capacity drops
-        self.stats["steps"] += 1
-        for slot, req in enumerate(self._slots):
-            if req is None:
-                if live[slot] and valid[slot]:
-                    self.stats["discarded_tokens"] += 1
-                continue
-            if not valid[slot]:  # cache full before this token (should not happen: see below)
-                self._end(slot, req, "length")
-                continue
-            tok = int(toks[slot])
-            if drops is not None:  # the fed token's copies (engine docstring, "MoE capacity drops")
-                req.moe_dropped += int(drops[slot])
-                req.moe_copies += self._moe_cpt
-            i = len(req.tokens)
-            req.tokens.append(tok)
-            req.behav_logp[i] = behav_logp[slot]  # float32 -> float32 in place: no Python float
-            req.versions[i] = versions[slot]
-            if routes is not None:  # the route of the token this step fed (position len(context) - 2)
-                req.routes.append(np.asarray(routes[slot]))
-            self.stats["tokens"] += 1
-            if tok in req.stop_ids:
-                reason = "stop"
-            elif len(req.tokens) >= req.budget or len(req.prompt) + len(req.tokens) >= self._S:
-                reason = "length"  # budget, or the sequence fills the cache
-            else:
-                continue
-            if self.keep_kv and req.session is not None:
-                self._slots[slot] = None
-                self._hold(req, slot)
-            self._end(slot, req, reason)
-
-    def _end(self, slot: int, req: _Req, reason: str) -> None:
-        """``req`` leaves ``slot`` (deactivated before the next decode call) and resolves."""
-        self._slots[slot] = None
-        self._finished.append(slot)
-        self._resolve(req, reason)
-
-    def _resolve(self, req: _Req, reason: str) -> None:
-        now = time.monotonic()
-        info = {
-            "reissues": req.reissues,
-            "dropped_tokens": req.dropped,
-            "recomputes": req.recomputes,
-            "prompt_len": len(req.prompt),
-            "budget": req.budget,
-            "queue_s": (req.t_start or now) - req.t_submit,
-            "gen_s": now - (req.t_start or now),
-            "prefill_tokens": req.prefill_tokens,
-            "kv_reused": req.kv_reused,
-            "shared_prefill": req.shared_prefill,
-            "prefix_hits": req.prefix_hits,
-        }
-        if self._moe_drops:
-            info["moe_dropped_copies"] = req.moe_dropped
-            info["moe_copies"] = req.moe_copies
-        # the record's behav_logp / versions are views of the request's buffers (no copy); a request
-        # resolved before admission (max_new_tokens=0) has none
-        n = len(req.tokens)
-        behav_logp = req.behav_logp[:n] if req.behav_logp is not None else np.zeros(0, np.float32)
-        versions = req.versions[:n] if req.versions is not None else np.zeros(0, np.int32)
-        comp = Completion(req.request_id, req.tokens, behav_logp, versions, reason, info,
-                          routes=self._routes_array(req))
-        if not req.future.done():
-            req.future.set_result(comp)

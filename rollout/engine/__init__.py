@@ -22,7 +22,6 @@ from rollout.engine.sampler import StepOutput, inverse_cdf_index, pack_result, s
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
 from rollout.engine.weights import resolve_dtype
 
-_resolve_dtype = resolve_dtype  # the old private name, kept one release for branches still importing it; use resolve_dtype
 
 __all__ = [
     "Qwen3Engine",

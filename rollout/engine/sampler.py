@@ -19,7 +19,7 @@ transfer.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,19 +65,38 @@ def inverse_cdf_index(p: jax.Array, u: jax.Array, block: int = 128) -> jax.Array
     pad = (-V) % b
     if pad:
         p = jnp.pad(p, ((0, 0), (0, pad)))
-    n = p.shape[1] // b
-    pb = p.reshape(B, n, b)
-    s = jnp.sum(pb, axis=-1)  # [B, n] block masses
+    pb = p.reshape(B, p.shape[1] // b, b)
+    return _draw(jnp.sum(pb, axis=-1), lambda blk: jnp.take_along_axis(pb, blk[:, None, None], axis=1)[:, 0], u, b)
+
+
+def _draw(s: jax.Array, block_row: Callable[[jax.Array], jax.Array], u: jax.Array, b: int) -> jax.Array:
+    """The two-level inverse-CDF draw of :func:`inverse_cdf_index` from the block masses ``s`` [B, n]
+    and ``block_row(blk [B] int) -> [B, b]``, the masses inside each row's block ``blk``."""
+    n = s.shape[1]
     cdf = jnp.cumsum(s, axis=-1)
     x = u * cdf[:, -1]
     last_blk = n - 1 - jnp.argmax((s > 0)[:, ::-1], axis=-1)
     blk = jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), last_blk)  # the first block with cdf > x
     prev = jnp.where(blk > 0, jnp.take_along_axis(cdf, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    row = jnp.take_along_axis(pb, blk[:, None, None], axis=1)[:, 0]  # [B, b]
+    row = block_row(blk)  # [B, b]
     inner = prev[:, None] + jnp.cumsum(row, axis=-1)
     last_in = b - 1 - jnp.argmax((row > 0)[:, ::-1], axis=-1)
     i = jnp.minimum(jnp.sum(inner <= x[:, None], axis=-1), last_in)
     return (blk * b + i).astype(jnp.int32)
+
+
+def _draw_from_logp(logp: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
+    """``inverse_cdf_index(exp(logp), u, block)`` bit for bit, with ``exp`` taken where each mass is read
+    (the block sums, then the one block row gathered from ``logp``'s block view), so no [B, V] array
+    of masses is written (docs/performance.md, "The sampler's passes"). ``logp`` [B, V] float32
+    (``-inf``: zero mass)."""
+    B, V = logp.shape
+    b = _cdf_block(V, block)
+    pad = (-V) % b
+    lp = jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else logp
+    lb = lp.reshape(B, lp.shape[1] // b, b)
+    return _draw(jnp.sum(jnp.exp(lb), axis=-1),
+                 lambda blk: jnp.exp(jnp.take_along_axis(lb, blk[:, None, None], axis=1)[:, 0]), u, b)
 
 
 def sample_tokens(
@@ -121,7 +140,7 @@ def sample_tokens(
     # one uniform per row and an inverse-CDF lookup, not jax.random.categorical's V Gumbel draws
     # per row (threefry over [B, V] bits was ~1 ms of a ~13 ms 32-slot decode step on the CPU)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    sampled = inverse_cdf_index(jnp.exp(logp_s), u)
+    sampled = _draw_from_logp(logp_s, u)
     tokens = jnp.where(greedy, jnp.argmax(logp_s, axis=-1), sampled).astype(jnp.int32)
     logp = jnp.take_along_axis(logp_s, tokens[:, None], axis=-1)[:, 0]
     return tokens, logp.astype(jnp.float32), kept_mass.astype(jnp.float32)

@@ -6,7 +6,7 @@ params and shardings its programs are compiled for. A base class of :class:`roll
 from __future__ import annotations
 
 import functools
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,22 +14,10 @@ import numpy as np
 from flax import nnx
 
 from jax_rl.models import qwen3 as _q
+from jax_rl.dtypes import DTYPES, cast_floating, resolve_dtype
 from rollout.quantize import quantize_params
 
-__all__ = ["EngineWeights", "resolve_dtype", "DTYPES"]
-
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
-"""``rollout.dtype`` names -> jnp dtypes."""
-
-
-def resolve_dtype(dtype: Union[str, Any]) -> Any:
-    """The jnp dtype of a ``rollout.dtype`` name (:data:`DTYPES`) or dtype. Raises ValueError for an
-    unknown name."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown rollout dtype {dtype!r}; expected 'bfloat16' or 'float32'")
-        return DTYPES[dtype]
-    return jnp.dtype(dtype).type
+__all__ = ["EngineWeights", "resolve_dtype", "DTYPES"]  # the dtype names: jax_rl.dtypes
 
 
 class EngineWeights:
@@ -94,11 +82,7 @@ class EngineWeights:
             out = self._cast_jit(params)
             return self._place(out) if self._sharded else jax.device_put(out, self._sharding)
         if not self._sharded:
-            def cast(x):
-                x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-                return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-            return jax.device_put(self._layout(jax.tree.map(cast, params)), self._sharding)
+            return jax.device_put(self._layout(cast_floating(jax.tree.map(jnp.asarray, params), dt)), self._sharding)
         leaves = jax.tree.leaves(params)
         if leaves and all(isinstance(x, jax.Array) for x in leaves):
             far = [x for x in leaves if not x.is_fully_addressable]
@@ -109,9 +93,7 @@ class EngineWeights:
                     "is not implemented yet)")
             out = self._cast_jit(params)
         else:
-            out = self._layout(jax.tree.map(
-                lambda x: (lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a)(np.asarray(x)),
-                params))
+            out = self._layout(cast_floating(jax.tree.map(np.asarray, params), dt))
         return self._place(out)
 
     def _already_placed(self, params: Any) -> bool:
@@ -157,11 +139,7 @@ class EngineWeights:
             mode = self.quantize
             return jax.jit(lambda params: quantize_params(self._layout(params), mode, dt))
 
-        def cast_layout(params):
-            return self._layout(jax.tree.map(
-                lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
-
-        return jax.jit(cast_layout)
+        return jax.jit(lambda params: self._layout(cast_floating(params, dt)))
 
     def _layout(self, out: Any) -> Any:
         """(Already cast) params ``out`` in the engine's tree: stacked layers unstacked when it runs

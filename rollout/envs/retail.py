@@ -147,7 +147,13 @@ class RetailEnv(BaseEnv):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, seed: int) -> tuple[dict, dict]:
+        """The episode's DB and task for ``seed`` (one ``random.Random(seed)`` drawn in this order)."""
         rng = random.Random(seed)
+        db = self._generate_db(rng)
+        return db, self._generate_task(rng, db, seed)
+
+    def _generate_db(self, rng: random.Random) -> dict:
+        """Products with variants, users with 2..max_orders_per_user orders (one pending each)."""
         products: dict[str, dict] = {}
         for name, opt_space in _PRODUCTS:
             pid = str(rng.randrange(10**9, 10**10))
@@ -183,9 +189,11 @@ class RetailEnv(BaseEnv):
                 orders[oid] = {"order_id": oid, "user_id": uid, "status": status, "items": items}
                 oids.append(oid)
             users[uid] = {"user_id": uid, "name": f"{first.title()} {last.title()}", "orders": oids}
-        db = {"users": users, "orders": orders, "products": products}
+        return {"users": users, "orders": orders, "products": products}
 
-        # the task
+    def _generate_task(self, rng: random.Random, db: dict, seed: int) -> dict:
+        """The first feasible task of a shuffled kind for a shuffled user of ``db``."""
+        users, orders, products = db["users"], db["orders"], db["products"]
         kinds = list(self.task_kinds)
         rng.shuffle(kinds)
         uids = list(users)
@@ -197,14 +205,14 @@ class RetailEnv(BaseEnv):
                 if kind == "cancel":
                     o = next(o for o in uorders if o["status"] == "pending")
                     refund = round(sum(i["price"] for i in o["items"]), 2)
-                    return db, {"kind": kind, "user_id": uid, "order_id": o["order_id"],
+                    return {"kind": kind, "user_id": uid, "order_id": o["order_id"],
                                 "answer": _fmt_money(refund),
                                 "instruction": f"Hi, I am {u['name']} (user id {uid}). Please cancel my order "
                                                f"{o['order_id']} because I no longer need it. Then tell me how much "
                                                f"will be refunded."}
                 if kind == "find_pending":
                     o = next(o for o in uorders if o["status"] == "pending")
-                    return db, {"kind": kind, "user_id": uid, "order_id": o["order_id"], "answer": o["order_id"],
+                    return {"kind": kind, "user_id": uid, "order_id": o["order_id"], "answer": o["order_id"],
                                 "instruction": f"Hi, I am {u['name']} (user id {uid}). Which of my orders has not "
                                                f"shipped yet? Answer with its order id."}
                 if kind == "exchange":
@@ -217,7 +225,7 @@ class RetailEnv(BaseEnv):
                             if alts:
                                 new = rng.choice(alts)
                                 diff = round(new["price"] - it["price"], 2)
-                                return db, {
+                                return {
                                     "kind": kind, "user_id": uid, "order_id": o["order_id"],
                                     "item_id": it["item_id"], "new_item_id": new["item_id"],
                                     "product_id": it["product_id"], "answer": _fmt_money(diff),

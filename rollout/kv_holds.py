@@ -1,0 +1,208 @@
+"""The K/V a :class:`rollout.generator.Generator` keeps and prefills: free and held slots, the batched
+prefill of a step's admissions, a weight swap's treatment of the sequences in slots (``partial``), and the
+prefix cache. A base class of the Generator (its state: ``_slots``, ``_held``, ``_held_slot``, ``_state``,
+``_params``, ``stats``, ``engine``...).
+
+Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
+agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
+cache holds ``prompt + tokens[:-1]`` (the last sampled token was never fed). The session's next
+request whose prompt starts with that context takes the held slot and runs only its new tokens
+(the last sampled token, the tool output and the generation prompt) through an append-prefill at
+the cache's current length (``SlotPrefill.start``); its ``Completion.routes`` keep, at every held
+position, the route that position's K/V was computed with. Holding policy: a held slot is not
+decoding a request and not free; it is given up (its session's next turn then re-prefills the
+whole conversation; each counted in ``stats``) when
+
+* a queued request finds no free slot: the least recently held slot is evicted (``kv_evictions``),
+  so slow tools never starve the fleet of slots;
+* (no bound in decode steps: a held slot is deactivated in the engine, ``Qwen3Engine.free_slots``,
+  so it neither decodes nor writes its cache while the tool runs; its K/V stay as they were);
+* its session's next prompt does not extend the held context (``kv_mismatch``), or the session is
+  released (:meth:`Generator.release_session`, at the end of the episode);
+* a weight swap under ``partial=recompute_kv`` or ``abort`` (``kv_dropped_swap``): the next turn
+  re-prefills the conversation under the new params, as the re-prefill path does. Under
+  ``continue`` the held K/V stay (computed by older weights, as a ``continue`` slot's within a turn)
+  and the new turn's tokens carry the new version.
+
+Prefix cache (``prefix_cache`` entries, ``rollout.prefix_cache``). A request submitted with
+``prefix_len=p`` (the agent passes the length of the env's rendered system prompt + tool schemas,
+shared by every episode) starts from the K/V of ``prompt[:p]`` kept in an LRU cache keyed by those
+tokens and the weight version: a miss prefills them once (``prefix_misses``; counted in that
+request's ``prefill_tokens``), a hit (``prefix_hits``) copies them into the slot (one ``insert``),
+and the request's row appends only ``prompt[p:]``; the other requests of the step with the same
+whole prompt (a GRPO group's samples) copy that slot's row after the prefill
+(``engine.copy_slot``, each armed with its own seed). A weight swap changes the key, so no request
+ever starts from another version's prefix. Entries are K/V rows of the prefix's length bucket on
+the engine's device(s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from rollout.engine import SlotPrefill
+
+__all__ = ["KVHolds", "HeldSlot"]
+
+log = logging.getLogger("rollout.generator")
+
+
+@dataclasses.dataclass
+class HeldSlot:
+    """A finished turn's slot kept for its session's next turn (module docstring, "Kept K/V")."""
+    slot: int
+    context: list  # the tokens whose K/V the slot holds, at positions 0..len-1
+    routes: list  # their routes (record_routes), one [n_moe_layers, k] per position
+    t: float  # when it was held (the least recently held one is evicted first)
+
+
+class KVHolds:
+    """The slot, prefill and prefix-cache methods of :class:`rollout.generator.Generator`."""
+
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
+
+    def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
+        """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
+        h = self._held.pop(session, None)
+        if h is None:
+            return None
+        self._held_slot.pop(h.slot, None)
+        if reason:
+            self.stats[reason] += 1
+        return h.slot
+
+    def _hold(self, req: Any, slot: int) -> None:
+        """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
+        (the last sampled token was never fed), for the session's next turn."""
+        ctx = req.prompt + req.tokens[:-1]
+        if not req.tokens or len(ctx) >= self._S - 1:
+            return
+        self._drop_hold(req.session)
+        self._held[req.session] = HeldSlot(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
+        self._held_slot[slot] = req.session
+        self.stats["kv_holds"] += 1
+
+    def _apply_releases(self) -> None:
+        with self._lock:
+            rel, self._releases = self._releases, []
+        for session in rel:
+            self._drop_hold(session)
+
+    def _prefill_batch(self, items: list) -> None:
+        """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
+        ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
+        prompts once).
+        Each request is in its slot afterwards; a failing row fails its own request only (the
+        batch is retried row by row when a batched call raises)."""
+        if not items:
+            return
+
+        rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
+        try:
+            self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
+            self.stats["prefill_calls"] += 1
+        except Exception as e:  # noqa: BLE001 - find the culprit: row by row
+            if len(items) == 1:
+                self._prefill_failed(items[0][0], items[0][1], e)
+                return
+            log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
+            for it in items:
+                self._prefill_batch([it])
+            return
+        for (slot, req, toks, start), r in zip(items, res):  # r: a rollout.engine.PrefillResult
+            n = int(r.prefill_tokens)
+            req.prefill_tokens += n
+            req.shared_prefill = req.shared_prefill or bool(r.shared)
+            if self._moe_drops:
+                req.moe_dropped += int(r.moe_dropped or 0)
+                req.moe_copies += n * self._moe_cpt
+            self.stats["prefill_tokens"] += n
+            self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += int(bool(r.shared))
+            routes = r.routes
+            if routes is not None:  # the positions it ran take their new routes (module docstring)
+                del req.routes[start:]
+                req.routes.extend(np.asarray(routes))
+            self._slots[slot] = req
+
+    def _prefill_failed(self, slot: int, req: Any, e: BaseException) -> None:
+        log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
+        self.stats["prefill_errors"] += 1
+        if self._slots[slot] is req:
+            self._slots[slot] = None
+        self._finished.append(slot)
+        if not req.future.done():
+            req.future.set_exception(e)
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._params, self._version = pending
+        self.stats["updates"] += 1
+        if self.partial == "continue":
+            return  # held slots keep their K/V too: the next turn's new tokens carry the new version
+        for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
+            self._drop_hold(session, "kv_dropped_swap")
+        items = []
+        for slot, req in enumerate(self._slots):
+            if req is None:
+                continue
+            if self.partial == "recompute_kv":
+                req.recomputes += 1
+                self.stats["recomputes"] += 1
+                items.append((slot, req, req.prompt + req.tokens, 0))
+            else:  # abort: drop the partial turn, re-issue with the remaining budget
+                n = len(req.tokens)
+                req.dropped += n
+                req.budget -= n
+                req.reissues += 1
+                req.tokens = []  # its behav_logp / versions buffers are overwritten from index 0
+                del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
+                self.stats["reissues"] += 1
+                if req.budget <= 0:
+                    self._end(slot, req, "aborted")
+                else:
+                    items.append((slot, req, req.prompt, 0))
+        for slot, *_ in items:
+            self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
+            self._finished.append(slot)
+        self._prefill_batch(items)
+
+    def _use_prefix(self, pre: tuple, req: Any, slot: int) -> bool:
+        """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled
+        now on a miss, ``prefix_misses``; else ``prefix_hits``); the request's rows then append the
+        rest of its prompt. Returns False when the prefix's prefill failed (the request is failed)."""
+        prefix = self._prefixes.get(pre)
+        if prefix is None:
+            toks = list(pre[0]) + [req.prompt[len(pre[0])]]
+            try:
+                prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+            except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
+                self._prefill_failed(slot, req, e)
+                return False
+            self._prefixes[pre] = prefix
+            while len(self._prefixes) > self.prefix_cache:
+                self._prefixes.popitem(last=False)
+            n = len(pre[0])
+            req.prefill_tokens += n
+            if self._moe_drops:
+                req.moe_dropped += int(prefix.get("moe_dropped", 0))
+                req.moe_copies += n * self._moe_cpt
+            self.stats["prefill_tokens"] += n
+            self.stats["prefix_misses"] += 1
+        else:
+            self._prefixes.move_to_end(pre)
+            req.prefix_hits += 1
+            self.stats["prefix_hits"] += 1
+        self._state = self.engine.insert(prefix, self._state, slot)  # positions [0, len(prefix)) of the slot
+        routes = prefix.get("routes")
+        req.routes = [] if routes is None else list(np.asarray(routes))
+        return True
