@@ -61,6 +61,7 @@ from typing import Any, Optional
 
 from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
+from paper_repro_texts import PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES, SETTING_NOTES  # noqa: E402
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIG = "configs/paper_small.yaml"  # the setting's config (--config); a global so the doc can switch settings
@@ -1080,191 +1081,12 @@ def plot_claims(rows: list[tuple[str, dict]], path: Path) -> Path:
     return path
 
 
-SETTING_NOTES = """\
-How the settings differ (issue 27). In `configs/paper_small.yaml` (`fe44208e4440`) every seed ran its own SFT, and
-the warm starts' held-out success spread over 0.28-0.88: the start, not the correction, set most of a run's final
-success, and 3 seeds decided almost nothing. `configs/paper_small_shared.yaml` with `--shared-sft S` keeps the
-model, task, SFT and RL, and changes three things: (1) one SFT warm start (seed S's) is exported once and every
-seed's RL starts from it, so only the RL seed (sampling and the asynchronous pipeline's timing) varies between
-seeds, and the paired differences carry only RL's own variance; (2) the held-out set is 4x larger (256 tasks x 4
-samples per eval vs 64 x 4), which halves the eval's own binomial noise; (3) eval every 50 steps (vs 25) so the
-larger set costs about the same. The shared-SFT seed is part of the setting id, so `--shared-sft 0` and
-`--shared-sft 2` are two settings: seed 0's SFT is a strong start (held-out ~0.85, near this task's ceiling), seed
-2's a weak one (~0.25), which is where the old setting's differences between modes came from (its seeds 1 and 2
-started at 0.3-0.65). The shared SFT's seed was chosen by its held-out success after SFT, before any RL ran.
-
-Staleness. The shared-SFT runs are pinned to one core (`taskset -c 1`, the other core left to other jobs); there
-the rollout shares the core with the learner and cannot outrun it, and `paper_small_shared`'s batches were only
-~1.6 versions old at K = 8 (the learner waited for data), against ~7.6 in `paper_small`'s unpinned runs: the
-correction hardly engaged, so those two settings test the near on-policy regime, not the paper's (the settings
-table gives each setting's measured staleness). `configs/paper_small_stale.yaml` restores it with runtime knobs
-only (256 decode slots x 16 decode steps per engine call: staleness ~7.3), same sampling, batch, loss and
-optimizer; its shared warm start is the very SFT checkpoint of `paper_small_shared --shared-sft 2` (copied: the
-rollout knobs play no part in SFT training).
-Every run is on the shared 2-core CPU host, RL pinned to one core (no accelerator was lent for issue 27); each
-record carries its date, load average, wall time and commit. Two pinned runs at a time, one per core, from
-2026-12-03 11:14 UTC. `paper_small_stale`'s records made after `configs/base.yaml` (the generated reference every
-config inherits) gained the default `loss.ewma_reset_cooldown: 0` hash to `a255683aed9e`; that line moves no
-number and the SFT checkpoints of both ids are byte-identical, so `SETTING_ALIASES` reads them as `f89beb774d44`.
-
-Where the mask bites (claim 3). `configs/paper_small_moe.yaml` (`--shared-sft 0`) swaps in the tiny Qwen3-MoE
-policy (4 experts, top-2) and a rollout engine that drops token copies over an expert capacity of 1.0 while the
-learner stays dropless (`rollout.moe_capacity_factor`), as on a capacity-bounded MoE server. Of the train-infer
-gaps measured in docs/correction.md only this one moves R (bf16, int8 and fp8 engines leave it at 1.0000, int4 at
-0.9998; capacity 1.0 gives 0.964 at equal params). Under exact old logits the dense setting's lowest R of any step
-was 0.995; here it is 0.77-0.92 per run. Its SFT start (400 steps, seed 0) scores ~0.45 held-out through the
-dropping engine. The mask x clip grid runs here at K = 8, 3 RL seeds per cell; claim 3's parts are paired
-differences between cells, seed by seed.
-
-Drift (claim 2). In `paper_small_stale` EWMA's lowest R was 0.955-0.966 over 7 seeds: the reset (threshold 0.9)
-never fired, and with and without it the runs were one algorithm. `configs/paper_small_drift.yaml` is the stale
-setting at a higher RL lr, the one knob the issue names besides staleness: a probe at 6e-4 (setting
-`918c2ac80bda`, one run of EWMA without reset) reached a lowest R of 0.934 and returned to 1.0 as the cosine lr
-decayed; at 1e-3 (make train's RL lr) EWMA without reset fell to 0.81, under the reset threshold, and the reset
-ablation (with reset, without, and with the 10-step cool-down) runs there.
-
-Seeds and stopping (said plainly, since adding seeds after a look makes an interval optimistic). In
-`paper_small_stale`, seeds 0-4 were the first plan; 5-6 were added after claim 1a's 5-seed interval came out
-marginal; 7-14 were fixed before any of them ran (the ~15 seeds the power estimate asked for); 15 ran in spare
-time; 14 ran last, after a doc build had shown claim 1a at 15 seeds just short of deciding, because it completed
-the set fixed in advance. Linear_prox seeds 1-8 were fixed before they ran. In `paper_small_drift`, seeds 0-4
-were the plan; 5 and 6 were added after claim 2a's 5-seed interval came out at [-0.415, +0.115]. The MoE grid's 3
-seeds per cell were fixed in advance.
-
-The reset (claim 2) as defined here sets theta_bar to the *current* params when R < `loss.ewma_reset_threshold`:
-for that step pi_prox is decoupled's reference, which at K = 8 is the one furthest from pi_v, so R tends to fall
-further after a reset and the reset fires again on the next step (the old setting's seed 2: 20 resets, a streak of
-12 steps in a row, R 0.91 -> 0.67). The paper's text (reset to the current actor when R drops, then let the average
-rebuild) implies a pause between resets: `loss.ewma_reset_cooldown` = c (default 0, the rule above) fires no reset
-for c learner steps after one; mode `ppo_ewma_cooldown` runs it with c = 10 (claims 2c, 2d).
-"""
-
-
 # Issue 42's pre-registration, written and committed (2026-12-04 18:37 UTC) before any run it names started;
 # emitted into the doc as is. Nothing in it is edited after a result is seen (results go in the tables below it).
-PREREG_42 = """\
-## Pre-registration: a safe reset for PPO-EWMA (issue 42)
-
-Written and committed on 2026-12-04 at 18:37 UTC, before any of the runs it names started; not edited after.
-
-*Question.* Which `loss.ewma_reset` rule should `ppo_ewma` use by default? `current` is the paper's rule
-(theta_bar <- theta when the train-infer mask keeps fewer than `loss.ewma_reset_threshold` = 0.9 of the tokens);
-`guarded` is the same trigger, but theta_bar is replaced by theta only when theta's log-probs keep *more* tokens of
-the triggering batch inside the mask than theta_bar's do (otherwise theta_bar stays, and the step trains against
-it): the reference the mask sees can never keep fewer tokens than the one it replaces, on the batch that
-triggered it.
-
-*Setting.* `configs/paper_small_drift.yaml --shared-sft 2` (setting `160cc6e841e5`), K = 8, 150 RL steps, one
-pinned core per run (`taskset -c 1`), one run at a time (2-core host shared with other work; load recorded).
-
-*Arms and seeds.* Seeds 0-9 in each of four arms: `ppo_ewma` (`current`), `ppo_ewma_noreset` (threshold 0),
-`ppo_ewma_cooldown` (`current`, `loss.ewma_reset_cooldown=10`) and `ppo_ewma_guarded` (`loss.ewma_reset=guarded`).
-Seeds 0-6 of the first three arms exist (2026-12-03, commit 6ad0cf8; no file under `jax_rl/` or `configs/` changed
-since); seeds 7-9 of those three and 0-9 of `guarded` run now, in that order (7, 8, 9 for the three existing
-arms, then `guarded` 0-9). No seed is added after a result is seen; a run that fails (non-zero exit) is rerun with
-the same seed; a run not finished by 21:10 UTC is reported missing, and a condition short of its 10 seeds gets no
-verdict ("incomplete").
-
-*Metrics.* Final held-out avg@4 (`summary.final_avg_at_4`, 256 tasks x 4 samples) and the lowest R of the run
-(min over steps of `train_infer_retained`).
-
-*Interval rule.* The doc's rule: paired by seed, 95% percentile bootstrap of the mean difference (9999 resamples,
-rng seed 0) widened to the Student-t interval where that is wider.
-
-*Conditions for `guarded` to become the default* (all four, the issue's):
-1. no collapse: final held-out avg@4 >= 0.05 in every one of the 10 seeds;
-2. ends no lower than no reset: final avg@4, guarded minus no reset, interval lower bound above -0.05;
-3. beats `current`: final avg@4, guarded minus current, interval lower bound above 0;
-4. keeps R up: lowest R of the run, guarded minus no reset, interval lower bound above -0.05 (the same
-   non-inferiority margin as 2; the issue says "no lower than no reset's", and a paired interval cannot show
-   exact equality).
-Guarded minus the cool-down (final avg@4 and lowest R) is reported beside them, with no condition attached.
-
-*No-regression check* (if time remains after the 40 runs above, in this order): `configs/paper_small_stale.yaml
---shared-sft 2` (setting `f89beb774d44`, where the reset never fired in 16 seeds), `ppo_ewma_guarded` seeds 0-9 in
-that order, paired against the existing `ppo_ewma` records of the same seeds; the verdict uses the seeds finished
-by 21:10 UTC (a stop set by the clock, not by a result; at least 3 seeds, else "incomplete"); "costs nothing" when
-the interval of final avg@4 (guarded minus current) lies inside +-0.05. (Amended at 18:51 UTC from "seeds 0-4",
-before any run of this plan had finished.) Where R never falls below the threshold the two rules run the
-same computation (the candidate forward is never taken), so this check measures the pipeline's run-to-run noise.
-
-*Decision.* If all four conditions hold, the default of `loss.ewma_reset` becomes `guarded`; otherwise it stays
-`current` and this doc says which condition failed, with its interval.
-"""
 
 
 # What changed in the plan after it started, when and why (the pre-registration above stays as written).
-PREREG_42_CHANGES = """\
-*Changes to the plan after it started* (said plainly; none changes an arm, a seed, a metric or a condition):
 
-- 19:08 UTC: the host's load average rose to ~20-24 (other sessions' work on the 2 shared cores); a pinned run
-  took 10-13 min instead of 3.5-4 (the records carry each run's load and wall time), so the 40 runs planned
-  could not finish by 21:10. The order was changed to give the new rule its paired seeds first: the three
-  existing arms stop after seed 7 (seed 8 of no reset was stopped as it began), then `guarded` runs seeds 0-9
-  in order; the existing arms' seeds 8 and 9 run only if time remains. Results seen before this change: seed 7
-  of no reset (final avg@4 0.379) and of `current` (0.392), nothing of `guarded`. The conditions still need 10
-  paired seeds; with fewer, each is reported "incomplete" and the default is not changed.
-- The stale no-regression check runs only if time remains after that. The load fell after 20:00 (runs took
-  3.5-5 min again), so seeds 8-9 of the three arms ran (20:00-20:27) and the stale check started at 20:27; it
-  was stopped at 20:55 UTC (not 21:10: the doc has to be rebuilt on the same core before 21:10), and its
-  verdict uses the seeds finished by then.
-- Seeds 8-9 of the three existing arms and every `guarded` run ran at commits 39106a5 / d85675f (the
-  `loss.ewma_reset` code); `current`, no reset and the cool-down run the same computation there as at 6ad0cf8
-  (`tests/losses/test_ewma_reset_rule.py`), and the records carry their commits.
-"""
-
-PREREG_50 = """\
-## Pre-registration: the reset default settled, and claim 1a (issue 50)
-
-Written and committed on 2026-12-05 at 06:00 UTC, before any of the runs it names started; not edited after
-(changes, if any, go below it with their time).
-
-*Default, now.* `loss.ewma_reset` defaults to `guarded` from this commit on (issue 50: `current` collapsed 6 of
-10 drift runs; `guarded` none, and it beat `current`). `bench/paper_repro.py`'s `ppo_ewma` and
-`ppo_ewma_cooldown` modes pin `loss.ewma_reset=current`, so every mode computes what it did before.
-
-*(a) `guarded` against no reset.* Setting `configs/paper_small_drift.yaml --shared-sft 2` (`160cc6e841e5`), K = 8,
-150 RL steps; arms `ppo_ewma_guarded` and `ppo_ewma_noreset`; seeds 10-23 (with the existing 0-9: 24, the top of
-the doc's 16-24 estimate), paired by seed. Metric: final held-out avg@4 (256 tasks x 4); lowest R reported beside
-it, no condition attached.
-
-*(b) Claim 1a.* Setting `configs/paper_small_stale.yaml --shared-sft 2` (`f89beb774d44`), K = 8; arms `ppo_ewma`
-(the paper's reset pinned; it never fired in this setting's 16 seeds) and `decoupled`; seeds 16-23 (with the
-existing 0-15: 24, inside the doc's 17-27 estimate). Metric: final held-out avg@4.
-
-*Order and stopping.* One run at a time, pinned to core 1 (`taskset -c 1`; the other core is shared with this
-session's other work, so load is high: each record carries its load and wall time). Seeds interleaved: (b) seed
-16 (`ppo_ewma`, then `decoupled`), (a) seed 10 (`guarded`, then no reset), (b) 17, (a) 11, ... until (b) is
-done, then (a) alone. The runs stop at 08:05 UTC on 2026-12-05 (a stop set by the clock, not by a result); each
-verdict uses the seeds whose two arms both finished by then; a seed with one arm only is dropped and reported.
-A failed run (non-zero exit) is rerun once with the same seed. No seed is added after a result is seen; seeds
-left unrun carry over to a later session under this same rule, in the same order.
-
-*Verdict rules* (the doc's interval: paired by seed, 95% percentile bootstrap widened to Student-t).
-(a) guarded minus no reset, final avg@4: lower bound above -0.05: `guarded` stays the default ("no worse than no
-reset by 0.05"); upper bound below -0.05: the default becomes `loss.ewma_reset_threshold=0` (no reset) and this
-doc says the paper's reset is not supported in our settings; otherwise: undecided at n, `guarded` stays the
-default (no collapse in any seed; in the drift setting it never accepted a reset) and the remaining seeds run
-next. (b) the doc's rule for claim 1a: reproduced when the interval lies above 0, contradicted below 0, "no
-difference as large as 0.05" when it lies inside +-0.05, else inconclusive.
-
-*Claims 3a and 3c* are not run in this session (one core for (a) and (b) only); their pilot is planned next.
-"""
-
-PREREG_50_CHANGES = """\
-*Changes to the plan after it started* (said plainly; no arm, seed, metric or rule changed):
-
-- The pre-registration was committed at 05:56 UTC (its text says 06:00); the first run started at 05:56:37,
-  after the commit. At 06:22 UTC the runs were given a higher CPU priority (`renice -5`) on their pinned core,
-  since the session's other work had the host at load 14-19 and a run took 17-29 min instead of 3.5-5.
-- 07:27 UTC, after the first three pairs' records were read: the shared SFT warm start (seed 2) regenerated at
-  this session's commit scores 0.309 held-out (256 x 4), not the 0.245 of the checkpoint the earlier seeds
-  started from (made on 2026-12-03 at an older commit; `runs/` is not kept), and under this session's load the
-  drift runs consumed staleness ~4.2 versions, not ~7.2. So the new seeds are not the setting of seeds 0-9
-  (nor 0-15): their records carry the setting id with the suffix `-sft2b` (the regenerated warm start) and are
-  reported apart below, never pooled with the earlier seeds; the verdicts (a) and (b) on the pre-registered
-  settings are unchanged by them. The runs go on to the 08:05 stop as planned.
-"""
 
 PREREG_SETTING, PREREG_STALE, PREREG_SEEDS = "160cc6e841e5", "f89beb774d44", 10
 
@@ -1420,6 +1242,21 @@ def settings_in(path: Path) -> list[dict]:
     return sorted(out.values(), key=lambda st: st["first"])
 
 
+def settings_table(used: list[tuple[dict, str]], left: list[dict]) -> list[str]:
+    """The doc's settings table: ``used`` (setting, label) pairs judged below, then the ``left`` settings
+    with why each has no part."""
+    L = ["## Settings\n", "| setting | what | records | dated |", "|---|---|---|---|"]
+    for st, label in used:
+        L.append(f"| `{st['setting']}` | {label} | {st['n']} | {st['first'][:16]} to {st['last'][:16]} |")
+    for st in left:
+        why = ("no setting id: imported before records carried one" if st["setting"] is None else
+               "issue 50's regenerated warm start, fewer than 2 paired seeds" if str(st["setting"]).endswith(REGEN_SUFFIX)
+               else "an earlier setting")
+        L.append(f"| `{st['setting']}` | `{st['config']}` ({why}; no paired comparison, left out) | {st['n']} | "
+                 f"{st['first'][:16]} to {st['last'][:16]} |")
+    return L + [""]
+
+
 def build_full_doc(records: Path, doc: Path) -> str:
     """The whole doc: every setting with a paired comparison in ``records`` gets its part
     (:func:`build_doc`, headings one level down, figures under ``<doc dir>/paper_repro/`` for the
@@ -1472,16 +1309,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC). Paper: arXiv 2605.12070 "
          "(docs/design.md §7.1 The paper). Every record stays in the JSONL; each setting (a hash of its config "
          "chain and of the shared-SFT choice) gets its own part below, and no table mixes settings.\n",
-         "## Settings\n", "| setting | what | records | dated |", "|---|---|---|---|"]
-    for st, label in used:
-        L.append(f"| `{st['setting']}` | {label} | {st['n']} | {st['first'][:16]} to {st['last'][:16]} |")
-    for st in left:
-        why = ("no setting id: imported before records carried one" if st["setting"] is None else
-               "issue 50's regenerated warm start, fewer than 2 paired seeds" if str(st["setting"]).endswith(REGEN_SUFFIX)
-               else "an earlier setting")
-        L.append(f"| `{st['setting']}` | `{st['config']}` ({why}; no paired comparison, left out) | {st['n']} | "
-                 f"{st['first'][:16]} to {st['last'][:16]} |")
-    L.append("")
+         *settings_table(used, left)]
     L[2:2] = summary_table(rows_all)
     L.append(SETTING_NOTES + "\n")
     L.append(PREREG_42 + "\n")
