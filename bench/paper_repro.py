@@ -61,7 +61,8 @@ from typing import Any, Optional
 
 from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
-from paper_repro_texts import PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES, SETTING_NOTES  # noqa: E402
+from paper_repro_texts import (PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES, PREREG_50_PLOTS,  # noqa: E402
+                               SETTING_NOTES)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIG = "configs/paper_small.yaml"  # the setting's config (--config); a global so the doc can switch settings
@@ -1189,6 +1190,8 @@ def prereg50_result(rows_all: list[tuple[dict, dict]]) -> list[str]:
         L.append(f"| {part} | `{setting}` | {_seeds_str(new) if new else 'none'} | {what}: {r['mean']:+.3f}, 95% CI "
                  f"{_fmt_ci(r['ci'])}, n = {r['n']} (seeds {_seeds_str(r['seeds'])}) | **{v}** |")
     L.append("")
+    if (FIG_DIR / "issue50_reset" / "groups.png").exists():  # `jax-rl plot` of the (a) runs, made by hand
+        L.append(PREREG_50_PLOTS)
     return L
 
 

@@ -187,3 +187,9 @@ PREREG_50_CHANGES = """\
   reported apart below, never pooled with the earlier seeds; the verdicts (a) and (b) on the pre-registered
   settings are unchanged by them. The runs go on to the 08:05 stop as planned.
 """
+
+PREREG_50_PLOTS = """\
+Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the (a) runs of issue 50's
+session (`jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`; threshold 0 is no reset):
+![reset arms](paper_repro/issue50_reset/groups.png)
+"""
