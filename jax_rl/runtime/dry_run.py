@@ -36,7 +36,8 @@ __all__ = ["dry_run", "run_dry_run", "stand_ins", "weightless_report"]
 
 def stand_ins(cfg: Config) -> tuple[Config, list[str]]:
     """``cfg`` with stand-ins for the inputs absent on this host, and what each one skips: a
-    ``model.checkpoint`` without a config.json -> ``None`` (shapes from ``model.preset``, random init);
+    ``model.checkpoint`` path that does not exist -> ``None`` (shapes from ``model.preset``, random init; a
+    path that exists is never replaced, so a run dir or a dir without config.json gets the loader's error);
     a ``model.tokenizer`` path that does not exist -> ``compact``. ``cfg`` itself is not changed.
 
     Raises:
@@ -46,9 +47,9 @@ def stand_ins(cfg: Config) -> tuple[Config, list[str]]:
     m = cfg.model
     update: dict[str, Any] = {}
     ck = m.checkpoint
-    if ck and not (Path(ck) / "config.json").is_file():
+    if ck and not Path(ck).exists():
         if not m.preset:
-            raise ConfigError(f"model.checkpoint={ck}: no config.json there and no model.preset to take the shapes "
+            raise ConfigError(f"model.checkpoint={ck}: not here and no model.preset to take the shapes "
                               "from (set model.preset to dry-run before the weights are here)")
         update["checkpoint"] = None
         skipped.append(f"loading the weights (model.checkpoint={ck} is not here: shapes from preset {m.preset}, "
