@@ -1105,11 +1105,16 @@ def _seeds_str(seeds: list[int]) -> str:
     return ", ".join(out)
 
 
+def rows_by_claim(rows_all: list[tuple[dict, dict]]) -> dict[tuple[str, str], dict]:
+    """The claim rows of every setting keyed by ``(setting id, claim number)``, e.g. ``("160cc6e841e5", "2e")``."""
+    return {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+
+
 def prereg_result(rows_all: list[tuple[dict, dict]], records: Path) -> list[str]:
     """Issue 42's pre-registered decision (``PREREG_42``) from the claim rows of every setting: the four
     conditions on ``ppo_ewma_guarded`` in the drift setting, each met / not met / incomplete (fewer than
     ``PREREG_SEEDS`` paired seeds), and the stale setting's no-regression check."""
-    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    rows = rows_by_claim(rows_all)
     newest, _ = load_records(records, setting=PREREG_SETTING)
     g = [r for r in newest.values() if r.get("mode") == "ppo_ewma_guarded" and r.get("part") == "main"]
     if not g:
@@ -1166,7 +1171,7 @@ def prereg50_result(rows_all: list[tuple[dict, dict]]) -> list[str]:
     default of ``loss.ewma_reset`` from row 2e of the drift setting (guarded minus no reset, final avg@4:
     lower bound above -``EQUIV_MARGIN``: ``guarded`` stays; upper bound below it: no reset; else
     undecided, ``guarded`` stays), (b) claim 1a in the stale setting by the doc's rule."""
-    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    rows = rows_by_claim(rows_all)
     L = ["### Result of issue 50's pre-registered runs\n", "| part | setting | seeds run now | figures | verdict |",
          "|---|---|---|---|---|"]
     parts = [(part + variant, setting + suffix, key, what)
@@ -1207,7 +1212,7 @@ SUMMARY_SETTINGS = {"1a": "f89beb774d44", "1b": "f89beb774d44", "1c": "f89beb774
 def summary_table(rows_all: list[tuple[dict, dict]]) -> list[str]:
     """The table a reader sees first: one row per claim of ``SUMMARY_SETTINGS``, from the claim rows of
     the setting that judges it (verdict, mean paired difference, 95% interval, seeds)."""
-    rows = {(st["setting"], r["claim"].split(".")[0]): r for st, r in rows_all}
+    rows = rows_by_claim(rows_all)
     L = ["## Summary: each claim, where it is judged, our verdict\n",
          "| claim | setting | verdict | mean paired diff | 95% CI | seeds (n) |", "|---|---|---|---|---|---|"]
     for key, setting in SUMMARY_SETTINGS.items():
