@@ -186,7 +186,7 @@ PREREG_50_CHANGES = """\
   (nor 0-15): their records carry the setting id with the suffix `-sft2b` (the regenerated warm start) and are
   reported apart below, never pooled with the earlier seeds; the verdicts (a) and (b) on the pre-registered
   settings are unchanged by them. The runs go on to the 08:05 stop as planned.
-- Next session, 2026-12-05 09:02 UTC (committed before any run of it started, 09:03:52): the earlier warm start cannot be made again. The
+- Next session, 2026-12-05 09:03 UTC (committed before any run of it started, 09:03:52): the earlier warm start cannot be made again. The
   same SFT (seed 2, `configs/paper_small_stale.yaml`) run here at the commit that made it (`8025723e`), at the
   last commit of the earlier records (`d85675f7`) and at this session's gives the same SFT loss
   (0.04287651926279068), byte-identical weights at `d85675f7` and now, and held-out 0.308-0.309, never 0.245:
