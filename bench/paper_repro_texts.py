@@ -207,6 +207,23 @@ PREREG_50_CHANGES = """\
   If R's mean over steps 0-49 is at most 0.98 (the mask removes at least 2%), claims 3a and 3c are
   pre-registered in that setting before any counted run; else the dense stale setting with
   `rollout.quantize=int4` is piloted the same way.
+- 09:30 UTC, pilot read: in the MoE setting's regenerated warm start (`6b7ef691a83e-sft0b`: held-out 0.151
+  after SFT, where the earlier host's was 0.443) the mask (1.5) kept R = 0.951 of the tokens on average over
+  steps 0-49 (min 0.855, max 1.000): it removes ~5%, so claims 3a and 3c are decided there.
+
+*(c) Claims 3a and 3c, pre-registered 2026-12-05 09:30 UTC, before any counted run.* Setting
+`configs/paper_small_moe.yaml --shared-sft 0` regenerated here (`6b7ef691a83e-sft0b`), K = 8, 150 RL steps,
+`exact` old logits; the doc's grid cells and claim definitions unchanged: 3a = held-out avg@4 at RL step 50,
+mask 4 minus mask 1.5 (clip 0.2); 3c = mean R over RL steps 0-49, clip 0.1 minus clip 0.4 (mask 2). Seeds 0-7,
+paired by seed; per seed the cells run in the order mask 1.5 / clip 0.2, mask 4 / clip 0.2, mask 2 / clip 0.1,
+mask 2 / clip 0.4; a claim's verdict uses the seeds with both of its cells. Verdict rules (the doc's interval):
+reproduced when the interval lies above 0, contradicted when below 0; "no difference as large as the margin"
+when it lies inside +-margin, with margin 0.05 for 3a (held-out avg@4) and 0.01 for 3c (R: a fifth of the ~5% the
+mask removes here; 0.05 would be the whole of it); else inconclusive at n = 8 (then the doc's seeds-needed
+estimate, and no seed added in this session). Order from now on, one run at a time on core 1: rounds of (a) one
+seed pair, (b) one seed pair, (c) one seed's four cells, each part in its own pre-registered seed order; the
+pace of (a) and (b) changes, nothing else of them. Clock stop 11:00 UTC; unrun seeds carry over in the same
+order.
 """
 
 PREREG_50_PLOTS = """\
