@@ -207,11 +207,11 @@ PREREG_50_CHANGES = """\
   If R's mean over steps 0-49 is at most 0.98 (the mask removes at least 2%), claims 3a and 3c are
   pre-registered in that setting before any counted run; else the dense stale setting with
   `rollout.quantize=int4` is piloted the same way.
-- 09:30 UTC, pilot read: in the MoE setting's regenerated warm start (`6b7ef691a83e-sft0b`: held-out 0.151
+- 09:20 UTC, pilot read: in the MoE setting's regenerated warm start (`6b7ef691a83e-sft0b`: held-out 0.151
   after SFT, where the earlier host's was 0.443) the mask (1.5) kept R = 0.951 of the tokens on average over
   steps 0-49 (min 0.855, max 1.000): it removes ~5%, so claims 3a and 3c are decided there.
 
-*(c) Claims 3a and 3c, pre-registered 2026-12-05 09:30 UTC, before any counted run.* Setting
+*(c) Claims 3a and 3c, pre-registered 2026-12-05 09:23 UTC (its commit), before any counted run.* Setting
 `configs/paper_small_moe.yaml --shared-sft 0` regenerated here (`6b7ef691a83e-sft0b`), K = 8, 150 RL steps,
 `exact` old logits; the doc's grid cells and claim definitions unchanged: 3a = held-out avg@4 at RL step 50,
 mask 4 minus mask 1.5 (clip 0.2); 3c = mean R over RL steps 0-49, clip 0.1 minus clip 0.4 (mask 2). Seeds 0-7,
