@@ -1,8 +1,8 @@
 """The paper reproduction's claims and their statistics (``bench/paper_repro.py`` builds its doc from them):
-the matrix's modes and mask x clip grid, the figures read from one record (final held-out avg@4, the train-infer
-mask's retained ratio R, resets, learner seconds), the paired 95% intervals (percentile bootstrap widened to
-Student-t), the verdict rule and seeds needed, and the claim rows with their markdown table. Pure functions of
-the records: nothing here runs jax-rl or reads a config.
+the matrix's modes, its mask x clip grid and its cells (:func:`cells`), the figures read from one record
+(final held-out avg@4, the train-infer mask's retained ratio R, resets, learner seconds), the paired 95%
+intervals (percentile bootstrap widened to Student-t), the verdict rule and seeds needed, and the claim rows
+with their markdown table. Pure functions of the records: nothing here runs jax-rl or reads a config.
 """
 
 from __future__ import annotations
@@ -28,6 +28,30 @@ APPROX = ("decoupled", "linear_prox", "ppo_ewma", "ppo_ewma_noreset", "ppo_ewma_
 MASK_HIGH = (1.5, 2.0, 4.0)
 CLIP = (0.1, 0.2, 0.4)
 GRID_DEFAULT = (2.0, 0.2)  # configs/paper_small.yaml's loss.train_infer_high and clip_eps_low/high
+
+
+def cells(only: Optional[list[str]], modes: list[str], ks: list[int], seeds: list[int]) -> list[dict]:
+    """The cells to run, in order: ``{"id", "part", "mode", "K", "seed", "overrides"}``."""
+    out = []
+    if only is None or "main" in only:
+        for k in ks:
+            for seed in seeds:
+                for m in modes:
+                    out.append(dict(id=f"main_K{k}_{m}_s{seed}", part="main", mode=m, K=k, seed=seed,
+                                    overrides=[*MODES[m], f"async.max_staleness={k}"]))
+    if only is None or "grid" in only:
+        k = max(ks)  # the widest staleness window; every seed (claim 3's paired intervals need >= 3 per cell)
+        for seed, hi, eps in ((s, h, e) for s in seeds for h in MASK_HIGH for e in CLIP):
+            if (hi, eps) == GRID_DEFAULT:  # paper_small's own thresholds: the grid's centre is main's exact cell
+                if not any(c["id"] == f"main_K{k}_exact_s{seed}" for c in out):
+                    out.append(dict(id=f"main_K{k}_exact_s{seed}", part="main", mode="exact", K=k, seed=seed,
+                                    overrides=[*MODES["exact"], f"async.max_staleness={k}"]))
+                continue
+            out.append(dict(id=f"grid_K{k}_mask{hi:g}_clip{eps:g}_s{seed}", part="grid", mode="exact", K=k,
+                            seed=seed, mask_high=hi, clip=eps,
+                            overrides=[*MODES["exact"], f"async.max_staleness={k}", f"loss.train_infer_high={hi}",
+                                       f"loss.clip_eps_low={eps}", f"loss.clip_eps_high={eps}"]))
+    return out
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -67,7 +67,7 @@ from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, int
 import paper_doc  # noqa: E402  (one setting's sections of the doc and the doc-wide tables)
 from paper_claims import (APPROX, CLAIM_HEADER, CLAIMS, CLIP, COLLAPSED, CONFIDENCE, EQUIV_MARGIN,  # noqa: E402,F401
                           GRID_CLAIMS, GRID_DEFAULT, MASK_HIGH, METRICS, MIN_SEEDS, MODES, N_RESAMPLES, TARGET_DIFF,
-                          VERDICT_METHOD, _final, _fmt, _fmt_ci, _mean_key, _ms, _reset_events, claim_rows,
+                          VERDICT_METHOD, _final, _fmt, _fmt_ci, _mean_key, _ms, _reset_events, cells, claim_rows,
                           claim_table, grid_claim_rows, grid_records, paired_ci, seeds_needed, verdict)
 from paper_doc import (FIG_DIR, LEGACY_CONFIG, PREREG50_NEW_SEEDS, PREREG_SEEDS, PREREG_SETTING,  # noqa: E402,F401
                        PREREG_STALE, REGEN_SUFFIX, SUMMARY_SETTINGS, _seeds_str, plot_claims, prereg50_result,
@@ -88,30 +88,6 @@ KEEP_KEYS = ("step", "version", "reward_mean", "train_infer_retained", "clip_fra
 
 
 # ----------------------------------------------------------------------------- cells
-
-
-def cells(only: Optional[list[str]], modes: list[str], ks: list[int], seeds: list[int]) -> list[dict]:
-    """The cells to run, in order: ``{"id", "part", "mode", "K", "seed", "overrides"}``."""
-    out = []
-    if only is None or "main" in only:
-        for k in ks:
-            for seed in seeds:
-                for m in modes:
-                    out.append(dict(id=f"main_K{k}_{m}_s{seed}", part="main", mode=m, K=k, seed=seed,
-                                    overrides=[*MODES[m], f"async.max_staleness={k}"]))
-    if only is None or "grid" in only:
-        k = max(ks)  # the widest staleness window; every seed (claim 3's paired intervals need >= 3 per cell)
-        for seed, hi, eps in ((s, h, e) for s in seeds for h in MASK_HIGH for e in CLIP):
-            if (hi, eps) == GRID_DEFAULT:  # paper_small's own thresholds: the grid's centre is main's exact cell
-                if not any(c["id"] == f"main_K{k}_exact_s{seed}" for c in out):
-                    out.append(dict(id=f"main_K{k}_exact_s{seed}", part="main", mode="exact", K=k, seed=seed,
-                                    overrides=[*MODES["exact"], f"async.max_staleness={k}"]))
-                continue
-            out.append(dict(id=f"grid_K{k}_mask{hi:g}_clip{eps:g}_s{seed}", part="grid", mode="exact", K=k,
-                            seed=seed, mask_high=hi, clip=eps,
-                            overrides=[*MODES["exact"], f"async.max_staleness={k}", f"loss.train_infer_high={hi}",
-                                       f"loss.clip_eps_low={eps}", f"loss.clip_eps_high={eps}"]))
-    return out
 
 
 def select(todo: list[dict], ids: Optional[list[str]]) -> list[dict]:
