@@ -445,36 +445,60 @@ def rows_by_claim(rows_all: list[tuple[dict, dict]]) -> dict[tuple[str, str], di
 
 PREREG50_NEW_SEEDS = {"2e": range(10, 24), "1a": range(16, 24)}  # PREREG_50's seeds, fixed in advance
 REGEN_SUFFIX = "-sft2b"  # PREREG_50_CHANGES: records from the regenerated shared SFT (seed 2), kept apart
+MOE_SUFFIX = "-sft0b"  # PREREG_50_CHANGES (c): the MoE setting's regenerated warm start (seed 0)
+REGEN_SUFFIXES = (REGEN_SUFFIX, MOE_SUFFIX)
+PREREG50_C = {"3a": 0.05, "3c": 0.01}  # (c): claim -> the pre-registered margin ("no difference as large as")
+PREREG50_C_SETTING = "6b7ef691a83e" + MOE_SUFFIX
+
+
+def _default_rule(ci: tuple[float, float]) -> str:
+    """PREREG_50's rule (a) for the default of ``loss.ewma_reset`` from guarded minus no reset's interval."""
+    lo, hi = ci
+    return ("`guarded` stays the default (no worse than no reset by 0.05)" if lo > -EQUIV_MARGIN else
+            "the default becomes no reset (guarded worse by more than 0.05)" if hi < -EQUIV_MARGIN else
+            "undecided at this n: `guarded` stays the default; the remaining seeds run next")
+
+
+def _margin_rule(r: dict, margin: float) -> str:
+    """PREREG_50's rule (c): reproduced / contradicted by the interval's sign, "no difference as large as"
+    ``margin`` when it lies inside +-margin, else inconclusive (always inconclusive under 3 seeds)."""
+    lo, hi = r["ci"]
+    if r["n"] < 3 or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "inconclusive (fewer than 3 paired seeds)"
+    return ("reproduced" if lo > 0 else "contradicted" if hi < 0 else
+            f"no difference as large as {margin:g}" if -margin < lo and hi < margin else "inconclusive")
 
 
 def prereg50_result(rows_all: list[tuple[dict, dict]]) -> list[str]:
-    """Issue 50's pre-registered verdicts (``PREREG_50``) from the claim rows of every setting: (a) the
-    default of ``loss.ewma_reset`` from row 2e of the drift setting (guarded minus no reset, final avg@4:
-    lower bound above -``EQUIV_MARGIN``: ``guarded`` stays; upper bound below it: no reset; else
-    undecided, ``guarded`` stays), (b) claim 1a in the stale setting by the doc's rule."""
+    """Issue 50's pre-registered verdicts (``PREREG_50`` and its changes) from the claim rows of every setting:
+    (a) the default of ``loss.ewma_reset`` from row 2e (guarded minus no reset, final avg@4: lower bound above
+    -``EQUIV_MARGIN``: ``guarded`` stays; upper bound below it: no reset; else undecided, ``guarded`` stays),
+    decided in the regenerated setting; (b) claim 1a by the doc's rule; (c) claims 3a / 3c in the MoE setting's
+    regenerated warm start with the margins of ``PREREG50_C``."""
     rows = rows_by_claim(rows_all)
-    L = ["### Result of issue 50's pre-registered runs\n", "| part | setting | seeds run now | figures | verdict |",
+    L = ["### Result of issue 50's pre-registered runs\n", "| part | setting | seeds | figures | verdict |",
          "|---|---|---|---|---|"]
     parts = [(part + variant, setting + suffix, key, what)
-             for suffix, variant in (("", ""), (REGEN_SUFFIX, ", regenerated warm start (reported apart)"))
+             for suffix, variant in (("", " (earlier warm start)"), (REGEN_SUFFIX, " (regenerated warm start: decides)"))
              for part, setting, key, what in (
                  ("(a) guarded vs no reset", PREREG_SETTING, "2e", "guarded minus no reset, final avg@4"),
                  ("(b) claim 1a", PREREG_STALE, "1a", "PPO-EWMA minus decoupled, final avg@4"))]
+    parts += [("(c) claim 3a", PREREG50_C_SETTING, "3a", "mask 4 minus mask 1.5 (clip 0.2), held-out avg@4 at step 50"),
+              ("(c) claim 3c", PREREG50_C_SETTING, "3c", "clip 0.1 minus clip 0.4 (mask 2), mean R over steps 0-49")]
     for part, setting, key, what in parts:
         r = rows.get((setting, key))
         if r is None:
             L.append(f"| {part} | `{setting}` | - | no paired seed | - |")
             continue
-        new = [sd for sd in r["seeds"] if sd in PREREG50_NEW_SEEDS[key]]
-        lo, hi = r["ci"]
-        if key == "2e" and setting == PREREG_SETTING:  # the decision is the pre-registered setting's alone
-            v = ("`guarded` stays the default (no worse than no reset by 0.05)" if lo > -EQUIV_MARGIN else
-                 "the default becomes no reset (guarded worse by more than 0.05)" if hi < -EQUIV_MARGIN else
-                 "undecided at this n: `guarded` stays the default; the remaining seeds run next")
+        nd = 4 if key == "3c" else 3
+        if key == "2e":
+            v = _default_rule(r["ci"])
+        elif key in PREREG50_C:
+            v = _margin_rule(r, PREREG50_C[key])
         else:
             v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
-        L.append(f"| {part} | `{setting}` | {_seeds_str(new) if new else 'none'} | {what}: {r['mean']:+.3f}, 95% CI "
-                 f"{_fmt_ci(r['ci'])}, n = {r['n']} (seeds {_seeds_str(r['seeds'])}) | **{v}** |")
+        L.append(f"| {part} | `{setting}` | {_seeds_str(r['seeds'])} | {what}: {r['mean']:+.{nd}f}, 95% CI "
+                 f"{_fmt_ci(r['ci'], nd)}, n = {r['n']} | **{v}** |")
     L.append("")
     if (FIG_DIR / "issue50_reset" / "groups.png").exists():  # `jax-rl plot` of the (a) runs, made by hand
         L.append(PREREG_50_PLOTS)
@@ -490,18 +514,25 @@ SUMMARY_SETTINGS = {"1a": "f89beb774d44", "1b": "f89beb774d44", "1c": "f89beb774
                     "5b": "f89beb774d44"}
 
 
+# issue 50's claims in the regenerated warm starts (PREREG_50_CHANGES), each beside its earlier-host row
+SUMMARY_REGEN = [("1a", PREREG_STALE + REGEN_SUFFIX), ("2e", PREREG_SETTING + REGEN_SUFFIX),
+                 ("3a", PREREG50_C_SETTING), ("3c", PREREG50_C_SETTING)]
+
+
 def summary_table(rows_all: list[tuple[dict, dict]]) -> list[str]:
     """The table a reader sees first: one row per claim of ``SUMMARY_SETTINGS``, from the claim rows of
     the setting that judges it (verdict, mean paired difference, 95% interval, seeds)."""
     rows = rows_by_claim(rows_all)
     L = ["## Summary: each claim, where it is judged, our verdict\n",
          "| claim | setting | verdict | mean paired diff | 95% CI | seeds (n) |", "|---|---|---|---|---|---|"]
-    for key, setting in SUMMARY_SETTINGS.items():
+    for key, setting in [*SUMMARY_SETTINGS.items(), *SUMMARY_REGEN]:
         r = rows.get((setting, key))
         if r is None:
             continue
         nd = 4 if r["metric"] in ("prox_err", "early_r") else 3
         v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
+        if setting.endswith(REGEN_SUFFIXES) and key in PREREG50_C:
+            v = _margin_rule(r, PREREG50_C[key])
         L.append(f"| {r['claim']} | `{setting}` | **{v}** | {r['mean']:+.{nd}f} | {_fmt_ci(r['ci'], nd)} | "
                  f"{_seeds_str(r['seeds'])} ({r['n']}) |")
     L.append("")
@@ -516,7 +547,7 @@ def settings_table(used: list[tuple[dict, str]], left: list[dict]) -> list[str]:
         L.append(f"| `{st['setting']}` | {label} | {st['n']} | {st['first'][:16]} to {st['last'][:16]} |")
     for st in left:
         why = ("no setting id: imported before records carried one" if st["setting"] is None else
-               "issue 50's regenerated warm start, fewer than 2 paired seeds" if str(st["setting"]).endswith(REGEN_SUFFIX)
+               "issue 50's regenerated warm start, fewer than 2 paired seeds" if str(st["setting"]).endswith(REGEN_SUFFIXES)
                else "an earlier setting")
         L.append(f"| `{st['setting']}` | `{st['config']}` ({why}; no paired comparison, left out) | {st['n']} | "
                  f"{st['first'][:16]} to {st['last'][:16]} |")
