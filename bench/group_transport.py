@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python bench/group_transport.py [--samples 8] [--tokens 2048] [--moe-layers 48] [--k 8]
-        [--reps 5] [--no-ray] [--json FILE]
+        [--reps 5] [--parts kv,ray] [--json FILE]
 
 **Embedded multi-process** (:func:`jax_rl.runtime.engines.exchange_groups`): one realistic group (``--samples``
 trajectories of ``--tokens`` tokens, 3/4 of them generated: float32 ``behav_logp``, int32 versions, and int8
@@ -220,24 +220,28 @@ def main() -> int:
     ap.add_argument("--moe-layers", type=int, default=48)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-ray", action="store_true", help="leave out the Ray copies count")
+    ap.add_argument("--parts", default="kv,ray", help="what to measure: kv (the key-value store transports), "
+                    "ray (the object-store copies), or both")
     ap.add_argument("--json", help="append the record to this JSON file")
     a = ap.parse_args()
     group = make_group(a.samples, a.tokens, a.moe_layers, a.k)
     raw = sum(x.nbytes for t in group for x in t.to_record()[1].values())
-    print(f"group: {a.samples} x {a.tokens} tokens, routes [T, {a.moe_layers}, {a.k}] int8; arrays {raw / 2**20:.2f} MiB",
-          flush=True)
+    print("load average (1, 5, 15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    routes = f"routes [T, {a.moe_layers}, {a.k}] int8" if a.moe_layers else "no routes"
+    print(f"group: {a.samples} x {a.tokens} tokens, {routes}; arrays {raw / 2**20:.2f} MiB", flush=True)
     rec: dict = {"samples": a.samples, "tokens": a.tokens, "moe_layers": a.moe_layers, "k": a.k, "array_bytes": raw}
-    rec["kv"] = kv_paths(group, a.reps)
-    for name, r in rec["kv"].items():
+    parts = set(a.parts.split(","))
+    for name, r in (kv_paths(group, a.reps) if "kv" in parts else {}).items():
+        rec.setdefault("kv", {})[name] = r
         ms = {k: "{:.1f} [{:.1f}-{:.1f}]".format(*(1e3 * x for x in r[k])) for k in
               ("encode_s", "store_s", "decode_s", "total_s")}
         print(f"kv {name:6s}: {r['bytes'] / 2**20:7.2f} MiB in {r['chunks']} chunks; ms per group: encode "
               f"{ms['encode_s']}, put+get {ms['store_s']}, decode {ms['decode_s']}, total {ms['total_s']}; "
               f"bit-exact {r['exact']}", flush=True)
-    j, b = rec["kv"]["json"], rec["kv"]["arrays"]
-    print(f"kv arrays/json: bytes {b['bytes'] / j['bytes']:.3f}x, time {b['total_s'][0] / j['total_s'][0]:.3f}x")
-    if not a.no_ray:
+    if "kv" in rec:
+        j, b = rec["kv"]["json"], rec["kv"]["arrays"]
+        print(f"kv arrays/json: bytes {b['bytes'] / j['bytes']:.3f}x, time {b['total_s'][0] / j['total_s'][0]:.3f}x")
+    if "ray" in parts:
         with tempfile.TemporaryDirectory(prefix="group_transport_") as tmp:
             rec["ray"] = ray_copies(group, tmp)
         r = rec["ray"]
@@ -246,6 +250,7 @@ def main() -> int:
             print(f"ray {path:6s}: object-store copies of the group {c} ({r[path]['mib']:.0f} MiB for a "
                   f"{r['group_mib']:.1f} MiB group); host copies of a log-prob engine -> learner: 2 + {c} + 1 = "
                   f"{3 + c}", flush=True)
+    print("load average (1, 5, 15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     if a.json:
         append_record(a.json, rec)
     return 0

@@ -175,8 +175,8 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 # disaggregated: the global batch on every process; colocated multi-process: each process trains its
                 # own groups' rows, the learner the union
                 if hasattr(learner, "train_groups"):  # runtime=ray: the learner actor collates what it reads in place
-                    groups, trajs = _sorted_groups(groups)
                     metrics, batch = learner.train_groups(groups, pad_id, batch_rows)  # batch: its row count
+                    groups, trajs = _sorted_groups(groups)
                 else:
                     groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
                     metrics = learner.train_step(batch, process_local=nproc > 1 and not split)

@@ -75,9 +75,13 @@ class RemoteLearner:
     def train_groups(self, groups: list, pad_id: int, rows: int) -> tuple[dict, int]:
         """One learner step on ``groups``, collated by the learner actor
         (:meth:`~jax_rl.runtime.ray_actors.LearnerActor.train_groups`): a :class:`RayGroups` goes by its
-        object references (no copy into the store), other groups by value. Returns ``(metrics, batch rows)``."""
+        object references (no copy into the store), other groups by value. Returns ``(metrics, batch rows)``;
+        the metrics carry ``ray/groups_by_value``, how many groups went by value (0 but on the steps that train
+        groups restored from a checkpoint)."""
         sources = getattr(groups, "sources", None) or [(None, None, g) for g in groups]
-        return ray_get(self.actor.train_groups.remote(sources, pad_id, rows))
+        metrics, n = ray_get(self.actor.train_groups.remote(sources, pad_id, rows))
+        # groups that crossed to the learner by value (a second store copy): those restored from a checkpoint
+        return {**metrics, "ray/groups_by_value": sum(r is None for r, _, _ in sources)}, n
 
     def evaluate(self, step: int, label: str = "eval") -> dict:
         return ray_get(self.actor.evaluate.remote(step, label))

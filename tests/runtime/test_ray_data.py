@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_rl.config import CONFIG_DIR, load_config
-from jax_rl.runtime.ray_producer import RayProducer
+from jax_rl.runtime.ray_producer import RayProducer, group_source, read_groups
 from rollout.types import Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +61,28 @@ def test_a_finished_group_goes_to_the_buffer_actor_by_reference():
     assert put_args == [[ref]], "the buffer actor must get the worker's object ref, not a re-serialised group"
     assert recorded == [group] and all(isinstance(t, Trajectory) for t in recorded[0])
     assert p.in_flight == {} and p.done_gids == {7}
+
+
+def test_a_batch_goes_back_as_references_and_is_read_in_place():
+    """The buffer actor's batch entry names the worker's reference and the members the buffer kept (the same
+    objects: a failed one dropped); a group with no reference (restored from a checkpoint) goes by value;
+    :func:`read_groups` gets each reference once and rebuilds the kept members. ``ray`` is a fake."""
+    whole = [_traj(4, 0), _traj(4, 1), _traj(4, 2)]
+    restored = [_traj(9, 0)]
+    ref = object()
+    src = [group_source([whole[0], whole[2]], (ref, whole)), group_source(restored, None)]
+    assert src == [(ref, [0, 2], None), (None, None, restored)]
+    gets = []
+
+    class _Ray:
+        @staticmethod
+        def get(refs):
+            gets.append(list(refs))
+            return [whole for _ in refs]
+
+    got = read_groups(_Ray, src + [(ref, [1], None)])
+    assert gets == [[ref]], "each reference is fetched once, in one call"
+    assert got[0] == [whole[0], whole[2]] and got[1] is restored and got[2] == [whole[1]]
 
 
 _PROBE = r"""
