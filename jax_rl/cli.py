@@ -24,6 +24,7 @@ from jax_rl.chips import BackendUnavailable, require_backend
 from jax_rl.config import ConfigError, load_config
 from jax_rl.config.loading import _suggest, _valid_keys, resolve_config_path
 from jax_rl.plots import plot_runs
+from jax_rl.runtime.run_dir import multiprocess_start
 from jax_rl.tpu import cpu_unless_tpu_present, libtpu_available
 
 # The subcommands that run a model import jax (and flax, orbax...) inside their cmd_* function: main() must
@@ -118,7 +119,10 @@ def _checked(cfg):
     from jax_rl.correction import check_config  # lazy: imports jax (the platform is chosen in main first)
 
     cfg = check_config(cfg)
-    require_backend()  # JAX_PLATFORMS names a backend this host lacks: one line, exit 2 (BackendUnavailable)
+    # JAX_PLATFORMS names a backend this host lacks: one line, exit 2 (BackendUnavailable). Not on a process of
+    # a multi-process run: starting the backend here would come before jax.distributed.initialize (refused)
+    if not multiprocess_start(cfg.runtime):
+        require_backend()
     return cfg
 
 

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from jax_rl.sharding import make_mesh
 
 __all__ = ["WeightSyncError", "SyncTarget", "ShardedWeightSync", "configure_transfer", "transfer_address",
-           "engine_targets", "shard_bytes", "allgather_json"]
+           "engine_targets", "shard_bytes", "allgather_json", "allgather_bytes"]
 
 _SEQ = itertools.count()
 
@@ -327,43 +327,59 @@ class ShardedWeightSync:
 
 
 _GATHER_SEQ = itertools.count()
-_CHUNK = 1 << 20  # characters per key-value entry (the coordination service's gRPC messages stay small)
+_CHUNK = 1 << 20  # bytes per key-value entry (the coordination service's gRPC messages stay small)
 
 
-def allgather_json(obj: Any, *, timeout_s: float = 100.0, what: str = "state") -> list:
-    """Every process's JSON-safe ``obj``, in process order (a collective: every process calls it at the
-    same point). Through the ``jax.distributed`` key-value store, not a device collective, so it never
-    waits on devices busy with rollouts; one process: ``[obj]``.
+def allgather_bytes(data: bytes, *, timeout_s: float = 100.0, what: str = "state") -> list:
+    """Every process's ``data``, in process order (a collective: every process calls it at the same point;
+    this process's own entry is ``data`` itself). Through the ``jax.distributed`` key-value store's bytes
+    entries (``key_value_set_bytes``, 1 MiB chunks), not a device collective, so it never waits on devices
+    busy with rollouts and needs no agreement on shapes; one process: ``[data]``.
 
     Raises:
         WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
     """
     if jax.process_count() == 1:
-        return [obj]
+        return [data]
     client = distributed.global_state.client
     seq = next(_GATHER_SEQ)
     base = f"jax_rl/gather/{seq}"
     me = jax.process_index()
-    text = json.dumps(obj)
-    chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
-    for i, c in enumerate(chunks):
-        client.key_value_set(f"{base}/{me}/{i}", c)
-    client.key_value_set(f"{base}/{me}/n", str(len(chunks)))
+    view = memoryview(data).cast("B")
+    n = max(1, -(-len(view) // _CHUNK))
+    for i in range(n):
+        client.key_value_set_bytes(f"{base}/{me}/{i}", bytes(view[i * _CHUNK:(i + 1) * _CHUNK]))
+    client.key_value_set(f"{base}/{me}/n", str(n))
     deadline = time.monotonic() + float(timeout_s)
     out = []
     for q in range(jax.process_count()):
         if q == me:
-            out.append(json.loads(text))
+            out.append(data)
             continue
         try:
-            n = int(client.blocking_key_value_get(f"{base}/{q}/n", max(1, int(1000 * (deadline - time.monotonic())))))
-            out.append(json.loads("".join(client.blocking_key_value_get(f"{base}/{q}/{i}", 10_000) for i in range(n))))
+            m = int(client.blocking_key_value_get(f"{base}/{q}/n", max(1, int(1000 * (deadline - time.monotonic())))))
+            chunks = [client.blocking_key_value_get_bytes(f"{base}/{q}/{i}", 10_000) for i in range(m)]
         except Exception:  # noqa: BLE001 - a timeout or the coordination service gone
             raise WeightSyncError(f"process {q} did not hand in its {what} within {float(timeout_s):g} s "
                                   "(runtime.peer_timeout_s): peer lost") from None
+        out.append(chunks[0] if m == 1 else b"".join(chunks))
     if seq >= 2:  # read by everyone by now
         try:
             client.key_value_delete(f"jax_rl/gather/{seq - 2}/{me}")
         except Exception:  # noqa: BLE001 - housekeeping only
             pass
     return out
+
+
+def allgather_json(obj: Any, *, timeout_s: float = 100.0, what: str = "state") -> list:
+    """Every process's JSON-safe ``obj``, in process order (:func:`allgather_bytes` of its JSON text; one
+    process: ``[obj]``). For small state (metrics, run-dir checks); trajectories cross as arrays
+    (:func:`rollout.types.encode_groups`).
+
+    Raises:
+        WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    text = json.dumps(obj).encode()
+    return [obj if b is text else json.loads(b) for b in allgather_bytes(text, timeout_s=timeout_s, what=what)]

@@ -2,20 +2,24 @@
 
 No jax here: everything is numpy on the host, per-token fields as arrays under one name each
 (``behav_logp``, ``versions``, ``loss_mask``, ``routes``) from the generator to the learner batch.
-Processes exchange the arrays themselves (Ray's object store); :meth:`Trajectory.to_dict` /
-:meth:`Trajectory.from_dict` (arrays as JSON lists) are for disk (the buffer's checkpointed state)
-and the ``jax.distributed`` key-value store; nothing is pickled to disk.
+Processes exchange the arrays themselves, as one record (:meth:`Trajectory.to_record`: JSON-safe
+metadata and the named numpy arrays): Ray's object store pickles a Trajectory through it (protocol 5,
+the arrays out of band) and the ``jax.distributed`` key-value store carries it as bytes
+(:func:`encode_groups` / :func:`decode_groups`: a JSON header of dtypes, shapes and offsets, then the raw
+array bytes; no pickle). :meth:`Trajectory.to_dict` / :meth:`Trajectory.from_dict` (arrays as JSON
+lists) are for disk (the buffer's checkpointed state); nothing is pickled to disk.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-__all__ = ["Trajectory", "Completion", "json_safe", "ROUTE_MISSING"]
+__all__ = ["Trajectory", "Completion", "json_safe", "ROUTE_MISSING", "ARRAY_FIELDS", "encode_groups", "decode_groups"]
 
 ROUTE_MISSING = -1
 """Expert id of a position with no recorded route (``jax_rl.models.qwen3.ROUTE_MISSING``): the
@@ -231,6 +235,25 @@ class Trajectory:
             d["routes_shape"] = list(self.routes.shape)
         return d
 
+    def to_record(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The record processes exchange: ``(meta, arrays)``. ``meta``: ``reward``, ``group_id``, ``env``,
+        ``seed``, ``info`` (as they are); ``arrays``: the :data:`ARRAY_FIELDS` that are set, the
+        trajectory's own arrays (no copy). Inverse of :meth:`from_record`; Ray pickles a Trajectory
+        through it, :func:`encode_groups` writes it as bytes."""
+        meta = {"reward": self.reward, "group_id": self.group_id, "env": self.env, "seed": self.seed,
+                "info": self.info}
+        return meta, {k: getattr(self, k) for k in ARRAY_FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_record(cls, meta: dict, arrays: dict) -> "Trajectory":
+        """Rebuild from :meth:`to_record`; arrays of the field's dtype are kept as they are (views)."""
+        return cls(**{k: arrays.get(k) for k in ARRAY_FIELDS}, reward=meta["reward"], group_id=meta["group_id"],
+                   env=meta["env"], seed=meta["seed"], info=dict(meta.get("info") or {}))
+
+    def __reduce__(self):
+        """Pickle (Ray's object store only) as the record: the arrays travel out of band."""
+        return _from_record, self.to_record()
+
     @classmethod
     def from_dict(cls, d: dict) -> "Trajectory":
         """Rebuild from :meth:`to_dict` output (float32 log-probs round-trip exactly)."""
@@ -257,3 +280,85 @@ class Trajectory:
     @classmethod
     def from_json(cls, s: str) -> "Trajectory":
         return cls.from_dict(json.loads(s))
+
+
+ARRAY_FIELDS = ("tokens", "loss_mask", "behav_logp", "versions", "turn_ids", "old_logp", "routes")
+"""The per-token arrays of :meth:`Trajectory.to_record` (``old_logp`` / ``routes`` only when set)."""
+
+WIRE_MAGIC = b"JRLTRJ01"
+"""First 8 bytes of :func:`encode_groups`' payload (then the header's length, uint64 little-endian)."""
+_WIRE_DTYPES = frozenset({"|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<f4"})
+_ALIGN = 8
+
+
+def _from_record(meta: dict, arrays: dict) -> Trajectory:
+    return Trajectory.from_record(meta, arrays)
+
+
+def encode_groups(groups) -> bytes:
+    """GRPO groups (lists of :class:`Trajectory`) as one bytes payload: ``WIRE_MAGIC``, the header's
+    length (uint64 LE), a UTF-8 JSON header ``{"groups": [[{"meta", "arrays": {name: [dtype, shape,
+    offset]}}]], "nbytes"}`` and the arrays' raw little-endian bytes, each at an 8-byte aligned offset of
+    the body. Every value arrives bit for bit (NaN payloads included); no pickle. Inverse of
+    :func:`decode_groups`.
+
+    Raises:
+        TypeError: an array of a dtype outside the wire's (bool, int8-64, uint8/16, float32), or an
+            ``info`` value with no JSON form (naming it).
+    """
+    parts: list = []
+    off = 0
+    header = []
+    for g in groups:
+        hg = []
+        for t in g:
+            meta, arrays = t.to_record()
+            spec = {}
+            for k, a in arrays.items():
+                a = np.ascontiguousarray(a)
+                dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+                if dt.str not in _WIRE_DTYPES:
+                    raise TypeError(f"Trajectory.{k} of dtype {a.dtype} cannot cross processes "
+                                    f"(wire dtypes: {sorted(_WIRE_DTYPES)})")
+                a = a.astype(dt, copy=False)
+                pad = -off % _ALIGN
+                if pad:
+                    parts.append(bytes(pad))
+                    off += pad
+                spec[k] = [dt.str, list(a.shape), off]
+                parts.append(memoryview(a).cast("B") if a.size else b"")
+                off += a.nbytes
+            hg.append({"meta": {**meta, "info": json_safe(meta["info"])}, "arrays": spec})
+        header.append(hg)
+    head = json.dumps({"groups": header, "nbytes": off}).encode()
+    return b"".join([WIRE_MAGIC, struct.pack("<Q", len(head)), head, *parts])
+
+
+def decode_groups(payload) -> list[list[Trajectory]]:
+    """The groups of an :func:`encode_groups` payload. Each array is a read-only view of ``payload``
+    (bytes-like; no copy), with the dtype and shape it was sent with.
+
+    Raises:
+        ValueError: (one line) not such a payload (wrong magic, a truncated body, a dtype outside the wire's).
+    """
+    buf = memoryview(payload).cast("B")
+    if len(buf) < 16 or bytes(buf[:8]) != WIRE_MAGIC:
+        raise ValueError(f"not a trajectory payload (first bytes {bytes(buf[:8])!r}, expected {WIRE_MAGIC!r})")
+    (n,) = struct.unpack("<Q", buf[8:16])
+    header = json.loads(bytes(buf[16:16 + n]))
+    body = buf[16 + n:]
+    if len(body) != header["nbytes"]:
+        raise ValueError(f"trajectory payload truncated: body of {len(body)} bytes, header says {header['nbytes']}")
+    out = []
+    for hg in header["groups"]:
+        g = []
+        for ht in hg:
+            arrays = {}
+            for k, (dt, shape, off) in ht["arrays"].items():
+                if k not in ARRAY_FIELDS or dt not in _WIRE_DTYPES:
+                    raise ValueError(f"trajectory payload: field {k!r} of dtype {dt!r} is not a wire field")
+                count = int(np.prod(shape, dtype=np.int64))
+                arrays[k] = np.frombuffer(body, dtype=np.dtype(dt), count=count, offset=off).reshape(shape)
+            g.append(Trajectory.from_record(ht["meta"], arrays))
+        out.append(g)
+    return out

@@ -13,10 +13,10 @@ from jax_rl.model_builder import rollout_model_kwargs
 from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh
-from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_json, engine_targets
+from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_bytes, engine_targets
 from rollout.engine import Qwen3Engine
 from rollout.generator import Generator
-from rollout.types import Trajectory
+from rollout.types import decode_groups, encode_groups
 
 __all__ = ["local_groups_per_step", "rollout_rank", "split_processes", "exchange_groups", "engine_mesh", "user_model_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
 
@@ -48,16 +48,18 @@ def exchange_groups(cfg: Config, groups: Sequence[Sequence[Any]]) -> list:
     """Every process's groups of this step, in process order (a collective every process calls once per step of
     a disaggregated run, :func:`split_processes`): the rollout processes' trajectories reach the learner's.
 
-    Through the ``jax.distributed`` key-value store as JSON (``Trajectory.to_dict``: float32 log-probs and int
-    tokens round-trip exactly), not a device collective, so it never waits on devices busy decoding. A learner
-    process waits at most ``runtime.peer_timeout_s`` for a rollout process's groups of one step.
+    Through the ``jax.distributed`` key-value store as arrays (:func:`rollout.types.encode_groups`: the
+    :meth:`~rollout.types.Trajectory.to_record` record Ray ships, raw array bytes behind a small JSON header of
+    dtypes and shapes; every value bit for bit, no JSON lists, no pickle), not a device collective, so it never
+    waits on devices busy decoding and the processes need not agree on shapes. The arrays that arrive are
+    read-only views of the received bytes. A learner process waits at most ``runtime.peer_timeout_s`` for a
+    rollout process's groups of one step.
 
     Raises:
         jax_rl.weight_sync.WeightSyncError: (one line) a peer did not hand in its groups in time (a lost host).
     """
-    every = allgather_json([[t.to_dict() for t in g] for g in groups], timeout_s=cfg.runtime.peer_timeout_s,
-                           what="rollout groups")
-    return [[Trajectory.from_dict(d) for d in g] for part in every for g in part]
+    every = allgather_bytes(encode_groups(groups), timeout_s=cfg.runtime.peer_timeout_s, what="rollout groups")
+    return [g for part in every for g in decode_groups(part)]
 
 
 def split_processes(cfg: Config) -> bool:

@@ -92,6 +92,9 @@ class LearnerHandle(Protocol):
 
     def train_step(self, batch: dict, *, process_local: bool = False) -> dict: ...
 
+    # optional (runtime=ray's RemoteLearner): ``train_groups(groups, pad_id, rows) -> (metrics, batch rows)``,
+    # the learner's process collates the groups itself; the loop then calls it instead of train_step
+
     def evaluate(self, step: int, label: str = "eval") -> dict: ...
 
     def save(self, rl_step: int, meta: Optional[dict] = None, *, wait: bool = False) -> None: ...
@@ -153,8 +156,12 @@ def _train_and_publish(cfg: Config, learner: LearnerHandle, producer: Producer, 
     v_train = version
     # disaggregated: the global batch on every process; colocated multi-process: each process trains its
     # own groups' rows, the learner the union
-    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
-    metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
+    if hasattr(learner, "train_groups"):  # runtime=ray: the learner actor collates what it reads in place
+        metrics, batch = learner.train_groups(groups, pad_id, batch_rows)  # batch: its row count
+        groups, trajs = _sorted_groups(groups)
+    else:
+        groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
+        metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
     version = learner.version
     t_pub = time.perf_counter()
     producer.publish(version)
@@ -352,14 +359,13 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
              version_trained: int) -> dict:
     """The ``metrics.jsonl`` fields every runtime writes for one learner step.
 
+    ``batch``: the learner batch, or its row count (``runtime=ray``: the learner actor built it).
     ``staleness_mean`` / ``staleness_max`` (versions) come from the learner's metrics; they are
-    computed here from ``batch["versions"]`` against ``version_trained`` only when missing.
+    computed here from the trajectories' ``versions`` against ``version_trained`` only when missing.
     """
     row = dict(metrics)
-    row["padded_rows"] = int(batch["tokens"].shape[0]) - len(trajs)
-    v = batch["versions"]
-    m = batch["loss_mask"] & (v >= 0)
-    s = (version_trained - v)[m]
+    row["padded_rows"] = (batch if isinstance(batch, int) else int(batch["tokens"].shape[0])) - len(trajs)
+    s = np.concatenate([version_trained - t.versions[t.loss_mask & (t.versions >= 0)] for t in trajs] or [[]])
     row.setdefault("staleness_mean", float(s.mean()) if s.size else 0.0)
     row.setdefault("staleness_max", int(s.max()) if s.size else 0)
     rewards = np.asarray([t.reward for t in trajs], np.float32)
@@ -382,6 +388,13 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
     if env_spec(cfg.env.name).agentic:  # the agentic workload's shape: per-episode means over the batch
         row.update(tau2_episode_stats(trajs))
     return row
+
+
+def _sorted_groups(groups) -> tuple[list, list]:
+    """``groups`` in :func:`jax_rl.learner.batch.learner_batch`'s order (by ``group_id``) and their
+    trajectories flattened: the rows of the batch the Ray learner actor builds from the same groups."""
+    groups = sorted(groups, key=lambda g: g[0].group_id)
+    return groups, [t for g in groups for t in g]
 
 
 def rollout_moe_drops(trajs) -> dict:

@@ -2,9 +2,12 @@
 and an agent loop per process), :class:`BufferActor` (:class:`rollout.buffer.TrajectoryBuffer`) and
 :class:`LearnerActor` (the :class:`~jax_rl.runtime.context.RunContext`: learner and held-out eval).
 
-Trajectories cross processes as :class:`rollout.types.Trajectory` objects, numpy arrays inside:
-Ray's object store carries the arrays out of band (pickle protocol 5) and a reader on the same node
-maps them without a copy (read-only views). Only the buffer's checkpointed state is JSON.
+Trajectories cross processes as :class:`rollout.types.Trajectory` objects, numpy arrays inside
+(:meth:`~rollout.types.Trajectory.to_record`): Ray's object store carries the arrays out of band (pickle
+protocol 5) and a reader on the same node maps them without a copy (read-only views). A group is put
+into the store once, as its worker's result; the buffer actor, the driver and the learner actor read that
+copy by reference (:func:`jax_rl.runtime.ray_producer.read_groups`), and the learner actor builds the
+batch itself. Only the buffer's checkpointed state is JSON.
 
 Ray is an optional dependency (the ``[ray]`` extra), imported inside :func:`actor_classes` so that
 this module loads without it. Importing the project modules below does not start JAX's CPU client,
@@ -26,7 +29,9 @@ from jax_rl.models.qwen3 import Qwen3Config
 from jax_rl.publish import hand_over
 from jax_rl.runtime import engines
 from jax_rl.affinity import pin_process, thread_affinities
+from jax_rl.learner.batch import learner_batch
 from jax_rl.runtime.context import RunContext, drop_newer_checkpoints
+from jax_rl.runtime.ray_producer import group_source, read_groups
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
 from rollout.agent import AgentLoop
 from rollout.buffer import TrajectoryBuffer
@@ -95,7 +100,11 @@ class RolloutWorker:
 
 class BufferActor:
     """:class:`rollout.buffer.TrajectoryBuffer` in its own process: the rollout workers put groups, the driver
-    admits, cancels and takes batches (never blocking: ``timeout=0``), and exports its state for a checkpoint."""
+    admits, cancels and takes batches (never blocking: ``timeout=0``), and exports its state for a checkpoint.
+    A group comes in by its worker's object reference and a batch goes out as references
+    (:func:`~jax_rl.runtime.ray_producer.group_source`): the arrays stay in the worker's object-store copy, read
+    in place here, by the driver and by the learner actor. A group restored from a checkpoint (no reference)
+    goes out by value."""
 
     def __init__(self, group_size: int, max_staleness: int, groups_per_step: int, state: Optional[dict],
                  max_seq_len: Optional[int] = None):
@@ -103,6 +112,7 @@ class BufferActor:
                                     max_seq_len=max_seq_len)
         if state:
             self.buf.import_state(state)
+        self._src: dict = {}  # group_id -> (worker's ref, the group as read): while the group is pending
 
     def admit(self, version: int) -> bool:
         return self.buf.admit(version)
@@ -110,11 +120,27 @@ class BufferActor:
     def cancel(self, n: int = 1) -> None:
         self.buf.cancel(n)
 
-    def put_group(self, group: list[Trajectory]) -> int:
-        return self.buf.put_group(group)
+    def put_group(self, wrapped: list) -> int:
+        """``wrapped``: ``[ref]``, a worker's ``run_group`` result (a list, so Ray hands the reference
+        itself over; the group is read in place here). Returns the trajectories accepted."""
+        import ray  # the actor runs under Ray: imported here so that this module loads without it
 
-    def get_batch(self, n_groups: int, version: int) -> Optional[list[list[Trajectory]]]:
-        return self.buf.get_batch(n_groups, version, timeout=0.0)
+        group = ray.get(wrapped[0])
+        n = self.buf.put_group(group)
+        if n:
+            self._src[group[0].group_id] = (wrapped[0], group)
+        return n
+
+    def get_batch(self, n_groups: int, version: int) -> Optional[list]:
+        """``n_groups`` groups' sources (:func:`~jax_rl.runtime.ray_producer.group_source`), or None."""
+        groups = self.buf.get_batch(n_groups, version, timeout=0.0)
+        if groups is None:
+            return None
+        out = [group_source(g, self._src.pop(g[0].group_id, None)) for g in groups]
+        live: set = set()  # forget the references of groups the buffer dropped (stale)
+        self.buf.map_pending(lambda g: live.add(g[0].group_id))
+        self._src = {k: v for k, v in self._src.items() if k in live}
+        return out
 
     def stats(self) -> dict:
         return self.buf.stats()
@@ -191,6 +217,16 @@ class LearnerActor:
 
     def train_step(self, batch: dict) -> dict:
         return self.ctx.train_step(batch)
+
+    def train_groups(self, sources: list, pad_id: int, rows: int) -> tuple[dict, int]:
+        """One learner step on the groups of ``sources`` (the buffer actor's
+        :func:`~jax_rl.runtime.ray_producer.group_source` entries), read in place from the object store
+        and collated here (:func:`jax_rl.learner.batch.learner_batch`): the batch is never put into the
+        store. Returns ``(metrics, rows of the batch)``."""
+        import ray  # the actor runs under Ray
+
+        _, _, batch = learner_batch(self.cfg, read_groups(ray, sources), pad_id, rows=rows)
+        return self.ctx.train_step(batch), int(batch["tokens"].shape[0])
 
     def evaluate(self, step: int, label: str) -> dict:
         return self.ctx.evaluate(step, label=label)

@@ -3,8 +3,10 @@
 actor, workers replaced when they die) and the :class:`RemoteLearner` handle over the learner actor.
 
 Trajectories stay :class:`rollout.types.Trajectory` objects on the way (numpy arrays through Ray's
-object store); a finished group goes from its worker to the buffer actor by its object reference,
-so the driver does not serialise it again.
+object store), put into the store once, as the rollout worker's result: the group goes to the buffer
+actor, back to the driver and on to the learner actor by that object reference (:func:`group_source`,
+:func:`read_groups`; each reads the arrays in place), and the learner actor builds the batch, so no
+process serialises a trajectory or the batch again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,32 @@ from rollout.types import Trajectory, json_safe
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["RayProducer", "RemoteLearner"]
+__all__ = ["RayProducer", "RemoteLearner", "RayGroups", "group_source", "read_groups"]
+
+
+def group_source(group: list, src: Optional[tuple]) -> tuple:
+    """How a batch's group crosses processes: ``(ref, member indices, None)`` when ``src`` is
+    ``(ref, the group as its worker returned it)`` (``group`` keeps some of those members, the same objects),
+    else ``(None, None, group)`` (by value: a group restored from a checkpoint)."""
+    if src is None:
+        return None, None, group
+    ref, whole = src
+    return ref, [next(i for i, w in enumerate(whole) if w is t) for t in group], None
+
+
+def read_groups(ray, sources: list) -> list[list[Trajectory]]:
+    """The groups of :func:`group_source` entries: one ``ray.get`` of their references (on the node of the
+    store's copy the arrays are read-only views of it, no copy), the kept members of each."""
+    refs = list(dict.fromkeys(r for r, _, _ in sources if r is not None))
+    got = dict(zip(refs, ray.get(refs))) if refs else {}
+    return [g if r is None else [got[r][i] for i in idx] for r, idx, g in sources]
+
+
+class RayGroups(list):
+    """A batch's groups (:meth:`RayProducer.poll`) with their :attr:`sources` (:func:`group_source`), which
+    :meth:`RemoteLearner.train_groups` hands the learner actor instead of the arrays."""
+
+    sources: list = []
 
 
 class RemoteLearner:
@@ -44,6 +71,17 @@ class RemoteLearner:
         if process_local:
             raise ValueError("runtime=ray: the driver sends whole batches; process_local=True is a multi-process embedded option")
         return ray_get(self.actor.train_step.remote(batch))
+
+    def train_groups(self, groups: list, pad_id: int, rows: int) -> tuple[dict, int]:
+        """One learner step on ``groups``, collated by the learner actor
+        (:meth:`~jax_rl.runtime.ray_actors.LearnerActor.train_groups`): a :class:`RayGroups` goes by its
+        object references (no copy into the store), other groups by value. Returns ``(metrics, batch rows)``;
+        the metrics carry ``ray/groups_by_value``, how many groups went by value (0 but on the steps that train
+        groups restored from a checkpoint)."""
+        sources = getattr(groups, "sources", None) or [(None, None, g) for g in groups]
+        metrics, n = ray_get(self.actor.train_groups.remote(sources, pad_id, rows))
+        # groups that crossed to the learner by value (a second store copy): those restored from a checkpoint
+        return {**metrics, "ray/groups_by_value": sum(r is None for r, _, _ in sources)}, n
 
     def evaluate(self, step: int, label: str = "eval") -> dict:
         return ray_get(self.actor.evaluate.remote(step, label))
@@ -136,15 +174,19 @@ class RayProducer:
         return self._worker_cls.options(max_concurrency=self.per_worker + 2).remote(self._cfg_dict, self._hf, i,
                                                                                    self.user_ref)
 
-    def poll(self, n_groups: int, version: int) -> Optional[list[list[Trajectory]]]:
+    def poll(self, n_groups: int, version: int) -> Optional[RayGroups]:
         """``n_groups`` groups from the buffer actor for the learner at ``version`` (the trajectories'
-        arrays are read-only views of the object store's copy), or None when it has too few yet."""
+        arrays are read-only views of the worker's object-store copy, read by reference), or None when it
+        has too few yet."""
         ray = self._ray
         self._collect(0.0)
         self._dispatch()
-        groups = ray.get(self.buffer.get_batch.remote(n_groups, version))
-        if groups is None:
+        sources = ray.get(self.buffer.get_batch.remote(n_groups, version))
+        if sources is None:
             self._collect(0.2)
+            return None
+        groups = RayGroups(read_groups(ray, sources))
+        groups.sources = sources
         return groups
 
     def publish(self, version: int) -> None:
@@ -279,8 +321,8 @@ class RayProducer:
                 self.counters["duplicate_groups"] += 1
                 continue
             self.done_gids.add(gid)
-            try:  # by reference: the buffer actor reads the worker's object-store copy
-                ray.get(self.buffer.put_group.remote(ref))
+            try:  # by reference (in a list, so Ray passes the ref): the buffer actor reads the worker's copy
+                ray.get(self.buffer.put_group.remote([ref]))
             except Exception as e:  # a malformed group: drop it, give its slot back, count it
                 log.warning("group %d could not be put into the buffer: %r", gid, e)
                 ray.get(self.buffer.cancel.remote(1))

@@ -31,6 +31,8 @@ def test_ray_two_workers_survive_a_kill(tmp_path):
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     rows = read_jsonl(d / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3]
+    # every group reached the learner actor by the worker's object reference: no second copy in the store
+    assert [x["ray/groups_by_value"] for x in rows] == [0, 0, 0]
     s = json.loads((d / "summary.json").read_text())
     assert s["worker_restarts"] >= 1
     assert s["reissued_groups"] >= 1
