@@ -140,18 +140,18 @@ def test_no_import_cycle():
 
 
 def test_parent_packages_are_edges():
-    """``from jax_rl.correction.old_logits.routes import X`` runs ``jax_rl/correction/old_logits/__init__.py`` first."""
+    """``from jax_rl.learner.correction.old_logits.routes import X`` runs ``jax_rl/learner/correction/old_logits/__init__.py`` first."""
     g = import_graph()
-    assert {"jax_rl.correction.old_logits.routes", "jax_rl.correction.old_logits"} <= g["jax_rl.correction"]
+    assert {"jax_rl.learner.correction.old_logits.routes", "jax_rl.learner.correction.old_logits"} <= g["jax_rl.learner.correction"]
 
 
-REGISTRIES = ("jax_rl.correction", "jax_rl.learner.advantages", "jax_rl.correction.old_logits")
+REGISTRIES = ("jax_rl.learner.correction", "jax_rl.learner.advantages", "jax_rl.learner.correction.old_logits")
 
 
 def test_config_imports_no_registry():
     """The config is a leaf the registries and the rest import: no module of ``jax_rl.config`` imports a
     registry (nor anything that reaches one), at module level, in a function or for types only. The
-    registries' knowledge of a config (what a mode allows) is :func:`jax_rl.correction.check_config`."""
+    registries' knowledge of a config (what a mode allows) is :func:`jax_rl.learner.correction.check_config`."""
     g = import_graph()
     config = [m for m in g if m == "jax_rl.config" or m.startswith("jax_rl.config.")]
     seen, todo = set(config), list(config)
@@ -170,8 +170,8 @@ def test_registries_agree_with_the_config():
 
     from jax_rl.learner.advantages import REGISTRY as ADVANTAGES
     from jax_rl.config import AlgoConfig, LossConfig, OldLogitsConfig
-    from jax_rl.correction import REGISTRY
-    from jax_rl.correction.old_logits.routes import ROUTES
+    from jax_rl.learner.correction import REGISTRY
+    from jax_rl.learner.correction.old_logits.routes import ROUTES
 
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
@@ -199,9 +199,9 @@ def test_route_names_only_in_the_registry_and_the_config():
     route object. Docstrings may name routes."""
     import re
 
-    from jax_rl.correction.old_logits.routes import ROUTES
+    from jax_rl.learner.correction.old_logits.routes import ROUTES
 
-    allowed = {ROOT / "jax_rl" / "correction" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
+    allowed = {ROOT / "jax_rl" / "learner" / "correction" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
     pat = re.compile(r"route=(" + "|".join(ROUTES) + r")\b")
     bad = []
     for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):

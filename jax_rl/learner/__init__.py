@@ -13,7 +13,7 @@
 - :mod:`jax_rl.learner.sft`: the SFT warm-start stage.
 
 Where pi_prox comes from (the correction registry, the proximal math and the exact old-logit routes) is
-:mod:`jax_rl.correction`. This ``__init__`` re-exports nothing: importing one pure piece (``losses``) must not
+:mod:`jax_rl.learner.correction`. This ``__init__`` re-exports nothing: importing one pure piece (``losses``) must not
 build the whole learner, and the modules the learner imports (placement, routing replay) read
 ``jax_rl.learner.batch``, so a re-export of ``Learner`` here would close an import cycle.
 """
