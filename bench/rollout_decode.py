@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     import tempfile
 
     from jax_rl.models import hf_io
-    from rollout.serve import config_and_params
+    from jax_rl.runtime.serve import config_and_params
 
     cfg = _config(a.preset)
     tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()

@@ -169,7 +169,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from rollout.serve import main as serve_main  # lazy: jax and JetStream's gRPC server
+    from jax_rl.runtime.serve import main as serve_main  # lazy: jax and JetStream's gRPC server
 
     return serve_main(args)
 
