@@ -248,11 +248,9 @@ class Learner:
         return copy_params(self.state.params, host=host)
 
     # ---------------------------------------------------------------------------------
-    # batch placement (jax_rl.placement)
+    # batch placement (jax_rl.placement.BatchPlacement, ``Learner.placement``): the learner itself calls the
+    # placement; these three are its public face for callers that place a batch by hand (tests, benches)
     # ---------------------------------------------------------------------------------
-    def _layout(self, B: int, U: Optional[int] = None, m: Optional[int] = None) -> tuple[int, int, int]:
-        return self.placement.layout(B, U, m)
-
     def batch_sharding(self, r: int) -> NamedSharding:
         """Sharding of a chunked batch array [U, m, r, T]: rows over ``activation_batch``'s axes."""
         return self.placement.batch_sharding(r)
@@ -278,19 +276,19 @@ class Learner:
         if key not in self._steps:
             self._steps[key] = make_train_step(
                 self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
-                state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r),
+                state_shardings=self.state_shardings, batch_sharding=self.placement.batch_sharding(r),
                 routing=self.routing, packed_metrics=True)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:
         """``jax.ShapeDtypeStruct`` learner batch [U, m, r, T] (with the fields the jitted step
         reads under this correction mode), for AOT ``lower().compile()`` (``--dry-run``)."""
-        U, m, r = self._layout(B)
-        return learner_batch_spec(self.strategy, self.routing, self.model_config, (U, m, r, T), self.batch_sharding(r))
+        U, m, r = self.placement.layout(B)
+        return learner_batch_spec(self.strategy, self.routing, self.model_config, (U, m, r, T), self.placement.batch_sharding(r))
 
     def lower_train_step(self, B: int, T: int):
         """``jax.stages.Lowered`` of the train step for a [B, T] batch (call ``.compile()``)."""
-        U, m, r = self._layout(B)
+        U, m, r = self.placement.layout(B)
         with jax.set_mesh(self.mesh):
             return self.train_step_fn(r).lower(self.state, self.abstract_batch(B, T))
 
@@ -325,7 +323,7 @@ class Learner:
             return {"skipped": 1.0, "skipped_steps": float(self.skipped_steps), "version": float(g),
                     "step": float(self.step), "step_time_s": time.perf_counter() - t0, "tokens": 0.0,
                     "tokens_per_s": 0.0}
-        dev, r = self.device_batch(b, process_local=process_local)
+        dev, r = self.placement.device_batch(b, process_local=process_local)
         dev, old_stats = self._prox_inputs(b, dev, g)
         if self.strategy.needs_exact:  # the learner's own old-logit forwards (0 under route=dedicated)
             old_stats.setdefault("old_logits_forwards", 0.0)
@@ -418,7 +416,7 @@ class Learner:
             sub = self._bucketed(sub)
         U, m = self.minibatches, self.microbatches
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
-        dev, r = self.device_batch(sub, process_local=False, U=U, m=m)
+        dev, r = self.placement.device_batch(sub, process_local=False, U=U, m=m)
         with jax.set_mesh(self.mesh):
             out = self.old_logits.forward(dev)(self.state.params if params is None else params, dev["tokens"],
                                         dev["attention_mask"])
@@ -438,13 +436,13 @@ class Learner:
         """
         g = self.version
         b = self._bucketed(self._host_batch(batch, current_version=g))
-        dev, r = self.device_batch(b, process_local=False)
+        dev, r = self.placement.device_batch(b, process_local=False)
         dev, _ = self._prox_inputs(b, dev, g)
         key = ("grads", r)
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,
                                              param_shardings=self.param_shardings,
-                                             batch_sharding=self.batch_sharding(r), routing=self.routing)
+                                             batch_sharding=self.placement.batch_sharding(r), routing=self.routing)
         with jax.set_mesh(self.mesh):
             loss, grads, metr = self._steps[key](self.state.params, self.state.correction, self.state.version,
                                                  LearnerBatch.from_dict(dev))
