@@ -183,7 +183,7 @@ def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict
     cfg = load_cfg(src)  # jax_rl and rollout from src first: rollout_decode puts its own root on sys.path
     import _tunix as T
     from jax_rl.models import hf_io
-    from rollout.serve import config_and_params
+    from jax_rl.runtime.serve import config_and_params
 
     import rollout_decode as RD
     qcfg = hf_io.load_config(hf_dir)

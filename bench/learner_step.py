@@ -150,7 +150,7 @@ def bench_jax(model: dict, correction: str, B: int, T: int, steps: int, scan_lay
 
 def _time_ewma_update(lrn) -> float:
     """Seconds of the EWMA bookkeeping alone (reset select + bias-corrected update, jitted)."""
-    from jax_rl.correction import proximal
+    from jax_rl.learner.correction import proximal
 
     def f(ew, p, W):
         ew, W = proximal.ewma_reset(ew, p, W < 0, W)

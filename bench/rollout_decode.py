@@ -277,7 +277,7 @@ def load_models(a: argparse.Namespace, cfg, scan: bool, tunix_err: str | None):
     import tempfile
 
     from jax_rl.models import hf_io
-    from rollout.serve import config_and_params
+    from jax_rl.runtime.serve import config_and_params
 
     with tempfile.TemporaryDirectory() as d:
         hf = _checkpoint(cfg, d, use_hf=not a.no_hf)

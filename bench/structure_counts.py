@@ -57,34 +57,10 @@ def levels(graph: dict[str, set[str]]) -> dict[str, int]:
     return out
 
 
-def _folder(m: str, mods: dict) -> str:
-    return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
-
-
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     """``a -> b`` for each import from a module of folder F to a module outside F's subfolders that reaches
-    (transitively) a module of F."""
-    mods = ts._modules()
-    reach: dict[str, set[str]] = {}
-
-    def reached(m: str) -> set[str]:
-        if m not in reach:
-            reach[m] = set()
-            acc = set(graph[m])
-            for d in graph[m]:
-                acc |= reached(d)
-            reach[m] = acc
-        return reach[m]
-
-    out = []
-    for m in sorted(graph):
-        f = _folder(m, mods)
-        for d in sorted(graph[m]):
-            if d == f or d.startswith(f + ".") or f.startswith(d + "."):  # down the tree, or its own packages
-                continue
-            if any(r.startswith(f + ".") or (r == f and graph[f]) for r in reached(d)):  # an empty __init__ is no tie
-                out.append(f"{m} -> {d}")
-    return out
+    (transitively) a module of F (the structure test's finder, :func:`test_structure.upward_imports`)."""
+    return ts.upward_imports(graph)
 
 
 def long_functions(limit: int = 80) -> list[tuple[int, str]]:

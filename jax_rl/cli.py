@@ -114,9 +114,9 @@ def _load(args) -> "object":
 
 
 def _checked(cfg):
-    """``cfg`` after the registries' checks (:func:`jax_rl.correction.check_config`: what the correction mode
+    """``cfg`` after the registries' checks (:func:`jax_rl.learner.correction.check_config`: what the correction mode
     and its old-logit route allow), so a refused combination is one line and exit 2 before anything runs."""
-    from jax_rl.correction import check_config  # lazy: imports jax (the platform is chosen in main first)
+    from jax_rl.learner.correction import check_config  # lazy: imports jax (the platform is chosen in main first)
 
     cfg = check_config(cfg)
     # JAX_PLATFORMS names a backend this host lacks: one line, exit 2 (BackendUnavailable). Not on a process of
@@ -173,7 +173,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from rollout.serve import main as serve_main  # lazy: jax and JetStream's gRPC server
+    from jax_rl.runtime.serve import main as serve_main  # lazy: jax and JetStream's gRPC server
 
     return serve_main(args)
 

@@ -5,7 +5,7 @@
 
 - embedded runtime, one process: a device copy of the params; the route's scorer gets them first
   when the ``old_logits.route`` scores on the rollout side
-  (:meth:`jax_rl.correction.old_logits.routes.Route.publish`), then every generator casts and reshards them
+  (:meth:`jax_rl.learner.correction.old_logits.routes.Route.publish`), then every generator casts and reshards them
   (``Generator.update_params``);
 - embedded runtime, several processes (``jax.distributed``): one
   :class:`jax_rl.weight_sync.ShardedWeightSync` push, each engine receiving its own shards;
@@ -15,37 +15,40 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.dtypes import cast_floating
+from jax_rl.learner.holder import copy_params
 
 if TYPE_CHECKING:
-    from jax_rl.learner.learner import Learner
-    from jax_rl.correction.old_logits.routes import Route
+    from jax_rl.learner.correction.old_logits.routes import Route
     from jax_rl.weight_sync import ShardedWeightSync
 
 __all__ = ["Publisher", "hand_over"]
 
 
 class Publisher:
-    """The publish stage of one learner.
+    """The publish stage of one learner, built from the learner's pieces (it holds no learner).
 
     Args:
-        learner: the :class:`~jax_rl.learner.learner.Learner` whose live params are published.
+        params: the learner's params getter: ``params()`` -> the live params (an ``nnx.State`` on ``mesh``;
+            donated by the next train step, so a publish copies them, :func:`jax_rl.learner.holder.copy_params`).
+        mesh: the learner's mesh (the multi-process gather runs on it).
+        rollout_dtype: the engines' dtype (``rollout.dtype``; the multi-process gather casts to it).
     """
 
-    def __init__(self, learner: "Learner"):
-        self._lrn = learner
+    def __init__(self, params: Callable[[], Any], mesh: jax.sharding.Mesh, rollout_dtype: Any):
+        self._params, self.mesh, self.rollout_dtype = params, mesh, jnp.dtype(rollout_dtype)
         self._gather_jit = None  # multi-process params(): the cast + all-gather program, built once
 
     def params(self, host: bool = False) -> Any:
         """The params a publish hands the rollout side (an ``nnx.State`` like the learner's params).
 
-        Single process: a copy of the learner's params (:meth:`jax_rl.learner.learner.Learner.get_params`):
+        Single process: a copy of the learner's params (:func:`jax_rl.learner.holder.copy_params`):
         device arrays on the learner's mesh (each engine casts and reshards them,
         ``Qwen3Engine.load_params``), or with ``host`` numpy arrays (the Ray object store's copy).
         Multi-process (``jax.distributed``): the learner's shards live on every host, and jax 0.10.2
@@ -60,17 +63,16 @@ class Publisher:
         Raises:
             ValueError: ``host`` in a multi-process run.
         """
-        lrn = self._lrn
         if jax.process_count() == 1:
-            return lrn.get_params(host=host)
+            return copy_params(self._params(), host=host)
         if host:
             raise ValueError("Publisher.params(host=True) needs a single process; use device arrays")
         if self._gather_jit is None:
-            dt = jnp.dtype(lrn.cfg.rollout.dtype)
-            replicated = jax.tree.map(lambda _: NamedSharding(lrn.mesh, P()), lrn.state.params)
+            dt = self.rollout_dtype
+            replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), self._params())
             self._gather_jit = jax.jit(lambda p: cast_floating(p, dt), out_shardings=replicated)
-        with jax.set_mesh(lrn.mesh):
-            full = self._gather_jit(lrn.state.params)
+        with jax.set_mesh(self.mesh):
+            full = self._gather_jit(self._params())
         return jax.tree.map(lambda x: x.addressable_shards[0].data, full)
 
     def publish(self, version: int, generators: Sequence[Any], *, sync: Optional["ShardedWeightSync"] = None,
@@ -92,7 +94,7 @@ class Publisher:
             params are what moved).
         """
         if sync is not None:  # multi-process: each engine receives its own shards (jax_rl.weight_sync)
-            placed = sync.push(self._lrn.params, int(version))
+            placed = sync.push(self._params(), int(version))
             cast_s = sum(g.update_params(placed[k], version) for g, k in zip(generators, sync_keys))
             last = sync.last
             return float(cast_s), last.get("weight_sync_sent_bytes", 0.0) + last.get("weight_sync_recv_bytes", 0.0)

@@ -89,7 +89,7 @@ class AgentLoop:
         track: keep every episode, from its start until :meth:`release`, so that
             :meth:`unscored_prefixes` can ship the prefixes, token versions and recorded routes of
             finished and in-flight episodes (``old_logits.route=interrupt|retire``,
-            :class:`jax_rl.correction.old_logits.RetiringScorer`). Released keys are ``(group_id, sample_idx)``.
+            :class:`jax_rl.learner.correction.old_logits.RetiringScorer`). Released keys are ``(group_id, sample_idx)``.
     """
 
     def __init__(

@@ -127,7 +127,7 @@ class Trajectory:
         old_logp: float32 [T] or None: exact log pi_v of each generated token under its own
             behaviour version v with the learner's training numerics (0 elsewhere; aligned like
             ``behav_logp``), filled before the trajectory enters the buffer by
-            ``old_logits.route=dedicated`` (:class:`jax_rl.correction.old_logits.OldLogitScorer`); None = not
+            ``old_logits.route=dedicated`` (:class:`jax_rl.learner.correction.old_logits.OldLogitScorer`); None = not
             scored.
         routes: None, or int [T, n_moe_layers, k] (int8/int16: ``jax_rl.models.qwen3.route_dtype``):
             the top-k expert ids each MoE layer of the rollout engine chose at position t (prompt

@@ -200,7 +200,7 @@ def test_cli_help(sub):
                                                        "route=snapshot"]),
 ])
 def test_mode_and_route_refusals_name_the_keys(overrides, names):
-    from jax_rl.correction import check_config, make_correction
+    from jax_rl.learner.correction import check_config, make_correction
 
     cfg = load_config(None, overrides)  # the config, a leaf, knows no mode's rules: the registries check
     with pytest.raises(ConfigError) as e:
@@ -225,10 +225,10 @@ def test_cli_refuses_a_mode_route_combination_in_one_line():
 @pytest.mark.parametrize("mode", ["decoupled", "linear_prox", "ppo_ewma"])
 def test_measure_error_allowed_for_every_approximation(mode):
     """The approximations are the strategies declaring ``approximate``, not a list in the config."""
-    from jax_rl.correction import REGISTRY
+    from jax_rl.learner.correction import REGISTRY
 
     assert REGISTRY[mode].approximate
-    from jax_rl.correction import check_config
+    from jax_rl.learner.correction import check_config
 
     assert check_config(load_config(None, [f"loss.correction={mode}", "old_logits.measure_error=true"])
                         ).old_logits.measure_error

@@ -19,7 +19,7 @@ reduction tiling across shapes; the difference is at most an ulp or two of a log
 same scorer is bitwise equal to the snapshot route, which the hook checks too. Measured on this
 host: all 928 loss tokens of the run bitwise equal anyway (4 trajectories span two versions).
 
-``interrupt`` and ``retire`` (:class:`jax_rl.correction.old_logits.RetiringScorer`) score a version's tokens
+``interrupt`` and ``retire`` (:class:`jax_rl.learner.correction.old_logits.RetiringScorer`) score a version's tokens
 when the fleet leaves it, on the prefixes the rollout side holds then (partial trajectories cut
 mid-turn, chunks of up to ``group_size`` rows), and the rest when the group finishes: more
 shapes again, so the same 1e-6 bound, and for the same reason. The run also checks that tokens
@@ -39,7 +39,7 @@ import pytest
 from jax_rl.config import CONFIG_DIR, load_config
 from jax_rl.learner.learner import Learner
 from jax_rl.metrics import read_jsonl
-from jax_rl.correction.old_logits import SnapshotStore, snapshot_logprobs, versions_needed
+from jax_rl.learner.correction.old_logits import SnapshotStore, snapshot_logprobs, versions_needed
 from jax_rl.runtime import embedded
 from jax_rl.runtime.train import run_train
 

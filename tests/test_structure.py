@@ -5,7 +5,7 @@ import is still a dependency of the reader's model of the code); importing ``a.b
 packages ``a`` and ``a.b`` first, so those are edges too. The config is a leaf that imports no
 registry. Also: the registries and the config's allowed names agree, nothing outside a
 registry branches on a route's name, a function-level project import says why it waits (``# lazy:``),
-and no module is over 600 lines."""
+no import runs from a lower level up (:func:`upward_imports`) and no module is over 600 lines."""
 
 import ast
 import re
@@ -140,18 +140,75 @@ def test_no_import_cycle():
 
 
 def test_parent_packages_are_edges():
-    """``from jax_rl.correction.old_logits.routes import X`` runs ``jax_rl/correction/old_logits/__init__.py`` first."""
+    """``from jax_rl.learner.correction.old_logits.routes import X`` runs ``jax_rl/learner/correction/old_logits/__init__.py`` first."""
     g = import_graph()
-    assert {"jax_rl.correction.old_logits.routes", "jax_rl.correction.old_logits"} <= g["jax_rl.correction"]
+    assert {"jax_rl.learner.correction.old_logits.routes", "jax_rl.learner.correction.old_logits"} <= g["jax_rl.learner.correction"]
 
 
-REGISTRIES = ("jax_rl.correction", "jax_rl.learner.advantages", "jax_rl.correction.old_logits")
+def upward_imports(graph: dict[str, set[str]], mods: dict[str, Path] | None = None) -> list[str]:
+    """``a -> b`` for each import from a module of folder F (its package: the module itself for a package's
+    ``__init__``) to a module outside F's subfolders that reaches, transitively, a module of F (F's own
+    ``__init__`` counts when it imports something; an empty one is no tie): the folder leans on something that
+    leans on it, e.g. ``old_logits/stage.py`` -> ``learner.train_step`` -> ``correction`` -> ``old_logits/``."""
+    mods = _modules() if mods is None else mods
+    reach: dict[str, set[str]] = {}
+
+    def reached(m: str) -> set[str]:
+        if m not in reach:
+            reach[m] = set()
+            acc = set(graph[m])
+            for d in graph[m]:
+                acc |= reached(d)
+            reach[m] = acc
+        return reach[m]
+
+    out = []
+    for m in sorted(graph):
+        f = m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+        for d in sorted(graph[m]):
+            if d == f or d.startswith(f + ".") or f.startswith(d + "."):  # down the tree, or its own packages
+                continue
+            if any(r.startswith(f + ".") or (r == f and graph[f]) for r in reached(d)):
+                out.append(f"{m} -> {d}")
+    return out
+
+
+def test_upward_import_finder():
+    """A module whose import reaches back into its own folder is flagged; down-the-tree imports, its own
+    packages and an empty ``__init__`` are not."""
+    mods = {m: Path(f"{m.replace('.', '/')}.py") for m in ("a.x", "a.y", "b.z", "b.w")}
+    mods.update({"a": Path("a/__init__.py"), "b": Path("b/__init__.py")})
+    graph = {"a": set(), "b": set(), "a.x": {"b.z"}, "a.y": set(), "b.z": {"a.y"}, "b.w": {"a.y"}}
+    assert upward_imports(graph, mods) == ["a.x -> b.z"]
+    graph["a.x"] = {"b.w", "a.y"}  # b.w reaches a.y, in a.x's folder: still upward; a.x -> a.y is its own folder
+    assert upward_imports(graph, mods) == ["a.x -> b.w"]
+    graph["b.w"] = {"a"}  # only a's empty __init__: no tie
+    assert upward_imports(graph, mods) == []
+
+
+# Upward imports still standing, each with why it must stay (``"a -> b": reason``); a fix deletes its line.
+UPWARD_EXPLAINED: dict[str, str] = {}
+
+
+def test_no_upward_import():
+    """No import runs from a lower level up (:func:`upward_imports`): a folder leans only on folders that do not
+    lean back on it; a shared piece moves down, or the dependency is inverted (a stage takes callables, as
+    :class:`jax_rl.learner.correction.old_logits.stage.OldLogitStage` does). :data:`UPWARD_EXPLAINED` names any
+    that must stay, with why."""
+    found = upward_imports(import_graph())
+    bad = [e for e in found if e not in UPWARD_EXPLAINED]
+    assert not bad, "imports from a lower level up (move the shared piece down or invert it):\n" + "\n".join(bad)
+    stale = sorted(set(UPWARD_EXPLAINED) - set(found))
+    assert not stale, f"UPWARD_EXPLAINED names imports no longer upward: delete {stale}"
+
+
+REGISTRIES = ("jax_rl.learner.correction", "jax_rl.learner.advantages", "jax_rl.learner.correction.old_logits")
 
 
 def test_config_imports_no_registry():
     """The config is a leaf the registries and the rest import: no module of ``jax_rl.config`` imports a
     registry (nor anything that reaches one), at module level, in a function or for types only. The
-    registries' knowledge of a config (what a mode allows) is :func:`jax_rl.correction.check_config`."""
+    registries' knowledge of a config (what a mode allows) is :func:`jax_rl.learner.correction.check_config`."""
     g = import_graph()
     config = [m for m in g if m == "jax_rl.config" or m.startswith("jax_rl.config.")]
     seen, todo = set(config), list(config)
@@ -170,8 +227,8 @@ def test_registries_agree_with_the_config():
 
     from jax_rl.learner.advantages import REGISTRY as ADVANTAGES
     from jax_rl.config import AlgoConfig, LossConfig, OldLogitsConfig
-    from jax_rl.correction import REGISTRY
-    from jax_rl.correction.old_logits.routes import ROUTES
+    from jax_rl.learner.correction import REGISTRY
+    from jax_rl.learner.correction.old_logits.routes import ROUTES
 
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
@@ -199,9 +256,9 @@ def test_route_names_only_in_the_registry_and_the_config():
     route object. Docstrings may name routes."""
     import re
 
-    from jax_rl.correction.old_logits.routes import ROUTES
+    from jax_rl.learner.correction.old_logits.routes import ROUTES
 
-    allowed = {ROOT / "jax_rl" / "correction" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
+    allowed = {ROOT / "jax_rl" / "learner" / "correction" / "old_logits" / "routes.py", ROOT / "jax_rl" / "config" / "training.py"}
     pat = re.compile(r"route=(" + "|".join(ROUTES) + r")\b")
     bad = []
     for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py")):

@@ -4,9 +4,9 @@ Items of one checkpoint (a step directory ``<dir>/<step>/``):
 
 - ``state``: the learner's :class:`~jax_rl.learner.train_step.TrainState` minus the correction's
   state, as a nested dict of jax arrays ``{params, opt_state, version, step, rng}``;
-- the correction strategy's items (:meth:`jax_rl.correction.Correction.checkpoint_items`;
+- the correction strategy's items (:meth:`jax_rl.learner.correction.Correction.checkpoint_items`;
   ``ewma``: ``{params, count, streak, resets}`` for the EWMA strategy);
-- ``snapshots``: the snapshot store of :mod:`jax_rl.correction.old_logits`, ``{"v<n>": params}``
+- ``snapshots``: the snapshot store of :mod:`jax_rl.learner.correction.old_logits`, ``{"v<n>": params}``
   (only when the store holds something);
 - ``metadata``: JSON. ``rl_step`` (the RL loop step the state is at; the runtime resumes
   from exactly this step), ``version`` (published versions), ``opt_step`` (optimizer updates;

@@ -16,7 +16,7 @@ from jax_rl.checkpoint import abstract_like
 from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
-from jax_rl.correction import tree_finite, tree_where
+from jax_rl.learner.correction import tree_finite, tree_where
 from jax_rl.learner.logprobs import CHUNK_ELEMS, chunk_len
 from jax_rl.placement import BatchPlacement
 from jax_rl.learner.sft import SFT_FIELDS, make_sft_step
@@ -93,7 +93,7 @@ def _grads_piece(t: _Target, r: int, T: int, cfg_: Config, mc) -> tuple[Any, tup
 
 def _steady(t: _Target, strategy) -> _Target:
     """The target whose config traces the train step as it runs on a step where no rare branch
-    fires (:meth:`jax_rl.correction.Correction.steady_config`; for ``ppo_ewma`` the reset off: XLA
+    fires (:meth:`jax_rl.learner.correction.Correction.steady_config`; for ``ppo_ewma`` the reset off: XLA
     costs its reset ``lax.cond`` with the second forward in full although that branch runs only
     on a reset step). ``t`` itself when the strategy has no such branch."""
     cfg = strategy.steady_config()

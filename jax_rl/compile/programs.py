@@ -239,7 +239,7 @@ def _engine_keys(t: _Target, row: dict, em) -> None:
 
 def _scorer_row(t: _Target, log) -> dict:
     """The ``score_step`` row (role ``scorer``): the dedicated old-logit scorer's forward
-    (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.make_scorer` with ``placement.scorer``: fp32 params on an
+    (:meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.make_scorer` with ``placement.scorer``: fp32 params on an
     ``fsdp`` mesh over the scorer's devices, one GRPO group of ``algo.group_size`` rows x
     ``optim.max_seq_len`` per call). Its chips also hold ``versions_held`` = ``async.max_staleness`` + 1
     param versions (:func:`_on_chip` adds the other versions' params)."""

@@ -15,7 +15,7 @@ The package: :mod:`jax_rl.config.schema` (:class:`Config`) over the sections in 
 ``base.yaml``); everything is
 importable from ``jax_rl.config``. Importing or validating it does not import jax (cheap for the CLI
 and tests). The package is a leaf of the import graph: what a correction mode allows with it is the
-registries' check, :func:`jax_rl.correction.check_config`. ``python -m jax_rl.config >
+registries' check, :func:`jax_rl.learner.correction.check_config`. ``python -m jax_rl.config >
 configs/base.yaml`` regenerates the commented base file.
 """
 

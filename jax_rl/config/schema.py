@@ -8,8 +8,8 @@ async, algo, sft, old_logits), :mod:`~jax_rl.config.rollout` (rollout, env) and 
 
 The config is a leaf of the import graph: it imports no registry (``tests/test_structure.py``). What a
 correction mode allows with it (``old_logits.measure_error``, an ``old_logits.route``) is the registries'
-knowledge, checked by :func:`jax_rl.correction.check_config` where a run is built (the CLI's loader and
-:func:`jax_rl.correction.make_correction`).
+knowledge, checked by :func:`jax_rl.learner.correction.check_config` where a run is built (the CLI's loader and
+:func:`jax_rl.learner.correction.make_correction`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 - :mod:`jax_rl.learner.learner`: :class:`~jax_rl.learner.learner.Learner`, the host shell around the train
   step (state, placement, process-local rows, pi_prox's host-side inputs) and its stages.
+- :mod:`jax_rl.learner.holder`: the pieces the stages share: the learner's mutable state
+  (:class:`~jax_rl.learner.holder.StateHolder`) and the processes holding it.
 - :mod:`jax_rl.learner.checkpoints`: the learner's checkpoint stage (save, restore with fallback).
 - :mod:`jax_rl.learner.spec`: the learner's shapes and shardings (state, batch) for a config.
 - :mod:`jax_rl.learner.train_step`: ``TrainState`` and the one pure jitted train step.
@@ -11,9 +13,14 @@
 - :mod:`jax_rl.learner.batch`: ``LearnerBatch``, ``collate``, padding and validation.
 - :mod:`jax_rl.learner.logprobs`: the RL log-prob heads (truncation, entropy).
 - :mod:`jax_rl.learner.sft`: the SFT warm-start stage.
+- :mod:`jax_rl.learner.correction`: where pi_prox comes from (the correction registry, the proximal math,
+  and in ``correction/old_logits/`` the exact old-logit routes, the snapshot store and the old-logit stage).
 
-Where pi_prox comes from (the correction registry, the proximal math and the exact old-logit routes) is
-:mod:`jax_rl.correction`. This ``__init__`` re-exports nothing: importing one pure piece (``losses``) must not
+Each stage takes the pieces it uses (config, state holder, shardings, a params getter, ...) and none holds the
+:class:`~jax_rl.learner.learner.Learner`, which composes them; nothing in ``correction/`` imports the learner
+modules that import it (the old-logit stage gets the learner's forward as a callable).
+
+This ``__init__`` re-exports nothing: importing one pure piece (``losses``) must not
 build the whole learner, and the modules the learner imports (placement, routing replay) read
 ``jax_rl.learner.batch``, so a re-export of ``Learner`` here would close an import cycle.
 """

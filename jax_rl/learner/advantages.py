@@ -1,7 +1,7 @@
 """Group advantages (GRPO, RLOO) and their broadcast over tokens. Pure and jit-able.
 
 ``algo.advantage`` names an estimator in :data:`REGISTRY` (``@register("name")``, as the correction
-modes are registered in :mod:`jax_rl.correction`); :func:`compute_advantages` asks it. Adding an
+modes are registered in :mod:`jax_rl.learner.correction`); :func:`compute_advantages` asks it. Adding an
 estimator: one registered function ``(rewards [N], group_ids [N], algo) -> [N]`` and its name in
 ``AlgoConfig.advantage`` (``tests/test_structure.py`` checks the two agree).
 

@@ -1,6 +1,7 @@
 """The learner's checkpoint stage: its train state to and from Orbax (:mod:`jax_rl.checkpoint`).
 
-:class:`LearnerCheckpoints` (``Learner.checkpoints``) saves the learner's
+:class:`LearnerCheckpoints` (``Learner.checkpoints``, built from the learner's pieces: its state holder, shardings,
+correction strategy, snapshot store, model config and processes) saves the learner's
 :class:`~jax_rl.learner.train_step.TrainState`, the correction strategy's items and the snapshot store
 (:func:`jax_rl.checkpoint.train_state_items`) with the run's metadata, restores them onto the
 learner's mesh (any shape) with a fallback past bad steps, and keeps one
@@ -20,7 +21,10 @@ from typing import Any, Optional
 import jax
 
 from jax_rl import checkpoint as ckpt
-from jax_rl.config import config_hash
+from jax_rl.config import Config, config_hash
+from jax_rl.learner.correction import Correction
+from jax_rl.learner.correction.old_logits import SnapshotStore
+from jax_rl.learner.holder import LearnerProcesses, StateHolder
 from jax_rl.weight_sync import allgather_json
 
 __all__ = ["LearnerCheckpoints"]
@@ -29,14 +33,28 @@ log = logging.getLogger(__name__)
 
 
 class LearnerCheckpoints:
-    """Checkpoints of one learner (``checkpoint.*``: ``every``, ``max_to_keep``, ``async_save``).
+    """Checkpoints of one learner (``checkpoint.*``: ``every``, ``max_to_keep``, ``async_save``), built from the
+    learner's pieces (it holds no learner).
 
     Args:
-        learner: the :class:`~jax_rl.learner.learner.Learner` whose state is saved and restored.
+        cfg: the run config (``checkpoint``, ``model.preset`` / ``model.checkpoint``, the checkpoint directory
+            of :func:`jax_rl.checkpoint.resolve_checkpoint_dir`; the whole config is hashed into the metadata).
+        held: the learner's :class:`~jax_rl.learner.holder.StateHolder`: the train state saved, and where a
+            restore writes the restored state, ``skipped_steps`` and (version, step).
+        state_shardings: the train state's shardings (a restore places the arrays there, any mesh shape).
+        param_shardings: the params' shardings (the snapshot store exports its versions there).
+        strategy: the correction strategy (:class:`jax_rl.learner.correction.Correction`: its name and its
+            checkpoint items).
+        store: the snapshot store (:class:`jax_rl.learner.correction.old_logits.SnapshotStore`), or None.
+        model_config: the ``Qwen3Config`` (its HF dict is the checkpoint's ``model_arch``).
+        processes: the processes holding the learner (:class:`~jax_rl.learner.holder.LearnerProcesses`).
     """
 
-    def __init__(self, learner: Any):  # a jax_rl.learner.learner.Learner (which imports this module)
-        self._lrn = learner
+    def __init__(self, cfg: Config, held: StateHolder, *, state_shardings: Any, param_shardings: Any,
+                 strategy: Correction, store: Optional[SnapshotStore], model_config: Any, processes: LearnerProcesses):
+        self.cfg, self.held, self.strategy, self.store = cfg, held, strategy, store
+        self.state_shardings, self.param_shardings = state_shardings, param_shardings
+        self.model_config, self.procs = model_config, processes
         self._ckptrs: dict[str, ckpt.Checkpointer] = {}
         self._in_shared = False
 
@@ -47,28 +65,27 @@ class LearnerCheckpoints:
         Raises:
             ValueError: no ``ckpt_dir`` and the config names no checkpoint directory.
         """
-        lrn = self._lrn
-        d = ckpt_dir or ckpt.resolve_checkpoint_dir(lrn.cfg, error=ValueError)[1]
+        d = ckpt_dir or ckpt.resolve_checkpoint_dir(self.cfg, error=ValueError)[1]
         d = str(Path(d).absolute())
         if d not in self._ckptrs:
-            c = lrn.cfg.checkpoint
+            c = self.cfg.checkpoint
+            active = set(self.procs.holders) if self.procs.on_some_processes else None
             self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save,
-                                                active_processes=set(lrn.holders) if lrn.on_some_processes else None)
+                                                active_processes=active)
         return self._ckptrs[d]
 
     def metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
         """The ``metadata`` item of a checkpoint (:mod:`jax_rl.checkpoint`); ``extra`` goes under ``runtime``."""
-        lrn = self._lrn
-        store = lrn.old_logits.store
+        store = self.store
         return {
-            "rl_step": int(lrn.version if rl_step is None else rl_step),
-            "version": lrn.version,
-            "opt_step": lrn.step,
-            "config_hash": config_hash(lrn.cfg),
-            "model_arch": lrn.model_config.to_hf(),
-            "model_name": ckpt.model_name(lrn.cfg.model.preset, lrn.cfg.model.checkpoint),
-            "correction": lrn.correction,
-            "skipped_steps": lrn.skipped_steps,
+            "rl_step": int(self.held.version if rl_step is None else rl_step),
+            "version": self.held.version,
+            "opt_step": self.held.step,
+            "config_hash": config_hash(self.cfg),
+            "model_arch": self.model_config.to_hf(),
+            "model_name": ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint),
+            "correction": self.strategy.name,
+            "skipped_steps": self.held.skipped_steps,
             "snapshot_versions": store.versions if store is not None else [],
             "process_count": jax.process_count(),
             "runtime": dict(extra or {}),
@@ -95,14 +112,13 @@ class LearnerCheckpoints:
             jax_rl.checkpoint.CheckpointDiskFullError: not enough disk space (one line; earlier
                 steps intact).
         """
-        lrn = self._lrn
-        if not lrn.holds_learner:  # a process with no learner device: the holders save (checkpoint.Checkpointer)
+        if not self.procs.holds_learner:  # a process with no learner device: the holders save (checkpoint.Checkpointer)
             return False
         ck = self.checkpointer(ckpt_dir)
-        store = lrn.old_logits.store
-        snaps = store.export(lrn.param_shardings) if store is not None and len(store) else None
-        items = ckpt.train_state_items(lrn.state, lrn.strategy, snaps)
-        v = lrn.version if rl_step is None else int(rl_step)
+        store = self.store
+        snaps = store.export(self.param_shardings) if store is not None and len(store) else None
+        items = ckpt.train_state_items(self.held.state, self.strategy, snaps)
+        v = self.held.version if rl_step is None else int(rl_step)
         if v in ck.all_steps():
             ck.wait()
             ck.delete(v)
@@ -113,7 +129,7 @@ class LearnerCheckpoints:
 
     def maybe_save(self, ckpt_dir: Optional[str | Path] = None, extra_metadata: Optional[dict] = None) -> bool:
         """Save when ``checkpoint.every`` divides the current version (> 0)."""
-        if self.checkpointer(ckpt_dir).should_save(self._lrn.version):
+        if self.checkpointer(ckpt_dir).should_save(self._self.held.version):
             return self.save(ckpt_dir, extra_metadata)
         return False
 
@@ -136,7 +152,7 @@ class LearnerCheckpoints:
                 correction mode (never skipped: the whole dir is another run's).
             CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
         """
-        if self._lrn.on_some_processes and not self._in_shared:  # the holders restore
+        if self.procs.on_some_processes and not self._in_shared:  # the holders restore
             return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
         ck = self.checkpointer(ckpt_dir)
         if step is not None:
@@ -170,9 +186,8 @@ class LearnerCheckpoints:
         holders restore, then every process gets the first holder's metadata (or its one-line error) through
         the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
         counters (version, optimizer step)."""
-        lrn = self._lrn
         meta, err = None, None
-        if lrn.holds_learner:
+        if self.procs.holds_learner:
             self._in_shared = True  # restore as a plain holder
             try:
                 meta = self.restore(ckpt_dir, step)
@@ -180,51 +195,50 @@ class LearnerCheckpoints:
                 err = e
             finally:
                 self._in_shared = False
-        mine = None if not lrn.holds_learner or jax.process_index() != lrn.holders[0] else \
+        mine = None if not self.procs.holds_learner or jax.process_index() != self.procs.holders[0] else \
             ({"meta": json.loads(json.dumps(meta, default=str))} if err is None else
              {"error": type(err).__name__, "message": ckpt.one_line(err)})
-        got = allgather_json(mine, timeout_s=lrn.cfg.runtime.peer_timeout_s, what="restored checkpoint")
-        got = got[lrn.holders[0]]
+        got = allgather_json(mine, timeout_s=self.procs.peer_timeout_s, what="restored checkpoint")
+        got = got[self.procs.holders[0]]
         if err is not None:
             raise err
         if "error" in got:
             kinds = {"FileNotFoundError": FileNotFoundError, "CheckpointMismatchError": ckpt.CheckpointMismatchError,
                      "CheckpointCorruptError": ckpt.CheckpointCorruptError}
             raise kinds.get(got["error"], RuntimeError)(got["message"])
-        if lrn.holds_learner:
+        if self.procs.holds_learner:
             return meta
         meta = got["meta"]
-        lrn.skipped_steps = int(meta.get("skipped_steps", 0))
-        lrn.track_counters(int(meta["version"]), int(meta["opt_step"]))
+        self.held.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.held.track_counters(int(meta["version"]), int(meta["opt_step"]))
         return meta
 
     def _restore_step(self, ck: ckpt.Checkpointer, step: int) -> dict:
-        lrn = self._lrn
-        store = lrn.old_logits.store
+        store = self.store
         meta = ck.check_step(step)
-        ckpt.check_compatible(meta, model_arch=lrn.model_config.to_hf(), correction=lrn.correction,
+        ckpt.check_compatible(meta, model_arch=self.model_config.to_hf(), correction=self.strategy.name,
                               directory=ck.directory,
-                              model=ckpt.model_name(lrn.cfg.model.preset, lrn.cfg.model.checkpoint))
+                              model=ckpt.model_name(self.cfg.model.preset, self.cfg.model.checkpoint))
         snap_versions = [int(v) for v in meta.get("snapshot_versions", [])] if store is not None else []
-        need = tuple(lrn.strategy.checkpoint_items(lrn.state.correction)) + (("snapshots",) if snap_versions else ())
+        need = (tuple(self.strategy.checkpoint_items(self.held.state.correction))
+                + (("snapshots",) if snap_versions else ()))
         if need:
             ck.check_step(step, need)
-        lrn.state, snaps = ckpt.restore_train_state(ck, step, lrn.state, lrn.state_shardings, lrn.strategy,
-                                                    snap_versions)
+        self.held.state, snaps = ckpt.restore_train_state(ck, step, self.held.state, self.state_shardings,
+                                                          self.strategy, snap_versions)
         if store is not None:
             if snaps is not None:
                 store.load(snaps)
             else:
                 for v in list(store.versions):
                     store.evict(v)
-                store.put(lrn.version, lrn.state.params)
-        lrn.skipped_steps = int(meta.get("skipped_steps", 0))
+                store.put(self.held.version, self.held.state.params)
+        self.held.skipped_steps = int(meta.get("skipped_steps", 0))
         return meta
 
     def delete_after(self, step: int, ckpt_dir: Optional[str | Path] = None) -> list[int]:
         """Delete the checkpoint steps newer than ``step`` (on the primary holder); returns them."""
-        lrn = self._lrn
-        if jax.process_index() != (lrn.holders[0] if lrn.on_some_processes else 0):
+        if jax.process_index() != self.procs.primary:
             return []
         return self.checkpointer(ckpt_dir).delete_after(step)
 

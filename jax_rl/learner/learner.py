@@ -4,18 +4,24 @@ One code path for 1 CPU device, 8 fake devices, several processes and a TPU pod.
 :class:`Learner` holds the train state and the step: the model placed on the mesh (built directly
 in its sharded layout on ``('data','fsdp','tensor','expert')``), host batches turned into global
 [U, m, r, T] arrays (process-local rows), pi_prox's host-side inputs
-(:func:`jax_rl.correction.host_inputs`, the one decision) and the non-finite streak. Its stages
-are objects of their own:
+(:func:`jax_rl.learner.correction.host_inputs`, the one decision) and the non-finite streak. Its stages
+are objects of their own, each built from the pieces it uses and none holding the learner (the way
+purejaxrl's ``make_train`` and AReaL's ``train()`` compose theirs): the train state lives in one
+:class:`~jax_rl.learner.holder.StateHolder` (``Learner.held``) that the stages which change it (a restore, an SFT
+step) write, the processes holding the learner in one :class:`~jax_rl.learner.holder.LearnerProcesses`:
 
-- ``Learner.old_logits`` (:class:`jax_rl.correction.old_logits.stage.OldLogitStage`): the no-grad forward,
-  the snapshot store, the run's rollout-side scorer;
+- ``Learner.old_logits`` (:class:`jax_rl.learner.correction.old_logits.stage.OldLogitStage`): the no-grad forward,
+  the snapshot store, the run's rollout-side scorer (from the config, a params getter, the mesh and param
+  shardings, the routing policy, and the learner's forward and scorer placement as callables);
 - ``Learner.checkpoints`` (:class:`jax_rl.learner.checkpoints.LearnerCheckpoints`): save,
-  restore with fallback, delete newer steps;
-- publishing to the engines is :class:`jax_rl.publish.Publisher` (``RunContext.publisher``), the
-  one path of both runtimes.
+  restore with fallback, delete newer steps (from the config, the state holder, the shardings, the strategy,
+  the snapshot store, the model config and the processes);
+- the SFT stage (:class:`jax_rl.learner.sft.SftRunner`, built at the first ``sft_step``);
+- publishing to the engines is :class:`jax_rl.publish.Publisher` (``RunContext.publisher``, from the params
+  getter ``Learner.held.params``, the mesh and ``rollout.dtype``), the one path of both runtimes.
 
 Where pi_prox comes from is decided by the strategy of ``loss.correction``
-(:mod:`jax_rl.correction`); the learner never branches on the mode's name.
+(:mod:`jax_rl.learner.correction`); the learner never branches on the mode's name.
 
 :meth:`Learner.train_step` metrics (python floats): the policy-loss metrics
 (:func:`jax_rl.learner.losses.policy_loss`, combined over microbatches, averaged over the updates of the
@@ -51,6 +57,7 @@ writes log lines. Checkpoints are written and read cooperatively by Orbax.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Mapping, Optional
@@ -63,15 +70,16 @@ from jax.sharding import NamedSharding
 from jax_rl.learner.batch import (BATCH_FIELDS, BatchError, LearnerBatch, bucket_len, collate, pad_len, seq_buckets,
                           validate_batch)
 from jax_rl.config import Config
-from jax_rl.correction import host_inputs, plan_host_inputs
+from jax_rl.learner.correction import host_inputs, plan_host_inputs
 from jax_rl.learner.checkpoints import LearnerCheckpoints
-from jax_rl.learner.spec import learner_batch_spec, learner_spec
-from jax_rl.model_builder import resolve_mesh, resolve_model_config
-from jax_rl.correction.old_logits.stage import OldLogitStage
-from jax_rl.placement import BatchPlacement, initialize_distributed
+from jax_rl.learner.correction.old_logits.stage import OldLogitStage
+from jax_rl.learner.holder import LearnerProcesses, StateHolder, copy_params
 from jax_rl.learner.sft import SftRunner
-from jax_rl.learner.train_step import TrainState, make_grads_fn, make_optimizer, make_schedule, make_train_step
-from jax_rl.weight_sync import allgather_json
+from jax_rl.learner.spec import learner_batch_spec, learner_spec, scorer_placement
+from jax_rl.learner.train_step import (TrainState, make_grads_fn, make_logprob_step, make_optimizer, make_schedule,
+                                       make_train_step)
+from jax_rl.model_builder import resolve_mesh, resolve_model_config
+from jax_rl.placement import BatchPlacement, initialize_distributed
 
 __all__ = [
     "BATCH_FIELDS",
@@ -109,7 +117,8 @@ class Learner:
             numpy or jax arrays, e.g. from ``hf_io``); default: random init with ``run.seed``.
 
     Attributes:
-        version (int), step (int), mesh, model_config, graphdef, state (:class:`TrainState`),
+        version (int), step (int), mesh, model_config, graphdef, state (:class:`TrainState`, in ``held``: the
+        :class:`~jax_rl.learner.holder.StateHolder` the stages share), processes (:class:`LearnerProcesses`),
         state_shardings, strategy (the correction strategy), skipped_steps (int: all-masked
         batches skipped), old_logits (the old-logit stage), checkpoints (the checkpoint stage),
         holders (the process indices holding learner devices), holds_learner (this process is one),
@@ -131,16 +140,15 @@ class Learner:
         self.ppo_epochs = int(cfg.optim.ppo_epochs)
         self.microbatches = int(cfg.optim.microbatches)
         self.seq_buckets = seq_buckets(cfg.optim.max_seq_len, cfg.optim.seq_len_buckets)
-        self.skipped_steps = 0
-        self._counters: tuple = (None, 0, 0)  # ((the state's version, step arrays), version, step) on the host
         self.old_logit_forwards = 0  # old-logit forwards the learner ran itself (snapshot route), this session
         self._nonfinite_streak = 0  # consecutive train/SFT steps whose every update was non-finite
         self._is_main = jax.process_index() == 0
         # multi-process with the learner on some processes only (disaggregated: the engines' hosts hold no
         # learner device): the others run its programs as no-ops and read the step's metrics from a holder
-        self.holders = sorted({d.process_index for d in self.mesh.devices.flat})
-        self.on_some_processes = jax.process_count() > 1 and len(self.holders) < jax.process_count()
-        self.holds_learner = jax.process_index() in self.holders
+        self.processes = LearnerProcesses.of(self.mesh, cfg.runtime.peer_timeout_s)
+        self.holders = list(self.processes.holders)
+        self.on_some_processes = self.processes.on_some_processes
+        self.holds_learner = self.processes.holds_learner
         self._sft = None
         self.placement = BatchPlacement(self.mesh, self.minibatches, self.microbatches)
         self._steps: dict[Any, Any] = {}
@@ -148,45 +156,64 @@ class Learner:
         self.graphdef, self.rest = spec.graphdef, spec.rest
         self.param_shardings = spec.param_shardings
         self.tx, self.schedule = spec.tx, spec.schedule
-        self.state_shardings, self.state = spec.state_shardings, spec.state
+        self.state_shardings = spec.state_shardings
+        self.held = StateHolder(spec.state, self.holds_learner)  # the one mutable state the stages share
         del spec
-        self.old_logits = OldLogitStage(self)  # the no-grad forward, the snapshot store, the run's scorer
-        self.checkpoints = LearnerCheckpoints(self)
+        self._compose_stages()
+
+    def _compose_stages(self) -> None:
+        """The learner's stages, each from the pieces it uses (none holds the learner): the old-logit stage (the
+        no-grad forward, the snapshot store, the run's scorer), then the checkpoint stage (which saves that store)."""
+        cfg = self.cfg
+        self.old_logits = OldLogitStage(
+            cfg, self.held.params, keep_store=self.strategy.learner_store, mesh=self.mesh,
+            param_shardings=self.param_shardings, routing=self.routing,
+            make_forward=functools.partial(make_logprob_step, cfg, self.graphdef, rest=self.rest),
+            place_scorer=functools.partial(scorer_placement, cfg, self.model_config),
+            model_state=bool(jax.tree.leaves(self.rest)))
+        self.checkpoints = LearnerCheckpoints(
+            cfg, self.held, state_shardings=self.state_shardings, param_shardings=self.param_shardings,
+            strategy=self.strategy, store=self.old_logits.store, model_config=self.model_config,
+            processes=self.processes)
 
     def describe(self) -> str:
         """One line for the start of a run: the correction mode and its declared cost."""
         return self.strategy.describe()
 
     # ---------------------------------------------------------------------------------
-    # setup helpers and properties
+    # state (jax_rl.learner.holder.StateHolder) and properties
     # ---------------------------------------------------------------------------------
-    def _host_counters(self) -> tuple[int, int]:
-        """(version, step) of the current state: from the last train step's metrics while the state is
-        the one it returned (no device -> host transfer), else read from the state."""
-        arrs, v, st = self._counters
-        if arrs is None or arrs[0] is not self.state.version or arrs[1] is not self.state.step:
-            if not self.holds_learner:  # nothing to read here: the counters train_step / restore tracked
-                self.track_counters(v, st)
-                return v, st
-            v, st = int(self.state.version), int(self.state.step)
-            self.track_counters(v, st)
-        return v, st
+    @property
+    def state(self) -> TrainState:
+        """The current train state (held in :attr:`held`, shared with the stages that change it)."""
+        return self.held.state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self.held.state = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Batches without a loss token skipped so far (checkpointed)."""
+        return self.held.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.held.skipped_steps = int(value)
 
     def track_counters(self, version: int, step: int) -> None:
-        """Record (version, optimizer step) on the host as those of the current state (no device -> host
-        transfer until the state changes): after a train step, or a restore on a process that holds no
-        learner device."""
-        self._counters = ((self.state.version, self.state.step), int(version), int(step))
+        """:meth:`jax_rl.learner.holder.StateHolder.track_counters`."""
+        self.held.track_counters(version, step)
 
     @property
     def version(self) -> int:
         """Published versions so far (params after n published updates are version n)."""
-        return self._host_counters()[0]
+        return self.held.version
 
     @property
     def step(self) -> int:
         """Optimizer updates applied so far."""
-        return self._host_counters()[1]
+        return self.held.step
 
     def padded_len(self, T: int) -> int:
         """The length a batch of ``T`` columns is padded to: the smallest ``optim.seq_len_buckets``
@@ -218,18 +245,12 @@ class Learner:
         learner's shardings (a copy: the learner donates its own buffers). ``host=True``:
         numpy arrays (single-process only).
         """
-        if host:
-            if jax.process_count() > 1:
-                raise ValueError("get_params(host=True) needs a single process; use device arrays")
-            return jax.tree.map(lambda x: np.asarray(x), self.state.params)
-        return jax.tree.map(lambda x: x.copy(), self.state.params)
+        return copy_params(self.state.params, host=host)
 
     # ---------------------------------------------------------------------------------
-    # batch placement (jax_rl.placement)
+    # batch placement (jax_rl.placement.BatchPlacement, ``Learner.placement``): the learner itself calls the
+    # placement; these three are its public face for callers that place a batch by hand (tests, benches)
     # ---------------------------------------------------------------------------------
-    def _layout(self, B: int, U: Optional[int] = None, m: Optional[int] = None) -> tuple[int, int, int]:
-        return self.placement.layout(B, U, m)
-
     def batch_sharding(self, r: int) -> NamedSharding:
         """Sharding of a chunked batch array [U, m, r, T]: rows over ``activation_batch``'s axes."""
         return self.placement.batch_sharding(r)
@@ -255,19 +276,19 @@ class Learner:
         if key not in self._steps:
             self._steps[key] = make_train_step(
                 self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
-                state_shardings=self.state_shardings, batch_sharding=self.batch_sharding(r),
+                state_shardings=self.state_shardings, batch_sharding=self.placement.batch_sharding(r),
                 routing=self.routing, packed_metrics=True)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:
         """``jax.ShapeDtypeStruct`` learner batch [U, m, r, T] (with the fields the jitted step
         reads under this correction mode), for AOT ``lower().compile()`` (``--dry-run``)."""
-        U, m, r = self._layout(B)
-        return learner_batch_spec(self.strategy, self.routing, self.model_config, (U, m, r, T), self.batch_sharding(r))
+        U, m, r = self.placement.layout(B)
+        return learner_batch_spec(self.strategy, self.routing, self.model_config, (U, m, r, T), self.placement.batch_sharding(r))
 
     def lower_train_step(self, B: int, T: int):
         """``jax.stages.Lowered`` of the train step for a [B, T] batch (call ``.compile()``)."""
-        U, m, r = self._layout(B)
+        U, m, r = self.placement.layout(B)
         with jax.set_mesh(self.mesh):
             return self.train_step_fn(r).lower(self.state, self.abstract_batch(B, T))
 
@@ -302,7 +323,7 @@ class Learner:
             return {"skipped": 1.0, "skipped_steps": float(self.skipped_steps), "version": float(g),
                     "step": float(self.step), "step_time_s": time.perf_counter() - t0, "tokens": 0.0,
                     "tokens_per_s": 0.0}
-        dev, r = self.device_batch(b, process_local=process_local)
+        dev, r = self.placement.device_batch(b, process_local=process_local)
         dev, old_stats = self._prox_inputs(b, dev, g)
         if self.strategy.needs_exact:  # the learner's own old-logit forwards (0 under route=dedicated)
             old_stats.setdefault("old_logits_forwards", 0.0)
@@ -335,15 +356,11 @@ class Learner:
         Raises:
             jax_rl.weight_sync.WeightSyncError: the holder did not answer within ``runtime.peer_timeout_s``.
         """
-        if not self.on_some_processes:
-            return get()
-        mine = get() if jax.process_index() == self.holders[0] else None
-        every = allgather_json(mine, timeout_s=self.cfg.runtime.peer_timeout_s, what="learner metrics")
-        return {k: float(v) for k, v in every[self.holders[0]].items()}
+        return self.processes.host_values(get)
 
     def _host_batch(self, batch: Mapping[str, Any], current_version: Optional[int] = None) -> dict[str, np.ndarray]:
         """``batch`` validated (:func:`jax_rl.learner.batch.validate_batch`; loss tokens need a version >= 0 when the
-        snapshot store scores them, :func:`jax_rl.correction.plan_host_inputs`) and checked by the
+        snapshot store scores them, :func:`jax_rl.learner.correction.plan_host_inputs`) and checked by the
         routing-replay policy (an r3 step never trains without the rollout's routes)."""
         plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.old_logits.store is not None)
         b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
@@ -354,7 +371,7 @@ class Learner:
         return b
 
     def _prox_inputs(self, b: dict, dev: dict, g: int) -> tuple[dict, dict]:
-        """The device batch with pi_prox's host-side inputs (:func:`jax_rl.correction.host_inputs`: the one
+        """The device batch with pi_prox's host-side inputs (:func:`jax_rl.learner.correction.host_inputs`: the one
         decision, for :meth:`train_step` and :meth:`loss_and_grads` alike) and the store's stats."""
         score = None if self.old_logits.store is None else (lambda: self.old_logits.score(b, dev, g))
         return host_inputs(self.strategy, dev, score)
@@ -399,7 +416,7 @@ class Learner:
             sub = self._bucketed(sub)
         U, m = self.minibatches, self.microbatches
         U, m = (U, m) if B % (U * m) == 0 else (1, 1)
-        dev, r = self.device_batch(sub, process_local=False, U=U, m=m)
+        dev, r = self.placement.device_batch(sub, process_local=False, U=U, m=m)
         with jax.set_mesh(self.mesh):
             out = self.old_logits.forward(dev)(self.state.params if params is None else params, dev["tokens"],
                                         dev["attention_mask"])
@@ -411,7 +428,7 @@ class Learner:
         """Loss, grads (an ``nnx.State`` like the params, sharded like them) and metrics of the
         FIRST minibatch of ``batch`` at the current params, with microbatch accumulation and the
         correction strategy's pi_prox at the current state, its host-side inputs decided as in
-        :meth:`train_step` (:func:`jax_rl.correction.host_inputs`). No state changes (for tests and
+        :meth:`train_step` (:func:`jax_rl.learner.correction.host_inputs`). No state changes (for tests and
         debugging).
 
         Raises:
@@ -419,13 +436,13 @@ class Learner:
         """
         g = self.version
         b = self._bucketed(self._host_batch(batch, current_version=g))
-        dev, r = self.device_batch(b, process_local=False)
+        dev, r = self.placement.device_batch(b, process_local=False)
         dev, _ = self._prox_inputs(b, dev, g)
         key = ("grads", r)
         if key not in self._steps:
             self._steps[key] = make_grads_fn(self.cfg, self.graphdef, self.strategy, self.mesh, rest=self.rest,
                                              param_shardings=self.param_shardings,
-                                             batch_sharding=self.batch_sharding(r), routing=self.routing)
+                                             batch_sharding=self.placement.batch_sharding(r), routing=self.routing)
         with jax.set_mesh(self.mesh):
             loss, grads, metr = self._steps[key](self.state.params, self.state.correction, self.state.version,
                                                  LearnerBatch.from_dict(dev))
@@ -452,7 +469,9 @@ class Learner:
             NonFiniteTrainingError: ``optim.max_skipped_steps`` non-finite steps in a row.
         """
         if self._sft is None:
-            self._sft = SftRunner(self)
+            self._sft = SftRunner(self.cfg, self.held, graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
+                                  param_shardings=self.param_shardings, placement=self.placement,
+                                  vocab_size=self.model_config.vocab_size, processes=self.processes)
         out = self._sft.step(batch)
         if "nonfinite_updates" in out:
             self._note_nonfinite(out, "sft_step", 1, self.version)

@@ -22,8 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_rl.learner.batch import validate_batch
 from jax_rl.config import Config, ConfigError
-from jax_rl.correction import tree_finite, tree_where
+from jax_rl.learner.correction import tree_finite, tree_where
+from jax_rl.learner.holder import LearnerProcesses, StateHolder
 from jax_rl.learner.spec import make_sft_optimizer
+from jax_rl.placement import BatchPlacement
 from jax_rl.learner.train_step import make_logprob_fn, opt_state_shardings
 from rollout.agent import sft_example
 
@@ -69,11 +71,25 @@ def make_sft_step(cfg: Config, graphdef, tx, schedule, mesh, *, rest: Any, param
 
 class SftRunner:
     """Host side of SFT for one learner: the SFT optimizer state, its update count, the jitted
-    step per row layout."""
+    step per row layout. Built from the learner's pieces (it holds no learner).
 
-    def __init__(self, learner):
-        self.lrn = learner
-        cfg = learner.cfg
+    Args:
+        cfg: the run config (``sft``, ``optim.max_seq_len`` / ``microbatches``, ``algo.temperature``, ``model``).
+        held: the learner's :class:`~jax_rl.learner.holder.StateHolder` (its params are trained; the new params
+            are written back there, the rest of the train state unchanged).
+        graphdef, rest: the model split (``nnx.split``: the graph and its non-param state).
+        mesh: the learner's mesh; ``param_shardings``: the params' shardings on it.
+        placement: the learner's :class:`~jax_rl.placement.BatchPlacement` (host batch -> [1, m, r, T] arrays).
+        vocab_size: the model's vocabulary (token ids are checked against it).
+        processes: the processes holding the learner (:class:`~jax_rl.learner.holder.LearnerProcesses`: the
+            step's metrics reach the others through it).
+    """
+
+    def __init__(self, cfg: Config, held: StateHolder, *, graphdef: Any, rest: Any, mesh: Any, param_shardings: Any,
+                 placement: BatchPlacement, vocab_size: int, processes: LearnerProcesses):
+        self.cfg, self.held, self.graphdef, self.rest, self.mesh = cfg, held, graphdef, rest, mesh
+        self.param_shardings, self.placement, self.vocab_size, self.procs = param_shardings, placement, vocab_size, processes
+        self.microbatches = int(cfg.optim.microbatches)
         self.tx, self.schedule = make_sft_optimizer(cfg)
         self.opt_state = None
         self.count = 0
@@ -81,31 +97,31 @@ class SftRunner:
 
     def step(self, batch: Mapping[str, Any]) -> dict[str, float]:
         """One SFT step on the learner's params (``Learner.sft_step``)."""
-        lrn = self.lrn
         t0 = time.perf_counter()
         B, T = np.shape(batch["tokens"])
         full = {k: batch[k] for k in SFT_FIELDS}
         full.update(behav_logp=np.zeros((B, T), np.float32), versions=np.full((B, T), -1, np.int32),
                     turn_ids=np.full((B, T), -1, np.int32), advantages=np.zeros((B, T), np.float32))
-        b = validate_batch(full, max_seq_len=lrn.cfg.optim.max_seq_len, vocab_size=lrn.model_config.vocab_size,
-                           row_divisor=lrn.microbatches)
+        b = validate_batch(full, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.vocab_size,
+                           row_divisor=self.microbatches)
         n_loss = int(b["loss_mask"].sum())
         if n_loss == 0:
             return {"skipped": 1.0, "sft_loss": 0.0, "sft_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
-        params = lrn.state.params
+        params = self.held.state.params
         if self.opt_state is None:
-            self.opt_sh = opt_state_shardings(self.tx, params, lrn.param_shardings, lrn.mesh)
-            with jax.set_mesh(lrn.mesh):
+            self.opt_sh = opt_state_shardings(self.tx, params, self.param_shardings, self.mesh)
+            with jax.set_mesh(self.mesh):
                 self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
-        dev, r = lrn.device_batch({k: b[k] for k in SFT_FIELDS}, process_local=False, U=1, m=lrn.microbatches)
+        dev, r = self.placement.device_batch({k: b[k] for k in SFT_FIELDS}, process_local=False, U=1,
+                                             m=self.microbatches)
         if r not in self._steps:
-            self._steps[r] = make_sft_step(lrn.cfg, lrn.graphdef, self.tx, self.schedule, lrn.mesh, rest=lrn.rest,
-                                           param_shardings=lrn.param_shardings, opt_shardings=self.opt_sh,
-                                           batch_sharding=lrn.batch_sharding(r))
-        with jax.set_mesh(lrn.mesh):
+            self._steps[r] = make_sft_step(self.cfg, self.graphdef, self.tx, self.schedule, self.mesh, rest=self.rest,
+                                           param_shardings=self.param_shardings, opt_shardings=self.opt_sh,
+                                           batch_sharding=self.placement.batch_sharding(r))
+        with jax.set_mesh(self.mesh):
             params, self.opt_state, metr = self._steps[r](params, self.opt_state, jnp.int32(self.count), dev)
-        lrn.state = lrn.state.replace(params=params)
-        out = lrn.host_values(lambda: {k: float(v) for k, v in jax.device_get(metr).items()})
+        self.held.state = self.held.state.replace(params=params)
+        out = self.procs.host_values(lambda: {k: float(v) for k, v in jax.device_get(metr).items()})
         self.count += int(out["nonfinite_updates"] == 0)  # like AdamW's count: applied updates
         dt = time.perf_counter() - t0
         out.update(sft_tokens=float(n_loss), step_time_s=dt, tokens_per_s=float(b["attention_mask"].sum()) / dt)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax_rl.learner.batch import abstract_batch
 from jax_rl.checkpoint import abstract_like
 from jax_rl.config import Config, ConfigError
-from jax_rl.correction import Correction, make_correction, plan_host_inputs
+from jax_rl.learner.correction import Correction, make_correction, plan_host_inputs
 from jax_rl.model_builder import abstract_model_split, create_sharded_model, learner_model_kwargs
 from jax_rl.placement import place_params
 from jax_rl.routing_replay import RoutingReplay
@@ -91,7 +91,7 @@ def scorer_placement(cfg: Config, model_config: Any, devices: Any, model_kw: Opt
     """``(mesh, abstract params, param shardings)`` of an old-logit scorer on its own ``devices``
     (``placement.scorer``): a ``('data','fsdp','tensor','expert')`` mesh with fsdp = all of them and
     the learner's fp32 params sharded by the learner's logical rules there. Used by
-    :meth:`jax_rl.correction.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
+    :meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.make_scorer` and ``jax-rl compile``'s ``score_step``."""
     mesh = make_mesh(fsdp=-1, devices=devices)
     _, abs_params, _ = abstract_model_split(model_config, **(learner_model_kwargs(cfg) if model_kw is None
                                                              else dict(model_kw)))

@@ -4,7 +4,7 @@ shardings, the state donated), built once per batch layout, as purejaxrl's ``mak
 
 One call does everything for one published version:
 
-1. pi_prox: ``strategy.prox_logp`` (:mod:`jax_rl.correction`; it may update its own state, e.g.
+1. pi_prox: ``strategy.prox_logp`` (:mod:`jax_rl.learner.correction`; it may update its own state, e.g.
    the EWMA reset, effective for this step), and from it the train-infer factor pi_prox/mu of the
    whole batch, once (:func:`train_infer_once`; a strategy that derives pi_prox from the gradient
    forward, ``linear_prox`` with one update, has each microbatch compute its own).
@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from jax_rl.learner import losses
 from jax_rl.learner.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
-from jax_rl.correction import Correction, tree_finite, tree_where
+from jax_rl.learner.correction import Correction, tree_finite, tree_where
 from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates
@@ -67,7 +67,7 @@ class TrainState:
     Fields:
         params: ``nnx.State`` of the model's ``nnx.Param``s, fp32 master weights.
         opt_state: optax state of ``make_optimizer``'s chain (moments like the params).
-        correction: the correction strategy's state (EWMA: :class:`jax_rl.correction.EwmaState`;
+        correction: the correction strategy's state (EWMA: :class:`jax_rl.learner.correction.EwmaState`;
             None for the stateless modes).
         version: int32 scalar, published versions (one per train step).
         step: int32 scalar, applied optimizer updates.
@@ -386,7 +386,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
     Args:
         graphdef / rest: the model's static graph and non-param variables (``nnx.split``).
         tx / schedule: :func:`make_optimizer`'s chain and schedule (``lr`` metric).
-        strategy: the correction strategy (:func:`jax_rl.correction.make_correction`).
+        strategy: the correction strategy (:func:`jax_rl.learner.correction.make_correction`).
         state_shardings: :func:`train_state_shardings`; the state is donated.
         batch_sharding: sharding of every batch array (None: the arrays' own).
         routing: the routing-replay policy (:class:`jax_rl.routing_replay.RoutingReplay`: the

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_rl.models.qwen3.layers import attend
+from jax_rl.models.xla_attention import attend
 
 Array = jax.Array
 
@@ -88,7 +88,7 @@ def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int) -> tup
 def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,
                         lengths: Array, num_pages: int | None = None) -> Array:
     """GQA attention over the pages a row holds (the XLA reference; HF eager numerics, as
-    ``layers.attend``).
+    ``xla_attention.attend``).
 
     q [B, T, N, H]; kv_pages [P, ps, 2K, H]; page_table [B, M] int32; starts, lengths [B] int32
     (module doc); ``num_pages`` (static, default M): the pages gathered per row, at least

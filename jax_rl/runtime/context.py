@@ -135,7 +135,8 @@ class RunContext:
         if cfg.model.checkpoint:
             init_params, mesh = _load_hf_params(cfg, self.model_config)
         self.learner = Learner(cfg, mesh=mesh, model_config=self.model_config, init_params=init_params)
-        self.publisher = Publisher(self.learner)  # the learner's params -> the engines (both runtimes)
+        # the learner's params -> the engines (both runtimes), from its params getter, mesh and the engines' dtype
+        self.publisher = Publisher(self.learner.held.params, self.learner.mesh, cfg.rollout.dtype)
         # env.tau2.user=model: the user simulator's frozen model, served beside the policy (else None)
         self._user_gen = start_tau2_user_model(cfg, self.env_factory, self.tokenizer, self.model_config,
                                                  self.publisher, load_params=_load_hf_params)

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import jax
 
 from jax_rl.config import Config
-from jax_rl.correction.old_logits import ScoringQueue
+from jax_rl.learner.correction.old_logits import ScoringQueue
 from jax_rl.placement import resolve_roles
 from jax_rl.runtime import engines
 from jax_rl.runtime.loop import EpisodeGuard, WeightSyncClock, buffer_columns
@@ -72,7 +72,7 @@ class RolloutManager:
                  next_group: int = 0, reissue: Optional[list] = None, episode_errors: int = 0, scoring=None,
                  failures_by_reason: Optional[dict] = None):
         self.cfg = cfg
-        self.scoring = scoring  # a route scoring before the buffer: a jax_rl.correction.old_logits.ScoringQueue (set by the producer)
+        self.scoring = scoring  # a route scoring before the buffer: a jax_rl.learner.correction.old_logits.ScoringQueue (set by the producer)
         self.generators = generators
         self.agents = agents
         self.buffer = buffer
@@ -307,7 +307,7 @@ class EmbeddedProducer:
         multi = jax.process_count() > 1
         params = None if multi else ctx.publisher.params()
         self.scorer = None
-        self.retirer = None  # a route that retires versions (jax_rl.correction.old_logits.RetiringScorer)
+        self.retirer = None  # a route that retires versions (jax_rl.learner.correction.old_logits.RetiringScorer)
         self._scorer_s_reported = 0.0
         self._stall_reported = (0.0, 0.0)
         keep = self.route.scorer_keep() if self.route is not None else None

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.checkpoint import Checkpointer, CheckpointMismatchError, check_compatible
 from jax_rl.learner.learner import BatchError, collate, make_schedule, validate_batch
-from jax_rl.correction.old_logits import SnapshotStore, StaleVersionError, snapshot_logprobs
+from jax_rl.learner.correction.old_logits import SnapshotStore, StaleVersionError, snapshot_logprobs
 from jax_rl.sharding import make_mesh
 
 from ._util import make_batch

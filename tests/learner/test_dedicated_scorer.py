@@ -1,4 +1,4 @@
-"""``old_logits.route=dedicated`` pieces: the scorer (:class:`jax_rl.correction.old_logits.OldLogitScorer`)
+"""``old_logits.route=dedicated`` pieces: the scorer (:class:`jax_rl.learner.correction.old_logits.OldLogitScorer`)
 against the snapshot route on the same tokens and params, multi-version trajectories, eviction
 (dropped and counted), the bounded scoring queue, the buffer that never hands out an unscored
 trajectory, the learner that runs no old-logit forward, and the config / device checks."""
@@ -14,7 +14,7 @@ import pytest
 
 from jax_rl.config import ConfigError, load_config
 from jax_rl.learner.learner import Learner
-from jax_rl.correction.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, snapshot_logprobs,
+from jax_rl.learner.correction.old_logits import (OldLogitScorer, ScoringQueue, StaleVersionError, snapshot_logprobs,
                                versions_needed)
 from rollout.buffer import TrajectoryBuffer
 from rollout.types import Trajectory
@@ -226,7 +226,7 @@ def test_learner_runs_no_old_logit_forward(devices):
 
 
 def test_config_checks(devices):
-    from jax_rl.correction import check_config
+    from jax_rl.learner.correction import check_config
     from jax_rl.placement import resolve_roles
 
     base = ["loss.correction=exact", "old_logits.route=dedicated"]

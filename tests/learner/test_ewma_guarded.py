@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jax_rl.correction import proximal
+from jax_rl.learner.correction import proximal
 from jax_rl.learner.learner import Learner
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff

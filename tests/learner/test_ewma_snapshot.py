@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.correction import proximal
+from jax_rl.learner.correction import proximal
 from jax_rl.learner.learner import Learner
-from jax_rl.correction.old_logits import StaleVersionError, snapshot_logprobs, versions_needed
+from jax_rl.learner.correction.old_logits import StaleVersionError, snapshot_logprobs, versions_needed
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
 

@@ -1,4 +1,4 @@
-"""pi_prox's host-side inputs are decided once (:func:`jax_rl.correction.plan_host_inputs`): the
+"""pi_prox's host-side inputs are decided once (:func:`jax_rl.learner.correction.plan_host_inputs`): the
 learner's ``train_step`` and ``loss_and_grads`` hand their jitted programs the same ``prox_logp`` /
 ``old_logp`` under every correction mode, and the abstract batch of the dry run / ``jax-rl compile``
 declares the same fields."""
@@ -11,7 +11,7 @@ import pytest
 
 import jax_rl.learner.learner as learner_mod
 from jax_rl.learner.batch import LearnerBatch
-from jax_rl.correction import make_correction, plan_host_inputs
+from jax_rl.learner.correction import make_correction, plan_host_inputs
 from jax_rl.learner.learner import Learner
 from jax_rl.learner.spec import learner_batch_spec
 from jax_rl.sharding import make_mesh

@@ -35,7 +35,7 @@ class _Route:
 def test_publish_hands_a_copy_of_the_version_to_every_generator_or_to_the_route():
     cfg = make_cfg("ppo")
     lrn = Learner(cfg, mesh=make_mesh(devices=jax.devices()[:1]), init_params=init_params(cfg))
-    pub = Publisher(lrn)
+    pub = Publisher(lrn.held.params, lrn.mesh, cfg.rollout.dtype)
     lrn.train_step(make_batch(1))
     gens = [_Gen(0.25), _Gen(0.5)]
     cast_s, moved = pub.publish(1, gens)

@@ -1,4 +1,4 @@
-"""``old_logits.route=interrupt`` / ``retire`` pieces (:class:`jax_rl.correction.old_logits.RetiringScorer`):
+"""``old_logits.route=interrupt`` / ``retire`` pieces (:class:`jax_rl.learner.correction.old_logits.RetiringScorer`):
 a version's tokens in partial prefixes are scored with its params before they are dropped, the
 finished trajectories then equal the snapshot route's old log-probs, retire drops theta_v only
 after its last token is scored, at most 2 versions are ever held, a stash that does not match
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_rl.config import load_config
-from jax_rl.correction.old_logits import OldLogitScorer, RetiringScorer, StaleVersionError, trajectory_key
+from jax_rl.learner.correction.old_logits import OldLogitScorer, RetiringScorer, StaleVersionError, trajectory_key
 from rollout.types import Completion, Trajectory
 
 from ._util import make_cfg, trained_exact_learner
@@ -383,7 +383,7 @@ def test_retire_refuses_prefixes_without_routes_under_r3():
 
 def test_config_accepts_new_routes_and_refuses_ray():
     from jax_rl.config import ConfigError
-    from jax_rl.correction import check_config
+    from jax_rl.learner.correction import check_config
 
     for route in ("interrupt", "retire"):
         cfg = check_config(load_config(None, ["loss.correction=exact", f"old_logits.route={route}"]))
@@ -393,8 +393,8 @@ def test_config_accepts_new_routes_and_refuses_ray():
         with pytest.raises(ConfigError, match="serves loss.correction=exact only"):
             check_config(load_config(None, [f"old_logits.route={route}"]))
     lrn_cfg = make_cfg("exact", **{"async": {"max_staleness": 2}}, old_logits={"route": "retire"})
-    from jax_rl.correction import make_correction
-    from jax_rl.correction.old_logits.routes import Retire
+    from jax_rl.learner.correction import make_correction
+    from jax_rl.learner.correction.old_logits.routes import Retire
 
     s = make_correction(lrn_cfg)
     assert isinstance(s.route, Retire) and s.route.track_unscored and s.route.scorer_keep() == 2

@@ -290,7 +290,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     old_logp (stash for the version-0 tokens, held params for the version-1 ones) equal the
     learner's forced forward of the whole trajectory, and the version-0 tokens differ from the
     unforced forward (a prefix scored without its routes would give that one)."""
-    from jax_rl.correction.old_logits import RetiringScorer
+    from jax_rl.learner.correction.old_logits import RetiringScorer
 
     L = _learner("exact", "r3", True, old_logits={"route": "retire"})
     mc = L.model_config

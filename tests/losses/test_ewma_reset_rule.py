@@ -1,5 +1,5 @@
 """``loss.ewma_reset`` (issue 42): the paper's ``current`` rule and the ``guarded`` rule, both as the pure
-predicate (:func:`jax_rl.correction.proximal.reset_accept`) and through ``PpoEwma.prox_logp`` (the correction registry)."""
+predicate (:func:`jax_rl.learner.correction.proximal.reset_accept`) and through ``PpoEwma.prox_logp`` (the correction registry)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_rl.config import Config
-from jax_rl.correction import make_correction
-from jax_rl.correction.proximal import reset_accept
+from jax_rl.learner.correction import make_correction
+from jax_rl.learner.correction.proximal import reset_accept
 
 HSET = settings(max_examples=30, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.differing_executors, HealthCheck.too_slow])

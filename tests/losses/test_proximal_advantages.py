@@ -1,4 +1,4 @@
-"""jax_rl.correction.proximal (linear_prox, EWMA, reset) and jax_rl.learner.advantages (GRPO, RLOO, broadcast)."""
+"""jax_rl.learner.correction.proximal (linear_prox, EWMA, reset) and jax_rl.learner.advantages (GRPO, RLOO, broadcast)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jax_rl.learner.advantages import broadcast_advantages, grpo_advantages, rloo_advantages
 from jax_rl.config import LossConfig
-from jax_rl.correction.proximal import ewma_beta, ewma_reset, ewma_update, loglinear_logp, reset_predicate
+from jax_rl.learner.correction.proximal import ewma_beta, ewma_reset, ewma_update, loglinear_logp, reset_predicate
 
 HSET = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.differing_executors, HealthCheck.too_slow])

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jax_rl.models import attention as A
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
-from jax_rl.models.qwen3.layers import _attend_causal
+from jax_rl.models.xla_attention import attend_causal
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_cudnn_attend_matches_the_xla_core_on_valid_queries(jit):
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
     f = jax.jit(A.cudnn_attend) if jit else A.cudnn_attend
     got = np.asarray(f(q, k, v, valid))
-    want = np.asarray(_attend_causal(q, k, v, mask))
+    want = np.asarray(attend_causal(q, k, v, mask))
     for b, n in enumerate(lengths):  # padded queries are garbage on every path; the caller masks them
         np.testing.assert_allclose(got[b, :n], want[b, :n], atol=2e-6, rtol=0)
     assert np.all(np.isfinite(got))
@@ -46,7 +46,7 @@ def test_cudnn_attend_fully_padded_row_is_finite_and_no_mask_is_causal():
     assert np.all(np.isfinite(np.asarray(A.cudnn_attend(q, k, v, valid))))
     T = q.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (2, T, T))
-    np.testing.assert_allclose(np.asarray(A.cudnn_attend(q, k, v)), np.asarray(_attend_causal(q, k, v, mask)),
+    np.testing.assert_allclose(np.asarray(A.cudnn_attend(q, k, v)), np.asarray(attend_causal(q, k, v, mask)),
                                atol=2e-6, rtol=0)
 
 

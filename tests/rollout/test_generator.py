@@ -257,7 +257,7 @@ def _params_from_hf(hf_model, abstract_params, tmp_path):
     except ImportError:
         hf_io = None
     if hf_io is not None:
-        from rollout.serve import config_and_params
+        from jax_rl.runtime.serve import config_and_params
 
         hf_model.save_pretrained(tmp_path)
         return config_and_params(hf_io.load_pretrained(str(tmp_path)))[1]

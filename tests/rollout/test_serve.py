@@ -90,7 +90,7 @@ def test_grpc_server_refuses_a_port_another_grpc_server_holds():
 
     import grpc
 
-    from rollout.serve import JetStreamGrpcServer, PortInUseError
+    from jax_rl.runtime.serve import JetStreamGrpcServer, PortInUseError
 
     first = grpc.server(concurrent.futures.ThreadPoolExecutor(1))  # gRPC defaults: SO_REUSEPORT on
     port = first.add_insecure_port("127.0.0.1:0")
@@ -122,7 +122,7 @@ def test_serve_cli_port_in_use_is_one_line_and_nonzero():
 
 
 def test_serve_names_its_tokenizer(tmp_path):
-    from rollout.serve import resolve_tokenizer
+    from jax_rl.runtime.serve import resolve_tokenizer
 
     tok, desc = resolve_tokenizer(str(tmp_path), None)  # an HF dir without tokenizer.json
     assert "compact demo tokenizer" in desc and f"no tokenizer.json in {tmp_path}" in desc

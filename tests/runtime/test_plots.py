@@ -179,12 +179,12 @@ def test_group_by_seeds_writes_bands(tmp_path):
 
 
 def test_plots_key_on_columns_not_mode_names():
-    """jax_rl/plots/ names no correction mode (the registry in jax_rl/correction/__init__.py owns the names):
+    """jax_rl/plots/ names no correction mode (the registry in jax_rl/learner/correction/__init__.py owns the names):
     what a figure draws follows the logged columns."""
     import ast
 
     import jax_rl.plots as plots_mod
-    from jax_rl.correction import REGISTRY
+    from jax_rl.learner.correction import REGISTRY
 
     files = sorted(Path(plots_mod.__file__).parent.glob("*.py"))
     assert len(files) > 1  # the package's modules, not only its __init__

@@ -35,8 +35,9 @@ layouts to HF's ``model.layers.{i}.*``.
 Files:
 
     config.py   Qwen3Config (HF config.json conversion), PRESETS, get_preset
-    layers.py   RMSNorm, RoPE, attention cores (attend, attend_cached, custom VJPs), the dense
-                projections, Attention, MLP, MoE, DecoderLayer, REMAT_POLICIES / remat_policy_fn
+    layers.py   RMSNorm, RoPE, the dense projections, Attention, MLP, MoE, DecoderLayer,
+                REMAT_POLICIES / remat_policy_fn (the XLA attention cores attend / attend_cached,
+                with their custom VJPs, are jax_rl.models.xla_attention, re-exported)
     cache.py    the KV cache, one type per layout: StackedKVCache, LayerKVCache (base KVCache)
     outputs.py  the typed call outputs (ModelOutput, MoeDrops, TrunkOutput), the routing-replay
                 route helpers (ROUTE_MISSING, route_dtype, stack_routes, unstack_routes)

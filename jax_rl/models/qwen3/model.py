@@ -21,7 +21,6 @@ from jax_rl.models.qwen3.layers import (
     DecoderLayer,
     LayerAttendFn,
     RMSNorm,
-    _attend_causal,
     _constrain,
     _param,
     attend,
@@ -30,6 +29,7 @@ from jax_rl.models.qwen3.layers import (
     remat_policy_fn,
 )
 from jax_rl.models.qwen3.outputs import ModelOutput, TrunkOutput, count_moe_drops
+from jax_rl.models.xla_attention import attend_causal
 
 Array = jax.Array
 
@@ -372,7 +372,7 @@ class Qwen3ForCausalLM(nnx.Module):
             return lambda q, k, v: splash_attend(q, k, v, seg)
         if self.attention == "cudnn":
             return lambda q, k, v: cudnn_attend(q, k, v, valid)
-        return lambda q, k, v: _attend_causal(q, k, v, mask)
+        return lambda q, k, v: attend_causal(q, k, v, mask)
 
     # ---- public forward paths ----------------------------------------------------------------
     def forward(self, input_ids: Array, positions: Array | None = None,

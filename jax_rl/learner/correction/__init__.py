@@ -21,7 +21,7 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     (AReaL decoupled PPO, Fu et al. 2025 §4, ``recompute_logprob``). Cost: 1 forward.
 ``linear_prox``
     log pi_prox = log mu + alpha_t (sg(log pi_g) - log mu), alpha_t = k/(k+1), k = g - v_t
-    (AReaL ``loglinear`` proximal approximation / A-3PO; :func:`jax_rl.correction.proximal.loglinear_logp`).
+    (AReaL ``loglinear`` proximal approximation / A-3PO; :func:`jax_rl.learner.correction.proximal.loglinear_logp`).
     The detached log-probs of the gradient forward are log pi_g when the step makes one update;
     with several updates per step (``ppo_epochs*minibatches > 1``) or a pi_prox-dependent
     denominator across microbatches, one no-grad forward at the start supplies them.
@@ -32,12 +32,12 @@ behaviour version ("old logits"). Per mode (g = the learner's version when the b
     theta_bar <- theta when the train-infer mask on pi_{theta_bar}/mu keeps fewer than
     ``loss.ewma_reset_threshold`` of the tokens for ``loss.ewma_reset_patience`` steps
     (effective for the same step); ``loss.ewma_reset=guarded`` resets only when theta keeps more
-    of that batch's tokens than theta_bar (:func:`jax_rl.correction.proximal.reset_accept`). Cost: 1 param
+    of that batch's tokens than theta_bar (:func:`jax_rl.learner.correction.proximal.reset_accept`). Cost: 1 param
     copy + 1 forward (+1 on a triggering step).
 ``exact``
     log pi_prox = log pi_{v_t}, each token's own behaviour version (paper §2.1, the target
     the others approximate), from the ``old_logits.route`` registry
-    (:mod:`jax_rl.correction.old_logits.routes`): either a host step before the jitted step scores the batch
+    (:mod:`jax_rl.learner.correction.old_logits.routes`): either a host step before the jitted step scores the batch
     with the learner's snapshot store (one forward per version present), or the batch arrives
     with ``old_logp`` filled on the rollout side before the trajectory entered the buffer (the
     learner runs no extra forward). The route declares the cost and what it refuses.
@@ -66,10 +66,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_rl.correction import proximal
+from jax_rl.learner.correction import proximal
 from jax_rl.learner import losses
 from jax_rl.config import Config, ConfigError
-from jax_rl.correction.old_logits.routes import ROUTES, Route, make_route
+from jax_rl.learner.correction.old_logits.routes import ROUTES, Route, make_route
 
 __all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "check_config", "make_correction", "HostInputs",
            "plan_host_inputs", "host_inputs",
@@ -125,7 +125,7 @@ class Correction:
         Raises:
             ValueError: ``old_logits.measure_error`` under a mode that approximates nothing; an
                 ``old_logits.route`` this mode cannot use or whose own checks fail
-                (:meth:`jax_rl.correction.old_logits.routes.Route.check`).
+                (:meth:`jax_rl.learner.correction.old_logits.routes.Route.check`).
         """
         if cfg.old_logits.measure_error and not cls.approximate:
             approx = " / ".join(n for n, c in REGISTRY.items() if c.approximate)
@@ -143,7 +143,7 @@ class Correction:
     @property
     def learner_store(self) -> bool:
         """The learner keeps the snapshot store: the exact route asks for it
-        (:attr:`jax_rl.correction.old_logits.routes.Route.learner_store`), or an approximate mode measures
+        (:attr:`jax_rl.learner.correction.old_logits.routes.Route.learner_store`), or an approximate mode measures
         its error against the exact old logits (``old_logits.measure_error``)."""
         return self.approximate and bool(self.cfg.old_logits.measure_error)
 
@@ -300,8 +300,8 @@ class EwmaState:
 class PpoEwma(Correction):
     """PPO-EWMA: pi_prox under theta_bar, an EWMA of the params, with an automatic reset.
 
-    The reset (``loss.ewma_reset``, :func:`jax_rl.correction.proximal.reset_accept`): a step whose batch R under
-    theta_bar triggers :func:`jax_rl.correction.proximal.reset_predicate` scores the batch once more with the
+    The reset (``loss.ewma_reset``, :func:`jax_rl.learner.correction.proximal.reset_accept`): a step whose batch R under
+    theta_bar triggers :func:`jax_rl.learner.correction.proximal.reset_predicate` scores the batch once more with the
     current params theta (the candidate reference). ``current`` takes theta on every trigger (the
     paper's); ``guarded`` takes it only when theta's R on this batch is higher than theta_bar's, so
     the step's reference never keeps fewer tokens than theta_bar would have. Either way the chosen
@@ -410,7 +410,7 @@ class PpoEwma(Correction):
 @register("exact")
 class Exact(Correction):
     """pi_prox = pi_v at each token's own behaviour version, from its ``old_logits.route``
-    (:mod:`jax_rl.correction.old_logits.routes`): the route declares the cost, where the old log-probs are
+    (:mod:`jax_rl.learner.correction.old_logits.routes`): the route declares the cost, where the old log-probs are
     computed and what it refuses; this class asks it."""
 
     needs_exact = True

@@ -5,8 +5,8 @@ routes hold their params in the same scorer.
 - :class:`OldLogitScorer` holds ``{version: params}`` for the versions the rollout fleet may still
   have tokens of ([g-K, g], at most K+1; on the learner's devices, or on ``placement.scorer``,
   :func:`jax_rl.placement.resolve_roles`) and scores a group's tokens with the learner's own jitted
-  forward (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.logprob_fn`) through
-  :func:`jax_rl.correction.old_logits.store.logprobs_by_version`, the computation the snapshot route runs, so
+  forward (:meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.logprob_fn`) through
+  :func:`jax_rl.learner.correction.old_logits.store.logprobs_by_version`, the computation the snapshot route runs, so
   the routes agree token for token (bitwise for the same input shape).
 - :class:`ScoringQueue` is the bounded queue and the thread between the rollout threads and the
   buffer (:class:`jax_rl.runtime.embedded.EmbeddedProducer` wires them): a group enters the
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jax_rl.learner.batch import collate, seq_buckets
-from jax_rl.correction.old_logits.store import StaleVersionError, logprobs_by_version, versions_needed
+from jax_rl.learner.correction.old_logits.store import StaleVersionError, logprobs_by_version, versions_needed
 from jax_rl.placement import BatchPlacement
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class OldLogitScorer:
     """Exact old log-probs with the learner's training numerics, from params it holds by version.
 
     The scorer of ``old_logits.route=dedicated`` (and the piece the retiring routes reuse; built
-    for a run by :meth:`jax_rl.correction.old_logits.stage.OldLogitStage.make_scorer`): it
+    for a run by :meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.make_scorer`): it
     holds ``{version: params}`` on its devices (:meth:`put` / :meth:`drop`, at most ``keep``, the
     oldest evicted first) and scores tokens exactly as :func:`snapshot_logprobs` does: the same
     jitted forward (:func:`jax_rl.learner.train_step.make_logprob_step`: fp32 master params, the model's
@@ -53,7 +53,7 @@ class OldLogitScorer:
 
     Args:
         logprob_fn: jitted ``(params, tokens [1,1,B,T], attention_mask) -> logp`` float32
-            (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.logprob_fn`).
+            (:meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.logprob_fn`).
         param_shardings: where held params live (a tree like the params).
         mesh: the mesh of ``param_shardings`` (rows of a scored batch are sharded over it).
         keep: versions held at most (``async.max_staleness + 1``), >= 1.
@@ -63,7 +63,7 @@ class OldLogitScorer:
             :func:`jax_rl.learner.batch.seq_buckets` that holds its longest trajectory
             (:func:`jax_rl.learner.batch.bucket_len`, the learner's rule), so few shapes are compiled.
         routes_fn: the same forward with recorded expert ids forced, ``(params, tokens,
-            attention_mask, routes) -> logp`` (:meth:`jax_rl.correction.old_logits.stage.OldLogitStage.logprob_fn`
+            attention_mask, routes) -> logp`` (:meth:`jax_rl.learner.correction.old_logits.stage.OldLogitStage.logprob_fn`
             ``routes=True``), when the routing-replay policy forces the rollout's routes (r3).
 
     Thread-safety: :meth:`put`, :meth:`drop` and the scoring methods may run on different threads
@@ -238,7 +238,7 @@ class OldLogitScorer:
 
     def count(self, *, scored: int = 0, dropped: int = 0) -> None:
         """Add to the cumulative ``scored`` / ``dropped`` trajectory counters (thread-safe; for a
-        caller that scores with this scorer's params by its own path, :mod:`jax_rl.correction.old_logits.retire`)."""
+        caller that scores with this scorer's params by its own path, :mod:`jax_rl.learner.correction.old_logits.retire`)."""
         with self._lock:
             self.scored += int(scored)
             self.dropped += int(dropped)

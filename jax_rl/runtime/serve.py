@@ -23,6 +23,10 @@ compiled.
 
 SIGTERM / SIGINT stop the Driver threads and the gRPC server gracefully (exit code 0). Note
 that JetStream's Driver SIGKILLs the whole process if one of its threads raises.
+
+An application over the rollout engine, beside the training runtimes (it reads the config, the memory
+budget of :mod:`jax_rl.runtime.resources` and the engine), so it lives here rather than in ``rollout/``,
+which the config and the runtimes sit above (no import runs from a lower level up).
 """
 
 from __future__ import annotations

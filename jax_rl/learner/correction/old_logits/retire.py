@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jax_rl.learner.batch import bucket_len, collate, inert
-from jax_rl.correction.old_logits.scorer import OldLogitScorer
-from jax_rl.correction.old_logits.store import StaleVersionError
+from jax_rl.learner.correction.old_logits.scorer import OldLogitScorer
+from jax_rl.learner.correction.old_logits.store import StaleVersionError
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""The exact-old-logit routes, one registry keyed by ``old_logits.route`` (as :mod:`jax_rl.correction`
+"""The exact-old-logit routes, one registry keyed by ``old_logits.route`` (as :mod:`jax_rl.learner.correction`
 is keyed by ``loss.correction``).
 
 A route is how ``loss.correction=exact`` gets log pi_v, the training-side log-probs at each token's
 own behaviour version v (the paper's routes: docs/design.md §2.2 Correction modes). Each route declares:
 
 - its cost (:attr:`Route.extra_forwards`, :attr:`Route.extra_param_copies`), which
-  :class:`jax_rl.correction.Exact` reports as its own;
-- its learner-side inputs: the learner keeps a :class:`~jax_rl.correction.old_logits.store.SnapshotStore`
+  :class:`jax_rl.learner.correction.Exact` reports as its own;
+- its learner-side inputs: the learner keeps a :class:`~jax_rl.learner.correction.old_logits.store.SnapshotStore`
   and scores each batch in its host step (:attr:`Route.learner_store`), or every batch arrives
   with ``old_logp`` filled on the rollout side (:attr:`Route.scores_before_buffer`);
 - its producer hooks, what the rollout side runs: the versions its scorer holds
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
-from jax_rl.correction.old_logits.retire import RetiringScorer
+from jax_rl.learner.correction.old_logits.retire import RetiringScorer
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import Config
-    from jax_rl.correction.old_logits.scorer import OldLogitScorer
+    from jax_rl.learner.correction.old_logits.scorer import OldLogitScorer
 
 __all__ = ["Route", "ROUTES", "register_route", "make_route"]
 
@@ -116,13 +116,13 @@ class Route:
 
     # ---------------------------------------------------------------------------- producer hooks
     def scorer_keep(self) -> Optional[int]:
-        """Versions the rollout side's :class:`~jax_rl.correction.old_logits.scorer.OldLogitScorer` holds at
+        """Versions the rollout side's :class:`~jax_rl.learner.correction.old_logits.scorer.OldLogitScorer` holds at
         most, or None when the route needs no rollout-side scorer."""
         return None
 
     def make_retirer(self, scorer: "OldLogitScorer", sources: Callable[[], list],
                      release: Optional[Callable], *, rows_per_forward: int) -> Optional["RetiringScorer"]:
-        """The :class:`~jax_rl.correction.old_logits.retire.RetiringScorer` wrapping ``scorer`` (None: the
+        """The :class:`~jax_rl.learner.correction.old_logits.retire.RetiringScorer` wrapping ``scorer`` (None: the
         route scores finished groups with ``scorer`` alone). ``sources`` / ``release``: the agent
         loops' unscored episodes and the call that releases a scored group's."""
         return None
@@ -140,7 +140,7 @@ class Route:
 
 @register_route("snapshot")
 class Snapshot(Route):
-    """The learner keeps the last K+1 versions' params (:class:`~jax_rl.correction.old_logits.store.SnapshotStore`)
+    """The learner keeps the last K+1 versions' params (:class:`~jax_rl.learner.correction.old_logits.store.SnapshotStore`)
     and runs one forward per behaviour version present in a batch (the paper's first route). Also the store
     ``old_logits.measure_error`` reads under an approximate mode, so it is allowed with every mode."""
 
@@ -177,7 +177,7 @@ class Dedicated(Route):
 
 class _Retiring(Route):
     """Version v's tokens, finished and partial, are scored with theta_v when the fleet leaves v
-    (:class:`~jax_rl.correction.old_logits.retire.RetiringScorer`); the scorer holds the fleet's version and at
+    (:class:`~jax_rl.learner.correction.old_logits.retire.RetiringScorer`); the scorer holds the fleet's version and at
     most one retiring one."""
 
     pauses_rollouts: ClassVar[bool] = False

@@ -9,7 +9,7 @@ docs/design.md §2.2 Correction modes).
   (over the whole batch: tokens of other versions are context, as they must be, because a
   partial rollout's prefix was produced by an older version but is still conditioned on) and
   keeps each token's log-prob from its own version's forward (:func:`logprobs_by_version`, which
-  the rollout-side scorers of :mod:`jax_rl.correction.old_logits.scorer` run too).
+  the rollout-side scorers of :mod:`jax_rl.learner.correction.old_logits.scorer` run too).
 - A loss token whose version is not held (evicted, never stored, or from the future) raises
   :class:`StaleVersionError`; there is no silent fallback.
 
