@@ -77,7 +77,7 @@ def test_behav_logp_is_the_log_softmax_of_the_token(top_k, top_p):
     fn = jax.jit(functools.partial(sample_tokens, top_k=top_k, top_p=top_p))
     tok, logp, km = (np.asarray(a) for a in fn(jnp.asarray(lg), keys, jnp.asarray(temp)))
     for i in range(B):
-        p, lp, kept = _truth(lg[i], temp[i] if temp[i] > 0 else 1.0, top_k, top_p)
+        _, lp, kept = _truth(lg[i], temp[i] if temp[i] > 0 else 1.0, top_k, top_p)
         mass = np.exp(lp)[kept].sum()
         assert kept[tok[i]]
         np.testing.assert_allclose(logp[i], lp[tok[i]] - np.log(mass), rtol=1e-6, atol=1e-6)
