@@ -232,7 +232,9 @@ def _roles_apart_verdict(a, k0: list[dict], k2: list[dict], s0: float) -> dict:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
+    """The bench's command line, checked (two CPUs for ``--separate-roles``, ``--steps`` >= 2, key=value
+    overrides), and the role overrides of ``--separate-roles`` (``runtime=ray`` with the CPUs pinned)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="RL learner steps per run (>= 2)")
     ap.add_argument("--latency", type=float, default=0.1, help="rollout.tool_latency_s (seconds per tool call)")
@@ -270,46 +272,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     for o in a.overrides:
         if "=" not in o:
             ap.error(f"override {o!r} is not key=value")
+    return a, role_overrides
 
-    from rich.console import Console
-    from rich.table import Table
 
-    con = Console() if sys.stdout.isatty() else Console(width=320)  # a log file keeps every column
-    stamp = dt.datetime.now(dt.timezone.utc)
-    out = Path(a.out) if a.out else ROOT / "runs" / f"async_speedup-{stamp:%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    order = [(s, k) for s in a.seeds for k in a.k]
-    load_start = os.getloadavg()
-    con.print(f"[bold]async speed-up[/] {stamp:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}, {os.cpu_count()} CPUs; "
-              f"config {a.config}, tool latency {a.latency * 1e3:g} ms, {a.steps} steps; "
-              + (f"roles apart: learner + driver on CPU {a.learner_cpus}, rollout worker on CPU {a.rollout_cpus} "
-                 "(runtime=ray); " if a.separate_roles else "")
-              + "each run its own subprocess, serially: " + ", ".join(f"seed {s} K={k}" for s, k in order))
-    runs: list[dict] = []
-    for seed, k in order:
-        rd = out / f"k{k}_seed{seed}"
-        cmd = [sys.executable, "-m", "jax_rl.cli", "train", a.config, f"run.steps={a.steps}",
-               f"eval.every={a.eval_every}", "checkpoint.every=0", f"rollout.tool_latency_s={a.latency}",
-               f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={rd}", "logging.progress=false",
-               *role_overrides, *a.overrides]
-        load0 = os.getloadavg()
-        t = time.perf_counter()
-        con.print(f"  run seed {seed} K={k} -> {rd}", highlight=False)
-        with open(out / f"k{k}_seed{seed}.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.run_timeout,
-                                    env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        rec: dict[str, Any] = {"k": k, "seed": seed, "run_dir": str(rd), "rc": rc, "process_s": time.perf_counter() - t,
-                               "load_before": list(load0), "load_after": list(os.getloadavg())}
+def run_one(a: argparse.Namespace, out: Path, seed: int, k: int, role_overrides: list[str], con) -> dict:
+    """One ``jax-rl train`` subprocess at seed ``seed`` and ``async.max_staleness`` ``k``; its record (exit code,
+    process seconds, load around it, and :func:`run_figures`, or ``error`` when the run gave none)."""
+    rd = out / f"k{k}_seed{seed}"
+    cmd = [sys.executable, "-m", "jax_rl.cli", "train", a.config, f"run.steps={a.steps}",
+           f"eval.every={a.eval_every}", "checkpoint.every=0", f"rollout.tool_latency_s={a.latency}",
+           f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={rd}", "logging.progress=false",
+           *role_overrides, *a.overrides]
+    load0 = os.getloadavg()
+    t = time.perf_counter()
+    con.print(f"  run seed {seed} K={k} -> {rd}", highlight=False)
+    with open(out / f"k{k}_seed{seed}.log", "w") as log:
         try:
-            rec.update(run_figures(rd, a.threshold, learner_cpus=len(a.learner_cpus or []) or None,
-                                   rollout_cpus=len(a.rollout_cpus or []) or None))
-        except (OSError, ValueError, KeyError) as e:
-            rec["error"] = f"{type(e).__name__}: {e}"
-            con.print(f"  [red]run seed {seed} K={k} gave no figures (rc={rc}): {rec['error']}; log {out / f'k{k}_seed{seed}.log'}[/]")
-        runs.append(rec)
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.run_timeout,
+                                env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    rec: dict[str, Any] = {"k": k, "seed": seed, "run_dir": str(rd), "rc": rc, "process_s": time.perf_counter() - t,
+                           "load_before": list(load0), "load_after": list(os.getloadavg())}
+    try:
+        rec.update(run_figures(rd, a.threshold, learner_cpus=len(a.learner_cpus or []) or None,
+                               rollout_cpus=len(a.rollout_cpus or []) or None))
+    except (OSError, ValueError, KeyError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        con.print(f"  [red]run seed {seed} K={k} gave no figures (rc={rc}): {rec['error']}; log {out / f'k{k}_seed{seed}.log'}[/]")
+    return rec
+
+
+def add_speedups(runs: list[dict]) -> dict[int, dict]:
+    """Each run's speed-ups over the K=0 run of its seed (raw, at K=0's learner step, evals excluded), set in
+    place; returns the K=0 run of each seed."""
     base = {r["seed"]: r for r in runs if r["k"] == 0 and "wall_s" in r}
     for r in runs:
         b = base.get(r["seed"])
@@ -320,6 +316,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the training alone: the periodic evals (same work in every mode, on the learner thread) left out
         r["speedup_no_eval"] = (b["s_per_step_no_eval"] / r["s_per_step_no_eval"]
                                 if b and "s_per_step_no_eval" in r else None)
+    return base
+
+
+def results_table(a: argparse.Namespace, runs: list[dict], stamp: dt.datetime):
+    """The rich table of every run: wall-clock, speed-ups, CPU and idle shares, staleness, held-out success."""
+    from rich.table import Table
 
     tab = Table(title=f"async vs sync, {a.latency * 1e3:g} ms tool latency, {a.steps} learner steps "
                       f"({stamp:%Y-%m-%d}, load {os.getloadavg()[0]:.1f}; serial subprocesses)")
@@ -344,83 +346,134 @@ def main(argv: Optional[list[str]] = None) -> int:
                     _fmt(r["learner_idle"], ".1%"), _fmt(r["rollout_idle"], ".1%"), f"{r['staleness_mean']:.2f}",
                     thr, f"{_fmt(r['best_success'], '.3f')} ({r['best_step']})", _fmt(r["final_success"], ".3f"),
                     f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}")
-    con.print(tab)
+    return tab
+
+
+def k2_figures(a: argparse.Namespace, k2: list[dict], base: dict[int, dict]) -> dict:
+    """K=2's figures against K=0 (mean speed-ups, K=0's learner idle share and the overlap bound it gives, the
+    CPU bound, evals' seconds, the roles-apart verdict) for :func:`k2_verdict` and its report."""
+    sp = sum(r["speedup"] for r in k2) / len(k2)
+    spe = sum(r["speedup_equal_learner"] for r in k2) / len(k2)
+    k0 = [base[r["seed"]] for r in k2]
+    f0 = sum(b["learner_idle"] for b in k0) / len(k0)
+    bound = 1.0 / (1.0 - f0) if f0 < 1 else math.inf
+    with_cpu = [r for r in k2 if r.get("cpu_s_per_step")]
+    cpu2 = sum(r["cpu_s_per_step"] for r in with_cpu) / len(with_cpu) if with_cpu else None
+    s0 = sum(b["s_per_step"] for b in k0) / len(k0)
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # the K=2 run's own CPU work per step spread over every core with none idle: no schedule of that
+    # work is faster, so K=0's s/step over it caps K=2's speed-up on this machine
+    cpu_bound = s0 / (cpu2 / ncpu) if cpu2 and not a.separate_roles else None  # ray: cpu_s is the driver's only
+    sne = [r["speedup_no_eval"] for r in k2 if r.get("speedup_no_eval") is not None]
+    sne = sum(sne) / len(sne) if sne else None
+    ev = [r["eval_s_in_window"] for r in k2 + k0 if r.get("eval_s_in_window") is not None]
+    roles = _roles_apart_verdict(a, k0, k2, s0) if a.separate_roles else None
+    return dict(k2=k2, sp=sp, spe=spe, f0=f0, bound=bound, with_cpu=with_cpu, cpu2=cpu2, s0=s0, ncpu=ncpu,
+                cpu_bound=cpu_bound, sne=sne, ev=ev, roles=roles)
+
+
+def k2_verdict(f: dict) -> dict:
+    """The record's verdict on K=2 (target 1.5x over K=0) from :func:`k2_figures`."""
+    verdict = {"target": 1.5, "speedup_k2_mean": f["sp"], "met": f["sp"] >= 1.5, "speedup_equal_learner_k2_mean": f["spe"],
+               "speedup_no_eval_k2_mean": f["sne"], "met_no_eval": f["sne"] is not None and f["sne"] >= 1.5,
+               "overlap_bound": f["bound"], "learner_idle_k0": f["f0"], "cpu_bound": f["cpu_bound"], "cpus": f["ncpu"]}
+    if f["roles"]:
+        verdict["roles_apart"] = f["roles"]
+        verdict["overlap_bound"] = f["roles"]["overlap_bound"]
+    return verdict
+
+
+def print_roles_apart(con, a: argparse.Namespace, f: dict) -> None:
+    """With the roles on their own cores: K=2's speed-up against the overlap bound (R + L) / max(R, L) and the
+    pipeline cap, and what bounds it."""
+    roles, sp, s0 = f["roles"], f["sp"], f["s0"]
+    con.print(f"[bold]K=2 speed-up {sp:.2f}x  |  overlap bound (R + L) / max(R, L) = {roles['overlap_bound']:.2f}x"
+              f"  |  pipeline cap {_fmt(roles['pipeline_cap'], '.2f')}x[/]  (roles on their own cores: learner + "
+              f"driver {a.learner_cpus}, rollout {a.rollout_cpus})")
+    con.print(f"overlap bound: at K=0 the rollout takes R = {roles['R_s']:.2f} s per batch (the learner's wait, "
+              f"tool sleeps included) and the learner L = {roles['L_s']:.2f} s per step (its step, publish, batch "
+              f"assembly, the evals' share), one after the other; run side by side with R and L unchanged, "
+              f"a step takes max(R, L), so (R + L) / max(R, L) = {roles['overlap_bound']:.2f}x")
+    if roles.get("rollout_cpu_s_per_step") is not None:
+        con.print(f"pipeline cap: a K=2 step is no shorter than K=0's L ({roles['L_s']:.2f} s) or either role's "
+                  f"CPU seconds per step on its cores (learner {roles['learner_cpu_s_per_step']:.2f}, "
+                  f"{roles['learner_core_busy']:.0%} busy; rollout {roles['rollout_cpu_s_per_step']:.2f}, "
+                  f"{roles['rollout_core_busy']:.0%} busy), so K=2 cannot beat "
+                  f"{_fmt(roles['pipeline_cap'], '.2f')}x over K=0's {s0:.2f} s per step")
+    if sp > roles["overlap_bound"]:
+        c0 = roles.get("rollout_cpu_s_per_step_k0")
+        con.print("above the overlap bound: R is the rollout's time per batch from a standing start; fed "
+                  "continuously at K=2 it also hides the batch's tail (its last episodes' tool sleeps and "
+                  "decode steps with few slots busy), so its seconds per batch fall below R"
+                  + (f" (rollout CPU s per step K=0 {c0:.2f}, K=2 {roles['rollout_cpu_s_per_step']:.2f}: "
+                     "the same work)" if c0 is not None and roles.get("rollout_cpu_s_per_step") else ""))
+    con.print(f"bound by the {roles['bound_by']}")
+
+
+def print_k2_report(con, a: argparse.Namespace, f: dict) -> None:
+    """K=2 against K=0 in words: at K=0's learner step, evals excluded, the bounds (overlap, CPU), the target."""
+    sp, spe, sne, f0, roles = f["sp"], f["spe"], f["sne"], f["f0"], f["roles"]
+    con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
+    if sne is not None:
+        con.print(f"K=2, training time alone: {sne:.2f}x (the periodic held-out evals left out of both runs: the "
+                  f"same work in every mode, run on the learner thread, {min(f['ev']):.0f}-{max(f['ev']):.0f} s per window)")
+    if roles:
+        print_roles_apart(con, a, f)
+    else:
+        con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
+                  f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {f['bound']:.2f}x "
+                  "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
+                  "included, can overlap)")
+    if f["cpu_bound"] is not None:
+        ncpu, cpu2 = f["ncpu"], f["cpu2"]
+        busy = sum(r["cores_busy"] for r in f["with_cpu"]) / len(f["with_cpu"])
+        con.print(f"CPU bound: K=2 spends {cpu2:.2f} CPU s per step (this process, all threads) "
+                  f"and keeps {busy:.2f} of {ncpu} cores busy; its work on {ncpu} fully busy cores takes at least "
+                  f"{cpu2 / ncpu:.2f} s per step, so on this machine K=2 cannot beat "
+                  f"{f['cpu_bound']:.2f}x over K=0's {f['s0']:.2f} s per step")
+    k2 = f["k2"]
+    if sp >= 1.5:
+        con.print(f"target met on the raw wall-clock: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)"
+                  + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))
+    else:
+        con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
+                  f"Learner idle K=0 {f0:.1%} vs K=2 "
+                  f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
+                  f"{sum(r['rollout_idle'] or 0 for r in k2) / len(k2):.1%}: a K=2 learner that is rarely "
+                  "idle while the rollout waits on the bound is learner-bound"
+                  + (f"; roles apart, the bound is the {roles['bound_by']}." if roles
+                     else " (CPU shared by learner and decode).")
+                  + ("" if sne is None else f" Evals excluded, K=2 is {sne:.2f}x: the training itself "
+                     f"{'meets' if sne >= 1.5 else 'misses'} the target."))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The bench: every (seed, K) run in order, the table, the K=2 verdict and report, the JSON record."""
+    a, role_overrides = parse_args(argv)
+
+    from rich.console import Console
+
+    con = Console() if sys.stdout.isatty() else Console(width=320)  # a log file keeps every column
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(a.out) if a.out else ROOT / "runs" / f"async_speedup-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    order = [(s, k) for s in a.seeds for k in a.k]
+    load_start = os.getloadavg()
+    con.print(f"[bold]async speed-up[/] {stamp:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}, {os.cpu_count()} CPUs; "
+              f"config {a.config}, tool latency {a.latency * 1e3:g} ms, {a.steps} steps; "
+              + (f"roles apart: learner + driver on CPU {a.learner_cpus}, rollout worker on CPU {a.rollout_cpus} "
+                 "(runtime=ray); " if a.separate_roles else "")
+              + "each run its own subprocess, serially: " + ", ".join(f"seed {s} K={k}" for s, k in order))
+    runs = [run_one(a, out, seed, k, role_overrides, con) for seed, k in order]
+    base = add_speedups(runs)
+    con.print(results_table(a, runs, stamp))
 
     k2 = [r for r in runs if r["k"] == 2 and r.get("speedup") is not None]
     verdict = None
     if k2 and abs(a.latency - 0.1) < 1e-9:
-        sp = sum(r["speedup"] for r in k2) / len(k2)
-        spe = sum(r["speedup_equal_learner"] for r in k2) / len(k2)
-        k0 = [base[r["seed"]] for r in k2]
-        f0 = sum(b["learner_idle"] for b in k0) / len(k0)
-        bound = 1.0 / (1.0 - f0) if f0 < 1 else math.inf
-        with_cpu = [r for r in k2 if r.get("cpu_s_per_step")]
-        cpu2 = sum(r["cpu_s_per_step"] for r in with_cpu) / len(with_cpu) if with_cpu else None
-        s0 = sum(b["s_per_step"] for b in k0) / len(k0)
-        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        # the K=2 run's own CPU work per step spread over every core with none idle: no schedule of that
-        # work is faster, so K=0's s/step over it caps K=2's speed-up on this machine
-        cpu_bound = s0 / (cpu2 / ncpu) if cpu2 and not a.separate_roles else None  # ray: cpu_s is the driver's only
-        sne = [r["speedup_no_eval"] for r in k2 if r.get("speedup_no_eval") is not None]
-        sne = sum(sne) / len(sne) if sne else None
-        ev = [r["eval_s_in_window"] for r in k2 + k0 if r.get("eval_s_in_window") is not None]
-        verdict = {"target": 1.5, "speedup_k2_mean": sp, "met": sp >= 1.5, "speedup_equal_learner_k2_mean": spe,
-                   "speedup_no_eval_k2_mean": sne, "met_no_eval": sne is not None and sne >= 1.5,
-                   "overlap_bound": bound, "learner_idle_k0": f0, "cpu_bound": cpu_bound, "cpus": ncpu}
-        roles = _roles_apart_verdict(a, k0, k2, s0) if a.separate_roles else None
-        if roles:
-            verdict["roles_apart"] = roles
-            verdict["overlap_bound"] = roles["overlap_bound"]
-        con.print(f"K=2 at K=0's learner step: {spe:.2f}x (the raw figure moves with the load between serial runs)")
-        if sne is not None:
-            con.print(f"K=2, training time alone: {sne:.2f}x (the periodic held-out evals left out of both runs: the "
-                      f"same work in every mode, run on the learner thread, {min(ev):.0f}-{max(ev):.0f} s per window)")
-        if roles:
-            con.print(f"[bold]K=2 speed-up {sp:.2f}x  |  overlap bound (R + L) / max(R, L) = {roles['overlap_bound']:.2f}x"
-                      f"  |  pipeline cap {_fmt(roles['pipeline_cap'], '.2f')}x[/]  (roles on their own cores: learner + "
-                      f"driver {a.learner_cpus}, rollout {a.rollout_cpus})")
-            con.print(f"overlap bound: at K=0 the rollout takes R = {roles['R_s']:.2f} s per batch (the learner's wait, "
-                      f"tool sleeps included) and the learner L = {roles['L_s']:.2f} s per step (its step, publish, batch "
-                      f"assembly, the evals' share), one after the other; run side by side with R and L unchanged, "
-                      f"a step takes max(R, L), so (R + L) / max(R, L) = {roles['overlap_bound']:.2f}x")
-            if roles.get("rollout_cpu_s_per_step") is not None:
-                con.print(f"pipeline cap: a K=2 step is no shorter than K=0's L ({roles['L_s']:.2f} s) or either role's "
-                          f"CPU seconds per step on its cores (learner {roles['learner_cpu_s_per_step']:.2f}, "
-                          f"{roles['learner_core_busy']:.0%} busy; rollout {roles['rollout_cpu_s_per_step']:.2f}, "
-                          f"{roles['rollout_core_busy']:.0%} busy), so K=2 cannot beat "
-                          f"{_fmt(roles['pipeline_cap'], '.2f')}x over K=0's {s0:.2f} s per step")
-            if sp > roles["overlap_bound"]:
-                c0 = roles.get("rollout_cpu_s_per_step_k0")
-                con.print("above the overlap bound: R is the rollout's time per batch from a standing start; fed "
-                          "continuously at K=2 it also hides the batch's tail (its last episodes' tool sleeps and "
-                          "decode steps with few slots busy), so its seconds per batch fall below R"
-                          + (f" (rollout CPU s per step K=0 {c0:.2f}, K=2 {roles['rollout_cpu_s_per_step']:.2f}: "
-                             "the same work)" if c0 is not None and roles.get("rollout_cpu_s_per_step") else ""))
-            con.print(f"bound by the {roles['bound_by']}")
-        else:
-            con.print(f"overlap bound: K=0's learner is idle {f0:.1%} of its wall-clock, so with the learner step unchanged "
-                      f"and every idle second hidden, asynchrony can give at most 1 / (1 - {f0:.3f}) = {bound:.2f}x "
-                      "(on 2 cores the decode and the learner's XLA step share the CPU: only waits, tool sleeps "
-                      "included, can overlap)")
-        if cpu_bound is not None:
-            busy = sum(r["cores_busy"] for r in with_cpu) / len(with_cpu)
-            con.print(f"CPU bound: K=2 spends {cpu2:.2f} CPU s per step (this process, all threads) "
-                      f"and keeps {busy:.2f} of {ncpu} cores busy; its work on {ncpu} fully busy cores takes at least "
-                      f"{cpu2 / ncpu:.2f} s per step, so on this machine K=2 cannot beat "
-                      f"{cpu_bound:.2f}x over K=0's {s0:.2f} s per step")
-        if sp >= 1.5:
-            con.print(f"target met on the raw wall-clock: K=2 is {sp:.2f}x faster than K=0 (target >= 1.5x)"
-                      + ("" if spe >= 1.5 else f"; not at K=0's learner step ({spe:.2f}x, short by {1.5 - spe:.2f}x)"))
-        else:
-            con.print(f"target missed: K=2 is {sp:.2f}x (target >= 1.5x, short by {1.5 - sp:.2f}x). "
-                      f"Learner idle K=0 {f0:.1%} vs K=2 "
-                      f"{sum(r['learner_idle'] for r in k2) / len(k2):.1%}; rollout idle K=2 "
-                      f"{sum(r['rollout_idle'] or 0 for r in k2) / len(k2):.1%}: a K=2 learner that is rarely "
-                      "idle while the rollout waits on the bound is learner-bound"
-                      + (f"; roles apart, the bound is the {roles['bound_by']}." if roles
-                         else " (CPU shared by learner and decode).")
-                      + ("" if sne is None else f" Evals excluded, K=2 is {sne:.2f}x: the training itself "
-                         f"{'meets' if sne >= 1.5 else 'misses'} the target."))
+        f = k2_figures(a, k2, base)
+        verdict = k2_verdict(f)
+        print_k2_report(con, a, f)
     record = {"timestamp": stamp.isoformat(timespec="seconds"), "separate_roles": a.separate_roles,
               "learner_cpus": a.learner_cpus, "rollout_cpus": a.rollout_cpus, "load_start": list(load_start), "load_end": list(os.getloadavg()),
               "cpu_count": os.cpu_count(), "git_commit": _git_commit(), "config": a.config, "steps": a.steps,

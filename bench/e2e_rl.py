@@ -92,9 +92,10 @@ working tree is mid-edit, run the arms from an export: ``git archive HEAD | tar 
 ``--src DIR`` (the script's own ``bench/`` files copied in), with ``BENCH_GIT_COMMIT`` set for the
 record.
 
-Writes a JSON record (date, load, machine, args, commit, every step) to ``--json``. No
-assertion: figures depend on the machine's load. The issue's target: jax-rl >= 1.5x Tunix per RL
-step at K=0.
+The task, its start point and the one evaluator live in ``bench/e2e_task.py``, the Tunix arms in
+``bench/e2e_tunix.py``; this script runs the arms and reports. Writes a JSON record (date, load, machine,
+args, commit, every step) to ``--json``. No assertion: figures depend on the machine's load. The issue's
+target: jax-rl >= 1.5x Tunix per RL step at K=0.
 """
 
 from __future__ import annotations
@@ -108,14 +109,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from _record import add_platform_arg, environment, select_platform  # noqa: E402
 
 select_platform()  # --platform cpu|gpu|tpu: JAX_PLATFORMS of this process and of every arm's process (default cpu)
-CONFIG = ROOT / "bench" / "e2e_rl.yaml"
 ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2", "agentic_k0", "tunix_agentic_k0", "agentic_k2",
         "tunix_agentic_k2")
 SINGLE_TURN_ARMS = ARMS[:5]
@@ -123,438 +123,10 @@ SINGLE_TURN_ARMS = ARMS[:5]
 REFERENCE = {"jaxrl_k0": "tunix", "jaxrl_k2": "tunix", "roles_k0": "tunix", "roles_k2": "tunix", "tunix": "tunix",
              "agentic_k0": "tunix_agentic_k0", "agentic_k2": "tunix_agentic_k2",
              "tunix_agentic_k0": "tunix_agentic_k0", "tunix_agentic_k2": "tunix_agentic_k2"}
-SIZE_ENV = "E2E_RL_SIZE"  # the model size every worker process builds (set by main from --size)
-# --size: jax-rl config overrides on top of bench/e2e_rl.yaml, the same for SFT, every arm and Tunix
-# (Tunix loads the exported HF folder, so it gets the same model). ``small`` is bench/learner_step.py's
-# `small` Qwen3 (d=256, 4 layers, 8/4 heads of 32, ff 768) with the tool schemas rendered in the
-# system prompt (prompts ~3x longer), where compute rather than dispatch dominates a step.
-SIZES = {
-    "tiny": [],
-    # every hf_overrides key is set (an override replaces the yaml's dict): vocab 640 (the BPE), rope 1e6 (Tunix)
-    "small": ["model.hf_overrides.vocab_size=640", "model.hf_overrides.rope_theta=1000000.0",
-              "model.hf_overrides.hidden_size=256",
-              "model.hf_overrides.intermediate_size=768",
-              "model.hf_overrides.num_hidden_layers=4", "model.hf_overrides.num_attention_heads=8",
-              "model.hf_overrides.num_key_value_heads=4", "model.hf_overrides.head_dim=32",
-              "rollout.render_tools=true", "rollout.max_prefill_length=320", "rollout.max_cache_len=400",
-              "optim.max_seq_len=400"],
-}
-HELDOUT_SEED = 1_000_000
-MAX_NEW = 40
-GROUP = 8
-BATCH = 64
-
-
-# ---------------------------------------------------------------------------- the task (both sides)
-
-
-def _src_path(src: Path) -> None:
-    if str(src) not in sys.path:
-        sys.path.insert(0, str(src))
-
-
-def size_overrides(size: Optional[str] = None) -> list[str]:
-    """The jax-rl overrides of model size ``size`` (default: ``$E2E_RL_SIZE`` or ``tiny``; :data:`SIZES`)."""
-    size = size or os.environ.get(SIZE_ENV, "tiny")
-    if size not in SIZES:
-        raise ValueError(f"--size {size!r}: one of {sorted(SIZES)}")
-    return list(SIZES[size])
-
-
-def load_cfg(src: Path, overrides: Optional[list] = None):
-    """The bench's jax-rl Config (``bench/e2e_rl.yaml`` of ``src``, at the size :func:`size_overrides` says)."""
-    _src_path(src)
-    from jax_rl.config import load_config
-
-    return load_config(src / "bench" / "e2e_rl.yaml", size_overrides() + list(overrides or []))
-
-
-def direct_answer_demo(env: Any, seed: int) -> list[dict]:
-    """The single-turn reference solution: ``<answer>{the task's answer}</answer>`` (no tool call)."""
-    env.reset(seed)
-    return [{"role": "assistant", "content": f"<answer>{env.entry['answer']}</answer>"}]
-
-
-class Task:
-    """Prompts and scoring of the bench task, from jax-rl's env and the shared tokenizer.
-
-    ``prompt(seed)`` -> (token ids, rendered text) of the env's chat with the generation prompt;
-    ``score(text, seed, ended)`` -> reward in [0, 1]: 0 when the turn did not end with a stop id
-    (``ended`` False) or is a tool call, else the env's ``score`` (reasoning-gym ``score_answer``),
-    as jax-rl's agent loop scores a one-turn episode.
-    """
-
-    def __init__(self, cfg: Any, tokenizer: Any):
-        from jax_rl.runtime.envs import build_env_factory
-
-        self.cfg, self.tok = cfg, tokenizer
-        self.env_factory = build_env_factory(cfg)
-        self._env = self.env_factory()
-
-    def prompt(self, seed: int) -> tuple[list[int], str]:
-        messages, tools = self._env.reset(int(seed))
-        shown = tools if self.cfg.rollout.render_tools else None
-        ids, _ = self.tok.render_chat(messages, shown, add_generation_prompt=True)
-        return list(ids), self.tok.render_text(messages, shown, add_generation_prompt=True)
-
-    def score(self, text: str, seed: int, ended: bool = True) -> float:
-        if not ended or "<tool_call>" in text:
-            return 0.0
-        self._env.reset(int(seed))
-        r, _ = self._env.score(text)
-        return float(min(1.0, max(0.0, r)))
-
-
-def prepare(out: Path, src: Path, sft_steps: int, agentic: bool = False) -> Path:
-    """jax-rl SFT on direct-answer demos (``run_sft``), exported to ``out/hf`` (weights + tokenizer).
-    ``agentic``: on the env's own tool-using demos (a ``calculate`` call, its result, the answer), the
-    start point of the 2-turn arms."""
-    _src_path(src)
-    from rollout.envs.calculator import CalculatorEnv
-
-    if not agentic:
-        CalculatorEnv.reference_solution = direct_answer_demo  # this process only: demos without the tool
-    from jax_rl.export import export_checkpoint
-    from jax_rl.runtime.train import run_sft
-
-    cfg = load_cfg(src, [f"run.dir={out / 'sft'}", f"sft.steps={sft_steps}"] + (AGENTIC_OVERRIDES if agentic else []))
-    run_sft(cfg)
-    export_checkpoint(out / "sft", out / "hf")
-    return out / "hf"
-
-
-# ---------------------------------------------------------------------------- one evaluator for both
-
-
-def heldout_success(model: Any, task: Task, qcfg: Any, n_tasks: int, k: int, seed: int = 0) -> dict:
-    """avg@k held-out success of a Tunix Qwen3 ``model`` (Tunix ``Sampler``, temperature 1, top_p 1,
-    at most ``MAX_NEW`` tokens, stop ids of the tokenizer) on seeds ``HELDOUT_SEED + i``, scored
-    by :meth:`Task.score`. Returns {"success", "n", "eval_s"}."""
-    import _tunix as T
-
-    t = time.perf_counter()
-    seeds = [HELDOUT_SEED + i for i in range(n_tasks) for _ in range(k)]
-    prompts = [task.prompt(s) for s in seeds]
-    P = max(len(p[0]) for p in prompts)
-    sampler = T.make_chat_sampler(model, qcfg, task.tok, cache_size=P + MAX_NEW + 8)
-    stop = list(task.tok.stop_ids)
-    out = sampler([p[1] for p in prompts], max_generation_steps=MAX_NEW, max_prompt_length=P, temperature=1.0,
-                  top_p=1.0, top_k=None, eos_tokens=stop, seed=seed)
-    rewards = [task.score(text, s, ended=len(toks) < MAX_NEW)
-               for text, toks, s in zip(out.text, out.tokens, seeds)]
-    return {"success": sum(rewards) / len(rewards), "n": len(rewards), "eval_s": time.perf_counter() - t}
-
-
-def eval_hf(hf_dir: Path, src: Path, n_tasks: int, k: int) -> dict:
-    """:func:`heldout_success` of an HF checkpoint folder (weights + tokenizer.json)."""
-    import _tunix as T
-    from jax_rl.models import hf_io
-    from jax_rl.models.tokenizer import load_tokenizer
-
-    cfg = load_cfg(src)
-    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
-    qcfg = hf_io.load_config(hf_dir)
-    return heldout_success(T.load_model(str(hf_dir), qcfg), Task(cfg, tok), qcfg, n_tasks, k)
-
-
-# ---------------------------------------------------------------------------- the Tunix arm
-
-
-class _TunixMeter:
-    """Per-RL-step figures of a Tunix learner, gathered by wrapping its cluster's ``generate``,
-    ``update_actor`` and ``sync_weights`` (seconds in each, generated tokens, generate calls, trained
-    tokens); one row per ``update_actor`` call. Thread-safe: Tunix's agentic learner generates from
-    several threads. ``extra``: more accumulators (0 / 0.0) an arm fills through :meth:`timed`."""
-
-    def __init__(self, cluster, **extra):
-        import threading
-
-        self.acc: dict = {"gen_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "gen_tokens": 0, "trained_tokens": 0,
-                          "gen_calls": 0, **extra}
-        self.rows: list[dict] = []
-        self.lock = threading.Lock()
-        cluster.generate = self.timed("gen_s", cluster.generate, self._on_gen)
-        cluster.update_actor = self.timed("update_s", cluster.update_actor, self._on_update)
-        cluster.sync_weights = self.timed("sync_s", cluster.sync_weights)
-
-    def timed(self, name: str, fn, after=None):
-        """``fn`` wrapped to add its seconds to ``acc[name]`` and then call ``after(out, *args)``."""
-        def w(*a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            with self.lock:
-                self.acc[name] += time.perf_counter() - t
-                if after:
-                    after(out, *a, **kw)
-            return out
-        return w
-
-    def _on_gen(self, out, *a, **kw):
-        self.acc["gen_tokens"] += int(sum(len(t) for t in out.tokens))
-        self.acc["gen_calls"] += 1
-
-    def _on_update(self, out, train_ds, *a, **kw):
-        import numpy as np
-
-        exs = train_ds if isinstance(train_ds, list) else [train_ds]
-        self.acc["trained_tokens"] += int(sum(int(np.sum(e.prompt_mask)) + int(np.sum(e.completion_mask))
-                                              for e in exs))
-        self.rows.append({"t_end": time.perf_counter(), **self.acc})
-        for key in self.acc:
-            self.acc[key] = 0 if isinstance(self.acc[key], int) else 0.0
-
-    def walls(self, t0: float) -> list[tuple[float, dict]]:
-        """``(wall seconds since the previous row, or since t0, row)`` per RL step."""
-        out, prev = [], t0
-        for r in self.rows:
-            out.append((r["t_end"] - prev, r))
-            prev = r["t_end"]
-        return out
-
-
-def tunix_cluster(cfg: Any, model: Any, tok: Any, prompt_len: int, max_tokens: int, steps: int, **rollout_kw) -> Any:
-    """Tunix's ``RLCluster`` for both Tunix arms: actor, reference and rollout on one device, the
-    optimizer jax-rl's (global-norm clip then AdamW, ``cfg.optim``), the vanilla rollout engine at
-    ``cfg.algo.temperature`` with a KV cache of ``prompt_len + max_tokens + 8`` tokens (``rollout_kw``:
-    more ``RolloutConfig`` fields, e.g. ``return_logprobs``)."""
-    import jax
-    import numpy as np
-    import optax
-    import _tunix as T
-    from tunix.rl import rl_cluster as rlc
-    from tunix.rl.rollout import base_rollout
-
-    o = cfg.optim
-    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
-                     optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    rollout_cfg = base_rollout.RolloutConfig(
-        max_tokens_to_generate=max_tokens, temperature=cfg.algo.temperature, top_p=1.0, top_k=None,
-        max_prompt_length=prompt_len, kv_cache_size=prompt_len + max_tokens + 8, eos_tokens=list(tok.stop_ids),
-        seed=None, **rollout_kw)
-    return rlc.RLCluster(
-        actor=model, reference=None, tokenizer=T.ChatTokenizerAdapter(tok),
-        cluster_config=rlc.ClusterConfig(
-            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-            rollout_engine="vanilla", offload_to_cpu=False,
-            training_config=rlc.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=steps),
-            rollout_config=rollout_cfg))
-
-
-def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: int = 0) -> dict:
-    """``steps`` RL steps of Tunix's GRPOLearner (colocated, synchronous) from ``hf_dir``, timed
-    per step by wrappers around its own methods (module doc); then :func:`heldout_success` of the
-    trained actor."""
-    import numpy as np
-    import _tunix as T
-    from jax_rl.models import hf_io
-    from jax_rl.models.tokenizer import load_tokenizer
-    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
-
-    cfg = load_cfg(src)
-    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
-    task = Task(cfg, tok)
-    qcfg = hf_io.load_config(hf_dir)
-    model = T.load_model(str(hf_dir), qcfg)
-    n_prompts = BATCH // GROUP
-    train_seeds = [cfg.env.train_seed_offset + i for i in range(steps * n_prompts)]
-    prompts = {s: task.prompt(s) for s in train_seeds}
-    for s in train_seeds[:n_prompts]:  # the text Tunix encodes gives jax-rl's prompt ids
-        ids, text = prompts[s]
-        if tok.encode(text) != ids:
-            raise RuntimeError(f"seed {s}: encode(render_text) != render_chat ids")
-    P = max(len(p[0]) for p in prompts.values())
-    cluster = tunix_cluster(cfg, model, tok, P, MAX_NEW, steps)
-
-    def reward_fn(prompts, completions, seed, **_):
-        # Tunix's completion text ends before the stop id; a 40-token completion had none
-        return [task.score(str(c), int(s), ended=len(tok.encode(str(c))) < MAX_NEW)
-                for c, s in zip(completions, seed)]
-
-    learner = GRPOLearner(cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
-                                              loss_agg_mode="token-mean"), reward_fns=reward_fn)
-    meter = _TunixMeter(cluster, score_s=0.0, reward_sum=0.0, n=0)
-    acc = meter.acc
-
-    def on_rewards(r, *a, **kw):
-        acc["reward_sum"] += float(np.sum(r))
-        acc["n"] += len(r)
-
-    learner._compute_rewards = meter.timed("score_s", learner._compute_rewards, on_rewards)
-
-    def batches():
-        for i in range(steps):
-            ss = train_seeds[i * n_prompts:(i + 1) * n_prompts]
-            # arrays: Tunix repeats every leaf G times (np.repeat); a list would be a tree of leaves
-            yield {"prompts": np.array([prompts[s][1] for s in ss]), "seed": np.array(ss)}
-
-    t0 = time.perf_counter()
-    learner.train(batches())
-    t_end = time.perf_counter()
-    step_rows = []
-    for i, (wall, r) in enumerate(meter.walls(t0)):
-        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
-                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "score_s": r["score_s"],
-                          "update_s": r["update_s"], "sync_s": r["sync_s"],
-                          "host_s": wall - r["gen_s"] - r["score_s"] - r["update_s"] - r["sync_s"],
-                          "reward_mean": r["reward_sum"] / max(r["n"], 1)})
-    ev = heldout_success(cluster.actor_trainer.model, task, qcfg, n_tasks, k) if n_tasks > 0 else None
-    return {"steps": step_rows, "rl_wall_s": t_end - t0, "heldout": ev,
-            "should_sync_weights": bool(learner.should_sync_weights),
-            "async_rollout": bool(learner.can_enable_async_rollout), "prompt_len_max": P}
-
-
-# ---------------------------------------------------------------------------- the agentic arms (2-turn tool task)
-
-# jax-rl's side of the agentic task: the calculator env's own multi-turn episode, one tool call then the
-# answer (two assistant turns), from a start point SFT'd on the env's tool-using reference solutions
-AGENTIC_TURNS = 2
-AGENTIC_MAX_TOKENS = 80  # generated tokens per episode, both turns together (Tunix: max_response_length)
-AGENTIC_OVERRIDES = [f"rollout.max_turns={AGENTIC_TURNS}", f"rollout.max_tokens_per_episode={AGENTIC_MAX_TOKENS}"]
-
-
-def question_text(q: Any) -> str:
-    """The text of one episode's ``question`` as Tunix's agentic learner passes it: a ``str``, or a numpy
-    string array of one element (0-d or ``[1]``: the learner slices its batch into per-episode rows).
-    Raises ValueError when it holds more or fewer than one string."""
-    import numpy as np
-
-    if isinstance(q, str):
-        return str(q)
-    a = np.asarray(q).reshape(-1)
-    if a.size != 1:
-        raise ValueError(f"question: expected one string, got {a.size} values")
-    return str(a[0])
-
-
-def tunix_agentic_parts(task: Task):
-    """Tunix's agentic classes wired to the bench task (``tunix.rl.agentic``): a ``ToolAgent`` whose
-    conversation is the jax-rl env's own (its system prompt and question, the tool result as a ``tool``
-    message with the env's output, no "Tool returned result:" prefix) and a ``ToolEnvironment`` whose
-    ``calculate`` tool is the jax-rl env's and whose reward is :meth:`Task.score` of the final answer.
-    Returns (agent class, env class, env kwargs, tool class)."""
-    from tunix.rl.agentic.agents.tool_agent import ToolAgent
-    from tunix.rl.agentic.environments.tool_environment import ToolEnvironment
-    from tunix.rl.agentic.tools import base_tool
-
-    env0 = task.env_factory()
-
-    class CalcTool(base_tool.BaseTool):
-        def get_json_schema(self):
-            return {"type": "function", "function": dict(env0.TOOLS[0]["function"])} \
-                if "function" in env0.TOOLS[0] else dict(env0.TOOLS[0])
-
-        def apply(self, **kwargs):
-            try:
-                return base_tool.ToolOutput(name=self.name, output=env0.step({"name": "calculate",
-                                                                               "arguments": kwargs}))
-            except Exception as e:  # a bad expression: the env's error text, as jax-rl's agent shows it
-                return base_tool.ToolOutput(name=self.name, error=str(e))
-
-    class EnvAgent(ToolAgent):
-        def __init__(self, system_prompt: str = "", **kw):
-            super().__init__(system_prompt=system_prompt, tool_parser_name="qwen",
-                             tool_map={"calculate": CalcTool})
-            self.tools_prompt = ""
-
-        def _init_messages(self, system_prompt: str) -> None:
-            self._messages = [{"role": "system", "content": system_prompt or ""}]
-
-        def _observation_to_messages(self, observation, reward, done, info):
-            if isinstance(observation, dict) and "tool_outputs" in observation:
-                for call_id, out in observation["tool_outputs"].items():
-                    self._messages.append({"role": "tool", "tool_call_id": call_id, "content": out or ""})
-            elif isinstance(observation, dict) and "question" in observation:
-                # the learner hands each episode its batch row's numpy values (an array, not a str), which
-                # the chat rendering would show as an empty user turn (the model then never saw the task)
-                self._messages.append({"role": "user", "content": question_text(observation["question"])})
-            else:
-                super()._observation_to_messages(observation, reward, done, info)
-
-    import threading
-
-    import numpy as np
-
-    lock = threading.Lock()  # Task.score resets one shared env; Tunix steps episodes from several threads
-
-    def reward_fn(task: dict, action: str) -> float:
-        with lock:
-            return task_obj.score(str(action), int(np.asarray(task["seed"]).reshape(-1)[0]))
-
-    task_obj = task
-    env_kwargs = {"tool_map": {"calculate": CalcTool}, "reward_fn": reward_fn,
-                  "max_steps": AGENTIC_TURNS}
-    return EnvAgent, ToolEnvironment, env_kwargs, CalcTool
-
-
-class _ChatParser:
-    """Tunix's chat-template parser interface over the shared tokenizer's own rendering (the same text
-    jax-rl renders: :meth:`Task.prompt`), message by message as Tunix's trajectory engine asks."""
-
-    def __init__(self, tok: Any, tools: Optional[list] = None):
-        from tunix.rl.agentic.parser.chat_template_parser.parser import QwenChatTemplateParser
-
-        class _T:  # the two attributes Qwen's parser reads
-            bos_token, eos_token = "", "<|im_end|>"
-
-        self._q = QwenChatTemplateParser(_T())
-        self.tok, self.tools = tok, tools
-        self.assistant_token = self._q.tokens.assistant_token
-
-    def parse(self, messages, add_generation_prompt: bool = False, is_first_msg: bool = False) -> str:
-        msgs = [dict(m, role="tool") if m.get("role") == "tool" else m for m in messages]
-        if is_first_msg:
-            return self.tok.render_text(msgs, self.tools, add_generation_prompt=add_generation_prompt)
-        return self._q.parse(msgs, add_generation_prompt=add_generation_prompt, is_first_msg=False)
-
-
-def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int, seed: int = 0) -> dict:
-    """``steps`` RL steps of Tunix's agentic GRPO learner (``tunix.rl.agentic.agentic_grpo_learner``,
-    ``off_policy_steps``) on the 2-turn calculator task from ``hf_dir``, colocated, timed per step like
-    :func:`tunix_run` (``RLCluster.generate`` = generation, every turn's call; ``update_actor``; sync)."""
-    import numpy as np
-    import _tunix as T
-    from jax_rl.models import hf_io
-    from jax_rl.models.tokenizer import load_tokenizer
-    from tunix.rl.agentic.agentic_grpo_learner import GRPOConfig, GRPOLearner
-
-    cfg = load_cfg(src, AGENTIC_OVERRIDES)
-    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
-    task = Task(cfg, tok)
-    qcfg = hf_io.load_config(hf_dir)
-    model = T.load_model(str(hf_dir), qcfg)
-    n_prompts = BATCH // GROUP
-    train_seeds = [cfg.env.train_seed_offset + i for i in range(steps * n_prompts)]
-    P = cfg.rollout.max_cache_len
-    cluster = tunix_cluster(cfg, model, tok, P, AGENTIC_MAX_TOKENS, steps, return_logprobs=True)
-    agent_cls, env_cls, env_kwargs, _ = tunix_agentic_parts(task)
-    env0 = task.env_factory()
-    (sys_msg, *_), tools = env0.reset(train_seeds[0])
-    system = sys_msg["content"]
-    # the tool schemas in the system turn exactly when jax-rl renders them (``rollout.render_tools``, the
-    # small size): without them Tunix's episodes met a prompt the SFT never showed (one malformed turn)
-    learner = GRPOLearner(
-        cluster, GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2,
-                            loss_agg_mode="token-mean", off_policy_steps=off_policy_steps,
-                            max_response_length=AGENTIC_MAX_TOKENS, system_prompt=system, max_concurrency=BATCH),
-        chat_parser=_ChatParser(tok, tools if cfg.rollout.render_tools else None), agent_class=agent_cls, env_class=env_cls, env_kwargs=env_kwargs)
-    meter = _TunixMeter(cluster)
-
-    def batches():
-        for i in range(steps):
-            ss = train_seeds[i * n_prompts:(i + 1) * n_prompts]
-            qs = np.array([env0.reset(s)[0][1]["content"] for s in ss])
-            yield {"prompts": qs, "question": qs, "seed": np.array(ss)}  # Tunix's learner reads "prompts"
-
-    t0 = time.perf_counter()
-    learner.train(batches())
-    t_end = time.perf_counter()
-    step_rows = []
-    for i, (wall, r) in enumerate(meter.walls(t0)):
-        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
-                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "update_s": r["update_s"],
-                          "sync_s": r["sync_s"], "gen_calls": r["gen_calls"]})
-    return {"steps": step_rows, "rl_wall_s": t_end - t0, "off_policy_steps": off_policy_steps}
+from e2e_task import (AGENTIC_MAX_TOKENS, AGENTIC_OVERRIDES, AGENTIC_TURNS, BATCH, GROUP,  # noqa: E402,F401
+                      HELDOUT_SEED, MAX_NEW, SIZE_ENV, SIZES, Task, _src_path, direct_answer_demo, eval_hf,
+                      heldout_success, load_cfg, prepare, size_overrides)
+from e2e_tunix import question_text, tunix_agentic_parts, tunix_agentic_run, tunix_run  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------- the jax-rl arms
@@ -717,11 +289,8 @@ def round_ratios(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv and argv[0].startswith("_"):  # worker modes (one fresh process each)
-        return _worker(argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The bench's command line (``--steps`` must exceed ``--warmup``; ``--platform`` as :mod:`_record` adds it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="RL steps per arm run")
     ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
@@ -749,19 +318,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
-    src = Path(a.src).resolve()
-    os.environ[SIZE_ENV] = a.size  # every worker and jax-rl arm builds this size
-    stamp = dt.datetime.now(dt.timezone.utc)
-    out = Path(a.out) if a.out else ROOT / "runs" / f"e2e_rl-{stamp:%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    import _tunix as T
+    return a
 
-    print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; size {a.size}; "
-          f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
-    _src_path(src)  # the jax_rl of --src, as the workers import it
-    env = environment()  # versions, backend, devices, chip: printed and in the record
-    hf = out / "base" / "hf"
-    hf_agentic = out / "base_agentic" / "hf"
+
+def prepare_start_points(a: argparse.Namespace, out: Path, src: Path, hf: Path, hf_agentic: Path) -> None:
+    """The shared start points the chosen arms need (direct-answer ``hf``, agentic ``hf_agentic``), each SFT'd
+    and exported in a worker process unless already there."""
     for want, d, kind in ((any(x in SINGLE_TURN_ARMS for x in a.arms), hf, "direct-answer"),
                           (any(x not in SINGLE_TURN_ARMS for x in a.arms), hf_agentic, "agentic")):
         if want and not (d / "model.safetensors").exists():
@@ -770,32 +332,37 @@ def main(argv: Optional[list[str]] = None) -> int:
                  out / f"prepare_{kind}.log")
             print(f"prepared {d} (SFT {a.sft_steps} steps on {kind} demos) in {time.perf_counter() - t:.0f} s",
                   flush=True)
-    base = {"success": None}
-    if not a.no_eval and any(x in SINGLE_TURN_ARMS for x in a.arms):
-        base = _sub(["_eval", str(hf), str(src), str(a.eval_tasks), str(a.eval_k)], a.run_timeout,
-                    out / "eval_base.log")
-        print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
+
+
+def run_arm(a: argparse.Namespace, arm: str, rd: Path, src: Path, hf: Path, hf_agentic: Path) -> dict:
+    """One run of ``arm`` in run dir ``rd`` (a Tunix worker process or a ``jax-rl train`` subprocess), with the
+    held-out evaluation of a single-turn jax-rl arm's final params; a failed run is a record with ``error``."""
+    if arm == "tunix":
+        return attempt(_sub, ["_tunix", str(hf), str(src), str(a.steps),
+                              str(a.eval_tasks if not a.no_eval else 0), str(a.eval_k)],
+                       a.run_timeout, Path(str(rd) + ".log"))
+    if arm.startswith("tunix_agentic"):
+        return attempt(_sub, ["_tunix_agentic", str(hf_agentic), str(src), str(a.steps),
+                              "2" if arm.endswith("k2") else "0"], a.run_timeout, Path(str(rd) + ".log"))
+    rec = attempt(jaxrl_run, arm, hf_agentic if arm.startswith("agentic") else hf, src, rd, a.steps,
+                  a.jax_rl_python, a.seed, a.run_timeout)
+    if not a.no_eval and arm in SINGLE_TURN_ARMS and "error" not in rec:
+        rec["heldout"] = attempt(_sub, ["_evalrun", str(rd), str(src), str(a.eval_tasks),
+                                        str(a.eval_k)], a.run_timeout, Path(str(rd) + ".eval.log"))
+        if "error" in rec["heldout"]:
+            rec["heldout"] = {"success": None, "error": rec["heldout"]["error"]}
+    return rec
+
+
+def run_rounds(a: argparse.Namespace, out: Path, src: Path, hf: Path, hf_agentic: Path, T) -> dict[str, list[dict]]:
+    """``--rounds`` times every arm in order (:func:`run_arm`), each run printed with the load around it and
+    ``out/runs.json`` rewritten after each (a bench killed later keeps the runs so far)."""
     runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
     for rnd in range(a.rounds):
         print(f"round {rnd} start: {T.machine_load()}", flush=True)
         for arm in a.arms:
             load0 = os.getloadavg()
-            rd = out / f"{arm}_r{rnd}"
-            if arm == "tunix":
-                rec = attempt(_sub, ["_tunix", str(hf), str(src), str(a.steps),
-                                     str(a.eval_tasks if not a.no_eval else 0), str(a.eval_k)],
-                              a.run_timeout, Path(str(rd) + ".log"))
-            elif arm.startswith("tunix_agentic"):
-                rec = attempt(_sub, ["_tunix_agentic", str(hf_agentic), str(src), str(a.steps),
-                                     "2" if arm.endswith("k2") else "0"], a.run_timeout, Path(str(rd) + ".log"))
-            else:
-                rec = attempt(jaxrl_run, arm, hf_agentic if arm.startswith("agentic") else hf, src, rd, a.steps,
-                              a.jax_rl_python, a.seed, a.run_timeout)
-                if not a.no_eval and arm in SINGLE_TURN_ARMS and "error" not in rec:
-                    rec["heldout"] = attempt(_sub, ["_evalrun", str(rd), str(src), str(a.eval_tasks),
-                                                    str(a.eval_k)], a.run_timeout, Path(str(rd) + ".eval.log"))
-                    if "error" in rec["heldout"]:
-                        rec["heldout"] = {"success": None, "error": rec["heldout"]["error"]}
+            rec = run_arm(a, arm, out / f"{arm}_r{rnd}", src, hf, hf_agentic)
             rec.update({"arm": arm, "round": rnd, "load_before": list(load0), "load_after": list(os.getloadavg())})
             runs[arm].append(rec)
             # every finished run on disk at once: a bench killed later keeps the runs so far
@@ -810,6 +377,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{rec['rl_wall_s']:.1f} s, held-out {'-' if ho is None else f'{ho:.3f}'}, load "
                   f"{load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
         print(f"round {rnd} end: {T.machine_load()}", flush=True)
+    return runs
+
+
+def run_gen_probe(a: argparse.Namespace, runs: dict[str, list[dict]], out: Path, src: Path, hf: Path,
+                  hf_agentic: Path) -> Optional[dict]:
+    """The generation probe (:func:`gen_probe`, in a worker process) at the runs' longest prompt, printed;
+    None with ``--gen-probe-rounds 0``."""
     probe = None
     if a.gen_probe_rounds > 0:
         P = max((r.get("prompt_len_max") for rs in runs.values() for r in rs if r.get("prompt_len_max")), default=48)
@@ -829,14 +403,26 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"median [min-max] of {a.gen_probe_rounds}): jax-rl {probe['jaxrl_prefill_prompts_per_s']:.0f} "
               f"[{jr[0]:.0f}-{jr[1]:.0f}] / Tunix batched prefill {probe['tunix_prefill_prompts_per_s']:.0f} "
               f"[{tr[0]:.0f}-{tr[1]:.0f}] = {probe['prefill_ratio']:.2f}x (target >= 1.5x)", flush=True)
-    summ = {arm: arm_summary(rs, a.warmup) for arm, rs in runs.items() if any(r["steps"] for r in rs)}
+    return probe
+
+
+def summarize(runs: dict[str, list[dict]], base: dict, warmup: int) -> tuple[dict, dict]:
+    """Per-arm summaries (:func:`arm_summary`, held-out gain per 100 s against the start point ``base``) and the
+    per-round ratios (:func:`round_ratios`); failed runs listed."""
+    summ = {arm: arm_summary(rs, warmup) for arm, rs in runs.items() if any(r["steps"] for r in rs)}
     for s in summ.values():
         if s.get("heldout_final") is not None and base.get("success") is not None:
             s["heldout_gain_per_100s"] = (s["heldout_final"] - base["success"]) / s["rl_wall_s"] * 100
-    rr = round_ratios(runs, a.warmup)
+    rr = round_ratios(runs, warmup)
     failed = [f"{r['arm']} r{r['round']}: {r['error']}" for rs in runs.values() for r in rs if "error" in r]
     if failed:
         print("failed runs (left out of the medians, kept in the record):\n  " + "\n  ".join(failed))
+    return summ, rr
+
+
+def print_table(summ: dict, rr: dict) -> None:
+    """The per-arm table (s/step, tokens/s, ratio to the reference arm, stages, held-out) and the targets; also
+    puts each arm's ratios into its summary."""
     print(f"\n{'arm':16s} {'s/step':>7s} {'gen tok/s':>9s} {'train tok/s':>11s} {'x ref (s/step)':>14s} "
           f"{'per round [min-max]':>20s} {'gen':>6s} {'score':>6s} {'wait':>6s} {'update':>6s} {'sync':>6s} "
           f"{'host':>6s} {'held-out':>8s}")
@@ -862,6 +448,39 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{arm} / {REFERENCE[arm]} per RL step, median of {len(q['rounds'])} round(s): {q['median']:.2f}x "
                   f"[{q['min']:.2f}-{q['max']:.2f}] (target >= {target}x: "
                   f"{'met' if q['median'] >= target else 'missed'})")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The bench (or, for an argument starting with ``_``, one worker mode: :func:`_worker`): start points, the
+    held-out start figure, the rounds of arms, the generation probe, the table, the JSON record."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0].startswith("_"):  # worker modes (one fresh process each)
+        return _worker(argv)
+    a = parse_args(argv)
+    src = Path(a.src).resolve()
+    os.environ[SIZE_ENV] = a.size  # every worker and jax-rl arm builds this size
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(a.out) if a.out else ROOT / "runs" / f"e2e_rl-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    import _tunix as T
+
+    print(f"e2e RL {stamp:%Y-%m-%d %H:%M} UTC; {T.machine_load()}; src {src}; tunix {T.version()}; size {a.size}; "
+          f"{a.steps} steps/run, warm-up {a.warmup}, {a.rounds} round(s): {' '.join(a.arms)}", flush=True)
+    _src_path(src)  # the jax_rl of --src, as the workers import it
+    env = environment()  # versions, backend, devices, chip: printed and in the record
+    hf = out / "base" / "hf"
+    hf_agentic = out / "base_agentic" / "hf"
+    prepare_start_points(a, out, src, hf, hf_agentic)
+    base = {"success": None}
+    if not a.no_eval and any(x in SINGLE_TURN_ARMS for x in a.arms):
+        base = _sub(["_eval", str(hf), str(src), str(a.eval_tasks), str(a.eval_k)], a.run_timeout,
+                    out / "eval_base.log")
+        print(f"start point held-out success {base['success']:.3f} (avg@{a.eval_k}, {a.eval_tasks} tasks)", flush=True)
+    runs = run_rounds(a, out, src, hf, hf_agentic, T)
+    probe = run_gen_probe(a, runs, out, src, hf, hf_agentic)
+    summ, rr = summarize(runs, base, a.warmup)
+    print_table(summ, rr)
     print(T.machine_load())
     record = {"timestamp": stamp.isoformat(timespec="seconds"), "env": env, "load_end": T.machine_load(),
               "cpu_count": os.cpu_count(), "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git(ROOT),

@@ -204,7 +204,9 @@ def _summarise(res: dict, warmup: int, ewma_bytes: int) -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The bench's command line: config, RL / SFT steps, warm-up rows, rows to run, JSON path, per-row timeout,
+    learner rounds, overrides."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny_cpu.yaml")
     ap.add_argument("--steps", type=int, default=24, help="RL steps per row (default 24)")
@@ -218,23 +220,11 @@ def main() -> int:
     ap.add_argument("--learner-rounds", type=int, default=7,
                     help="interleaved in-process train_step rounds per learner-side mode (0: skip)")
     ap.add_argument("overrides", nargs="*", help="key=value for every row, e.g. async.max_staleness=4")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from rich.console import Console
-    from rich.table import Table
 
-    from jax_rl.config import load_config
-
-    con = Console(width=200)
-    names = ["ppo"] + [n for n in ROWS if n != "ppo" and (args.only is None or n in args.only)]
-    cfg = load_config(ROOT / args.config, args.overrides)
-    K = int(cfg.async_.max_staleness)
-    tiny_bytes = _param_bytes(cfg.model.preset, dict(cfg.model.hf_overrides or {}))
-    load0 = os.getloadavg()
-    con.print(f"[bold]old-logit cost, {args.config} {' '.join(args.overrides)}[/bold]: K={K}, {args.steps} RL steps "
-              f"per row after {args.sft_steps} SFT steps, medians over rows {args.warmup + 1}..{args.steps}; "
-              f"model {tiny_bytes / 2**20:.2f} MiB fp32 params; rows run one after another in child processes; "
-              f"load {load0[0]:.1f}/{load0[1]:.1f}")
+def run_rows(con, args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """Every row in ``names`` run one after another in a child process (:func:`_run`), printed as it ends."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="old_logits_cost_") as tmp:
         for n in names:
@@ -242,23 +232,24 @@ def main() -> int:
             r = _run(n, args.config, args.overrides, args.steps, args.sft_steps, Path(tmp), args.timeout)
             results[n] = r
             con.print(f"{r['process_s']:.0f} s" + (f" [red]not run: {r['error']}[/red]" if r["rc"] else ""))
-    summ = {n: _summarise(r, args.warmup, tiny_bytes) for n, r in results.items() if r["rc"] == 0}
-    if "ppo" not in summ:
-        con.print("[red]the ppo baseline failed; no table[/red]")
-        return 1
-    lsec = {}
-    if args.learner_rounds > 0:
-        con.print(f"  learner steps in this process, {args.learner_rounds} interleaved rounds ...", end=" ")
-        t0 = time.perf_counter()
-        lsec = learner_seconds(args.config, args.overrides, args.learner_rounds, names)
-        con.print(f"{time.perf_counter() - t0:.0f} s")
-    load1 = os.getloadavg()
+    return results
+
+
+def add_extra_learner(summ: dict[str, dict], lsec: dict) -> float:
+    """Each row's extra learner seconds per step over ppo's, in place (in-process interleaved figures where
+    measured, else the serial runs' difference) and relative to ppo's step; returns ppo's step seconds."""
     base_s = lsec["ppo"]["median_s"] if lsec else summ["ppo"]["learner_s_step"]
     for n, s in summ.items():
         x = lsec.get(n) or (lsec.get("ppo") if n in ROLLOUT_SIDE else None)
         s["extra_learner_s_step"] = (x["extra_s"] if x is not None else s["learner_s_step"] - summ["ppo"]["learner_s_step"])
         s["extra_learner_source"] = "in-process interleaved" if x is not None else "serial runs"
         s["extra_relative"] = s["extra_learner_s_step"] / base_s
+    return base_s
+
+
+def measured_table(names: list[str], summ: dict, results: dict, load0, load1, base_s: float):
+    """The rich table of what was measured on this host, one row per route (a row that did not run: its error)."""
+    from rich.table import Table
 
     t = Table(title=f"measured ({datetime.date.today()}, this host, load {load0[0]:.1f} -> {load1[0]:.1f}; extra learner "
                     f"s/step in-process, ppo step {base_s:.3f} s)")
@@ -274,7 +265,12 @@ def main() -> int:
                   f"{s['extra_learner_s_step']:+.3f}", f"{s['learner_forwards_step']:.2f}",
                   f"{s['off_learner_s_step']:.3f}", f"{s['stall_s_publish']:.3f}", f"{s['run_tokens_per_s']:,.0f}",
                   f"{s['train_infer_retained']:.3f}")
-    con.print(t)
+    return t
+
+
+def print_scaled(con, summ: dict, tiny_bytes: int) -> dict:
+    """The measured extras scaled to Qwen3-4B and 30B-A3B beside the paper's figures, printed; returns them."""
+    from rich.table import Table
 
     scaled = {}
     for preset in ("qwen3_4b", "qwen3_30b_a3b"):
@@ -297,6 +293,42 @@ def main() -> int:
     con.print("Scaled bytes: copies x fp32 param bytes. Scaled seconds: measured extra / ppo learner step x the "
               "big model's compile-time roofline step (an estimate; never a TPU measurement). The paper's seconds "
               "are GPU measurements at its own batch size.")
+    return scaled
+
+
+def main() -> int:
+    """The bench: every route's run, the in-process learner seconds, the measured and scaled tables, the record."""
+    args = parse_args()
+
+    from rich.console import Console
+
+    from jax_rl.config import load_config
+
+    con = Console(width=200)
+    names = ["ppo"] + [n for n in ROWS if n != "ppo" and (args.only is None or n in args.only)]
+    cfg = load_config(ROOT / args.config, args.overrides)
+    K = int(cfg.async_.max_staleness)
+    tiny_bytes = _param_bytes(cfg.model.preset, dict(cfg.model.hf_overrides or {}))
+    load0 = os.getloadavg()
+    con.print(f"[bold]old-logit cost, {args.config} {' '.join(args.overrides)}[/bold]: K={K}, {args.steps} RL steps "
+              f"per row after {args.sft_steps} SFT steps, medians over rows {args.warmup + 1}..{args.steps}; "
+              f"model {tiny_bytes / 2**20:.2f} MiB fp32 params; rows run one after another in child processes; "
+              f"load {load0[0]:.1f}/{load0[1]:.1f}")
+    results = run_rows(con, args, names)
+    summ = {n: _summarise(r, args.warmup, tiny_bytes) for n, r in results.items() if r["rc"] == 0}
+    if "ppo" not in summ:
+        con.print("[red]the ppo baseline failed; no table[/red]")
+        return 1
+    lsec = {}
+    if args.learner_rounds > 0:
+        con.print(f"  learner steps in this process, {args.learner_rounds} interleaved rounds ...", end=" ")
+        t0 = time.perf_counter()
+        lsec = learner_seconds(args.config, args.overrides, args.learner_rounds, names)
+        con.print(f"{time.perf_counter() - t0:.0f} s")
+    load1 = os.getloadavg()
+    base_s = add_extra_learner(summ, lsec)
+    con.print(measured_table(names, summ, results, load0, load1, base_s))
+    scaled = print_scaled(con, summ, tiny_bytes)
 
     rec = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config": args.config, "overrides": args.overrides, "K": K, "steps": args.steps,

@@ -247,7 +247,9 @@ def _decode_roofline(env: dict, cfg, slots: int, prompt_len: int, new_tokens: in
     return decode_roofline(env, total, slots * new_tokens)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The bench's command line: model preset, prompt / new tokens, slot counts, dtypes, rounds, scan, decode
+    steps, which rows to skip, the matmul bound, ``--platform``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="small (the issue's reference Qwen3) or a jax_rl preset")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -266,26 +268,17 @@ def main(argv=None) -> int:
                    help="also time, per --dtypes, the decode step's weight matmuls alone (an upper bound on "
                         "tokens/s in that dtype on this machine; see matmul_bound_runner)")
     add_platform_arg(p)
-    a = p.parse_args(argv)
-    scan = a.scan_layers == "true"
+    return p.parse_args(argv)
+
+
+def load_models(a: argparse.Namespace, cfg, scan: bool, tunix_err: str | None):
+    """The one checkpoint every side loads (written to a temporary folder): ``(HF model or None, jax-rl params,
+    Tunix model or None)``; prints how far Tunix's logits are from jax-rl's fp32 ones."""
     import tempfile
 
     from jax_rl.models import hf_io
     from rollout.serve import config_and_params
 
-    cfg = _config(a.preset)
-    tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
-    slots = [int(s) for s in a.slots.split(",")]
-    dtypes = a.dtypes.split(",")
-    steps = [int(n) for n in a.decode_steps.split(",")]
-    # one jax-rl column per (dtype, decode_steps): "bfloat16" or, with several, "bfloat16 ds8"
-    ours = [(dt, n, f"jax-rl {dt}" + (f" ds{n}" if len(steps) > 1 else "")) for dt in dtypes for n in steps]
-    print(f"preset={a.preset} (V={cfg.vocab_size} d={cfg.hidden_size} layers={cfg.num_hidden_layers} "
-          f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads}x{cfg.head_dim} ff={cfg.intermediate_size}; "
-          f"scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; temperature 1")
-    env = environment()  # versions, backend, devices, chip
-    print(f"pid {os.getpid()}; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"load before: {_tunix.machine_load()}")
     with tempfile.TemporaryDirectory() as d:
         hf = _checkpoint(cfg, d, use_hf=not a.no_hf)
         ours_model, _ = hf_io.load_pretrained(d, scan_layers=scan)
@@ -298,17 +291,19 @@ def main(argv=None) -> int:
                   f"{_tunix.max_logit_diff(tmodel, ours_model, probe):.2e}")
         else:
             print(f"Tunix Sampler: {tunix_err}")
-    print(f"jax-rl decode_steps (tokens per jitted call): {a.decode_steps}")
-    bounds = [(dt, f"{dt} matmuls only") for dt in dtypes] if a.matmul_bound else []
-    names = [name for _, _, name in ours] + ([] if a.no_hf else ["HF generate fp32"]) + \
-        ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"]) + [name for _, name in bounds]
-    print(f"measured in this one process, interleaved per slot count, {a.rounds} rounds after one warm-up each: "
-          + ", ".join(names))
-    print("tokens/s: median [min-max] over rounds\n")
+    return hf, params, tmodel
+
+
+def measure_slots(a: argparse.Namespace, cfg, params, hf, tmodel, ours: list, bounds: list, names: list[str],
+                  env: dict) -> dict[int, dict]:
+    """Per slot count, every row's runner timed interleaved (:func:`_tunix.interleaved`), a table row printed as
+    it ends (with the HBM roofline on an accelerator); returns ``{slots: {row: [tokens/s per round]}}``."""
+    scan = a.scan_layers == "true"
+    steps = [int(n) for n in a.decode_steps.split(",")]
     w = 26
     print(f"{'slots':>5} " + " ".join(f"{n:>{w}}" for n in names))
     results = {}
-    for s in slots:
+    for s in [int(s) for s in a.slots.split(",")]:
         runners = {name: ours_runner(cfg, params, s, a.prompt_len, a.new_tokens, dt, scan, n) for dt, n, name in ours}
         if not a.no_hf:
             runners["HF generate fp32"] = hf_runner(hf, s, a.prompt_len, a.new_tokens, cfg.vocab_size)
@@ -327,9 +322,17 @@ def main(argv=None) -> int:
                 print(f"      {name}: {statistics.median(res[name]):,.0f} tokens/s = "
                       f"{statistics.median(res[name]) / rl:.1%} of the HBM roofline {rl:,.0f} tokens/s "
                       f"({env['chip']}, {env['hbm_bandwidth'] / 1e12:.2f} TB/s)")
-    print()
+    return results
+
+
+def print_ratios(a: argparse.Namespace, results: dict[int, dict], ours: list, bounds: list, tmodel,
+                 tunix_err: str | None) -> None:
+    """Per slot count, the medians' ratios: each jax-rl column over HF and Tunix, decode steps over the first,
+    the matmul bounds."""
+    steps = [int(n) for n in a.decode_steps.split(",")]
+    dtypes = a.dtypes.split(",")
     med = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in results.items()}
-    for s in slots:
+    for s in [int(s) for s in a.slots.split(",")]:
         m = med[s]
         parts = []
         for _, _, name in ours:
@@ -349,6 +352,35 @@ def main(argv=None) -> int:
         if tmodel is None:
             parts.append(f"Tunix: {tunix_err}")
         print(f"{s:>5} slots: " + "; ".join(parts))
+
+
+def main(argv=None) -> int:
+    """The bench: the model, every row's runner per slot count interleaved, the tokens/s table, the ratios."""
+    a = parse_args(argv)
+    scan = a.scan_layers == "true"
+    cfg = _config(a.preset)
+    tunix_err = "skipped: --no-tunix" if a.no_tunix else _tunix.import_error()
+    dtypes = a.dtypes.split(",")
+    steps = [int(n) for n in a.decode_steps.split(",")]
+    # one jax-rl column per (dtype, decode_steps): "bfloat16" or, with several, "bfloat16 ds8"
+    ours = [(dt, n, f"jax-rl {dt}" + (f" ds{n}" if len(steps) > 1 else "")) for dt in dtypes for n in steps]
+    print(f"preset={a.preset} (V={cfg.vocab_size} d={cfg.hidden_size} layers={cfg.num_hidden_layers} "
+          f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads}x{cfg.head_dim} ff={cfg.intermediate_size}; "
+          f"scan_layers={a.scan_layers}); prompt_len={a.prompt_len} new_tokens={a.new_tokens}; temperature 1")
+    env = environment()  # versions, backend, devices, chip
+    print(f"pid {os.getpid()}; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"load before: {_tunix.machine_load()}")
+    hf, params, tmodel = load_models(a, cfg, scan, tunix_err)
+    print(f"jax-rl decode_steps (tokens per jitted call): {a.decode_steps}")
+    bounds = [(dt, f"{dt} matmuls only") for dt in dtypes] if a.matmul_bound else []
+    names = [name for _, _, name in ours] + ([] if a.no_hf else ["HF generate fp32"]) + \
+        ([] if tmodel is None else [f"Tunix Sampler {a.tunix_dtype}"]) + [name for _, name in bounds]
+    print(f"measured in this one process, interleaved per slot count, {a.rounds} rounds after one warm-up each: "
+          + ", ".join(names))
+    print("tokens/s: median [min-max] over rounds\n")
+    results = measure_slots(a, cfg, params, hf, tmodel, ours, bounds, names, env)
+    print()
+    print_ratios(a, results, ours, bounds, tmodel, tunix_err)
     print(f"\nload after: {_tunix.machine_load()}")
     return 0
 

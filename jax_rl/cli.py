@@ -238,12 +238,9 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jax-rl", description="Asynchronous RL for LLM agents in JAX.")
-    p.add_argument("--version", action=_VersionAction,
-                   help="print jax-rl, jax and jaxlib versions, the JAX backend and its devices, and exit")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``train`` subcommand. SFT warm start then async RL: the config, its overrides, --resume / --step,
+    --overwrite, --print-config, --dry-run."""
     t = sub.add_parser("train", help="SFT warm start (sft.steps) then async RL", epilog=EPILOG)
     t.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     t.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
@@ -260,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "step, print param count / KV-cache bytes / batch shape and exit; creates no run dir")
     t.set_defaults(func=cmd_train)
 
+
+def _add_sft_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``sft`` subcommand. SFT on reference-solver demonstrations only: the config, its overrides, --overwrite."""
     s = sub.add_parser("sft", help="SFT on reference-solver demonstrations only", epilog=EPILOG)
     s.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml (sft.steps must be > 0)")
     s.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run.dir already holds a run: delete that run's files and start over (run.overwrite=true)")
     s.set_defaults(func=cmd_sft)
 
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``eval`` subcommand. Held-out avg@k / pass@k of a checkpoint: the checkpoint, the config, its overrides."""
     e = sub.add_parser("eval", help="held-out avg@k / pass@k of a checkpoint", epilog=EPILOG)
     e.add_argument("checkpoint_dir", help="a run dir, its checkpoints/ dir, or one step's dir checkpoints/N")
     e.add_argument("config", help="YAML config giving the eval and env settings (model, correction and "
@@ -274,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. eval.num_tasks=16 eval.k=4")
     e.set_defaults(func=cmd_eval)
 
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``export`` subcommand. Write a run's checkpoint as a Hugging Face dir: the checkpoint, the output dir, --dtype."""
     x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face dir (transformers, jax-rl serve)",
                        description="Export a checkpoint to OUT_DIR: config.json, model.safetensors, tokenizer.json "
                                    "and jax_rl_export.json. The model comes from the run's config.yaml.")
@@ -283,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage dtype of the weights (default float32, the learner's master copy)")
     x.set_defaults(func=cmd_export)
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``serve`` subcommand. The JetStream gRPC server for a checkpoint: bind address, port, tokenizer,
+    slots, cache length, dtype, temperature."""
     v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)",
                        description="Serve a checkpoint over JetStream's gRPC Orchestrator API. A port already "
                                    "in use ends with one line naming it (exit 1).")
@@ -303,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature for every request (default 0 = greedy)")
     v.set_defaults(func=cmd_serve)
 
+
+def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``compile`` subcommand. AOT-compile the run's programs for a TPU topology: config, overrides,
+    --topology, --json, --only, --no-cost."""
     c = sub.add_parser("compile", help="AOT-compile the run's programs for a TPU topology on this host (libtpu): "
                                        "HBM per chip, FLOPs, roofline",
                        description="Compile the learner train step, the SFT step, the rollout prefill / decode "
@@ -331,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the cost pieces (FLOPs / bytes / roofline): memory and compile time only, faster")
     c.set_defaults(func=cmd_compile)
 
+
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``plot`` subcommand. Training-dynamics PNGs for run dirs: the run dirs, --out, --group-by."""
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
     pl.add_argument("run_dirs", nargs="+", help="run dirs holding metrics.jsonl")
     pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
@@ -339,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "groups.png, the mean +- std band over the runs of each group (seeds), with "
                          "EWMA reset markers")
     pl.set_defaults(func=cmd_plot)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jax-rl`` argument parser: ``--version`` and one subcommand each (train, sft, eval, export, serve,
+    compile, plot), each added by its ``_add_<name>_parser``."""
+    p = argparse.ArgumentParser(prog="jax-rl", description="Asynchronous RL for LLM agents in JAX.")
+    p.add_argument("--version", action=_VersionAction,
+                   help="print jax-rl, jax and jaxlib versions, the JAX backend and its devices, and exit")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub)
+    _add_sft_parser(sub)
+    _add_eval_parser(sub)
+    _add_export_parser(sub)
+    _add_serve_parser(sub)
+    _add_compile_parser(sub)
+    _add_plot_parser(sub)
     return p
 
 

@@ -161,6 +161,83 @@ def _check_slots(cfg: Any, sizes: dict[str, int]) -> None:
                          f"{sizes['data']} slots or set rollout.mesh.data")
 
 
+def _take_scorer_and_user(pl: Any, devs: list, rids: set) -> tuple[Optional[list], Optional[list]]:
+    """``placement.scorer`` then ``placement.user`` resolved (an int n: the last n devices the roles before it
+    do not take). Raises ValueError when either overlaps a role resolved before it."""
+    scorer = _take(pl.scorer, "placement.scorer", devs, from_end=True,
+                   pool=[d for d in devs if d.id not in rids] if isinstance(pl.scorer, int) else None)
+    sids = {d.id for d in scorer or []}
+    if scorer is not None and rids & sids:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.rollout={_spec_str(pl.rollout)} "
+                         f"on device(s) {sorted(rids & sids)}: the scorer needs devices of its own")
+    upl = getattr(pl, "user", None)
+    user = _take(upl, "placement.user", devs, from_end=True,
+                 pool=[d for d in devs if d.id not in rids | sids] if isinstance(upl, int) else None)
+    uids = {d.id for d in user or []}
+    for key, spec, other in (("placement.rollout", pl.rollout, rids), ("placement.scorer", pl.scorer, sids)):
+        if uids & other:
+            raise ValueError(f"placement.user={_spec_str(upl)} overlaps {key}={_spec_str(spec)} on device(s) "
+                             f"{sorted(uids & other)}: the user model needs devices of its own")
+    return scorer, user
+
+
+def _take_learner(pl: Any, devs: list, taken: set, any_taken: bool) -> list:
+    """``placement.learner`` resolved (an int n: the first n devices; null: every device the other roles, ids
+    ``taken``, leave, or all of them when ``any_taken`` is false). Raises ValueError when null leaves none."""
+    if pl.learner is not None:
+        return _take(pl.learner, "placement.learner", devs, from_end=False)
+    learner = [d for d in devs if d.id not in taken] if any_taken else devs
+    if not learner:
+        taken_by = " and ".join(f"{k}={_spec_str(v)}" for k, v in (("placement.rollout", pl.rollout),
+                                                                   ("placement.scorer", pl.scorer),
+                                                                   ("placement.user", getattr(pl, "user", None)))
+                                if v is not None)
+        raise ValueError(f"{taken_by} take(s) all {len(devs)} device(s); the learner needs at least one: give "
+                         "placement.learner explicitly (it may overlap placement.rollout) or use fewer")
+    return learner
+
+
+def _check_own_devices(pl: Any, learner: list, scorer: Optional[list], user: Optional[list],
+                       single_process_check: bool) -> None:
+    """The scorer and the user model on devices of their own (not the learner's) and, placed at all, in a
+    single-process run (``single_process_check``: the run's own devices). Raises ValueError naming the key."""
+    upl = getattr(pl, "user", None)
+    lids, sids, uids = ({d.id for d in x or []} for x in (learner, scorer, user))
+    if lids & sids:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.learner="
+                         f"{_spec_str(pl.learner)} on device(s) {sorted(lids & sids)}: the scorer needs devices of "
+                         "its own (null shares the learner's mesh)")
+    if lids & uids:
+        raise ValueError(f"placement.user={_spec_str(upl)} overlaps placement.learner={_spec_str(pl.learner)} on "
+                         f"device(s) {sorted(lids & uids)}: the user model needs devices of its own (null runs it "
+                         "on the eval engine's devices)")
+    if scorer is not None and jax.process_count() > 1 and single_process_check:
+        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} needs a single-process run (this one has "
+                         f"{jax.process_count()} processes); set placement.scorer=null")
+    if user is not None and jax.process_count() > 1 and single_process_check:
+        raise ValueError(f"placement.user={_spec_str(upl)} needs a single-process run (this one has "
+                         f"{jax.process_count()} processes); set placement.user=null")
+
+
+def _rollout_engines(cfg: Any, pl: Any, rollout: list, threads: int) -> tuple[list, dict]:
+    """The rollout set split into ``threads`` equal, consecutive engine groups, each on one host, and their mesh
+    sizes. Raises ValueError when it does not split evenly, an engine spans processes, or the mesh is bad."""
+    if len(rollout) % threads:
+        raise ValueError(f"placement.rollout={_spec_str(pl.rollout)} ({len(rollout)} devices) does not split "
+                         f"evenly over rollout.threads={threads} engines")
+    per = len(rollout) // threads
+    sizes = engine_mesh_sizes(cfg.rollout.mesh, per,
+                              where=f" (placement.rollout={_spec_str(pl.rollout)} over rollout.threads={threads})")
+    _check_slots(cfg, sizes)
+    engines = [rollout[i * per:(i + 1) * per] for i in range(threads)]
+    for i, e in enumerate(engines):
+        if len({d.process_index for d in e}) > 1:
+            raise ValueError(f"placement.rollout={_spec_str(pl.rollout)}: engine {i}'s devices span several "
+                             "processes; an engine's mesh must lie on one host (give each host's devices whole "
+                             "engines: rollout.threads a multiple of the process count)")
+    return engines, sizes
+
+
 def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     """Map ``placement.*`` to device sets (docs/placement.md).
 
@@ -185,45 +262,10 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
     threads = int(cfg.rollout.threads)
     rollout = _take(pl.rollout, "placement.rollout", devs, from_end=True)
     rids = {d.id for d in rollout or []}
-    scorer = _take(pl.scorer, "placement.scorer", devs, from_end=True,
-                   pool=[d for d in devs if d.id not in rids] if isinstance(pl.scorer, int) else None)
-    sids = {d.id for d in scorer or []}
-    if scorer is not None and rids & sids:
-        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.rollout={_spec_str(pl.rollout)} "
-                         f"on device(s) {sorted(rids & sids)}: the scorer needs devices of its own")
-    upl = getattr(pl, "user", None)
-    user = _take(upl, "placement.user", devs, from_end=True,
-                 pool=[d for d in devs if d.id not in rids | sids] if isinstance(upl, int) else None)
-    uids = {d.id for d in user or []}
-    for key, spec, other in (("placement.rollout", pl.rollout, rids), ("placement.scorer", pl.scorer, sids)):
-        if uids & other:
-            raise ValueError(f"placement.user={_spec_str(upl)} overlaps {key}={_spec_str(spec)} on device(s) "
-                             f"{sorted(uids & other)}: the user model needs devices of its own")
-    if pl.learner is None:
-        learner = ([d for d in devs if d.id not in rids | sids | uids] if (rollout or scorer or user) else devs)
-        if not learner:
-            taken = " and ".join(f"{k}={_spec_str(v)}" for k, v in (("placement.rollout", pl.rollout),
-                                                                    ("placement.scorer", pl.scorer),
-                                                                    ("placement.user", upl)) if v is not None)
-            raise ValueError(f"{taken} take(s) all {len(devs)} device(s); the learner needs at least one: give "
-                             "placement.learner explicitly (it may overlap placement.rollout) or use fewer")
-    else:
-        learner = _take(pl.learner, "placement.learner", devs, from_end=False)
-    lids = {d.id for d in learner}
-    if lids & sids:
-        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} overlaps placement.learner="
-                         f"{_spec_str(pl.learner)} on device(s) {sorted(lids & sids)}: the scorer needs devices of "
-                         "its own (null shares the learner's mesh)")
-    if lids & uids:
-        raise ValueError(f"placement.user={_spec_str(upl)} overlaps placement.learner={_spec_str(pl.learner)} on "
-                         f"device(s) {sorted(lids & uids)}: the user model needs devices of its own (null runs it "
-                         "on the eval engine's devices)")
-    if scorer is not None and jax.process_count() > 1 and devices is None:
-        raise ValueError(f"placement.scorer={_spec_str(pl.scorer)} needs a single-process run (this one has "
-                         f"{jax.process_count()} processes); set placement.scorer=null")
-    if user is not None and jax.process_count() > 1 and devices is None:
-        raise ValueError(f"placement.user={_spec_str(upl)} needs a single-process run (this one has "
-                         f"{jax.process_count()} processes); set placement.user=null")
+    scorer, user = _take_scorer_and_user(pl, devs, rids)
+    taken = rids | {d.id for d in scorer or []} | {d.id for d in user or []}
+    learner = _take_learner(pl, devs, taken, bool(rollout or scorer or user))
+    _check_own_devices(pl, learner, scorer, user, devices is None)
     uk = {"user": user, "user_mesh": None if user is None else user_mesh_sizes(cfg, len(user))}
     if rollout is None:
         explicit = cfg.rollout.mesh.fixed_product()
@@ -236,19 +278,7 @@ def resolve_roles(cfg: Any, devices: Optional[Sequence] = None) -> Roles:
         sizes = engine_mesh_sizes(cfg.rollout.mesh, explicit, where=" (colocated on the learner's first devices)")
         _check_slots(cfg, sizes)
         return Roles(learner, [group] * threads, scorer, sizes, **uk)
-    if len(rollout) % threads:
-        raise ValueError(f"placement.rollout={_spec_str(pl.rollout)} ({len(rollout)} devices) does not split "
-                         f"evenly over rollout.threads={threads} engines")
-    per = len(rollout) // threads
-    sizes = engine_mesh_sizes(cfg.rollout.mesh, per,
-                              where=f" (placement.rollout={_spec_str(pl.rollout)} over rollout.threads={threads})")
-    _check_slots(cfg, sizes)
-    engines = [rollout[i * per:(i + 1) * per] for i in range(threads)]
-    for i, e in enumerate(engines):
-        if len({d.process_index for d in e}) > 1:
-            raise ValueError(f"placement.rollout={_spec_str(pl.rollout)}: engine {i}'s devices span several "
-                             "processes; an engine's mesh must lie on one host (give each host's devices whole "
-                             "engines: rollout.threads a multiple of the process count)")
+    engines, sizes = _rollout_engines(cfg, pl, rollout, threads)
     return Roles(learner, engines, scorer, sizes, **uk)
 
 

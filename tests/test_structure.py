@@ -304,12 +304,13 @@ def test_no_module_over_600_lines():
 
 
 MAX_FUNCTION_LINES = 80
-# The packages whose functions the 80-line rule covers (tests/ are not); jax_rl/ and bench/ join when split.
-FUNCTION_RULE_PACKAGES = ("rollout",)
+# The packages whose functions the 80-line rule covers (tests/ are not; bench/ has its own test below).
+FUNCTION_RULE_PACKAGES = ("rollout", "jax_rl")
 # Functions still over MAX_FUNCTION_LINES ("path:Class.function" -> ceiling), owned by other changes: they may
 # not grow past it until split; an entry back under the limit is deleted.
-# _admit (96 lines since the deterministic admission, issue 48): to be split into named steps.
-LONG_FUNCTIONS: dict[str, int] = {"rollout/generator.py:Generator._admit": 96}
+# _admit (96 lines since the deterministic admission, issue 48) and compile_programs: to be split into named steps.
+LONG_FUNCTIONS: dict[str, int] = {"rollout/generator.py:Generator._admit": 96,
+                                  "jax_rl/compile/programs.py:compile_programs": 93}
 
 
 def long_functions(root: Path = ROOT, packages: tuple = FUNCTION_RULE_PACKAGES,
@@ -439,11 +440,9 @@ def test_env_names_only_in_the_registry():
 # bench/'s scripts follow the package rules too (issue 49 item 6): 600 lines a module, 80 a function, no
 # private name imported from jax_rl / rollout. (No upward-import rule: nothing imports a bench script.) The
 # ceilings below name what is still over; lower one when a change shrinks it, delete it when it is back under.
-BENCH_OVER_MAX_LINES: dict[str, int] = {"bench/paper_repro.py": 1408, "bench/e2e_rl.py": 921}
+BENCH_OVER_MAX_LINES: dict[str, int] = {}
 BENCH_MAX_FUNCTION_LINES = 80
-BENCH_LONG_FUNCTIONS: dict[str, int] = {"bench/paper_repro.py:build_doc": 286, "bench/async_speedup.py:main": 199,
-                                        "bench/e2e_rl.py:main": 156, "bench/old_logits_cost.py:main": 105,
-                                        "bench/rollout_decode.py:main": 104}
+BENCH_LONG_FUNCTIONS: dict[str, int] = {}
 
 
 def _bench_files() -> list[Path]:

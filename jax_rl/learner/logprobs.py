@@ -149,6 +149,26 @@ def token_logprobs(logits: Array, targets: Array, temperature: float | Array = 1
     return _map_over_t(_per_token_fn(temperature, top_k, top_p, False), (logits, targets), B, T, V, chunk_elems)
 
 
+def _logprob_args(model_or_graphdef, args: tuple, temperature):
+    """:func:`sequence_logprobs`'s positional arguments, ``(model, tokens, attention_mask=None, temperature)`` or
+    ``(graphdef, state, tokens, ...)``, as ``(model, tokens [B, T], attention_mask or None, temperature)``.
+    Raises TypeError without tokens or with too many positional arguments."""
+    if isinstance(model_or_graphdef, nnx.GraphDef):
+        state, *rest = args
+        model = nnx.merge(model_or_graphdef, state)
+    else:
+        model, rest = model_or_graphdef, list(args)
+    if not rest:
+        raise TypeError("sequence_logprobs needs tokens")
+    tokens = jnp.asarray(rest[0])
+    attention_mask = rest[1] if len(rest) > 1 else None
+    if len(rest) > 2:
+        temperature = rest[2]
+    if len(rest) > 3:
+        raise TypeError("too many positional arguments to sequence_logprobs")
+    return model, tokens, attention_mask, temperature
+
+
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
@@ -194,19 +214,7 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     ``train_infer_ratio`` (pi_prox / mu) measures. Off (the defaults): the untruncated code
     path, bit for bit.
     """
-    if isinstance(model_or_graphdef, nnx.GraphDef):
-        state, *rest = args
-        model = nnx.merge(model_or_graphdef, state)
-    else:
-        model, rest = model_or_graphdef, list(args)
-    if not rest:
-        raise TypeError("sequence_logprobs needs tokens")
-    tokens = jnp.asarray(rest[0])
-    attention_mask = rest[1] if len(rest) > 1 else None
-    if len(rest) > 2:
-        temperature = rest[2]
-    if len(rest) > 3:
-        raise TypeError("too many positional arguments to sequence_logprobs")
+    model, tokens, attention_mask, temperature = _logprob_args(model_or_graphdef, args, temperature)
     B, T = tokens.shape
     trunk = model.hidden_states(tokens, positions, attention_mask, forced_expert_ids=forced_expert_ids,
                                 return_moe_drops=return_moe_drops)

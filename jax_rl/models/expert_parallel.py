@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +283,75 @@ def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matm
     return y, dropped, dropped_tok
 
 
+class _EPLayout(NamedTuple):
+    """How :func:`expert_parallel_moe` lays a [B, T] batch over the mesh (static Python ints and axis names):
+    ``ep`` expert shards; B sharded over ``batch_axes`` (``n_batch`` shards of ``n_local`` tokens each);
+    ``split``: the tokens are replicated over ``expert``, so each expert device takes one of ``n_chunks``
+    chunks of ``chunk`` tokens (else one chunk of all ``n_local``); ``capacity`` slots per (device, expert
+    shard) pair; ``token_axes`` the chunks' mesh axes; ``f_axes`` the experts' F axes to sum partial outputs
+    over."""
+    ep: int
+    batch_axes: tuple[str, ...]
+    split: bool
+    f_axes: tuple[str, ...]
+    n_batch: int
+    n_local: int
+    chunk: int
+    n_chunks: int
+    capacity: int
+    token_axes: tuple[str, ...]
+
+
+def _ep_layout(mesh, x_shape: tuple, ids_shape: tuple, wg_shape: tuple, batch_axes, capacity_factor) -> _EPLayout:
+    """:class:`_EPLayout` of tokens ``x_shape`` [B, T, D] routed to ``ids_shape[-1]`` experts each, experts of
+    shape ``wg_shape`` on ``mesh``. Raises ValueError: no ``expert`` axis, E not divisible by EP, experts not sharded over
+    ``expert`` alone, B not divisible by its shards, a bad capacity factor."""
+    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        raise ValueError("expert_parallel_moe needs a mesh with an 'expert' axis "
+                         "(jax.set_mesh)")
+    ep = expert_parallel_size(mesh)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    B, T, _ = x_shape
+    k = ids_shape[-1]
+    E = wg_shape[0]
+    if E % ep:
+        raise ValueError(f"num_experts={E} is not divisible by mesh.expert={ep}")
+    if batch_axes is None:
+        batch_axes = logical_to_pspec(("activation_batch",), shape=(B,), mesh=mesh)[0]
+    batch_axes = _axes(batch_axes)
+    split = EXPERT_AXIS not in batch_axes  # tokens replicated over expert: take a 1/EP chunk
+    # the experts' own sharding by the rules: E over expert, F over (tensor); D is gathered
+    e_spec, _, f_spec = logical_to_pspec(("expert", "embed", "mlp"), shape=wg_shape, mesh=mesh)
+    if ep > 1 and _axes(e_spec) != (EXPERT_AXIS,):
+        raise ValueError(f"experts [E={E}, ...] are not sharded over {EXPERT_AXIS!r} alone "
+                         f"(rules give {e_spec!r})")
+    f_axes = tuple(a for a in _axes(f_spec) if a not in batch_axes)
+    n_batch = math.prod(sizes[a] for a in batch_axes)
+    if B % n_batch:
+        raise ValueError(f"batch {B} is not divisible by the {batch_axes} shards ({n_batch})")
+    n_local = (B // n_batch) * T
+    chunk = -(-n_local // ep) if split else n_local
+    return _EPLayout(ep=ep, batch_axes=batch_axes, split=split, f_axes=f_axes, n_batch=n_batch, n_local=n_local,
+                     chunk=chunk, n_chunks=ep if split else 1, capacity=ep_capacity(chunk * k, ep, capacity_factor),
+                     token_axes=tuple(batch_axes) + ((EXPERT_AXIS,) if split else ()))
+
+
+def _spec(axes):
+    """A PartitionSpec entry for ``axes``: None, the one axis, or the tuple."""
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def _to_chunks(a: Array, lay: _EPLayout) -> Array:
+    """[B, T, ...] -> [n_batch * n_chunks * chunk, ...]: B's shards are the leading blocks, each padded to
+    ``n_chunks * chunk`` tokens, one chunk per (batch shard, expert) device; XLA slices the chunks out of the
+    expert-replicated tokens and gathers them back."""
+    pad = lay.n_chunks * lay.chunk - lay.n_local
+    a = a.reshape(lay.n_batch, lay.n_local, *a.shape[2:])
+    if pad:
+        a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+    return a.reshape(lay.n_batch * lay.n_chunks * lay.chunk, *a.shape[2:])
+
+
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
                         capacity_factor: float | None = None, valid: Array | None = None,
                         batch_axes: Sequence[str] | str | None = None,
@@ -319,54 +389,14 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
       an unknown ``matmul``.
     """
-
     matmul = resolve_moe_matmul(matmul)
-
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        raise ValueError("expert_parallel_moe needs a mesh with an 'expert' axis "
-                         "(jax.set_mesh)")
-    ep = expert_parallel_size(mesh)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    lay = _ep_layout(mesh, x.shape, ids.shape, wg.shape, batch_axes, capacity_factor)
     B, T, D = x.shape
     k = ids.shape[-1]
-    E = wg.shape[0]
-    if E % ep:
-        raise ValueError(f"num_experts={E} is not divisible by mesh.expert={ep}")
-    if batch_axes is None:
-        batch_axes = logical_to_pspec(("activation_batch",), shape=(B,), mesh=mesh)[0]
-    batch_axes = _axes(batch_axes)
-    split = EXPERT_AXIS not in batch_axes  # tokens replicated over expert: take a 1/EP chunk
-    # the experts' own sharding by the rules: E over expert, F over (tensor); D is gathered
-    e_spec, _, f_spec = logical_to_pspec(("expert", "embed", "mlp"), shape=wg.shape, mesh=mesh)
-    if ep > 1 and _axes(e_spec) != (EXPERT_AXIS,):
-        raise ValueError(f"experts [E={E}, ...] are not sharded over {EXPERT_AXIS!r} alone "
-                         f"(rules give {e_spec!r})")
-    f_axes = tuple(a for a in _axes(f_spec) if a not in batch_axes)
-    n_batch = math.prod(sizes[a] for a in batch_axes)
-    if B % n_batch:
-        raise ValueError(f"batch {B} is not divisible by the {batch_axes} shards ({n_batch})")
-    n_local = (B // n_batch) * T
-    chunk = -(-n_local // ep) if split else n_local
-    capacity = ep_capacity(chunk * k, ep, capacity_factor)
-    token_axes = tuple(batch_axes) + ((EXPERT_AXIS,) if split else ())
-    n_chunks = ep if split else 1
-
-    def spec(axes):
-        return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
-
-    # [B,T,...] -> [n_batch, n_local, ...] (B's shards are the leading blocks) -> pad each block
-    # to n_chunks*chunk -> [n_batch*n_chunks*chunk, ...], one chunk per (batch shard, expert)
-    # device; XLA slices the chunks out of the expert-replicated tokens and gathers them back.
-    pad = n_chunks * chunk - n_local
-
-    def to_chunks(a):
-        a = a.reshape(n_batch, n_local, *a.shape[2:])
-        if pad:
-            a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
-        return a.reshape(n_batch * n_chunks * chunk, *a.shape[2:])
-
-    valid = to_chunks(jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool).reshape(B, T))
+    ep, capacity, f_axes, token_axes = lay.ep, lay.capacity, lay.f_axes, lay.token_axes
+    n_batch, n_chunks, chunk, n_local = lay.n_batch, lay.n_chunks, lay.chunk, lay.n_local
+    valid = _to_chunks(jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool).reshape(B, T), lay)
 
     def body(x, w, ids, valid, wg, wu, wd):
         y, dropped, dropped_tok = _local_experts(x, w, ids, valid, wg, wu, wd, ep=ep, capacity=capacity,
@@ -377,14 +407,14 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
             return y, jax.lax.psum(dropped, token_axes), dropped_tok
         return y, jax.lax.psum(dropped, token_axes)
 
-    tok = P(spec(token_axes), None)
-    f = spec(f_axes)
+    tok = P(_spec(token_axes), None)
+    f = _spec(f_axes)
     wspec, dspec = P(EXPERT_AXIS, None, f), P(EXPERT_AXIS, f, None)
-    fn = jax.shard_map(body, mesh=mesh, out_specs=(tok, P(), P(spec(token_axes))) if per_token else (tok, P()),
-                       in_specs=(tok, tok, tok, P(spec(token_axes)), wspec, wspec, dspec),
+    fn = jax.shard_map(body, mesh=mesh, out_specs=(tok, P(), P(_spec(token_axes))) if per_token else (tok, P()),
+                       in_specs=(tok, tok, tok, P(_spec(token_axes)), wspec, wspec, dspec),
                        check_vma=matmul != "megablox")
-    out = fn(to_chunks(x.reshape(B, T, D)), to_chunks(w.astype(x.dtype).reshape(B, T, k)),
-             to_chunks(ids.astype(jnp.int32).reshape(B, T, k)), valid, wg, wu, wd)
+    out = fn(_to_chunks(x.reshape(B, T, D), lay), _to_chunks(w.astype(x.dtype).reshape(B, T, k), lay),
+             _to_chunks(ids.astype(jnp.int32).reshape(B, T, k), lay), valid, wg, wu, wd)
     y = out[0].reshape(n_batch, n_chunks * chunk, D)[:, :n_local].reshape(B, T, D)
     tok_drops = out[2].reshape(n_batch, n_chunks * chunk)[:, :n_local].reshape(B, T) if per_token else None
     return y, out[1], tok_drops

@@ -119,6 +119,70 @@ def _is_tool_response_text(c: Any) -> bool:
     return isinstance(c, str) and c.startswith("<tool_response>") and c.endswith("</tool_response>")
 
 
+def _system_block(msgs: list, tools: Optional[Sequence[dict]]) -> str:
+    """The template's opening system turn: the tools header and schemas (after a leading system message's text)
+    when there are tools, else the leading system message alone; ``""`` when neither."""
+    if tools:
+        out = "<|im_start|>system\n"
+        if msgs and msgs[0]["role"] == "system":
+            out += str(msgs[0].get("content") or "") + "\n\n"
+        out += TOOLS_HEADER
+        for t in tools:
+            out += "\n" + _tojson(t)
+        return out + TOOLS_FOOTER
+    if msgs and msgs[0]["role"] == "system":
+        return "<|im_start|>system\n" + str(msgs[0].get("content") or "") + "<|im_end|>\n"
+    return ""
+
+
+def _last_query_index(msgs: list) -> int:
+    """Index of the last user message that is not a tool response (the template's ``last_query_index``; the
+    last message's index when there is none): assistant turns after it keep their think block."""
+    for index in range(len(msgs) - 1, -1, -1):
+        c = msgs[index].get("content")
+        if msgs[index]["role"] == "user" and isinstance(c, str) and not _is_tool_response_text(c):
+            return index
+    return len(msgs) - 1
+
+
+def _assistant_body(m: Message, content: str, after_last_query: bool, is_last: bool, preserve_thinking: bool) -> str:
+    """An assistant turn's generated text before its ``<|im_end|>``: the content (its ``<think>`` block kept only
+    after the last query, for the last turn or one with reasoning; verbatim with ``preserve_thinking``), then
+    each tool call."""
+    if preserve_thinking:
+        body = content
+    else:
+        rc = m.get("reasoning_content")
+        if isinstance(rc, str):
+            reasoning = rc
+        else:
+            reasoning = ""
+            if "</think>" in content:
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+        if after_last_query and (is_last or reasoning):
+            body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        else:
+            body = content
+    for j, tc in enumerate(m.get("tool_calls") or []):
+        if (j == 0 and content) or j > 0:
+            body += "\n"
+        body += format_tool_call(tc)
+    return body
+
+
+def _tool_response(msgs: list, i: int, content: str) -> str:
+    """Tool message ``i`` as a ``<tool_response>`` inside one user turn shared by consecutive tool messages
+    (opened by the first, closed by the last)."""
+    out = ""
+    if i == 0 or msgs[i - 1]["role"] != "tool":
+        out += "<|im_start|>user"
+    out += "\n<tool_response>\n" + content + "\n</tool_response>"
+    if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+        out += "<|im_end|>\n"
+    return out
+
+
 def _render_segments(
     messages: Sequence[Message],
     tools: Optional[Sequence[dict]] = None,
@@ -150,65 +214,20 @@ def _render_segments(
     for m in msgs:
         if m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"unknown chat role {m.get('role')!r} (expected system|user|assistant|tool)")
-
-    if tools:
-        out = "<|im_start|>system\n"
-        if msgs and msgs[0]["role"] == "system":
-            out += str(msgs[0].get("content") or "") + "\n\n"
-        out += TOOLS_HEADER
-        for t in tools:
-            out += "\n" + _tojson(t)
-        out += TOOLS_FOOTER
-        emit(out)
-    elif msgs and msgs[0]["role"] == "system":
-        emit("<|im_start|>system\n" + str(msgs[0].get("content") or "") + "<|im_end|>\n")
-
-    last_query_index = len(msgs) - 1
-    for index in range(len(msgs) - 1, -1, -1):
-        m = msgs[index]
-        c = m.get("content")
-        if m["role"] == "user" and isinstance(c, str) and not _is_tool_response_text(c):
-            last_query_index = index
-            break
-
+    emit(_system_block(msgs, tools))
+    last_query_index = _last_query_index(msgs)
     n = len(msgs)
     for i, m in enumerate(msgs):
         role = m["role"]
         content = m.get("content") if isinstance(m.get("content"), str) else ""
-        is_last = i == n - 1
         if role == "user" or (role == "system" and i != 0):
             emit("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
         elif role == "assistant":
             emit("<|im_start|>assistant\n")
-            if preserve_thinking:
-                body = content
-            else:
-                rc = m.get("reasoning_content")
-                if isinstance(rc, str):
-                    reasoning = rc
-                else:
-                    reasoning = ""
-                    if "</think>" in content:
-                        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                        content = content.split("</think>")[-1].lstrip("\n")
-                if i > last_query_index and (is_last or reasoning):
-                    body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
-                else:
-                    body = content
-            for j, tc in enumerate(m.get("tool_calls") or []):
-                if (j == 0 and content) or j > 0:
-                    body += "\n"
-                body += format_tool_call(tc)
-            emit(body + "<|im_end|>", True)
+            emit(_assistant_body(m, content, i > last_query_index, i == n - 1, preserve_thinking) + "<|im_end|>", True)
             emit("\n")
         elif role == "tool":
-            out = ""
-            if i == 0 or msgs[i - 1]["role"] != "tool":
-                out += "<|im_start|>user"
-            out += "\n<tool_response>\n" + content + "\n</tool_response>"
-            if is_last or msgs[i + 1]["role"] != "tool":
-                out += "<|im_end|>\n"
-            emit(out)
+            emit(_tool_response(msgs, i, content))
     if add_generation_prompt:
         emit("<|im_start|>assistant\n")
         if enable_thinking is False:

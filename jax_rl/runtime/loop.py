@@ -131,71 +131,55 @@ def sft_line(cfg: Config, ev: dict) -> str:
     return f"held-out success {what}: {ev['success']:.3f} ({cfg.eval.num_tasks} tasks x {cfg.eval.k})"
 
 
-def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, start_step: int,
-           pad_id: int, sft_success: Optional[float], run_dir: Path, ckpt_dir: Path, t0: float) -> int:
-    """RL from ``start_step`` to ``run.steps``, the final checkpoint, eval and summary.
+def _next_groups(producer: Producer, stop: StopFlag, step: int, n_groups: int,
+                 version: int) -> tuple[Optional[list], Optional[str]]:
+    """``(groups, None)``: the groups of learner step ``step`` from ``producer`` (polled until they are there);
+    ``(None, None)`` when a stop is asked first; ``(None, reason)`` when the rollout failed systematically
+    (:attr:`Producer.fatal`: one bad episode is dropped, a failing rollout stops the run)."""
+    groups = None
+    while groups is None and not stop.event.is_set():
+        fault_hooks.before_poll(step, producer)
+        groups = producer.poll(n_groups, version)
+        if groups is None and producer.fatal:  # one bad episode is dropped; a failing rollout stops
+            return None, producer.fatal
+    return groups, None
 
-    Returns:
-        the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
-        written); 128 + signal number when stopped by a signal.
-    """
-    nproc = jax.process_count()
-    n_groups = engines.local_groups_per_step(cfg)  # this process's share (0 on a learner-only process)
-    split = engines.split_processes(cfg)  # disaggregated across processes: the groups cross to the learner's processes
-    batch_rows = cfg.optim.batch_size if split else n_groups * cfg.algo.group_size
-    last: dict = {}
-    rollout_failed: Optional[str] = None
+
+def _train_and_publish(cfg: Config, learner: LearnerHandle, producer: Producer, groups: list, *, step: int,
+                       version: int, pad_id: int, batch_rows: int, split: bool,
+                       nproc: int) -> tuple[dict, int, int, float]:
+    """One learner step on ``groups`` and the publish of its version: ``(metrics row of step + 1, the new
+    version, trajectories trained, the publish's start time)``."""
+    v_train = version
+    # disaggregated: the global batch on every process; colocated multi-process: each process trains its
+    # own groups' rows, the learner the union
+    groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
+    metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
     version = learner.version
-    cpu0 = time.process_time()  # this process's CPU seconds, all threads (cpu_s: load-independent work)
+    t_pub = time.perf_counter()
+    producer.publish(version)
+    row = step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
+    if nproc > 1:  # the rollout columns of this row are process 0's share (disaggregated: the step's)
+        row["process_count"] = nproc
+    return row, version, len(trajs), t_pub
 
-    try:
-        producer.start()
-        t_row = time.perf_counter()  # the previous row's time: a step's wall is the time between rows
-        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
-            for step in range(start_step, cfg.run.steps):
-                if stop.event.is_set():
-                    break
-                t_wait = time.perf_counter()
-                groups = None
-                while groups is None and not stop.event.is_set():
-                    fault_hooks.before_poll(step, producer)
-                    groups = producer.poll(n_groups, version)
-                    if groups is None and producer.fatal:  # one bad episode is dropped; a failing rollout stops
-                        rollout_failed = producer.fatal
-                        break
-                if groups is None:
-                    break
-                if split:  # every process gets every process's groups; the learner trains the global batch
-                    groups = engines.exchange_groups(cfg, groups)
-                wait_s = time.perf_counter() - t_wait
-                v_train = version
-                # disaggregated: the global batch on every process; colocated multi-process: each process trains its
-                # own groups' rows, the learner the union
-                groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
-                metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
-                version = learner.version
-                t_pub = time.perf_counter()
-                producer.publish(version)
-                row = step_row(cfg, step + 1, version, metrics, batch, groups, trajs, v_train)
-                if nproc > 1:  # the rollout columns of this row are process 0's share (disaggregated: the step's)
-                    row["process_count"] = nproc
-                now = time.perf_counter()
-                row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
-                            "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
-                            # the step's wall (since the previous row) and the episodes it trained per second of it
-                            "step_wall_s": now - t_row, "episodes_per_s": len(trajs) / max(now - t_row, 1e-9)})
-                t_row = now
-                writer.write(step + 1, row)
-                last = row
-                bar.update(step + 1, row)
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
-                    ev = learner.evaluate(step + 1, "eval")
-                    print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
-                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                    writer.flush()  # every row up to this step is on disk before its checkpoint
-                    learner.save(step + 1, producer.state())
-    finally:
-        producer.stop()
+
+def _eval_and_checkpoint(cfg: Config, learner: LearnerHandle, producer: Producer, writer, step: int) -> None:
+    """After learner step ``step``: the periodic held-out eval (``eval.every``, not at the last step) and
+    checkpoint (``checkpoint.every``, its metrics rows flushed first)."""
+    if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
+        ev = learner.evaluate(step + 1, "eval")
+        print(f"eval @ step {step + 1}: held-out success {ev['success']:.3f}", flush=True)
+    if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+        writer.flush()  # every row up to this step is on disk before its checkpoint
+        learner.save(step + 1, producer.state())
+
+
+def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, last: dict,
+                start_step: int, version: int, rollout_failed: Optional[str], sft_success: Optional[float],
+                run_dir: Path, ckpt_dir: Path, t0: float) -> int:
+    """The end of RL: the final checkpoint (committed), the final held-out eval (not after a stop or a failed
+    rollout), ``summary.json``, plots and console summary. Returns the exit code (see :func:`run_rl`)."""
     rl_steps = int(last.get("step", start_step))
     writer.flush()
     learner.save(rl_steps, producer.state(), wait=True)  # committed before we report or exit
@@ -225,6 +209,57 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         print(f"jax-rl: {rollout_failed}", file=sys.stderr)
         return 1
     return signal_exit_code(stop)
+
+
+def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, start_step: int,
+           pad_id: int, sft_success: Optional[float], run_dir: Path, ckpt_dir: Path, t0: float) -> int:
+    """RL from ``start_step`` to ``run.steps``, the final checkpoint, eval and summary.
+
+    Returns:
+        the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
+        written); 128 + signal number when stopped by a signal.
+    """
+    nproc = jax.process_count()
+    n_groups = engines.local_groups_per_step(cfg)  # this process's share (0 on a learner-only process)
+    split = engines.split_processes(cfg)  # disaggregated across processes: the groups cross to the learner's processes
+    batch_rows = cfg.optim.batch_size if split else n_groups * cfg.algo.group_size
+    last: dict = {}
+    rollout_failed: Optional[str] = None
+    version = learner.version
+    cpu0 = time.process_time()  # this process's CPU seconds, all threads (cpu_s: load-independent work)
+
+    try:
+        producer.start()
+        t_row = time.perf_counter()  # the previous row's time: a step's wall is the time between rows
+        with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
+            for step in range(start_step, cfg.run.steps):
+                if stop.event.is_set():
+                    break
+                t_wait = time.perf_counter()
+                groups, rollout_failed = _next_groups(producer, stop, step, n_groups, version)
+                if groups is None:
+                    break
+                if split:  # every process gets every process's groups; the learner trains the global batch
+                    groups = engines.exchange_groups(cfg, groups)
+                wait_s = time.perf_counter() - t_wait
+                row, version, n_trajs, t_pub = _train_and_publish(
+                    cfg, learner, producer, groups, step=step, version=version, pad_id=pad_id,
+                    batch_rows=batch_rows, split=split, nproc=nproc)
+                now = time.perf_counter()
+                row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
+                            "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
+                            # the step's wall (since the previous row) and the episodes it trained per second of it
+                            "step_wall_s": now - t_row, "episodes_per_s": n_trajs / max(now - t_row, 1e-9)})
+                t_row = now
+                writer.write(step + 1, row)
+                last = row
+                bar.update(step + 1, row)
+                _eval_and_checkpoint(cfg, learner, producer, writer, step)
+    finally:
+        producer.stop()
+    return _finish_run(cfg, learner, producer, writer, stop, last=last, start_step=start_step, version=version,
+                       rollout_failed=rollout_failed, sft_success=sft_success, run_dir=run_dir, ckpt_dir=ckpt_dir,
+                       t0=t0)
 
 
 def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:

@@ -35,181 +35,184 @@ from rollout.types import Trajectory
 __all__ = ["actor_classes", "jax_tree_to_host"]
 
 
+class RolloutWorker:
+    """One rollout engine, generator and agent loop in its own process, pinned to
+    ``runtime.rollout_cpus`` before JAX starts. Created with ``max_concurrency`` above the
+    groups it is given at once (:attr:`RayProducer.per_worker`): its groups decode together in
+    the engine's ``rollout.slots`` and a ``set_params`` is not queued behind them."""
+
+    def __init__(self, cfg_dict: dict, model_config_hf: dict, worker_id: int, user_model: Optional[dict] = None):
+        pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
+        self.cfg = Config.model_validate(cfg_dict)
+        self.mc = Qwen3Config.from_hf(model_config_hf)
+        self.tok = build_tokenizer(self.cfg)
+        self.env_factory = build_env_factory(self.cfg)
+        self.gen = None
+        self.agent_cls = AgentLoop
+        self.agent = None
+        self.worker_id = worker_id
+        # env.tau2.user=model: the learner actor's frozen user model ({model_config_hf, params}), served here
+        self._user_model = user_model
+        self.user_gen = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def affinity(self) -> list[list[int]]:
+        """The distinct CPU masks of this process's threads (``[[1]]``: all pinned to CPU 1)."""
+        return thread_affinities()
+
+    def cpu_s(self) -> float:
+        """This process's CPU seconds so far (all threads)."""
+        return time.process_time()
+
+    def set_params(self, params, version: int) -> float:
+        """Build the generator (first call) or swap its weights; returns the seconds of the
+        swap's cast/reshard (:func:`jax_rl.publish.hand_over`, the publish's last leg in both runtimes; 0.0
+        for the first build)."""
+        if self.gen is None:
+            self.gen = engines.build_generator(self.cfg, self.mc, params, version)
+            if self._user_model is not None:  # the tau² user model beside the engine: frozen, never published to
+                self.user_gen = engines.build_generator(
+                    self.cfg, Qwen3Config.from_hf(self._user_model["model_config_hf"]),
+                    self._user_model["params"], 0)
+                self.env_factory.user_model.bind(self.user_gen, self.tok)
+                self._user_model = None
+            self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
+                                          group_size=self.cfg.algo.group_size)
+            return 0.0
+        return hand_over(params, version, [self.gen])
+
+    def run_group(self, group_id: int, task_seed: int) -> list[Trajectory]:
+        """Run one GRPO group; its trajectories go back as they are (arrays through the object store)."""
+        return self.agent.submit_group(task_seed, group_id).result()
+
+    def stop(self) -> None:
+        if self.gen is not None:
+            self.gen.stop()
+        if self.user_gen is not None:
+            self.user_gen.stop()
+
+class BufferActor:
+    """:class:`rollout.buffer.TrajectoryBuffer` in its own process: the rollout workers put groups, the driver
+    admits, cancels and takes batches (never blocking: ``timeout=0``), and exports its state for a checkpoint."""
+
+    def __init__(self, group_size: int, max_staleness: int, groups_per_step: int, state: Optional[dict],
+                 max_seq_len: Optional[int] = None):
+        self.buf = TrajectoryBuffer(group_size, max_staleness, groups_per_step=groups_per_step,
+                                    max_seq_len=max_seq_len)
+        if state:
+            self.buf.import_state(state)
+
+    def admit(self, version: int) -> bool:
+        return self.buf.admit(version)
+
+    def cancel(self, n: int = 1) -> None:
+        self.buf.cancel(n)
+
+    def put_group(self, group: list[Trajectory]) -> int:
+        return self.buf.put_group(group)
+
+    def get_batch(self, n_groups: int, version: int) -> Optional[list[list[Trajectory]]]:
+        return self.buf.get_batch(n_groups, version, timeout=0.0)
+
+    def stats(self) -> dict:
+        return self.buf.stats()
+
+    def export_state(self) -> dict:
+        return self.buf.export_state()
+
+class LearnerActor:
+    """The :class:`~jax_rl.runtime.context.RunContext` (learner and held-out evaluator) in its
+    own process; the driver drives it through :class:`RemoteLearner`."""
+
+    def __init__(self, cfg_dict: dict):
+        pin_process((cfg_dict.get("runtime") or {}).get("learner_cpus"))  # before JAX's CPU client
+        logging.basicConfig(level=logging.WARNING)
+        self.cfg = Config.model_validate(cfg_dict)
+        self.ctx = RunContext(self.cfg, create_dir=False)
+        # eval.jsonl only: the driver writes metrics.jsonl and TensorBoard
+        self.ctx.open_writer(tensorboard=False, wandb=False)
+
+    def model_config_hf(self) -> dict:
+        return self.ctx.model_config.to_hf()
+
+    def describe(self) -> str:
+        """The correction mode's cost line (embedded prints it; the driver prints this)."""
+        return self.ctx.learner.describe()
+
+    def cpu_s(self) -> float:
+        """This process's CPU seconds so far (all threads: learner steps, evals, param copies)."""
+        return time.process_time()
+
+    def affinity(self) -> list[list[int]]:
+        return thread_affinities()
+
+    def pad_id(self) -> int:
+        return int(self.ctx.tokenizer.pad_id)
+
+    def restore(self) -> dict:
+        """Restore the newest good (or ``resume_step``) checkpoint; returns the runtime
+        metadata the driver saved with it (buffer, producer, counters) with ``rl_steps`` set
+        to the RL step the checkpoint recorded, and ``resume_line``. Writes nothing."""
+        self.ctx.resume()
+        return {**self.ctx.meta, "resume_line": self.ctx.resume_line, "resumed_step": self.ctx.resumed_step}
+
+    def materialize(self, drop_after: Optional[int] = None) -> None:
+        """After every check: write config.yaml (and the bpe tokenizer); on a resume, delete
+        the checkpoints newer than the restored step."""
+        self.ctx.materialize()
+        if drop_after is not None:
+            drop_newer_checkpoints(self.ctx.learner, self.ctx.ckpt_dir, drop_after)
+
+    def sft_and_eval(self) -> dict:
+        return self.ctx.sft_and_eval(progress=False)
+
+    def get_params(self):
+        """The params of a publish (:meth:`jax_rl.publish.Publisher.params`, numpy: one object-store copy)."""
+        return self.ctx.publisher.params(host=True)
+
+    def user_model(self) -> Optional[dict]:
+        """env.tau2.user=model: the frozen user model this actor serves for held-out eval
+        (:func:`~jax_rl.runtime.envs.start_tau2_user_model`: the checkpoint, or the run's
+        starting weights), as ``{model_config_hf, params}`` (host arrays in ``rollout.dtype``) for the
+        rollout workers to serve the same model; None without one."""
+        g = getattr(self.ctx, "_user_gen", None)
+        if g is None:
+            return None
+        return {"model_config_hf": g.engine.config.to_hf(),
+                "params": jax_tree_to_host(g.engine.load_params())}
+
+    def version(self) -> int:
+        return self.ctx.version
+
+    def opt_step(self) -> int:
+        return self.ctx.opt_step
+
+    def train_step(self, batch: dict) -> dict:
+        return self.ctx.train_step(batch)
+
+    def evaluate(self, step: int, label: str) -> dict:
+        return self.ctx.evaluate(step, label=label)
+
+    def save(self, rl_step: int, meta: dict) -> str:
+        self.ctx.save(rl_step, meta, wait=True)
+        return str(self.ctx.ckpt_dir)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.ctx.learner.close()
+
+
 def actor_classes() -> tuple:
-    """``(RolloutWorker, BufferActor, LearnerActor)``: the Ray actor classes (defined here so that
-    Ray is imported only when ``runtime=ray`` runs)."""
+    """``(RolloutWorker, BufferActor, LearnerActor)``: the Ray actor classes made from :class:`RolloutWorker`,
+    :class:`BufferActor` and :class:`LearnerActor` (here so that Ray is imported only when ``runtime=ray``
+    runs). None reserves a CPU of Ray's (each role pins its own, ``runtime.*_cpus``); the worker and the
+    learner are never restarted (a crash ends the run with its error)."""
     import ray
 
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class RolloutWorker:
-        """One rollout engine, generator and agent loop in its own process, pinned to
-        ``runtime.rollout_cpus`` before JAX starts. Created with ``max_concurrency`` above the
-        groups it is given at once (:attr:`RayProducer.per_worker`): its groups decode together in
-        the engine's ``rollout.slots`` and a ``set_params`` is not queued behind them."""
-
-        def __init__(self, cfg_dict: dict, model_config_hf: dict, worker_id: int, user_model: Optional[dict] = None):
-            pin_process((cfg_dict.get("runtime") or {}).get("rollout_cpus"))  # before JAX's CPU client
-            self.cfg = Config.model_validate(cfg_dict)
-            self.mc = Qwen3Config.from_hf(model_config_hf)
-            self.tok = build_tokenizer(self.cfg)
-            self.env_factory = build_env_factory(self.cfg)
-            self.gen = None
-            self.agent_cls = AgentLoop
-            self.agent = None
-            self.worker_id = worker_id
-            # env.tau2.user=model: the learner actor's frozen user model ({model_config_hf, params}), served here
-            self._user_model = user_model
-            self.user_gen = None
-
-        def pid(self) -> int:
-            return os.getpid()
-
-        def affinity(self) -> list[list[int]]:
-            """The distinct CPU masks of this process's threads (``[[1]]``: all pinned to CPU 1)."""
-            return thread_affinities()
-
-        def cpu_s(self) -> float:
-            """This process's CPU seconds so far (all threads)."""
-            return time.process_time()
-
-        def set_params(self, params, version: int) -> float:
-            """Build the generator (first call) or swap its weights; returns the seconds of the
-            swap's cast/reshard (:func:`jax_rl.publish.hand_over`, the publish's last leg in both runtimes; 0.0
-            for the first build)."""
-            if self.gen is None:
-                self.gen = engines.build_generator(self.cfg, self.mc, params, version)
-                if self._user_model is not None:  # the tau² user model beside the engine: frozen, never published to
-                    self.user_gen = engines.build_generator(
-                        self.cfg, Qwen3Config.from_hf(self._user_model["model_config_hf"]),
-                        self._user_model["params"], 0)
-                    self.env_factory.user_model.bind(self.user_gen, self.tok)
-                    self._user_model = None
-                self.agent = self.agent_cls(self.gen, self.tok, self.env_factory, self.cfg.rollout,
-                                              group_size=self.cfg.algo.group_size)
-                return 0.0
-            return hand_over(params, version, [self.gen])
-
-        def run_group(self, group_id: int, task_seed: int) -> list[Trajectory]:
-            """Run one GRPO group; its trajectories go back as they are (arrays through the object store)."""
-            return self.agent.submit_group(task_seed, group_id).result()
-
-        def stop(self) -> None:
-            if self.gen is not None:
-                self.gen.stop()
-            if self.user_gen is not None:
-                self.user_gen.stop()
-
-    @ray.remote(num_cpus=0)
-    class BufferActor:
-        def __init__(self, group_size: int, max_staleness: int, groups_per_step: int, state: Optional[dict],
-                     max_seq_len: Optional[int] = None):
-            self.buf = TrajectoryBuffer(group_size, max_staleness, groups_per_step=groups_per_step,
-                                        max_seq_len=max_seq_len)
-            if state:
-                self.buf.import_state(state)
-
-        def admit(self, version: int) -> bool:
-            return self.buf.admit(version)
-
-        def cancel(self, n: int = 1) -> None:
-            self.buf.cancel(n)
-
-        def put_group(self, group: list[Trajectory]) -> int:
-            return self.buf.put_group(group)
-
-        def get_batch(self, n_groups: int, version: int) -> Optional[list[list[Trajectory]]]:
-            return self.buf.get_batch(n_groups, version, timeout=0.0)
-
-        def stats(self) -> dict:
-            return self.buf.stats()
-
-        def export_state(self) -> dict:
-            return self.buf.export_state()
-
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class LearnerActor:
-        """The :class:`~jax_rl.runtime.context.RunContext` (learner and held-out evaluator) in its
-        own process; the driver drives it through :class:`RemoteLearner`."""
-
-        def __init__(self, cfg_dict: dict):
-            pin_process((cfg_dict.get("runtime") or {}).get("learner_cpus"))  # before JAX's CPU client
-            logging.basicConfig(level=logging.WARNING)
-            self.cfg = Config.model_validate(cfg_dict)
-            self.ctx = RunContext(self.cfg, create_dir=False)
-            # eval.jsonl only: the driver writes metrics.jsonl and TensorBoard
-            self.ctx.open_writer(tensorboard=False, wandb=False)
-
-        def model_config_hf(self) -> dict:
-            return self.ctx.model_config.to_hf()
-
-        def describe(self) -> str:
-            """The correction mode's cost line (embedded prints it; the driver prints this)."""
-            return self.ctx.learner.describe()
-
-        def cpu_s(self) -> float:
-            """This process's CPU seconds so far (all threads: learner steps, evals, param copies)."""
-            return time.process_time()
-
-        def affinity(self) -> list[list[int]]:
-            return thread_affinities()
-
-        def pad_id(self) -> int:
-            return int(self.ctx.tokenizer.pad_id)
-
-        def restore(self) -> dict:
-            """Restore the newest good (or ``resume_step``) checkpoint; returns the runtime
-            metadata the driver saved with it (buffer, producer, counters) with ``rl_steps`` set
-            to the RL step the checkpoint recorded, and ``resume_line``. Writes nothing."""
-            self.ctx.resume()
-            return {**self.ctx.meta, "resume_line": self.ctx.resume_line, "resumed_step": self.ctx.resumed_step}
-
-        def materialize(self, drop_after: Optional[int] = None) -> None:
-            """After every check: write config.yaml (and the bpe tokenizer); on a resume, delete
-            the checkpoints newer than the restored step."""
-            self.ctx.materialize()
-            if drop_after is not None:
-                drop_newer_checkpoints(self.ctx.learner, self.ctx.ckpt_dir, drop_after)
-
-        def sft_and_eval(self) -> dict:
-            return self.ctx.sft_and_eval(progress=False)
-
-        def get_params(self):
-            """The params of a publish (:meth:`jax_rl.publish.Publisher.params`, numpy: one object-store copy)."""
-            return self.ctx.publisher.params(host=True)
-
-        def user_model(self) -> Optional[dict]:
-            """env.tau2.user=model: the frozen user model this actor serves for held-out eval
-            (:func:`~jax_rl.runtime.envs.start_tau2_user_model`: the checkpoint, or the run's
-            starting weights), as ``{model_config_hf, params}`` (host arrays in ``rollout.dtype``) for the
-            rollout workers to serve the same model; None without one."""
-            g = getattr(self.ctx, "_user_gen", None)
-            if g is None:
-                return None
-            return {"model_config_hf": g.engine.config.to_hf(),
-                    "params": jax_tree_to_host(g.engine.load_params())}
-
-        def version(self) -> int:
-            return self.ctx.version
-
-        def opt_step(self) -> int:
-            return self.ctx.opt_step
-
-        def train_step(self, batch: dict) -> dict:
-            return self.ctx.train_step(batch)
-
-        def evaluate(self, step: int, label: str) -> dict:
-            return self.ctx.evaluate(step, label=label)
-
-        def save(self, rl_step: int, meta: dict) -> str:
-            self.ctx.save(rl_step, meta, wait=True)
-            return str(self.ctx.ckpt_dir)
-
-        def close(self) -> None:
-            self.ctx.close()
-            self.ctx.learner.close()
-
-    return RolloutWorker, BufferActor, LearnerActor
-
+    return (ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker), ray.remote(num_cpus=0)(BufferActor),
+            ray.remote(num_cpus=0, max_restarts=0)(LearnerActor))
 
 
 def jax_tree_to_host(tree):

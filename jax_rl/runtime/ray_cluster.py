@@ -60,6 +60,38 @@ def _kill_ray_started_under(tmp: Path) -> None:
             continue
 
 
+def _join_cluster(ray, address: str, runtime_env: dict):
+    """Join the Ray cluster at ``address`` (its own bind and auth settings apply: a warning says so); returns
+    ``ray``. Raises ConfigError (one line) when it cannot be joined."""
+    log.warning("runtime.ray_address=%s: joining an existing Ray cluster; its bind addresses and auth "
+                "settings apply (RISK: a cluster reachable off this machine accepts jobs from anyone "
+                "who reaches it)", address)
+    try:
+        ray.init(address=address, log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+    except Exception as e:  # noqa: BLE001 - Ray's connection errors: ConnectionError, TimeoutError, RuntimeError
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        raise ConfigError(f"runtime.ray_address={address}: cannot join the Ray cluster "
+                          f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    return ray
+
+
+def _ray_temp_dir(run_dir: Path) -> Path:
+    """Ray's temp dir, made: ``run_dir/ray``, or (a Unix socket path is limited to ~107 bytes) a short dir
+    under the system temp folder with a ``ray_tmp`` link to it in the run dir when that path is long."""
+    tmp = (Path(run_dir) / "ray").resolve()
+    if len(str(tmp)) > 40:
+        short = Path(tempfile.mkdtemp(prefix="jxrl-ray-"))
+        link = Path(run_dir) / "ray_tmp"
+        if not link.exists():
+            link.symlink_to(short)
+        tmp = short
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
 def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
     """Start (or join) Ray for ``runtime=ray``: auth off, no dashboard, temp dir under ``run_dir``.
 
@@ -102,19 +134,7 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
     # choice; the CLI has set "cpu" already where libtpu is installed on a host without a TPU), not the CPU
     runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}}
     if address is not None:
-        log.warning("runtime.ray_address=%s: joining an existing Ray cluster; its bind addresses and auth "
-                    "settings apply (RISK: a cluster reachable off this machine accepts jobs from anyone "
-                    "who reaches it)", address)
-        try:
-            ray.init(address=address, log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
-        except Exception as e:  # noqa: BLE001 - Ray's connection errors: ConnectionError, TimeoutError, RuntimeError
-            try:
-                ray.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
-            raise ConfigError(f"runtime.ray_address={address}: cannot join the Ray cluster "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
-        return ray
+        return _join_cluster(ray, address, runtime_env)
     from ray._private import ray_constants
 
     if loopback:
@@ -122,14 +142,7 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
     else:
         log.warning("runtime.bind_host=%s: Ray listens on all interfaces with auth disabled (RISK: anyone "
                     "who reaches this machine can submit jobs); use only on a trusted network", host)
-    tmp = (Path(run_dir) / "ray").resolve()
-    if len(str(tmp)) > 40:
-        short = Path(tempfile.mkdtemp(prefix="jxrl-ray-"))
-        link = Path(run_dir) / "ray_tmp"
-        if not link.exists():
-            link.symlink_to(short)
-        tmp = short
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = _ray_temp_dir(run_dir)
     try:
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
                  _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),

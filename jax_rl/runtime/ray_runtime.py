@@ -50,13 +50,10 @@ __all__ = ["run_train_ray", "init_ray", "check_ray_endpoints", "RayDaemonWatch",
            "RayFailure", "actor_classes", "jax_tree_to_host"]
 
 
-def run_train_ray(cfg: Config) -> int:
-    """RL with Ray actors: SFT, eval and training run in the learner actor; the driver runs the one
-    RL loop (:func:`jax_rl.runtime.loop.run_rl`) with a :class:`RayProducer` (rollout workers, the
-    buffer actor, one object-store copy of each version's params)."""
-    import ray  # optional dependency (the [ray] extra): imported when runtime=ray runs
-
-    t0 = time.perf_counter()
+def _check_before_run_dir(cfg: Config) -> None:
+    """Everything that can refuse the run in one line before its run dir and Ray exist: the Ray endpoints, the
+    env, tokenizer and model config (the actors build them again), and a cluster to join that does not answer;
+    prints the start-of-run lines."""
     if cfg.rollout.threads != 1:
         log.warning("rollout.threads=%d is the embedded runtime's engine count; runtime=ray runs "
                     "runtime.ray_workers=%d rollout-worker actors (one engine each) and ignores it",
@@ -70,6 +67,11 @@ def run_train_ray(cfg: Config) -> int:
     start_of_run_lines(cfg, tokenizer, env_factory)
     if cfg.runtime.ray_address is not None:  # joining a cluster: one that does not answer fails before the run dir
         init_ray(None, runtime=cfg.runtime)
+
+
+def _take_run_dir(cfg: Config) -> tuple[Path, Path, bool]:
+    """``(run dir, checkpoint dir, fresh)``: the run dir made and locked by the driver for the whole run, an
+    earlier run's files deleted on ``run.overwrite``; ``fresh``: no run dir existed before."""
     fresh = not resolve_run_dir(cfg, create=False).exists()
     run_dir = resolve_run_dir(cfg)
     # the driver holds the run dir (it lives for the whole run; the actors never lock it), before the
@@ -78,9 +80,13 @@ def run_train_ray(cfg: Config) -> int:
                  else "a new run in it")
     delete_earlier_run(cfg, run_dir)  # run.overwrite (a fresh run only)
     _, ckpt_dir, _ = resolve_checkpoint_dir(cfg)
-    # config.yaml is written by the learner actor once the restore and its checks have passed
-    stop = StopFlag()
-    stop.install()
+    return run_dir, ckpt_dir, fresh
+
+
+def _start_ray(cfg: Config, run_dir: Path, fresh: bool, stop: StopFlag) -> None:
+    """Start (or join) Ray with its temp dir under ``run_dir``. Raises :class:`RayFailure` when it does not
+    start, after restoring the signal handlers and, for a ``fresh`` run, removing the run dir and Ray's temp
+    dir (nothing of the run is left behind)."""
     try:
         init_ray(run_dir, runtime=cfg.runtime)
     except RayFailure:
@@ -92,65 +98,104 @@ def run_train_ray(cfg: Config) -> int:
             unlock_run_dir(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def _drive(cfg: Config, actor, worker_classes: tuple, stop: StopFlag, run_dir: Path, ckpt_dir: Path, t0: float,
+           opened: list) -> int:
+    """The run through the learner ``actor``: restore on ``--resume`` (a finished run ends here), SFT and its
+    eval, then :func:`run_rl` with a :class:`RayProducer` of ``worker_classes`` (RolloutWorker, BufferActor).
+    The metrics writer it opens goes into ``opened`` (the caller closes it). Returns the exit code."""
+    import ray
+
+    hf = ray_get(actor.model_config_hf.remote())
+    print(ray_get(actor.describe.remote()), flush=True)  # what the correction mode costs, as embedded
+    pad_id = ray.get(actor.pad_id.remote())
+    meta: dict = {}
+    if cfg.resume:
+        meta = ray_get(actor.restore.remote())  # one-line errors; nothing written yet
+        print(meta.pop("resume_line"), flush=True)
+    start_step = int(meta.get("rl_steps", 0))
+    done = finished_run_line(cfg, run_dir, start_step) if cfg.resume else None
+    if done:  # nothing to train, evaluate or write
+        print(done, flush=True)
+        return 0
+    ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
+    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                           resume_step=start_step if cfg.resume else None)
+    opened.append(writer)
+    if meta.get("sft_done"):
+        sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
+    else:
+        sft_eval = ray_get(actor.sft_and_eval.remote())
+        print(sft_line(cfg, sft_eval), flush=True)
+    producer = RayProducer(cfg, actor, hf, meta, actor_classes=worker_classes)
+    producer.stop_event = stop.event  # a SIGTERM while the workers compile does not wait for them
+    return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
+                  sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
+
+
+def _actor_failure(e: Exception, actor, ckpt_dir: Path) -> RayFailure:
+    """The one-line error of an actor that died or never started: which one (the learner, a rollout worker, or
+    a Ray actor of the run when Ray does not say) and the last checkpoint."""
+    steps = sorted(int(p.name) for p in Path(ckpt_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()) \
+        if Path(ckpt_dir).is_dir() else []
+    last = str(Path(ckpt_dir) / str(steps[-1])) if steps else "none"
+    aid = getattr(e, "actor_id", None)
+    try:
+        learner = None if aid is None else aid == actor._actor_id.hex()
+    except Exception:  # noqa: BLE001 - a Ray without these internals: say it may be either
+        learner = None
+    who = {True: "the learner actor", False: "a rollout-worker actor"}.get(learner, "a Ray actor of the run")
+    return RayFailure(f"runtime=ray: {who} died or could not start ({type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:300]}); last checkpoint: {last}")
+
+
+def _shut_down(opened: list, watch: RayDaemonWatch, actor, stop: StopFlag) -> None:
+    """The run's end, whatever happened: the metrics writer closed, a dead Ray daemon's line and summary, the
+    learner actor closed (30 s at most), the watch stopped, Ray shut down, the signal handlers restored."""
+    import ray
+
+    for writer in opened:
+        writer.close()
+    d = watch.dead()
+    if d is not None:  # the loop noticed first (an actor call failed): the same line and summary
+        watch.fail(*d)
+    try:
+        ray.get(actor.close.remote(), timeout=30)
+    except Exception:
+        pass
+    watch.stop()
+    ray.shutdown()
+    stop.restore()
+
+
+def run_train_ray(cfg: Config) -> int:
+    """RL with Ray actors: SFT, eval and training run in the learner actor; the driver runs the one
+    RL loop (:func:`jax_rl.runtime.loop.run_rl`) with a :class:`RayProducer` (rollout workers, the
+    buffer actor, one object-store copy of each version's params)."""
+    import ray  # optional dependency (the [ray] extra): imported when runtime=ray runs
+
+    t0 = time.perf_counter()
+    _check_before_run_dir(cfg)
+    run_dir, ckpt_dir, fresh = _take_run_dir(cfg)
+    # config.yaml is written by the learner actor once the restore and its checks have passed
+    stop = StopFlag()
+    stop.install()
+    _start_ray(cfg, run_dir, fresh, stop)
     reclaim_signals(stop)  # SIGTERM: finish the step, checkpoint, summary.json, exit 143 (as embedded)
     # the driver beside its learner (after Ray's daemons started, which stay unpinned)
     pin_process(cfg.runtime.learner_cpus)
     RolloutWorker, BufferActor, LearnerActor = actor_classes()
     watch = RayDaemonWatch(cfg, run_dir, ckpt_dir, t0).start()  # a dead raylet / GCS: one line + summary.json
-    writer = None
+    opened: list = []  # the metrics writer, once open
     actor = LearnerActor.remote(cfg.to_dict())
-    producer = None
     try:
-        hf = ray_get(actor.model_config_hf.remote())
-        print(ray_get(actor.describe.remote()), flush=True)  # what the correction mode costs, as embedded
-        pad_id = ray.get(actor.pad_id.remote())
-        meta: dict = {}
-        if cfg.resume:
-            meta = ray_get(actor.restore.remote())  # one-line errors; nothing written yet
-            print(meta.pop("resume_line"), flush=True)
-        start_step = int(meta.get("rl_steps", 0))
-        done = finished_run_line(cfg, run_dir, start_step) if cfg.resume else None
-        if done:  # nothing to train, evaluate or write
-            print(done, flush=True)
-            return 0
-        ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
-        writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                               resume_step=start_step if cfg.resume else None)
-        if meta.get("sft_done"):
-            sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
-        else:
-            sft_eval = ray_get(actor.sft_and_eval.remote())
-            print(sft_line(cfg, sft_eval), flush=True)
-        producer = RayProducer(cfg, actor, hf, meta, actor_classes=(RolloutWorker, BufferActor))
-        producer.stop_event = stop.event  # a SIGTERM while the workers compile does not wait for them
-        return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
-                      sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
+        return _drive(cfg, actor, (RolloutWorker, BufferActor), stop, run_dir, ckpt_dir, t0, opened)
     except Exception as e:
         raise_if_disk_full(e, run_dir, ckpt_dir)
         if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) \
                 and watch.dead() is None:  # an actor died or never started (not a daemon): one line, exit 1
-            steps = sorted(int(p.name) for p in Path(ckpt_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()) \
-                if Path(ckpt_dir).is_dir() else []
-            last = str(Path(ckpt_dir) / str(steps[-1])) if steps else "none"
-            aid = getattr(e, "actor_id", None)
-            try:
-                learner = None if aid is None else aid == actor._actor_id.hex()
-            except Exception:  # noqa: BLE001 - a Ray without these internals: say it may be either
-                learner = None
-            who = {True: "the learner actor", False: "a rollout-worker actor"}.get(learner, "a Ray actor of the run")
-            raise RayFailure(f"runtime=ray: {who} died or could not start ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:300]}); last checkpoint: {last}") from None
+            raise _actor_failure(e, actor, ckpt_dir) from None
         raise
     finally:
-        if writer is not None:
-            writer.close()
-        d = watch.dead()
-        if d is not None:  # the loop noticed first (an actor call failed): the same line and summary
-            watch.fail(*d)
-        try:
-            ray.get(actor.close.remote(), timeout=30)
-        except Exception:
-            pass
-        watch.stop()
-        ray.shutdown()
-        stop.restore()
+        _shut_down(opened, watch, actor, stop)
