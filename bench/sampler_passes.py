@@ -9,6 +9,11 @@ Compiles ``sample_tokens`` alone (logits [B, V] fp32 -> tokens, behav_logp, kept
 ``--topology`` with memory-space assignment off (``jax_rl.tpu.HBM_SIDE_OPTIONS``: every access an
 HBM access) and prints, per truncation setting, the compiler's ``bytes accessed / (B * V * 4)``:
 1.0 = the logits read once. Compile-time estimates, not TPU measurements.
+
+A truncated setting's program holds a ``lax.cond``: the candidate path (``lax.top_k`` of a bounded
+set), and the full-vocabulary path taken only when the candidates do not hold a row's kept set.
+``cost_analysis`` charges both branches; ``--branch candidates`` compiles the candidate path alone
+(``lax.cond`` replaced by its true branch in this process), the cost of the step that runs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--topology", default="v5p-8")
+    ap.add_argument("--branch", choices=("both", "candidates"), default="both",
+                    help="truncated settings: the whole program (both cond branches counted) or the candidate path")
+    ap.add_argument("--settings", default=",".join(s[0] for s in SETTINGS), help="comma list of settings to compile")
     args = ap.parse_args(argv)
 
     import jax
@@ -41,12 +49,17 @@ def main(argv=None) -> None:
     sh = jax.sharding.SingleDeviceSharding(get_topology(args.topology).devices[0])
     shapes = ((B, V), jnp.float32), ((B, 2), jnp.uint32), ((B,), jnp.float32)
     abstract = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
-    print(f"sample_tokens, B={B} V={V}, {args.topology} (one chip), MSA off, jax {jax.__version__}")
+    if args.branch == "candidates":
+        jax.lax.cond = lambda pred, true_fn, false_fn, *ops: true_fn(*ops)  # the common path alone
+    print(f"sample_tokens, B={B} V={V}, {args.topology} (one chip), MSA off, jax {jax.__version__}, "
+          f"branch {args.branch}", flush=True)
     for name, k, p in SETTINGS:
+        if name not in args.settings.split(","):
+            continue
         fn = jax.jit(functools.partial(sample_tokens, top_k=k, top_p=p))
         with no_persistent_cache():
             a = program_analysis(fn.lower(*abstract).compile(compiler_options=HBM_SIDE_OPTIONS))
-        print(f"  {name:20s} passes over [B, V] fp32 = {a['bytes_accessed'] / (B * V * 4):6.2f}")
+        print(f"  {name:20s} passes over [B, V] fp32 = {a['bytes_accessed'] / (B * V * 4):6.2f}", flush=True)
 
 
 if __name__ == "__main__":

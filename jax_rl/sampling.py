@@ -15,9 +15,11 @@ is exactly 1 when the two sides' logits agree and differs only by numerics other
 stop-gradient choice; ``log(kept mass)`` is a smooth function of the logits and carries
 gradient (it is part of log pi_trunc).
 
-Cost per position: top-k is one ``lax.top_k`` over V (no full sort); top-p with top-k > 0
-cumulates over the k sorted top-k values (O(V) for the renormalisation, O(k) for the cumsum);
-top-p alone sorts V (O(V log V) per position, next to the LM head's O(d V) matmul). Off
+Cost per position: one ``lax.top_k`` over V of ``top_k + 1`` values (top-k, and top-p after
+top-k: the cumsum runs over the k sorted values) or of :data:`TOP_P_CANDIDATES` values (top-p
+alone, plus one logsumexp pass); no sort of V, except where a tie at the k-th value or a nucleus
+wider than the candidates makes the candidates undecided (then the batch takes the sort, under a
+``lax.cond``, and the kept set is the same). Off
 (``top_k = 0``, ``top_p = 1``) costs nothing: the callers take their untruncated path.
 """
 
@@ -26,7 +28,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["truncates", "check_truncation", "kept_set", "log_kept_mass"]
+__all__ = ["truncates", "check_truncation", "kept_set", "kept_threshold", "threshold_from_sorted", "log_kept_mass",
+           "TOP_P_CANDIDATES"]
+
+# top-p alone: the threshold is read from this many largest log-probs (a sort over V only when the
+# nucleus holds more tokens than this)
+TOP_P_CANDIDATES = 256
 
 
 def truncates(top_k: int = 0, top_p: float = 1.0) -> bool:
@@ -42,7 +49,8 @@ def check_truncation(top_k: int, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
-def kept_set(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def kept_set(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0, *,
+             candidates: int = TOP_P_CANDIDATES) -> jax.Array:
     """bool [..., V]: the tokens the HF warpers keep, top-k then top-p (stop-gradient).
 
     Args:
@@ -53,27 +61,87 @@ def kept_set(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Ar
         order, keeps a token when the mass strictly before it is < ``top_p`` (so the token that
         crosses ``top_p`` is kept; the most likely token always is), and every token tied with
         the last kept value.
+      candidates: static; top-p alone reads its threshold from this many largest values
+        (:func:`kept_threshold`; a sort over V only when the nucleus is wider).
 
-    With top-k on, the top-p cumsum runs over the k sorted top-k values only: a token tied with
+    The kept set is ``logp_full >= thr`` for one threshold per row (:func:`kept_threshold`):
+    with top-k on, the top-p cumsum runs over the k sorted top-k values only: a token tied with
     the k-th value beyond position k has at least the k-th token's mass before it, so it is kept
     iff the k-th is, exactly as in a sort over all V.
     """
     lp = jax.lax.stop_gradient(jnp.asarray(logp_full, jnp.float32))
+    return lp >= kept_threshold(lp, top_k, top_p, candidates=candidates)
+
+
+def kept_threshold(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0, *,
+                   candidates: int = TOP_P_CANDIDATES, lse_all: jax.Array | None = None) -> jax.Array:
+    """fp32 [..., 1]: the per-row log-prob threshold of the kept set, ``kept = logp_full >= thr``
+    (the kept set of the HF warpers is always an upper set of the values; :func:`kept_set`).
+
+    Read from a bounded candidate set, never a sort of the vocabulary in the common case: one
+    ``lax.top_k`` of ``top_k + 1`` values (top-k, and top-p after top-k) or of ``candidates``
+    values (top-p alone). The candidates decide the threshold exactly when every kept token is
+    among them: the first candidate left out is strictly below the threshold (no tie at the
+    threshold spills past the candidates, and for top-p alone the nucleus closed inside them).
+    Where a row of the batch is not decided so, the whole batch takes the sort over V
+    (``lax.cond``: the old rule, so the kept set is the same either way).
+
+    Args:
+      logp_full: fp32 [..., V], the tempered log-softmax.
+      top_k, top_p: static, as :func:`kept_set`.
+      candidates: static, the top-p-alone candidate count (clipped to V).
+      lse_all: optional [...] log of the total mass of ``logp_full`` (top-p alone renormalises
+        by it); None computes ``logsumexp(logp_full)`` (one pass over V). The sampler passes
+        0 (its log-probs are normalised to fp32 rounding) to save that pass.
+    """
+    lp = jax.lax.stop_gradient(jnp.asarray(logp_full, jnp.float32))
     V = lp.shape[-1]
-    kept = jnp.ones(lp.shape, bool)
-    srt = None
+    if not truncates(top_k, top_p):
+        return jnp.full(lp.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    if top_p < 1.0 and top_k <= 0 and lse_all is None:
+        lse_all = jax.nn.logsumexp(lp, axis=-1)
+    C = min(V, int(top_k) + 1 if top_k > 0 else max(int(candidates), 1))
+    srt = jax.lax.top_k(lp, C)[0]  # [..., C], decreasing
+    thr, safe = threshold_from_sorted(srt, top_k, top_p, complete=C == V, lse_all=lse_all)
+    if C == V:
+        return thr
+
+    def full(_):
+        full_srt = jnp.flip(jnp.sort(lp, axis=-1), axis=-1)
+        return threshold_from_sorted(full_srt, top_k, top_p, complete=True, lse_all=lse_all)[0]
+
+    return jax.lax.cond(jnp.all(safe), lambda _: thr, full, None)
+
+
+def threshold_from_sorted(srt: jax.Array, top_k: int, top_p: float, *, complete: bool,
+                          lse_all: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(thr [..., 1], decided [...] bool)`` from the largest log-probs ``srt`` [..., C] in
+    decreasing order (all V of them when ``complete``): the kept set's threshold under the rule
+    of :func:`kept_set`, and whether the C values decide it (always True when ``complete``).
+    ``lse_all`` [...]: the log total mass (top-p alone; top-p after top-k renormalises over the
+    top-k kept set)."""
+    C = srt.shape[-1]
+    thr = jnp.full(srt.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    decided = jnp.ones(srt.shape[:-1], bool)
+    head = srt
     if top_k > 0:
-        srt = jax.lax.top_k(lp, min(int(top_k), V))[0]  # [..., k], decreasing
-        kept = lp >= srt[..., -1:]
+        k = min(int(top_k), C)
+        thr = srt[..., k - 1:k]
+        if not complete:
+            decided = srt[..., k] < srt[..., k - 1]  # no tie at the k-th value past the candidates
+        head = srt[..., :k]  # the top-k kept set (ties past k have the k-th value: kept iff it is)
     if top_p < 1.0:
-        if srt is None:
-            srt = jnp.flip(jnp.sort(lp, axis=-1), axis=-1)  # [..., V], decreasing
-        lse = jax.nn.logsumexp(jnp.where(kept, lp, -jnp.inf), axis=-1, keepdims=True)
-        p = jnp.exp(srt - lse)  # renormalised over the (top-k) kept set, sorted
+        if top_k > 0:  # over the whole top-k kept set (ties past k included, as they are kept)
+            lse = jax.nn.logsumexp(jnp.where(srt >= thr, srt, -jnp.inf), axis=-1, keepdims=True)
+        else:
+            lse = jnp.zeros(srt.shape[:-1] + (1,), jnp.float32) if lse_all is None else lse_all[..., None]
+        p = jnp.exp(head - lse)
         before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each sorted token
-        thresh = jnp.min(jnp.where(before < top_p, srt, jnp.inf), axis=-1, keepdims=True)
-        kept = kept & (lp >= thresh)
-    return kept
+        thr_p = jnp.min(jnp.where(before < top_p, head, jnp.inf), axis=-1, keepdims=True)
+        if top_k <= 0 and not complete:
+            decided = head[..., -1] < thr_p[..., 0]  # the nucleus closed inside the candidates
+        thr = jnp.maximum(thr, thr_p)
+    return thr, decided
 
 
 def log_kept_mass(logp_full: jax.Array, kept: jax.Array) -> jax.Array:

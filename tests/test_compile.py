@@ -287,6 +287,31 @@ def test_decode_row_has_the_hbm_side_count():
     assert 0.9 < row["hbm_side_ratio"] < row["bytes_accessed_ratio"], row
 
 
+def test_paged_layout_compiles_the_paged_programs():
+    """rollout.kv_layout=paged: decode_step and append_prefill are the paged engine's programs (the TPU
+    paged attention kernel) over the configured pool: the row's K/V bytes are the pool's (8 pages of 16
+    positions), not the contiguous 8 slots x 64 positions, and the arguments shrink by the difference."""
+    from jax_rl import compile as C
+
+    rows = {}
+    for layout in ("contiguous", "paged"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, *COLOCATED, f"rollout.kv_layout={layout}",
+                                                         "rollout.kv_pages=8", "rollout.dtype=bfloat16",
+                                                         # the TPU kernel's lanes: heads of 128
+                                                         "model.hf_overrides.head_dim=128"])
+        rows[layout] = {r["function"]: r for r in C.compile_programs(cfg, "v5e:2x2", cost=False,
+                                                                      functions=("append_prefill", "decode_step"))}
+    t = C._target(cfg, "v5e:2x2")
+    mc = t.model_config
+    per_pos = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2  # bf16 K and V
+    dec, old = rows["paged"]["decode_step"], rows["contiguous"]["decode_step"]
+    assert dec["kv_layout"] == "paged" and old["kv_layout"] == "contiguous"
+    assert dec["kv_cache_bytes_per_chip"] == 8 * 16 * per_pos
+    assert old["kv_cache_bytes_per_chip"] == 8 * 64 * per_pos
+    assert dec["hbm_args_bytes"] < old["hbm_args_bytes"] and dec["fits"]
+    assert rows["paged"]["append_prefill"]["kv_layout"] == "paged" and rows["paged"]["append_prefill"]["fits"]
+
+
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C

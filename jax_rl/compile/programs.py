@@ -178,6 +178,11 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
               only=(key,), mesh=em)
+    if r.kv_layout == "paged":  # the paged programs (rollout/engine/paged.py) over the configured pool
+        if em is not None:
+            raise ConfigError("rollout.kv_layout=paged runs a colocated engine only: no rollout.mesh / "
+                              "placement.rollout sharded engine to compile")
+        kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
     rk = dict(role="rollout", devices=devs)
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
@@ -212,6 +217,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
             hbm, s = pieces(HBM_SIDE_OPTIONS)
             c["hbm_side_bytes"], ps = hbm["bytes"], ps + s
     row = _row(t, fname, a, full["compile_s"], c, None, shape, ps, **rk)
+    row["kv_layout"] = r.kv_layout
     _engine_keys(t, row, em)
     if key == "decode":
         base = full["params_per_chip"] + full["kv_cache_per_chip"]

@@ -23,6 +23,8 @@ pools; in this layout it would need a transpose of the pool per step, so the GPU
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -173,12 +175,28 @@ def paged_attention_kernel(q: Array, kv_pages: Array, page_table: Array, starts:
     return _packed_call(ragged_paged_attention, q, kv_pages, page_table, starts, lengths, **kw)
 
 
+_TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_backend", default=None)
+
+
+@contextlib.contextmanager
+def target_backend(backend: str):
+    """Within it, :func:`paged_attention` called without ``backend`` takes ``backend``'s path: an AOT
+    compile for a TPU topology from a CPU host (``jax-rl compile``) traces the TPU kernel, not the CPU
+    gather path that JAX's default backend would pick."""
+    token = _TARGET_BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _TARGET_BACKEND.reset(token)
+
+
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
                     num_pages: int | None = None, *, backend: str | None = None) -> Array:
-    """Attention over live pages on the path for ``backend`` (default: JAX's default backend):
-    ``"tpu"``: :func:`paged_attention_kernel` (reads the page table itself; ``num_pages`` unused);
-    otherwise :func:`paged_attention_xla`. Same arguments and result as those."""
-    backend = backend or jax.default_backend()
+    """Attention over live pages on the path for ``backend`` (default: the :func:`target_backend`
+    in effect, else JAX's default backend): ``"tpu"``: :func:`paged_attention_kernel` (reads the
+    page table itself; ``num_pages`` unused); otherwise :func:`paged_attention_xla`. Same arguments
+    and result as those."""
+    backend = backend or _TARGET_BACKEND.get() or jax.default_backend()
     if backend == "tpu":
         return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
     return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)

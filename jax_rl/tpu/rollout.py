@@ -22,7 +22,9 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
                     prefill_len: int = 1024, dtype: str = "bfloat16",
                     model_kwargs: Optional[dict] = None,
                     only: tuple[str, ...] = ("prefill", "decode"),
-                    compiler_options: Optional[dict] = None, mesh: Any = None) -> dict[str, dict[str, Any]]:
+                    compiler_options: Optional[dict] = None, mesh: Any = None,
+                    kv_layout: str = "contiguous", kv_page_size: int = 16,
+                    kv_pages: Optional[int] = None) -> dict[str, dict[str, Any]]:
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
     (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
     (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
@@ -49,16 +51,23 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     shardings (``param_shardings``, ``state_shardings``); both steps are compiled under
     ``jax.set_mesh(mesh)``, as the sharded engine runs them. ``params_per_chip`` and
     ``kv_cache_per_chip`` are then the bytes of one device's shards.
+
+    ``kv_layout="paged"`` (``rollout.kv_layout``; a colocated engine, no ``mesh``): the engine's paged
+    programs (``rollout.engine.paged``) over a pool of ``kv_pages`` pages of ``kv_page_size`` positions
+    (None: the contiguous layout's memory), their attention the TPU ragged paged attention kernel
+    (:func:`jax_rl.models.paged_attention.target_backend`); ``kv_cache_per_chip`` is then the pool.
     """
     spec = resolve_topology(topology)
     topo = get_topology(topology)
+    paging = dict(kv_layout=kv_layout, kv_page_size=kv_page_size, kv_pages=kv_pages) if kv_layout == "paged" else {}
     engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, slots, max_cache_len, prefill_len,
-                                                             dtype, model_kwargs, mesh)
+                                                             dtype, model_kwargs, mesh, paging)
     out: dict[str, dict[str, Any]] = {}
     for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, slots, prefill_len).items():
         if name not in only:
             continue
-        out[name] = _compile_step(fn, args, ctx, compiler_options, spec.chip.hbm_bytes)
+        out[name] = _compile_step(fn, args, ctx, compiler_options, spec.chip.hbm_bytes, paged=bool(paging),
+                                  mesh=mesh)
     if "decode" in out:
         _decode_bytes(out["decode"], params, state)
     out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
@@ -67,7 +76,7 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     return out
 
 
-def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh):
+def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh, paging):
     """The engine (``kv_per_layer=False``: the stacked cache; the CPU-only per-layer form costs bytes on a TPU),
     its mesh (the topology's devices on one ``data`` axis unless ``mesh`` is given), and its params and
     decode state as ``ShapeDtypeStruct`` (replicated, or the sharded engine's own shardings)."""
@@ -82,9 +91,9 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     sharded = mesh is not None
     engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
                          max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
-                         **({"mesh": mesh} if sharded else {}))
-    if not sharded:
-        mesh = Mesh(np.array(topo.devices), ("data",))
+                         **({"mesh": mesh} if sharded else {}), **paging)
+    if not sharded:  # a paged engine is one device's (its kernel is not partitioned): one chip
+        mesh = Mesh(np.array(topo.devices[:1] if paging else topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 
     def abstract(tree, shardings=None):
@@ -133,13 +142,20 @@ def _steps(progs, params, state, rep, mesh, sharded, slots, prefill_len) -> dict
                        (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
 
 
-def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: int) -> dict[str, Any]:
+def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: int, paged: bool = False,
+                  mesh: Any = None) -> dict[str, Any]:
     """One step lowered and compiled (no persistent cache: ``compile_s`` is a real compile) and its
-    :func:`~jax_rl.tpu.analysis.program_analysis` with ``compile_s`` and ``hbm_fraction``."""
+    :func:`~jax_rl.tpu.analysis.program_analysis` with ``compile_s`` and ``hbm_fraction``; ``paged``:
+    traced with the TPU paged attention kernel."""
     import jax
 
+    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+
     t0 = time.perf_counter()
-    with ctx(), jax.default_matmul_precision("default"), no_persistent_cache():
+    backend = target_backend("tpu") if paged else contextlib.nullcontext()
+    # the paged kernel's lowering reads the TPU generation from the ambient mesh's devices
+    ambient = (lambda: jax.set_mesh(mesh)) if paged else ctx
+    with ambient(), backend, jax.default_matmul_precision("default"), no_persistent_cache():
         a = program_analysis(fn.lower(*args).compile(compiler_options=compiler_options or None))
     a["compile_s"] = time.perf_counter() - t0
     a["hbm_fraction"] = a["peak_bytes_per_chip"] / hbm_bytes
@@ -155,5 +171,6 @@ def _decode_bytes(dec: dict[str, Any], params, state) -> None:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
     dec["params_per_chip"] = nbytes(params)
-    dec["kv_cache_per_chip"] = nbytes((state["cache"].k, state["cache"].v))
+    cache = state["cache"]
+    dec["kv_cache_per_chip"] = nbytes(cache.kv if hasattr(cache, "kv") else (cache.k, cache.v))
     dec["bytes_accessed_ratio"] = dec["bytes_accessed"] / (dec["params_per_chip"] + dec["kv_cache_per_chip"])

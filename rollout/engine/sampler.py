@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rl.sampling import kept_set, log_kept_mass, truncates
+from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_from_sorted, truncates
 
 __all__ = ["sample_tokens", "inverse_cdf_index", "StepOutput", "pack_result", "unpack_result"]
 
@@ -99,6 +99,58 @@ def _draw_from_logp(logp: jax.Array, u: jax.Array, block: int = 128) -> jax.Arra
                  lambda blk: jnp.exp(jnp.take_along_axis(lb, blk[:, None, None], axis=1)[:, 0]), u, b)
 
 
+def _block_stats(x: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """One pass over ``x`` [B, n, b]: per block its max ``m`` [B, n] and ``sum(exp(x - m))`` [B, n]
+    (an online-softmax variadic reduce; an all ``-inf`` block gives ``(-inf, b)``, mass 0 once
+    scaled by ``exp(m - M)``)."""
+
+    def combine(a, c):
+        (m1, s1), (m2, s2) = a, c
+        m = jnp.maximum(m1, m2)
+        w1 = jnp.where(m1 == m, 1.0, jnp.exp(m1 - m))
+        w2 = jnp.where(m2 == m, 1.0, jnp.exp(m2 - m))
+        return m, s1 * w1 + s2 * w2
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0))
+    return jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (2,))
+
+
+def _sample_truncated(lp_full: jax.Array, u: jax.Array, greedy: jax.Array, top_k: int, top_p: float,
+                      candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sample_tokens` under top-k / top-p from the tempered log-softmax ``lp_full`` [B, V]
+    (an expression XLA fuses into the ``lax.top_k`` read), the uniforms ``u`` [B] and ``greedy`` [B]."""
+    B, V = lp_full.shape
+    C = min(V, int(top_k) + 1 if top_k > 0 else max(int(candidates), 1))
+    srt, idx = jax.lax.top_k(lp_full, C)  # [B, C] decreasing, ties lowest index first
+    thr, decided = threshold_from_sorted(srt, top_k, top_p, complete=C == V, lse_all=jnp.zeros((B,), jnp.float32))
+
+    def from_candidates(_):
+        kept = srt >= thr
+        lkm = jnp.log(jnp.sum(jnp.where(kept, jnp.exp(srt), 0.0), axis=-1))
+        order = jnp.argsort(idx, axis=-1)  # vocabulary order: the full draw's running sum
+        ci = jnp.take_along_axis(idx, order, axis=-1)
+        w = jnp.take_along_axis(jnp.where(kept, jnp.exp(srt - lkm[:, None]), 0.0), order, axis=-1)
+        cdf = jnp.cumsum(w, axis=-1)
+        last = C - 1 - jnp.argmax((w > 0)[:, ::-1], axis=-1)
+        j = jnp.minimum(jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1), last)
+        tok = jnp.where(greedy, idx[:, 0], jnp.take_along_axis(ci, j[:, None], axis=-1)[:, 0])
+        lp_tok = jnp.where(greedy, srt[:, 0], jnp.take_along_axis(srt, jnp.take_along_axis(order, j[:, None], axis=-1), axis=-1)[:, 0])
+        return tok.astype(jnp.int32), lp_tok - lkm, jnp.exp(lkm)
+
+    def full_vocab(_):  # the candidates do not decide every row: the sort-based kept set over V
+        srt_v = jnp.flip(jnp.sort(lp_full, axis=-1), axis=-1)
+        thr_v = threshold_from_sorted(srt_v, top_k, top_p, complete=True, lse_all=jnp.zeros((B,), jnp.float32))[0]
+        kept = lp_full >= thr_v
+        lkm = log_kept_mass(lp_full, kept)
+        logp_s = jnp.where(kept, lp_full - lkm[:, None], -jnp.inf)
+        tok = jnp.where(greedy, jnp.argmax(logp_s, axis=-1), _draw_from_logp(logp_s, u)).astype(jnp.int32)
+        return tok, jnp.take_along_axis(logp_s, tok[:, None], axis=-1)[:, 0], jnp.exp(lkm)
+
+    if C == V:
+        return from_candidates(None)
+    return jax.lax.cond(jnp.all(decided), from_candidates, full_vocab, None)
+
+
 def sample_tokens(
     logits: jax.Array,
     keys: jax.Array,
@@ -106,8 +158,23 @@ def sample_tokens(
     *,
     top_k: int = 0,
     top_p: float = 1.0,
+    candidates: int = TOP_P_CANDIDATES,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample one token per row and return its log-prob under the sampling distribution.
+
+    One pass over the ``[B, V]`` logits when untruncated: per 128-wide block its max and sum of
+    ``exp`` (:func:`_block_stats`), from which the row's logsumexp, the inverse-CDF draw over the
+    block masses, the greedy argmax's block and the sampled token's log-prob follow; the one block
+    row each draw lands in is read again (B x 128 values). Truncated: that pass, then one
+    ``lax.top_k`` of a bounded candidate set (``top_k + 1``, or ``candidates`` for top-p alone:
+    :func:`jax_rl.sampling.kept_threshold`), drawn from in vocabulary order; when the candidates do
+    not decide the kept set (a tie at the k-th value past them, a nucleus wider than them) the
+    batch takes the full-vocabulary path (``lax.cond``), with the same kept set and draw.
+
+    The draw is the inverse CDF of one uniform per row over the vocabulary in index order, the
+    same stream as the full-vocabulary draw (:func:`inverse_cdf_index`): the same token for the
+    same key up to the fp32 rounding of the running sums (a draw within ~1e-7 of a token's CDF
+    boundary can land on its neighbour), and the same log-prob to fp32 rounding.
 
     Args:
       logits: [B, V] (any float dtype; computed in float32).
@@ -118,6 +185,7 @@ def sample_tokens(
       top_p: static; 1.0 = off. Nucleus over the (top-k renormalised) distribution; the token
         that crosses ``top_p`` is kept. The kept set is :func:`jax_rl.sampling.kept_set`, the
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
+      candidates: static; top-p alone draws from this many largest values when the nucleus fits.
 
     Returns:
       ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
@@ -125,25 +193,36 @@ def sample_tokens(
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
     """
     logits = logits.astype(jnp.float32)
+    B, V = logits.shape
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
-    logp_full = jax.nn.log_softmax(logits / t[:, None], axis=-1)
-    if truncates(top_k, top_p):
-        # the learner's log-prob forward reproduces this with the same kept_set / log_kept_mass
-        kept = kept_set(logp_full, top_k, top_p)
-        lkm = log_kept_mass(logp_full, kept)
-        kept_mass = jnp.exp(lkm)
-        logp_s = jnp.where(kept, logp_full - lkm[:, None], -jnp.inf)
-    else:
-        kept_mass = jnp.ones(logits.shape[:1], jnp.float32)
-        logp_s = logp_full
     # one uniform per row and an inverse-CDF lookup, not jax.random.categorical's V Gumbel draws
     # per row (threefry over [B, V] bits was ~1 ms of a ~13 ms 32-slot decode step on the CPU)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    sampled = _draw_from_logp(logp_s, u)
-    tokens = jnp.where(greedy, jnp.argmax(logp_s, axis=-1), sampled).astype(jnp.int32)
-    logp = jnp.take_along_axis(logp_s, tokens[:, None], axis=-1)[:, 0]
-    return tokens, logp.astype(jnp.float32), kept_mass.astype(jnp.float32)
+    b = _cdf_block(V, 128)
+    pad = (-V) % b
+    xb = logits / t[:, None]
+    if pad:
+        xb = jnp.pad(xb, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    xb = xb.reshape(B, xb.shape[1] // b, b)
+    m_blk, s_blk = _block_stats(xb, b)  # the one pass over [B, V]
+    M = jnp.max(m_blk, axis=-1)
+    log_s = jnp.log(jnp.sum(s_blk * jnp.exp(m_blk - M[:, None]), axis=-1))
+
+    def lp_row(blk):  # [B, b] tempered log-softmax of each row's block blk, as jax.nn.log_softmax
+        return jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0] - M[:, None] - log_s[:, None]
+
+    if not truncates(top_k, top_p):
+        sampled = _draw(s_blk * jnp.exp(m_blk - M[:, None]) / jnp.exp(log_s)[:, None],
+                        lambda blk: jnp.exp(lp_row(blk)), u, b)
+        g_blk = jnp.argmax(m_blk, axis=-1).astype(jnp.int32)
+        g_tok = g_blk * b + jnp.argmax(lp_row(g_blk), axis=-1).astype(jnp.int32)
+        tokens = jnp.where(greedy, g_tok, sampled).astype(jnp.int32)
+        logp = jnp.take_along_axis(lp_row(tokens // b), (tokens % b)[:, None], axis=-1)[:, 0]
+        return tokens, logp, jnp.ones((B,), jnp.float32)
+
+    lp_full = logits / t[:, None] - M[:, None] - log_s[:, None]  # fused into top_k's read
+    return _sample_truncated(lp_full, u, greedy, top_k, top_p, candidates)
 
 
 class StepOutput(NamedTuple):
