@@ -67,10 +67,10 @@ def kv_page_bytes(cfg: Config, model_config) -> int:
     return kv_cache_bytes(cfg, model_config, slots=1) // int(cfg.rollout.max_cache_len) * int(cfg.rollout.kv_page_size)
 
 
-def kv_pool_pages(cfg: Config, model_config) -> Optional[int]:
+def kv_pool_pages(cfg: Config, model_config, slots: Optional[int] = None) -> Optional[int]:
     """The pages of a paged engine's K/V pool: ``rollout.kv_pages``, else ``floor(rollout.kv_pool_gib x 2**30 /``
-    :func:`kv_page_bytes` ``)``, else ``rollout.slots x ceil(max_cache_len / kv_page_size)`` (the contiguous
-    layout's memory). None for the contiguous layout.
+    :func:`kv_page_bytes` ``)``, else ``slots`` (default ``rollout.slots``) ``x ceil(max_cache_len /
+    kv_page_size)`` (the contiguous layout's memory). None for the contiguous layout.
 
     Raises:
         ConfigError: the pool holds fewer positions than one ``rollout.max_cache_len`` sequence (one line
@@ -87,7 +87,7 @@ def kv_pool_pages(cfg: Config, model_config) -> Optional[int]:
         pages, key = int(float(r.kv_pool_gib) * 2**30 // per), f"rollout.kv_pool_gib={r.kv_pool_gib}"
         key += f" ({pages} pages of {per:,} bytes)"
     else:
-        return int(r.slots) * least
+        return int(slots or r.slots) * least
     if pages < least:
         raise ConfigError(f"{key}: the K/V pool holds {pages * int(r.kv_page_size)} positions < rollout.max_cache_len="
                           f"{r.max_cache_len}: it cannot hold one sequence (at least {least} pages of "
@@ -148,7 +148,7 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
         ffn = int(mc.intermediate_size)
     act = 4 * (4 * int(mc.hidden_size) + 3 * ffn + 2 * int(mc.num_attention_heads) * int(r.max_cache_len))
     temp_slot = max(upcast, vocab) + act
-    pages = kv_pool_pages(cfg, mc)
+    pages = kv_pool_pages(cfg, mc, slots=B)
     pool = 0 if pages is None else pages * kv_page_bytes(cfg, mc)
     per_slot = (kv_slot if pages is None else 0) + state_slot + temp_slot
     params = count_params(mc) * itemsize

@@ -140,6 +140,33 @@ def test_sigterm_resume_kill9_resume_exact_steps(tmp_path, updates):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_paged_kill9_resume_k0_identical(tmp_path):
+    """rollout.kv_layout=paged (issue 46): a K=0 run killed with SIGKILL after its second step and resumed
+    logs the rows of a run never stopped, bit for bit, K/V pool counters aside (``kv_*``: the engine's, per
+    process, so a resumed process starts them from 0)."""
+    from tests.runtime.test_train import _strip
+
+    common = ["run.steps=4", "async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3",
+              "rollout.kv_layout=paged"]
+    a, b = tmp_path / "straight", tmp_path / "killed"
+    r = _run(_train(a, *common))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    args = _train(b, *common)
+    rc, out = _run_until(args, b, 2, signal.SIGKILL)
+    assert rc == -signal.SIGKILL, out[-3000:]
+    r = _run(args + ["--resume"])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "at RL step " in r.stdout + r.stderr
+    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [x["step"] for x in rb] == [1, 2, 3, 4]
+    assert all("kv_pages_in_use" in x for x in ra + rb)
+    same = lambda row: {k: v for k, v in _strip(row).items() if not k.startswith("kv_")}  # noqa: E731
+    for x, y in zip(ra, rb):
+        assert same(x) == same(y), x["step"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_refused_and_corrupt_resume_and_step(tmp_path):
     d = tmp_path / "run"
