@@ -102,5 +102,8 @@ def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
     st = pag.free_slots(st, [2])
     st, res = pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(3, 20)) + [5, 6], slot=0, seed=1, start=17)])
     assert res[0].prefill_tokens == 18  # the preempted slot's whole context, re-prefilled
+    in_use = pag.kv_stats()["kv_pages_in_use"]
     with pytest.raises(PoolExhausted):  # nothing held left to preempt
         pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(50, 90)), slot=3, seed=3)])
+    # the failed call took back what its row got: the generator may queue it again (rollout.kv_pressure)
+    assert 3 not in pag.kv_pool.seqs and pag.kv_stats()["kv_pages_in_use"] == in_use
