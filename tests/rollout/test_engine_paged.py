@@ -104,6 +104,7 @@ def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
     assert res[0].prefill_tokens == 18  # the preempted slot's whole context, re-prefilled
     in_use = pag.kv_stats()["kv_pages_in_use"]
     with pytest.raises(PoolExhausted):  # nothing held left to preempt
-        pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(50, 90)), slot=3, seed=3)])
-    # the failed call took back what its row got: the generator may queue it again (rollout.kv_pressure)
-    assert 3 not in pag.kv_pool.seqs and pag.kv_stats()["kv_pages_in_use"] == in_use
+        pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(100, 110)), slot=2, seed=5),  # 2 pages: taken
+                                           SlotPrefill(list(range(50, 90)), slot=3, seed=3)])  # 5 of 3 left
+    # the failed call took back what its rows got: the generator may queue them again (rollout.kv_pressure)
+    assert not {2, 3} & set(pag.kv_pool.seqs) and pag.kv_stats()["kv_pages_in_use"] == in_use
