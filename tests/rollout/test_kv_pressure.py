@@ -19,7 +19,7 @@ from rollout.generator import Generator
 S, PS, SLOTS = 64, 8, 4
 
 
-def _gen(model, pages, decode_steps=4):
+def _gen(model, pages, decode_steps=2):
     eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=SLOTS, max_cache_len=S, dtype="float32",
                       temperature=0.0, kv_layout="paged", kv_page_size=PS, kv_pages=pages)
     return Generator(eng, decode_steps=decode_steps, prefix_cache=0)
@@ -55,7 +55,7 @@ def test_active_slots_preempted_resume_with_the_unpreempted_tokens_and_logp(mode
 
 def test_admission_waits_for_pages_in_order(model):
     gen = _gen(model, S // PS)
-    # 20-token prompts: 19 context positions + 4 decode steps = 3 pages each; 8 pages admit two
+    # 20-token prompts: 19 context positions + 2 decode steps = 3 pages each; 8 pages admit two
     prompts = [list(range(10 * i + 1, 10 * i + 21)) for i in range(4)]
     futs = _submit(gen, prompts, 6)
     gen.step()
