@@ -85,3 +85,35 @@ def test_pool_size_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         kv_pool_pages(cfg, mc)
     assert str(e.value).startswith("rollout.kv_pool_gib=") and "(7 pages of" in str(e.value) and "\n" not in str(e.value)
+
+
+class _Bookkeeping:
+    """The engine attributes a Generator reads at construction and at a swap (no program runs here)."""
+
+    max_concurrent_decodes, max_cache_len, params, kv_layout = 2, S, {"w": 0}, "paged"
+
+    def init_decode_state(self):
+        return {}
+
+    def load_params(self, params):
+        return params
+
+
+@pytest.mark.parametrize("partial", ["abort", "recompute_kv", "continue"])
+def test_a_swap_reaches_the_preempted_requests_waiting_in_the_queue(partial):
+    gen = Generator(_Bookkeeping(), partial=partial, prefix_cache=0)
+    short, long = gen.submit([1, 2, 3], max_new_tokens=4), gen.submit([4, 5], max_new_tokens=10)
+    for req, n in zip(list(gen._queue), (4, 3)):  # as _make_room leaves them: tokens generated, re-queued
+        req.tokens = list(range(7, 7 + n))
+        req.behav_logp, req.versions = np.zeros(10, np.float32), np.zeros(10, np.int32)
+        req.preemptions = 1
+    gen.update_params({"w": 1}, 1)
+    gen._apply_pending()
+    waiting = list(gen._queue)
+    if partial == "abort":  # the partial turn dropped and re-issued with what is left of the budget
+        assert short.result().finish_reason == "aborted" and short.result().info["dropped_tokens"] == 4
+        (req,) = waiting
+        assert req.tokens == [] and req.budget == 7 and req.dropped == 3 and req.reissues == 1
+    else:  # re-prefilled by the new params when admitted: a recompute, tokens kept
+        assert [len(r.tokens) for r in waiting] == [4, 3] and all(r.recomputes == 1 for r in waiting)
+        assert gen.stats["recomputes"] == 2 and not short.done()
