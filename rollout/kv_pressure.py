@@ -10,7 +10,8 @@ Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute)
   the step's page budget (``engine.kv_admission_budget``: free + cached pages + what held slots alone
   hold, less what the decoding slots need for their next call). A request that does not fit waits in
   the queue, in its place (the admission order of :mod:`rollout.admission` is kept: the requests behind
-  it wait too), counted once per step in ``kv_admission_waits``. With no slot decoding and nothing
+  it wait too), counted in ``kv_admission_waits`` (once per step its head waits, and once per request a
+  prefill that found the pool exhausted queued again). With no slot decoding and nothing
   admitted yet in the step the head is admitted whatever the budget says (the pool holds one
   ``max_cache_len`` sequence, the engine's construction checks it; held slots are preempted for it).
 * **Preemption of an active slot.** Before each decode call the generator asks the engine how many
