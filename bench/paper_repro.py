@@ -51,6 +51,7 @@ import datetime
 import json
 import math
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -161,7 +162,11 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    # issue 50: base.yaml's `loss.ewma_reset` default current -> guarded; every mode pins its rule
                    # (MODES), so no cell computes anything else
                    "bf91e5af75e8": "fe44208e4440", "0b3537383779": "61ef306916a7", "8677c7bf3a4d": "6db4c725c5c6",
-                   "fb1f8042dc15": "f89beb774d44", "cd5b2842097c": "6b7ef691a83e", "9d995f6eb520": "160cc6e841e5"}
+                   "fb1f8042dc15": "f89beb774d44", "cd5b2842097c": "6b7ef691a83e", "9d995f6eb520": "160cc6e841e5",
+                   # wave 5: base.yaml's comments name the learner/ package; rollout.kv_layout (default contiguous,
+                   # the layout every record ran on), kv_page_size and kv_pages added
+                   "3f7ddf3bbc8d": "fe44208e4440", "a00d530246bf": "61ef306916a7", "c2a7d9295c8b": "6db4c725c5c6",
+                   "df87d41783a9": "f89beb774d44", "215abd687b3f": "6b7ef691a83e", "129f1da6a324": "160cc6e841e5"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:
@@ -190,8 +195,43 @@ def setting_id(config: Optional[str] = None, shared_sft: Optional[int] = -1) -> 
         h.update(path.name.encode() + b"\0" + text.encode())
         base = (yaml.safe_load(text) or {}).get("base_config")
         if not base:
-            return canonical_setting(h.hexdigest()[:12])
+            return canonical_setting(h.hexdigest()[:12]) + SETTING_SUFFIX
         path = (path.parent / base).resolve()
+
+
+SETTING_SUFFIX = ""  # --setting-suffix: a warm start that differs from the setting's first one (e.g. REGEN_SUFFIX)
+
+
+def host_fingerprint() -> dict:
+    """The host's CPU model and a hash of its flags (XLA:CPU compiles for the host's instruction set, so
+    two hosts can train the same config to different weights): ``{"cpu", "cpu_flags_sha"}``."""
+    import hashlib
+
+    info = {"cpu": platform.processor() or platform.machine(), "cpu_flags_sha": None}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() == "model name":
+            info["cpu"] = val.strip()
+        elif key.strip() == "flags":
+            info["cpu_flags_sha"] = hashlib.sha256(val.strip().encode()).hexdigest()[:12]
+            break
+    return info
+
+
+def file_sha(path: Path) -> Optional[str]:
+    """sha256 (12 hex) of a file, or None when it is missing: the warm start's weights, so that two records
+    name the same SFT checkpoint only when its bytes agree."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()[:12]
+    except OSError:
+        return None
 
 
 CACHE_DIR: Optional[Path] = None  # set by main(): JAX's persistent compilation cache shared by every cell
@@ -242,7 +282,8 @@ def run_cell(cell: dict, hf: Path, sft: dict, runs_dir: Path, steps: Optional[in
     rec.update(config=CONFIG, shared_sft=SHARED_SFT, sft_seed=cell["seed"] if SHARED_SFT is None else SHARED_SFT)
     rec.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run_dir=str(d),
                extra=extra, process_s=round(time.perf_counter() - t0, 1), load=[load0, os.getloadavg()[0]],
-               sft_success=sft.get("sft_success"), rc=p.returncode, steps=steps, setting=setting_id(),
+               sft_success=sft.get("sft_success"), sft_sha=file_sha(hf / "model.safetensors"), **host_fingerprint(),
+               rc=p.returncode, steps=steps, setting=setting_id(),
                commit=_git_commit())
     if p.returncode:
         rec["error"] = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
@@ -1343,7 +1384,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
 
 
 def main() -> int:
-    global CONFIG, SHARED_SFT, CACHE_DIR
+    global CONFIG, SHARED_SFT, CACHE_DIR, SETTING_SUFFIX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=["main", "grid"], default=None)
     ap.add_argument("--config", default=CONFIG, help="the setting's config (its text is part of the setting id)")
@@ -1368,9 +1409,12 @@ def main() -> int:
     ap.add_argument("--ids", nargs="+", default=None, metavar="GLOB",
                     help="run only the cells whose id matches one of these shell patterns (fnmatch), in the "
                          "patterns' order, e.g. 'grid_K8_mask4_clip0.2_s*' 'main_K8_exact_s*'")
+    ap.add_argument("--setting-suffix", default="", metavar="SUFFIX",
+                    help=f"appended to the setting id (records, SFT dir): a warm start that is not the setting's "
+                         f"first one, reported apart (e.g. {REGEN_SUFFIX!r})")
     ap.add_argument("overrides", nargs="*", help="key=value for every cell (changes the setting: recorded)")
     args = ap.parse_args()
-    CONFIG, SHARED_SFT = args.config, args.shared_sft
+    CONFIG, SHARED_SFT, SETTING_SUFFIX = args.config, args.shared_sft, args.setting_suffix
     records = Path(args.records)
     todo = select(cells(args.only, args.modes, args.k, args.seeds), args.ids)
     if args.list:

@@ -186,6 +186,44 @@ PREREG_50_CHANGES = """\
   (nor 0-15): their records carry the setting id with the suffix `-sft2b` (the regenerated warm start) and are
   reported apart below, never pooled with the earlier seeds; the verdicts (a) and (b) on the pre-registered
   settings are unchanged by them. The runs go on to the 08:05 stop as planned.
+- Next session, 2026-12-05 09:03 UTC (committed before any run of it started, 09:03:52): the earlier warm start cannot be made again. The
+  same SFT (seed 2, `configs/paper_small_stale.yaml`) run here at the commit that made it (`8025723e`), at the
+  last commit of the earlier records (`d85675f7`) and at this session's gives the same SFT loss
+  (0.04287651926279068), byte-identical weights at `d85675f7` and now, and held-out 0.308-0.309, never 0.245:
+  the 0.245 checkpoint came from a host we no longer have (most likely its CPU: XLA:CPU compiles for the host's
+  instruction set; the earlier records did not say which CPU). From now on every record carries the host's
+  CPU (`cpu`, `cpu_flags_sha`) and the warm start's weight hash (`sft_sha`). So (a) and (b) go on in the
+  regenerated setting (`-sft2b`, `bench/paper_repro.py --setting-suffix -sft2b`), with the same arms, metric,
+  seed order and rules, and are decided there on their own seeds, never pooled with seeds 0-9 / 0-15. The
+  pre-registered size (24 paired seeds each) is kept: in the regenerated setting the seeds are 10-23 then
+  0-9 for (a), 16-23 then 0-15 for (b), in that order (the two pairs of each seen so far are not a reason:
+  the size was fixed before any run). This session: (b) 18 (`decoupled`, its missing arm), then a pilot for
+  claims 3a/3c (below, reported, not counted), then (a) 12, (b) 19, (a) 13, ... one run at a time on core 1,
+  to a clock stop at 11:00 UTC; whatever is unrun carries over in the same order.
+- Pilot for claims 3a and 3c (reported, never counted; its records go to `docs/results/paper_repro_pilot.jsonl`):
+  the MoE setting (`configs/paper_small_moe.yaml --shared-sft 0`, the engine dropping tokens over expert
+  capacity 1; its warm start regenerated here, `-sft0b`), one grid cell (mask 1.5, clip 0.2, `exact`, K = 8),
+  seed 100 (outside every counted seed), 50 RL steps: the share of tokens the mask keeps (R) over those steps.
+  If R's mean over steps 0-49 is at most 0.98 (the mask removes at least 2%), claims 3a and 3c are
+  pre-registered in that setting before any counted run; else the dense stale setting with
+  `rollout.quantize=int4` is piloted the same way.
+- 09:20 UTC, pilot read: in the MoE setting's regenerated warm start (`6b7ef691a83e-sft0b`: held-out 0.151
+  after SFT, where the earlier host's was 0.443) the mask (1.5) kept R = 0.951 of the tokens on average over
+  steps 0-49 (min 0.855, max 1.000): it removes ~5%, so claims 3a and 3c are decided there.
+
+*(c) Claims 3a and 3c, pre-registered 2026-12-05 09:23 UTC (its commit), before any counted run.* Setting
+`configs/paper_small_moe.yaml --shared-sft 0` regenerated here (`6b7ef691a83e-sft0b`), K = 8, 150 RL steps,
+`exact` old logits; the doc's grid cells and claim definitions unchanged: 3a = held-out avg@4 at RL step 50,
+mask 4 minus mask 1.5 (clip 0.2); 3c = mean R over RL steps 0-49, clip 0.1 minus clip 0.4 (mask 2). Seeds 0-7,
+paired by seed; per seed the cells run in the order mask 1.5 / clip 0.2, mask 4 / clip 0.2, mask 2 / clip 0.1,
+mask 2 / clip 0.4; a claim's verdict uses the seeds with both of its cells. Verdict rules (the doc's interval):
+reproduced when the interval lies above 0, contradicted when below 0; "no difference as large as the margin"
+when it lies inside +-margin, with margin 0.05 for 3a (held-out avg@4) and 0.01 for 3c (R: a fifth of the ~5% the
+mask removes here; 0.05 would be the whole of it); else inconclusive at n = 8 (then the doc's seeds-needed
+estimate, and no seed added in this session). Order from now on, one run at a time on core 1: rounds of (a) one
+seed pair, (b) one seed pair, (c) one seed's four cells, each part in its own pre-registered seed order; the
+pace of (a) and (b) changes, nothing else of them. Clock stop 11:00 UTC; unrun seeds carry over in the same
+order.
 """
 
 PREREG_50_PLOTS = """\

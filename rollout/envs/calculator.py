@@ -33,6 +33,11 @@ class CalcError(ToolError):
     """The expression is not allowed or cannot be evaluated."""
 
 
+# CPython 3.11-3.12 keep the AST constructor's recursion counter in per-interpreter state, so two threads
+# building ASTs at once (rollout threads each running a tool call) can trip
+# ``SystemError: AST constructor recursion depth mismatch`` (python/cpython#106905). One parse at a time.
+_PARSE_LOCK = threading.Lock()
+
 _BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
@@ -57,9 +62,12 @@ def safe_eval(expr: str) -> Fraction:
     if not expr.strip():
         raise CalcError("empty expression")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expr.strip(), mode="eval")
     except (SyntaxError, ValueError) as e:
         raise CalcError(f"invalid expression: {e.msg if isinstance(e, SyntaxError) else e}") from None
+    except (SystemError, RecursionError, MemoryError) as e:  # the parser itself failed: the call's error, not the run's
+        raise CalcError(f"the expression could not be parsed ({type(e).__name__}: {e})") from None
     n_nodes = sum(1 for _ in ast.walk(tree))
     if n_nodes > MAX_NODES:
         raise CalcError(f"expression too large ({n_nodes} > {MAX_NODES} nodes)")

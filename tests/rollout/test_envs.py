@@ -72,6 +72,22 @@ def test_safe_eval_rejects(expr, why):
     assert isinstance(ei.value, ToolError)
 
 
+@pytest.mark.parametrize("exc", [SystemError("AST constructor recursion depth mismatch (before=3, after=4)"),
+                                 RecursionError("maximum recursion depth exceeded during ast construction"),
+                                 MemoryError()])
+def test_safe_eval_parser_failure_is_the_calls_error(monkeypatch, exc):
+    # CPython 3.11's AST constructor can fail with SystemError when threads parse at once (cpython#106905): the
+    # tool call gets an error message; the episode, and the run, go on
+    import rollout.envs.calculator as calc
+
+    def boom(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(calc.ast, "parse", boom)
+    with pytest.raises(CalcError, match="could not be parsed"):
+        safe_eval("1 + 2")
+
+
 def test_format_number():
     assert format_number(Fraction(-42)) == "-42"
     assert format_number(Fraction(7, 2)) == "3.5"
