@@ -54,10 +54,13 @@ class KVPressure:
 
     def _page_budget(self) -> Optional[int]:
         """Pages this step's admissions may take (None: the engine has no pages). The slots whose request
-        ended are deactivated first, so the engine counts their pages as room (held), not as decoding."""
+        ended are deactivated first, and the pages of every slot held for no session are given back (a
+        finished request's K/V serve nothing but its published prefix pages, which stay cached), so the
+        pool's state does not depend on what earlier steps left in it."""
         if not self._paged():
             return None
         self._free_finished()
+        self.engine.release_pages([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
         return self.engine.kv_admission_budget(self.decode_steps)
 
     def _page_cost(self, ctx: list, slot: Optional[int], start: int, shared: bool) -> int:

@@ -266,6 +266,14 @@ class PagedSlots:
         hits = [] if self.record_routes else self.kv_pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch)
         return self.kv_pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.kv_pool.refs[p] == 0)
 
+    def release_pages(self, slots: Sequence[int]) -> None:
+        """Give back the pages of inactive ``slots`` no request will append to (the caller holds them for no
+        session: a finished request's; its published full pages stay cached for prefix hits until evicted).
+        Host bookkeeping only, not a preemption. An active slot is left alone."""
+        for s_ in slots:
+            if int(s_) in self.kv_pool.seqs and not self._pactive[int(s_)]:
+                self._forget(int(s_))
+
     def preempt_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
         """Preempt active ``slots``: their pages freed (``kv_preemptions``), the slots deactivated; the
         caller re-prefills their requests later (preemption by recompute)."""
