@@ -140,7 +140,7 @@ def test_sigterm_resume_kill9_resume_exact_steps(tmp_path, updates):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)
 def test_paged_kill9_resume_k0_identical(tmp_path):
     """rollout.kv_layout=paged (issue 46): a K=0 run killed with SIGKILL after its second step and resumed
     logs the rows of a run never stopped, bit for bit, K/V pool counters aside (``kv_*``: the engine's, per
@@ -150,12 +150,12 @@ def test_paged_kill9_resume_k0_identical(tmp_path):
     common = ["run.steps=4", "async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3",
               "rollout.kv_layout=paged"]
     a, b = tmp_path / "straight", tmp_path / "killed"
-    r = _run(_train(a, *common))
+    r = _run(_train(a, *common), timeout=1200)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     args = _train(b, *common)
-    rc, out = _run_until(args, b, 2, signal.SIGKILL)
+    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=1200)
     assert rc == -signal.SIGKILL, out[-3000:]
-    r = _run(args + ["--resume"])
+    r = _run(args + ["--resume"], timeout=1200)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "at RL step " in r.stdout + r.stderr
     ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
