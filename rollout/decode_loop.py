@@ -51,6 +51,9 @@ class DecodeLoop:
         before the next call."""
         self._free_finished()
         v = self._version  # every token of the call is produced by self._params
+        self._make_room(self._call_steps())  # a paged pool short of pages: preempt (rollout.kv_pressure)
+        if not self.num_active:
+            return
         n = self._call_steps()
         if n == 1:
             self._state, out = self.engine.decode(self._params, self._state, version=v)
@@ -132,6 +135,7 @@ class DecodeLoop:
             "kv_reused": req.kv_reused,
             "shared_prefill": req.shared_prefill,
             "prefix_hits": req.prefix_hits,
+            "preemptions": req.preemptions,
         }
         if self._moe_drops:
             info["moe_dropped_copies"] = req.moe_dropped

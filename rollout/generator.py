@@ -30,7 +30,8 @@ change is prefilled with the new weights, and all its tokens carry the new versi
   finishes with ``finish_reason="aborted"`` (possibly with zero tokens).
   ``info["reissues"]`` / ``info["dropped_tokens"]`` count it.
 
-Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``prompt_len``,
+Completion ``info`` keys: ``reissues``, ``dropped_tokens``, ``recomputes``, ``preemptions`` (a paged
+pool's, :mod:`rollout.kv_pressure`), ``prompt_len``,
 ``budget`` (tokens allowed after re-issues), ``queue_s``, ``gen_s`` (and the prefill keys below);
 ``moe_dropped_copies`` / ``moe_copies`` (int) when the engine can drop MoE token copies for capacity
 (``engine.counts_moe_drops``): the copies of the request's prefilled and fed tokens the MoE layers
@@ -100,6 +101,7 @@ import numpy as np
 from rollout.admission import GangRoom, admission_sorted, gang_fits
 from rollout.decode_loop import DecodeLoop
 from rollout.kv_holds import HeldSlot, KVHolds
+from rollout.kv_pressure import KVPressure
 from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
@@ -140,9 +142,11 @@ class _Req:
     moe_copies: int = 0  # MoE token copies its tokens routed (prefilled + fed positions x MoE layers x k)
     order: tuple = ()  # the admission order key (rollout.admission): the agent's (group id, sample, turn)
     gang: Any = None  # the gang this first request belongs to until it is admitted (rollout.admission)
+    admit_seq: int = -1  # when it was last admitted (the most recent is preempted first: rollout.kv_pressure)
+    preemptions: int = 0  # times its slot's K/V were taken back for pages (rollout.kv_pressure)
 
 
-class Generator(KVHolds, DecodeLoop):
+class Generator(KVPressure, KVHolds, DecodeLoop):
     """Continuous-batching generator over a JetStream-style engine.
 
     Args:
@@ -222,6 +226,7 @@ class Generator(KVHolds, DecodeLoop):
         self._finished: list[int] = []  # slots whose request ended since the last decode (deactivated)
         self._state = engine.init_decode_state()
         self._ids = itertools.count()
+        self._admits = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._running = False
         self.stats = collections.Counter()
@@ -369,8 +374,8 @@ class Generator(KVHolds, DecodeLoop):
         return self._step_lock
 
     def partial_tokens(self, request_id: int) -> Optional[tuple[list, list, Optional[np.ndarray]]]:
-        """``(tokens, versions, routes)`` so far of the request in a decode slot, copies; None when
-        the request is not in a slot (queued, finished or unknown).
+        """``(tokens, versions, routes)`` so far of the request in a decode slot (or queued again after a
+        preemption with tokens), copies; None when it has none (queued, finished or unknown).
 
         ``tokens`` / ``versions``: the generated tokens and the version of each. ``routes``: an
         engine built with ``record_routes``, the expert ids recorded so far at every position of
@@ -378,7 +383,9 @@ class Generator(KVHolds, DecodeLoop):
         ``Completion.routes`` convention: the last token is never fed yet, ``ROUTE_MISSING``);
         None otherwise."""
         with self._step_lock:
-            for req in self._slots:
+            with self._lock:  # a preempted request waits in the queue with its tokens (rollout.kv_pressure)
+                waiting = [r for r in self._queue if r.tokens]
+            for req in self._slots + waiting:
                 if req is not None and req.request_id == request_id:
                     return list(req.tokens), req.versions[:len(req.tokens)].tolist(), self._routes_array(req)
         return None
@@ -486,7 +493,7 @@ class Generator(KVHolds, DecodeLoop):
         self._held_slot.clear()
 
     def _admit(self) -> None:
-        """Admit queued requests (FIFO) into slots, then prefill them all in one batched call.
+        """Admit queued requests (in admission order) into slots, then prefill them all in one batched call.
 
         Slots: a request of a session with a held slot whose context its prompt extends takes that
         slot and runs only its new tokens; otherwise a free slot, else the least recently held slot
@@ -494,7 +501,9 @@ class Generator(KVHolds, DecodeLoop):
         any slot is decoding, a step admits requests only until their prefill tokens reach
         ``prefill_budget`` (the first request of a step is always admitted, and a prompt identical
         to one admitted in the same step costs nothing: its K/V are copied); with no slot decoding
-        there is nothing to starve and every request that finds a slot is admitted.
+        there is nothing to starve and every request that finds a slot is admitted. A paged engine
+        admits a request only when its pool can hold it (:mod:`rollout.kv_pressure`); a request
+        preempted before re-prefills its prompt and the tokens it generated.
         """
         self._apply_releases()
         decoding = self.num_active > 0
@@ -504,27 +513,13 @@ class Generator(KVHolds, DecodeLoop):
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: set = set()
         spent = 0
+        pages = self._page_budget()  # None: an engine without pages
         with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
             self._queue = admission_sorted(self._queue)
-        while True:
-            with self._lock:
-                if not self._queue:
-                    break
-                req = self._queue[0]
-                if req.future.cancelled():
-                    self._queue.popleft()
-                    continue
-                if not gang_fits(self._queue, req, len(free) + len(self._held), self._B):
-                    break  # its whole gang next step (slots free as sequences finish)
-            slot, start = None, 0
-            held = self._held.get(req.session) if req.session is not None else None
-            if held is not None:
-                c = len(held.context)
-                if self.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
-                    slot, start = held.slot, c
-                else:  # a prompt that does not extend the held context: nothing to reuse
-                    free.append(self._drop_hold(req.session, "kv_mismatch"))
-            key = tuple(req.prompt) if start == 0 else None
+        while (req := self._queue_head(free)) is not None:
+            ctx = req.prompt + req.tokens  # a preempted request re-prefills what it generated too
+            slot, start, held = self._held_slot_for(req, free)
+            key = tuple(ctx) if start == 0 else None
             pre = copy_of = None
             if start == 0 and self.prefix_cache and req.prefix_len and key not in seen:
                 if key in pre_first:  # a GRPO group's next sample: copy the first one's slot
@@ -532,30 +527,28 @@ class Generator(KVHolds, DecodeLoop):
                 else:
                     pre = (tuple(req.prompt[: req.prefix_len]), self._version)
                     start = req.prefix_len
-            cost = 0 if (key in seen or copy_of is not None) else len(req.prompt) - 1 - start
+            cost = 0 if (key in seen or copy_of is not None) else len(ctx) - 1 - start
             if pre is not None and pre not in self._prefixes:
                 cost += start
             if decoding and items and spent + cost > self.prefill_budget:
                 break
-            if slot is None:
-                if not free:
-                    if not self._held:
-                        break
-                    victim = min(self._held.values(), key=lambda h: h.t)
-                    free.append(self._drop_hold(self._held_slot[victim.slot], "kv_evictions"))
-                slot = free.pop(0)
-            else:
-                self._drop_hold(req.session)  # the slot is the request's now
-                req.routes = list(held.routes)  # the kept positions keep the routes their K/V came from
-                req.kv_reused += start
-                self.stats["kv_reused_tokens"] += start
+            need = 0 if pages is None else self._page_cost(ctx, slot, start, key in seen)
+            if self._pages_wait(pages, need, not (decoding or items)):
+                break
+            if held is not None:
+                self._take_held(req, held, start)
+            elif (slot := self._take_slot(free)) is None:
+                break
+            pages = None if pages is None else pages - need
             with self._lock:
                 self._queue.popleft()
             req.gang = None  # admitted: the rest of its gang is checked without it
             if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
                 seen.add(key)
             spent += cost
-            req.t_start = time.monotonic()
+            req.t_start, req.admit_seq = time.monotonic(), next(self._admits)
+            if req.tokens:  # re-admitted after a preemption (rollout.kv_pressure)
+                self.stats["kv_reprefill_tokens"] += len(ctx) - 1 - start
             if req.behav_logp is None:  # the most tokens it can generate: its budget, capped by the cache room
                 cap = min(req.max_new_tokens, self._S - len(req.prompt))
                 req.behav_logp, req.versions = np.empty(cap, np.float32), np.empty(cap, np.int32)
@@ -566,8 +559,23 @@ class Generator(KVHolds, DecodeLoop):
                 if not self._use_prefix(pre, req, slot):
                     continue  # the prefix's prefill failed: the request is failed (counted)
                 pre_first[key] = len(items)
-            items.append((slot, req, req.prompt, start))
+            items.append((slot, req, ctx, start))
         self._prefill_batch(items)
+        self._copy_firsts(copies, items)
+
+    def _queue_head(self, free: list) -> Optional[_Req]:
+        """The next queued request to admit (cancelled ones dropped), or None: the queue is empty, or its
+        head's gang does not fit the slots yet (its whole gang next step: rollout.admission)."""
+        with self._lock:
+            while self._queue and self._queue[0].future.cancelled():
+                self._queue.popleft()
+            if not self._queue:
+                return None
+            req = self._queue[0]
+            return req if gang_fits(self._queue, req, len(free) + len(self._held), self._B) else None
+
+    def _copy_firsts(self, copies: list, items: list) -> None:
+        """The prefix-cache route's GRPO samples: copy their first sample's slot (prefilled in ``items``)."""
         for slot, req, i in copies:
             src, first = items[i][0], items[i][1]
             if self._slots[src] is not first:  # its first sample's prefill failed: try again next step

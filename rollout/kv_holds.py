@@ -46,6 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rollout.engine import SlotPrefill
+from rollout.pages import PoolExhausted
 
 __all__ = ["KVHolds", "HeldSlot"]
 
@@ -66,6 +67,35 @@ class KVHolds:
 
     def _free_slots(self) -> list[int]:
         return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
+
+    def _held_slot_for(self, req: Any, free: list) -> tuple[Optional[int], int, Optional[HeldSlot]]:
+        """``(slot, start, hold)``: the held slot of ``req``'s session whose context its prompt extends
+        (it runs from ``start``), else ``(None, 0, None)``; a hold it does not extend is dropped
+        (``kv_mismatch``) and its slot goes to ``free``."""
+        held = self._held.get(req.session) if req.session is not None else None
+        if held is None:
+            return None, 0, None
+        c = len(held.context)
+        if self.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
+            return held.slot, c, held
+        free.append(self._drop_hold(req.session, "kv_mismatch"))  # nothing to reuse
+        return None, 0, None
+
+    def _take_slot(self, free: list) -> Optional[int]:
+        """A free slot, else the least recently held one (evicted: ``kv_evictions``); None: neither."""
+        if not free:
+            if not self._held:
+                return None
+            victim = min(self._held.values(), key=lambda h: h.t)
+            free.append(self._drop_hold(self._held_slot[victim.slot], "kv_evictions"))
+        return free.pop(0)
+
+    def _take_held(self, req: Any, held: HeldSlot, start: int) -> None:
+        """``req`` takes its session's held slot: the kept positions keep the routes their K/V came from."""
+        self._drop_hold(req.session)
+        req.routes = list(held.routes)
+        req.kv_reused += start
+        self.stats["kv_reused_tokens"] += start
 
     def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
         """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
@@ -107,6 +137,12 @@ class KVHolds:
         try:
             self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
             self.stats["prefill_calls"] += 1
+        except PoolExhausted:  # a paged pool short of pages (the engine took them back): wait in the queue
+            for _, req, _, _ in items:
+                self.stats["kv_admission_waits"] += 1
+                with self._lock:
+                    self._queue.appendleft(req)
+            return
         except Exception as e:  # noqa: BLE001 - find the culprit: row by row
             if len(items) == 1:
                 self._prefill_failed(items[0][0], items[0][1], e)
@@ -147,6 +183,7 @@ class KVHolds:
             return
         self._params, self._version = pending
         self.stats["updates"] += 1
+        self._swap_preempted()
         if self.partial == "continue":
             return  # held slots keep their K/V too: the next turn's new tokens carry the new version
         for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
@@ -175,6 +212,26 @@ class KVHolds:
             self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
             self._finished.append(slot)
         self._prefill_batch(items)
+
+    def _swap_preempted(self) -> None:
+        """A swap reaches the preempted requests waiting with tokens (rollout.kv_pressure): their K/V will
+        be recomputed by the new params (``recomputes``), or under ``abort`` their partial turn is dropped
+        and re-issued with the remaining budget."""
+        with self._lock:
+            waiting = [r for r in self._queue if r.tokens]
+        for req in waiting:
+            if self.partial != "abort":
+                req.recomputes += 1
+                self.stats["recomputes"] += 1
+                continue
+            n = len(req.tokens)
+            req.dropped, req.budget, req.reissues, req.tokens = req.dropped + n, req.budget - n, req.reissues + 1, []
+            del req.routes[max(0, len(req.prompt) - 1):]
+            self.stats["reissues"] += 1
+            if req.budget <= 0:
+                with self._lock:
+                    self._queue.remove(req)
+                self._resolve(req, "aborted")
 
     def _use_prefix(self, pre: tuple, req: Any, slot: int) -> bool:
         """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled

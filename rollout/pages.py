@@ -17,7 +17,9 @@ share pages by reference:
   evicted (oldest first) only when an allocation finds no free page;
 - an allocation that finds neither free nor cached pages raises :class:`PoolExhausted`; the
   engine's policy is to preempt (:meth:`preempt`: free a sequence's pages, counted in
-  ``kv_preemptions``) and re-prefill that sequence later.
+  ``kv_preemptions``) and re-prefill that sequence later. :meth:`ensure_cost` and :meth:`sole_pages`
+  say, without changing anything, what an allocation would take and what freeing a sequence would
+  give back (the generator's admission and preemption decide by them).
 
 Invariants (``tests/rollout/test_pages.py`` checks them under random operation sequences):
 reference counts are never negative; ``free + cached + in use == num_pages``; a page with
@@ -29,6 +31,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -225,6 +228,25 @@ class PagePool:
         s.length = max(s.length, int(length))
         self.metrics["kv_pages_copied"] += len(copies)
         return copies
+
+    def ensure_cost(self, seq_id, length: int, refs: Optional[dict] = None) -> int:
+        """Pages :meth:`ensure` ``(seq_id, length)`` would take now (new pages + copies on write), changing
+        nothing. ``refs``: a scratch ``{page: references}`` shared by calls that model several ensures in
+        a row (a shared page is copied by all but its last writer); None: this call alone."""
+        s = self.seqs[seq_id]
+        refs = {} if refs is None else refs
+        n = max(0, self.pages_for(length) - len(s.pages))
+        for j in range(s.length // self.page_size, min(len(s.pages), self.pages_for(length))):
+            p = s.pages[j]
+            r = refs.setdefault(p, int(self.refs[p]))
+            if r > 1:
+                refs[p] = r - 1
+                n += 1
+        return n
+
+    def sole_pages(self, seq_id) -> int:
+        """Pages only ``seq_id`` references: what :meth:`free` of it would return to the free/cached pages."""
+        return sum(1 for p in self.seqs[seq_id].pages if self.refs[p] == 1)
 
     def publish(self, seq_id, tokens) -> int:
         """Publish the sequence's full pages under its version's chained keys (``tokens``: the

@@ -73,14 +73,21 @@ class RolloutConfig(_Section):
     """The engine's K/V layout. contiguous: max_cache_len positions reserved and read per slot. paged
     (rollout/engine/paged.py): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
     positions need, decode reads only those, a GRPO group's prompt and any prefix pages computed by the same
-    weights are shared by reference (then the engine is the prefix cache: prefix_cache is not used); a full
-    pool preempts a slot held between turns (re-prefilled at its next turn; kv_preemptions). A colocated
-    engine only (no rollout.mesh)."""
+    weights are shared by reference (then the engine is the prefix cache: prefix_cache is not used). A short
+    pool: a request waits in the queue until its prompt fits (kv_admission_waits); a decode step that needs a
+    page preempts a slot held between turns, else the most recently admitted active request, whose pages are
+    freed and whose prompt + generated tokens are re-prefilled when it is admitted again (kv_preemptions,
+    kv_preempted_requests; rollout/kv_pressure.py). A colocated engine only (no rollout.mesh)."""
     kv_page_size: int = Field(16, ge=1)
     """Positions per K/V page (kv_layout: paged)."""
     kv_pages: Optional[int] = Field(None, ge=1)
-    """Pages in the engine's K/V pool (kv_layout: paged); null = slots x ceil(max_cache_len / kv_page_size), the
-    contiguous layout's memory. Size it to the live tokens to hold more slots in the same memory."""
+    """Pages in the engine's K/V pool (kv_layout: paged); null = from kv_pool_gib, else slots x
+    ceil(max_cache_len / kv_page_size), the contiguous layout's memory. Size it to the live tokens to hold
+    more slots in the same memory; it must hold one max_cache_len sequence."""
+    kv_pool_gib: Optional[float] = Field(None, gt=0)
+    """The engine's K/V pool as a memory budget in GiB (kv_layout: paged), instead of kv_pages: pages =
+    floor(budget / bytes per page), a page being kv_page_size positions x layers x KV heads x head_dim x 2
+    (K, V) x the bytes of rollout.dtype. null = kv_pages decides."""
     max_new_tokens_per_turn: int = Field(64, ge=1)
     """Generated-token budget per assistant turn."""
     max_tokens_per_episode: int = Field(256, ge=1)
@@ -129,6 +136,18 @@ class RolloutConfig(_Section):
     max_consecutive_episode_errors: int = Field(64, ge=0)
     """Stop the run with an error after this many unusable episodes in a row (an env/tool exception, or a
     prompt too long for max_cache_len); 0 = never stop. Isolated ones are dropped and counted."""
+
+    @model_validator(mode="after")
+    def _kv_pool(self) -> "RolloutConfig":
+        if self.kv_pages is not None and self.kv_pool_gib is not None:
+            raise ValueError(f"rollout.kv_pages={self.kv_pages} and rollout.kv_pool_gib={self.kv_pool_gib} both size "
+                             "the K/V pool: set one of them (the other null)")
+        if self.kv_pages is not None and self.kv_pages * self.kv_page_size < self.max_cache_len:
+            raise ValueError(f"rollout.kv_pages={self.kv_pages} pages of rollout.kv_page_size={self.kv_page_size} hold "
+                             f"{self.kv_pages * self.kv_page_size} positions < rollout.max_cache_len={self.max_cache_len}: "
+                             f"the pool cannot hold one sequence (at least {-(-self.max_cache_len // self.kv_page_size)} "
+                             "pages)")
+        return self
 
 
 class Tau2UserModelConfig(_Section):

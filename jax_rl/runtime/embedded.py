@@ -427,12 +427,13 @@ class EmbeddedProducer:
 
     def _kv_columns(self) -> dict:
         """The paged engines' K/V pool counters summed (``kv_pages_in_use``, ``kv_prefix_page_hits``,
-        ``kv_preemptions``, ...; rollout.kv_layout=paged only: none for contiguous engines)."""
+        ``kv_preemptions``, ``kv_admission_waits``, ``kv_preempted_requests``, ...: the generators'
+        :meth:`rollout.kv_pressure.KVPressure.kv_stats`; rollout.kv_layout=paged only: none for
+        contiguous engines)."""
         out: dict = {}
         for g in self.generators:
-            if getattr(g.engine, "kv_layout", "contiguous") == "paged":
-                for k, v in g.engine.kv_stats().items():
-                    out[k] = out.get(k, 0) + int(v)
+            for k, v in g.kv_stats().items():
+                out[k] = out.get(k, 0) + int(v)
         return out
 
     def row(self) -> dict:
@@ -446,7 +447,8 @@ class EmbeddedProducer:
         out = {**buffer_columns(self.buffer.stats(), self.manager.episode_errors, row=False,
                                 by_reason=self.manager.guard.by_reason),
                "rollout_tokens_per_s": self.manager.rollout_tokens_per_s(),
-               "rollout_idle_frac": self.manager.rollout_idle_frac(), **self.weight_sync.summary()}
+               "rollout_idle_frac": self.manager.rollout_idle_frac(), **self.weight_sync.summary(),
+               **self._kv_columns()}
         if self.scorer is not None:
             st = self.scorer.stats()
             out.update(old_logits_scorer_s_total=st["old_logits_scorer_s_total"],

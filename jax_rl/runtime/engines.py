@@ -12,6 +12,7 @@ from jax_rl.config import Config, ConfigError
 from jax_rl.model_builder import rollout_model_kwargs
 from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
+from jax_rl.runtime.resources import kv_pool_pages
 from jax_rl.sharding import make_mesh
 from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_bytes, engine_targets
 from rollout.engine import Qwen3Engine
@@ -169,7 +170,7 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         quantize=r.quantize,
         kv_layout=r.kv_layout,
         kv_page_size=r.kv_page_size,
-        kv_pages=r.kv_pages,
+        kv_pages=kv_pool_pages(cfg, model_config, slots=slots or r.slots),
     )
 
 

@@ -13,7 +13,8 @@ from jax_rl.config import Config, ConfigError
 from jax_rl.models.qwen3 import count_params
 from jax_rl.placement import resolve_roles
 
-__all__ = ["check_mesh", "check_kv_cache", "kv_cache_bytes", "engine_memory_bytes", "available_memory_bytes"]
+__all__ = ["check_mesh", "check_kv_cache", "kv_cache_bytes", "kv_page_bytes", "kv_pool_pages", "engine_memory_bytes",
+           "available_memory_bytes"]
 
 
 def check_mesh(cfg: Config, n_devices: Optional[int] = None) -> dict[str, int]:
@@ -60,6 +61,40 @@ def kv_cache_bytes(cfg: Config, model_config, slots: Optional[int] = None) -> in
             * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * itemsize)
 
 
+def kv_page_bytes(cfg: Config, model_config) -> int:
+    """Bytes of one K/V page of a paged engine (``rollout.kv_layout=paged``): ``rollout.kv_page_size``
+    positions x layers x KV heads x head_dim x 2 (K and V) x the byte size of ``rollout.dtype``."""
+    return kv_cache_bytes(cfg, model_config, slots=1) // int(cfg.rollout.max_cache_len) * int(cfg.rollout.kv_page_size)
+
+
+def kv_pool_pages(cfg: Config, model_config, slots: Optional[int] = None) -> Optional[int]:
+    """The pages of a paged engine's K/V pool: ``rollout.kv_pages``, else ``floor(rollout.kv_pool_gib x 2**30 /``
+    :func:`kv_page_bytes` ``)``, else ``slots`` (default ``rollout.slots``) ``x ceil(max_cache_len /
+    kv_page_size)`` (the contiguous layout's memory). None for the contiguous layout.
+
+    Raises:
+        ConfigError: the pool holds fewer positions than one ``rollout.max_cache_len`` sequence (one line
+            naming ``rollout.kv_pool_gib`` or ``rollout.kv_pages``, the pages and the least that would do).
+    """
+    r = cfg.rollout
+    if r.kv_layout != "paged":
+        return None
+    least = -(-int(r.max_cache_len) // int(r.kv_page_size))
+    if r.kv_pages is not None:
+        pages, key = int(r.kv_pages), f"rollout.kv_pages={r.kv_pages}"
+    elif r.kv_pool_gib is not None:
+        per = kv_page_bytes(cfg, model_config)
+        pages, key = int(float(r.kv_pool_gib) * 2**30 // per), f"rollout.kv_pool_gib={r.kv_pool_gib}"
+        key += f" ({pages} pages of {per:,} bytes)"
+    else:
+        return int(slots or r.slots) * least
+    if pages < least:
+        raise ConfigError(f"{key}: the K/V pool holds {pages * int(r.kv_page_size)} positions < rollout.max_cache_len="
+                          f"{r.max_cache_len}: it cannot hold one sequence (at least {least} pages of "
+                          f"rollout.kv_page_size={r.kv_page_size})")
+    return pages
+
+
 def available_memory_bytes() -> tuple[int, str]:
     """(bytes, where): free host RAM on the CPU backend, else the summed ``bytes_limit`` minus
     ``bytes_in_use`` of the local accelerators (host RAM when the backend reports no stats)."""
@@ -83,7 +118,8 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
     """What one rollout engine allocates, from the config alone (nothing is built or compiled).
 
     * ``params``: the engine's own copy of the weights in ``rollout.dtype``;
-    * ``kv_cache``: :func:`kv_cache_bytes`;
+    * ``kv_cache``: :func:`kv_cache_bytes`; with ``rollout.kv_layout=paged`` the pool instead
+      (:func:`kv_pool_pages` x :func:`kv_page_bytes`, whatever the slots);
     * ``state``: the rest of the decode state, per slot the pending token, active flag, PRNG key,
       temperature, generated count and cache length (int32 / bool / uint32 x 2 / float32);
     * ``decode_temp``: the decode step's working buffers, the larger of (a) on the CPU backend
@@ -94,7 +130,7 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
       [heads, max_cache_len] and the MLP's hidden units, float32). XLA reuses (a)'s buffers
       for (b), as measured (``memory_analysis()`` of ``generate`` / ``generate_steps`` on tiny
       models: within 4% of this figure, never above it);
-    * ``per_slot``: the bytes each slot adds (everything but ``params``), ``total``.
+    * ``per_slot``: the bytes each slot adds (everything but ``params`` and a paged pool), ``total``.
     """
     r, mc = cfg.rollout, model_config
     B = int(slots or r.slots)
@@ -112,10 +148,12 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
         ffn = int(mc.intermediate_size)
     act = 4 * (4 * int(mc.hidden_size) + 3 * ffn + 2 * int(mc.num_attention_heads) * int(r.max_cache_len))
     temp_slot = max(upcast, vocab) + act
-    per_slot = kv_slot + state_slot + temp_slot
+    pages = kv_pool_pages(cfg, mc, slots=B)
+    pool = 0 if pages is None else pages * kv_page_bytes(cfg, mc)
+    per_slot = (kv_slot if pages is None else 0) + state_slot + temp_slot
     params = count_params(mc) * itemsize
-    return {"params": params, "kv_cache": kv_slot * B, "state": state_slot * B, "decode_temp": temp_slot * B,
-            "per_slot": per_slot, "total": params + per_slot * B}
+    return {"params": params, "kv_cache": kv_slot * B if pages is None else pool, "state": state_slot * B,
+            "decode_temp": temp_slot * B, "per_slot": per_slot, "total": params + pool + per_slot * B}
 
 
 def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> int:
@@ -131,13 +169,14 @@ def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> 
             and available and the most slots that would fit.
     """
     engines = engines if engines is not None else cfg.rollout.threads + 1
-    kv = kv_cache_bytes(cfg, model_config) * engines
-    mem = engine_memory_bytes(cfg, model_config)
+    mem = engine_memory_bytes(cfg, model_config)  # a paged pool too small for one sequence: ConfigError here
+    kv = mem["kv_cache"] * engines
     need = mem["total"] * engines
     have, where = available_memory_bytes()
     if need > have:
         r, mc = cfg.rollout, model_config
-        fit = max(0, (have // engines - mem["params"]) // mem["per_slot"])
+        fit = max(0, (have // engines - mem["params"] - (mem["kv_cache"] if r.kv_layout == "paged" else 0))
+                  // mem["per_slot"])
         raise ConfigError(
             f"rollout.slots={r.slots}: the rollout engines need {need:,} bytes ({_gib(need)}) but only {have:,} bytes "
             f"({_gib(have)}) of {where}: {engines} engine(s) x (params {_gib(mem['params'])} + rollout.slots={r.slots} x "

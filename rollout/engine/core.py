@@ -149,6 +149,10 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         dequantises them to ``dtype`` inside each jitted program; embedding, LM head, router and
         norms stay in ``dtype``. :mod:`rollout.quantize` has the scheme, its error bound and what
         the memory saving is and is not.
+      kv_layout, kv_page_size, kv_pages: ``"contiguous"`` (``max_cache_len`` positions per slot) or
+        ``"paged"``: one pool of ``kv_pages`` pages (None: ``slots x ceil(max_cache_len / kv_page_size)``)
+        of ``kv_page_size`` positions (:mod:`rollout.engine.paged`); ValueError when the pool holds fewer
+        than ``max_cache_len`` positions (one sequence).
     """
 
     def __init__(

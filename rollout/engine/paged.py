@@ -22,7 +22,15 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 - pool exhausted: the least recently released *held* slot (an episode between turns) is preempted
   (its pages freed, ``kv_preemptions``); its next append-prefill re-prefills its whole context
   (reported in ``PrefillResult.prefill_tokens``). With no held slot to preempt, ``PoolExhausted``
-  is raised (size ``rollout.kv_pages`` for the active slots' live tokens).
+  is raised; a :meth:`PagedSlots.prefill_slots` that raises it takes back every page its rows got
+  (their slots hold nothing after it), so the caller can queue them again. The generator never
+  gets there in decode: it asks :meth:`PagedSlots.kv_decode_shortfall` before each decode call and
+  preempts *active* slots itself (:meth:`PagedSlots.preempt_slots`; the most recently admitted
+  first, re-queued and re-prefilled later: :mod:`rollout.kv_pressure`), and it admits a request
+  only when :meth:`PagedSlots.kv_admission_budget` covers :meth:`PagedSlots.kv_request_pages`.
+- the pool holds at least one sequence of ``max_cache_len`` positions (else ``ValueError`` at
+  construction, vLLM's rule): a lone active slot can always grow to the cache end once held slots
+  are preempted and cached pages evicted.
 
 Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
 contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
@@ -166,6 +174,10 @@ class PagedSlots:
     ``record_routes``, ``counts_moe_drops``, ``_in_mesh``."""
 
     def _init_pages(self, page_size: int, num_pages: int) -> None:
+        if num_pages * page_size < self.max_cache_len:
+            raise ValueError(f"rollout.kv_pages={num_pages} pages of {page_size} positions hold {num_pages * page_size} "
+                             f"< rollout.max_cache_len={self.max_cache_len}: the K/V pool cannot hold one sequence "
+                             f"(at least {pages_for(self.max_cache_len, page_size)} pages)")
         self.kv_pool = PagePool(num_pages, page_size)
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
@@ -207,6 +219,72 @@ class PagedSlots:
                 self._plen[victim] = 0
                 self._table[victim] = -1
 
+    def _forget(self, slot: int, preempt: bool = False) -> None:
+        """``slot`` holds no pages any more (``preempt``: counted in ``kv_preemptions``)."""
+        if slot in self.kv_pool.seqs:
+            (self.kv_pool.preempt if preempt else self.kv_pool.free)(slot)
+        self._held.pop(slot, None)
+        self._preempted.discard(slot)
+        self._plen[slot], self._pactive[slot] = 0, False
+        self._table[slot] = -1
+
+    # ---- what the generator asks before admitting and decoding (rollout.kv_pressure) ---------
+    def _held_room(self) -> int:
+        return sum(self.kv_pool.sole_pages(h) for h in self._held if h in self.kv_pool.seqs)
+
+    def _decode_need(self, n: int, refs: dict) -> int:
+        S = self.max_cache_len
+        return sum(self.kv_pool.ensure_cost(int(s), int(min(self._plen[s] + n, S)), refs)
+                   for s in np.flatnonzero(self._pactive))
+
+    def kv_decode_shortfall(self, n: int) -> int:
+        """Pages the active slots lack for ``n`` more positions each (copies on write included) beyond
+        the free and cached pages and the pages held slots alone hold (preempted by the next decode as
+        it needs them); 0: the decode call fits."""
+        return max(0, self._decode_need(int(n), {}) - self.kv_pool.pages_available - self._held_room())
+
+    def kv_admission_budget(self, n_decode: int) -> int:
+        """Pages admissions may take now: free + cached + what held slots alone hold, less what the
+        active slots need for their next ``n_decode`` positions (so an admission does not force the
+        next decode call to preempt)."""
+        return self.kv_pool.pages_available + self._held_room() - self._decode_need(int(n_decode), {})
+
+    def kv_request_pages(self, tokens: Sequence[int], slot: int, start: int, n_decode: int,
+                         shared: bool = False) -> int:
+        """Pages admitting row ``tokens`` (context ``tokens[:-1]`` + the pending last token) into ``slot``
+        at ``start`` and decoding ``n_decode`` tokens takes from :meth:`kv_admission_budget`: an append
+        on a held slot that still has its pages, its extension plus those pages (counted as room in the
+        budget); ``shared`` (the same context as a row admitted before it in the same call: a fork of its
+        pages), the copy of the last partial page and the growth; else the pages past any prefix hit."""
+        ps, ctx = self.kv_pool.page_size, len(tokens) - 1
+        end = min(ctx + int(n_decode), self.max_cache_len)
+        if start and slot in self.kv_pool.seqs and slot not in self._preempted:
+            own = self.kv_pool.sole_pages(slot) if slot in self._held else 0
+            return own + self.kv_pool.ensure_cost(slot, end)
+        if shared:
+            return self.kv_pool.pages_for(end) - ctx // ps
+        hits = [] if self.record_routes else self.kv_pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch)
+        return self.kv_pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.kv_pool.refs[p] == 0)
+
+    def release_pages(self, slots: Sequence[int]) -> None:
+        """Give back the pages of inactive ``slots`` no request will append to (the caller holds them for no
+        session: a finished request's; its published full pages stay cached for prefix hits until evicted).
+        Host bookkeeping only, not a preemption. An active slot is left alone."""
+        for s_ in slots:
+            if int(s_) in self.kv_pool.seqs and not self._pactive[int(s_)]:
+                self._forget(int(s_))
+
+    def preempt_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
+        """Preempt active ``slots``: their pages freed (``kv_preemptions``), the slots deactivated; the
+        caller re-prefills their requests later (preemption by recompute)."""
+        for s_ in slots:
+            self._forget(int(s_), preempt=True)
+        mask = np.zeros((self._slots,), bool)
+        mask[[int(s_) for s_ in slots]] = True
+        state = self._push(decode_state, [])
+        with self._in_mesh():
+            return self._jits["free_slots"](state, jnp.asarray(mask))
+
     def _release(self, slot: int) -> None:
         if slot in self.kv_pool.seqs:
             self.kv_pool.free(slot)
@@ -242,6 +320,14 @@ class PagedSlots:
         rows = list(rows)
         self._check_rows(rows)
         self._check_epoch(params)
+        try:
+            return self._prefill_paged(params, decode_state, rows)
+        except PoolExhausted:  # take back what the rows got: the caller may queue them again
+            for r in rows:
+                self._forget(int(r.slot))
+            raise
+
+    def _prefill_paged(self, params: Any, decode_state: dict, rows: list) -> tuple[dict, list[PrefillResult]]:
         res = [dict(prefill_tokens=0, shared=False) for _ in rows]
         owners: dict[tuple, int] = {}
         members: list[tuple[int, int]] = []  # (row index, owner row index)

@@ -89,16 +89,22 @@ def test_paged_append_prefill_and_prefix_pages_by_reference_per_weight_version(m
 
 
 def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
-    _, pag = _engines(model, kv_pages=6)  # 48 positions for 4 slots
+    with pytest.raises(ValueError, match="rollout.kv_pages=7 .* cannot hold one sequence"):
+        _engines(model, kv_pages=7)  # 56 positions < max_cache_len 64
+    _, pag = _engines(model, kv_pages=8)  # 64 positions (one max_cache_len sequence) for 4 slots
     rows = [SlotPrefill(list(range(3, 20)), slot=0, seed=1), SlotPrefill(list(range(30, 40)), slot=1, seed=2)]
     st = pag.init_decode_state()
     st, _ = pag.prefill_slots(pag.params, st, rows)
-    st = pag.free_slots(st, [0])  # slot 0 held between turns (3 pages)
-    big = [SlotPrefill(list(range(50, 80)), slot=2, seed=3)]  # 4 pages: only by preempting slot 0
+    st = pag.free_slots(st, [0])  # slot 0 held between turns (2 pages; slot 1 holds 2)
+    big = [SlotPrefill(list(range(50, 90)), slot=2, seed=3)]  # 5 pages: only by preempting slot 0
     st, res = pag.prefill_slots(pag.params, st, big)
     assert pag.kv_stats()["kv_preemptions"] == 1 and 0 not in pag.kv_pool.seqs
     st = pag.free_slots(st, [2])
     st, res = pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(3, 20)) + [5, 6], slot=0, seed=1, start=17)])
     assert res[0].prefill_tokens == 18  # the preempted slot's whole context, re-prefilled
+    in_use = pag.kv_stats()["kv_pages_in_use"]
     with pytest.raises(PoolExhausted):  # nothing held left to preempt
-        pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(50, 90)), slot=3, seed=3)])
+        pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(100, 110)), slot=2, seed=5),  # 2 pages: taken
+                                           SlotPrefill(list(range(50, 90)), slot=3, seed=3)])  # 5 of 3 left
+    # the failed call took back what its rows got: the generator may queue them again (rollout.kv_pressure)
+    assert not {2, 3} & set(pag.kv_pool.seqs) and pag.kv_stats()["kv_pages_in_use"] == in_use

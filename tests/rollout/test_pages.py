@@ -111,11 +111,14 @@ class PoolMachine(RuleBasedStateMachine):
     def write(self, data, k):
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         before = list(self.pool.seqs[sid].pages)
+        cost = self.pool.ensure_cost(sid, len(self.tokens[sid]) + k)  # what ensure takes, predicted
+        avail = self.pool.pages_available
         try:
             copies = self.pool.ensure(sid, len(self.tokens[sid]) + k)
         except PoolExhausted:
-            assert self.pool.seqs[sid].pages == before
+            assert self.pool.seqs[sid].pages == before and cost > avail
             return
+        assert avail - self.pool.pages_available == cost
         for src, dst in copies:
             assert self.pool.refs[dst] == 1 and src != dst
         self.tokens[sid] += [7] * k
@@ -130,7 +133,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), preempt=st.booleans())
     def free(self, data, preempt):
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        avail, sole = self.pool.pages_available, self.pool.sole_pages(sid)
         (self.pool.preempt if preempt else self.pool.free)(sid)
+        assert self.pool.pages_available - avail == sole  # what freeing it gives back, predicted
         del self.tokens[sid]
 
     @rule(v=st.integers(0, 3))

@@ -1,0 +1,107 @@
+"""What a :class:`rollout.generator.Generator` does when a paged engine's K/V pool runs short
+(``rollout.kv_layout=paged``; a base class of the Generator, over its ``_slots``, ``_queue``, ``_state``,
+``stats``, ``engine``). An engine without pages (the contiguous layout) never gets here.
+
+Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute):
+
+* **Admission by free pages.** A queued request is admitted only when the pool can hold it: its
+  context (prompt, plus what it generated before a preemption) and its first ``decode_steps``
+  positions, past any prefix pages it shares (``engine.kv_request_pages``), within what is left of
+  the step's page budget (``engine.kv_admission_budget``: free + cached pages + what held slots alone
+  hold, less what the decoding slots need for their next call). A request that does not fit waits in
+  the queue, in its place (the admission order of :mod:`rollout.admission` is kept: the requests behind
+  it wait too), counted in ``kv_admission_waits`` (once per step its head waits, and once per request a
+  prefill that found the pool exhausted queued again). With no slot decoding and nothing
+  admitted yet in the step the head is admitted whatever the budget says (the pool holds one
+  ``max_cache_len`` sequence, the engine's construction checks it; held slots are preempted for it).
+* **Preemption of an active slot.** Before each decode call the generator asks the engine how many
+  pages the active slots lack for the call (``engine.kv_decode_shortfall``: held slots and cached
+  pages count as room, the engine frees them first). While some are lacking it preempts the active
+  request admitted most recently (vLLM's victim: the end of its running queue): the engine frees its
+  pages (``engine.preempt_slots``, ``kv_preemptions``), and the request goes back to the head of the
+  queue with everything it generated (``kv_preempted_requests``; ``Completion.info["preemptions"]``).
+  When it is admitted again its prompt + generated tokens are re-prefilled (preemption by recompute;
+  ``kv_reprefill_tokens`` counts those positions) and decoding resumes at the next position. A lone
+  active slot is never preempted (it could not resume either). A prefill that still finds the pool
+  exhausted (an estimate off by a page) queues its requests again the same way.
+
+What a preempted request keeps: its tokens, their ``behav_logp`` and per-token ``version`` (the values
+they were sampled with; nothing is re-sampled: a token's key is its seed and position, so the tokens
+after the resume are the ones an unpreempted run would sample from the same logits). Its K/V are
+recomputed by the params current *when it is re-admitted*: the same weights when no swap happened
+in between (then only the prefill/decode rounding differs, below 1e-5 in fp32), else the new ones. So a
+swap while it waits acts as ``rollout.partial=recompute_kv`` on it whatever the policy (the old
+weights' K/V are gone; ``continue`` cannot keep them): ``recompute_kv`` and ``continue`` count it in
+``recomputes``, and ``abort`` drops its partial turn and re-issues it with the remaining budget, as it
+does to a request in a slot (:meth:`KVHolds._apply_pending`). Routes (routing replay): the re-prefill
+reports the route of every position it ran, and, as for ``recompute_kv``, each position keeps the route
+it was run with most recently (the one of the K/V every later token attends to); under the same
+weights those are the routes it had, up to ties the rounding breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["KVPressure"]
+
+
+class KVPressure:
+    """Admission by free pages and preemption by recompute (module doc)."""
+
+    def _paged(self) -> bool:
+        return getattr(self.engine, "kv_layout", "contiguous") == "paged"
+
+    def _page_budget(self) -> Optional[int]:
+        """Pages this step's admissions may take (None: the engine has no pages). The slots whose request
+        ended are deactivated first, and the pages of every slot held for no session are given back (a
+        finished request's K/V serve nothing but its published prefix pages, which stay cached), so the
+        pool's state does not depend on what earlier steps left in it."""
+        if not self._paged():
+            return None
+        self._free_finished()
+        self.engine.release_pages([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
+        return self.engine.kv_admission_budget(self.decode_steps)
+
+    def _page_cost(self, ctx: list, slot: Optional[int], start: int, shared: bool) -> int:
+        """Pages admitting the row ``ctx`` into ``slot`` (None: a free one) at ``start`` takes."""
+        return self.engine.kv_request_pages(ctx, -1 if slot is None else slot, start, self.decode_steps, shared)
+
+    def _pages_wait(self, pages: Optional[int], need: int, first: bool) -> bool:
+        """Whether the request must wait for pages (counted in ``kv_admission_waits``); ``first``: no
+        slot decodes and nothing was admitted in this step (the head is admitted whatever)."""
+        if pages is None or need <= pages or first:
+            return False
+        self.stats["kv_admission_waits"] += 1
+        return True
+
+    def _make_room(self, n: int) -> None:
+        """Preempt active requests, most recently admitted first, until the next ``n``-step decode call
+        fits the pool (module doc); never the last active one."""
+        if not self._paged():
+            return
+        while self.engine.kv_decode_shortfall(n) > 0:
+            live = [(req.admit_seq, slot) for slot, req in enumerate(self._slots) if req is not None]
+            if len(live) < 2:
+                return  # the engine preempts held slots itself; one sequence always fits the pool
+            _, slot = max(live)
+            req = self._slots[slot]
+            self._state = self.engine.preempt_slots(self._state, [slot])
+            self._slots[slot] = None
+            self._requeue(req)
+
+    def _requeue(self, req: Any) -> None:
+        """``req`` lost its slot's K/V: back to the head of the queue, to be re-prefilled with what it
+        generated (``kv_preempted_requests``)."""
+        req.preemptions += 1
+        self.stats["kv_preempted_requests"] += 1
+        with self._lock:
+            self._queue.appendleft(req)
+
+    def kv_stats(self) -> dict[str, int]:
+        """The engine's pool counters (``kv_pages_in_use``, ``kv_preemptions``, ...) and the generator's
+        (``kv_admission_waits``, ``kv_preempted_requests``, ``kv_reprefill_tokens``); {} without pages."""
+        if not self._paged():
+            return {}
+        own = {k: int(self.stats[k]) for k in ("kv_admission_waits", "kv_preempted_requests", "kv_reprefill_tokens")}
+        return {**self.engine.kv_stats(), **own}
