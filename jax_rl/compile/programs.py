@@ -99,62 +99,17 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
     t = _target(cfg, topology)
     for n in t.notes:
         log(n)
-    mc = t.model_config
-    L = mc.num_hidden_layers
-    T = int(cfg.optim.max_seq_len)
     rows = []
     lrn = None
     if "train_step" in functions or "sft_step" in functions:
         lrn = _learner(t)
     if "train_step" in functions:
-        B = int(cfg.optim.batch_size)
-        U, m = cfg.optim.minibatches, cfg.optim.microbatches
-        r = _layout(B, U, m, "optim.batch_size")
-        b, sh = _batch(t, lrn.strategy, U, m, r, T)
-        fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                             state_shardings=lrn.state_shardings, batch_sharding=sh, routing=lrn.routing)
-        log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
-        a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
-        c, ps, mflops = None, 0.0, None
-        if cost and "oom" not in a:
-            log("train_step: cost pieces ...")
-            c, ps, f, reset = _train_cost(t, lrn, B, T)
-            E = cfg.optim.ppo_epochs
-            # model FLOPs: policy forward + backward per epoch, plus one pi_prox forward if the
-            # strategy runs any (the cost is of a step without a reset: one forward for ppo_ewma)
-            mflops = B * T * model_flops_per_token(mc, T) * (3 * E + min(f, 1))
-        rows.append(_row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps))
-        if c is not None:
-            per_dev = _devices_per_chip(t)
-            rows[-1]["reset_step_extra_flops_per_chip"] = reset["flops"] * per_dev if reset else None
-            rows[-1]["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
-        log(f"train_step: {secs:.1f} s")
+        rows.append(_train_step_row(t, lrn, cost, log))
     if "sft_step" in functions:
-        B = int(cfg.sft.batch_size)
-        m = cfg.optim.microbatches
-        r = _layout(B, 1, m, "sft.batch_size")
-        tx, sched = make_sft_optimizer(cfg)
-        fn, args = _sft_fn_args(t, lrn, tx, sched, m, r, T)
-        log(f"sft_step: compiling [{B}, {T}] as [1, {m}, {r}, {T}] ...")
-        a, secs = _compile_or_oom(fn, args, t.mesh)
-        c, ps, mflops = None, 0.0, None
-        if cost and "oom" not in a:
-            log("sft_step: cost pieces ...")
-            one, ps = _fit(lambda cfg_, mc_: _sft_fn_args(t, _learner(t, mc_, cfg_, scan_layers=False), tx, sched,
-                                                          1, r, T, cfg_), t, L, T, r)
-            upd = _opt_update_cost(t, lrn, tx)
-            ps += upd[1]
-            c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes")}
-            mflops = B * T * model_flops_per_token(mc, T) * 3
-        rows.append(_row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps))
-        log(f"sft_step: {secs:.1f} s")
+        rows.append(_sft_step_row(t, lrn, cost, log))
     em = _engine_mesh(t)
     if em is not None and any(f in functions for f in ("prefill", "append_prefill", "decode_step")):
-        n = len(t.roles.engines)
-        log(f"rollout: {n} engine(s), each on a {'x'.join(str(v) for v in t.roles.engine_mesh.values())} "
-            f"(data x fsdp x tensor x expert) mesh of {len(t.roles.engines[0])} device(s); "
-            + (f"the {n} engines have the same shape: compiled once, for engine 0 (devices "
-               f"{[d.id for d in t.roles.engines[0]]})" if n > 1 else "compiled for its devices"))
+        _log_engines(t, log)
     for fname in ("prefill", "append_prefill", "decode_step"):
         if fname not in functions:
             continue
@@ -168,6 +123,70 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
         rows.append(_weight_sync_row(t, lrn, cost, log, em))
     _on_chip(t, rows)
     return rows
+
+
+def _train_step_row(t: _Target, lrn, cost: bool, log) -> dict:
+    """The learner's RL step (role ``learner``): ``optim.batch_size`` x ``optim.max_seq_len`` laid out as
+    [minibatches, microbatches, rows, T], with its loop-free cost pieces and model FLOPs when ``cost``."""
+    cfg, mc = t.cfg, t.model_config
+    T = int(cfg.optim.max_seq_len)
+    B = int(cfg.optim.batch_size)
+    U, m = cfg.optim.minibatches, cfg.optim.microbatches
+    r = _layout(B, U, m, "optim.batch_size")
+    b, sh = _batch(t, lrn.strategy, U, m, r, T)
+    fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+                         state_shardings=lrn.state_shardings, batch_sharding=sh, routing=lrn.routing)
+    log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
+    a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
+    c, ps, mflops, reset = None, 0.0, None, None
+    if cost and "oom" not in a:
+        log("train_step: cost pieces ...")
+        c, ps, f, reset = _train_cost(t, lrn, B, T)
+        E = cfg.optim.ppo_epochs
+        # model FLOPs: policy forward + backward per epoch, plus one pi_prox forward if the
+        # strategy runs any (the cost is of a step without a reset: one forward for ppo_ewma)
+        mflops = B * T * model_flops_per_token(mc, T) * (3 * E + min(f, 1))
+    row = _row(t, "train_step", a, secs, c, mflops, [U, m, r, T], ps)
+    if c is not None:
+        per_dev = _devices_per_chip(t)
+        row["reset_step_extra_flops_per_chip"] = reset["flops"] * per_dev if reset else None
+        row["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
+    log(f"train_step: {secs:.1f} s")
+    return row
+
+
+def _sft_step_row(t: _Target, lrn, cost: bool, log) -> dict:
+    """The SFT warm-start step (role ``learner``): ``sft.batch_size`` x ``optim.max_seq_len`` as
+    [1, microbatches, rows, T], its cost fitted from unscanned pieces when ``cost``."""
+    cfg, mc = t.cfg, t.model_config
+    L, T = mc.num_hidden_layers, int(cfg.optim.max_seq_len)
+    B = int(cfg.sft.batch_size)
+    m = cfg.optim.microbatches
+    r = _layout(B, 1, m, "sft.batch_size")
+    tx, sched = make_sft_optimizer(cfg)
+    fn, args = _sft_fn_args(t, lrn, tx, sched, m, r, T)
+    log(f"sft_step: compiling [{B}, {T}] as [1, {m}, {r}, {T}] ...")
+    a, secs = _compile_or_oom(fn, args, t.mesh)
+    c, ps, mflops = None, 0.0, None
+    if cost and "oom" not in a:
+        log("sft_step: cost pieces ...")
+        one, ps = _fit(lambda cfg_, mc_: _sft_fn_args(t, _learner(t, mc_, cfg_, scan_layers=False), tx, sched,
+                                                      1, r, T, cfg_), t, L, T, r)
+        upd = _opt_update_cost(t, lrn, tx)
+        ps += upd[1]
+        c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes")}
+        mflops = B * T * model_flops_per_token(mc, T) * 3
+    log(f"sft_step: {secs:.1f} s")
+    return _row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps)
+
+
+def _log_engines(t: _Target, log) -> None:
+    """One progress line on the engines the rollout rows compile for (their count, mesh and devices)."""
+    n = len(t.roles.engines)
+    log(f"rollout: {n} engine(s), each on a {'x'.join(str(v) for v in t.roles.engine_mesh.values())} "
+        f"(data x fsdp x tensor x expert) mesh of {len(t.roles.engines[0])} device(s); "
+        + (f"the {n} engines have the same shape: compiled once, for engine 0 (devices "
+           f"{[d.id for d in t.roles.engines[0]]})" if n > 1 else "compiled for its devices"))
 
 
 def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
