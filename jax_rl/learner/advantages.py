@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import jax.numpy as jnp
 
+from jax_rl.registry import registrar
+
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig
 
@@ -29,14 +31,8 @@ REGISTRY: dict[str, Estimator] = {}
 """``algo.advantage`` name -> estimator ``(rewards [N], group_ids [N], algo) -> fp32 [N]``."""
 
 
-def register(name: str) -> Callable[[Estimator], Estimator]:
-    """Function decorator: make ``algo.advantage=name`` use this estimator."""
-
-    def deco(fn: Estimator) -> Estimator:
-        REGISTRY[name] = fn
-        return fn
-
-    return deco
+register = registrar(REGISTRY)
+"""Function decorator: ``@register(name)`` makes ``algo.advantage=name`` use this estimator."""
 
 
 def compute_advantages(algo: "AlgoConfig", rewards, group_ids) -> jax.Array:

@@ -69,6 +69,7 @@ from jax import lax
 from jax_rl.learner.correction import proximal
 from jax_rl.learner import losses
 from jax_rl.config import Config, ConfigError
+from jax_rl.registry import registrar
 from jax_rl.learner.correction.old_logits.routes import ROUTES, Route, make_route
 
 __all__ = ["Cost", "Correction", "EwmaState", "REGISTRY", "register", "check_config", "make_correction", "HostInputs",
@@ -203,15 +204,8 @@ class Correction:
 REGISTRY: dict[str, type[Correction]] = {}
 
 
-def register(name: str):
-    """Class decorator: make ``loss.correction=name`` use this strategy."""
-
-    def deco(cls):
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return deco
+register = registrar(REGISTRY)
+"""Class decorator: ``@register(name)`` makes ``loss.correction=name`` use this strategy."""
 
 
 register("ppo")(Correction)

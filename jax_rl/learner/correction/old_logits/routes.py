@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from jax_rl.learner.correction.old_logits.retire import RetiringScorer
+from jax_rl.registry import registrar
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import Config
@@ -36,15 +37,8 @@ __all__ = ["Route", "ROUTES", "register_route", "make_route"]
 ROUTES: dict[str, type["Route"]] = {}
 
 
-def register_route(name: str):
-    """Class decorator: register a :class:`Route` subclass under ``old_logits.route=name``."""
-
-    def deco(cls):
-        cls.name = name
-        ROUTES[name] = cls
-        return cls
-
-    return deco
+register_route = registrar(ROUTES)
+"""Class decorator: ``@register_route(name)`` registers a :class:`Route` subclass under ``old_logits.route=name``."""
 
 
 def make_route(cfg: "Config") -> "Route":
