@@ -347,7 +347,7 @@ def verdict_section(main: list[dict], grid: list[dict], stats: dict, cost: dict,
     """The verdicts at the largest K: the claim table, then claims 2 (drift and reset), 3 (the grid) and 4 (cost)
     where their runs exist."""
     L = ["## Verdicts (paired differences, 95% intervals)\n", VERDICT_METHOD + "\n"]
-    kw = all_ks[-1]
+    kw = all_ks[-1] if all_ks else None  # None: a grid-only setting (no main cells)
     rows = claim_rows(main, all_ks)
     if rows:
         L += CLAIM_HEADER + claim_table(rows, setting) + [""]
@@ -449,6 +449,15 @@ MOE_SUFFIX = "-sft0b"  # PREREG_50_CHANGES (c): the MoE setting's regenerated wa
 REGEN_SUFFIXES = (REGEN_SUFFIX, MOE_SUFFIX)
 PREREG50_C = {"3a": 0.05, "3c": 0.01}  # (c): claim -> the pre-registered margin ("no difference as large as")
 PREREG50_C_SETTING = "6b7ef691a83e" + MOE_SUFFIX
+# PREREG_50_CHANGES: the paired seeds each part's verdict waits for in the regenerated warm starts; below them a
+# row is an interim look, labelled so (the size was fixed before any run of these settings)
+PREREG50_SIZE = {"2e": 24, "1a": 24, "3a": 8, "3c": 8}
+
+
+def _interim(v: str, r: dict, key: str) -> str:
+    """``v`` labelled as an interim look when ``r`` has fewer paired seeds than ``PREREG50_SIZE[key]``."""
+    size = PREREG50_SIZE.get(key)
+    return v if size is None or r["n"] >= size else f"interim, {r['n']} of {size} seeds: {v}"
 
 
 def _default_rule(ci: tuple[float, float]) -> str:
@@ -497,6 +506,8 @@ def prereg50_result(rows_all: list[tuple[dict, dict]]) -> list[str]:
             v = _margin_rule(r, PREREG50_C[key])
         else:
             v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
+        if setting.endswith(REGEN_SUFFIXES):
+            v = _interim(v, r, key)
         L.append(f"| {part} | `{setting}` | {_seeds_str(r['seeds'])} | {what}: {r['mean']:+.{nd}f}, 95% CI "
                  f"{_fmt_ci(r['ci'], nd)}, n = {r['n']} | **{v}** |")
     L.append("")
@@ -531,8 +542,8 @@ def summary_table(rows_all: list[tuple[dict, dict]]) -> list[str]:
             continue
         nd = 4 if r["metric"] in ("prox_err", "early_r") else 3
         v = r["verdict"] + (f" ({r['note']})" if r["note"] else "")
-        if setting.endswith(REGEN_SUFFIXES) and key in PREREG50_C:
-            v = _margin_rule(r, PREREG50_C[key])
+        if setting.endswith(REGEN_SUFFIXES):
+            v = _interim(_margin_rule(r, PREREG50_C[key]) if key in PREREG50_C else v, r, key)
         L.append(f"| {r['claim']} | `{setting}` | **{v}** | {r['mean']:+.{nd}f} | {_fmt_ci(r['ci'], nd)} | "
                  f"{_seeds_str(r['seeds'])} ({r['n']}) |")
     L.append("")

@@ -70,7 +70,7 @@ from paper_claims import (APPROX, CLAIM_HEADER, CLAIMS, CLIP, COLLAPSED, CONFIDE
                           VERDICT_METHOD, _final, _fmt, _fmt_ci, _mean_key, _ms, _reset_events, cells, claim_rows,
                           claim_table, grid_claim_rows, grid_records, paired_ci, seeds_needed, verdict)
 from paper_doc import (FIG_DIR, LEGACY_CONFIG, PREREG50_NEW_SEEDS, PREREG_SEEDS, PREREG_SETTING,  # noqa: E402,F401
-                       PREREG_STALE, REGEN_SUFFIX, SUMMARY_SETTINGS, _seeds_str, plot_claims, prereg50_result,
+                       PREREG_STALE, REGEN_SUFFIX, REGEN_SUFFIXES, SUMMARY_SETTINGS, _seeds_str, plot_claims, prereg50_result,
                        rows_by_claim, settings_table, summary_table)
 from paper_repro_texts import (PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES,  # noqa: E402
                                SETTING_NOTES)
@@ -454,7 +454,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
             rows = (claim_rows(main_, ks) if ks else []) + grid_claim_rows(grid_records(newest))
             if not any(r["n"] >= 2 for r in rows):
                 left.append(st)
-                if str(st["setting"]).endswith(REGEN_SUFFIX):  # issue 50's table shows even one paired seed
+                if str(st["setting"]).endswith(REGEN_SUFFIXES):  # issue 50's table shows even one paired seed
                     rows_all += [(st, r) for r in rows]
                 continue
             CONFIG, SHARED_SFT = st["config"], st["shared_sft"]
@@ -468,13 +468,16 @@ def build_full_doc(records: Path, doc: Path) -> str:
             label = (f"`{st['config']}`" + (f", one shared SFT warm start (seed {st['shared_sft']})"
                                             if st["shared_sft"] is not None else ", one SFT warm start per seed")
                      + (", regenerated on 2026-12-05 (issue 50; reported apart)"
-                        if str(st["setting"]).endswith(REGEN_SUFFIX) else ""))
+                        if str(st["setting"]).endswith(REGEN_SUFFIXES) else ""))
             parts.append(f"## Setting `{st['setting']}`: {label}\n\n{body.strip()}\n")
             rows_all += [(st, r) for r in rows]
             sft_by_seed = {r["seed"]: r.get("sft_success") for r in main_ if r.get("sft_success") is not None}
-            stale = _ms([_mean_key(r, "staleness_mean") for r in main_ if r["K"] == max(ks)])
+            kmax = max(ks or [r["K"] for r in newest.values()])  # a grid-only setting: the grid's K
+            sft_by_seed = sft_by_seed or {r["seed"]: r.get("sft_success") for r in newest.values()
+                                          if r.get("sft_success") is not None}
+            stale = _ms([_mean_key(r, "staleness_mean") for r in (main_ or list(newest.values())) if r["K"] == kmax])
             used.append((st, label + f"; held-out avg@4 after SFT {_fmt(*_ms(list(sft_by_seed.values())))} over "
-                                     f"{len(sft_by_seed)} seeds; consumed staleness at K={max(ks)} "
+                                     f"{len(sft_by_seed)} seeds; consumed staleness at K={kmax} "
                                      f"{_fmt(*stale, nd=2)} versions"))
     finally:
         CONFIG, SHARED_SFT = saved

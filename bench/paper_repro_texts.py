@@ -224,10 +224,14 @@ estimate, and no seed added in this session). Order from now on, one run at a ti
 seed pair, (b) one seed pair, (c) one seed's four cells, each part in its own pre-registered seed order; the
 pace of (a) and (b) changes, nothing else of them. Clock stop 11:00 UTC; unrun seeds carry over in the same
 order.
+- 11:00 UTC, the clock stop: this session ran (a) seeds 12-14, (b) 18 (`decoupled`) and 19-20, (c) seeds 0-1 (all
+  four cells each). (a) seed 14 had one arm (`guarded`, 0.388) when the clock stopped: dropped from the
+  verdicts and reported here; it reruns first next time. Next in order: (a) 14, (b) 21, (c) 2, (a) 15, ...
 """
 
 PREREG_50_PLOTS = """\
-Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the (a) runs of issue 50's
-session (`jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`; threshold 0 is no reset):
+Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the paired (a) runs of the
+regenerated warm start so far (seeds 10-13; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
+threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
