@@ -376,9 +376,10 @@ def test_guarded_claims_and_the_preregistered_decision(pr, tmp_path):
     assert pr._seeds_str([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
 
 
-def test_issue50_decision_follows_the_interval_and_counts_only_new_seeds(pr, tmp_path):
+def test_issue50_decision_follows_the_interval(pr, tmp_path):
     """Issue 50's rule on guarded minus no reset (final avg@4): inside -0.05 keeps `guarded`, wholly
-    below -0.05 switches to no reset, straddling -0.05 is undecided; the summary table shows the row."""
+    below -0.05 switches to no reset, straddling -0.05 is undecided; the row names every paired seed it
+    used; the summary table shows the row."""
     def decide(finals, seeds):
         path = tmp_path / f"{finals['ppo_ewma_guarded']}_{len(seeds)}.jsonl"
         _drift_records(pr, path, finals, seeds=seeds)
@@ -388,7 +389,7 @@ def test_issue50_decision_follows_the_interval_and_counts_only_new_seeds(pr, tmp
 
     base = dict(ppo_ewma=0.17, ppo_ewma_noreset=0.36)
     text, summary = decide({**base, "ppo_ewma_guarded": 0.36}, range(12))
-    assert "`guarded` stays the default (no worse" in text and "| 10-11 |" in text  # seeds 0-9 are not new
+    assert "`guarded` stays the default (no worse" in text and "| 0-11 |" in text
     assert "| 2e. the guarded reset" in summary and "0-11 (12)" in summary
     text, _ = decide({**base, "ppo_ewma_guarded": 0.20}, range(12))
     assert "the default becomes no reset" in text
@@ -402,3 +403,19 @@ def test_issue50_decision_follows_the_interval_and_counts_only_new_seeds(pr, tmp
     rows = [({"setting": pr.PREREG_SETTING}, r) for r in pr.claim_rows(list(newest.values()), [8])]
     assert "undecided at this n" in "\n".join(pr.prereg50_result(rows))
     assert "no paired seed" in "\n".join(pr.prereg50_result([]))
+
+
+def test_issue50_margin_rule_and_interim_label(pr):
+    """(c)'s rule: the interval's sign decides, inside +-margin is "no difference as large as", under 3 seeds
+    inconclusive; a regenerated warm start's row below its pre-registered size is labelled interim."""
+    import paper_doc as D
+
+    row = lambda lo, hi, n: {"ci": (lo, hi), "n": n}  # noqa: E731
+    assert D._margin_rule(row(0.001, 0.02, 8), 0.01) == "reproduced"
+    assert D._margin_rule(row(-0.03, -0.002, 8), 0.01) == "contradicted"
+    assert D._margin_rule(row(-0.004, 0.006, 8), 0.01) == "no difference as large as 0.01"
+    assert D._margin_rule(row(-0.004, 0.012, 8), 0.01) == "inconclusive"
+    assert D._margin_rule(row(0.001, 0.02, 2), 0.01).startswith("inconclusive (fewer than 3")
+    assert D._interim("reproduced", row(0.1, 0.3, 5), "1a") == "interim, 5 of 24 seeds: reproduced"
+    assert D._interim("reproduced", row(0.1, 0.3, 24), "1a") == "reproduced"
+    assert D._interim("reproduced", row(0.1, 0.3, 3), "2a") == "reproduced"  # no pre-registered size: as is
