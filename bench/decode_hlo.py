@@ -187,8 +187,9 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
 
 
 def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dtype: str, backend: str,
-                  topology: str = "v5p-8", kernel: bool = True):
-    """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``)."""
+                  topology: str = "v5p-8", kernel: bool = True, pool_pages: int | None = None):
+    """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``); the pool holds
+    ``pool_pages`` pages (default: ``slots x ceil((live + 1) / page_size)``, each row's live pages)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -203,7 +204,7 @@ def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dty
                                                        scan_layers=False, attention="xla"))
     graphdef, params = nnx.split(abstract)
     per_row = pages_for(live + 1, page_size)
-    P, M = slots * per_row, pages_for(cache, page_size)
+    P, M = pool_pages or slots * per_row, pages_for(cache, page_size)
     n = page_bucket(per_row, M)
     path = backend if kernel else "cpu"
 

@@ -62,45 +62,15 @@ def contiguous_peak(cfg, slots: int, reserve: int, topology: str) -> int:
 
 def paged_peak(cfg, slots: int, reserve: int, prefix: int, unique: int, page_size: int, versions: int,
                topology: str) -> int:
-    """Peak bytes per chip of the paged decode step over a pool of ``versions x ceil(prefix / page) + slots x
-    (ceil(unique / page) + 1)`` pages (the TPU kernel path; the page table spans ``reserve``)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P_
+    """Peak bytes per chip of the paged decode step (``decode_hlo.compile_paged``, the TPU kernel path; the page
+    table spans ``reserve``) over a pool of ``versions x ceil(prefix / page) + slots x (ceil(unique / page) + 1)``
+    pages: the prefix held once per weight version, each episode's own pages."""
+    from decode_hlo import compile_paged
+    from jax_rl.models.paged_attention import pages_for
 
-    from jax_rl import tpu
-    from jax_rl.models.paged_attention import page_bucket, pages_for, target_backend
-    from jax_rl.models.qwen3 import Qwen3ForCausalLM
-    from jax_rl.models.qwen3.paged import PagedKVCache, paged_decode_step
-    from rollout.engine import sample_tokens
-
-    dt = jnp.bfloat16
-    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt,
-                                                       scan_layers=False, attention="xla"))
-    graphdef, params = nnx.split(abstract)
     n_pages = versions * pages_for(prefix, page_size) + slots * (pages_for(unique, page_size) + 1)
-    M = pages_for(reserve, page_size)
-    n = page_bucket(pages_for(prefix + unique + 1, page_size), M)
-
-    def step(params, cache, tokens, keys, temperature):
-        model = nnx.merge(graphdef, params)
-        dec = paged_decode_step(model, tokens, cache, num_pages=n, backend="tpu")
-        keys = jax.vmap(jax.random.fold_in)(keys, cache.lengths.astype(jnp.uint32) + 1)
-        tok, logp, _ = sample_tokens(dec.logits, keys, temperature)
-        return dec.cache, tok, logp
-
-    kv = tuple(jax.ShapeDtypeStruct((n_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim), dt)
-               for _ in range(cfg.num_hidden_layers))
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    args = (params, PagedKVCache(kv=kv, page_table=i32(slots, M), lengths=i32(slots)), i32(slots),
-            jax.ShapeDtypeStruct((slots, 2), jnp.uint32), jax.ShapeDtypeStruct((slots,), jnp.float32))
-    mesh = Mesh(np.array(tpu.get_topology(topology).devices[:1]), ("data",))
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P_())), args)
-    with jax.default_matmul_precision("default"), tpu.no_persistent_cache(), jax.set_mesh(mesh), \
-            target_backend("tpu"):
-        compiled = jax.jit(step, donate_argnums=(1,)).lower(*args).compile()
+    compiled, _ = compile_paged(cfg, slots=slots, cache=reserve, live=prefix + unique, page_size=page_size,
+                                dtype="bfloat16", backend="tpu", topology=topology, pool_pages=n_pages)
     return _peak(compiled)
 
 
