@@ -227,6 +227,10 @@ order.
 - 11:00 UTC, the clock stop: this session ran (a) seeds 12-14, (b) 18 (`decoupled`) and 19-20, (c) seeds 0-1 (all
   four cells each). (a) seed 14 had one arm (`guarded`, 0.388) when the clock stopped: dropped from the
   verdicts and reported here; it reruns first next time. Next in order: (a) 14, (b) 21, (c) 2, (a) 15, ...
+- Next session, 2026-12-05 12:19 UTC (committed before any run of it started): the runs go on from the same
+  commit as the last session's (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and
+  rules, one run at a time on core 1, in the order above from (a) 14 (both arms rerun); clock stop 14:30 UTC,
+  unrun seeds carry over in the same order.
 """
 
 PREREG_50_PLOTS = """\
