@@ -72,17 +72,42 @@ def inverse_cdf_index(p: jax.Array, u: jax.Array, block: int = 128) -> jax.Array
 def _draw(s: jax.Array, block_row: Callable[[jax.Array], jax.Array], u: jax.Array, b: int) -> jax.Array:
     """The two-level inverse-CDF draw of :func:`inverse_cdf_index` from the block masses ``s`` [B, n]
     and ``block_row(blk [B] int) -> [B, b]``, the masses inside each row's block ``blk``."""
+    blk, prev, x = _draw_block(s, u)
+    return blk * b + _draw_in_block(block_row(blk), prev, x)
+
+
+def _draw_block(s: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first level of :func:`_draw`: ``(blk, prev, x)`` [B] each: the block holding the draw (never a
+    block past the last one with mass), the running mass before it, and the draw's target ``u x total``."""
     n = s.shape[1]
     cdf = jnp.cumsum(s, axis=-1)
     x = u * cdf[:, -1]
     last_blk = n - 1 - jnp.argmax((s > 0)[:, ::-1], axis=-1)
     blk = jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), last_blk)  # the first block with cdf > x
     prev = jnp.where(blk > 0, jnp.take_along_axis(cdf, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    row = block_row(blk)  # [B, b]
+    return blk.astype(jnp.int32), prev, x
+
+
+def _draw_in_block(row: jax.Array, prev: jax.Array, x: jax.Array) -> jax.Array:
+    """The second level of :func:`_draw`: the index [B] int32 inside the block whose masses are ``row``
+    [B, b] (never an entry without mass)."""
+    b = row.shape[1]
     inner = prev[:, None] + jnp.cumsum(row, axis=-1)
     last_in = b - 1 - jnp.argmax((row > 0)[:, ::-1], axis=-1)
-    i = jnp.minimum(jnp.sum(inner <= x[:, None], axis=-1), last_in)
-    return (blk * b + i).astype(jnp.int32)
+    return jnp.minimum(jnp.sum(inner <= x[:, None], axis=-1), last_in).astype(jnp.int32)
+
+
+def _select_rows(xb: jax.Array, *blks: jax.Array) -> tuple[jax.Array, ...]:
+    """Row ``blks[i][r]`` of ``xb[r]`` ([B, n, b] -> [B, b] per index array [B]), all in one read of ``xb``:
+    a variadic max over the block axis of ``where(block == blk, xb, -inf)``, which selects the values
+    exactly (one block matches). A gather would read less, but the TPU lays the block view out again for
+    it (a copy of [B, V] written and read), where this read follows the layout the LM head wrote
+    (docs/performance.md, "The sampler's passes")."""
+    n = xb.shape[1]
+    at = jnp.arange(n, dtype=jnp.int32)[None, :, None]
+    ninf = jnp.float32(-jnp.inf)
+    ops = tuple(jnp.where(at == k.astype(jnp.int32)[:, None, None], xb, ninf) for k in blks)
+    return tuple(jax.lax.reduce(ops, (ninf,) * len(ops), lambda a, c: tuple(jnp.maximum(p, q) for p, q in zip(a, c)), (1,)))
 
 
 def _draw_from_logp(logp: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
@@ -162,10 +187,11 @@ def sample_tokens(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample one token per row and return its log-prob under the sampling distribution.
 
-    One pass over the ``[B, V]`` logits when untruncated: per 128-wide block its max and sum of
-    ``exp`` (:func:`_block_stats`), from which the row's logsumexp, the inverse-CDF draw over the
-    block masses, the greedy argmax's block and the sampled token's log-prob follow; the one block
-    row each draw lands in is read again (B x 128 values). Truncated: that pass, then one
+    Two reads of the ``[B, V]`` logits when untruncated, none written: per 128-wide block its max and
+    sum of ``exp`` of ``logits / T`` (:func:`_block_stats`), from which the row's logsumexp, the block
+    of the inverse-CDF draw and the greedy argmax's block follow; then the two block rows (the draw's
+    and the greedy one, B x 128 values each) selected in one more read (:func:`_select_rows`), which
+    give the token and its log-prob. Truncated: the statistics' pass, then one
     ``lax.top_k`` of a bounded candidate set (``top_k + 1``, or ``candidates`` for top-p alone:
     :func:`jax_rl.sampling.kept_threshold`), drawn from in vocabulary order; when the candidates do
     not decide the kept set (a tie at the k-th value past them, a nucleus wider than them) the
@@ -201,24 +227,29 @@ def sample_tokens(
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     b = _cdf_block(V, 128)
     pad = (-V) % b
-    xb = logits / t[:, None]
-    if pad:
-        xb = jnp.pad(xb, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    xb = xb.reshape(B, xb.shape[1] // b, b)
-    m_blk, s_blk = _block_stats(xb, b)  # the one pass over [B, V]
+    lb = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else logits
+    lb = lb.reshape(B, lb.shape[1] // b, b)  # the raw logits' block view: x / T is taken where it is read
+    # x / T as XLA computes a division by a broadcast row (x times the reciprocal), written out so that the
+    # statistics and the selected rows below agree bit for bit whichever fusion each lands in
+    inv_t = 1.0 / t
+    m_blk, s_blk = _block_stats(lb * inv_t[:, None, None], b)  # the one pass for the statistics
     M = jnp.max(m_blk, axis=-1)
     log_s = jnp.log(jnp.sum(s_blk * jnp.exp(m_blk - M[:, None]), axis=-1))
 
-    def lp_row(blk):  # [B, b] tempered log-softmax of each row's block blk, as jax.nn.log_softmax
-        return jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0] - M[:, None] - log_s[:, None]
+    def lp(row):  # [B, b] raw logits of a block -> the tempered log-softmax, as jax.nn.log_softmax
+        # the product rounded on its own ([B, b]: the barrier keeps a fused multiply-subtract from skipping the
+        # rounding the statistics' x / T had, which would put the argmax's log-prob an ulp of x / T off)
+        return jax.lax.optimization_barrier(row * inv_t[:, None]) - M[:, None] - log_s[:, None]
 
     if not truncates(top_k, top_p):
-        sampled = _draw(s_blk * jnp.exp(m_blk - M[:, None]) / jnp.exp(log_s)[:, None],
-                        lambda blk: jnp.exp(lp_row(blk)), u, b)
+        blk, prev, x = _draw_block(s_blk * jnp.exp(m_blk - M[:, None]) / jnp.exp(log_s)[:, None], u)
         g_blk = jnp.argmax(m_blk, axis=-1).astype(jnp.int32)
-        g_tok = g_blk * b + jnp.argmax(lp_row(g_blk), axis=-1).astype(jnp.int32)
-        tokens = jnp.where(greedy, g_tok, sampled).astype(jnp.int32)
-        logp = jnp.take_along_axis(lp_row(tokens // b), (tokens % b)[:, None], axis=-1)[:, 0]
+        row, g_row = (lp(r) for r in _select_rows(lb, blk, g_blk))  # both block rows in one more read
+        i = _draw_in_block(jnp.exp(row), prev, x)
+        g_i = jnp.argmax(g_row, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(greedy, g_blk * b + g_i, blk * b + i).astype(jnp.int32)
+        logp = jnp.where(greedy, jnp.take_along_axis(g_row, g_i[:, None], axis=-1)[:, 0],
+                         jnp.take_along_axis(row, i[:, None], axis=-1)[:, 0])
         return tokens, logp, jnp.ones((B,), jnp.float32)
 
     lp_full = logits / t[:, None] - M[:, None] - log_s[:, None]  # fused into top_k's read
