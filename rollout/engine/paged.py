@@ -11,8 +11,10 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 - a GRPO group's identical prompts are prefilled once and the other samples' slots reference the
   same pages (:meth:`PagePool.fork`: no K/V copied); the first decode write into the shared
   partial last page copies that page (copy on write);
-- a fresh prompt whose leading full pages were computed before *by the same weights* references
-  them (:meth:`PagePool.admit`; ``kv_prefix_page_hits``) and is prefilled from there: the env
+- a fresh prompt whose leading full pages were computed before *by the same weights* (in an earlier
+  call or by an earlier row of the same call: a call's rows are published as they are admitted, so
+  what a row computes does not depend on how admissions were batched) references them
+  (:meth:`PagePool.admit`; ``kv_prefix_page_hits``) and is prefilled from there: the env
   prefix cache by reference. Pages are keyed by the engine's weight epoch (+1 whenever a prefill
   runs other params than the last one), so after a weight swap no new request reads a page of the
   old weights; a held session keeps its own pages (its partial policy decides, as with the
