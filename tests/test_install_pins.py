@@ -13,7 +13,8 @@ version and joins the resolve through ``--find-links``; one with compiled code (
 ``pycosat==0.6.6`` has no wheel for any Python, 3.11 included) is built with that Python's own
 interpreter when this host has it (pyenv), else the test skips in one line naming it.
 
-Skips in one line when PyPI cannot be reached (a 3 s TCP probe). Times: docs/testing.md.
+Skips in one line when PyPI cannot be reached (a 3 s TCP probe) or answers too slowly (a pip call over its
+timeout: 180 s for the per-pin check; 2026-12-05 here one pip call took 18 s for two pins). Times: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -152,17 +153,20 @@ def _check(tmp_path, extras, no_deps: bool, timeout: float) -> None:
             assert req.specifier.contains(got[name], prereleases=True), f"Python {py}: {s} resolved to {got[name]}"
         return py, len(got), notes
 
-    with ThreadPoolExecutor(len(VERSIONS)) as ex:
-        results = list(ex.map(one, VERSIONS))
+    try:
+        with ThreadPoolExecutor(len(VERSIONS)) as ex:
+            results = list(ex.map(one, VERSIONS))
+    except subprocess.TimeoutExpired as e:  # reachable but slow (a proxy, a loaded mirror): not a missing wheel
+        pytest.skip(f"pip against the registry took over {e.timeout:.0f} s here (too slow): pin check skipped")
     for py, n, notes in results:
         print(f"Python {py}: {n} distributions; {'; '.join(notes) or 'all wheels'}")
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(300)
 def test_every_pin_has_a_wheel_on_312_and_313(tmp_path):
     """Each pin of the dependencies and of every extra, alone (``--no-deps``): a wheel for the version
     (or a pure sdist)."""
-    _check(tmp_path, None, no_deps=True, timeout=300)
+    _check(tmp_path, None, no_deps=True, timeout=180)
 
 
 @pytest.mark.slow

@@ -42,7 +42,17 @@ def test_configs_are_classified():
             assert "TPU" in top and "model.checkpoint" in top, (n, top)
 
 
-@pytest.mark.parametrize("name", CPU)
+# A tau2 config's checks train its BPE tokenizer on 2,000 gold demos (~1 min each here, most of it tau2's
+# DB loads and the BPE fit): retail stays in `make test`, airline and telecom run with the slow tests.
+_SLOW_CHECKS = {"tau2_airline.yaml", "tau2_telecom.yaml"}
+CHECKED = [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_CHECKS else n for n in CPU]
+
+
+def test_the_slow_checks_name_shipped_configs():
+    assert _SLOW_CHECKS <= set(CPU) and "tau2_retail.yaml" in CPU
+
+
+@pytest.mark.parametrize("name", CHECKED)
 def test_cpu_config_passes_the_start_of_run_checks(name):
     from jax_rl.model_builder import build_model_config
     from jax_rl.runtime.envs import build_env_factory, build_tokenizer

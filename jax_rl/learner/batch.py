@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["BATCH_FIELDS", "OPTIONAL_FIELDS", "INERT_FILL", "inert", "BatchError", "LearnerBatch", "abstract_batch", "bucket_len", "collate",
            "pad_len", "pad_rows", "seq_buckets", "validate_batch", "group_advantages",
-           "learner_batch"]
+           "sorted_groups", "learner_batch"]
 
 
 @flax.struct.dataclass
@@ -461,6 +461,14 @@ def group_advantages(algo: AlgoConfig, groups: Sequence[Sequence[Any]]) -> list[
     return out
 
 
+def sorted_groups(groups: Sequence[Sequence[Any]]) -> tuple[list, list]:
+    """``(groups, trajectories)``: the groups by ``group_id`` (the batch's row order, so the fp32
+    summation order does not depend on which rollout thread finished first) and their trajectories
+    flattened in that order: the rows of :func:`learner_batch`."""
+    groups = sorted(groups, key=lambda g: g[0].group_id)
+    return groups, [t for g in groups for t in g]
+
+
 def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, rows: Optional[int] = None):
     """Turn GRPO groups from the buffer into a learner batch of at least ``rows`` rows (default
     ``optim.batch_size`` over ``jax.process_count()``: each process's equal share; the runtime passes
@@ -483,9 +491,8 @@ def learner_batch(cfg: Config, groups: Sequence[Sequence[Any]], pad_id: int, *, 
     Raises:
         BatchError: a trajectory longer than ``optim.max_seq_len``.
     """
-    groups = sorted(groups, key=lambda g: g[0].group_id)
+    groups, trajs = sorted_groups(groups)
     adv = group_advantages(cfg.algo, groups)
-    trajs = [t for g in groups for t in g]
     batch = collate(trajs, np.concatenate(adv), cfg.optim.max_seq_len, cfg.optim.seq_len_buckets, pad_id=pad_id)
     if rows is None:  # multi-process: this process's share
         rows = cfg.optim.batch_size // cfg.algo.group_size // jax.process_count() * cfg.algo.group_size

@@ -81,8 +81,8 @@ Truncated sampling (``truncated=True``: the rollout sampled under ``rollout.top_
 ``rollout.top_p`` and the learner's log-probs are log pi_trunc, ``jax_rl.sampling``): a valid
 token with ``prox_logp == -inf`` or ``logp == -inf`` lies outside the learner's kept set
 (pi_prox's or pi_theta's). It is masked out of the policy term (and the entropy term) like a
-train-infer-rejected token and counted in ``masked_trunc_outside`` (tokens) and
-``trunc_outside_frac`` (fraction of valid tokens), not in ``masked_nonfinite_prox``. Outside
+train-infer-rejected token, counted by the ``truncation`` metric group (``masked_trunc_outside``,
+``trunc_outside_frac``; :func:`truncation_metrics`), not in ``masked_nonfinite_prox``. Outside
 pi_prox's kept set it is not usable (it leaves the train-infer level statistic and
 ``train_infer_retained``); outside only pi_theta's (theta moved during the step) it stays in
 the train-infer statistic and the denominator, which pi_prox and mu fix before any update. Its
@@ -90,12 +90,15 @@ gradient is an exact 0 (the -inf never reaches arithmetic), and a token outside 
 reads log rho = 0 in the metrics. Only -inf means "outside": a NaN prox is still counted in
 ``masked_nonfinite_prox``, a NaN logp still poisons the loss so the update is skipped.
 
-Metrics: a dict of fp32 scalars with fixed keys for a given set of optional arguments.
-Token metrics are means over VALID tokens (loss_mask); at a valid token with non-finite
-behav/prox every log-ratio is taken as 0 (ratio 1, KL 0, not clipped). Each metric declares how
-it combines over microbatches (:data:`METRIC_REDUCTIONS`: sums for counts, max/min for extremes,
-means weighted by ``valid_tokens`` or the bucket's ``tokens``; ``ess_frac`` recomputed), and
-:func:`jax_rl.learner.reductions.combine_metrics` applies the declarations: a name alone (``foo_max``) decides nothing.
+Metrics (:mod:`jax_rl.learner.loss_metrics`): :func:`policy_loss` returns the ``policy`` group, a dict
+of fp32 scalars whose keys are the same whatever optional arguments it gets; the metrics of an
+optional input are a group function of their own (:func:`staleness_metrics`, :func:`prox_error_metrics`,
+:func:`entropy_metrics`, :func:`truncation_metrics`), fed by the per-token masks policy_loss returns
+(:class:`PolicyTokens`). Every group's keys and reductions are declared once,
+:data:`METRIC_GROUPS` (:data:`METRIC_REDUCTIONS` their union). Token metrics are means over VALID
+tokens (loss_mask); at a valid token with non-finite behav/prox every log-ratio is taken as 0
+(ratio 1, KL 0, not clipped). :func:`jax_rl.learner.reductions.combine_metrics` combines them over
+microbatches by their declarations: a name alone (``foo_max``) decides nothing.
 """
 
 from __future__ import annotations
@@ -107,36 +110,40 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_rl.learner.reductions import MAX, MIN, SUM, Reduction
+from jax_rl.learner.loss_metrics import (
+    METRIC_GROUPS,
+    METRIC_REDUCTIONS,
+    STALENESS_MAX_BUCKET,
+    _check_2d,
+    _f32,
+    _vmean,
+    entropy_metrics,
+    fixed,
+    outside_kept_set,
+    prox_error_metrics,
+    staleness_metrics,
+    truncation_metrics,
+)
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import LossConfig
 
 __all__ = [
     "policy_loss",
+    "PolicyTokens",
     "loss_denominator",
     "train_infer_factor",
     "TrainInfer",
+    "METRIC_GROUPS",
     "METRIC_REDUCTIONS",
     "STALENESS_MAX_BUCKET",
+    "staleness_metrics",
+    "prox_error_metrics",
+    "entropy_metrics",
+    "truncation_metrics",
 ]
 
-STALENESS_MAX_BUCKET = 8
-"""Staleness buckets ``staleness/0`` .. ``staleness/7`` and ``staleness/8+`` (>= 8)."""
-
 _AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-
-
-def _f32(x) -> jax.Array:
-    return jnp.asarray(x, dtype=jnp.float32)
-
-
-def _check_2d(name: str, x, shape: Optional[tuple] = None) -> None:
-    shp = tuple(jnp.shape(x))
-    if len(shp) != 2:
-        raise ValueError(f"{name} must be [B, T], got shape {shp}")
-    if shape is not None and shp != tuple(shape):
-        raise ValueError(f"{name} has shape {shp}, expected {tuple(shape)} (the shape of loss_mask)")
 
 
 def _log_bound(x: float) -> float:
@@ -325,9 +332,13 @@ def loss_denominator(loss_mask, cfg: LossConfig, *, prox_logp=None, behav_logp=N
     return _agg_parts(denom_mask, cfg)[1]
 
 
-def _vmean(x, valid, nv, empty: float = 0.0):
-    s = jnp.sum(jnp.where(valid, _f32(x), 0.0))
-    return jnp.where(nv > 0, s / jnp.maximum(nv, 1.0), jnp.float32(empty))
+class PolicyTokens(NamedTuple):
+    """The per-token masks :func:`policy_loss` returns beside its metrics, for the metric groups that read
+    them (:func:`staleness_metrics`, :func:`prox_error_metrics`). All bool [B, T], detached."""
+
+    usable: jax.Array  # valid, finite behav_logp and prox_logp
+    kept: jax.Array  # usable, not catastrophic-dropped, in band under train_infer_mode=mask
+    clipped: jax.Array  # the clip is active: a clipped term chosen, zero gradient (clip_frac's tokens)
 
 
 def policy_loss(
@@ -339,14 +350,11 @@ def policy_loss(
     cfg: LossConfig,
     *,
     turn_ids=None,
-    versions=None,
-    current_version=None,
-    old_logp=None,
     denominator=None,
     entropy=None,
     truncated: bool = False,
     train_infer: Optional[TrainInfer] = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict[str, jax.Array], PolicyTokens]:
     """Decoupled PPO loss with a separate train-infer factor (see the module docstring).
 
     Args:
@@ -357,35 +365,30 @@ def policy_loss(
         loss_mask: bool [B, T], True on tokens the policy generated.
         cfg: :class:`jax_rl.config.LossConfig` (static: Python values, closed over under jit).
         turn_ids: int [B, T] assistant turn index (-1 elsewhere); needed for level ``turn``.
-        versions: int [B, T] behaviour version per token (-1 where not generated). With
-            ``current_version`` (int scalar g, may be traced) adds staleness metrics.
-        old_logp: float [B, T] exact log pi_v; adds ``prox_abs_err_mean/max`` (the error of an
-            approximate pi_prox, ``old_logits.measure_error``).
         denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
         entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
-            (same kept tokens, weights c_bt and Z as the policy term) and ``entropy_mean``.
+            (same kept tokens, weights c_bt and Z as the policy term). Its metric is
+            :func:`entropy_metrics`'.
         truncated: static; the log-probs are under top-k/top-p truncated sampling: ``-inf``
-            logp / prox at a valid token means outside the learner's kept set (masked, counted
-            in ``masked_trunc_outside`` / ``trunc_outside_frac``; see the module docstring).
+            logp / prox at a valid token means outside the learner's kept set (masked; counted by
+            :func:`truncation_metrics`; see the module docstring).
         train_infer: :func:`train_infer_factor` of exactly these ``prox_logp``, ``behav_logp``,
             ``loss_mask`` (and ``turn_ids``), already computed: the train step computes it once per
             step over the whole batch (none of its inputs moves during the updates) and hands each
             microbatch its rows; None computes it here. Same result either way (it is per row).
 
     Returns:
-        (loss fp32 scalar, metrics dict of fp32 scalars; keys documented in the module
-        docstring, each with its reduction in :data:`METRIC_REDUCTIONS`).
+        ``(loss, metrics, tokens)``: the loss (fp32 scalar); the ``policy`` metric group (dict of
+        detached fp32 scalars, the keys of ``METRIC_GROUPS["policy"]`` whatever optional arguments are
+        given); :class:`PolicyTokens`, the per-token masks the other groups read.
 
     Raises:
-        ValueError: shapes differ from loss_mask's [B, T]; level ``turn`` without turn_ids;
-            ``versions`` without ``current_version`` or vice versa.
+        ValueError: shapes differ from loss_mask's [B, T]; level ``turn`` without turn_ids.
     """
     _check_2d("loss_mask", loss_mask)
     shape = tuple(jnp.shape(loss_mask))
     for name, x in (("logp", logp), ("advantages", advantages)):
         _check_2d(name, x, shape)
-    if (versions is None) != (current_version is None):
-        raise ValueError("versions and current_version must be given together")
     if train_infer is None:
         ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
     else:
@@ -394,23 +397,18 @@ def policy_loss(
     pg_ok, trunc_out = _truncation(ti, prox_logp, logp, truncated)
     clip = _ppo_clip(logp, advantages, ti, pg_ok, truncated, cfg)
     loss, Z, kept_pg = _aggregate(clip.pg, ti, pg_ok, truncated, cfg, denominator, entropy, shape)
-    m = _ratio_metrics(ti, clip, Z, trunc_out, entropy, cfg)
-    if versions is not None:
-        m.update(_staleness_metrics(versions, current_version, ti, clip.clipped, shape))
-    if old_logp is not None:
-        m.update(_prox_error_metrics(old_logp, ti, shape))
-    m = {k: lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
-    return loss, m
+    m = fixed("policy", _ratio_metrics(ti, clip, Z, trunc_out, cfg))
+    sg = lax.stop_gradient
+    return loss, m, PolicyTokens(usable=sg(ti.usable), kept=sg(ti.kept), clipped=sg(clip.clipped))
 
 
 def _truncation(ti: TrainInfer, prox_logp, logp, truncated: bool):
     """``(pg_ok, trunc_out)``: the tokens whose policy term can be computed (usable, and inside pi_theta's kept
     set under truncation) and, under truncation, the valid tokens outside pi_prox's or pi_theta's kept set
-    (``-inf`` log-prob; else None)."""
+    (``-inf`` log-prob, :func:`outside_kept_set`; else None)."""
     if not truncated:
         return ti.usable, None
-    out_prox = ti.valid & (lax.stop_gradient(_f32(prox_logp)) == -jnp.inf)
-    out_theta = ti.valid & (lax.stop_gradient(_f32(logp)) == -jnp.inf)
+    out_prox, out_theta = outside_kept_set(logp, prox_logp, ti.valid)
     return ti.usable & ~out_theta, out_prox | out_theta
 
 
@@ -468,8 +466,9 @@ def _aggregate(pg, ti: TrainInfer, pg_ok, truncated: bool, cfg: LossConfig, deno
     return loss, Z, kept_pg
 
 
-def _ratio_metrics(ti: TrainInfer, clip: _Clip, Z, trunc_out, entropy, cfg: LossConfig) -> dict[str, jax.Array]:
-    """The detached metrics of the train-infer factor, the clip and the ratios (module docstring)."""
+def _ratio_metrics(ti: TrainInfer, clip: _Clip, Z, trunc_out, cfg: LossConfig) -> dict[str, jax.Array]:
+    """The ``policy`` metric group: the train-infer factor, the clip and the ratios (module docstring). Under
+    truncation (``trunc_out`` given) a -inf pi_prox is the ``truncation`` group's, not a non-finite prox."""
     sg, M = lax.stop_gradient, float(cfg.max_log_ratio)
     valid, usable, kept = ti.valid, ti.usable, ti.kept
     ratio_d, lr_d = sg(clip.ratio), sg(clip.log_ratio)
@@ -484,12 +483,8 @@ def _ratio_metrics(ti: TrainInfer, clip: _Clip, Z, trunc_out, entropy, cfg: Loss
     m["train_infer_out_of_band_frac"] = _vmean(usable & ~ti.in_band, valid, nv)
     m["train_infer_catastrophic_frac"] = _vmean(usable & ti.catastrophic_row[:, None], valid, nv)
     m["masked_nonfinite_behav"] = jnp.sum(ti.nonfinite_behav.astype(jnp.float32))
-    if trunc_out is not None:
-        m["masked_nonfinite_prox"] = jnp.sum((ti.nonfinite_prox & ~trunc_out).astype(jnp.float32))
-        m["masked_trunc_outside"] = jnp.sum(trunc_out.astype(jnp.float32))
-        m["trunc_outside_frac"] = _vmean(trunc_out, valid, nv)
-    else:
-        m["masked_nonfinite_prox"] = jnp.sum(ti.nonfinite_prox.astype(jnp.float32))
+    nonfinite_prox = ti.nonfinite_prox if trunc_out is None else ti.nonfinite_prox & ~trunc_out
+    m["masked_nonfinite_prox"] = jnp.sum(nonfinite_prox.astype(jnp.float32))
     m["clip_frac"] = _vmean(clip.clipped, valid, nv)
     m["clip_active_frac"] = _vmean(clip.clip_active, valid, nv)
     m["ratio_out_of_band_frac"] = _vmean(out_of_band, valid, nv)
@@ -505,95 +500,4 @@ def _ratio_metrics(ti: TrainInfer, clip: _Clip, Z, trunc_out, entropy, cfg: Loss
     m["ratio_mean"] = _vmean(ratio_d, valid, nv, empty=1.0)
     m["ratio_min"] = jnp.min(jnp.where(valid, ratio_d, jnp.float32(math.exp(min(M, 88.0)))))
     m["ratio_max"] = jnp.max(jnp.where(valid, ratio_d, 0.0))
-    if entropy is not None:
-        m["entropy_mean"] = _vmean(jnp.where(valid, sg(_f32(entropy)), 0.0), valid, nv)
     return m
-
-
-def _staleness_metrics(versions, current_version, ti: TrainInfer, clipped, shape) -> dict[str, jax.Array]:
-    """Staleness g - v of the valid tokens with a version: its mean and max, and per bucket (0 .. the last,
-    open one) the tokens, the train-infer retained fraction and the clip fraction."""
-    _check_2d("versions", versions, shape)
-    ver = jnp.asarray(versions, jnp.int32)
-    g = jnp.asarray(current_version, jnp.int32)
-    has_v = ti.valid & (ver >= 0)
-    st = jnp.where(has_v, g - ver, 0)
-    stc = jnp.clip(st, 0, STALENESS_MAX_BUCKET)
-    n_v = jnp.sum(has_v.astype(jnp.float32))
-    m: dict[str, jax.Array] = {}
-    m["staleness_tokens"] = n_v
-    m["staleness_mean"] = _vmean(st, has_v, n_v)
-    m["staleness_max"] = jnp.max(jnp.where(has_v, st, 0)).astype(jnp.float32)
-    for k in range(STALENESS_MAX_BUCKET + 1):
-        name = f"{k}+" if k == STALENESS_MAX_BUCKET else str(k)
-        in_k = has_v & (stc == k)
-        n_k = jnp.sum(in_k.astype(jnp.float32))
-        m[f"staleness/{name}/tokens"] = n_k
-        m[f"staleness/{name}/retained"] = _vmean(ti.kept, in_k, n_k, empty=1.0)
-        m[f"staleness/{name}/clip_frac"] = _vmean(clipped, in_k, n_k)
-    return m
-
-
-def _prox_error_metrics(old_logp, ti: TrainInfer, shape) -> dict[str, jax.Array]:
-    """``prox_abs_err_mean`` / ``_max``: |log pi_prox - log pi_v| where the exact ``old_logp`` is finite."""
-    _check_2d("old_logp", old_logp, shape)
-    ex = lax.stop_gradient(_f32(old_logp))
-    ok = ti.usable & jnp.isfinite(ex)
-    err = jnp.abs(ti.prox - jnp.where(ok, ex, 0.0))
-    err = jnp.where(ok, err, 0.0)
-    nv = jnp.sum(ti.valid.astype(jnp.float32))
-    return {"prox_abs_err_mean": _vmean(err, ti.valid, nv), "prox_abs_err_max": jnp.max(err)}
-
-
-# --------------------------------------------------------------------------------------
-# Each metric's reduction (jax_rl.learner.reductions)
-# --------------------------------------------------------------------------------------
-
-
-TOKEN_MEAN = Reduction("mean", "valid_tokens")
-
-
-def _staleness_buckets() -> dict[str, Reduction]:
-    out = {}
-    for k in range(STALENESS_MAX_BUCKET + 1):
-        name = f"staleness/{k}+" if k == STALENESS_MAX_BUCKET else f"staleness/{k}"
-        out.update({f"{name}/tokens": SUM, f"{name}/retained": Reduction("mean", f"{name}/tokens"),
-                    f"{name}/clip_frac": Reduction("mean", f"{name}/tokens")})
-    return out
-
-
-METRIC_REDUCTIONS: dict[str, Reduction] = {
-    "valid_tokens": SUM,
-    "denominator": MAX,
-    "train_infer_retained": TOKEN_MEAN,
-    "train_infer_out_of_band_frac": TOKEN_MEAN,
-    "train_infer_catastrophic_frac": TOKEN_MEAN,
-    "masked_nonfinite_behav": SUM,
-    "masked_nonfinite_prox": SUM,
-    "masked_trunc_outside": SUM,
-    "trunc_outside_frac": TOKEN_MEAN,
-    "clip_frac": TOKEN_MEAN,
-    "clip_active_frac": TOKEN_MEAN,
-    "ratio_out_of_band_frac": TOKEN_MEAN,
-    "dual_clip_frac": TOKEN_MEAN,
-    "is_weight_mean": TOKEN_MEAN,
-    "is_weight_sq_mean": TOKEN_MEAN,
-    "is_weight_max": MAX,
-    "ess_frac": Reduction("ess"),
-    "kl_train_infer_k1": TOKEN_MEAN,
-    "kl_train_infer_k3": TOKEN_MEAN,
-    "kl_drift_k1": TOKEN_MEAN,
-    "kl_drift_k3": TOKEN_MEAN,
-    "ratio_mean": TOKEN_MEAN,
-    "ratio_min": MIN,
-    "ratio_max": MAX,
-    "entropy_mean": TOKEN_MEAN,
-    "staleness_tokens": SUM,
-    "staleness_mean": Reduction("mean", "staleness_tokens"),
-    "staleness_max": MAX,
-    **_staleness_buckets(),
-    "prox_abs_err_mean": TOKEN_MEAN,
-    "prox_abs_err_max": MAX,
-}
-"""The declared :class:`~jax_rl.learner.reductions.Reduction` of every metric :func:`policy_loss` returns. A
-caller adding metrics of its own passes theirs beside these to :func:`jax_rl.learner.reductions.combine_metrics`."""

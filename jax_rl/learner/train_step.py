@@ -22,7 +22,8 @@ Batch layout: rows are split ``B = U * m * r`` (U = ``optim.minibatches``, m =
 ``(u*m + j)*r : (u*m + j + 1)*r``. All log-prob forwards go through :func:`make_logprob_fn`
 (``jax_rl.learner.logprobs.sequence_logprobs``: fp32 logits, temperature ``algo.temperature``,
 and ``rollout.top_k`` / ``rollout.top_p`` reproduced when the sampler truncates: log pi_trunc,
-with tokens outside the learner's kept set masked and counted by ``losses.policy_loss``).
+with tokens outside the learner's kept set masked by ``losses.policy_loss`` and counted by
+``losses.truncation_metrics``).
 
 MoE routing replay (``moe.routing_replay``, :class:`jax_rl.routing_replay.RoutingReplay`): ``r3`` forces the rollout
 engine's recorded expert ids (``batch.routes``) in every forward of the step (pi_prox and the
@@ -57,7 +58,7 @@ from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401
 from jax_rl.sampling import truncates
 
 __all__ = ["TrainState", "PackedStep", "train_infer_once", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
-           "make_grads_fn", "make_logprob_step", "make_route_fn", "routing_agreement", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
+           "make_grads_fn", "make_logprob_step", "group_metrics", "make_route_fn", "routing_agreement", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
 
 
 @flax.struct.dataclass
@@ -315,11 +316,11 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         out = logprobs(p, x.tokens, x.attention_mask, return_entropy=with_ent, routes=x.routes,
                        return_moe_drops=moe)
         pl = prox_j if prox_j is not None else strategy.micro_prox(out.logp, x, g)
-        loss, metr = losses.policy_loss(
-            out.logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc,
-            turn_ids=x.turn_ids, versions=x.versions, current_version=g,
-            old_logp=x.old_logp, denominator=denom, entropy=out.entropy, truncated=truncated, train_infer=ti_j,
+        loss, metr, tok = losses.policy_loss(
+            out.logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc, turn_ids=x.turn_ids,
+            denominator=denom, entropy=out.entropy, truncated=truncated, train_infer=ti_j,
         )
+        metr = dict(metr, **group_metrics(x, out.logp, pl, out.entropy, g, tok, truncated))
         if moe:
             metr = dict(metr, moe_dropped_copies=lax.stop_gradient(out.moe_drops.dropped),
                         moe_copies=lax.stop_gradient(out.moe_drops.copies))
@@ -342,6 +343,24 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         (grads, loss), metr = lax.scan(body, (zeros, jnp.float32(0.0)), (mb, prox, ti))
         metr = combine_metrics(metr, STEP_REDUCTIONS)
     return loss, grads, _with_moe_frac(metr) if moe else metr
+
+
+def group_metrics(x: LearnerBatch, logp, prox_logp, entropy, g, tok: losses.PolicyTokens, truncated: bool
+                  ) -> dict[str, jax.Array]:
+    """The metric groups beside ``policy_loss``'s own (:data:`jax_rl.learner.losses.METRIC_GROUPS`) that the
+    step's static config enables: ``staleness`` always (every batch carries ``versions``), ``prox_error``
+    when the batch carries ``old_logp``, ``entropy`` when ``entropy`` [r, T] was computed
+    (``loss.entropy_coef != 0``), ``truncation`` when the sampler truncates. ``x``: one microbatch ([r, T]
+    fields); ``logp`` / ``prox_logp``: float [r, T] as the loss saw them; ``g``: int32 scalar, the
+    version being trained; ``tok``: :func:`jax_rl.learner.losses.policy_loss`'s per-token masks."""
+    m = losses.staleness_metrics(x.versions, g, x.loss_mask, tok.kept, tok.clipped)
+    if x.old_logp is not None:
+        m.update(losses.prox_error_metrics(prox_logp, x.old_logp, x.loss_mask, tok.usable))
+    if entropy is not None:
+        m.update(losses.entropy_metrics(entropy, x.loss_mask))
+    if truncated:
+        m.update(losses.truncation_metrics(logp, prox_logp, x.loss_mask))
+    return m
 
 
 STEP_REDUCTIONS: dict[str, Reduction] = {

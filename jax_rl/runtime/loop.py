@@ -158,7 +158,7 @@ def _train_and_publish(cfg: Config, learner: LearnerHandle, producer: Producer, 
     # own groups' rows, the learner the union
     if hasattr(learner, "train_groups"):  # runtime=ray: the learner actor collates what it reads in place
         metrics, batch = learner.train_groups(groups, pad_id, batch_rows)  # batch: its row count
-        groups, trajs = _sorted_groups(groups)
+        groups, trajs = B.sorted_groups(groups)
     else:
         groups, trajs, batch = B.learner_batch(cfg, groups, pad_id, rows=batch_rows)
         metrics = learner.train_step(batch, process_local=nproc > 1 and not split)
@@ -388,13 +388,6 @@ def step_row(cfg: Config, step: int, version: int, metrics: dict, batch: dict, g
     if env_spec(cfg.env.name).agentic:  # the agentic workload's shape: per-episode means over the batch
         row.update(tau2_episode_stats(trajs))
     return row
-
-
-def _sorted_groups(groups) -> tuple[list, list]:
-    """``groups`` in :func:`jax_rl.learner.batch.learner_batch`'s order (by ``group_id``) and their
-    trajectories flattened: the rows of the batch the Ray learner actor builds from the same groups."""
-    groups = sorted(groups, key=lambda g: g[0].group_id)
-    return groups, [t for g in groups for t in g]
 
 
 def rollout_moe_drops(trajs) -> dict:

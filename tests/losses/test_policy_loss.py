@@ -17,7 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_rl.config import LossConfig
-from jax_rl.learner.losses import METRIC_REDUCTIONS, STALENESS_MAX_BUCKET, loss_denominator, policy_loss
+from jax_rl.learner.losses import (
+    METRIC_GROUPS,
+    METRIC_REDUCTIONS,
+    STALENESS_MAX_BUCKET,
+    entropy_metrics,
+    loss_denominator,
+    policy_loss,
+    prox_error_metrics,
+    staleness_metrics,
+)
 from jax_rl.learner.reductions import combine_metrics
 from tests.losses._reference import plain_pg_loss, ref_policy_loss
 
@@ -36,7 +45,8 @@ _FNS: dict = {}
 
 def run(tc, cfg, logp, prox, behav, adv, mask, *, turn_ids=None, versions=None, g=None, exact=None,
         denominator=None, entropy=None):
-    """(loss, d loss / d logp, metrics) through tc.variant.
+    """(loss, d loss / d logp, metrics) through tc.variant: policy_loss's metrics and, as the train step
+    composes them, the metric groups of the optional inputs given (versions + g, exact, entropy).
 
     The raw function is cached per (config, optional-arg pattern), so jax's jit cache (keyed on
     the function) is shared by all tests and hypothesis examples: one compile per config/shape.
@@ -47,9 +57,16 @@ def run(tc, cfg, logp, prox, behav, adv, mask, *, turn_ids=None, versions=None, 
 
         def f(logp, prox, behav, adv, mask, turn_ids, versions, g, exact, denominator, entropy):
             def lf(x):
-                return policy_loss(x, prox, behav, adv, mask, cfg, turn_ids=turn_ids, versions=versions,
-                                   current_version=g, old_logp=exact, denominator=denominator,
-                                   entropy=entropy)
+                loss, m, tok = policy_loss(x, prox, behav, adv, mask, cfg, turn_ids=turn_ids,
+                                           denominator=denominator, entropy=entropy)
+                m = dict(m)
+                if versions is not None:
+                    m.update(staleness_metrics(versions, g, mask, tok.kept, tok.clipped))
+                if exact is not None:
+                    m.update(prox_error_metrics(prox, exact, mask, tok.usable))
+                if entropy is not None:
+                    m.update(entropy_metrics(entropy, mask))
+                return loss, m
 
             (loss, m), grad = jax.value_and_grad(lf, has_aux=True)(logp)
             return loss, grad, m
@@ -601,8 +618,8 @@ class PolicyLossTest(chex.TestCase):
             policy_loss(z, z, z, z, mask, _cfg(train_infer_level="turn"))
         with pytest.raises(ValueError, match="advantages"):
             policy_loss(z, z, z, np.zeros((2, 4), F32), mask, _cfg())
-        with pytest.raises(ValueError, match="current_version"):
-            policy_loss(z, z, z, z, mask, _cfg(), versions=np.zeros((2, 3), np.int32))
+        with pytest.raises(ValueError, match="versions"):
+            staleness_metrics(np.zeros((2, 4), np.int32), 0, mask, mask, mask)
 
     def test_config_errors_name_key_value_constraint(self):
         from pydantic import ValidationError
@@ -617,8 +634,9 @@ class PolicyLossTest(chex.TestCase):
     def test_gradient_is_fp32_and_shapes(self):
         lp = jnp.zeros((2, 3), jnp.bfloat16)
         mask = np.ones((2, 3), bool)
-        loss, m = policy_loss(lp, lp, lp, lp, mask, _cfg())
+        loss, m, tok = policy_loss(lp, lp, lp, lp, mask, _cfg())
         self.assertEqual(loss.dtype, jnp.float32)
+        self.assertTrue(all(x.shape == (2, 3) and x.dtype == jnp.bool_ for x in tok))
         self.assertTrue(all(v.shape == () and v.dtype == jnp.float32 for v in m.values()))
 
 
@@ -641,19 +659,21 @@ def test_a_name_alone_decides_no_reduction():
         combine_metrics(parts, {"valid_tokens": SUM, "foo_max": Reduction("mean", "count")})
 
 
-def test_every_policy_loss_metric_declares_its_reduction():
-    """Every key :func:`policy_loss` can return (all optional inputs given, truncation on) has a declared
-    reduction, and the train step declares every key one of its updates adds."""
+def test_every_metric_declares_its_reduction():
+    """policy_loss returns exactly the ``policy`` group's keys (all optional inputs given, truncation on), every
+    group is in METRIC_REDUCTIONS, and the train step declares every key one of its updates adds."""
     from jax_rl.learner.train_step import STEP_REDUCTIONS
 
     rng = np.random.default_rng(0)
     B, T = 2, 5
     mask = np.ones((B, T), bool)
     lp = rng.normal(size=(B, T)).astype(np.float32) - 2
-    _, m = policy_loss(lp, lp - 0.1, lp + 0.1, np.ones((B, T), np.float32), mask, _cfg(dual_clip_c=3.0),
-                       versions=np.zeros((B, T), np.int32), current_version=2, old_logp=lp,
-                       entropy=np.ones((B, T), np.float32), truncated=True)
-    assert set(m) <= set(METRIC_REDUCTIONS), sorted(set(m) - set(METRIC_REDUCTIONS))
-    assert {f"staleness/{STALENESS_MAX_BUCKET}+/tokens", "prox_abs_err_max", "entropy_mean"} <= set(m)
+    _, m, _ = policy_loss(lp, lp - 0.1, lp + 0.1, np.ones((B, T), np.float32), mask, _cfg(dual_clip_c=3.0),
+                          entropy=np.ones((B, T), np.float32), truncated=True)
+    assert sorted(m) == sorted(METRIC_GROUPS["policy"])
+    assert set(METRIC_REDUCTIONS) == {k for g in METRIC_GROUPS.values() for k in g}
+    assert sum(map(len, METRIC_GROUPS.values())) == len(METRIC_REDUCTIONS)  # no key in two groups
+    assert {f"staleness/{STALENESS_MAX_BUCKET}+/tokens", "prox_abs_err_max", "entropy_mean",
+            "masked_trunc_outside"} <= set(METRIC_REDUCTIONS)
     assert set(METRIC_REDUCTIONS) <= set(STEP_REDUCTIONS)
     assert STEP_REDUCTIONS["nonfinite_updates"].over_updates == "sum"

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.config import LossConfig
-from jax_rl.learner.losses import METRIC_REDUCTIONS, policy_loss
+from jax_rl.learner.losses import METRIC_REDUCTIONS, policy_loss, truncation_metrics
 from jax_rl.learner.reductions import combine_metrics
 
 F32 = np.float32
@@ -20,8 +20,9 @@ LH = math.log(0.5)
 
 
 def _run(cfg, logp, prox, behav, adv, mask, truncated=True, entropy=None):
-    def lf(x):
-        return policy_loss(x, prox, behav, adv, mask, cfg, truncated=truncated, entropy=entropy)
+    def lf(x):  # the policy group, and the truncation group when truncated (as the train step composes them)
+        loss, m, _ = policy_loss(x, prox, behav, adv, mask, cfg, truncated=truncated, entropy=entropy)
+        return loss, dict(m, **truncation_metrics(x, prox, mask)) if truncated else m
 
     (loss, m), g = jax.jit(jax.value_and_grad(lf, has_aux=True))(jnp.asarray(logp))
     return float(loss), np.asarray(g), {k: float(v) for k, v in m.items()}
@@ -102,7 +103,8 @@ def test_model_loss_and_grads_finite_with_tokens_outside_the_kept_set():
 
     def loss_fn(p, mask):
         lp, ent = logp_ent(p)
-        return policy_loss(lp, lp0, behav, adv, mask, lc, entropy=ent, truncated=True)
+        loss, m, _ = policy_loss(lp, lp0, behav, adv, mask, lc, entropy=ent, truncated=True)
+        return loss, dict(m, **truncation_metrics(lp, lp0, mask))
 
     (loss, m), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, jnp.asarray(lm))
     n_out = int(np.sum(lm & ~np.isfinite(np.asarray(lp0))))
