@@ -80,6 +80,7 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}  # key -> page
         self._version_of: dict[int, int] = {}  # published page -> the version that computed it
         self.seqs: dict[object, _Seq] = {}
+        self._floor = 0  # pages of versions below it are stale (drop_versions_below)
         self.metrics = collections.Counter(kv_preemptions=0, kv_prefix_page_hits=0, kv_pages_evicted=0,
                                            kv_pages_copied=0)
 
@@ -94,10 +95,30 @@ class PagePool:
         """Pages an allocation can take now (free + cached, unreferenced)."""
         return len(self._free) + len(self._cached)
 
+    def live_positions(self) -> int:
+        """Distinct positions whose K/V the sequences' pages hold: per page in use, the most positions
+        of it any sequence referencing it holds (a page shared by a group's G samples counts once). A
+        sequence's length includes the positions :meth:`ensure` made writable for a decode call in flight."""
+        filled: dict[int, int] = {}
+        ps = self.page_size
+        for s in list(self.seqs.values()):  # a snapshot: another thread may log while the engine runs
+            length = s.length
+            for j, p in enumerate(list(s.pages)):
+                n = min(ps, length - j * ps)
+                if n > filled.get(p, 0):
+                    filled[p] = n
+        return sum(filled.values())
+
     def stats(self) -> dict[str, int]:
-        """``kv_pages_in_use``, ``kv_pages_free``, ``kv_pages_cached`` and the counters."""
-        return dict(kv_pages_in_use=self.pages_in_use, kv_pages_free=len(self._free),
-                    kv_pages_cached=len(self._cached), **self.metrics)
+        """``kv_pages_in_use`` (pages with a reference), ``kv_held_tokens`` (their positions:
+        ``kv_pages_in_use x page_size``), ``kv_live_tokens`` (:meth:`live_positions`), ``kv_sequences``
+        (sequences holding pages), ``kv_pages_free``, ``kv_pages_cached`` and the counters.
+        ``kv_held_tokens / kv_live_tokens`` is the pool's overhead: partial last pages and pages made
+        writable ahead of a decode call (at most ``page_size - 1 + decode_steps`` positions a sequence)."""
+        in_use = self.pages_in_use
+        return dict(kv_pages_in_use=in_use, kv_held_tokens=in_use * self.page_size,
+                    kv_live_tokens=self.live_positions(), kv_sequences=len(self.seqs),
+                    kv_pages_free=len(self._free), kv_pages_cached=len(self._cached), **self.metrics)
 
     def pages_for(self, length: int) -> int:
         """Pages holding ``length`` positions."""
@@ -148,6 +169,8 @@ class PagePool:
             raise AssertionError(f"page {p} released with no reference")
         self.refs[p] -= 1
         if self.refs[p] == 0:
+            if p in self._key_of and self._version_of.get(p, self._floor) < self._floor:
+                self._unpublish(p)  # computed by weights older than the last drop: never matched again
             if p in self._key_of:
                 self._cached[p] = None  # most recently used at the end
             else:
@@ -248,20 +271,30 @@ class PagePool:
         """Pages only ``seq_id`` references: what :meth:`free` of it would return to the free/cached pages."""
         return sum(1 for p in self.seqs[seq_id].pages if self.refs[p] == 1)
 
-    def publish(self, seq_id, tokens) -> int:
+    def publish(self, seq_id, tokens, pages_out: bool = False):
         """Publish the sequence's full pages under its version's chained keys (``tokens``: the
         positions it holds, at least its full pages' worth), so later sequences at the same
-        version share them. A key already published keeps its page. Returns the pages published."""
+        version share them. A key already published keeps its page. Returns how many pages it
+        published (``pages_out``: the list of them, for :meth:`retract`)."""
         s = self.seqs[seq_id]
-        prev, n = None, 0
+        prev, out = None, []
         for j in range(min(len(tokens), s.length) // self.page_size):
             prev = page_key(prev, s.version, tokens[j * self.page_size:(j + 1) * self.page_size])
             p = s.pages[j]
             if prev in self._page_of or p in self._key_of:
                 continue
             self._page_of[prev], self._key_of[p], self._version_of[p] = p, prev, s.version
-            n += 1
-        return n
+            out.append(p)
+        return out if pages_out else len(out)
+
+    def retract(self, pages) -> None:
+        """Unpublish ``pages`` (published before their K/V were written, by a call that then failed): no
+        lookup finds them again; an unreferenced one goes back to the free list."""
+        for p in pages:
+            self._unpublish(p)
+            if p in self._cached:
+                del self._cached[p]
+                self._free.append(p)
 
     def free(self, seq_id) -> None:
         """Drop the sequence's references (its published pages stay cached until evicted)."""
@@ -276,7 +309,11 @@ class PagePool:
 
     def drop_versions_below(self, version: int) -> int:
         """Return the unreferenced cached pages of versions < ``version`` to the free list (after a
-        weight swap they can never be matched again). Returns how many."""
+        weight swap they can never be matched again), and from now on such a page whose last reference
+        goes (a held sequence's, ``rollout.partial=continue``) goes to the free list too, not to the
+        LRU of cached pages, where it would take room a fresh process does not spend. Returns how
+        many were freed now."""
+        self._floor = max(self._floor, int(version))
         stale = [p for p in self._cached if self._version_of.get(p, version) < version]
         for p in stale:
             del self._cached[p]

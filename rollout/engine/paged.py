@@ -11,8 +11,10 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 - a GRPO group's identical prompts are prefilled once and the other samples' slots reference the
   same pages (:meth:`PagePool.fork`: no K/V copied); the first decode write into the shared
   partial last page copies that page (copy on write);
-- a fresh prompt whose leading full pages were computed before *by the same weights* references
-  them (:meth:`PagePool.admit`; ``kv_prefix_page_hits``) and is prefilled from there: the env
+- a fresh prompt whose leading full pages were computed before *by the same weights* (in an earlier
+  call or by an earlier row of the same call: a call's rows are published as they are admitted, so
+  what a row computes does not depend on how admissions were batched) references them
+  (:meth:`PagePool.admit`; ``kv_prefix_page_hits``) and is prefilled from there: the env
   prefix cache by reference. Pages are keyed by the engine's weight epoch (+1 whenever a prefill
   runs other params than the last one), so after a weight swap no new request reads a page of the
   old weights; a held session keeps its own pages (its partial policy decides, as with the
@@ -320,26 +322,36 @@ class PagedSlots:
         rows = list(rows)
         self._check_rows(rows)
         self._check_epoch(params)
+        published: list[int] = []
         try:
-            return self._prefill_paged(params, decode_state, rows)
-        except PoolExhausted:  # take back what the rows got: the caller may queue them again
-            for r in rows:
-                self._forget(int(r.slot))
+            return self._prefill_paged(params, decode_state, rows, published)
+        except BaseException as e:
+            self.kv_pool.retract(published)  # pages whose K/V this call may not have written
+            if isinstance(e, PoolExhausted):  # take back what the rows got: the caller may queue them again
+                for r in rows:
+                    self._forget(int(r.slot))
             raise
 
-    def _prefill_paged(self, params: Any, decode_state: dict, rows: list) -> tuple[dict, list[PrefillResult]]:
+    def _prefill_paged(self, params: Any, decode_state: dict, rows: list, published: list
+                       ) -> tuple[dict, list[PrefillResult]]:
+        """The rows' pages, then their programs. A fresh row's full pages are published as it is admitted
+        (``published``: what the caller retracts if the call fails), so a later row of the same call with
+        the same leading full pages references them as it would after an earlier call: which pages a row
+        computes does not depend on how the generator batched its admissions. Such a row runs in a later
+        wave of programs than the rows whose pages it reads (``run``'s third field)."""
         res = [dict(prefill_tokens=0, shared=False) for _ in rows]
         owners: dict[tuple, int] = {}
         members: list[tuple[int, int]] = []  # (row index, owner row index)
-        run: list[tuple[int, int]] = []  # (row index, start of the computed positions)
+        run: list[tuple[int, int, int]] = []  # (row index, start of the computed positions, wave)
         copies: list[tuple[int, int]] = []
+        wave_of: dict[int, int] = {}  # page written by this call -> the wave of programs writing it
         for i, r in enumerate(rows):
             slot, ctx = int(r.slot), [int(t) for t in r.tokens[:-1]]
             start = int(r.start)
             if start and slot not in self._preempted and slot in self.kv_pool.seqs:
                 self._held.pop(slot, None)  # never the victim of its own allocation
                 copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
-                run.append((i, start))
+                run.append((i, start, 0))
                 continue
             key = tuple(ctx)
             self._release(slot)
@@ -350,7 +362,13 @@ class PagedSlots:
             # an engine recording MoE routes reports the routes of every prompt position: no prefix hits
             hit = self._retry(lambda: self.kv_pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes))
             copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
-            run.append((i, hit))
+            pages = self.kv_pool.seqs[slot].pages
+            n_hit = hit // self.kv_pool.page_size
+            wave = 1 + max((wave_of.get(p, -1) for p in pages[:n_hit]), default=-1)
+            wave_of.update((p, wave) for p in pages[n_hit:])
+            run.append((i, hit, wave))
+            if not start:
+                published += self.kv_pool.publish(slot, ctx, pages_out=True)
         for i, o in members:
             self.kv_pool.fork(int(rows[o].slot), int(rows[i].slot))
             res[i]["shared"] = True
@@ -368,23 +386,21 @@ class PagedSlots:
             for k in ("routes", "moe_dropped"):
                 if k in res[o]:
                     res[i][k] = res[o][k] if k == "routes" else 0
-        for i, r in enumerate(rows):
-            slot = int(r.slot)
-            self._plen[slot], self._pactive[slot] = len(r.tokens) - 1, True
-            if int(r.start) == 0 and i in owners.values():
-                self.kv_pool.publish(slot, [int(t) for t in r.tokens[:-1]])
+        for r in rows:
+            self._plen[int(r.slot)], self._pactive[int(r.slot)] = len(r.tokens) - 1, True
         return state, [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"), x.get("moe_dropped"))
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
-        """The computed rows, grouped by (new-token bucket, own page bucket): one program each."""
-        groups: dict[tuple[int, Optional[int]], list[tuple[int, int]]] = {}
-        for i, st in run:
+        """The computed rows, grouped by (wave, new-token bucket, own page bucket): one program each, the
+        waves in order (a row reading pages another row of the call writes runs after it)."""
+        groups: dict[tuple[int, int, Optional[int]], list[tuple[int, int]]] = {}
+        for i, st, wave in run:
             n_new = len(rows[i].tokens) - 1 - st
-            groups.setdefault((prefill_bucket(max(n_new, 1), self.max_cache_len),
+            groups.setdefault((wave, prefill_bucket(max(n_new, 1), self.max_cache_len),
                                self._bucket(len(rows[i].tokens) - 1)), []).append((i, st))
         B = self._slots
-        for (T, npages), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        for (_, T, npages), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
             nb = B
             buf = np.zeros((nb, T), np.int32)
             starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))

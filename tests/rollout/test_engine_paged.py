@@ -108,3 +108,43 @@ def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
                                            SlotPrefill(list(range(50, 90)), slot=3, seed=3)])  # 5 of 3 left
     # the failed call took back what its rows got: the generator may queue them again (rollout.kv_pressure)
     assert not {2, 3} & set(pag.kv_pool.seqs) and pag.kv_stats()["kv_pages_in_use"] == in_use
+    # and unpublished the full page slot 2's row published before its K/V were written
+    assert pag.kv_pool.lookup(list(range(100, 110)), pag._kv_epoch) == []
+
+
+def test_rows_of_one_call_share_prefix_pages_as_rows_of_separate_calls(model):
+    """Which pages a row computes must not depend on how the generator batched its admissions into calls
+    (a paged K=0 run and its kill -9 resume prefilled 86 and 54 tokens at the same step: the straight run
+    admitted two groups sharing the system prompt's pages in one call, the resumed one in two). The
+    dependent row computes fewer tokens (a smaller bucket) and must still run after the row whose pages
+    it reads."""
+    ref, pag = _engines(model)
+    a = list(range(3, 23))  # 19 context positions: 2 full pages + 3
+    b = a[:16] + list(range(60, 66))  # the same 2 full pages, then 5 of its own
+    rows = [SlotPrefill(a, slot=0, seed=1), SlotPrefill(b, slot=1, seed=2)]
+    t1, l1, p1 = _run(pag, rows)
+    assert p1 == [19, 5] and pag.kv_stats()["kv_prefix_page_hits"] == 2
+    _, sep = _engines(model)
+    st = sep.init_decode_state()
+    st, r0 = sep.prefill_slots(sep.params, st, rows[:1])
+    st, r1 = sep.prefill_slots(sep.params, st, rows[1:])
+    assert [r0[0].prefill_tokens, r1[0].prefill_tokens] == p1
+    t0, l0, _ = _run(ref, rows)
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)
+
+
+def test_kv_stats_count_live_positions_once_per_shared_page(model):
+    """kv_held_tokens / kv_live_tokens / kv_sequences (issue 46's pages held per live token), by hand:
+    pages of 8; a group of 3 sharing a 19-position prompt (pages 8 + 8 + 3) and a 10-position prompt
+    (8 + 2)."""
+    _, pag = _engines(model)
+    st = pag.init_decode_state()
+    st, _ = pag.prefill_slots(pag.params, st, _rows(list(range(3, 23)), list(range(40, 51))))
+    s = pag.kv_stats()
+    assert (s["kv_sequences"], s["kv_pages_in_use"], s["kv_held_tokens"], s["kv_live_tokens"]) == (4, 5, 40, 29)
+    st, _ = pag.decode(pag.params, st)
+    # one more position each: slots 0 and 1 copy the shared partial page on write (4 positions each),
+    # slot 2 keeps the original (4), the full pages stay shared (16), slot 3 has 8 + 3
+    s = pag.kv_stats()
+    assert (s["kv_sequences"], s["kv_pages_in_use"], s["kv_held_tokens"], s["kv_live_tokens"]) == (4, 7, 56, 39)

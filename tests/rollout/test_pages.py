@@ -71,6 +71,31 @@ def test_drop_versions_below_frees_stale_cached_pages():
     assert pool.lookup(list(range(9)), 1) == [] and len(pool.lookup(list(range(9)), 2)) == 2
 
 
+def test_a_stale_page_released_after_the_drop_goes_to_the_free_list():
+    """A page of an older version still referenced at the drop (a held sequence under
+    rollout.partial=continue) is freed, not cached, when its last reference goes: the pool then holds what
+    a fresh process would."""
+    pool = PagePool(8, PS)
+    pool.admit("held", list(range(9)), version=1)
+    pool.ensure("held", 9)
+    pool.publish("held", list(range(9)))
+    assert pool.drop_versions_below(2) == 0  # referenced: kept
+    pool.free("held")
+    assert pool.stats()["kv_pages_cached"] == 0 and pool.stats()["kv_pages_free"] == 8
+    assert pool.lookup(list(range(9)), 1) == []
+
+
+def test_retract_unpublishes_pages_a_failed_call_published():
+    pool = PagePool(8, PS)
+    pool.admit("a", list(range(9)), version=0)
+    pool.ensure("a", 9)
+    pages = pool.publish("a", list(range(9)), pages_out=True)
+    assert len(pages) == 2 and len(pool.lookup(list(range(9)), 0)) == 2
+    pool.retract(pages)
+    pool.free("a")
+    assert pool.lookup(list(range(9)), 0) == [] and pool.stats()["kv_pages_free"] == 8
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random admits (prompts drawn from a few shared prefixes, versions 0-2), forks, writes,
     publishes, frees, preemptions and version drops; the invariants hold after every step."""

@@ -143,10 +143,12 @@ def test_sigterm_resume_kill9_resume_exact_steps(tmp_path, updates):
 @pytest.mark.timeout(3000)
 def test_paged_kill9_resume_k0_identical(tmp_path):
     """rollout.kv_layout=paged (issue 46): a K=0 run killed with SIGKILL after its second step and resumed
-    logs the rows of a run never stopped, bit for bit (tokens, rewards, losses, ratios, versions...), K/V
-    pool counters aside (``kv_*``: the engine's, per process, so a resumed process starts them from 0) and
-    ``prefill_tokens``: on pages it differs after the resume (86 straight vs 54 resumed at step 3, 2026-12-05;
-    the pool's state is not checkpointed and which prefix pages a step finds depends on it; not resolved)."""
+    logs the rows of a run never stopped, bit for bit (tokens, rewards, losses, ratios, versions,
+    ``prefill_tokens``...), K/V pool counters aside (``kv_*``: the engine's, per process, so a resumed
+    process starts them from 0). ``prefill_tokens`` once differed (86 straight vs 54 resumed at step 3,
+    2026-12-05): the straight run admitted two groups sharing prefix pages in one prefill call, the resumed
+    one in two, and rows of one call did not share pages; they do now
+    (``test_rows_of_one_call_share_prefix_pages_as_rows_of_separate_calls``)."""
     from tests.runtime.test_train import _strip
 
     common = ["run.steps=4", "async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3",
@@ -164,7 +166,7 @@ def test_paged_kill9_resume_k0_identical(tmp_path):
     assert [x["step"] for x in rb] == [1, 2, 3, 4]
     assert all("kv_pages_in_use" in x for x in ra + rb)
     same = lambda row: {k: v for k, v in _strip(row).items()  # noqa: E731
-                        if not k.startswith("kv_") and k != "prefill_tokens"}
+                        if not k.startswith("kv_")}
     for x, y in zip(ra, rb):
         assert same(x) == same(y), x["step"]
 
