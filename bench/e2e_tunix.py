@@ -70,6 +70,17 @@ class _TunixMeter:
         return out
 
 
+def train_timed(learner: Any, meter: "_TunixMeter", batches: Any, keys: tuple, derive: Any = None) -> tuple[list, float]:
+    """Run ``learner.train(batches)`` and return ``(step rows, RL wall seconds)``: per step its wall time (from
+    ``meter``'s wrappers), the ``keys`` of the meter's accumulators and ``derive(wall, acc)``'s columns."""
+    t0 = time.perf_counter()
+    learner.train(batches)
+    rl_wall = time.perf_counter() - t0
+    rows = [{"step": i + 1, "wall_s": wall, **{k: r[k] for k in keys}, **(derive(wall, r) if derive else {})}
+            for i, (wall, r) in enumerate(meter.walls(t0))]
+    return rows, rl_wall
+
+
 def tunix_cluster(cfg: Any, model: Any, tok: Any, prompt_len: int, max_tokens: int, steps: int, **rollout_kw) -> Any:
     """Tunix's ``RLCluster`` for both Tunix arms: actor, reference and rollout on one device, the
     optimizer jax-rl's (global-norm clip then AdamW, ``cfg.optim``), the vanilla rollout engine at
@@ -146,18 +157,12 @@ def tunix_run(hf_dir: Path, src: Path, steps: int, n_tasks: int, k: int, seed: i
             # arrays: Tunix repeats every leaf G times (np.repeat); a list would be a tree of leaves
             yield {"prompts": np.array([prompts[s][1] for s in ss]), "seed": np.array(ss)}
 
-    t0 = time.perf_counter()
-    learner.train(batches())
-    t_end = time.perf_counter()
-    step_rows = []
-    for i, (wall, r) in enumerate(meter.walls(t0)):
-        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
-                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "score_s": r["score_s"],
-                          "update_s": r["update_s"], "sync_s": r["sync_s"],
-                          "host_s": wall - r["gen_s"] - r["score_s"] - r["update_s"] - r["sync_s"],
-                          "reward_mean": r["reward_sum"] / max(r["n"], 1)})
+    step_rows, rl_wall = train_timed(
+        learner, meter, batches(), ("gen_tokens", "trained_tokens", "gen_s", "score_s", "update_s", "sync_s"),
+        lambda wall, r: {"host_s": wall - r["gen_s"] - r["score_s"] - r["update_s"] - r["sync_s"],
+                         "reward_mean": r["reward_sum"] / max(r["n"], 1)})
     ev = heldout_success(cluster.actor_trainer.model, task, qcfg, n_tasks, k) if n_tasks > 0 else None
-    return {"steps": step_rows, "rl_wall_s": t_end - t0, "heldout": ev,
+    return {"steps": step_rows, "rl_wall_s": rl_wall, "heldout": ev,
             "should_sync_weights": bool(learner.should_sync_weights),
             "async_rollout": bool(learner.can_enable_async_rollout), "prompt_len_max": P}
 
@@ -298,12 +303,6 @@ def tunix_agentic_run(hf_dir: Path, src: Path, steps: int, off_policy_steps: int
             qs = np.array([env0.reset(s)[0][1]["content"] for s in ss])
             yield {"prompts": qs, "question": qs, "seed": np.array(ss)}  # Tunix's learner reads "prompts"
 
-    t0 = time.perf_counter()
-    learner.train(batches())
-    t_end = time.perf_counter()
-    step_rows = []
-    for i, (wall, r) in enumerate(meter.walls(t0)):
-        step_rows.append({"step": i + 1, "wall_s": wall, "gen_tokens": r["gen_tokens"],
-                          "trained_tokens": r["trained_tokens"], "gen_s": r["gen_s"], "update_s": r["update_s"],
-                          "sync_s": r["sync_s"], "gen_calls": r["gen_calls"]})
-    return {"steps": step_rows, "rl_wall_s": t_end - t0, "off_policy_steps": off_policy_steps}
+    step_rows, rl_wall = train_timed(
+        learner, meter, batches(), ("gen_tokens", "trained_tokens", "gen_s", "update_s", "sync_s", "gen_calls"))
+    return {"steps": step_rows, "rl_wall_s": rl_wall, "off_policy_steps": off_policy_steps}
