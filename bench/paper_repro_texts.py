@@ -231,11 +231,14 @@ order.
   commit as the last session's (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and
   rules, one run at a time on core 1, in the order above from (a) 14 (both arms rerun); clock stop 14:30 UTC,
   unrun seeds carry over in the same order.
+- 14:30 UTC, the clock stop: this session ran (a) seeds 14 (both arms again: `guarded` 0.355 this time, the
+  dropped earlier record 0.388), 15 and 16, (b) 21-23, (c) seeds 2-4 (all four cells each). (a) seed 17 had
+  started 99 s before the stop and left no record. Next in order: (a) 17, (b) 0, (c) 5, (a) 18, ...
 """
 
 PREREG_50_PLOTS = """\
 Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the paired (a) runs of the
-regenerated warm start so far (seeds 10-13; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
+regenerated warm start so far (seeds 10-16; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
 threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
