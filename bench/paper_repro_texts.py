@@ -234,9 +234,9 @@ order.
 - 14:30 UTC, the clock stop: this session ran (a) seeds 14 (both arms again: `guarded` 0.355 this time, the
   dropped earlier record 0.388), 15 and 16, (b) 21-23, (c) seeds 2-4 (all four cells each). (a) seed 17 had
   started 99 s before the stop and left no record. Next in order: (a) 17, (b) 0, (c) 5, (a) 18, ...
-- 14:31 UTC (committed at 14:31:49, the same second the runner started after it): core 1 is free until the session ends, so a second block runs in the
-  same order from (a) 17, same commit, settings and rules, to a clock stop at 14:58 UTC; a run the stop cuts
-  leaves no record and reruns first next time.
+- 14:31 UTC (committed at 14:31:49, the same second the runner started after it): core 1 is free until the
+  session ends, so a second block runs in the same order from (a) 17, same commit, settings and rules, to a
+  clock stop at 14:58 UTC; a run the stop cuts leaves no record and reruns first next time.
 """
 
 PREREG_50_PLOTS = """\
