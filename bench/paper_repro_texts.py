@@ -237,6 +237,8 @@ order.
 - 14:31 UTC (committed at 14:31:49, the same second the runner started after it): core 1 is free until the
   session ends, so a second block runs in the same order from (a) 17, same commit, settings and rules, to a
   clock stop at 14:58 UTC; a run the stop cuts leaves no record and reruns first next time.
+- 14:58 UTC, the second clock stop: it ran (a) 17 and (b) 0; (c) seed 5's first cell had started 94 s before the
+  stop and left no record. Next in order: (c) 5, (a) 18, (b) 1, (c) 6, (a) 19, ...
 """
 
 PREREG_50_PLOTS = """\
