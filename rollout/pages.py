@@ -271,11 +271,11 @@ class PagePool:
         """Pages only ``seq_id`` references: what :meth:`free` of it would return to the free/cached pages."""
         return sum(1 for p in self.seqs[seq_id].pages if self.refs[p] == 1)
 
-    def publish(self, seq_id, tokens, pages_out: bool = False):
+    def publish(self, seq_id, tokens) -> list[int]:
         """Publish the sequence's full pages under its version's chained keys (``tokens``: the
         positions it holds, at least its full pages' worth), so later sequences at the same
-        version share them. A key already published keeps its page. Returns how many pages it
-        published (``pages_out``: the list of them, for :meth:`retract`)."""
+        version share them. A key already published keeps its page. Returns the pages it published
+        (what :meth:`retract` takes back)."""
         s = self.seqs[seq_id]
         prev, out = None, []
         for j in range(min(len(tokens), s.length) // self.page_size):
@@ -285,7 +285,7 @@ class PagePool:
                 continue
             self._page_of[prev], self._key_of[p], self._version_of[p] = p, prev, s.version
             out.append(p)
-        return out if pages_out else len(out)
+        return out
 
     def retract(self, pages) -> None:
         """Unpublish ``pages`` (published before their K/V were written, by a call that then failed): no

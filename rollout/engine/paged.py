@@ -368,7 +368,7 @@ class PagedSlots:
             wave_of.update((p, wave) for p in pages[n_hit:])
             run.append((i, hit, wave))
             if not start:
-                published += self.kv_pool.publish(slot, ctx, pages_out=True)
+                published += self.kv_pool.publish(slot, ctx)
         for i, o in members:
             self.kv_pool.fork(int(rows[o].slot), int(rows[i].slot))
             res[i]["shared"] = True

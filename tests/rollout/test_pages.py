@@ -34,7 +34,7 @@ def test_prefix_hits_only_at_the_same_version_and_never_the_last_token():
     prompt = list(range(100, 113))  # 3 full pages + 1
     pool.admit("a", prompt, version=3)
     pool.ensure("a", len(prompt))
-    assert pool.publish("a", prompt) == 3
+    assert len(pool.publish("a", prompt)) == 3
     pool.free("a")  # its pages stay cached
     assert pool.stats()["kv_pages_cached"] == 3
     assert pool.admit("b", prompt, version=4) == 0  # another version: no hit
@@ -89,7 +89,7 @@ def test_retract_unpublishes_pages_a_failed_call_published():
     pool = PagePool(8, PS)
     pool.admit("a", list(range(9)), version=0)
     pool.ensure("a", 9)
-    pages = pool.publish("a", list(range(9)), pages_out=True)
+    pages = pool.publish("a", list(range(9)))
     assert len(pages) == 2 and len(pool.lookup(list(range(9)), 0)) == 2
     pool.retract(pages)
     pool.free("a")
