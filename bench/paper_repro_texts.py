@@ -239,7 +239,7 @@ order.
   clock stop at 14:58 UTC; a run the stop cuts leaves no record and reruns first next time.
 - 14:58 UTC, the second clock stop: it ran (a) 17 and (b) 0; (c) seed 5's first cell had started 94 s before the
   stop and left no record. Next in order: (c) 5, (a) 18, (b) 1, (c) 6, (a) 19, ...
-- Next session, 2026-12-05 15:30 UTC (committed before any run of it started): the runs go on from the same
+- Next session, 2026-12-05 15:29 UTC (committed at 15:29:11, the second the runner started after it): the runs go on from the same
   commit (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and rules, one run at a
   time on core 1, in the order above from (c) 5 (all four cells); clock stop 18:05 UTC, a run the stop cuts
   leaves no record and reruns first next time.
