@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -106,35 +107,38 @@ def _wgrad(x: Array, dy: Array) -> Array:
     return jnp.dot(jax.lax.optimization_barrier(dy.T), x).T
 
 
-@jax.custom_vjp
-def _dense(x: Array, w: Array) -> Array:
-    """``x [..., I] @ w [I, O]`` (x.dtype); same values and gradients as the plain dot, with a
-    backward laid out for XLA:CPU (see ``_wgrad``)."""
-    return jnp.dot(x, w)
+def _contract(x: Array, w: Array, n_in: int) -> Array:
+    """The last ``n_in`` dims of x against the first ``n_in`` of w, w in its stored shape."""
+    dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+    return jax.lax.dot_general(x, w, dims)
 
 
-def _dense_fwd(x, w):
-    return jnp.dot(x, w), (x, w)
-
-
-def _dense_bwd(res, dy):
-    x, w = res
-    dy = dy.astype(x.dtype)
-    dx = jnp.dot(dy, w.T)
-    dw = _wgrad(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
-    return dx, dw.astype(w.dtype)
-
-
-_dense.defvjp(_dense_fwd, _dense_bwd)
-
-
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _proj(x: Array, w: Array, n_in: int = 1) -> Array:
     """Contract the last ``n_in`` dims of x with the first ``n_in`` of w (an einsum such as
-    ``btd,dnh->btnh``) as one 2-D ``_dense``."""
-    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
-    y = _dense(x.reshape(*x.shape[:x.ndim - n_in], math.prod(in_shape)),
-               w.reshape(math.prod(in_shape), math.prod(out_shape)))
-    return y.reshape(*x.shape[:x.ndim - n_in], *out_shape)
+    ``btd,dnh->btnh``), in x.dtype.
+
+    The forward contracts w in its stored shape: flattening ``[D, K, H]`` to ``[D, K*H]`` is
+    not a bitcast under the TPU's (8, 128) tiling, so a reshaped weight is copied into a new
+    layout every decode step (462 MiB per step at Qwen3-0.6B x 32 slots, by the TPU compiler;
+    docs/performance.md). The backward works on 2-D views laid out for XLA:CPU (``_wgrad``)."""
+    return _contract(x, w, n_in)
+
+
+def _proj_fwd(x, w, n_in):
+    return _contract(x, w, n_in), (x, w)
+
+
+def _proj_bwd(n_in, res, dy):
+    x, w = res
+    w2 = w.reshape(math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:]))
+    dy2 = dy.astype(x.dtype).reshape(-1, w2.shape[1])
+    dx = jnp.dot(dy2, w2.T).reshape(x.shape)
+    dw = _wgrad(x.reshape(-1, w2.shape[0]), dy2)
+    return dx, dw.reshape(w.shape).astype(w.dtype)
+
+
+_proj.defvjp(_proj_fwd, _proj_bwd)
 
 
 class Attention(nnx.Module):
