@@ -1,7 +1,7 @@
 """End-to-end RL steps, jax-rl vs Tunix 0.1.7's GRPOLearner: same weights, task, batch, optimizer.
 
     /work/bench-venv/bin/python bench/e2e_rl.py [--steps 40] [--warmup 3] [--rounds 2]
-        [--arms jaxrl_k0 tunix jaxrl_k2 roles_k0 roles_k2] [--eval-tasks 64] [--eval-k 4]
+        [--arms jaxrl_k0 tunix jaxrl_k2 roles_k0 roles_k2 jaxrl_k0_paged ...] [--eval-tasks 64] [--eval-k 4]
         [--sft-steps 300] [--out runs/e2e_rl] [--json docs/results/e2e_rl_<date>.json]
         [--jax-rl-python .venv/bin/python] [--src DIR]
 
@@ -38,7 +38,12 @@ rollout threads in one process sharing both cores) with ``async.max_staleness`` 
 ``roles_k0`` / ``roles_k2``: the same with the roles on separate cores (``runtime=ray
 runtime.ray_workers=1 runtime.learner_cpus=[0] runtime.rollout_cpus=[1]``, docs/placement.md);
 ``tunix``: GRPOLearner colocated (one mesh for actor and rollout: the rollout shares the actor's
-params, synchronous, as Tunix runs whenever actor and rollout share a mesh).
+params, synchronous, as Tunix runs whenever actor and rollout share a mesh). An arm ending in ``_paged``
+(``jaxrl_k0_paged``, ``jaxrl_k2_paged``, ``agentic_k0_paged``, ``agentic_k2_paged``) is the arm without the
+suffix with the engine on pages (``rollout.kv_layout=paged``, the pool at its default size: the contiguous
+layout's memory); every other jax-rl arm runs the default contiguous layout. Each run and arm summary records
+its ``kv_layout`` (None for Tunix); a paged arm's ratio is taken against Tunix (:data:`REFERENCE`) and, round
+by round, against its contiguous twin (:data:`CONTIGUOUS`: ``ratio_vs_contiguous``, contiguous s/step / paged).
 
 Per RL step (one optimizer update on 64 trajectories): ``wall_s`` (jax-rl: ``metrics.jsonl``
 ``wall_s`` differences; Tunix: the end of one ``update_actor`` to the end of the next),
@@ -116,13 +121,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _record import add_platform_arg, environment, select_platform  # noqa: E402
 
 select_platform()  # --platform cpu|gpu|tpu: JAX_PLATFORMS of this process and of every arm's process (default cpu)
-ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2", "agentic_k0", "tunix_agentic_k0", "agentic_k2",
-        "tunix_agentic_k2")
-SINGLE_TURN_ARMS = ARMS[:5]
+PAGED = "_paged"  # suffix of a jax-rl arm run with rollout.kv_layout=paged (the arm without it: contiguous)
+ARMS = ("jaxrl_k0", "tunix", "jaxrl_k2", "roles_k0", "roles_k2", "jaxrl_k0_paged", "jaxrl_k2_paged",
+        "agentic_k0", "tunix_agentic_k0", "agentic_k2", "tunix_agentic_k2", "agentic_k0_paged", "agentic_k2_paged")
+SINGLE_TURN_ARMS = tuple(x for x in ARMS if not x.startswith(("agentic", "tunix_agentic")))
 # the arm each arm's ratio is taken against (jax-rl / Tunix per RL step)
 REFERENCE = {"jaxrl_k0": "tunix", "jaxrl_k2": "tunix", "roles_k0": "tunix", "roles_k2": "tunix", "tunix": "tunix",
              "agentic_k0": "tunix_agentic_k0", "agentic_k2": "tunix_agentic_k2",
              "tunix_agentic_k0": "tunix_agentic_k0", "tunix_agentic_k2": "tunix_agentic_k2"}
+REFERENCE.update({x: REFERENCE[x.removesuffix(PAGED)] for x in ARMS if x.endswith(PAGED)})
+# each paged arm's contiguous twin (the second ratio of a paged arm: contiguous s/step / paged s/step)
+CONTIGUOUS = {x: x.removesuffix(PAGED) for x in ARMS if x.endswith(PAGED)}
 from e2e_task import (AGENTIC_MAX_TOKENS, AGENTIC_OVERRIDES, AGENTIC_TURNS, BATCH, GROUP,  # noqa: E402,F401
                       HELDOUT_SEED, MAX_NEW, SIZE_ENV, SIZES, Task, _src_path, direct_answer_demo, eval_hf,
                       heldout_success, load_cfg, prepare, size_overrides)
@@ -148,20 +157,37 @@ def jaxrl_steps(run_dir: Path) -> list[dict]:
     return out
 
 
+def kv_layout(arm: str) -> Optional[str]:
+    """``rollout.kv_layout`` of a jax-rl ``arm`` (``paged`` for a ``_paged`` arm, else ``contiguous``); None for
+    a Tunix arm."""
+    return None if arm.startswith("tunix") else ("paged" if arm.endswith(PAGED) else "contiguous")
+
+
+def jaxrl_overrides(arm: str) -> list[str]:
+    """The ``jax-rl train`` overrides that make a jax-rl ``arm`` what its name says, on top of ``bench/e2e_rl.yaml``
+    and the size: ``async.max_staleness`` (``k0``/``k2``), the agentic task, the roles placement (``roles_*``:
+    learner on the first core of this process's affinity, rollout on the second) and the K/V layout
+    (:func:`kv_layout`). Raises ValueError for an arm not in :data:`ARMS` or a Tunix arm."""
+    if arm not in ARMS or kv_layout(arm) is None:
+        raise ValueError(f"{arm!r} is not a jax-rl arm (one of {[x for x in ARMS if not x.startswith('tunix')]})")
+    base = arm.removesuffix(PAGED)
+    out = [f"async.max_staleness={2 if base.endswith('k2') else 0}", f"rollout.kv_layout={kv_layout(arm)}"]
+    if base.startswith("agentic"):
+        out += AGENTIC_OVERRIDES
+    if base.startswith("roles"):
+        cpus = sorted(os.sched_getaffinity(0))
+        out += ["runtime=ray", "runtime.ray_workers=1", f"runtime.learner_cpus=[{cpus[0]}]",
+                f"runtime.rollout_cpus=[{cpus[1 % len(cpus)]}]"]
+    return out
+
+
 def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: str, seed: int,
               timeout: float) -> dict:
-    """One ``jax-rl train`` subprocess of ``arm``; returns its steps and RL wall seconds."""
-    k = 2 if arm.endswith("k2") else 0
-    extra = AGENTIC_OVERRIDES if arm.startswith("agentic") else []
-    roles = []
-    if arm.startswith("roles"):
-        cpus = sorted(os.sched_getaffinity(0))
-        roles = ["runtime=ray", "runtime.ray_workers=1", f"runtime.learner_cpus=[{cpus[0]}]",
-                 f"runtime.rollout_cpus=[{cpus[1 % len(cpus)]}]"]
+    """One ``jax-rl train`` subprocess of ``arm`` (:func:`jaxrl_overrides`); returns its steps, RL wall seconds and
+    ``kv_layout``."""
     cmd = [py, "-m", "jax_rl.cli", "train", str(src / "bench" / "e2e_rl.yaml"), f"model.checkpoint={hf_dir}",
            f"model.tokenizer={hf_dir / 'tokenizer.json'}", "sft.steps=0", f"run.steps={steps}",
-           f"async.max_staleness={k}", f"run.seed={seed}", f"run.dir={run_dir}", *roles, *size_overrides(),
-           *extra]
+           f"run.seed={seed}", f"run.dir={run_dir}", *size_overrides(), *jaxrl_overrides(arm)]
     env = {**os.environ, "PYTHONPATH": str(src), "RAY_AUTH_MODE": "disabled"}  # JAX_PLATFORMS: --platform
     t = time.perf_counter()
     with open(str(run_dir) + ".log", "w") as log:
@@ -169,7 +195,8 @@ def jaxrl_run(arm: str, hf_dir: Path, src: Path, run_dir: Path, steps: int, py: 
     if rc != 0:
         raise RuntimeError(f"{arm}: jax-rl train exited {rc}; log {run_dir}.log")
     st = jaxrl_steps(run_dir)
-    return {"steps": st, "rl_wall_s": sum(s["wall_s"] for s in st), "process_s": time.perf_counter() - t}
+    return {"steps": st, "rl_wall_s": sum(s["wall_s"] for s in st), "process_s": time.perf_counter() - t,
+            "kv_layout": kv_layout(arm)}
 
 
 def gen_probe(hf_dir: Path, src: Path, prompt_len: int, rounds: int = 5) -> dict:
@@ -269,14 +296,16 @@ def arm_summary(runs: list[dict], warmup: int) -> dict:
     return out
 
 
-def round_ratios(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
-    """Per arm, the ratio to its reference arm (:data:`REFERENCE`: Tunix's learner of the same task) round
-    by round: reference median s/step / the arm's median s/step over the steps after ``warmup``, of the
-    runs of the same round (rounds interleave the arms, so a round's two runs saw about the same load).
-    Returns ``{arm: {"rounds": [...], "median", "min", "max"}}`` for the arms whose reference ran."""
+def round_ratios(runs: dict[str, list[dict]], warmup: int, reference: Optional[dict] = None) -> dict[str, dict]:
+    """Per arm, the ratio to its reference arm (``reference``, default :data:`REFERENCE`: Tunix's learner of the
+    same task; :data:`CONTIGUOUS` for the paged arms' second ratio) round by round: reference median s/step /
+    the arm's median s/step over the steps after ``warmup``, of the runs of the same round (rounds interleave
+    the arms, so a round's two runs saw about the same load). Returns ``{arm: {"rounds": [...], "median",
+    "min", "max"}}`` for the arms whose reference ran."""
+    reference = REFERENCE if reference is None else reference
     out: dict[str, dict] = {}
     for arm, rs in runs.items():
-        ref = {r["round"]: r for r in runs.get(REFERENCE.get(arm, ""), [])}
+        ref = {r["round"]: r for r in runs.get(reference.get(arm, ""), [])}
         xs = []
         for r in rs:
             if r["round"] in ref:
@@ -414,6 +443,11 @@ def summarize(runs: dict[str, list[dict]], base: dict, warmup: int) -> tuple[dic
         if s.get("heldout_final") is not None and base.get("success") is not None:
             s["heldout_gain_per_100s"] = (s["heldout_final"] - base["success"]) / s["rl_wall_s"] * 100
     rr = round_ratios(runs, warmup)
+    for arm, q in round_ratios(runs, warmup, CONTIGUOUS).items():  # paged arms against their contiguous twins
+        if arm in summ:
+            summ[arm]["ratio_vs_contiguous"] = q
+    for arm, s in summ.items():
+        s["kv_layout"] = kv_layout(arm)
     failed = [f"{r['arm']} r{r['round']}: {r['error']}" for rs in runs.values() for r in rs if "error" in r]
     if failed:
         print("failed runs (left out of the medians, kept in the record):\n  " + "\n  ".join(failed))
@@ -448,6 +482,11 @@ def print_table(summ: dict, rr: dict) -> None:
             print(f"{arm} / {REFERENCE[arm]} per RL step, median of {len(q['rounds'])} round(s): {q['median']:.2f}x "
                   f"[{q['min']:.2f}-{q['max']:.2f}] (target >= {target}x: "
                   f"{'met' if q['median'] >= target else 'missed'})")
+    for arm, s in summ.items():
+        q = s.get("ratio_vs_contiguous")
+        if q:
+            print(f"{arm} (paged) / {CONTIGUOUS[arm]} (contiguous) per RL step, median of {len(q['rounds'])} "
+                  f"round(s): {q['median']:.2f}x [{q['min']:.2f}-{q['max']:.2f}] (> 1 = paged faster)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -129,3 +129,28 @@ def test_question_text_reads_the_learners_numpy_rows(e2e):
         e2e.question_text(np.array([q, q]))
     with pytest.raises(ValueError, match="one string"):
         e2e.question_text(np.array([], dtype=str))
+
+
+def test_paged_arms_are_their_contiguous_twins_on_pages(e2e):
+    """A ``_paged`` arm runs its twin's overrides plus ``rollout.kv_layout=paged`` (a valid config of the bench's
+    task), takes its twin's Tunix reference, and gets a second per-round ratio against the twin."""
+    from tests.bench_module import ROOT
+
+    for arm, twin in e2e.CONTIGUOUS.items():
+        assert arm in e2e.ARMS and twin in e2e.ARMS and e2e.REFERENCE[arm] == e2e.REFERENCE[twin]
+        assert (arm in e2e.SINGLE_TURN_ARMS) == (twin in e2e.SINGLE_TURN_ARMS)
+        mine, theirs = e2e.jaxrl_overrides(arm), e2e.jaxrl_overrides(twin)
+        assert "rollout.kv_layout=paged" in mine and "rollout.kv_layout=contiguous" in theirs
+        assert sorted(mine) == sorted(o.replace("=contiguous", "=paged") for o in theirs)
+    assert set(e2e.CONTIGUOUS) == {"jaxrl_k0_paged", "jaxrl_k2_paged", "agentic_k0_paged", "agentic_k2_paged"}
+    assert "async.max_staleness=2" in e2e.jaxrl_overrides("agentic_k2_paged")
+    cfg = e2e.load_cfg(ROOT, e2e.jaxrl_overrides("agentic_k0_paged"))
+    assert cfg.rollout.kv_layout == "paged" and cfg.rollout.max_turns == e2e.AGENTIC_TURNS
+    assert [e2e.kv_layout(a) for a in ("tunix", "tunix_agentic_k0", "jaxrl_k0", "agentic_k0_paged")] == [
+        None, None, "contiguous", "paged"]
+    with pytest.raises(ValueError, match="tunix"):
+        e2e.jaxrl_overrides("tunix")
+    runs = {"jaxrl_k0": [_run("jaxrl_k0", 0, [9, 1.0]), _run("jaxrl_k0", 1, [9, 2.0])],
+            "jaxrl_k0_paged": [_run("jaxrl_k0_paged", 0, [9, 2.0]), _run("jaxrl_k0_paged", 1, [9, 1.0])]}
+    rr = e2e.round_ratios(runs, warmup=1, reference=e2e.CONTIGUOUS)
+    assert list(rr) == ["jaxrl_k0_paged"] and rr["jaxrl_k0_paged"]["rounds"] == pytest.approx([0.5, 2.0])
