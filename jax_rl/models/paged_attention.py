@@ -133,8 +133,8 @@ def paged_attention_kernel_ref(q: Array, kv_pages: Array, page_table: Array, sta
                                lengths: Array) -> Array:
     """:func:`paged_attention_kernel`'s packing around the kernel's own pure-JAX reference
     (``ref_ragged_paged_attention``, which JAX tests the kernel against). Eager only (the
-    reference loops over the concrete sequence count); for tests off a TPU, where the kernel
-    itself cannot run (see ``tests/test_paged_attention.py``)."""
+    reference loops over the concrete sequence count); a check of the packing alone, off a TPU
+    (``tests/models/test_paged_attention.py``; the kernel itself runs there in interpret mode)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
     return _packed_call(ref_ragged_paged_attention, q, kv_pages, page_table, starts, lengths)
@@ -153,9 +153,10 @@ def paged_attention_kernel(q: Array, kv_pages: Array, page_table: Array, starts:
     The [B, T] queries are packed into the kernel's ragged [sum(lengths), N, H] form
     (``_packed_call``); the kernel's causal mask (query i of a row at ``kv_len - q_len + i``) is
     the module's convention. Needs ``H % 128 == 0`` (the kernel's lane tiling). ``interpret``:
-    Pallas TPU interpret mode; in jax 0.10.2 it fails on this kernel (a reshaped VMEM ref, see
-    the tests). Block sizes: the kernel's tuned table reads the local TPU's version, so off a TPU
-    (an AOT compile from a CPU host) both are needed; default here ``min(M, max(1, 128 // ps))``
+    Pallas TPU interpret mode (on CPU; jax 0.10.2's interpreter needs the test-only shim and the
+    block sizes in ``tests/models/test_paged_attention.py`` to read this kernel). Block sizes:
+    the kernel's tuned table reads the local TPU's version, so off a TPU (an AOT compile from a
+    CPU host) both are needed; default here ``min(M, max(1, 128 // ps))``
     pages and ``min(B*T, 32)`` queries per block. Returns [B, T, N, H] (q.dtype; padded tokens 0).
     """
     from jax.experimental.pallas import tpu as pltpu
