@@ -92,10 +92,8 @@ def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int) -> tup
     (S = num_pages * page_size; cache dtype)."""
     B = page_table.shape[0]
     _, ps, K2, H = kv_pages.shape
-    # [.., 2K, H] -> [.., K, 2, H], not strided slices: on a mesh the pool's combined-head axis is
-    # split over ``tensor`` in whole kv heads, and the split kv-head axis keeps that sharding
-    kv = kv_pages[jnp.maximum(page_table[:, :num_pages], 0)].reshape(B, num_pages * ps, K2 // 2, 2, H)
-    return kv[:, :, :, 0], kv[:, :, :, 1]
+    kv = kv_pages[jnp.maximum(page_table[:, :num_pages], 0)].reshape(B, num_pages * ps, K2, H)
+    return kv[:, :, 0::2], kv[:, :, 1::2]
 
 
 def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,
