@@ -34,6 +34,15 @@ against the contiguous layout, with the engine's API and outputs unchanged:
   construction, vLLM's rule): a lone active slot can always grow to the cache end once held slots
   are preempted and cached pages evicted.
 
+On a mesh (``Qwen3Engine(..., mesh=)``, a sharded rollout engine): params as the contiguous sharded
+engine places them; each layer's pool split on its combined head axis over the axis that splits the kv
+heads (``tensor``), in whole kv heads so a shard keeps its heads' keys and values together (replicated
+where the kv heads do not divide, as the contiguous cache); the pages are not split (any slot may hold any
+page: the pool is replicated over ``data`` / ``expert``, where the contiguous cache splits its slots), the
+page table, lengths and per-slot vectors replicated (:func:`paged_state_shardings`). XLA partitions the
+gather path; the TPU kernel runs per shard in ``shard_map``
+(:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`). The host side is unchanged.
+
 Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
 contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
 the pages are the prefix cache).
