@@ -112,3 +112,28 @@ def test_kv_heads_that_do_not_divide_tensor_leave_the_pool_whole(devices):
     eng = Qwen3Engine(q.get_preset("tiny_dense"), None, mesh=_mesh(devices, data=2), **kw)
     assert all(s.spec == P(None, None, "tensor", None) for s in eng.state_shardings["cache"].kv)
     assert eng.state_shardings["cache"].page_table.spec == P()
+
+
+def test_generator_on_a_sharded_paged_engine_with_preemption(model, devices):
+    """The Generator (admission by free pages, preemption of an active request and its re-prefill:
+    rollout/kv_pressure.py) over the paged engine on a tensor mesh with a pool of one sequence (8 pages
+    of 8 for 4 slots): the tokens and behav_logp (greedy, fp32, 1e-5) of the colocated paged engine
+    with a pool that never runs short."""
+    from rollout.generator import Generator
+
+    def gen(pages, mesh=None):
+        eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32",
+                          temperature=0.0, kv_layout="paged", kv_page_size=PS, kv_pages=pages, mesh=mesh)
+        return Generator(eng, decode_steps=2, prefix_cache=0)
+
+    prompts = [list(range(3 + i, 8 + 2 * i)) for i in range(5)]
+    out = {}
+    for name, g in (("ref", gen(4 * S // PS)), ("sharded", gen(S // PS, _mesh(devices)))):
+        futs = [g.submit(p, max_new_tokens=24, seed=i) for i, p in enumerate(prompts)]
+        g.run_until_idle()
+        out[name] = ([f.result() for f in futs], g.kv_stats())
+    (ref, _), (got, kv) = out["ref"], out["sharded"]
+    assert kv["kv_preempted_requests"] > 0 and kv["kv_reprefill_tokens"] > 0
+    for a, b in zip(ref, got):
+        assert b.tokens == a.tokens and len(b.tokens) == 24
+        np.testing.assert_allclose(b.behav_logp, a.behav_logp, atol=1e-5, rtol=0)

@@ -66,6 +66,7 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
     assert seen & {1, 2, 3}  # tokens of published versions came back from the sharded engine
 
 
+@pytest.mark.slow  # ~75 s here; make test covers the engine and the Generator on a mesh (tests/rollout/test_paged_engine_mesh.py)
 @pytest.mark.timeout(300)
 def test_train_with_a_paged_sharded_rollout_engine(tmp_path, devices, monkeypatch):
     """rollout.kv_layout=paged on the same placement: the engines are paged and sharded (each layer's
