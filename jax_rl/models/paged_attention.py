@@ -34,7 +34,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from jax_rl.models.xla_attention import attend
