@@ -198,9 +198,6 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
               only=(key,), mesh=em)
     if r.kv_layout == "paged":  # the paged programs (rollout/engine/paged.py) over the configured pool
-        if em is not None:
-            raise ConfigError("rollout.kv_layout=paged runs a colocated engine only: no rollout.mesh / "
-                              "placement.rollout sharded engine to compile")
         kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
     rk = dict(role="rollout", devices=devs)

@@ -77,7 +77,8 @@ class RolloutConfig(_Section):
     pool: a request waits in the queue until its prompt fits (kv_admission_waits); a decode step that needs a
     page preempts a slot held between turns, else the most recently admitted active request, whose pages are
     freed and whose prompt + generated tokens are re-prefilled when it is admitted again (kv_preemptions,
-    kv_preempted_requests; rollout/kv_pressure.py). A colocated engine only (no rollout.mesh)."""
+    kv_preempted_requests; rollout/kv_pressure.py). On a rollout.mesh the pool is split over tensor in whole KV
+    heads, as the contiguous cache (replicated where they do not divide), and replicated over data and expert."""
     kv_page_size: int = Field(16, ge=1)
     """Positions per K/V page (kv_layout: paged)."""
     kv_pages: Optional[int] = Field(None, ge=1)
@@ -87,7 +88,8 @@ class RolloutConfig(_Section):
     kv_pool_gib: Optional[float] = Field(None, gt=0)
     """The engine's K/V pool as a memory budget in GiB (kv_layout: paged), instead of kv_pages: pages =
     floor(budget / bytes per page), a page being kv_page_size positions x layers x KV heads x head_dim x 2
-    (K, V) x the bytes of rollout.dtype. null = kv_pages decides."""
+    (K, V) x the bytes of rollout.dtype (an engine's whole pool: on a rollout.mesh each chip holds its tensor
+    shard of it). null = kv_pages decides."""
     max_new_tokens_per_turn: int = Field(64, ge=1)
     """Generated-token budget per assistant turn."""
     max_tokens_per_episode: int = Field(256, ge=1)

@@ -19,6 +19,11 @@ Which path runs where (``paged_attention``): TPU: the ragged paged attention ker
 the XLA gather path. The Pallas GPU ``paged_attention`` (``jax.experimental.pallas.ops.gpu``) is
 decode-only (one query per sequence) and wants separate ``[K, P, page_size, H]`` key and value
 pools; in this layout it would need a transpose of the pool per step, so the GPU runs the XLA path.
+
+On a mesh (a sharded rollout engine, ``jax.set_mesh``): the pool's combined head axis is split over
+the axis that splits the kv heads (``tensor``), in whole kv heads, so each shard's slice keeps the
+key/value interleave; the XLA path is partitioned by XLA, the kernel runs per shard in
+``jax.shard_map`` (:func:`paged_attention_kernel_sharded`).
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_rl.models.xla_attention import attend
+from jax_rl.sharding import logical_to_pspec
 
 Array = jax.Array
 
 __all__ = ["pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
-           "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention", "gather_contiguous"]
+           "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
+           "paged_attention", "gather_contiguous", "pool_head_spec"]
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -176,6 +184,41 @@ def paged_attention_kernel(q: Array, kv_pages: Array, page_table: Array, starts:
     return _packed_call(ragged_paged_attention, q, kv_pages, page_table, starts, lengths, **kw)
 
 
+def pool_head_spec(num_q_heads: int, num_kv_heads: int, mesh) -> tuple:
+    """``(q_spec, kv_spec)``: the mesh axes (or None) the q heads and the pool's kv heads are split over
+    on ``mesh`` (the learner's rules, ``q_heads`` / ``kv_heads``: ``tensor``), both None unless they are
+    split alike (the divisibility is the kv heads', so a shard holds whole kv heads: key and value of
+    kv head k at its combined heads ``2k`` and ``2k + 1``, as the kernel reads them; splitting the
+    combined axis of 1 kv head over 2 shards would put the keys on one and the values on the other)."""
+    hspec = logical_to_pspec(("q_heads",), shape=(num_q_heads,), mesh=mesh)[0]
+    kspec = logical_to_pspec(("kv_heads",), shape=(num_kv_heads,), mesh=mesh)[0]
+    return (hspec, kspec) if hspec == kspec else (None, None)
+
+
+def paged_attention_kernel_sharded(q: Array, kv_pages: Array, page_table: Array, starts: Array,
+                                   lengths: Array, *, mesh=None, **kernel_kw) -> Array:
+    """:func:`paged_attention_kernel` on a mesh (default: the ambient ``jax.set_mesh`` one; none: the
+    kernel as is). A Mosaic kernel cannot be partitioned automatically, so it runs in ``jax.shard_map``:
+    rows (q, page table, starts, lengths) over the ``activation_batch`` axes that divide B, q heads and
+    the pool's combined head axis over the axis that splits the kv heads (:func:`pool_head_spec`); the
+    pool is replicated over every other axis (the engine's layout, ``rollout.engine.paged``). Each shard
+    runs the kernel on its rows and heads: its q heads ``[s N/T, (s+1) N/T)`` attend to its kv heads
+    ``[s K/T, (s+1) K/T)`` (GQA groups never straddle shards). ``kernel_kw`` go to the kernel
+    (``interpret``, block sizes). Same arguments and result as :func:`paged_attention_kernel`."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty:
+        return paged_attention_kernel(q, kv_pages, page_table, starts, lengths, **kernel_kw)
+    B, _, N, _ = q.shape
+    bspec = logical_to_pspec(("activation_batch",), shape=(B,), mesh=mesh)[0]
+    hspec, kspec = pool_head_spec(N, kv_pages.shape[-2] // 2, mesh)
+    rows = P(bspec, None, hspec, None)
+    body = jax.shard_map(functools.partial(paged_attention_kernel, **kernel_kw), mesh=mesh,
+                         in_specs=(rows, P(None, None, kspec, None), P(bspec, None), P(bspec), P(bspec)),
+                         out_specs=rows, check_vma=False)
+    return body(q, kv_pages, jnp.asarray(page_table, jnp.int32), jnp.asarray(starts, jnp.int32),
+                jnp.asarray(lengths, jnp.int32))
+
+
 _TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_backend", default=None)
 
 
@@ -195,9 +238,10 @@ def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array,
                     num_pages: int | None = None, *, backend: str | None = None) -> Array:
     """Attention over live pages on the path for ``backend`` (default: the :func:`target_backend`
     in effect, else JAX's default backend): ``"tpu"``: :func:`paged_attention_kernel` (reads the
-    page table itself; ``num_pages`` unused); otherwise :func:`paged_attention_xla`. Same arguments
-    and result as those."""
+    page table itself; ``num_pages`` unused), per shard on an ambient mesh
+    (:func:`paged_attention_kernel_sharded`); otherwise :func:`paged_attention_xla` (partitioned by
+    XLA on a mesh). Same arguments and result as those."""
     backend = backend or _TARGET_BACKEND.get() or jax.default_backend()
     if backend == "tpu":
-        return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
+        return paged_attention_kernel_sharded(q, kv_pages, page_table, starts, lengths)
     return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)

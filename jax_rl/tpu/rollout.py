@@ -52,10 +52,10 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     ``jax.set_mesh(mesh)``, as the sharded engine runs them. ``params_per_chip`` and
     ``kv_cache_per_chip`` are then the bytes of one device's shards.
 
-    ``kv_layout="paged"`` (``rollout.kv_layout``; a colocated engine, no ``mesh``): the engine's paged
-    programs (``rollout.engine.paged``) over a pool of ``kv_pages`` pages of ``kv_page_size`` positions
-    (None: the contiguous layout's memory), their attention the TPU ragged paged attention kernel
-    (:func:`jax_rl.models.paged_attention.target_backend`); ``kv_cache_per_chip`` is then the pool.
+    ``kv_layout="paged"`` (``rollout.kv_layout``): the engine's paged programs (``rollout.engine.paged``)
+    over a pool of ``kv_pages`` pages of ``kv_page_size`` positions (None: the contiguous layout's memory),
+    their attention the TPU ragged paged attention kernel (:func:`jax_rl.models.paged_attention.target_backend`;
+    on ``mesh`` per shard in ``shard_map``); ``kv_cache_per_chip`` is then the pool (one chip's shard of it).
     """
     spec = resolve_topology(topology)
     topo = get_topology(topology)
@@ -92,7 +92,7 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
                          max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
                          **({"mesh": mesh} if sharded else {}), **paging)
-    if not sharded:  # a paged engine is one device's (its kernel is not partitioned): one chip
+    if not sharded:  # the colocated paged engine is one device's (its kernel unpartitioned): one chip
         mesh = Mesh(np.array(topo.devices[:1] if paging else topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 

@@ -71,6 +71,7 @@ and the runtimes log their step sums as ``rollout/moe_dropped_copies``, ``rollou
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from typing import Any, Optional, Union
@@ -83,8 +84,9 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import PAGED_PROGRAMS, PagedSlots, PagedStepPrograms
-from rollout.engine.programs import StepConfig, StepPrograms, build_programs, program_shardings
+from rollout.engine.paged import PagedSlots, PagedStepPrograms, build_paged_programs, paged_state_shardings
+from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
+                                     program_shardings)
 from rollout.engine.sampler import StepOutput
 from rollout.engine.slots import MIN_BUCKET, SlotManager
 from rollout.engine.weights import EngineWeights, resolve_dtype
@@ -152,7 +154,10 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
       kv_layout, kv_page_size, kv_pages: ``"contiguous"`` (``max_cache_len`` positions per slot) or
         ``"paged"``: one pool of ``kv_pages`` pages (None: ``slots x ceil(max_cache_len / kv_page_size)``)
         of ``kv_page_size`` positions (:mod:`rollout.engine.paged`); ValueError when the pool holds fewer
-        than ``max_cache_len`` positions (one sequence).
+        than ``max_cache_len`` positions (one sequence). With a ``mesh`` the pool is split over the
+        axis that splits the kv heads (``tensor``; whole kv heads per shard, replicated where they do
+        not divide) and replicated over the others; the page table and per-slot vectors are
+        replicated (:func:`rollout.engine.paged.paged_state_shardings`).
     """
 
     def __init__(
@@ -178,9 +183,8 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         kv_pages: Optional[int] = None,
     ) -> None:
         _check_args(slots, max_cache_len, top_p, quantize)
-        if kv_layout not in ("contiguous", "paged") or (kv_layout == "paged" and mesh is not None):
-            raise ValueError(f"kv_layout must be 'contiguous' or 'paged' (paged: a colocated engine, no mesh), "
-                             f"got {kv_layout!r}{' with a mesh' if mesh is not None else ''}")
+        if kv_layout not in ("contiguous", "paged"):
+            raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
         self.kv_layout = kv_layout
         """``"contiguous"`` (``max_cache_len`` reserved per slot) or ``"paged"`` (:mod:`rollout.engine.paged`)."""
         self.quantize = quantize
@@ -276,18 +280,19 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         cfg = StepConfig(slots=self._slots, max_cache_len=self.max_cache_len, dtype=self.dtype, top_k=self.top_k,
                          top_p=self.top_p, record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops,
                          per_layer_cache=self._per_layer_cache, decode_valid=self._decode_valid)
-        if self.kv_layout == "paged":
+        paged = self.kv_layout == "paged"
+        if paged:
             steps = PagedStepPrograms(cfg, self._model, self._dequantized, page_size=self.kv_pool.page_size,
                                       num_pages=self.kv_pool.num_pages)
-            self._jits = {name: jax.jit(getattr(steps, m), donate_argnums=d, **st)
-                          for name, (m, d, st) in PAGED_PROGRAMS.items()}
-            return
-        steps = StepPrograms(cfg, self._model, self._dequantized)
+            state_fn = functools.partial(paged_state_shardings, num_q_heads=self.config.num_attention_heads,
+                                         num_kv_heads=self.config.num_key_value_heads)
+        else:
+            steps, state_fn = StepPrograms(cfg, self._model, self._dequantized), decode_state_shardings
         outs = None
         if self._sharded:
             self.state_shardings, outs = program_shardings(steps, self._mesh, self._abstract_params, self.config,
-                                                           self._sharding)
-        self._jits = build_programs(steps, outs)
+                                                           self._sharding, state_fn)
+        self._jits = build_paged_programs(steps, outs) if paged else build_programs(steps, outs)
 
     # ------------------------------------------------------------------ model plumbing
     def _model(self, params: Any) -> Any:

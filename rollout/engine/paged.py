@@ -34,6 +34,15 @@ against the contiguous layout, with the engine's API and outputs unchanged:
   construction, vLLM's rule): a lone active slot can always grow to the cache end once held slots
   are preempted and cached pages evicted.
 
+On a mesh (``Qwen3Engine(..., mesh=)``, a sharded rollout engine): params as the contiguous sharded
+engine places them; each layer's pool split on its combined head axis over the axis that splits the kv
+heads (``tensor``), in whole kv heads so a shard keeps its heads' keys and values together (replicated
+where the kv heads do not divide, as the contiguous cache); the pages are not split (any slot may hold any
+page: the pool is replicated over ``data`` / ``expert``, where the contiguous cache splits its slots), the
+page table, lengths and per-slot vectors replicated (:func:`paged_state_shardings`). XLA partitions the
+gather path; the TPU kernel runs per shard in ``shard_map``
+(:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`). The host side is unchanged.
+
 Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
 contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
 the pages are the prefix cache).
@@ -50,14 +59,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rl.models import qwen3 as _q
-from jax_rl.models.paged_attention import page_bucket, pages_for
+from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
 from rollout.engine.programs import StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
 from rollout.pages import PagePool, PoolExhausted
 
-__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS"]
+__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "build_paged_programs", "paged_state_shardings"]
 
 
 class PagedStepPrograms(StepPrograms):
@@ -152,22 +161,53 @@ class PagedStepPrograms(StepPrograms):
                          "rollout.kv_layout=contiguous")
 
 
-PAGED_PROGRAMS = {  # name -> (method, donate_argnums, static)
-    "init_state": ("init_state", (), {}),
-    "set_table": ("set_table", (0,), {}),
-    "copy_pages": ("copy_pages", (0,), {}),
-    "copy_slot": ("copy_slot", (0,), {}),
-    "free_slots": ("deactivate", (0,), {}),
-    "generate": ("generate", (1,), {"static_argnames": ("num_pages",)}),
-    "decode_steps": ("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
-    "append_prefill": ("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
-    "prefill": ("prefill", (), {}),
-    "insert": ("unsupported", (), {}),
-    "generate_result": ("unsupported", (), {}),
-    "prefill_slots": ("unsupported", (), {}),
+PAGED_PROGRAMS = {  # name -> (method, donate_argnums, static, out: programs.ProgramDef.out, None: no outputs)
+    "init_state": ("init_state", (), {}, "state"),
+    "set_table": ("set_table", (0,), {}, "state"),
+    "copy_pages": ("copy_pages", (0,), {}, "state"),
+    "copy_slot": ("copy_slot", (0,), {}, "state"),
+    "free_slots": ("deactivate", (0,), {}, "state"),
+    "generate": ("generate", (1,), {"static_argnames": ("num_pages",)}, "state_rep"),
+    "decode_steps": ("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}, "state_rep"),
+    "append_prefill": ("extend_slots", (1,), {"static_argnames": ("num_pages",)}, "state_rep"),
+    "prefill": ("prefill", (), {}, "prefix"),
+    "insert": ("unsupported", (), {}, None),
+    "generate_result": ("unsupported", (), {}, None),
+    "prefill_slots": ("unsupported", (), {}, None),
 }
 """The paged engine's programs (the contiguous ``prefill_slots`` / ``insert`` / ``generate_result``
 have no paged form; ``prefill`` is the batch-1 PrefixKV prefill, layout-free)."""
+
+
+def build_paged_programs(steps: PagedStepPrograms, outs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """``jax.jit`` of every :data:`PAGED_PROGRAMS` row over ``steps``; ``outs``: a sharded engine's
+    out_shardings by kind (:func:`rollout.engine.programs.program_shardings` with
+    :func:`paged_state_shardings`), None: the colocated engine's programs (no out_shardings)."""
+    return {name: jax.jit(getattr(steps, m), donate_argnums=d, **st,
+                          **({} if outs is None or out is None else {"out_shardings": outs[out]}))
+            for name, (m, d, st, out) in PAGED_PROGRAMS.items()}
+
+
+def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh, *, num_q_heads: int,
+                          num_kv_heads: int) -> dict:
+    """The paged decode state's shardings on ``mesh`` (a sharded engine): every layer's pool
+    [P, page_size, 2K, H] (stacked: [L, P, page_size, 2K, H]) split on its combined head axis over the
+    axis that splits the kv heads in the contiguous engine's cache (``tensor``), in whole kv heads
+    (:func:`jax_rl.models.paged_attention.pool_head_spec`: replicated where the q heads and the K kv
+    heads do not split alike, as the contiguous cache drops an axis that does not divide K); the
+    pages themselves are not split (any slot may hold any page). The page table, the lengths and
+    every per-slot vector are replicated (the host rewrites the table before each call)."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    head = pool_head_spec(num_q_heads, num_kv_heads, mesh)[1]
+    cache = abstract_state["cache"]
+
+    def pool(a):
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * (a.ndim - 2), head, None))
+
+    kv = tuple(pool(a) for a in cache.kv) if isinstance(cache.kv, tuple) else pool(cache.kv)
+    out = {key: rep for key in abstract_state if key != "cache"}
+    out["cache"] = cache.replace(kv=kv, page_table=rep, lengths=rep)
+    return out
 
 
 class PagedSlots:

@@ -384,12 +384,13 @@ def decode_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh) -> dic
 
 
 def program_shardings(steps: StepPrograms, mesh: jax.sharding.Mesh, abstract_params: Any, model_config: Any,
-                      replicated: Any) -> tuple[dict, dict[str, Any]]:
-    """``(state_shardings, outs)`` of a sharded engine: the decode state's shardings (the state keeps
-    its layout step after step, so a donated state aliases the new one) and the out_shardings of each
-    :class:`ProgramDef` ``out`` kind for :func:`build_programs`."""
+                      replicated: Any, state_fn: Callable[[dict, Any], dict] = decode_state_shardings
+                      ) -> tuple[dict, dict[str, Any]]:
+    """``(state_shardings, outs)`` of a sharded engine: the decode state's shardings (``state_fn`` of the
+    abstract state and the mesh; the state keeps its layout step after step, so a donated state aliases
+    the new one) and the out_shardings of each :class:`ProgramDef` ``out`` kind for :func:`build_programs`."""
     with jax.set_mesh(mesh):
-        st = decode_state_shardings(jax.eval_shape(steps.init_state, abstract_params), mesh)
+        st = state_fn(jax.eval_shape(steps.init_state, abstract_params), mesh)
     kv = _named(mesh, CACHE_NAMES, (model_config.num_hidden_layers, 1, model_config.num_key_value_heads,
                                     steps.cfg.max_cache_len, model_config.head_dim))
     c = steps.cfg

@@ -189,3 +189,56 @@ def test_kernel_compiles_for_a_tpu_topology():
     with tpu.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         compiled = fn.lower(*args).compile()
     assert "ragged_paged_attention" in compiled.as_text()
+
+
+def test_sharded_kernel_compiles_for_a_tpu_topology_mesh():
+    """The kernel per shard (shard_map) on a 2-chip tensor mesh of v5e:2x2 through libtpu's compiler:
+    each chip's kernel call reads its own q heads [B, N/2, H] and its half of the pool (no collective)."""
+    pytest.importorskip("libtpu")
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_rl import tpu
+    from jax_rl.sharding import make_mesh
+
+    topo = tpu.get_topology("v5e:2x2")
+    mesh = make_mesh(data=1, fsdp=1, tensor=2, devices=topo.devices[:2])
+    B, N, K, H, ps, M, Pg = 8, 8, 2, 128, 16, 16, 256
+    rep, heads = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, None, "tensor", None))
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in (
+        ((B, 1, N, H), jnp.bfloat16, heads), ((Pg, ps, 2 * K, H), jnp.bfloat16, heads), ((B, M), jnp.int32, rep),
+        ((B,), jnp.int32, rep), ((B,), jnp.int32, rep))]
+    fn = jax.jit(lambda *a: pa.paged_attention_kernel_sharded(*a, num_kv_pages_per_block=4, num_queries_per_block=8))
+    with tpu.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        txt = fn.lower(*args).compile().as_text()
+    call = next(x for x in txt.splitlines() if "custom_call_target=\"tpu_custom_call\"" in x)
+    assert re.search(rf"bf16\[{B},{N // 2},{H}\]", call), call[:200]  # the kernel's output: this chip's heads
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", txt)
+
+
+def test_kernel_per_shard_on_a_mesh_equals_xla(devices, interpreter_reads_reshaped_refs):
+    """The kernel on a (data 2, tensor 2) mesh (``paged_attention_kernel_sharded``: shard_map, rows over
+    data, q heads and the pool's combined heads over tensor in whole kv heads), in Pallas TPU interpret
+    mode, against the XLA path on one device (fp32, 1e-5): each shard's 2 q heads read its kv head's key
+    and value, its 2 rows their pages in the whole (replicated over data) pool."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_rl.sharding import make_mesh
+
+    rng = np.random.default_rng(5)
+    B, T, N, K, H, ps, M, Pg = 4, 2, 4, 2, 128, 4, 5, 24
+    pool = jnp.asarray(rng.standard_normal((Pg, ps, 2 * K, H)), jnp.float32)
+    table = jnp.asarray(rng.permutation(Pg)[:B * M].reshape(B, M), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    starts, lengths = jnp.array([6, 0, 13, 3], jnp.int32), jnp.array([2, 1, 2, 1], jnp.int32)
+    ref = pa.paged_attention_xla(q, pool, table, starts, lengths)
+    mesh = make_mesh(data=2, fsdp=1, tensor=2, devices=devices[:4])
+    assert pa.pool_head_spec(N, K, mesh) == ("tensor", "tensor")
+    pool = jax.device_put(pool, NamedSharding(mesh, P(None, None, "tensor", None)))
+    with jax.set_mesh(mesh):
+        got = pa.paged_attention_kernel_sharded(q, pool, table, starts, lengths, interpret=True,
+                                                num_kv_pages_per_block=2, num_queries_per_block=2)
+    assert got.sharding.spec == P("data", None, "tensor", None)
+    valid = np.asarray(jnp.arange(T)[None] < lengths[:, None])
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(ref)[valid], atol=TOL, rtol=TOL)

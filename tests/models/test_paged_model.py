@@ -102,3 +102,39 @@ def test_paged_decode_write_mask_and_copy_pages():
     for a, b in zip(cp.kv, out.cache.kv):
         np.testing.assert_array_equal(a[6], b[3])
         np.testing.assert_array_equal(np.delete(np.asarray(a), 6, 0), np.delete(np.asarray(b), 6, 0))
+
+
+def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
+    """A scanned model's decode step compiled for a TPU (v5e:2x2, one chip; the TPU kernel): the kernel
+    reads the stacked pool [L, P, ps, 2K, H] in place (seen as L*P pages, the table offset by layer), so
+    no instruction materialises a layer's pool [P, ps, 2K, H] (given the layer's slice, XLA copied
+    every layer's whole pool out of the stack each step)."""
+    pytest.importorskip("libtpu")
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jax_rl import tpu
+    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.qwen3.paged import PagedKVCache
+
+    mc = get_preset("tiny_dense", head_dim=128)
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0), scan_layers=True, dtype=jnp.bfloat16,
+                                                    param_dtype=jnp.bfloat16))
+    gd, st = nnx.split(model)
+    topo = tpu.get_topology("v5e:2x2")
+    mesh = Mesh(np.array(topo.devices[:1]), ("d",))
+    rep = NamedSharding(mesh, P())
+    B, Pg, L, K = 8, 64, mc.num_hidden_layers, mc.num_key_value_heads
+    layer = (Pg, 16, 2 * K, mc.head_dim)
+    sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)  # noqa: E731
+    cache = PagedKVCache(kv=sds((L, *layer), jnp.bfloat16), page_table=sds((B, 8), jnp.int32),
+                         lengths=sds((B,), jnp.int32))
+    fn = jax.jit(lambda st, tok, c: paged_decode_step(nnx.merge(gd, st), tok, c).logits, donate_argnums=(2,))
+    args = (jax.tree.map(lambda a: sds(a.shape, a.dtype), st), sds((B,), jnp.int32), cache)
+    with tpu.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"), jax.default_matmul_precision("default"):
+        txt = fn.lower(*args).compile().as_text()
+    assert "ragged_paged_attention" in txt
+    shape = r"bf16\[%s\]" % ",".join(map(str, layer))
+    copies = [x for x in txt.splitlines() if re.search(rf"= {shape}\S* (fusion|copy|dynamic-slice)", x)]
+    assert not copies, copies[0][:200]

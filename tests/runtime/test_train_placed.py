@@ -7,6 +7,7 @@ timed (weight_sync_s)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -63,3 +64,31 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
         assert np.all(versions[~loss_mask] == -1)
         seen.update(np.unique(v).tolist())
     assert seen & {1, 2, 3}  # tokens of published versions came back from the sharded engine
+
+
+@pytest.mark.slow  # ~75 s here; make test covers the engine and the Generator on a mesh (tests/rollout/test_paged_engine_mesh.py)
+@pytest.mark.timeout(300)
+def test_train_with_a_paged_sharded_rollout_engine(tmp_path, devices, monkeypatch):
+    """rollout.kv_layout=paged on the same placement: the engines are paged and sharded (each layer's
+    pool split over tensor: 2 kv heads here, tiny_cpu's 1 would leave it whole; the page table
+    replicated), the run trains, and its rows carry the pool's counters."""
+    from jax.sharding import PartitionSpec as P
+
+    engines = []
+    build = E.build_generator
+    monkeypatch.setattr(E, "build_generator", lambda *a, **kw: engines.append(build(*a, **kw)) or engines[-1])
+    cfg = _cfg(tmp_path, *PLACED, "run.steps=2", "rollout.kv_layout=paged", "rollout.kv_page_size=8",
+               # tiny_cpu.yaml's overrides with 2 kv heads (an override replaces the whole dict)
+               "model.hf_overrides={num_attention_heads: 2, num_key_value_heads: 2, head_dim: 64, "
+               "rope_theta: 10000.0, vocab_size: 640}")
+    assert run_train(cfg) == 0
+    assert len(engines) == 2
+    for gen in engines:
+        eng = gen.engine
+        assert eng.kv_layout == "paged" and {d.id for d in eng.mesh.devices.flat} == {4, 5, 6, 7}
+        pool = eng.state_shardings["cache"]
+        assert all(s.spec == P(None, None, "tensor", None) for s in jax.tree.leaves(pool.kv))
+        assert pool.page_table.spec == P()
+    rows = _rows(cfg.run.dir)
+    assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
+    assert all(r["kv_pages_in_use"] >= 0 and r["prefill_tokens"] > 0 for r in rows), rows

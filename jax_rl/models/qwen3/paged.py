@@ -65,6 +65,18 @@ class PagedKVCache:
             return jax.lax.dynamic_index_in_dim(kv, i, 0, keepdims=False)
         return kv[int(i)]
 
+    def attend_view(self, kv: Any, i: int | Array) -> tuple[Array, Array]:
+        """Layer i's pages of ``kv`` as the attention reads them: ``(pool, page_table)``. Per layer:
+        that layer's pool and the table. Stacked [L, P, ...]: the whole pool seen as one of L*P pages
+        (a reshape of its leading axes: no copy) and the table offset by ``i * P`` (-1 kept), so the
+        TPU kernel, whose operand is a whole buffer, reads the layer's pages where they are; given
+        the layer's slice instead, XLA copied every layer's whole pool out of the stack each step."""
+        if isinstance(kv, tuple):
+            return kv[int(i)], self.page_table
+        L, P = kv.shape[:2]
+        table = jnp.where(self.page_table >= 0, self.page_table + jnp.asarray(i, jnp.int32) * P, -1)
+        return kv.reshape(L * P, *kv.shape[2:]), table
+
 
 def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max_pages: int,
                      dtype=None, per_layer: bool | None = None) -> PagedKVCache:
@@ -119,7 +131,7 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
 
     def layer_attend(q, k, v, i, kv):
         kv = _write(cache, kv, i, pos[:, None], k, v, write_ok)
-        o = paged_attention(q, cache.layer(kv, i), cache.page_table, pos, ones, num_pages, backend=backend)
+        o = paged_attention(q, *cache.attend_view(kv, i), pos, ones, num_pages, backend=backend)
         return o.astype(q.dtype), None, kv
 
     forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
@@ -154,8 +166,7 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
 
     def layer_attend(q, k, v, i, kv):
         kv = _write(cache, kv, i, positions, k, v, valid)
-        o = paged_attention(q, cache.layer(kv, i), cache.page_table, starts, lengths, num_pages,
-                            backend=backend)
+        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend)
         return o.astype(q.dtype), None, kv
 
     t = model._trunk(model.embed(input_ids), positions, layer_attend, _layer_ids(model), carry=cache.kv,
