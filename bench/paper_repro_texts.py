@@ -243,11 +243,16 @@ order.
   commit (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and rules, one run at a
   time on core 1, in the order above from (c) 5 (all four cells); clock stop 18:05 UTC, a run the stop cuts
   leaves no record and reruns first next time.
+- 18:05 UTC, the clock stop: this session ran (c) seeds 5-7 (all four cells each: (c) is complete at its
+  pre-registered n = 8, so 3a and 3c carry their verdicts), (a) seeds 18-21, (b) 1-4. (a) seed 22 had one arm
+  (`guarded`, final avg@4 0.0: a collapse, the second of `guarded` in this setting after seed 16) when the clock
+  stopped its `noreset` arm (no record, its run dir deleted): dropped from the verdicts as seed 14 was, reported
+  here, and both arms rerun first next time. Next in order: (a) 22, (b) 5, (a) 23, (b) 6, ...
 """
 
 PREREG_50_PLOTS = """\
 Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the paired (a) runs of the
-regenerated warm start so far (seeds 10-16; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
+regenerated warm start so far (seeds 10-21; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
 threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
