@@ -57,14 +57,6 @@ class PagedKVCache:
     def _layer0(self) -> Array:
         return self.kv[0] if isinstance(self.kv, tuple) else self.kv
 
-    def layer(self, kv: Any, i: int | Array) -> Array:
-        """Layer i's pool [P, ps, 2K, H] of ``kv`` (this cache's form)."""
-        if isinstance(kv, tuple):
-            return kv[int(i)]
-        if isinstance(i, jax.Array):
-            return jax.lax.dynamic_index_in_dim(kv, i, 0, keepdims=False)
-        return kv[int(i)]
-
     def attend_view(self, kv: Any, i: int | Array) -> tuple[Array, Array]:
         """Layer i's pages of ``kv`` as the attention reads them: ``(pool, page_table)``. Per layer:
         that layer's pool and the table. Stacked [L, P, ...]: the whole pool seen as one of L*P pages
