@@ -84,7 +84,7 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import PagedSlots, PagedStepPrograms, build_paged_programs, paged_state_shardings
+from rollout.engine.paged import PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_state_shardings
 from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
                                      program_shardings)
 from rollout.engine.sampler import StepOutput
@@ -292,7 +292,7 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         if self._sharded:
             self.state_shardings, outs = program_shardings(steps, self._mesh, self._abstract_params, self.config,
                                                            self._sharding, state_fn)
-        self._jits = build_paged_programs(steps, outs) if paged else build_programs(steps, outs)
+        self._jits = build_programs(steps, outs, PAGED_PROGRAMS if paged else None)
 
     # ------------------------------------------------------------------ model plumbing
     def _model(self, params: Any) -> Any:

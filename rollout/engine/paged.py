@@ -61,12 +61,12 @@ import numpy as np
 from jax_rl.models import qwen3 as _q
 from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
-from rollout.engine.programs import StepPrograms, replace_cache
+from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
 from rollout.pages import PagePool, PoolExhausted
 
-__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "build_paged_programs", "paged_state_shardings"]
+__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "paged_state_shardings"]
 
 
 class PagedStepPrograms(StepPrograms):
@@ -161,31 +161,23 @@ class PagedStepPrograms(StepPrograms):
                          "rollout.kv_layout=contiguous")
 
 
-PAGED_PROGRAMS = {  # name -> (method, donate_argnums, static, out: programs.ProgramDef.out, None: no outputs)
-    "init_state": ("init_state", (), {}, "state"),
-    "set_table": ("set_table", (0,), {}, "state"),
-    "copy_pages": ("copy_pages", (0,), {}, "state"),
-    "copy_slot": ("copy_slot", (0,), {}, "state"),
-    "free_slots": ("deactivate", (0,), {}, "state"),
-    "generate": ("generate", (1,), {"static_argnames": ("num_pages",)}, "state_rep"),
-    "decode_steps": ("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}, "state_rep"),
-    "append_prefill": ("extend_slots", (1,), {"static_argnames": ("num_pages",)}, "state_rep"),
-    "prefill": ("prefill", (), {}, "prefix"),
-    "insert": ("unsupported", (), {}, None),
-    "generate_result": ("unsupported", (), {}, None),
-    "prefill_slots": ("unsupported", (), {}, None),
+PAGED_PROGRAMS: dict[str, ProgramDef] = {
+    "init_state": ProgramDef("init_state", (), {}, "state"),
+    "set_table": ProgramDef("set_table", (0,), {}, "state"),
+    "copy_pages": ProgramDef("copy_pages", (0,), {}, "state"),
+    "copy_slot": ProgramDef("copy_slot", (0,), {}, "state"),
+    "free_slots": ProgramDef("deactivate", (0,), {}, "state"),
+    "generate": ProgramDef("generate", (1,), {"static_argnames": ("num_pages",)}),
+    "decode_steps": ProgramDef("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
+    "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
+    "prefill": ProgramDef("prefill", (), {}, "prefix"),
+    "insert": ProgramDef("unsupported", (), {}, None),
+    "generate_result": ProgramDef("unsupported", (), {}, None),
+    "prefill_slots": ProgramDef("unsupported", (), {}, None),
 }
-"""The paged engine's programs (the contiguous ``prefill_slots`` / ``insert`` / ``generate_result``
-have no paged form; ``prefill`` is the batch-1 PrefixKV prefill, layout-free)."""
-
-
-def build_paged_programs(steps: PagedStepPrograms, outs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """``jax.jit`` of every :data:`PAGED_PROGRAMS` row over ``steps``; ``outs``: a sharded engine's
-    out_shardings by kind (:func:`rollout.engine.programs.program_shardings` with
-    :func:`paged_state_shardings`), None: the colocated engine's programs (no out_shardings)."""
-    return {name: jax.jit(getattr(steps, m), donate_argnums=d, **st,
-                          **({} if outs is None or out is None else {"out_shardings": outs[out]}))
-            for name, (m, d, st, out) in PAGED_PROGRAMS.items()}
+"""The paged engine's programs for :func:`rollout.engine.programs.build_programs` (the contiguous
+``prefill_slots`` / ``insert`` / ``generate_result`` have no paged form; ``prefill`` is the batch-1
+PrefixKV prefill, layout-free)."""
 
 
 def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh, *, num_q_heads: int,

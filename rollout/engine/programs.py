@@ -328,13 +328,14 @@ class ProgramDef(NamedTuple):
       donate: ``donate_argnums`` (the decode state's position, where it is an argument).
       static: ``static_argnums`` / ``static_argnames`` of the jit.
       out: its outputs' shardings on a mesh (:func:`program_shardings`): ``"state"`` (the state),
-        ``"state_rep"`` ((state, replicated)) or ``"prefix"`` (a :class:`PrefixKV`).
+        ``"state_rep"`` ((state, replicated)) or ``"prefix"`` (a :class:`PrefixKV`); None: no
+        out_shardings (a program that only raises, e.g. the paged layout's ``insert``).
     """
 
     method: str
     donate: tuple = ()
     static: Optional[dict] = None
-    out: str = "state_rep"
+    out: Optional[str] = "state_rep"
 
 
 PROGRAMS: dict[str, ProgramDef] = {
@@ -353,13 +354,15 @@ PROGRAMS: dict[str, ProgramDef] = {
 signatures are documented there)."""
 
 
-def build_programs(steps: StepPrograms, outs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """``jax.jit`` of every :data:`PROGRAMS` row over ``steps``. ``outs``: the out_shardings of each
+def build_programs(steps: StepPrograms, outs: Optional[dict[str, Any]] = None,
+                   table: Optional[dict[str, ProgramDef]] = None) -> dict[str, Any]:
+    """``jax.jit`` of every row of ``table`` (default :data:`PROGRAMS`; the paged layout's:
+    :data:`rollout.engine.paged.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
     ``out`` kind (a sharded engine, :func:`program_shardings`); None: no out_shardings (the colocated
     single-device engine, whose programs are as they always were)."""
     return {name: jax.jit(getattr(steps, d.method), donate_argnums=d.donate, **(d.static or {}),
-                          **({} if outs is None else {"out_shardings": outs[d.out]}))
-            for name, d in PROGRAMS.items()}
+                          **({} if outs is None or d.out is None else {"out_shardings": outs[d.out]}))
+            for name, d in (PROGRAMS if table is None else table).items()}
 
 
 def _named(mesh: jax.sharding.Mesh, names: Sequence[Optional[str]], shape: Sequence[int]) -> Any:
