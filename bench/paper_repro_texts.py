@@ -248,6 +248,11 @@ order.
   (`guarded`, final avg@4 0.0: a collapse, the second of `guarded` in this setting after seed 16) when the clock
   stopped its `noreset` arm (no record, its run dir deleted): dropped from the verdicts as seed 14 was, reported
   here, and both arms rerun first next time. Next in order: (a) 22, (b) 5, (a) 23, (b) 6, ...
+- Next session, 2026-12-05 18:43 UTC (committed before any run of it started): the runs go on from the same commit
+  (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and rules, one run at a time on core
+  1, in the order above from (a) 22 (both arms rerun; the collapsed `guarded` record of 17:52 stays in the JSONL,
+  superseded by the rerun as seed 14's was, and is reported beside the verdict); clock stop 21:05 UTC, a run the
+  stop cuts leaves no record and reruns first next time.
 """
 
 PREREG_50_PLOTS = """\
