@@ -41,7 +41,7 @@ from jax_rl.sharding import logical_to_pspec
 
 Array = jax.Array
 
-__all__ = ["pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
+__all__ = ["current_target_backend", "pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
            "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
            "paged_attention", "gather_contiguous", "pool_head_spec"]
 
@@ -234,6 +234,12 @@ def target_backend(backend: str):
         _TARGET_BACKEND.reset(token)
 
 
+def current_target_backend() -> str:
+    """The backend whose path a traced program takes: the :func:`target_backend` in effect, else JAX's
+    default backend (the paged attention and the rollout sampler choose their kernels by it)."""
+    return _TARGET_BACKEND.get() or jax.default_backend()
+
+
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
                     num_pages: int | None = None, *, backend: str | None = None) -> Array:
     """Attention over live pages on the path for ``backend`` (default: the :func:`target_backend`
@@ -241,7 +247,7 @@ def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array,
     page table itself; ``num_pages`` unused), per shard on an ambient mesh
     (:func:`paged_attention_kernel_sharded`); otherwise :func:`paged_attention_xla` (partitioned by
     XLA on a mesh). Same arguments and result as those."""
-    backend = backend or _TARGET_BACKEND.get() or jax.default_backend()
+    backend = backend or current_target_backend()
     if backend == "tpu":
         return paged_attention_kernel_sharded(q, kv_pages, page_table, starts, lengths)
     return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)

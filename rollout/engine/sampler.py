@@ -25,7 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_rl.models.paged_attention import current_target_backend
 from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_from_sorted, truncates
+from rollout.engine.sampler_kernel import kernel_fits, sample_untruncated
+
+SAMPLER_IMPLS = ("auto", "xla", "kernel", "kernel_interpret")
 
 __all__ = ["sample_tokens", "inverse_cdf_index", "StepOutput", "pack_result", "unpack_result"]
 
@@ -184,6 +188,7 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     candidates: int = TOP_P_CANDIDATES,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample one token per row and return its log-prob under the sampling distribution.
 
@@ -191,7 +196,9 @@ def sample_tokens(
     sum of ``exp`` of ``logits / T`` (:func:`_block_stats`), from which the row's logsumexp, the block
     of the inverse-CDF draw and the greedy argmax's block follow; then the two block rows (the draw's
     and the greedy one, B x 128 values each) selected in one more read (:func:`_select_rows`), which
-    give the token and its log-prob. Truncated: the statistics' pass, then one
+    give the token and its log-prob. On a TPU (``impl="auto"``) the untruncated draw is one Pallas
+    kernel instead (:func:`rollout.engine.sampler_kernel.sample_untruncated`): one read of the
+    logits, the same uniform and inverse CDF. Truncated: the statistics' pass, then one
     ``lax.top_k`` of a bounded candidate set (``top_k + 1``, or ``candidates`` for top-p alone:
     :func:`jax_rl.sampling.kept_threshold`), drawn from in vocabulary order; when the candidates do
     not decide the kept set (a tie at the k-th value past them, a nucleus wider than them) the
@@ -212,12 +219,23 @@ def sample_tokens(
         that crosses ``top_p`` is kept. The kept set is :func:`jax_rl.sampling.kept_set`, the
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
       candidates: static; top-p alone draws from this many largest values when the nucleus fits.
+      impl: static; the untruncated path: ``"auto"`` (the Pallas kernel when the target backend,
+        :func:`jax_rl.models.paged_attention.current_target_backend`, is a TPU and ``V`` is a
+        multiple of 128, else XLA), ``"xla"``, ``"kernel"`` (needs a TPU target) or
+        ``"kernel_interpret"`` (the kernel in Pallas interpret mode: tests on CPU). Truncated
+        settings always take the XLA path.
 
     Returns:
       ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
       of the sampled token under the truncated, renormalised, tempered distribution;
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
+
+    Raises:
+      ValueError: ``impl`` is not one of :data:`SAMPLER_IMPLS`, or names the kernel for a ``V`` it
+        does not take.
     """
+    if impl not in SAMPLER_IMPLS:
+        raise ValueError(f"sample_tokens: impl={impl!r} is not one of {SAMPLER_IMPLS}")
     logits = logits.astype(jnp.float32)
     B, V = logits.shape
     greedy = temperature <= 0
@@ -232,6 +250,9 @@ def sample_tokens(
     # x / T as XLA computes a division by a broadcast row (x times the reciprocal), written out so that the
     # statistics and the selected rows below agree bit for bit whichever fusion each lands in
     inv_t = 1.0 / t
+    if not truncates(top_k, top_p) and _kernel_path(impl, V):
+        tokens, logp = sample_untruncated(logits, u, inv_t, greedy, interpret=impl == "kernel_interpret")
+        return tokens, logp, jnp.ones((B,), jnp.float32)
     m_blk, s_blk = _block_stats(lb * inv_t[:, None, None], b)  # the one pass for the statistics
     M = jnp.max(m_blk, axis=-1)
     log_s = jnp.log(jnp.sum(s_blk * jnp.exp(m_blk - M[:, None]), axis=-1))
@@ -254,6 +275,13 @@ def sample_tokens(
 
     lp_full = logits / t[:, None] - M[:, None] - log_s[:, None]  # fused into top_k's read
     return _sample_truncated(lp_full, u, greedy, top_k, top_p, candidates)
+
+
+def _kernel_path(impl: str, V: int) -> bool:
+    """Whether :func:`sample_tokens`' untruncated draw takes the Pallas kernel (``impl`` resolved)."""
+    if impl == "auto":
+        return current_target_backend() == "tpu" and kernel_fits(V)
+    return impl != "xla"
 
 
 class StepOutput(NamedTuple):
