@@ -21,6 +21,9 @@ AOT compiler for ``--topology``, the ``tpu`` extra), in each ``--layout``:
   the attention on the backend's path (TPU: the ragged paged attention kernel, which reads only
   the pages below each row's length; its custom call is charged its whole pool here, i.e. the
   live pages: an upper bound), ``paged_xla`` the XLA gather path (bucketed to the live pages).
+  ``--sampler`` picks the paged step's untruncated sampler (``sample_tokens(impl=...)``): ``auto`` (the
+  engine's choice for the backend: on a TPU the Pallas kernel of ``rollout.engine.sampler_kernel``,
+  charged its operands and results like any custom call), ``xla`` or ``kernel``.
 
 For each it prints, per decode step (a while body counted as many times as its known trip count):
 
@@ -187,14 +190,15 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
 
 
 def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dtype: str, backend: str,
-                  topology: str = "v5p-8", kernel: bool = True, pool_pages: int | None = None):
+                  topology: str = "v5p-8", kernel: bool = True, pool_pages: int | None = None,
+                  sampler: str = "auto"):
     """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``); the pool holds
     ``pool_pages`` pages (default: ``slots x ceil((live + 1) / page_size)``, each row's live pages)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_rl.models.paged_attention import page_bucket, pages_for
+    from jax_rl.models.paged_attention import page_bucket, pages_for, target_backend
     from jax_rl.models.qwen3 import Qwen3ForCausalLM
     from jax_rl.models.qwen3.paged import PagedKVCache, paged_decode_step
     from rollout.engine import sample_tokens
@@ -212,7 +216,7 @@ def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dty
         model = nnx.merge(graphdef, params)
         dec = paged_decode_step(model, tokens, cache, num_pages=n, backend=path)
         keys = jax.vmap(jax.random.fold_in)(keys, cache.lengths.astype(jnp.uint32) + 1)
-        tok, logp, _ = sample_tokens(dec.logits, keys, temperature)
+        tok, logp, _ = sample_tokens(dec.logits, keys, temperature, impl=sampler)
         return dec.cache, tok, logp
 
     kv = tuple(jax.ShapeDtypeStruct((P, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim), dt)
@@ -230,7 +234,8 @@ def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dty
 
         mesh = Mesh(np.array(tpu.get_topology(topology).devices[:1]), ("data",))
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P_())), args)
-        with jax.default_matmul_precision("default"), tpu.no_persistent_cache(), jax.set_mesh(mesh):
+        with jax.default_matmul_precision("default"), tpu.no_persistent_cache(), jax.set_mesh(mesh), \
+                target_backend(backend):
             compiled = fn.lower(*args).compile()
     else:
         compiled = fn.lower(*args).compile()
@@ -249,6 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", help="rollout dtype (see the module doc for bf16 on XLA:CPU)")
     p.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
     p.add_argument("--topology", default="v5p-8", help="--backend tpu: the topology (one chip of it is used)")
+    p.add_argument("--sampler", choices=("auto", "xla", "kernel"), default="auto",
+                   help="paged layouts: the untruncated sampler (module doc)")
     p.add_argument("--top", type=int, default=0, help="list the N heaviest instructions per step")
     a = p.parse_args(argv)
 
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
     live = a.live or a.cache
     print(f"{a.preset} (L={cfg.num_hidden_layers} d={cfg.hidden_size} V={cfg.vocab_size}), cache {a.cache}, "
           f"roofline at {live} live positions, {a.dtype}, backend {a.backend}"
-          f"{' ' + a.topology if a.backend == 'tpu' else ''}; jax {jax.__version__}; "
+          f"{' ' + a.topology if a.backend == 'tpu' else ''}; sampler {a.sampler}; jax {jax.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load {os.getloadavg()[0]:.1f}")
     mib = 2 ** 20
     for slots in [int(s) for s in a.slots.split(",")]:
@@ -277,7 +284,7 @@ def main(argv=None) -> int:
                 if layout.startswith("paged"):
                     compiled, secs = compile_paged(cfg, slots=slots, cache=a.cache, live=live, page_size=a.page_size,
                                                    dtype=a.dtype, backend=a.backend, topology=a.topology,
-                                                   kernel=(layout == "paged"))
+                                                   kernel=(layout == "paged"), sampler=a.sampler)
                 else:
                     compiled, secs = compile_generate(cfg, slots=slots, cache=a.cache, layout=layout, dtype=a.dtype,
                                                       backend=a.backend, topology=a.topology)

@@ -14,6 +14,12 @@ A truncated setting's program holds a ``lax.cond``: the candidate path (``lax.to
 set), and the full-vocabulary path taken only when the candidates do not hold a row's kept set.
 ``cost_analysis`` charges both branches; ``--branch candidates`` compiles the candidate path alone
 (``lax.cond`` replaced by its true branch in this process), the cost of the step that runs.
+
+``--impl kernel`` compiles the untruncated setting through the Pallas TPU kernel
+(``rollout.engine.sampler_kernel``; truncated settings keep the XLA path). libtpu's ``cost_analysis``
+does not count a Mosaic custom call's operands and results (it reports the program around it), so the
+kernel's line adds the custom call's operand and result bytes, read from the compiled program's text,
+to the compiler's count: the kernel reads each operand once (its BlockSpecs visit every row tile once).
 """
 
 from __future__ import annotations
@@ -21,10 +27,37 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1}
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of every ``dtype[d0,d1,...]`` array named in ``text`` (an HLO shape list)."""
+    total = 0
+    for dt, dims in re.findall(r"\b(f32|s32|u32|bf16|pred)\[([\d,]*)\]", text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEMSIZE[dt]
+    return total
+
+
+def custom_call_bytes(hlo_text: str) -> int:
+    """Operand plus result bytes of the compiled program's Mosaic calls (``tpu_custom_call``): the
+    result tuple before ``custom-call(``, the operands from ``operand_layout_constraints``."""
+    total = 0
+    for ln in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in ln:
+            continue
+        head = ln.split("custom-call(")[0].split("=", 1)[1]
+        total += _shape_bytes(head) + _shape_bytes(re.search(r"operand_layout_constraints=\{(.*?)\}\}", ln).group(1))
+    return total
+
 
 SETTINGS = (("untruncated", 0, 1.0), ("top_k=50", 50, 1.0), ("top_p=0.9", 0, 0.9), ("top_k=50,top_p=0.9", 50, 0.9))
 
@@ -37,6 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--branch", choices=("both", "candidates"), default="both",
                     help="truncated settings: the whole program (both cond branches counted) or the candidate path")
     ap.add_argument("--settings", default=",".join(s[0] for s in SETTINGS), help="comma list of settings to compile")
+    ap.add_argument("--impl", choices=("xla", "kernel"), default="xla",
+                    help="the untruncated path: XLA, or the Pallas TPU kernel (module doc)")
     args = ap.parse_args(argv)
 
     import jax
@@ -52,14 +87,20 @@ def main(argv=None) -> None:
     if args.branch == "candidates":
         jax.lax.cond = lambda pred, true_fn, false_fn, *ops: true_fn(*ops)  # the common path alone
     print(f"sample_tokens, B={B} V={V}, {args.topology} (one chip), MSA off, jax {jax.__version__}, "
-          f"branch {args.branch}", flush=True)
+          f"branch {args.branch}, impl {args.impl}", flush=True)
     for name, k, p in SETTINGS:
         if name not in args.settings.split(","):
             continue
-        fn = jax.jit(functools.partial(sample_tokens, top_k=k, top_p=p))
+        fn = jax.jit(functools.partial(sample_tokens, top_k=k, top_p=p, impl=args.impl))
         with no_persistent_cache():
-            a = program_analysis(fn.lower(*abstract).compile(compiler_options=HBM_SIDE_OPTIONS))
-        print(f"  {name:20s} passes over [B, V] fp32 = {a['bytes_accessed'] / (B * V * 4):6.2f}", flush=True)
+            compiled = fn.lower(*abstract).compile(compiler_options=HBM_SIDE_OPTIONS)
+        a = program_analysis(compiled)
+        kernel = custom_call_bytes(compiled.as_text())
+        line = f"  {name:20s} passes over [B, V] fp32 = {(a['bytes_accessed'] + kernel) / (B * V * 4):6.2f}"
+        if kernel:
+            line += (f"  (compiler's count {a['bytes_accessed']:,.0f} B without the Pallas call + the call's "
+                     f"operands and results {kernel:,} B)")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,32 @@ def test_decode_touches_params_and_kv_cache_once_for_v5e_2x2():
     kv_marginal = (d["bytes_accessed"] - r[1024]["bytes_accessed"]) / (
         d["kv_cache_per_chip"] - r[1024]["kv_cache_per_chip"])
     assert kv_marginal <= 1.15, kv_marginal
+
+
+def test_sampler_kernel_is_the_only_reader_of_the_logits_for_v5p():
+    """Issue 46 item 4: the untruncated sampler for a TPU target (``impl="auto"`` under
+    ``target_backend("tpu")``) lowers through Mosaic and libtpu's compiler (v5p, one chip, 12 rows: a
+    partial 8-row tile; V = 384) and, with memory-space assignment off, the Pallas call is the one
+    instruction that reads the ``[B, V]`` logits: one HBM read (the kernel's BlockSpecs read each row
+    tile once; the compiler's cost analysis does not see inside the call)."""
+    pytest.importorskip("libtpu")
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jax_rl.models.paged_attention import target_backend
+    from rollout.engine import sample_tokens
+
+    B, V = 12, 384
+    mesh = Mesh(np.array(tpu.get_topology("v5p-8").devices[:1]), ("d",))
+    sh = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in (((B, V), jnp.float32), ((B, 2), jnp.uint32),
+                                                                   ((B,), jnp.float32))]
+    with tpu.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"):
+        text = jax.jit(sample_tokens).lower(*args).compile(compiler_options=tpu.HBM_SIDE_OPTIONS).as_text()
+    entry = text[text.index("ENTRY"):].splitlines()[1:]
+    readers = [ln for ln in entry if re.search(r"%logits[.\d]*[,)]", ln) and " parameter(" not in ln]
+    assert len(readers) == 1 and 'custom_call_target="tpu_custom_call"' in readers[0], readers
