@@ -180,6 +180,29 @@ def _sample_truncated(lp_full: jax.Array, u: jax.Array, greedy: jax.Array, top_k
     return jax.lax.cond(jnp.all(decided), from_candidates, full_vocab, None)
 
 
+def _sample_untruncated_xla(lb: jax.Array, m_blk: jax.Array, s_blk: jax.Array, M: jax.Array, log_s: jax.Array,
+                            u: jax.Array, greedy: jax.Array, inv_t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sample_tokens`' untruncated XLA path from the raw block view ``lb`` [B, n, b], the block
+    statistics ``m_blk``, ``s_blk`` [B, n], the row's max ``M`` and ``log_s`` [B], the uniforms ``u``, the
+    greedy rows and ``inv_t`` [B]: the draw's and the greedy block rows selected in one more read."""
+    B, _, b = lb.shape
+
+    def lp(row):  # [B, b] raw logits of a block -> the tempered log-softmax, as jax.nn.log_softmax
+        # the product rounded on its own ([B, b]: the barrier keeps a fused multiply-subtract from skipping the
+        # rounding the statistics' x / T had, which would put the argmax's log-prob an ulp of x / T off)
+        return jax.lax.optimization_barrier(row * inv_t[:, None]) - M[:, None] - log_s[:, None]
+
+    blk, prev, x = _draw_block(s_blk * jnp.exp(m_blk - M[:, None]) / jnp.exp(log_s)[:, None], u)
+    g_blk = jnp.argmax(m_blk, axis=-1).astype(jnp.int32)
+    row, g_row = (lp(r) for r in _select_rows(lb, blk, g_blk))  # both block rows in one more read
+    i = _draw_in_block(jnp.exp(row), prev, x)
+    g_i = jnp.argmax(g_row, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(greedy, g_blk * b + g_i, blk * b + i).astype(jnp.int32)
+    logp = jnp.where(greedy, jnp.take_along_axis(g_row, g_i[:, None], axis=-1)[:, 0],
+                     jnp.take_along_axis(row, i[:, None], axis=-1)[:, 0])
+    return tokens, logp, jnp.ones((B,), jnp.float32)
+
+
 def sample_tokens(
     logits: jax.Array,
     keys: jax.Array,
@@ -257,21 +280,8 @@ def sample_tokens(
     M = jnp.max(m_blk, axis=-1)
     log_s = jnp.log(jnp.sum(s_blk * jnp.exp(m_blk - M[:, None]), axis=-1))
 
-    def lp(row):  # [B, b] raw logits of a block -> the tempered log-softmax, as jax.nn.log_softmax
-        # the product rounded on its own ([B, b]: the barrier keeps a fused multiply-subtract from skipping the
-        # rounding the statistics' x / T had, which would put the argmax's log-prob an ulp of x / T off)
-        return jax.lax.optimization_barrier(row * inv_t[:, None]) - M[:, None] - log_s[:, None]
-
     if not truncates(top_k, top_p):
-        blk, prev, x = _draw_block(s_blk * jnp.exp(m_blk - M[:, None]) / jnp.exp(log_s)[:, None], u)
-        g_blk = jnp.argmax(m_blk, axis=-1).astype(jnp.int32)
-        row, g_row = (lp(r) for r in _select_rows(lb, blk, g_blk))  # both block rows in one more read
-        i = _draw_in_block(jnp.exp(row), prev, x)
-        g_i = jnp.argmax(g_row, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(greedy, g_blk * b + g_i, blk * b + i).astype(jnp.int32)
-        logp = jnp.where(greedy, jnp.take_along_axis(g_row, g_i[:, None], axis=-1)[:, 0],
-                         jnp.take_along_axis(row, i[:, None], axis=-1)[:, 0])
-        return tokens, logp, jnp.ones((B,), jnp.float32)
+        return _sample_untruncated_xla(lb, m_blk, s_blk, M, log_s, u, greedy, inv_t)
 
     lp_full = logits / t[:, None] - M[:, None] - log_s[:, None]  # fused into top_k's read
     return _sample_truncated(lp_full, u, greedy, top_k, top_p, candidates)
