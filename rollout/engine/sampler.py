@@ -242,11 +242,10 @@ def sample_tokens(
         that crosses ``top_p`` is kept. The kept set is :func:`jax_rl.sampling.kept_set`, the
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
       candidates: static; top-p alone draws from this many largest values when the nucleus fits.
-      impl: static; the untruncated path: ``"auto"`` (the Pallas kernel when the target backend,
-        :func:`jax_rl.models.paged_attention.current_target_backend`, is a TPU and ``V`` is a
-        multiple of 128, else XLA), ``"xla"``, ``"kernel"`` (needs a TPU target) or
-        ``"kernel_interpret"`` (the kernel in Pallas interpret mode: tests on CPU). Truncated
-        settings always take the XLA path.
+      impl: static; the untruncated path: ``"auto"`` (the kernel when the target backend,
+        :func:`jax_rl.models.paged_attention.current_target_backend`, is a TPU and ``V % 128 == 0``,
+        else XLA), ``"xla"``, ``"kernel"`` (a TPU target) or ``"kernel_interpret"`` (Pallas interpret
+        mode: tests on CPU). Truncated settings always take the XLA path.
 
     Returns:
       ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
@@ -254,8 +253,7 @@ def sample_tokens(
       ``kept_mass`` is the tempered full-softmax mass of the kept set (1.0 when no truncation).
 
     Raises:
-      ValueError: ``impl`` is not one of :data:`SAMPLER_IMPLS`, or names the kernel for a ``V`` it
-        does not take.
+      ValueError: an ``impl`` not in :data:`SAMPLER_IMPLS`, or the kernel for ``V % 128 != 0``.
     """
     if impl not in SAMPLER_IMPLS:
         raise ValueError(f"sample_tokens: impl={impl!r} is not one of {SAMPLER_IMPLS}")
