@@ -286,9 +286,13 @@ def sample_tokens(
 
 
 def _kernel_path(impl: str, V: int) -> bool:
-    """Whether :func:`sample_tokens`' untruncated draw takes the Pallas kernel (``impl`` resolved)."""
+    """Whether :func:`sample_tokens`' untruncated draw takes the Pallas kernel (``impl`` resolved). ``auto``
+    keeps XLA under an ambient mesh of several devices: a Mosaic call is not partitioned, so its
+    operand would be gathered whole (vocabulary-sharded logits included) where XLA reduces shards."""
     if impl == "auto":
-        return current_target_backend() == "tpu" and kernel_fits(V)
+        mesh = jax.sharding.get_abstract_mesh()
+        one_device = mesh is None or mesh.empty or mesh.size == 1
+        return current_target_backend() == "tpu" and kernel_fits(V) and one_device
     return impl != "xla"
 
 

@@ -91,21 +91,21 @@ def _first_above(cdf: jax.Array, x: jax.Array, mass: jax.Array, lane: jax.Array)
 
 
 def _max_pass(x_ref, inv_t, lanef, nb, G):
-    """Pass 1: per-lane max of ``x / T`` and the first index holding it; the row's max and first argmax."""
+    """Pass 1: per lane the max of ``x / T`` and the first vreg holding it (a scalar per select, no
+    index arithmetic per element); the row's max and first argmax [8, 1]."""
     def body(g, j0, n, c):
-        m, i = c
+        m, jm = c
         for k in range(n):
             j = j0 + k
             y = x_ref[:, pl_ds(j)] * inv_t
-            idx = lanef + (j * LANES).astype(_F32) if not isinstance(j, int) else lanef + float(j * LANES)
-            i = jnp.where(y > m, idx, i)
+            jm = jnp.where(y > m, j.astype(_F32) if not isinstance(j, int) else float(j), jm)
             m = jnp.maximum(m, y)
-        return m, i
+        return m, jm
 
     m0 = jnp.full(lanef.shape, -jnp.inf, _F32)
-    m, i = _over_groups(nb, G, body, (m0, jnp.zeros(lanef.shape, _F32)))
+    m, jm = _over_groups(nb, G, body, (m0, jnp.zeros(lanef.shape, _F32)))
     M = jnp.max(m, axis=1, keepdims=True)
-    return M, jnp.min(jnp.where(m == M, i, jnp.inf), axis=1, keepdims=True)
+    return M, jnp.min(jnp.where(m == M, jm * LANES + lanef, jnp.inf), axis=1, keepdims=True)
 
 
 def _mass_pass(x_ref, inv_t, M, lane, nb, G):

@@ -23,7 +23,7 @@ BOUNDARY = 1e-5  # a draw this close to a CDF boundary may land on either neighb
 def _case(B: int, V: int, seed: int):
     """Logits [B, V] (normal x 3), temperatures in [0.3, 2] with two greedy rows, and ``-inf`` spans:
     row 2 a whole leading run of vregs and the tail (the draw's clamp to the last entry with mass),
-    row 3 every other entry, row 4 a single finite entry."""
+    row 3 every other entry, row 4 a single finite entry; row 0 (greedy) a tie for its max."""
     rng = np.random.default_rng(seed)
     lg = (rng.normal(size=(B, V)) * 3).astype(np.float32)
     lg[2, : V // 2] = -np.inf
@@ -31,6 +31,8 @@ def _case(B: int, V: int, seed: int):
     lg[3, ::2] = -np.inf
     lg[4, :] = -np.inf
     lg[4, rng.integers(V)] = 1.5
+    if V >= 384:  # a greedy row's tied max: the first index (vreg 1, lane 100), not the lowest lane (vreg 2, lane 3)
+        lg[0, [259, 228]] = 50.0
     temp = rng.uniform(0.3, 2.0, size=B).astype(np.float32)
     temp[[0, B - 1]] = 0.0
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B) + 1000 * seed)
@@ -67,6 +69,7 @@ def test_kernel_draws_the_xla_token_and_log_prob(B, V):
     assert checked.sum() >= 0.75 * B, near  # the comparison below covers the batch, not a few rows
     np.testing.assert_array_equal(tok_k[checked], tok_x[checked])
     np.testing.assert_array_equal(tok_k[~sampled], np.argmax(lg[~sampled], axis=1))
+    assert V < 384 or tok_k[0] == 228
     assert np.all(np.isfinite(lg[np.arange(B), tok_k]))
     same = tok_k == tok_x
     np.testing.assert_allclose(lp_k[same], lp_x[same], atol=1e-5, rtol=0)
@@ -109,3 +112,22 @@ def test_impl_choice_keeps_the_cpu_path_and_rejects_unknown_names():
         sample_tokens(*args, impl="pallas")
     with pytest.raises(ValueError, match="vocabulary 300"):
         sample_tokens(jnp.zeros((2, 300)), keys[:2], jnp.ones((2,)), impl="kernel_interpret")
+
+
+def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
+    """``impl="auto"``: the kernel for a TPU target (``target_backend("tpu")``, as an AOT compile from a
+    CPU host sets it) on one device and a vocabulary of whole lanes; XLA on the CPU, for V = 300, and
+    under an ambient mesh of several devices (a Mosaic call is not partitioned)."""
+    from jax.sharding import Mesh
+
+    from jax_rl.models.paged_attention import target_backend
+    from rollout.engine.sampler import _kernel_path
+
+    assert not _kernel_path("auto", 384)
+    with target_backend("tpu"):
+        assert _kernel_path("auto", 384) and not _kernel_path("auto", 300)
+        with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
+            assert _kernel_path("auto", 384)
+        if len(jax.devices()) > 1:
+            with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("data",))):
+                assert not _kernel_path("auto", 384)
