@@ -38,10 +38,16 @@ ROWS, LANES = 8, 128
 _F32 = jnp.float32
 
 
+# the double-buffered [8, V] fp32 row tile: within every TPU generation's VMEM (16 MiB per core on v4) with
+# room for the kernel's temporaries (V = 262,144 needs 16 MiB and does not compile for v4; 151,936 does)
+TILE_VMEM_BUDGET = 12 << 20
+
+
 def kernel_fits(V: int) -> bool:
-    """Whether :func:`sample_untruncated` takes a vocabulary of ``V``: a multiple of 128 (whole lanes)
-    whose groups of vregs fit one ``[8, 128]`` vector of group masses (every vocabulary in use)."""
-    return V % LANES == 0 and V > 0
+    """Whether :func:`sample_untruncated` takes a vocabulary of ``V``: whole 128-lane vregs, and a
+    double-buffered 8-row tile within :data:`TILE_VMEM_BUDGET` (V <= 196,608: Qwen3's 151,936 and
+    Llama 3's 128,256 do; larger vocabularies keep the XLA path)."""
+    return V > 0 and V % LANES == 0 and 2 * ROWS * V * 4 <= TILE_VMEM_BUDGET
 
 
 def _group_size(nb: int) -> int:
@@ -195,7 +201,7 @@ def sample_untruncated(logits: jax.Array, u: jax.Array, inv_t: jax.Array, greedy
     """The untruncated draw of :func:`rollout.engine.sampler.sample_tokens` in one read of ``logits``.
 
     Args:
-      logits: [B, V] float32 (V a multiple of 128: :func:`kernel_fits`; ``-inf`` = no mass; every row
+      logits: [B, V] float32 (V a multiple of 128 up to 196,608: :func:`kernel_fits`; ``-inf`` = no mass; every row
         needs a finite entry). B need not be a multiple of 8 (the last tile is partial).
       u: [B] float32 in [0, 1): the row's uniform (``sample_tokens`` draws it from the row's key).
       inv_t: [B] float32: ``1 / T`` as ``sample_tokens`` computes it (1 on greedy rows).
@@ -207,14 +213,15 @@ def sample_untruncated(logits: jax.Array, u: jax.Array, inv_t: jax.Array, greedy
       (the XLA path's token up to fp32 rounding at a CDF boundary) and ``(x / T - max) - log(sum exp)``.
 
     Raises:
-      ValueError: V is not a positive multiple of 128.
+      ValueError: V is not a multiple of 128 within :data:`TILE_VMEM_BUDGET` (:func:`kernel_fits`).
     """
     from jax.experimental import pallas as pl  # lazy: pallas only where the kernel runs
     from jax.experimental.pallas import tpu as pltpu
 
     B, V = logits.shape
     if not kernel_fits(V):
-        raise ValueError(f"sample_untruncated: vocabulary {V} is not a multiple of {LANES}")
+        raise ValueError(f"sample_untruncated: vocabulary {V} is outside the kernel's (a multiple of {LANES}, "
+                         f"at most {TILE_VMEM_BUDGET // (8 * ROWS)}: kernel_fits)")
     nb = V // LANES
     R = ROWS if B >= ROWS else B
     params = jnp.stack([u.astype(_F32), inv_t.astype(_F32), greedy.astype(_F32)], axis=1)

@@ -116,7 +116,8 @@ def test_impl_choice_keeps_the_cpu_path_and_rejects_unknown_names():
 
 def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
     """``impl="auto"``: the kernel for a TPU target (``target_backend("tpu")``, as an AOT compile from a
-    CPU host sets it) on one device and a vocabulary of whole lanes; XLA on the CPU, for V = 300, and
+    CPU host sets it) on one device and a vocabulary of whole lanes whose 8-row tile fits VMEM; XLA on
+    the CPU, for V = 300 or 262,144, and
     under an ambient mesh of several devices (a Mosaic call is not partitioned)."""
     from jax.sharding import Mesh
 
@@ -125,7 +126,8 @@ def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
 
     assert not _kernel_path("auto", 384)
     with target_backend("tpu"):
-        assert _kernel_path("auto", 384) and not _kernel_path("auto", 300)
+        assert _kernel_path("auto", 384) and _kernel_path("auto", 151936)
+        assert not _kernel_path("auto", 300) and not _kernel_path("auto", 262144)  # off the lanes; past v4's VMEM
         with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
             assert _kernel_path("auto", 384)
         if len(jax.devices()) > 1:
