@@ -97,16 +97,19 @@ def _first_above(cdf: jax.Array, x: jax.Array, mass: jax.Array, lane: jax.Array)
 
 
 def _max_pass(x_ref, inv_t, lanef, nb, G):
-    """Pass 1: per lane the max of ``x / T`` and the first vreg holding it (a scalar per select, no
-    index arithmetic per element); the row's max and first argmax [8, 1]."""
+    """Pass 1: per lane the max of ``x / T`` and the first vreg holding it (inside a group the vreg's
+    constant offset, then the group's base once: 4 vector ops per vreg); the row's max and first
+    argmax [8, 1]."""
     def body(g, j0, n, c):
         m, jm = c
-        for k in range(n):
-            j = j0 + k
-            y = x_ref[:, pl_ds(j)] * inv_t
-            jm = jnp.where(y > m, j.astype(_F32) if not isinstance(j, int) else float(j), jm)
-            m = jnp.maximum(m, y)
-        return m, jm
+        mg, kg = jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
+        for k, v in enumerate(_vregs(x_ref, j0, n)):
+            y = v * inv_t
+            kg = jnp.where(y > mg, float(k), kg)
+            mg = jnp.maximum(mg, y)
+        base = j0.astype(_F32) if not isinstance(j0, int) else float(j0)
+        up = mg > m  # strictly: an earlier group keeps a tie
+        return jnp.where(up, mg, m), jnp.where(up, base + kg, jm)
 
     m0 = jnp.full(lanef.shape, -jnp.inf, _F32)
     m, jm = _over_groups(nb, G, body, (m0, jnp.zeros(lanef.shape, _F32)))
@@ -118,8 +121,8 @@ def _mass_pass(x_ref, inv_t, M, lane, nb, G):
     """Pass 2: the masses ``sum exp(x / T - M)`` of the groups, group ``g`` at lane ``g`` of [8, 128]."""
     def body(g, j0, n, gs):
         acc = jnp.zeros(lane.shape, _F32)
-        for k in range(n):
-            acc = acc + jnp.exp(x_ref[:, pl_ds(j0 + k)] * inv_t - M)
+        for v in _vregs(x_ref, j0, n):
+            acc = acc + jnp.exp(v * inv_t - M)
         return jnp.where(lane == g, _lane_sum(acc), gs)
 
     return _over_groups(nb, G, body, jnp.zeros(lane.shape, _F32))
@@ -131,17 +134,20 @@ def _select_pass(x_ref, grp, nb, G):
     a partial last group."""
     def body(g, j0, n, sel):
         hit = grp == g.astype(_F32) if not isinstance(g, int) else grp == float(g)
-        return tuple(jnp.where(hit, x_ref[:, pl_ds(j0 + k)], s) if k < n else s for k, s in enumerate(sel))
+        vs = _vregs(x_ref, j0, n)
+        return tuple(jnp.where(hit, vs[k], s) if k < n else s for k, s in enumerate(sel))
 
     return _over_groups(nb, G, body, tuple(jnp.full(shape, -jnp.inf, _F32) for _ in range(G)))
 
 
-def pl_ds(j):
-    """Lanes ``[128 j, 128 (j + 1))`` of a row tile (``j`` static or traced)."""
+def _vregs(x_ref, j0, n: int) -> list[jax.Array]:
+    """The ``n`` vregs ``[8, 128]`` of lanes ``[128 j0, 128 (j0 + n))`` of a row tile (``j0`` static or
+    traced): one load at one address, sliced statically (no address arithmetic per vreg)."""
     from jax.experimental import pallas as pl  # lazy: pallas only where the kernel runs
 
-    start = j * LANES if isinstance(j, int) else pl.multiple_of(j * LANES, LANES)
-    return pl.ds(start, LANES)
+    start = j0 * LANES if isinstance(j0, int) else pl.multiple_of(j0 * LANES, LANES)
+    block = x_ref[:, pl.ds(start, n * LANES)]
+    return [block[:, k * LANES:(k + 1) * LANES] for k in range(n)]
 
 
 def _in_group(sel, inv_t, M, prev_g, x, lane):
