@@ -33,8 +33,8 @@ def _case(B: int, V: int, seed: int):
     lg[4, rng.integers(V)] = 1.5
     if V >= 384:  # a greedy row's tied max: the first index (vreg 1, lane 100), not the lowest lane (vreg 2, lane 3)
         lg[0, [259, 228]] = 50.0
-    if V >= 2176:  # and one in the next group of 16 vregs (vreg 16, lane 3)
-        lg[0, 2051] = 50.0
+    if V >= 2176:  # and in the next group of 16 vregs, same lane as the first (vreg 16, lane 100)
+        lg[0, 2148] = 50.0
     temp = rng.uniform(0.3, 2.0, size=B).astype(np.float32)
     temp[[0, B - 1]] = 0.0
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B) + 1000 * seed)
