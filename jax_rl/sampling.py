@@ -17,9 +17,10 @@ gradient (it is part of log pi_trunc).
 
 Cost per position: one ``lax.top_k`` over V of ``top_k + 1`` values (top-k, and top-p after
 top-k: the cumsum runs over the k sorted values) or of :data:`TOP_P_CANDIDATES` values (top-p
-alone, plus one logsumexp pass); no sort of V, except where a tie at the k-th value or a nucleus
-wider than the candidates makes the candidates undecided (then the batch takes the sort, under a
-``lax.cond``, and the kept set is the same). Off
+alone, plus one logsumexp pass); never a sort of V: where a tie at the k-th value or a nucleus
+wider than the candidates makes the candidates undecided, the batch takes a bisection for the same
+threshold under a ``lax.cond`` (:func:`threshold_by_search`: 32 counting passes over V for the
+k-th value, 32 mass passes for the nucleus' edge), and the kept set is the same. Off
 (``top_k = 0``, ``top_p = 1``) costs nothing: the callers take their untruncated path.
 """
 
@@ -28,8 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["truncates", "check_truncation", "kept_set", "kept_threshold", "threshold_from_sorted", "log_kept_mass",
-           "TOP_P_CANDIDATES"]
+__all__ = ["truncates", "check_truncation", "kept_set", "kept_threshold", "threshold_from_sorted",
+           "threshold_by_search", "log_kept_mass", "TOP_P_CANDIDATES"]
 
 # top-p alone: the threshold is read from this many largest log-probs (a sort over V only when the
 # nucleus holds more tokens than this)
@@ -83,8 +84,8 @@ def kept_threshold(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0, *,
     values (top-p alone). The candidates decide the threshold exactly when every kept token is
     among them: the first candidate left out is strictly below the threshold (no tie at the
     threshold spills past the candidates, and for top-p alone the nucleus closed inside them).
-    Where a row of the batch is not decided so, the whole batch takes the sort over V
-    (``lax.cond``: the old rule, so the kept set is the same either way).
+    Where a row of the batch is not decided so, the whole batch takes :func:`threshold_by_search`
+    (``lax.cond``: the same rule by bisection, no sort of V, so the kept set is the same either way).
 
     Args:
       logp_full: fp32 [..., V], the tempered log-softmax.
@@ -106,11 +107,7 @@ def kept_threshold(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0, *,
     if C == V:
         return thr
 
-    def full(_):
-        full_srt = jnp.flip(jnp.sort(lp, axis=-1), axis=-1)
-        return threshold_from_sorted(full_srt, top_k, top_p, complete=True, lse_all=lse_all)[0]
-
-    return jax.lax.cond(jnp.all(safe), lambda _: thr, full, None)
+    return jax.lax.cond(jnp.all(safe), lambda _: thr, lambda _: threshold_by_search(lp, top_k, top_p, lse_all), None)
 
 
 def threshold_from_sorted(srt: jax.Array, top_k: int, top_p: float, *, complete: bool,
@@ -150,3 +147,65 @@ def log_kept_mass(logp_full: jax.Array, kept: jax.Array) -> jax.Array:
     Differentiable in ``logp_full`` (the kept set is not); finite whenever one token is kept
     (the most likely one always is)."""
     return jnp.log(jnp.sum(jnp.where(kept, jnp.exp(logp_full), 0.0), axis=-1))
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the fp32 values ``x`` (-inf lowest; no NaN): the sign bit flipped for
+    x >= 0, every bit for x < 0 (IEEE-754's total order)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
+
+
+def _from_key(k: jax.Array) -> jax.Array:
+    """The fp32 value of an :func:`_order_key` key."""
+    return jax.lax.bitcast_convert_type(jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k), jnp.float32)
+
+
+def _smallest_true(lp: jax.Array, pred) -> jax.Array:
+    """fp32 [..., 1]: the smallest value ``v`` of each row of ``lp`` [..., V] with ``pred(v [..., 1])``
+    true, for a ``pred`` monotone in ``v`` (false below some value of the row, true from it on) and true
+    at the row's maximum: a bisection over the 32-bit order keys, each step one pass over ``lp``."""
+    lo = _order_key(jnp.min(lp, axis=-1, keepdims=True))
+    hi = _order_key(jnp.max(lp, axis=-1, keepdims=True))
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = pred(_from_key(mid))
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return _from_key(lo)
+
+
+def threshold_by_search(logp_full: jax.Array, top_k: int = 0, top_p: float = 1.0,
+                        lse_all: jax.Array | None = None) -> jax.Array:
+    """fp32 [..., 1]: :func:`kept_threshold` over all V without a sort (its fallback where the candidates
+    do not decide a row): the same rule, each threshold found by bisection on the values.
+
+    top-k: the k-th largest value is the smallest ``v`` with fewer than k values above it (``count(x > v)
+    < k``, so ties at the k-th value are kept). top-p: over the top-k kept set renormalised (or the whole
+    row over ``exp(lse_all)``), the smallest ``v`` whose mass strictly above it is below ``top_p``, which is
+    :func:`threshold_from_sorted`'s "mass strictly before the first of its tie group < top_p" with the mass
+    summed per value instead of run down the sorted row (the same up to the fp32 rounding of the sums).
+    The kept set is ``logp_full >= thr``. Cost: up to 64 passes over ``[..., V]`` (32 per threshold) and,
+    for top-p, one ``[..., V]`` array of masses, against a sort's ~log2(V)^2 / 2 passes.
+
+    Args:
+      logp_full: fp32 [..., V] tempered log-softmax (``-inf``: a token of no mass; no NaN).
+      top_k, top_p: static, as :func:`kept_set`.
+      lse_all: optional [...] log total mass (top-p alone); None computes it.
+    """
+    lp = jax.lax.stop_gradient(jnp.asarray(logp_full, jnp.float32))
+    thr = jnp.full(lp.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    if top_k > 0 and top_k < lp.shape[-1]:
+        thr = _smallest_true(lp, lambda v: jnp.sum(lp > v, axis=-1, keepdims=True) < top_k)
+    if top_p < 1.0:
+        if top_k > 0:
+            lse = jax.nn.logsumexp(jnp.where(lp >= thr, lp, -jnp.inf), axis=-1, keepdims=True)
+        else:
+            lse = (jax.nn.logsumexp(lp, axis=-1) if lse_all is None else lse_all)[..., None]
+        mass = jnp.where(lp >= thr, jnp.exp(lp - lse), 0.0)
+        thr_p = _smallest_true(lp, lambda v: jnp.sum(jnp.where(lp > v, mass, 0.0), axis=-1, keepdims=True) < top_p)
+        thr = jnp.maximum(thr, thr_p)
+    return thr

@@ -102,7 +102,8 @@ class RolloutConfig(_Section):
     """Nucleus sampling (1.0 = off; off by default in RL). The learner reproduces the truncation in
     every log-prob forward (algo.temperature, top-k, then top-p), so pi/mu is 1 when numerics agree;
     tokens outside its kept set are masked and counted (``masked_trunc_outside``). Costs the learner
-    a sort over the vocabulary per position when top_k is 0."""
+    a top-k of 256 candidates per position when top_k is 0 (a batch with a nucleus wider than that: a
+    bisection, up to 64 passes over the vocabulary; never a sort)."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off), applied before top_p; reproduced by the learner like top_p."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"

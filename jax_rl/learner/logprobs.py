@@ -207,9 +207,10 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     the kept set (prompt tokens can be; a generated token only when the two sides' numerics put
     it across the boundary). The kept set is stop-gradient, the kept mass carries gradient, a
     ``-inf`` entry has a zero gradient. The entropy is that of the truncated distribution. The
-    cost is inside the chunked head: one ``lax.top_k`` over V per position for top-k, a sort
-    over V per position for top-p alone (O(V log V), recomputed in the backward by the chunk's
-    remat). The engine's per-token kept mass is not needed here: the learner recomputes the
+    cost is inside the chunked head: one ``lax.top_k`` over V per position for top-k, one of
+    :data:`jax_rl.sampling.TOP_P_CANDIDATES` values for top-p alone, and where those do not decide a
+    position's kept set a bisection over V for the whole chunk (:func:`jax_rl.sampling.threshold_by_search`:
+    up to 64 passes, never a sort), recomputed in the backward by the chunk's remat. The engine's per-token kept mass is not needed here: the learner recomputes the
     kept set from its own logits, and any difference from the engine's is exactly what
     ``train_infer_ratio`` (pi_prox / mu) measures. Off (the defaults): the untruncated code
     path, bit for bit.

@@ -177,6 +177,8 @@ def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> 
         r, mc = cfg.rollout, model_config
         fit = max(0, (have // engines - mem["params"] - (mem["kv_cache"] if r.kv_layout == "paged" else 0))
                   // mem["per_slot"])
+        if r.kv_layout == "paged":
+            raise ConfigError(_paged_does_not_fit(cfg, mc, mem, engines, need, have, where, fit))
         raise ConfigError(
             f"rollout.slots={r.slots}: the rollout engines need {need:,} bytes ({_gib(need)}) but only {have:,} bytes "
             f"({_gib(have)}) of {where}: {engines} engine(s) x (params {_gib(mem['params'])} + rollout.slots={r.slots} x "
@@ -187,6 +189,25 @@ def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> 
             "lower rollout.slots or rollout.max_cache_len"
         )
     return kv
+
+
+def _paged_does_not_fit(cfg: Config, mc, mem: dict, engines: int, need: int, have: int, where: str, fit: int) -> str:
+    """:func:`check_kv_cache`'s one line for a paged engine: the pool is its own term (pages x page bytes,
+    whatever the slots), so the message names what sets it (rollout.kv_pages / kv_pool_gib, or their default
+    slots x max_cache_len) and how many pages would fit beside the slots."""
+    r = cfg.rollout
+    pages, per = kv_pool_pages(cfg, mc), kv_page_bytes(cfg, mc)
+    set_by = (f"rollout.kv_pages={r.kv_pages}" if r.kv_pages is not None else f"rollout.kv_pool_gib={r.kv_pool_gib}"
+              if r.kv_pool_gib is not None else f"the default rollout.slots x rollout.max_cache_len={r.max_cache_len}")
+    room = have // engines - mem["params"] - mem["per_slot"] * int(r.slots)
+    fit_pages = max(0, room // per)
+    least = -(-int(r.max_cache_len) // int(r.kv_page_size))
+    return (f"rollout.kv_layout=paged: the rollout engines need {need:,} bytes ({_gib(need)}) but only {have:,} bytes "
+            f"({_gib(have)}) of {where}: {engines} engine(s) x (params {_gib(mem['params'])} + a K/V pool of {pages} "
+            f"pages x {per:,} bytes ({_gib(mem['kv_cache'])}, set by {set_by}) + rollout.slots={r.slots} x "
+            f"{mem['per_slot']:,} bytes per slot: decode state and decode buffers); at most {fit_pages} pages fit beside "
+            f"{r.slots} slots (one sequence needs {least}), or {fit} slot(s) beside this pool: lower rollout.kv_pages / "
+            "rollout.kv_pool_gib or rollout.slots")
 
 
 def _gib(n: int) -> str:

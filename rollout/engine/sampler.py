@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rl.models.paged_attention import current_target_backend
-from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_from_sorted, truncates
+from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_by_search, threshold_from_sorted, truncates
 from rollout.engine.sampler_kernel import kernel_fits, sample_untruncated
 
 SAMPLER_IMPLS = ("auto", "xla", "kernel", "kernel_interpret")
@@ -166,10 +166,8 @@ def _sample_truncated(lp_full: jax.Array, u: jax.Array, greedy: jax.Array, top_k
         lp_tok = jnp.where(greedy, srt[:, 0], jnp.take_along_axis(srt, jnp.take_along_axis(order, j[:, None], axis=-1), axis=-1)[:, 0])
         return tok.astype(jnp.int32), lp_tok - lkm, jnp.exp(lkm)
 
-    def full_vocab(_):  # the candidates do not decide every row: the sort-based kept set over V
-        srt_v = jnp.flip(jnp.sort(lp_full, axis=-1), axis=-1)
-        thr_v = threshold_from_sorted(srt_v, top_k, top_p, complete=True, lse_all=jnp.zeros((B,), jnp.float32))[0]
-        kept = lp_full >= thr_v
+    def full_vocab(_):  # the candidates do not decide every row: the same kept set over V, by bisection
+        kept = lp_full >= threshold_by_search(lp_full, top_k, top_p, lse_all=jnp.zeros((B,), jnp.float32))
         lkm = log_kept_mass(lp_full, kept)
         logp_s = jnp.where(kept, lp_full - lkm[:, None], -jnp.inf)
         tok = jnp.where(greedy, jnp.argmax(logp_s, axis=-1), _draw_from_logp(logp_s, u)).astype(jnp.int32)
@@ -225,7 +223,8 @@ def sample_tokens(
     ``lax.top_k`` of a bounded candidate set (``top_k + 1``, or ``candidates`` for top-p alone:
     :func:`jax_rl.sampling.kept_threshold`), drawn from in vocabulary order; when the candidates do
     not decide the kept set (a tie at the k-th value past them, a nucleus wider than them) the
-    batch takes the full-vocabulary path (``lax.cond``), with the same kept set and draw.
+    batch takes the full-vocabulary path (``lax.cond``; the threshold by bisection,
+    :func:`jax_rl.sampling.threshold_by_search`, never a sort), with the same kept set and draw.
 
     The draw is the inverse CDF of one uniform per row over the vocabulary in index order, the
     same stream as the full-vocabulary draw (:func:`inverse_cdf_index`): the same token for the

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from jax_rl.sampling import kept_set
+from jax_rl.sampling import kept_set, threshold_by_search
 from rollout.engine import sample_tokens
 
 HSET = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -98,3 +98,57 @@ def test_kept_set_equals_the_sort_based_rule(vals, top_k, top_p, cand, scale):
     lp = jax.nn.log_softmax(jnp.asarray(vals, jnp.float32) * scale)[None]
     got = kept_set(lp, top_k, top_p, candidates=cand)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_sorted_kept_set(lp, top_k, top_p)))
+
+
+@given(st.lists(st.integers(-4, 4), min_size=1, max_size=40), st.integers(0, 41), st.sampled_from([1.0, 0.25, 0.5, 0.9, 0.99]),
+       st.sampled_from([0.5, 1.0, 3.0]))
+@HSET
+def test_threshold_by_search_equals_the_sort_based_rule(vals, top_k, top_p, scale):
+    """The bisection every undecided batch takes (no sort of V) keeps the same set as the sort over V, ties at
+    the k-th value and at the nucleus' edge included (integer logits), in fp32."""
+    if top_k == 0 and top_p == 1.0:
+        top_k = 1
+    lp = jax.nn.log_softmax(jnp.asarray(vals, jnp.float32) * scale)[None]
+    got = lp >= jax.jit(threshold_by_search, static_argnums=(1, 2))(lp, top_k, top_p)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_sorted_kept_set(lp, top_k, top_p)))
+
+
+def test_threshold_by_search_on_a_wide_row_with_masked_tokens():
+    """A 2,000-token row of normal logits with -inf tokens (the shape of a real nucleus wider than the
+    candidates): the kept set equals the sort's for top-p alone and after top-k."""
+    rng = np.random.default_rng(0)
+    lg = rng.normal(size=(3, 2000)).astype(np.float32)
+    lg[:, ::7] = -np.inf
+    lp = jax.nn.log_softmax(jnp.asarray(lg), axis=-1)
+    for k, p in ((0, 0.9), (0, 0.5), (700, 0.95), (50, 1.0)):
+        got = lp >= threshold_by_search(lp, k, p)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_sorted_kept_set(lp, k, p)))
+        assert 1 < int(got[0].sum()) < 1715  # a wide nucleus, the masked tokens out
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 0.9), (5, 1.0)])
+def test_no_sort_of_the_vocabulary_in_sampler_or_learner(top_k, top_p):
+    """Item 4's "never a full sort": neither the sampler's program nor the learner's kept set holds a sort
+    (the full-vocabulary fallback is a bisection); the argsort of the sampler's candidates is over C, not V."""
+    B, V, C = 4, 1024, 256
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B))
+    sampler = jax.make_jaxpr(functools.partial(sample_tokens, top_k=top_k, top_p=top_p))(
+        jnp.zeros((B, V)), keys, jnp.ones((B,)))
+    learner = jax.make_jaxpr(lambda x: kept_set(x, top_k, top_p))(jnp.zeros((B, 8, V)))
+
+    def sorts(jaxpr):
+        out = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sort":
+                out.append(eqn.invars[0].aval.shape[-1])
+            for p in eqn.params.values():
+                for j in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                        out += sorts(j.jaxpr)
+                    elif hasattr(j, "eqns"):
+                        out += sorts(j)
+        return out
+
+    assert V not in sorts(sampler.jaxpr), sorts(sampler.jaxpr)
+    assert V not in sorts(learner.jaxpr), sorts(learner.jaxpr)
+    assert all(n <= C for n in sorts(sampler.jaxpr))

@@ -56,6 +56,25 @@ def test_slots_refused_when_the_decode_buffers_do_not_fit(monkeypatch):
     assert R.check_kv_cache(cfg, mc) == kv_only  # exactly enough: accepted; returns the KV bytes
 
 
+def test_paged_pool_refused_by_its_own_keys(monkeypatch):
+    """A paged engine whose pool does not fit: the line names rollout.kv_pool_gib (what set the pool) and the
+    pages that would fit, not max_cache_len x layers (the contiguous cache's formula); a pool of that many
+    pages is then accepted."""
+    cfg, mc = _tiny(["rollout.kv_layout=paged", "rollout.kv_pool_gib=0.5"])
+    engines = cfg.rollout.threads + 1
+    mem = R.engine_memory_bytes(cfg, mc)
+    have = engines * (mem["total"] - mem["kv_cache"] // 2)  # room for half the pool
+    monkeypatch.setattr(R, "available_memory_bytes", lambda: (have, "test RAM"))
+    with pytest.raises(ConfigError) as e:
+        R.check_kv_cache(cfg, mc)
+    msg = str(e.value)
+    assert msg.startswith("rollout.kv_layout=paged:") and "set by rollout.kv_pool_gib=0.5" in msg and "\n" not in msg, msg
+    fit_pages = int(msg.split("at most ")[1].split()[0])
+    assert 0 < fit_pages < R.kv_pool_pages(cfg, mc)
+    ok, _ = _tiny(["rollout.kv_layout=paged", f"rollout.kv_pages={fit_pages}"])
+    assert R.check_kv_cache(ok, mc) == fit_pages * R.kv_page_bytes(ok, mc) * engines
+
+
 def test_engine_memory_estimate_bounds_what_xla_allocates():
     """The estimate is at least the decode step's real footprint (XLA's memory_analysis of the
     engine's generate step: arguments + temporaries) and not far above it, for the bf16 cache on the
