@@ -217,9 +217,8 @@ def sample_tokens(
     sum of ``exp`` of ``logits / T`` (:func:`_block_stats`), from which the row's logsumexp, the block
     of the inverse-CDF draw and the greedy argmax's block follow; then the two block rows (the draw's
     and the greedy one, B x 128 values each) selected in one more read (:func:`_select_rows`), which
-    give the token and its log-prob. On a TPU (``impl="auto"``) the untruncated draw is one Pallas
-    kernel instead (:func:`rollout.engine.sampler_kernel.sample_untruncated`): one read of the
-    logits, the same uniform and inverse CDF. Truncated: the statistics' pass, then one
+    give the token and its log-prob. On a TPU, one Pallas kernel that reads them once, same stream
+    (:func:`rollout.engine.sampler_kernel.sample_untruncated`). Truncated: the statistics' pass, then one
     ``lax.top_k`` of a bounded candidate set (``top_k + 1``, or ``candidates`` for top-p alone:
     :func:`jax_rl.sampling.kept_threshold`), drawn from in vocabulary order; when the candidates do
     not decide the kept set (a tie at the k-th value past them, a nucleus wider than them) the
@@ -241,10 +240,10 @@ def sample_tokens(
         that crosses ``top_p`` is kept. The kept set is :func:`jax_rl.sampling.kept_set`, the
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
       candidates: static; top-p alone draws from this many largest values when the nucleus fits.
-      impl: static; the untruncated path: ``"auto"`` (the kernel when the target backend,
-        :func:`jax_rl.models.paged_attention.current_target_backend`, is a TPU and ``V % 128 == 0``,
-        else XLA), ``"xla"``, ``"kernel"`` (a TPU target) or ``"kernel_interpret"`` (Pallas interpret
-        mode: tests on CPU). Truncated settings always take the XLA path.
+      impl: static; the untruncated path: ``"auto"`` (the kernel for a TPU target,
+        :func:`jax_rl.models.paged_attention.current_target_backend`, on one device, where
+        :func:`~rollout.engine.sampler_kernel.kernel_fits` ``V``; else XLA), ``"xla"``, ``"kernel"``
+        or ``"kernel_interpret"`` (Pallas interpret mode: CPU tests). Truncated: always XLA.
 
     Returns:
       ``(tokens [B] int32, logp [B] float32, kept_mass [B] float32)``. ``logp`` is the log-prob
