@@ -81,6 +81,7 @@ def _lane_prefix(v: jax.Array, lane: jax.Array) -> jax.Array:
 
 
 def _lane_sum(v: jax.Array) -> jax.Array:
+    """Sum over the lanes: [8, 128] -> [8, 1]."""
     return jnp.sum(v, axis=1, keepdims=True)
 
 
@@ -129,9 +130,10 @@ def _mass_pass(x_ref, inv_t, M, lane, nb, G):
 
 
 def _select_pass(x_ref, grp, nb, G):
-    shape = (x_ref.shape[0], LANES)
     """Pass 3: the raw logits of each row's group ``grp`` [8, 1] (float): ``G`` vregs, ``-inf`` past
     a partial last group."""
+    shape = (x_ref.shape[0], LANES)
+
     def body(g, j0, n, sel):
         hit = grp == g.astype(_F32) if not isinstance(g, int) else grp == float(g)
         vs = _vregs(x_ref, j0, n)
