@@ -39,7 +39,7 @@ _F32 = jnp.float32
 
 
 # the double-buffered [8, V] fp32 row tile: within every TPU generation's VMEM (16 MiB per core on v4) with
-# room for the kernel's temporaries (V = 262,144 needs 16 MiB and does not compile for v4; 151,936 does)
+# room for the kernel's temporaries (V = 262,144 did not compile for v4; 196,608 and 151,936 do)
 TILE_VMEM_BUDGET = 12 << 20
 
 
@@ -209,8 +209,8 @@ def sample_untruncated(logits: jax.Array, u: jax.Array, inv_t: jax.Array, greedy
     """The untruncated draw of :func:`rollout.engine.sampler.sample_tokens` in one read of ``logits``.
 
     Args:
-      logits: [B, V] float32 (V a multiple of 128 up to 196,608: :func:`kernel_fits`; ``-inf`` = no mass; every row
-        needs a finite entry). B need not be a multiple of 8 (the last tile is partial).
+      logits: [B, V] float32 (V a multiple of 128 up to 196,608: :func:`kernel_fits`; ``-inf`` = no
+        mass; every row needs a finite entry). B need not be a multiple of 8 (the last tile is partial).
       u: [B] float32 in [0, 1): the row's uniform (``sample_tokens`` draws it from the row's key).
       inv_t: [B] float32: ``1 / T`` as ``sample_tokens`` computes it (1 on greedy rows).
       greedy: [B] bool: take the first argmax (``temperature <= 0``).
@@ -235,7 +235,7 @@ def sample_untruncated(logits: jax.Array, u: jax.Array, inv_t: jax.Array, greedy
     params = jnp.stack([u.astype(_F32), inv_t.astype(_F32), greedy.astype(_F32)], axis=1)
     params = jnp.pad(params, ((0, 0), (0, LANES - 3)))
     row = lambda r: (r, 0)  # noqa: E731
-    vmem = 2 * ROWS * V * 4 + (8 << 20)  # the double-buffered row tile and the kernel's temporaries
+    vmem = 2 * ROWS * V * 4 + (4 << 20)  # the double-buffered row tile and the kernel's temporaries (<= 16 MiB)
     tok, lp = pl.pallas_call(
         functools.partial(_kernel, nb=nb, G=_group_size(nb)),
         grid=(pl.cdiv(B, R),),
