@@ -134,7 +134,13 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    # wave 5: base.yaml's comments name the learner/ package; rollout.kv_layout (default contiguous,
                    # the layout every record ran on), kv_page_size and kv_pages added
                    "3f7ddf3bbc8d": "fe44208e4440", "a00d530246bf": "61ef306916a7", "c2a7d9295c8b": "6db4c725c5c6",
-                   "df87d41783a9": "f89beb774d44", "215abd687b3f": "6b7ef691a83e", "129f1da6a324": "160cc6e841e5"}
+                   "df87d41783a9": "f89beb774d44", "215abd687b3f": "6b7ef691a83e", "129f1da6a324": "160cc6e841e5",
+                   # wave 5, later: base.yaml's comments on the pool on a rollout.mesh, on top_p's cost (no sort of V),
+                   # and rollout.sampler added (default auto: the XLA program on the CPU, the one every record ran)
+                   "e0779d6df546": "fe44208e4440", "692758e9fdd5": "61ef306916a7", "6f2ef3c59c08": "6db4c725c5c6",
+                   "ce2cdb7ea166": "f89beb774d44", "caa7c1e06a80": "6b7ef691a83e", "6e0e1ce650c3": "160cc6e841e5",
+                   "6086f0495c70": "fe44208e4440", "b63d7512f6ca": "61ef306916a7", "6473a4eb0154": "6db4c725c5c6",
+                   "22a78918684d": "f89beb774d44", "8556f2ce27ac": "6b7ef691a83e", "2fad465f4177": "160cc6e841e5"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:

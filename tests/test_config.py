@@ -53,7 +53,7 @@ def test_base_yaml_lists_every_enum_choice():
                 line = lines[(section, key)]
                 assert f"Choices: {' | '.join(choices)}." in line, (f"{section}.{key}", line)
                 n += 1
-    assert n == 25, n  # every Literal knob of the schema (rollout.quantize, rollout.moe_router_dtype: 22nd, 23rd; loss.ewma_reset: 24th; rollout.kv_layout: 25th)
+    assert n == 26, n  # every Literal knob of the schema (rollout.quantize, rollout.moe_router_dtype: 22nd, 23rd; loss.ewma_reset: 24th; rollout.kv_layout: 25th; rollout.sampler: 26th)
     for (section, key), choice in [(("rollout", "partial"), "recompute_kv"), (("algo", "advantage"), "rloo"),
                                    (("loss", "train_infer_mode"), "none")]:
         assert choice in lines[(section, key)]

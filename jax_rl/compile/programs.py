@@ -196,7 +196,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     r = t.cfg.rollout
     key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
-              only=(key,), mesh=em)
+              only=(key,), mesh=em, sampler=r.sampler)
     if r.kv_layout == "paged":  # the paged programs (rollout/engine/paged.py) over the configured pool
         kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])

@@ -79,6 +79,12 @@ class RolloutConfig(_Section):
     freed and whose prompt + generated tokens are re-prefilled when it is admitted again (kv_preemptions,
     kv_preempted_requests; rollout/kv_pressure.py). On a rollout.mesh the pool is split over tensor in whole KV
     heads, as the contiguous cache (replicated where they do not divide), and replicated over data and expert."""
+    sampler: Literal["auto", "xla", "kernel"] = "auto"
+    """The untruncated sampler's program (top_k 0, top_p 1; a truncated one is always XLA): auto = the Pallas TPU
+    kernel that reads the [slots, vocab] logits once (rollout/engine/sampler_kernel.py) on a TPU, for a vocabulary
+    that is a multiple of 128 up to 196,608, on a one-device engine; XLA elsewhere; xla = the XLA program (two
+    reads) everywhere; kernel = the kernel on a TPU wherever it fits (an engine on a multi-device rollout.mesh
+    gathers the logits for it). Same random stream and behav_logp either way (docs/performance.md)."""
     kv_page_size: int = Field(16, ge=1)
     """Positions per K/V page (kv_layout: paged)."""
     kv_pages: Optional[int] = Field(None, ge=1)

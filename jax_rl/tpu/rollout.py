@@ -24,7 +24,7 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
                     only: tuple[str, ...] = ("prefill", "decode"),
                     compiler_options: Optional[dict] = None, mesh: Any = None,
                     kv_layout: str = "contiguous", kv_page_size: int = 16,
-                    kv_pages: Optional[int] = None) -> dict[str, dict[str, Any]]:
+                    kv_pages: Optional[int] = None, sampler: str = "auto") -> dict[str, dict[str, Any]]:
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
     (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
     (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
@@ -56,12 +56,13 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     over a pool of ``kv_pages`` pages of ``kv_page_size`` positions (None: the contiguous layout's memory),
     their attention the TPU ragged paged attention kernel (:func:`jax_rl.models.paged_attention.target_backend`;
     on ``mesh`` per shard in ``shard_map``); ``kv_cache_per_chip`` is then the pool (one chip's shard of it).
+    ``sampler``: ``rollout.sampler`` (the decode step's untruncated draw: the Pallas kernel or XLA).
     """
     spec = resolve_topology(topology)
     topo = get_topology(topology)
     paging = dict(kv_layout=kv_layout, kv_page_size=kv_page_size, kv_pages=kv_pages) if kv_layout == "paged" else {}
     engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, slots, max_cache_len, prefill_len,
-                                                             dtype, model_kwargs, mesh, paging)
+                                                             dtype, model_kwargs, mesh, paging, sampler)
     out: dict[str, dict[str, Any]] = {}
     for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, slots, prefill_len).items():
         if name not in only:
@@ -76,7 +77,8 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     return out
 
 
-def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh, paging):
+def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh, paging,
+                 sampler="auto"):
     """The engine (``kv_per_layer=False``: the stacked cache; the CPU-only per-layer form costs bytes on a TPU),
     its mesh (the topology's devices on one ``data`` axis unless ``mesh`` is given), and its params and
     decode state as ``ShapeDtypeStruct`` (replicated, or the sharded engine's own shardings)."""
@@ -91,7 +93,7 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     sharded = mesh is not None
     engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
                          max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
-                         **({"mesh": mesh} if sharded else {}), **paging)
+                         sampler=sampler, **({"mesh": mesh} if sharded else {}), **paging)
     if not sharded:  # the colocated paged engine is one device's (its kernel unpartitioned): one chip
         mesh = Mesh(np.array(topo.devices[:1] if paging else topo.devices), ("data",))
     rep = NamedSharding(mesh, P())

@@ -181,11 +181,16 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         kv_layout: str = "contiguous",
         kv_page_size: int = 16,
         kv_pages: Optional[int] = None,
+        sampler: str = "auto",
     ) -> None:
         _check_args(slots, max_cache_len, top_p, quantize)
         if kv_layout not in ("contiguous", "paged"):
             raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
         self.kv_layout = kv_layout
+        if sampler not in ("auto", "xla", "kernel"):
+            raise ValueError(f"sampler must be 'auto', 'xla' or 'kernel' (rollout.sampler), got {sampler!r}")
+        self.sampler = sampler
+        """``rollout.sampler``: the untruncated draw's program (``sample_tokens``' ``impl``)."""
         """``"contiguous"`` (``max_cache_len`` reserved per slot) or ``"paged"`` (:mod:`rollout.engine.paged`)."""
         self.quantize = quantize
         """``rollout.quantize`` of this engine's weights (``"none"``: cast only)."""
@@ -278,7 +283,7 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         engine's out_shardings (the decode state keeps its layout step after step, so the donated
         state aliases the new one; inputs come committed) and :attr:`state_shardings`."""
         cfg = StepConfig(slots=self._slots, max_cache_len=self.max_cache_len, dtype=self.dtype, top_k=self.top_k,
-                         top_p=self.top_p, record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops,
+                         top_p=self.top_p, sampler=self.sampler, record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops,
                          per_layer_cache=self._per_layer_cache, decode_valid=self._decode_valid)
         paged = self.kv_layout == "paged"
         if paged:

@@ -119,7 +119,8 @@ class PagedStepPrograms(StepPrograms):
                                 return_moe_drops=c.counts_moe_drops, valid=active if c.decode_valid else None)
         pos = lengths_in + 1
         keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p)
+        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
+                                       impl=c.sampler)
         generated = state["generated"] + active.astype(jnp.int32)
         new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
         new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,

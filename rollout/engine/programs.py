@@ -72,6 +72,7 @@ class StepConfig:
     Attributes:
       slots: B. max_cache_len: S. dtype: compute / K/V dtype.
       top_k, top_p: the engine's truncation (static: :func:`rollout.engine.sampler.sample_tokens`).
+      sampler: ``sample_tokens``' ``impl`` (``rollout.sampler``).
       record_routes: programs return the MoE routes. counts_moe_drops: and the dropped copies.
       per_layer_cache: the cache is L per-layer buffers (``KVCache.per_layer``), not stacked.
       decode_valid: the decode step tells the model which slots are active (capacity-dropping MoE).
@@ -82,6 +83,7 @@ class StepConfig:
     dtype: Any
     top_k: int = 0
     top_p: float = 1.0
+    sampler: str = "auto"
     record_routes: bool = False
     counts_moe_drops: bool = False
     per_layer_cache: bool = False
@@ -195,7 +197,8 @@ class StepPrograms:
         logits, cache = dec.logits, dec.cache
         pos = lengths_in + 1  # absolute position of the token being sampled
         keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-        tok, logp, _kept = sample_tokens(logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p)
+        tok, logp, _kept = sample_tokens(logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
+                                       impl=c.sampler)
         generated = state["generated"] + active.astype(jnp.int32)
         cache = replace_cache(cache, lengths=jnp.where(active, lengths_in + 1, state["cache"].lengths))
         new_state = {

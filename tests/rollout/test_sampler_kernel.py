@@ -135,3 +135,39 @@ def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
         if len(jax.devices()) > 1:
             with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("data",))):
                 assert not _kernel_path("auto", 384)
+
+
+def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
+    """``rollout.sampler`` goes from the config to the engine to ``sample_tokens``' ``impl`` in the decode step
+    (contiguous and paged programs); an unknown name is refused by the engine and by the config."""
+    from jax_rl.config import load_config
+    from jax_rl.config import ConfigError
+    from jax_rl.models.qwen3 import Qwen3Config
+    from jax_rl.runtime.engines import build_engine
+    from rollout.engine import Qwen3Engine
+    import rollout.engine.paged as paged_mod
+    import rollout.engine.programs as programs_mod
+
+    seen = []
+    real = programs_mod.sample_tokens
+
+    def spy(*a, **k):
+        seen.append(k.get("impl"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(programs_mod, "sample_tokens", spy)
+    monkeypatch.setattr(paged_mod, "sample_tokens", spy)
+    mc = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    for layout in ("contiguous", "paged"):
+        eng = Qwen3Engine(mc, None, slots=2, max_cache_len=32, max_prefill_length=16, dtype="float32",
+                          kv_layout=layout, sampler="xla")
+        params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), eng.abstract_params)
+        jax.eval_shape(eng.programs["generate"], params, jax.eval_shape(eng.programs["init_state"], params))
+    assert seen and set(seen) == {"xla"}, seen
+    with pytest.raises(ValueError, match="rollout.sampler"):
+        Qwen3Engine(mc, None, slots=2, max_cache_len=32, sampler="pallas")
+    with pytest.raises(ConfigError, match="rollout.sampler"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.sampler=pallas"])
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.sampler=xla"])
+    assert build_engine(cfg, mc).sampler == "xla"
