@@ -253,11 +253,17 @@ order.
   1, in the order above from (a) 22 (both arms rerun; the collapsed `guarded` record of 17:52 stays in the JSONL,
   superseded by the rerun as seed 14's was, and is reported beside the verdict); clock stop 21:05 UTC, a run the
   stop cuts leaves no record and reruns first next time.
+- 21:05 UTC, the clock stop: this session ran (a) seeds 22 (both arms again: `guarded` 0.251 this time, `noreset`
+  0.336; the superseded `guarded` record of 17:52 read 0.0), 23, 0, 1, 2 and 3, (b) 5-9. `guarded` collapsed at (a)
+  seed 1 (0.0, beside `noreset` 0.136), its third collapse in this setting after seeds 16 and the superseded 22.
+  (b) seed 10 had one arm (`ppo_ewma`, 0.382) when the clock stopped its `decoupled` arm (no record, its run dir
+  deleted): dropped from the verdicts as before, both arms rerun first next time. Next in order: (b) 10, (a) 4,
+  (b) 11, (a) 5, ... to (a) 9 and (b) 15 (n = 24 each).
 """
 
 PREREG_50_PLOTS = """\
 Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the paired (a) runs of the
-regenerated warm start so far (seeds 10-21; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
+regenerated warm start so far (seeds 0-3 and 10-23; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
 threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
