@@ -419,3 +419,17 @@ def test_issue50_margin_rule_and_interim_label(pr):
     assert D._interim("reproduced", row(0.1, 0.3, 5), "1a") == "interim, 5 of 24 seeds: reproduced"
     assert D._interim("reproduced", row(0.1, 0.3, 24), "1a") == "reproduced"
     assert D._interim("reproduced", row(0.1, 0.3, 3), "2a") == "reproduced"  # no pre-registered size: as is
+
+
+@pytest.mark.parametrize("config,shared_sft,setting", [
+    ("configs/paper_small.yaml", None, "fe44208e4440"), ("configs/paper_small_shared.yaml", 0, "61ef306916a7"),
+    ("configs/paper_small_shared.yaml", 2, "6db4c725c5c6"), ("configs/paper_small_stale.yaml", 2, "f89beb774d44"),
+    ("configs/paper_small_drift.yaml", 2, "160cc6e841e5"), ("configs/paper_small_moe.yaml", 0, "6b7ef691a83e")])
+def test_shipped_paper_configs_keep_their_settings(pr, config, shared_sft, setting):
+    """The setting id hashes the config chain's text, base.yaml included, so a regenerated base.yaml (a new key,
+    a docstring) gives every paper setting a new id and main's runs would start a setting of their own. Each
+    shipped setting must still map to the one its records carry: add the new id to ``SETTING_ALIASES`` when the
+    change computes nothing differently for these configs, or update this table when it does (a new setting)."""
+    got = pr.setting_id(config, shared_sft)
+    assert got == setting, (f"{config} (shared_sft={shared_sft}) is setting {got}, its records' is {setting}: "
+                            "alias it in bench/paper_repro.py SETTING_ALIASES or declare a new setting here")
