@@ -116,7 +116,8 @@ def operand_names(rest: str) -> list[str]:
 def top_level_traffic(hlo: str) -> list[dict]:
     """One dict per top-level instruction of a compiled HLO module's text
     (``compiled.as_text()``): ``bytes`` (operands + output), ``op`` (HLO opcode), ``name``,
-    ``shape`` (output), ``op_name`` (the JAX op from its metadata) and ``computation``.
+    ``shape`` (output), ``op_name`` (the JAX op from its metadata), ``target`` (a custom call's
+    ``custom_call_target``, else "") and ``computation``.
 
     Top-level = in a computation that is not a fusion body (``calls=``) or a reducer
     (``to_apply=``). Operand bytes come from the operands' own output shapes (names are unique
@@ -131,8 +132,9 @@ def top_level_traffic(hlo: str) -> list[dict]:
             continue
         operands = sum(sizes.get(o, 0) for o in operand_names(rest))
         meta = re.search(r'op_name="([^"]+)"', line)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
         rows.append(dict(bytes=operands + out, op=op, name=name, shape=shape, computation=comp,
-                         op_name=meta.group(1) if meta else ""))
+                         op_name=meta.group(1) if meta else "", target=target.group(1) if target else ""))
     return rows
 
 

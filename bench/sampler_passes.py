@@ -27,36 +27,18 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1}
-
-
-def _shape_bytes(text: str) -> int:
-    """Bytes of every ``dtype[d0,d1,...]`` array named in ``text`` (an HLO shape list)."""
-    total = 0
-    for dt, dims in re.findall(r"\b(f32|s32|u32|bf16|pred)\[([\d,]*)\]", text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _ITEMSIZE[dt]
-    return total
-
 
 def custom_call_bytes(hlo_text: str) -> int:
-    """Operand plus result bytes of the compiled program's Mosaic calls (``tpu_custom_call``): the
-    result tuple before ``custom-call(``, the operands from ``operand_layout_constraints``."""
-    total = 0
-    for ln in hlo_text.splitlines():
-        if 'custom_call_target="tpu_custom_call"' not in ln:
-            continue
-        head = ln.split("custom-call(")[0].split("=", 1)[1]
-        total += _shape_bytes(head) + _shape_bytes(re.search(r"operand_layout_constraints=\{(.*?)\}\}", ln).group(1))
-    return total
+    """Operand plus result bytes of the compiled program's Mosaic calls (``tpu_custom_call``), by
+    ``hlo_traffic.top_level_traffic`` (each operand's size from its own output shape)."""
+    import hlo_traffic  # the bench folder is on sys.path when this runs as a script
+
+    return sum(r["bytes"] for r in hlo_traffic.top_level_traffic(hlo_text) if r["target"] == "tpu_custom_call")
 
 
 SETTINGS = (("untruncated", 0, 1.0), ("top_k=50", 50, 1.0), ("top_p=0.9", 0, 0.9), ("top_k=50,top_p=0.9", 50, 0.9))
