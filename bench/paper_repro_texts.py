@@ -259,6 +259,12 @@ order.
   (b) seed 10 had one arm (`ppo_ewma`, 0.382) when the clock stopped its `decoupled` arm (no record, its run dir
   deleted): dropped from the verdicts as before, both arms rerun first next time. Next in order: (b) 10, (a) 4,
   (b) 11, (a) 5, ... to (a) 9 and (b) 15 (n = 24 each).
+- Next session, 2026-12-05 21:45 UTC (committed before any run of it started): the runs go on from the same commit
+  (`547a22d`, its worktree and warm starts), same settings, arms, seed orders and rules, one run at a time on core
+  1, in the order above from (b) 10 (both arms rerun; the dropped `ppo_ewma` record of 21:00 stays in the JSONL,
+  superseded by the rerun, and is reported beside the verdict) to (a) 9 and (b) 15; clock stop 00:25 UTC, a run
+  the stop cuts leaves no record and reruns first next time. When (a) and (b) reach n = 24 the verdicts are read
+  by the rules above, nothing else.
 """
 
 PREREG_50_PLOTS = """\
