@@ -103,15 +103,20 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
+    from jax_rl.models.paged_attention import target_backend
+
     progs = engine.programs
+    # the state a TPU engine holds (a paged pool in its float dtype: on this CPU host it would be its bits)
+    backend = target_backend("tpu") if paging else contextlib.nullcontext()
     if sharded:
         params = abstract(engine.abstract_params, engine.param_shardings)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), backend:
             abs_state = jax.eval_shape(progs["init_state"], engine.abstract_params)
         state = abstract(abs_state, engine.state_shardings)
     else:
         params = abstract(engine.abstract_params)
-        state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
+        with backend:
+            state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
     return engine, mesh, sharded, params, state, rep
 
 

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jax_rl.models.paged_attention import paged_attention, write_kv
+from jax_rl.models.paged_attention import paged_attention, pool_storage_dtype, write_kv
 from jax_rl.models.qwen3.outputs import ModelOutput
 
 Array = jax.Array
@@ -39,11 +39,19 @@ class PagedKVCache:
         combined head 2k, values at 2k+1 (the TPU ragged paged attention layout).
     page_table: [B, M] int32, row b's j-th page (positions [j*ps, (j+1)*ps)); -1 = none.
     lengths: [B] int32, positions held per row (the next token of row b goes to ``lengths[b]``).
+    dtype: the K/V values' dtype when ``kv`` holds their uint16 bits (a bf16 pool on XLA:CPU,
+        ``jax_rl.models.paged_attention.pool_storage_dtype``); None: ``kv``'s own dtype. Static.
     """
 
     kv: Any
     page_table: Array
     lengths: Array
+    dtype: Any = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def kv_dtype(self) -> Any:
+        """The K/V values' dtype (``dtype``, else the pool's)."""
+        return self._layer0().dtype if self.dtype is None else jnp.dtype(self.dtype)
 
     @property
     def page_size(self) -> int:
@@ -74,25 +82,27 @@ def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max
                      dtype=None, per_layer: bool | None = None) -> PagedKVCache:
     """An empty pool of ``num_pages`` pages of ``page_size`` positions (zeros, ``dtype``, default
     the model's compute dtype), a page table [batch_size, max_pages] of -1, lengths 0.
-    ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form."""
+    ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form. Stored as
+    ``pool_storage_dtype(dtype)`` (a bf16 pool traced for XLA:CPU: its uint16 bits, ``dtype`` set)."""
     c = model.config
     dt = model.dtype if dtype is None else jnp.dtype(dtype)
+    store = pool_storage_dtype(dt)
     shape = (num_pages, page_size, 2 * c.num_key_value_heads, c.head_dim)
     per_layer = (not model.scan_layers) if per_layer is None else per_layer
     if per_layer and model.scan_layers:
         raise ValueError("a per-layer paged pool needs unrolled layers (model.scan_layers is set)")
     L = c.num_hidden_layers
-    kv = tuple(jnp.zeros(shape, dt) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), dt)
+    kv = tuple(jnp.zeros(shape, store) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), store)
     return PagedKVCache(kv=kv, page_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
-                        lengths=jnp.zeros((batch_size,), jnp.int32))
+                        lengths=jnp.zeros((batch_size,), jnp.int32), dtype=None if store == dt else dt)
 
 
 def _write(cache: PagedKVCache, kv: Any, i, positions, k, v, valid) -> Any:
     if isinstance(kv, tuple):
         out = list(kv)
-        out[int(i)] = write_kv(kv[int(i)], cache.page_table, positions, k, v, valid)
+        out[int(i)] = write_kv(kv[int(i)], cache.page_table, positions, k, v, valid, dtype=cache.dtype)
         return tuple(out)
-    return write_kv(kv, cache.page_table, positions, k, v, valid, layer=i)
+    return write_kv(kv, cache.page_table, positions, k, v, valid, layer=i, dtype=cache.dtype)
 
 
 def _layer_ids(model) -> Any:
@@ -123,7 +133,8 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
 
     def layer_attend(q, k, v, i, kv):
         kv = _write(cache, kv, i, pos[:, None], k, v, write_ok)
-        o = paged_attention(q, *cache.attend_view(kv, i), pos, ones, num_pages, backend=backend)
+        o = paged_attention(q, *cache.attend_view(kv, i), pos, ones, num_pages, backend=backend,
+                            kv_dtype=cache.kv_dtype)
         return o.astype(q.dtype), None, kv
 
     forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
@@ -158,7 +169,8 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
 
     def layer_attend(q, k, v, i, kv):
         kv = _write(cache, kv, i, positions, k, v, valid)
-        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend)
+        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend,
+                            kv_dtype=cache.kv_dtype)
         return o.astype(q.dtype), None, kv
 
     t = model._trunk(model.embed(input_ids), positions, layer_attend, _layer_ids(model), carry=cache.kv,
