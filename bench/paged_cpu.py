@@ -10,8 +10,9 @@ head of 64, vocab 1,024; ``rollout.slots`` 8, ``max_cache_len`` 12,288, bf16, ``
 GRPO groups of ``slots / groups`` samples each, every context the same ``--prompt``-token system prompt plus a
 ``--tail``-token task of its group (random ids, fixed seed). Per layout one engine is built and warmed (one
 prefill, ``--calls`` decode calls: every program the measurement runs is compiled then); then ``--rounds``
-rounds run each layout in turn (interleaved: this host's load swings): the slots re-prefilled (not timed)
-and ``--calls`` calls of ``generate_steps(--decode-steps)`` timed, each split into
+rounds run each layout in turn (interleaved: this host's load swings): the slots freed and prefilled
+again with a new system prompt (no prefix hit; ``prefill_s``, the whole ``prefill_slots`` call: the
+contiguous engine runs all ``slots`` rows, the paged one each group's prompt once) and ``--calls`` calls of ``generate_steps(--decode-steps)`` timed, each split into
 
 - ``host_ms``: the engine's host work before the program is dispatched (paged: the pages each active slot
   needs for the call, copy-on-write, the page table pushed; ``PagedSlots._before_decode``),
@@ -55,10 +56,10 @@ def build(layout: str, a) -> tuple:
     return eng, eng.params
 
 
-def contexts(a) -> list[list[int]]:
+def contexts(a, seed: int = 0) -> list[list[int]]:
     import numpy as np
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     system = list(map(int, rng.integers(1, 1024, a.prompt)))
     per = a.slots // a.groups
     tails = [list(map(int, rng.integers(1, 1024, a.tail))) for _ in range(a.groups)]
@@ -67,7 +68,7 @@ def contexts(a) -> list[list[int]]:
 
 def fill(eng, params, ctxs, state=None):
     """``state`` (None: a fresh one) with every slot freed and prefilled again (a group's rows share a
-    prefill on pages; from the second fill on, the paged engine's system prompt is a prefix hit)."""
+    prefill on pages)."""
     import jax
 
     from rollout.engine.slots import SlotPrefill
@@ -144,21 +145,24 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for lay in layouts:
             eng, params, state = built[lay]
-            state = fill(eng, params, ctxs, state)
+            t = time.perf_counter()
+            state = fill(eng, params, contexts(a, 1 + r), state)  # a new system prompt: no prefix hit
+            fill_s = time.perf_counter() - t
             c0 = _COMPILES[0]
             state, rows = timed_calls(eng, params, state, a.calls, a.decode_steps)
             built[lay][2] = state
             s = summarize(rows)
             s["compiles"] = _COMPILES[0] - c0
+            s["prefill_s"] = fill_s
             s["tok_s"] = a.slots * a.decode_steps / (s["call_ms"] / 1e3)
             res[lay].append(s)
             print(f"round {r} {lay:10s} call {s['call_ms']:7.2f} ms = host {s['host_ms']:6.2f} + dispatch "
                   f"{s['dispatch_ms']:6.2f} + device {s['device_ms']:7.2f}; {s['tok_s']:7.1f} tok/s; "
-                  f"compiles {s['compiles']}; load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"compiles {s['compiles']}; prefill {fill_s:.2f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     print("\nmedian [min-max] over rounds, per call of", a.decode_steps, "steps:")
     for lay in layouts:
         line = []
-        for k in ("call_ms", "host_ms", "dispatch_ms", "device_ms", "tok_s"):
+        for k in ("call_ms", "host_ms", "dispatch_ms", "device_ms", "tok_s", "prefill_s"):
             v = [x[k] for x in res[lay]]
             line.append(f"{k} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]")
         print(f"  {lay:10s} " + "; ".join(line))

@@ -103,7 +103,7 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.paged_attention import target_backend  # lazy: jax
 
     progs = engine.programs
     # the state a TPU engine holds (a paged pool in its float dtype: on this CPU host it would be its bits)
