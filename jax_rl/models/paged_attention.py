@@ -215,7 +215,9 @@ def paged_attention_kernel_sharded(q: Array, kv_pages: Array, page_table: Array,
     kernel as is). A Mosaic kernel cannot be partitioned automatically, so it runs in ``jax.shard_map``:
     rows (q, page table, starts, lengths) over the ``activation_batch`` axes that divide B, q heads and
     the pool's combined head axis over the axis that splits the kv heads (:func:`pool_head_spec`); the
-    pool is replicated over every other axis (the engine's layout, ``rollout.engine.paged``). Each shard
+    pool is replicated over every other axis (the engine's layout where its mesh does not split the slots;
+    where it does, the pool's pages are split with them and ``jax_rl.models.qwen3.paged`` runs the plain
+    kernel per shard of slots in its own ``shard_map``, :func:`paged_attention_local`). Each shard
     runs the kernel on its rows and heads: its q heads ``[s N/T, (s+1) N/T)`` attend to its kv heads
     ``[s K/T, (s+1) K/T)`` (GQA groups never straddle shards). ``kernel_kw`` go to the kernel
     (``interpret``, block sizes). Same arguments and result as :func:`paged_attention_kernel`."""
