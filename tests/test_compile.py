@@ -335,6 +335,7 @@ def test_paged_layout_compiles_on_a_sharded_engine(axis, pages):
     assert rows["append_prefill"]["kv_layout"] == "paged" and rows["append_prefill"]["fits"]
 
 
+@pytest.mark.slow  # why the pieces exist (a fact of XLA); test_cost_from_pieces_* checks the pieces in make test
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C
