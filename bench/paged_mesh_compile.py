@@ -1,11 +1,12 @@
 """Compile-time figures of the rollout engine's decode step, contiguous and paged K/V, colocated (one
-chip) and sharded on a tensor mesh (issue 46: the paged engine on a rollout mesh), through libtpu's
-compiler for a TPU topology (AOT from this CPU host, no TPU).
+chip), sharded on a tensor mesh, and on a mesh that also splits the slots (``--data`` / ``--expert``:
+the paged pool's pages split over those axes, a sub-pool per shard of slots) (issue 46: the paged
+engine on a rollout mesh), through libtpu's compiler for a TPU topology (AOT from this CPU host, no TPU).
 
 Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/paged_mesh_compile.py --topology v5p-8 --layers 4 \\
-        --slots 64 --cache 2048 --tensor 2 [--hbm-side]
+        --slots 64 --cache 2048 --tensor 2 [--expert 2] [--data 2] [--hbm-side]
 
 For each (engine placement, K/V layout) it prints what :func:`jax_rl.tpu.compile_rollout` reports for
 the ``generate`` program: params and K/V bytes per chip (from the arguments' shardings; the paged pool
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--cache", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--tensor", type=int, default=2)
+    p.add_argument("--data", type=int, default=1, help="with --expert: a third mesh, data x tensor x expert")
+    p.add_argument("--expert", type=int, default=1, help="with --data: a third mesh, data x tensor x expert")
     p.add_argument("--hbm-side", action="store_true", help="compile with memory-space assignment off")
     a = p.parse_args()
 
@@ -41,8 +44,12 @@ def main() -> None:
 
     topo = tpu.get_topology(a.topology)
     mc = q.get_preset(a.preset).replace(num_hidden_layers=a.layers)
-    meshes = (("colocated", None),
-              (f"tensor {a.tensor}", make_mesh(data=1, fsdp=1, tensor=a.tensor, devices=topo.devices[:a.tensor])))
+    meshes = [("colocated", None),
+              (f"tensor {a.tensor}", make_mesh(data=1, fsdp=1, tensor=a.tensor, devices=topo.devices[:a.tensor]))]
+    n = a.data * a.tensor * a.expert
+    if n > a.tensor:  # the slots (and a paged pool's pages) split over data x expert too
+        meshes.append((f"data {a.data} x tensor {a.tensor} x expert {a.expert}",
+                       make_mesh(data=a.data, fsdp=1, tensor=a.tensor, expert=a.expert, devices=topo.devices[:n])))
     print(f"# {a.topology}, {a.preset} x {a.layers} layers, {a.slots} slots x {a.cache}, bf16, "
           f"{'HBM-side (MSA off)' if a.hbm_side else 'default compile'}, {datetime.date.today()}")
     print("| engine | K/V | params MiB/chip | K/V MiB/chip | bytes accessed MiB/chip | ratio | peak MiB/chip |")

@@ -140,7 +140,11 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    "e0779d6df546": "fe44208e4440", "692758e9fdd5": "61ef306916a7", "6f2ef3c59c08": "6db4c725c5c6",
                    "ce2cdb7ea166": "f89beb774d44", "caa7c1e06a80": "6b7ef691a83e", "6e0e1ce650c3": "160cc6e841e5",
                    "6086f0495c70": "fe44208e4440", "b63d7512f6ca": "61ef306916a7", "6473a4eb0154": "6db4c725c5c6",
-                   "22a78918684d": "f89beb774d44", "8556f2ce27ac": "6b7ef691a83e", "2fad465f4177": "160cc6e841e5"}
+                   "22a78918684d": "f89beb774d44", "8556f2ce27ac": "6b7ef691a83e", "2fad465f4177": "160cc6e841e5",
+                   # base.yaml's comment on rollout.kv_layout: a paged pool's pages split over the axes that split
+                   # the slots (a rollout.mesh only; the paper configs run one-device engines)
+                   "db7b62b2a34d": "fe44208e4440", "be2dc6c29f60": "61ef306916a7", "5d8e62c8e9ce": "6db4c725c5c6",
+                   "84d4b9d74ff6": "f89beb774d44", "b3519079e165": "160cc6e841e5", "f74673e4751d": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:

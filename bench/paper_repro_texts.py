@@ -265,6 +265,10 @@ order.
   superseded by the rerun, and is reported beside the verdict) to (a) 9 and (b) 15; clock stop 00:25 UTC, a run
   the stop cuts leaves no record and reruns first next time. When (a) and (b) reach n = 24 the verdicts are read
   by the rules above, nothing else.
+- 23:19 UTC: the clock stop moves from 00:25 to 00:33 UTC (the runner restarted between runs with the rest of the
+  same order: (a) 7, (b) 14, (a) 8, (b) 15, (a) 9) because at the pace of this block (12.5-14 min a pair, core 0
+  loaded) the last pair would start too late to finish by 00:25; decided from the pace, not from any result, and
+  nothing else changes (seeds, arms, order, rules).
 """
 
 PREREG_50_PLOTS = """\

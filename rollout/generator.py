@@ -511,7 +511,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         items: list = []
         copies: list = []  # (slot, req, index in items of the identical prompt it copies after the prefill)
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
-        seen: set = set()
+        seen: dict = {}  # a fresh row's context -> its slot (a later identical row forks its pages)
         spent = 0
         pages = self._page_budget()  # None: an engine without pages
         with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
@@ -532,19 +532,20 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
                 cost += start
             if decoding and items and spent + cost > self.prefill_budget:
                 break
-            need = 0 if pages is None else self._page_cost(ctx, slot, start, key in seen)
-            if self._pages_wait(pages, need, not (decoding or items)):
+            need, shard = self._page_cost(pages, ctx, slot, start, seen.get(key), free)
+            if self._pages_wait(pages, need, shard, not (decoding or items)):
                 break
             if held is not None:
                 self._take_held(req, held, start)
             elif (slot := self._take_slot(free)) is None:
                 break
-            pages = None if pages is None else pages - need
+            if pages is not None:
+                pages[shard] -= need
             with self._lock:
                 self._queue.popleft()
             req.gang = None  # admitted: the rest of its gang is checked without it
             if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
-                seen.add(key)
+                seen[key] = slot
             spent += cost
             req.t_start, req.admit_seq = time.monotonic(), next(self._admits)
             if req.tokens:  # re-admitted after a preemption (rollout.kv_pressure)

@@ -33,7 +33,16 @@ in between (then only the prefill/decode rounding differs, below 1e-5 in fp32), 
 swap while it waits acts as ``rollout.partial=recompute_kv`` on it whatever the policy (the old
 weights' K/V are gone; ``continue`` cannot keep them): ``recompute_kv`` and ``continue`` count it in
 ``recomputes``, and ``abort`` drops its partial turn and re-issues it with the remaining budget, as it
-does to a request in a slot (:meth:`KVHolds._apply_pending`). Routes (routing replay): the re-prefill
+does to a request in a slot (:meth:`KVHolds._apply_pending`).
+
+Per shard: an engine whose pool is split over shards of slots (``engine.kv_shards`` > 1: a rollout mesh
+that splits the slots over ``data`` / ``expert``, :mod:`rollout.engine.paged`) has a page budget per
+shard, and a slot takes only its shard's pages. A request without a slot of its own goes to the free
+slot whose shard has the most budget left after it (a GRPO sample to its group's shard, where it forks
+the group's pages, unless another shard has more room), and waits when that does not fit; before a
+decode call only the shards short of pages preempt, each its most recently admitted request (never a
+shard's last active one: each shard's pages hold one sequence). With one shard all of this is the rules
+above. Routes (routing replay): the re-prefill
 reports the route of every position it ran, and, as for ``recompute_kv``, each position keeps the route
 it was run with most recently (the one of the K/V every later token attends to); under the same
 weights those are the routes it had, up to ties the rounding breaks.
@@ -41,6 +50,7 @@ weights those are the routes it had, up to ties the rounding breaks.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Optional
 
 __all__ = ["KVPressure"]
@@ -52,8 +62,11 @@ class KVPressure:
     def _paged(self) -> bool:
         return getattr(self.engine, "kv_layout", "contiguous") == "paged"
 
-    def _page_budget(self) -> Optional[int]:
-        """Pages this step's admissions may take (None: the engine has no pages). The slots whose request
+    def _shard(self, slot: int) -> int:
+        return self.engine.kv_shard_of(slot) if getattr(self.engine, "kv_shards", 1) > 1 else 0
+
+    def _page_budget(self) -> Optional[list]:
+        """Pages this step's admissions may take, per shard (None: the engine has no pages). The slots whose request
         ended are deactivated first, and the pages of every slot held for no session are given back (a
         finished request's K/V serve nothing but its published prefix pages, which stay cached), so the
         pool's state does not depend on what earlier steps left in it."""
@@ -61,29 +74,59 @@ class KVPressure:
             return None
         self._free_finished()
         self.engine.release_pages([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
-        return self.engine.kv_admission_budget(self.decode_steps)
+        n = getattr(self.engine, "kv_shards", 1)
+        if n == 1:
+            return [self.engine.kv_admission_budget(self.decode_steps)]
+        return [self.engine.kv_admission_budget(self.decode_steps, shard=d) for d in range(n)]
 
-    def _page_cost(self, ctx: list, slot: Optional[int], start: int, shared: bool) -> int:
-        """Pages admitting the row ``ctx`` into ``slot`` (None: a free one) at ``start`` takes."""
-        return self.engine.kv_request_pages(ctx, -1 if slot is None else slot, start, self.decode_steps, shared)
+    def _page_cost(self, pages: Optional[list], ctx: list, slot: Optional[int], start: int, shared: Optional[int],
+                   free: list) -> tuple[int, int]:
+        """``(pages, shard)`` admitting the row ``ctx`` into ``slot`` at ``start`` takes; ``shared``: the slot
+        of an identical row admitted before it in this step (its pages are forked within a shard). ``slot``
+        None (a free slot): with several shards the free slot whose shard keeps the most budget is moved to
+        the head of ``free`` (what the generator takes next); with none free, the held slot it would evict."""
+        if pages is None:
+            return 0, 0
 
-    def _pages_wait(self, pages: Optional[int], need: int, first: bool) -> bool:
-        """Whether the request must wait for pages (counted in ``kv_admission_waits``); ``first``: no
-        slot decodes and nothing was admitted in this step (the head is admitted whatever)."""
-        if pages is None or need <= pages or first:
+        def cost(s: int) -> int:
+            same = shared is not None and self._shard(shared) == self._shard(s)
+            return self.engine.kv_request_pages(ctx, s, start, self.decode_steps, same)
+
+        if slot is None and len(pages) > 1 and free:
+            firsts: dict = {}
+            for s in free:
+                firsts.setdefault(self._shard(s), s)
+            left = {s: pages[d] - cost(s) for d, s in firsts.items()}
+            slot = max(left, key=lambda s: (left[s], -s))
+            free.remove(slot)
+            free.insert(0, slot)
+            return pages[self._shard(slot)] - left[slot], self._shard(slot)
+        if slot is None:  # one shard: any slot's cost; several, none free: the held slot _take_slot evicts
+            slot = -1 if len(pages) == 1 or not self._held else min(self._held.values(), key=lambda h: h.t).slot
+        return cost(slot), self._shard(slot)
+
+    def _pages_wait(self, pages: Optional[list], need: int, shard: int, first: bool) -> bool:
+        """Whether the request must wait for pages of ``shard`` (counted in ``kv_admission_waits``); ``first``:
+        no slot decodes and nothing was admitted in this step (the head is admitted whatever)."""
+        if pages is None or need <= pages[shard] or first:
             return False
         self.stats["kv_admission_waits"] += 1
         return True
 
     def _make_room(self, n: int) -> None:
         """Preempt active requests, most recently admitted first, until the next ``n``-step decode call
-        fits the pool (module doc); never the last active one."""
+        fits the pool (module doc); never the last active one (of its shard)."""
         if not self._paged():
             return
+        shards = getattr(self.engine, "kv_shards", 1)
         while self.engine.kv_decode_shortfall(n) > 0:
-            live = [(req.admit_seq, slot) for slot, req in enumerate(self._slots) if req is not None]
-            if len(live) < 2:
-                return  # the engine preempts held slots itself; one sequence always fits the pool
+            short = {0} if shards == 1 else {d for d in range(shards) if self.engine.kv_decode_shortfall(n, shard=d)}
+            live = [(req.admit_seq, slot) for slot, req in enumerate(self._slots)
+                    if req is not None and self._shard(slot) in short]
+            count = collections.Counter(self._shard(s) for _, s in live)
+            live = [x for x in live if count[self._shard(x[1])] > 1]
+            if not live:
+                return  # the engine preempts held slots itself; one sequence always fits a shard's pool
             _, slot = max(live)
             req = self._slots[slot]
             self._state = self.engine.preempt_slots(self._state, [slot])

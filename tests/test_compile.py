@@ -312,26 +312,30 @@ def test_paged_layout_compiles_the_paged_programs():
     assert rows["paged"]["append_prefill"]["kv_layout"] == "paged" and rows["paged"]["append_prefill"]["fits"]
 
 
-def test_paged_layout_compiles_on_a_sharded_engine():
-    """rollout.kv_layout=paged with a tensor-parallel engine (placement.rollout=2, rollout.mesh.tensor=2): the
-    paged programs compile on the engine's mesh (the kernel per shard), each chip holding half the pool (2 kv
-    heads split over tensor 2)."""
+@pytest.mark.parametrize("axis,pages", [("tensor", 8), ("data", 8 * 2)])
+def test_paged_layout_compiles_on_a_sharded_engine(axis, pages):
+    """rollout.kv_layout=paged on a 2-chip engine (placement.rollout=2): tensor 2 (the pool's 2 kv heads split
+    over it) or data 2 (the slots split over it, and the pool's pages with them: a sub-pool of 8 pages per
+    shard of 4 slots, the write and the kernel per shard in shard_map): the paged programs compile on the
+    engine's mesh, each chip holding half the pool."""
     from jax_rl import compile as C
 
     heads = "model.hf_overrides={num_attention_heads: 2, num_key_value_heads: 2, head_dim: 128, vocab_size: 640}"
-    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "placement.learner=2", "placement.rollout=2",
-                                                     "rollout.mesh.tensor=2", "rollout.kv_layout=paged",
-                                                     "rollout.kv_pages=8", "rollout.dtype=bfloat16", heads])
+    mesh = ["rollout.mesh.tensor=2"] if axis == "tensor" else ["rollout.mesh.tensor=1", "rollout.mesh.data=2"]
+    cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "placement.learner=2", "placement.rollout=2", *mesh,
+                                                     "rollout.kv_layout=paged", f"rollout.kv_pages={pages}",
+                                                     "rollout.dtype=bfloat16", heads])
     rows = {r["function"]: r for r in C.compile_programs(cfg, "v5e:2x2", cost=False,
                                                           functions=("append_prefill", "decode_step"))}
     mc = C._target(cfg, "v5e:2x2").model_config
     per_pos = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2  # bf16 K and V
     dec = rows["decode_step"]
-    assert dec["kv_layout"] == "paged" and dec["engine_mesh"]["tensor"] == 2 and dec["device_ids"] == [2, 3]
-    assert dec["fits"] and dec["kv_cache_bytes_per_chip"] == 8 * 16 * per_pos // 2
+    assert dec["kv_layout"] == "paged" and dec["engine_mesh"][axis] == 2 and dec["device_ids"] == [2, 3]
+    assert dec["fits"] and dec["kv_cache_bytes_per_chip"] == pages * 16 * per_pos // 2
     assert rows["append_prefill"]["kv_layout"] == "paged" and rows["append_prefill"]["fits"]
 
 
+@pytest.mark.slow  # why the pieces exist (a fact of XLA); test_cost_from_pieces_* checks the pieces in make test
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C

@@ -78,7 +78,9 @@ class RolloutConfig(_Section):
     page preempts a slot held between turns, else the most recently admitted active request, whose pages are
     freed and whose prompt + generated tokens are re-prefilled when it is admitted again (kv_preemptions,
     kv_preempted_requests; rollout/kv_pressure.py). On a rollout.mesh the pool is split over tensor in whole KV
-    heads, as the contiguous cache (replicated where they do not divide), and replicated over data and expert."""
+    heads, as the contiguous cache (replicated where they do not divide), and its pages over the axes that split
+    the slots (data, expert): one sub-pool of kv_pages / D pages per shard of slots, each holding one
+    max_cache_len sequence; a slot holds and shares only its shard's pages."""
     sampler: Literal["auto", "xla", "kernel"] = "auto"
     """The untruncated sampler's program (top_k 0, top_p 1; a truncated one is always XLA): auto = the Pallas TPU
     kernel that reads the [slots, vocab] logits once (rollout/engine/sampler_kernel.py) on a TPU, for a vocabulary

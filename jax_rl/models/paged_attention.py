@@ -27,7 +27,10 @@ pools; in this layout it would need a transpose of the pool per step, so the GPU
 On a mesh (a sharded rollout engine, ``jax.set_mesh``): the pool's combined head axis is split over
 the axis that splits the kv heads (``tensor``), in whole kv heads, so each shard's slice keeps the
 key/value interleave; the XLA path is partitioned by XLA, the kernel runs per shard in
-``jax.shard_map`` (:func:`paged_attention_kernel_sharded`).
+``jax.shard_map`` (:func:`paged_attention_kernel_sharded`). Where the slots are split too (over
+``data`` / ``expert``: :func:`pool_page_axes`), the pool's page axis is split over the same axes, one
+sub-pool per shard of slots, and the write and the attention run per shard in ``jax.shard_map``
+(``jax_rl.models.qwen3.paged``; :func:`paged_attention_local` inside).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ Array = jax.Array
 
 __all__ = ["current_target_backend", "pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
            "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
-           "paged_attention", "gather_contiguous", "pool_head_spec", "pool_storage_dtype"]
+           "paged_attention", "paged_attention_local", "gather_contiguous", "pool_head_spec", "pool_page_axes",
+           "pool_storage_dtype"]
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -233,13 +237,26 @@ def pool_head_spec(num_q_heads: int, num_kv_heads: int, mesh) -> tuple:
     return (hspec, kspec) if hspec == kspec else (None, None)
 
 
+def pool_page_axes(num_slots: int, mesh):
+    """The mesh axes (a name, a tuple of names, or None) a paged pool's page axis is split over on
+    ``mesh``: the ones that split the slots (``cache_batch``: ``data`` / ``fsdp`` / ``expert``, those that
+    divide ``num_slots``), as the contiguous cache splits them. With D shards of slots (slot b in shard
+    ``b // (num_slots / D)``), the pool of P pages is D sub-pools of P / D, each numbered from 0: a slot's
+    page-table entries index its own shard's sub-pool. None: no mesh, or no axis divides the slots."""
+    if mesh is None or mesh.empty:
+        return None
+    return logical_to_pspec(("cache_batch",), shape=(int(num_slots),), mesh=mesh)[0]
+
+
 def paged_attention_kernel_sharded(q: Array, kv_pages: Array, page_table: Array, starts: Array,
                                    lengths: Array, *, mesh=None, **kernel_kw) -> Array:
     """:func:`paged_attention_kernel` on a mesh (default: the ambient ``jax.set_mesh`` one; none: the
     kernel as is). A Mosaic kernel cannot be partitioned automatically, so it runs in ``jax.shard_map``:
     rows (q, page table, starts, lengths) over the ``activation_batch`` axes that divide B, q heads and
     the pool's combined head axis over the axis that splits the kv heads (:func:`pool_head_spec`); the
-    pool is replicated over every other axis (the engine's layout, ``rollout.engine.paged``). Each shard
+    pool is replicated over every other axis (the engine's layout where its mesh does not split the slots;
+    where it does, the pool's pages are split with them and ``jax_rl.models.qwen3.paged`` runs the plain
+    kernel per shard of slots in its own ``shard_map``, :func:`paged_attention_local`). Each shard
     runs the kernel on its rows and heads: its q heads ``[s N/T, (s+1) N/T)`` attend to its kv heads
     ``[s K/T, (s+1) K/T)`` (GQA groups never straddle shards). ``kernel_kw`` go to the kernel
     (``interpret``, block sizes). Same arguments and result as :func:`paged_attention_kernel`."""
@@ -276,6 +293,16 @@ def current_target_backend() -> str:
     """The backend whose path a traced program takes: the :func:`target_backend` in effect, else JAX's
     default backend (the paged attention and the rollout sampler choose their kernels by it)."""
     return _TARGET_BACKEND.get() or jax.default_backend()
+
+
+def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
+                          num_pages: int | None = None, *, backend: str | None = None, kv_dtype=None) -> Array:
+    """:func:`paged_attention` on the arrays as they are, never a ``shard_map`` of its own: the body of a
+    caller's ``shard_map`` (one shard of slots and its sub-pool: ``jax_rl.models.qwen3.paged``). Same
+    arguments and result."""
+    if (backend or current_target_backend()) == "tpu":
+        return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
+    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)
 
 
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,

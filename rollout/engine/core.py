@@ -71,7 +71,6 @@ and the runtimes log their step sums as ``rollout/moe_dropped_copies``, ``rollou
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 from typing import Any, Optional, Union
@@ -84,7 +83,8 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_state_shardings
+from rollout.engine.paged import (PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_pool_spec,
+                                  paged_state_shardings)
 from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
                                      program_shardings)
 from rollout.engine.sampler import StepOutput
@@ -156,8 +156,10 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         of ``kv_page_size`` positions (:mod:`rollout.engine.paged`); ValueError when the pool holds fewer
         than ``max_cache_len`` positions (one sequence). With a ``mesh`` the pool is split over the
         axis that splits the kv heads (``tensor``; whole kv heads per shard, replicated where they do
-        not divide) and replicated over the others; the page table and per-slot vectors are
-        replicated (:func:`rollout.engine.paged.paged_state_shardings`).
+        not divide) and its pages over the axes that split the slots (``data`` / ``expert``: one
+        sub-pool of ``kv_pages // D`` pages per shard of slots, each holding one sequence, else
+        ValueError); the page table and per-slot vectors are replicated
+        (:func:`rollout.engine.paged.paged_state_shardings`).
     """
 
     def __init__(
@@ -214,7 +216,9 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         self._init_placement(mesh, quantize)
         if kv_layout == "paged":
             per_slot = -(-self.max_cache_len // int(kv_page_size))
-            self._init_pages(int(kv_page_size), int(kv_pages) if kv_pages else self._slots * per_slot)
+            spec = (paged_pool_spec(self._slots, mesh, num_q_heads=model_config.num_attention_heads,
+                                    num_kv_heads=model_config.num_key_value_heads) if mesh is not None else None)
+            self._init_pages(int(kv_page_size), int(kv_pages) if kv_pages else self._slots * per_slot, spec)
         self._build_programs()
         self.params = self.load_params(params) if params is not None else None
 
@@ -288,9 +292,8 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         paged = self.kv_layout == "paged"
         if paged:
             steps = PagedStepPrograms(cfg, self._model, self._dequantized, page_size=self.kv_pool.page_size,
-                                      num_pages=self.kv_pool.num_pages)
-            state_fn = functools.partial(paged_state_shardings, num_q_heads=self.config.num_attention_heads,
-                                         num_kv_heads=self.config.num_key_value_heads)
+                                      num_pages=self.kv_pool.num_pages, pool_spec=self._pool_spec)
+            state_fn = paged_state_shardings
         else:
             steps, state_fn = StepPrograms(cfg, self._model, self._dequantized), decode_state_shardings
         outs = None

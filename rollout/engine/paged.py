@@ -37,11 +37,17 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 On a mesh (``Qwen3Engine(..., mesh=)``, a sharded rollout engine): params as the contiguous sharded
 engine places them; each layer's pool split on its combined head axis over the axis that splits the kv
 heads (``tensor``), in whole kv heads so a shard keeps its heads' keys and values together (replicated
-where the kv heads do not divide, as the contiguous cache); the pages are not split (any slot may hold any
-page: the pool is replicated over ``data`` / ``expert``, where the contiguous cache splits its slots), the
-page table, lengths and per-slot vectors replicated (:func:`paged_state_shardings`). XLA partitions the
-gather path; the TPU kernel runs per shard in ``shard_map``
-(:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`). The host side is unchanged.
+where the kv heads do not divide, as the contiguous cache); the page table, lengths and per-slot vectors
+replicated (:func:`paged_state_shardings`). Where the mesh splits the slots (``data`` / ``expert``, as the
+contiguous cache splits them: :func:`jax_rl.models.paged_attention.pool_page_axes`, D shards of B / D
+slots), the pool's pages are split over the same axes: ``rollout.kv_pages // D`` pages a shard, numbered
+from 0 within it; a slot's table holds its shard's page ids, and the host allocator
+(:class:`rollout.page_shards.ShardedPagePool`) gives a slot only its shard's pages, so prefix pages and
+forks are shared only within a shard, and free pages, admission budgets and decode shortfalls are per
+shard (``kv_shards``, ``kv_shard_of``). Each shard's sub-pool must hold one ``max_cache_len`` sequence.
+Then the write, the attention and the copies on write run per shard in ``shard_map``
+(``jax_rl.models.qwen3.paged``); with the slots not split, XLA partitions the gather path and the TPU
+kernel runs per head shard (:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`).
 
 Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
 contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
@@ -59,29 +65,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rl.models import qwen3 as _q
-from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec
+from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
 from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
-from rollout.pages import PagePool, PoolExhausted
+from rollout.page_shards import ShardedPagePool
+from rollout.pages import PoolExhausted
 
-__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "paged_state_shardings"]
+__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "paged_state_shardings", "paged_pool_spec"]
 
 
 class PagedStepPrograms(StepPrograms):
     """:class:`StepPrograms` over a :class:`PagedKVCache` (``page_size`` positions a page,
     ``num_pages`` pages; the table spans ``max_cache_len``)."""
 
-    def __init__(self, cfg, model, dequantized, *, page_size: int, num_pages: int) -> None:
+    def __init__(self, cfg, model, dequantized, *, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
         super().__init__(cfg, model, dequantized)
-        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.page_size, self.num_pages, self.pool_spec = int(page_size), int(num_pages), pool_spec
         self.max_pages = pages_for(cfg.max_cache_len, page_size)
 
     def init_state(self, params: Any) -> dict:
         c = self.cfg
         cache = init_paged_cache(self._model(params), c.slots, self.num_pages, self.page_size, self.max_pages,
-                                 dtype=c.dtype, per_layer=c.per_layer_cache)
+                                 dtype=c.dtype, per_layer=c.per_layer_cache, pool_spec=self.pool_spec)
         B = c.slots
         return {"cache": cache, "tokens": jnp.zeros((B,), jnp.int32), "active": jnp.zeros((B,), bool),
                 "keys": jnp.zeros((B, 2), jnp.uint32), "temperature": jnp.ones((B,), jnp.float32),
@@ -94,7 +101,8 @@ class PagedStepPrograms(StepPrograms):
 
     @staticmethod
     def copy_pages(state: dict, src: jax.Array, dst: jax.Array) -> dict:
-        """Copy-on-write: pages src [n] -> dst [n] (-1: padding) in every layer."""
+        """Copy-on-write: pages src [n] -> dst [n] (-1: padding) in every layer (split over D shards of
+        pages: n / D a shard, its page ids: ``jax_rl.models.qwen3.paged.copy_pages``)."""
         return {**state, "cache": copy_pages(state["cache"], src, dst)}
 
     def copy_slot(self, state, src, dst, pending, seed, temperature) -> dict:
@@ -181,21 +189,28 @@ PAGED_PROGRAMS: dict[str, ProgramDef] = {
 PrefixKV prefill, layout-free)."""
 
 
-def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh, *, num_q_heads: int,
-                          num_kv_heads: int) -> dict:
-    """The paged decode state's shardings on ``mesh`` (a sharded engine): every layer's pool
-    [P, page_size, 2K, H] (stacked: [L, P, page_size, 2K, H]) split on its combined head axis over the
-    axis that splits the kv heads in the contiguous engine's cache (``tensor``), in whole kv heads
-    (:func:`jax_rl.models.paged_attention.pool_head_spec`: replicated where the q heads and the K kv
-    heads do not split alike, as the contiguous cache drops an axis that does not divide K); the
-    pages themselves are not split (any slot may hold any page). The page table, the lengths and
-    every per-slot vector are replicated (the host rewrites the table before each call)."""
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+def paged_pool_spec(slots: int, mesh: jax.sharding.Mesh, *, num_q_heads: int,
+                    num_kv_heads: int) -> jax.sharding.PartitionSpec:
+    """One layer's pool [P, page_size, 2K, H] on ``mesh``: pages over the axes that split the slots
+    (:func:`jax_rl.models.paged_attention.pool_page_axes`; None where none does), the combined head axis
+    over the axis that splits the kv heads in the contiguous engine's cache (``tensor``), in whole kv
+    heads (:func:`jax_rl.models.paged_attention.pool_head_spec`: replicated where the q heads and the K
+    kv heads do not split alike, as the contiguous cache drops an axis that does not divide K)."""
     head = pool_head_spec(num_q_heads, num_kv_heads, mesh)[1]
+    return jax.sharding.PartitionSpec(pool_page_axes(slots, mesh), None, head, None)
+
+
+def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The paged decode state's shardings on ``mesh`` (a sharded engine): every layer's pool
+    [P, page_size, 2K, H] (stacked: [L, P, page_size, 2K, H]) as the cache's ``pool_spec``
+    (:func:`paged_pool_spec`). The page table, the lengths and every per-slot vector are replicated
+    (the host rewrites the table before each call)."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     cache = abstract_state["cache"]
 
     def pool(a):
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * (a.ndim - 2), head, None))
+        spec = cache.pool_spec or jax.sharding.PartitionSpec(None, None, None, None)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * (a.ndim - 4), *spec))
 
     kv = tuple(pool(a) for a in cache.kv) if isinstance(cache.kv, tuple) else pool(cache.kv)
     out = {key: rep for key in abstract_state if key != "cache"}
@@ -208,12 +223,20 @@ class PagedSlots:
     (module doc). Reads the engine's ``_jits``, ``_slots``, ``max_cache_len``, ``temperature``,
     ``record_routes``, ``counts_moe_drops``, ``_in_mesh``."""
 
-    def _init_pages(self, page_size: int, num_pages: int) -> None:
-        if num_pages * page_size < self.max_cache_len:
-            raise ValueError(f"rollout.kv_pages={num_pages} pages of {page_size} positions hold {num_pages * page_size} "
+    def _init_pages(self, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
+        """The host pool: ``num_pages // D`` pages for each of the D shards of slots ``pool_spec``'s page
+        axis names (:func:`paged_pool_spec`; None: one shard)."""
+        axes = None if pool_spec is None else pool_spec[0]
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        shards = int(np.prod([self._mesh.shape[a] for a in names], dtype=np.int64))
+        per = num_pages // shards
+        if per * page_size < self.max_cache_len:
+            split = f" split over {shards} shards of slots ({'x'.join(names)}: {per} a shard)" if shards > 1 else ""
+            raise ValueError(f"rollout.kv_pages={num_pages} pages of {page_size} positions{split} hold {per * page_size} "
                              f"< rollout.max_cache_len={self.max_cache_len}: the K/V pool cannot hold one sequence "
-                             f"(at least {pages_for(self.max_cache_len, page_size)} pages)")
-        self.kv_pool = PagePool(num_pages, page_size)
+                             f"(at least {pages_for(self.max_cache_len, page_size) * shards} pages)")
+        self.kv_pool = ShardedPagePool(shards, per, page_size, self._slots)
+        self._pool_spec = pool_spec
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
         self._plen = np.zeros(self._slots, np.int64)  # positions each slot holds (host mirror)
@@ -228,6 +251,15 @@ class PagedSlots:
         """The pool's counters (``kv_pages_in_use``, ``kv_prefix_page_hits``, ``kv_preemptions``, ...)."""
         return self.kv_pool.stats()
 
+    @property
+    def kv_shards(self) -> int:
+        """D, the shards of slots the pool is split into (1: one pool, any slot any page)."""
+        return self.kv_pool.num_shards
+
+    def kv_shard_of(self, slot: int) -> int:
+        """The shard whose pages ``slot`` holds (-1: shard 0)."""
+        return self.kv_pool.shard_of(slot)
+
     def _check_epoch(self, params: Any) -> None:
         """New weights in a prefill (another params tree than the last one): a new page epoch, so pages
         computed before are never matched by a new request again. Keyed by the params the prefill
@@ -241,14 +273,18 @@ class PagedSlots:
             self._epoch_leaf = weakref.ref(leaf)
 
     # ---- pages -------------------------------------------------------------------------------
-    def _retry(self, fn):
+    def _retry(self, fn, slot: int):
+        """``fn()``; while it finds ``slot``'s shard exhausted, preempt that shard's least recently
+        released held slot first."""
+        d = self.kv_shard_of(slot)
         while True:
             try:
                 return fn()
             except PoolExhausted:
-                if not self._held:
+                victim = next((h for h in self._held if self.kv_shard_of(h) == d), None)
+                if victim is None:
                     raise
-                victim, _ = self._held.popitem(last=False)
+                del self._held[victim]
                 self.kv_pool.preempt(victim)
                 self._preempted.add(victim)
                 self._plen[victim] = 0
@@ -264,25 +300,31 @@ class PagedSlots:
         self._table[slot] = -1
 
     # ---- what the generator asks before admitting and decoding (rollout.kv_pressure) ---------
-    def _held_room(self) -> int:
-        return sum(self.kv_pool.sole_pages(h) for h in self._held if h in self.kv_pool.seqs)
+    def _held_room(self, d: int) -> int:
+        return sum(self.kv_pool.sole_pages(h) for h in self._held if h in self.kv_pool.seqs and self.kv_shard_of(h) == d)
 
-    def _decode_need(self, n: int, refs: dict) -> int:
-        S = self.max_cache_len
+    def _decode_need(self, n: int, d: int) -> int:
+        S, refs = self.max_cache_len, {}
         return sum(self.kv_pool.ensure_cost(int(s), int(min(self._plen[s] + n, S)), refs)
-                   for s in np.flatnonzero(self._pactive))
+                   for s in np.flatnonzero(self._pactive) if self.kv_shard_of(int(s)) == d)
 
-    def kv_decode_shortfall(self, n: int) -> int:
-        """Pages the active slots lack for ``n`` more positions each (copies on write included) beyond
-        the free and cached pages and the pages held slots alone hold (preempted by the next decode as
-        it needs them); 0: the decode call fits."""
-        return max(0, self._decode_need(int(n), {}) - self.kv_pool.pages_available - self._held_room())
+    def _per_shard(self, fn, shard: Optional[int]) -> int:
+        return fn(shard) if shard is not None else sum(fn(d) for d in range(self.kv_shards))
 
-    def kv_admission_budget(self, n_decode: int) -> int:
-        """Pages admissions may take now: free + cached + what held slots alone hold, less what the
-        active slots need for their next ``n_decode`` positions (so an admission does not force the
-        next decode call to preempt)."""
-        return self.kv_pool.pages_available + self._held_room() - self._decode_need(int(n_decode), {})
+    def kv_decode_shortfall(self, n: int, shard: Optional[int] = None) -> int:
+        """Pages the active slots of ``shard`` lack for ``n`` more positions each (copies on write
+        included) beyond its free and cached pages and the pages its held slots alone hold (preempted by
+        the next decode as it needs them); 0: the decode call fits there. None: summed over the shards
+        (0: it fits everywhere)."""
+        return self._per_shard(lambda d: max(0, self._decode_need(int(n), d) - self.kv_pool.pages_available(d)
+                                             - self._held_room(d)), shard)
+
+    def kv_admission_budget(self, n_decode: int, shard: Optional[int] = None) -> int:
+        """Pages admissions into ``shard``'s slots may take now: its free + cached pages + what its held
+        slots alone hold, less what its active slots need for their next ``n_decode`` positions (so an
+        admission does not force the next decode call to preempt). None: summed over the shards."""
+        return self._per_shard(lambda d: self.kv_pool.pages_available(d) + self._held_room(d)
+                               - self._decode_need(int(n_decode), d), shard)
 
     def kv_request_pages(self, tokens: Sequence[int], slot: int, start: int, n_decode: int,
                          shared: bool = False) -> int:
@@ -290,7 +332,8 @@ class PagedSlots:
         at ``start`` and decoding ``n_decode`` tokens takes from :meth:`kv_admission_budget`: an append
         on a held slot that still has its pages, its extension plus those pages (counted as room in the
         budget); ``shared`` (the same context as a row admitted before it in the same call: a fork of its
-        pages), the copy of the last partial page and the growth; else the pages past any prefix hit."""
+        pages), the copy of the last partial page and the growth; else the pages past any prefix hit. Pages of ``slot``'s shard (-1: a slot not chosen yet, shard 0's).
+        """
         ps, ctx = self.kv_pool.page_size, len(tokens) - 1
         end = min(ctx + int(n_decode), self.max_cache_len)
         if start and slot in self.kv_pool.seqs and slot not in self._preempted:
@@ -298,8 +341,8 @@ class PagedSlots:
             return own + self.kv_pool.ensure_cost(slot, end)
         if shared:
             return self.kv_pool.pages_for(end) - ctx // ps
-        hits = [] if self.record_routes else self.kv_pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch)
-        return self.kv_pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.kv_pool.refs[p] == 0)
+        hits = [] if self.record_routes else self.kv_pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch, slot)
+        return self.kv_pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.kv_pool.refs(slot, p) == 0)
 
     def release_pages(self, slots: Sequence[int]) -> None:
         """Give back the pages of inactive ``slots`` no request will append to (the caller holds them for no
@@ -329,16 +372,18 @@ class PagedSlots:
     def _row(self, slot: int) -> None:
         self._table[slot] = self.kv_pool.table(slot, self._max_pages)
 
-    def _push(self, state: dict, copies: Sequence[tuple[int, int]]) -> dict:
+    def _push(self, state: dict, copies: Sequence[tuple[int, int, int]]) -> dict:
+        """The copies on write ``(shard, src, dst)`` (a power-of-two bucket of them a shard, -1 padding;
+        shard d's at ``[d n, (d+1) n)``), then the host's table."""
         with self._in_mesh():
             if copies:
-                n = 1
-                while n < len(copies):
-                    n *= 2
-                src = np.full(n, -1, np.int32)
-                dst = np.full(n, -1, np.int32)
-                src[:len(copies)], dst[:len(copies)] = zip(*copies)
-                state = self._jits["copy_pages"](state, jnp.asarray(src), jnp.asarray(dst))
+                at = collections.Counter(d for d, _, _ in copies)
+                n = 1 << (max(at.values()) - 1).bit_length()
+                src, dst = np.full((2, self.kv_shards, n), -1, np.int32)
+                for d, s_, t_ in reversed(copies):
+                    at[d] -= 1
+                    src[d, at[d]], dst[d, at[d]] = s_, t_
+                state = self._jits["copy_pages"](state, jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1)))
             return self._jits["set_table"](state, jnp.asarray(self._table))
 
     def _bucket(self, positions: int) -> Optional[int]:
@@ -373,29 +418,29 @@ class PagedSlots:
         computes does not depend on how the generator batched its admissions. Such a row runs in a later
         wave of programs than the rows whose pages it reads (``run``'s third field)."""
         res = [dict(prefill_tokens=0, shared=False) for _ in rows]
-        owners: dict[tuple, int] = {}
+        owners: dict[tuple, int] = {}  # (shard, context) -> the row whose pages its shard's rows fork
         members: list[tuple[int, int]] = []  # (row index, owner row index)
         run: list[tuple[int, int, int]] = []  # (row index, start of the computed positions, wave)
         copies: list[tuple[int, int]] = []
-        wave_of: dict[int, int] = {}  # page written by this call -> the wave of programs writing it
+        wave_of: dict[tuple, int] = {}  # (shard, page) written by this call -> the wave of programs writing it
         for i, r in enumerate(rows):
             slot, ctx = int(r.slot), [int(t) for t in r.tokens[:-1]]
             start = int(r.start)
             if start and slot not in self._preempted and slot in self.kv_pool.seqs:
                 self._held.pop(slot, None)  # never the victim of its own allocation
-                copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
+                copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)), slot)
                 run.append((i, start, 0))
                 continue
-            key = tuple(ctx)
+            key = (self.kv_shard_of(slot), tuple(ctx))
             self._release(slot)
             if not start and key in owners:
                 members.append((i, owners[key]))
                 continue
             owners.setdefault(key, i)
             # an engine recording MoE routes reports the routes of every prompt position: no prefix hits
-            hit = self._retry(lambda: self.kv_pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes))
-            copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)))
-            pages = self.kv_pool.seqs[slot].pages
+            hit = self._retry(lambda: self.kv_pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes), slot)
+            copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)), slot)
+            pages = [(key[0], p) for p in self.kv_pool.seqs[slot].pages]
             n_hit = hit // self.kv_pool.page_size
             wave = 1 + max((wave_of.get(p, -1) for p in pages[:n_hit]), default=-1)
             wave_of.update((p, wave) for p in pages[n_hit:])
@@ -435,11 +480,14 @@ class PagedSlots:
         B = self._slots
         for (_, T, npages), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
             nb = B
+            # a pool split over shards of slots: a row sits in its slot's shard's rows (row = slot), where
+            # the program writes and reads that shard's sub-pool
+            members = [((int(rows[i].slot) if self.kv_shards > 1 else j), i, st) for j, (i, st) in enumerate(members)]
             buf = np.zeros((nb, T), np.int32)
             starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))
             slots = np.full(nb, B, np.int32)
             seeds, temps = np.zeros(nb, np.uint32), np.ones(nb, np.float32)
-            for j, (i, st) in enumerate(members):
+            for j, i, st in members:
                 r = rows[i]
                 new = np.asarray(r.tokens[st:-1], np.int32)
                 buf[j, :len(new)] = new
@@ -451,7 +499,7 @@ class PagedSlots:
                 state, (routes, drops) = self._jits["append_prefill"](
                     params, state, jnp.asarray(buf), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(slots),
                     jnp.asarray(pending), jnp.asarray(seeds), jnp.asarray(temps), num_pages=npages)
-            for j, (i, st) in enumerate(members):
+            for j, i, st in members:
                 asked = int(rows[i].start)  # a re-prefilled (preempted) row reports the positions asked for
                 if self.counts_moe_drops:
                     res[i]["moe_dropped"] = int(np.asarray(drops)[j])
@@ -467,6 +515,9 @@ class PagedSlots:
         src, dst = int(src), int(dst)
         if not (0 <= src < self._slots and 0 <= dst < self._slots) or src == dst:
             raise ValueError(f"copy_slot: slots {src} -> {dst} (range [0, {self._slots}), distinct)")
+        if self.kv_shard_of(src) != self.kv_shard_of(dst):
+            raise ValueError(f"copy_slot: slots {src} -> {dst} are in different shards of the paged pool "
+                             f"({self.kv_shards} shards of {self._slots // self.kv_shards} slots): no page crosses shards")
         self._release(dst)
         self.kv_pool.fork(src, dst)
         self._row(dst)
@@ -501,7 +552,7 @@ class PagedSlots:
         top = 1
         for slot in np.flatnonzero(self._pactive):
             need = int(min(self._plen[slot] + n, S))
-            copies += self._retry(lambda: self.kv_pool.ensure(int(slot), need))
+            copies += self._retry(lambda: self.kv_pool.ensure(int(slot), need), int(slot))
             self._row(int(slot))
             top = max(top, need)
             self._plen[slot] = need

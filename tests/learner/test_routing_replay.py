@@ -112,7 +112,7 @@ def test_missing_route_falls_back_to_the_router():
     assert q.route_dtype(4) == np.int8 and q.route_dtype(128) == np.int16
 
 
-@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("scan", [pytest.param(False, id="unrolled", marks=pytest.mark.slow), SCANS[1]])
 def test_engine_records_prefill_and_decode_routes(scan):
     """fp32 engine, same params: each recorded route is the route a full forward picks there."""
     L = _learner("ppo", "r3", scan)

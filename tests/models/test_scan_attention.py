@@ -77,7 +77,7 @@ def test_remat_policies_give_the_unrematerialised_gradient(policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_scan_unroll_changes_no_value_only_the_loop(policy):
     """3 layers: unroll 1 (a 3-trip loop), 2 (a loop with a remainder) and full (no loop) give
     the same logits and gradients (to fp32 rounding); only unroll=1 and 2 lower to a while loop."""

@@ -71,6 +71,7 @@ def test_resume_into_another_correction_is_one_line(tmp_path, capsys):
     assert "loss.correction" in err and "ppo_ewma" in err
 
 
+@pytest.mark.slow  # make test: test_checkpoint_of_the_other_layer_layout_fails_in_one_line_naming_scan_layers
 def test_resume_into_the_other_layer_layout_is_one_line_and_eval_reads_either(tmp_path, capsys):
     """A checkpoint saved with ``model.scan_layers=false`` (unrolled layers): a ``--resume`` with
     the default (stacked) is refused in one line naming the value to set, exit 2, nothing

@@ -11,6 +11,12 @@ A prefill from position 0 is :func:`paged_extend` with ``starts = 0``.
 Which rows own which pages is the host's business (``rollout.pages.PagePool``); the device side
 only follows the table. A table entry of -1 is "no page": writes there are dropped, reads are
 masked (a row never attends past its length).
+
+Split over pages (``PagedKVCache.pool_spec`` names mesh axes on the page axis: a sharded rollout
+engine whose slots are split over ``data`` / ``expert``): the pool of P pages is D sub-pools of P / D
+(shard d's pages ``[d P/D, (d+1) P/D)``), the rows are split over the same axes (B / D a shard), and a
+row's table entries are page ids *within its shard's sub-pool*. The write, the attention and
+:func:`copy_pages` run per shard in ``jax.shard_map``, so no shard reads or writes another's pages.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jax_rl.models.paged_attention import paged_attention, pool_storage_dtype, write_kv
+from jax.sharding import PartitionSpec as P
+
+from jax_rl.models.paged_attention import paged_attention, paged_attention_local, pool_storage_dtype, write_kv
 from jax_rl.models.qwen3.outputs import ModelOutput
 
 Array = jax.Array
@@ -39,6 +47,10 @@ class PagedKVCache:
         combined head 2k, values at 2k+1 (the TPU ragged paged attention layout).
     page_table: [B, M] int32, row b's j-th page (positions [j*ps, (j+1)*ps)); -1 = none.
     lengths: [B] int32, positions held per row (the next token of row b goes to ``lengths[b]``).
+    pool_spec: static, one layer's pool [P, page_size, 2K, H] as a ``PartitionSpec`` on the ambient mesh
+        (a sharded engine's; None: no mesh). A page axis split over mesh axes (D shards) makes the pool D
+        sub-pools of P / D pages, the rows split alike, table entries numbered within the row's sub-pool
+        (module doc); a page axis of None: one pool, global page ids.
     dtype: the K/V values' dtype when ``kv`` holds their uint16 bits (a bf16 pool on XLA:CPU,
         ``jax_rl.models.paged_attention.pool_storage_dtype``); None: ``kv``'s own dtype. Static.
     """
@@ -46,7 +58,13 @@ class PagedKVCache:
     kv: Any
     page_table: Array
     lengths: Array
+    pool_spec: Any = flax.struct.field(pytree_node=False, default=None)
     dtype: Any = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def page_axes(self) -> Any:
+        """The mesh axes the pool's pages (and the rows) are split over; None: not split."""
+        return None if self.pool_spec is None else self.pool_spec[0]
 
     @property
     def kv_dtype(self) -> Any:
@@ -73,17 +91,22 @@ class PagedKVCache:
         the layer's slice instead, XLA copied every layer's whole pool out of the stack each step."""
         if isinstance(kv, tuple):
             return kv[int(i)], self.page_table
-        L, P = kv.shape[:2]
-        table = jnp.where(self.page_table >= 0, self.page_table + jnp.asarray(i, jnp.int32) * P, -1)
-        return kv.reshape(L * P, *kv.shape[2:]), table
+        return _stacked_view(kv, self.page_table, i)
+
+
+def _stacked_view(kv: Array, table: Array, i) -> tuple[Array, Array]:
+    """A stacked pool [L, P, ...] as one of L*P pages and ``table`` offset to layer i's (-1 kept)."""
+    L, n = kv.shape[:2]
+    return kv.reshape(L * n, *kv.shape[2:]), jnp.where(table >= 0, table + jnp.asarray(i, jnp.int32) * n, -1)
 
 
 def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max_pages: int,
-                     dtype=None, per_layer: bool | None = None) -> PagedKVCache:
+                     dtype=None, per_layer: bool | None = None, pool_spec: Any = None) -> PagedKVCache:
     """An empty pool of ``num_pages`` pages of ``page_size`` positions (zeros, ``dtype``, default
     the model's compute dtype), a page table [batch_size, max_pages] of -1, lengths 0.
-    ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form. Stored as
-    ``pool_storage_dtype(dtype)`` (a bf16 pool traced for XLA:CPU: its uint16 bits, ``dtype`` set)."""
+    ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form; ``pool_spec``: the
+    :class:`PagedKVCache` field (split over pages: ``num_pages`` and ``batch_size`` divide by the shards).
+    Stored as ``pool_storage_dtype(dtype)`` (a bf16 pool traced for XLA:CPU: its uint16 bits, ``dtype`` set)."""
     c = model.config
     dt = model.dtype if dtype is None else jnp.dtype(dtype)
     store = pool_storage_dtype(dt)
@@ -94,7 +117,42 @@ def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max
     L = c.num_hidden_layers
     kv = tuple(jnp.zeros(shape, store) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), store)
     return PagedKVCache(kv=kv, page_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
-                        lengths=jnp.zeros((batch_size,), jnp.int32), dtype=None if store == dt else dt)
+                        lengths=jnp.zeros((batch_size,), jnp.int32), pool_spec=pool_spec,
+                        dtype=None if store == dt else dt)
+
+
+def _pool_specs(cache: PagedKVCache, stacked: bool) -> tuple:
+    """(page axes, head axes, the pool's spec: stacked [L, P, ...] or one layer's [P, ...])."""
+    b, h = cache.pool_spec[0], cache.pool_spec[2]
+    return b, h, P(*((None,) if stacked else ()), b, None, h, None)
+
+
+def _layer_pool_step(cache: PagedKVCache, kv: Any, i, q, k, v, positions, valid, starts, lengths, num_pages,
+                     backend) -> tuple[Array, Any]:
+    """Layer i: the new K/V written through the table, then attention over the rows' pages: (o, kv).
+    Split over pages (module doc): per shard in ``jax.shard_map`` (rows, the layer's sub-pool, q and kv
+    heads as the pool's head axis), so each shard writes and reads only its own sub-pool."""
+    if cache.page_axes is None:
+        kv = _write(cache, kv, i, positions, k, v, valid)
+        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend,
+                            kv_dtype=cache.kv_dtype)
+        return o, kv
+    stacked = not isinstance(kv, tuple)
+    b, h, pspec = _pool_specs(cache, stacked)
+
+    def local(q, k, v, pool, table, positions, valid, starts, lengths, li):
+        pool = write_kv(pool, table, positions, k, v, valid, layer=li if stacked else None, dtype=cache.dtype)
+        view, t = _stacked_view(pool, table, li) if stacked else (pool, table)
+        return paged_attention_local(q, view, t, starts, lengths, num_pages, backend=backend,
+                                     kv_dtype=cache.kv_dtype), pool
+
+    heads, rows = P(b, None, h, None), P(b, None)
+    body = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), check_vma=False,
+                         in_specs=(heads, heads, heads, pspec, rows, rows, rows, P(b), P(b), P()),
+                         out_specs=(heads, pspec))
+    o, pool = body(q, k, v, kv if stacked else kv[int(i)], cache.page_table, positions, valid, starts, lengths,
+                   jnp.asarray(i if stacked else 0, jnp.int32))
+    return o, pool if stacked else tuple(pool if j == int(i) else x for j, x in enumerate(kv))
 
 
 def _write(cache: PagedKVCache, kv: Any, i, positions, k, v, valid) -> Any:
@@ -132,9 +190,7 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
     ones = jnp.ones((B,), jnp.int32)
 
     def layer_attend(q, k, v, i, kv):
-        kv = _write(cache, kv, i, pos[:, None], k, v, write_ok)
-        o = paged_attention(q, *cache.attend_view(kv, i), pos, ones, num_pages, backend=backend,
-                            kv_dtype=cache.kv_dtype)
+        o, kv = _layer_pool_step(cache, kv, i, q, k, v, pos[:, None], write_ok, pos, ones, num_pages, backend)
         return o.astype(q.dtype), None, kv
 
     forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
@@ -168,9 +224,7 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
     valid = jnp.arange(T)[None, :] < lengths[:, None]
 
     def layer_attend(q, k, v, i, kv):
-        kv = _write(cache, kv, i, positions, k, v, valid)
-        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend,
-                            kv_dtype=cache.kv_dtype)
+        o, kv = _layer_pool_step(cache, kv, i, q, k, v, positions, valid, starts, lengths, num_pages, backend)
         return o.astype(q.dtype), None, kv
 
     t = model._trunk(model.embed(input_ids), positions, layer_attend, _layer_ids(model), carry=cache.kv,
@@ -180,17 +234,24 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
                        moe_drops=model._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
 
 
-def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
-    """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
-    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding)."""
+def _copy_pages(kv: Any, src: Array, dst: Array) -> Any:
     src = jnp.maximum(jnp.asarray(src, jnp.int32), 0)
     dst = jnp.asarray(dst, jnp.int32)
-    P = cache.num_pages
-    dst = jnp.where(dst < 0, P, dst)
+    if isinstance(kv, tuple):
+        return tuple(p.at[jnp.where(dst < 0, p.shape[0], dst)].set(p[src], mode="drop") for p in kv)
+    return kv.at[:, jnp.where(dst < 0, kv.shape[1], dst)].set(kv[:, src], mode="drop")
 
-    def one(pool, lead=()):
-        return pool.at[(*lead, dst)].set(pool[(*lead, src)], mode="drop")
 
-    if isinstance(cache.kv, tuple):
-        return cache.replace(kv=tuple(one(p) for p in cache.kv))
-    return cache.replace(kv=cache.kv.at[:, dst].set(cache.kv[:, src], mode="drop"))
+def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+    """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
+    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding). Split
+    over D shards of pages (module doc): n = D x m, shard d's m copies at ``[d m, (d+1) m)``, page ids
+    within its sub-pool, done per shard in ``jax.shard_map`` (no page crosses shards)."""
+    if cache.page_axes is None:
+        return cache.replace(kv=_copy_pages(cache.kv, src, dst))
+    stacked = not isinstance(cache.kv, tuple)
+    b, _, pspec = _pool_specs(cache, stacked)
+    specs = pspec if stacked else tuple(pspec for _ in cache.kv)
+    body = jax.shard_map(_copy_pages, mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, P(b), P(b)),
+                         out_specs=specs, check_vma=False)
+    return cache.replace(kv=body(cache.kv, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)))
