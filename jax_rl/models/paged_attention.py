@@ -8,7 +8,11 @@ kv head k at combined head ``2k`` and its values at ``2k + 1``; a model's pool s
 ``[L, P, page_size, 2K, H]``. A sequence's positions ``[j * page_size, (j + 1) * page_size)`` live
 in page ``page_table[b, j]``; ``page_table [B, M]`` int32 (M = pages a sequence may hold); entries
 past a sequence's held pages are never read unmasked; -1 there means "no page" (a write to it
-is dropped).
+is dropped). On XLA:CPU a bf16 / f16 pool is stored as its uint16 bits (:func:`pool_storage_dtype`):
+XLA:CPU runs every bf16 scatter and dynamic-update-slice in f32, so a one-token write converted the
+whole pool to f32 and back at every decode step; on the bits the write touches only its entries, and
+the gathered pages are bitcast back (the values bit for bit the same). Other backends store the
+float dtype itself.
 
 Query convention (both paths): row b's new tokens ``t < lengths[b]`` sit at positions
 ``starts[b] + t``; their K/V are already in the pool (``write_kv`` before the attention, as the
@@ -39,14 +43,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_rl.models.xla_attention import attend
+from jax_rl.models.xla_attention import attend, attend_cached_t
 from jax_rl.sharding import logical_to_pspec
 
 Array = jax.Array
 
 __all__ = ["current_target_backend", "pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
            "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
-           "paged_attention", "paged_attention_local", "gather_contiguous", "pool_head_spec", "pool_page_axes"]
+           "paged_attention", "paged_attention_local", "gather_contiguous", "pool_head_spec", "pool_page_axes",
+           "pool_storage_dtype"]
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -68,15 +73,33 @@ def combine_kv(k: Array, v: Array) -> Array:
     return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
+def pool_storage_dtype(dtype) -> jnp.dtype:
+    """The dtype a pool of K/V values of ``dtype`` is stored in on the backend being traced for
+    (:func:`current_target_backend`): uint16 (the values' bits) for a 16-bit float on XLA:CPU (module
+    doc), else ``dtype``."""
+    dt = jnp.dtype(dtype)
+    if current_target_backend() == "cpu" and dt.itemsize == 2 and jnp.issubdtype(dt, jnp.floating):
+        return jnp.dtype(jnp.uint16)
+    return dt
+
+
+def _from_pool(x: Array, dtype) -> Array:
+    """Values read from a pool: bitcast from the uint16 bits to ``dtype`` (None: left as they are)."""
+    if dtype is None or x.dtype == jnp.dtype(dtype):
+        return x
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
 def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: Array,
-             valid: Array, layer: int | Array | None = None) -> Array:
+             valid: Array, layer: int | Array | None = None, dtype=None) -> Array:
     """Scatter new K/V into the pool through the page table.
 
     kv_pages [P, ps, 2K, H] (or [L, P, ps, 2K, H] with ``layer``, a static or traced index);
     page_table [B, M] int32; positions [B, T] int32 (absolute positions); k, v [B, T, K, H];
     valid [B, T] bool: only valid tokens are written (the others, and positions past the table,
-    are dropped). Returns the updated pool (same shape and dtype; in place under jit with the
-    pool donated).
+    are dropped). ``dtype``: the values' dtype when ``kv_pages`` holds their uint16 bits
+    (:func:`pool_storage_dtype`; None: the pool's dtype). Returns the updated pool (same shape and
+    dtype; in place under jit with the pool donated).
     """
     ps = kv_pages.shape[-3]
     P = kv_pages.shape[-4]
@@ -84,36 +107,52 @@ def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: 
     j = positions // ps
     page = jnp.take_along_axis(page_table, jnp.clip(j, 0, M - 1), axis=1)
     page = jnp.where(valid & (j < M) & (positions >= 0) & (page >= 0), page, P)  # P: out of bounds, dropped
-    new = combine_kv(k, v).astype(kv_pages.dtype)  # [B, T, 2K, H]
+    new = combine_kv(k, v).astype(kv_pages.dtype if dtype is None else dtype)  # [B, T, 2K, H]
+    if new.dtype != kv_pages.dtype:
+        new = jax.lax.bitcast_convert_type(new, kv_pages.dtype)  # the pool's bits
     idx = (page, positions % ps) if layer is None else (layer, page, positions % ps)
     return kv_pages.at[idx].set(new, mode="drop")
 
 
-def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int) -> tuple[Array, Array]:
+def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int, dtype=None) -> tuple[Array, Array]:
     """The first ``num_pages`` pages of every row as contiguous keys and values [B, S, K, H]
-    (S = num_pages * page_size; cache dtype)."""
+    (S = num_pages * page_size; the cache's value dtype: ``dtype`` for a pool of uint16 bits, see
+    :func:`write_kv`). Keys and values are gathered apart: each gather then has one consumer, into
+    which XLA fuses it (one pass over the pages to the layout the attention's dot reads)."""
     B = page_table.shape[0]
     _, ps, K2, H = kv_pages.shape
-    kv = kv_pages[jnp.maximum(page_table[:, :num_pages], 0)].reshape(B, num_pages * ps, K2, H)
-    return kv[:, :, 0::2], kv[:, :, 1::2]
+    idx = jnp.maximum(page_table[:, :num_pages], 0)
+
+    def one(x):
+        return _from_pool(x[idx], dtype).reshape(B, num_pages * ps, K2 // 2, H)
+
+    return one(kv_pages[:, :, 0::2]), one(kv_pages[:, :, 1::2])
 
 
 def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,
-                        lengths: Array, num_pages: int | None = None) -> Array:
+                        lengths: Array, num_pages: int | None = None, *, kv_dtype=None) -> Array:
     """GQA attention over the pages a row holds (the XLA reference; HF eager numerics, as
     ``xla_attention.attend``).
 
     q [B, T, N, H]; kv_pages [P, ps, 2K, H]; page_table [B, M] int32; starts, lengths [B] int32
     (module doc); ``num_pages`` (static, default M): the pages gathered per row, at least
-    ``ceil((starts + lengths) / ps)`` of every row (``page_bucket``). Returns [B, T, N, H]
-    (q.dtype); rows' padded tokens (``t >= lengths``) get finite values the caller ignores.
+    ``ceil((starts + lengths) / ps)`` of every row (``page_bucket``); ``kv_dtype``: the values'
+    dtype of a pool of uint16 bits (:func:`pool_storage_dtype`; default q.dtype). Returns [B, T, N, H]
+    (q.dtype); rows' padded tokens (``t >= lengths``) get finite values the caller ignores. Decode
+    (T == 1) runs the contiguous per-layer cache's einsums (``attend_cached_t``: the keys read with the
+    positions minor, the same values as ``attend``).
     """
     B, T = q.shape[:2]
     n = page_table.shape[1] if num_pages is None else int(num_pages)
-    k, v = gather_contiguous(kv_pages, page_table, n)
+    if kv_dtype is None and kv_pages.dtype == jnp.uint16:
+        kv_dtype = q.dtype
+    k, v = gather_contiguous(kv_pages, page_table, n, kv_dtype)
     pos = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
     mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [B, T, S]
-    return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if T == 1:
+        return attend_cached_t(q, k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), mask)
+    return attend(q, k, v, mask)
 
 
 def _ragged_layout(lengths: Array, B: int, T: int) -> tuple[Array, Array, Array]:
@@ -257,23 +296,23 @@ def current_target_backend() -> str:
 
 
 def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
-                          num_pages: int | None = None, *, backend: str | None = None) -> Array:
+                          num_pages: int | None = None, *, backend: str | None = None, kv_dtype=None) -> Array:
     """:func:`paged_attention` on the arrays as they are, never a ``shard_map`` of its own: the body of a
     caller's ``shard_map`` (one shard of slots and its sub-pool: ``jax_rl.models.qwen3.paged``). Same
     arguments and result."""
     if (backend or current_target_backend()) == "tpu":
         return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
-    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)
+    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)
 
 
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
-                    num_pages: int | None = None, *, backend: str | None = None) -> Array:
+                    num_pages: int | None = None, *, backend: str | None = None, kv_dtype=None) -> Array:
     """Attention over live pages on the path for ``backend`` (default: the :func:`target_backend`
     in effect, else JAX's default backend): ``"tpu"``: :func:`paged_attention_kernel` (reads the
     page table itself; ``num_pages`` unused), per shard on an ambient mesh
     (:func:`paged_attention_kernel_sharded`); otherwise :func:`paged_attention_xla` (partitioned by
-    XLA on a mesh). Same arguments and result as those."""
+    XLA on a mesh; ``kv_dtype``: a pool of uint16 bits' value dtype). Same arguments and result as those."""
     backend = backend or current_target_backend()
     if backend == "tpu":
         return paged_attention_kernel_sharded(q, kv_pages, page_table, starts, lengths)
-    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages)
+    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)

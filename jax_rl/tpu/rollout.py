@@ -91,9 +91,15 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     kw = dict(scan_layers=True, attention="splash")
     kw.update(model_kwargs or {})
     sharded = mesh is not None
-    engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
-                         max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
-                         sampler=sampler, **({"mesh": mesh} if sharded else {}), **paging)
+    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+
+    # the state a TPU engine holds, its shardings included (a paged pool in its float dtype: traced for this
+    # CPU host it would be its uint16 bits, jax_rl.models.paged_attention.pool_storage_dtype)
+    backend = (lambda: target_backend("tpu")) if paging else contextlib.nullcontext
+    with backend():
+        engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
+                             max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
+                             sampler=sampler, **({"mesh": mesh} if sharded else {}), **paging)
     if not sharded:  # the colocated paged engine is one device's (its kernel unpartitioned): one chip
         mesh = Mesh(np.array(topo.devices[:1] if paging else topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
@@ -106,12 +112,13 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     progs = engine.programs
     if sharded:
         params = abstract(engine.abstract_params, engine.param_shardings)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), backend():
             abs_state = jax.eval_shape(progs["init_state"], engine.abstract_params)
         state = abstract(abs_state, engine.state_shardings)
     else:
         params = abstract(engine.abstract_params)
-        state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
+        with backend():
+            state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
     return engine, mesh, sharded, params, state, rep
 
 

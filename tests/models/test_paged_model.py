@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.models.paged_attention import target_backend
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
 
@@ -138,3 +139,38 @@ def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
     shape = r"bf16\[%s\]" % ",".join(map(str, layer))
     copies = [x for x in txt.splitlines() if re.search(rf"= {shape}\S* (fusion|copy|dynamic-slice)", x)]
     assert not copies, copies[0][:200]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_bf16_pool_kept_as_its_bits_on_cpu_equals_the_float_pool(scan):
+    """XLA:CPU keeps a bf16 pool as its uint16 bits (``pool_storage_dtype``: its bf16 scatters ran in
+    f32 over the whole pool): prefill, decode and ``copy_pages`` on it give the logits and pool bits of
+    the same calls on a bf16 pool (the storage a GPU engine keeps), bit for bit."""
+    rng = np.random.default_rng(0)
+    model = Qwen3ForCausalLM(get_preset("tiny_dense"), rngs=nnx.Rngs(0), scan_layers=scan, dtype=jnp.bfloat16,
+                             param_dtype=jnp.bfloat16)
+    B, T = 2, 7
+    table = _table(B, [M, 3], rng, 16)
+    free = min(set(range(16)) - set(np.asarray(table).ravel().tolist()))  # a page no row holds
+    bits = init_paged_cache(model, B, num_pages=16, page_size=PS, max_pages=M).replace(page_table=table)
+    with target_backend("gpu"):
+        flt = init_paged_cache(model, B, num_pages=16, page_size=PS, max_pages=M).replace(page_table=table)
+    assert bits.kv_dtype == flt.kv_dtype == jnp.bfloat16
+    assert all(x.dtype == jnp.uint16 for x in jax.tree.leaves(bits.kv))
+    ids = jnp.asarray(rng.integers(1, 300, (B, T)), jnp.int32)
+    lens = jnp.array([7, 5], jnp.int32)
+    ext = _jit(model, paged_extend, num_pages=2)
+    dec = _jit(model, paged_decode_step, num_pages=2)
+    outs = []
+    for pc in (bits, flt):
+        o = ext(ids, jnp.zeros(B, jnp.int32), lens, pc)
+        d = dec(jnp.array([3, 4], jnp.int32), o.cache)
+        cp = copy_pages(d.cache, jnp.array([table[0, 0]]), jnp.array([free]))
+        pools = [np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16)) if x.dtype != jnp.uint16 else np.asarray(x)
+                 for x in jax.tree.leaves(cp.kv)]
+        outs.append((np.asarray(o.logits), np.asarray(d.logits), pools))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    for a, b in zip(outs[0][2], outs[1][2]):
+        np.testing.assert_array_equal(a, b)
+    assert any(np.any(p != 0) for p in outs[0][2])

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jax_rl.models.paged_attention import paged_attention, paged_attention_local, write_kv
+from jax_rl.models.paged_attention import paged_attention, paged_attention_local, pool_storage_dtype, write_kv
 from jax_rl.models.qwen3.outputs import ModelOutput
 
 Array = jax.Array
@@ -51,17 +51,25 @@ class PagedKVCache:
         (a sharded engine's; None: no mesh). A page axis split over mesh axes (D shards) makes the pool D
         sub-pools of P / D pages, the rows split alike, table entries numbered within the row's sub-pool
         (module doc); a page axis of None: one pool, global page ids.
+    dtype: the K/V values' dtype when ``kv`` holds their uint16 bits (a bf16 pool on XLA:CPU,
+        ``jax_rl.models.paged_attention.pool_storage_dtype``); None: ``kv``'s own dtype. Static.
     """
 
     kv: Any
     page_table: Array
     lengths: Array
     pool_spec: Any = flax.struct.field(pytree_node=False, default=None)
+    dtype: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def page_axes(self) -> Any:
         """The mesh axes the pool's pages (and the rows) are split over; None: not split."""
         return None if self.pool_spec is None else self.pool_spec[0]
+
+    @property
+    def kv_dtype(self) -> Any:
+        """The K/V values' dtype (``dtype``, else the pool's)."""
+        return self._layer0().dtype if self.dtype is None else jnp.dtype(self.dtype)
 
     @property
     def page_size(self) -> int:
@@ -97,17 +105,20 @@ def init_paged_cache(model, batch_size: int, num_pages: int, page_size: int, max
     """An empty pool of ``num_pages`` pages of ``page_size`` positions (zeros, ``dtype``, default
     the model's compute dtype), a page table [batch_size, max_pages] of -1, lengths 0.
     ``per_layer`` (default: not ``model.scan_layers``) picks the tuple form; ``pool_spec``: the
-    :class:`PagedKVCache` field (split over pages: ``num_pages`` and ``batch_size`` divide by the shards)."""
+    :class:`PagedKVCache` field (split over pages: ``num_pages`` and ``batch_size`` divide by the shards).
+    Stored as ``pool_storage_dtype(dtype)`` (a bf16 pool traced for XLA:CPU: its uint16 bits, ``dtype`` set)."""
     c = model.config
     dt = model.dtype if dtype is None else jnp.dtype(dtype)
+    store = pool_storage_dtype(dt)
     shape = (num_pages, page_size, 2 * c.num_key_value_heads, c.head_dim)
     per_layer = (not model.scan_layers) if per_layer is None else per_layer
     if per_layer and model.scan_layers:
         raise ValueError("a per-layer paged pool needs unrolled layers (model.scan_layers is set)")
     L = c.num_hidden_layers
-    kv = tuple(jnp.zeros(shape, dt) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), dt)
+    kv = tuple(jnp.zeros(shape, store) for _ in range(L)) if per_layer else jnp.zeros((L, *shape), store)
     return PagedKVCache(kv=kv, page_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
-                        lengths=jnp.zeros((batch_size,), jnp.int32), pool_spec=pool_spec)
+                        lengths=jnp.zeros((batch_size,), jnp.int32), pool_spec=pool_spec,
+                        dtype=None if store == dt else dt)
 
 
 def _pool_specs(cache: PagedKVCache, stacked: bool) -> tuple:
@@ -123,14 +134,17 @@ def _layer_pool_step(cache: PagedKVCache, kv: Any, i, q, k, v, positions, valid,
     heads as the pool's head axis), so each shard writes and reads only its own sub-pool."""
     if cache.page_axes is None:
         kv = _write(cache, kv, i, positions, k, v, valid)
-        return paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend), kv
+        o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend,
+                            kv_dtype=cache.kv_dtype)
+        return o, kv
     stacked = not isinstance(kv, tuple)
     b, h, pspec = _pool_specs(cache, stacked)
 
     def local(q, k, v, pool, table, positions, valid, starts, lengths, li):
-        pool = write_kv(pool, table, positions, k, v, valid, layer=li if stacked else None)
+        pool = write_kv(pool, table, positions, k, v, valid, layer=li if stacked else None, dtype=cache.dtype)
         view, t = _stacked_view(pool, table, li) if stacked else (pool, table)
-        return paged_attention_local(q, view, t, starts, lengths, num_pages, backend=backend), pool
+        return paged_attention_local(q, view, t, starts, lengths, num_pages, backend=backend,
+                                     kv_dtype=cache.kv_dtype), pool
 
     heads, rows = P(b, None, h, None), P(b, None)
     body = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), check_vma=False,
@@ -144,9 +158,9 @@ def _layer_pool_step(cache: PagedKVCache, kv: Any, i, q, k, v, positions, valid,
 def _write(cache: PagedKVCache, kv: Any, i, positions, k, v, valid) -> Any:
     if isinstance(kv, tuple):
         out = list(kv)
-        out[int(i)] = write_kv(kv[int(i)], cache.page_table, positions, k, v, valid)
+        out[int(i)] = write_kv(kv[int(i)], cache.page_table, positions, k, v, valid, dtype=cache.dtype)
         return tuple(out)
-    return write_kv(kv, cache.page_table, positions, k, v, valid, layer=i)
+    return write_kv(kv, cache.page_table, positions, k, v, valid, layer=i, dtype=cache.dtype)
 
 
 def _layer_ids(model) -> Any:
