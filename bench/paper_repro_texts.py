@@ -269,11 +269,18 @@ order.
   same order: (a) 7, (b) 14, (a) 8, (b) 15, (a) 9) because at the pace of this block (12.5-14 min a pair, core 0
   loaded) the last pair would start too late to finish by 00:25; decided from the pace, not from any result, and
   nothing else changes (seeds, arms, order, rules).
+- 00:17 UTC (2026-12-06), the last planned run done before the clock stop: this session ran (b) seeds 10 (both arms
+  again: `ppo_ewma` 0.385 this time, the dropped record of 21:00 read 0.382) to 15 and (a) seeds 4-9; (a) and (b)
+  are complete at their pre-registered n = 24 and carry their verdicts by the rules above. (a): guarded minus no
+  reset +0.058 [-0.026, +0.143], the lower bound above -0.05, so `guarded` stays the default. Over the 24 seeds
+  `guarded` ended below 0.05 (a collapse) in 2 (seeds 1 and 16; 3 with the superseded record of seed 22), no reset in
+  7 (seeds 7, 8, 10, 13, 14, 15, 20). (b): claim 1a +0.133 [+0.072, +0.195], reproduced (`decoupled` collapsed at
+  seeds 11 and 12 of this block).
 """
 
 PREREG_50_PLOTS = """\
 Held-out avg@4, R, clip fraction and |log pi_prox - log pi_v| per arm, mean ± std over the paired (a) runs of the
-regenerated warm start so far (seeds 0-3 and 10-23; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
+regenerated warm start (seeds 0-23; `jax-rl plot RUN_DIRS --group-by loss.ewma_reset,loss.ewma_reset_threshold`;
 threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
