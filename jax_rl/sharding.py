@@ -22,6 +22,7 @@ __all__ = [
     "MESH_AXES",
     "LOGICAL_RULES",
     "make_mesh",
+    "axis_names",
     "logical_to_pspec",
     "state_shardings",
     "constrain",
@@ -92,6 +93,14 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1,
         return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES, axis_types=types)
 
 
+def axis_names(entry) -> tuple[str, ...]:
+    """The mesh axis names of one PartitionSpec (or logical rule) entry: None -> (), a name -> (name,),
+    a tuple of names -> that tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _mesh_sizes(mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else dict(
         mesh.shape)
@@ -118,7 +127,7 @@ def logical_to_pspec(names: Sequence[str | None] | None, rules=LOGICAL_RULES, *,
         if name not in table:
             raise ValueError(f"logical axis {name!r} has no sharding rule")
         target = table[name]
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = axis_names(target)
         kept = []
         dim = None if shape is None else shape[i]
         for ax in axes:

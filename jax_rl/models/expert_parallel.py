@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_rl.sharding import logical_to_pspec
+from jax_rl.sharding import axis_names, logical_to_pspec
 
 Array = jax.Array
 
@@ -229,12 +229,6 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, matmul: str = "ragged
     return y[:M]
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _local_experts(x, w, ids, valid, wg, wu, wd, *, ep: int, capacity: int, matmul: str = "ragged_dot"):
     """One device's dispatch -> local experts -> return -> combine (inside the shard_map).
 
@@ -318,14 +312,14 @@ def _ep_layout(mesh, x_shape: tuple, ids_shape: tuple, wg_shape: tuple, batch_ax
         raise ValueError(f"num_experts={E} is not divisible by mesh.expert={ep}")
     if batch_axes is None:
         batch_axes = logical_to_pspec(("activation_batch",), shape=(B,), mesh=mesh)[0]
-    batch_axes = _axes(batch_axes)
+    batch_axes = axis_names(batch_axes)
     split = EXPERT_AXIS not in batch_axes  # tokens replicated over expert: take a 1/EP chunk
     # the experts' own sharding by the rules: E over expert, F over (tensor); D is gathered
     e_spec, _, f_spec = logical_to_pspec(("expert", "embed", "mlp"), shape=wg_shape, mesh=mesh)
-    if ep > 1 and _axes(e_spec) != (EXPERT_AXIS,):
+    if ep > 1 and axis_names(e_spec) != (EXPERT_AXIS,):
         raise ValueError(f"experts [E={E}, ...] are not sharded over {EXPERT_AXIS!r} alone "
                          f"(rules give {e_spec!r})")
-    f_axes = tuple(a for a in _axes(f_spec) if a not in batch_axes)
+    f_axes = tuple(a for a in axis_names(f_spec) if a not in batch_axes)
     n_batch = math.prod(sizes[a] for a in batch_axes)
     if B % n_batch:
         raise ValueError(f"batch {B} is not divisible by the {batch_axes} shards ({n_batch})")

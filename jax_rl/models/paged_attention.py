@@ -315,4 +315,5 @@ def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array,
     backend = backend or current_target_backend()
     if backend == "tpu":
         return paged_attention_kernel_sharded(q, kv_pages, page_table, starts, lengths)
-    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)
+    return paged_attention_local(q, kv_pages, page_table, starts, lengths, num_pages, backend=backend,
+                                 kv_dtype=kv_dtype)

@@ -67,6 +67,7 @@ import numpy as np
 from jax_rl.models import qwen3 as _q
 from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from jax_rl.sharding import axis_names
 from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
@@ -226,8 +227,7 @@ class PagedSlots:
     def _init_pages(self, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
         """The host pool: ``num_pages // D`` pages for each of the D shards of slots ``pool_spec``'s page
         axis names (:func:`paged_pool_spec`; None: one shard)."""
-        axes = None if pool_spec is None else pool_spec[0]
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        names = () if pool_spec is None else axis_names(pool_spec[0])
         shards = int(np.prod([self._mesh.shape[a] for a in names], dtype=np.int64))
         per = num_pages // shards
         if per * page_size < self.max_cache_len:
