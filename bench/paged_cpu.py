@@ -5,6 +5,9 @@ Usage::
     taskset -c 0 nice -n 10 .venv/bin/python bench/paged_cpu.py [--slots 8] [--prompt 5456] [--tail 260]
         [--groups 2] [--cache 12288] [--calls 24] [--decode-steps 4] [--rounds 3] [--layouts contiguous,paged]
 
+``--layouts`` entries ``paged:N`` build the paged engine with ``rollout.prefill_chunk_size`` N (``paged``: the
+default, 2,048).
+
 The tau2 retail shape on the tiny tau2 model (``configs/tau2_retail.yaml``: tiny_dense with 2 q heads, 1 kv
 head of 64, vocab 1,024; ``rollout.slots`` 8, ``max_cache_len`` 12,288, bf16, ``decode_steps`` 4): ``--groups``
 GRPO groups of ``slots / groups`` samples each, every context the same ``--prompt``-token system prompt plus a
@@ -51,8 +54,10 @@ def build(layout: str, a) -> tuple:
     cfg = q.get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                        rope_theta=10000.0, vocab_size=1024)
     params = nnx.state(q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    kind, _, chunk = layout.partition(":")  # paged:1024 = rollout.prefill_chunk_size 1024
     eng = Qwen3Engine(cfg, params, slots=a.slots, max_cache_len=a.cache, max_prefill_length=a.cache,
-                      dtype="bfloat16", temperature=1.0, kv_layout=layout)
+                      dtype="bfloat16", temperature=1.0, kv_layout=kind,
+                      **({"prefill_chunk_size": int(chunk)} if chunk else {}))
     return eng, eng.params
 
 
@@ -166,10 +171,11 @@ def main(argv=None) -> int:
             v = [x[k] for x in res[lay]]
             line.append(f"{k} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]")
         print(f"  {lay:10s} " + "; ".join(line))
-    if "paged" in res and "contiguous" in res:
-        ratios = [c["call_ms"] / p["call_ms"] for c, p in zip(res["contiguous"], res["paged"])]
-        print(f"  paged tok/s / contiguous tok/s, per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {statistics.median(ratios):.2f})")
+    for lay in (x for x in layouts if x.startswith("paged") and "contiguous" in res):
+        for k, what in (("call_ms", "tok/s"), ("prefill_s", "prefill speed")):
+            ratios = [c[k] / p[k] for c, p in zip(res["contiguous"], res[lay])]
+            print(f"  {lay} {what} / contiguous {what}, per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
     print(f"load {os.getloadavg()}")
     return 0
 

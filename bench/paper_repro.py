@@ -144,7 +144,11 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    # base.yaml's comment on rollout.kv_layout: a paged pool's pages split over the axes that split
                    # the slots (a rollout.mesh only; the paper configs run one-device engines)
                    "db7b62b2a34d": "fe44208e4440", "be2dc6c29f60": "61ef306916a7", "5d8e62c8e9ce": "6db4c725c5c6",
-                   "84d4b9d74ff6": "f89beb774d44", "b3519079e165": "160cc6e841e5", "f74673e4751d": "6b7ef691a83e"}
+                   "84d4b9d74ff6": "f89beb774d44", "b3519079e165": "160cc6e841e5", "f74673e4751d": "6b7ef691a83e",
+                   # rollout.prefill_chunk_size added (the paged layout's chunked prefill; the paper configs run
+                   # the contiguous layout, which does not chunk)
+                   "ccec1e16a5b5": "fe44208e4440", "6564a4119efe": "61ef306916a7", "a6093ebbdcc2": "6db4c725c5c6",
+                   "949b25961f55": "f89beb774d44", "5677f874ddc4": "160cc6e841e5", "610d182a0b6a": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:

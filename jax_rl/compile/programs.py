@@ -198,7 +198,8 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
               only=(key,), mesh=em, sampler=r.sampler)
     if r.kv_layout == "paged":  # the paged programs (rollout/engine/paged.py) over the configured pool
-        kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages)
+        kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages,
+                  prefill_chunk_size=r.prefill_chunk_size)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
     rk = dict(role="rollout", devices=devs)
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
@@ -214,6 +215,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
         row = _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0, **rk)
         _engine_keys(t, row, em)
         return row
+    shape = full.get("tokens_shape", shape)  # a paged engine's chunked append-prefill program
     a = _short(full)
     c, ps = None, 0.0
     if cost:

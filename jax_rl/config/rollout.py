@@ -93,6 +93,12 @@ class RolloutConfig(_Section):
     """Pages in the engine's K/V pool (kv_layout: paged); null = from kv_pool_gib, else slots x
     ceil(max_cache_len / kv_page_size), the contiguous layout's memory. Size it to the live tokens to hold
     more slots in the same memory; it must hold one max_cache_len sequence."""
+    prefill_chunk_size: int = Field(2048, ge=16)
+    """Chunked prefill (kv_layout: paged; MaxText's prefill_chunk_size, SGLang's chunked_prefill_size): a row's
+    new positions run in chunks of at most this many, each chunk attending over the pages up to its end, and a
+    prefill program runs about this many positions (prefill_chunk_size // its position bucket rows, at most
+    slots). A power of two. Smaller: less attention over padding and causal-masked positions, more programs
+    (rollout/engine/prefill_plan.py; docs/performance.md)."""
     kv_pool_gib: Optional[float] = Field(None, gt=0)
     """The engine's K/V pool as a memory budget in GiB (kv_layout: paged), instead of kv_pages: pages =
     floor(budget / bytes per page), a page being kv_page_size positions x layers x KV heads x head_dim x 2
@@ -158,6 +164,10 @@ class RolloutConfig(_Section):
                              f"{self.kv_pages * self.kv_page_size} positions < rollout.max_cache_len={self.max_cache_len}: "
                              f"the pool cannot hold one sequence (at least {-(-self.max_cache_len // self.kv_page_size)} "
                              "pages)")
+        c = self.prefill_chunk_size
+        if c & (c - 1):
+            raise ValueError(f"rollout.prefill_chunk_size={c}: must be a power of two (the prefill programs' position "
+                             f"buckets are powers of two), e.g. {1 << (c.bit_length() - 1)} or {1 << c.bit_length()}")
         return self
 
 

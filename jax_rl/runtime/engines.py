@@ -170,6 +170,7 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         quantize=r.quantize,
         kv_layout=r.kv_layout,
         kv_page_size=r.kv_page_size,
+        prefill_chunk_size=r.prefill_chunk_size,
         sampler=r.sampler,
         kv_pages=kv_pool_pages(cfg, model_config, slots=slots or r.slots),
     )

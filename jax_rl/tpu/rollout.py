@@ -24,11 +24,12 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
                     only: tuple[str, ...] = ("prefill", "decode"),
                     compiler_options: Optional[dict] = None, mesh: Any = None,
                     kv_layout: str = "contiguous", kv_page_size: int = 16,
-                    kv_pages: Optional[int] = None, sampler: str = "auto") -> dict[str, dict[str, Any]]:
+                    kv_pages: Optional[int] = None, sampler: str = "auto",
+                    prefill_chunk_size: int = 2048) -> dict[str, dict[str, Any]]:
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
     (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
     (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
-    turn's program) for ``topology`` (see ``resolve_topology``), params and state replicated on every
+    turn's program; paged: the largest chunked-prefill program, ``Qwen3Engine.append_prefill_shape``) for ``topology`` (see ``resolve_topology``), params and state replicated on every
     chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
     seconds).
 
@@ -54,21 +55,27 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
 
     ``kv_layout="paged"`` (``rollout.kv_layout``): the engine's paged programs (``rollout.engine.paged``)
     over a pool of ``kv_pages`` pages of ``kv_page_size`` positions (None: the contiguous layout's memory),
-    their attention the TPU ragged paged attention kernel (:func:`jax_rl.models.paged_attention.target_backend`;
+    its append-prefill the chunked program of ``prefill_chunk_size`` (``rollout.prefill_chunk_size``; the
+    result's ``tokens_shape``), their attention the TPU ragged paged attention kernel
+    (:func:`jax_rl.models.paged_attention.target_backend`;
     on ``mesh`` per shard in ``shard_map``); ``kv_cache_per_chip`` is then the pool (one chip's shard of it).
     ``sampler``: ``rollout.sampler`` (the decode step's untruncated draw: the Pallas kernel or XLA).
     """
     spec = resolve_topology(topology)
     topo = get_topology(topology)
-    paging = dict(kv_layout=kv_layout, kv_page_size=kv_page_size, kv_pages=kv_pages) if kv_layout == "paged" else {}
+    paging = (dict(kv_layout=kv_layout, kv_page_size=kv_page_size, kv_pages=kv_pages,
+                   prefill_chunk_size=prefill_chunk_size) if kv_layout == "paged" else {})
     engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, slots, max_cache_len, prefill_len,
                                                              dtype, model_kwargs, mesh, paging, sampler)
     out: dict[str, dict[str, Any]] = {}
-    for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, slots, prefill_len).items():
+    ext = engine.append_prefill_shape(prefill_len)  # paged: the chunked prefill's program (rows, positions)
+    for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, ext, prefill_len).items():
         if name not in only:
             continue
         out[name] = _compile_step(fn, args, ctx, compiler_options, spec.chip.hbm_bytes, paged=bool(paging),
                                   mesh=mesh)
+        if name == "append_prefill":
+            out[name]["tokens_shape"] = list(ext)  # [rows, new positions] of the program compiled
     if "decode" in out:
         _decode_bytes(out["decode"], params, state)
     out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
@@ -121,7 +128,7 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     return engine, mesh, sharded, params, state, rep
 
 
-def _steps(progs, params, state, rep, mesh, sharded, slots, prefill_len) -> dict:
+def _steps(progs, params, state, rep, mesh, sharded, ext, prefill_len) -> dict:
     """``name -> (program, abstract args, context factory)`` of the engine's prefill, append-prefill and decode.
 
     Prefill runs under ``jax.set_mesh`` (the splash kernel runs under shard_map on the ambient mesh: a Mosaic
@@ -138,10 +145,11 @@ def _steps(progs, params, state, rep, mesh, sharded, slots, prefill_len) -> dict
     def rows_of(shape, dt):  # the append-prefill's per-row vectors, replicated
         return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
 
-    # append_prefill: an agent turn's new tokens appended to ``slots`` kept K/V rows at once (the
-    # largest row bucket), ``prefill_len`` new positions each (Qwen3Engine.programs)
-    ext_args = (params, state, rows_of((slots, prefill_len), jnp.int32),
-                *(rows_of((slots,), dt) for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32,
+    # append_prefill: an agent turn's new tokens appended to kept K/V rows at once, ``ext`` = (rows, new
+    # positions): the contiguous layout's ``slots`` rows of ``prefill_len`` (the largest row bucket), the paged
+    # layout's chunk program (Qwen3Engine.append_prefill_shape)
+    ext_args = (params, state, rows_of(ext, jnp.int32),
+                *(rows_of((ext[0],), dt) for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32,
                                                     jnp.float32)))
     return {"prefill": (progs["prefill"], (params, tokens, n), lambda: jax.set_mesh(mesh)),
             "append_prefill": (progs["append_prefill"], ext_args,

@@ -87,6 +87,7 @@ from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
 from rollout.engine.paged import (PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_pool_spec,
                                   paged_state_shardings)
+from rollout.engine.prefill_plan import check_chunk_size
 from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
                                      program_shardings)
 from rollout.engine.sampler import StepOutput
@@ -162,6 +163,9 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         sub-pool of ``kv_pages // D`` pages per shard of slots, each holding one sequence, else
         ValueError); the page table and per-slot vectors are replicated
         (:func:`rollout.engine.paged.paged_state_shardings`).
+      prefill_chunk_size: ``rollout.prefill_chunk_size`` (paged layout): a row's prefill positions run in
+        chunks of at most this many, each program about this many positions (:mod:`rollout.engine.prefill_plan`);
+        ValueError unless a power of two >= 16.
     """
 
     def __init__(
@@ -186,11 +190,15 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         kv_page_size: int = 16,
         kv_pages: Optional[int] = None,
         sampler: str = "auto",
+        prefill_chunk_size: int = 2048,
     ) -> None:
         _check_args(slots, max_cache_len, top_p, quantize)
         if kv_layout not in ("contiguous", "paged"):
             raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
         self.kv_layout = kv_layout
+        self.prefill_chunk_size = check_chunk_size(prefill_chunk_size)
+        """``rollout.prefill_chunk_size``: most new positions a paged prefill program computes per row
+        (:mod:`rollout.engine.prefill_plan`); the contiguous layout does not chunk."""
         if sampler not in ("auto", "xla", "kernel"):
             raise ValueError(f"sampler must be 'auto', 'xla' or 'kernel' (rollout.sampler), got {sampler!r}")
         self.sampler = sampler

@@ -70,6 +70,7 @@ from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode
 from jax_rl.sharding import axis_names
 from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
+from rollout.engine.prefill_plan import prefill_programs, rows_per_program
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
 from rollout.page_shards import ShardedPagePool
 from rollout.pages import PoolExhausted
@@ -386,6 +387,15 @@ class PagedSlots:
                 state = self._jits["copy_pages"](state, jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1)))
             return self._jits["set_table"](state, jnp.asarray(self._table))
 
+    def append_prefill_shape(self, positions: int) -> tuple[int, int]:
+        """``(rows, T)`` of the largest append-prefill program rows of ``positions`` new positions run: the
+        contiguous layout's ``(slots, positions)``; paged, the chunk's bucket T and its row count
+        (:mod:`rollout.engine.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
+        if self.kv_layout != "paged":
+            return self._slots, int(positions)
+        T = min(self.prefill_chunk_size, prefill_bucket(int(positions), self.max_cache_len))
+        return (self._slots if self.kv_shards > 1 else rows_per_program(T, self.prefill_chunk_size, self._slots)), T
+
     def _bucket(self, positions: int) -> Optional[int]:
         return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages) if self._xla_pages else None
 
@@ -470,41 +480,45 @@ class PagedSlots:
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
-        """The computed rows, grouped by (wave, new-token bucket, own page bucket): one program each, the
-        waves in order (a row reading pages another row of the call writes runs after it)."""
-        groups: dict[tuple[int, int, Optional[int]], list[tuple[int, int]]] = {}
-        for i, st, wave in run:
-            n_new = len(rows[i].tokens) - 1 - st
-            groups.setdefault((wave, prefill_bucket(max(n_new, 1), self.max_cache_len),
-                               self._bucket(len(rows[i].tokens) - 1)), []).append((i, st))
-        B = self._slots
-        for (_, T, npages), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
-            nb = B
-            # a pool split over shards of slots: a row sits in its slot's shard's rows (row = slot), where
-            # the program writes and reads that shard's sub-pool
-            members = [((int(rows[i].slot) if self.kv_shards > 1 else j), i, st) for j, (i, st) in enumerate(members)]
-            buf = np.zeros((nb, T), np.int32)
-            starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))
-            slots = np.full(nb, B, np.int32)
-            seeds, temps = np.zeros(nb, np.uint32), np.ones(nb, np.float32)
-            for j, i, st in members:
-                r = rows[i]
-                new = np.asarray(r.tokens[st:-1], np.int32)
-                buf[j, :len(new)] = new
-                starts[j], lens[j], slots[j], pending[j] = st, len(new), int(r.slot), int(r.tokens[-1])
-                seeds[j] = int(r.seed) & 0xFFFFFFFF
-                temps[j] = self.temperature if r.temperature is None else float(r.temperature)
-                res[i]["prefill_tokens"] = len(new)
-            with self._in_mesh():
-                state, (routes, drops) = self._jits["append_prefill"](
-                    params, state, jnp.asarray(buf), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(slots),
-                    jnp.asarray(pending), jnp.asarray(seeds), jnp.asarray(temps), num_pages=npages)
-            for j, i, st in members:
-                asked = int(rows[i].start)  # a re-prefilled (preempted) row reports the positions asked for
-                if self.counts_moe_drops:
-                    res[i]["moe_dropped"] = int(np.asarray(drops)[j])
-                if self.record_routes:
-                    res[i]["routes"] = np.asarray(routes)[j, max(0, asked - st): int(lens[j])]
+        """The computed rows in chunked programs (:func:`rollout.engine.prefill_plan.prefill_programs`): the
+        waves in order (a row reading pages another row of the call writes runs after it), a row's chunks
+        in order, each chunk an append-prefill onto the pages its earlier chunks wrote."""
+        plan = prefill_programs([(i, st, len(rows[i].tokens) - 1, wave) for i, st, wave in run],
+                                chunk=self.prefill_chunk_size, slots=self._slots, max_len=self.max_cache_len,
+                                page_key=self._bucket, rows_at_slots=self.kv_shards > 1)
+        routes: dict[int, list] = {}
+        for prog in plan:
+            state = self._run_program(params, state, rows, prog, res, routes)
+        for i, st, _ in run:  # a re-prefilled (preempted) row reports the positions asked for
+            if self.record_routes:
+                res[i]["routes"] = np.concatenate(routes[i])[max(0, int(rows[i].start) - st):]
+            res[i]["prefill_tokens"] = len(rows[i].tokens) - 1 - st
+        return state
+
+    def _run_program(self, params, state, rows, prog, res, routes) -> dict:
+        """One :class:`ChunkProgram`: its chunks' tokens at rows 0.. (at their slots' rows on a pool split over
+        shards of slots, where the program writes and reads each shard's sub-pool); padding rows write nowhere."""
+        B, nb, T = self._slots, prog.rows, prog.T
+        at = [(int(rows[c.row].slot) if self.kv_shards > 1 else j, c) for j, c in enumerate(prog.chunks)]
+        buf = np.zeros((nb, T), np.int32)
+        starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))
+        slots = np.full(nb, B, np.int32)
+        seeds, temps = np.zeros(nb, np.uint32), np.ones(nb, np.float32)
+        for j, c in at:
+            r = rows[c.row]
+            buf[j, :c.length] = np.asarray(r.tokens[c.start:c.end], np.int32)
+            starts[j], lens[j], slots[j], pending[j] = c.start, c.length, int(r.slot), int(r.tokens[-1])
+            seeds[j] = int(r.seed) & 0xFFFFFFFF
+            temps[j] = self.temperature if r.temperature is None else float(r.temperature)
+        with self._in_mesh():
+            state, (rts, drops) = self._jits["append_prefill"](
+                params, state, jnp.asarray(buf), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(slots),
+                jnp.asarray(pending), jnp.asarray(seeds), jnp.asarray(temps), num_pages=prog.pages)
+        for j, c in at:
+            if self.counts_moe_drops:
+                res[c.row]["moe_dropped"] = res[c.row].get("moe_dropped", 0) + int(np.asarray(drops)[j])
+            if self.record_routes:
+                routes.setdefault(c.row, []).append(np.asarray(rts)[j, :c.length])
         return state
 
     def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,

@@ -242,3 +242,50 @@ def test_kernel_per_shard_on_a_mesh_equals_xla(devices, interpreter_reads_reshap
     assert got.sharding.spec == P("data", None, "tensor", None)
     valid = np.asarray(jnp.arange(T)[None] < lengths[:, None])
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(ref)[valid], atol=TOL, rtol=TOL)
+
+
+def test_pages_split_over_data_run_the_kernel_per_shard(devices, interpreter_reads_reshaped_refs, monkeypatch):
+    """The TPU path of a pool whose pages are split with the slots (``data`` 2: each shard's 2 rows name
+    pages of its own sub-pool of 8; ``jax_rl.models.qwen3.paged`` writes and runs the kernel per shard in
+    ``shard_map`` on the stacked pool seen as L x P pages), run in Pallas TPU interpret mode rather than only
+    compiled: the model's prefill and a decode step give the XLA path's logits (fp32, 1e-5)."""
+    import functools
+
+    from flax import nnx
+
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+    from jax_rl.models.qwen3.paged import init_paged_cache, paged_decode_step, paged_extend
+    from jax_rl.sharding import make_mesh
+    from rollout.engine.paged import paged_pool_spec
+
+    cfg = get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=128)  # H % 128
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True)  # the stacked pool, as a TPU engine's
+    gd, st = nnx.split(model)
+    mesh = make_mesh(data=2, fsdp=1, tensor=1, devices=devices[:2])
+    B, ps, M, per = 4, 4, 3, 8
+    spec = paged_pool_spec(B, mesh, num_q_heads=2, num_kv_heads=1)
+    assert spec[0] == "data"
+    rng = np.random.default_rng(6)
+    table = np.stack([rng.permutation(per)[:M] for _ in range(B)]).astype(np.int32)  # ids within the shard's pool
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (B, 8)), jnp.int32)
+    lengths = jnp.array([8, 3, 6, 1], jnp.int32)
+    calls = []
+    kernel = functools.partial(pa.paged_attention_kernel, interpret=True, num_kv_pages_per_block=2,
+                               num_queries_per_block=2)
+    monkeypatch.setattr(pa, "paged_attention_kernel", lambda *a: calls.append(a[1].shape) or kernel(*a))
+
+    def run(st, cache, backend):
+        m = nnx.merge(gd, st)
+        out = paged_extend(m, tokens, jnp.zeros((B,), jnp.int32), lengths, cache, backend=backend)
+        return out.logits, paged_decode_step(m, tokens[:, 0], out.cache, backend=backend).logits
+
+    got = {}
+    for backend in ("cpu", "tpu"):
+        cache = init_paged_cache(model, B, 2 * per, ps, M, dtype=jnp.float32, pool_spec=spec)
+        with jax.set_mesh(mesh):
+            got[backend] = jax.jit(run, static_argnums=2)(st, cache.replace(page_table=jnp.asarray(table)), backend)
+    # traced once per program (a scanned layer stack), on one shard's pool seen as L x 8 pages
+    assert calls == [(cfg.num_hidden_layers * per, ps, 2, 128)] * 2
+    valid = np.asarray(jnp.arange(8)[None] < lengths[:, None])
+    np.testing.assert_allclose(np.asarray(got["tpu"][0])[valid], np.asarray(got["cpu"][0])[valid], atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(np.asarray(got["tpu"][1]), np.asarray(got["cpu"][1]), atol=TOL, rtol=TOL)
