@@ -69,6 +69,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jax_rl import tpu
+    from jax_rl.models.kv_storage import target_backend
     from rollout.engine import Qwen3Engine
 
     spec = tpu.resolve_topology(topology)
@@ -84,7 +85,8 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
             a.shape, a.dtype, sharding=NamedSharding(mesh, spec_fn(a))), tree)
 
     params = abstract(engine.abstract_params, lambda a: P())
-    state_shapes = jax.eval_shape(engine.programs["init_state"], engine.abstract_params)
+    with target_backend("tpu"):  # a TPU engine's state: a bf16 cache as bf16 (this CPU host would keep its bits)
+        state_shapes = jax.eval_shape(engine.programs["init_state"], engine.abstract_params)
     if shard == "slots":
         def slot_spec(a):
             if a.ndim == 5:  # cache k/v [L,B,S,K,H]

@@ -164,13 +164,15 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
     """``(compiled, seconds)`` of the engine's ``generate`` in ``layout`` for ``backend``."""
     import jax
 
+    from jax_rl.models.kv_storage import target_backend
     from rollout.engine import Qwen3Engine
 
     kw = dict(scan_layers=True, attention="xla", scan_unroll=1 if layout == "scan" else "full")
     eng = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
                       model_kwargs=kw, kv_per_layer=(layout == "per_layer"))
     params = eng.abstract_params
-    state = jax.eval_shape(eng.programs["init_state"], params)
+    with target_backend(backend):  # the cache that backend's engine holds (XLA:CPU: a bf16 cache's bits)
+        state = jax.eval_shape(eng.programs["init_state"], params)
     t0 = time.perf_counter()
     if backend == "tpu":
         import numpy as np

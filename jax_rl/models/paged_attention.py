@@ -8,11 +8,9 @@ kv head k at combined head ``2k`` and its values at ``2k + 1``; a model's pool s
 ``[L, P, page_size, 2K, H]``. A sequence's positions ``[j * page_size, (j + 1) * page_size)`` live
 in page ``page_table[b, j]``; ``page_table [B, M]`` int32 (M = pages a sequence may hold); entries
 past a sequence's held pages are never read unmasked; -1 there means "no page" (a write to it
-is dropped). On XLA:CPU a bf16 / f16 pool is stored as its uint16 bits (:func:`pool_storage_dtype`):
-XLA:CPU runs every bf16 scatter and dynamic-update-slice in f32, so a one-token write converted the
-whole pool to f32 and back at every decode step; on the bits the write touches only its entries, and
-the gathered pages are bitcast back (the values bit for bit the same). Other backends store the
-float dtype itself.
+is dropped). On XLA:CPU a bf16 / f16 pool is stored as its uint16 bits (:func:`pool_storage_dtype`,
+:mod:`jax_rl.models.kv_storage`): the write scatters the bits and the gathered pages are bitcast back
+(the values bit for bit the same). Other backends store the float dtype itself.
 
 Query convention (both paths): row b's new tokens ``t < lengths[b]`` sit at positions
 ``starts[b] + t``; their K/V are already in the pool (``write_kv`` before the attention, as the
@@ -35,14 +33,14 @@ sub-pool per shard of slots, and the write and the attention run per shard in ``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_rl.models.kv_storage import current_target_backend, from_storage, target_backend, to_storage
+from jax_rl.models.kv_storage import storage_dtype as pool_storage_dtype
 from jax_rl.models.xla_attention import attend, attend_cached_t
 from jax_rl.sharding import logical_to_pspec
 
@@ -51,7 +49,7 @@ Array = jax.Array
 __all__ = ["current_target_backend", "pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
            "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
            "paged_attention", "paged_attention_local", "gather_contiguous", "pool_head_spec", "pool_page_axes",
-           "pool_storage_dtype"]
+           "pool_storage_dtype", "target_backend"]
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -73,23 +71,6 @@ def combine_kv(k: Array, v: Array) -> Array:
     return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
-def pool_storage_dtype(dtype) -> jnp.dtype:
-    """The dtype a pool of K/V values of ``dtype`` is stored in on the backend being traced for
-    (:func:`current_target_backend`): uint16 (the values' bits) for a 16-bit float on XLA:CPU (module
-    doc), else ``dtype``."""
-    dt = jnp.dtype(dtype)
-    if current_target_backend() == "cpu" and dt.itemsize == 2 and jnp.issubdtype(dt, jnp.floating):
-        return jnp.dtype(jnp.uint16)
-    return dt
-
-
-def _from_pool(x: Array, dtype) -> Array:
-    """Values read from a pool: bitcast from the uint16 bits to ``dtype`` (None: left as they are)."""
-    if dtype is None or x.dtype == jnp.dtype(dtype):
-        return x
-    return jax.lax.bitcast_convert_type(x, dtype)
-
-
 def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: Array,
              valid: Array, layer: int | Array | None = None, dtype=None) -> Array:
     """Scatter new K/V into the pool through the page table.
@@ -107,9 +88,7 @@ def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: 
     j = positions // ps
     page = jnp.take_along_axis(page_table, jnp.clip(j, 0, M - 1), axis=1)
     page = jnp.where(valid & (j < M) & (positions >= 0) & (page >= 0), page, P)  # P: out of bounds, dropped
-    new = combine_kv(k, v).astype(kv_pages.dtype if dtype is None else dtype)  # [B, T, 2K, H]
-    if new.dtype != kv_pages.dtype:
-        new = jax.lax.bitcast_convert_type(new, kv_pages.dtype)  # the pool's bits
+    new = to_storage(combine_kv(k, v), kv_pages.dtype, dtype)  # [B, T, 2K, H], the pool's bits where it holds them
     idx = (page, positions % ps) if layer is None else (layer, page, positions % ps)
     return kv_pages.at[idx].set(new, mode="drop")
 
@@ -124,7 +103,7 @@ def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int, dtype=
     idx = jnp.maximum(page_table[:, :num_pages], 0)
 
     def one(x):
-        return _from_pool(x[idx], dtype).reshape(B, num_pages * ps, K2 // 2, H)
+        return from_storage(x[idx], dtype).reshape(B, num_pages * ps, K2 // 2, H)
 
     return one(kv_pages[:, :, 0::2]), one(kv_pages[:, :, 1::2])
 
@@ -272,27 +251,6 @@ def paged_attention_kernel_sharded(q: Array, kv_pages: Array, page_table: Array,
                          out_specs=rows, check_vma=False)
     return body(q, kv_pages, jnp.asarray(page_table, jnp.int32), jnp.asarray(starts, jnp.int32),
                 jnp.asarray(lengths, jnp.int32))
-
-
-_TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_backend", default=None)
-
-
-@contextlib.contextmanager
-def target_backend(backend: str):
-    """Within it, :func:`paged_attention` called without ``backend`` takes ``backend``'s path: an AOT
-    compile for a TPU topology from a CPU host (``jax-rl compile``) traces the TPU kernel, not the CPU
-    gather path that JAX's default backend would pick."""
-    token = _TARGET_BACKEND.set(backend)
-    try:
-        yield
-    finally:
-        _TARGET_BACKEND.reset(token)
-
-
-def current_target_backend() -> str:
-    """The backend whose path a traced program takes: the :func:`target_backend` in effect, else JAX's
-    default backend (the paged attention and the rollout sampler choose their kernels by it)."""
-    return _TARGET_BACKEND.get() or jax.default_backend()
 
 
 def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,

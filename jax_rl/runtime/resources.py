@@ -123,8 +123,10 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
     * ``state``: the rest of the decode state, per slot the pending token, active flag, PRNG key,
       temperature, generated count and cache length (int32 / bool / uint32 x 2 / float32);
     * ``decode_temp``: the decode step's working buffers, the larger of (a) on the CPU backend
-      with a bf16/fp16 rollout, the KV cache converted to float32 (XLA's CPU dot upcasts its bf16
-      operand: measured, the step's temp is 2.0x the bf16 cache) and (b) the sampling buffers
+      with a bf16/fp16 rollout, one layer's K/V as float32 (XLA's CPU dot upcasts its bf16 operand;
+      the cache itself is kept as its uint16 bits, ``jax_rl.models.kv_storage``, so no whole-cache
+      f32 copy: measured, the step's temp is the keys' bf16 copy and the values' f32 one of the layer
+      being read, 1.4-1.5x one layer's bf16 K/V, reused layer after layer) and (b) the sampling buffers
       over the vocabulary, float32 [slots, vocab] x 2 (logits, log-softmax; x 4 with top-k /
       top-p: the sort and its indices); plus per slot one layer's activations (attention scores
       [heads, max_cache_len] and the MLP's hidden units, float32). XLA reuses (a)'s buffers
@@ -137,7 +139,8 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
     itemsize = 2 if r.dtype == "bfloat16" else 4
     kv_slot = kv_cache_bytes(cfg, mc, slots=1)
     state_slot = 4 + 1 + 8 + 4 + 4 + 4
-    upcast = kv_slot * 4 // itemsize if itemsize < 4 and jax.default_backend() == "cpu" else 0
+    layer_kv = kv_slot // int(mc.num_hidden_layers)
+    upcast = layer_kv * 4 // itemsize if itemsize < 4 and jax.default_backend() == "cpu" else 0
     truncates = int(r.top_k) > 0 or float(r.top_p) < 1.0
     vocab = (4 if truncates else 2) * int(mc.vocab_size) * 4
     if mc.is_moe:

@@ -100,10 +100,9 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     sharded = mesh is not None
     from jax_rl.models.paged_attention import target_backend  # lazy: jax
 
-    # the state a TPU engine holds, its shardings included (a paged pool in its float dtype: traced for this
-    # CPU host it would be its uint16 bits, jax_rl.models.paged_attention.pool_storage_dtype)
-    backend = (lambda: target_backend("tpu")) if paging else contextlib.nullcontext
-    with backend():
+    # the state a TPU engine holds, its shardings included (its K/V, a paged pool or a contiguous cache, in
+    # their float dtype: traced for this CPU host they would be their uint16 bits, jax_rl.models.kv_storage)
+    with target_backend("tpu"):
         engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
                              max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
                              sampler=sampler, **({"mesh": mesh} if sharded else {}), **paging)
@@ -119,12 +118,12 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     progs = engine.programs
     if sharded:
         params = abstract(engine.abstract_params, engine.param_shardings)
-        with jax.set_mesh(mesh), backend():
+        with jax.set_mesh(mesh), target_backend("tpu"):
             abs_state = jax.eval_shape(progs["init_state"], engine.abstract_params)
         state = abstract(abs_state, engine.state_shardings)
     else:
         params = abstract(engine.abstract_params)
-        with backend():
+        with target_backend("tpu"):
             state = abstract(jax.eval_shape(progs["init_state"], engine.abstract_params))
     return engine, mesh, sharded, params, state, rep
 

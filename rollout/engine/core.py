@@ -35,7 +35,9 @@ cache          KVCache             ``k``/``v`` [L,B,Hkv,S,Dh] compute dtype, ``l
                                    off a TPU (``kv_per_layer``: unrolled layers) k/v are
                                    tuples of L buffers, k [B,Hkv,Dh,S] (key-transposed), v
                                    [B,Hkv,S,Dh] (``KVCache.per_layer``: each layer's attention
-                                   reads its own buffer in place, no copy)
+                                   reads its own buffer in place, no copy); on XLA:CPU a
+                                   bf16 cache holds its uint16 bits (``KVCache.dtype`` bf16,
+                                   ``jax_rl.models.kv_storage``)
 tokens         [B] int32           pending token (in no cache yet) per slot
 active         [B] bool            slot is generating
 keys           [B,2] uint32        per-request PRNG key (from the request seed)

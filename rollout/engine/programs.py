@@ -109,7 +109,7 @@ class StepPrograms:
         """The empty decode state (params give the model; no slot active)."""
         c = self.cfg
         B = c.slots
-        cache = self._model(params).init_cache(B, c.max_cache_len, dtype=c.dtype)
+        cache = self._model(params).init_cache(B, c.max_cache_len, dtype=c.dtype, backend_storage=True)
         if c.per_layer_cache:
             cache = cache.per_layer()
         return {
@@ -140,14 +140,13 @@ class StepPrograms:
         zero = jnp.zeros((), jnp.int32)
         if self.cfg.per_layer_cache:  # into each layer's k [B,K,H,S] / v [B,K,S,H] buffer
             idx = (slot, zero, zero, zero)
-            new_k = tuple(jax.lax.dynamic_update_slice(c, k[i].swapaxes(2, 3).astype(c.dtype), idx)
+            new_k = tuple(jax.lax.dynamic_update_slice(c, cache.store(k[i].swapaxes(2, 3)), idx)
                           for i, c in enumerate(cache.k))
-            new_v = tuple(jax.lax.dynamic_update_slice(c, v[i].astype(c.dtype), idx)
-                          for i, c in enumerate(cache.v))
+            new_v = tuple(jax.lax.dynamic_update_slice(c, cache.store(v[i]), idx) for i, c in enumerate(cache.v))
         else:
             idx = (zero, slot, zero, zero, zero)
-            new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx)
-            new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx)
+            new_k = jax.lax.dynamic_update_slice(cache.k, cache.store(k), idx)
+            new_v = jax.lax.dynamic_update_slice(cache.v, cache.store(v), idx)
         new_cache = replace_cache(cache, k=new_k, v=new_v, lengths=cache.lengths.at[slot].set(n))
         return {
             "cache": new_cache,
@@ -266,18 +265,17 @@ class StepPrograms:
         v = jnp.where(keep, out.cache.v, jnp.zeros((), out.cache.v.dtype))
         sel = dest >= 0
         rows = jnp.maximum(dest, 0)
-        kg, vg = k[:, rows], v[:, rows]  # [L,B,K,P,H]
         cache = state["cache"]
+        kg, vg = (cache.adopt(out.cache, x[:, rows]) for x in (k, v))  # [L,B,K,P,H] as the state stores them
         if c.per_layer_cache:
             s5 = sel[:, None, None, None]
-            new_k = tuple(x.at[..., :P].set(jnp.where(s5, kg[i].swapaxes(2, 3).astype(x.dtype), x[..., :P]))
+            new_k = tuple(x.at[..., :P].set(jnp.where(s5, kg[i].swapaxes(2, 3), x[..., :P]))
                           for i, x in enumerate(cache.k))
-            new_v = tuple(x.at[:, :, :P].set(jnp.where(s5, vg[i].astype(x.dtype), x[:, :, :P]))
-                          for i, x in enumerate(cache.v))
+            new_v = tuple(x.at[:, :, :P].set(jnp.where(s5, vg[i], x[:, :, :P])) for i, x in enumerate(cache.v))
         else:
             s5 = sel[None, :, None, None, None]
-            new_k = cache.k.at[:, :, :, :P].set(jnp.where(s5, kg.astype(cache.k.dtype), cache.k[:, :, :, :P]))
-            new_v = cache.v.at[:, :, :, :P].set(jnp.where(s5, vg.astype(cache.v.dtype), cache.v[:, :, :, :P]))
+            new_k = cache.k.at[:, :, :, :P].set(jnp.where(s5, kg, cache.k[:, :, :, :P]))
+            new_v = cache.v.at[:, :, :, :P].set(jnp.where(s5, vg, cache.v[:, :, :, :P]))
         cache = replace_cache(cache, k=new_k, v=new_v, lengths=jnp.where(sel, lengths[rows], cache.lengths))
         return self.arm(state, cache, sel, pending, seeds, temps), self._rows_extras(out)
 
@@ -304,17 +302,15 @@ class StepPrograms:
             rv = jnp.stack([x[src][:, :, :W] for x in cache.v])
         else:
             rk, rv = cache.k[:, src, :, :W], cache.v[:, src, :, :W]
-        out = model.extend(tokens, starts, lengths, _q.StackedKVCache(k=rk, v=rv, lengths=starts),
+        out = model.extend(tokens, starts, lengths, _q.StackedKVCache(k=rk, v=rv, lengths=starts, dtype=cache.dtype),
                            return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops)
         nk, nv = out.cache.k, out.cache.v
         if c.per_layer_cache:
-            new_k = tuple(x.at[slots, :, :, :W].set(nk[i].swapaxes(2, 3).astype(x.dtype), mode="drop")
-                          for i, x in enumerate(cache.k))
-            new_v = tuple(x.at[slots, :, :W].set(nv[i].astype(x.dtype), mode="drop")
-                          for i, x in enumerate(cache.v))
+            new_k = tuple(x.at[slots, :, :, :W].set(nk[i].swapaxes(2, 3), mode="drop") for i, x in enumerate(cache.k))
+            new_v = tuple(x.at[slots, :, :W].set(nv[i], mode="drop") for i, x in enumerate(cache.v))
         else:
-            new_k = cache.k.at[:, slots, :, :W].set(nk.astype(cache.k.dtype), mode="drop")
-            new_v = cache.v.at[:, slots, :, :W].set(nv.astype(cache.v.dtype), mode="drop")
+            new_k = cache.k.at[:, slots, :, :W].set(nk, mode="drop")
+            new_v = cache.v.at[:, slots, :, :W].set(nv, mode="drop")
         sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
         spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
         cache = replace_cache(cache, k=new_k, v=new_v,

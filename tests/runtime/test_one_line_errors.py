@@ -78,7 +78,7 @@ def test_paged_pool_refused_by_its_own_keys(monkeypatch):
 def test_engine_memory_estimate_bounds_what_xla_allocates():
     """The estimate is at least the decode step's real footprint (XLA's memory_analysis of the
     engine's generate step: arguments + temporaries) and not far above it, for the bf16 cache on the
-    CPU (whose dot upcasts the cache to f32) and an f32 one with top-p (sort buffers)."""
+    CPU (kept as its bits; the dot upcasts the layer it reads to f32) and an f32 one with top-p (sort buffers)."""
     import jax
 
     from jax_rl.model_builder import rollout_model_kwargs

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.models.attention import cudnn_attend, splash_attend
+from jax_rl.models.kv_storage import storage_dtype
 from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
 from jax_rl.models.qwen3.config import Qwen3Config
 from jax_rl.models.qwen3.layers import (
@@ -396,13 +397,19 @@ class Qwen3ForCausalLM(nnx.Module):
         """input_ids [B,T] int32 -> logits [B,T,V] float32."""
         return self.forward(input_ids, positions, attention_mask).logits
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> StackedKVCache:
-        """Empty cache: k/v zeros [L,B,K,S,H] in ``dtype`` (default: compute dtype)."""
+    def init_cache(self, batch_size: int, max_len: int, dtype=None, *, backend_storage: bool = False) -> StackedKVCache:
+        """Empty cache: k/v zeros [L,B,K,S,H] of values in ``dtype`` (default: compute dtype).
+
+        ``backend_storage``: stored as the backend being traced for keeps K/V
+        (``kv_storage.storage_dtype``: a 16-bit float cache on XLA:CPU as its uint16 bits, the cache's
+        ``dtype`` set; :mod:`jax_rl.models.qwen3.cache`); what the rollout engine's decode state holds.
+        False: k/v in ``dtype`` itself (a cache whose arrays the caller reads as values)."""
         c = self.config
         shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim)
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
-        return StackedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                              lengths=jnp.zeros((batch_size,), jnp.int32))
+        store = storage_dtype(dt) if backend_storage else dt
+        return StackedKVCache(k=jnp.zeros(shape, store), v=jnp.zeros(shape, store),
+                              lengths=jnp.zeros((batch_size,), jnp.int32), dtype=None if store == dt else dt)
 
     def prefill(self, input_ids: Array, lengths: Array, cache: StackedKVCache, *,
                 return_expert_ids: bool = False, return_moe_drops: bool = False) -> ModelOutput:
@@ -428,11 +435,10 @@ class Qwen3ForCausalLM(nnx.Module):
 
         t = self._trunk(self.embed(input_ids), positions, layer_attend, valid=valid, row_drops=return_moe_drops)
         k, v = t.ys
-        k = k.astype(cache.k.dtype).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
-        v = v.astype(cache.v.dtype).swapaxes(2, 3)
-        cache = StackedKVCache(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
-                               v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)),
-                               lengths=lengths)
+        k = cache.store(k).swapaxes(2, 3)  # [L,B,T,K,H] -> [L,B,K,T,H]
+        v = cache.store(v).swapaxes(2, 3)
+        cache = cache.replace(k=jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, 0)),
+                              v=jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0, 0)), lengths=lengths)
         return ModelOutput(logits=self.lm_logits(t.h), cache=cache,
                            expert_ids=t.expert_ids if return_expert_ids else None,
                            moe_drops=self._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
@@ -476,17 +482,17 @@ class Qwen3ForCausalLM(nnx.Module):
 
         def merge(new, old):  # new [B,T,K,H] -> old [B,K,S,H] with positions [start, start+len) replaced
             g = jnp.take_along_axis(new.swapaxes(1, 2), idx, axis=2)
-            return jnp.where(take, g.astype(old.dtype), old)
+            return jnp.where(take, cache.store(g), old)  # as stored (the bits, on a cache of bits)
 
         def layer_attend(q, k, v, xs):
             ck, cv = merge(k, xs[0]), merge(v, xs[1])
-            o = attend(q, ck.swapaxes(1, 2).astype(q.dtype), cv.swapaxes(1, 2).astype(q.dtype), mask)
-            return o, (ck, cv)
+            kv = (cache.load(c).swapaxes(1, 2).astype(q.dtype) for c in (ck, cv))
+            return attend(q, *kv, mask), (ck, cv)
 
         t = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v), valid=valid,
                         row_drops=return_moe_drops)
         k, v = t.ys
-        return ModelOutput(logits=self.lm_logits(t.h), cache=StackedKVCache(k=k, v=v, lengths=starts + lengths),
+        return ModelOutput(logits=self.lm_logits(t.h), cache=cache.replace(k=k, v=v, lengths=starts + lengths),
                            expert_ids=t.expert_ids if return_expert_ids else None,
                            moe_drops=self._moe_drops(t, valid, (B, T), True) if return_moe_drops else None)
 
