@@ -28,7 +28,7 @@ Array = jax.Array
 
 __all__ = ["target_backend", "current_target_backend", "storage_dtype", "to_storage", "from_storage"]
 
-_TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_backend", default=None)
+_TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_backend", default=None)
 
 
 @contextlib.contextmanager

@@ -29,8 +29,8 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
     (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
     (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
-    turn's program; paged: the largest chunked-prefill program, ``Qwen3Engine.append_prefill_shape``) for ``topology`` (see ``resolve_topology``), params and state replicated on every
-    chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
+    turn's program; paged: the largest chunked-prefill program, ``Qwen3Engine.append_prefill_shape``) for
+    ``topology`` (see ``resolve_topology``), params and state replicated on every chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
     seconds).
 
     ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,

@@ -68,10 +68,10 @@ from jax_rl.models import qwen3 as _q
 from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
 from jax_rl.sharding import axis_names
+from rollout.engine.prefill_plan import prefill_programs
 from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
 from rollout.engine.sampler import StepOutput, sample_tokens
-from rollout.engine.prefill_plan import prefill_programs, rows_per_program
-from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
+from rollout.engine.slots import PrefillResult, SlotPrefill
 from rollout.page_shards import ShardedPagePool
 from rollout.pages import PoolExhausted
 
@@ -393,8 +393,9 @@ class PagedSlots:
         (:mod:`rollout.engine.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
         if self.kv_layout != "paged":
             return self._slots, int(positions)
-        T = min(self.prefill_chunk_size, prefill_bucket(int(positions), self.max_cache_len))
-        return (self._slots if self.kv_shards > 1 else rows_per_program(T, self.prefill_chunk_size, self._slots)), T
+        first = prefill_programs([(0, 0, int(positions), 0)], chunk=self.prefill_chunk_size, slots=self._slots,
+                                 max_len=self.max_cache_len, rows_at_slots=self.kv_shards > 1)[0]  # the largest chunk
+        return first.rows, first.T
 
     def _bucket(self, positions: int) -> Optional[int]:
         return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages) if self._xla_pages else None

@@ -85,6 +85,8 @@ def test_a_chunked_paged_engine_equals_the_contiguous_one(model):
     kw = dict(slots=4, max_cache_len=S, dtype="float32")
     ref = Qwen3Engine(model.config, p, **kw)
     pag = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, prefill_chunk_size=16, **kw)
+    # the largest append-prefill program (what jax-rl compile builds): the contiguous [slots, positions], the first chunk
+    assert ref.append_prefill_shape(40) == (4, 40) and pag.append_prefill_shape(40) == (1, 16)
     a, b = list(range(3, 44)), list(range(50, 61))
     rows = [SlotPrefill(a, slot=0, seed=1), SlotPrefill(a, slot=1, seed=2), SlotPrefill(a, slot=2, seed=3),
             SlotPrefill(b, slot=3, seed=4, temperature=0.0)]
