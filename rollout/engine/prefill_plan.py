@@ -82,7 +82,7 @@ def rows_per_program(T: int, chunk: int, slots: int) -> int:
 
 def row_chunks(row: int, start: int, end: int, chunk: int) -> list[Chunk]:
     """Row ``row``'s positions ``[start, end)`` in chunks of at most ``chunk`` (one empty chunk when
-    ``start == end``)."""
+    ``start == end``). Raises ValueError when ``end < start``."""
     if end < start:
         raise ValueError(f"prefill row {row}: end {end} < start {start}")
     cuts = list(range(start, end, chunk)) or [start]
@@ -108,6 +108,9 @@ def prefill_programs(rows: Sequence[tuple[int, int, int, int]], *, chunk: int, s
     Returns:
       :class:`ChunkProgram` s: per wave, round k runs every row's k-th chunk (a row's chunks in order),
       grouped by (T, page key), at most ``rows_per_program(T)`` rows each, sorted by (T, page key).
+
+    Raises:
+      ValueError: ``chunk`` not a power of two >= 16 (:func:`check_chunk_size`), or a row with ``end < start``.
     """
     chunk = check_chunk_size(chunk)
     out: list[ChunkProgram] = []
