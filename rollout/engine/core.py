@@ -359,7 +359,11 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         return dict(self._jits)
 
     def init_decode_state(self, *args: Any, **kwargs: Any) -> dict:
-        """Empty decode state for all slots (see module docstring for its layout)."""
+        """Empty decode state for all slots (see module docstring for its layout). On pages the host pool
+        starts afresh with it (no slot holds pages, no prefix page is cached: the new device pool holds no
+        K/V), so the old state must not be used again."""
+        if self.kv_layout == "paged":
+            self._clear_pages()
         params = kwargs.get("params", self.params)
         if params is None:
             params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._engine_abstract)

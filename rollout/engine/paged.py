@@ -241,12 +241,30 @@ class PagedSlots:
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
         self._plen = np.zeros(self._slots, np.int64)  # positions each slot holds (host mirror)
+        self._room = np.zeros(self._slots, np.int64)  # kv_pool.room of the active slots, at changes _room_at
+        self._room_at = -1
+        self._table_gen = 0  # bumped by every change of the host table
+        self._synced: tuple = (None, -1)  # (a device page table equal to the host's, the _table_gen it equals)
         self._pactive = np.zeros(self._slots, bool)
         self._held: collections.OrderedDict[int, None] = collections.OrderedDict()  # released slots, LRU
         self._preempted: set[int] = set()
         self._kv_epoch = 0
         self._epoch_leaf: Optional[weakref.ref] = None
         self._xla_pages = jax.default_backend() != "tpu"  # the XLA path gathers a static bucket
+
+    def _clear_pages(self) -> None:
+        """The host side of a fresh decode state (:meth:`Qwen3Engine.init_decode_state`): its device pool
+        holds no K/V, so no slot holds pages, no page is held for a session and no prefix page can be hit."""
+        self.kv_pool.clear()
+        self._set_all_rows_empty()
+        self._plen[:], self._pactive[:] = 0, False
+        self._held.clear()
+        self._preempted.clear()
+
+    def _set_all_rows_empty(self) -> None:
+        if (self._table != -1).any():
+            self._table[:] = -1
+            self._table_gen += 1
 
     def kv_stats(self) -> dict[str, int]:
         """The pool's counters (``kv_pages_in_use``, ``kv_prefix_page_hits``, ``kv_preemptions``, ...)."""
@@ -289,7 +307,7 @@ class PagedSlots:
                 self.kv_pool.preempt(victim)
                 self._preempted.add(victim)
                 self._plen[victim] = 0
-                self._table[victim] = -1
+                self._set_row(victim, -1)
 
     def _forget(self, slot: int, preempt: bool = False) -> None:
         """``slot`` holds no pages any more (``preempt``: counted in ``kv_preemptions``)."""
@@ -298,7 +316,7 @@ class PagedSlots:
         self._held.pop(slot, None)
         self._preempted.discard(slot)
         self._plen[slot], self._pactive[slot] = 0, False
-        self._table[slot] = -1
+        self._set_row(slot, -1)
 
     # ---- what the generator asks before admitting and decoding (rollout.kv_pressure) ---------
     def _held_room(self, d: int) -> int:
@@ -306,8 +324,11 @@ class PagedSlots:
 
     def _decode_need(self, n: int, d: int) -> int:
         S, refs = self.max_cache_len, {}
-        return sum(self.kv_pool.ensure_cost(int(s), int(min(self._plen[s] + n, S)), refs)
-                   for s in np.flatnonzero(self._pactive) if self.kv_shard_of(int(s)) == d)
+        act = np.flatnonzero(self._pactive)
+        need = np.minimum(self._plen[act] + n, S)
+        slow = ~self._fits_room(act, need)  # a slot within its room needs nothing and touches no shared page
+        return sum(self.kv_pool.ensure_cost(s, m, refs)
+                   for s, m in zip(act[slow].tolist(), need[slow].tolist()) if self.kv_shard_of(s) == d)
 
     def _per_shard(self, fn, shard: Optional[int]) -> int:
         return fn(shard) if shard is not None else sum(fn(d) for d in range(self.kv_shards))
@@ -362,7 +383,7 @@ class PagedSlots:
         mask[[int(s_) for s_ in slots]] = True
         state = self._push(decode_state, [])
         with self._in_mesh():
-            return self._jits["free_slots"](state, jnp.asarray(mask))
+            return self._synced_state(self._jits["free_slots"](state, jnp.asarray(mask)))
 
     def _release(self, slot: int) -> None:
         if slot in self.kv_pool.seqs:
@@ -371,7 +392,22 @@ class PagedSlots:
         self._preempted.discard(slot)
 
     def _row(self, slot: int) -> None:
-        self._table[slot] = self.kv_pool.table(slot, self._max_pages)
+        self._set_row(slot, self.kv_pool.table(slot, self._max_pages))
+
+    def _set_row(self, slot: int, row: Any) -> None:
+        if not np.array_equal(self._table[slot], row):
+            self._table[slot] = row
+            self._table_gen += 1
+
+    def _synced_state(self, state: dict) -> dict:
+        """Record that ``state``'s page table equals the host's (a program's output whose input table did:
+        no program but ``set_table`` writes the device table), so :meth:`_push` need not send it again."""
+        self._synced = (state["cache"].page_table, self._table_gen)
+        return state
+
+    def _is_synced(self, state: dict) -> bool:
+        table, gen = self._synced
+        return gen == self._table_gen and state["cache"].page_table is table
 
     def _push(self, state: dict, copies: Sequence[tuple[int, int, int]]) -> dict:
         """The copies on write ``(shard, src, dst)`` (a power-of-two bucket of them a shard, -1 padding;
@@ -385,7 +421,9 @@ class PagedSlots:
                     at[d] -= 1
                     src[d, at[d]], dst[d, at[d]] = s_, t_
                 state = self._jits["copy_pages"](state, jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1)))
-            return self._jits["set_table"](state, jnp.asarray(self._table))
+            elif self._is_synced(state):  # the table unchanged since it was sent to this state
+                return state
+            return self._synced_state(self._jits["set_table"](state, jnp.asarray(self._table)))
 
     def append_prefill_shape(self, positions: int) -> tuple[int, int]:
         """``(rows, T)`` of the largest append-prefill program rows of ``positions`` new positions run: the
@@ -477,7 +515,8 @@ class PagedSlots:
                     res[i][k] = res[o][k] if k == "routes" else 0
         for r in rows:
             self._plen[int(r.slot)], self._pactive[int(r.slot)] = len(r.tokens) - 1, True
-        return state, [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"), x.get("moe_dropped"))
+        return self._synced_state(state), [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"),
+                                                         x.get("moe_dropped"))
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
@@ -540,8 +579,8 @@ class PagedSlots:
         state = self._push(decode_state, [])
         t = self.temperature if temperature is None else float(temperature)
         with self._in_mesh():
-            return self._jits["copy_slot"](state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
-                                           jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
+            return self._synced_state(self._jits["copy_slot"](state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
+                                                              jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t)))
 
     def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
         """:meth:`SlotManager.free_slots`; the slots keep their pages (held) until reused or preempted."""
@@ -556,29 +595,45 @@ class PagedSlots:
                 self._held.move_to_end(int(s_))
         mask = np.zeros((self._slots,), bool)
         mask[[int(s_) for s_ in slots]] = True
+        synced = self._is_synced(decode_state)
         with self._in_mesh():
-            return self._jits["free_slots"](decode_state, jnp.asarray(mask))
+            state = self._jits["free_slots"](decode_state, jnp.asarray(mask))
+        return self._synced_state(state) if synced else state
+
+    def _fits_room(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` reach ``need`` within their pages with no allocation or copy ([n] bool; all
+        False when the pool changed since the rooms were taken)."""
+        if self._room_at != self.kv_pool.changes:
+            return np.zeros(len(slots), bool)
+        return need <= self._room[slots]
 
     def _before_decode(self, state: dict, n: int) -> tuple[dict, Optional[int]]:
         """Pages for ``n`` more positions of every active slot (copy on write of a shared page), the
-        table pushed; the XLA path's page bucket."""
+        table pushed where it changed; the XLA path's page bucket. A call in which every active slot stays
+        within its own pages (most calls: a page holds ``page_size`` steps) only moves the lengths."""
         S = self.max_cache_len
+        act = np.flatnonzero(self._pactive)
+        need = np.minimum(self._plen[act] + int(n), S)
         copies: list[tuple[int, int]] = []
-        top = 1
-        for slot in np.flatnonzero(self._pactive):
-            need = int(min(self._plen[slot] + n, S))
-            copies += self._retry(lambda: self.kv_pool.ensure(int(slot), need), int(slot))
-            self._row(int(slot))
-            top = max(top, need)
-            self._plen[slot] = need
-            if need >= S:
-                self._pactive[slot] = False
-        return self._push(state, copies), self._bucket(top)
+        if self._fits_room(act, need).all():
+            for slot, m in zip(act.tolist(), need.tolist()):
+                self.kv_pool.grow(slot, m)
+        else:
+            for slot, m in zip(act.tolist(), need.tolist()):
+                copies += self._retry(lambda: self.kv_pool.ensure(slot, m), slot)
+                self._row(slot)
+            self._room[:] = 0
+            self._room[act] = [self.kv_pool.room(slot) for slot in act.tolist()]  # after every slot's copies
+            self._room_at = self.kv_pool.changes
+        self._plen[act] = need
+        self._pactive[act[need >= S]] = False
+        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))))
 
     def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
         state, npages = self._before_decode(decode_state, 1)
         with self._in_mesh():
-            return self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
+            state, out = self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
+        return self._synced_state(state), out
 
     def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
         n = int(n)
@@ -586,4 +641,5 @@ class PagedSlots:
             raise ValueError(f"generate_steps needs n >= 1, got {n}")
         state, npages = self._before_decode(decode_state, n)
         with self._in_mesh():
-            return self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)
+            state, out = self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)
+        return self._synced_state(state), out
