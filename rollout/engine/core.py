@@ -85,8 +85,8 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import (PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_pool_spec,
-                                  paged_state_shardings)
+from rollout.engine.paged import PagedSlots
+from rollout.engine.paged_programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
 from rollout.engine.prefill_plan import check_chunk_size
 from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
                                      program_shardings)
@@ -162,7 +162,7 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         not divide) and its pages over the axes that split the slots (``data`` / ``expert``: one
         sub-pool of ``kv_pages // D`` pages per shard of slots, each holding one sequence, else
         ValueError); the page table and per-slot vectors are replicated
-        (:func:`rollout.engine.paged.paged_state_shardings`).
+        (:func:`rollout.engine.paged_programs.paged_state_shardings`).
       prefill_chunk_size: ``rollout.prefill_chunk_size`` (paged layout): a row's prefill positions run in
         chunks of at most this many, each program about this many positions (:mod:`rollout.engine.prefill_plan`);
         ValueError unless a power of two >= 16.
