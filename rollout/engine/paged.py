@@ -356,13 +356,9 @@ class PagedSlots:
             self._row(int(r.slot))
         state = self._push(decode_state, copies)
         state = self._run_rows(params, state, rows, run, res)
+        state = self._copy_slots(state, [(int(rows[o].slot), int(rows[i].slot), int(rows[i].tokens[-1]),
+                                          int(rows[i].seed), rows[i].temperature) for i, o in members])
         for i, o in members:
-            r = rows[i]
-            t = self.temperature if r.temperature is None else float(r.temperature)
-            with self._in_mesh():
-                state = self._jits["copy_slot"](state, jnp.int32(rows[o].slot), jnp.int32(r.slot),
-                                                jnp.int32(r.tokens[-1]), jnp.uint32(int(r.seed) & 0xFFFFFFFF),
-                                                jnp.float32(t))
             for k in ("routes", "moe_dropped"):
                 if k in res[o]:
                     res[i][k] = res[o][k] if k == "routes" else 0
@@ -430,10 +426,21 @@ class PagedSlots:
         self._row(dst)
         self._plen[dst], self._pactive[dst] = self._plen[src], True
         state = self._push(decode_state, [])
-        t = self.temperature if temperature is None else float(temperature)
+        return self._synced_state(self._copy_slots(state, [(src, dst, int(token), int(seed), temperature)]))
+
+    def _copy_slots(self, state: dict, copies: Sequence[tuple]) -> dict:
+        """The ``copy_slot`` program over ``(src, dst, pending token, seed, temperature or None)`` rows, in
+        one call of a power-of-two bucket of them (padding rows at slot B change nothing)."""
+        if not copies:
+            return state
+        n = 1 << (len(copies) - 1).bit_length()
+        src, dst, pending = np.zeros(n, np.int32), np.full(n, self._slots, np.int32), np.zeros(n, np.int32)
+        seeds, temps = np.zeros(n, np.uint32), np.ones(n, np.float32)
+        for j, (s_, d_, tok, seed, t) in enumerate(copies):
+            src[j], dst[j], pending[j], seeds[j] = s_, d_, tok, int(seed) & 0xFFFFFFFF
+            temps[j] = self.temperature if t is None else float(t)
         with self._in_mesh():
-            return self._synced_state(self._jits["copy_slot"](state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
-                                                              jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t)))
+            return self._jits["copy_slot"](state, *map(jnp.asarray, (src, dst, pending, seeds, temps)))
 
     def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
         """:meth:`SlotManager.free_slots`; the slots keep their pages (held) until reused or preempted."""

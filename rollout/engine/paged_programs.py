@@ -50,12 +50,16 @@ class PagedStepPrograms(StepPrograms):
         return {**state, "cache": copy_pages(state["cache"], src, dst)}
 
     def copy_slot(self, state, src, dst, pending, seed, temperature) -> dict:
-        """Slot ``dst`` takes ``src``'s length (its pages are shared in the table by the host)."""
+        """Slots ``dst`` [n] int32 take the lengths of slots ``src`` [n] (their pages are shared in the table
+        by the host) and are armed with ``pending`` [n] int32, ``seed`` [n] uint32, ``temperature`` [n] f32: a
+        GRPO group's samples in one program. A ``dst`` of B (padding) changes nothing; the lengths read are
+        the input state's (a ``src`` is never also a ``dst``)."""
         B = self.cfg.slots
         cache = state["cache"]
-        cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[src]))
-        fill = lambda x: jnp.full((B,), x)  # noqa: E731
-        return self.arm(state, cache, jnp.arange(B) == dst, fill(pending), fill(seed), fill(temperature))
+        cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[jnp.minimum(src, B - 1)], mode="drop"))
+        sel = jnp.zeros((B,), bool).at[dst].set(True, mode="drop")
+        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[dst].set(x, mode="drop")  # noqa: E731
+        return self.arm(state, cache, sel, spread(pending, 0), spread(seed, 0), spread(temperature, 1.0))
 
     def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
                  ) -> tuple[dict, StepOutput]:
