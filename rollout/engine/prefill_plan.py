@@ -12,9 +12,8 @@ an append-prefill onto the pages the row's earlier chunks wrote. Two costs go wi
   and the padding past the prompt at most one chunk's bucket;
 - a program runs ``rows_per_program(T)`` rows, ``chunk // T`` for a new-token bucket T (at least 1, at
   most ``slots`` and :data:`MAX_ROWS`), not always ``slots``: two distinct 5.7k prompts in an 8-slot call
-  ran 8 rows (6 padding) of 8,192, now 2 rows of ``chunk`` per round. A padding row costs a real row's
-  compute, so short rows are capped at :data:`MAX_ROWS` a program: 8 GRPO groups' 46-token prompts on 64
-  slots (one row, then seven reading its prefix pages) ran 32 + 64 rows of which 8 were real.
+  run 8 rows (6 padding) of 8,192 as one program, but 2 rows of ``chunk`` per round in chunks. A padding
+  row costs a real row's compute, so short rows are capped at :data:`MAX_ROWS` a program.
 
 What a row computes depends only on the row itself: its chunks' boundaries on its own start, end and
 ``chunk``; a program's row count on the chunk's bucket T; its page bucket on the chunk's end. So which
@@ -34,10 +33,9 @@ from rollout.engine.slots import prefill_bucket
 __all__ = ["Chunk", "ChunkProgram", "prefill_programs", "rows_per_program", "check_chunk_size", "MAX_ROWS"]
 
 MAX_ROWS = 16
-"""The most rows a prefill program runs (short rows: ``chunk // T`` would reach ``slots``). Measured with
-``bench/paged_cpu.py``'s shapes on XLA:CPU (docs/performance.md): 64 slots in 8 groups of 46-token
-prompts 9.1 ms a call at 64 rows, 4.1-4.3 at 16, 3.3 at 8; 64 distinct prompts 10.4 at 64 rows, 11.7 at
-16, 12.7 at 8."""
+"""The most rows a prefill program runs (for short rows ``chunk // T`` would reach ``slots``): fewer padding
+rows for a call of few rows (GRPO groups share a prefill), more programs for a call of many distinct short
+prompts. The trade measured with ``bench/paged_cpu.py`` is in docs/performance.md (the paged engine's host loop)."""
 
 
 @dataclasses.dataclass(frozen=True)
