@@ -13,6 +13,8 @@ STAMP_TEST := $(VENV)/.stamp-test-$(HASH)
 CONFIG ?= configs/tiny_cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+# make test's worker processes (pytest-xdist, whole test files per worker); TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
 
 .PHONY: train test test-slow test-full-depth install install-test clean
 
@@ -37,7 +39,7 @@ train: $(STAMP)
 	$(BIN)/jax-rl train $(CONFIG) $(ARGS)
 
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # the long end-to-end tests left out of `make test` (docs/testing.md)
 test-slow: $(STAMP_TEST)

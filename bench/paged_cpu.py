@@ -100,6 +100,7 @@ def timed_calls(eng, params, state, calls: int, n: int) -> tuple[dict, list]:
             state, npages = eng._before_decode(state, n)
             t1 = time.perf_counter()
             state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0), num_pages=npages)
+            state = eng._synced_state(state)  # as generate_steps does: the next call sends no unchanged table
         else:
             t1 = time.perf_counter()
             state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0))

@@ -107,6 +107,17 @@ class ShardedPagePool:
     def ensure_cost(self, slot: int, length: int, refs: Optional[dict] = None) -> int:
         return self.of(slot).ensure_cost(slot, length, refs)
 
+    @property
+    def changes(self) -> int:
+        """The shards' :attr:`PagePool.changes` summed (it moves when any shard's does)."""
+        return sum(p.changes for p in self.shards)
+
+    def room(self, slot: int) -> int:
+        return self.of(slot).room(slot)
+
+    def grow(self, slot: int, length: int) -> None:
+        self.of(slot).grow(slot, length)
+
     def sole_pages(self, slot: int) -> int:
         return self.of(slot).sole_pages(slot)
 
@@ -129,6 +140,11 @@ class ShardedPagePool:
 
     def free(self, slot: int) -> None:
         self.of(slot).free(slot)
+
+    def clear(self) -> None:
+        """:meth:`PagePool.clear` of every shard."""
+        for p in self.shards:
+            p.clear()
 
     def preempt(self, slot: int) -> None:
         self.of(slot).preempt(slot)

@@ -81,6 +81,7 @@ class PagePool:
         self._version_of: dict[int, int] = {}  # published page -> the version that computed it
         self.seqs: dict[object, _Seq] = {}
         self._floor = 0  # pages of versions below it are stale (drop_versions_below)
+        self.changes = 0  # bumped by every change of a page's references or a sequence's pages (not lengths)
         self.metrics = collections.Counter(kv_preemptions=0, kv_prefix_page_hits=0, kv_pages_evicted=0,
                                            kv_pages_copied=0)
 
@@ -142,6 +143,8 @@ class PagePool:
             raise PoolExhausted(f"need {n} pages, {len(self._free)} free + {len(self._cached)} cached "
                                 f"of {self.num_pages}")
         out = []
+        if n:
+            self.changes += 1
         for _ in range(n):
             if self._free:
                 p = self._free.popleft()
@@ -160,6 +163,7 @@ class PagePool:
         self._version_of.pop(p, None)
 
     def _ref(self, p: int) -> None:
+        self.changes += 1
         if self.refs[p] == 0:
             self._cached.pop(p)  # a cached page comes back into use
         self.refs[p] += 1
@@ -167,6 +171,7 @@ class PagePool:
     def _unref(self, p: int) -> None:
         if self.refs[p] <= 0:
             raise AssertionError(f"page {p} released with no reference")
+        self.changes += 1
         self.refs[p] -= 1
         if self.refs[p] == 0:
             if p in self._key_of and self._version_of.get(p, self._floor) < self._floor:
@@ -209,6 +214,7 @@ class PagePool:
                                 f"available of {self.num_pages}")
         for p in hits:
             self._ref(p)
+        self.changes += 1
         self.metrics["kv_prefix_page_hits"] += len(hits)
         self.seqs[seq_id] = _Seq(pages=hits + self._take(need), length=len(hits) * self.page_size,
                                  version=int(version))
@@ -223,6 +229,7 @@ class PagePool:
         if child in self.seqs or parent not in self.seqs:
             raise ValueError(f"fork {parent!r} -> {child!r}: parent must exist and child must not")
         src = self.seqs[parent]
+        self.changes += 1
         for p in src.pages:
             self._ref(p)
         self.seqs[child] = _Seq(pages=list(src.pages), length=src.length, version=src.version)
@@ -267,6 +274,28 @@ class PagePool:
                 n += 1
         return n
 
+    def room(self, seq_id) -> int:
+        """Positions the sequence may reach with no allocation and no copy: the end of the run of pages
+        only it references, from the page its next position falls in (its length if that page is shared
+        or missing). Valid until :attr:`changes` moves; :meth:`grow` to a length past the sequence's and
+        within it is :meth:`ensure` with nothing to allocate or copy."""
+        s, ps = self.seqs[seq_id], self.page_size
+        j = s.length // ps
+        while j < len(s.pages) and self.refs[s.pages[j]] == 1:
+            j += 1
+        return max(s.length, j * ps)
+
+    def grow(self, seq_id, length: int) -> None:
+        """Set the sequence's length to ``length`` within its pages (:meth:`ensure` of a length at most
+        :meth:`room`, with none of its work: the caller checked the room at the same :attr:`changes`).
+
+        Raises:
+            ValueError: ``length`` is past the sequence's pages."""
+        s = self.seqs[seq_id]
+        if length > len(s.pages) * self.page_size:
+            raise ValueError(f"grow {seq_id!r} to {length}: it holds {len(s.pages)} pages of {self.page_size}")
+        s.length = max(s.length, int(length))
+
     def sole_pages(self, seq_id) -> int:
         """Pages only ``seq_id`` references: what :meth:`free` of it would return to the free/cached pages."""
         return sum(1 for p in self.seqs[seq_id].pages if self.refs[p] == 1)
@@ -298,8 +327,18 @@ class PagePool:
 
     def free(self, seq_id) -> None:
         """Drop the sequence's references (its published pages stay cached until evicted)."""
+        self.changes += 1
         for p in self.seqs.pop(seq_id).pages:
             self._unref(p)
+
+    def clear(self) -> None:
+        """Forget every sequence and every published page: all pages free (the device pool they described
+        was started afresh, its K/V gone). The counters are kept."""
+        self.refs[:] = 0
+        self._free = collections.deque(range(self.num_pages))
+        for d in (self._cached, self._key_of, self._page_of, self._version_of, self.seqs):
+            d.clear()
+        self.changes += 1
 
     def preempt(self, seq_id) -> None:
         """Free the sequence's pages to make room (the engine re-prefills it later);

@@ -8,8 +8,8 @@
   ``free_slots``, the length buckets and windows);
 * :mod:`rollout.engine.sampler`: :func:`sample_tokens`, :class:`StepOutput`, JetStream's row packing;
 * :mod:`rollout.engine.weights`: ``load_params`` (the weight sync's cast / layout / quantisation);
-* :mod:`rollout.engine.paged`: the paged K/V layout (``kv_layout="paged"``: its step programs and the
-  host side over :class:`rollout.pages.PagePool`);
+* :mod:`rollout.engine.paged`: the paged K/V layout (``kv_layout="paged"``): what it does and its host
+  side over :class:`rollout.pages.PagePool`; :mod:`rollout.engine.paged_programs`, its step programs;
 * :mod:`rollout.engine.jetstream`: the JetStream ``Engine`` API and tokenizer (``jax-rl serve``).
 
 Every name used across the repo is re-exported here: ``from rollout.engine import X`` keeps working.

@@ -85,8 +85,8 @@ from flax import nnx
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import (PAGED_PROGRAMS, PagedSlots, PagedStepPrograms, paged_pool_spec,
-                                  paged_state_shardings)
+from rollout.engine.paged import PagedSlots
+from rollout.engine.paged_programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
 from rollout.engine.prefill_plan import check_chunk_size
 from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
                                      program_shardings)
@@ -162,7 +162,7 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         not divide) and its pages over the axes that split the slots (``data`` / ``expert``: one
         sub-pool of ``kv_pages // D`` pages per shard of slots, each holding one sequence, else
         ValueError); the page table and per-slot vectors are replicated
-        (:func:`rollout.engine.paged.paged_state_shardings`).
+        (:func:`rollout.engine.paged_programs.paged_state_shardings`).
       prefill_chunk_size: ``rollout.prefill_chunk_size`` (paged layout): a row's prefill positions run in
         chunks of at most this many, each program about this many positions (:mod:`rollout.engine.prefill_plan`);
         ValueError unless a power of two >= 16.
@@ -359,7 +359,11 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         return dict(self._jits)
 
     def init_decode_state(self, *args: Any, **kwargs: Any) -> dict:
-        """Empty decode state for all slots (see module docstring for its layout)."""
+        """Empty decode state for all slots (see module docstring for its layout). On pages the host pool
+        starts afresh with it (no slot holds pages, no prefix page is cached: the new device pool holds no
+        K/V), so the old state must not be used again."""
+        if self.kv_layout == "paged":
+            self._clear_pages()
         params = kwargs.get("params", self.params)
         if params is None:
             params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._engine_abstract)

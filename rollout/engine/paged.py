@@ -7,7 +7,9 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 
 - no reservation per slot: a slot holds the pages its positions need, allocated as prefill and
   decode reach them (``generate_steps(n)`` makes room for ``n`` more positions per active slot
-  first);
+  first; a call in which every active slot stays within pages only it holds, most calls, only moves
+  the host's lengths: :meth:`PagePool.room`), and the page table goes to the device only when a row
+  changed;
 - a GRPO group's identical prompts are prefilled once and the other samples' slots reference the
   same pages (:meth:`PagePool.fork`: no K/V copied); the first decode write into the shared
   partial last page copies that page (copy on write);
@@ -64,160 +66,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rl.models import qwen3 as _q
-from jax_rl.models.paged_attention import page_bucket, pages_for, pool_head_spec, pool_page_axes
-from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from jax_rl.models.paged_attention import page_bucket, pages_for
 from jax_rl.sharding import axis_names
 from rollout.engine.prefill_plan import prefill_programs
-from rollout.engine.programs import ProgramDef, StepPrograms, replace_cache
-from rollout.engine.sampler import StepOutput, sample_tokens
+from rollout.engine.sampler import StepOutput
 from rollout.engine.slots import PrefillResult, SlotPrefill
 from rollout.page_shards import ShardedPagePool
 from rollout.pages import PoolExhausted
 
-__all__ = ["PagedStepPrograms", "PagedSlots", "PAGED_PROGRAMS", "paged_state_shardings", "paged_pool_spec"]
-
-
-class PagedStepPrograms(StepPrograms):
-    """:class:`StepPrograms` over a :class:`PagedKVCache` (``page_size`` positions a page,
-    ``num_pages`` pages; the table spans ``max_cache_len``)."""
-
-    def __init__(self, cfg, model, dequantized, *, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
-        super().__init__(cfg, model, dequantized)
-        self.page_size, self.num_pages, self.pool_spec = int(page_size), int(num_pages), pool_spec
-        self.max_pages = pages_for(cfg.max_cache_len, page_size)
-
-    def init_state(self, params: Any) -> dict:
-        c = self.cfg
-        cache = init_paged_cache(self._model(params), c.slots, self.num_pages, self.page_size, self.max_pages,
-                                 dtype=c.dtype, per_layer=c.per_layer_cache, pool_spec=self.pool_spec)
-        B = c.slots
-        return {"cache": cache, "tokens": jnp.zeros((B,), jnp.int32), "active": jnp.zeros((B,), bool),
-                "keys": jnp.zeros((B, 2), jnp.uint32), "temperature": jnp.ones((B,), jnp.float32),
-                "generated": jnp.zeros((B,), jnp.int32)}
-
-    @staticmethod
-    def set_table(state: dict, table: jax.Array) -> dict:
-        """The host's page table [B, M] int32 into the state."""
-        return {**state, "cache": state["cache"].replace(page_table=table)}
-
-    @staticmethod
-    def copy_pages(state: dict, src: jax.Array, dst: jax.Array) -> dict:
-        """Copy-on-write: pages src [n] -> dst [n] (-1: padding) in every layer (split over D shards of
-        pages: n / D a shard, its page ids: ``jax_rl.models.qwen3.paged.copy_pages``)."""
-        return {**state, "cache": copy_pages(state["cache"], src, dst)}
-
-    def copy_slot(self, state, src, dst, pending, seed, temperature) -> dict:
-        """Slot ``dst`` takes ``src``'s length (its pages are shared in the table by the host)."""
-        B = self.cfg.slots
-        cache = state["cache"]
-        cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[src]))
-        fill = lambda x: jnp.full((B,), x)  # noqa: E731
-        return self.arm(state, cache, jnp.arange(B) == dst, fill(pending), fill(seed), fill(temperature))
-
-    def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
-                 ) -> tuple[dict, StepOutput]:
-        """:meth:`StepPrograms.generate` over the pages (``num_pages``: the XLA path's static bucket)."""
-        c = self.cfg
-        S = c.max_cache_len
-        model = self._model(params)
-        cache = state["cache"]
-        active = state["active"] & (cache.lengths < S)
-        lengths_in = jnp.minimum(cache.lengths, S - 1)
-        dec = paged_decode_step(model, state["tokens"], cache.replace(lengths=lengths_in), num_pages=num_pages,
-                                write=active, return_expert_ids=c.record_routes,
-                                return_moe_drops=c.counts_moe_drops, valid=active if c.decode_valid else None)
-        pos = lengths_in + 1
-        keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
-                                       impl=c.sampler)
-        generated = state["generated"] + active.astype(jnp.int32)
-        new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
-        new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,
-                     "keys": state["keys"], "temperature": state["temperature"], "generated": generated}
-        out = StepOutput(
-            token=tok, valid=active, generated=generated, behav_logp=logp,
-            version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
-            route=_q.stack_routes(dec.expert_ids).astype(jnp.int32) if c.record_routes else None,
-            moe_dropped=jnp.where(active, dec.moe_drops.per_row, 0).astype(jnp.int32) if c.counts_moe_drops else None)
-        return new_state, out
-
-    def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0,
-                       num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
-        params = self._dequantized(params)
-        return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
-
-    def extend_slots(self, params, state, tokens, starts, lengths, slots, pending, seeds, temps,
-                     num_pages: Optional[int] = None) -> tuple[dict, Any]:
-        """Prefill (``starts`` 0 or a prefix hit) or append-prefill rows into their slots' pages:
-        tokens [n, T], starts/lengths/slots/pending/seeds/temps [n] (a slot of B: a padding row,
-        writing nowhere); the filled slots are armed."""
-        c = self.cfg
-        B = c.slots
-        cache = state["cache"]
-        real = slots < B
-        table = jnp.where(real[:, None], cache.page_table[jnp.minimum(slots, B - 1)], -1)
-        out = paged_extend(self._model(params), tokens, starts, lengths,
-                           cache.replace(page_table=table, lengths=starts), num_pages=num_pages,
-                           return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops)
-        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
-        new_cache = cache.replace(kv=out.cache.kv, lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
-        return (self.arm(state, new_cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
-                self._rows_extras(out))
-
-    def unsupported(self, *a, **k):
-        """JetStream's ``insert`` / ``generate`` and the copying prefix cache have no paged form."""
-        raise ValueError("JetStream's insert/generate (jax-rl serve) and rollout.prefix_cache's insert need "
-                         "rollout.kv_layout=contiguous")
-
-
-PAGED_PROGRAMS: dict[str, ProgramDef] = {
-    "init_state": ProgramDef("init_state", (), {}, "state"),
-    "set_table": ProgramDef("set_table", (0,), {}, "state"),
-    "copy_pages": ProgramDef("copy_pages", (0,), {}, "state"),
-    "copy_slot": ProgramDef("copy_slot", (0,), {}, "state"),
-    "free_slots": ProgramDef("deactivate", (0,), {}, "state"),
-    "generate": ProgramDef("generate", (1,), {"static_argnames": ("num_pages",)}),
-    "decode_steps": ProgramDef("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
-    "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
-    "prefill": ProgramDef("prefill", (), {}, "prefix"),
-    "insert": ProgramDef("unsupported", (), {}, None),
-    "generate_result": ProgramDef("unsupported", (), {}, None),
-    "prefill_slots": ProgramDef("unsupported", (), {}, None),
-}
-"""The paged engine's programs for :func:`rollout.engine.programs.build_programs` (the contiguous
-``prefill_slots`` / ``insert`` / ``generate_result`` have no paged form; ``prefill`` is the batch-1
-PrefixKV prefill, layout-free)."""
-
-
-def paged_pool_spec(slots: int, mesh: jax.sharding.Mesh, *, num_q_heads: int,
-                    num_kv_heads: int) -> jax.sharding.PartitionSpec:
-    """One layer's pool [P, page_size, 2K, H] on ``mesh``: pages over the axes that split the slots
-    (:func:`jax_rl.models.paged_attention.pool_page_axes`; None where none does), the combined head axis
-    over the axis that splits the kv heads in the contiguous engine's cache (``tensor``), in whole kv
-    heads (:func:`jax_rl.models.paged_attention.pool_head_spec`: replicated where the q heads and the K
-    kv heads do not split alike, as the contiguous cache drops an axis that does not divide K)."""
-    head = pool_head_spec(num_q_heads, num_kv_heads, mesh)[1]
-    return jax.sharding.PartitionSpec(pool_page_axes(slots, mesh), None, head, None)
-
-
-def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh) -> dict:
-    """The paged decode state's shardings on ``mesh`` (a sharded engine): every layer's pool
-    [P, page_size, 2K, H] (stacked: [L, P, page_size, 2K, H]) as the cache's ``pool_spec``
-    (:func:`paged_pool_spec`). The page table, the lengths and every per-slot vector are replicated
-    (the host rewrites the table before each call)."""
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    cache = abstract_state["cache"]
-
-    def pool(a):
-        spec = cache.pool_spec or jax.sharding.PartitionSpec(None, None, None, None)
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * (a.ndim - 4), *spec))
-
-    kv = tuple(pool(a) for a in cache.kv) if isinstance(cache.kv, tuple) else pool(cache.kv)
-    out = {key: rep for key in abstract_state if key != "cache"}
-    out["cache"] = cache.replace(kv=kv, page_table=rep, lengths=rep)
-    return out
+__all__ = ["PagedSlots"]
 
 
 class PagedSlots:
@@ -241,12 +98,26 @@ class PagedSlots:
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
         self._plen = np.zeros(self._slots, np.int64)  # positions each slot holds (host mirror)
+        self._room = np.zeros(self._slots, np.int64)  # kv_pool.room of the active slots, at changes _room_at
+        self._room_at = -1
+        self._table_gen = 0  # bumped by every change of the host table
+        self._synced: tuple = (None, -1)  # (a device page table equal to the host's, the _table_gen it equals)
         self._pactive = np.zeros(self._slots, bool)
         self._held: collections.OrderedDict[int, None] = collections.OrderedDict()  # released slots, LRU
         self._preempted: set[int] = set()
         self._kv_epoch = 0
         self._epoch_leaf: Optional[weakref.ref] = None
         self._xla_pages = jax.default_backend() != "tpu"  # the XLA path gathers a static bucket
+
+    def _clear_pages(self) -> None:
+        """The host side of a fresh decode state (:meth:`Qwen3Engine.init_decode_state`): its device pool
+        holds no K/V, so no slot holds pages, no page is held for a session and no prefix page can be hit."""
+        self.kv_pool.clear()
+        for slot in range(self._slots):
+            self._set_row(slot, -1)
+        self._plen[:], self._pactive[:] = 0, False
+        self._held.clear()
+        self._preempted.clear()
 
     def kv_stats(self) -> dict[str, int]:
         """The pool's counters (``kv_pages_in_use``, ``kv_prefix_page_hits``, ``kv_preemptions``, ...)."""
@@ -289,7 +160,7 @@ class PagedSlots:
                 self.kv_pool.preempt(victim)
                 self._preempted.add(victim)
                 self._plen[victim] = 0
-                self._table[victim] = -1
+                self._set_row(victim, -1)
 
     def _forget(self, slot: int, preempt: bool = False) -> None:
         """``slot`` holds no pages any more (``preempt``: counted in ``kv_preemptions``)."""
@@ -298,7 +169,7 @@ class PagedSlots:
         self._held.pop(slot, None)
         self._preempted.discard(slot)
         self._plen[slot], self._pactive[slot] = 0, False
-        self._table[slot] = -1
+        self._set_row(slot, -1)
 
     # ---- what the generator asks before admitting and decoding (rollout.kv_pressure) ---------
     def _held_room(self, d: int) -> int:
@@ -306,8 +177,11 @@ class PagedSlots:
 
     def _decode_need(self, n: int, d: int) -> int:
         S, refs = self.max_cache_len, {}
-        return sum(self.kv_pool.ensure_cost(int(s), int(min(self._plen[s] + n, S)), refs)
-                   for s in np.flatnonzero(self._pactive) if self.kv_shard_of(int(s)) == d)
+        act = np.flatnonzero(self._pactive)
+        need = np.minimum(self._plen[act] + n, S)
+        slow = ~self._fits_room(act, need)  # a slot within its room needs nothing and touches no shared page
+        return sum(self.kv_pool.ensure_cost(s, m, refs)
+                   for s, m in zip(act[slow].tolist(), need[slow].tolist()) if self.kv_shard_of(s) == d)
 
     def _per_shard(self, fn, shard: Optional[int]) -> int:
         return fn(shard) if shard is not None else sum(fn(d) for d in range(self.kv_shards))
@@ -362,7 +236,7 @@ class PagedSlots:
         mask[[int(s_) for s_ in slots]] = True
         state = self._push(decode_state, [])
         with self._in_mesh():
-            return self._jits["free_slots"](state, jnp.asarray(mask))
+            return self._synced_state(self._jits["free_slots"](state, jnp.asarray(mask)))
 
     def _release(self, slot: int) -> None:
         if slot in self.kv_pool.seqs:
@@ -371,7 +245,22 @@ class PagedSlots:
         self._preempted.discard(slot)
 
     def _row(self, slot: int) -> None:
-        self._table[slot] = self.kv_pool.table(slot, self._max_pages)
+        self._set_row(slot, self.kv_pool.table(slot, self._max_pages))
+
+    def _set_row(self, slot: int, row: Any) -> None:
+        if not np.array_equal(self._table[slot], row):
+            self._table[slot] = row
+            self._table_gen += 1
+
+    def _synced_state(self, state: dict) -> dict:
+        """Record that ``state``'s page table equals the host's (a program's output whose input table did:
+        no program but ``set_table`` writes the device table), so :meth:`_push` need not send it again."""
+        self._synced = (state["cache"].page_table, self._table_gen)
+        return state
+
+    def _is_synced(self, state: dict) -> bool:
+        table, gen = self._synced
+        return gen == self._table_gen and state["cache"].page_table is table
 
     def _push(self, state: dict, copies: Sequence[tuple[int, int, int]]) -> dict:
         """The copies on write ``(shard, src, dst)`` (a power-of-two bucket of them a shard, -1 padding;
@@ -385,7 +274,9 @@ class PagedSlots:
                     at[d] -= 1
                     src[d, at[d]], dst[d, at[d]] = s_, t_
                 state = self._jits["copy_pages"](state, jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1)))
-            return self._jits["set_table"](state, jnp.asarray(self._table))
+            elif self._is_synced(state):  # the table unchanged since it was sent to this state
+                return state
+            return self._synced_state(self._jits["set_table"](state, jnp.asarray(self._table)))
 
     def append_prefill_shape(self, positions: int) -> tuple[int, int]:
         """``(rows, T)`` of the largest append-prefill program rows of ``positions`` new positions run: the
@@ -465,19 +356,16 @@ class PagedSlots:
             self._row(int(r.slot))
         state = self._push(decode_state, copies)
         state = self._run_rows(params, state, rows, run, res)
+        state = self._copy_slots(state, [(int(rows[o].slot), int(rows[i].slot), int(rows[i].tokens[-1]),
+                                          int(rows[i].seed), rows[i].temperature) for i, o in members])
         for i, o in members:
-            r = rows[i]
-            t = self.temperature if r.temperature is None else float(r.temperature)
-            with self._in_mesh():
-                state = self._jits["copy_slot"](state, jnp.int32(rows[o].slot), jnp.int32(r.slot),
-                                                jnp.int32(r.tokens[-1]), jnp.uint32(int(r.seed) & 0xFFFFFFFF),
-                                                jnp.float32(t))
             for k in ("routes", "moe_dropped"):
                 if k in res[o]:
                     res[i][k] = res[o][k] if k == "routes" else 0
         for r in rows:
             self._plen[int(r.slot)], self._pactive[int(r.slot)] = len(r.tokens) - 1, True
-        return state, [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"), x.get("moe_dropped"))
+        return self._synced_state(state), [PrefillResult(int(x["prefill_tokens"]), bool(x["shared"]), x.get("routes"),
+                                                         x.get("moe_dropped"))
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
@@ -538,10 +426,21 @@ class PagedSlots:
         self._row(dst)
         self._plen[dst], self._pactive[dst] = self._plen[src], True
         state = self._push(decode_state, [])
-        t = self.temperature if temperature is None else float(temperature)
+        return self._synced_state(self._copy_slots(state, [(src, dst, int(token), int(seed), temperature)]))
+
+    def _copy_slots(self, state: dict, copies: Sequence[tuple]) -> dict:
+        """The ``copy_slot`` program over ``(src, dst, pending token, seed, temperature or None)`` rows, in
+        one call of a power-of-two bucket of them (padding rows at slot B change nothing)."""
+        if not copies:
+            return state
+        n = 1 << (len(copies) - 1).bit_length()
+        src, dst, pending = np.zeros(n, np.int32), np.full(n, self._slots, np.int32), np.zeros(n, np.int32)
+        seeds, temps = np.zeros(n, np.uint32), np.ones(n, np.float32)
+        for j, (s_, d_, tok, seed, t) in enumerate(copies):
+            src[j], dst[j], pending[j], seeds[j] = s_, d_, tok, int(seed) & 0xFFFFFFFF
+            temps[j] = self.temperature if t is None else float(t)
         with self._in_mesh():
-            return self._jits["copy_slot"](state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
-                                           jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
+            return self._jits["copy_slot"](state, *map(jnp.asarray, (src, dst, pending, seeds, temps)))
 
     def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
         """:meth:`SlotManager.free_slots`; the slots keep their pages (held) until reused or preempted."""
@@ -556,29 +455,45 @@ class PagedSlots:
                 self._held.move_to_end(int(s_))
         mask = np.zeros((self._slots,), bool)
         mask[[int(s_) for s_ in slots]] = True
+        synced = self._is_synced(decode_state)
         with self._in_mesh():
-            return self._jits["free_slots"](decode_state, jnp.asarray(mask))
+            state = self._jits["free_slots"](decode_state, jnp.asarray(mask))
+        return self._synced_state(state) if synced else state
+
+    def _fits_room(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` reach ``need`` within their pages with no allocation or copy ([n] bool; all
+        False when the pool changed since the rooms were taken)."""
+        if self._room_at != self.kv_pool.changes:
+            return np.zeros(len(slots), bool)
+        return need <= self._room[slots]
 
     def _before_decode(self, state: dict, n: int) -> tuple[dict, Optional[int]]:
         """Pages for ``n`` more positions of every active slot (copy on write of a shared page), the
-        table pushed; the XLA path's page bucket."""
+        table pushed where it changed; the XLA path's page bucket. A call in which every active slot stays
+        within its own pages (most calls: a page holds ``page_size`` steps) only moves the lengths."""
         S = self.max_cache_len
+        act = np.flatnonzero(self._pactive)
+        need = np.minimum(self._plen[act] + int(n), S)
         copies: list[tuple[int, int]] = []
-        top = 1
-        for slot in np.flatnonzero(self._pactive):
-            need = int(min(self._plen[slot] + n, S))
-            copies += self._retry(lambda: self.kv_pool.ensure(int(slot), need), int(slot))
-            self._row(int(slot))
-            top = max(top, need)
-            self._plen[slot] = need
-            if need >= S:
-                self._pactive[slot] = False
-        return self._push(state, copies), self._bucket(top)
+        if self._fits_room(act, need).all():
+            for slot, m in zip(act.tolist(), need.tolist()):
+                self.kv_pool.grow(slot, m)
+        else:
+            for slot, m in zip(act.tolist(), need.tolist()):
+                copies += self._retry(lambda: self.kv_pool.ensure(slot, m), slot)
+                self._row(slot)
+            self._room[:] = 0
+            self._room[act] = [self.kv_pool.room(slot) for slot in act.tolist()]  # after every slot's copies
+            self._room_at = self.kv_pool.changes
+        self._plen[act] = need
+        self._pactive[act[need >= S]] = False
+        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))))
 
     def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
         state, npages = self._before_decode(decode_state, 1)
         with self._in_mesh():
-            return self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
+            state, out = self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
+        return self._synced_state(state), out
 
     def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
         n = int(n)
@@ -586,4 +501,5 @@ class PagedSlots:
             raise ValueError(f"generate_steps needs n >= 1, got {n}")
         state, npages = self._before_decode(decode_state, n)
         with self._in_mesh():
-            return self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)
+            state, out = self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)
+        return self._synced_state(state), out

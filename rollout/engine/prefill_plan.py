@@ -10,9 +10,10 @@ an append-prefill onto the pages the row's earlier chunks wrote. Two costs go wi
   attending over all 8,192 x 8,192 positions; in chunks of C a chunk ending at position e attends over
   a bucket of e's pages, so the attention work is about half (causal blocks past the chunk skipped)
   and the padding past the prompt at most one chunk's bucket;
-- a program runs ``rows_per_program(T)`` rows, ``chunk // T`` for a new-token bucket T (at most
-  ``slots``, at least 1), not always ``slots``: two distinct 5.7k prompts in an 8-slot call ran 8 rows
-  (6 padding) of 8,192, now 2 rows of ``chunk`` per round.
+- a program runs ``rows_per_program(T)`` rows, ``chunk // T`` for a new-token bucket T (at least 1, at
+  most ``slots`` and :data:`MAX_ROWS`), not always ``slots``: two distinct 5.7k prompts in an 8-slot call
+  run 8 rows (6 padding) of 8,192 as one program, but 2 rows of ``chunk`` per round in chunks. A padding
+  row costs a real row's compute, so short rows are capped at :data:`MAX_ROWS` a program.
 
 What a row computes depends only on the row itself: its chunks' boundaries on its own start, end and
 ``chunk``; a program's row count on the chunk's bucket T; its page bucket on the chunk's end. So which
@@ -29,7 +30,12 @@ from typing import Callable, Hashable, Optional, Sequence
 
 from rollout.engine.slots import prefill_bucket
 
-__all__ = ["Chunk", "ChunkProgram", "prefill_programs", "rows_per_program", "check_chunk_size"]
+__all__ = ["Chunk", "ChunkProgram", "prefill_programs", "rows_per_program", "check_chunk_size", "MAX_ROWS"]
+
+MAX_ROWS = 16
+"""The most rows a prefill program runs (for short rows ``chunk // T`` would reach ``slots``): fewer padding
+rows for a call of few rows (GRPO groups share a prefill), more programs for a call of many distinct short
+prompts. The trade measured with ``bench/paged_cpu.py`` is in docs/performance.md (the paged engine's host loop)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +81,9 @@ def check_chunk_size(chunk: int) -> int:
 
 
 def rows_per_program(T: int, chunk: int, slots: int) -> int:
-    """Rows of a program of new-token bucket ``T``: ``chunk // T`` clipped to ``[1, slots]`` (about ``chunk``
-    positions a program)."""
-    return max(1, min(int(slots), int(chunk) // int(T)))
+    """Rows of a program of new-token bucket ``T``: ``chunk // T`` clipped to ``[1, min(slots, MAX_ROWS)]``
+    (about ``chunk`` positions a program, and few padding rows)."""
+    return max(1, min(int(slots), MAX_ROWS, int(chunk) // int(T)))
 
 
 def row_chunks(row: int, start: int, end: int, chunk: int) -> list[Chunk]:

@@ -148,3 +148,48 @@ def test_kv_stats_count_live_positions_once_per_shared_page(model):
     # slot 2 keeps the original (4), the full pages stay shared (16), slot 3 has 8 + 3
     s = pag.kv_stats()
     assert (s["kv_sequences"], s["kv_pages_in_use"], s["kv_held_tokens"], s["kv_live_tokens"]) == (4, 7, 56, 39)
+
+
+def _decode_calls(eng, rows, calls, state=None):
+    st = eng.init_decode_state() if state is None else state
+    st, _ = eng.prefill_slots(eng.params, st, rows)
+    toks, lps = [], []
+    for _ in range(calls):
+        st, o = eng.decode(eng.params, st)
+        toks.append(np.asarray(o.token))
+        lps.append(np.asarray(o.behav_logp))
+    return np.stack(toks), np.stack(lps)
+
+
+def test_decode_sends_the_page_table_only_when_a_row_changed(model):
+    """A decode call whose slots all stay within their own pages only moves the lengths: the table goes
+    to the device after the prefill and on the calls that take a page (the copy on write of the group's
+    shared partial page at call 1, slots 0-2's next page at call 6, slot 3's at call 7), and the tokens
+    stay the contiguous engine's."""
+    ref, pag = _engines(model)
+    rows = _rows(list(range(3, 23)), list(range(40, 51)))  # contexts of 19 (a group) and 10 positions
+    pushes = []
+    set_table = pag._jits["set_table"]
+    pag._jits["set_table"] = lambda *a: pushes.append(1) or set_table(*a)
+    t0, l0 = _decode_calls(ref, rows, 12)
+    t1, l1 = _decode_calls(pag, rows, 12)
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)
+    assert len(pushes) == 4
+
+
+def test_a_fresh_decode_state_starts_the_host_pool_afresh(model):
+    """The generator starts a fresh decode state after a failed step: its device pool holds no K/V, so
+    the host pool must forget its pages too. Else a prompt whose first page was published before hits
+    that page, reads zeros, and samples other tokens than the contiguous engine."""
+    p = nnx.state(model, nnx.Param)
+    kw = dict(slots=1, max_cache_len=16, dtype="float32")
+    ref = Qwen3Engine(model.config, p, **kw)
+    pag = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=8, kv_pages=2, **kw)
+    rows = [SlotPrefill(list(range(3, 13)), slot=0, seed=5)]  # a context of 9: one full page (published) + 1
+    t0, l0 = _decode_calls(ref, rows, 3)
+    _decode_calls(pag, rows, 3)
+    t1, l1 = _decode_calls(pag, rows, 3, state=pag.init_decode_state())
+    assert pag.kv_stats()["kv_prefix_page_hits"] == 0
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-5)

@@ -104,6 +104,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = PagePool(12, PS)
         self.tokens: dict[int, list[int]] = {}
+        self.rooms: dict[int, tuple[int, int]] = {}  # sid -> (room, the pool's changes when taken)
         self.n = 0
 
     def _new_id(self) -> int:
@@ -167,6 +168,34 @@ class PoolMachine(RuleBasedStateMachine):
     def drop(self, v):
         self.pool.drop_versions_below(v)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def take_room(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.rooms[sid] = (self.pool.room(sid), self.pool.changes)
+
+    @precondition(lambda self: self.rooms)
+    @rule(data=st.data())
+    def grow(self, data):
+        """Growing within a room taken at the current ``changes`` is ensure's work with nothing to do."""
+        sid = data.draw(st.sampled_from(sorted(self.rooms)))
+        room, at = self.rooms[sid]
+        if sid not in self.tokens or at != self.pool.changes or room <= len(self.tokens[sid]):
+            return
+        k = data.draw(st.integers(1, room - len(self.tokens[sid])))
+        pages = list(self.pool.seqs[sid].pages)
+        self.pool.grow(sid, len(self.tokens[sid]) + k)
+        assert self.pool.seqs[sid].pages == pages and self.pool.changes == at
+        self.tokens[sid] += [7] * k
+
+    @invariant()
+    def rooms_need_nothing(self):
+        """A room taken at the pool's current ``changes`` is still free of allocations and copies (a
+        change of references that ``changes`` missed would break it: a fork sharing the partial page)."""
+        for sid, (room, at) in self.rooms.items():
+            if at == self.pool.changes and sid in self.pool.seqs and room > self.pool.seqs[sid].length:
+                assert self.pool.ensure_cost(sid, room) == 0
+
     @invariant()
     def accounting(self):
         pool = self.pool
@@ -183,6 +212,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(free) + len(cached) + pool.pages_in_use == pool.num_pages
         for p, v in pool._version_of.items():  # published pages: key, page and version agree
             assert pool._page_of[pool._key_of[p]] == p and v in (0, 1, 2)
+
+
+def test_room_stops_at_a_shared_page_and_a_fork_moves_changes():
+    """A sequence's room runs to the end of its sole pages; the page a fork shares ends it (the next
+    write copies), and the fork moves ``changes``."""
+    pool = PagePool(8, PS)
+    pool.admit("a", list(range(PS + 1)), 0, reserve=PS)  # 2 full-page's worth: pages 0, 1 (+1 reserve)
+    pool.ensure("a", PS + 1)
+    assert pool.room("a") == len(pool.seqs["a"].pages) * PS
+    at = pool.changes
+    pool.fork("a", "b")
+    assert pool.changes != at and pool.room("a") == PS + 1 == pool.room("b")
+    with pytest.raises(ValueError, match="grow 'a'"):
+        pool.grow("a", len(pool.seqs["a"].pages) * PS + 1)
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -145,7 +145,7 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
     from jax_rl.models.qwen3 import Qwen3Config
     from jax_rl.runtime.engines import build_engine
     from rollout.engine import Qwen3Engine
-    import rollout.engine.paged as paged_mod
+    import rollout.engine.paged_programs as paged_mod
     import rollout.engine.programs as programs_mod
 
     seen = []

@@ -70,8 +70,9 @@ def test_train_with_separate_sharded_rollout(tmp_path, devices, monkeypatch):
 @pytest.mark.timeout(300)
 def test_train_with_a_paged_sharded_rollout_engine(tmp_path, devices, monkeypatch):
     """rollout.kv_layout=paged on the same placement: the engines are paged and sharded (each layer's
-    pool split over tensor: 2 kv heads here, tiny_cpu's 1 would leave it whole; the page table
-    replicated), the run trains, and its rows carry the pool's counters."""
+    pool split over tensor on its heads: 2 kv heads here, tiny_cpu's 1 would leave it whole; and over
+    data on its pages, as the 4 devices' data axis of 2 splits the slots; the page table replicated),
+    the run trains, and its rows carry the pool's counters."""
     from jax.sharding import PartitionSpec as P
 
     engines = []
@@ -87,7 +88,8 @@ def test_train_with_a_paged_sharded_rollout_engine(tmp_path, devices, monkeypatc
         eng = gen.engine
         assert eng.kv_layout == "paged" and {d.id for d in eng.mesh.devices.flat} == {4, 5, 6, 7}
         pool = eng.state_shardings["cache"]
-        assert all(s.spec == P(None, None, "tensor", None) for s in jax.tree.leaves(pool.kv))
+        assert eng.mesh.shape["data"] == 2 and eng.mesh.shape["tensor"] == 2, eng.mesh.shape
+        assert all(s.spec == P("data", None, "tensor", None) for s in jax.tree.leaves(pool.kv))
         assert pool.page_table.spec == P()
     rows = _rows(cfg.run.dir)
     assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]

@@ -1,0 +1,166 @@
+"""The paged layout's device side (``kv_layout="paged"``, :mod:`rollout.engine.paged` for what the layout
+does): :class:`PagedStepPrograms`, the step programs over a :class:`jax_rl.models.qwen3.paged.PagedKVCache`;
+:data:`PAGED_PROGRAMS`, their jit table; the pool's and the decode state's shardings on a mesh
+(:func:`paged_pool_spec`, :func:`paged_state_shardings`). The host side, which pages a slot holds, is
+:class:`rollout.engine.paged.PagedSlots`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_rl.models import qwen3 as _q
+from jax_rl.models.paged_attention import pages_for, pool_head_spec, pool_page_axes
+from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from rollout.engine.programs import ProgramDef, StepPrograms
+from rollout.engine.sampler import StepOutput, sample_tokens
+
+__all__ = ["PagedStepPrograms", "PAGED_PROGRAMS", "paged_state_shardings", "paged_pool_spec"]
+
+
+class PagedStepPrograms(StepPrograms):
+    """:class:`StepPrograms` over a :class:`PagedKVCache` (``page_size`` positions a page,
+    ``num_pages`` pages; the table spans ``max_cache_len``)."""
+
+    def __init__(self, cfg, model, dequantized, *, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
+        super().__init__(cfg, model, dequantized)
+        self.page_size, self.num_pages, self.pool_spec = int(page_size), int(num_pages), pool_spec
+        self.max_pages = pages_for(cfg.max_cache_len, page_size)
+
+    def init_state(self, params: Any) -> dict:
+        c = self.cfg
+        cache = init_paged_cache(self._model(params), c.slots, self.num_pages, self.page_size, self.max_pages,
+                                 dtype=c.dtype, per_layer=c.per_layer_cache, pool_spec=self.pool_spec)
+        B = c.slots
+        return {"cache": cache, "tokens": jnp.zeros((B,), jnp.int32), "active": jnp.zeros((B,), bool),
+                "keys": jnp.zeros((B, 2), jnp.uint32), "temperature": jnp.ones((B,), jnp.float32),
+                "generated": jnp.zeros((B,), jnp.int32)}
+
+    @staticmethod
+    def set_table(state: dict, table: jax.Array) -> dict:
+        """The host's page table [B, M] int32 into the state."""
+        return {**state, "cache": state["cache"].replace(page_table=table)}
+
+    @staticmethod
+    def copy_pages(state: dict, src: jax.Array, dst: jax.Array) -> dict:
+        """Copy-on-write: pages src [n] -> dst [n] (-1: padding) in every layer (split over D shards of
+        pages: n / D a shard, its page ids: ``jax_rl.models.qwen3.paged.copy_pages``)."""
+        return {**state, "cache": copy_pages(state["cache"], src, dst)}
+
+    def copy_slot(self, state, src, dst, pending, seed, temperature) -> dict:
+        """Slots ``dst`` [n] int32 take the lengths of slots ``src`` [n] (their pages are shared in the table
+        by the host) and are armed with ``pending`` [n] int32, ``seed`` [n] uint32, ``temperature`` [n] f32: a
+        GRPO group's samples in one program. A ``dst`` of B (padding) changes nothing; the lengths read are
+        the input state's (a ``src`` is never also a ``dst``)."""
+        B = self.cfg.slots
+        cache = state["cache"]
+        cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[jnp.minimum(src, B - 1)], mode="drop"))
+        sel = jnp.zeros((B,), bool).at[dst].set(True, mode="drop")
+        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[dst].set(x, mode="drop")  # noqa: E731
+        return self.arm(state, cache, sel, spread(pending, 0), spread(seed, 0), spread(temperature, 1.0))
+
+    def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
+                 ) -> tuple[dict, StepOutput]:
+        """:meth:`StepPrograms.generate` over the pages (``num_pages``: the XLA path's static bucket)."""
+        c = self.cfg
+        S = c.max_cache_len
+        model = self._model(params)
+        cache = state["cache"]
+        active = state["active"] & (cache.lengths < S)
+        lengths_in = jnp.minimum(cache.lengths, S - 1)
+        dec = paged_decode_step(model, state["tokens"], cache.replace(lengths=lengths_in), num_pages=num_pages,
+                                write=active, return_expert_ids=c.record_routes,
+                                return_moe_drops=c.counts_moe_drops, valid=active if c.decode_valid else None)
+        pos = lengths_in + 1
+        keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
+        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
+                                       impl=c.sampler)
+        generated = state["generated"] + active.astype(jnp.int32)
+        new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
+        new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,
+                     "keys": state["keys"], "temperature": state["temperature"], "generated": generated}
+        out = StepOutput(
+            token=tok, valid=active, generated=generated, behav_logp=logp,
+            version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
+            route=_q.stack_routes(dec.expert_ids).astype(jnp.int32) if c.record_routes else None,
+            moe_dropped=jnp.where(active, dec.moe_drops.per_row, 0).astype(jnp.int32) if c.counts_moe_drops else None)
+        return new_state, out
+
+    def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0,
+                       num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
+        params = self._dequantized(params)
+        return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
+
+    def extend_slots(self, params, state, tokens, starts, lengths, slots, pending, seeds, temps,
+                     num_pages: Optional[int] = None) -> tuple[dict, Any]:
+        """Prefill (``starts`` 0 or a prefix hit) or append-prefill rows into their slots' pages:
+        tokens [n, T], starts/lengths/slots/pending/seeds/temps [n] (a slot of B: a padding row,
+        writing nowhere); the filled slots are armed."""
+        c = self.cfg
+        B = c.slots
+        cache = state["cache"]
+        real = slots < B
+        table = jnp.where(real[:, None], cache.page_table[jnp.minimum(slots, B - 1)], -1)
+        out = paged_extend(self._model(params), tokens, starts, lengths,
+                           cache.replace(page_table=table, lengths=starts), num_pages=num_pages,
+                           return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops)
+        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
+        new_cache = cache.replace(kv=out.cache.kv, lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
+        return (self.arm(state, new_cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
+                self._rows_extras(out))
+
+    def unsupported(self, *a, **k):
+        """JetStream's ``insert`` / ``generate`` and the copying prefix cache have no paged form."""
+        raise ValueError("JetStream's insert/generate (jax-rl serve) and rollout.prefix_cache's insert need "
+                         "rollout.kv_layout=contiguous")
+
+
+PAGED_PROGRAMS: dict[str, ProgramDef] = {
+    "init_state": ProgramDef("init_state", (), {}, "state"),
+    "set_table": ProgramDef("set_table", (0,), {}, "state"),
+    "copy_pages": ProgramDef("copy_pages", (0,), {}, "state"),
+    "copy_slot": ProgramDef("copy_slot", (0,), {}, "state"),
+    "free_slots": ProgramDef("deactivate", (0,), {}, "state"),
+    "generate": ProgramDef("generate", (1,), {"static_argnames": ("num_pages",)}),
+    "decode_steps": ProgramDef("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
+    "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
+    "prefill": ProgramDef("prefill", (), {}, "prefix"),
+    "insert": ProgramDef("unsupported", (), {}, None),
+    "generate_result": ProgramDef("unsupported", (), {}, None),
+    "prefill_slots": ProgramDef("unsupported", (), {}, None),
+}
+"""The paged engine's programs for :func:`rollout.engine.programs.build_programs` (the contiguous
+``prefill_slots`` / ``insert`` / ``generate_result`` have no paged form; ``prefill`` is the batch-1
+PrefixKV prefill, layout-free)."""
+
+
+def paged_pool_spec(slots: int, mesh: jax.sharding.Mesh, *, num_q_heads: int,
+                    num_kv_heads: int) -> jax.sharding.PartitionSpec:
+    """One layer's pool [P, page_size, 2K, H] on ``mesh``: pages over the axes that split the slots
+    (:func:`jax_rl.models.paged_attention.pool_page_axes`; None where none does), the combined head axis
+    over the axis that splits the kv heads in the contiguous engine's cache (``tensor``), in whole kv
+    heads (:func:`jax_rl.models.paged_attention.pool_head_spec`: replicated where the q heads and the K
+    kv heads do not split alike, as the contiguous cache drops an axis that does not divide K)."""
+    head = pool_head_spec(num_q_heads, num_kv_heads, mesh)[1]
+    return jax.sharding.PartitionSpec(pool_page_axes(slots, mesh), None, head, None)
+
+
+def paged_state_shardings(abstract_state: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The paged decode state's shardings on ``mesh`` (a sharded engine): every layer's pool
+    [P, page_size, 2K, H] (stacked: [L, P, page_size, 2K, H]) as the cache's ``pool_spec``
+    (:func:`paged_pool_spec`). The page table, the lengths and every per-slot vector are replicated
+    (the host rewrites the table before each call)."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cache = abstract_state["cache"]
+
+    def pool(a):
+        spec = cache.pool_spec or jax.sharding.PartitionSpec(None, None, None, None)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * (a.ndim - 4), *spec))
+
+    kv = tuple(pool(a) for a in cache.kv) if isinstance(cache.kv, tuple) else pool(cache.kv)
+    out = {key: rep for key in abstract_state if key != "cache"}
+    out["cache"] = cache.replace(kv=kv, page_table=rep, lengths=rep)
+    return out
