@@ -146,6 +146,15 @@ def test_bad_values_name_key_value_constraint(override, names):
         assert n in str(e.value), (n, str(e.value))
 
 
+def test_a_pool_too_small_for_one_sequence_is_refused_only_on_pages():
+    """rollout.kv_pages sizes the paged layout's pool; the contiguous layout has none, so a config that sets it
+    and switches to contiguous (tau2's pool with rollout.kv_layout=contiguous) is not refused for it."""
+    small = ["rollout.max_cache_len=128", "rollout.kv_page_size=16", "rollout.kv_pages=3"]
+    with pytest.raises(ConfigError, match=r"rollout.kv_pages=3 .* cannot hold one sequence \(at least 8 pages\)"):
+        load_config(None, ["rollout.kv_layout=paged", *small])
+    assert load_config(None, ["rollout.kv_layout=contiguous", *small]).rollout.kv_pages == 3
+
+
 def test_two_mesh_wildcards_rejected():
     with pytest.raises(ConfigError, match="at most one mesh axis"):
         load_config(None, ["mesh.data=-1"])

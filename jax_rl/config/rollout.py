@@ -159,7 +159,8 @@ class RolloutConfig(_Section):
         if self.kv_pages is not None and self.kv_pool_gib is not None:
             raise ValueError(f"rollout.kv_pages={self.kv_pages} and rollout.kv_pool_gib={self.kv_pool_gib} both size "
                              "the K/V pool: set one of them (the other null)")
-        if self.kv_pages is not None and self.kv_pages * self.kv_page_size < self.max_cache_len:
+        paged = self.kv_layout == "paged"  # the contiguous layout has no pool: its kv_pages is not read
+        if paged and self.kv_pages is not None and self.kv_pages * self.kv_page_size < self.max_cache_len:
             raise ValueError(f"rollout.kv_pages={self.kv_pages} pages of rollout.kv_page_size={self.kv_page_size} hold "
                              f"{self.kv_pages * self.kv_page_size} positions < rollout.max_cache_len={self.max_cache_len}: "
                              f"the pool cannot hold one sequence (at least {-(-self.max_cache_len // self.kv_page_size)} "

@@ -29,7 +29,7 @@ from jax_rl.model_builder import layers_stacked, learner_model_kwargs, resolve_m
 from jax_rl.models.qwen3 import count_params
 from jax_rl.runtime.context import RunContext
 from jax_rl.runtime.envs import build_env_factory
-from jax_rl.runtime.resources import engine_memory_bytes, kv_cache_bytes
+from jax_rl.runtime.resources import engine_memory_bytes
 
 __all__ = ["dry_run", "run_dry_run", "stand_ins", "weightless_report"]
 
@@ -147,7 +147,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
             "params": n_params,
             "param_bytes": int(sum(x.size * x.dtype.itemsize for x in leaves)),
             "kv_cache_bytes": int(tr.kv_cache_bytes),
-            "kv_cache_bytes_per_engine": kv_cache_bytes(cfg, tr.model_config),
+            "kv_cache_bytes_per_engine": engine_memory_bytes(cfg, tr.model_config)["kv_cache"],
             "rollout_engines": cfg.rollout.threads + 1,
             "batch_shape": [B, T],
             "batch_layout": [U, m, r, T],

@@ -113,12 +113,13 @@ def _drive(cfg: Config, actor, worker_classes: tuple, stop: StopFlag, run_dir: P
     meta: dict = {}
     if cfg.resume:
         meta = ray_get(actor.restore.remote())  # one-line errors; nothing written yet
-        print(meta.pop("resume_line"), flush=True)
     start_step = int(meta.get("rl_steps", 0))
     done = finished_run_line(cfg, run_dir, start_step) if cfg.resume else None
-    if done:  # nothing to train, evaluate or write
+    if done:  # nothing to train, evaluate or write: that line alone
         print(done, flush=True)
         return 0
+    if cfg.resume:
+        print(meta.pop("resume_line"), flush=True)
     ray_get(actor.materialize.remote(meta.pop("resumed_step", None)))
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                            resume_step=start_step if cfg.resume else None)

@@ -103,12 +103,12 @@ def _run_train(cfg: Config) -> int:
     try:
         if cfg.resume:
             start_step = ctx.resume()  # every check; raises before anything is written
-            print(ctx.resume_line, flush=True)
             done = finished_run_line(cfg, resolve_run_dir(cfg, create=False), start_step)
-            if done:  # nothing to train, evaluate or write
+            if done:  # nothing to train, evaluate or write: that line alone
                 print(done, flush=True)
                 failed = False
                 return 0
+            print(ctx.resume_line, flush=True)
         ctx.hold("train")
         ctx.materialize()
         if cfg.resume:

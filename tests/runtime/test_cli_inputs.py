@@ -108,17 +108,21 @@ def test_print_config_prints_the_resolved_yaml_and_creates_nothing(tmp_path, cap
     assert not (tmp_path / "r").exists()
 
 
-def test_dry_run_reports_and_creates_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_dry_run_reports_and_creates_nothing(tmp_path, capsys, layout):
     # exact: the step that takes the extra prox_logp input
     argv = ["train", TINY_CFG, "--dry-run", *FAST, "loss.correction=exact", "optim.batch_size=4",
             "algo.group_size=2", "optim.max_seq_len=32", "rollout.max_cache_len=32", "rollout.slots=4",
-            "rollout.max_prefill_length=16", f"run.dir={tmp_path / 'r'}"]
+            "rollout.max_prefill_length=16", f"run.dir={tmp_path / 'r'}", f"rollout.kv_layout={layout}",
+            "rollout.kv_page_size=16", "rollout.kv_pages=3"]
     capsys.readouterr()
     assert main(argv) == 0
     out = capsys.readouterr().out
-    # tiny_cpu: 2 layers, 1 kv head of dim 64, bf16 rollout: 2 engines x 2*4*32*1*64*2*2 bytes
-    kv = 2 * (2 * 4 * 32 * 1 * 64 * 2 * 2)
-    assert "parameters" in out and "[4, 32]" in out and f"{kv:,} B" in out and "compile" in out, out
+    # tiny_cpu: 2 layers, 1 kv head of dim 64, bf16 rollout: 2*1*64*2*2 bytes a position; 2 engines of
+    # 4 slots x 32 positions, or on pages of a pool of 3 pages of 16 positions whatever the slots
+    per = (4 * 32 if layout == "contiguous" else 3 * 16) * 2 * 1 * 64 * 2 * 2
+    assert "parameters" in out and "[4, 32]" in out and "compile" in out, out
+    assert f"({2 * per:,} B) = 2 engine(s) x" in out and f"({per:,} B)" in out, out
     assert not (tmp_path / "r").exists()
 
 

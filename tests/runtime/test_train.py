@@ -86,6 +86,11 @@ def test_smoke_each_correction(tmp_path, correction, capsys):
         assert '"version": 2' in capsys.readouterr().out
         assert main(["train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY, f"run.dir={d}"]) == 2
         assert "already holds a run" in capsys.readouterr().err
+        # a resume of the finished run: the mode's start line, then that it is finished (no "resumed from"), exit 0
+        assert main(["train", str(CONFIG_DIR / "tiny_cpu.yaml"), *TINY, f"run.dir={d}", "loss.correction=exact",
+                     "run.steps=2", "--resume"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert len(out) == 2 and out[0].startswith("loss.correction=exact") and "is finished" in out[1], out
     summary = json.loads((d / "summary.json").read_text())
     for key in ("sft_success", "final_success", "wall_s", "rl_steps"):
         assert key in summary, key
