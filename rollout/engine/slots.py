@@ -141,7 +141,8 @@ class SlotManager:
                 raise ValueError(f"prefill_slots: slot {slot} out of range [0, {self._slots}) or used twice")
             used.add(slot)
             if not 1 <= n_tok <= self.max_cache_len:
-                raise ValueError(f"prefill_slots: a row of {n_tok} tokens (1..max_cache_len={self.max_cache_len})")
+                raise ValueError(f"prefill_slots: the row for slot {slot} has {n_tok} tokens; a row needs 1..max_cache_len="
+                                 f"{self.max_cache_len}")
             if not 0 <= int(r.start) < n_tok:
                 raise ValueError(f"prefill_slots: start={r.start} outside [0, {n_tok}) tokens")
 

@@ -193,3 +193,13 @@ def test_a_fresh_decode_state_starts_the_host_pool_afresh(model):
     assert pag.kv_stats()["kv_prefix_page_hits"] == 0
     np.testing.assert_array_equal(t1, t0)
     np.testing.assert_allclose(l1, l0, atol=1e-5)
+
+
+def test_a_row_too_long_or_empty_is_refused_naming_its_slot(model):
+    """Both layouts check the rows before any page or program: the message names the slot and the bound."""
+    for eng in _engines(model):
+        st = eng.init_decode_state()
+        for n in (S + 1, 0):
+            with pytest.raises(ValueError, match=rf"the row for slot 2 has {n} tokens; a row needs 1..max_cache_len={S}"):
+                eng.prefill_slots(eng.params, st, [SlotPrefill(list(range(3, 3 + n)), slot=2, seed=1)])
+        assert eng.kv_layout == "contiguous" or eng.kv_stats()["kv_pages_in_use"] == 0
