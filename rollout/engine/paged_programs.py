@@ -57,8 +57,7 @@ class PagedStepPrograms(StepPrograms):
         B = self.cfg.slots
         cache = state["cache"]
         cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[jnp.minimum(src, B - 1)], mode="drop"))
-        sel = jnp.zeros((B,), bool).at[dst].set(True, mode="drop")
-        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[dst].set(x, mode="drop")  # noqa: E731
+        sel, spread = self.rows_at(dst)
         return self.arm(state, cache, sel, spread(pending, 0), spread(seed, 0), spread(temperature, 1.0))
 
     def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
@@ -106,8 +105,7 @@ class PagedStepPrograms(StepPrograms):
         out = paged_extend(self._model(params), tokens, starts, lengths,
                            cache.replace(page_table=table, lengths=starts), num_pages=num_pages,
                            return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops)
-        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
+        sel, spread = self.rows_at(slots)
         new_cache = cache.replace(kv=out.cache.kv, lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
         return (self.arm(state, new_cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
                 self._rows_extras(out))

@@ -121,6 +121,14 @@ class StepPrograms:
             "generated": jnp.zeros((B,), jnp.int32),
         }
 
+    def rows_at(self, slots: jax.Array) -> tuple[jax.Array, Callable[[jax.Array, Any], jax.Array]]:
+        """Rows of a program placed at their slots ``slots`` [n] int32 (a slot >= B: a padding row, dropped):
+        ``(sel, spread)``, ``sel`` [B] bool the slots written and ``spread(x, fill)`` the rows' values x [n] at
+        their slots, ``fill`` elsewhere ([B], x's dtype)."""
+        B = self.cfg.slots
+        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+        return sel, lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")
+
     @staticmethod
     def arm(state: dict, cache: Any, sel: jax.Array, pending: jax.Array, seeds: jax.Array, temps: jax.Array) -> dict:
         """The per-slot fields of the slots in ``sel`` [B] bool: pending token, key, temperature."""
@@ -311,8 +319,7 @@ class StepPrograms:
         else:
             new_k = cache.k.at[:, slots, :, :W].set(nk, mode="drop")
             new_v = cache.v.at[:, slots, :, :W].set(nv, mode="drop")
-        sel = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-        spread = lambda x, fill: jnp.full((B,), fill, x.dtype).at[slots].set(x, mode="drop")  # noqa: E731
+        sel, spread = self.rows_at(slots)
         cache = replace_cache(cache, k=new_k, v=new_v,
                               lengths=jnp.where(sel, spread(starts + lengths, 0), cache.lengths))
         return (self.arm(state, cache, sel, spread(pending, 0), spread(seeds, 0), spread(temps, 1.0)),
