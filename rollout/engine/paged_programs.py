@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_rl.models import qwen3 as _q
-from jax_rl.models.paged_attention import pages_for, pool_head_spec, pool_page_axes
-from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from jax_rl.models.paged_attention import current_target_backend, pages_for, pool_head_spec, pool_page_axes
+from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
+                                       write_window)
 from rollout.engine.programs import ProgramDef, StepPrograms
 from rollout.engine.sampler import StepOutput, sample_tokens
 
@@ -89,8 +90,22 @@ class PagedStepPrograms(StepPrograms):
 
     def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0,
                        num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
+        """:meth:`StepPrograms.generate_steps` over the pages. On XLA:CPU with a page bucket (and a pool not
+        split over pages) the call gathers each row's ``num_pages`` pages once into a contiguous window
+        (:func:`jax_rl.models.qwen3.paged.gather_window`), runs the contiguous layout's n steps on it
+        (:meth:`StepPrograms.generate`: the window is at most the contiguous cache's size) and writes the
+        call's new entries back through the table (``write_window``): the same values as n steps of
+        :meth:`generate`, whose per-step, per-layer page gathers cost more than the steps themselves on
+        XLA:CPU at short contexts (``docs/performance.md``). Elsewhere (the TPU kernel, the GPU's XLA
+        path, whose memory the window would raise) n steps of :meth:`generate`."""
         params = self._dequantized(params)
-        return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
+        cache = state["cache"]
+        if num_pages is None or cache.page_axes is not None or current_target_backend() != "cpu":
+            return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
+        window = {**state, "cache": gather_window(cache, num_pages)}
+        window, out = jax.lax.scan(lambda st, _: StepPrograms.generate(self, params, st, version), window, None,
+                                   length=n)
+        return {**window, "cache": write_window(cache, window["cache"], cache.lengths, n)}, out
 
     def extend_slots(self, params, state, tokens, starts, lengths, slots, pending, seeds, temps,
                      num_pages: Optional[int] = None) -> tuple[dict, Any]:

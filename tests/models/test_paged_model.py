@@ -13,7 +13,8 @@ from flax import nnx
 
 from jax_rl.models.paged_attention import target_backend
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
-from jax_rl.models.qwen3.paged import copy_pages, init_paged_cache, paged_decode_step, paged_extend
+from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
+                                       write_window)
 
 TOL = 1e-5
 PS, M = 4, 6  # page size, pages per row: 24 positions
@@ -174,3 +175,45 @@ def test_a_bf16_pool_kept_as_its_bits_on_cpu_equals_the_float_pool(scan):
     for a, b in zip(outs[0][2], outs[1][2]):
         np.testing.assert_array_equal(a, b)
     assert any(np.any(p != 0) for p in outs[0][2])
+
+
+@pytest.mark.parametrize("scan,dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
+def test_decode_on_a_gathered_window_equals_decode_on_the_pages(scan, dtype):
+    """The XLA:CPU engine's decode call: ``gather_window`` (each row's first pages as a contiguous cache),
+    the contiguous ``decode_step`` n times on it, ``write_window`` (the call's new entries back through
+    the table) give the logits, lengths and pool (bit for bit) of n ``paged_decode_step`` calls; per-layer
+    pools of bf16 bits and a stacked fp32 pool. Rows 0 and 2 cross into a new page; row 1 fills its last."""
+    rng = np.random.default_rng(1)
+    model = Qwen3ForCausalLM(get_preset("tiny_dense"), rngs=nnx.Rngs(0), scan_layers=scan, dtype=dtype,
+                             param_dtype=dtype)
+    B, T, n, pages = 3, 10, 3, 4
+    pc = init_paged_cache(model, B, num_pages=24, page_size=PS, max_pages=M)
+    pc = pc.replace(page_table=_table(B, [M, 3, 4], rng, 24))
+    lens = jnp.array([7, 9, 4], jnp.int32)
+    ids = jnp.asarray(rng.integers(1, 300, (B, T)), jnp.int32)
+    pc = _jit(model, paged_extend, num_pages=M)(ids, jnp.zeros(B, jnp.int32), lens, pc).cache
+    win = gather_window(pc, pages)
+    assert win.max_len == pages * PS and win.is_per_layer == (not scan)
+    step_pages = _jit(model, paged_decode_step, num_pages=pages)
+    step_win = _jit(model, Qwen3ForCausalLM.decode_step)
+    tok = jnp.asarray(rng.integers(1, 300, (B,)), jnp.int32)
+    ref = pc
+    for _ in range(n):
+        r, w = step_pages(tok, ref), step_win(tok, win)
+        np.testing.assert_array_equal(np.asarray(w.logits), np.asarray(r.logits))
+        ref, win, tok = r.cache, w.cache, jnp.argmax(r.logits, -1).astype(jnp.int32)
+    got = jax.jit(lambda c, w: write_window(c, w, c.lengths, n))(pc, win)
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    np.testing.assert_array_equal(got.lengths, lens + n)
+    for a, b in zip(jax.tree.leaves(got.kv), jax.tree.leaves(ref.kv)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got.kv),
+                                                                             jax.tree.leaves(pc.kv)))
+
+
+def test_gather_window_refuses_a_pool_split_over_pages():
+    model = Qwen3ForCausalLM(get_preset("tiny_dense"), rngs=nnx.Rngs(0))
+    pc = init_paged_cache(model, 2, num_pages=8, page_size=PS, max_pages=M,
+                          pool_spec=jax.sharding.PartitionSpec("data", None, None, None))
+    with pytest.raises(ValueError, match="split over pages"):
+        gather_window(pc, 2)

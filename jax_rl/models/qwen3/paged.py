@@ -30,11 +30,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_rl.models.paged_attention import paged_attention, paged_attention_local, pool_storage_dtype, write_kv
+from jax_rl.models.qwen3.cache import KVCache, LayerKVCache, StackedKVCache
 from jax_rl.models.qwen3.outputs import ModelOutput
 
 Array = jax.Array
 
-__all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend", "copy_pages"]
+__all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend", "copy_pages", "gather_window",
+           "write_window"]
 
 
 @flax.struct.dataclass
@@ -255,3 +257,59 @@ def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     body = jax.shard_map(_copy_pages, mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, P(b), P(b)),
                          out_specs=specs, check_vma=False)
     return cache.replace(kv=body(cache.kv, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)))
+
+
+def gather_window(cache: PagedKVCache, num_pages: int) -> KVCache:
+    """The first ``num_pages`` pages of every row as a contiguous cache of ``W = num_pages * page_size``
+    positions: a :class:`LayerKVCache` (keys [B,K,H,W], values [B,K,W,H] per layer) for a per-layer pool,
+    a :class:`StackedKVCache` ([L,B,K,W,H]) for a stacked one; stored as the pool stores (its uint16 bits
+    and ``dtype`` where it keeps bits), ``lengths`` the cache's. Table entries of -1 read page 0 (past a
+    row's length, masked by the decode). What the XLA:CPU decode runs its steps on (gathered once a call,
+    not once a step and layer: :func:`write_window` puts the new entries back). Unsplit pools only
+    (``cache.page_axes`` None; raises ValueError otherwise: a split pool's table is shard-local)."""
+    if cache.page_axes is not None:
+        raise ValueError("gather_window needs a pool not split over pages (cache.page_axes is set)")
+    n = int(num_pages)
+    idx = jnp.maximum(cache.page_table[:, :n], 0)  # [B, n]
+    B, W = idx.shape[0], n * cache.page_size
+
+    def split(pool: Array, part: int) -> Array:  # [..., P, ps, 2K, H] -> [..., B, W, K, H], keys 0 / values 1
+        x = jnp.take(pool[..., part::2, :], idx, axis=-4)
+        return x.reshape(*x.shape[:-5], B, W, *x.shape[-2:])
+
+    if isinstance(cache.kv, tuple):
+        return LayerKVCache(k=tuple(split(p, 0).transpose(0, 2, 3, 1) for p in cache.kv),
+                            v=tuple(split(p, 1).swapaxes(1, 2) for p in cache.kv), lengths=cache.lengths,
+                            dtype=cache.dtype)
+    return StackedKVCache(k=split(cache.kv, 0).swapaxes(2, 3), v=split(cache.kv, 1).swapaxes(2, 3),
+                          lengths=cache.lengths, dtype=cache.dtype)
+
+
+def write_window(cache: PagedKVCache, window: KVCache, starts: Array, n: int) -> PagedKVCache:
+    """Back into the pages: positions ``[starts[b], window.lengths[b])`` of every row of ``window`` (at most
+    ``n`` of them: a call's new entries; ``starts`` [B] int32, the lengths the window was gathered at),
+    written through ``cache``'s page table (:func:`jax_rl.models.paged_attention.write_kv`: a row without
+    a page there writes nothing); lengths become ``window.lengths``. ``window`` as :func:`gather_window`
+    built it (same storage). Returns the :class:`PagedKVCache` (pool updated in place under a donated jit)."""
+    n = int(n)
+    starts = jnp.asarray(starts, jnp.int32)
+    pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
+    valid = pos < window.lengths[:, None]
+    rows = jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None]
+    at = jnp.clip(pos, 0, window.max_len - 1)
+    L = len(window.v) if window.is_per_layer else window.v.shape[0]
+
+    def entries(i: int) -> tuple[Array, Array]:  # layer i's [B, n, K, H] keys and values (values, not bits)
+        if window.is_per_layer:
+            return window.load(window.k[i][rows, :, :, at]), window.load(window.v[i][rows, :, at])
+        return window.load(window.k[i][rows, :, at]), window.load(window.v[i][rows, :, at])
+
+    kv = cache.kv
+    for i in range(L):
+        k, v = entries(i)
+        if isinstance(kv, tuple):
+            kv = tuple(write_kv(p, cache.page_table, pos, k, v, valid, dtype=cache.dtype) if j == i else p
+                       for j, p in enumerate(kv))
+        else:
+            kv = write_kv(kv, cache.page_table, pos, k, v, valid, layer=i, dtype=cache.dtype)
+    return cache.replace(kv=kv, lengths=window.lengths)
