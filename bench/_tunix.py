@@ -54,9 +54,13 @@ def import_error() -> Optional[str]:
 
 
 def version() -> str:
-    from importlib.metadata import version as v
+    """google-tunix's installed version, or "not installed" (a jax-rl-only bench run in the project venv)."""
+    from importlib.metadata import PackageNotFoundError, version as v
 
-    return v("google-tunix")
+    try:
+        return v("google-tunix")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 # ---------------------------------------------------------------------------- model
