@@ -22,7 +22,9 @@ against the contiguous layout, with the engine's API and outputs unchanged:
   old weights; a held session keeps its own pages (its partial policy decides, as with the
   contiguous cache);
 - decode and append-prefill attend over the pages a slot holds (TPU: the ragged paged attention
-  kernel; CPU/GPU: an XLA gather of a power-of-two bucket of pages);
+  kernel; CPU/GPU: an XLA gather of a power-of-two bucket of pages; on CPU a decode call of n steps
+  gathers them once into a contiguous window and writes its new entries back after:
+  :meth:`PagedStepPrograms.generate_steps`);
 - pool exhausted: the least recently released *held* slot (an episode between turns) is preempted
   (its pages freed, ``kv_preemptions``); its next append-prefill re-prefills its whole context
   (reported in ``PrefillResult.prefill_tokens``). With no held slot to preempt, ``PoolExhausted``
@@ -73,6 +75,10 @@ from rollout.engine.sampler import StepOutput
 from rollout.engine.slots import PrefillResult, SlotPrefill
 from rollout.page_shards import ShardedPagePool
 from rollout.pages import PoolExhausted
+
+# decode programs an octave of gathered pages (page_bucket's per_octave): a decode call reads at most 1.25x
+# the longest active row's pages, not 2x, for up to 4 programs an octave (docs/performance.md)
+DECODE_BUCKETS_PER_OCTAVE = 4
 
 __all__ = ["PagedSlots"]
 
@@ -288,8 +294,11 @@ class PagedSlots:
                                  max_len=self.max_cache_len, rows_at_slots=self.kv_shards > 1)[0]  # the largest chunk
         return first.rows, first.T
 
-    def _bucket(self, positions: int) -> Optional[int]:
-        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages) if self._xla_pages else None
+    def _bucket(self, positions: int, per_octave: int = 1) -> Optional[int]:
+        """The XLA path's static page count for ``positions`` (None on the TPU kernel: it reads the table)."""
+        if not self._xla_pages:
+            return None
+        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages, per_octave)
 
     # ---- the SlotManager / engine API --------------------------------------------------------
     def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[SlotPrefill]
@@ -487,7 +496,7 @@ class PagedSlots:
             self._room_at = self.kv_pool.changes
         self._plen[act] = need
         self._pactive[act[need >= S]] = False
-        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))))
+        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))), DECODE_BUCKETS_PER_OCTAVE)
 
     def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
         state, npages = self._before_decode(decode_state, 1)
