@@ -58,27 +58,13 @@ def pages_for(length: int, page_size: int) -> int:
     return -(-int(length) // int(page_size))
 
 
-def page_bucket(live_pages: int, max_pages: int, per_octave: int = 1) -> int:
-    """The static page count an attention call gathers, capped at ``max_pages``: the next power of two
-    >= ``live_pages`` (at least 1; at most log2(M) + 1 programs compile), or with ``per_octave`` = 2^j > 1
-    the next multiple of ``2^e / per_octave`` for the octave ``[2^e, 2^(e+1))`` above it (every count up to
-    ``per_octave``; e.g. 4: 1-4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...: at most ``per_octave`` programs an
-    octave, a gathered count at most ``1 + 1 / per_octave`` of the live one, not 2x).
-
-    Raises:
-        ValueError: ``per_octave`` not a power of two."""
-    per = int(per_octave)
-    if per < 1 or per & (per - 1):
-        raise ValueError(f"page_bucket: per_octave must be a power of two, got {per_octave}")
-    n = max(1, int(live_pages))
-    if per == 1:
-        b = 1 << (n - 1).bit_length()
-    elif n <= per:
-        b = n
-    else:
-        step = (1 << ((n - 1).bit_length() - 1)) // per  # the octave [2^e, 2^(e+1)) holding n - 1 ... n
-        b = -(-n // step) * step
-    return min(b, int(max_pages))
+def page_bucket(live_pages: int, max_pages: int) -> int:
+    """The static page count an attention call gathers: the next power of two >= ``live_pages``
+    (at least 1), capped at ``max_pages`` (so at most log2(M) + 1 programs compile)."""
+    n = 1
+    while n < live_pages:
+        n *= 2
+    return min(n, int(max_pages))
 
 
 def combine_kv(k: Array, v: Array) -> Array:

@@ -76,10 +76,6 @@ from rollout.engine.slots import PrefillResult, SlotPrefill
 from rollout.page_shards import ShardedPagePool
 from rollout.pages import PoolExhausted
 
-# decode programs an octave of gathered pages (page_bucket's per_octave): a decode call reads at most 1.25x
-# the longest active row's pages, not 2x, for up to 4 programs an octave (docs/performance.md)
-DECODE_BUCKETS_PER_OCTAVE = 4
-
 __all__ = ["PagedSlots"]
 
 
@@ -294,11 +290,15 @@ class PagedSlots:
                                  max_len=self.max_cache_len, rows_at_slots=self.kv_shards > 1)[0]  # the largest chunk
         return first.rows, first.T
 
-    def _bucket(self, positions: int, per_octave: int = 1) -> Optional[int]:
-        """The XLA path's static page count for ``positions`` (None on the TPU kernel: it reads the table)."""
+    def _bucket(self, positions: int) -> Optional[int]:
+        """The XLA path's static page count for ``positions``: a power of two (None on the TPU kernel: it reads
+        the table). A row's attention values depend on the count gathered (XLA:CPU's reduction order over it)
+        and the count is the longest active row's, so which rows share a call can show in a row's log-probs
+        where the bucket changes; with 4 buckets an octave it did (a killed and resumed run's log-probs
+        differed from a straight run's in the 8th digit), with powers of two it has not (docs/performance.md)."""
         if not self._xla_pages:
             return None
-        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages, per_octave)
+        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages)
 
     # ---- the SlotManager / engine API --------------------------------------------------------
     def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[SlotPrefill]
@@ -496,7 +496,7 @@ class PagedSlots:
             self._room_at = self.kv_pool.changes
         self._plen[act] = need
         self._pactive[act[need >= S]] = False
-        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))), DECODE_BUCKETS_PER_OCTAVE)
+        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))))
 
     def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
         state, npages = self._before_decode(decode_state, 1)
