@@ -76,6 +76,14 @@ def episode_seed(task_seed: int, sample_idx: int, turn: int) -> int:
 class AgentLoop:
     """Runs episodes concurrently (a thread pool; each episode blocks on generator futures).
 
+    A group's first requests form a gang the generator admits together (``rollout.admission``): a sample
+    that has asked blocks its worker until the rest of its group has asked too. So :meth:`submit_group`
+    puts a group's samples into the pool back to back, under a lock: two producer threads submitting groups
+    at once interleaved them (A0 B0 A1 B1), and a pool of ``group_size`` workers then ran A0 and B0, each
+    waiting for a sibling queued behind the other (a hang until the episode timeout; seen in
+    ``tests/test_old_logits_routes.py``). In order, a pool of at least ``group_size`` workers always holds
+    the whole of the group being started.
+
     Args:
         generator: any object with ``submit(prompt_ids, *, max_new_tokens, seed, stop_ids) ->
             Future[Completion]`` (docs/interfaces.md "Generator <-> agent").
@@ -117,6 +125,7 @@ class AgentLoop:
         self._sessions = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="agent")
         self._lock = threading.Lock()
+        self._group_lock = threading.Lock()
         self.stats: dict[str, int] = {"episodes": 0, "failed": 0, "overlong": 0, "answered": 0, "truncated": 0,
                                       "tool_calls": 0, "tool_errors": 0}
 
@@ -131,7 +140,8 @@ class AgentLoop:
         """Start ``group_size`` (default the loop's ``group_size``) samples of task ``task_seed``; the future
         resolves to the list of trajectories (order = sample index) when all are done."""
         n = int(group_size or self.group_size)
-        futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i, group_size=n) for i in range(n)]
+        with self._group_lock:  # a group's samples enter the pool back to back (the class doc)
+            futs = [self.submit_episode(task_seed, group_id=group_id, sample_idx=i, group_size=n) for i in range(n)]
         out: Future = Future()
         remaining = [n]
         lock = threading.Lock()

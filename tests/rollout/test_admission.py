@@ -147,3 +147,74 @@ def test_agent_sends_order_and_gang_and_withdraws_an_episode_that_never_asked():
     assert gen.calls[0] == ((42, 0, 0), key)  # the first request: order key and its gang
     assert all(g is None and o[:2] == (42, 0) for o, g in gen.calls[1:])  # later turns: order only
     assert gen.withdrawn == [key]  # the failed sample let its sibling go
+
+
+class _GangHolding(_Recording):
+    """``_Recording`` that holds a gang's first requests until all its members asked (the real generator's
+    admission), answering each in one turn."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: dict = {}
+
+    def submit(self, prompt_ids, *, max_new_tokens, seed, stop_ids, session=None, prefix_len=0, order=(), gang=None):
+        f = super().submit(prompt_ids, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids, order=order)
+        if gang is None:
+            return f
+        held = Future()
+        with self.lock:
+            members = self.held.setdefault(gang[0], [])
+            members.append((held, f.result()))
+            release = list(members) if len(members) == gang[1] else []
+        for h, c in release:
+            h.set_result(c)
+        return held
+
+    def release_all(self):
+        with self.lock:
+            for members in self.held.values():
+                for h, c in members:
+                    if not h.done():
+                        h.set_result(c)
+
+
+def test_two_threads_submitting_groups_at_once_do_not_starve_a_gang():
+    """Two producer threads each submit a group of 2 to a loop of 2 workers (the embedded runtime's shape
+    at ``rollout.slots=2``). Forced interleaving: group 0's thread waits after its first sample until group 1's
+    thread has started (and for up to 2 s for group 1's first sample): interleaved (A0 B0 A1 B1), the two
+    workers ran A0 and B0, each holding for a sibling queued behind the other, and neither group finished."""
+    from rollout.agent import AgentLoop
+    from rollout.envs import CalculatorEnv
+    from tests.rollout.test_agent import CFG, TOK
+
+    gen = _GangHolding()
+    loop = AgentLoop(gen, TOK, CalculatorEnv, CFG, group_size=2, max_workers=2)
+    b_started, b0_in = threading.Event(), threading.Event()
+    real_submit = loop._pool.submit
+
+    def submit(fn, *a, **kw):
+        fut = real_submit(fn, *a, **kw)
+        if kw["group_id"] == 1 and kw["sample_idx"] == 0:
+            b0_in.set()
+        if kw["group_id"] == 0 and kw["sample_idx"] == 0:
+            assert b_started.wait(10)
+            b0_in.wait(2.0)  # interleaved if group 1 can submit now; under the group lock it cannot
+        return fut
+
+    loop._pool.submit = submit
+    out: dict = {}
+
+    def group_b():
+        b_started.set()
+        out[1] = loop.submit_group(12, group_id=1)
+
+    tb = threading.Thread(target=group_b)
+    try:
+        tb.start()
+        out[0] = loop.submit_group(11, group_id=0)
+        tb.join(10)
+        done = [out[g].result(timeout=15) for g in (0, 1)]
+    finally:
+        gen.release_all()
+        loop.close(wait=False)
+    assert [len(x) for x in done] == [2, 2] and not any(t.info["failed"] for x in done for t in x)
