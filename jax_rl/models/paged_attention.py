@@ -19,9 +19,10 @@ kernel expects); token t attends to positions ``<= starts[b] + t``. Decode is ``
 
 Which path runs where (``paged_attention``): TPU: the ragged paged attention kernel; CPU and GPU:
 the XLA gather path (the rollout engine's multi-step decode on CPU gathers once a call instead:
-``jax_rl.models.qwen3.paged.gather_window``). The Pallas GPU ``paged_attention`` (``jax.experimental.pallas.ops.gpu``) is
-decode-only (one query per sequence) and wants separate ``[K, P, page_size, H]`` key and value
-pools; in this layout it would need a transpose of the pool per step, so the GPU runs the XLA path.
+``jax_rl.models.qwen3.paged.gather_window``). The Pallas GPU ``paged_attention``
+(``jax.experimental.pallas.ops.gpu``) is decode-only (one query per sequence) and wants separate
+``[K, P, page_size, H]`` key and value pools; in this layout it would need a transpose of the pool per
+step, so the GPU runs the XLA path.
 
 On a mesh (a sharded rollout engine, ``jax.set_mesh``): the pool's combined head axis is split over
 the axis that splits the kv heads (``tensor``), in whole kv heads, so each shard's slice keeps the
