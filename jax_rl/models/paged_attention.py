@@ -98,16 +98,18 @@ def write_kv(kv_pages: Array, page_table: Array, positions: Array, k: Array, v: 
 def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int, dtype=None) -> tuple[Array, Array]:
     """The first ``num_pages`` pages of every row as contiguous keys and values [B, S, K, H]
     (S = num_pages * page_size; the cache's value dtype: ``dtype`` for a pool of uint16 bits, see
-    :func:`write_kv`). Keys and values are gathered apart: each gather then has one consumer, into
-    which XLA fuses it (one pass over the pages to the layout the attention's dot reads)."""
+    :func:`write_kv`; None: as stored). ``kv_pages`` [P, ps, 2K, H], or with leading axes (a stacked
+    pool [L, P, ps, 2K, H] gives [L, B, S, K, H]). Keys and values are gathered apart: each gather then
+    has one consumer, into which XLA fuses it (one pass over the pages to the layout the attention's dot
+    reads)."""
     B = page_table.shape[0]
-    _, ps, K2, H = kv_pages.shape
-    idx = jnp.maximum(page_table[:, :num_pages], 0)
+    *lead, _, ps, K2, H = kv_pages.shape
+    idx = (slice(None),) * len(lead) + (jnp.maximum(page_table[:, :num_pages], 0),)
 
     def one(x):
-        return from_storage(x[idx], dtype).reshape(B, num_pages * ps, K2 // 2, H)
+        return from_storage(x[idx], dtype).reshape(*lead, B, num_pages * ps, K2 // 2, H)
 
-    return one(kv_pages[:, :, 0::2]), one(kv_pages[:, :, 1::2])
+    return one(kv_pages[..., 0::2, :]), one(kv_pages[..., 1::2, :])
 
 
 def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,

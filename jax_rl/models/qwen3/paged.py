@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jax_rl.models.paged_attention import paged_attention, paged_attention_local, pool_storage_dtype, write_kv
+from jax_rl.models.paged_attention import (gather_contiguous, paged_attention, paged_attention_local, pool_storage_dtype,
+                                          write_kv)
 from jax_rl.models.qwen3.cache import KVCache, LayerKVCache, StackedKVCache
 from jax_rl.models.qwen3.outputs import ModelOutput
 
@@ -270,19 +271,12 @@ def gather_window(cache: PagedKVCache, num_pages: int) -> KVCache:
     if cache.page_axes is not None:
         raise ValueError("gather_window needs a pool not split over pages (cache.page_axes is set)")
     n = int(num_pages)
-    idx = jnp.maximum(cache.page_table[:, :n], 0)  # [B, n]
-    B, W = idx.shape[0], n * cache.page_size
-
-    def split(pool: Array, part: int) -> Array:  # [..., P, ps, 2K, H] -> [..., B, W, K, H], keys 0 / values 1
-        x = jnp.take(pool[..., part::2, :], idx, axis=-4)
-        return x.reshape(*x.shape[:-5], B, W, *x.shape[-2:])
-
-    if isinstance(cache.kv, tuple):
-        return LayerKVCache(k=tuple(split(p, 0).transpose(0, 2, 3, 1) for p in cache.kv),
-                            v=tuple(split(p, 1).swapaxes(1, 2) for p in cache.kv), lengths=cache.lengths,
-                            dtype=cache.dtype)
-    return StackedKVCache(k=split(cache.kv, 0).swapaxes(2, 3), v=split(cache.kv, 1).swapaxes(2, 3),
-                          lengths=cache.lengths, dtype=cache.dtype)
+    if isinstance(cache.kv, tuple):  # gather_contiguous's [B, W, K, H] keys / values, as stored
+        kv = [gather_contiguous(p, cache.page_table, n) for p in cache.kv]
+        return LayerKVCache(k=tuple(k.transpose(0, 2, 3, 1) for k, _ in kv), v=tuple(v.swapaxes(1, 2) for _, v in kv),
+                            lengths=cache.lengths, dtype=cache.dtype)
+    k, v = gather_contiguous(cache.kv, cache.page_table, n)  # [L, B, W, K, H]
+    return StackedKVCache(k=k.swapaxes(2, 3), v=v.swapaxes(2, 3), lengths=cache.lengths, dtype=cache.dtype)
 
 
 def write_window(cache: PagedKVCache, window: KVCache, starts: Array, n: int) -> PagedKVCache:
