@@ -1,4 +1,5 @@
-"""The docs: no dead relative link in README.md or docs/*.md, README stays a front page, and the
+"""The docs: no dead relative link in README.md or docs/*.md, README stays a front page, the generated
+performance reference (docs/performance.md) matches its records, and the
 generated configuration reference (docs/config.md) matches the schema."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jax_rl import config_reference as cr
 from jax_rl.config import Config, _valid_keys
+from tests.bench_module import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -307,3 +309,46 @@ def test_no_history_words_in_code_or_the_readme():
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     bad += [f"README.md:{i}: {m.group(0)!r}" for i, t in enumerate(readme, 1) for m in HISTORY.finditer(t)]
     assert not bad, "history words (move them to docs/):\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------
+# generated performance reference (docs/performance.md from docs/results/perf/*.json)
+# ------------------------------------------------------------------------------------------
+
+
+def _perf():
+    return load_bench("perf_reference")
+
+
+def test_performance_reference_is_current():
+    pr = _perf()
+    committed = pr.DOC_PATH.read_text(encoding="utf-8") if pr.DOC_PATH.exists() else ""
+    if committed != pr.render():
+        pytest.fail("docs/performance.md differs from what its records render (docs/results/perf/*.json); "
+                    f"regenerate it with:\n    {pr.REGEN_COMMAND}", pytrace=False)
+
+
+def test_every_performance_row_has_date_commit_host_and_command():
+    pr = _perf()
+    tables = pr.load_tables()
+    assert len(tables) >= 10
+    for name, table in tables:
+        pr.check_table(name, table)  # raises naming the file and row
+
+
+def test_a_record_cell_is_read_from_its_record_and_a_bad_path_is_named(tmp_path):
+    pr = _perf()
+    (tmp_path / "rec.json").write_text('{"paged": {"points": [[8, 3221225472]], "episodes": 169}}', encoding="utf-8")
+    assert pr.resolve_cell({"at": "paged.points.0.1", "fmt": "{:.2f}", "scale": 2 ** 30}, "rec.json", tmp_path) == "3.00"
+    assert pr.resolve_cell({"at": "paged.episodes", "fmt": "**{}**"}, "rec.json", tmp_path) == "**169**"
+    assert pr.resolve_cell("0.99x [0.93-1.10]", None, tmp_path) == "0.99x [0.93-1.10]"
+    with pytest.raises(ValueError, match="paged.nope"):
+        pr.resolve_cell({"at": "paged.nope"}, "rec.json", tmp_path)
+    table = {"title": "t", "why": "w", "history": "history.md", "columns": ["a", "b"],
+             "rows": [{"cells": ["1"], "date": "d", "commit": "c", "host": "h", "command": "x"}]}
+    with pytest.raises(ValueError, match="row 0 has 1 cells for 2 columns"):
+        pr.check_table("t.json", table, tmp_path)
+    table["rows"][0]["cells"] = ["1", "2"]
+    del table["rows"][0]["command"]
+    with pytest.raises(ValueError, match=r"row 0 lacks \['command'\]"):
+        pr.check_table("t.json", table, tmp_path)
