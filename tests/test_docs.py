@@ -582,3 +582,19 @@ def test_import_order_holds():
     assert not unplaced and not upward, (
         "docs/design.md §4.1 Import order does not hold for the tree:\n"
         + "".join(f"  in no layer: {m}\n" for m in unplaced) + "".join(f"  upward: {u}\n" for u in upward))
+
+
+def test_extending_page_names_files_and_tests_that_exist():
+    """docs/extending.md's code spans that are repository paths (``jax_rl/...``, ``tests/...::test_x``) exist:
+    the page is the map a contributor follows, so a moved module or renamed test fails here."""
+    text = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    bad = []
+    for span in re.findall(r"`([^`\s]+)`", text):
+        path, _, test = span.partition("::")
+        if not re.match(r"^(jax_rl|rollout|tests|bench|configs|docs)/", path):
+            continue
+        if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+            bad.append(span)
+        elif test and not re.search(rf"^def {re.escape(test.split('::')[-1])}\(", (ROOT / path).read_text(), re.M):
+            bad.append(span)
+    assert not bad, "docs/extending.md names paths or tests that do not exist: " + ", ".join(sorted(set(bad)))
