@@ -13,7 +13,7 @@ One JSON file per table (``NN_name.json``, rendered in file-name order)::
 
 A cell is a string copied bit for bit from the measurement, or ``{"at": "a.b.0.c", "fmt": "{:.2f}", "scale": n}``:
 the value at that path of the row's ``record`` (dict keys and list indices), divided by ``scale`` when given and
-formatted with ``fmt``, so a figure that a raw record holds cannot drift from it. ``tests/test_docs.py`` fails when
+formatted with ``fmt`` (a boolean as yes / no), so a figure that a raw record holds cannot drift from it. ``tests/test_docs.py`` fails when
 ``docs/performance.md`` differs from what this renders (regenerate with ``REGEN_COMMAND``, or ``make docs``).
 To add a figure: add a row (or a table file) here, then regenerate; the old row's story moves to
 ``docs/history.md``. Raises ``ValueError`` naming the file, row and cell for a malformed table or an unreadable
@@ -61,7 +61,9 @@ def resolve_cell(cell: object, record_path: str | None, root: Path = ROOT) -> st
         value = _at(record, cell["at"])
     except (KeyError, IndexError, ValueError, TypeError) as e:
         raise ValueError(f"{record_path} has no value at {cell['at']!r} ({e!r})") from None
-    if cell.get("scale"):
+    if isinstance(value, bool):
+        value = "yes" if value else "no"
+    elif cell.get("scale"):
         value = value / cell["scale"]
     return cell.get("fmt", "{}").format(value)
 
