@@ -13,7 +13,8 @@ One JSON file per table (``NN_name.json``, rendered in file-name order)::
 
 A cell is a string copied bit for bit from the measurement, or ``{"at": "a.b.0.c", "fmt": "{:.2f}", "scale": n}``:
 the value at that path of the row's ``record`` (dict keys and list indices), divided by ``scale`` when given and
-formatted with ``fmt`` (a boolean as yes / no), so a figure that a raw record holds cannot drift from it. ``tests/test_docs.py`` fails when
+formatted with ``fmt`` (a boolean as yes / no); ``"at"`` may be a list of paths, formatted together
+(``"{:.2f}x [{:.2f}-{:.2f}]"``), so a figure that a raw record holds cannot drift from it. ``tests/test_docs.py`` fails when
 ``docs/performance.md`` differs from what this renders (regenerate with ``REGEN_COMMAND``, or ``make docs``).
 To add a figure: add a row (or a table file) here, then regenerate; the old row's story moves to
 ``docs/history.md``. Raises ``ValueError`` naming the file, row and cell for a malformed table or an unreadable
@@ -57,15 +58,18 @@ def resolve_cell(cell: object, record_path: str | None, root: Path = ROOT) -> st
     if not record_path:
         raise ValueError(f"cell {cell!r} reads a record but its row names none ('record')")
     record = json.loads((root / record_path).read_text(encoding="utf-8"))
-    try:
-        value = _at(record, cell["at"])
-    except (KeyError, IndexError, ValueError, TypeError) as e:
-        raise ValueError(f"{record_path} has no value at {cell['at']!r} ({e!r})") from None
-    if isinstance(value, bool):
-        value = "yes" if value else "no"
-    elif cell.get("scale"):
-        value = value / cell["scale"]
-    return cell.get("fmt", "{}").format(value)
+    values = []
+    for path in [cell["at"]] if isinstance(cell["at"], str) else cell["at"]:
+        try:
+            value = _at(record, path)
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ValueError(f"{record_path} has no value at {path!r} ({e!r})") from None
+        if isinstance(value, bool):
+            value = "yes" if value else "no"
+        elif cell.get("scale"):
+            value = value / cell["scale"]
+        values.append(value)
+    return cell.get("fmt", "{}").format(*values)
 
 
 def check_table(name: str, table: dict, root: Path = ROOT) -> None:

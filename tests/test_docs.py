@@ -343,6 +343,8 @@ def test_a_record_cell_is_read_from_its_record_and_a_bad_path_is_named(tmp_path)
     assert pr.resolve_cell({"at": "paged.points.0.1", "fmt": "{:.2f}", "scale": 2 ** 30}, "rec.json", tmp_path) == "3.00"
     assert pr.resolve_cell({"at": "paged.episodes", "fmt": "**{}**"}, "rec.json", tmp_path) == "**169**"
     assert pr.resolve_cell("0.99x [0.93-1.10]", None, tmp_path) == "0.99x [0.93-1.10]"
+    assert pr.resolve_cell({"at": ["paged.episodes", "paged.points.0.0"], "fmt": "{}x [{:.1f}]"}, "rec.json",
+                           tmp_path) == "169x [8.0]"
     with pytest.raises(ValueError, match="paged.nope"):
         pr.resolve_cell({"at": "paged.nope"}, "rec.json", tmp_path)
     table = {"title": "t", "why": "w", "history": "history.md", "columns": ["a", "b"],
