@@ -514,6 +514,14 @@ def test_design_layout_names_every_module_and_only_modules():
         + "".join(f"  in the layout but not in the tree: {u}\n" for u in unknown))
 
 
+def test_design_layout_names_every_shipped_config():
+    block = design_layout_block((ROOT / "docs" / "design.md").read_text(encoding="utf-8"))
+    entry = block.split("configs/", 1)[1].split("\n    jax_rl/", 1)[0]
+    named = set(re.findall(r"\b(\w+)(?:\.yaml)?\b", entry))
+    missing = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in named)
+    assert not missing, f"docs/design.md §4 Layout's configs/ entry leaves out {missing}"
+
+
 def test_package_init_maps_name_every_module_and_only_modules():
     maps = package_maps()
     assert "jax_rl/learner/" in maps and "rollout/engine/" in maps
