@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # make test's worker processes (pytest-xdist, whole test files per worker); TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-slow test-full-depth install install-test clean
+.PHONY: train test test-slow test-full-depth docs install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,14 @@ test-slow: $(STAMP_TEST)
 # the TPU configs compiled at full depth for their pods (libtpu on this host, ~20 min on 2 cores)
 test-full-depth: $(STAMP_TEST)
 	JAX_RL_FULL_DEPTH=1 $(BIN)/python -m pytest -m full_depth $(PYTEST_ARGS)
+
+# every generated file, from its source (docs/extending.md): base.yaml and docs/config.md from the schema,
+# docs/performance.md from docs/results/perf/, docs/paper_repro.md (and its figures) from its records
+docs: $(STAMP)
+	$(BIN)/python -m jax_rl.config > configs/base.yaml
+	$(BIN)/python -m jax_rl.config_reference --write
+	$(BIN)/python bench/perf_reference.py --write
+	$(BIN)/python bench/paper_repro.py --doc-only
 
 clean:
 	rm -rf $(VENV)

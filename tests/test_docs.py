@@ -1,4 +1,5 @@
-"""The docs: no dead relative link in README.md or docs/*.md, README stays a front page, and the
+"""The docs: no dead relative link in README.md or docs/*.md, README stays a front page, the generated
+performance reference (docs/performance.md) matches its records, and the
 generated configuration reference (docs/config.md) matches the schema."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jax_rl import config_reference as cr
 from jax_rl.config import Config, _valid_keys
+from tests.bench_module import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -89,10 +91,11 @@ def test_no_dead_relative_links(path):
 def test_readme_is_a_front_page_linking_the_docs():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     n = len(text.splitlines())
-    assert n <= 300, f"README.md has {n} lines; keep it a front page (<= 300) and move detail into docs/"
+    assert n <= 200, f"README.md has {n} lines; keep it a front page (<= 200) and move detail into docs/"
     targets = set(markdown_links(text))
     for doc in ("docs/config.md", "docs/usage.md", "docs/correction.md", "docs/tpu.md",
-                "docs/performance.md", "docs/reliability.md", "docs/paper_repro.md", "docs/design.md"):
+                "docs/performance.md", "docs/reliability.md", "docs/paper_repro.md", "docs/design.md",
+                "docs/history.md", "docs/extending.md", "docs/placement.md", "docs/testing.md", "docs/interfaces.md"):
         assert doc in targets, f"README.md does not link {doc}"
 
 
@@ -307,3 +310,301 @@ def test_no_history_words_in_code_or_the_readme():
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     bad += [f"README.md:{i}: {m.group(0)!r}" for i, t in enumerate(readme, 1) for m in HISTORY.finditer(t)]
     assert not bad, "history words (move them to docs/):\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------
+# generated performance reference (docs/performance.md from docs/results/perf/*.json)
+# ------------------------------------------------------------------------------------------
+
+
+def _perf():
+    return load_bench("perf_reference")
+
+
+def test_performance_reference_is_current():
+    pr = _perf()
+    committed = pr.DOC_PATH.read_text(encoding="utf-8") if pr.DOC_PATH.exists() else ""
+    if committed != pr.render():
+        pytest.fail("docs/performance.md differs from what its records render (docs/results/perf/*.json); "
+                    f"regenerate it with:\n    {pr.REGEN_COMMAND}", pytrace=False)
+
+
+def test_every_performance_row_has_date_commit_host_and_command():
+    pr = _perf()
+    tables = pr.load_tables()
+    assert len(tables) >= 10
+    for name, table in tables:
+        pr.check_table(name, table)  # raises naming the file and row
+
+
+def test_a_record_cell_is_read_from_its_record_and_a_bad_path_is_named(tmp_path):
+    pr = _perf()
+    (tmp_path / "rec.json").write_text('{"paged": {"points": [[8, 3221225472]], "episodes": 169}}', encoding="utf-8")
+    assert pr.resolve_cell({"at": "paged.points.0.1", "fmt": "{:.2f}", "scale": 2 ** 30}, "rec.json", tmp_path) == "3.00"
+    assert pr.resolve_cell({"at": "paged.episodes", "fmt": "**{}**"}, "rec.json", tmp_path) == "**169**"
+    assert pr.resolve_cell("0.99x [0.93-1.10]", None, tmp_path) == "0.99x [0.93-1.10]"
+    assert pr.resolve_cell({"at": ["paged.episodes", "paged.points.0.0"], "fmt": "{}x [{:.1f}]"}, "rec.json",
+                           tmp_path) == "169x [8.0]"
+    with pytest.raises(ValueError, match="paged.nope"):
+        pr.resolve_cell({"at": "paged.nope"}, "rec.json", tmp_path)
+    table = {"title": "t", "why": "w", "history": "history.md", "columns": ["a", "b"],
+             "rows": [{"cells": ["1"], "date": "d", "commit": "c", "host": "h", "command": "x"}]}
+    with pytest.raises(ValueError, match="row 0 has 1 cells for 2 columns"):
+        pr.check_table("t.json", table, tmp_path)
+    table["rows"][0]["cells"] = ["1", "2"]
+    del table["rows"][0]["command"]
+    with pytest.raises(ValueError, match=r"row 0 lacks \['command'\]"):
+        pr.check_table("t.json", table, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------
+# module maps: docs/design.md §4 Layout and each package __init__'s map name every module, and only those
+# ------------------------------------------------------------------------------------------
+
+CODE_PACKAGES = ("jax_rl", "rollout")
+# a module path as maps write it: lowercase parts (``K/V`` is no folder), ``x.py`` or ``x/``, maybe ``../``-relative
+_PATH_TOKEN = re.compile(r"(?<![\w./-])((?:\.\./)*[a-z_][a-z0-9_]*(?:/[a-z_][a-z0-9_]*)*(?:\.py\b|/))")
+
+
+def code_modules(root: Path = ROOT) -> set[str]:
+    """Every module and package of the code, as paths relative to ``root`` (``jax_rl/cli.py``, ``jax_rl/tpu/``),
+    without ``__init__.py`` / ``__main__.py`` and ``__pycache__``."""
+    out = set()
+    for pkg in CODE_PACKAGES:
+        for p in (root / pkg).rglob("*.py"):
+            if "__pycache__" in p.parts or p.name in ("__init__.py", "__main__.py"):
+                continue
+            out.add(p.relative_to(root).as_posix())
+        for d in (root / pkg).rglob("__init__.py"):
+            if d.parent != root / pkg:
+                out.add(d.parent.relative_to(root).as_posix() + "/")
+    return out
+
+
+def _resolve(token: str, folder: str, modules: set[str], root: Path) -> set[str]:
+    """The modules a path token written in ``folder``'s part of a map names: ``folder/token`` itself, else every
+    module of ``folder``'s subtree whose path ends with ``/token`` (a description may name a nested module by its
+    short path). Empty when it names no module (then ``token`` is unknown unless it exists as a non-code file)."""
+    import posixpath
+
+    full = posixpath.normpath(posixpath.join(folder, token)) + ("/" if token.endswith("/") else "")
+    if full in modules:
+        return {full}
+    return {m for m in modules if m.startswith(folder) and ("/" + m).endswith("/" + token.lstrip("./"))}
+
+
+def _exists_anywhere(token: str, folder: str, modules: set[str], root: Path) -> bool:
+    """Whether a token that names no module of its folder still names something: a file or folder under its
+    folder or the root, or, for a package (``x/``), a code package elsewhere (a description's cross-reference,
+    ``shared with compile/``). A file name must be its folder's: ``tpu/``'s ``chips.py`` is not ``jax_rl/chips.py``."""
+    bare = token.lstrip("./")
+    return ((root / folder / token).exists() or (root / token).exists()
+            or (token.endswith("/") and any(("/" + m).endswith("/" + bare) for m in modules)))
+
+
+def design_layout_block(text: str) -> str:
+    """The indented code block of design.md's ``## 4. Layout`` section."""
+    section = text.split("## 4. Layout", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(ln for ln in section.splitlines() if ln.startswith("    ") or not ln.strip())
+
+
+def check_layout_map(block: str, root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(modules the layout block leaves out, path tokens in it that name no module or file), sorted.
+
+    The block is a tree: an entry line starts before column 20 (``    jax_rl/``, ``      config/  ...``); a name
+    ending in ``/`` opens a folder for the lines indented under it; a line starting further right continues the
+    entry above. Every ``x.py`` / ``x/`` token of an entry and its continuation lines is read in the entry's folder
+    (the entry itself when it is a folder)."""
+    modules = code_modules(root)
+    named: set[str] = set()
+    unknown: list[str] = []
+    stack: list[tuple[int, str]] = []  # (indent, folder path)
+    folder = ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent < 20:
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            parent = stack[-1][1] if stack else ""
+            first = line.split()[0]
+            folder = parent + first if first.endswith("/") else parent
+            if first.endswith("/"):
+                stack.append((indent, folder))
+        for token in _PATH_TOKEN.findall(_CODE_SPAN.sub(lambda m: m.group(0).strip("`"), line)):
+            hit = _resolve(token, folder, modules, root)
+            if hit:
+                named |= hit
+            elif folder.startswith(CODE_PACKAGES) and not _exists_anywhere(token, folder, modules, root):
+                unknown.append(f"{folder}{token}")
+    return sorted(modules - named), sorted(set(unknown))
+
+
+def package_maps(root: Path = ROOT) -> dict[str, str]:
+    """Each package ``__init__`` docstring that is a module map: it names (as ``x.py``, ``x/`` or a dotted
+    ``pkg.x``) at least two of its package's own modules. Keyed by the package's path (``jax_rl/learner/``)."""
+    import ast
+
+    out = {}
+    for pkg in CODE_PACKAGES:
+        for init in sorted((root / pkg).rglob("__init__.py")):
+            doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+            folder = init.parent.relative_to(root).as_posix() + "/"
+            own = _own_modules(code_modules(root), folder)
+            dotted = folder.rstrip("/").replace("/", ".")
+            hits = [m for m in own if _names_module(doc, m, folder, dotted)]
+            if len(hits) >= 2:
+                out[folder] = doc
+    return out
+
+
+def _own_modules(modules: set[str], folder: str) -> list[str]:
+    """The modules and packages directly in ``folder`` (not the package itself, not deeper ones)."""
+    return [m for m in modules if m.startswith(folder) and m != folder and "/" not in m[len(folder):].rstrip("/")]
+
+
+def _names_module(doc: str, module: str, folder: str, dotted: str) -> bool:
+    """Whether a docstring names ``module`` (a child of ``folder``) by file name or dotted path."""
+    name = module[len(folder):].rstrip("/").removesuffix(".py")
+    return bool(re.search(rf"(?<![\w.]){re.escape(name)}(\.py\b|/)", doc)
+                or re.search(rf"{re.escape(dotted)}\.{re.escape(name)}\b", doc))
+
+
+def check_package_map(folder: str, doc: str, root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(the package's direct modules its ``__init__`` map leaves out, ``x.py`` tokens and ``:mod:`` targets in it
+    that name no module), sorted."""
+    modules = code_modules(root)
+    dotted = folder.rstrip("/").replace("/", ".")
+    own = sorted(_own_modules(modules, folder))
+    missing = [m for m in own if not _names_module(doc, m, folder, dotted)]
+    unknown = []
+    for m in re.finditer(r"(?<![\w./-])([a-z_][a-z0-9_]*\.py)\b", doc):  # a bare file name: a sibling's
+        token = m.group(1)
+        if re.search(r"\w's\s*`*$", doc[:m.start()]):  # another project's file (MaxText's ``train_compile.py``)
+            continue
+        if not _resolve(token, folder, modules, root) and not (root / token).exists():
+            unknown.append(folder + token)
+    for target in re.findall(r":mod:`~?([\w.]+)`", doc):
+        path = target.replace(".", "/")
+        if f"{path}.py" not in modules and f"{path}/" not in modules and path not in CODE_PACKAGES:
+            unknown.append(target)
+    return missing, sorted(set(unknown))
+
+
+def test_layout_map_checker_finds_a_missing_and_an_unknown_module(tmp_path):
+    for f in ("jax_rl/cli.py", "jax_rl/learner/__init__.py", "jax_rl/learner/sft.py", "jax_rl/learner/spec.py",
+              "jax_rl/learner/correction/__init__.py", "jax_rl/learner/correction/old_logits/__init__.py",
+              "jax_rl/learner/correction/old_logits/store.py", "rollout/__init__.py", "rollout/pages.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("", encoding="utf-8")
+    block = ("    jax_rl/\n      cli.py              the CLI\n      learner/            sft.py (SFT), gone.py\n"
+             "        correction/       old_logits/ (store.py)\n    rollout/\n      pages.py            pages\n")
+    assert check_layout_map(block, tmp_path) == (["jax_rl/learner/spec.py"], ["jax_rl/learner/gone.py"])
+    doc = "- :mod:`jax_rl.learner.sft`: SFT.\n- ``correction/``: pi_prox; ``old.py`` and :mod:`jax_rl.learner.nope`."
+    assert check_package_map("jax_rl/learner/", doc, tmp_path) == (
+        ["jax_rl/learner/spec.py"], ["jax_rl.learner.nope", "jax_rl/learner/old.py"])
+
+
+def test_design_layout_names_every_module_and_only_modules():
+    missing, unknown = check_layout_map(design_layout_block((ROOT / "docs" / "design.md").read_text(encoding="utf-8")))
+    assert not missing and not unknown, (
+        "docs/design.md §4 Layout is out of date with the tree:\n"
+        + "".join(f"  not in the layout: {m}\n" for m in missing)
+        + "".join(f"  in the layout but not in the tree: {u}\n" for u in unknown))
+
+
+def test_design_layout_names_every_shipped_config():
+    block = design_layout_block((ROOT / "docs" / "design.md").read_text(encoding="utf-8"))
+    entry = block.split("configs/", 1)[1].split("\n    jax_rl/", 1)[0]
+    named = set(re.findall(r"\b(\w+)(?:\.yaml)?\b", entry))
+    missing = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in named)
+    assert not missing, f"docs/design.md §4 Layout's configs/ entry leaves out {missing}"
+
+
+def test_package_init_maps_name_every_module_and_only_modules():
+    maps = package_maps()
+    assert "jax_rl/learner/" in maps and "rollout/engine/" in maps
+    problems = []
+    for folder, doc in maps.items():
+        missing, unknown = check_package_map(folder, doc)
+        problems += [f"  {folder}__init__.py leaves out {m}" for m in missing]
+        problems += [f"  {folder}__init__.py names {u}, which is not in the tree" for u in unknown]
+    assert not problems, "package module maps out of date:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------
+# the import order, stated once (docs/design.md §4.1 Import order), against tests/test_structure.py's graph
+# ------------------------------------------------------------------------------------------
+
+
+def import_layers(text: str) -> dict[str, int]:
+    """design.md §4.1's layers: module prefix -> layer number (1 = the top, imports the most)."""
+    section = text.split("### 4.1 Import order", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    out = {}
+    for m in re.finditer(r"^ {4}(\d+) +(.+)$", section, re.M):
+        for prefix in m.group(2).split():
+            out[prefix] = int(m.group(1))
+    return out
+
+
+def _layer(module: str, layers: dict[str, int]) -> int | None:
+    """The layer of a module: an entry ``x`` names module ``x`` alone, ``x.*`` names ``x`` and everything under
+    it; the longest matching entry wins (``rollout.envs.*`` over ``rollout.*``)."""
+    hits = [p for p in layers if module == p.removesuffix(".*")
+            or (p.endswith(".*") and module.startswith(p[:-1]))]
+    return layers[max(hits, key=len)] if hits else None
+
+
+def import_order_violations(graph: dict[str, set[str]], layers: dict[str, int],
+                            empty_packages: set[str]) -> tuple[list[str], list[str]]:
+    """(modules no layer names, ``a (layer i) imports b (layer j)`` for each edge to a higher layer), sorted.
+    An edge to a package whose ``__init__`` imports nothing (``empty_packages``) is no dependency."""
+    unplaced = sorted(m for m in graph if _layer(m, layers) is None)
+    up = []
+    for a, deps in graph.items():
+        la = _layer(a, layers)
+        for b in deps:
+            lb = _layer(b, layers)
+            if la is not None and lb is not None and lb < la and b not in empty_packages:
+                up.append(f"{a} (layer {la}) imports {b} (layer {lb})")
+    return unplaced, sorted(up)
+
+
+def test_import_order_checker_flags_an_upward_edge_and_an_unplaced_module():
+    layers = import_layers("### 4.1 Import order\n\n    1  jax_rl.cli\n    2  jax_rl.learner.*\n"
+                           "    3  jax_rl.config.* rollout.envs.* jax_rl\n")
+    graph = {"jax_rl.cli": {"jax_rl.learner"}, "jax_rl.learner.sft": {"rollout.envs.base", "rollout"},
+             "jax_rl.config.run": {"jax_rl.learner.sft"}, "rollout": set(), "rollout.envs.base": set(),
+             "jax_rl.new": set(), "jax_rl": set()}
+    assert import_order_violations(graph, layers, {"rollout"}) == (
+        ["jax_rl.new", "rollout"], ["jax_rl.config.run (layer 3) imports jax_rl.learner.sft (layer 2)"])
+
+
+def test_import_order_holds():
+    from tests.test_structure import _modules, import_graph
+
+    layers = import_layers((ROOT / "docs" / "design.md").read_text(encoding="utf-8"))
+    graph = import_graph()
+    empty = {m for m, p in _modules().items() if p.name == "__init__.py" and not graph.get(m)}
+    unplaced, upward = import_order_violations(graph, layers, empty)
+    unplaced = [m for m in unplaced if m not in empty]
+    assert not unplaced and not upward, (
+        "docs/design.md §4.1 Import order does not hold for the tree:\n"
+        + "".join(f"  in no layer: {m}\n" for m in unplaced) + "".join(f"  upward: {u}\n" for u in upward))
+
+
+def test_extending_page_names_files_and_tests_that_exist():
+    """docs/extending.md's code spans that are repository paths (``jax_rl/...``, ``tests/...::test_x``) exist:
+    the page is the map a contributor follows, so a moved module or renamed test fails here."""
+    text = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    bad = []
+    for span in re.findall(r"`([^`\s]+)`", text):
+        path, _, test = span.partition("::")
+        if not re.match(r"^(jax_rl|rollout|tests|bench|configs|docs)/", path):
+            continue
+        if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+            bad.append(span)
+        elif test and not re.search(rf"^def {re.escape(test.split('::')[-1])}\(", (ROOT / path).read_text(), re.M):
+            bad.append(span)
+    assert not bad, "docs/extending.md names paths or tests that do not exist: " + ", ".join(sorted(set(bad)))

@@ -2,8 +2,8 @@
 inside functions too (a function-level import that closes a cycle is still a cycle: it only hides
 it from the interpreter's import order) and imports under ``if TYPE_CHECKING:`` (a type-only
 import is still a dependency of the reader's model of the code); importing ``a.b.c`` runs the
-packages ``a`` and ``a.b`` first, so those are edges too. The config is a leaf that imports no
-registry. Also: the registries and the config's allowed names agree, nothing outside a
+packages ``a`` and ``a.b`` first, so those are edges too. The config imports no registry (it is no
+leaf: docs/design.md §4.1 Import order). Also: the registries and the config's allowed names agree, nothing outside a
 registry branches on a route's name, a function-level project import says why it waits (``# lazy:``),
 no import runs from a lower level up (:func:`upward_imports`) and no module is over 600 lines."""
 
@@ -206,7 +206,7 @@ REGISTRIES = ("jax_rl.learner.correction", "jax_rl.learner.advantages", "jax_rl.
 
 
 def test_config_imports_no_registry():
-    """The config is a leaf the registries and the rest import: no module of ``jax_rl.config`` imports a
+    """The registries and the rest import the config, never the other way: no module of ``jax_rl.config`` imports a
     registry (nor anything that reaches one), at module level, in a function or for types only. The
     registries' knowledge of a config (what a mode allows) is :func:`jax_rl.learner.correction.check_config`."""
     g = import_graph()

@@ -14,8 +14,12 @@ The package: :mod:`jax_rl.config.schema` (:class:`Config`) over the sections in 
 :mod:`~jax_rl.config.run`, and :mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash,
 ``base.yaml``); everything is
 importable from ``jax_rl.config``. Importing or validating it does not import jax (cheap for the CLI
-and tests). The package is a leaf of the import graph: what a correction mode allows with it is the
-registries' check, :func:`jax_rl.learner.correction.check_config`. ``python -m jax_rl.config >
+and tests). The package imports no registry (no correction mode, old-logit route or advantage estimator:
+``tests/test_structure.py::test_config_imports_no_registry``); what a correction mode allows with it is the
+registries' check, :func:`jax_rl.learner.correction.check_config`. It is not a leaf: :mod:`~jax_rl.config.rollout`
+imports the env registry's knob check (``rollout.envs.check_knobs``) and :mod:`~jax_rl.config.run`
+:mod:`jax_rl.affinity` (``check_cpus``), two modules that import nothing above them (docs/design.md §4.1
+Import order). ``python -m jax_rl.config >
 configs/base.yaml`` regenerates the commented base file.
 """
 

@@ -6,7 +6,8 @@ cross-section checks. Every section has ``extra="forbid"``. The sections live in
 async, algo, sft, old_logits), :mod:`~jax_rl.config.rollout` (rollout, env) and :mod:`~jax_rl.config.run`
 (runtime, checkpoint, eval, run, logging) on :mod:`~jax_rl.config.base`; this module gathers them.
 
-The config is a leaf of the import graph: it imports no registry (``tests/test_structure.py``). What a
+The config imports no registry (``tests/test_structure.py``; it does import the env registry's knob check and
+``jax_rl.affinity``: docs/design.md §4.1 Import order). What a
 correction mode allows with it (``old_logits.measure_error``, an ``old_logits.route``) is the registries'
 knowledge, checked by :func:`jax_rl.learner.correction.check_config` where a run is built (the CLI's loader and
 :func:`jax_rl.learner.correction.make_correction`).

@@ -7,7 +7,8 @@
 - :mod:`jax_rl.learner.checkpoints`: the learner's checkpoint stage (save, restore with fallback).
 - :mod:`jax_rl.learner.spec`: the learner's shapes and shardings (state, batch) for a config.
 - :mod:`jax_rl.learner.train_step`: ``TrainState`` and the one pure jitted train step.
-- :mod:`jax_rl.learner.losses`: the pure policy loss and its metrics; :mod:`jax_rl.learner.reductions`: how
+- :mod:`jax_rl.learner.losses`: the pure policy loss and its metrics; :mod:`jax_rl.learner.loss_metrics`: the
+  loss's metric groups (fixed keys each) and their reductions; :mod:`jax_rl.learner.reductions`: how
   metrics combine over microbatches and updates.
 - :mod:`jax_rl.learner.advantages`: the advantage estimators (one registry, ``algo.advantage``).
 - :mod:`jax_rl.learner.batch`: ``LearnerBatch``, ``collate``, padding and validation.

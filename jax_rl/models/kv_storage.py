@@ -6,7 +6,7 @@ state, not the CPU ones JAX's default backend would pick).
 
 K/V storage (:func:`storage_dtype`): on XLA:CPU a 16-bit float K/V buffer (bf16, f16) is stored as its
 uint16 bits. XLA:CPU runs every bf16 scatter and dynamic-update-slice in f32, so a one-token write into a
-bf16 buffer converted the whole buffer to f32 and back at every decode step (``docs/performance.md``,
+bf16 buffer converted the whole buffer to f32 and back at every decode step (``docs/history.md``,
 "Why the CPU paged path was slower, and the fix": 51% of the paged decode call, 68% of the contiguous
 one). On the bits a write is an integer scatter that touches only its entries (in place under a donated
 jit); a read bitcasts back what it reads (:func:`from_storage`: the values bit for bit the same). Bitcast

@@ -7,9 +7,11 @@
 * :mod:`rollout.engine.slots`: slot-state management (``prefill_slots``, ``copy_slot``,
   ``free_slots``, the length buckets and windows);
 * :mod:`rollout.engine.sampler`: :func:`sample_tokens`, :class:`StepOutput`, JetStream's row packing;
+  :mod:`rollout.engine.sampler_kernel`, the untruncated draw as one Pallas TPU kernel (one read of the logits);
 * :mod:`rollout.engine.weights`: ``load_params`` (the weight sync's cast / layout / quantisation);
 * :mod:`rollout.engine.paged`: the paged K/V layout (``kv_layout="paged"``): what it does and its host
   side over :class:`rollout.pages.PagePool`; :mod:`rollout.engine.paged_programs`, its step programs;
+  :mod:`rollout.engine.prefill_plan`, its chunked prefill (a call's rows cut into chunks and programs);
 * :mod:`rollout.engine.jetstream`: the JetStream ``Engine`` API and tokenizer (``jax-rl serve``).
 
 Every name used across the repo is re-exported here: ``from rollout.engine import X`` keeps working.

@@ -89,8 +89,8 @@ class EngineWeights:
             if far:
                 raise ValueError(
                     f"params live on devices of other processes ({far[0].sharding}); a sharded rollout engine "
-                    "takes device params this process addresses in full, or host params (multi-host weight sync "
-                    "is not implemented yet)")
+                    "takes device params this process addresses in full, or host params (a multi-host publish goes "
+                    "through jax_rl.weight_sync, which brings each engine's shards to its own process first)")
             out = self._cast_jit(params)
         else:
             out = self._layout(cast_floating(jax.tree.map(np.asarray, params), dt))

@@ -43,6 +43,7 @@ Files:
                 route helpers (ROUTE_MISSING, route_dtype, stack_routes, unstack_routes)
     model.py    Qwen3ForCausalLM, scan_layers stacking (stack_layer_params, ...), resolve_attention,
                 resolve_scan_unroll, count_params, model_kwargs
+    paged.py    decode and append-prefill over a paged K/V pool (PagedKVCache; not re-exported here)
 
 The RL log-prob heads (``sequence_logprobs``, ``token_logprobs``) live in :mod:`jax_rl.learner.logprobs`.
 Every public name above is importable from this package (``from jax_rl.models.qwen3 import X``).

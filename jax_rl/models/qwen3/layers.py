@@ -121,7 +121,7 @@ def _proj(x: Array, w: Array, n_in: int = 1) -> Array:
     The forward contracts w in its stored shape: flattening ``[D, K, H]`` to ``[D, K*H]`` is
     not a bitcast under the TPU's (8, 128) tiling, so a reshaped weight is copied into a new
     layout every decode step (462 MiB per step at Qwen3-0.6B x 32 slots, by the TPU compiler;
-    docs/performance.md). The backward works on 2-D views laid out for XLA:CPU (``_wgrad``)."""
+    docs/history.md). The backward works on 2-D views laid out for XLA:CPU (``_wgrad``)."""
     return _contract(x, w, n_in)
 
 
