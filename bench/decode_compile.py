@@ -102,7 +102,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     # (activation_batch -> data) shard the batch the same way
     ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
     with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-        lowered = engine.programs["generate"].lower(params, state)
+        lowered = engine.programs["decode"].lower(params, state)
         compiled = lowered.compile(compiler_options=compiler_options or None)
     secs = time.perf_counter() - t0
     a = tpu.program_analysis(compiled)

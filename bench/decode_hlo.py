@@ -185,9 +185,9 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
         rep = lambda t: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), t)
         with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-            compiled = eng.programs["generate"].lower(rep(params), rep(state)).compile()
+            compiled = eng.programs["decode"].lower(rep(params), rep(state)).compile()
     else:
-        compiled = eng.programs["generate"].lower(params, state).compile()
+        compiled = eng.programs["decode"].lower(params, state).compile()
     return compiled, time.perf_counter() - t0
 
 

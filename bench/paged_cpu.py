@@ -15,7 +15,7 @@ GRPO groups of ``slots / groups`` samples each, every context the same ``--promp
 prefill, ``--calls`` decode calls: every program the measurement runs is compiled then); then ``--rounds``
 rounds run each layout in turn (interleaved: this host's load swings): the slots freed and prefilled
 again with a new system prompt (no prefix hit; ``prefill_s``, the whole ``prefill_slots`` call: the
-contiguous engine runs all ``slots`` rows, the paged one each group's prompt once) and ``--calls`` calls of ``generate_steps(--decode-steps)`` timed, each split into
+contiguous engine runs all ``slots`` rows, the paged one each group's prompt once) and ``--calls`` calls of ``decode_steps(--decode-steps)`` timed, each split into
 
 - ``host_ms``: the engine's host work before the program is dispatched (paged: the pages each active slot
   needs for the call, copy-on-write, the page table pushed; ``PagedSlots._before_decode``),
@@ -100,7 +100,7 @@ def timed_calls(eng, params, state, calls: int, n: int) -> tuple[dict, list]:
             state, npages = eng._before_decode(state, n)
             t1 = time.perf_counter()
             state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0), num_pages=npages)
-            state = eng._synced_state(state)  # as generate_steps does: the next call sends no unchanged table
+            state = eng._synced_state(state)  # as decode_steps does: the next call sends no unchanged table
         else:
             t1 = time.perf_counter()
             state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0))

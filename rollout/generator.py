@@ -8,7 +8,7 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
    jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
-   ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
+   ``engine.decode_steps`` of at most n steps, no more than the live slots can use); its
    ``StepOutput`` comes back in ONE host transfer;
 4. record per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
@@ -152,7 +152,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
     Args:
       engine: a :class:`rollout.engine.Qwen3Engine`, or any engine with its RL interface:
         ``prefill_slots`` / ``copy_slot`` / ``prefill_tokens`` + ``insert`` (prefix cache) /
-        ``decode`` / ``generate_steps`` (returning :class:`rollout.engine.StepOutput`) /
+        ``decode`` / ``decode_steps`` (returning :class:`rollout.engine.StepOutput`) /
         ``free_slots`` / ``load_params`` / ``init_decode_state`` / ``max_concurrent_decodes`` /
         ``max_cache_len``.
       partial: ``"continue" | "recompute_kv" | "abort"`` (see module doc).
@@ -160,7 +160,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         ``engine.params``.
       version: version of the initial params.
       decode_steps: the most decode steps per engine call (``rollout.decode_steps``, >= 1). 1:
-        one ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, m)``
+        one ``engine.decode`` per step. n > 1: one ``engine.decode_steps(params, state, m)``
         (one dispatch, one host transfer) per step, where m is the smallest of
         :attr:`step_counts` (the powers of two below n, and n: at most ``floor(log2 n) + 2``
         compiled decode programs, m = 1 being ``engine.decode``) that covers the largest number

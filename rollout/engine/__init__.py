@@ -20,11 +20,13 @@ from rollout.engine.jetstream import NO_BOS, JetStreamTokenizer
 from rollout.engine.programs import PrefillRows, PrefixKV
 from rollout.engine.sampler import StepOutput, inverse_cdf_index, pack_result, sample_tokens, unpack_result
 from rollout.engine.slots import PrefillResult, SlotPrefill, prefill_bucket
+from rollout.engine.spec import EngineSpec
 from rollout.engine.weights import resolve_dtype
 
 
 __all__ = [
     "Qwen3Engine",
+    "EngineSpec",
     "JetStreamTokenizer",
     "sample_tokens",
     "inverse_cdf_index",

@@ -163,7 +163,7 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
         eng = Qwen3Engine(mc, None, slots=2, max_cache_len=32, max_prefill_length=16, dtype="float32",
                           kv_layout=layout, sampler="xla")
         params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), eng.abstract_params)
-        jax.eval_shape(eng.programs["generate"], params, jax.eval_shape(eng.programs["init_state"], params))
+        jax.eval_shape(eng.programs["decode"], params, jax.eval_shape(eng.programs["init_state"], params))
     assert seen and set(seen) == {"xla"}, seen
     with pytest.raises(ValueError, match="rollout.sampler"):
         Qwen3Engine(mc, None, slots=2, max_cache_len=32, sampler="pallas")
