@@ -22,7 +22,7 @@ class DecodeLoop:
 
     def _routes_array(self, req: Any) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
-        shape = getattr(self.engine, "route_shape", None)
+        shape = self.engine.route_shape
         if shape is None:
             return None
         n = len(req.prompt) + len(req.tokens)

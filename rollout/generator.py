@@ -102,7 +102,7 @@ from rollout.admission import GangRoom, admission_sorted, gang_fits
 from rollout.decode_loop import DecodeLoop
 from rollout.kv_holds import HeldSlot, KVHolds
 from rollout.kv_pressure import KVPressure
-from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
+from rollout.types import Completion, DecodeEngine  # Completion: tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -183,7 +183,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
       ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
-    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
+    def __init__(self, engine: DecodeEngine, *, partial: str = "continue", params: Any = None, version: int = 0,
                  decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None,
                  prefix_cache: int = 4) -> None:
         if partial not in PARTIAL_MODES:
@@ -199,9 +199,9 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         below ``decode_steps``, and ``decode_steps``; one compiled program each."""
         self.keep_kv = bool(keep_kv)
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
-                                  else 4 * int(getattr(engine, "max_prefill_length", 256)))
-        self._moe_drops = bool(getattr(engine, "counts_moe_drops", False))  # engine docstring, "MoE capacity drops"
-        self._moe_cpt = int(getattr(engine, "moe_copies_per_token", 0))
+                                  else 4 * int(engine.max_prefill_length))
+        self._moe_drops = bool(engine.counts_moe_drops)  # engine docstring, "MoE capacity drops"
+        self._moe_cpt = int(engine.moe_copies_per_token)
         self.prefix_cache = int(prefix_cache)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine

@@ -145,8 +145,7 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
     from jax_rl.models.qwen3 import Qwen3Config
     from jax_rl.runtime.engines import build_engine
     from rollout.engine import Qwen3Engine
-    import rollout.engine.paged_programs as paged_mod
-    import rollout.engine.programs as programs_mod
+    import rollout.engine.programs as programs_mod  # the one decode step, both layouts
 
     seen = []
     real = programs_mod.sample_tokens
@@ -156,7 +155,6 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(programs_mod, "sample_tokens", spy)
-    monkeypatch.setattr(paged_mod, "sample_tokens", spy)
     mc = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     for layout in ("contiguous", "paged"):
