@@ -69,7 +69,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jax_rl import tpu
-    from jax_rl.models.kv_storage import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine import EngineSpec, Qwen3Engine
 
     spec = tpu.resolve_topology(topology)

@@ -164,7 +164,7 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
     """``(compiled, seconds)`` of the engine's ``decode`` step in ``layout`` for ``backend``."""
     import jax
 
-    from jax_rl.models.kv_storage import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine import EngineSpec, Qwen3Engine
 
     kw = dict(scan_layers=True, attention="xla", scan_unroll=1 if layout == "scan" else "full")
@@ -200,7 +200,8 @@ def compile_paged(cfg, spec, *, live: int, backend: str, topology: str = "v5p-8"
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_rl.models.paged_attention import page_bucket, pages_for, target_backend
+    from jax_rl.models.backend_target import target_backend
+    from jax_rl.models.paged_attention import page_bucket, pages_for
     from jax_rl.models.qwen3 import Qwen3ForCausalLM
     from jax_rl.models.qwen3.paged import PagedKVCache, paged_decode_step
     from rollout.engine import sample_tokens

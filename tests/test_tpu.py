@@ -112,7 +112,7 @@ def test_sampler_kernel_is_the_only_reader_of_the_logits_for_v5p():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine import sample_tokens
 
     B, V = 12, 384

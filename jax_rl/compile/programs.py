@@ -196,7 +196,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     engine has the same shape, so one compile stands for all: ``same_shape_engines``)."""
     r = t.cfg.rollout
     key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
-    # the configured engine (the paged layout: its programs over the configured pool, rollout/engine/paged.py)
+    # the configured engine (the paged layout: its programs over the configured pool, rollout/engine/paged/)
     spec = EngineSpec(slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, sampler=r.sampler,
                       model_kwargs=t.engine_kw, kv_layout=r.kv_layout, kv_page_size=r.kv_page_size,
                       kv_pages=r.kv_pages, prefill_chunk_size=r.prefill_chunk_size)

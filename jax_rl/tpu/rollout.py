@@ -54,7 +54,7 @@ def compile_rollout(model_config, topology: str, spec: Any, *, prefill_len: int 
     (``rollout.engine.paged``) over a pool of ``spec.kv_pages`` pages of ``spec.kv_page_size`` positions (None:
     the contiguous layout's memory), its append-prefill the chunked program of ``spec.prefill_chunk_size``
     (the result's ``tokens_shape``), their attention the TPU ragged paged attention kernel
-    (:func:`jax_rl.models.paged_attention.target_backend`; on ``mesh`` per shard in ``shard_map``);
+    (:func:`jax_rl.models.backend_target.target_backend`; on ``mesh`` per shard in ``shard_map``);
     ``kv_cache_per_chip`` is then the pool (one chip's shard of it). ``spec.sampler``: ``rollout.sampler``
     (the decode step's untruncated draw: the Pallas kernel or XLA).
     """
@@ -92,7 +92,7 @@ def _engine_args(model_config, topo, spec, prefill_len, mesh):
     kw.update(spec.model_kwargs or {})
     spec = spec.replace(max_prefill_length=prefill_len, model_kwargs=kw, kv_per_layer=False)
     sharded = mesh is not None
-    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+    from jax_rl.models.backend_target import target_backend  # lazy: jax
 
     # the state a TPU engine holds, its shardings included (its K/V, a paged pool or a contiguous cache, in
     # their float dtype: traced for this CPU host they would be their uint16 bits, jax_rl.models.kv_storage)
@@ -157,7 +157,7 @@ def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: in
     traced with the TPU paged attention kernel."""
     import jax
 
-    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+    from jax_rl.models.backend_target import target_backend  # lazy: jax
 
     t0 = time.perf_counter()
     backend = target_backend("tpu") if paged else contextlib.nullcontext()

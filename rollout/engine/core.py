@@ -318,7 +318,7 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
           moe_dropped; None where the engine does not record them): batch-1 prefill (JetStream's
           API, the prefix cache's entries).
         Built from the layout's table (:attr:`rollout.engine.layout.KVLayout.table`: the contiguous
-        :data:`rollout.engine.programs.PROGRAMS`, the paged :data:`rollout.engine.paged_programs.PAGED_PROGRAMS`,
+        :data:`rollout.engine.programs.PROGRAMS`, the paged :data:`rollout.engine.paged.programs.PAGED_PROGRAMS`,
         whose ``append_prefill`` takes ``num_pages`` instead of ``window`` and which adds ``set_table`` /
         ``copy_pages``). :func:`jax_rl.tpu.compile_rollout` lowers ``prefill``, ``append_prefill`` and ``decode``."""
         return dict(self._jits)
@@ -345,7 +345,7 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
 
         Raises:
           ValueError: a slot out of range or used twice, an empty or too long row, a bad start.
-          rollout.pages.PoolExhausted: (paged) no pages left for the rows; their slots hold nothing after it.
+          rollout.engine.paged.pool.PoolExhausted: (paged) no pages left for the rows; their slots hold nothing after it.
         """
         return self.kv.prefill_slots(params, decode_state, rows)
 

@@ -62,7 +62,7 @@ class KVLayout:
     ``max_cache_len``): what the runtime's memory check sizes (:mod:`jax_rl.runtime.resources`)."""
     one_device_kernel: ClassVar[bool] = False
     """The layout's attention is a kernel chosen by the target backend
-    (:func:`jax_rl.models.paged_attention.target_backend`) that runs unpartitioned on a one-device engine:
+    (:func:`jax_rl.models.backend_target.target_backend`) that runs unpartitioned on a one-device engine:
     an AOT compile for a TPU traces it for the TPU, on one chip (:func:`jax_rl.tpu.compile_rollout`)."""
     keeps_prefix_pages: ClassVar[bool] = False
     """The layout shares prefix K/V by reference itself (the generator's copying prefix cache is then off)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from rollout.engine.contiguous import ContiguousLayout
 from rollout.engine.layout import KVLayout
-from rollout.engine.paged import PagedLayout
+from rollout.engine.paged.layout import PagedLayout
 
 __all__ = ["KV_LAYOUTS", "kv_layout_class"]
 

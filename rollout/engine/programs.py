@@ -377,7 +377,7 @@ signatures are documented there)."""
 def build_programs(steps: StepPrograms, outs: Optional[dict[str, Any]] = None,
                    table: Optional[dict[str, ProgramDef]] = None) -> dict[str, Any]:
     """``jax.jit`` of every row of ``table`` (default :data:`PROGRAMS`; the paged layout's:
-    :data:`rollout.engine.paged_programs.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
+    :data:`rollout.engine.paged.programs.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
     ``out`` kind (a sharded engine, :func:`program_shardings`); None: no out_shardings (the colocated
     single-device engine, whose programs are as they always were)."""
     return {name: jax.jit(getattr(steps, d.method), donate_argnums=d.donate, **(d.static or {}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from rollout.engine.prefill_plan import check_chunk_size
+from rollout.engine.paged.prefill_plan import check_chunk_size
 from rollout.quantize import QUANTIZE_MODES
 
 __all__ = ["EngineSpec"]

@@ -1,5 +1,5 @@
 """Chunked prefill on the paged engine (``rollout.prefill_chunk_size``, issue 46): the plan
-(:func:`rollout.engine.prefill_plan.prefill_programs`) by hand and by property, and a paged engine whose
+(:func:`rollout.engine.paged.prefill_plan.prefill_programs`) by hand and by property, and a paged engine whose
 rows run in chunks of 16 positions against the contiguous engine (tokens exact, ``behav_logp`` and
 MoE routes as the unchunked programs give them, fp32)."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax_rl.config import Config
 from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine, SlotPrefill
-from rollout.engine.prefill_plan import MAX_ROWS, prefill_programs, rows_per_program
+from rollout.engine.paged.prefill_plan import MAX_ROWS, prefill_programs, rows_per_program
 
 S, PS = 64, 8
 

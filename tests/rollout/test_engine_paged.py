@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from rollout.engine import Qwen3Engine, SlotPrefill
-from rollout.pages import PoolExhausted
+from rollout.engine.paged.pool import PoolExhausted
 
 S, PS = 64, 8
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.models import qwen3 as q
-from jax_rl.models.kv_storage import target_backend
+from jax_rl.models.backend_target import target_backend
 from rollout.engine import Qwen3Engine
 from rollout.engine.slots import SlotPrefill
 

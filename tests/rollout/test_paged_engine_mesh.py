@@ -123,8 +123,8 @@ def test_pool_layout_on_meshes_and_per_shard_pages(devices):
     takes only its shard's pages, prefix pages and forks stay within a shard, the counters sum."""
     import pytest
 
-    from rollout.page_shards import ShardedPagePool
-    from rollout.pages import PoolExhausted
+    from rollout.engine.paged.shards import ShardedPagePool
+    from rollout.engine.paged.pool import PoolExhausted
 
     mc = q.get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     kw = dict(slots=4, max_cache_len=S, dtype="float32", kv_layout="paged", kv_page_size=PS)

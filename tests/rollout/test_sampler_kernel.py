@@ -123,7 +123,7 @@ def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
     under an ambient mesh of several devices (a Mosaic call is not partitioned)."""
     from jax.sharding import Mesh
 
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine.sampler import _kernel_path
 
     assert not _kernel_path("auto", 384)

@@ -8,7 +8,7 @@ kernel reads the table itself). Same numerics as the contiguous cache (HF eager:
 scale after the dot): equal to ``decode_step`` / ``extend`` up to fp32 summation order.
 A prefill from position 0 is :func:`paged_extend` with ``starts = 0``.
 
-Which rows own which pages is the host's business (``rollout.pages.PagePool``); the device side
+Which rows own which pages is the host's business (``rollout.engine.paged.pool.PagePool``); the device side
 only follows the table. A table entry of -1 is "no page": writes there are dropped, reads are
 masked (a row never attends past its length).
 
@@ -258,7 +258,7 @@ def _copy_pages(kv: Any, src: Array, dst: Array) -> Any:
 
 def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
-    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding). Split
+    copy-on-write, ``rollout.engine.paged.pool.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding). Split
     over D shards of pages (module doc): n = D x m, shard d's m copies at ``[d m, (d+1) m)``, page ids
     within its sub-pool, done per shard in ``jax.shard_map`` (no page crosses shards)."""
     if cache.page_axes is None:

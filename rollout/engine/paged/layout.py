@@ -2,7 +2,7 @@
 
 The decode state's cache is a :class:`jax_rl.models.qwen3.paged.PagedKVCache` (one pool of
 ``kv_pages`` pages of ``kv_page_size`` positions, a page table row per slot, the slots' lengths);
-:class:`rollout.pages.PagePool` on the host decides which slot holds which pages. What changes
+:class:`rollout.engine.paged.pool.PagePool` on the host decides which slot holds which pages. What changes
 against the contiguous layout, with the engine's API and outputs unchanged:
 
 - no reservation per slot: a slot holds the pages its positions need, allocated as prefill and
@@ -46,7 +46,7 @@ replicated (:func:`paged_state_shardings`). Where the mesh splits the slots (``d
 contiguous cache splits them: :func:`jax_rl.models.paged_attention.pool_page_axes`, D shards of B / D
 slots), the pool's pages are split over the same axes: ``rollout.kv_pages // D`` pages a shard, numbered
 from 0 within it; a slot's table holds its shard's page ids, and the host allocator
-(:class:`rollout.page_shards.ShardedPagePool`) gives a slot only its shard's pages, so prefix pages and
+(:class:`rollout.engine.paged.shards.ShardedPagePool`) gives a slot only its shard's pages, so prefix pages and
 forks are shared only within a shard, and free pages, admission budgets and decode shortfalls are per
 shard (:attr:`PagedLayout.shards`, :meth:`PagedLayout.shard_of`). Each shard's sub-pool must hold one ``max_cache_len`` sequence.
 Then the write, the attention and the copies on write run per shard in ``shard_map``
@@ -71,20 +71,20 @@ import numpy as np
 from jax_rl.models.paged_attention import page_bucket, pages_for
 from jax_rl.sharding import axis_names
 from rollout.engine.layout import KVLayout, LayoutFacts
-from rollout.engine.paged_programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
-from rollout.engine.prefill_plan import prefill_programs
+from rollout.engine.paged.programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
+from rollout.engine.paged.prefill_plan import prefill_programs
 from rollout.engine.programs import StepConfig
 from rollout.engine.slots import PrefillResult, SlotPrefill
 from rollout.engine.spec import EngineSpec
-from rollout.page_shards import ShardedPagePool
-from rollout.pages import PoolExhausted
+from rollout.engine.paged.shards import ShardedPagePool
+from rollout.engine.paged.pool import PoolExhausted
 
 __all__ = ["PagedLayout"]
 
 
 class PagedLayout(KVLayout):
-    """The paged K/V layout (module doc): its host side over :class:`rollout.page_shards.ShardedPagePool`
-    and its programs (:class:`rollout.engine.paged_programs.PagedStepPrograms`).
+    """The paged K/V layout (module doc): its host side over :class:`rollout.engine.paged.shards.ShardedPagePool`
+    and its programs (:class:`rollout.engine.paged.programs.PagedStepPrograms`).
 
     Raises:
       ValueError: the pool (each shard's sub-pool) holds fewer than ``max_cache_len`` positions.
@@ -112,7 +112,7 @@ class PagedLayout(KVLayout):
                              f"< rollout.max_cache_len={self.max_cache_len}: the K/V pool cannot hold one sequence "
                              f"(at least {pages_for(self.max_cache_len, page_size) * shards} pages)")
         self.pool = ShardedPagePool(shards, per, page_size, self._slots)
-        """The host allocator: which slot holds which pages (:class:`rollout.page_shards.ShardedPagePool`)."""
+        """The host allocator: which slot holds which pages (:class:`rollout.engine.paged.shards.ShardedPagePool`)."""
         self._pool_spec = pool_spec
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
@@ -307,7 +307,7 @@ class PagedLayout(KVLayout):
     def append_prefill_shape(self, positions: int) -> tuple[int, int]:
         """``(rows, T)`` of the largest append-prefill program rows of ``positions`` new positions run: the
         contiguous layout's ``(slots, positions)``; paged, the chunk's bucket T and its row count
-        (:mod:`rollout.engine.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
+        (:mod:`rollout.engine.paged.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
         first = prefill_programs([(0, 0, int(positions), 0)], chunk=self.prefill_chunk_size, slots=self._slots,
                                  max_len=self.max_cache_len, rows_at_slots=self.shards > 1)[0]  # the largest chunk
         return first.rows, first.T
@@ -398,7 +398,7 @@ class PagedLayout(KVLayout):
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
-        """The computed rows in chunked programs (:func:`rollout.engine.prefill_plan.prefill_programs`): the
+        """The computed rows in chunked programs (:func:`rollout.engine.paged.prefill_plan.prefill_programs`): the
         waves in order (a row reading pages another row of the call writes runs after it), a row's chunks
         in order, each chunk an append-prefill onto the pages its earlier chunks wrote."""
         plan = prefill_programs([(i, st, len(rows[i].tokens) - 1, wave) for i, st, wave in run],

@@ -12,7 +12,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_rl.models.paged_attention import current_target_backend, pages_for, pool_head_spec, pool_page_axes
+from jax_rl.models.backend_target import current_target_backend
+from jax_rl.models.paged_attention import pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
                                        write_window)
 from rollout.engine.programs import ProgramDef, StepPrograms
