@@ -71,7 +71,7 @@ class RolloutConfig(_Section):
     """KV-cache length per slot (tokens): prompt + all turns must fit."""
     kv_layout: Literal["contiguous", "paged"] = "contiguous"
     """The engine's K/V layout. contiguous: max_cache_len positions reserved and read per slot. paged
-    (rollout/engine/paged/): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
+    (rollout/engine/paged.py): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
     positions need, decode reads only those, a GRPO group's prompt and any prefix pages computed by the same
     weights are shared by reference (then the engine is the prefix cache: prefix_cache is not used). A short
     pool: a request waits in the queue until its prompt fits (kv_admission_waits); a decode step that needs a
@@ -98,7 +98,7 @@ class RolloutConfig(_Section):
     new positions run in chunks of at most this many, each chunk attending over the pages up to its end, and a
     prefill program runs about this many positions (prefill_chunk_size // its position bucket rows, at most
     slots). A power of two. Smaller: less attention over padding and causal-masked positions, more programs
-    (rollout/engine/paged/prefill_plan.py; docs/performance.md)."""
+    (rollout/engine/prefill_plan.py; docs/performance.md)."""
     kv_pool_gib: Optional[float] = Field(None, gt=0)
     """The engine's K/V pool as a memory budget in GiB (kv_layout: paged), instead of kv_pages: pages =
     floor(budget / bytes per page), a page being kv_page_size positions x layers x KV heads x head_dim x 2
