@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from rollout.engine.paged.prefill_plan import check_chunk_size
 from rollout.quantize import QUANTIZE_MODES
 
-__all__ = ["EngineSpec"]
+__all__ = ["EngineSpec", "check_chunk_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +84,12 @@ class EngineSpec:
     def model_kw(self) -> dict:
         """:attr:`model_kwargs` as a fresh dict."""
         return dict(self.model_kwargs or {})
+
+
+def check_chunk_size(chunk: int) -> int:
+    """``chunk`` as an int; ValueError (naming ``rollout.prefill_chunk_size``) unless a power of two >= 16."""
+    c = int(chunk)
+    if c < 16 or c & (c - 1):
+        raise ValueError(f"rollout.prefill_chunk_size={chunk}: must be a power of two >= 16 (the prefill "
+                         f"programs' position buckets are powers of two)")
+    return c

@@ -184,4 +184,4 @@ def test_sharded_engine_batched_group_and_kept_kv_prefill(devices, learner):
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.behav_logp, w.behav_logp, atol=1e-5, rtol=0)
-    assert gen._state["tokens"].sharding.spec == jax.sharding.PartitionSpec("data")
+    assert gen.table.state["tokens"].sharding.spec == jax.sharding.PartitionSpec("data")
