@@ -297,7 +297,7 @@ def _kernel_path(impl: str, V: int) -> bool:
 class StepOutput(NamedTuple):
     """What one decode step gives the RL path, per slot: the engine's typed output.
 
-    :meth:`Qwen3Engine.decode` returns one ([B] leaves), :meth:`Qwen3Engine.generate_steps` one
+    :meth:`Qwen3Engine.decode` returns one ([B] leaves), :meth:`Qwen3Engine.decode_steps` one
     per step stacked on a leading axis ([n, B] leaves). Device arrays as the engine returns them;
     ``jax.device_get(out)`` brings the whole record to the host in one transfer (the generator does
     so once per engine call) and :meth:`at` picks one step of a stacked record. The names are the
@@ -331,7 +331,7 @@ class StepOutput(NamedTuple):
     moe_dropped: Any = None
 
     def at(self, i: int) -> "StepOutput":
-        """Step ``i`` of a record stacked over steps (``generate_steps``): every leaf ``x[i]``."""
+        """Step ``i`` of a record stacked over steps (``decode_steps``): every leaf ``x[i]``."""
         return StepOutput(*(None if x is None else x[i] for x in self))
 
 

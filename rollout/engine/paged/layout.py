@@ -6,7 +6,7 @@ The decode state's cache is a :class:`jax_rl.models.qwen3.paged.PagedKVCache` (o
 against the contiguous layout, with the engine's API and outputs unchanged:
 
 - no reservation per slot: a slot holds the pages its positions need, allocated as prefill and
-  decode reach them (``generate_steps(n)`` makes room for ``n`` more positions per active slot
+  decode reach them (``decode_steps(n)`` makes room for ``n`` more positions per active slot
   first; a call in which every active slot stays within pages only it holds, most calls, only moves
   the host's lengths: :meth:`PagePool.room`), and the page table goes to the device only when a row
   changed;
@@ -24,7 +24,7 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 - decode and append-prefill attend over the pages a slot holds (TPU: the ragged paged attention
   kernel; CPU/GPU: an XLA gather of a power-of-two bucket of pages; on CPU a decode call of n steps
   gathers them once into a contiguous window and writes its new entries back after:
-  :meth:`PagedStepPrograms.generate_steps`);
+  :meth:`rollout.engine.paged.programs.PagedStepPrograms.decode_steps`);
 - pool exhausted: the least recently released *held* slot (an episode between turns) is preempted
   (its pages freed, ``kv_preemptions``); its next append-prefill re-prefills its whole context
   (reported in ``PrefillResult.prefill_tokens``). With no held slot to preempt, ``PoolExhausted``
@@ -117,7 +117,7 @@ class PagedLayout(KVLayout):
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
         self._plen = np.zeros(self._slots, np.int64)  # positions each slot holds (host mirror)
-        self._room = np.zeros(self._slots, np.int64)  # kv_pool.room of the active slots, at changes _room_at
+        self._room = np.zeros(self._slots, np.int64)  # pool.room of the active slots, at changes _room_at
         self._room_at = -1
         self._table_gen = 0  # bumped by every change of the host table
         self._synced: tuple = (None, -1)  # (a device page table equal to the host's, the _table_gen it equals)
