@@ -1,7 +1,8 @@
 """The decode side of a :class:`rollout.generator.Generator`: how many steps an engine call runs, one call
 for all slots brought to the host in one transfer, each step's tokens recorded per request, and the requests
-that end resolved into :class:`rollout.types.Completion` records. A base class of the Generator (its state:
-``_slots``, ``_finished``, ``_state``, ``_params``, ``_version``, ``stats``, ``engine``...).
+that end resolved into :class:`rollout.types.Completion` records. A base class of the Generator, over its
+declared state (:mod:`rollout.generator_state`: ``table``, the slot table and decode state; ``pressure``) and
+``_params``, ``_version``, ``stats``, ``engine``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ __all__ = ["DecodeLoop"]
 
 
 class DecodeLoop:
-    """The decode and completion methods of :class:`rollout.generator.Generator`."""
+    """The decode and completion methods of :class:`rollout.generator.Generator` (module doc: the state they read
+    is the generator's ``table`` / ``requests`` / ``holds``, :mod:`rollout.generator_state`)."""
 
     def _routes_array(self, req: Any) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
-        shape = getattr(self.engine, "route_shape", None)
+        shape = self.engine.route_shape
         if shape is None:
             return None
         n = len(req.prompt) + len(req.tokens)
@@ -38,32 +40,32 @@ class DecodeLoop:
         cache room), so a call never runs steps no slot can use (a 1-token request runs a 1-step
         program, not a ``decode_steps`` scan whose later tokens would all be discarded)."""
         need = 1
-        for req in self._slots:
+        for req in self.table.reqs:
             if req is not None:
                 left = min(req.budget - len(req.tokens), self._S - len(req.prompt) - len(req.tokens))
                 need = max(need, left)
         return next(n for n in self.step_counts if n >= need) if need < self.decode_steps else self.decode_steps
 
     def _decode(self) -> None:
-        """One engine call (``decode``, or ``generate_steps`` of n <= ``decode_steps`` steps:
+        """One engine call (``decode``, or ``decode_steps`` of n <= ``decode_steps`` steps:
         :meth:`_call_steps`) for all slots, its :class:`rollout.engine.StepOutput` brought to the
         host in ONE transfer, then consumed step by step; the slots that finished are deactivated
         before the next call."""
         self._free_finished()
         v = self._version  # every token of the call is produced by self._params
-        self._make_room(self._call_steps())  # a paged pool short of pages: preempt (rollout.kv_pressure)
+        self.pressure.make_room(self._call_steps())  # a paged pool short of pages: preempt (rollout.kv_pressure)
         if not self.num_active:
             return
         n = self._call_steps()
         if n == 1:
-            self._state, out = self.engine.decode(self._params, self._state, version=v)
+            self.table.state, out = self.engine.decode(self._params, self.table.state, version=v)
             steps = [jax.device_get(out)]  # the one host sync of the step
         else:  # n steps in one call: [n, B] leaves, one host sync for all of them
-            self._state, out = self.engine.generate_steps(self._params, self._state, n, version=v)
+            self.table.state, out = self.engine.decode_steps(self._params, self.table.state, n, version=v)
             out = jax.device_get(out)
             steps = [out.at(i) for i in range(n)]
         self.stats["calls"] += 1
-        live = [req is not None for req in self._slots]  # slots with a request when the call began
+        live = [req is not None for req in self.table.reqs]  # slots with a request when the call began
         for r in steps:
             self._consume_step(r, live)
 
@@ -71,10 +73,10 @@ class DecodeLoop:
         """Deactivate the slots whose request ended since the last call and that no request took
         since (one ``engine.free_slots``):
         a finished or held slot does not decode, and its cached K/V (a held context) stay intact."""
-        done = [s for s in self._finished if self._slots[s] is None]
-        self._finished = []
+        done = [s for s in self.table.finished if self.table.reqs[s] is None]
+        self.table.finished = []
         if done:
-            self._state = self.engine.free_slots(self._state, sorted(set(done)))
+            self.table.state = self.engine.free_slots(self.table.state, sorted(set(done)))
 
     def _consume_step(self, r: Any, live: list) -> None:
         """Append one decode step's outputs (a host :class:`rollout.engine.StepOutput` of [B]
@@ -85,7 +87,7 @@ class DecodeLoop:
         routes = r.route
         drops = r.moe_dropped  # None unless the engine counts MoE capacity drops
         self.stats["steps"] += 1
-        for slot, req in enumerate(self._slots):
+        for slot, req in enumerate(self.table.reqs):
             if req is None:
                 if live[slot] and valid[slot]:
                     self.stats["discarded_tokens"] += 1
@@ -111,14 +113,14 @@ class DecodeLoop:
             else:
                 continue
             if self.keep_kv and req.session is not None:
-                self._slots[slot] = None
+                self.table.reqs[slot] = None
                 self._hold(req, slot)
             self._end(slot, req, reason)
 
     def _end(self, slot: int, req: Any, reason: str) -> None:
         """``req`` leaves ``slot`` (deactivated before the next decode call) and resolves."""
-        self._slots[slot] = None
-        self._finished.append(slot)
+        self.table.reqs[slot] = None
+        self.table.finished.append(slot)
         self._resolve(req, reason)
 
     def _resolve(self, req: Any, reason: str) -> None:

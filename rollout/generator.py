@@ -8,7 +8,7 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
    jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
-   ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
+   ``engine.decode_steps`` of at most n steps, no more than the live slots can use); its
    ``StepOutput`` comes back in ONE host transfer;
 4. record per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
@@ -98,11 +98,12 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
-from rollout.admission import GangRoom, admission_sorted, gang_fits
+from rollout.admission import admission_sorted, gang_fits
 from rollout.decode_loop import DecodeLoop
-from rollout.kv_holds import HeldSlot, KVHolds
+from rollout.kv_holds import KVHolds
+from rollout.generator_state import HeldEpisodes, RequestQueue, SlotTable
 from rollout.kv_pressure import KVPressure
-from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
+from rollout.types import Completion, DecodeEngine  # Completion: tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -146,13 +147,13 @@ class _Req:
     preemptions: int = 0  # times its slot's K/V were taken back for pages (rollout.kv_pressure)
 
 
-class Generator(KVPressure, KVHolds, DecodeLoop):
+class Generator(KVHolds, DecodeLoop):
     """Continuous-batching generator over a JetStream-style engine.
 
     Args:
       engine: a :class:`rollout.engine.Qwen3Engine`, or any engine with its RL interface:
         ``prefill_slots`` / ``copy_slot`` / ``prefill_tokens`` + ``insert`` (prefix cache) /
-        ``decode`` / ``generate_steps`` (returning :class:`rollout.engine.StepOutput`) /
+        ``decode`` / ``decode_steps`` (returning :class:`rollout.engine.StepOutput`) /
         ``free_slots`` / ``load_params`` / ``init_decode_state`` / ``max_concurrent_decodes`` /
         ``max_cache_len``.
       partial: ``"continue" | "recompute_kv" | "abort"`` (see module doc).
@@ -160,7 +161,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         ``engine.params``.
       version: version of the initial params.
       decode_steps: the most decode steps per engine call (``rollout.decode_steps``, >= 1). 1:
-        one ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, m)``
+        one ``engine.decode`` per step. n > 1: one ``engine.decode_steps(params, state, m)``
         (one dispatch, one host transfer) per step, where m is the smallest of
         :attr:`step_counts` (the powers of two below n, and n: at most ``floor(log2 n) + 2``
         compiled decode programs, m = 1 being ``engine.decode``) that covers the largest number
@@ -183,7 +184,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
       ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
-    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
+    def __init__(self, engine: DecodeEngine, *, partial: str = "continue", params: Any = None, version: int = 0,
                  decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None,
                  prefix_cache: int = 4) -> None:
         if partial not in PARTIAL_MODES:
@@ -199,9 +200,9 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         below ``decode_steps``, and ``decode_steps``; one compiled program each."""
         self.keep_kv = bool(keep_kv)
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
-                                  else 4 * int(getattr(engine, "max_prefill_length", 256)))
-        self._moe_drops = bool(getattr(engine, "counts_moe_drops", False))  # engine docstring, "MoE capacity drops"
-        self._moe_cpt = int(getattr(engine, "moe_copies_per_token", 0))
+                                  else 4 * int(engine.max_prefill_length))
+        self._moe_drops = bool(engine.counts_moe_drops)  # engine docstring, "MoE capacity drops"
+        self._moe_cpt = int(engine.moe_copies_per_token)
         self.prefix_cache = int(prefix_cache)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine
@@ -210,26 +211,26 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         if self._params is None:
             raise ValueError("Generator needs params (engine.params is None)")
         self._version = int(version)
-        self._B = int(engine.max_concurrent_decodes)
         self._S = int(engine.max_cache_len)
 
-        self._lock = threading.Lock()  # guards queue, pending params, counters read by others
-        self._wake = threading.Condition(self._lock)
-        self._queue: collections.deque[_Req] = collections.deque()
-        self._gangs = GangRoom()  # first requests waiting for the rest of their gang (rollout.admission)
+        # the generator's state, declared (rollout.generator_state) and handed to its collaborators
+        self.table = SlotTable(int(engine.max_concurrent_decodes), engine.init_decode_state())
+        """The slots: their requests, the ones that ended, the engine's decode state."""
+        self.requests = RequestQueue()
+        """The queue, the gangs, and the lock that guards them, the pending params and counters read by others."""
+        self.holds = HeldEpisodes()
+        """Slots held for an episode's next turn (``keep_kv``)."""
+        self._lock = self.requests.lock
+        self._wake = self.requests.wake
         self._pending: Optional[tuple[Any, int]] = None
         self._step_lock = threading.RLock()  # one step at a time (re-entrant: paused() then apply_update_now())
-        self._slots: list[Optional[_Req]] = [None] * self._B
-        self._held: dict[Any, HeldSlot] = {}  # session -> its held slot (keep_kv)
-        self._held_slot: dict[int, Any] = {}  # slot -> the session holding it
-        self._releases: list = []  # sessions ended by release_session (applied at the next step)
-        self._finished: list[int] = []  # slots whose request ended since the last decode (deactivated)
-        self._state = engine.init_decode_state()
+        self.stats = collections.Counter()
+        self.pressure = KVPressure(engine, self.table, self.requests, self.holds, self.stats, self.decode_steps)
+        """What the generator does when a pooled K/V layout runs short (:mod:`rollout.kv_pressure`)."""
         self._ids = itertools.count()
         self._admits = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._running = False
-        self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -237,14 +238,19 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         """Version of the params that produce tokens now (a pending update is not counted)."""
         return self._version
 
+    def kv_stats(self) -> dict[str, int]:
+        """The K/V layout's counters and the generator's (:meth:`rollout.kv_pressure.KVPressure.kv_stats`);
+        {} for a layout without a pool."""
+        return self.pressure.kv_stats()
+
     @property
     def num_active(self) -> int:
-        return sum(r is not None for r in self._slots)
+        return sum(r is not None for r in self.table.reqs)
 
     @property
     def num_queued(self) -> int:
         with self._lock:
-            return len(self._queue)
+            return len(self.requests.queue)
 
     def submit(
         self,
@@ -315,9 +321,9 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
                 fut.set_exception(RuntimeError("generator stopped"))
                 return fut
             if gang:  # queued once its whole gang is here (rollout.admission)
-                self._queue.extend(self._gangs.add(gang[0], int(gang[1]), req))
+                self.requests.queue.extend(self.requests.gangs.add(gang[0], int(gang[1]), req))
             else:
-                self._queue.append(req)
+                self.requests.queue.append(req)
             self._wake.notify_all()
         return fut
 
@@ -325,7 +331,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         """One member of ``gang`` = ``(key, n)`` will submit nothing (its episode ended before its first
         request): the rest of the gang no longer waits for it. Thread-safe."""
         with self._lock:
-            self._queue.extend(self._gangs.withdraw(gang[0], int(gang[1])))
+            self.requests.queue.extend(self.requests.gangs.withdraw(gang[0], int(gang[1])))
             self._wake.notify_all()
 
     def update_params(self, params: Any, version: int) -> float:
@@ -353,13 +359,13 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         if session is None:
             return
         with self._lock:
-            self._releases.append(session)
+            self.holds.releases.append(session)
             self._wake.notify_all()
 
     @property
     def num_held(self) -> int:
         """Slots held for a session's next turn (not decoding, not free)."""
-        return len(self._held)
+        return len(self.holds.by_session)
 
     def apply_update_now(self) -> None:
         """Apply a pending :meth:`update_params` now (waits for the decode step in progress): when
@@ -384,8 +390,8 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         None otherwise."""
         with self._step_lock:
             with self._lock:  # a preempted request waits in the queue with its tokens (rollout.kv_pressure)
-                waiting = [r for r in self._queue if r.tokens]
-            for req in self._slots + waiting:
+                waiting = [r for r in self.requests.queue if r.tokens]
+            for req in self.table.reqs + waiting:
                 if req is not None and req.request_id == request_id:
                     return list(req.tokens), req.versions[:len(req.tokens)].tolist(), self._routes_array(req)
         return None
@@ -401,7 +407,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
             if self.num_active:
                 self._decode()
             with self._lock:
-                return bool(self.num_active or self._queue or self._pending)
+                return bool(self.num_active or self.requests.queue or self._pending)
 
     def run_until_idle(self, max_steps: Optional[int] = None) -> int:
         """Call :meth:`step` until nothing is left (or ``max_steps``). Returns steps taken."""
@@ -469,7 +475,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while self._running and not (self._queue or self._pending or self.num_active):
+                while self._running and not (self.requests.queue or self._pending or self.num_active):
                     self._wake.wait(timeout=1.0)
                 if not self._running:
                     return
@@ -479,18 +485,18 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
                 log.exception("generator step failed")
                 with self._step_lock:
                     self._fail_all(e)
-                    self._state = self.engine.init_decode_state()
+                    self.table.state = self.engine.init_decode_state()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            queued, self._queue = list(self._queue) + self._gangs.drain(), collections.deque()
-        for r in queued + [r for r in self._slots if r is not None]:
+            queued, self.requests.queue = list(self.requests.queue) + self.requests.gangs.drain(), collections.deque()
+        for r in queued + [r for r in self.table.reqs if r is not None]:
             if not r.future.done():
                 r.future.set_exception(exc)
-        self._slots = [None] * self._B
-        self._finished = list(range(self._B))  # deactivated at the next decode unless re-armed
-        self._held.clear()  # the decode state is rebuilt: nothing is held any more
-        self._held_slot.clear()
+        self.table.reqs = [None] * self.table.size
+        self.table.finished = list(range(self.table.size))  # deactivated at the next decode unless re-armed
+        self.holds.by_session.clear()  # the decode state is rebuilt: nothing is held any more
+        self.holds.by_slot.clear()
 
     def _admit(self) -> None:
         """Admit queued requests (in admission order) into slots, then prefill them all in one batched call.
@@ -513,9 +519,9 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: dict = {}  # a fresh row's context -> its slot (a later identical row forks its pages)
         spent = 0
-        pages = self._page_budget()  # None: an engine without pages
+        pages = self.pressure.page_budget(self._free_finished)  # None: an engine without pages
         with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
-            self._queue = admission_sorted(self._queue)
+            self.requests.queue = admission_sorted(self.requests.queue)
         while (req := self._queue_head(free)) is not None:
             ctx = req.prompt + req.tokens  # a preempted request re-prefills what it generated too
             slot, start, held = self._held_slot_for(req, free)
@@ -532,8 +538,8 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
                 cost += start
             if decoding and items and spent + cost > self.prefill_budget:
                 break
-            need, shard = self._page_cost(pages, ctx, slot, start, seen.get(key), free)
-            if self._pages_wait(pages, need, shard, not (decoding or items)):
+            need, shard = self.pressure.page_cost(pages, ctx, slot, start, seen.get(key), free)
+            if self.pressure.pages_wait(pages, need, shard, not (decoding or items)):
                 break
             if held is not None:
                 self._take_held(req, held, start)
@@ -542,7 +548,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
             if pages is not None:
                 pages[shard] -= need
             with self._lock:
-                self._queue.popleft()
+                self.requests.queue.popleft()
             req.gang = None  # admitted: the rest of its gang is checked without it
             if key is not None and pre is None and copy_of is None:  # a fresh row: later copies dedupe in the engine
                 seen[key] = slot
@@ -568,25 +574,25 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         """The next queued request to admit (cancelled ones dropped), or None: the queue is empty, or its
         head's gang does not fit the slots yet (its whole gang next step: rollout.admission)."""
         with self._lock:
-            while self._queue and self._queue[0].future.cancelled():
-                self._queue.popleft()
-            if not self._queue:
+            while self.requests.queue and self.requests.queue[0].future.cancelled():
+                self.requests.queue.popleft()
+            if not self.requests.queue:
                 return None
-            req = self._queue[0]
-            return req if gang_fits(self._queue, req, len(free) + len(self._held), self._B) else None
+            req = self.requests.queue[0]
+            return req if gang_fits(self.requests.queue, req, len(free) + len(self.holds.by_session), self.table.size) else None
 
     def _copy_firsts(self, copies: list, items: list) -> None:
         """The prefix-cache route's GRPO samples: copy their first sample's slot (prefilled in ``items``)."""
         for slot, req, i in copies:
             src, first = items[i][0], items[i][1]
-            if self._slots[src] is not first:  # its first sample's prefill failed: try again next step
+            if self.table.reqs[src] is not first:  # its first sample's prefill failed: try again next step
                 with self._lock:
-                    self._queue.appendleft(req)
+                    self.requests.queue.appendleft(req)
                 continue
-            self._state = self.engine.copy_slot(self._state, src, slot, token=req.prompt[-1], seed=req.seed,
+            self.table.state = self.engine.copy_slot(self.table.state, src, slot, token=req.prompt[-1], seed=req.seed,
                                                 temperature=req.temperature)
             req.routes = list(first.routes)
             req.shared_prefill = True
             self.stats["prefills"] += 1
             self.stats["shared_prefills"] += 1
-            self._slots[slot] = req
+            self.table.reqs[slot] = req

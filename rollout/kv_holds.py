@@ -1,7 +1,7 @@
 """The K/V a :class:`rollout.generator.Generator` keeps and prefills: free and held slots, the batched
 prefill of a step's admissions, a weight swap's treatment of the sequences in slots (``partial``), and the
-prefix cache. A base class of the Generator (its state: ``_slots``, ``_held``, ``_held_slot``, ``_state``,
-``_params``, ``stats``, ``engine``...).
+prefix cache. A base class of the Generator, over its declared state (:mod:`rollout.generator_state`:
+``table``, ``requests``, ``holds``) and ``_params``, ``stats``, ``engine``.
 
 Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
 agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
@@ -46,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rollout.engine import SlotPrefill
-from rollout.pages import PoolExhausted
+from rollout.engine.paged.pool import PoolExhausted
 
 __all__ = ["KVHolds", "HeldSlot"]
 
@@ -63,16 +63,17 @@ class HeldSlot:
 
 
 class KVHolds:
-    """The slot, prefill and prefix-cache methods of :class:`rollout.generator.Generator`."""
+    """The slot, prefill and prefix-cache methods of :class:`rollout.generator.Generator`, over its declared state
+    (``table``, ``requests``, ``holds``: :mod:`rollout.generator_state`)."""
 
     def _free_slots(self) -> list[int]:
-        return [s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot]
+        return [s for s in range(self.table.size) if self.table.reqs[s] is None and s not in self.holds.by_slot]
 
     def _held_slot_for(self, req: Any, free: list) -> tuple[Optional[int], int, Optional[HeldSlot]]:
         """``(slot, start, hold)``: the held slot of ``req``'s session whose context its prompt extends
         (it runs from ``start``), else ``(None, 0, None)``; a hold it does not extend is dropped
         (``kv_mismatch``) and its slot goes to ``free``."""
-        held = self._held.get(req.session) if req.session is not None else None
+        held = self.holds.by_session.get(req.session) if req.session is not None else None
         if held is None:
             return None, 0, None
         c = len(held.context)
@@ -84,10 +85,10 @@ class KVHolds:
     def _take_slot(self, free: list) -> Optional[int]:
         """A free slot, else the least recently held one (evicted: ``kv_evictions``); None: neither."""
         if not free:
-            if not self._held:
+            if not self.holds.by_session:
                 return None
-            victim = min(self._held.values(), key=lambda h: h.t)
-            free.append(self._drop_hold(self._held_slot[victim.slot], "kv_evictions"))
+            victim = min(self.holds.by_session.values(), key=lambda h: h.t)
+            free.append(self._drop_hold(self.holds.by_slot[victim.slot], "kv_evictions"))
         return free.pop(0)
 
     def _take_held(self, req: Any, held: HeldSlot, start: int) -> None:
@@ -99,10 +100,10 @@ class KVHolds:
 
     def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
         """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
-        h = self._held.pop(session, None)
+        h = self.holds.by_session.pop(session, None)
         if h is None:
             return None
-        self._held_slot.pop(h.slot, None)
+        self.holds.by_slot.pop(h.slot, None)
         if reason:
             self.stats[reason] += 1
         return h.slot
@@ -114,13 +115,13 @@ class KVHolds:
         if not req.tokens or len(ctx) >= self._S - 1:
             return
         self._drop_hold(req.session)
-        self._held[req.session] = HeldSlot(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
-        self._held_slot[slot] = req.session
+        self.holds.by_session[req.session] = HeldSlot(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
+        self.holds.by_slot[slot] = req.session
         self.stats["kv_holds"] += 1
 
     def _apply_releases(self) -> None:
         with self._lock:
-            rel, self._releases = self._releases, []
+            rel, self.holds.releases = self.holds.releases, []
         for session in rel:
             self._drop_hold(session)
 
@@ -135,13 +136,13 @@ class KVHolds:
 
         rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
         try:
-            self._state, res = self.engine.prefill_slots(self._params, self._state, rows)
+            self.table.state, res = self.engine.prefill_slots(self._params, self.table.state, rows)
             self.stats["prefill_calls"] += 1
         except PoolExhausted:  # a paged pool short of pages (the engine took them back): wait in the queue
             for _, req, _, _ in items:
                 self.stats["kv_admission_waits"] += 1
                 with self._lock:
-                    self._queue.appendleft(req)
+                    self.requests.queue.appendleft(req)
             return
         except Exception as e:  # noqa: BLE001 - find the culprit: row by row
             if len(items) == 1:
@@ -165,14 +166,14 @@ class KVHolds:
             if routes is not None:  # the positions it ran take their new routes (module docstring)
                 del req.routes[start:]
                 req.routes.extend(np.asarray(routes))
-            self._slots[slot] = req
+            self.table.reqs[slot] = req
 
     def _prefill_failed(self, slot: int, req: Any, e: BaseException) -> None:
         log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
         self.stats["prefill_errors"] += 1
-        if self._slots[slot] is req:
-            self._slots[slot] = None
-        self._finished.append(slot)
+        if self.table.reqs[slot] is req:
+            self.table.reqs[slot] = None
+        self.table.finished.append(slot)
         if not req.future.done():
             req.future.set_exception(e)
 
@@ -186,10 +187,10 @@ class KVHolds:
         self._swap_preempted()
         if self.partial == "continue":
             return  # held slots keep their K/V too: the next turn's new tokens carry the new version
-        for session in list(self._held):  # K/V of older weights: the next turn re-prefills (module doc)
+        for session in list(self.holds.by_session):  # K/V of older weights: the next turn re-prefills (module doc)
             self._drop_hold(session, "kv_dropped_swap")
         items = []
-        for slot, req in enumerate(self._slots):
+        for slot, req in enumerate(self.table.reqs):
             if req is None:
                 continue
             if self.partial == "recompute_kv":
@@ -209,8 +210,8 @@ class KVHolds:
                 else:
                     items.append((slot, req, req.prompt, 0))
         for slot, *_ in items:
-            self._slots[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
-            self._finished.append(slot)
+            self.table.reqs[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
+            self.table.finished.append(slot)
         self._prefill_batch(items)
 
     def _swap_preempted(self) -> None:
@@ -218,7 +219,7 @@ class KVHolds:
         be recomputed by the new params (``recomputes``), or under ``abort`` their partial turn is dropped
         and re-issued with the remaining budget."""
         with self._lock:
-            waiting = [r for r in self._queue if r.tokens]
+            waiting = [r for r in self.requests.queue if r.tokens]
         for req in waiting:
             if self.partial != "abort":
                 req.recomputes += 1
@@ -230,7 +231,7 @@ class KVHolds:
             self.stats["reissues"] += 1
             if req.budget <= 0:
                 with self._lock:
-                    self._queue.remove(req)
+                    self.requests.queue.remove(req)
                 self._resolve(req, "aborted")
 
     def _use_prefix(self, pre: tuple, req: Any, slot: int) -> bool:
@@ -259,7 +260,7 @@ class KVHolds:
             self._prefixes.move_to_end(pre)
             req.prefix_hits += 1
             self.stats["prefix_hits"] += 1
-        self._state = self.engine.insert(prefix, self._state, slot)  # positions [0, len(prefix)) of the slot
+        self.table.state = self.engine.insert(prefix, self.table.state, slot)  # positions [0, len(prefix)) of the slot
         routes = prefix.get("routes")
         req.routes = [] if routes is None else list(np.asarray(routes))
         return True

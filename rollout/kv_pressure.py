@@ -1,13 +1,14 @@
 """What a :class:`rollout.generator.Generator` does when a paged engine's K/V pool runs short
-(``rollout.kv_layout=paged``; a base class of the Generator, over its ``_slots``, ``_queue``, ``_state``,
-``stats``, ``engine``). An engine without pages (the contiguous layout) never gets here.
+(``rollout.kv_layout=paged``; a collaborator of the Generator, handed its slot table, request queue, held
+episodes and counters: :mod:`rollout.generator_state`). It asks the engine's K/V layout (``engine.kv``, :class:`rollout.engine.layout.KVLayout`);
+a layout that is not ``pooled`` (the contiguous one) never gets here.
 
 Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute):
 
 * **Admission by free pages.** A queued request is admitted only when the pool can hold it: its
   context (prompt, plus what it generated before a preemption) and its first ``decode_steps``
-  positions, past any prefix pages it shares (``engine.kv_request_pages``), within what is left of
-  the step's page budget (``engine.kv_admission_budget``: free + cached pages + what held slots alone
+  positions, past any prefix pages it shares (``engine.kv.request_pages``), within what is left of
+  the step's page budget (``engine.kv.admission_budget``: free + cached pages + what held slots alone
   hold, less what the decoding slots need for their next call). A request that does not fit waits in
   the queue, in its place (the admission order of :mod:`rollout.admission` is kept: the requests behind
   it wait too), counted in ``kv_admission_waits`` (once per step its head waits, and once per request a
@@ -15,10 +16,10 @@ Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute)
   admitted yet in the step the head is admitted whatever the budget says (the pool holds one
   ``max_cache_len`` sequence, the engine's construction checks it; held slots are preempted for it).
 * **Preemption of an active slot.** Before each decode call the generator asks the engine how many
-  pages the active slots lack for the call (``engine.kv_decode_shortfall``: held slots and cached
+  pages the active slots lack for the call (``engine.kv.decode_shortfall``: held slots and cached
   pages count as room, the engine frees them first). While some are lacking it preempts the active
   request admitted most recently (vLLM's victim: the end of its running queue): the engine frees its
-  pages (``engine.preempt_slots``, ``kv_preemptions``), and the request goes back to the head of the
+  pages (``engine.kv.preempt_slots``, ``kv_preemptions``), and the request goes back to the head of the
   queue with everything it generated (``kv_preempted_requests``; ``Completion.info["preemptions"]``).
   When it is admitted again its prompt + generated tokens are re-prefilled (preemption by recompute;
   ``kv_reprefill_tokens`` counts those positions) and decoding resumes at the next position. A lone
@@ -35,7 +36,7 @@ weights' K/V are gone; ``continue`` cannot keep them): ``recompute_kv`` and ``co
 ``recomputes``, and ``abort`` drops its partial turn and re-issues it with the remaining budget, as it
 does to a request in a slot (:meth:`KVHolds._apply_pending`).
 
-Per shard: an engine whose pool is split over shards of slots (``engine.kv_shards`` > 1: a rollout mesh
+Per shard: an engine whose pool is split over shards of slots (``engine.kv.shards`` > 1: a rollout mesh
 that splits the slots over ``data`` / ``expert``, :mod:`rollout.engine.paged`) has a page budget per
 shard, and a slot takes only its shard's pages. A request without a slot of its own goes to the free
 slot whose shard has the most budget left after it (a GRPO sample to its group's shard, where it forks
@@ -51,35 +52,56 @@ weights those are the routes it had, up to ties the rounding breaks.
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from rollout.generator_state import HeldEpisodes, RequestQueue, SlotTable
 
 __all__ = ["KVPressure"]
 
 
 class KVPressure:
-    """Admission by free pages and preemption by recompute (module doc)."""
+    """Admission by free pages and preemption by recompute (module doc): a collaborator of the generator,
+    given the state it reads and writes.
 
-    def _paged(self) -> bool:
-        return getattr(self.engine, "kv_layout", "contiguous") == "paged"
+    Args:
+      engine: the generator's engine (:class:`rollout.types.DecodeEngine`; its K/V layout ``engine.kv``).
+      table: the generator's :class:`rollout.generator_state.SlotTable` (a preemption frees a slot and
+        replaces the decode state).
+      requests: its :class:`rollout.generator_state.RequestQueue` (a preempted request goes to its head).
+      holds: its :class:`rollout.generator_state.HeldEpisodes` (read: which slots are held).
+      stats: its counters (``kv_admission_waits``, ``kv_preempted_requests``; ``kv_reprefill_tokens`` is the
+        generator's own).
+      decode_steps: the most decode steps per engine call (``rollout.decode_steps``).
+    """
+
+    def __init__(self, engine: Any, table: SlotTable, requests: RequestQueue, holds: HeldEpisodes,
+                 stats: collections.Counter, decode_steps: int) -> None:
+        self.engine, self.table, self.requests, self.holds = engine, table, requests, holds
+        self.stats, self.decode_steps = stats, int(decode_steps)
+
+    def _budgeted(self) -> bool:
+        """The engine's K/V layout budgets admissions (a pool of pages), else every slot's positions are reserved."""
+        return self.engine.kv.pooled
 
     def _shard(self, slot: int) -> int:
-        return self.engine.kv_shard_of(slot) if getattr(self.engine, "kv_shards", 1) > 1 else 0
+        return self.engine.kv.shard_of(slot) if self.engine.kv.shards > 1 else 0
 
-    def _page_budget(self) -> Optional[list]:
+    def page_budget(self, free_finished: Callable[[], None]) -> Optional[list]:
         """Pages this step's admissions may take, per shard (None: the engine has no pages). The slots whose request
         ended are deactivated first, and the pages of every slot held for no session are given back (a
         finished request's K/V serve nothing but its published prefix pages, which stay cached), so the
-        pool's state does not depend on what earlier steps left in it."""
-        if not self._paged():
+        pool's state does not depend on what earlier steps left in it. ``free_finished``: the generator's
+        deactivation of those slots."""
+        if not self._budgeted():
             return None
-        self._free_finished()
-        self.engine.release_pages([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
-        n = getattr(self.engine, "kv_shards", 1)
+        free_finished()
+        self.engine.kv.release([s for s in range(self.table.size) if self.table.reqs[s] is None and s not in self.holds.by_slot])
+        n = self.engine.kv.shards
         if n == 1:
-            return [self.engine.kv_admission_budget(self.decode_steps)]
-        return [self.engine.kv_admission_budget(self.decode_steps, shard=d) for d in range(n)]
+            return [self.engine.kv.admission_budget(self.decode_steps)]
+        return [self.engine.kv.admission_budget(self.decode_steps, shard=d) for d in range(n)]
 
-    def _page_cost(self, pages: Optional[list], ctx: list, slot: Optional[int], start: int, shared: Optional[int],
+    def page_cost(self, pages: Optional[list], ctx: list, slot: Optional[int], start: int, shared: Optional[int],
                    free: list) -> tuple[int, int]:
         """``(pages, shard)`` admitting the row ``ctx`` into ``slot`` at ``start`` takes; ``shared``: the slot
         of an identical row admitted before it in this step (its pages are forked within a shard). ``slot``
@@ -90,7 +112,7 @@ class KVPressure:
 
         def cost(s: int) -> int:
             same = shared is not None and self._shard(shared) == self._shard(s)
-            return self.engine.kv_request_pages(ctx, s, start, self.decode_steps, same)
+            return self.engine.kv.request_pages(ctx, s, start, self.decode_steps, same)
 
         if slot is None and len(pages) > 1 and free:
             firsts: dict = {}
@@ -102,10 +124,10 @@ class KVPressure:
             free.insert(0, slot)
             return pages[self._shard(slot)] - left[slot], self._shard(slot)
         if slot is None:  # one shard: any slot's cost; several, none free: the held slot _take_slot evicts
-            slot = -1 if len(pages) == 1 or not self._held else min(self._held.values(), key=lambda h: h.t).slot
+            slot = -1 if len(pages) == 1 or not self.holds.by_session else min(self.holds.by_session.values(), key=lambda h: h.t).slot
         return cost(slot), self._shard(slot)
 
-    def _pages_wait(self, pages: Optional[list], need: int, shard: int, first: bool) -> bool:
+    def pages_wait(self, pages: Optional[list], need: int, shard: int, first: bool) -> bool:
         """Whether the request must wait for pages of ``shard`` (counted in ``kv_admission_waits``); ``first``:
         no slot decodes and nothing was admitted in this step (the head is admitted whatever)."""
         if pages is None or need <= pages[shard] or first:
@@ -113,38 +135,37 @@ class KVPressure:
         self.stats["kv_admission_waits"] += 1
         return True
 
-    def _make_room(self, n: int) -> None:
+    def make_room(self, n: int) -> None:
         """Preempt active requests, most recently admitted first, until the next ``n``-step decode call
         fits the pool (module doc); never the last active one (of its shard)."""
-        if not self._paged():
+        if not self._budgeted():
             return
-        shards = getattr(self.engine, "kv_shards", 1)
-        while self.engine.kv_decode_shortfall(n) > 0:
-            short = {0} if shards == 1 else {d for d in range(shards) if self.engine.kv_decode_shortfall(n, shard=d)}
-            live = [(req.admit_seq, slot) for slot, req in enumerate(self._slots)
+        shards = self.engine.kv.shards
+        while self.engine.kv.decode_shortfall(n) > 0:
+            short = {0} if shards == 1 else {d for d in range(shards) if self.engine.kv.decode_shortfall(n, shard=d)}
+            live = [(req.admit_seq, slot) for slot, req in enumerate(self.table.reqs)
                     if req is not None and self._shard(slot) in short]
             count = collections.Counter(self._shard(s) for _, s in live)
             live = [x for x in live if count[self._shard(x[1])] > 1]
             if not live:
                 return  # the engine preempts held slots itself; one sequence always fits a shard's pool
             _, slot = max(live)
-            req = self._slots[slot]
-            self._state = self.engine.preempt_slots(self._state, [slot])
-            self._slots[slot] = None
-            self._requeue(req)
+            req = self.table.reqs[slot]
+            self.table.state = self.engine.kv.preempt_slots(self.table.state, [slot])
+            self.table.reqs[slot] = None
+            self.requeue(req)
 
-    def _requeue(self, req: Any) -> None:
+    def requeue(self, req: Any) -> None:
         """``req`` lost its slot's K/V: back to the head of the queue, to be re-prefilled with what it
         generated (``kv_preempted_requests``)."""
         req.preemptions += 1
         self.stats["kv_preempted_requests"] += 1
-        with self._lock:
-            self._queue.appendleft(req)
+        self.requests.push_front(req)
 
     def kv_stats(self) -> dict[str, int]:
         """The engine's pool counters (``kv_pages_in_use``, ``kv_preemptions``, ...) and the generator's
         (``kv_admission_waits``, ``kv_preempted_requests``, ``kv_reprefill_tokens``); {} without pages."""
-        if not self._paged():
+        if not self._budgeted():
             return {}
         own = {k: int(self.stats[k]) for k in ("kv_admission_waits", "kv_preempted_requests", "kv_reprefill_tokens")}
-        return {**self.engine.kv_stats(), **own}
+        return {**self.engine.kv.stats(), **own}

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rl.models.paged_attention import current_target_backend
+from jax_rl.models.backend_target import current_target_backend
 from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_by_search, threshold_from_sorted, truncates
 from rollout.engine.sampler_kernel import kernel_fits, sample_untruncated
 
@@ -241,7 +241,7 @@ def sample_tokens(
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
       candidates: static; top-p alone draws from this many largest values when the nucleus fits.
       impl: static; the untruncated path: ``"auto"`` (the kernel for a TPU target,
-        :func:`jax_rl.models.paged_attention.current_target_backend`, on one device, where
+        :func:`jax_rl.models.backend_target.current_target_backend`, on one device, where
         :func:`~rollout.engine.sampler_kernel.kernel_fits` ``V``; else XLA), ``"xla"``, ``"kernel"``
         or ``"kernel_interpret"`` (Pallas interpret mode: CPU tests). Truncated: always XLA.
 
@@ -297,7 +297,7 @@ def _kernel_path(impl: str, V: int) -> bool:
 class StepOutput(NamedTuple):
     """What one decode step gives the RL path, per slot: the engine's typed output.
 
-    :meth:`Qwen3Engine.decode` returns one ([B] leaves), :meth:`Qwen3Engine.generate_steps` one
+    :meth:`Qwen3Engine.decode` returns one ([B] leaves), :meth:`Qwen3Engine.decode_steps` one
     per step stacked on a leading axis ([n, B] leaves). Device arrays as the engine returns them;
     ``jax.device_get(out)`` brings the whole record to the host in one transfer (the generator does
     so once per engine call) and :meth:`at` picks one step of a stacked record. The names are the
@@ -331,7 +331,7 @@ class StepOutput(NamedTuple):
     moe_dropped: Any = None
 
     def at(self, i: int) -> "StepOutput":
-        """Step ``i`` of a record stacked over steps (``generate_steps``): every leaf ``x[i]``."""
+        """Step ``i`` of a record stacked over steps (``decode_steps``): every leaf ``x[i]``."""
         return StepOutput(*(None if x is None else x[i] for x in self))
 
 

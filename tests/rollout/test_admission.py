@@ -86,7 +86,7 @@ def test_withdrawn_member_and_order_and_stop(engine):
     g.withdraw(("g3", 3))  # sample 2's episode ended before its first request
     late = g.submit(q, max_new_tokens=8, seed=9, order=(1, 0, 1))  # an older group's later turn, queued last
     g.step()
-    assert [r.order for r in g._slots if r is not None] == [(1, 0, 1), (3, 0, 0), (3, 1, 0)]  # slots in key order
+    assert [r.order for r in g.table.reqs if r is not None] == [(1, 0, 1), (3, 0, 0), (3, 1, 0)]  # slots in key order
     g.run_until_idle()
     assert all(x.result(timeout=5).finish_reason in ("length", "stop") for x in f + [late])
     # a generator stopped with a gang still waiting fails its requests (no caller left waiting)

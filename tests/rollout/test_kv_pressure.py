@@ -50,7 +50,7 @@ def test_active_slots_preempted_resume_with_the_unpreempted_tokens_and_logp(mode
         assert b.tokens == a.tokens
         np.testing.assert_allclose(b.behav_logp, a.behav_logp, atol=1e-5)
         np.testing.assert_array_equal(b.versions, a.versions)
-    assert small.engine.kv_pool.pages_in_use <= S // PS
+    assert small.engine.kv.pool.pages_in_use <= S // PS
 
 
 def test_admission_waits_for_pages_in_order(model):
@@ -61,7 +61,7 @@ def test_admission_waits_for_pages_in_order(model):
     gen.step()
     assert gen.num_active == 2 and gen.num_queued == 2
     assert gen.stats["kv_admission_waits"] == 1
-    assert sorted(r.request_id for r in gen._slots if r is not None) == [f.request_id for f in futs[:2]]
+    assert sorted(r.request_id for r in gen.table.reqs if r is not None) == [f.request_id for f in futs[:2]]
     gen.run_until_idle()
     assert all(len(f.result().tokens) == 6 for f in futs)
     assert gen.kv_stats()["kv_preempted_requests"] == 0
@@ -88,9 +88,12 @@ def test_pool_size_errors_name_the_key(tmp_path):
 
 
 class _Bookkeeping:
-    """The engine attributes a Generator reads at construction and at a swap (no program runs here)."""
+    """The engine attributes a Generator reads at construction and at a swap (no program runs here):
+    :class:`rollout.types.DecodeEngine`'s."""
 
-    max_concurrent_decodes, max_cache_len, params, kv_layout = 2, S, {"w": 0}, "paged"
+    max_concurrent_decodes, max_cache_len, max_prefill_length, params = 2, S, 16, {"w": 0}
+    counts_moe_drops, moe_copies_per_token, route_shape = False, 0, None
+    kv = None  # no layout operation runs here
 
     def init_decode_state(self):
         return {}
@@ -103,13 +106,13 @@ class _Bookkeeping:
 def test_a_swap_reaches_the_preempted_requests_waiting_in_the_queue(partial):
     gen = Generator(_Bookkeeping(), partial=partial, prefix_cache=0)
     short, long = gen.submit([1, 2, 3], max_new_tokens=4), gen.submit([4, 5], max_new_tokens=10)
-    for req, n in zip(list(gen._queue), (4, 3)):  # as _make_room leaves them: tokens generated, re-queued
+    for req, n in zip(list(gen.requests.queue), (4, 3)):  # as _make_room leaves them: tokens generated, re-queued
         req.tokens = list(range(7, 7 + n))
         req.behav_logp, req.versions = np.zeros(10, np.float32), np.zeros(10, np.int32)
         req.preemptions = 1
     gen.update_params({"w": 1}, 1)
     gen._apply_pending()
-    waiting = list(gen._queue)
+    waiting = list(gen.requests.queue)
     if partial == "abort":  # the partial turn dropped and re-issued with what is left of the budget
         assert short.result().finish_reason == "aborted" and short.result().info["dropped_tokens"] == 4
         (req,) = waiting

@@ -218,18 +218,18 @@ def test_held_slot_does_not_decode_and_keeps_its_kv_while_others_decode(engine, 
     f = gen.submit(prompt, max_new_tokens=3, seed=1, session="a")
     gen.run_until_idle()
     c0 = f.result(timeout=0)
-    held = gen._held["a"]
+    held = gen.holds.by_session["a"]
     n = len(held.context)
     g = gen.submit([5, 6], max_new_tokens=29, seed=0)
     gen.step()  # admits the other request; deactivates the held slot before its decode
-    assert not bool(np.asarray(gen._state["active"])[held.slot])
-    before = _slot_kv(eng, gen._state, held.slot, n)
-    length = int(np.asarray(gen._state["cache"].lengths)[held.slot])
+    assert not bool(np.asarray(gen.table.state["active"])[held.slot])
+    before = _slot_kv(eng, gen.table.state, held.slot, n)
+    length = int(np.asarray(gen.table.state["cache"].lengths)[held.slot])
     gen.run_until_idle()
     assert len(g.result(timeout=0).tokens) == 29 and gen.num_held == 1
     assert gen.stats["discarded_tokens"] == 0  # the held slot produced no valid token
-    assert int(np.asarray(gen._state["cache"].lengths)[held.slot]) == length == n
-    for x, y in zip(before, _slot_kv(eng, gen._state, held.slot, n)):
+    assert int(np.asarray(gen.table.state["cache"].lengths)[held.slot]) == length == n
+    for x, y in zip(before, _slot_kv(eng, gen.table.state, held.slot, n)):
         np.testing.assert_array_equal(x, y)
     ctx = prompt + c0.tokens + [7, 8]
     f = gen.submit(ctx, max_new_tokens=4, seed=2, session="a")

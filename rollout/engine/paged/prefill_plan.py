@@ -29,6 +29,7 @@ import dataclasses
 from typing import Callable, Hashable, Optional, Sequence
 
 from rollout.engine.slots import prefill_bucket
+from rollout.engine.spec import check_chunk_size  # the spec validates it too
 
 __all__ = ["Chunk", "ChunkProgram", "prefill_programs", "rows_per_program", "check_chunk_size", "MAX_ROWS"]
 
@@ -69,15 +70,6 @@ class ChunkProgram:
     pages: Optional[Hashable]
     rows: int
     chunks: tuple[Chunk, ...]
-
-
-def check_chunk_size(chunk: int) -> int:
-    """``chunk`` as an int; ValueError (naming ``rollout.prefill_chunk_size``) unless a power of two >= 16."""
-    c = int(chunk)
-    if c < 16 or c & (c - 1):
-        raise ValueError(f"rollout.prefill_chunk_size={chunk}: must be a power of two >= 16 (the prefill "
-                         f"programs' position buckets are powers of two)")
-    return c
 
 
 def rows_per_program(T: int, chunk: int, slots: int) -> int:
