@@ -148,7 +148,9 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    # rollout.prefill_chunk_size added (the paged layout's chunked prefill; the paper configs run
                    # the contiguous layout, which does not chunk)
                    "ccec1e16a5b5": "fe44208e4440", "6564a4119efe": "61ef306916a7", "a6093ebbdcc2": "6db4c725c5c6",
-                   "949b25961f55": "f89beb774d44", "5677f874ddc4": "160cc6e841e5", "610d182a0b6a": "6b7ef691a83e"}
+                   "949b25961f55": "f89beb774d44", "5677f874ddc4": "160cc6e841e5", "610d182a0b6a": "6b7ef691a83e",
+                   "1772e886d7b0": "fe44208e4440", "51bfdb70b760": "61ef306916a7", "67415489c3f5": "6db4c725c5c6",  # issue 64:
+                   "4d25b0a02070": "f89beb774d44", "d8c2f74ee2e5": "160cc6e841e5", "d13e54f6b30d": "6b7ef691a83e"}  # 1 line a key
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:

@@ -1,5 +1,6 @@
 """Config system: loading, inheritance, overrides, every class of bad value, CLI errors."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,41 @@ from jax_rl.config import (
     parse_overrides,
     render_base_yaml,
 )
+from jax_rl.config import _valid_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_base_yaml_in_sync_with_schema():
     assert (CONFIG_DIR / "base.yaml").read_text() == render_base_yaml(), (
-        "configs/base.yaml is stale: run `python -m jax_rl.config > configs/base.yaml`"
+        "configs/base.yaml is stale: run `.venv/bin/python -m jax_rl.config --write`"
     )
+
+
+def test_base_yaml_one_short_line_per_key():
+    """Every line below the header is one key (or section) with a comment whose meaning, without its
+    ``Choices:`` list, is at most 100 characters: the docstring's summary (the rest is in docs/config.md)."""
+    text = (CONFIG_DIR / "base.yaml").read_text()
+    body = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(body) == len(_valid_keys())  # every key and section once
+    for ln in body:
+        assert re.match(r"^ *[A-Za-z_][A-Za-z0-9_]*:( .+?)?  # \S", ln), f"not one key a line: {ln!r}"
+        meaning = ln.split("  # ", 1)[1].split(" Choices: ")[0]
+        assert len(meaning) <= 100, f"comment over 100 characters ({len(meaning)}): {ln!r}"
+
+
+def test_one_command_regenerates_both_files(tmp_path, monkeypatch):
+    """``python -m jax_rl.config --write`` (``reference.main``) writes base.yaml and config.md, each equal
+    to its render; without ``--write`` the package's entry prints base.yaml."""
+    from jax_rl.config import reference
+
+    monkeypatch.setattr(reference, "BASE_PATH", tmp_path / "base.yaml")
+    monkeypatch.setattr(reference, "DOC_PATH", tmp_path / "docs" / "config.md")
+    assert reference.main(["--write"], prog="python -m jax_rl.config", prints="base") == 0
+    assert (tmp_path / "base.yaml").read_text() == render_base_yaml()
+    assert (tmp_path / "docs" / "config.md").read_text() == reference.render_config_reference()
+    out = subprocess.run([sys.executable, "-m", "jax_rl.config"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == render_base_yaml(), out.stderr[-500:]
 
 
 def test_base_yaml_every_knob_commented():

@@ -74,7 +74,9 @@ class Config(_Section):
     resume: bool = False
     """Continue from the latest checkpoint in run.dir (buffer included)."""
     resume_step: Optional[int] = Field(None, ge=0)
-    """With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
+    """With resume: the checkpoint step to resume from.
+
+    With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
                               use_attribute_docstrings=True, allow_inf_nan=False)
