@@ -114,14 +114,14 @@ def test_overrides_types_and_nesting():
     cfg = load_config(
         CONFIG_DIR / "tiny_cpu.yaml",
         ["loss.correction=ppo", "async.max_staleness=0", "optim.lr=3e-4", "loss.dual_clip_c=3",
-         "env.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "runtime.ray_workers=3",
+         "env.calculator.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "runtime.ray_workers=3",
          "model.hf_overrides={hidden_size: 32}"],
     )
     assert cfg.loss.correction == "ppo"
     assert cfg.async_.max_staleness == 0
     assert cfg.optim.lr == pytest.approx(3e-4)
     assert cfg.loss.dual_clip_c == 3
-    assert cfg.env.datasets == ["chain_sum"]
+    assert cfg.env.calculator.datasets == ["chain_sum"]
     assert cfg.logging.wandb is True
     assert cfg.runtime.kind == "ray" and cfg.runtime.ray_workers == 3
     assert cfg.model.hf_overrides == {"hidden_size": 32}
@@ -294,6 +294,29 @@ def test_moved_keys_read_under_their_new_name_with_a_note(tmp_path, caplog):
     with pytest.raises(ConfigError, match="rollout.group_size=2 and algo.group_size=4 disagree"):
         load_config(f)
     assert Config.model_validate({"rollout": {"group_size": 4}, "optim": {"batch_size": 8}}).algo.group_size == 4
+
+
+def test_calculator_knobs_moved_under_env_calculator(tmp_path, caplog):
+    """Each env's knobs are ``env.<name>``: calculator's old top-level ``env.datasets`` / ``env.dataset_config``
+    still load, from a file or an override, under ``env.calculator.*`` with a one-line note; both set to
+    different values is refused naming both."""
+    import logging
+
+    from jax_rl.config import schema as S
+
+    S._noted.clear()
+    with caplog.at_level(logging.WARNING, logger="jax_rl.config"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["env.datasets=[basic_arithmetic]"])
+    assert cfg.env.calculator.datasets == ["basic_arithmetic"]
+    assert "env.datasets is env.calculator.datasets now" in caplog.text
+    f = tmp_path / "old.yaml"  # a file in the old shape, over tiny_cpu.yaml's env.calculator
+    f.write_text(f"base_config: {CONFIG_DIR / 'tiny_cpu.yaml'}\nenv:\n  datasets: [chain_sum]\n"
+                 "  dataset_config:\n    chain_sum: {min_terms: 3, max_terms: 3}\n")
+    cfg = load_config(f)
+    assert cfg.env.calculator.dataset_config == {"chain_sum": {"min_terms": 3, "max_terms": 3}}
+    assert "datasets" not in cfg.env.model_dump() and "dataset_config" not in cfg.env.model_dump()
+    with pytest.raises(ConfigError, match=r"env.datasets=\['chain_sum'\] and env.calculator.datasets=\['x'\] disagree"):
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", ["env.datasets=[chain_sum]", "env.calculator.datasets=[x]"])
 
 
 

@@ -235,6 +235,27 @@ def test_registries_agree_with_the_config():
     assert set(typing.get_args(AlgoConfig.model_fields["advantage"].annotation)) == set(ADVANTAGES)
 
 
+def test_envs_agree_with_the_config():
+    """One env convention: ``env.name`` accepts exactly the :data:`rollout.envs.ENVS` names, and each env's knobs
+    are the config section ``env.<name>`` its :class:`EnvSpec` names (``section``); the env sections are all
+    that ``env`` holds besides ``name`` and ``train_seed_offset``. The tool-latency cap is defined once."""
+    import typing
+
+    from jax_rl.config import MAX_TOOL_LATENCY_S, EnvConfig
+    from rollout.envs import ENVS
+    from rollout.envs import base as env_base
+
+    assert set(typing.get_args(EnvConfig.model_fields["name"].annotation)) == set(ENVS)
+    assert {n: s.section for n, s in ENVS.items()} == {n: n for n in ENVS}
+    assert set(EnvConfig.model_fields) - {"name", "train_seed_offset"} == set(ENVS)
+    assert MAX_TOOL_LATENCY_S is env_base.MAX_TOOL_LATENCY_S
+    defs = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py"))
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            and any(isinstance(t, ast.Name) and t.id == "MAX_TOOL_LATENCY_S"
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    assert len(defs) == 1, f"MAX_TOOL_LATENCY_S defined more than once: {defs}"
+
+
 def _string_constants(path: Path) -> list[tuple[int, str]]:
     """(line, value) of the string constants of a module that are not docstrings."""
     tree = ast.parse(path.read_text())

@@ -14,8 +14,9 @@ The package: :mod:`jax_rl.config.schema` (:class:`Config`) over the sections in 
 :mod:`~jax_rl.config.run`, :mod:`jax_rl.config.loading` (files, overrides, errors, dump, hash) and :mod:`jax_rl.config.reference`
 (``configs/base.yaml`` and ``docs/config.md`` rendered from the schema's docstrings); everything is
 importable from ``jax_rl.config``. Importing or validating it does not import jax (cheap for the CLI
-and tests). The package is a leaf of the import graph: what a correction mode allows with it is the
-registries' check, :func:`jax_rl.learner.correction.check_config`. ``python -m jax_rl.config
+and tests). The package imports no learner registry (what a correction mode allows with it is the
+registries' check, :func:`jax_rl.learner.correction.check_config`); it imports the env registry's knob checks
+(:mod:`rollout.envs`) and :mod:`jax_rl.affinity` (:mod:`jax_rl.config.schema` says why). ``python -m jax_rl.config
 --write`` regenerates both generated files.
 """
 

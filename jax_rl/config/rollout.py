@@ -1,5 +1,5 @@
 """The rollout and environment sections (part of :mod:`jax_rl.config`): ``rollout`` (its ``mesh``) and ``env``
-(its ``tau2``)."""
+(each env's knobs under ``env.<name>``: ``calculator``, ``retail``, ``tau2``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from jax_rl.config.base import _Section
 from jax_rl.config.model import _MeshAxes
 from rollout.envs import check_knobs
+from rollout.envs.base import MAX_TOOL_LATENCY_S  # noqa: F401 (re-exported: the env's cap on one tool latency)
 
-
-# Upper bounds of the rollout's time knobs: finite, so ``time.sleep`` / ``Future.result(timeout=)``
-# never overflow in a rollout thread.
-MAX_TOOL_LATENCY_S = 600.0
+# Upper bound of the episode time budget: finite, so ``Future.result(timeout=)`` never overflows in a rollout
+# thread (the tool latency's, MAX_TOOL_LATENCY_S, is the envs').
 MAX_EPISODE_TIMEOUT_S = 86400.0
 
 
@@ -244,19 +243,31 @@ class Tau2Config(_Section):
     """env.tau2.user=model: the served user simulator model."""
 
 
+class CalculatorConfig(_Section):
+    """``env.name=calculator``: reasoning-gym tasks with a calculate tool (rollout/envs/calculator.py)."""
+
+    datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
+    """reasoning-gym datasets the tasks are drawn from (seed s: dataset s % n)."""
+    dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-dataset reasoning-gym kwargs, e.g. ``{chain_sum: {min_terms: 2, max_terms: 3}}``."""
+
+
 class EnvConfig(_Section):
-    """Environments. ``name`` picks one; its knobs live under its own key."""
+    """Environments. ``name`` picks one; each env's knobs live under ``env.<name>``, checked by its EnvSpec.
+
+    Each env's knobs live under its own key, ``env.<name>`` (the :data:`rollout.envs.ENVS` entry's
+    ``section``): ``calculator`` and ``tau2`` are typed sections, ``retail`` a mapping its
+    :class:`~rollout.envs.base.EnvSpec` checks (``check_knobs``: :class:`rollout.envs.retail.RetailKnobs`) when the
+    config is loaded; each env's ``check`` runs at the start of a run (datasets, domains)."""
 
     name: Literal["calculator", "retail", "tau2"] = "calculator"
     """The environment.
 
     Environment: calculator (reasoning-gym tasks + calculate tool), retail (tau-bench style DB) or tau2 (tau²-bench's domains)."""
-    datasets: list[str] = Field(default_factory=lambda: ["chain_sum", "basic_arithmetic"])
-    """reasoning-gym datasets for ``calculator``."""
-    dataset_config: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    """Per-dataset reasoning-gym kwargs, e.g. ``{chain_sum: {min_terms: 2, max_terms: 3}}``."""
+    calculator: CalculatorConfig = Field(default_factory=CalculatorConfig)
+    """Knobs of env.name=calculator."""
     retail: dict[str, Any] = Field(default_factory=dict)
-    """Knobs of the retail env (num_users, num_orders, ...)."""
+    """Knobs of env.name=retail (num_users, max_orders_per_user, task_kinds, max_answer_chars)."""
     tau2: Tau2Config = Field(default_factory=Tau2Config)
     """Knobs of env.name=tau2."""
     train_seed_offset: int = Field(0, ge=0)
@@ -271,7 +282,7 @@ class EnvConfig(_Section):
 
     @model_validator(mode="after")
     def _has_datasets(self) -> "EnvConfig":
-        if self.name == "calculator" and not self.datasets:
-            raise ValueError("env.datasets=[] names no dataset: env.name=calculator needs at least one "
-                             "reasoning-gym dataset, e.g. env.datasets=[chain_sum]")
+        if self.name == "calculator" and not self.calculator.datasets:
+            raise ValueError("env.calculator.datasets=[] names no dataset: env.name=calculator needs at least one "
+                             "reasoning-gym dataset, e.g. env.calculator.datasets=[chain_sum]")
         return self

@@ -73,8 +73,8 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     is given; its seeds split at ``eval.seed_offset``.
 
     Raises:
-        ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
-            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
+        ConfigError: naming the key: an unregistered ``env.calculator.datasets`` entry, bad
+            ``env.calculator.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
             ``eval.num_tasks`` above a fixed held-out split (tau2's test split).
     """
     try:
