@@ -413,12 +413,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _exit_if_peer_lost(e: BaseException) -> None:
     """Multi-process (``jax.distributed``): when ``e`` ended the run because a peer process is gone (a
-    :class:`jax_rl.weight_sync.WeightSyncError`, or a collective whose peer closed the connection), print ONE
+    :class:`jax_rl.collectives.PeerLostError`, e.g. a :class:`jax_rl.weight_sync.WeightSyncError`, or a collective
+    whose peer closed the connection), print ONE
     line naming the lost process(es) and leave with exit code 3 at once (``os._exit``: jax's exit-time shutdown
     barrier would wait for the dead peer). The lost processes are the ones the ``jax.distributed`` coordination
     service no longer lists as alive (the coordinator's own loss: process 0). Returns otherwise."""
     jx = sys.modules.get("jax")
-    ws = sys.modules.get("jax_rl.weight_sync")
+    ws = sys.modules.get("jax_rl.collectives")
     if jx is None:
         return
     try:
@@ -431,12 +432,12 @@ def _exit_if_peer_lost(e: BaseException) -> None:
     except Exception:  # noqa: BLE001 - no distributed runtime: nothing to name
         return
     text = " ".join(str(e).split())
-    peerish = (ws is not None and isinstance(e, ws.WeightSyncError)) or any(
+    peerish = (ws is not None and isinstance(e, ws.PeerLostError)) or any(
         k in text for k in ("Connection closed by peer", "Connection reset", "UNAVAILABLE", "heartbeat", "Gloo"))
     if not peerish:
         return
     lost: list = []
-    if not (ws is not None and isinstance(e, ws.WeightSyncError)):  # (that one names its peer already)
+    if not (ws is not None and isinstance(e, ws.PeerLostError)):  # (that one names its peer already)
         got: list = []
 
         def ask() -> None:  # a collective over the live processes: returns once the dead are known to the service

@@ -16,7 +16,7 @@ from jax_rl.checkpoint import abstract_like
 from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
-from jax_rl.learner.correction import tree_finite, tree_where
+from jax_rl.learner.trees import tree_finite, tree_where
 from jax_rl.learner.logprobs import CHUNK_ELEMS, chunk_len
 from jax_rl.placement import BatchPlacement
 from jax_rl.learner.sft import SFT_FIELDS, make_sft_step
