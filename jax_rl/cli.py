@@ -20,12 +20,12 @@ from typing import Optional
 
 import yaml
 
-from jax_rl.chips import BackendUnavailable, require_backend
+from jax_rl.compile.chips import BackendUnavailable, require_backend
 from jax_rl.config import ConfigError, load_config
 from jax_rl.config.loading import _suggest, _valid_keys, resolve_config_path
 from jax_rl.plots import plot_runs
 from jax_rl.runtime.run_dir import multiprocess_start
-from jax_rl.tpu import cpu_unless_tpu_present, libtpu_available
+from jax_rl.compile.topology import cpu_unless_tpu_present, libtpu_available
 
 # The subcommands that run a model import jax (and flax, orbax...) inside their cmd_* function: main() must
 # choose the platform (cpu_unless_tpu_present) before jax is imported, and `jax-rl --help` or a config error
@@ -128,14 +128,14 @@ def _checked(cfg):
 
 class _VersionAction(argparse.Action):
     """``--version``: jax-rl, jax and jaxlib, the backend JAX starts here (``JAX_PLATFORMS`` honoured) and
-    its devices, one per line (:func:`jax_rl.chips.backend_report`); an absent backend is one ``backend:
+    its devices, one per line (:func:`jax_rl.compile.chips.backend_report`); an absent backend is one ``backend:
     error: ...`` line, exit 0. Imports jax only when asked."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from jax_rl.chips import backend_report, format_report  # lazy: imports jax, starts its backend
+        from jax_rl.compile.chips import backend_report, format_report  # lazy: imports jax, starts its backend
 
         print(format_report(backend_report()), flush=True)
         parser.exit()
