@@ -52,8 +52,7 @@ test-full-depth: $(STAMP_TEST)
 # every generated file, from its source (docs/extending.md): base.yaml and docs/config.md from the schema,
 # docs/performance.md from docs/results/perf/, docs/paper_repro.md (and its figures) from its records
 docs: $(STAMP)
-	$(BIN)/python -m jax_rl.config > configs/base.yaml
-	$(BIN)/python -m jax_rl.config_reference --write
+	$(BIN)/python -m jax_rl.config --write
 	$(BIN)/python bench/perf_reference.py --write
 	$(BIN)/python bench/paper_repro.py --doc-only
 

@@ -4,7 +4,7 @@ the JSON record file each run appends to
 platform preamble: ``--platform cpu|gpu|tpu`` chosen before jax is imported (:func:`select_platform`,
 :func:`add_platform_arg`), the versions and devices printed and put in every record
 (:func:`environment`), and the figure beside its roofline from the one chip table,
-:data:`jax_rl.chips.CHIPS` (:func:`decode_roofline`, :func:`mfu`).
+:data:`jax_rl.compile.chips.CHIPS` (:func:`decode_roofline`, :func:`mfu`).
 
 The preamble: a bench script's first project import is ``from _record import ...`` (``bench/`` is on
 ``sys.path`` as the script's own directory, or by ``tests/bench_module.load_bench``); importing this module
@@ -33,12 +33,16 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
 def _chips():
-    """:mod:`jax_rl.chips`, imported when first needed: a bench that runs another source tree's jax_rl
-    (``bench/e2e_rl.py --src``) puts that tree on ``sys.path`` first; this checkout is only the fallback."""
+    """:mod:`jax_rl.compile.chips`, imported when first needed: a bench that runs another source tree's jax_rl
+    (``bench/e2e_rl.py --src``) puts that tree on ``sys.path`` first; this checkout is only the fallback. A tree
+    from before the chip table moved into ``jax_rl/compile/`` has it as ``jax_rl.chips``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.append(root)
-    from jax_rl import chips
+    try:
+        from jax_rl.compile import chips
+    except ImportError:  # an older source tree (bench/e2e_rl.py --src)
+        from jax_rl import chips
 
     return chips
 
@@ -72,7 +76,7 @@ def add_platform_arg(parser) -> None:
 
 
 def environment(echo: bool = True) -> dict[str, Any]:
-    """jax-rl / jax / jaxlib versions, the backend, its devices and the chip (:func:`jax_rl.chips.backend_report`)
+    """jax-rl / jax / jaxlib versions, the backend, its devices and the chip (:func:`jax_rl.compile.chips.backend_report`)
     plus the chip's vendor peaks (``hbm_bandwidth`` bytes/s, ``peak_bf16_flops`` FLOP/s; None on a CPU or an
     unknown chip). ``echo``: also print it as one ``env:`` line. Put it in every record."""
     chips = _chips()

@@ -68,12 +68,12 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jax_rl import tpu
+    from jax_rl import compile as aot
     from jax_rl.models.backend_target import target_backend
     from rollout.engine import EngineSpec, Qwen3Engine
 
-    spec = tpu.resolve_topology(topology)
-    topo = tpu.get_topology(topology)
+    spec = aot.resolve_topology(topology)
+    topo = aot.get_topology(topology)
     engine_spec = EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
                              model_kwargs=dict(scan_layers=scan, attention="xla",
                                                scan_unroll="full" if unroll_scan else 1),
@@ -102,11 +102,11 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     # with the state sharded over slots, set the mesh so the activation constraints
     # (activation_batch -> data) shard the batch the same way
     ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
-    with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+    with ctx, jax.default_matmul_precision("default"), aot.no_persistent_cache():
         lowered = engine.programs["decode"].lower(params, state)
         compiled = lowered.compile(compiler_options=compiler_options or None)
     secs = time.perf_counter() - t0
-    a = tpu.program_analysis(compiled)
+    a = aot.program_analysis(compiled)
     a["compile_s"] = round(secs, 1)
     a["params_per_chip"] = _per_chip_bytes(params)
     a["kv_per_chip"] = _per_chip_bytes(kv)
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                         "(bench/hlo_traffic.py's top-level traffic)")
     a = p.parse_args(argv)
 
-    from jax_rl import tpu
+    from jax_rl import compile as aot
     from jax_rl.models.qwen3 import get_preset
 
     over = {"num_hidden_layers": a.layers} if a.layers else {}
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         if scan and not a.no_unroll_check:
             runs.append(("unrolled", True, None))
         if not a.no_msa_check:  # the loop-free program again, VMEM placement off (see module doc)
-            runs.append(("msa off", scan and not a.no_unroll_check, tpu.HBM_SIDE_OPTIONS))
+            runs.append(("msa off", scan and not a.no_unroll_check, aot.HBM_SIDE_OPTIONS))
         res = {}
         for tag, unroll, opts in runs:
             try:

@@ -178,13 +178,13 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
         import numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-        from jax_rl import tpu
+        from jax_rl import compile as aot
 
-        topo = tpu.get_topology(topology)
+        topo = aot.get_topology(topology)
         mesh = Mesh(np.array(topo.devices[:1]), ("data",))
         rep = lambda t: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), t)
-        with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+        with jax.default_matmul_precision("default"), aot.no_persistent_cache():
             compiled = eng.programs["decode"].lower(rep(params), rep(state)).compile()
     else:
         compiled = eng.programs["decode"].lower(params, state).compile()
@@ -234,11 +234,11 @@ def compile_paged(cfg, spec, *, live: int, backend: str, topology: str = "v5p-8"
         import numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P_
 
-        from jax_rl import tpu
+        from jax_rl import compile as aot
 
-        mesh = Mesh(np.array(tpu.get_topology(topology).devices[:1]), ("data",))
+        mesh = Mesh(np.array(aot.get_topology(topology).devices[:1]), ("data",))
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P_())), args)
-        with jax.default_matmul_precision("default"), tpu.no_persistent_cache(), jax.set_mesh(mesh), \
+        with jax.default_matmul_precision("default"), aot.no_persistent_cache(), jax.set_mesh(mesh), \
                 target_backend(backend):
             compiled = fn.lower(*args).compile()
     else:
@@ -269,9 +269,9 @@ def main(argv=None) -> int:
     from rollout.engine import EngineSpec
 
     if a.backend == "tpu":
-        from jax_rl import tpu
+        from jax_rl import compile as aot
 
-        tpu.quiet_libtpu_env(tpu.resolve_topology(a.topology))
+        aot.quiet_libtpu_env(aot.resolve_topology(a.topology))
     cfg = get_preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
     itemsize = 2 if a.dtype in ("bfloat16", "bf16") else 4
     live = a.live or a.cache

@@ -12,7 +12,7 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   ``--new`` tokens per slot in ``decode_steps`` calls of ``--decode-steps`` (prefill and host
   work of the generator excluded; the cache holds zeros, which costs the same as real K/V). The
   roofline per step: all weights once (bf16, the tied LM head once) plus each slot's K/V up to its
-  current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/chips.py``);
+  current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/compile/chips.py``);
   figures are decode-only tokens/s and % of it. Then the
   end-to-end ``Generator`` figure (prefill included, ``bench/rollout_decode.py``'s runner, the
   engine's default layout) as the shared GPU harness measures it.
@@ -21,7 +21,7 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   config default, ``cudnn:none``, ``cudnn:save_dot_with_context_except_mlp``,
   ``xla:save_dot_with_context_except_mlp``), each in its own process (so the peak memory is its
   own): s/step, MFU (``bench/learner_step.py``'s FLOP formula) against ``--peak-flops`` (default: the
-  chip's dense bf16 vendor peak, ``jax_rl/chips.py``), and the
+  chip's dense bf16 vendor peak, ``jax_rl/compile/chips.py``), and the
   device's ``peak_bytes_in_use``.
 - ``profile``: a ``jax.profiler`` trace of 8 decode steps (64 slots, default layout) in ``DIR/trace``.
 
@@ -58,10 +58,10 @@ def _args(argv=None):
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hbm-bw", type=float, default=None,
-                   help="bytes/s of the decode roofline (default: the chip's vendor figure, jax_rl.chips.CHIPS; "
+                   help="bytes/s of the decode roofline (default: the chip's vendor figure, jax_rl.compile.chips.CHIPS; "
                         "none on a CPU or an unknown chip)")
     p.add_argument("--peak-flops", type=float, default=None,
-                   help="FLOP/s for MFU (default: the chip's dense bf16 vendor peak, jax_rl.chips.CHIPS; e.g. "
+                   help="FLOP/s for MFU (default: the chip's dense bf16 vendor peak, jax_rl.compile.chips.CHIPS; e.g. "
                         "790e12, an 8192^3 bf16 matmul measured on the H200, for an attainable-rate MFU)")
     p.add_argument("--lb", type=int, default=8)
     p.add_argument("--lt", type=int, default=2048)

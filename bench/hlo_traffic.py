@@ -180,7 +180,7 @@ def compile_piece(config: str, topology: str, depth: int, overrides: list[str]):
 
     from jax_rl import compile as C
     from jax_rl.config import load_config
-    from jax_rl.tpu import no_persistent_cache
+    from jax_rl.compile.topology import no_persistent_cache
 
     cfg = load_config(config, overrides)
     t = C._target(cfg, topology)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-out", default=None, help="also write the compiled module's text here")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
-    from jax_rl.tpu import program_analysis
+    from jax_rl.compile.analysis import program_analysis
 
     t0 = time.perf_counter()
     compiled, cfg, r, T = compile_piece(a.config, a.topology, a.depth, a.overrides)

@@ -20,7 +20,7 @@ episodes are in flight) is compiled for one chip at two sizes, and the compiler'
   reference: one copy per weight version in flight, ``--versions``) and each episode's own pages
   (``ceil(unique / page_size) + 1``, the last partial page copied on write).
 
-The capacity is the largest ``n`` with ``fixed + per_episode x n`` within the chip's HBM (``jax_rl.chips``).
+The capacity is the largest ``n`` with ``fixed + per_episode x n`` within the chip's HBM (``jax_rl.compile.chips``).
 Compile-time estimates on a CPU host (libtpu's AOT compiler): never a measured TPU memory or time.
 """
 
@@ -46,7 +46,7 @@ def qwen3_8b(layers: int = 0):
 
 
 def _peak(compiled) -> int:
-    from jax_rl.tpu.analysis import program_analysis
+    from jax_rl.compile.analysis import program_analysis
 
     return int(program_analysis(compiled)["peak_bytes_per_chip"])
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=0, help="depth override (0 = Qwen3-8B's 36)")
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args(argv)
-    from jax_rl import chips
+    from jax_rl.compile import chips
 
     cfg = qwen3_8b(a.layers)
     hbm = chips.CHIPS[a.topology.split("-")[0].split(":")[0]].hbm_bytes

@@ -8,7 +8,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python bench/paged_mesh_compile.py --topology v5p-8 --layers 4 \\
         --slots 64 --cache 2048 --tensor 2 [--expert 2] [--data 2] [--hbm-side]
 
-For each (engine placement, K/V layout) it prints what :func:`jax_rl.tpu.compile_rollout` reports for
+For each (engine placement, K/V layout) it prints what :func:`jax_rl.compile.compile_rollout` reports for
 the ``generate`` program: params and K/V bytes per chip (from the arguments' shardings; the paged pool
 defaults to the contiguous layout's memory, ``slots x max_cache_len`` positions), ``bytes_accessed`` per
 chip (``cost_analysis``; with ``--hbm-side`` memory-space assignment is off, every buffer in HBM:
@@ -38,12 +38,12 @@ def main() -> None:
     p.add_argument("--hbm-side", action="store_true", help="compile with memory-space assignment off")
     a = p.parse_args()
 
-    from jax_rl import tpu  # lazy: jax after argparse
+    from jax_rl import compile as aot  # lazy: jax after argparse
     from jax_rl.models import qwen3 as q
     from jax_rl.sharding import make_mesh
     from rollout.engine import EngineSpec
 
-    topo = tpu.get_topology(a.topology)
+    topo = aot.get_topology(a.topology)
     mc = q.get_preset(a.preset).replace(num_hidden_layers=a.layers)
     meshes = [("colocated", None),
               (f"tensor {a.tensor}", make_mesh(data=1, fsdp=1, tensor=a.tensor, devices=topo.devices[:a.tensor]))]
@@ -59,8 +59,8 @@ def main() -> None:
         for layout in ("contiguous", "paged"):
             spec = EngineSpec(slots=a.slots, max_cache_len=a.cache, dtype="bfloat16",
                               model_kwargs=dict(scan_layers=False), kv_layout=layout, kv_page_size=a.page_size)
-            d = tpu.compile_rollout(mc, a.topology, spec, prefill_len=256, only=("decode",), mesh=mesh,
-                                    compiler_options=tpu.HBM_SIDE_OPTIONS if a.hbm_side else None)["decode"]
+            d = aot.compile_rollout(mc, a.topology, spec, prefill_len=256, only=("decode",), mesh=mesh,
+                                    compiler_options=aot.HBM_SIDE_OPTIONS if a.hbm_side else None)["decode"]
             mib = lambda k: f"{d[k] / 2**20:,.1f}"  # noqa: E731
             print(f"| {name} | {layout} | {mib('params_per_chip')} | {mib('kv_cache_per_chip')} | "
                   f"{mib('bytes_accessed')} | {d['bytes_accessed_ratio']:.2f} | {mib('peak_bytes_per_chip')} |",

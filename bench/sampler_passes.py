@@ -6,7 +6,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python bench/sampler_passes.py --slots 128 --vocab 151936 --topology v5p-8
 
 Compiles ``sample_tokens`` alone (logits [B, V] fp32 -> tokens, behav_logp, kept mass) for one chip of
-``--topology`` with memory-space assignment off (``jax_rl.tpu.HBM_SIDE_OPTIONS``: every access an
+``--topology`` with memory-space assignment off (``jax_rl.compile.HBM_SIDE_OPTIONS``: every access an
 HBM access) and prints, per truncation setting, the compiler's ``bytes accessed / (B * V * 4)``:
 1.0 = the logits read once. Compile-time estimates, not TPU measurements.
 
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_rl.tpu import HBM_SIDE_OPTIONS, get_topology, no_persistent_cache, program_analysis
+    from jax_rl.compile import HBM_SIDE_OPTIONS, get_topology, no_persistent_cache, program_analysis
     from rollout.engine import sample_tokens
 
     B, V = args.slots, args.vocab

@@ -20,12 +20,12 @@ from typing import Optional
 
 import yaml
 
-from jax_rl.chips import BackendUnavailable, require_backend
+from jax_rl.compile.chips import BackendUnavailable, require_backend
 from jax_rl.config import ConfigError, load_config
 from jax_rl.config.loading import _suggest, _valid_keys, resolve_config_path
 from jax_rl.plots import plot_runs
 from jax_rl.runtime.run_dir import multiprocess_start
-from jax_rl.tpu import cpu_unless_tpu_present, libtpu_available
+from jax_rl.compile.topology import cpu_unless_tpu_present, libtpu_available
 
 # The subcommands that run a model import jax (and flax, orbax...) inside their cmd_* function: main() must
 # choose the platform (cpu_unless_tpu_present) before jax is imported, and `jax-rl --help` or a config error
@@ -128,14 +128,14 @@ def _checked(cfg):
 
 class _VersionAction(argparse.Action):
     """``--version``: jax-rl, jax and jaxlib, the backend JAX starts here (``JAX_PLATFORMS`` honoured) and
-    its devices, one per line (:func:`jax_rl.chips.backend_report`); an absent backend is one ``backend:
+    its devices, one per line (:func:`jax_rl.compile.chips.backend_report`); an absent backend is one ``backend:
     error: ...`` line, exit 0. Imports jax only when asked."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from jax_rl.chips import backend_report, format_report  # lazy: imports jax, starts its backend
+        from jax_rl.compile.chips import backend_report, format_report  # lazy: imports jax, starts its backend
 
         print(format_report(backend_report()), flush=True)
         parser.exit()
@@ -413,12 +413,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _exit_if_peer_lost(e: BaseException) -> None:
     """Multi-process (``jax.distributed``): when ``e`` ended the run because a peer process is gone (a
-    :class:`jax_rl.weight_sync.WeightSyncError`, or a collective whose peer closed the connection), print ONE
+    :class:`jax_rl.collectives.PeerLostError`, e.g. a :class:`jax_rl.weight_sync.WeightSyncError`, or a collective
+    whose peer closed the connection), print ONE
     line naming the lost process(es) and leave with exit code 3 at once (``os._exit``: jax's exit-time shutdown
     barrier would wait for the dead peer). The lost processes are the ones the ``jax.distributed`` coordination
     service no longer lists as alive (the coordinator's own loss: process 0). Returns otherwise."""
     jx = sys.modules.get("jax")
-    ws = sys.modules.get("jax_rl.weight_sync")
+    ws = sys.modules.get("jax_rl.collectives")
     if jx is None:
         return
     try:
@@ -431,12 +432,12 @@ def _exit_if_peer_lost(e: BaseException) -> None:
     except Exception:  # noqa: BLE001 - no distributed runtime: nothing to name
         return
     text = " ".join(str(e).split())
-    peerish = (ws is not None and isinstance(e, ws.WeightSyncError)) or any(
+    peerish = (ws is not None and isinstance(e, ws.PeerLostError)) or any(
         k in text for k in ("Connection closed by peer", "Connection reset", "UNAVAILABLE", "heartbeat", "Gloo"))
     if not peerish:
         return
     lost: list = []
-    if not (ws is not None and isinstance(e, ws.WeightSyncError)):  # (that one names its peer already)
+    if not (ws is not None and isinstance(e, ws.PeerLostError)):  # (that one names its peer already)
         got: list = []
 
         def ask() -> None:  # a collective over the live processes: returns once the dead are known to the service

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -56,15 +55,16 @@ import numpy as np
 from jax._src import distributed
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from jax_rl.collectives import PeerLostError
 from jax_rl.sharding import make_mesh
 
 __all__ = ["WeightSyncError", "SyncTarget", "ShardedWeightSync", "configure_transfer", "transfer_address",
-           "engine_targets", "shard_bytes", "allgather_json", "allgather_bytes"]
+           "engine_targets", "shard_bytes"]
 
 _SEQ = itertools.count()
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(PeerLostError):
     """A weight sync across processes failed: a peer did not confirm in time (a lost host) or a
     transfer raised. The message is one line and names the peer process(es)."""
 
@@ -324,62 +324,3 @@ class ShardedWeightSync:
                 client.key_value_delete(f"jax_rl/weight_sync/{seq - 2}/{jax.process_index()}")
             except Exception:  # noqa: BLE001 - housekeeping only
                 pass
-
-
-_GATHER_SEQ = itertools.count()
-_CHUNK = 1 << 20  # bytes per key-value entry (the coordination service's gRPC messages stay small)
-
-
-def allgather_bytes(data: bytes, *, timeout_s: float = 100.0, what: str = "state") -> list:
-    """Every process's ``data``, in process order (a collective: every process calls it at the same point;
-    this process's own entry is ``data`` itself). Through the ``jax.distributed`` key-value store's bytes
-    entries (``key_value_set_bytes``, 1 MiB chunks), not a device collective, so it never waits on devices
-    busy with rollouts and needs no agreement on shapes; one process: ``[data]``.
-
-    Raises:
-        WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
-    """
-    if jax.process_count() == 1:
-        return [data]
-    client = distributed.global_state.client
-    seq = next(_GATHER_SEQ)
-    base = f"jax_rl/gather/{seq}"
-    me = jax.process_index()
-    view = memoryview(data).cast("B")
-    n = max(1, -(-len(view) // _CHUNK))
-    for i in range(n):
-        client.key_value_set_bytes(f"{base}/{me}/{i}", bytes(view[i * _CHUNK:(i + 1) * _CHUNK]))
-    client.key_value_set(f"{base}/{me}/n", str(n))
-    deadline = time.monotonic() + float(timeout_s)
-    out = []
-    for q in range(jax.process_count()):
-        if q == me:
-            out.append(data)
-            continue
-        try:
-            m = int(client.blocking_key_value_get(f"{base}/{q}/n", max(1, int(1000 * (deadline - time.monotonic())))))
-            chunks = [client.blocking_key_value_get_bytes(f"{base}/{q}/{i}", 10_000) for i in range(m)]
-        except Exception:  # noqa: BLE001 - a timeout or the coordination service gone
-            raise WeightSyncError(f"process {q} did not hand in its {what} within {float(timeout_s):g} s "
-                                  "(runtime.peer_timeout_s): peer lost") from None
-        out.append(chunks[0] if m == 1 else b"".join(chunks))
-    if seq >= 2:  # read by everyone by now
-        try:
-            client.key_value_delete(f"jax_rl/gather/{seq - 2}/{me}")
-        except Exception:  # noqa: BLE001 - housekeeping only
-            pass
-    return out
-
-
-def allgather_json(obj: Any, *, timeout_s: float = 100.0, what: str = "state") -> list:
-    """Every process's JSON-safe ``obj``, in process order (:func:`allgather_bytes` of its JSON text; one
-    process: ``[obj]``). For small state (metrics, run-dir checks); trajectories cross as arrays
-    (:func:`rollout.types.encode_groups`).
-
-    Raises:
-        WeightSyncError: a peer did not hand its ``what`` in within ``timeout_s`` (one line naming it).
-    """
-    if jax.process_count() == 1:
-        return [obj]
-    text = json.dumps(obj).encode()
-    return [obj if b is text else json.loads(b) for b in allgather_bytes(text, timeout_s=timeout_s, what=what)]

@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # CLI process); a cache hit is the executable XLA would have built, so no computed number changes.
 # (Measured: test_smoke_each_correction's 5 runs took 199 s cold and 68 s warm; the whole suite ran
 # in 60 min here beside other jobs, against 80 min in the last CI run without it.) TPU-topology
-# compiles turn it off (``jax_rl.tpu.no_persistent_cache``). A JAX_COMPILATION_CACHE_DIR set by the
+# compiles turn it off (``jax_rl.compile.topology.no_persistent_cache``). A JAX_COMPILATION_CACHE_DIR set by the
 # caller is kept.
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

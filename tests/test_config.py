@@ -1,5 +1,6 @@
 """Config system: loading, inheritance, overrides, every class of bad value, CLI errors."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,41 @@ from jax_rl.config import (
     parse_overrides,
     render_base_yaml,
 )
+from jax_rl.config import _valid_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_base_yaml_in_sync_with_schema():
     assert (CONFIG_DIR / "base.yaml").read_text() == render_base_yaml(), (
-        "configs/base.yaml is stale: run `python -m jax_rl.config > configs/base.yaml`"
+        "configs/base.yaml is stale: run `.venv/bin/python -m jax_rl.config --write`"
     )
+
+
+def test_base_yaml_one_short_line_per_key():
+    """Every line below the header is one key (or section) with a comment whose meaning, without its
+    ``Choices:`` list, is at most 100 characters: the docstring's summary (the rest is in docs/config.md)."""
+    text = (CONFIG_DIR / "base.yaml").read_text()
+    body = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(body) == len(_valid_keys())  # every key and section once
+    for ln in body:
+        assert re.match(r"^ *[A-Za-z_][A-Za-z0-9_]*:( .+?)?  # \S", ln), f"not one key a line: {ln!r}"
+        meaning = ln.split("  # ", 1)[1].split(" Choices: ")[0]
+        assert len(meaning) <= 100, f"comment over 100 characters ({len(meaning)}): {ln!r}"
+
+
+def test_one_command_regenerates_both_files(tmp_path, monkeypatch):
+    """``python -m jax_rl.config --write`` (``reference.main``) writes base.yaml and config.md, each equal
+    to its render; without ``--write`` the package's entry prints base.yaml."""
+    from jax_rl.config import reference
+
+    monkeypatch.setattr(reference, "BASE_PATH", tmp_path / "base.yaml")
+    monkeypatch.setattr(reference, "DOC_PATH", tmp_path / "docs" / "config.md")
+    assert reference.main(["--write"], prog="python -m jax_rl.config", prints="base") == 0
+    assert (tmp_path / "base.yaml").read_text() == render_base_yaml()
+    assert (tmp_path / "docs" / "config.md").read_text() == reference.render_config_reference()
+    out = subprocess.run([sys.executable, "-m", "jax_rl.config"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == render_base_yaml(), out.stderr[-500:]
 
 
 def test_base_yaml_every_knob_commented():
@@ -86,14 +114,14 @@ def test_overrides_types_and_nesting():
     cfg = load_config(
         CONFIG_DIR / "tiny_cpu.yaml",
         ["loss.correction=ppo", "async.max_staleness=0", "optim.lr=3e-4", "loss.dual_clip_c=3",
-         "env.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "runtime.ray_workers=3",
+         "env.calculator.datasets=[chain_sum]", "logging.wandb=true", "runtime=ray", "runtime.ray_workers=3",
          "model.hf_overrides={hidden_size: 32}"],
     )
     assert cfg.loss.correction == "ppo"
     assert cfg.async_.max_staleness == 0
     assert cfg.optim.lr == pytest.approx(3e-4)
     assert cfg.loss.dual_clip_c == 3
-    assert cfg.env.datasets == ["chain_sum"]
+    assert cfg.env.calculator.datasets == ["chain_sum"]
     assert cfg.logging.wandb is True
     assert cfg.runtime.kind == "ray" and cfg.runtime.ray_workers == 3
     assert cfg.model.hf_overrides == {"hidden_size": 32}
@@ -266,6 +294,29 @@ def test_moved_keys_read_under_their_new_name_with_a_note(tmp_path, caplog):
     with pytest.raises(ConfigError, match="rollout.group_size=2 and algo.group_size=4 disagree"):
         load_config(f)
     assert Config.model_validate({"rollout": {"group_size": 4}, "optim": {"batch_size": 8}}).algo.group_size == 4
+
+
+def test_calculator_knobs_moved_under_env_calculator(tmp_path, caplog):
+    """Each env's knobs are ``env.<name>``: calculator's old top-level ``env.datasets`` / ``env.dataset_config``
+    still load, from a file or an override, under ``env.calculator.*`` with a one-line note; both set to
+    different values is refused naming both."""
+    import logging
+
+    from jax_rl.config import schema as S
+
+    S._noted.clear()
+    with caplog.at_level(logging.WARNING, logger="jax_rl.config"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", ["env.datasets=[basic_arithmetic]"])
+    assert cfg.env.calculator.datasets == ["basic_arithmetic"]
+    assert "env.datasets is env.calculator.datasets now" in caplog.text
+    f = tmp_path / "old.yaml"  # a file in the old shape, over tiny_cpu.yaml's env.calculator
+    f.write_text(f"base_config: {CONFIG_DIR / 'tiny_cpu.yaml'}\nenv:\n  datasets: [chain_sum]\n"
+                 "  dataset_config:\n    chain_sum: {min_terms: 3, max_terms: 3}\n")
+    cfg = load_config(f)
+    assert cfg.env.calculator.dataset_config == {"chain_sum": {"min_terms": 3, "max_terms": 3}}
+    assert "datasets" not in cfg.env.model_dump() and "dataset_config" not in cfg.env.model_dump()
+    with pytest.raises(ConfigError, match=r"env.datasets=\['chain_sum'\] and env.calculator.datasets=\['x'\] disagree"):
+        load_config(CONFIG_DIR / "tiny_cpu.yaml", ["env.datasets=[chain_sum]", "env.calculator.datasets=[x]"])
 
 
 

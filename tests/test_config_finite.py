@@ -17,7 +17,8 @@ from jax_rl.config import ConfigError, load_config
         ("optim.max_grad_norm=.inf", ["'optim.max_grad_norm'=inf", "use null"]),
         ("rollout.episode_timeout_s=.inf", ["'rollout.episode_timeout_s'=inf", "use null"]),
         ("model.hf_overrides={rope_theta: .inf}", ["model.hf_overrides", "rope_theta=inf", "finite"]),
-        ("env.dataset_config={chain_sum: {x: [1, .nan]}}", ["env.dataset_config", "chain_sum.x[1]=nan"]),
+        ("env.calculator.dataset_config={chain_sum: {x: [1, .nan]}}", ["env.calculator.dataset_config",
+                                                                         "chain_sum.x[1]=nan"]),
     ],
 )
 def test_nonfinite_values_rejected_naming_the_key(override, names):

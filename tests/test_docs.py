@@ -12,7 +12,7 @@ from urllib.parse import unquote
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from jax_rl import config_reference as cr
+from jax_rl.config import reference as cr
 from jax_rl.config import Config, _valid_keys
 from tests.bench_module import load_bench
 
@@ -169,6 +169,21 @@ def test_config_reference_recurses_into_nested_and_optional_sections():
     assert rows["top"].startswith("float (> 0, <= 1) | `0.5` |")
     assert rows["async.scorer"].startswith("section \\| null | `null` |")
     assert "### async.mesh" in text and "### async.scorer" in text and "## async" in text
+    # the rest of a docstring is under its section's table, in its Details
+    assert "- `async.mesh.devices`: More text that is not shown." in text
+    assert "- `async.mesh.mode`: Second sentence." in text
+
+
+@pytest.mark.parametrize("doc,head,rest", [
+    ("Short. Longer text (e.g. more). End.", "Short.", "Longer text (e.g. more). End."),
+    ("The summary line.\n\nThe details: a. b. C.", "The summary line.", "The details: a. b. C."),
+    ("runtime=ray: pinned.\n\nruntime=ray: CPU ids. null = none.", "runtime=ray: pinned.", "runtime=ray: CPU ids. null = none."),
+    ("Only ``one`` sentence.", "Only `one` sentence.", ""),
+])
+def test_summary_and_details_split_a_docstring(doc, head, rest):
+    """A docstring's summary is its first paragraph (when a blank line follows it), else its first sentence;
+    the details are what is left (docs/config.md shows both, base.yaml the summary)."""
+    assert cr.summary(doc) == head and cr.details(doc) == rest
 
 
 @pytest.mark.parametrize("doc,first", [

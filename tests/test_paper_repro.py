@@ -428,8 +428,8 @@ def test_issue50_margin_rule_and_interim_label(pr):
 def test_shipped_paper_configs_keep_their_settings(pr, config, shared_sft, setting):
     """The setting id hashes the config chain's text, base.yaml included, so a regenerated base.yaml (a new key,
     a docstring) gives every paper setting a new id and main's runs would start a setting of their own. Each
-    shipped setting must still map to the one its records carry: add the new id to ``SETTING_ALIASES`` when the
+    shipped setting must still map to the one its records carry: add the new id to ``SETTING_ALIASES`` (bench/paper_settings.py) when the
     change computes nothing differently for these configs, or update this table when it does (a new setting)."""
     got = pr.setting_id(config, shared_sft)
     assert got == setting, (f"{config} (shared_sft={shared_sft}) is setting {got}, its records' is {setting}: "
-                            "alias it in bench/paper_repro.py SETTING_ALIASES or declare a new setting here")
+                            "alias it in bench/paper_settings.py SETTING_ALIASES or declare a new setting here")

@@ -142,7 +142,7 @@ def test_no_import_cycle():
 def test_parent_packages_are_edges():
     """``from jax_rl.learner.correction.old_logits.routes import X`` runs ``jax_rl/learner/correction/old_logits/__init__.py`` first."""
     g = import_graph()
-    assert {"jax_rl.learner.correction.old_logits.routes", "jax_rl.learner.correction.old_logits"} <= g["jax_rl.learner.correction"]
+    assert {"jax_rl.learner.correction.old_logits.routes", "jax_rl.learner.correction.old_logits"} <= g["jax_rl.learner.correction.base"]
 
 
 def upward_imports(graph: dict[str, set[str]], mods: dict[str, Path] | None = None) -> list[str]:
@@ -237,6 +237,27 @@ def test_registries_agree_with_the_config():
     from rollout.engine.layouts import KV_LAYOUTS
 
     assert set(typing.get_args(RolloutConfig.model_fields["kv_layout"].annotation)) == set(KV_LAYOUTS)
+
+
+def test_envs_agree_with_the_config():
+    """One env convention: ``env.name`` accepts exactly the :data:`rollout.envs.ENVS` names, and each env's knobs
+    are the config section ``env.<name>`` its :class:`EnvSpec` names (``section``); the env sections are all
+    that ``env`` holds besides ``name`` and ``train_seed_offset``. The tool-latency cap is defined once."""
+    import typing
+
+    from jax_rl.config import MAX_TOOL_LATENCY_S, EnvConfig
+    from rollout.envs import ENVS
+    from rollout.envs import base as env_base
+
+    assert set(typing.get_args(EnvConfig.model_fields["name"].annotation)) == set(ENVS)
+    assert {n: s.section for n, s in ENVS.items()} == {n: n for n in ENVS}
+    assert set(EnvConfig.model_fields) - {"name", "train_seed_offset"} == set(ENVS)
+    assert MAX_TOOL_LATENCY_S is env_base.MAX_TOOL_LATENCY_S
+    defs = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in list((ROOT / "jax_rl").rglob("*.py")) + list((ROOT / "rollout").rglob("*.py"))
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            and any(isinstance(t, ast.Name) and t.id == "MAX_TOOL_LATENCY_S"
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    assert len(defs) == 1, f"MAX_TOOL_LATENCY_S defined more than once: {defs}"
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""jax_rl.tpu: chip table, topology names, the CPU default with libtpu present, and the AOT
+"""jax_rl.compile's TPU side: chip table, topology names, the CPU default with libtpu present, and the AOT
 compile of the rollout engine's prefill/decode for a TPU topology (needs libtpu)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jax_rl import tpu
+from jax_rl import compile as aot
 
 
 @pytest.mark.parametrize("name,topo,chips", [
@@ -17,29 +17,29 @@ from jax_rl import tpu
     ("V5E:2x2", "v5e:2x2", 4),
 ])
 def test_resolve_topology(name, topo, chips):
-    spec = tpu.resolve_topology(name)
+    spec = aot.resolve_topology(name)
     assert (spec.topology_name, spec.num_chips) == (topo, chips)
-    assert spec.chip is tpu.CHIPS[topo.split(":")[0]]
+    assert spec.chip is aot.CHIPS[topo.split(":")[0]]
 
 
 @pytest.mark.parametrize("bad", ["v7x-8", "v5p-12", "tpu", "v5e:2y2"])
 def test_resolve_topology_rejects(bad):
     with pytest.raises(ValueError):
-        tpu.resolve_topology(bad)
+        aot.resolve_topology(bad)
 
 
 def test_chip_table_units():
-    for c in tpu.CHIPS.values():
+    for c in aot.CHIPS.values():
         assert 8e9 < c.hbm_bytes < 200e9 and 1e14 < c.peak_bf16_flops < 2e15
         assert 5e11 < c.hbm_bandwidth < 5e12 and c.source.startswith("https://cloud.google.com/tpu/docs/")
 
 
 def test_cpu_unless_tpu_present_respects_an_explicit_platform():
     env = {"JAX_PLATFORMS": "tpu"}
-    assert not tpu.cpu_unless_tpu_present(env) and env["JAX_PLATFORMS"] == "tpu"
+    assert not aot.cpu_unless_tpu_present(env) and env["JAX_PLATFORMS"] == "tpu"
     env = {}
-    set_ = tpu.cpu_unless_tpu_present(env)
-    assert set_ == (tpu.libtpu_available() and not os.path.exists("/dev/vfio/0")
+    set_ = aot.cpu_unless_tpu_present(env)
+    assert set_ == (aot.libtpu_available() and not os.path.exists("/dev/vfio/0")
                     and not any(p.startswith("accel") for p in os.listdir("/dev")))
     assert env.get("JAX_PLATFORMS") == ("cpu" if set_ else None)
 
@@ -47,7 +47,7 @@ def test_cpu_unless_tpu_present_respects_an_explicit_platform():
 def test_jax_rl_cli_with_libtpu_and_no_tpu_starts_quietly_on_cpu():
     pytest.importorskip("libtpu")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = ("import sys; from jax_rl.cli import main; from jax_rl.tpu import cpu_unless_tpu_present;"
+    code = ("import sys; from jax_rl.cli import main; from jax_rl.compile.topology import cpu_unless_tpu_present;"
             "cpu_unless_tpu_present(); import jax; print(jax.default_backend())")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
@@ -60,7 +60,7 @@ def test_compile_rollout_prefill_and_decode_for_v5e_2x2():
 
     from rollout.engine import EngineSpec
 
-    r = tpu.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", EngineSpec(slots=8, max_cache_len=512),
+    r = aot.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", EngineSpec(slots=8, max_cache_len=512),
                             prefill_len=256)
     assert r["topology"] == {"name": "v5e:2x2", "chips": 4, "devices": 4, "chip": "v5e",
                              "hbm_bytes_per_chip": 16 * 10 ** 9}
@@ -86,7 +86,7 @@ def test_decode_touches_params_and_kv_cache_once_for_v5e_2x2():
     from rollout.engine import EngineSpec
 
     kw = dict(scan_layers=False, attention="xla")
-    r = {S: tpu.compile_rollout(cfg, "v5e:2x2", EngineSpec(slots=8, max_cache_len=S, model_kwargs=kw),
+    r = {S: aot.compile_rollout(cfg, "v5e:2x2", EngineSpec(slots=8, max_cache_len=S, model_kwargs=kw),
                                 prefill_len=16)["decode"] for S in (1024, 2048)}
     d = r[2048]
     assert d["kv_cache_per_chip"] == 2 * 2 * 8 * 2048 * 2 * 128 * 2
@@ -116,12 +116,12 @@ def test_sampler_kernel_is_the_only_reader_of_the_logits_for_v5p():
     from rollout.engine import sample_tokens
 
     B, V = 12, 384
-    mesh = Mesh(np.array(tpu.get_topology("v5p-8").devices[:1]), ("d",))
+    mesh = Mesh(np.array(aot.get_topology("v5p-8").devices[:1]), ("d",))
     sh = NamedSharding(mesh, PartitionSpec())
     args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in (((B, V), jnp.float32), ((B, 2), jnp.uint32),
                                                                    ((B,), jnp.float32))]
-    with tpu.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"):
-        text = jax.jit(sample_tokens).lower(*args).compile(compiler_options=tpu.HBM_SIDE_OPTIONS).as_text()
+    with aot.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"):
+        text = jax.jit(sample_tokens).lower(*args).compile(compiler_options=aot.HBM_SIDE_OPTIONS).as_text()
     entry = text[text.index("ENTRY"):].splitlines()[1:]
     readers = [ln for ln in entry if re.search(r"%logits[.\d]*[,)]", ln) and " parameter(" not in ln]
     assert len(readers) == 1 and 'custom_call_target="tpu_custom_call"' in readers[0], readers

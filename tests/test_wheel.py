@@ -82,7 +82,7 @@ def test_wheel_and_sdist_install_in_a_fresh_venv_and_run(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     shipped = {p.name for p in (ROOT / "configs").glob("*.yaml")}
     assert {f"jax_rl/configs/{n}" for n in shipped} <= names, sorted(shipped - {Path(n).name for n in names})
-    assert "rollout/envs/tau2.py" in names and "jax_rl/chips.py" in names
+    assert "rollout/envs/tau2.py" in names and "jax_rl/compile/chips.py" in names
     work = tmp_path / "work"
     work.mkdir()
     for i, target in enumerate((whl, sdist)):

@@ -1,5 +1,6 @@
-"""``jax-rl compile CONFIG --topology NAME``: AOT-compile a run's programs for a TPU topology on
-any host, with nothing allocated, and estimate whether and how fast they run there.
+"""Ahead-of-time compiling for a TPU topology from any host, in one package: ``jax-rl compile CONFIG
+--topology NAME`` AOT-compiles a run's programs with nothing allocated and estimates whether and how fast
+they run there; the chip table, the topology names and the rollout engine's programs are here too.
 
 What is compiled (libtpu's real TPU compiler, targeted through
 ``jax.experimental.topologies.get_topology_desc``; MaxText's ``train_compile.py`` is the model):
@@ -52,7 +53,7 @@ devices it is compiled for), and the table groups the rows by role.
 Figures, per chip (every figure is a compile-time estimate, never a measurement):
 
 - HBM: ``memory_analysis()`` of the full-depth program: arguments, temporaries, outputs
-  (minus donated aliases), total against the chip's HBM (:data:`jax_rl.tpu.CHIPS`).
+  (minus donated aliases), total against the chip's HBM (:data:`jax_rl.compile.topology.CHIPS`).
 - FLOPs and bytes accessed: XLA's ``cost_analysis()`` counts a while-loop body once (the
   scanned layer stack, the microbatch / update scans, the chunked LM head). So the cost comes
   from loop-free pieces compiled for the same mesh, summed with their trip counts:
@@ -106,7 +107,7 @@ only where their devices are the learner's), and ``hbm_on_chip_bytes`` / ``fits_
 also has ``params_and_kv_cache_bytes_per_chip`` and, with the cost pieces, ``bytes_accessed_ratio``
 (bytes accessed over that; 1.0 = every weight and cache entry read once) and
 ``hbm_side_bytes_accessed_per_chip`` / ``hbm_side_ratio``: the same pieces compiled with
-:data:`jax_rl.tpu.HBM_SIDE_OPTIONS` (no VMEM staging), whose every counted access is an HBM access.
+:data:`jax_rl.compile.analysis.HBM_SIDE_OPTIONS` (no VMEM staging), whose every counted access is an HBM access.
 The default count also holds the VMEM copies of the staged weights. A program the
 TPU compiler refuses for lack of HBM gets ``fits: false``, ``error`` (the compiler's words) and
 ``hbm_required_bytes`` = the memory its message says is required (e.g. for the temporaries
@@ -115,12 +116,24 @@ alone; None if it names none); its HBM and cost figures are None.
 The map (docs/design.md §4 Layout; ``from jax_rl.compile import ...`` reaches the names used
 outside the package):
 
+- :mod:`jax_rl.compile.chips`: the one chip table (:data:`~jax_rl.compile.chips.CHIPS`: per-chip HBM bytes,
+  peak bf16 FLOP/s, HBM and ICI bandwidth, vendor figures with their sources, for roofline estimates, not
+  measurements) and the backend report of ``jax-rl backend``.
+- :mod:`jax_rl.compile.topology`: a Cloud TPU type (``v5e-8``, ``v5p-64``, ...) or a raw topology name
+  (``v5p:4x4x4``) -> ``jax.experimental.topologies.get_topology_desc``'s arguments
+  (:func:`~jax_rl.compile.topology.resolve_topology`; Cloud names count TensorCores for v4 and v5p, chips for
+  v5e and v6e), ``cpu_unless_tpu_present`` (a CPU host with libtpu installed does not probe for a TPU) and
+  ``no_persistent_cache`` (JAX's persistent compilation cache off around a TPU compile).
+- :mod:`jax_rl.compile.analysis`: one compiled program's memory and cost analysis
+  (:func:`~jax_rl.compile.analysis.program_analysis`, the one vocabulary of every analysis dict here),
+  ``HBM_SIDE_OPTIONS``, compiling one program (``_compile``), the splash kernels' FLOPs, the compiler's
+  out-of-HBM refusal.
+- :mod:`jax_rl.compile.engine`: :func:`~jax_rl.compile.engine.compile_rollout`, the rollout engine's prefill,
+  append-prefill and decode programs (``rollout.engine.Qwen3Engine``) compiled for a topology.
 - :mod:`jax_rl.compile.flops`: model FLOPs (:func:`model_flops_per_token`, the active matmul params).
 - :mod:`jax_rl.compile.target`: the target (``_Target``, ``_target``: the topology's devices, the
   roles, the learner's mesh, the model config) and the abstract learner and batch the programs are
   built from.
-- :mod:`jax_rl.compile.analysis`: compiling one program (``_compile``): its memory and cost analysis,
-  the splash kernels' FLOPs, the compiler's out-of-HBM refusal.
 - :mod:`jax_rl.compile.pieces`: the loop-free cost pieces and their fit (``_fit``, ``_train_cost``),
   the optimizer update's cost, the SFT step's program.
 - :mod:`jax_rl.compile.programs`: :data:`FUNCTIONS`, :func:`compile_programs` and its rows (rollout,
@@ -129,17 +142,43 @@ outside the package):
 - :mod:`jax_rl.compile.table`: :func:`format_table`, :func:`summary_lines` and :func:`run_compile`
   (the ``jax-rl compile`` command).
 
-Every module imports jax inside its functions only: the platform (libtpu) is chosen before jax is
-imported.
+This ``__init__`` imports none of them: a name is loaded from its module on first use (``__getattr__``), so
+the CLI reads :mod:`~jax_rl.compile.chips` and :mod:`~jax_rl.compile.topology` (which import no jax) before
+it chooses the platform; the compiling modules import jax once used.
 """
 
-from jax_rl.compile.flops import model_flops_per_token
-from jax_rl.compile.programs import FUNCTIONS, cast_fn, compile_programs, weight_sync_fn  # noqa: F401 (cast_fn)
-from jax_rl.compile.table import format_table, run_compile, summary_lines  # noqa: F401 (summary_lines)
+from __future__ import annotations
 
-# private helpers tests/test_compile.py and bench/hlo_traffic.py reach as ``jax_rl.compile._name``
-from jax_rl.compile.analysis import _attn_unit, _compile  # noqa: F401
-from jax_rl.compile.pieces import _chunks, _grads_piece, _train_cost, _with_chunk  # noqa: F401
-from jax_rl.compile.target import _batch, _depth, _layout, _learner, _model_config, _target  # noqa: F401
+import importlib
+from typing import Any
 
-__all__ = ["FUNCTIONS", "compile_programs", "format_table", "run_compile", "model_flops_per_token", "weight_sync_fn"]
+_NAMES = {
+    "chips": ("ChipSpec", "GB"),
+    "topology": ("CHIPS", "TopologySpec", "resolve_topology", "get_topology", "cpu_unless_tpu_present",
+                 "libtpu_available", "quiet_libtpu_env", "no_persistent_cache"),
+    "analysis": ("program_analysis", "HBM_SIDE_OPTIONS",
+                 "_attn_unit", "_compile"),  # the private helpers tests/ and bench/ reach as jax_rl.compile._name
+    "engine": ("compile_rollout",),
+    "flops": ("model_flops_per_token",),
+    "programs": ("FUNCTIONS", "compile_programs", "cast_fn", "weight_sync_fn"),
+    "table": ("format_table", "run_compile", "summary_lines"),
+    "pieces": ("_chunks", "_grads_piece", "_train_cost", "_with_chunk"),
+    "target": ("_batch", "_depth", "_layout", "_learner", "_model_config", "_target"),
+}
+_MODULE_OF = {name: mod for mod, names in _NAMES.items() for name in names}
+
+__all__ = [n for n in _MODULE_OF if not n.startswith("_")]
+
+
+def __getattr__(name: str) -> Any:
+    """``jax_rl.compile.<name>``: the name from its module (imported on first use, then cached here)."""
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'jax_rl.compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jax_rl.compile.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])

@@ -1,35 +1,49 @@
-"""Compiling one program (part of :mod:`jax_rl.compile`): ``lower().compile()`` under the mesh, its
-memory and cost analysis under short keys, the splash-attention kernels' FLOPs added from the traced
-jaxpr, and the TPU compiler's out-of-HBM refusal turned into a row's ``error`` /
-``hbm_required_bytes``."""
+"""Compiling one program (part of :mod:`jax_rl.compile`): its memory and cost analysis
+(:func:`program_analysis`: bytes per chip, FLOPs, bytes accessed; the one vocabulary of every analysis dict in
+the package: ``argument_size_in_bytes``, ``output_size_in_bytes``, ``alias_size_in_bytes``,
+``temp_size_in_bytes``, ``peak_bytes_per_chip``, ``flops``, ``bytes_accessed``), the libtpu options for its
+HBM-side byte count (:data:`HBM_SIDE_OPTIONS`), ``lower().compile()`` under the mesh (:func:`_compile`) with the
+splash-attention kernels' FLOPs added from the traced jaxpr, and the TPU compiler's out-of-HBM refusal turned
+into a row's ``error`` / ``hbm_required_bytes``. Imports jax inside its functions only."""
 
 from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import jax
-from jax.extend import core as jcore
-
-from jax_rl.models.attention import SPLASH_BLOCK
-from jax_rl.tpu import no_persistent_cache, program_analysis as analysis
+from jax_rl.compile.topology import no_persistent_cache
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.compile.target import _Target
 
 
-def _short(a: dict) -> dict[str, float]:
-    """:func:`jax_rl.tpu.analysis.program_analysis`'s dict under this module's short keys (bytes per device):
-    ``args``, ``out``, ``alias``, ``temp``, ``flops``, ``bytes`` (accessed)."""
-    return {"args": a.get("argument_size_in_bytes", 0), "out": a.get("output_size_in_bytes", 0),
-            "alias": a.get("alias_size_in_bytes", 0), "temp": a.get("temp_size_in_bytes", 0),
-            "flops": a.get("flops", 0.0), "bytes": a.get("bytes_accessed", 0.0)}
+def program_analysis(compiled) -> dict[str, Any]:
+    """A compiled program's ``memory_analysis()`` fields (bytes per chip), ``peak_bytes_per_chip`` (arguments +
+    outputs - aliases + temporaries), ``flops`` and ``bytes_accessed`` (``cost_analysis()``; a loop body is
+    counted once). Compile-time estimates."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    out = {k: int(getattr(mem, k)) for k in (
+        "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+        "temp_size_in_bytes", "generated_code_size_in_bytes") if hasattr(mem, k)}
+    out["peak_bytes_per_chip"] = (out.get("argument_size_in_bytes", 0) + out.get(
+        "output_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0))
+    out["flops"] = float(cost.get("flops", 0.0))
+    out["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
+    return out
 
 
-def _analysis(compiled) -> dict[str, float]:
-    """Memory and cost analysis of a compiled program (:func:`_short` keys)."""
-    return _short(analysis(compiled))
+HBM_SIDE_OPTIONS = {"xla_msa_enable": False}
+"""libtpu compile options for the *HBM-side count* of a program's bytes: memory-space assignment
+(MSA) off, so no buffer is staged in VMEM. MSA runs after fusion, so the program has the same
+fusions. ``cost_analysis`` counts every access in every memory space. With MSA on (the program
+that runs), a weight prefetched into VMEM is counted three times: the HBM read, the VMEM write
+and the VMEM read. With MSA off every access is an HBM access. Measured on libtpu 0.0.42 for a
+one-layer Qwen3-4B decode step (64 slots x 4,096, v5e-4): 3,209 MiB counted by default, 2,536 MiB
+with MSA off, for 1,958 MiB of params + cache (``bench/decode_compile.py``)."""
 
 
 # Pallas splash-attention kernels, and the causal matmuls each runs per head and row: the
@@ -41,6 +55,8 @@ def _splash_calls(jaxpr) -> dict[str, int]:
     """How many splash kernels of each kind ``jaxpr`` runs (``pallas_call`` equations named
     ``splash_mha_{fwd,dq,dkv}*``), nested jaxprs included (scans by their length; a ``cond`` by
     its costliest branch, like XLA's cost analysis: ``ppo_ewma``'s reset forward counts)."""
+    from jax.extend import core as jcore  # lazy: jax after the CLI chooses the platform
+
     def subs(v):
         if isinstance(v, jcore.ClosedJaxpr):
             yield v.jaxpr
@@ -74,16 +90,18 @@ def _splash_calls(jaxpr) -> dict[str, int]:
 
 def _compile(fn, args, mesh, attn_unit: Optional[float] = None) -> tuple[dict, float]:
     """``fn.lower(*args).compile()`` under the mesh (default matmul precision: the TPU's bf16
-    passes); returns (analysis, seconds).
+    passes); returns (:func:`program_analysis`, seconds).
 
     XLA's cost analysis cannot see into a Pallas kernel, so with ``attn_unit`` (FLOPs of one
     causal [T, T] matmul over every head and row, per device) the splash-attention kernels the
     program calls are added analytically: ``_SPLASH_MATMULS`` matmuls each (fwd 2, dq 3, dkv 4)."""
+    import jax  # lazy: jax after the CLI chooses the platform
+
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"), no_persistent_cache():
         traced = fn.trace(*args)
         c = traced.lower().compile()
-    a = _analysis(c)
+    a = program_analysis(c)
     if attn_unit:
         calls = _splash_calls(traced.jaxpr.jaxpr)
         a["flops"] += attn_unit * sum(_SPLASH_MATMULS[k] * n for k, n in calls.items())
@@ -124,6 +142,8 @@ def _compile_or_oom(fn, args, mesh) -> tuple[dict, float]:
 def _attn_unit(t: "_Target", rows: int, T: int) -> Optional[float]:
     """Per-device FLOPs of one causal attention matmul on [rows, T] (None unless splash): the
     kernel runs under shard_map over the batch and head axes, assumed to cover the mesh."""
+    from jax_rl.models.attention import SPLASH_BLOCK  # lazy: imports jax
+
     if t.learner_kw.get("attention") != "splash":
         return None
     mc = t.model_config

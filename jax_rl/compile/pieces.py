@@ -16,7 +16,7 @@ from jax_rl.checkpoint import abstract_like
 from jax_rl.compile.analysis import _attn_unit, _compile
 from jax_rl.compile.target import _Target, _batch, _depth, _layout, _learner
 from jax_rl.config import Config
-from jax_rl.learner.correction import tree_finite, tree_where
+from jax_rl.learner.trees import tree_finite, tree_where
 from jax_rl.learner.logprobs import CHUNK_ELEMS, chunk_len
 from jax_rl.placement import BatchPlacement
 from jax_rl.learner.sft import SFT_FIELDS, make_sft_step
@@ -59,7 +59,7 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     head in ``cfg.model.logits_chunk_tokens`` chunks. Where the run's head is chunked (``rows``
     rows per forward), fits ``X(d, C) = a + d*layer + b*C`` from (d, C) = (1, C1), (2, C1),
     (1, C2) and returns ``X(1, C1) + (L-1)*layer + b*(T - C1)``; where it is one chunk (no loop),
-    ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes}, compile seconds)."""
+    ``X(1) + (L-1)*layer`` from the run's own chunking. Returns ({flops, bytes_accessed}, compile seconds)."""
     mc1, mc2 = _depth(t.model_config, 1), _depth(t.model_config, 2)
     chunked = chunk_len(rows, T, t.model_config.vocab_size, CHUNK_ELEMS, t.cfg.model.logits_chunk_tokens) < T
     c1, c2 = _chunks(T)
@@ -71,7 +71,7 @@ def _fit(build: Callable[[Config, Any], tuple[Any, tuple]], t: _Target, L: int, 
     if chunked:
         x12, s = _compile(*build(_with_chunk(t.cfg, c2), mc1), t.mesh, au); secs += s  # noqa: E702
     out = {}
-    for k in ("flops", "bytes"):
+    for k in ("flops", "bytes_accessed"):
         v = x11[k] + (L - 1) * (x21[k] - x11[k])
         if chunked:
             v += (x12[k] - x11[k]) / (c2 - c1) * (T - c1)
@@ -113,7 +113,7 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
     f = f_all if ts is t else _forwards_in_prox(_learner(ts).strategy, ts.cfg, lrn, U, m, r, T, ts)
 
     grads, secs = _fit(functools.partial(_grads_piece, ts, r, T), ts, L, T, r)
-    fwd = {"flops": 0.0, "bytes": 0.0}
+    fwd = {"flops": 0.0, "bytes_accessed": 0.0}
     if (E > 1 and f) or f_all > f:
         def fwd_piece(cfg_, mc):
             p = _learner(t, mc, cfg_, scan_layers=False)
@@ -133,15 +133,15 @@ def _train_cost(t: _Target, lrn: LearnerSpec, B: int, T: int) -> tuple[dict, flo
     st = lrn.state
     a, s = _opt_update_cost(t, lrn, lrn.tx)
     secs += s
-    after = {"flops": 0.0, "bytes": 0.0}
+    after = {"flops": 0.0, "bytes_accessed": 0.0}
     if jax.tree.leaves(st.correction):
         aft = jax.jit(lambda p, c: lrn.strategy.after_update(p, c),
                       in_shardings=(lrn.state_shardings.params, lrn.state_shardings.correction))
         after, s = _compile(aft, (st.params, st.correction), t.mesh)
         secs += s
     out = {k: U * m * grads[k] + (E - 1) * U * m * (grads[k] - f * fwd[k]) + E * U * a[k] + after[k]
-           for k in ("flops", "bytes")}
-    reset = {k: (f_all - f) * U * m * fwd[k] for k in ("flops", "bytes")} if f_all > f else None
+           for k in ("flops", "bytes_accessed")}
+    reset = {k: (f_all - f) * U * m * fwd[k] for k in ("flops", "bytes_accessed")} if f_all > f else None
     return out, secs, f, reset
 
 

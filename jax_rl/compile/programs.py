@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_rl.checkpoint import abstract_like
-from jax_rl.compile.analysis import _compile_or_oom, _is_hbm_oom, _oom_analysis, _oom_text, _short
+from jax_rl.compile.analysis import HBM_SIDE_OPTIONS, _compile_or_oom, _is_hbm_oom, _oom_analysis, _oom_text
 from jax_rl.compile.flops import model_flops_per_token
 from jax_rl.compile.pieces import _fit, _opt_update_cost, _sft_fn_args, _train_cost
 from jax_rl.compile.target import (_Target, _batch, _chips, _depth, _devices_per_chip, _engine_mesh, _layout,
@@ -27,7 +27,7 @@ from jax_rl.model_builder import abstract_model_split, resolve_model_config
 from jax_rl.placement import BatchPlacement
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
-from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
+from jax_rl.compile.engine import compile_rollout
 from jax_rl.learner.train_step import make_logprob_step, make_train_step
 from rollout.engine.spec import EngineSpec
 
@@ -55,10 +55,11 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
                 "flops_per_chip": None, "bytes_accessed_per_chip": None, "roofline_step_s": None,
                 "mfu_bound": None, "model_flops_per_chip": None, "flops_ratio": None, "shape": list(shape),
                 "cost_pieces_s": 0.0, "error": f"compiler: {a['oom']}"}
-    total = a["args"] + a["out"] - a["alias"] + a["temp"]
+    total = a["peak_bytes_per_chip"]
     row = {
         **head, "function": function, "topology": t.spec.topology_name, "chips": chips,
-        "hbm_args_bytes": a["args"], "hbm_temp_bytes": a["temp"], "hbm_out_bytes": a["out"] - a["alias"],
+        "hbm_args_bytes": a["argument_size_in_bytes"], "hbm_temp_bytes": a["temp_size_in_bytes"],
+        "hbm_out_bytes": a["output_size_in_bytes"] - a["alias_size_in_bytes"],
         "hbm_total_bytes": total, "chip_hbm_bytes": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
         "compile_s": round(compile_s, 2), "flops_per_chip": None, "bytes_accessed_per_chip": None,
         "roofline_step_s": None, "mfu_bound": None, "model_flops_per_chip": None, "flops_ratio": None,
@@ -66,7 +67,7 @@ def _row(t: _Target, function: str, a: dict, compile_s: float, cost: Optional[di
     }
     if cost is not None:
         per_dev = _devices_per_chip(t)
-        fl, by = cost["flops"] * per_dev, cost["bytes"] * per_dev
+        fl, by = cost["flops"] * per_dev, cost["bytes_accessed"] * per_dev
         roof = max(fl / chip.peak_bf16_flops, by / chip.hbm_bandwidth)
         row.update(flops_per_chip=fl, bytes_accessed_per_chip=by, roofline_step_s=roof)
         if model_flops is not None:
@@ -82,7 +83,7 @@ def compile_programs(cfg: Config, topology: str, *, functions: Sequence[str] = F
 
     Args:
         cfg: the run config (model, mesh, optim, loss, rollout, sft sections are read).
-        topology: a Cloud TPU type or raw topology (:func:`jax_rl.tpu.resolve_topology`).
+        topology: a Cloud TPU type or raw topology (:func:`jax_rl.compile.topology.resolve_topology`).
         functions: a subset of :data:`FUNCTIONS`.
         cost: also compile the loop-free cost pieces (FLOPs, bytes, roofline; :mod:`jax_rl.compile`'s docstring).
         log: progress lines (one per compiled program).
@@ -151,7 +152,7 @@ def _train_step_row(t: _Target, lrn, cost: bool, log) -> dict:
     if c is not None:
         per_dev = _devices_per_chip(t)
         row["reset_step_extra_flops_per_chip"] = reset["flops"] * per_dev if reset else None
-        row["reset_step_extra_bytes_per_chip"] = reset["bytes"] * per_dev if reset else None
+        row["reset_step_extra_bytes_per_chip"] = reset["bytes_accessed"] * per_dev if reset else None
     log(f"train_step: {secs:.1f} s")
     return row
 
@@ -175,7 +176,7 @@ def _sft_step_row(t: _Target, lrn, cost: bool, log) -> dict:
                                                       1, r, T, cfg_), t, L, T, r)
         upd = _opt_update_cost(t, lrn, tx)
         ps += upd[1]
-        c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes")}
+        c = {k: m * (one[k] - upd[0][k]) + upd[0][k] for k in ("flops", "bytes_accessed")}
         mflops = B * T * model_flops_per_token(mc, T) * 3
     log(f"sft_step: {secs:.1f} s")
     return _row(t, "sft_step", a, secs, c, mflops, [1, m, r, T], ps)
@@ -217,24 +218,23 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
         _engine_keys(t, row, em)
         return row
     shape = full.get("tokens_shape", shape)  # a paged engine's chunked append-prefill program
-    a = _short(full)
+    a = full
     c, ps = None, 0.0
     if cost:
         L = t.model_config.num_hidden_layers
         ek = dict(t.engine_kw, scan_layers=False)
 
         def pieces(options: Optional[dict]) -> tuple[dict, float]:
-            """Unrolled depths 1 and 2, extrapolated to depth L: ({flops, bytes}, compile seconds)."""
+            """Unrolled depths 1 and 2, extrapolated to depth L: ({flops, bytes_accessed}, compile seconds)."""
             x = [compile_rollout(_depth(t.model_config, d), t.topology, spec.replace(model_kwargs=ek),
                                  compiler_options=options, **kw)[key] for d in (1, 2)]
-            return ({k: x[0][src] + (L - 1) * (x[1][src] - x[0][src])
-                     for k, src in (("flops", "flops"), ("bytes", "bytes_accessed"))},
+            return ({k: x[0][k] + (L - 1) * (x[1][k] - x[0][k]) for k in ("flops", "bytes_accessed")},
                     sum(r_["compile_s"] for r_ in x))
 
         c, ps = pieces(None)
         if key == "decode":  # the same pieces with no VMEM staging: the HBM-side count
             hbm, s = pieces(HBM_SIDE_OPTIONS)
-            c["hbm_side_bytes"], ps = hbm["bytes"], ps + s
+            c["hbm_side_bytes"], ps = hbm["bytes_accessed"], ps + s
     row = _row(t, fname, a, full["compile_s"], c, None, shape, ps, **rk)
     row["kv_layout"] = r.kv_layout
     _engine_keys(t, row, em)
@@ -245,7 +245,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
         row["params_bytes_per_chip"] = full["params_per_chip"] * per_dev
         row["kv_cache_bytes_per_chip"] = full["kv_cache_per_chip"] * per_dev
         if c is not None:
-            row["bytes_accessed_ratio"] = c["bytes"] / base
+            row["bytes_accessed_ratio"] = c["bytes_accessed"] / base
             row["hbm_side_bytes_accessed_per_chip"] = c["hbm_side_bytes"] * per_dev
             row["hbm_side_ratio"] = c["hbm_side_bytes"] / base
     log(f"{fname}: {full['compile_s']:.1f} s")
@@ -330,7 +330,7 @@ def _user_row(t: _Target, fname: str, log) -> dict:
         log(f"{fname}: does not fit ({_oom_text(e)})")
         return _row(t, fname, _oom_analysis(e), time.perf_counter() - t0, None, None, shape, 0.0, role="user",
                     devices=devs)
-    row = _row(t, fname, _short(full), full["compile_s"], None, None, shape, 0.0, role="user", devices=devs)
+    row = _row(t, fname, full, full["compile_s"], None, None, shape, 0.0, role="user", devices=devs)
     row["user_mesh"] = dict(t.roles.user_mesh)
     if key == "decode":
         per_dev = _devices_per_chip(t)
@@ -390,7 +390,7 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
     copy only at eval time); ``sync_in_bytes_per_chip`` = what one engine chip receives (its shards:
     replicated leaves whole), ``sync_out_bytes_per_chip`` = all engines' bytes over the learner's chips
     (evenly spread: the best case); ``sync_ici_roofline_s`` = max(in, out) / (half the chip's
-    bidirectional ICI bandwidth, :data:`jax_rl.tpu.CHIPS`). Colocated: each engine's whole copy goes to
+    bidirectional ICI bandwidth, :data:`jax_rl.compile.topology.CHIPS`). Colocated: each engine's whole copy goes to
     the learner's first chip (in = engines x (sync_bytes - that chip's own shard), out = one shard)."""
     if lrn is not None:
         abs_params, param_sh = lrn.params, lrn.param_shardings
@@ -407,7 +407,7 @@ def _weight_sync_row(t: _Target, lrn: Optional[LearnerSpec], cost: bool, log, em
             "shards then move to each engine's mesh by device_put) ...")
         fn, args = cast_fn(abs_params, param_sh, dt)
     a, secs = _compile_or_oom(fn, args, t.mesh)
-    c = {"flops": a["flops"], "bytes": a["bytes"]} if cost and "oom" not in a else None
+    c = {"flops": a["flops"], "bytes_accessed": a["bytes_accessed"]} if cost and "oom" not in a else None
     log(f"weight_sync: {secs:.1f} s")
     row = _row(t, "weight_sync", a, secs, c, None, [n], 0.0, role="sync")
 

@@ -18,14 +18,14 @@ from jax_rl.models.qwen3 import get_preset, model_kwargs
 from jax_rl.placement import BatchPlacement, resolve_roles
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh
-from jax_rl.tpu import get_topology, resolve_topology
+from jax_rl.compile.topology import get_topology, resolve_topology
 
 
 @dataclasses.dataclass
 class _Target:
     cfg: Config
     topology: str
-    spec: Any  # jax_rl.tpu.TopologySpec
+    spec: Any  # jax_rl.compile.topology.TopologySpec
     devices: list  # the learner's devices (placement.learner; every device by default)
     mesh: Any  # the learner's mesh (mesh.* over ``devices``)
     model_config: Any

@@ -1,5 +1,7 @@
-"""``python -m jax_rl.config > configs/base.yaml``: print the commented base config rendered from the schema."""
+"""``python -m jax_rl.config --write``: regenerate ``configs/base.yaml`` and ``docs/config.md`` from the schema
+(:mod:`jax_rl.config.reference`); without ``--write``, print the base config (``python -m jax_rl.config >
+configs/base.yaml``)."""
 
-from jax_rl.config.loading import render_base_yaml
+from jax_rl.config.reference import main
 
-print(render_base_yaml(), end="")
+raise SystemExit(main(prog="python -m jax_rl.config", prints="base"))

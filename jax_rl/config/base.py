@@ -28,6 +28,8 @@ MOVED_KEYS: dict[str, str] = {
     "rollout.advantage": "algo.advantage",
     "rollout.advantage_std_normalize": "algo.advantage_std_normalize",
     "rollout.temperature": "algo.temperature",
+    "env.datasets": "env.calculator.datasets",
+    "env.dataset_config": "env.calculator.dataset_config",
 }
 """Old dotted key -> its new one. A config file or override that sets the old key still loads: the value
 is read as the new key and a one-line note names it (:func:`move_keys`)."""
@@ -45,23 +47,41 @@ def move_keys(data: dict, source: str = "config") -> dict:
     """
     out = dict(data)
     for old, new in MOVED_KEYS.items():
-        osec, okey = old.split(".")
-        nsec, nkey = new.split(".")
-        sec = out.get(osec)
-        if not isinstance(sec, dict) or okey not in sec:
+        *opath, okey = old.split(".")
+        *npath, nkey = new.split(".")
+        src = _get_path(out, opath)
+        if not isinstance(src, dict) or okey not in src:
             continue
-        sec = dict(sec)
-        val = sec.pop(okey)
-        out[osec] = sec
-        dst = dict(out.get(nsec) or {})
+        src = dict(src)
+        val = src.pop(okey)
+        out = _set_path(out, opath, src)
+        dst = _get_path(out, npath)
+        dst = dict(dst) if isinstance(dst, dict) else {}
         if nkey in dst and dst[nkey] != val:
             raise ValueError(f"{old}={val!r} and {new}={dst[nkey]!r} disagree: {old} is the old name of {new}; "
                              f"keep only {new}")
         dst[nkey] = val
-        out[nsec] = dst
+        out = _set_path(out, npath, dst)
         if old not in _noted:
             _noted.add(old)
             _log.warning("%s: %s is %s now; read as %s=%r", source, old, new, new, val)
+    return out
+
+
+def _get_path(d: dict, path: list[str]) -> Any:
+    """``d[path[0]][path[1]]...`` (None where a level is missing)."""
+    for p in path:
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def _set_path(d: dict, path: list[str], value: Any) -> dict:
+    """A copy of ``d`` with ``value`` at ``path`` (the mappings on the way copied, missing ones made)."""
+    if not path:
+        return value
+    out = dict(d)
+    sub = out.get(path[0])
+    out[path[0]] = _set_path(sub if isinstance(sub, dict) else {}, path[1:], value)
     return out
 
 
@@ -90,7 +110,7 @@ class _Section(BaseModel):
     """Base of every section: unknown keys are errors, and no value anywhere may be a non-finite
     float (``.inf`` / ``.nan`` in YAML, ``inf`` / ``nan`` on the command line): float fields by
     ``allow_inf_nan=False``, free-form dict/list fields (``model.hf_overrides``,
-    ``env.dataset_config``, ...) by :meth:`_finite_nested`. A limit that can be switched off says
+    ``env.calculator.dataset_config``, ...) by :meth:`_finite_nested`. A limit that can be switched off says
     so with ``null`` (e.g. ``optim.max_grad_norm``, ``rollout.episode_timeout_s``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,

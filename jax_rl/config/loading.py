@@ -1,7 +1,7 @@
 """Loading a run config: YAML files with ``base_config`` inheritance, ``key=value`` overrides,
 one-line errors naming the dotted key (with the closest valid key for a typo), dumping, the
-config hash, and ``configs/base.yaml`` rendered from the schema
-(``python -m jax_rl.config > configs/base.yaml``).
+config hash. (``configs/base.yaml`` and ``docs/config.md`` are rendered from the schema by
+:mod:`jax_rl.config.reference`.)
 """
 
 from __future__ import annotations
@@ -265,52 +265,3 @@ def _literal_choices(ann: Any) -> tuple:
     if get_origin(ann) is Literal:
         return get_args(ann)
     return tuple(c for a in get_args(ann) for c in _literal_choices(a))
-
-
-def render_base_yaml() -> str:
-    """Render ``configs/base.yaml``: every knob at its default with a one-line comment; an enum's
-    comment ends with its choices (``Choices: a | b``).
-
-    ``tests/test_config.py`` checks that the committed file equals this output, so the file and
-    the schema cannot drift apart. Regenerate with ``python -m jax_rl.config > configs/base.yaml``.
-    """
-
-    def fmt(v: Any) -> str:
-        s = yaml.safe_dump(v, default_flow_style=True, width=10_000).strip()
-        return s[:-4].strip() if s.endswith("...") else s
-
-    def doc(f) -> str:
-        text = " ".join((f.description or "").split())
-        choices = _literal_choices(f.annotation)
-        return f"{text} Choices: {' | '.join(map(str, choices))}." if choices else text
-
-    lines = [
-        "# jax-rl base config: every knob, at its default, with a one-line comment.",
-        "# Run/model files hold only deltas and start with `base_config: base.yaml`.",
-        "# A base for deltas, not a run: `jax-rl train|sft|eval|compile` refuse this file (its default",
-        "# model and tokenizer do not fit its own rollout.max_cache_len); --print-config shows it.",
-        "# Override anything on the command line: jax-rl train CONFIG.yaml loss.correction=ppo mesh.fsdp=4",
-        "# GENERATED from jax_rl/config/ by `python -m jax_rl.config > configs/base.yaml`.",
-        "",
-    ]
-    def section(model: type[BaseModel], values: dict, indent: str) -> None:
-        for sub, sf in _section_fields(model).items():
-            ann = sf.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):  # a nested section (rollout.mesh)
-                lines.append(f"{indent}{sub}:  # {doc(sf)}")
-                section(ann, values[sub], indent + "  ")
-            else:
-                lines.append(f"{indent}{sub}: {fmt(values[sub])}  # {doc(sf)}")
-
-    defaults = Config().to_dict()
-    for key, f in _section_fields(Config).items():
-        if key == "base_config":
-            continue
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.append(f"{key}:  # {(ann.__doc__ or '').strip().splitlines()[0]}")
-            section(ann, defaults[key], "  ")
-            lines.append("")
-        else:
-            lines.append(f"{key}: {fmt(defaults[key])}  # {doc(f)}")
-    return "\n".join(lines).rstrip() + "\n"

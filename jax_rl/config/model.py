@@ -20,11 +20,15 @@ class ModelConfig(_Section):
     hf_overrides: dict[str, Any] = Field(default_factory=dict)
     """HF config.json field overrides applied on top of the preset, e.g. ``{hidden_size: 64}``."""
     tokenizer: str = "compact"
-    """``compact`` (byte-level demo tokenizer), ``bpe`` (a byte-level BPE trained at startup on the
+    """The tokenizer: compact, bpe or a tokenizer.json path.
+
+    ``compact`` (byte-level demo tokenizer), ``bpe`` (a byte-level BPE trained at startup on the
     environment's reference demonstrations of training seeds, saved as ``<run.dir>/tokenizer.json``),
     or a path to tokenizer.json / a dir holding it."""
     bpe_vocab_size: int = Field(1024, ge=282)
-    """Upper bound on the ``bpe`` tokenizer's vocabulary (incl. 256 bytes and 26 added tokens);
+    """Upper bound on the bpe tokenizer's vocabulary.
+
+    Upper bound on the ``bpe`` tokenizer's vocabulary (incl. 256 bytes and 26 added tokens);
     must not exceed the model's ``vocab_size``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype. Master params are always fp32; logits are always fp32."""
@@ -34,30 +38,40 @@ class ModelConfig(_Section):
     shards and back by ``all_to_all`` inside a ``shard_map`` (``jax_rl.models.expert_parallel``);
     ``num_experts`` must divide by ``mesh.expert``."""
     moe_capacity_factor: Optional[float] = Field(None, gt=0)
-    """Expert-parallel path only (``moe_dispatch: ragged``, ``mesh.expert`` > 1): slots per
+    """Learner expert capacity on the expert-parallel path (null = no drops).
+
+    Expert-parallel path only (``moe_dispatch: ragged``, ``mesh.expert`` > 1): slots per
     (device, expert shard) pair as a multiple of the uniform load (GShard capacity factor, e.g.
     1.25); token copies over it are dropped (no expert output; the residual passes), which makes
     the learner's forward differ from an undropped rollout; padding takes no slot. The learner
     logs the drops (moe_dropped_copies, moe_copies, moe_dropped_frac). Unset: dropless, with
     exchange buffers sized for the worst case (mesh.expert times the uniform load)."""
     moe_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
-    """The expert-parallel path's grouped matmul: ``ragged_dot`` (``jax.lax.ragged_dot``),
+    """The expert-parallel path's grouped matmul kernel.
+
+    The expert-parallel path's grouped matmul: ``ragged_dot`` (``jax.lax.ragged_dot``),
     ``megablox`` (the Pallas TPU megablox ``gmm``/``tgmm`` kernels, MaxText's ``megablox``), or
     ``auto`` = megablox on a TPU backend, ragged_dot elsewhere. On TPU ragged_dot's weight
     gradient is lowered densely (G local experts times the FLOPs, ``jax_rl.models.expert_parallel``);
     megablox runs only on a TPU (``jax-rl compile`` targets it for TPU topologies)."""
     remat: bool = False
-    """Rematerialise each decoder layer in the backward pass (saves activation memory);
+    """Rematerialise each decoder layer in the backward pass.
+
+    Rematerialise each decoder layer in the backward pass (saves activation memory);
     shorthand for ``remat_policy: full`` when ``remat_policy`` is not set."""
     remat_policy: Optional[Literal["none", "full", "minimal", "save_dot_except_mlp",
                                    "save_dot_with_context_except_mlp", "save_dot_except_mlpwi",
                                    "save_qkv_proj", "save_out_proj"]] = None
-    """Per-layer rematerialisation, MaxText ``remat_policy`` names: ``none`` keeps every
+    """Per-layer rematerialisation policy (MaxText names).
+
+    Per-layer rematerialisation, MaxText ``remat_policy`` names: ``none`` keeps every
     activation, ``full`` only the layer inputs, ``minimal`` every matmul output, the
     ``save_*`` ones the named projections (``jax_rl.models.qwen3.remat_policy_fn``). Unset:
     ``full`` if ``remat`` else ``none``."""
     scan_layers: bool = True
-    """Stack the decoder layers' params on a leading ``layers`` axis and run them under
+    """Run the decoder layers under jax.lax.scan (MaxText scan_layers).
+
+    Stack the decoder layers' params on a leading ``layers`` axis and run them under
     ``jax.lax.scan`` (MaxText ``scan_layers``): compile time and program size independent of
     depth. The learner, every rollout engine (embedded and Ray), eval, export, serve and the HF
     import (``model.checkpoint``) build this one layout. Changes the checkpoint layout
@@ -65,20 +79,26 @@ class ModelConfig(_Section):
     checkpoint of the other layout is refused in one line naming the value to set; eval and
     export read either. Mixed dense/MoE stacks stay unrolled."""
     scan_unroll: Union[Literal["auto", "full"], Annotated[int, Field(ge=1, strict=True)]] = "auto"
-    """Layers per iteration of the scanned stack's ``jax.lax.scan`` (its ``unroll``), with
+    """Layers per iteration of the scanned stack (its unroll).
+
+    Layers per iteration of the scanned stack's ``jax.lax.scan`` (its ``unroll``), with
     ``scan_layers``: ``auto`` = the whole stack written out (no loop) on the CPU backend, 1 (one
     layer per iteration) on TPU/GPU; ``full`` = the whole stack; an int n >= 1. Changes neither
     the params layout nor any op, only the compiled program (values agree to fp32 rounding). A
     written-out stack compiles in time proportional to depth; ``jax-rl compile`` always costs the
     TPU program (1)."""
     logits_chunk_tokens: Optional[int] = Field(None, ge=1)
-    """Positions per chunk of the learner's LM head + log-softmax (the full [rows, T, vocab]
+    """Positions per chunk of the learner's LM head + log-softmax.
+
+    Positions per chunk of the learner's LM head + log-softmax (the full [rows, T, vocab]
     logits are never materialised): the largest divisor of the sequence length not above this.
     Unset: the largest chunk with rows x chunk x vocab <= 4M logits (~16 MB fp32), which is a
     handful of positions for a 152k vocabulary; on a TPU set a few hundred (the TPU configs use
     512) so the head's matmuls are MXU-sized and its weights are not re-read per position."""
     attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
-    """Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
+    """Attention core for full forwards and prefill.
+
+    Attention core for full forwards and prefill: ``splash`` = Pallas TPU splash attention
     kernel, ``xla`` = einsum softmax (HF eager numerics), ``cudnn`` = cuDNN flash attention on a GPU
     (``jax.nn.dot_product_attention``; bf16 compute; right-padded rows), ``auto`` = splash on a
     TPU backend, xla elsewhere. Decode steps always use ``xla``."""
@@ -143,25 +163,33 @@ def _check_devices_spec(v: Any) -> Any:
 
 
 class PlacementConfig(_Section):
-    """Which devices each role runs on: learner, rollout engines, scorer, tau² user model (docs/placement.md).
+    """Which devices each role runs on: learner, rollout engines, scorer, tau² user model.
 
-    The learner's mesh is mesh.*, each engine's rollout.mesh.*. All null = colocated, the default: the
+    docs/placement.md. The learner's mesh is mesh.*, each engine's rollout.mesh.*. All null = colocated, the default: the
     learner on every device, each engine on the learner's first device(s), the scorer on the learner's mesh,
     the user model on the eval engine's devices."""
 
     learner: Optional[int | list[int]] = None
-    """The learner's devices: an int n = the first n of jax.devices(), a list = jax device ids, null = every
+    """The learner's devices (int, id list or null).
+
+    The learner's devices: an int n = the first n of jax.devices(), a list = jax device ids, null = every
     device that placement.rollout and placement.scorer do not take."""
     rollout: Optional[int | list[int]] = None
-    """The rollout engines' devices: an int n = the last n of jax.devices(), a list = ids (may overlap the
+    """The rollout engines' devices (int, id list or null).
+
+    The rollout engines' devices: an int n = the last n of jax.devices(), a list = ids (may overlap the
     learner's: colocated sharded engines), null = colocated on the learner's first devices (one rollout.mesh
     each; a single device by default). Split evenly over the rollout.threads engines."""
     scorer: Optional[int | list[int]] = None
-    """old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
+    """The dedicated old-logit scorer's devices.
+
+    old_logits.route=dedicated: the scorer's own devices (an int n = the last n devices that
     placement.rollout does not take, a list = ids; never the learner's or the rollout's); null = the scorer
     shares the learner's mesh."""
     user: Optional[int | list[int]] = None
-    """env.tau2.user=model: the user simulator model's own devices (an int n = the last n devices that
+    """The tau2 user simulator model's devices.
+
+    env.tau2.user=model: the user simulator model's own devices (an int n = the last n devices that
     placement.rollout and placement.scorer do not take, a list = ids; never the learner's, the rollout's or
     the scorer's); its engine lays rollout.mesh over them, or fsdp over all of them when rollout.mesh is one
     device. null = the user model runs on the eval engine's devices."""
@@ -174,7 +202,9 @@ class MoEConfig(_Section):
     """Mixture-of-experts training options (read only for an MoE policy)."""
 
     routing_replay: Literal["none", "r2", "r3"] = "none"
-    """Routing replay: ``none`` (every forward routes by its own router), ``r3`` (the rollout
+    """Routing replay for MoE forwards.
+
+    Routing replay: ``none`` (every forward routes by its own router), ``r3`` (the rollout
     engine records the top-k expert ids of every MoE layer at every token, prefill and decode,
     and every learner forward: theta, pi_prox and the exact old-logit forwards (snapshot,
     dedicated, interrupt/retire incl. the in-flight prefixes scored at a publish), uses them; the

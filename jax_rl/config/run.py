@@ -25,17 +25,27 @@ class RuntimeConfig(_Section):
     process_id: Optional[int] = Field(None, ge=0)
     """This process's jax.distributed index."""
     transfer_address: Optional[str] = None
-    """host:port this process's cross-host weight-transfer server listens on (multi-process); None = the coordinator's host, port coordinator port + 1 + process_id (docs/placement.md "Multi-host")."""
+    """host:port of this process's cross-host weight-transfer server.
+
+    host:port this process's cross-host weight-transfer server listens on (multi-process); None = the coordinator's host, port coordinator port + 1 + process_id (docs/placement.md "Multi-host")."""
     peer_timeout_s: float = Field(100.0, gt=0)
-    """Multi-process: seconds a process waits for a peer (a weight sync's confirmation, the transfer's metadata exchange, a disaggregated run's groups of a step, jax.distributed's heartbeat) before it stops with one line naming the lost peer."""
+    """Multi-process: seconds a process waits for a peer.
+
+    Multi-process: seconds a process waits for a peer (a weight sync's confirmation, the transfer's metadata exchange, a disaggregated run's groups of a step, jax.distributed's heartbeat) before it stops with one line naming the lost peer."""
     ray_address: Optional[str] = None
-    """runtime=ray: address of an existing Ray cluster to join (host:port or ray://...); None = start a local Ray bound to bind_host. RISK: that cluster's own bind and auth settings apply."""
+    """runtime=ray: an existing Ray cluster to join (null = start a local one).
+
+    runtime=ray: address of an existing Ray cluster to join (host:port or ray://...); None = start a local Ray bound to bind_host. RISK: that cluster's own bind and auth settings apply."""
     bind_host: str = "127.0.0.1"
     """runtime=ray: node IP of the local Ray started when ray_address is None. Loopback = every Ray socket on 127.0.0.1; anything else (multi-host) makes Ray 2.60 listen on all interfaces with auth disabled: anyone who reaches the machine can submit jobs."""
     learner_cpus: Optional[list[int]] = None
-    """runtime=ray: CPU ids (os.sched_getaffinity numbering) the learner actor and the driver are pinned to, e.g. [0]; their XLA thread pool then uses those cores only. null = no pinning. Ids must be ones this process may run on; may overlap rollout_cpus."""
+    """runtime=ray: CPU ids the learner actor and the driver are pinned to.
+
+    runtime=ray: CPU ids (os.sched_getaffinity numbering) the learner actor and the driver are pinned to, e.g. [0]; their XLA thread pool then uses those cores only. null = no pinning. Ids must be ones this process may run on; may overlap rollout_cpus."""
     rollout_cpus: Optional[list[int]] = None
-    """runtime=ray: CPU ids every rollout-worker actor is pinned to, e.g. [1] (with learner_cpus=[0]: the roles on separate cores, bench/async_speedup.py --separate-roles). null = no pinning."""
+    """runtime=ray: CPU ids every rollout-worker actor is pinned to.
+
+    runtime=ray: CPU ids every rollout-worker actor is pinned to, e.g. [1] (with learner_cpus=[0]: the roles on separate cores, bench/async_speedup.py --separate-roles). null = no pinning."""
 
     @field_validator("learner_cpus", "rollout_cpus")
     @classmethod
@@ -82,7 +92,9 @@ class EvalConfig(_Section):
     num_tasks: int = Field(64, ge=1)
     """Held-out tasks per evaluation."""
     seed_offset: int = Field(1_000_000, ge=0)
-    """Held-out seeds start here; training seeds are below it (RL groups, SFT demos and bpe demos from env.train_seed_offset up: a config whose training seeds would reach it is refused)."""
+    """First held-out seed; training seeds are below it.
+
+    Held-out seeds start here; training seeds are below it (RL groups, SFT demos and bpe demos from env.train_seed_offset up: a config whose training seeds would reach it is refused)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature for evaluation."""
 
@@ -95,7 +107,9 @@ class RunConfig(_Section):
     dir: Optional[str] = None
     """Output dir; default ``runs/<name>-<UTC timestamp>``."""
     overwrite: bool = False
-    """A fresh run (no ``resume``) into a ``dir`` that already holds a run, finished or not: delete that run's files (config.yaml, metrics, checkpoints, ...) and start over (CLI ``--overwrite``); false refuses it."""
+    """A fresh run into a dir holding a run deletes that run's files.
+
+    A fresh run (no ``resume``) into a ``dir`` that already holds a run, finished or not: delete that run's files (config.yaml, metrics, checkpoints, ...) and start over (CLI ``--overwrite``); false refuses it."""
     steps: int = Field(100, ge=0)
     """RL learner steps."""
     seed: int = 0

@@ -6,8 +6,10 @@ cross-section checks. Every section has ``extra="forbid"``. The sections live in
 async, algo, sft, old_logits), :mod:`~jax_rl.config.rollout` (rollout, env) and :mod:`~jax_rl.config.run`
 (runtime, checkpoint, eval, run, logging) on :mod:`~jax_rl.config.base`; this module gathers them.
 
-The config imports no registry (``tests/test_structure.py``; it does import the env registry's knob check and
-``jax_rl.affinity``: docs/design.md §4.1 Import order). What a
+The config imports no learner registry (correction modes, old-logit routes, advantages;
+``tests/test_structure.py``). It imports two things below it: the env registry's load-time knob checks and
+tool-latency cap (:mod:`rollout.envs`: each env's ``env.<name>`` section is checked by its ``EnvSpec``) and
+:func:`jax_rl.affinity.check_cpus` (``runtime.*_cpus``), neither of which imports jax. What a
 correction mode allows with it (``old_logits.measure_error``, an ``old_logits.route``) is the registries'
 knowledge, checked by :func:`jax_rl.learner.correction.check_config` where a run is built (the CLI's loader and
 :func:`jax_rl.learner.correction.make_correction`).
@@ -22,8 +24,8 @@ from pydantic import ConfigDict, Field, model_validator
 from jax_rl.config.base import (BPE_CORPUS_DEMOS, CONFIG_DIR, MOVED_KEYS, ConfigError, _noted,  # noqa: F401 (re-exported)
                                 _Section, move_keys)
 from jax_rl.config.model import MeshConfig, ModelConfig, MoEConfig, PlacementConfig
-from jax_rl.config.rollout import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, EnvConfig,  # noqa: F401 (re-exported)
-                                   RolloutConfig, RolloutMeshConfig, Tau2Config, Tau2UserModelConfig)
+from jax_rl.config.rollout import (MAX_EPISODE_TIMEOUT_S, MAX_TOOL_LATENCY_S, CalculatorConfig,  # noqa: F401
+                                   EnvConfig, RolloutConfig, RolloutMeshConfig, Tau2Config, Tau2UserModelConfig)
 from jax_rl.config.run import CheckpointConfig, EvalConfig, LoggingConfig, RunConfig, RuntimeConfig
 from jax_rl.config.training import AlgoConfig, AsyncConfig, LossConfig, OldLogitsConfig, OptimConfig, SFTConfig
 
@@ -38,6 +40,7 @@ __all__ = [
     "AlgoConfig",
     "RolloutConfig",
     "EnvConfig",
+    "CalculatorConfig",
     "RuntimeConfig",
     "CheckpointConfig",
     "EvalConfig",
@@ -75,7 +78,9 @@ class Config(_Section):
     resume: bool = False
     """Continue from the latest checkpoint in run.dir (buffer included)."""
     resume_step: Optional[int] = Field(None, ge=0)
-    """With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
+    """With resume: the checkpoint step to resume from.
+
+    With resume: the checkpoint step (checkpoints/<N>, the RL step) to resume from instead of the newest good one."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
                               use_attribute_docstrings=True, allow_inf_nan=False)

@@ -17,7 +17,9 @@ class OptimConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of the RL AdamW."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup of the RL lr from 0 over this many optimizer updates, counted from the first RL
+    """Linear warmup of the RL lr, in optimizer updates.
+
+    Linear warmup of the RL lr from 0 over this many optimizer updates, counted from the first RL
     update (SFT has its own AdamW: sft.lr, sft.warmup_steps)."""
     schedule: Literal["constant", "cosine"] = "constant"
     """LR schedule after warmup."""
@@ -44,12 +46,16 @@ class OptimConfig(_Section):
     max_seq_len: int = Field(512, ge=8)
     """Longest trajectory (tokens) the learner accepts; batches are padded to a bucket <= this."""
     seq_len_buckets: Optional[list[int]] = None
-    """Padded lengths T a learner batch may take (the learner pads each batch to the smallest that fits,
+    """Padded lengths T a learner batch may take.
+
+    Padded lengths T a learner batch may take (the learner pads each batch to the smallest that fits,
     so at most one train-step program per length is compiled; ``max_seq_len`` is always one of them).
     null = powers of two from 16 and their 1.5x midpoints (16, 24, 32, 48, 64, 96, ...) up to ``max_seq_len``, then ``max_seq_len`` itself (``jax_rl.learner.batch.seq_buckets``);
     ``[N]`` with N = ``max_seq_len``: one shape, as Tunix pads every batch to prompt + completion length."""
     max_skipped_steps: int = Field(10, ge=0)
-    """Stop the run (NonFiniteTrainingError) after this many consecutive learner steps (RL or SFT) in
+    """Stop after this many consecutive all-skipped (non-finite) learner steps.
+
+    Stop the run (NonFiniteTrainingError) after this many consecutive learner steps (RL or SFT) in
     which every optimizer update was skipped as non-finite (loss, grad norm or updated params); 0 = never stop."""
 
     @model_validator(mode="after")
@@ -79,7 +85,9 @@ class LossConfig(_Section):
     train_infer_mode: Literal["none", "mask", "truncate"] = "mask"
     """Train-infer correction on pi_prox/mu: none = off (no factor), mask = MIS, truncate = TIS weight."""
     train_infer_level: Literal["token", "sequence", "geometric", "turn"] = "token"
-    """Granularity of the train-infer factor: token, sequence (log-space product), geometric (length-normalised), turn."""
+    """Granularity of the train-infer factor.
+
+    Granularity of the train-infer factor: token, sequence (log-space product), geometric (length-normalised), turn."""
     train_infer_high: float = Field(2.0, gt=0)
     """Upper threshold on pi_prox/mu (mask bound or truncation cap)."""
     train_infer_low: Optional[float] = Field(None, ge=0)
@@ -108,9 +116,13 @@ class LossConfig(_Section):
     ewma_reset_cooldown: int = Field(0, ge=0)
     """Learner steps after a reset during which no reset fires (R not counted); 0: none."""
     ewma_reset: Literal["current", "guarded"] = "guarded"
-    """What a triggered reset does: guarded (default) = theta_bar <- theta only if theta keeps more of the batch's tokens in the mask than theta_bar; current = theta_bar <- theta always (the paper's rule; collapsed 6 of 10 runs at K=8 in docs/paper_repro.md's drift setting)."""
+    """What a triggered EWMA reset does.
+
+    What a triggered reset does: guarded (default) = theta_bar <- theta only if theta keeps more of the batch's tokens in the mask than theta_bar; current = theta_bar <- theta always (the paper's rule; collapsed 6 of 10 runs at K=8 in docs/paper_repro.md's drift setting)."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
+    """Entropy bonus coefficient (verl entropy_coeff).
+
+    Entropy bonus coefficient (verl ``entropy_coeff``): the loss adds ``-entropy_coef * agg(H)``
     over the policy term's kept tokens, H the per-token entropy (nats) of the temperature-scaled
     next-token distribution; logs ``entropy_mean``. 0 skips the entropy computation."""
 
@@ -138,19 +150,25 @@ class AsyncConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    """The RL algorithm's knobs: the group, the advantage estimator and the policy's temperature (Tunix's
+    """The RL algorithm's knobs: the group, the advantage estimator, the policy's temperature.
+
+    The RL algorithm's knobs: the group, the advantage estimator and the policy's temperature (Tunix's
     ``algo_config``: ``GRPOConfig.num_generations``; verl's ``algorithm.adv_estimator``,
     ``algorithm.norm_adv_by_std_in_grpo``). The estimators are the registry in :mod:`jax_rl.learner.advantages`."""
 
     group_size: int = Field(8, ge=1)
     """GRPO group: samples per task (Tunix ``num_generations``, AReaL ``group_size``)."""
     advantage: Literal["grpo", "rloo"] = "grpo"
-    """Group advantage estimator (``jax_rl.learner.advantages.REGISTRY``): grpo (reward minus the group mean, see
+    """Group advantage estimator.
+
+    Group advantage estimator (``jax_rl.learner.advantages.REGISTRY``): grpo (reward minus the group mean, see
     advantage_std_normalize) or rloo (leave-one-out baseline)."""
     advantage_std_normalize: bool = True
     """GRPO: divide by the group's reward std (verl ``norm_adv_by_std_in_grpo``)."""
     temperature: float = Field(1.0, gt=0)
-    """The policy's temperature: the rollout engines sample at it and every learner and SFT log-prob applies
+    """The policy's sampling temperature, applied in every log-prob.
+
+    The policy's temperature: the rollout engines sample at it and every learner and SFT log-prob applies
     it, so pi and mu are the same distribution (rollout.top_k / rollout.top_p are reproduced the same way)."""
 
 
@@ -173,7 +191,9 @@ class OldLogitsConfig(_Section):
     """Exact old logits (pi_v at each token's behaviour version) for loss.correction=exact."""
 
     route: Literal["snapshot", "dedicated", "interrupt", "retire"] = "snapshot"
-    """Exact old-logit route for loss.correction=exact: snapshot (the learner keeps the last K+1
+    """How exact old logits are computed for loss.correction=exact.
+
+    Exact old-logit route for loss.correction=exact: snapshot (the learner keeps the last K+1
     versions' params and runs one forward per version present in each batch), dedicated (a
     scorer thread holding the live versions scores each finished trajectory before it enters the
     buffer), interrupt (at each publish the rollouts pause while the outgoing version's tokens,
@@ -182,7 +202,9 @@ class OldLogitsConfig(_Section):
     whatever K is). dedicated/interrupt/retire: the learner runs no old-logit forward;
     runtime=embedded only."""
     max_queued_groups: int = Field(4, ge=1)
-    """route=dedicated|interrupt|retire: finished GRPO groups waiting for the scorer; a full queue blocks the
+    """Finished groups waiting for the scorer (backpressure).
+
+    route=dedicated|interrupt|retire: finished GRPO groups waiting for the scorer; a full queue blocks the
     rollout thread that finished the next one (backpressure)."""
     store: Literal["host", "disk"] = "host"
     """Snapshot store: host (numpy in RAM) or disk (Orbax under the run dir)."""

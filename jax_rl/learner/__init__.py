@@ -14,8 +14,10 @@
 - :mod:`jax_rl.learner.batch`: ``LearnerBatch``, ``collate``, padding and validation.
 - :mod:`jax_rl.learner.logprobs`: the RL log-prob heads (truncation, entropy).
 - :mod:`jax_rl.learner.sft`: the SFT warm-start stage.
-- :mod:`jax_rl.learner.correction`: where pi_prox comes from (the correction registry, the proximal math,
-  and in ``correction/old_logits/`` the exact old-logit routes, the snapshot store and the old-logit stage).
+- :mod:`jax_rl.learner.trees`: the pytree helpers of the jitted steps (skip a non-finite update).
+- :mod:`jax_rl.learner.correction`: where pi_prox comes from (``base``: the interface and the registry; ``modes``;
+  ``host``: the host-side inputs; ``proximal``: the pure math; and in ``correction/old_logits/`` the exact
+  old-logit routes, the snapshot store and the old-logit stage).
 
 Each stage takes the pieces it uses (config, state holder, shardings, a params getter, ...) and none holds the
 :class:`~jax_rl.learner.learner.Learner`, which composes them; nothing in ``correction/`` imports the learner

@@ -25,7 +25,7 @@ from jax_rl.config import Config, config_hash
 from jax_rl.learner.correction import Correction
 from jax_rl.learner.correction.old_logits import SnapshotStore
 from jax_rl.learner.holder import LearnerProcesses, StateHolder
-from jax_rl.weight_sync import allgather_json
+from jax_rl.collectives import allgather_json
 
 __all__ = ["LearnerCheckpoints"]
 

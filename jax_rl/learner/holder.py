@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jax_rl.weight_sync import allgather_json
+from jax_rl.collectives import allgather_json
 
 __all__ = ["LearnerProcesses", "StateHolder", "copy_params"]
 
@@ -57,10 +57,10 @@ class LearnerProcesses:
     def host_values(self, get: Callable[[], dict]) -> dict[str, float]:
         """``get()`` (a step's metrics fetched to the host: ``{name: float}``); a process holding no learner
         device receives them from the first holder through the ``jax.distributed`` key-value store
-        (:func:`jax_rl.weight_sync.allgather_json`; then a collective every process calls).
+        (:func:`jax_rl.collectives.allgather_json`; then a collective every process calls).
 
         Raises:
-            jax_rl.weight_sync.WeightSyncError: the holder did not answer within ``peer_timeout_s``.
+            jax_rl.collectives.PeerLostError: the holder did not answer within ``peer_timeout_s``.
         """
         if not self.on_some_processes:
             return get()

@@ -350,11 +350,11 @@ class Learner:
     def host_values(self, get: Callable[[], dict]) -> dict[str, float]:
         """``get()`` (a step's metrics fetched to the host: ``{name: float}``); a process holding no learner
         device (disaggregated across processes) receives them from the first process that holds one, through
-        the ``jax.distributed`` key-value store (:func:`jax_rl.weight_sync.allgather_json`; then a collective
+        the ``jax.distributed`` key-value store (:func:`jax_rl.collectives.allgather_json`; then a collective
         every process calls).
 
         Raises:
-            jax_rl.weight_sync.WeightSyncError: the holder did not answer within ``runtime.peer_timeout_s``.
+            jax_rl.collectives.PeerLostError: the holder did not answer within ``runtime.peer_timeout_s``.
         """
         return self.processes.host_values(get)
 

@@ -10,7 +10,7 @@ the SFT params and the current version re-snapshotted).
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +21,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_rl.learner.batch import validate_batch
-from jax_rl.config import Config, ConfigError
-from jax_rl.learner.correction import tree_finite, tree_where
+from jax_rl.config import Config
+from jax_rl.learner.trees import tree_finite, tree_where
 from jax_rl.learner.holder import LearnerProcesses, StateHolder
 from jax_rl.learner.spec import make_sft_optimizer
 from jax_rl.placement import BatchPlacement
 from jax_rl.learner.train_step import make_logprob_fn, opt_state_shardings
-from rollout.agent import sft_example
 
 __all__ = ["SFT_FIELDS", "make_sft_step", "SftRunner"]
 
@@ -126,33 +125,3 @@ class SftRunner:
         dt = time.perf_counter() - t0
         out.update(sft_tokens=float(n_loss), step_time_s=dt, tokens_per_s=float(b["attention_mask"].sum()) / dt)
         return out
-
-
-def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Reference-solver demonstrations rendered with the chat template: (tokens, loss_mask) pairs,
-    assistant tokens only in the mask. Seeds are training seeds (below ``eval.seed_offset``)."""
-    env = env_factory()
-    out = []
-    for i in range(n):
-        seed = cfg.env.train_seed_offset + seed_offset + i
-        toks, mask = sft_example(env, tokenizer, seed, render_tools=cfg.rollout.render_tools)
-        if len(toks) <= cfg.optim.max_seq_len:
-            out.append((np.asarray(toks, np.int32), np.asarray(mask, bool)))
-    if not out:
-        raise ConfigError(f"no SFT demonstration fits optim.max_seq_len={cfg.optim.max_seq_len}")
-    return out
-
-
-def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int = 0, multiple: int = 32) -> dict:
-    """Right-pad (tokens, loss_mask) pairs to [B, T] with T a multiple of ``multiple``."""
-    T = max(len(t) for t, _ in examples)
-    T = ((T + multiple - 1) // multiple) * multiple
-    B = len(examples)
-    tokens = np.full((B, T), pad_id, np.int32)
-    attn = np.zeros((B, T), bool)
-    lm = np.zeros((B, T), bool)
-    for i, (t, m) in enumerate(examples):
-        tokens[i, : len(t)] = t
-        attn[i, : len(t)] = True
-        lm[i, : len(m)] = m
-    return {"tokens": tokens, "attention_mask": attn, "loss_mask": lm}

@@ -50,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 from jax_rl.learner import losses
 from jax_rl.learner.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
-from jax_rl.learner.correction import Correction, tree_finite, tree_where
+from jax_rl.learner.correction import Correction
+from jax_rl.learner.trees import tree_finite, tree_where
 from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates

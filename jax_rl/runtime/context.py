@@ -37,11 +37,11 @@ from jax_rl.model_builder import build_model_config, learner_model_kwargs, resol
 from jax_rl.models.hf_io import CheckpointError, load_pretrained
 from jax_rl.publish import Publisher
 from jax_rl.runtime import engines
-from jax_rl.runtime.envs import build_env_factory, build_tokenizer, rollout_preflight, start_tau2_user_model
+from jax_rl.runtime.envs import (build_env_factory, build_tokenizer, pad_examples, rollout_preflight, sft_examples,
+                                   start_tau2_user_model)
 from jax_rl.runtime.resources import check_kv_cache, check_mesh
 from jax_rl.runtime.run_dir import delete_earlier_run, hold_run_dir_all, lock_run_dir, resolve_run_dir
-from jax_rl.learner.sft import pad_examples, sft_examples
-from jax_rl.weight_sync import allgather_json
+from jax_rl.collectives import allgather_json
 from rollout.agent import AgentLoop
 from rollout.types import json_safe
 

@@ -46,7 +46,7 @@ from jax_rl.learner.correction.old_logits import ScoringQueue
 from jax_rl.placement import resolve_roles
 from jax_rl.runtime import engines
 from jax_rl.runtime.loop import EpisodeGuard, WeightSyncClock, buffer_columns
-from jax_rl.weight_sync import allgather_json
+from jax_rl.collectives import allgather_json
 from rollout.agent import AgentLoop
 from rollout.buffer import TrajectoryBuffer
 

@@ -14,7 +14,8 @@ from jax_rl.placement import resolve_roles
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.runtime.resources import kv_pool_pages
 from jax_rl.sharding import make_mesh
-from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_bytes, engine_targets
+from jax_rl.collectives import allgather_bytes
+from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, engine_targets
 from rollout.engine import EngineSpec, Qwen3Engine
 from rollout.generator import Generator
 from rollout.types import decode_groups, encode_groups
@@ -57,7 +58,7 @@ def exchange_groups(cfg: Config, groups: Sequence[Sequence[Any]]) -> list:
     rollout process's groups of one step.
 
     Raises:
-        jax_rl.weight_sync.WeightSyncError: (one line) a peer did not hand in its groups in time (a lost host).
+        jax_rl.collectives.PeerLostError: (one line) a peer did not hand in its groups in time (a lost host).
     """
     every = allgather_bytes(encode_groups(groups), timeout_s=cfg.runtime.peer_timeout_s, what="rollout groups")
     return [g for part in every for g in decode_groups(part)]

@@ -1,11 +1,12 @@
 """The task side of a run: the environment factory (``env.name``, with tau²'s user model when it is a
-model), the tokenizer (``model.tokenizer``; ``bpe`` is trained on the env's reference demonstrations)
-and the start-of-run check that the env's prompts fit the rollout's cache."""
+model), the tokenizer (``model.tokenizer``; ``bpe`` is trained on the env's reference demonstrations),
+the start-of-run check that the env's prompts fit the rollout's cache, and the SFT warm start's data
+(:func:`sft_examples`: the env's reference demonstrations as token rows; :func:`pad_examples`)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from jax_rl.config.schema import BPE_CORPUS_DEMOS  # the bpe tokenizer's demos (
 from jax_rl.model_builder import resolve_model_config
 from jax_rl.models.tokenizer import load_tokenizer, render_chat_text, train_bpe_tokenizer
 from jax_rl.runtime.engines import build_generator, user_model_mesh
-from rollout.agent import demo_chat
+from rollout.agent import demo_chat, sft_example
 from rollout.envs import env_factory_from_config, env_spec
 from rollout.envs.tau2 import ModelUser, TicketUser
 
@@ -73,8 +74,8 @@ def build_env_factory(cfg: Config, user_simulator_factory: Optional[Callable[[],
     is given; its seeds split at ``eval.seed_offset``.
 
     Raises:
-        ConfigError: naming the key: an unregistered ``env.datasets`` entry, bad
-            ``env.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
+        ConfigError: naming the key: an unregistered ``env.calculator.datasets`` entry, bad
+            ``env.calculator.dataset_config`` kwargs, an unknown or bad ``env.retail`` knob, a tau2 domain that does not load,
             ``eval.num_tasks`` above a fixed held-out split (tau2's test split).
     """
     try:
@@ -225,3 +226,33 @@ def rollout_preflight(cfg: Config, tokenizer, env_factory, n_seeds: int = PREFLI
     for w in out:
         log.warning("%s", w)
     return out
+
+
+def sft_examples(cfg: Config, tokenizer, env_factory, n: int, seed_offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Reference-solver demonstrations rendered with the chat template: (tokens, loss_mask) pairs,
+    assistant tokens only in the mask. Seeds are training seeds (below ``eval.seed_offset``)."""
+    env = env_factory()
+    out = []
+    for i in range(n):
+        seed = cfg.env.train_seed_offset + seed_offset + i
+        toks, mask = sft_example(env, tokenizer, seed, render_tools=cfg.rollout.render_tools)
+        if len(toks) <= cfg.optim.max_seq_len:
+            out.append((np.asarray(toks, np.int32), np.asarray(mask, bool)))
+    if not out:
+        raise ConfigError(f"no SFT demonstration fits optim.max_seq_len={cfg.optim.max_seq_len}")
+    return out
+
+
+def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int = 0, multiple: int = 32) -> dict:
+    """Right-pad (tokens, loss_mask) pairs to [B, T] with T a multiple of ``multiple``."""
+    T = max(len(t) for t, _ in examples)
+    T = ((T + multiple - 1) // multiple) * multiple
+    B = len(examples)
+    tokens = np.full((B, T), pad_id, np.int32)
+    attn = np.zeros((B, T), bool)
+    lm = np.zeros((B, T), bool)
+    for i, (t, m) in enumerate(examples):
+        tokens[i, : len(t)] = t
+        attn[i, : len(t)] = True
+        lm[i, : len(m)] = m
+    return {"tokens": tokens, "attention_mask": attn, "loss_mask": lm}

@@ -203,7 +203,7 @@ def hold_run_dir_all(run_dir: Path, *, command: str, what: str, process_index: i
     """Every process of a run calls this at the same point (after ``jax.distributed`` started, before
     anything is written): process 0 takes the lock (:func:`lock_run_dir`), the others check it (a probe: a
     holder other than process 0 is a foreign writer). ``gather`` is an all-gather of a JSON-safe object
-    (``jax_rl.weight_sync.allgather_json``), so a refusal on any process is raised on all of them (exit 2
+    (``jax_rl.collectives.allgather_json``), so a refusal on any process is raised on all of them (exit 2
     everywhere, no process left waiting for its peers).
 
     Raises:

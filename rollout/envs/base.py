@@ -32,8 +32,9 @@ __all__ = ["Env", "EnvSpec", "ToolError", "BaseEnv", "extract_final_answer", "to
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-# Longest simulated tool latency (seconds); also the cap on one lognormal draw. Matches
-# ``jax_rl.config.MAX_TOOL_LATENCY_S`` (this package does not import the config).
+# Longest simulated tool latency (seconds); also the cap on one lognormal draw. The config's bound on
+# ``rollout.tool_latency_s`` (``jax_rl.config.MAX_TOOL_LATENCY_S`` is this one; this package does not import
+# the config): finite, so ``time.sleep`` never overflows in a rollout thread.
 MAX_TOOL_LATENCY_S = 600.0
 
 
@@ -210,7 +211,8 @@ class EnvSpec:
 
     Attributes:
         make: ``(**knobs) -> Env``, one instance (one episode at a time).
-        section: the config key under ``env`` its knobs live in (``env.<section>``), named in its errors.
+        section: the config key under ``env`` its knobs live in (``env.<section>``), named in its errors: the
+            env's own name (``tests/test_structure.py`` checks it against the config's sections).
         kwargs: ``(env_cfg) -> dict`` of constructor knobs from ``jax_rl.config.EnvConfig``.
         check_knobs: ``(value of env.<section>) -> value``, the section's own schema, run when the config is
             loaded (ValueError naming the knob), or None.

@@ -132,12 +132,12 @@ _DATASETS: dict[str, Any] = {}
 _DATASETS_LOCK = threading.Lock()
 
 
-def check_dataset_config(name: str, knobs: Any, prefix: str = "env.dataset_config") -> dict:
+def check_dataset_config(name: str, knobs: Any, prefix: str = "env.calculator.dataset_config") -> dict:
     """``knobs`` checked against reasoning-gym's own config dataclass of dataset ``name`` (its field
     names and types, via pydantic), before the dataset is built; returns them as given.
 
     Raises:
-        ValueError: one line naming the knob and its value (``env.dataset_config.chain_sum.min_terms='abc':
+        ValueError: one line naming the knob and its value (``env.calculator.dataset_config.chain_sum.min_terms='abc':
             Input should be a valid integer``), or an unknown knob with the known ones.
     """
     import dataclasses
@@ -284,12 +284,12 @@ class CalculatorEnv(BaseEnv):
 
 
 def check_config(env_cfg: Any) -> None:
-    """``env.datasets`` and ``env.dataset_config`` (``jax_rl.config.EnvConfig``) checked at the start of a run:
-    each dataset is a reasoning-gym one, each ``dataset_config`` entry names one of them, its knobs pass the
-    dataset's own schema (:func:`check_dataset_config`) and the dataset builds with them.
+    """``env.calculator`` (``jax_rl.config.CalculatorConfig``: ``datasets``, ``dataset_config``) checked at the
+    start of a run: each dataset is a reasoning-gym one, each ``dataset_config`` entry names one of them, its
+    knobs pass the dataset's own schema (:func:`check_dataset_config`) and the dataset builds with them.
 
     Raises:
-        ValueError: one line naming the key (``env.datasets``, ``env.dataset_config.<name>...``).
+        ValueError: one line naming the key (``env.calculator.datasets``, ``env.calculator.dataset_config.<name>...``).
     """
     import difflib
 
@@ -299,22 +299,26 @@ def check_config(env_cfg: Any) -> None:
         m = difflib.get_close_matches(name, list(rg.DATASETS), n=1, cutoff=0.6)
         return f"; did you mean '{m[0]}'?" if m else ""
 
-    for name in env_cfg.datasets:
+    c = env_cfg.calculator
+    for name in c.datasets:
         if name not in rg.DATASETS:
-            raise ValueError(f"env.datasets: {name!r} is not a reasoning-gym dataset{hint(name)}")
-    for name in env_cfg.dataset_config:
-        if name not in env_cfg.datasets:
-            raise ValueError(f"env.dataset_config.{name} names a dataset not in env.datasets={env_cfg.datasets}")
-    for name in env_cfg.datasets:
-        knobs = env_cfg.dataset_config.get(name, {})
+            raise ValueError(f"env.calculator.datasets: {name!r} is not a reasoning-gym dataset{hint(name)}")
+    for name in c.dataset_config:
+        if name not in c.datasets:
+            raise ValueError(f"env.calculator.dataset_config.{name} names a dataset not in "
+                             f"env.calculator.datasets={c.datasets}")
+    for name in c.datasets:
+        knobs = c.dataset_config.get(name, {})
         check_dataset_config(name, knobs)  # the dataset's own knob schema: names the knob and value
         try:
             _get_dataset(name, 0, dict(knobs))
         except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
-            raise ValueError(f"env.dataset_config.{name}={knobs}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+            raise ValueError(f"env.calculator.dataset_config.{name}={knobs}: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())}") from None
 
 
-SPEC = EnvSpec(make=CalculatorEnv, section="dataset_config",
-               kwargs=lambda env_cfg: {"datasets": list(env_cfg.datasets), "dataset_config": dict(env_cfg.dataset_config)},
+SPEC = EnvSpec(make=CalculatorEnv, section="calculator",
+               kwargs=lambda env_cfg: {"datasets": list(env_cfg.calculator.datasets),
+                                       "dataset_config": dict(env_cfg.calculator.dataset_config)},
                check=check_config)
-"""``env.name=calculator`` in :data:`rollout.envs.ENVS`."""
+"""``env.name=calculator`` in :data:`rollout.envs.ENVS`: its knobs are ``env.calculator``."""

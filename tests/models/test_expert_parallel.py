@@ -323,9 +323,9 @@ def test_megablox_weight_gradient_costs_one_pass_on_tpu():
     """libtpu's cost analysis of the experts' weight gradient (v5e, one chip): ragged_dot's is
     G times the 2 M K N of a grouped matmul (lowered densely), megablox's tgmm exactly 1x."""
     pytest.importorskip("libtpu")
-    from jax_rl import tpu
+    from jax_rl import compile as aot
 
-    dev = tpu.get_topology("v5e:2x2").devices[0]
+    dev = aot.get_topology("v5e:2x2").devices[0]
     sh = jax.sharding.SingleDeviceSharding(dev)
     M, G = 1000, 8  # M: not a multiple of the row tile
     for K, N in ((256, 256), (192, 640)):  # (192, 640): a non-128 dim, and tiles swap in dx
@@ -338,7 +338,7 @@ def test_megablox_weight_gradient_costs_one_pass_on_tpu():
                 return grouped_matmul(x, w, gs, kind).astype(jnp.float32).sum()
             for argnums, name in ((1, "dw"), ((0, 1), "dx+dw")):
                 # as jax-rl compile lowers (bf16 MXU passes), with no persistent cache (as it does)
-                with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+                with jax.default_matmul_precision("default"), aot.no_persistent_cache():
                     cost = jax.jit(jax.grad(f, argnums=argnums)).lower(*args).compile().cost_analysis()
                 cost = cost[0] if isinstance(cost, list) else cost
                 ratio[kind, name] = cost["flops"] / (2 * M * K * N)

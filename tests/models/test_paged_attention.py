@@ -175,9 +175,9 @@ def test_kernel_compiles_for_a_tpu_topology():
     pytest.importorskip("libtpu")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jax_rl import tpu
+    from jax_rl import compile as aot
 
-    topo = tpu.get_topology("v5e:2x2")
+    topo = aot.get_topology("v5e:2x2")
     mesh = Mesh(np.array(topo.devices[:1]), ("d",))
     sh = NamedSharding(mesh, PartitionSpec())
     B, N, K, H, ps, M, P = 8, 8, 2, 128, 16, 16, 256
@@ -186,7 +186,7 @@ def test_kernel_compiles_for_a_tpu_topology():
         ((B,), jnp.int32), ((B,), jnp.int32))]
     fn = jax.jit(lambda *a: pa.paged_attention_kernel(*a, num_kv_pages_per_block=4, num_queries_per_block=8))
     # the mesh names the TPU for Mosaic's lowering; the suite's fp32 matmul precision is not for bf16 kernels
-    with tpu.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    with aot.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         compiled = fn.lower(*args).compile()
     assert "ragged_paged_attention" in compiled.as_text()
 
@@ -199,10 +199,10 @@ def test_sharded_kernel_compiles_for_a_tpu_topology_mesh():
 
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_rl import tpu
+    from jax_rl import compile as aot
     from jax_rl.sharding import make_mesh
 
-    topo = tpu.get_topology("v5e:2x2")
+    topo = aot.get_topology("v5e:2x2")
     mesh = make_mesh(data=1, fsdp=1, tensor=2, devices=topo.devices[:2])
     B, N, K, H, ps, M, Pg = 8, 8, 2, 128, 16, 16, 256
     rep, heads = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, None, "tensor", None))
@@ -210,7 +210,7 @@ def test_sharded_kernel_compiles_for_a_tpu_topology_mesh():
         ((B, 1, N, H), jnp.bfloat16, heads), ((Pg, ps, 2 * K, H), jnp.bfloat16, heads), ((B, M), jnp.int32, rep),
         ((B,), jnp.int32, rep), ((B,), jnp.int32, rep))]
     fn = jax.jit(lambda *a: pa.paged_attention_kernel_sharded(*a, num_kv_pages_per_block=4, num_queries_per_block=8))
-    with tpu.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    with aot.no_persistent_cache(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         txt = fn.lower(*args).compile().as_text()
     call = next(x for x in txt.splitlines() if "custom_call_target=\"tpu_custom_call\"" in x)
     assert re.search(rf"bf16\[{B},{N // 2},{H}\]", call), call[:200]  # the kernel's output: this chip's heads

@@ -116,7 +116,7 @@ def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jax_rl import tpu
+    from jax_rl import compile as aot
     from jax_rl.models.backend_target import target_backend
     from jax_rl.models.qwen3.paged import PagedKVCache
 
@@ -124,7 +124,7 @@ def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0), scan_layers=True, dtype=jnp.bfloat16,
                                                     param_dtype=jnp.bfloat16))
     gd, st = nnx.split(model)
-    topo = tpu.get_topology("v5e:2x2")
+    topo = aot.get_topology("v5e:2x2")
     mesh = Mesh(np.array(topo.devices[:1]), ("d",))
     rep = NamedSharding(mesh, P())
     B, Pg, L, K = 8, 64, mc.num_hidden_layers, mc.num_key_value_heads
@@ -134,7 +134,7 @@ def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
                          lengths=sds((B,), jnp.int32))
     fn = jax.jit(lambda st, tok, c: paged_decode_step(nnx.merge(gd, st), tok, c).logits, donate_argnums=(2,))
     args = (jax.tree.map(lambda a: sds(a.shape, a.dtype), st), sds((B,), jnp.int32), cache)
-    with tpu.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"), jax.default_matmul_precision("default"):
+    with aot.no_persistent_cache(), jax.set_mesh(mesh), target_backend("tpu"), jax.default_matmul_precision("default"):
         txt = fn.lower(*args).compile().as_text()
     assert "ragged_paged_attention" in txt
     shape = r"bf16\[%s\]" % ",".join(map(str, layer))

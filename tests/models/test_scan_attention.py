@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl import tpu
+from jax_rl import compile as aot
 from jax_rl.learner.logprobs import sequence_logprobs
 from jax_rl.models import attention as A
 from jax_rl.models.qwen3 import (REMAT_POLICIES, Qwen3ForCausalLM, attend, get_preset, stack_layer_params,
@@ -202,7 +202,7 @@ def test_splash_scanned_forward_and_grad_compile_for_tpu_v5e_2x2():
 
         # conftest sets jax_default_matmul_precision="highest" (fp32 parity); Mosaic rejects
         # fp32-precision dots of bf16 operands, and a real run uses the default precision
-        with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
+        with jax.default_matmul_precision("default"), aot.no_persistent_cache():
             compiled = jax.jit(step).lower(st_abs, toks, mask).compile()
     out_loss, out_grads = compiled.output_shardings[0], compiled.output_shardings[1]
     assert out_loss is not None and out_grads is not None

@@ -147,7 +147,7 @@ def test_calculator_dataset_config_knobs():
 
 
 def test_env_factory_from_config_and_latency():
-    f = env_factory_from_config(EnvConfig(datasets=["chain_sum"]), RolloutConfig(tool_latency_s=0.05))
+    f = env_factory_from_config(EnvConfig(calculator={"datasets": ["chain_sum"]}), RolloutConfig(tool_latency_s=0.05))
     env = f()
     assert isinstance(env, CalculatorEnv) and env.datasets == ["chain_sum"]
     env.reset(0)

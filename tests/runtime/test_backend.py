@@ -1,6 +1,6 @@
 """The backend JAX runs on: ``jax-rl --version`` names it with its devices, a ``JAX_PLATFORMS`` naming a
 platform this host lacks ends a ``train --dry-run`` with one line naming it (exit 2), never the CPU in
-its place; the one chip table (:data:`jax_rl.chips.CHIPS`) maps JAX device kinds to vendor figures."""
+its place; the one chip table (:data:`jax_rl.compile.chips.CHIPS`) maps JAX device kinds to vendor figures."""
 
 import os
 import subprocess
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jax_rl import chips, tpu
+from jax_rl.compile import chips
+from jax_rl.compile import topology as tpu
 from jax_rl.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

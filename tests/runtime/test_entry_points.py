@@ -223,12 +223,12 @@ def test_retail_knobs_schema(tmp_path, capsys, overrides, line):
 
 
 def test_dataset_knobs_schema():
-    """calculator's ``env.dataset_config``: reasoning-gym's own config dataclass is the schema."""
+    """calculator's ``env.calculator.dataset_config``: reasoning-gym's own config dataclass is the schema."""
     from rollout.envs.calculator import check_dataset_config
 
-    with pytest.raises(ValueError, match=r"env.dataset_config.chain_sum.min_terms='abc': Input should be a valid integer"):
+    with pytest.raises(ValueError, match=r"env.calculator.dataset_config.chain_sum.min_terms='abc': Input should be a valid integer"):
         check_dataset_config("chain_sum", {"min_terms": "abc"})
-    with pytest.raises(ValueError, match="did you mean 'env.dataset_config.chain_sum.min_terms'"):
+    with pytest.raises(ValueError, match="did you mean 'env.calculator.dataset_config.chain_sum.min_terms'"):
         check_dataset_config("chain_sum", {"min_termz": 2})
     assert check_dataset_config("chain_sum", {"min_terms": 2, "max_terms": 3}) == {"min_terms": 2, "max_terms": 3}
 

@@ -1,5 +1,5 @@
 """Multi-process embedded runs move a step's groups between processes as arrays
-(:func:`jax_rl.runtime.engines.exchange_groups` over :func:`jax_rl.weight_sync.allgather_bytes`): two real
+(:func:`jax_rl.runtime.engines.exchange_groups` over :func:`jax_rl.collectives.allgather_bytes`): two real
 jax processes (CPU, ``jax.distributed`` on 127.0.0.1) each hand in groups holding float32 bit patterns a
 JSON list loses (NaN payload and sign), int8 routes and an ``old_logp``; both get every process's groups,
 in process order, bit for bit, and what lies in the key-value store is the array payload

@@ -181,6 +181,7 @@ def test_train_run_keeps_the_reasons_of_lost_episodes_in_summary_and_metrics(tmp
     """A real ``train`` whose env raises at reset for some training tasks (rollout threads only: the
     preflight, SFT demos and eval run elsewhere or on held-out seeds): summary.json and metrics.jsonl carry
     ``episode_failures_by_reason``, equal to ``episode_errors``."""
+    import dataclasses
     import json
     import threading
     from pathlib import Path
@@ -196,7 +197,7 @@ def test_train_run_keeps_the_reasons_of_lost_episodes_in_summary_and_metrics(tmp
                 raise KeyError(f"task {seed} is missing")
             return super().reset(seed)
 
-    monkeypatch.setitem(E.ENVS, "calculator", Flaky)
+    monkeypatch.setitem(E.ENVS, "calculator", dataclasses.replace(E.ENVS["calculator"], make=Flaky))  # its EnvSpec
     cfg = _cfg(tmp_path, "run.steps=2", "sft.steps=0")
     assert cfg.eval.seed_offset >= 10**6
     assert run_train(cfg) == 0

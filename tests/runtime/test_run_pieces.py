@@ -9,7 +9,7 @@ from jax_rl.config import CONFIG_DIR, ConfigError, load_config
 from jax_rl.model_builder import build_model_config
 from jax_rl.runtime.envs import _train_bpe, build_env_factory, build_tokenizer
 from jax_rl.runtime.run_dir import resolve_run_dir
-from jax_rl.learner.sft import sft_examples
+from jax_rl.runtime.envs import sft_examples
 
 
 def test_run_context_starts_from_hf_checkpoint(tmp_path):

@@ -216,7 +216,7 @@ def test_overlong_prompts_are_dropped_and_the_run_goes_on(tmp_path):
     # tasks cannot fit; their groups are dropped and counted, the others train
     cfg = _cfg(tmp_path, "model.tokenizer=compact", "sft.steps=0", "run.steps=2", "rollout.max_cache_len=170",
                "optim.max_seq_len=170", "loss.correction=ppo",
-               "env.dataset_config={chain_sum: {min_terms: 2, max_terms: 6, min_digits: 1, max_digits: 4}}")
+               "env.calculator.dataset_config={chain_sum: {min_terms: 2, max_terms: 6, min_digits: 1, max_digits: 4}}")
     assert run_train(cfg) == 0
     rows = _rows(cfg.run.dir)
     assert [r["step"] for r in rows] == [1, 2]

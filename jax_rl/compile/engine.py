@@ -12,8 +12,8 @@ import math
 import time
 from typing import Any, Optional
 
-from jax_rl.tpu.analysis import program_analysis
-from jax_rl.tpu.topology import get_topology, no_persistent_cache, resolve_topology
+from jax_rl.compile.analysis import program_analysis
+from jax_rl.compile.topology import get_topology, no_persistent_cache, resolve_topology
 
 __all__ = ["compile_rollout"]
 
@@ -153,7 +153,7 @@ def _steps(progs, params, state, rep, mesh, sharded, ext, prefill_len) -> dict:
 def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: int, paged: bool = False,
                   mesh: Any = None) -> dict[str, Any]:
     """One step lowered and compiled (no persistent cache: ``compile_s`` is a real compile) and its
-    :func:`~jax_rl.tpu.analysis.program_analysis` with ``compile_s`` and ``hbm_fraction``; ``paged``:
+    :func:`~jax_rl.compile.analysis.program_analysis` with ``compile_s`` and ``hbm_fraction``; ``paged``:
     traced with the TPU paged attention kernel."""
     import jax
 

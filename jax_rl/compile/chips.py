@@ -4,7 +4,7 @@ what JAX runs on here.
 * :data:`CHIPS`: per-chip vendor peak figures of the TPU generations and the NVIDIA data-center GPUs
   (HBM bytes, dense bf16 FLOP/s, HBM bytes/s), for roofline estimates, not measurements. Sources: the
   vendor pages in each :attr:`ChipSpec.source` (quoted in the comments below, read 2026-12).
-  :data:`jax_rl.tpu.CHIPS` is the TPU part of this table.
+  :data:`jax_rl.compile.topology.CHIPS` is the TPU part of this table.
 * :func:`chip_for`: a JAX device (its ``device_kind``) -> its :class:`ChipSpec`, or None.
 * :func:`backend_report`: the versions (jax-rl, jax, jaxlib), the backend and its devices, as a dict
   (``jax-rl --version``, every bench record); an absent backend is an ``error`` string, never a raise.

@@ -19,10 +19,10 @@ import math
 import os
 import re
 
-from jax_rl.chips import TPU_CHIPS, ChipSpec
+from jax_rl.compile.chips import TPU_CHIPS, ChipSpec
 
 CHIPS: dict[str, ChipSpec] = TPU_CHIPS
-"""The TPU generations of :data:`jax_rl.chips.CHIPS` (the one chip table; the figures and their sources are there)."""
+"""The TPU generations of :data:`jax_rl.compile.chips.CHIPS` (the one chip table; the figures and their sources are there)."""
 
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
 _3D = ("v4", "v5p")  # 3-D torus generations (topology AxBxC)
