@@ -82,6 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_rl.models import bitwise
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
@@ -221,6 +222,7 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         self.tokenizer = tokenizer
         self._seed_counter = itertools.count(1)
         self._lock = threading.Lock()
+        self._bitwise = bool((model_kwargs or {}).get("bitwise", False))  # the bitwise mode's programs
         self._init_moe(model_config, record_routes, dict(model_kwargs or {}))
         self._init_model(model_config, dict(model_kwargs or {}), kv_per_layer)
         self._init_placement(mesh, quantize)
@@ -310,7 +312,8 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         if self._sharded:
             self.state_shardings, outs = program_shardings(steps, self._mesh, self._abstract_params, self.config,
                                                            self._sharding, state_fn)
-        self._jits = build_programs(steps, outs, PAGED_PROGRAMS if paged else None)
+        self._jits = build_programs(steps, outs, PAGED_PROGRAMS if paged else None,
+                                    bitwise.compiler_options() if self._bitwise else None)
 
     # ------------------------------------------------------------------ model plumbing
     def _model(self, params: Any) -> Any:

@@ -16,6 +16,7 @@ from jax_rl.models.paged_attention import current_target_backend, pages_for, poo
 from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
                                        write_window)
 from rollout.engine.programs import ProgramDef, StepPrograms
+from jax_rl.models.bitwise import behav_logp
 from rollout.engine.sampler import StepOutput, sample_tokens
 
 __all__ = ["PagedStepPrograms", "PAGED_PROGRAMS", "paged_state_shardings", "paged_pool_spec"]
@@ -77,6 +78,7 @@ class PagedStepPrograms(StepPrograms):
         keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
         tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
                                        impl=c.sampler)
+        logp = behav_logp(model, dec.logits, tok, state["temperature"], logp)  # the bitwise mode: the learner's
         generated = state["generated"] + active.astype(jnp.int32)
         new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
         new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,
