@@ -52,7 +52,7 @@ class TimedEngine:
     """The engine with its prefill and decode calls timed to completion (``stats``: seconds)."""
 
     PREFILL = ("prefill_slots", "prefill_tokens", "insert", "copy_slot")
-    DECODE = ("decode", "generate_steps", "free_slots")
+    DECODE = ("decode", "decode_steps", "free_slots")
 
     def __init__(self, engine):
         self._e = engine

@@ -61,7 +61,7 @@ def _per_chip_bytes(tree) -> int:
 def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, shard: str,
                    unroll_scan: bool = False, dtype: str = "bfloat16", top: int = 0,
                    compiler_options: dict | None = None) -> dict:
-    """AOT-compile the engine's generate step; returns the analysis dict (with ``top`` > 0,
+    """AOT-compile the engine's decode step; returns the analysis dict (with ``top`` > 0,
     ``traffic``: ``bench/hlo_traffic.py``'s report of the compiled module, its ``top``
     instructions by the bytes they read and write)."""
     import jax
@@ -69,15 +69,16 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jax_rl import tpu
-    from jax_rl.models.kv_storage import target_backend
-    from rollout.engine import Qwen3Engine
+    from jax_rl.models.backend_target import target_backend
+    from rollout.engine import EngineSpec, Qwen3Engine
 
     spec = tpu.resolve_topology(topology)
     topo = tpu.get_topology(topology)
-    engine = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16,
-                         dtype=dtype, model_kwargs=dict(scan_layers=scan, attention="xla",
-                                                        scan_unroll="full" if unroll_scan else 1),
-                         kv_per_layer=False)  # a TPU program: the stacked cache
+    engine_spec = EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
+                             model_kwargs=dict(scan_layers=scan, attention="xla",
+                                               scan_unroll="full" if unroll_scan else 1),
+                             kv_per_layer=False)  # a TPU program: the stacked cache
+    engine = Qwen3Engine(cfg, None, engine_spec)
     mesh = Mesh(np.array(topo.devices), ("data",))
 
     def abstract(tree, spec_fn):
@@ -102,7 +103,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     # (activation_batch -> data) shard the batch the same way
     ctx = jax.set_mesh(mesh) if shard == "slots" else contextlib.nullcontext()
     with ctx, jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-        lowered = engine.programs["generate"].lower(params, state)
+        lowered = engine.programs["decode"].lower(params, state)
         compiled = lowered.compile(compiler_options=compiler_options or None)
     secs = time.perf_counter() - t0
     a = tpu.program_analysis(compiled)

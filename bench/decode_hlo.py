@@ -161,15 +161,15 @@ def roofline_bytes(cfg, slots: int, live: int, itemsize: int) -> dict:
 
 def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, backend: str,
                      topology: str = "v5p-8"):
-    """``(compiled, seconds)`` of the engine's ``generate`` in ``layout`` for ``backend``."""
+    """``(compiled, seconds)`` of the engine's ``decode`` step in ``layout`` for ``backend``."""
     import jax
 
-    from jax_rl.models.kv_storage import target_backend
-    from rollout.engine import Qwen3Engine
+    from jax_rl.models.backend_target import target_backend
+    from rollout.engine import EngineSpec, Qwen3Engine
 
     kw = dict(scan_layers=True, attention="xla", scan_unroll=1 if layout == "scan" else "full")
-    eng = Qwen3Engine(cfg, slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
-                      model_kwargs=kw, kv_per_layer=(layout == "per_layer"))
+    eng = Qwen3Engine(cfg, None, EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
+                                            model_kwargs=kw, kv_per_layer=(layout == "per_layer")))
     params = eng.abstract_params
     with target_backend(backend):  # the cache that backend's engine holds (XLA:CPU: a bf16 cache's bits)
         state = jax.eval_shape(eng.programs["init_state"], params)
@@ -185,32 +185,34 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
         rep = lambda t: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), t)
         with jax.default_matmul_precision("default"), tpu.no_persistent_cache():
-            compiled = eng.programs["generate"].lower(rep(params), rep(state)).compile()
+            compiled = eng.programs["decode"].lower(rep(params), rep(state)).compile()
     else:
-        compiled = eng.programs["generate"].lower(params, state).compile()
+        compiled = eng.programs["decode"].lower(params, state).compile()
     return compiled, time.perf_counter() - t0
 
 
-def compile_paged(cfg, *, slots: int, cache: int, live: int, page_size: int, dtype: str, backend: str,
-                  topology: str = "v5p-8", kernel: bool = True, pool_pages: int | None = None,
-                  sampler: str = "auto"):
-    """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``); the pool holds
-    ``pool_pages`` pages (default: ``slots x ceil((live + 1) / page_size)``, each row's live pages)."""
+def compile_paged(cfg, spec, *, live: int, backend: str, topology: str = "v5p-8", kernel: bool = True):
+    """``(compiled, seconds)`` of one paged decode step + sampling (module doc, ``paged``) of the engine ``spec``
+    describes (a :class:`rollout.engine.EngineSpec`: its slots, ``max_cache_len`` (the page table's span),
+    ``kv_page_size``, ``dtype`` and ``sampler``); the pool holds ``spec.kv_pages`` pages (None:
+    ``slots x ceil((live + 1) / page_size)``, each row's live pages)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_rl.models.paged_attention import page_bucket, pages_for, target_backend
+    from jax_rl.models.backend_target import target_backend
+    from jax_rl.models.paged_attention import page_bucket, pages_for
     from jax_rl.models.qwen3 import Qwen3ForCausalLM
     from jax_rl.models.qwen3.paged import PagedKVCache, paged_decode_step
     from rollout.engine import sample_tokens
 
-    dt = jnp.dtype(dtype)
+    slots, page_size, sampler = spec.slots, spec.kv_page_size, spec.sampler
+    dt = jnp.dtype(spec.dtype)
     abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt,
                                                        scan_layers=False, attention="xla"))
     graphdef, params = nnx.split(abstract)
     per_row = pages_for(live + 1, page_size)
-    P, M = pool_pages or slots * per_row, pages_for(cache, page_size)
+    P, M = spec.kv_pages or slots * per_row, pages_for(spec.max_cache_len, page_size)
     n = page_bucket(per_row, M)
     path = backend if kernel else "cpu"
 
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
     import jax
 
     from jax_rl.models.qwen3 import get_preset
+    from rollout.engine import EngineSpec
 
     if a.backend == "tpu":
         from jax_rl import tpu
@@ -284,9 +287,10 @@ def main(argv=None) -> int:
         for layout in a.layout.split(","):
             try:
                 if layout.startswith("paged"):
-                    compiled, secs = compile_paged(cfg, slots=slots, cache=a.cache, live=live, page_size=a.page_size,
-                                                   dtype=a.dtype, backend=a.backend, topology=a.topology,
-                                                   kernel=(layout == "paged"), sampler=a.sampler)
+                    spec = EngineSpec(slots=slots, max_cache_len=a.cache, dtype=a.dtype, kv_layout="paged",
+                                      kv_page_size=a.page_size, sampler=a.sampler)
+                    compiled, secs = compile_paged(cfg, spec, live=live, backend=a.backend, topology=a.topology,
+                                                   kernel=not layout.endswith("_xla"))
                 else:
                     compiled, secs = compile_generate(cfg, slots=slots, cache=a.cache, layout=layout, dtype=a.dtype,
                                                       backend=a.backend, topology=a.topology)

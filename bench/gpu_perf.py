@@ -9,7 +9,7 @@ Parts (each prints ``FIGURE ...`` lines and appends JSON records to ``DIR/gpu_pe
   ``--slots`` (default 64,256) and each ``--layouts`` (``per_layer``: the engine's default off a TPU,
   unrolled layers with one K/V buffer per layer; ``scan``: stacked params and cache under a layer
   scan, the GPU default before issue 37). Every slot active from ``--prompt`` cached positions,
-  ``--new`` tokens per slot in ``generate_steps`` calls of ``--decode-steps`` (prefill and host
+  ``--new`` tokens per slot in ``decode_steps`` calls of ``--decode-steps`` (prefill and host
   work of the generator excluded; the cache holds zeros, which costs the same as real K/V). The
   roofline per step: all weights once (bf16, the tied LM head once) plus each slot's K/V up to its
   current length, at ``--hbm-bw`` bytes/s (default: the chip's vendor figure, ``jax_rl/chips.py``);
@@ -129,7 +129,7 @@ def part_decode() -> None:
                                   dtype="bfloat16", temperature=1.0, model_kwargs=dict(scan_layers=True),
                                   kv_per_layer=(layout == "per_layer"))
 
-                def fresh():  # a new state each run: generate_steps donates (consumes) the one it is given
+                def fresh():  # a new state each run: decode_steps donates (consumes) the one it is given
                     st = dict(eng.init_decode_state())
                     st["active"] = jnp.ones_like(st["active"])
                     st["keys"] = jax.vmap(jax.random.PRNGKey)(jnp.arange(slots, dtype=jnp.uint32))
@@ -142,7 +142,7 @@ def part_decode() -> None:
                     t = time.perf_counter()
                     data = None
                     for _ in range(N // n):
-                        st, data = eng.generate_steps(eng.params, st, n)
+                        st, data = eng.decode_steps(eng.params, st, n)
                     jax.block_until_ready(data)
                     return slots * (N // n) * n / (time.perf_counter() - t)
 
@@ -191,12 +191,12 @@ def part_profile() -> None:
     st = eng.init_decode_state()
     st["active"] = jnp.ones_like(st["active"])
     st["cache"] = st["cache"].replace(lengths=jnp.full_like(st["cache"].lengths, A.prompt))
-    st, d = eng.generate_steps(eng.params, st, 4)
+    st, d = eng.decode_steps(eng.params, st, 4)
     jax.block_until_ready(d)
     path = os.path.join(A.out, "trace")
     with jax.profiler.trace(path):
         for _ in range(2):
-            st, d = eng.generate_steps(eng.params, st, 4)
+            st, d = eng.decode_steps(eng.params, st, 4)
         jax.block_until_ready(d)
     record("profile", f"jax.profiler trace of 8 decode steps (64 slots, default layout) in {path}")
 

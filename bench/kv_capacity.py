@@ -67,10 +67,12 @@ def paged_peak(cfg, slots: int, reserve: int, prefix: int, unique: int, page_siz
     pages: the prefix held once per weight version, each episode's own pages."""
     from decode_hlo import compile_paged
     from jax_rl.models.paged_attention import pages_for
+    from rollout.engine import EngineSpec
 
     n_pages = versions * pages_for(prefix, page_size) + slots * (pages_for(unique, page_size) + 1)
-    compiled, _ = compile_paged(cfg, slots=slots, cache=reserve, live=prefix + unique, page_size=page_size,
-                                dtype="bfloat16", backend="tpu", topology=topology, pool_pages=n_pages)
+    spec = EngineSpec(slots=slots, max_cache_len=reserve, dtype="bfloat16", kv_layout="paged", kv_page_size=page_size,
+                      kv_pages=n_pages)
+    compiled, _ = compile_paged(cfg, spec, live=prefix + unique, backend="tpu", topology=topology)
     return _peak(compiled)
 
 
@@ -106,11 +108,12 @@ def main(argv=None) -> int:
                what="compile-time estimate (libtpu AOT on a CPU host), not a TPU measurement")
     print(f"{out['model']}, {cfg.num_hidden_layers} layers, bf16: {kv_tok / 1024:.0f} KiB of K/V per token; "
           f"one {a.topology} chip: {hbm / 2**30:.1f} GiB HBM", flush=True)
-    for layout in ("contiguous", "paged"):
+    peak_of = {"contiguous": lambda n: contiguous_peak(cfg, n, a.reserve, a.topology),
+               "paged": lambda n: paged_peak(cfg, n, a.reserve, a.prefix, a.unique, a.page_size, a.versions, a.topology)}
+    for layout, peak in peak_of.items():
         peaks = []
         for n in pts:
-            b = (contiguous_peak(cfg, n, a.reserve, a.topology) if layout == "contiguous" else
-                 paged_peak(cfg, n, a.reserve, a.prefix, a.unique, a.page_size, a.versions, a.topology))
+            b = peak(n)
             peaks.append((n, b))
             print(f"  {layout}: {n} episodes -> {b / 2**30:.2f} GiB peak per chip", flush=True)
         fixed, per = fit(peaks)

@@ -15,10 +15,10 @@ GRPO groups of ``slots / groups`` samples each, every context the same ``--promp
 prefill, ``--calls`` decode calls: every program the measurement runs is compiled then); then ``--rounds``
 rounds run each layout in turn (interleaved: this host's load swings): the slots freed and prefilled
 again with a new system prompt (no prefix hit; ``prefill_s``, the whole ``prefill_slots`` call: the
-contiguous engine runs all ``slots`` rows, the paged one each group's prompt once) and ``--calls`` calls of ``generate_steps(--decode-steps)`` timed, each split into
+contiguous engine runs all ``slots`` rows, the paged one each group's prompt once) and ``--calls`` calls of ``decode_steps(--decode-steps)`` timed, each split into
 
 - ``host_ms``: the engine's host work before the program is dispatched (paged: the pages each active slot
-  needs for the call, copy-on-write, the page table pushed; ``PagedSlots._before_decode``),
+  needs for the call, copy-on-write, the page table pushed; ``PagedLayout.before_decode``),
 - ``dispatch_ms``: the jitted call returning (argument handling, launch; XLA:CPU may run part of the
   program inline here),
 - ``device_ms``: from then until the outputs are ready (``block_until_ready``),
@@ -92,18 +92,13 @@ def timed_calls(eng, params, state, calls: int, n: int) -> tuple[dict, list]:
     """``calls`` decode calls of ``n`` steps, each split into host / dispatch / device ms."""
     import jax
 
-    paged = eng.kv_layout == "paged"
     rows = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        if paged:
-            state, npages = eng._before_decode(state, n)
-            t1 = time.perf_counter()
-            state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0), num_pages=npages)
-            state = eng._synced_state(state)  # as generate_steps does: the next call sends no unchanged table
-        else:
-            t1 = time.perf_counter()
-            state, out = eng._jits["decode_steps"](params, state, n, jax.numpy.int32(0))
+        state, step_kw = eng.kv.before_decode(state, n)  # the layout's host side (paged: pages, the table)
+        t1 = time.perf_counter()
+        state, out = eng.programs["decode_steps"](params, state, n, jax.numpy.int32(0), **step_kw)
+        state = eng.kv.after_call(state)  # as decode_steps does (paged: the next call sends no unchanged table)
         t2 = time.perf_counter()
         jax.block_until_ready((state, out))
         t3 = time.perf_counter()
@@ -172,7 +167,7 @@ def main(argv=None) -> int:
             v = [x[k] for x in res[lay]]
             line.append(f"{k} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]")
         print(f"  {lay:10s} " + "; ".join(line))
-    for lay in (x for x in layouts if x.startswith("paged") and "contiguous" in res):
+    for lay in (x for x in layouts if x.startswith("paged") and res.get("contiguous")):
         for k, what in (("call_ms", "tok/s"), ("prefill_s", "prefill speed")):
             ratios = [c[k] / p[k] for c, p in zip(res["contiguous"], res[lay])]
             print(f"  {lay} {what} / contiguous {what}, per round: {', '.join(f'{x:.2f}' for x in ratios)} "

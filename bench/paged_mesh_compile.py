@@ -41,6 +41,7 @@ def main() -> None:
     from jax_rl import tpu  # lazy: jax after argparse
     from jax_rl.models import qwen3 as q
     from jax_rl.sharding import make_mesh
+    from rollout.engine import EngineSpec
 
     topo = tpu.get_topology(a.topology)
     mc = q.get_preset(a.preset).replace(num_hidden_layers=a.layers)
@@ -56,11 +57,10 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, mesh in meshes:
         for layout in ("contiguous", "paged"):
-            kw = dict(kv_layout="paged", kv_page_size=a.page_size) if layout == "paged" else {}
-            d = tpu.compile_rollout(mc, a.topology, slots=a.slots, max_cache_len=a.cache, prefill_len=256,
-                                    dtype="bfloat16", model_kwargs=dict(scan_layers=False), only=("decode",),
-                                    mesh=mesh, compiler_options=tpu.HBM_SIDE_OPTIONS if a.hbm_side else None,
-                                    **kw)["decode"]
+            spec = EngineSpec(slots=a.slots, max_cache_len=a.cache, dtype="bfloat16",
+                              model_kwargs=dict(scan_layers=False), kv_layout=layout, kv_page_size=a.page_size)
+            d = tpu.compile_rollout(mc, a.topology, spec, prefill_len=256, only=("decode",), mesh=mesh,
+                                    compiler_options=tpu.HBM_SIDE_OPTIONS if a.hbm_side else None)["decode"]
             mib = lambda k: f"{d[k] / 2**20:,.1f}"  # noqa: E731
             print(f"| {name} | {layout} | {mib('params_per_chip')} | {mib('kv_cache_per_chip')} | "
                   f"{mib('bytes_accessed')} | {d['bytes_accessed_ratio']:.2f} | {mib('peak_bytes_per_chip')} |",

@@ -50,12 +50,13 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from .envs.base import Env, ToolError, parse_tool_calls  # parse_tool_calls: re-exported
-from .types import ROUTE_MISSING, Completion, Trajectory
+from .types import (ROUTE_MISSING, Completion, OrderedGenerator, PartialTokens, SessionGenerator, TokenGenerator,
+                    Trajectory)
 
 __all__ = ["AgentLoop", "GeneratorLike", "parse_tool_calls", "demo_chat", "build_sft_example", "sft_example",
            "episode_seed"]
@@ -64,8 +65,9 @@ class _Overlong(Exception):
     """The episode's prompt does not fit ``max_cache_len`` (ends the episode; not a failure)."""
 
 
-class GeneratorLike(Protocol):
-    def submit(self, prompt_ids: list[int], *, max_new_tokens: int, seed: int, stop_ids: Sequence[int]) -> "Future[Completion]": ...
+GeneratorLike = TokenGenerator
+"""What the agent asks of a generator (:class:`rollout.types.TokenGenerator`; its optional capabilities:
+:class:`rollout.types.SessionGenerator`, :class:`~rollout.types.OrderedGenerator`, :class:`~rollout.types.PartialTokens`)."""
 
 
 def episode_seed(task_seed: int, sample_idx: int, turn: int) -> int:
@@ -191,7 +193,7 @@ class AgentLoop:
         Consistent with the episode threads (one lock); every token generated before the call is
         included (later ones may be)."""
         out = []
-        partial = getattr(self.generator, "partial_tokens", None)
+        partial = self.generator.partial_tokens if isinstance(self.generator, PartialTokens) else None
         with self._live_lock:
             for key, ep in self._live.items():
                 fin = ep["final"]
@@ -283,9 +285,9 @@ class _Episode:
         self.env: Optional[Env] = None
         self.env_name = loop.env_name or ""
         # a generator with sessions (rollout.Generator) holds the episode's slot between turns
-        self.session = (id(loop), next(loop._sessions)) if getattr(loop.generator, "release_session", None) else None
+        self.session = (id(loop), next(loop._sessions)) if isinstance(loop.generator, SessionGenerator) else None
         self.session_kw: dict = {}
-        self.ordered = getattr(loop.generator, "withdraw", None) is not None  # admits by order key
+        self.ordered = isinstance(loop.generator, OrderedGenerator)  # admits by order key
         self.gang = None  # (key, n) until the first request is submitted
         if self.ordered and group_size and int(group_size) > 1:
             self.gang = ((id(loop), int(group_id)), int(group_size))

@@ -22,7 +22,7 @@ class DecodeLoop:
 
     def _routes_array(self, req: Any) -> Optional[np.ndarray]:
         """[len(prompt) + len(tokens), n_moe_layers, k] compact ids (ROUTE_MISSING where none)."""
-        shape = getattr(self.engine, "route_shape", None)
+        shape = self.engine.route_shape
         if shape is None:
             return None
         n = len(req.prompt) + len(req.tokens)
@@ -45,7 +45,7 @@ class DecodeLoop:
         return next(n for n in self.step_counts if n >= need) if need < self.decode_steps else self.decode_steps
 
     def _decode(self) -> None:
-        """One engine call (``decode``, or ``generate_steps`` of n <= ``decode_steps`` steps:
+        """One engine call (``decode``, or ``decode_steps`` of n <= ``decode_steps`` steps:
         :meth:`_call_steps`) for all slots, its :class:`rollout.engine.StepOutput` brought to the
         host in ONE transfer, then consumed step by step; the slots that finished are deactivated
         before the next call."""
@@ -59,7 +59,7 @@ class DecodeLoop:
             self._state, out = self.engine.decode(self._params, self._state, version=v)
             steps = [jax.device_get(out)]  # the one host sync of the step
         else:  # n steps in one call: [n, B] leaves, one host sync for all of them
-            self._state, out = self.engine.generate_steps(self._params, self._state, n, version=v)
+            self._state, out = self.engine.decode_steps(self._params, self._state, n, version=v)
             out = jax.device_get(out)
             steps = [out.at(i) for i in range(n)]
         self.stats["calls"] += 1

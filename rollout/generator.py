@@ -8,7 +8,7 @@ log-probs). One loop iteration (:meth:`Generator.step`):
 2. admit queued requests into slots and prefill them all in ONE ``engine.prefill_slots`` call (one
    jitted program per length bucket; "Prefill" below), with the *current* params;
 3. one jitted ``engine.decode`` for all slots (``decode_steps`` = n > 1: one
-   ``engine.generate_steps`` of at most n steps, no more than the live slots can use); its
+   ``engine.decode_steps`` of at most n steps, no more than the live slots can use); its
    ``StepOutput`` comes back in ONE host transfer;
 4. record per slot (token, behav_logp, version), step by step, finish sequences that hit a stop id,
    their token budget or the cache capacity, and resolve their futures (with n > 1 the tokens a
@@ -102,7 +102,7 @@ from rollout.admission import GangRoom, admission_sorted, gang_fits
 from rollout.decode_loop import DecodeLoop
 from rollout.kv_holds import HeldSlot, KVHolds
 from rollout.kv_pressure import KVPressure
-from rollout.types import Completion  # tokens, behav_logp, versions, finish_reason, info
+from rollout.types import Completion, DecodeEngine  # Completion: tokens, behav_logp, versions, finish_reason, info
 
 __all__ = ["Completion", "Generator", "PARTIAL_MODES"]
 
@@ -152,7 +152,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
     Args:
       engine: a :class:`rollout.engine.Qwen3Engine`, or any engine with its RL interface:
         ``prefill_slots`` / ``copy_slot`` / ``prefill_tokens`` + ``insert`` (prefix cache) /
-        ``decode`` / ``generate_steps`` (returning :class:`rollout.engine.StepOutput`) /
+        ``decode`` / ``decode_steps`` (returning :class:`rollout.engine.StepOutput`) /
         ``free_slots`` / ``load_params`` / ``init_decode_state`` / ``max_concurrent_decodes`` /
         ``max_cache_len``.
       partial: ``"continue" | "recompute_kv" | "abort"`` (see module doc).
@@ -160,7 +160,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         ``engine.params``.
       version: version of the initial params.
       decode_steps: the most decode steps per engine call (``rollout.decode_steps``, >= 1). 1:
-        one ``engine.decode`` per step. n > 1: one ``engine.generate_steps(params, state, m)``
+        one ``engine.decode`` per step. n > 1: one ``engine.decode_steps(params, state, m)``
         (one dispatch, one host transfer) per step, where m is the smallest of
         :attr:`step_counts` (the powers of two below n, and n: at most ``floor(log2 n) + 2``
         compiled decode programs, m = 1 being ``engine.decode``) that covers the largest number
@@ -183,7 +183,7 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
       ValueError: unknown ``partial``, no params, ``decode_steps < 1`` or ``prefill_budget < 1``.
     """
 
-    def __init__(self, engine: Any, *, partial: str = "continue", params: Any = None, version: int = 0,
+    def __init__(self, engine: DecodeEngine, *, partial: str = "continue", params: Any = None, version: int = 0,
                  decode_steps: int = 1, keep_kv: bool = True, prefill_budget: Optional[int] = None,
                  prefix_cache: int = 4) -> None:
         if partial not in PARTIAL_MODES:
@@ -199,9 +199,9 @@ class Generator(KVPressure, KVHolds, DecodeLoop):
         below ``decode_steps``, and ``decode_steps``; one compiled program each."""
         self.keep_kv = bool(keep_kv)
         self.prefill_budget = int(prefill_budget if prefill_budget is not None
-                                  else 4 * int(getattr(engine, "max_prefill_length", 256)))
-        self._moe_drops = bool(getattr(engine, "counts_moe_drops", False))  # engine docstring, "MoE capacity drops"
-        self._moe_cpt = int(getattr(engine, "moe_copies_per_token", 0))
+                                  else 4 * int(engine.max_prefill_length))
+        self._moe_drops = bool(engine.counts_moe_drops)  # engine docstring, "MoE capacity drops"
+        self._moe_cpt = int(engine.moe_copies_per_token)
         self.prefix_cache = int(prefix_cache)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
         self.engine = engine

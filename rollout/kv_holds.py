@@ -46,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rollout.engine import SlotPrefill
-from rollout.pages import PoolExhausted
+from rollout.engine.paged.pool import PoolExhausted
 
 __all__ = ["KVHolds", "HeldSlot"]
 

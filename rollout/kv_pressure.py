@@ -1,13 +1,14 @@
 """What a :class:`rollout.generator.Generator` does when a paged engine's K/V pool runs short
 (``rollout.kv_layout=paged``; a base class of the Generator, over its ``_slots``, ``_queue``, ``_state``,
-``stats``, ``engine``). An engine without pages (the contiguous layout) never gets here.
+``stats``, ``engine``). It asks the engine's K/V layout (``engine.kv``, :class:`rollout.engine.layout.KVLayout`);
+a layout that is not ``pooled`` (the contiguous one) never gets here.
 
 Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute):
 
 * **Admission by free pages.** A queued request is admitted only when the pool can hold it: its
   context (prompt, plus what it generated before a preemption) and its first ``decode_steps``
-  positions, past any prefix pages it shares (``engine.kv_request_pages``), within what is left of
-  the step's page budget (``engine.kv_admission_budget``: free + cached pages + what held slots alone
+  positions, past any prefix pages it shares (``engine.kv.request_pages``), within what is left of
+  the step's page budget (``engine.kv.admission_budget``: free + cached pages + what held slots alone
   hold, less what the decoding slots need for their next call). A request that does not fit waits in
   the queue, in its place (the admission order of :mod:`rollout.admission` is kept: the requests behind
   it wait too), counted in ``kv_admission_waits`` (once per step its head waits, and once per request a
@@ -15,10 +16,10 @@ Two rules, vLLM's (its scheduler's ``can_allocate`` / ``_preempt`` by recompute)
   admitted yet in the step the head is admitted whatever the budget says (the pool holds one
   ``max_cache_len`` sequence, the engine's construction checks it; held slots are preempted for it).
 * **Preemption of an active slot.** Before each decode call the generator asks the engine how many
-  pages the active slots lack for the call (``engine.kv_decode_shortfall``: held slots and cached
+  pages the active slots lack for the call (``engine.kv.decode_shortfall``: held slots and cached
   pages count as room, the engine frees them first). While some are lacking it preempts the active
   request admitted most recently (vLLM's victim: the end of its running queue): the engine frees its
-  pages (``engine.preempt_slots``, ``kv_preemptions``), and the request goes back to the head of the
+  pages (``engine.kv.preempt_slots``, ``kv_preemptions``), and the request goes back to the head of the
   queue with everything it generated (``kv_preempted_requests``; ``Completion.info["preemptions"]``).
   When it is admitted again its prompt + generated tokens are re-prefilled (preemption by recompute;
   ``kv_reprefill_tokens`` counts those positions) and decoding resumes at the next position. A lone
@@ -35,7 +36,7 @@ weights' K/V are gone; ``continue`` cannot keep them): ``recompute_kv`` and ``co
 ``recomputes``, and ``abort`` drops its partial turn and re-issues it with the remaining budget, as it
 does to a request in a slot (:meth:`KVHolds._apply_pending`).
 
-Per shard: an engine whose pool is split over shards of slots (``engine.kv_shards`` > 1: a rollout mesh
+Per shard: an engine whose pool is split over shards of slots (``engine.kv.shards`` > 1: a rollout mesh
 that splits the slots over ``data`` / ``expert``, :mod:`rollout.engine.paged`) has a page budget per
 shard, and a slot takes only its shard's pages. A request without a slot of its own goes to the free
 slot whose shard has the most budget left after it (a GRPO sample to its group's shard, where it forks
@@ -59,25 +60,26 @@ __all__ = ["KVPressure"]
 class KVPressure:
     """Admission by free pages and preemption by recompute (module doc)."""
 
-    def _paged(self) -> bool:
-        return getattr(self.engine, "kv_layout", "contiguous") == "paged"
+    def _budgeted(self) -> bool:
+        """The engine's K/V layout budgets admissions (a pool of pages), else every slot's positions are reserved."""
+        return self.engine.kv.pooled
 
     def _shard(self, slot: int) -> int:
-        return self.engine.kv_shard_of(slot) if getattr(self.engine, "kv_shards", 1) > 1 else 0
+        return self.engine.kv.shard_of(slot) if self.engine.kv.shards > 1 else 0
 
     def _page_budget(self) -> Optional[list]:
         """Pages this step's admissions may take, per shard (None: the engine has no pages). The slots whose request
         ended are deactivated first, and the pages of every slot held for no session are given back (a
         finished request's K/V serve nothing but its published prefix pages, which stay cached), so the
         pool's state does not depend on what earlier steps left in it."""
-        if not self._paged():
+        if not self._budgeted():
             return None
         self._free_finished()
-        self.engine.release_pages([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
-        n = getattr(self.engine, "kv_shards", 1)
+        self.engine.kv.release([s for s in range(self._B) if self._slots[s] is None and s not in self._held_slot])
+        n = self.engine.kv.shards
         if n == 1:
-            return [self.engine.kv_admission_budget(self.decode_steps)]
-        return [self.engine.kv_admission_budget(self.decode_steps, shard=d) for d in range(n)]
+            return [self.engine.kv.admission_budget(self.decode_steps)]
+        return [self.engine.kv.admission_budget(self.decode_steps, shard=d) for d in range(n)]
 
     def _page_cost(self, pages: Optional[list], ctx: list, slot: Optional[int], start: int, shared: Optional[int],
                    free: list) -> tuple[int, int]:
@@ -90,7 +92,7 @@ class KVPressure:
 
         def cost(s: int) -> int:
             same = shared is not None and self._shard(shared) == self._shard(s)
-            return self.engine.kv_request_pages(ctx, s, start, self.decode_steps, same)
+            return self.engine.kv.request_pages(ctx, s, start, self.decode_steps, same)
 
         if slot is None and len(pages) > 1 and free:
             firsts: dict = {}
@@ -116,11 +118,11 @@ class KVPressure:
     def _make_room(self, n: int) -> None:
         """Preempt active requests, most recently admitted first, until the next ``n``-step decode call
         fits the pool (module doc); never the last active one (of its shard)."""
-        if not self._paged():
+        if not self._budgeted():
             return
-        shards = getattr(self.engine, "kv_shards", 1)
-        while self.engine.kv_decode_shortfall(n) > 0:
-            short = {0} if shards == 1 else {d for d in range(shards) if self.engine.kv_decode_shortfall(n, shard=d)}
+        shards = self.engine.kv.shards
+        while self.engine.kv.decode_shortfall(n) > 0:
+            short = {0} if shards == 1 else {d for d in range(shards) if self.engine.kv.decode_shortfall(n, shard=d)}
             live = [(req.admit_seq, slot) for slot, req in enumerate(self._slots)
                     if req is not None and self._shard(slot) in short]
             count = collections.Counter(self._shard(s) for _, s in live)
@@ -129,7 +131,7 @@ class KVPressure:
                 return  # the engine preempts held slots itself; one sequence always fits a shard's pool
             _, slot = max(live)
             req = self._slots[slot]
-            self._state = self.engine.preempt_slots(self._state, [slot])
+            self._state = self.engine.kv.preempt_slots(self._state, [slot])
             self._slots[slot] = None
             self._requeue(req)
 
@@ -144,7 +146,7 @@ class KVPressure:
     def kv_stats(self) -> dict[str, int]:
         """The engine's pool counters (``kv_pages_in_use``, ``kv_preemptions``, ...) and the generator's
         (``kv_admission_waits``, ``kv_preempted_requests``, ``kv_reprefill_tokens``); {} without pages."""
-        if not self._paged():
+        if not self._budgeted():
             return {}
         own = {k: int(self.stats[k]) for k in ("kv_admission_waits", "kv_preempted_requests", "kv_reprefill_tokens")}
-        return {**self.engine.kv_stats(), **own}
+        return {**self.engine.kv.stats(), **own}

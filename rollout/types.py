@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Trajectory", "Completion", "json_safe", "ROUTE_MISSING", "ARRAY_FIELDS", "encode_groups", "decode_groups"]
+__all__ = ["Trajectory", "Completion", "json_safe", "ROUTE_MISSING", "ARRAY_FIELDS", "encode_groups", "decode_groups",
+           "TokenGenerator", "SessionGenerator", "OrderedGenerator", "PartialTokens", "DecodeEngine"]
 
 ROUTE_MISSING = -1
 """Expert id of a position with no recorded route (``jax_rl.models.qwen3.ROUTE_MISSING``): the
@@ -362,3 +363,74 @@ def decode_groups(payload) -> list[list[Trajectory]]:
             g.append(Trajectory.from_record(ht["meta"], arrays))
         out.append(g)
     return out
+
+
+# ------------------------------------------------------------------------------------------ interfaces
+# What the agent asks of a generator, and the generator of an engine (typing.Protocol: declared, checked where
+# a capability is optional with isinstance on a runtime_checkable protocol, never probed with getattr).
+
+
+@runtime_checkable
+class TokenGenerator(Protocol):
+    """What :class:`rollout.agent.AgentLoop` asks of any generator (:class:`rollout.generator.Generator`, a
+    test's scripted one): ``submit`` a turn's request, get a future of its :class:`Completion`."""
+
+    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int, stop_ids: Any,
+               **kw: Any) -> Any:
+        """A ``concurrent.futures.Future`` of the :class:`Completion` (keywords: ``session``, ``prefix_len``,
+        ``order``, ``gang`` where the generator declares them below)."""
+
+
+@runtime_checkable
+class SessionGenerator(Protocol):
+    """A generator that holds an episode's slot (its K/V) between turns, keyed by ``submit(session=)``: the
+    agent releases the session when the episode ends."""
+
+    def release_session(self, session: Any) -> None:
+        """The episode ended: its held slot (if any) is given back."""
+
+
+@runtime_checkable
+class OrderedGenerator(Protocol):
+    """A generator that admits by ``submit(order=, gang=)`` (:mod:`rollout.admission`): a group's samples
+    admitted together; a group member that ends before its first request is withdrawn from its gang."""
+
+    def withdraw(self, gang: tuple) -> None:
+        """One member of ``gang`` (key, n) will never submit: the others do not wait for it."""
+
+
+@runtime_checkable
+class PartialTokens(Protocol):
+    """A generator that reports the tokens a live request generated so far (the agent's partial rollouts)."""
+
+    def partial_tokens(self, request_id: int) -> Optional[tuple]:
+        """``(tokens, versions, routes or None)`` of request ``request_id`` so far; None when it is not live."""
+
+
+class DecodeEngine(Protocol):
+    """What :class:`rollout.generator.Generator` asks of its engine (:class:`rollout.engine.Qwen3Engine`):
+    slots, prefill, decode and weights, and the K/V layout object ``kv``
+    (:class:`rollout.engine.layout.KVLayout`: admission budget, preemption, stats)."""
+
+    kv: Any
+    max_cache_len: int
+    max_prefill_length: int
+    counts_moe_drops: bool
+    moe_copies_per_token: int
+    route_shape: Optional[tuple]
+    params: Any
+
+    def init_decode_state(self) -> dict: ...
+
+    def load_params(self, params: Any = None) -> Any: ...
+
+    def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[Any]) -> tuple[dict, list]: ...
+
+    def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
+                  temperature: Optional[float] = None) -> dict: ...
+
+    def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict: ...
+
+    def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, Any]: ...
+
+    def decode_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, Any]: ...

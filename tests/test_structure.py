@@ -233,6 +233,10 @@ def test_registries_agree_with_the_config():
     assert set(typing.get_args(LossConfig.model_fields["correction"].annotation)) == set(REGISTRY)
     assert set(typing.get_args(OldLogitsConfig.model_fields["route"].annotation)) == set(ROUTES)
     assert set(typing.get_args(AlgoConfig.model_fields["advantage"].annotation)) == set(ADVANTAGES)
+    from jax_rl.config import RolloutConfig
+    from rollout.engine.layouts import KV_LAYOUTS
+
+    assert set(typing.get_args(RolloutConfig.model_fields["kv_layout"].annotation)) == set(KV_LAYOUTS)
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:
@@ -489,6 +493,100 @@ def test_env_names_only_in_the_registry():
                                                      for c in [node.left, *node.comparators]):
                 bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "env names compared outside the registry:\n" + "\n".join(bad)
+
+
+def layout_name_compares(files: list[Path], names: set[str], root: Path = ROOT) -> list[str]:
+    """``path:line`` of each comparison (``==``, ``!=``, ``in``, ...) with a constant in ``names`` in ``files``."""
+    bad = []
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in names
+                                                     for c in [node.left, *node.comparators]):
+                bad.append(f"{p.relative_to(root)}:{node.lineno}")
+    return bad
+
+
+def test_layout_name_finder(tmp_path):
+    """The finder sees a comparison with a layout's name, in either order, and not an assignment or a call."""
+    f = tmp_path / "m.py"
+    f.write_text('a = "paged"\nif a == "paged":\n    pass\nb = "contiguous" != a\nf(kv_layout="paged")\n')
+    assert layout_name_compares([f], {"paged", "contiguous"}, root=tmp_path) == ["m.py:2", "m.py:4"]
+
+
+def test_kv_layout_names_only_in_the_registry():
+    """No module of jax_rl / rollout / bench outside the K/V layout registry (``rollout/engine/layouts.py``, the
+    layout classes' own ``name``) and the config compares a value with a layout's name (``kv_layout == "paged"``):
+    it asks the engine's layout object (``engine.kv``) or the registry's class
+    (:data:`rollout.engine.layouts.KV_LAYOUTS`)."""
+    from rollout.engine.layouts import KV_LAYOUTS
+
+    files = [p for pkg in ("jax_rl", "rollout", "bench") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if p.relative_to(ROOT).parts[:2] != ("jax_rl", "config") and p != ROOT / "rollout" / "engine" / "layouts.py"]
+    bad = layout_name_compares(files, set(KV_LAYOUTS))
+    assert not bad, "K/V layout names compared outside the registry:\n" + "\n".join(bad)
+
+
+MAX_PARAMS = 10
+# Functions still over MAX_PARAMS parameters ("path:Class.function" -> ceiling), owned by other changes: they may
+# not take more until they get a typed argument object or are split; lower an entry when a change shrinks it,
+# delete it when it is back under.
+PARAM_CEILINGS: dict[str, int] = {
+    "jax_rl/learner/logprobs.py:sequence_logprobs": 12,
+    "jax_rl/learner/losses.py:policy_loss": 11,
+    "jax_rl/learner/train_step.py:make_train_step": 11,
+    "jax_rl/models/expert_parallel.py:expert_parallel_moe": 12,
+    "jax_rl/models/qwen3/model.py:Qwen3ForCausalLM.__init__": 14,
+    "jax_rl/runtime/loop.py:_finish_run": 13,
+    "jax_rl/runtime/loop.py:run_rl": 11,
+}
+
+
+def param_counts(files: list[Path], limit: int = MAX_PARAMS, root: Path = ROOT) -> dict[str, int]:
+    """``{"path:Qualified.name": parameters}`` of each function (methods and nested functions) of ``files`` over
+    ``limit`` parameters: positional, keyword-only, ``*args`` and ``**kwargs`` each one; a method's leading
+    ``self`` / ``cls`` not counted."""
+    out: dict[str, int] = {}
+
+    def count(f: ast.AST) -> int:
+        a = f.args
+        names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+        if names and names[0] in ("self", "cls"):
+            names = names[1:]
+        return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+    def walk(node: ast.AST, prefix: str, path: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and count(child) > limit:
+                    out[f"{path}:{name}"] = count(child)
+                walk(child, name + ".", path)
+            else:
+                walk(child, prefix, path)
+
+    for p in files:
+        walk(ast.parse(p.read_text()), "", str(p.relative_to(root)))
+    return out
+
+
+def test_param_count_finder(tmp_path):
+    """The finder counts positional, keyword-only, ``*args`` and ``**kwargs`` parameters, not ``self``."""
+    f = tmp_path / "m.py"
+    f.write_text("class A:\n    def f(self, a, b, *c, d, **e):\n        pass\n\n\ndef g(a, b):\n    pass\n")
+    assert param_counts([f], limit=4, root=tmp_path) == {"m.py:A.f": 5}
+    assert param_counts([f], limit=5, root=tmp_path) == {}
+
+
+def test_no_function_over_10_parameters():
+    """No function of jax_rl / rollout / bench takes more than :data:`MAX_PARAMS` parameters: a longer list gets a
+    typed argument object (a frozen dataclass, e.g. :class:`rollout.engine.EngineSpec`) or the function is split.
+    :data:`PARAM_CEILINGS` holds the ones still over, with a ceiling that can only go down."""
+    files = [p for pkg in ("jax_rl", "rollout", "bench") for p in sorted((ROOT / pkg).rglob("*.py"))]
+    found = param_counts(files)
+    over = {f: n for f, n in found.items() if n > PARAM_CEILINGS.get(f, MAX_PARAMS)}
+    assert not over, f"functions over {MAX_PARAMS} parameters (a typed argument object, or split them): {over}"
+    stale = {f: (n, found.get(f, 0)) for f, n in PARAM_CEILINGS.items() if found.get(f, 0) < n}
+    assert not stale, f"PARAM_CEILINGS above what the functions take now (ceiling, now): lower or delete them: {stale}"
 
 
 # ------------------------------------------------------------------------------------------------ bench/

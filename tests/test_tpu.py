@@ -58,8 +58,10 @@ def test_compile_rollout_prefill_and_decode_for_v5e_2x2():
     pytest.importorskip("libtpu")
     from jax_rl.models.qwen3 import get_preset
 
-    r = tpu.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", slots=8,
-                            max_cache_len=512, prefill_len=256)
+    from rollout.engine import EngineSpec
+
+    r = tpu.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", EngineSpec(slots=8, max_cache_len=512),
+                            prefill_len=256)
     assert r["topology"] == {"name": "v5e:2x2", "chips": 4, "devices": 4, "chip": "v5e",
                              "hbm_bytes_per_chip": 16 * 10 ** 9}
     for step in ("prefill", "decode"):
@@ -81,9 +83,11 @@ def test_decode_touches_params_and_kv_cache_once_for_v5e_2x2():
     from jax_rl.models.qwen3 import get_preset
 
     cfg = get_preset("tiny_dense", head_dim=128)
+    from rollout.engine import EngineSpec
+
     kw = dict(scan_layers=False, attention="xla")
-    r = {S: tpu.compile_rollout(cfg, "v5e:2x2", slots=8, max_cache_len=S, prefill_len=16,
-                                model_kwargs=kw)["decode"] for S in (1024, 2048)}
+    r = {S: tpu.compile_rollout(cfg, "v5e:2x2", EngineSpec(slots=8, max_cache_len=S, model_kwargs=kw),
+                                prefill_len=16)["decode"] for S in (1024, 2048)}
     d = r[2048]
     assert d["kv_cache_per_chip"] == 2 * 2 * 8 * 2048 * 2 * 128 * 2
     assert d["alias_size_in_bytes"] >= d["kv_cache_per_chip"]  # the cache is donated in place
@@ -108,7 +112,7 @@ def test_sampler_kernel_is_the_only_reader_of_the_logits_for_v5p():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine import sample_tokens
 
     B, V = 12, 384

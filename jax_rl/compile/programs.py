@@ -29,6 +29,7 @@ from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.tpu import HBM_SIDE_OPTIONS, compile_rollout
 from jax_rl.learner.train_step import make_logprob_step, make_train_step
+from rollout.engine.spec import EngineSpec
 
 if TYPE_CHECKING:  # annotations only
     from jax_rl.learner.spec import LearnerSpec
@@ -195,11 +196,11 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
     engine has the same shape, so one compile stands for all: ``same_shape_engines``)."""
     r = t.cfg.rollout
     key = {"prefill": "prefill", "append_prefill": "append_prefill"}.get(fname, "decode")
-    kw = dict(slots=r.slots, max_cache_len=r.max_cache_len, prefill_len=r.max_prefill_length, dtype=r.dtype,
-              only=(key,), mesh=em, sampler=r.sampler)
-    if r.kv_layout == "paged":  # the paged programs (rollout/engine/paged.py) over the configured pool
-        kw.update(kv_layout="paged", kv_page_size=r.kv_page_size, kv_pages=r.kv_pages,
-                  prefill_chunk_size=r.prefill_chunk_size)
+    # the configured engine (the paged layout: its programs over the configured pool, rollout/engine/paged/)
+    spec = EngineSpec(slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, sampler=r.sampler,
+                      model_kwargs=t.engine_kw, kv_layout=r.kv_layout, kv_page_size=r.kv_page_size,
+                      kv_pages=r.kv_pages, prefill_chunk_size=r.prefill_chunk_size)
+    kw = dict(prefill_len=r.max_prefill_length, only=(key,), mesh=em)
     devs = list(t.all_devices) if em is None else list(t.roles.engines[0])
     rk = dict(role="rollout", devices=devs)
     log(f"{fname}: compiling ({r.slots} slots, cache {r.max_cache_len}, prefill {r.max_prefill_length}) ...")
@@ -207,7 +208,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
              if key == "append_prefill" else [r.slots, r.max_cache_len])
     t0 = time.perf_counter()
     try:
-        full = compile_rollout(t.model_config, t.topology, model_kwargs=t.engine_kw, **kw)[key]
+        full = compile_rollout(t.model_config, t.topology, spec, **kw)[key]
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over HBM
         if not _is_hbm_oom(e):
             raise
@@ -224,7 +225,7 @@ def _rollout_row(t: _Target, fname: str, cost: bool, log, em=None) -> dict:
 
         def pieces(options: Optional[dict]) -> tuple[dict, float]:
             """Unrolled depths 1 and 2, extrapolated to depth L: ({flops, bytes}, compile seconds)."""
-            x = [compile_rollout(_depth(t.model_config, d), t.topology, model_kwargs=ek,
+            x = [compile_rollout(_depth(t.model_config, d), t.topology, spec.replace(model_kwargs=ek),
                                  compiler_options=options, **kw)[key] for d in (1, 2)]
             return ({k: x[0][src] + (L - 1) * (x[1][src] - x[0][src])
                      for k, src in (("flops", "flops"), ("bytes", "bytes_accessed"))},
@@ -321,8 +322,8 @@ def _user_row(t: _Target, fname: str, log) -> dict:
         f"{'x'.join(str(v) for v in t.roles.user_mesh.values())} mesh over {len(devs)} device(s)) ...")
     t0 = time.perf_counter()
     try:
-        full = compile_rollout(mc, t.topology, model_kwargs=t.engine_kw, slots=r.slots, max_cache_len=r.max_cache_len,
-                               prefill_len=r.max_prefill_length, dtype=r.dtype, only=(key,), mesh=mesh)[key]
+        spec = EngineSpec(slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, model_kwargs=t.engine_kw)
+        full = compile_rollout(mc, t.topology, spec, prefill_len=r.max_prefill_length, only=(key,), mesh=mesh)[key]
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over HBM
         if not _is_hbm_oom(e):
             raise

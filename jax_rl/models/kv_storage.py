@@ -1,8 +1,5 @@
-"""The backend a program is traced for, and how K/V buffers are stored on it.
-
-:func:`target_backend` / :func:`current_target_backend`: the backend whose path a traced program takes
-(an AOT compile for a TPU topology from a CPU host, ``jax-rl compile``, traces the TPU programs and
-state, not the CPU ones JAX's default backend would pick).
+"""How K/V buffers are stored on the backend a program is traced for
+(:mod:`jax_rl.models.backend_target`).
 
 K/V storage (:func:`storage_dtype`): on XLA:CPU a 16-bit float K/V buffer (bf16, f16) is stored as its
 uint16 bits. XLA:CPU runs every bf16 scatter and dynamic-update-slice in f32, so a one-token write into a
@@ -18,35 +15,14 @@ backends store the float dtype itself. Both K/V layouts follow this rule: the pa
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 
+from jax_rl.models.backend_target import current_target_backend
+
 Array = jax.Array
 
-__all__ = ["target_backend", "current_target_backend", "storage_dtype", "to_storage", "from_storage"]
-
-_TARGET_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_backend", default=None)
-
-
-@contextlib.contextmanager
-def target_backend(backend: str):
-    """Within it, programs traced (and K/V buffers built) without a backend of their own take ``backend``'s
-    path: the paged attention's kernel, the sampler's, the K/V storage dtype (:func:`storage_dtype`)."""
-    token = _TARGET_BACKEND.set(backend)
-    try:
-        yield
-    finally:
-        _TARGET_BACKEND.reset(token)
-
-
-def current_target_backend() -> str:
-    """The backend whose path a traced program takes: the :func:`target_backend` in effect, else JAX's
-    default backend (the paged attention, the rollout sampler and the K/V storage choose by it)."""
-    return _TARGET_BACKEND.get() or jax.default_backend()
-
+__all__ = ["storage_dtype", "to_storage", "from_storage"]
 
 def storage_dtype(dtype) -> jnp.dtype:
     """The dtype a K/V buffer of values of ``dtype`` is stored in on the backend being traced for

@@ -41,18 +41,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_rl.models.backend_target import current_target_backend
 from jax_rl.models.bitwise import chunked_attend
-from jax_rl.models.kv_storage import current_target_backend, from_storage, target_backend, to_storage
+from jax_rl.models.kv_storage import from_storage, to_storage
 from jax_rl.models.kv_storage import storage_dtype as pool_storage_dtype
 from jax_rl.models.xla_attention import attend, attend_cached_t
 from jax_rl.sharding import logical_to_pspec
 
 Array = jax.Array
 
-__all__ = ["current_target_backend", "pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
+__all__ = ["pages_for", "page_bucket", "combine_kv", "write_kv", "paged_attention_xla",
            "paged_attention_kernel", "paged_attention_kernel_ref", "paged_attention_kernel_sharded",
            "paged_attention", "paged_attention_local", "gather_contiguous", "pool_head_spec", "pool_page_axes",
-           "pool_storage_dtype", "target_backend"]
+           "pool_storage_dtype"]
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -276,7 +277,7 @@ def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: 
 
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,
                     num_pages: int | None = None, *, backend: str | None = None, kv_dtype=None) -> Array:
-    """Attention over live pages on the path for ``backend`` (default: the :func:`target_backend`
+    """Attention over live pages on the path for ``backend`` (default: the :func:`jax_rl.models.backend_target.target_backend`
     in effect, else JAX's default backend): ``"tpu"``: :func:`paged_attention_kernel` (reads the
     page table itself; ``num_pages`` unused), per shard on an ambient mesh
     (:func:`paged_attention_kernel_sharded`); otherwise :func:`paged_attention_xla` (partitioned by

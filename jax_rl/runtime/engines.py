@@ -15,11 +15,11 @@ from jax_rl.routing_replay import RoutingReplay
 from jax_rl.runtime.resources import kv_pool_pages
 from jax_rl.sharding import make_mesh
 from jax_rl.weight_sync import ShardedWeightSync, SyncTarget, allgather_bytes, engine_targets
-from rollout.engine import Qwen3Engine
+from rollout.engine import EngineSpec, Qwen3Engine
 from rollout.generator import Generator
 from rollout.types import decode_groups, encode_groups
 
-__all__ = ["local_groups_per_step", "rollout_rank", "split_processes", "exchange_groups", "engine_mesh", "user_model_mesh", "build_engine", "build_generator", "new_generator", "synced_generators"]
+__all__ = ["local_groups_per_step", "rollout_rank", "split_processes", "exchange_groups", "engine_mesh", "user_model_mesh", "engine_spec", "build_engine", "build_generator", "new_generator", "synced_generators"]
 
 
 def local_groups_per_step(cfg: Config) -> int:
@@ -144,19 +144,23 @@ def new_generator(cfg: Config, eng, version: int):
     (``rollout.partial``, ``decode_steps``, ``keep_kv``, ``prefill_tokens_per_step``, ``prefix_cache``)."""
     r = cfg.rollout
     # a paged engine shares prefix pages by reference itself (rollout.kv_layout): no copying prefix cache
-    prefix_cache = 0 if getattr(eng, "kv_layout", "contiguous") == "paged" else r.prefix_cache
+    prefix_cache = 0 if eng.kv.keeps_prefix_pages else r.prefix_cache
     return Generator(eng, partial=r.partial, version=version, decode_steps=r.decode_steps, keep_kv=r.keep_kv,
                      prefill_budget=r.prefill_tokens_per_step, prefix_cache=prefix_cache)
 
 
-def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
-                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None, mesh: Any = None):
-    """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
-    ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
+def engine_spec(cfg: Config, model_config, *, temperature: Optional[float] = None,
+                slots: Optional[int] = None) -> EngineSpec:
+    """The :class:`rollout.engine.EngineSpec` of the run's rollout engines, built once from the config
+    (``rollout.*``, ``algo.temperature``, the model kwargs of :func:`jax_rl.model_builder.rollout_model_kwargs`,
+    routing replay's ``record_routes``). ``temperature`` / ``slots``: an engine of other ones (the eval
+    engine's temperature, the tau² user model's slots).
+
+    Raises:
+        ConfigError: a paged pool too small for one sequence (:func:`jax_rl.runtime.resources.kv_pool_pages`).
+    """
     r = cfg.rollout
-    return Qwen3Engine(
-        model_config,
-        params,
+    return EngineSpec(
         slots=slots or r.slots,
         max_cache_len=r.max_cache_len,
         max_prefill_length=r.max_prefill_length,
@@ -166,14 +170,21 @@ def build_engine(cfg: Config, model_config, params=None, *, temperature: Optiona
         top_k=r.top_k,
         model_kwargs=rollout_model_kwargs(cfg),
         record_routes=RoutingReplay.from_config(cfg, model_config).records,  # Trajectory.routes (r2/r3, MoE)
-        mesh=engine_mesh(cfg, engine, roles) if mesh is None else mesh,
         quantize=r.quantize,
         kv_layout=r.kv_layout,
         kv_page_size=r.kv_page_size,
-        prefill_chunk_size=r.prefill_chunk_size,
-        sampler=r.sampler,
         kv_pages=kv_pool_pages(cfg, model_config, slots=slots or r.slots),
+        sampler=r.sampler,
+        prefill_chunk_size=r.prefill_chunk_size,
     )
+
+
+def build_engine(cfg: Config, model_config, params=None, *, temperature: Optional[float] = None,
+                 slots: Optional[int] = None, engine: Optional[int] = None, roles: Any = None, mesh: Any = None):
+    """The :class:`Qwen3Engine` of :func:`build_generator` (same arguments), without a generator;
+    ``params`` None leaves it empty (a multi-process publish fills it, :mod:`jax_rl.weight_sync`)."""
+    spec = engine_spec(cfg, model_config, temperature=temperature, slots=slots)
+    return Qwen3Engine(model_config, params, spec, mesh=engine_mesh(cfg, engine, roles) if mesh is None else mesh)
 
 
 def synced_generators(cfg: Config, model_config, learner, indices: list, version: int, *,

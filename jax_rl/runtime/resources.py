@@ -12,6 +12,7 @@ import jax
 from jax_rl.config import Config, ConfigError
 from jax_rl.models.qwen3 import count_params
 from jax_rl.placement import resolve_roles
+from rollout.engine.layouts import KV_LAYOUTS
 
 __all__ = ["check_mesh", "check_kv_cache", "kv_cache_bytes", "kv_page_bytes", "kv_pool_pages", "engine_memory_bytes",
            "available_memory_bytes"]
@@ -77,7 +78,7 @@ def kv_pool_pages(cfg: Config, model_config, slots: Optional[int] = None) -> Opt
             naming ``rollout.kv_pool_gib`` or ``rollout.kv_pages``, the pages and the least that would do).
     """
     r = cfg.rollout
-    if r.kv_layout != "paged":
+    if not KV_LAYOUTS[r.kv_layout].pooled:
         return None
     least = -(-int(r.max_cache_len) // int(r.kv_page_size))
     if r.kv_pages is not None:
@@ -130,7 +131,7 @@ def engine_memory_bytes(cfg: Config, model_config, slots: Optional[int] = None) 
       over the vocabulary, float32 [slots, vocab] x 2 (logits, log-softmax; x 4 with top-k /
       top-p: the sort and its indices); plus per slot one layer's activations (attention scores
       [heads, max_cache_len] and the MLP's hidden units, float32). XLA reuses (a)'s buffers
-      for (b), as measured (``memory_analysis()`` of ``generate`` / ``generate_steps`` on tiny
+      for (b), as measured (``memory_analysis()`` of ``generate`` / ``decode_steps`` on tiny
       models: within 4% of this figure, never above it);
     * ``per_slot``: the bytes each slot adds (everything but ``params`` and a paged pool), ``total``.
     """
@@ -178,9 +179,9 @@ def check_kv_cache(cfg: Config, model_config, engines: Optional[int] = None) -> 
     have, where = available_memory_bytes()
     if need > have:
         r, mc = cfg.rollout, model_config
-        fit = max(0, (have // engines - mem["params"] - (mem["kv_cache"] if r.kv_layout == "paged" else 0))
-                  // mem["per_slot"])
-        if r.kv_layout == "paged":
+        pooled = KV_LAYOUTS[r.kv_layout].pooled  # the K/V is one pool, whatever the slots
+        fit = max(0, (have // engines - mem["params"] - (mem["kv_cache"] if pooled else 0)) // mem["per_slot"])
+        if pooled:
             raise ConfigError(_paged_does_not_fit(cfg, mc, mem, engines, need, have, where, fit))
         raise ConfigError(
             f"rollout.slots={r.slots}: the rollout engines need {need:,} bytes ({_gib(need)}) but only {have:,} bytes "

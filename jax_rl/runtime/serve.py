@@ -54,7 +54,7 @@ from jax_rl.models.qwen3.config import PRESETS
 from jax_rl.models.tokenizer import load_tokenizer
 from jax_rl.runtime.resources import available_memory_bytes
 from rollout import jetstream_compat as jc
-from rollout.engine import Qwen3Engine
+from rollout.engine import EngineSpec, Qwen3Engine
 
 __all__ = ["JetStreamGrpcServer", "PortInUseError", "build_engine", "check_port_free", "load_checkpoint",
            "resolve_tokenizer", "serve", "main", "ServeArgError", "check_args", "check_checkpoint"]
@@ -180,9 +180,9 @@ def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
         mp *= 2
-    eng = _ServingEngine(cfg, params, slots=slots, max_cache_len=max_len, max_prefill_length=mp, dtype=dtype,
-                         temperature=temperature, tokenizer=tok,
-                         model_kwargs=dict(scan_layers=scan, attention=resolve_attention("auto")))
+    spec = EngineSpec(slots=slots, max_cache_len=max_len, max_prefill_length=mp, dtype=dtype, temperature=temperature,
+                      model_kwargs=dict(scan_layers=scan, attention=resolve_attention("auto")))
+    eng = _ServingEngine(cfg, params, spec, tokenizer=tok)
     st = eng.init_decode_state()
     st = eng.insert(eng.prefill_tokens(eng.params, [0, 1], seed=0), st, 0)
     st, res = eng.generate(eng.params, st)

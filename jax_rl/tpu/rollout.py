@@ -18,23 +18,20 @@ from jax_rl.tpu.topology import get_topology, no_persistent_cache, resolve_topol
 __all__ = ["compile_rollout"]
 
 
-def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_len: int = 2048,
-                    prefill_len: int = 1024, dtype: str = "bfloat16",
-                    model_kwargs: Optional[dict] = None,
+def compile_rollout(model_config, topology: str, spec: Any, *, prefill_len: int = 1024,
                     only: tuple[str, ...] = ("prefill", "decode"),
-                    compiler_options: Optional[dict] = None, mesh: Any = None,
-                    kv_layout: str = "contiguous", kv_page_size: int = 16,
-                    kv_pages: Optional[int] = None, sampler: str = "auto",
-                    prefill_chunk_size: int = 2048) -> dict[str, dict[str, Any]]:
-    """AOT-compile ``Qwen3Engine``'s prefill (batch 1, ``prefill_len`` tokens), decode step
-    (``slots`` slots, ``max_cache_len`` cache) and, in ``only``, its append-prefill
+                    compiler_options: Optional[dict] = None, mesh: Any = None) -> dict[str, dict[str, Any]]:
+    """AOT-compile the prefill (batch 1, ``prefill_len`` tokens), decode step (``spec.slots`` slots,
+    ``spec.max_cache_len`` cache) and, in ``only``, the append-prefill of the engine ``spec`` describes
+    (a :class:`rollout.engine.EngineSpec`: slots, cache length, dtype, sampler, K/V layout; compiled with
+    ``kv_per_layer=False``, the stacked cache, and ``max_prefill_length=prefill_len``) 
     (``"append_prefill"``: ``slots`` rows of ``prefill_len`` new tokens onto kept K/V, an agent
-    turn's program; paged: the largest chunked-prefill program, ``Qwen3Engine.append_prefill_shape``) for
+    turn's program; paged: the largest chunked-prefill program, ``Qwen3Engine.kv.append_prefill_shape``) for
     ``topology`` (see ``resolve_topology``), params and state replicated on every chip as the engine places them. ``only``: the steps to compile (each result has ``compile_s``,
     seconds).
 
-    ``model_kwargs`` go to ``Qwen3ForCausalLM`` (default ``scan_layers=True``,
-    ``attention="splash"``). Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
+    ``spec.model_kwargs`` go to ``Qwen3ForCausalLM`` over the defaults ``scan_layers=True``,
+    ``attention="splash"``. Returns ``{"prefill": {...}, "decode": {...}, "topology": {...}}``;
     each step's dict has ``memory_analysis`` fields (bytes per chip), ``peak_bytes_per_chip``
     (arguments + outputs - aliases + temporaries), ``flops`` and ``bytes_accessed``
     (``cost_analysis``; a scanned loop body is counted once) and ``hbm_fraction``
@@ -53,39 +50,35 @@ def compile_rollout(model_config, topology: str, *, slots: int = 16, max_cache_l
     ``jax.set_mesh(mesh)``, as the sharded engine runs them. ``params_per_chip`` and
     ``kv_cache_per_chip`` are then the bytes of one device's shards.
 
-    ``kv_layout="paged"`` (``rollout.kv_layout``): the engine's paged programs (``rollout.engine.paged``)
-    over a pool of ``kv_pages`` pages of ``kv_page_size`` positions (None: the contiguous layout's memory),
-    its append-prefill the chunked program of ``prefill_chunk_size`` (``rollout.prefill_chunk_size``; the
-    result's ``tokens_shape``), their attention the TPU ragged paged attention kernel
-    (:func:`jax_rl.models.paged_attention.target_backend`;
-    on ``mesh`` per shard in ``shard_map``); ``kv_cache_per_chip`` is then the pool (one chip's shard of it).
-    ``sampler``: ``rollout.sampler`` (the decode step's untruncated draw: the Pallas kernel or XLA).
+    The paged layout (``spec.kv_layout``, ``rollout.kv_layout``): the engine's paged programs
+    (``rollout.engine.paged``) over a pool of ``spec.kv_pages`` pages of ``spec.kv_page_size`` positions (None:
+    the contiguous layout's memory), its append-prefill the chunked program of ``spec.prefill_chunk_size``
+    (the result's ``tokens_shape``), their attention the TPU ragged paged attention kernel
+    (:func:`jax_rl.models.backend_target.target_backend`; on ``mesh`` per shard in ``shard_map``);
+    ``kv_cache_per_chip`` is then the pool (one chip's shard of it). ``spec.sampler``: ``rollout.sampler``
+    (the decode step's untruncated draw: the Pallas kernel or XLA).
     """
-    spec = resolve_topology(topology)
+    tspec = resolve_topology(topology)
     topo = get_topology(topology)
-    paging = (dict(kv_layout=kv_layout, kv_page_size=kv_page_size, kv_pages=kv_pages,
-                   prefill_chunk_size=prefill_chunk_size) if kv_layout == "paged" else {})
-    engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, slots, max_cache_len, prefill_len,
-                                                             dtype, model_kwargs, mesh, paging, sampler)
+    engine, mesh, sharded, params, state, rep = _engine_args(model_config, topo, spec, prefill_len, mesh)
+    kernel = engine.kv.one_device_kernel  # traced for the TPU (the paged attention kernel)
     out: dict[str, dict[str, Any]] = {}
-    ext = engine.append_prefill_shape(prefill_len)  # paged: the chunked prefill's program (rows, positions)
+    ext = engine.kv.append_prefill_shape(prefill_len)  # paged: the chunked prefill's program (rows, positions)
     for name, (fn, args, ctx) in _steps(engine.programs, params, state, rep, mesh, sharded, ext, prefill_len).items():
         if name not in only:
             continue
-        out[name] = _compile_step(fn, args, ctx, compiler_options, spec.chip.hbm_bytes, paged=bool(paging),
-                                  mesh=mesh)
+        out[name] = _compile_step(fn, args, ctx, compiler_options, tspec.chip.hbm_bytes, paged=kernel, mesh=mesh)
         if name == "append_prefill":
             out[name]["tokens_shape"] = list(ext)  # [rows, new positions] of the program compiled
     if "decode" in out:
         _decode_bytes(out["decode"], params, state)
-    out["topology"] = {"name": spec.topology_name, "chips": spec.num_chips,
-                       "devices": len(topo.devices), "chip": spec.chip.name,
-                       "hbm_bytes_per_chip": spec.chip.hbm_bytes}
+    out["topology"] = {"name": tspec.topology_name, "chips": tspec.num_chips,
+                       "devices": len(topo.devices), "chip": tspec.chip.name,
+                       "hbm_bytes_per_chip": tspec.chip.hbm_bytes}
     return out
 
 
-def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, model_kwargs, mesh, paging,
-                 sampler="auto"):
+def _engine_args(model_config, topo, spec, prefill_len, mesh):
     """The engine (``kv_per_layer=False``: the stacked cache; the CPU-only per-layer form costs bytes on a TPU),
     its mesh (the topology's devices on one ``data`` axis unless ``mesh`` is given), and its params and
     decode state as ``ShapeDtypeStruct`` (replicated, or the sharded engine's own shardings)."""
@@ -96,18 +89,17 @@ def _engine_args(model_config, topo, slots, max_cache_len, prefill_len, dtype, m
     from rollout.engine import Qwen3Engine  # lazy: jax; the CLI imports this module before it chooses the platform
 
     kw = dict(scan_layers=True, attention="splash")
-    kw.update(model_kwargs or {})
+    kw.update(spec.model_kwargs or {})
+    spec = spec.replace(max_prefill_length=prefill_len, model_kwargs=kw, kv_per_layer=False)
     sharded = mesh is not None
-    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+    from jax_rl.models.backend_target import target_backend  # lazy: jax
 
     # the state a TPU engine holds, its shardings included (its K/V, a paged pool or a contiguous cache, in
     # their float dtype: traced for this CPU host they would be their uint16 bits, jax_rl.models.kv_storage)
     with target_backend("tpu"):
-        engine = Qwen3Engine(model_config, slots=slots, max_cache_len=max_cache_len,
-                             max_prefill_length=prefill_len, dtype=dtype, model_kwargs=kw, kv_per_layer=False,
-                             sampler=sampler, **({"mesh": mesh} if sharded else {}), **paging)
+        engine = Qwen3Engine(model_config, None, spec, mesh=mesh)
     if not sharded:  # the colocated paged engine is one device's (its kernel unpartitioned): one chip
-        mesh = Mesh(np.array(topo.devices[:1] if paging else topo.devices), ("data",))
+        mesh = Mesh(np.array(topo.devices[:1] if engine.kv.one_device_kernel else topo.devices), ("data",))
     rep = NamedSharding(mesh, P())
 
     def abstract(tree, shardings=None):
@@ -147,14 +139,14 @@ def _steps(progs, params, state, rep, mesh, sharded, ext, prefill_len) -> dict:
 
     # append_prefill: an agent turn's new tokens appended to kept K/V rows at once, ``ext`` = (rows, new
     # positions): the contiguous layout's ``slots`` rows of ``prefill_len`` (the largest row bucket), the paged
-    # layout's chunk program (Qwen3Engine.append_prefill_shape)
+    # layout's chunk program (KVLayout.append_prefill_shape)
     ext_args = (params, state, rows_of(ext, jnp.int32),
                 *(rows_of((ext[0],), dt) for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32,
                                                     jnp.float32)))
     return {"prefill": (progs["prefill"], (params, tokens, n), lambda: jax.set_mesh(mesh)),
             "append_prefill": (progs["append_prefill"], ext_args,
                                (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext),
-            "decode": (progs["generate"], (params, state),
+            "decode": (progs["decode"], (params, state),
                        (lambda: jax.set_mesh(mesh)) if sharded else contextlib.nullcontext)}
 
 
@@ -165,7 +157,7 @@ def _compile_step(fn, args, ctx, compiler_options: Optional[dict], hbm_bytes: in
     traced with the TPU paged attention kernel."""
     import jax
 
-    from jax_rl.models.paged_attention import target_backend  # lazy: jax
+    from jax_rl.models.backend_target import target_backend  # lazy: jax
 
     t0 = time.perf_counter()
     backend = target_backend("tpu") if paged else contextlib.nullcontext()

@@ -12,7 +12,7 @@ Two interfaces over the same jitted programs:
   from the resulting logits, and return a :class:`StepOutput` (token, valid, generated,
   ``behav_logp``, version, route per slot); the sampled token becomes the new pending token, so
   weights swapped between two calls take effect on the very next token (no one-step lag).
-  :meth:`Qwen3Engine.generate_steps` runs ``n`` such steps in one ``lax.scan`` (one dispatch, one
+  :meth:`Qwen3Engine.decode_steps` runs ``n`` such steps in one ``lax.scan`` (one dispatch, one
   host transfer; ``rollout.decode_steps``). :meth:`Qwen3Engine.free_slots` deactivates the slots
   whose request ended or that are held for a session's next turn: an inactive slot neither emits
   tokens nor touches its cached K/V. Compiled shapes are bounded: row buckets are powers of two
@@ -75,7 +75,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,37 +86,34 @@ from jax_rl.models import bitwise
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
-from rollout.engine.paged import PagedSlots
-from rollout.engine.paged_programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
-from rollout.engine.prefill_plan import check_chunk_size
-from rollout.engine.programs import (StepConfig, StepPrograms, build_programs, decode_state_shardings,
-                                     program_shardings)
+from rollout.engine.layout import LayoutFacts
+from rollout.engine.layouts import kv_layout_class
+from rollout.engine.programs import StepConfig, build_programs, program_shardings
 from rollout.engine.sampler import StepOutput
-from rollout.engine.slots import MIN_BUCKET, SlotManager
+from rollout.engine.slots import MIN_BUCKET, PrefillResult, SlotPrefill
+from rollout.engine.spec import EngineSpec
 from rollout.engine.weights import EngineWeights, resolve_dtype
-from rollout.quantize import QUANTIZE_MODES, dequantize_params, quantize_params, quantized_shardings
+from rollout.quantize import dequantize_params, quantize_params, quantized_shardings
 
 __all__ = ["Qwen3Engine"]
 
 
-class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
+class Qwen3Engine(EngineWeights, JetStreamAdapter):
     """JetStream ``Engine`` over ``jax_rl.models.qwen3.Qwen3ForCausalLM`` with log-probs.
+
+    The engine holds its K/V layout as an object, :attr:`kv` (:class:`rollout.engine.layout.KVLayout`, chosen
+    once from :data:`rollout.engine.layouts.KV_LAYOUTS` by ``spec.kv_layout``): the layout's host operations
+    (prefill, copy, free, before a decode call, admission budget, stats) and its step programs. The engine's
+    own methods are the same for every layout.
 
     Args:
       model_config: ``Qwen3Config``.
       params: the model's params (an ``nnx.State`` as from ``nnx.split(model, nnx.Param)`` /
-        ``Learner.get_params()``, fp32 or any float dtype). Cast to ``dtype`` by
+        ``Learner.get_params()``, fp32 or any float dtype). Cast to ``spec.dtype`` by
         :meth:`load_params`; ``None`` = load later.
-      slots: concurrent decode slots B (``max_concurrent_decodes``).
-      max_cache_len: KV positions per slot S; a sequence (prompt + generated) holds at most S
-        tokens in cache.
-      max_prefill_length: advertised to JetStream's Driver (rounded up to a power of two
-        >= 16, as JetStream's padding requires). Our own prefill accepts up to S - 1 cached
-        tokens (+1 pending), bucketed to powers of two.
-      dtype: compute + param + KV dtype, ``"bfloat16"`` (default) or ``"float32"``. Logits and
-        sampling are always float32.
-      temperature, top_p, top_k: default sampling; per-request temperature may override
-        (``prefill(..., temperature=)``). top_p/top_k are engine-wide (static in the jit).
+      spec: the :class:`rollout.engine.spec.EngineSpec` (slots, cache length, dtype, sampling, K/V layout,
+        quantisation, ...). None: an ``EngineSpec(**fields)`` of the keyword ``fields`` given instead (a
+        shorthand for tests and scripts: ``Qwen3Engine(cfg, params, slots=4, kv_layout="paged")``).
       mesh: optional ``('data','fsdp','tensor','expert')`` ``jax.sharding.Mesh``
         (:func:`jax_rl.sharding.make_mesh`; ``placement.rollout`` / ``rollout.mesh``): the engine
         runs sharded on it by the learner's logical rules (:data:`jax_rl.sharding.LOGICAL_RULES`):
@@ -131,106 +128,75 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         out_shardings, so the donated state aliases. ``None`` (default): everything on
         ``jax.devices()[0]``, no ambient mesh (the colocated engine; its programs are unchanged).
       tokenizer: optional ``ChatTokenizer`` (needed only for JetStream serving / Driver).
-      model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (e.g. ``moe_dispatch``).
-      kv_per_layer: keep the decode cache as L per-layer buffers (``KVCache.per_layer``) and run
-        the layers unrolled: with ``scan_layers`` the engine's own copy of the weights is
-        unstacked by :meth:`load_params` (which still takes the stacked learner/checkpoint
-        layout), so every layer reads its own cache buffer in place. ``None`` (default): on for
-        every backend but a TPU. Where a dot is a library call on buffers (XLA:CPU; a GPU's
-        cuBLAS), XLA copies each layer's cache out of the stacked buffer, and a scan each
-        layer's params, per token: the compiled Qwen3-0.6B step at 64 slots x 384 moves 3.1x
-        its params + cache stacked and scanned, 1.16x per layer (XLA:CPU, fp32,
-        ``bench/decode_hlo.py``; 1.37x decode tokens/s measured at 32 slots on the CPU). A TPU
-        fuses those slices into its dots, so programs for a TPU (a TPU backend; AOT compiles in
-        ``jax_rl.tpu``, ``bench/decode_compile.py`` pass False) keep ``scan_layers`` as given:
-        libtpu counted more bytes per decode step with the per-layer form (2.40x vs 1.67x params
-        + cache, 2-layer Qwen3-0.6B, 32 x 1024, v5e).
-      record_routes: also return the expert ids every MoE layer chose (module docstring,
-        "Routing replay"); ignored (False) for a dense model.
-      quantize: ``rollout.quantize``: ``"none"`` (default: every float param cast to ``dtype``, no
-        quantised program), or ``"int8"`` / ``"fp8"`` / ``"int4"``: weight-only per-output-channel
-        quantisation of the decoder layers' matmul weights at every :meth:`load_params` (the weight
-        sync), from the values as given (the learner's fp32 master weights). The engine stores them
-        quantised (``qwix.QArray``: int8 / float8_e4m3fn / int4 values + float32 scales) and
-        dequantises them to ``dtype`` inside each jitted program; embedding, LM head, router and
-        norms stay in ``dtype``. :mod:`rollout.quantize` has the scheme, its error bound and what
-        the memory saving is and is not.
-      kv_layout, kv_page_size, kv_pages: ``"contiguous"`` (``max_cache_len`` positions per slot) or
-        ``"paged"``: one pool of ``kv_pages`` pages (None: ``slots x ceil(max_cache_len / kv_page_size)``)
-        of ``kv_page_size`` positions (:mod:`rollout.engine.paged`); ValueError when the pool holds fewer
-        than ``max_cache_len`` positions (one sequence). With a ``mesh`` the pool is split over the
-        axis that splits the kv heads (``tensor``; whole kv heads per shard, replicated where they do
-        not divide) and its pages over the axes that split the slots (``data`` / ``expert``: one
-        sub-pool of ``kv_pages // D`` pages per shard of slots, each holding one sequence, else
-        ValueError); the page table and per-slot vectors are replicated
-        (:func:`rollout.engine.paged_programs.paged_state_shardings`).
-      prefill_chunk_size: ``rollout.prefill_chunk_size`` (paged layout): a row's prefill positions run in
-        chunks of at most this many, each program about this many positions (:mod:`rollout.engine.prefill_plan`);
-        ValueError unless a power of two >= 16.
+
+    What some spec fields do here:
+
+    * ``kv_per_layer``: keep the decode cache as L per-layer buffers (``KVCache.per_layer``) and run
+      the layers unrolled: with ``scan_layers`` the engine's own copy of the weights is
+      unstacked by :meth:`load_params` (which still takes the stacked learner/checkpoint
+      layout), so every layer reads its own cache buffer in place. ``None`` (default): on for
+      every backend but a TPU. Where a dot is a library call on buffers (XLA:CPU; a GPU's
+      cuBLAS), XLA copies each layer's cache out of the stacked buffer, and a scan each
+      layer's params, per token: the compiled Qwen3-0.6B step at 64 slots x 384 moves 3.1x
+      its params + cache stacked and scanned, 1.16x per layer (XLA:CPU, fp32,
+      ``bench/decode_hlo.py``; 1.37x decode tokens/s measured at 32 slots on the CPU). A TPU
+      fuses those slices into its dots, so programs for a TPU (a TPU backend; AOT compiles in
+      ``jax_rl.tpu``, ``bench/decode_compile.py`` pass False) keep ``scan_layers`` as given:
+      libtpu counted more bytes per decode step with the per-layer form (2.40x vs 1.67x params
+      + cache, 2-layer Qwen3-0.6B, 32 x 1024, v5e).
+    * ``record_routes``: also return the expert ids every MoE layer chose (module docstring,
+      "Routing replay"); ignored (False) for a dense model.
+    * ``quantize``: ``"none"`` (every float param cast to ``dtype``, no quantised program), or
+      ``"int8"`` / ``"fp8"`` / ``"int4"``: weight-only per-output-channel quantisation of the decoder
+      layers' matmul weights at every :meth:`load_params` (the weight sync), from the values as given
+      (the learner's fp32 master weights). The engine stores them quantised (``qwix.QArray``: int8 /
+      float8_e4m3fn / int4 values + float32 scales) and dequantises them to ``dtype`` inside each jitted
+      program; embedding, LM head, router and norms stay in ``dtype``. :mod:`rollout.quantize` has the
+      scheme, its error bound and what the memory saving is and is not.
+    * ``kv_layout``, ``kv_page_size``, ``kv_pages``, ``prefill_chunk_size``: the layout
+      (:mod:`rollout.engine.layouts`); the paged one's pool, sharding over a mesh and chunked prefill are
+      :mod:`rollout.engine.paged`'s (ValueError when the pool, or each shard's sub-pool, holds fewer than
+      ``max_cache_len`` positions).
+
+    Raises:
+      ValueError: a spec field out of range (:class:`EngineSpec`), an unknown ``kv_layout``, a pool too small.
+      TypeError: both ``spec`` and keyword fields.
     """
 
-    def __init__(
-        self,
-        model_config: Any,
-        params: Any = None,
-        *,
-        slots: int = 16,
-        max_cache_len: int = 512,
-        max_prefill_length: int = 256,
-        dtype: Union[str, Any] = "bfloat16",
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        mesh: Optional[jax.sharding.Mesh] = None,
-        tokenizer: Any = None,
-        model_kwargs: Optional[dict] = None,
-        kv_per_layer: Optional[bool] = None,
-        record_routes: bool = False,
-        quantize: str = "none",
-        kv_layout: str = "contiguous",
-        kv_page_size: int = 16,
-        kv_pages: Optional[int] = None,
-        sampler: str = "auto",
-        prefill_chunk_size: int = 2048,
-    ) -> None:
-        _check_args(slots, max_cache_len, top_p, quantize)
-        if kv_layout not in ("contiguous", "paged"):
-            raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-        self.kv_layout = kv_layout
-        self.prefill_chunk_size = check_chunk_size(prefill_chunk_size)
-        """``rollout.prefill_chunk_size``: most new positions a paged prefill program computes per row
-        (:mod:`rollout.engine.prefill_plan`); the contiguous layout does not chunk."""
-        if sampler not in ("auto", "xla", "kernel"):
-            raise ValueError(f"sampler must be 'auto', 'xla' or 'kernel' (rollout.sampler), got {sampler!r}")
-        self.sampler = sampler
-        """``rollout.sampler``: the untruncated draw's program (``sample_tokens``' ``impl``)."""
-        """``"contiguous"`` (``max_cache_len`` reserved per slot) or ``"paged"`` (:mod:`rollout.engine.paged`)."""
-        self.quantize = quantize
+    def __init__(self, model_config: Any, params: Any = None, spec: Optional[EngineSpec] = None, *,
+                 mesh: Optional[jax.sharding.Mesh] = None, tokenizer: Any = None, **fields: Any) -> None:
+        if spec is None:
+            spec = EngineSpec(**fields)
+        elif fields:
+            raise TypeError(f"Qwen3Engine: give an EngineSpec or its fields, not both (got {sorted(fields)})")
+        self.spec = spec
+        """The :class:`EngineSpec` this engine was built from."""
+        self.sampler = spec.sampler
+        self.quantize = spec.quantize
         """``rollout.quantize`` of this engine's weights (``"none"``: cast only)."""
         self.config = model_config
-        self.dtype = resolve_dtype(dtype)
-        self._slots = int(slots)
-        self.max_cache_len = int(max_cache_len)
+        self.dtype = resolve_dtype(spec.dtype)
+        self._slots = int(spec.slots)
+        self.max_cache_len = int(spec.max_cache_len)
         mp = MIN_BUCKET
-        while mp < max_prefill_length:
+        while mp < spec.max_prefill_length:
             mp *= 2
         self._max_prefill_length = mp
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.top_k = int(top_k)
+        self.temperature = float(spec.temperature)
+        self.top_p = float(spec.top_p)
+        self.top_k = int(spec.top_k)
         self._mesh = mesh
         self.tokenizer = tokenizer
         self._seed_counter = itertools.count(1)
         self._lock = threading.Lock()
-        self._bitwise = bool((model_kwargs or {}).get("bitwise", False))  # the bitwise mode's programs
-        self._init_moe(model_config, record_routes, dict(model_kwargs or {}))
-        self._init_model(model_config, dict(model_kwargs or {}), kv_per_layer)
-        self._init_placement(mesh, quantize)
-        if kv_layout == "paged":
-            per_slot = -(-self.max_cache_len // int(kv_page_size))
-            spec = (paged_pool_spec(self._slots, mesh, num_q_heads=model_config.num_attention_heads,
-                                    num_kv_heads=model_config.num_key_value_heads) if mesh is not None else None)
-            self._init_pages(int(kv_page_size), int(kv_pages) if kv_pages else self._slots * per_slot, spec)
+        self._bitwise = bool(spec.model_kw.get("bitwise", False))  # the bitwise mode's programs
+        self._init_moe(model_config, spec.record_routes, spec.model_kw)
+        self._init_model(model_config, spec.model_kw, spec.kv_per_layer)
+        self._init_placement(mesh, spec.quantize)
+        self.kv = kv_layout_class(spec.kv_layout)(spec, LayoutFacts(
+            record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops, mesh=mesh,
+            model_config=model_config))
+        """The K/V layout (:class:`rollout.engine.layout.KVLayout`): host operations and step programs."""
         self._build_programs()
         self.params = self.load_params(params) if params is not None else None
 
@@ -295,25 +261,21 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         )
 
     def _build_programs(self) -> None:
-        """The jitted step programs (:data:`rollout.engine.programs.PROGRAMS`), with the sharded
-        engine's out_shardings (the decode state keeps its layout step after step, so the donated
-        state aliases the new one; inputs come committed) and :attr:`state_shardings`."""
+        """The layout's jitted step programs (its :attr:`KVLayout.table`), with the sharded engine's
+        out_shardings (the decode state keeps its layout step after step, so the donated state aliases the
+        new one; inputs come committed) and :attr:`state_shardings`; handed to the layout."""
         cfg = StepConfig(slots=self._slots, max_cache_len=self.max_cache_len, dtype=self.dtype, top_k=self.top_k,
-                         top_p=self.top_p, sampler=self.sampler, record_routes=self.record_routes, counts_moe_drops=self.counts_moe_drops,
-                         per_layer_cache=self._per_layer_cache, decode_valid=self._decode_valid)
-        paged = self.kv_layout == "paged"
-        if paged:
-            steps = PagedStepPrograms(cfg, self._model, self._dequantized, page_size=self.kv_pool.page_size,
-                                      num_pages=self.kv_pool.num_pages, pool_spec=self._pool_spec)
-            state_fn = paged_state_shardings
-        else:
-            steps, state_fn = StepPrograms(cfg, self._model, self._dequantized), decode_state_shardings
+                         top_p=self.top_p, sampler=self.sampler, record_routes=self.record_routes,
+                         counts_moe_drops=self.counts_moe_drops, per_layer_cache=self._per_layer_cache,
+                         decode_valid=self._decode_valid)
+        steps = self.kv.step_programs(cfg, self._model, self._dequantized)
         outs = None
         if self._sharded:
             self.state_shardings, outs = program_shardings(steps, self._mesh, self._abstract_params, self.config,
-                                                           self._sharding, state_fn)
-        self._jits = build_programs(steps, outs, PAGED_PROGRAMS if paged else None,
+                                                           self._sharding, self.kv.state_shardings)
+        self._jits = build_programs(steps, outs, self.kv.table,
                                     bitwise.compiler_options() if self._bitwise else None)
+        self.kv.bind(self._jits)
 
     # ------------------------------------------------------------------ model plumbing
     def _model(self, params: Any) -> Any:
@@ -338,10 +300,11 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         argument), B = ``slots``, S = ``max_cache_len``:
 
         * ``init_state`` ``(params) -> state``;
-        * ``generate`` ``(params, state[, version int32]) -> (state, StepOutput)``: the RL path's
-          decode step (:meth:`decode`); ``decode_steps`` ``(params, state, n static[, version])``
-          its ``n``-step scan (:meth:`generate_steps`); ``generate_result`` the same step packed
-          into JetStream's rows (:meth:`generate`, the serving adapter);
+        * ``decode`` ``(params, state[, version int32][, num_pages static]) -> (state, StepOutput)``: the
+          RL path's decode step (:meth:`decode`; ``num_pages``: the paged layout's page bucket);
+          ``decode_steps`` ``(params, state, n static[, version][, num_pages])`` its ``n``-step scan
+          (:meth:`decode_steps`); ``decode_result`` the same step packed into JetStream's rows
+          (:meth:`generate`, the serving adapter);
         * ``prefill_slots`` ``(params, tokens int32 [n, P], lengths int32 [n], state, dest int32
           [B], pending int32 [B], seeds uint32 [B], temps float32 [B]) -> (state, PrefillRows(routes,
           moe_dropped))``: the batched fresh prefill + bulk insert (:meth:`prefill_slots`; each of
@@ -357,16 +320,17 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         * ``prefill`` ``(params, tokens int32 [1, P], n int32) -> PrefixKV`` (k, v, routes,
           moe_dropped; None where the engine does not record them): batch-1 prefill (JetStream's
           API, the prefix cache's entries).
-        Built from one table, :data:`rollout.engine.programs.PROGRAMS`.
-        :func:`jax_rl.tpu.compile_rollout` lowers ``prefill``, ``append_prefill`` and ``generate``."""
+        Built from the layout's table (:attr:`rollout.engine.layout.KVLayout.table`: the contiguous
+        :data:`rollout.engine.programs.PROGRAMS`, the paged :data:`rollout.engine.paged.programs.PAGED_PROGRAMS`,
+        whose ``append_prefill`` takes ``num_pages`` instead of ``window`` and which adds ``set_table`` /
+        ``copy_pages``). :func:`jax_rl.tpu.compile_rollout` lowers ``prefill``, ``append_prefill`` and ``decode``."""
         return dict(self._jits)
 
     def init_decode_state(self, *args: Any, **kwargs: Any) -> dict:
         """Empty decode state for all slots (see module docstring for its layout). On pages the host pool
         starts afresh with it (no slot holds pages, no prefix page is cached: the new device pool holds no
         K/V), so the old state must not be used again."""
-        if self.kv_layout == "paged":
-            self._clear_pages()
+        self.kv.reset()
         params = kwargs.get("params", self.params)
         if params is None:
             params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._engine_abstract)
@@ -374,6 +338,37 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
                 params = self._place(params)
         with self._in_mesh():
             return self._jits["init_state"](params)
+
+    def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[SlotPrefill]
+                      ) -> tuple[dict, list[PrefillResult]]:
+        """Prefill many requests into their slots (the RL path's batched prefill + insert; ``decode_state``
+        donated): one :class:`PrefillResult` per :class:`SlotPrefill` row, in order. How rows share programs
+        is the layout's (:meth:`rollout.engine.contiguous.ContiguousLayout.prefill_slots`,
+        :meth:`rollout.engine.paged.PagedLayout.prefill_slots`).
+
+        Raises:
+          ValueError: a slot out of range or used twice, an empty or too long row, a bad start.
+          rollout.engine.paged.pool.PoolExhausted: (paged) no pages left for the rows; their slots hold nothing after it.
+        """
+        return self.kv.prefill_slots(params, decode_state, rows)
+
+    def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
+                  temperature: Optional[float] = None) -> dict:
+        """Slot ``dst`` takes slot ``src``'s K/V and length, armed with its own pending ``token``, ``seed``
+        and ``temperature`` (None: the engine's): a group's samples. Donates the state. Raises ValueError
+        for a slot out of range or ``src == dst``."""
+        return self.kv.copy_slot(decode_state, src, dst, token=token, seed=seed, temperature=temperature)
+
+    def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
+        """Deactivate ``slots`` in one call (the generator's finished and held slots): they stop
+        decoding, and their cached K/V and lengths stay as they are (an inactive slot's decode
+        writes only past its cached positions). Donates the state. Raises ValueError for a slot out of
+        range."""
+        return self.kv.free_slots(decode_state, slots)
+
+    def free_slot(self, decode_state: dict, slot: int) -> dict:
+        """Deactivate ``slot`` (not part of the 0.2.2 API). Donates state."""
+        return self.free_slots(decode_state, [int(slot)])
 
     def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
         """One decode step for all slots, the RL path's typed step (``decode_state`` is donated).
@@ -391,12 +386,12 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         Returns:
           ``(new_state, StepOutput)`` with [B] device arrays.
         """
-        if self.kv_layout == "paged":
-            return PagedSlots.decode(self, params, decode_state, version=version)
+        state, step_kw = self.kv.before_decode(decode_state, 1)
         with self._in_mesh():
-            return self._jits["generate"](params, decode_state, jnp.int32(version))
+            state, out = self._jits["decode"](params, state, jnp.int32(version), **step_kw)
+        return self.kv.after_call(state), out
 
-    def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
+    def decode_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
         """``n`` decode steps for all slots in ONE jitted call (``decode_state`` is donated).
 
         A ``jax.lax.scan`` of the very step :meth:`decode` runs, carrying the decode state
@@ -424,26 +419,14 @@ class Qwen3Engine(PagedSlots, SlotManager, EngineWeights, JetStreamAdapter):
         """
         n = int(n)
         if n < 1:
-            raise ValueError(f"generate_steps needs n >= 1, got {n}")
-        if self.kv_layout == "paged":
-            return PagedSlots.generate_steps(self, params, decode_state, n, version=version)
+            raise ValueError(f"decode_steps needs n >= 1, got {n}")
+        state, step_kw = self.kv.before_decode(decode_state, n)
         with self._in_mesh():
-            return self._jits["decode_steps"](params, decode_state, n, jnp.int32(version))
+            state, out = self._jits["decode_steps"](params, state, n, jnp.int32(version), **step_kw)
+        return self.kv.after_call(state), out
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         if self._mesh is None:
             self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
         return self._mesh
-
-
-def _check_args(slots: int, max_cache_len: int, top_p: float, quantize: str) -> None:
-    """Raise ValueError for an engine argument out of range (one line naming it)."""
-    if slots < 1:
-        raise ValueError(f"slots must be >= 1, got {slots}")
-    if max_cache_len < 2:
-        raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"rollout.quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")

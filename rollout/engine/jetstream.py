@@ -160,7 +160,7 @@ class JetStreamAdapter(Engine):
         for JetStream's Driver and ``jax-rl serve``; ``data`` int32 [B, 4 (+ route columns)], see
         :func:`pack_result` / :func:`unpack_result`). Donates ``decode_state``."""
         with self._in_mesh():
-            state, data = self._jits["generate_result"](params, decode_state)
+            state, data = self._jits["decode_result"](params, decode_state)
         return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
 
     def get_prefix_destination_sharding(self) -> Any:

@@ -188,30 +188,43 @@ class StepPrograms:
         return new
 
     # ------------------------------------------------------------------ decode
-    def generate(self, params: Any, state: dict, version: Any = 0) -> tuple[dict, StepOutput]:
+    def model_step(self, model: Any, tokens: jax.Array, cache: Any, active: jax.Array) -> Any:
+        """The decode step's one hook: the model over the pending ``tokens`` [B] at ``cache.lengths`` ->
+        ``DecodeOutput`` (logits [B, V] float32, the new cache, expert ids / dropped copies where asked).
+        ``active`` [B] bool: the slots that write (a capacity-dropping MoE model is told them). A layout's
+        programs override this and nothing else of the step (the paged one: :meth:`PagedStepPrograms.model_step`)."""
+        c = self.cfg
+        return model.decode_step(tokens, cache, return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops,
+                                 **({"valid": active} if c.decode_valid else {}))
+
+    def decode(self, params: Any, state: dict, version: Any = 0, **step_kw: Any) -> tuple[dict, StepOutput]:
         """One decode step for all slots -> (state, StepOutput); ``version`` (int32 scalar) tags the
         step's tokens. An inactive slot (free, finished or held for its session's next turn) feeds its
         pending token at min(length, S - 1), a position past every cached token it holds, and keeps
-        its length: its cached K/V (a held context) stay intact."""
+        its length: its cached K/V (a held context) stay intact. ``step_kw``: the layout's static
+        arguments of :meth:`model_step` (the paged layout's ``num_pages``)."""
+        return self.decode_with(self.model_step, params, state, version, **step_kw)
+
+    def decode_with(self, model_step: Callable[..., Any], params: Any, state: dict, version: Any = 0,
+                    **step_kw: Any) -> tuple[dict, StepOutput]:
+        """:meth:`decode` with ``model_step`` as its model call (the paged layout's window runs the
+        contiguous one)."""
         c = self.cfg
         S = c.max_cache_len
         model = self._model(params)
         cache = state["cache"]
         active = state["active"] & (cache.lengths < S)  # room to write the pending token
         lengths_in = jnp.minimum(cache.lengths, S - 1)
-        dec = model.decode_step(state["tokens"], replace_cache(cache, lengths=lengths_in),
-                                return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops,
-                                **({"valid": active} if c.decode_valid else {}))
-        logits, cache = dec.logits, dec.cache
+        dec = model_step(model, state["tokens"], replace_cache(cache, lengths=lengths_in), active, **step_kw)
         pos = lengths_in + 1  # absolute position of the token being sampled
         keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-        tok, logp, _kept = sample_tokens(logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
-                                       impl=c.sampler)
-        logp = behav_logp(model, logits, tok, state["temperature"], logp)  # the bitwise mode: the learner's
+        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
+                                         impl=c.sampler)
+        logp = behav_logp(model, dec.logits, tok, state["temperature"], logp)  # the bitwise mode: the learner's
         generated = state["generated"] + active.astype(jnp.int32)
-        cache = replace_cache(cache, lengths=jnp.where(active, lengths_in + 1, state["cache"].lengths))
+        new_cache = replace_cache(dec.cache, lengths=jnp.where(active, lengths_in + 1, cache.lengths))
         new_state = {
-            "cache": cache,
+            "cache": new_cache,
             "tokens": jnp.where(active, tok, state["tokens"]),
             "active": active,
             "keys": state["keys"],
@@ -232,15 +245,16 @@ class StepPrograms:
 
     def result(self, params: Any, state: dict) -> tuple[dict, jax.Array]:
         """JetStream's adapter (``generate``): the typed step packed into ResultTokens' int32 rows."""
-        new_state, out = self.generate(params, state)
+        new_state, out = self.decode(params, state)
         return new_state, pack_result(out)
 
-    def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0) -> tuple[dict, StepOutput]:
-        """``n`` steps of :meth:`generate` in one on-device loop; every StepOutput leaf ([B, ...]) is
+    def decode_steps(self, params: Any, state: dict, n: int, version: Any = 0, **step_kw: Any
+                     ) -> tuple[dict, StepOutput]:
+        """``n`` steps of :meth:`decode` in one on-device loop; every StepOutput leaf ([B, ...]) is
         stacked on a new leading axis [n, ...]; quantised weights are dequantised once per call, not
         once per step."""
         params = self._dequantized(params)
-        return jax.lax.scan(lambda st, _: self.generate(params, st, version), state, None, length=n)
+        return jax.lax.scan(lambda st, _: self.decode(params, st, version, **step_kw), state, None, length=n)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, params: Any, tokens: jax.Array, n: jax.Array) -> PrefixKV:
@@ -352,9 +366,9 @@ PROGRAMS: dict[str, ProgramDef] = {
     "insert": ProgramDef("insert", (6,), {}, "state"),
     "free_slots": ProgramDef("deactivate", (0,), {}, "state"),
     "copy_slot": ProgramDef("copy_slot", (0,), {}, "state"),
-    "generate": ProgramDef("generate", (1,)),
-    "generate_result": ProgramDef("result", (1,)),
-    "decode_steps": ProgramDef("generate_steps", (1,), {"static_argnums": (2,)}),
+    "decode": ProgramDef("decode", (1,)),
+    "decode_result": ProgramDef("result", (1,)),
+    "decode_steps": ProgramDef("decode_steps", (1,), {"static_argnums": (2,)}),
     "prefill_slots": ProgramDef("prefill_slots", (3,)),
     "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("window",)}),
 }
@@ -366,7 +380,7 @@ def build_programs(steps: StepPrograms, outs: Optional[dict[str, Any]] = None,
                    table: Optional[dict[str, ProgramDef]] = None, compiler_options: Optional[dict] = None
                    ) -> dict[str, Any]:
     """``jax.jit`` of every row of ``table`` (default :data:`PROGRAMS`; the paged layout's:
-    :data:`rollout.engine.paged_programs.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
+    :data:`rollout.engine.paged.programs.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
     ``out`` kind (a sharded engine, :func:`program_shardings`); None: no out_shardings (the colocated
     single-device engine, whose programs are as they always were). ``compiler_options``: XLA options of every
     program (the bitwise mode's, :func:`jax_rl.models.bitwise.compiler_options`; None: the defaults)."""

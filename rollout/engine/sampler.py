@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rl.models.paged_attention import current_target_backend
+from jax_rl.models.backend_target import current_target_backend
 from jax_rl.sampling import TOP_P_CANDIDATES, log_kept_mass, threshold_by_search, threshold_from_sorted, truncates
 from rollout.engine.sampler_kernel import kernel_fits, sample_untruncated
 
@@ -241,7 +241,7 @@ def sample_tokens(
         rule the learner's log-prob forward reproduces (``rollout.top_k`` / ``rollout.top_p``).
       candidates: static; top-p alone draws from this many largest values when the nucleus fits.
       impl: static; the untruncated path: ``"auto"`` (the kernel for a TPU target,
-        :func:`jax_rl.models.paged_attention.current_target_backend`, on one device, where
+        :func:`jax_rl.models.backend_target.current_target_backend`, on one device, where
         :func:`~rollout.engine.sampler_kernel.kernel_fits` ``V``; else XLA), ``"xla"``, ``"kernel"``
         or ``"kernel_interpret"`` (Pallas interpret mode: CPU tests). Truncated: always XLA.
 

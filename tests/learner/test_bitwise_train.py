@@ -25,7 +25,7 @@ def _generate(model_config, params, bitwise: bool):
     st = eng.init_decode_state()
     st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(p, slot=i, seed=10 + i) for i, p in enumerate(PROMPTS)])
     st, o1 = eng.decode(eng.params, st)
-    st, o2 = eng.generate_steps(eng.params, st, N_NEW - 1)
+    st, o2 = eng.decode_steps(eng.params, st, N_NEW - 1)
     tok = np.concatenate([np.asarray(o1.token)[None], np.asarray(o2.token)])
     lp = np.concatenate([np.asarray(o1.behav_logp)[None], np.asarray(o2.behav_logp)])
     assert np.asarray(o2.valid).all()

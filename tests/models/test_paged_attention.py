@@ -256,7 +256,7 @@ def test_pages_split_over_data_run_the_kernel_per_shard(devices, interpreter_rea
     from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
     from jax_rl.models.qwen3.paged import init_paged_cache, paged_decode_step, paged_extend
     from jax_rl.sharding import make_mesh
-    from rollout.engine.paged_programs import paged_pool_spec
+    from rollout.engine.paged.programs import paged_pool_spec
 
     cfg = get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=128)  # H % 128
     model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True)  # the stacked pool, as a TPU engine's

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_rl.models.paged_attention import target_backend
+from jax_rl.models.backend_target import target_backend
 from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
 from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
                                        write_window)
@@ -117,7 +117,7 @@ def test_scanned_decode_for_a_tpu_reads_the_stacked_pool_in_place():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jax_rl import tpu
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.backend_target import target_backend
     from jax_rl.models.qwen3.paged import PagedKVCache
 
     mc = get_preset("tiny_dense", head_dim=128)

@@ -1,5 +1,5 @@
 """Chunked prefill on the paged engine (``rollout.prefill_chunk_size``, issue 46): the plan
-(:func:`rollout.engine.prefill_plan.prefill_programs`) by hand and by property, and a paged engine whose
+(:func:`rollout.engine.paged.prefill_plan.prefill_programs`) by hand and by property, and a paged engine whose
 rows run in chunks of 16 positions against the contiguous engine (tokens exact, ``behav_logp`` and
 MoE routes as the unchunked programs give them, fp32)."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax_rl.config import Config
 from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine, SlotPrefill
-from rollout.engine.prefill_plan import MAX_ROWS, prefill_programs, rows_per_program
+from rollout.engine.paged.prefill_plan import MAX_ROWS, prefill_programs, rows_per_program
 
 S, PS = 64, 8
 
@@ -75,7 +75,7 @@ def test_the_config_refuses_a_chunk_that_is_not_a_power_of_two():
 
 
 def _decode(eng, st, steps=4):
-    st, o = eng.generate_steps(eng.params, st, steps)
+    st, o = eng.decode_steps(eng.params, st, steps)
     return st, np.asarray(o.token), np.where(np.asarray(o.valid), np.asarray(o.behav_logp), 0.0)
 
 
@@ -87,7 +87,7 @@ def test_a_chunked_paged_engine_equals_the_contiguous_one(model):
     ref = Qwen3Engine(model.config, p, **kw)
     pag = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, prefill_chunk_size=16, **kw)
     # the largest append-prefill program (what jax-rl compile builds): the contiguous [slots, positions], the first chunk
-    assert ref.append_prefill_shape(40) == (4, 40) and pag.append_prefill_shape(40) == (1, 16)
+    assert ref.kv.append_prefill_shape(40) == (4, 40) and pag.kv.append_prefill_shape(40) == (1, 16)
     a, b = list(range(3, 44)), list(range(50, 61))
     rows = [SlotPrefill(a, slot=0, seed=1), SlotPrefill(a, slot=1, seed=2), SlotPrefill(a, slot=2, seed=3),
             SlotPrefill(b, slot=3, seed=4, temperature=0.0)]
@@ -107,7 +107,7 @@ def test_a_chunked_paged_engine_equals_the_contiguous_one(model):
     np.testing.assert_allclose(out["pag"][1], out["ref"][1], atol=1e-5)
     # 21 = 35 - 14 appended; slot 0: 4 of the 5 full pages referenced (the last page is computed: its logits)
     assert out["pag"][2] == [40, 0, 0, 10, 21, 8]
-    assert pag.kv_stats()["kv_prefix_page_hits"] == 4
+    assert pag.kv.stats()["kv_prefix_page_hits"] == 4
 
 
 def test_a_chunked_rows_values_do_not_depend_on_what_shares_its_call(model):

@@ -1,4 +1,4 @@
-"""``rollout.decode_steps``: n decode steps per engine call (``Qwen3Engine.generate_steps``, one
+"""``rollout.decode_steps``: n decode steps per engine call (``Qwen3Engine.decode_steps``, one
 ``lax.scan``) give the same tokens, behaviour log-probs and version tags as one step per call,
 with stops and cache ends mid-chunk and weight swaps between chunks."""
 
@@ -31,7 +31,7 @@ def _armed(engine, prompts):
     return st
 
 
-def test_generate_steps_equals_repeated_generate_through_the_cache_end(engine):
+def test_decode_steps_equals_repeated_generate_through_the_cache_end(engine):
     # slot 1: 26 cached + 1 pending, 6 free positions: it fills the cache inside the 2nd chunk
     prompts = [([1, 2, 3], 11), (list(range(1, S - 4)), 12)]
     a = _armed(engine, prompts)
@@ -40,8 +40,8 @@ def test_generate_steps_equals_repeated_generate_through_the_cache_end(engine):
         a, out = engine.decode(engine.params, a, version=3)
         one.append(jax.device_get(out))
     b = _armed(engine, prompts)
-    b, d1 = engine.generate_steps(engine.params, b, N, version=3)
-    b, d2 = engine.generate_steps(engine.params, b, N, version=3)
+    b, d1 = engine.decode_steps(engine.params, b, N, version=3)
+    b, d2 = engine.decode_steps(engine.params, b, N, version=3)
     d1, d2 = jax.device_get(d1), jax.device_get(d2)
     assert isinstance(d1, StepOutput) and d1.route is None and d1.token.shape == (N, 2)
     for name in ("token", "valid", "generated", "behav_logp", "version"):  # bit-identical
@@ -57,7 +57,7 @@ def test_generate_steps_equals_repeated_generate_through_the_cache_end(engine):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # same cache, keys, lengths
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="n >= 1"):
-        engine.generate_steps(engine.params, b, 0)
+        engine.decode_steps(engine.params, b, 0)
 
 
 def _run(engine, decode_steps, prompts, budgets, stop_ids=()):
@@ -95,7 +95,7 @@ def test_generator_decode_steps_identical_with_stops_budgets_and_cache_end(engin
 def _spied(engine, monkeypatch):
     """Record the step count of every decode call the engine runs (1 for ``decode``)."""
     calls: list[int] = []
-    decode, steps = engine.decode, engine.generate_steps
+    decode, steps = engine.decode, engine.decode_steps
 
     def spy_decode(*a, **k):
         calls.append(1)
@@ -106,7 +106,7 @@ def _spied(engine, monkeypatch):
         return steps(params, state, n, **k)
 
     monkeypatch.setattr(engine, "decode", spy_decode)
-    monkeypatch.setattr(engine, "generate_steps", spy_steps)
+    monkeypatch.setattr(engine, "decode_steps", spy_steps)
     return calls
 
 
@@ -171,7 +171,7 @@ def test_decode_steps_validated(engine):
 
 
 def test_routes_recorded_per_step_are_the_same_in_chunks():
-    """MoE routing replay: the expert-id columns of each step come through ``generate_steps``
+    """MoE routing replay: the expert-id columns of each step come through ``decode_steps``
     stacked like the rest, so ``Completion.routes`` does not depend on decode_steps."""
     moe = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0))
     eng = Qwen3Engine(moe.config, nnx.state(moe, nnx.Param), slots=2, max_cache_len=S,

@@ -30,7 +30,7 @@ def _decode(engine, prompts=PROMPTS, steps=STEPS, chunk=1):
             st, out = engine.decode(engine.params, st)
             rows = [jax.device_get(out)]
         else:
-            st, out = engine.generate_steps(engine.params, st, chunk)
+            st, out = engine.decode_steps(engine.params, st, chunk)
             out = jax.device_get(out)
             rows = [out.at(i) for i in range(chunk)]
         for r in rows:

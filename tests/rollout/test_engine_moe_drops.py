@@ -176,6 +176,6 @@ def test_the_scanned_engine_counts_what_the_unrolled_one_does(moe):
         st = eng.init_decode_state()
         st, res = eng.prefill_slots(eng.params, st, [SlotPrefill([11, 12, 13, 14, 15, 16, 17], 0, 1, None, 0),
                                                      SlotPrefill([7, 8, 9], 1, 2, None, 0)])
-        st, out = eng.generate_steps(eng.params, st, 3)
+        st, out = eng.decode_steps(eng.params, st, 3)
         got.append(([r.moe_dropped for r in res], jax.device_get(out.moe_dropped).tolist()))  # [3 steps, 4 slots]
     assert got[0] == got[1] and sum(got[0][0]) > 0

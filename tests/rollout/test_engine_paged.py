@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from rollout.engine import Qwen3Engine, SlotPrefill
-from rollout.pages import PoolExhausted
+from rollout.engine.paged.pool import PoolExhausted
 
 S, PS = 64, 8
 
@@ -28,7 +28,7 @@ def _run(eng, rows, steps=5, later=None, swap=None):
     outs = []
     st, o = eng.decode(eng.params, st)
     outs.append((np.asarray(o.token)[None], np.asarray(o.behav_logp)[None], np.asarray(o.valid)[None]))
-    st, o = eng.generate_steps(eng.params, st, steps - 1)
+    st, o = eng.decode_steps(eng.params, st, steps - 1)
     outs.append((np.asarray(o.token), np.asarray(o.behav_logp), np.asarray(o.valid)))
     res2 = []
     if later is not None:
@@ -37,7 +37,7 @@ def _run(eng, rows, steps=5, later=None, swap=None):
         if swap is not None:
             eng.params = eng.load_params(swap)
         st, res2 = eng.prefill_slots(eng.params, st, rows2)
-        st, o = eng.generate_steps(eng.params, st, 3)
+        st, o = eng.decode_steps(eng.params, st, 3)
         outs.append((np.asarray(o.token), np.asarray(o.behav_logp), np.asarray(o.valid)))
     tok = np.concatenate([a for a, _, _ in outs])
     lp = np.concatenate([b for _, b, _ in outs])
@@ -58,7 +58,7 @@ def test_paged_engine_equals_contiguous_with_a_shared_group_and_decode(model):
     np.testing.assert_array_equal(t1, t0)
     np.testing.assert_allclose(l1, l0, atol=1e-5)
     assert p1 == [19, 0, 0, 10]  # the group's prompt prefilled once
-    s = pag.kv_stats()
+    s = pag.kv.stats()
     # slots 0-2 share the prompt's pages; the first two to write copy the partial last page, the third owns it
     assert s["kv_pages_copied"] == 2
     assert s["kv_pages_in_use"] < 4 * (S // PS)  # no reservation per slot
@@ -78,14 +78,14 @@ def test_paged_append_prefill_and_prefix_pages_by_reference_per_weight_version(m
     t1, l1, p1 = _run(pag, rows, later=later)
     np.testing.assert_array_equal(t1, t0)
     np.testing.assert_allclose(l1, l0, atol=1e-5)
-    assert p1[4:] == [3, 19 - 16] and pag.kv_stats()["kv_prefix_page_hits"] == 2
+    assert p1[4:] == [3, 19 - 16] and pag.kv.stats()["kv_prefix_page_hits"] == 2
     # the same with a weight swap before turn 2: no page of the old weights is read by the new request
     ref, pag = _engines(model)
     t0, l0, p0 = _run(ref, rows, later=later, swap=params2)
     t1, l1, p1 = _run(pag, rows, later=later, swap=params2)
     np.testing.assert_array_equal(t1, t0)
     np.testing.assert_allclose(l1, l0, atol=1e-5)
-    assert p1[5] == 19 and pag.kv_stats()["kv_prefix_page_hits"] == 0
+    assert p1[5] == 19 and pag.kv.stats()["kv_prefix_page_hits"] == 0
 
 
 def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
@@ -98,18 +98,18 @@ def test_pool_exhaustion_preempts_a_held_slot_and_reprefills_it(model):
     st = pag.free_slots(st, [0])  # slot 0 held between turns (2 pages; slot 1 holds 2)
     big = [SlotPrefill(list(range(50, 90)), slot=2, seed=3)]  # 5 pages: only by preempting slot 0
     st, res = pag.prefill_slots(pag.params, st, big)
-    assert pag.kv_stats()["kv_preemptions"] == 1 and 0 not in pag.kv_pool.seqs
+    assert pag.kv.stats()["kv_preemptions"] == 1 and 0 not in pag.kv.pool.seqs
     st = pag.free_slots(st, [2])
     st, res = pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(3, 20)) + [5, 6], slot=0, seed=1, start=17)])
     assert res[0].prefill_tokens == 18  # the preempted slot's whole context, re-prefilled
-    in_use = pag.kv_stats()["kv_pages_in_use"]
+    in_use = pag.kv.stats()["kv_pages_in_use"]
     with pytest.raises(PoolExhausted):  # nothing held left to preempt
         pag.prefill_slots(pag.params, st, [SlotPrefill(list(range(100, 110)), slot=2, seed=5),  # 2 pages: taken
                                            SlotPrefill(list(range(50, 90)), slot=3, seed=3)])  # 5 of 3 left
     # the failed call took back what its rows got: the generator may queue them again (rollout.kv_pressure)
-    assert not {2, 3} & set(pag.kv_pool.seqs) and pag.kv_stats()["kv_pages_in_use"] == in_use
+    assert not {2, 3} & set(pag.kv.pool.seqs) and pag.kv.stats()["kv_pages_in_use"] == in_use
     # and unpublished the full page slot 2's row published before its K/V were written
-    assert pag.kv_pool.lookup(list(range(100, 110)), pag._kv_epoch) == []
+    assert pag.kv.pool.lookup(list(range(100, 110)), pag.kv._kv_epoch) == []
 
 
 def test_rows_of_one_call_share_prefix_pages_as_rows_of_separate_calls(model):
@@ -123,7 +123,7 @@ def test_rows_of_one_call_share_prefix_pages_as_rows_of_separate_calls(model):
     b = a[:16] + list(range(60, 66))  # the same 2 full pages, then 5 of its own
     rows = [SlotPrefill(a, slot=0, seed=1), SlotPrefill(b, slot=1, seed=2)]
     t1, l1, p1 = _run(pag, rows)
-    assert p1 == [19, 5] and pag.kv_stats()["kv_prefix_page_hits"] == 2
+    assert p1 == [19, 5] and pag.kv.stats()["kv_prefix_page_hits"] == 2
     _, sep = _engines(model)
     st = sep.init_decode_state()
     st, r0 = sep.prefill_slots(sep.params, st, rows[:1])
@@ -141,12 +141,12 @@ def test_kv_stats_count_live_positions_once_per_shared_page(model):
     _, pag = _engines(model)
     st = pag.init_decode_state()
     st, _ = pag.prefill_slots(pag.params, st, _rows(list(range(3, 23)), list(range(40, 51))))
-    s = pag.kv_stats()
+    s = pag.kv.stats()
     assert (s["kv_sequences"], s["kv_pages_in_use"], s["kv_held_tokens"], s["kv_live_tokens"]) == (4, 5, 40, 29)
     st, _ = pag.decode(pag.params, st)
     # one more position each: slots 0 and 1 copy the shared partial page on write (4 positions each),
     # slot 2 keeps the original (4), the full pages stay shared (16), slot 3 has 8 + 3
-    s = pag.kv_stats()
+    s = pag.kv.stats()
     assert (s["kv_sequences"], s["kv_pages_in_use"], s["kv_held_tokens"], s["kv_live_tokens"]) == (4, 7, 56, 39)
 
 
@@ -190,7 +190,7 @@ def test_a_fresh_decode_state_starts_the_host_pool_afresh(model):
     t0, l0 = _decode_calls(ref, rows, 3)
     _decode_calls(pag, rows, 3)
     t1, l1 = _decode_calls(pag, rows, 3, state=pag.init_decode_state())
-    assert pag.kv_stats()["kv_prefix_page_hits"] == 0
+    assert pag.kv.stats()["kv_prefix_page_hits"] == 0
     np.testing.assert_array_equal(t1, t0)
     np.testing.assert_allclose(l1, l0, atol=1e-5)
 
@@ -202,4 +202,4 @@ def test_a_row_too_long_or_empty_is_refused_naming_its_slot(model):
         for n in (S + 1, 0):
             with pytest.raises(ValueError, match=rf"the row for slot 2 has {n} tokens; a row needs 1..max_cache_len={S}"):
                 eng.prefill_slots(eng.params, st, [SlotPrefill(list(range(3, 3 + n)), slot=2, seed=1)])
-        assert eng.kv_layout == "contiguous" or eng.kv_stats()["kv_pages_in_use"] == 0
+        assert eng.kv.name == "contiguous" or eng.kv.stats()["kv_pages_in_use"] == 0

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.models import qwen3 as q
-from jax_rl.models.kv_storage import target_backend
+from jax_rl.models.backend_target import target_backend
 from rollout.engine import Qwen3Engine
 from rollout.engine.slots import SlotPrefill
 
@@ -85,9 +85,9 @@ def test_engine_programs_on_bits_equal_the_bf16_cache(per_layer):
                                                    SlotPrefill(b, 2, seed=3)])
         st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(b + [30, 31, 32, 33], 2, seed=3, start=len(b) - 1)])
         st = eng.insert(eng.prefill_tokens(eng.params, [40, 41, 42, 43, 44], seed=4), st, 3)
-        st, o1 = eng.generate_steps(eng.params, st, 3)
+        st, o1 = eng.decode_steps(eng.params, st, 3)
         st = eng.copy_slot(st, 2, 1, token=7, seed=9)
-        st, o2 = eng.generate_steps(eng.params, st, 3)
+        st, o2 = eng.decode_steps(eng.params, st, 3)
         outs.append(([np.asarray(x) for o in (o1, o2) for x in (o.token, o.behav_logp)], _bits(st["cache"])))
     _assert_same(outs[0][0], outs[1][0])
     _assert_same(outs[0][1], outs[1][1])

@@ -50,7 +50,7 @@ def test_active_slots_preempted_resume_with_the_unpreempted_tokens_and_logp(mode
         assert b.tokens == a.tokens
         np.testing.assert_allclose(b.behav_logp, a.behav_logp, atol=1e-5)
         np.testing.assert_array_equal(b.versions, a.versions)
-    assert small.engine.kv_pool.pages_in_use <= S // PS
+    assert small.engine.kv.pool.pages_in_use <= S // PS
 
 
 def test_admission_waits_for_pages_in_order(model):

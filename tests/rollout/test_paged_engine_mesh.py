@@ -38,13 +38,13 @@ def _turns(eng):
     outs = []
     st, o = eng.decode(eng.params, st)
     outs.append(jax.tree.map(lambda x: np.asarray(x)[None], (o.token, o.behav_logp, o.valid)))
-    st, o = eng.generate_steps(eng.params, st, 4)
+    st, o = eng.decode_steps(eng.params, st, 4)
     outs.append(jax.tree.map(np.asarray, (o.token, o.behav_logp, o.valid)))
     gen3 = [int(t) for t in np.concatenate([x[0] for x in outs])[:, 3]]
     turn2 = [SlotPrefill(B + gen3 + [7, 8, 9], slot=3, seed=4, start=10 + len(gen3)), SlotPrefill(A, slot=0, seed=9)]
     st = eng.free_slots(st, [0, 3])
     st, res2 = eng.prefill_slots(eng.params, st, turn2)
-    st, o = eng.generate_steps(eng.params, st, 4)
+    st, o = eng.decode_steps(eng.params, st, 4)
     outs.append(jax.tree.map(np.asarray, (o.token, o.behav_logp, o.valid)))
     tok, lp, valid = (np.concatenate([x[i] for x in outs]) for i in range(3))
     return tok, np.where(valid, lp, 0.0), [r.prefill_tokens for r in res + res2], st
@@ -74,12 +74,12 @@ def test_paged_engine_on_a_data_tensor_mesh_equals_colocated_paged_and_sharded_c
     # one prefill for the group per shard (slot 2's shard computes A again: no page crosses shards), the
     # turn's 3 new tokens, the fresh A in slot 0 from its shard's 2 published full pages
     assert p0 == [19, 0, 0, 10, 3, 19 - 16] and p1 == [19, 0, 19, 10, 3, 19 - 16]
-    kv, pool = sharded.kv_stats(), sharded.kv_pool
-    assert sharded.kv_shards == 2 and [sharded.kv_shard_of(s) for s in range(4)] == [0, 0, 1, 1]
+    kv, pool = sharded.kv.stats(), sharded.kv.pool
+    assert sharded.kv.shards == 2 and [sharded.kv.shard_of(s) for s in range(4)] == [0, 0, 1, 1]
     assert kv["kv_prefix_page_hits"] == 2 and kv == {k: sum(sh.stats()[k] for sh in pool.shards) for k in kv}
-    assert kv["kv_pages_in_use"] > paged.kv_stats()["kv_pages_in_use"]  # slot 2's own copy of A's full pages
+    assert kv["kv_pages_in_use"] > paged.kv.stats()["kv_pages_in_use"]  # slot 2's own copy of A's full pages
     half = pool.pages_per_shard
-    table = sharded._table
+    table = sharded.kv._table
     assert half == 4 * S // PS // 2 and np.all(table < half)  # page ids within a shard's sub-pool
     assert table[1, 0] == table[0, 0] and table[1, 1] == table[0, 1]  # the fresh A in 0 references 1's pages
     assert set(pool.shards[1].seqs) == {2, 3} and set(pool.shards[0].seqs) == {0, 1}
@@ -103,7 +103,7 @@ def test_paged_engine_on_a_data_tensor_mesh_equals_colocated_paged_and_sharded_c
     i32 = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
     with jax.set_mesh(mesh):
         progs = sharded.programs
-        compiled = [progs["generate"].lower(sharded.params, st, jnp.int32(0), num_pages=4).compile(),
+        compiled = [progs["decode"].lower(sharded.params, st, jnp.int32(0), num_pages=4).compile(),
                     progs["append_prefill"].lower(sharded.params, st, jnp.zeros((4, 16), jnp.int32), i32(4), i32(4),
                                                   i32(4), i32(4), jnp.zeros((4,), jnp.uint32), jnp.ones((4,)),
                                                   num_pages=4).compile(),
@@ -123,20 +123,20 @@ def test_pool_layout_on_meshes_and_per_shard_pages(devices):
     takes only its shard's pages, prefix pages and forks stay within a shard, the counters sum."""
     import pytest
 
-    from rollout.page_shards import ShardedPagePool
-    from rollout.pages import PoolExhausted
+    from rollout.engine.paged.shards import ShardedPagePool
+    from rollout.engine.paged.pool import PoolExhausted
 
     mc = q.get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     kw = dict(slots=4, max_cache_len=S, dtype="float32", kv_layout="paged", kv_page_size=PS)
     spec = lambda eng: {s.spec for s in eng.state_shardings["cache"].kv}  # noqa: E731
     eng = Qwen3Engine(mc, None, mesh=_mesh(devices), **kw)
-    assert spec(eng) == {P(None, None, None, None)} and eng.kv_shards == 1
+    assert spec(eng) == {P(None, None, None, None)} and eng.kv.shards == 1
     dense = q.get_preset("tiny_dense")
     eng = Qwen3Engine(dense, None, mesh=_mesh(devices, expert=2), **kw)
-    assert spec(eng) == {P("expert", None, "tensor", None)} and eng.kv_shards == 2
+    assert spec(eng) == {P("expert", None, "tensor", None)} and eng.kv.shards == 2
     assert eng.state_shardings["cache"].page_table.spec == P()
     eng = Qwen3Engine(dense, None, mesh=_mesh(devices, data=2), **{**kw, "slots": 3})  # 3 slots do not split
-    assert spec(eng) == {P(None, None, "tensor", None)} and eng.kv_shards == 1
+    assert spec(eng) == {P(None, None, "tensor", None)} and eng.kv.shards == 1
     with pytest.raises(ValueError, match=r"rollout.kv_pages=12 pages of 8 positions split over 2 shards .* hold 48 < "):
         Qwen3Engine(dense, None, mesh=_mesh(devices, data=2), **{**kw, "kv_pages": 12})
 

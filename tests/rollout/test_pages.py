@@ -1,4 +1,4 @@
-"""rollout.pages.PagePool: reference counts, prefix sharing keyed by weight version, copy on write,
+"""rollout.engine.paged.pool.PagePool: reference counts, prefix sharing keyed by weight version, copy on write,
 LRU eviction and pool exhaustion; invariants under random operation sequences (hypothesis)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rollout.pages import PagePool, PoolExhausted
+from rollout.engine.paged.pool import PagePool, PoolExhausted
 
 PS = 4
 

@@ -123,7 +123,7 @@ def test_auto_takes_the_kernel_only_for_a_one_device_tpu_target():
     under an ambient mesh of several devices (a Mosaic call is not partitioned)."""
     from jax.sharding import Mesh
 
-    from jax_rl.models.paged_attention import target_backend
+    from jax_rl.models.backend_target import target_backend
     from rollout.engine.sampler import _kernel_path
 
     assert not _kernel_path("auto", 384)
@@ -145,8 +145,7 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
     from jax_rl.models.qwen3 import Qwen3Config
     from jax_rl.runtime.engines import build_engine
     from rollout.engine import Qwen3Engine
-    import rollout.engine.paged_programs as paged_mod
-    import rollout.engine.programs as programs_mod
+    import rollout.engine.programs as programs_mod  # the one decode step, both layouts
 
     seen = []
     real = programs_mod.sample_tokens
@@ -156,14 +155,13 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(programs_mod, "sample_tokens", spy)
-    monkeypatch.setattr(paged_mod, "sample_tokens", spy)
     mc = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     for layout in ("contiguous", "paged"):
         eng = Qwen3Engine(mc, None, slots=2, max_cache_len=32, max_prefill_length=16, dtype="float32",
                           kv_layout=layout, sampler="xla")
         params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), eng.abstract_params)
-        jax.eval_shape(eng.programs["generate"], params, jax.eval_shape(eng.programs["init_state"], params))
+        jax.eval_shape(eng.programs["decode"], params, jax.eval_shape(eng.programs["init_state"], params))
     assert seen and set(seen) == {"xla"}, seen
     with pytest.raises(ValueError, match="rollout.sampler"):
         Qwen3Engine(mc, None, slots=2, max_cache_len=32, sampler="pallas")

@@ -25,11 +25,11 @@ SEEDS = [101, 102, 103, 104]
 
 def _decode(engine, prompts=PROMPTS, steps=STEPS):
     """Prefill + insert every prompt (slot i, seed SEEDS[i]), then ``steps`` decode steps in one
-    ``generate_steps`` call. Returns (tokens [steps, B] int32, logps [steps, B] float32, state)."""
+    ``decode_steps`` call. Returns (tokens [steps, B] int32, logps [steps, B] float32, state)."""
     st = engine.init_decode_state()
     for i, p in enumerate(prompts):
         st = engine.insert(engine.prefill_tokens(engine.params, p, seed=SEEDS[i]), st, i)
-    st, out = engine.generate_steps(engine.params, st, steps)
+    st, out = engine.decode_steps(engine.params, st, steps)
     out = jax.device_get(out)
     return out.token, out.behav_logp, st
 
@@ -153,7 +153,7 @@ def test_sharded_moe_engine_expert_parallel(dispatch, devices):
     pre1 = eng.prefill_tokens(eng.params, PROMPTS[2], seed=1)
     np.testing.assert_array_equal(pre1["routes"], pre0["routes"])
     with jax.set_mesh(mesh):  # as the engine traces it
-        text = eng.programs["generate"].lower(eng.params, s1).as_text()
+        text = eng.programs["decode"].lower(eng.params, s1).as_text()
     assert ("all_to_all" in text or "all-to-all" in text) is (dispatch == "ragged")
 
 

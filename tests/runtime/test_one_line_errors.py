@@ -91,7 +91,7 @@ def test_engine_memory_estimate_bounds_what_xla_allocates():
                         model_kwargs=rollout_model_kwargs(cfg))
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.abstract_params)
         state = jax.eval_shape(e.programs["init_state"], params)
-        ma = e.programs["generate"].lower(params, state).compile().memory_analysis()
+        ma = e.programs["decode"].lower(params, state).compile().memory_analysis()
         real = ma.argument_size_in_bytes + ma.temp_size_in_bytes
         est = R.engine_memory_bytes(cfg, mc)["total"]
         assert real <= est <= 1.5 * real, (extra, real, est)

@@ -86,7 +86,7 @@ def test_train_with_a_paged_sharded_rollout_engine(tmp_path, devices, monkeypatc
     assert len(engines) == 2
     for gen in engines:
         eng = gen.engine
-        assert eng.kv_layout == "paged" and {d.id for d in eng.mesh.devices.flat} == {4, 5, 6, 7}
+        assert eng.kv.name == "paged" and {d.id for d in eng.mesh.devices.flat} == {4, 5, 6, 7}
         pool = eng.state_shardings["cache"]
         assert eng.mesh.shape["data"] == 2 and eng.mesh.shape["tensor"] == 2, eng.mesh.shape
         assert all(s.spec == P("data", None, "tensor", None) for s in jax.tree.leaves(pool.kv))

@@ -8,7 +8,7 @@ kernel reads the table itself). Same numerics as the contiguous cache (HF eager:
 scale after the dot): equal to ``decode_step`` / ``extend`` up to fp32 summation order.
 A prefill from position 0 is :func:`paged_extend` with ``starts = 0``.
 
-Which rows own which pages is the host's business (``rollout.pages.PagePool``); the device side
+Which rows own which pages is the host's business (``rollout.engine.paged.pool.PagePool``); the device side
 only follows the table. A table entry of -1 is "no page": writes there are dropped, reads are
 masked (a row never attends past its length).
 
@@ -21,7 +21,7 @@ row's table entries are page ids *within its shard's sub-pool*. The write, the a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -130,11 +130,22 @@ def _pool_specs(cache: PagedKVCache, stacked: bool) -> tuple:
     return b, h, P(*((None,) if stacked else ()), b, None, h, None)
 
 
-def _layer_pool_step(cache: PagedKVCache, kv: Any, i, q, k, v, positions, valid, starts, lengths, num_pages,
-                     backend) -> tuple[Array, Any]:
+class _Rows(NamedTuple):
+    """Where a call's rows write and what they attend to: ``positions`` [B, T] int32 of the new tokens,
+    ``valid`` [B, T] bool (a padded token writes nothing), ``starts`` / ``lengths`` [B] int32 (positions held
+    before the call, new positions)."""
+
+    positions: Array
+    valid: Array
+    starts: Array
+    lengths: Array
+
+
+def _layer_pool_step(cache: PagedKVCache, kv: Any, i, q, k, v, rows: _Rows, num_pages, backend) -> tuple[Array, Any]:
     """Layer i: the new K/V written through the table, then attention over the rows' pages: (o, kv).
     Split over pages (module doc): per shard in ``jax.shard_map`` (rows, the layer's sub-pool, q and kv
     heads as the pool's head axis), so each shard writes and reads only its own sub-pool."""
+    positions, valid, starts, lengths = rows
     if cache.page_axes is None:
         kv = _write(cache, kv, i, positions, k, v, valid)
         o = paged_attention(q, *cache.attend_view(kv, i), starts, lengths, num_pages, backend=backend,
@@ -194,7 +205,7 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
     ones = jnp.ones((B,), jnp.int32)
 
     def layer_attend(q, k, v, i, kv):
-        o, kv = _layer_pool_step(cache, kv, i, q, k, v, pos[:, None], write_ok, pos, ones, num_pages, backend)
+        o, kv = _layer_pool_step(cache, kv, i, q, k, v, _Rows(pos[:, None], write_ok, pos, ones), num_pages, backend)
         return o.astype(q.dtype), None, kv
 
     forced = None if forced_expert_ids is None else [jnp.asarray(f)[:, None] for f in forced_expert_ids]
@@ -229,7 +240,7 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
     valid = jnp.arange(T)[None, :] < lengths[:, None]
 
     def layer_attend(q, k, v, i, kv):
-        o, kv = _layer_pool_step(cache, kv, i, q, k, v, positions, valid, starts, lengths, num_pages, backend)
+        o, kv = _layer_pool_step(cache, kv, i, q, k, v, _Rows(positions, valid, starts, lengths), num_pages, backend)
         return o.astype(q.dtype), None, kv
 
     t = model._trunk(model.embed(input_ids), positions, layer_attend, _layer_ids(model), carry=cache.kv,
@@ -249,7 +260,7 @@ def _copy_pages(kv: Any, src: Array, dst: Array) -> Any:
 
 def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     """Copy pages ``src`` [n] int32 to ``dst`` [n] int32 in every layer's pool (the device half of a
-    copy-on-write, ``rollout.pages.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding). Split
+    copy-on-write, ``rollout.engine.paged.pool.PagePool.ensure``); a ``dst`` of -1 copies nothing (padding). Split
     over D shards of pages (module doc): n = D x m, shard d's m copies at ``[d m, (d+1) m)``, page ids
     within its sub-pool, done per shard in ``jax.shard_map`` (no page crosses shards)."""
     if cache.page_axes is None:

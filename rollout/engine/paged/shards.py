@@ -1,4 +1,4 @@
-"""A paged engine's host page pool split like its device pool: one :class:`rollout.pages.PagePool` per
+"""A paged engine's host page pool split like its device pool: one :class:`rollout.engine.paged.pool.PagePool` per
 shard of slots.
 
 On a rollout mesh whose slots are split over ``data`` / ``expert`` (D shards, slot b in shard
@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 from typing import Optional
 
-from rollout.pages import PagePool
+from rollout.engine.paged.pool import PagePool
 
 __all__ = ["ShardedPagePool"]
 

@@ -2,7 +2,7 @@
 
 The decode state's cache is a :class:`jax_rl.models.qwen3.paged.PagedKVCache` (one pool of
 ``kv_pages`` pages of ``kv_page_size`` positions, a page table row per slot, the slots' lengths);
-:class:`rollout.pages.PagePool` on the host decides which slot holds which pages. What changes
+:class:`rollout.engine.paged.pool.PagePool` on the host decides which slot holds which pages. What changes
 against the contiguous layout, with the engine's API and outputs unchanged:
 
 - no reservation per slot: a slot holds the pages its positions need, allocated as prefill and
@@ -28,12 +28,12 @@ against the contiguous layout, with the engine's API and outputs unchanged:
 - pool exhausted: the least recently released *held* slot (an episode between turns) is preempted
   (its pages freed, ``kv_preemptions``); its next append-prefill re-prefills its whole context
   (reported in ``PrefillResult.prefill_tokens``). With no held slot to preempt, ``PoolExhausted``
-  is raised; a :meth:`PagedSlots.prefill_slots` that raises it takes back every page its rows got
+  is raised; a :meth:`PagedLayout.prefill_slots` that raises it takes back every page its rows got
   (their slots hold nothing after it), so the caller can queue them again. The generator never
-  gets there in decode: it asks :meth:`PagedSlots.kv_decode_shortfall` before each decode call and
-  preempts *active* slots itself (:meth:`PagedSlots.preempt_slots`; the most recently admitted
+  gets there in decode: it asks :meth:`PagedLayout.decode_shortfall` before each decode call and
+  preempts *active* slots itself (:meth:`PagedLayout.preempt_slots`; the most recently admitted
   first, re-queued and re-prefilled later: :mod:`rollout.kv_pressure`), and it admits a request
-  only when :meth:`PagedSlots.kv_admission_budget` covers :meth:`PagedSlots.kv_request_pages`.
+  only when :meth:`PagedLayout.admission_budget` covers :meth:`PagedLayout.request_pages`.
 - the pool holds at least one sequence of ``max_cache_len`` positions (else ``ValueError`` at
   construction, vLLM's rule): a lone active slot can always grow to the cache end once held slots
   are preempted and cached pages evicted.
@@ -46,9 +46,9 @@ replicated (:func:`paged_state_shardings`). Where the mesh splits the slots (``d
 contiguous cache splits them: :func:`jax_rl.models.paged_attention.pool_page_axes`, D shards of B / D
 slots), the pool's pages are split over the same axes: ``rollout.kv_pages // D`` pages a shard, numbered
 from 0 within it; a slot's table holds its shard's page ids, and the host allocator
-(:class:`rollout.page_shards.ShardedPagePool`) gives a slot only its shard's pages, so prefix pages and
+(:class:`rollout.engine.paged.shards.ShardedPagePool`) gives a slot only its shard's pages, so prefix pages and
 forks are shared only within a shard, and free pages, admission budgets and decode shortfalls are per
-shard (``kv_shards``, ``kv_shard_of``). Each shard's sub-pool must hold one ``max_cache_len`` sequence.
+shard (:attr:`PagedLayout.shards`, :meth:`PagedLayout.shard_of`). Each shard's sub-pool must hold one ``max_cache_len`` sequence.
 Then the write, the attention and the copies on write run per shard in ``shard_map``
 (``jax_rl.models.qwen3.paged``); with the slots not split, XLA partitions the gather path and the TPU
 kernel runs per head shard (:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`).
@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,23 +70,39 @@ import numpy as np
 
 from jax_rl.models.paged_attention import page_bucket, pages_for
 from jax_rl.sharding import axis_names
-from rollout.engine.prefill_plan import prefill_programs
-from rollout.engine.sampler import StepOutput
+from rollout.engine.layout import KVLayout, LayoutFacts
+from rollout.engine.paged.programs import PAGED_PROGRAMS, PagedStepPrograms, paged_pool_spec, paged_state_shardings
+from rollout.engine.paged.prefill_plan import prefill_programs
+from rollout.engine.programs import StepConfig
 from rollout.engine.slots import PrefillResult, SlotPrefill
-from rollout.page_shards import ShardedPagePool
-from rollout.pages import PoolExhausted
+from rollout.engine.spec import EngineSpec
+from rollout.engine.paged.shards import ShardedPagePool
+from rollout.engine.paged.pool import PoolExhausted
 
-__all__ = ["PagedSlots"]
+__all__ = ["PagedLayout"]
 
 
-class PagedSlots:
-    """Host side of the paged layout, mixed into :class:`Qwen3Engine` before :class:`SlotManager`
-    (module doc). Reads the engine's ``_jits``, ``_slots``, ``max_cache_len``, ``temperature``,
-    ``record_routes``, ``counts_moe_drops``, ``_in_mesh``."""
+class PagedLayout(KVLayout):
+    """The paged K/V layout (module doc): its host side over :class:`rollout.engine.paged.shards.ShardedPagePool`
+    and its programs (:class:`rollout.engine.paged.programs.PagedStepPrograms`).
 
-    def _init_pages(self, page_size: int, num_pages: int, pool_spec: Any = None) -> None:
-        """The host pool: ``num_pages // D`` pages for each of the D shards of slots ``pool_spec``'s page
-        axis names (:func:`paged_pool_spec`; None: one shard)."""
+    Raises:
+      ValueError: the pool (each shard's sub-pool) holds fewer than ``max_cache_len`` positions.
+    """
+
+    name = "paged"
+    table = PAGED_PROGRAMS
+    pooled = True
+    one_device_kernel = True
+    keeps_prefix_pages = True
+
+    def __init__(self, spec: EngineSpec, facts: LayoutFacts) -> None:
+        super().__init__(spec, facts)
+        page_size = int(spec.kv_page_size)
+        num_pages = int(spec.kv_pages) if spec.kv_pages else self._slots * pages_for(self.max_cache_len, page_size)
+        mc = facts.model_config
+        pool_spec = (paged_pool_spec(self._slots, facts.mesh, num_q_heads=mc.num_attention_heads,
+                                     num_kv_heads=mc.num_key_value_heads) if facts.mesh is not None else None)
         names = () if pool_spec is None else axis_names(pool_spec[0])
         shards = int(np.prod([self._mesh.shape[a] for a in names], dtype=np.int64))
         per = num_pages // shards
@@ -95,7 +111,8 @@ class PagedSlots:
             raise ValueError(f"rollout.kv_pages={num_pages} pages of {page_size} positions{split} hold {per * page_size} "
                              f"< rollout.max_cache_len={self.max_cache_len}: the K/V pool cannot hold one sequence "
                              f"(at least {pages_for(self.max_cache_len, page_size) * shards} pages)")
-        self.kv_pool = ShardedPagePool(shards, per, page_size, self._slots)
+        self.pool = ShardedPagePool(shards, per, page_size, self._slots)
+        """The host allocator: which slot holds which pages (:class:`rollout.engine.paged.shards.ShardedPagePool`)."""
         self._pool_spec = pool_spec
         self._max_pages = pages_for(self.max_cache_len, page_size)
         self._table = np.full((self._slots, self._max_pages), -1, np.int32)
@@ -111,28 +128,35 @@ class PagedSlots:
         self._epoch_leaf: Optional[weakref.ref] = None
         self._xla_pages = jax.default_backend() != "tpu"  # the XLA path gathers a static bucket
 
-    def _clear_pages(self) -> None:
+    def step_programs(self, cfg: StepConfig, model: Callable[[Any], Any], dequantized: Callable[[Any], Any]
+                      ) -> PagedStepPrograms:
+        return PagedStepPrograms(cfg, model, dequantized, page_size=self.pool.page_size,
+                                 num_pages=self.pool.num_pages, pool_spec=self._pool_spec)
+
+    state_shardings = staticmethod(paged_state_shardings)
+
+    def reset(self) -> None:
         """The host side of a fresh decode state (:meth:`Qwen3Engine.init_decode_state`): its device pool
         holds no K/V, so no slot holds pages, no page is held for a session and no prefix page can be hit."""
-        self.kv_pool.clear()
+        self.pool.clear()
         for slot in range(self._slots):
             self._set_row(slot, -1)
         self._plen[:], self._pactive[:] = 0, False
         self._held.clear()
         self._preempted.clear()
 
-    def kv_stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """The pool's counters (``kv_pages_in_use``, ``kv_prefix_page_hits``, ``kv_preemptions``, ...)."""
-        return self.kv_pool.stats()
+        return self.pool.stats()
 
     @property
-    def kv_shards(self) -> int:
+    def shards(self) -> int:
         """D, the shards of slots the pool is split into (1: one pool, any slot any page)."""
-        return self.kv_pool.num_shards
+        return self.pool.num_shards
 
-    def kv_shard_of(self, slot: int) -> int:
+    def shard_of(self, slot: int) -> int:
         """The shard whose pages ``slot`` holds (-1: shard 0)."""
-        return self.kv_pool.shard_of(slot)
+        return self.pool.shard_of(slot)
 
     def _check_epoch(self, params: Any) -> None:
         """New weights in a prefill (another params tree than the last one): a new page epoch, so pages
@@ -143,31 +167,31 @@ class PagedSlots:
         if self._epoch_leaf is None or self._epoch_leaf() is not leaf:
             if self._epoch_leaf is not None:
                 self._kv_epoch += 1
-                self.kv_pool.drop_versions_below(self._kv_epoch)
+                self.pool.drop_versions_below(self._kv_epoch)
             self._epoch_leaf = weakref.ref(leaf)
 
     # ---- pages -------------------------------------------------------------------------------
     def _retry(self, fn, slot: int):
         """``fn()``; while it finds ``slot``'s shard exhausted, preempt that shard's least recently
         released held slot first."""
-        d = self.kv_shard_of(slot)
+        d = self.shard_of(slot)
         while True:
             try:
                 return fn()
             except PoolExhausted:
-                victim = next((h for h in self._held if self.kv_shard_of(h) == d), None)
+                victim = next((h for h in self._held if self.shard_of(h) == d), None)
                 if victim is None:
                     raise
                 del self._held[victim]
-                self.kv_pool.preempt(victim)
+                self.pool.preempt(victim)
                 self._preempted.add(victim)
                 self._plen[victim] = 0
                 self._set_row(victim, -1)
 
     def _forget(self, slot: int, preempt: bool = False) -> None:
         """``slot`` holds no pages any more (``preempt``: counted in ``kv_preemptions``)."""
-        if slot in self.kv_pool.seqs:
-            (self.kv_pool.preempt if preempt else self.kv_pool.free)(slot)
+        if slot in self.pool.seqs:
+            (self.pool.preempt if preempt else self.pool.free)(slot)
         self._held.pop(slot, None)
         self._preempted.discard(slot)
         self._plen[slot], self._pactive[slot] = 0, False
@@ -175,58 +199,58 @@ class PagedSlots:
 
     # ---- what the generator asks before admitting and decoding (rollout.kv_pressure) ---------
     def _held_room(self, d: int) -> int:
-        return sum(self.kv_pool.sole_pages(h) for h in self._held if h in self.kv_pool.seqs and self.kv_shard_of(h) == d)
+        return sum(self.pool.sole_pages(h) for h in self._held if h in self.pool.seqs and self.shard_of(h) == d)
 
     def _decode_need(self, n: int, d: int) -> int:
         S, refs = self.max_cache_len, {}
         act = np.flatnonzero(self._pactive)
         need = np.minimum(self._plen[act] + n, S)
         slow = ~self._fits_room(act, need)  # a slot within its room needs nothing and touches no shared page
-        return sum(self.kv_pool.ensure_cost(s, m, refs)
-                   for s, m in zip(act[slow].tolist(), need[slow].tolist()) if self.kv_shard_of(s) == d)
+        return sum(self.pool.ensure_cost(s, m, refs)
+                   for s, m in zip(act[slow].tolist(), need[slow].tolist()) if self.shard_of(s) == d)
 
     def _per_shard(self, fn, shard: Optional[int]) -> int:
-        return fn(shard) if shard is not None else sum(fn(d) for d in range(self.kv_shards))
+        return fn(shard) if shard is not None else sum(fn(d) for d in range(self.shards))
 
-    def kv_decode_shortfall(self, n: int, shard: Optional[int] = None) -> int:
+    def decode_shortfall(self, n: int, shard: Optional[int] = None) -> int:
         """Pages the active slots of ``shard`` lack for ``n`` more positions each (copies on write
         included) beyond its free and cached pages and the pages its held slots alone hold (preempted by
         the next decode as it needs them); 0: the decode call fits there. None: summed over the shards
         (0: it fits everywhere)."""
-        return self._per_shard(lambda d: max(0, self._decode_need(int(n), d) - self.kv_pool.pages_available(d)
+        return self._per_shard(lambda d: max(0, self._decode_need(int(n), d) - self.pool.pages_available(d)
                                              - self._held_room(d)), shard)
 
-    def kv_admission_budget(self, n_decode: int, shard: Optional[int] = None) -> int:
+    def admission_budget(self, n_decode: int, shard: Optional[int] = None) -> int:
         """Pages admissions into ``shard``'s slots may take now: its free + cached pages + what its held
         slots alone hold, less what its active slots need for their next ``n_decode`` positions (so an
         admission does not force the next decode call to preempt). None: summed over the shards."""
-        return self._per_shard(lambda d: self.kv_pool.pages_available(d) + self._held_room(d)
+        return self._per_shard(lambda d: self.pool.pages_available(d) + self._held_room(d)
                                - self._decode_need(int(n_decode), d), shard)
 
-    def kv_request_pages(self, tokens: Sequence[int], slot: int, start: int, n_decode: int,
+    def request_pages(self, tokens: Sequence[int], slot: int, start: int, n_decode: int,
                          shared: bool = False) -> int:
         """Pages admitting row ``tokens`` (context ``tokens[:-1]`` + the pending last token) into ``slot``
-        at ``start`` and decoding ``n_decode`` tokens takes from :meth:`kv_admission_budget`: an append
+        at ``start`` and decoding ``n_decode`` tokens takes from :meth:`admission_budget`: an append
         on a held slot that still has its pages, its extension plus those pages (counted as room in the
         budget); ``shared`` (the same context as a row admitted before it in the same call: a fork of its
         pages), the copy of the last partial page and the growth; else the pages past any prefix hit. Pages of ``slot``'s shard (-1: a slot not chosen yet, shard 0's).
         """
-        ps, ctx = self.kv_pool.page_size, len(tokens) - 1
+        ps, ctx = self.pool.page_size, len(tokens) - 1
         end = min(ctx + int(n_decode), self.max_cache_len)
-        if start and slot in self.kv_pool.seqs and slot not in self._preempted:
-            own = self.kv_pool.sole_pages(slot) if slot in self._held else 0
-            return own + self.kv_pool.ensure_cost(slot, end)
+        if start and slot in self.pool.seqs and slot not in self._preempted:
+            own = self.pool.sole_pages(slot) if slot in self._held else 0
+            return own + self.pool.ensure_cost(slot, end)
         if shared:
-            return self.kv_pool.pages_for(end) - ctx // ps
-        hits = [] if self.record_routes else self.kv_pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch, slot)
-        return self.kv_pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.kv_pool.refs(slot, p) == 0)
+            return self.pool.pages_for(end) - ctx // ps
+        hits = [] if self.record_routes else self.pool.lookup([int(t) for t in tokens[:-1]], self._kv_epoch, slot)
+        return self.pool.pages_for(end) - len(hits) + sum(1 for p in hits if self.pool.refs(slot, p) == 0)
 
-    def release_pages(self, slots: Sequence[int]) -> None:
+    def release(self, slots: Sequence[int]) -> None:
         """Give back the pages of inactive ``slots`` no request will append to (the caller holds them for no
         session: a finished request's; its published full pages stay cached for prefix hits until evicted).
         Host bookkeeping only, not a preemption. An active slot is left alone."""
         for s_ in slots:
-            if int(s_) in self.kv_pool.seqs and not self._pactive[int(s_)]:
+            if int(s_) in self.pool.seqs and not self._pactive[int(s_)]:
                 self._forget(int(s_))
 
     def preempt_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
@@ -241,13 +265,13 @@ class PagedSlots:
             return self._synced_state(self._jits["free_slots"](state, jnp.asarray(mask)))
 
     def _release(self, slot: int) -> None:
-        if slot in self.kv_pool.seqs:
-            self.kv_pool.free(slot)
+        if slot in self.pool.seqs:
+            self.pool.free(slot)
         self._held.pop(slot, None)
         self._preempted.discard(slot)
 
     def _row(self, slot: int) -> None:
-        self._set_row(slot, self.kv_pool.table(slot, self._max_pages))
+        self._set_row(slot, self.pool.table(slot, self._max_pages))
 
     def _set_row(self, slot: int, row: Any) -> None:
         if not np.array_equal(self._table[slot], row):
@@ -271,7 +295,7 @@ class PagedSlots:
             if copies:
                 at = collections.Counter(d for d, _, _ in copies)
                 n = 1 << (max(at.values()) - 1).bit_length()
-                src, dst = np.full((2, self.kv_shards, n), -1, np.int32)
+                src, dst = np.full((2, self.shards, n), -1, np.int32)
                 for d, s_, t_ in reversed(copies):
                     at[d] -= 1
                     src[d, at[d]], dst[d, at[d]] = s_, t_
@@ -283,11 +307,9 @@ class PagedSlots:
     def append_prefill_shape(self, positions: int) -> tuple[int, int]:
         """``(rows, T)`` of the largest append-prefill program rows of ``positions`` new positions run: the
         contiguous layout's ``(slots, positions)``; paged, the chunk's bucket T and its row count
-        (:mod:`rollout.engine.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
-        if self.kv_layout != "paged":
-            return self._slots, int(positions)
+        (:mod:`rollout.engine.paged.prefill_plan`; ``slots`` rows on a pool split over shards of slots)."""
         first = prefill_programs([(0, 0, int(positions), 0)], chunk=self.prefill_chunk_size, slots=self._slots,
-                                 max_len=self.max_cache_len, rows_at_slots=self.kv_shards > 1)[0]  # the largest chunk
+                                 max_len=self.max_cache_len, rows_at_slots=self.shards > 1)[0]  # the largest chunk
         return first.rows, first.T
 
     def _bucket(self, positions: int) -> Optional[int]:
@@ -298,16 +320,14 @@ class PagedSlots:
         differed from a straight run's in the 8th digit), with powers of two it has not (docs/performance.md)."""
         if not self._xla_pages:
             return None
-        return page_bucket(pages_for(positions, self.kv_pool.page_size), self._max_pages)
+        return page_bucket(pages_for(positions, self.pool.page_size), self._max_pages)
 
-    # ---- the SlotManager / engine API --------------------------------------------------------
+    # ---- the engine's host operations --------------------------------------------------------
     def prefill_slots(self, params: Any, decode_state: dict, rows: Sequence[SlotPrefill]
                       ) -> tuple[dict, list[PrefillResult]]:
-        """:meth:`SlotManager.prefill_slots` on pages (module doc): fresh rows reference any prefix
+        """:meth:`ContiguousLayout.prefill_slots` on pages (module doc): fresh rows reference any prefix
         pages of the current weights and prefill the rest; a group's identical rows share one
         prefill and its pages; append rows extend their slot's pages (a preempted slot re-prefills)."""
-        if self.kv_layout != "paged":
-            return super().prefill_slots(params, decode_state, rows)
         rows = list(rows)
         self._check_rows(rows)
         self._check_epoch(params)
@@ -315,7 +335,7 @@ class PagedSlots:
         try:
             return self._prefill_paged(params, decode_state, rows, published)
         except BaseException as e:
-            self.kv_pool.retract(published)  # pages whose K/V this call may not have written
+            self.pool.retract(published)  # pages whose K/V this call may not have written
             if isinstance(e, PoolExhausted):  # take back what the rows got: the caller may queue them again
                 for r in rows:
                     self._forget(int(r.slot))
@@ -337,29 +357,29 @@ class PagedSlots:
         for i, r in enumerate(rows):
             slot, ctx = int(r.slot), [int(t) for t in r.tokens[:-1]]
             start = int(r.start)
-            if start and slot not in self._preempted and slot in self.kv_pool.seqs:
+            if start and slot not in self._preempted and slot in self.pool.seqs:
                 self._held.pop(slot, None)  # never the victim of its own allocation
-                copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)), slot)
+                copies += self._retry(lambda: self.pool.ensure(slot, len(ctx)), slot)
                 run.append((i, start, 0))
                 continue
-            key = (self.kv_shard_of(slot), tuple(ctx))
+            key = (self.shard_of(slot), tuple(ctx))
             self._release(slot)
             if not start and key in owners:
                 members.append((i, owners[key]))
                 continue
             owners.setdefault(key, i)
             # an engine recording MoE routes reports the routes of every prompt position: no prefix hits
-            hit = self._retry(lambda: self.kv_pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes), slot)
-            copies += self._retry(lambda: self.kv_pool.ensure(slot, len(ctx)), slot)
-            pages = [(key[0], p) for p in self.kv_pool.seqs[slot].pages]
-            n_hit = hit // self.kv_pool.page_size
+            hit = self._retry(lambda: self.pool.admit(slot, ctx, self._kv_epoch, lookup=not self.record_routes), slot)
+            copies += self._retry(lambda: self.pool.ensure(slot, len(ctx)), slot)
+            pages = [(key[0], p) for p in self.pool.seqs[slot].pages]
+            n_hit = hit // self.pool.page_size
             wave = 1 + max((wave_of.get(p, -1) for p in pages[:n_hit]), default=-1)
             wave_of.update((p, wave) for p in pages[n_hit:])
             run.append((i, hit, wave))
             if not start:
-                published += self.kv_pool.publish(slot, ctx)
+                published += self.pool.publish(slot, ctx)
         for i, o in members:
-            self.kv_pool.fork(int(rows[o].slot), int(rows[i].slot))
+            self.pool.fork(int(rows[o].slot), int(rows[i].slot))
             res[i]["shared"] = True
         for i, r in enumerate(rows):
             self._row(int(r.slot))
@@ -378,12 +398,12 @@ class PagedSlots:
                        for x in res]
 
     def _run_rows(self, params, state, rows, run, res) -> dict:
-        """The computed rows in chunked programs (:func:`rollout.engine.prefill_plan.prefill_programs`): the
+        """The computed rows in chunked programs (:func:`rollout.engine.paged.prefill_plan.prefill_programs`): the
         waves in order (a row reading pages another row of the call writes runs after it), a row's chunks
         in order, each chunk an append-prefill onto the pages its earlier chunks wrote."""
         plan = prefill_programs([(i, st, len(rows[i].tokens) - 1, wave) for i, st, wave in run],
                                 chunk=self.prefill_chunk_size, slots=self._slots, max_len=self.max_cache_len,
-                                page_key=self._bucket, rows_at_slots=self.kv_shards > 1)
+                                page_key=self._bucket, rows_at_slots=self.shards > 1)
         routes: dict[int, list] = {}
         for prog in plan:
             state = self._run_program(params, state, rows, prog, res, routes)
@@ -397,7 +417,7 @@ class PagedSlots:
         """One :class:`ChunkProgram`: its chunks' tokens at rows 0.. (at their slots' rows on a pool split over
         shards of slots, where the program writes and reads each shard's sub-pool); padding rows write nowhere."""
         B, nb, T = self._slots, prog.rows, prog.T
-        at = [(int(rows[c.row].slot) if self.kv_shards > 1 else j, c) for j, c in enumerate(prog.chunks)]
+        at = [(int(rows[c.row].slot) if self.shards > 1 else j, c) for j, c in enumerate(prog.chunks)]
         buf = np.zeros((nb, T), np.int32)
         starts, lens, pending = (np.zeros(nb, np.int32) for _ in range(3))
         slots = np.full(nb, B, np.int32)
@@ -421,17 +441,15 @@ class PagedSlots:
 
     def copy_slot(self, decode_state: dict, src: int, dst: int, *, token: int, seed: int,
                   temperature: Optional[float] = None) -> dict:
-        """:meth:`SlotManager.copy_slot` by reference: ``dst`` shares ``src``'s pages."""
-        if self.kv_layout != "paged":
-            return super().copy_slot(decode_state, src, dst, token=token, seed=seed, temperature=temperature)
+        """:meth:`ContiguousLayout.copy_slot` by reference: ``dst`` shares ``src``'s pages."""
         src, dst = int(src), int(dst)
         if not (0 <= src < self._slots and 0 <= dst < self._slots) or src == dst:
             raise ValueError(f"copy_slot: slots {src} -> {dst} (range [0, {self._slots}), distinct)")
-        if self.kv_shard_of(src) != self.kv_shard_of(dst):
+        if self.shard_of(src) != self.shard_of(dst):
             raise ValueError(f"copy_slot: slots {src} -> {dst} are in different shards of the paged pool "
-                             f"({self.kv_shards} shards of {self._slots // self.kv_shards} slots): no page crosses shards")
+                             f"({self.shards} shards of {self._slots // self.shards} slots): no page crosses shards")
         self._release(dst)
-        self.kv_pool.fork(src, dst)
+        self.pool.fork(src, dst)
         self._row(dst)
         self._plen[dst], self._pactive[dst] = self._plen[src], True
         state = self._push(decode_state, [])
@@ -452,14 +470,12 @@ class PagedSlots:
             return self._jits["copy_slot"](state, *map(jnp.asarray, (src, dst, pending, seeds, temps)))
 
     def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
-        """:meth:`SlotManager.free_slots`; the slots keep their pages (held) until reused or preempted."""
-        if self.kv_layout != "paged":
-            return super().free_slots(decode_state, slots)
+        """:meth:`KVLayout.free_slots`; the slots keep their pages (held) until reused or preempted."""
         for s_ in slots:
             if not 0 <= int(s_) < self._slots:
                 raise ValueError(f"slot {s_} out of range [0, {self._slots})")
             self._pactive[int(s_)] = False
-            if int(s_) in self.kv_pool.seqs:
+            if int(s_) in self.pool.seqs:
                 self._held[int(s_)] = None
                 self._held.move_to_end(int(s_))
         mask = np.zeros((self._slots,), bool)
@@ -472,13 +488,13 @@ class PagedSlots:
     def _fits_room(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
         """Which of ``slots`` reach ``need`` within their pages with no allocation or copy ([n] bool; all
         False when the pool changed since the rooms were taken)."""
-        if self._room_at != self.kv_pool.changes:
+        if self._room_at != self.pool.changes:
             return np.zeros(len(slots), bool)
         return need <= self._room[slots]
 
-    def _before_decode(self, state: dict, n: int) -> tuple[dict, Optional[int]]:
+    def before_decode(self, state: dict, n: int) -> tuple[dict, dict[str, Any]]:
         """Pages for ``n`` more positions of every active slot (copy on write of a shared page), the
-        table pushed where it changed; the XLA path's page bucket. A call in which every active slot stays
+        table pushed where it changed; the XLA path's page bucket (the decode programs' ``num_pages``). A call in which every active slot stays
         within its own pages (most calls: a page holds ``page_size`` steps) only moves the lengths."""
         S = self.max_cache_len
         act = np.flatnonzero(self._pactive)
@@ -486,29 +502,17 @@ class PagedSlots:
         copies: list[tuple[int, int]] = []
         if self._fits_room(act, need).all():
             for slot, m in zip(act.tolist(), need.tolist()):
-                self.kv_pool.grow(slot, m)
+                self.pool.grow(slot, m)
         else:
             for slot, m in zip(act.tolist(), need.tolist()):
-                copies += self._retry(lambda: self.kv_pool.ensure(slot, m), slot)
+                copies += self._retry(lambda: self.pool.ensure(slot, m), slot)
                 self._row(slot)
             self._room[:] = 0
-            self._room[act] = [self.kv_pool.room(slot) for slot in act.tolist()]  # after every slot's copies
-            self._room_at = self.kv_pool.changes
+            self._room[act] = [self.pool.room(slot) for slot in act.tolist()]  # after every slot's copies
+            self._room_at = self.pool.changes
         self._plen[act] = need
         self._pactive[act[need >= S]] = False
-        return self._push(state, copies), self._bucket(max(1, int(need.max(initial=1))))
+        return self._push(state, copies), {"num_pages": self._bucket(max(1, int(need.max(initial=1))))}
 
-    def decode(self, params: Any, decode_state: dict, *, version: int = 0) -> tuple[dict, StepOutput]:
-        state, npages = self._before_decode(decode_state, 1)
-        with self._in_mesh():
-            state, out = self._jits["generate"](params, state, jnp.int32(version), num_pages=npages)
-        return self._synced_state(state), out
-
-    def generate_steps(self, params: Any, decode_state: dict, n: int, *, version: int = 0) -> tuple[dict, StepOutput]:
-        n = int(n)
-        if n < 1:
-            raise ValueError(f"generate_steps needs n >= 1, got {n}")
-        state, npages = self._before_decode(decode_state, n)
-        with self._in_mesh():
-            state, out = self._jits["decode_steps"](params, state, n, jnp.int32(version), num_pages=npages)
-        return self._synced_state(state), out
+    def after_call(self, decode_state: dict) -> dict:
+        return self._synced_state(decode_state)

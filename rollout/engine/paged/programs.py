@@ -2,22 +2,22 @@
 does): :class:`PagedStepPrograms`, the step programs over a :class:`jax_rl.models.qwen3.paged.PagedKVCache`;
 :data:`PAGED_PROGRAMS`, their jit table; the pool's and the decode state's shardings on a mesh
 (:func:`paged_pool_spec`, :func:`paged_state_shardings`). The host side, which pages a slot holds, is
-:class:`rollout.engine.paged.PagedSlots`."""
+:class:`rollout.engine.paged.PagedLayout`."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_rl.models import qwen3 as _q
-from jax_rl.models.paged_attention import current_target_backend, pages_for, pool_head_spec, pool_page_axes
+from jax_rl.models.backend_target import current_target_backend
+from jax_rl.models.paged_attention import pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
                                        write_window)
 from rollout.engine.programs import ProgramDef, StepPrograms
-from jax_rl.models.bitwise import behav_logp
-from rollout.engine.sampler import StepOutput, sample_tokens
+from rollout.engine.sampler import StepOutput
 
 __all__ = ["PagedStepPrograms", "PAGED_PROGRAMS", "paged_state_shardings", "paged_pool_spec"]
 
@@ -62,50 +62,32 @@ class PagedStepPrograms(StepPrograms):
         sel, spread = self.rows_at(dst)
         return self.arm(state, cache, sel, spread(pending, 0), spread(seed, 0), spread(temperature, 1.0))
 
-    def generate(self, params: Any, state: dict, version: Any = 0, num_pages: Optional[int] = None
-                 ) -> tuple[dict, StepOutput]:
-        """:meth:`StepPrograms.generate` over the pages (``num_pages``: the XLA path's static bucket)."""
+    def model_step(self, model: Any, tokens: jax.Array, cache: Any, active: jax.Array,
+                   num_pages: Optional[int] = None) -> Any:
+        """:meth:`StepPrograms.model_step` over the pages (``num_pages``: the XLA path's static bucket;
+        only ``active`` slots write: :func:`jax_rl.models.qwen3.paged.paged_decode_step`)."""
         c = self.cfg
-        S = c.max_cache_len
-        model = self._model(params)
-        cache = state["cache"]
-        active = state["active"] & (cache.lengths < S)
-        lengths_in = jnp.minimum(cache.lengths, S - 1)
-        dec = paged_decode_step(model, state["tokens"], cache.replace(lengths=lengths_in), num_pages=num_pages,
-                                write=active, return_expert_ids=c.record_routes,
-                                return_moe_drops=c.counts_moe_drops, valid=active if c.decode_valid else None)
-        pos = lengths_in + 1
-        keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
-        tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
-                                       impl=c.sampler)
-        logp = behav_logp(model, dec.logits, tok, state["temperature"], logp)  # the bitwise mode: the learner's
-        generated = state["generated"] + active.astype(jnp.int32)
-        new_cache = dec.cache.replace(lengths=jnp.where(active, lengths_in + 1, cache.lengths))
-        new_state = {"cache": new_cache, "tokens": jnp.where(active, tok, state["tokens"]), "active": active,
-                     "keys": state["keys"], "temperature": state["temperature"], "generated": generated}
-        out = StepOutput(
-            token=tok, valid=active, generated=generated, behav_logp=logp,
-            version=jnp.where(active, jnp.asarray(version, jnp.int32), -1),
-            route=_q.stack_routes(dec.expert_ids).astype(jnp.int32) if c.record_routes else None,
-            moe_dropped=jnp.where(active, dec.moe_drops.per_row, 0).astype(jnp.int32) if c.counts_moe_drops else None)
-        return new_state, out
+        return paged_decode_step(model, tokens, cache, num_pages=num_pages, write=active,
+                                 return_expert_ids=c.record_routes, return_moe_drops=c.counts_moe_drops,
+                                 valid=active if c.decode_valid else None)
 
-    def generate_steps(self, params: Any, state: dict, n: int, version: Any = 0,
-                       num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
-        """:meth:`StepPrograms.generate_steps` over the pages. On XLA:CPU with a page bucket (and a pool not
+    def decode_steps(self, params: Any, state: dict, n: int, version: Any = 0,
+                     num_pages: Optional[int] = None) -> tuple[dict, StepOutput]:
+        """:meth:`StepPrograms.decode_steps` over the pages. On XLA:CPU with a page bucket (and a pool not
         split over pages) the call gathers each row's ``num_pages`` pages once into a contiguous window
-        (:func:`jax_rl.models.qwen3.paged.gather_window`), runs the contiguous layout's n steps on it
-        (:meth:`StepPrograms.generate`: the window is at most the contiguous cache's size) and writes the
-        call's new entries back through the table (``write_window``): the same values as n steps of
-        :meth:`generate`, whose per-step, per-layer page gathers cost more than the steps themselves on
+        (:func:`jax_rl.models.qwen3.paged.gather_window`), runs the decode step with the contiguous model
+        call on it (:meth:`StepPrograms.model_step`: the window is at most the contiguous cache's size) and
+        writes the call's new entries back through the table (``write_window``): the same values as n steps
+        of :meth:`decode`, whose per-step, per-layer page gathers cost more than the steps themselves on
         XLA:CPU at short contexts (``docs/performance.md``). Elsewhere (the TPU kernel, the GPU's XLA
-        path, whose memory the window would raise) n steps of :meth:`generate`."""
-        params = self._dequantized(params)
+        path, whose memory the window would raise) n steps of :meth:`decode`."""
         cache = state["cache"]
         if num_pages is None or cache.page_axes is not None or current_target_backend() != "cpu":
-            return jax.lax.scan(lambda st, _: self.generate(params, st, version, num_pages), state, None, length=n)
+            return super().decode_steps(params, state, n, version, num_pages=num_pages)
+        params = self._dequantized(params)
         window = {**state, "cache": gather_window(cache, num_pages)}
-        window, out = jax.lax.scan(lambda st, _: StepPrograms.generate(self, params, st, version), window, None,
+        contiguous = functools.partial(StepPrograms.model_step, self)
+        window, out = jax.lax.scan(lambda st, _: self.decode_with(contiguous, params, st, version), window, None,
                                    length=n)
         return {**window, "cache": write_window(cache, window["cache"], cache.lengths, n)}, out
 
@@ -139,16 +121,16 @@ PAGED_PROGRAMS: dict[str, ProgramDef] = {
     "copy_pages": ProgramDef("copy_pages", (0,), {}, "state"),
     "copy_slot": ProgramDef("copy_slot", (0,), {}, "state"),
     "free_slots": ProgramDef("deactivate", (0,), {}, "state"),
-    "generate": ProgramDef("generate", (1,), {"static_argnames": ("num_pages",)}),
-    "decode_steps": ProgramDef("generate_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
+    "decode": ProgramDef("decode", (1,), {"static_argnames": ("num_pages",)}),
+    "decode_steps": ProgramDef("decode_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
     "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
     "prefill": ProgramDef("prefill", (), {}, "prefix"),
     "insert": ProgramDef("unsupported", (), {}, None),
-    "generate_result": ProgramDef("unsupported", (), {}, None),
+    "decode_result": ProgramDef("unsupported", (), {}, None),
     "prefill_slots": ProgramDef("unsupported", (), {}, None),
 }
 """The paged engine's programs for :func:`rollout.engine.programs.build_programs` (the contiguous
-``prefill_slots`` / ``insert`` / ``generate_result`` have no paged form; ``prefill`` is the batch-1
+``prefill_slots`` / ``insert`` / ``decode_result`` have no paged form; ``prefill`` is the batch-1
 PrefixKV prefill, layout-free)."""
 
 
