@@ -68,3 +68,29 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
     print({k: m[k] for k in ("train_infer_retained", "loss")})
     assert m["train_infer_retained"] == 1.0
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
+def test_behav_route_takes_old_logp_from_behav_logp(devices):
+    """old_logits.route=behav under loss.correction=exact: pi_prox = log pi_v = behav_logp (no store, no scorer
+    forward); the step keeps every token. Refused without model.bitwise or under rollout.partial=continue."""
+    from jax_rl.learner.correction import check_config
+    from jax_rl.learner.learner import Learner
+    from jax_rl.sharding import make_mesh
+    from tests.learner._util import init_params, make_cfg
+
+    kw = dict(B=8, old_logits={"route": "behav"})
+    for bad in ({"model": {"bitwise": False}, "rollout": {"partial": "recompute_kv"}},
+                {"model": {"bitwise": True}, "rollout": {"partial": "continue"}}):
+        with pytest.raises(ValueError, match="old_logits.route=behav needs"):
+            check_config(make_cfg("exact", **kw, **bad))
+    cfg = make_cfg("exact", **kw, model={"scan_layers": False, "bitwise": True},
+                   rollout={"dtype": "float32", "partial": "recompute_kv"})
+    check_config(cfg)
+    lrn = Learner(cfg, mesh=make_mesh(1, 1, 1, 1, devices=jax.devices()[:1]), init_params=init_params(cfg))
+    try:
+        assert lrn.old_logits.store is None
+        b = _batch(_generate(lrn.model_config, lrn.get_params(host=True), bitwise=True))
+        m = lrn.train_step(b)
+    finally:
+        lrn.close()
+    assert m["train_infer_retained"] == 1.0 and np.isfinite(m["loss"]) and lrn.old_logit_forwards == 0
