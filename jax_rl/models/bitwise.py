@@ -28,9 +28,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_rl.models.backend_target import current_target_backend
+
 Array = jax.Array
 
-__all__ = ["ROW_TILE", "KEY_CHUNK", "CPU_COMPILER_OPTIONS", "compiler_options", "jit", "to_rows", "from_rows",
+__all__ = ["ROW_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS", "compiler_options", "jit", "to_rows", "from_rows",
            "chunked_attend", "token_logprobs_rows", "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
 
 ROW_TILE = 256
@@ -50,10 +52,20 @@ loop emitters it does not. Set per program (``jax.jit(compiler_options=...)``), 
 theirs."""
 
 
+BITWISE_ATTENTION = "bitwise"
+"""The ``Qwen3ForCausalLM(attention=...)`` kind that turns the mode on (``model_kwargs`` maps ``model.bitwise`` to it)."""
+
+
+def enabled(model_kwargs) -> bool:
+    """Whether ``Qwen3ForCausalLM`` keyword arguments (an engine's ``model_kwargs``) select the bitwise mode."""
+    return dict(model_kwargs or {}).get("attention") == BITWISE_ATTENTION
+
+
 def compiler_options(backend: str | None = None) -> dict:
-    """The mode's compiler options for ``backend`` (default: JAX's default backend): XLA:CPU's
-    :data:`CPU_COMPILER_OPTIONS`, none elsewhere."""
-    return dict(CPU_COMPILER_OPTIONS) if (backend or jax.default_backend()) == "cpu" else {}
+    """The mode's compiler options for ``backend`` (default: the backend being compiled for,
+    :func:`jax_rl.models.backend_target.current_target_backend`: a TPU topology's AOT compile gets none):
+    XLA:CPU's :data:`CPU_COMPILER_OPTIONS`, none elsewhere."""
+    return dict(CPU_COMPILER_OPTIONS) if (backend or current_target_backend()) == "cpu" else {}
 
 
 def jit(fn, **kw):
@@ -188,7 +200,7 @@ def _unrow_layers(a: Array | None, lead: tuple[int, int]) -> Array | None:
 
 
 def rows_trunk(trunk_body, x: Array, positions: Array, attend, layer_xs, forced_expert_ids,
-               output_hidden_states: bool, *, remat: bool, carry, valid: Array | None, row_drops: bool):
+               output_hidden_states: bool, **kw):
     """The decoder stack on the row tile: ``trunk_body`` (the model's ``_trunk_body``, same arguments) runs on
     x [B,T,D] flattened to [1, R, D] (R a multiple of :data:`ROW_TILE`), so every per-token op sees
     R rows; ``attend`` gets its q/k/v back as [B,T,...] (its keys, caches and pages are the caller's) and
@@ -207,11 +219,12 @@ def rows_trunk(trunk_body, x: Array, positions: Array, attend, layer_xs, forced_
             forced = [to_rows(jnp.broadcast_to(jnp.asarray(f), (B, T, jnp.shape(f)[-1])), 2) for f in forced]
         else:
             forced = jax.vmap(lambda f: to_rows(f, 2))(jnp.asarray(forced))
+    valid = kw.pop("valid", None)  # kw: the body's remat, carry, valid, row_drops
     vr = None if valid is None else to_rows(jnp.broadcast_to(jnp.asarray(valid, bool), lead), 2)
     t = trunk_body(to_rows(x, 2), to_rows(jnp.broadcast_to(positions, lead), 2), wrapped, layer_xs, forced,
-                   output_hidden_states, remat=remat, carry=carry, valid=vr, row_drops=row_drops)
+                   output_hidden_states, valid=vr, **kw)
     dropped = t.dropped
-    if dropped is not None and row_drops:
+    if dropped is not None and kw.get("row_drops"):
         dropped = _unrow_layers(dropped, lead)
     return t.replace(h=from_rows(t.h, lead), expert_ids=tuple(from_rows(i, lead) for i in t.expert_ids),
                      hidden_states=None if t.hidden_states is None else tuple(from_rows(h, lead)

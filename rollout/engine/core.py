@@ -189,7 +189,7 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
         self.tokenizer = tokenizer
         self._seed_counter = itertools.count(1)
         self._lock = threading.Lock()
-        self._bitwise = bool(spec.model_kw.get("bitwise", False))  # the bitwise mode's programs
+        self._bitwise = bitwise.enabled(spec.model_kw)  # the bitwise mode's programs
         self._init_moe(model_config, spec.record_routes, spec.model_kw)
         self._init_model(model_config, spec.model_kw, spec.kv_per_layer)
         self._init_placement(mesh, spec.quantize)

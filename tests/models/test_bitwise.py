@@ -47,7 +47,7 @@ _JIT = _programs()
 
 def _model(moe: bool, dtype, bitwise: bool = True) -> Qwen3ForCausalLM:
     cfg = get_preset("tiny_moe" if moe else "tiny_dense")
-    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, bitwise=bitwise)
+    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, attention="bitwise" if bitwise else "xla")
 
 
 def _seqs(V: int) -> list[np.ndarray]:

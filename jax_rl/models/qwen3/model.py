@@ -52,7 +52,7 @@ __all__ = [
 # Layer stacking (scan_layers), attention choice
 # --------------------------------------------------------------------------------------
 
-ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash", "cudnn")
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash", "cudnn", "bitwise")
 
 
 def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
@@ -85,7 +85,7 @@ def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
 
 
 def resolve_attention(kind: str) -> str:
-    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash``/``cudnn``
+    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash``/``cudnn``/``bitwise``
     unchanged (``cudnn`` is opt-in until measured on a GPU). Raises ValueError for other names."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
@@ -165,8 +165,8 @@ class Qwen3ForCausalLM(nnx.Module):
     TPU splash attention for full forwards and prefill; decode stays ``xla``), ``cudnn``
     (``jax.nn.dot_product_attention``'s cuDNN flash attention on a GPU, right padding only,
     full forwards and prefill: :func:`jax_rl.models.attention.cudnn_attend`) or ``auto``
-    (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at
-    construction, into ``self.attention``).
+    (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at construction, into
+    ``self.attention``); ``bitwise``: the bitwise mode, every path (``model.bitwise``, :mod:`jax_rl.models.bitwise`).
     """
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -174,10 +174,9 @@ class Qwen3ForCausalLM(nnx.Module):
                  scan_layers: bool = False, remat_policy: str | None = None,
                  attention: str = "xla", moe_capacity_factor: float | None = None,
                  moe_matmul: str = "ragged_dot", scan_unroll: int | bool | str = 1,
-                 moe_router_dtype: Any = "float32", moe_capacity_all_paths: bool = False, bitwise: bool = False):
+                 moe_router_dtype: Any = "float32", moe_capacity_all_paths: bool = False):
         cfg = config
         self.config = cfg
-        self.bitwise = bool(bitwise)
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         if remat_policy is None:
@@ -188,6 +187,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.remat_policy = remat_policy
         self.remat = remat_policy != "none"
         self.attention = resolve_attention(attention)
+        self.bitwise = self.attention == "bitwise"  # the bitwise mode (jax_rl.models.bitwise), chosen once here
         kinds = {cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)}
         self.scan_layers = bool(scan_layers) and len(kinds) == 1
         self.scan_unroll = resolve_scan_unroll(scan_unroll, cfg.num_hidden_layers)
@@ -597,4 +597,4 @@ def model_kwargs(model_cfg: Any) -> dict[str, Any]:
                 remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
                 scan_unroll=getattr(model_cfg, "scan_unroll", 1),
-                attention=getattr(model_cfg, "attention", "xla"), bitwise=bool(getattr(model_cfg, "bitwise", False)))
+                attention="bitwise" if getattr(model_cfg, "bitwise", False) else getattr(model_cfg, "attention", "xla"))
