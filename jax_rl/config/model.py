@@ -83,7 +83,7 @@ class ModelConfig(_Section):
     (``jax.nn.dot_product_attention``; bf16 compute; right-padded rows), ``auto`` = splash on a
     TPU backend, xla elsewhere. Decode steps always use ``xla``."""
     bitwise: bool = False
-    """The bitwise mode (issue 62): the rollout engine's decode, its re-score by prefill and the learner's forward
+    """The bitwise mode: the rollout engine's decode, its re-score by prefill and the learner's forward
     run batch-invariant pieces (every per-token op on a 256-row tile, attention over fixed 64-key chunks with an
     online softmax in position order, XLA:CPU's loop fusion emitters: ``jax_rl.models.bitwise``), so a token's
     log-prob has the same bits whatever rows share the call. Off: the fast path, its numbers unchanged."""

@@ -1,4 +1,4 @@
-"""Batch-invariant pieces of the bitwise mode (``model.bitwise: true``, issue 62): with them the rollout
+"""Batch-invariant pieces of the bitwise mode (``model.bitwise: true``): with them the rollout
 engine's decode, its re-score by prefill and the learner's forward compute every token's log-prob with the same
 bits, whatever other rows share the call.
 

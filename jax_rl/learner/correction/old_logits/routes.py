@@ -217,7 +217,7 @@ class Retire(_Retiring):
 
 @register_route("behav")
 class Behav(Route):
-    """log pi_v = the behaviour log-prob (issue 62): under ``model.bitwise`` the engine's log-prob of a token
+    """log pi_v = the behaviour log-prob: under ``model.bitwise`` the engine's log-prob of a token
     is, bit for bit, the learner's forward at the params that sampled it, so it *is* log pi_v, provided every
     K/V the token was decoded over was computed by that same version. ``rollout.partial=recompute_kv`` (or
     ``abort``) guarantees it: at each publish the in-flight slots are re-prefilled under the new params
