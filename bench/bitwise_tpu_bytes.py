@@ -37,7 +37,8 @@ def compile_one(cfg, topology: str, *, slots: int, cache: int, bitwise: bool) ->
     topo = tpu.get_topology(topology)
     mesh = Mesh(np.array(topo.devices)[:1], ("data",))
     spec = EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype="bfloat16",
-                      model_kwargs=dict(scan_layers=False, attention="bitwise" if bitwise else "xla"), kv_per_layer=False)
+                      model_kwargs=dict(scan_layers=False, attention="bitwise" if bitwise else "xla"),
+                      kv_per_layer=False)
     with target_backend("tpu"):
         engine = Qwen3Engine(cfg, None, spec)
 

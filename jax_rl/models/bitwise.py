@@ -14,7 +14,8 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   padded op back);
 - **attention over fixed key chunks** (:func:`chunked_attend`): keys at absolute positions in chunks of
   :data:`KEY_CHUNK`, an online softmax combined chunk after chunk in position order, each chunk's scores
-  and values computed for a query-row tile of 256 (the G query heads of a kv head, padded). A chunk past a
+  and values computed for a query-row tile of 64 (:data:`QUERY_TILE`: the G query heads of a kv head times the
+  tokens, padded). A chunk past a
   query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
@@ -32,13 +33,18 @@ from jax_rl.models.backend_target import current_target_backend
 
 Array = jax.Array
 
-__all__ = ["ROW_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS", "compiler_options", "jit", "to_rows", "from_rows",
-           "chunked_attend", "token_logprobs_rows", "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
+__all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
+           "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
+           "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
 
 ROW_TILE = 256
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it). 64 was not
 enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16 tokens (fp32,
 tiny_dense, 4.8e-7); at 256 (Tunix's token bucket too) the gate holds."""
+
+QUERY_TILE = 64
+"""Query rows (a kv head's G query heads times the call's tokens) per tile of :func:`chunked_attend`: 64 gives the
+gate's bits (16 did not: a decode row alone differed from the learner in 25 of 65 tokens, fp32 tiny_dense)."""
 
 KEY_CHUNK = 64
 """Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
@@ -53,7 +59,8 @@ theirs."""
 
 
 BITWISE_ATTENTION = "bitwise"
-"""The ``Qwen3ForCausalLM(attention=...)`` kind that turns the mode on (``model_kwargs`` maps ``model.bitwise`` to it)."""
+"""The ``Qwen3ForCausalLM(attention=...)`` kind that turns the mode on (``model_kwargs`` maps ``model.bitwise``
+to it)."""
 
 
 def enabled(model_kwargs) -> bool:
@@ -135,7 +142,7 @@ def _chunk_step(carry, xs, qh, qpos, scale, q_tile):
 
 
 def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | None = None,
-                   q_tile: int = ROW_TILE) -> Array:
+                   q_tile: int = QUERY_TILE) -> Array:
     """Causal GQA attention, batch-invariant: keys in fixed chunks of ``chunk`` absolute positions,
     an online softmax combined in position order, scores and values per query-row tile of ``q_tile``.
 

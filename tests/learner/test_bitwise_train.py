@@ -21,7 +21,8 @@ def _generate(model_config, params, bitwise: bool):
     """fp32 paged engine, all prompts admitted in one call (prompts 0 and 4 the same: their pages shared), one
     decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
     eng = Qwen3Engine(model_config, params, slots=len(PROMPTS), max_cache_len=32, max_prefill_length=16,
-                      dtype="float32", kv_layout="paged", kv_page_size=8, model_kwargs={"attention": "bitwise"} if bitwise else None)
+                      dtype="float32", kv_layout="paged", kv_page_size=8,
+                      model_kwargs={"attention": "bitwise"} if bitwise else None)
     st = eng.init_decode_state()
     st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(p, slot=i, seed=10 + i) for i, p in enumerate(PROMPTS)])
     st, o1 = eng.decode(eng.params, st)
