@@ -102,6 +102,13 @@ class ModelConfig(_Section):
     kernel, ``xla`` = einsum softmax (HF eager numerics), ``cudnn`` = cuDNN flash attention on a GPU
     (``jax.nn.dot_product_attention``; bf16 compute; right-padded rows), ``auto`` = splash on a
     TPU backend, xla elsewhere. Decode steps always use ``xla``."""
+    bitwise: bool = False
+    """Engine and learner log-probs equal bit for bit (batch-invariant pieces; slower).
+
+    The bitwise mode: the rollout engine's decode, its re-score by prefill and the learner's forward
+    run batch-invariant pieces (every per-token op on a 256-row tile, attention over fixed 64-key chunks with an
+    online softmax in position order, XLA:CPU's loop fusion emitters: ``jax_rl.models.bitwise``), so a token's
+    log-prob has the same bits whatever rows share the call. Off: the fast path, its numbers unchanged."""
 
 
 class _MeshAxes(_Section):

@@ -190,7 +190,7 @@ class SFTConfig(_Section):
 class OldLogitsConfig(_Section):
     """Exact old logits (pi_v at each token's behaviour version) for loss.correction=exact."""
 
-    route: Literal["snapshot", "dedicated", "interrupt", "retire"] = "snapshot"
+    route: Literal["snapshot", "dedicated", "interrupt", "retire", "behav"] = "snapshot"
     """How exact old logits are computed for loss.correction=exact.
 
     Exact old-logit route for loss.correction=exact: snapshot (the learner keeps the last K+1
@@ -200,7 +200,9 @@ class OldLogitsConfig(_Section):
     finished and partial, are scored; 1 extra param copy, a stall per publish) or retire (the
     same scoring in the background while the rollouts generate at the new version; 1-2 copies
     whatever K is). dedicated/interrupt/retire: the learner runs no old-logit forward;
-    runtime=embedded only."""
+    runtime=embedded only. behav: log pi_v is the behaviour log-prob itself (model.bitwise, where the engine's
+    log-prob is the learner's bit for bit; rollout.partial=recompute_kv|abort, so no token is decoded over K/V
+    an older version computed): no forward, no copy."""
     max_queued_groups: int = Field(4, ge=1)
     """Finished groups waiting for the scorer (backpressure).
 

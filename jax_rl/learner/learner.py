@@ -362,6 +362,9 @@ class Learner:
         """``batch`` validated (:func:`jax_rl.learner.batch.validate_batch`; loss tokens need a version >= 0 when the
         snapshot store scores them, :func:`jax_rl.learner.correction.plan_host_inputs`) and checked by the
         routing-replay policy (an r3 step never trains without the rollout's routes)."""
+        route = getattr(self.strategy, "route", None)
+        if route is not None and route.old_logp_is_behav:  # old_logits.route=behav: log pi_v is behav_logp
+            batch = {**batch, "old_logp": batch["behav_logp"]}
         plan = plan_host_inputs(self.strategy, given="old_logp" in batch, store=self.old_logits.store is not None)
         b = validate_batch(batch, max_seq_len=self.cfg.optim.max_seq_len, vocab_size=self.model_config.vocab_size,
                            row_divisor=self.minibatches * self.microbatches, current_version=current_version,

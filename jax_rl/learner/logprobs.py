@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.models.bitwise import token_logprobs_rows
 from jax_rl.models.qwen3.outputs import MoeDrops
 from jax_rl.sampling import check_truncation, kept_set, log_kept_mass, truncates
 
@@ -223,6 +224,9 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     V = model.config.vocab_size
 
     per_token = _per_token_fn(temperature, top_k, top_p, return_entropy)
+    if getattr(model, "bitwise", False) and not return_entropy and not truncates(top_k, top_p):
+        # the bitwise mode: the engine's behaviour log-prob's own function (jax_rl.models.bitwise)
+        per_token = lambda lg, tg: token_logprobs_rows(lg, tg, temperature)  # noqa: E731
 
     def fn(hc, tc):
         return per_token(model.lm_logits(hc), tc)

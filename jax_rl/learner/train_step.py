@@ -53,6 +53,7 @@ from jax_rl.config import Config, OptimConfig
 from jax_rl.learner.correction import Correction
 from jax_rl.learner.trees import tree_finite, tree_where
 from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.models import bitwise
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
@@ -398,6 +399,12 @@ def _route_chunk(graphdef, rest: Any, routing: RoutingReplay):
     return chunked(make_route_fn(graphdef, rest), with_routes=False)
 
 
+def _mode_options(cfg: Config) -> dict:
+    """``jax.jit`` kwargs of the learner's programs: the bitwise mode's compiler options (``model.bitwise``)."""
+    on = bool(getattr(cfg.model, "bitwise", False))
+    return {"compiler_options": bitwise.compiler_options()} if on and bitwise.compiler_options() else {}
+
+
 def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
                     state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None,
                     routing: RoutingReplay = RoutingReplay(), packed_metrics: bool = False):
@@ -473,7 +480,7 @@ def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, re
     rep = NamedSharding(mesh, P())
     metric_names: dict = {}
     fn = jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, rep),
-                 donate_argnums=(0,))
+                 donate_argnums=(0,), **_mode_options(cfg))
     return PackedStep(fn, metric_names) if packed_metrics else fn
 
 
@@ -532,7 +539,7 @@ def make_grads_fn(cfg: Config, graphdef, strategy: Correction, mesh, *, rest: An
 
     rep = NamedSharding(mesh, P())
     return jax.jit(fn, in_shardings=(param_shardings, None, rep, batch_sharding),
-                   out_shardings=(rep, param_shardings, rep))
+                   out_shardings=(rep, param_shardings, rep), **_mode_options(cfg))
 
 
 def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any, with_routes: bool = False):
@@ -541,5 +548,5 @@ def make_logprob_step(cfg: Config, graphdef, *, rest: Any, param_shardings: Any,
     those expert ids forced (``moe.routing_replay=r3``)."""
     chunk = chunked(_logp_only(_rl_logprob_fn(cfg, graphdef, rest)))
     if with_routes:
-        return jax.jit(chunk, in_shardings=(param_shardings, None, None, None))
-    return jax.jit(lambda p, t, a: chunk(p, t, a), in_shardings=(param_shardings, None, None))
+        return jax.jit(chunk, in_shardings=(param_shardings, None, None, None), **_mode_options(cfg))
+    return jax.jit(lambda p, t, a: chunk(p, t, a), in_shardings=(param_shardings, None, None), **_mode_options(cfg))

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_rl.models.backend_target import current_target_backend
+from jax_rl.models.bitwise import chunked_attend
 from jax_rl.models.kv_storage import from_storage, to_storage
 from jax_rl.models.kv_storage import storage_dtype as pool_storage_dtype
 from jax_rl.models.xla_attention import attend, attend_cached_t
@@ -262,7 +263,13 @@ def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: 
                           num_pages: int | None = None, *, backend: str | None = None, kv_dtype=None) -> Array:
     """:func:`paged_attention` on the arrays as they are, never a ``shard_map`` of its own: the body of a
     caller's ``shard_map`` (one shard of slots and its sub-pool: ``jax_rl.models.qwen3.paged``). Same
-    arguments and result."""
+    arguments and result. ``backend="bitwise"``: the pages gathered as on the XLA path, then the bitwise
+    mode's :func:`jax_rl.models.bitwise.chunked_attend` (any page bucket, the same bits)."""
+    if backend == "bitwise":
+        n = page_table.shape[1] if num_pages is None else int(num_pages)
+        dt = q.dtype if kv_dtype is None and kv_pages.dtype == jnp.uint16 else kv_dtype
+        k, v = gather_contiguous(kv_pages, page_table, n, dt)
+        return chunked_attend(q, k, v, starts[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None])
     if (backend or current_target_backend()) == "tpu":
         return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
     return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)

@@ -82,6 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_rl.models import bitwise
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import state_shardings
 from rollout.engine.jetstream import JetStreamAdapter
@@ -188,6 +189,7 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
         self.tokenizer = tokenizer
         self._seed_counter = itertools.count(1)
         self._lock = threading.Lock()
+        self._bitwise = bitwise.enabled(spec.model_kw)  # the bitwise mode's programs
         self._init_moe(model_config, spec.record_routes, spec.model_kw)
         self._init_model(model_config, spec.model_kw, spec.kv_per_layer)
         self._init_placement(mesh, spec.quantize)
@@ -271,7 +273,8 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
         if self._sharded:
             self.state_shardings, outs = program_shardings(steps, self._mesh, self._abstract_params, self.config,
                                                            self._sharding, self.kv.state_shardings)
-        self._jits = build_programs(steps, outs, self.kv.table)
+        self._jits = build_programs(steps, outs, self.kv.table,
+                                    bitwise.compiler_options() if self._bitwise else None)
         self.kv.bind(self._jits)
 
     # ------------------------------------------------------------------ model plumbing

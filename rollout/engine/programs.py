@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jax_rl.models import qwen3 as _q
 from jax_rl.sharding import logical_to_pspec
+from jax_rl.models.bitwise import behav_logp
 from rollout.engine.sampler import StepOutput, pack_result, sample_tokens
 
 __all__ = ["StepConfig", "StepPrograms", "PrefixKV", "PrefillRows", "ProgramDef", "PROGRAMS", "build_programs",
@@ -219,6 +220,7 @@ class StepPrograms:
         keys = jax.vmap(jax.random.fold_in)(state["keys"], pos.astype(jnp.uint32))
         tok, logp, _kept = sample_tokens(dec.logits, keys, state["temperature"], top_k=c.top_k, top_p=c.top_p,
                                          impl=c.sampler)
+        logp = behav_logp(model, dec.logits, tok, state["temperature"], logp)  # the bitwise mode: the learner's
         generated = state["generated"] + active.astype(jnp.int32)
         new_cache = replace_cache(dec.cache, lengths=jnp.where(active, lengths_in + 1, cache.lengths))
         new_state = {
@@ -375,12 +377,15 @@ signatures are documented there)."""
 
 
 def build_programs(steps: StepPrograms, outs: Optional[dict[str, Any]] = None,
-                   table: Optional[dict[str, ProgramDef]] = None) -> dict[str, Any]:
+                   table: Optional[dict[str, ProgramDef]] = None, compiler_options: Optional[dict] = None
+                   ) -> dict[str, Any]:
     """``jax.jit`` of every row of ``table`` (default :data:`PROGRAMS`; the paged layout's:
     :data:`rollout.engine.paged.programs.PAGED_PROGRAMS`) over ``steps``. ``outs``: the out_shardings of each
     ``out`` kind (a sharded engine, :func:`program_shardings`); None: no out_shardings (the colocated
-    single-device engine, whose programs are as they always were)."""
+    single-device engine, whose programs are as they always were). ``compiler_options``: XLA options of every
+    program (the bitwise mode's, :func:`jax_rl.models.bitwise.compiler_options`; None: the defaults)."""
     return {name: jax.jit(getattr(steps, d.method), donate_argnums=d.donate, **(d.static or {}),
+                          **({"compiler_options": compiler_options} if compiler_options else {}),
                           **({} if outs is None or d.out is None else {"out_shardings": outs[d.out]}))
             for name, d in (PROGRAMS if table is None else table).items()}
 

@@ -4,6 +4,7 @@ replay route helpers, :func:`count_params` and :func:`model_kwargs`."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.models.attention import cudnn_attend, splash_attend
+from jax_rl.models.bitwise import chunked_attend, from_rows, rows_trunk, to_rows
 from jax_rl.models.kv_storage import storage_dtype
 from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
 from jax_rl.models.qwen3.config import Qwen3Config
@@ -50,7 +52,7 @@ __all__ = [
 # Layer stacking (scan_layers), attention choice
 # --------------------------------------------------------------------------------------
 
-ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash", "cudnn")
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "splash", "cudnn", "bitwise")
 
 
 def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
@@ -83,7 +85,7 @@ def resolve_scan_unroll(unroll: int | bool | str, num_layers: int) -> int:
 
 
 def resolve_attention(kind: str) -> str:
-    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash``/``cudnn``
+    """``auto`` -> ``splash`` on a TPU backend, else ``xla``; ``xla``/``splash``/``cudnn``/``bitwise``
     unchanged (``cudnn`` is opt-in until measured on a GPU). Raises ValueError for other names."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
@@ -163,8 +165,8 @@ class Qwen3ForCausalLM(nnx.Module):
     TPU splash attention for full forwards and prefill; decode stays ``xla``), ``cudnn``
     (``jax.nn.dot_product_attention``'s cuDNN flash attention on a GPU, right padding only,
     full forwards and prefill: :func:`jax_rl.models.attention.cudnn_attend`) or ``auto``
-    (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at
-    construction, into ``self.attention``).
+    (``splash`` when ``jax.default_backend() == "tpu"``, else ``xla``; resolved here, at construction, into
+    ``self.attention``); ``bitwise``: the bitwise mode, every path (``model.bitwise``, :mod:`jax_rl.models.bitwise`).
     """
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -185,6 +187,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.remat_policy = remat_policy
         self.remat = remat_policy != "none"
         self.attention = resolve_attention(attention)
+        self.bitwise = self.attention == "bitwise"  # the bitwise mode (jax_rl.models.bitwise), chosen once here
         kinds = {cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)}
         self.scan_layers = bool(scan_layers) and len(kinds) == 1
         self.scan_unroll = resolve_scan_unroll(scan_unroll, cfg.num_hidden_layers)
@@ -216,6 +219,11 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def lm_logits(self, h: Array) -> Array:
         """Final-normed hidden h [B,T,D] -> logits [B,T,V] float32 (tied: ``h @ embed.T``)."""
+        if self.bitwise:  # on the row tile (jax_rl.models.bitwise)
+            return from_rows(self._lm_logits(to_rows(h, 2)), h.shape[:2])
+        return self._lm_logits(h)
+
+    def _lm_logits(self, h: Array) -> Array:
         h = h.astype(self.dtype)
         if self.lm_head is None:
             return jnp.einsum("btd,vd->btv", h, self.embed_tokens[...].astype(self.dtype),
@@ -242,6 +250,12 @@ class Qwen3ForCausalLM(nnx.Module):
         ``dropped`` holds the MoE layers' capacity drops per layer, int32 [n_moe], or with
         ``row_drops`` per layer and token, [n_moe,B,T] (:func:`count_moe_drops` sums them).
         """
+        body = functools.partial(rows_trunk, self._trunk_body) if self.bitwise else self._trunk_body  # the row tile
+        return body(x, positions, attend, layer_xs, forced_expert_ids, output_hidden_states, remat=remat,
+                    carry=carry, valid=valid, row_drops=row_drops)
+
+    def _trunk_body(self, x, positions, attend, layer_xs, forced_expert_ids, output_hidden_states, *,
+                    remat: bool, carry: Any, valid: Array | None, row_drops: bool) -> TrunkOutput:
         per_token = row_drops
         policy = remat_policy_fn(self.remat_policy) if remat else None
         with_carry = carry is not None
@@ -366,7 +380,9 @@ class Qwen3ForCausalLM(nnx.Module):
     def _causal_core(self, valid: Array | None, B: int, T: int, mask: Array) -> AttendFn:
         """The full-sequence causal attention core for ``self.attention``: splash (Pallas TPU
         kernel, segment ids from ``valid`` [B,T]), cudnn (key lengths from ``valid``: right
-        padding) or the XLA path (``mask`` [B,T,T])."""
+        padding) or the XLA path (``mask`` [B,T,T]); in the bitwise mode the chunked core."""
+        if self.bitwise:
+            return lambda q, k, v: chunked_attend(q, k, v, self._default_positions(B, T))
         if self.attention == "splash":
             seg = (jnp.ones((B, T), jnp.int32) if valid is None
                    else jnp.asarray(valid, bool).astype(jnp.int32))
@@ -487,6 +503,8 @@ class Qwen3ForCausalLM(nnx.Module):
         def layer_attend(q, k, v, xs):
             ck, cv = merge(k, xs[0]), merge(v, xs[1])
             kv = (cache.load(c).swapaxes(1, 2).astype(q.dtype) for c in (ck, cv))
+            if self.bitwise:
+                return chunked_attend(q, *kv, positions), (ck, cv)
             return attend(q, *kv, mask), (ck, cv)
 
         t = self._trunk(self.embed(input_ids), positions, layer_attend, (cache.k, cache.v), valid=valid,
@@ -535,6 +553,9 @@ class Qwen3ForCausalLM(nnx.Module):
 
         def layer_attend(q, k, v, i, kv):  # kv: the cache's (k, v) buffers, the layer carry
             kv, ki, vi = cache.write_decode(kv, i, k[:, 0], v[:, 0], idx)
+            if self.bitwise:  # ki [B,K,S,H] or (per layer) [B,K,H,S]
+                return chunked_attend(q, ki.transpose(0, 3, 1, 2) if cache.is_per_layer else ki.swapaxes(1, 2),
+                                      vi.swapaxes(1, 2), positions), None, kv
             return core(q, ki.astype(q.dtype), vi.astype(q.dtype), mask), None, kv
 
         forced = None
@@ -576,4 +597,4 @@ def model_kwargs(model_cfg: Any) -> dict[str, Any]:
                 remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
                 scan_unroll=getattr(model_cfg, "scan_unroll", 1),
-                attention=getattr(model_cfg, "attention", "xla"))
+                attention="bitwise" if getattr(model_cfg, "bitwise", False) else getattr(model_cfg, "attention", "xla"))

@@ -198,6 +198,7 @@ def paged_decode_step(model, tokens: Array, cache: PagedKVCache, *, num_pages: i
     [B,V] f32, ``cache`` a :class:`PagedKVCache`; ``expert_ids`` / ``moe_drops`` as decode_step).
     """
     tokens = jnp.asarray(tokens)
+    backend = "bitwise" if model.bitwise else backend
     B = tokens.shape[0]
     pos = cache.lengths.astype(jnp.int32)
     write_ok = jnp.ones((B, 1), bool) if write is None else jnp.asarray(write, bool)[:, None]
@@ -233,6 +234,7 @@ def paged_extend(model, input_ids: Array, starts: Array, lengths: Array, cache: 
     input_ids = jnp.asarray(input_ids)
     B, T = input_ids.shape
     starts = jnp.asarray(starts, jnp.int32)
+    backend = "bitwise" if model.bitwise else backend
     lengths = jnp.asarray(lengths, jnp.int32)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     valid = jnp.arange(T)[None, :] < lengths[:, None]

@@ -78,6 +78,8 @@ class Route:
     """The ``runtime.kind`` values the route runs under (None: all)."""
     reads_scorer_devices: ClassVar[bool] = False
     """The route's scorer may run on ``placement.scorer``'s own devices."""
+    old_logp_is_behav: ClassVar[bool] = False
+    """The learner takes ``old_logp`` = ``behav_logp`` (the bitwise mode's route): no store, no scorer."""
 
     def __init__(self, cfg: "Config"):
         self.cfg = cfg
@@ -211,3 +213,30 @@ class Retire(_Retiring):
     extra_forwards = ("0 in the learner (a background thread scores the outgoing version's tokens, finished "
                       "and partial, while the fleet generates at the new one)")
     extra_param_copies = "1 or 2 whatever K is (the fleet's version and one retiring)"
+
+
+@register_route("behav")
+class Behav(Route):
+    """log pi_v = the behaviour log-prob: under ``model.bitwise`` the engine's log-prob of a token
+    is, bit for bit, the learner's forward at the params that sampled it, so it *is* log pi_v, provided every
+    K/V the token was decoded over was computed by that same version. ``rollout.partial=recompute_kv`` (or
+    ``abort``) guarantees it: at each publish the in-flight slots are re-prefilled under the new params
+    (``recomputes`` in the step rows: the route's cost, one prefill of prompt + generated-so-far per in-flight
+    slot per publish) and held multi-turn K/V are dropped (``kv_dropped_swap``), so no token is ever decoded
+    over an older version's K/V and none needs marking. ``continue`` is refused."""
+
+    extra_forwards = ("0 (behav_logp is log pi_v under model.bitwise; rollout.partial=recompute_kv re-prefills the "
+                      "in-flight slots at each publish)")
+    extra_param_copies = "0"
+    old_logp_is_behav = True
+
+    @classmethod
+    def check(cls, cfg: "Config", *, exact: bool) -> None:
+        super().check(cfg, exact=exact)
+        if not getattr(cfg.model, "bitwise", False):
+            raise ValueError("old_logits.route=behav needs model.bitwise=true (else the behaviour log-prob is not "
+                             "the learner's log pi_v): set model.bitwise=true or old_logits.route=snapshot")
+        if cfg.rollout.partial not in ("recompute_kv", "abort"):
+            raise ValueError(f"old_logits.route=behav needs rollout.partial=recompute_kv|abort, not "
+                             f"{cfg.rollout.partial!r} (a token decoded over K/V an older version computed is pi "
+                             "of no single version)")

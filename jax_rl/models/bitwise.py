@@ -1,0 +1,250 @@
+"""Batch-invariant pieces of the bitwise mode (``model.bitwise: true``): with them the rollout
+engine's decode, its re-score by prefill and the learner's forward compute every token's log-prob with the same
+bits, whatever other rows share the call.
+
+What varies on XLA:CPU with the rows that share a call (``bench/bitwise_pieces.py``, jax 0.10.2): a matmul's
+rows below 64 (a 1-row call takes the GEMV path; 2-32 rows of a 64 x 640 product differ too), a row
+reduction's (the mean of RMSNorm, a log-softmax over the vocab) below 64 rows, and the attention's key
+reduction (the bucket of keys a call gathers, 1 query against T). What holds: every tested per-row piece
+gives the same bits for a row whatever its position among >= 64 rows. So the mode has two pieces:
+
+- **one row tile** (:data:`ROW_TILE` = 256): every per-token op (projections, norms, RoPE, MLP / MoE, LM
+  head, log-softmax) runs on the call's tokens flattened and padded to a multiple of 256 rows
+  (:func:`to_rows` / :func:`from_rows`, materialised at each end (:func:`materialize`) so XLA cannot narrow the
+  padded op back);
+- **attention over fixed key chunks** (:func:`chunked_attend`): keys at absolute positions in chunks of
+  :data:`KEY_CHUNK`, an online softmax combined chunk after chunk in position order, each chunk's scores
+  and values computed for a query-row tile of 64 (:data:`QUERY_TILE`: the G query heads of a kv head times the
+  tokens, padded). A chunk past a
+  query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
+  (prefill, the learner), any key bucket, any page layout give the same bits.
+
+The engine and the learner call the same code (the model, :func:`token_logprobs_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_rl.models.backend_target import current_target_backend
+
+Array = jax.Array
+
+__all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
+           "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
+           "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
+
+ROW_TILE = 256
+"""Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it). 64 was not
+enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16 tokens (fp32,
+tiny_dense, 4.8e-7); at 256 (Tunix's token bucket too) the gate holds."""
+
+QUERY_TILE = 64
+"""Query rows (a kv head's G query heads times the call's tokens) per tile of :func:`chunked_attend`: 64 gives the
+gate's bits (16 did not: a decode row alone differed from the learner in 25 of 65 tokens, fp32 tiny_dense)."""
+
+KEY_CHUNK = 64
+"""Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
+
+
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+"""XLA:CPU options of every program of the mode. Measured (jax 0.10.2): with the default fusion emitters an
+elementwise fusion (RoPE's ``x*cos + rot*sin`` after the q/k norm) gives other bits when a consumer's slice is
+fused into it (the learner's padded rows: 65-68 of 6912 elements of one layer's keys differ); with the older
+loop emitters it does not. Set per program (``jax.jit(compiler_options=...)``), so the fast mode's programs keep
+theirs."""
+
+
+BITWISE_ATTENTION = "bitwise"
+"""The ``Qwen3ForCausalLM(attention=...)`` kind that turns the mode on (``model_kwargs`` maps ``model.bitwise``
+to it)."""
+
+
+def enabled(model_kwargs) -> bool:
+    """Whether ``Qwen3ForCausalLM`` keyword arguments (an engine's ``model_kwargs``) select the bitwise mode."""
+    return dict(model_kwargs or {}).get("attention") == BITWISE_ATTENTION
+
+
+def compiler_options(backend: str | None = None) -> dict:
+    """The mode's compiler options for ``backend`` (default: the backend being compiled for,
+    :func:`jax_rl.models.backend_target.current_target_backend`: a TPU topology's AOT compile gets none):
+    XLA:CPU's :data:`CPU_COMPILER_OPTIONS`, none elsewhere."""
+    return dict(CPU_COMPILER_OPTIONS) if (backend or current_target_backend()) == "cpu" else {}
+
+
+def jit(fn, **kw):
+    """``jax.jit`` with the mode's :func:`compiler_options` (what the engine's and the learner's programs use
+    in the mode)."""
+    return jax.jit(fn, compiler_options=compiler_options(), **kw)
+
+
+def materialize(x):
+    """``x`` (an array or a pytree of them) unchanged, computed whole before any consumer reads it: the value
+    passes through a ``lax.cond`` on a runtime predicate, so XLA cannot fuse a consumer (the slice that drops
+    the padding rows, a transpose) into its producer's loop, whose code then depends on the consumer's shape
+    (XLA:CPU removes ``optimization_barrier`` before fusion). The predicate is "the first element is not NaN";
+    when it is NaN the other branch fills every floating leaf with NaN: the call's output is non-finite as a
+    whole (the engine and the learner count and mask non-finite log-probs), never a silently changed value."""
+    leaves = jax.tree.leaves(x)
+    first = next((a for a in leaves if jnp.issubdtype(a.dtype, jnp.floating)), None)
+    if first is None:
+        return x
+    pred = ~jnp.isnan(first.reshape(-1)[0])
+
+    def poisoned(t):
+        return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
+
+    return jax.lax.cond(pred, lambda t: t, poisoned, x)
+
+
+def row_tile_of(n: int, tile: int = ROW_TILE) -> int:
+    """``n`` rounded up to a multiple of ``tile`` (at least one tile)."""
+    return max(1, -(-int(n) // tile)) * tile
+
+
+def to_rows(x: Array, lead: int, tile: int = ROW_TILE) -> Array:
+    """x [*lead_dims, ...] (``lead`` leading dims, e.g. 2 for [B, T, ...]) -> [1, R, ...]: the lead dims
+    flattened and padded with zeros to R, a multiple of ``tile``; materialised (:func:`materialize`).
+    (Padding each row's T instead, so a batch split over devices keeps whole tiles per device, was measured
+    worse: the engine's re-score and decode then differed from the learner in 17 of 80 tokens.)"""
+    ls = x.shape[:lead]
+    n = math.prod(ls)
+    flat = x.reshape(n, *x.shape[lead:])
+    rest = ((0, 0),) * (flat.ndim - 1)
+    return materialize(jnp.pad(flat, ((0, row_tile_of(n, tile) - n),) + rest)[None])
+
+
+def from_rows(y: Array, lead_shape: tuple[int, ...]) -> Array:
+    """Inverse of :func:`to_rows`: [1, R, ...] -> [*lead_shape, ...] (the padding rows dropped)."""
+    n = math.prod(lead_shape)
+    return materialize(y)[0, :n].reshape(*lead_shape, *y.shape[2:])
+
+
+def _chunk_step(carry, xs, qh, qpos, scale, q_tile):
+    m, l, o = carry
+    kc, vc, kpos = xs  # [B,K,C,H] x2, [C]
+    s = jnp.einsum("bkmh,bkch->bkmc", qh, kc, preferred_element_type=jnp.float32) * scale
+    ok = kpos[None, None, :] <= qpos[:, :, None]  # [B,M,C]
+    s = jnp.where(ok[:, None], s, -jnp.inf)
+    any_ok = jnp.any(ok, axis=-1)[:, None]  # [B,1,M]
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(any_ok, m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[..., None])
+    l_new = l * alpha + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkmc,bkch->bkmh", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+    o_new = o * alpha[..., None] + pv
+    # a chunk with no key a row may see leaves that row as it was (bit for bit)
+    return (jnp.where(any_ok, m_new, m), jnp.where(any_ok, l_new, l),
+            jnp.where(any_ok[..., None], o_new, o)), None
+
+
+def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | None = None,
+                   q_tile: int = QUERY_TILE) -> Array:
+    """Causal GQA attention, batch-invariant: keys in fixed chunks of ``chunk`` absolute positions,
+    an online softmax combined in position order, scores and values per query-row tile of ``q_tile``.
+
+    q [B,T,N,H]; k/v [B,S,K,H] with key s at absolute position s (a contiguous cache row, a gathered
+    page window, or the learner's own T keys); q_pos [B,T] int: each query's position (it sees keys
+    ``s <= q_pos``; a negative position sees none and gives zeros). Returns [B,T,N,H] in q.dtype. Scores are
+    ``q.k * H**-0.5`` in fp32, the softmax fp32, values accumulated in fp32. Raises ValueError for
+    N % K != 0.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"num heads {N} is not a multiple of kv heads {K}")
+    G = N // K
+    chunk = KEY_CHUNK if chunk is None else int(chunk)  # read at trace time (the gate's perturbed control)
+    nc = max(1, -(-S // chunk))
+    if nc * chunk != S:
+        pad = ((0, 0), (0, nc * chunk - S), (0, 0), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    M = T * G
+    Mp = row_tile_of(M, q_tile)
+    qh = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # rows (t, g)
+    qpos = jnp.repeat(jnp.asarray(q_pos, jnp.int32), G, axis=1)  # [B, M]
+    if Mp != M:
+        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
+        qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
+    kc = k.astype(q.dtype).reshape(B, nc, chunk, K, H).transpose(1, 0, 3, 2, 4)  # [nc,B,K,C,H]
+    vc = v.astype(q.dtype).reshape(B, nc, chunk, K, H).transpose(1, 0, 3, 2, 4)
+    kpos = jnp.arange(nc * chunk, dtype=jnp.int32).reshape(nc, chunk)
+    # materialised operands: what XLA fuses into the dots' operands must not depend on the caller's graph
+    qh, kc, vc = materialize((qh, kc, vc))
+    init = (jnp.full((B, K, Mp), -jnp.inf, jnp.float32), jnp.zeros((B, K, Mp), jnp.float32),
+            jnp.zeros((B, K, Mp, H), jnp.float32))
+
+    def step(c, xs):
+        return _chunk_step(c, xs, qh, qpos, H ** -0.5, q_tile)
+
+    (_, l, o), _ = jax.lax.scan(step, init, (kc, vc, kpos))
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    o = materialize(o)[:, :, :M].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+    return o.astype(q.dtype)
+
+
+def token_logprobs_rows(logits: Array, targets: Array, temperature=1.0) -> Array:
+    """``log_softmax(logits / temperature)[targets]`` on the row tile: logits [..., V] (any float dtype),
+    targets [...] int -> [...] float32, every row computed among a multiple of :data:`ROW_TILE` rows (the
+    engine's behaviour log-prob and the learner's log-prob in the mode are this function)."""
+    lead = logits.shape[:-1]
+    lr = to_rows(logits.astype(jnp.float32), len(lead))
+    tr = to_rows(jnp.asarray(targets, jnp.int32), len(lead))
+    t = jnp.asarray(temperature, jnp.float32)
+    if t.ndim:  # per-row temperatures; the padding rows get 1 (no division by zero)
+        t = to_rows(jnp.broadcast_to(t, lead) - 1.0, len(lead)) + 1.0
+    lg = lr / (t[..., None] if t.ndim else t)
+    lp = jax.nn.log_softmax(lg, axis=-1)
+    return from_rows(jnp.take_along_axis(lp, tr[..., None], axis=-1)[..., 0], lead)
+
+
+def _unrow_layers(a: Array | None, lead: tuple[int, int]) -> Array | None:
+    """Per-layer tiles [n, *tile, ...] -> [n, B, T, ...]."""
+    return None if a is None else jax.vmap(lambda x: from_rows(x, lead))(a)
+
+
+def rows_trunk(trunk_body, x: Array, positions: Array, attend, layer_xs, forced_expert_ids,
+               output_hidden_states: bool, **kw):
+    """The decoder stack on the row tile: ``trunk_body`` (the model's ``_trunk_body``, same arguments) runs on
+    x [B,T,D] flattened to [1, R, D] (R a multiple of :data:`ROW_TILE`), so every per-token op sees
+    R rows; ``attend`` gets its q/k/v back as [B,T,...] (its keys, caches and pages are the caller's) and
+    its output goes back onto the rows. Returns the body's ``TrunkOutput`` with h, expert ids, hidden
+    states and per-token drops as [B,T,...] again (ys and carry are the attend's own)."""
+    B, T = x.shape[:2]
+    lead = (B, T)
+
+    def wrapped(q, k, v, xs, *c):
+        res = attend(*(from_rows(a, lead) for a in (q, k, v)), xs, *c)
+        return (to_rows(res[0], 2),) + tuple(res[1:])
+
+    forced = forced_expert_ids
+    if forced is not None:
+        if isinstance(forced, (list, tuple)):
+            forced = [to_rows(jnp.broadcast_to(jnp.asarray(f), (B, T, jnp.shape(f)[-1])), 2) for f in forced]
+        else:
+            forced = jax.vmap(lambda f: to_rows(f, 2))(jnp.asarray(forced))
+    valid = kw.pop("valid", None)  # kw: the body's remat, carry, valid, row_drops
+    vr = None if valid is None else to_rows(jnp.broadcast_to(jnp.asarray(valid, bool), lead), 2)
+    t = trunk_body(to_rows(x, 2), to_rows(jnp.broadcast_to(positions, lead), 2), wrapped, layer_xs, forced,
+                   output_hidden_states, valid=vr, **kw)
+    dropped = t.dropped
+    if dropped is not None and kw.get("row_drops"):
+        dropped = _unrow_layers(dropped, lead)
+    return t.replace(h=from_rows(t.h, lead), expert_ids=tuple(from_rows(i, lead) for i in t.expert_ids),
+                     hidden_states=None if t.hidden_states is None else tuple(from_rows(h, lead)
+                                                                             for h in t.hidden_states),
+                     dropped=dropped)
+
+
+def behav_logp(model, logits: Array, tokens: Array, temperature: Array, logp: Array) -> Array:
+    """The engine's behaviour log-prob of sampled ``tokens`` [B] from ``logits`` [B, V] at per-row ``temperature``
+    [B]: the sampler's own ``logp`` [B] in the fast mode; with ``model.bitwise`` the learner's function
+    (:func:`token_logprobs_rows`) wherever the row samples (temperature > 0; a greedy row keeps the sampler's)."""
+    if not getattr(model, "bitwise", False):
+        return logp
+    t = jnp.asarray(temperature, jnp.float32)
+    return jnp.where(t > 0, token_logprobs_rows(logits, tokens, jnp.where(t > 0, t, 1.0)), logp)

@@ -1,0 +1,97 @@
+"""The bitwise mode end to end (issue 62): the paged engine's behaviour log-probs, sampled with several rows of
+different lengths sharing every decode call, equal the learner's log-probs bit for bit, and a learner step on
+them at staleness 0 keeps every token (train_infer_retained 1) with |prox_logp - behav_logp| = 0; the fast
+mode's engine, same params and tokens, does not give the learner's bits (the test can fail)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from rollout.engine import Qwen3Engine, SlotPrefill
+
+PROMPTS = [[5, 40, 7, 300, 8, 9, 10, 11, 12], [11, 12, 13, 14, 15, 16, 17, 18, 19], [100, 101], [3, 4, 5, 6, 7, 8],
+           [5, 40, 7, 300, 8, 9, 10, 11, 12], [200, 201, 202, 203, 204, 205, 206], [1, 2, 3, 4, 5], [50, 60]]
+N_NEW = 10
+T = 24
+
+
+def _generate(model_config, params, bitwise: bool):
+    """fp32 paged engine, all prompts admitted in one call (prompts 0 and 4 the same: their pages shared), one
+    decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
+    eng = Qwen3Engine(model_config, params, slots=len(PROMPTS), max_cache_len=32, max_prefill_length=16,
+                      dtype="float32", kv_layout="paged", kv_page_size=8,
+                      model_kwargs={"attention": "bitwise"} if bitwise else None)
+    st = eng.init_decode_state()
+    st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(p, slot=i, seed=10 + i) for i, p in enumerate(PROMPTS)])
+    st, o1 = eng.decode(eng.params, st)
+    st, o2 = eng.decode_steps(eng.params, st, N_NEW - 1)
+    tok = np.concatenate([np.asarray(o1.token)[None], np.asarray(o2.token)])
+    lp = np.concatenate([np.asarray(o1.behav_logp)[None], np.asarray(o2.behav_logp)])
+    assert np.asarray(o2.valid).all()
+    return [(list(tok[:, i]), list(lp[:, i])) for i in range(len(PROMPTS))]
+
+
+def _batch(out):
+    B = len(PROMPTS)
+    seq, am, lm = np.zeros((B, T), np.int32), np.zeros((B, T), bool), np.zeros((B, T), bool)
+    behav = np.zeros((B, T), np.float32)
+    for i, p in enumerate(PROMPTS):
+        P, n = len(p), len(p) + N_NEW
+        seq[i, :n], am[i, :n], lm[i, P:n], behav[i, P:n] = p + out[i][0], True, True, out[i][1]
+    adv = np.where(lm, np.repeat(np.linspace(-1, 1, B)[:, None], T, 1), 0.0).astype(np.float32)
+    return {"tokens": seq, "attention_mask": am, "loss_mask": lm, "behav_logp": behav,
+            "versions": np.where(lm, 0, -1).astype(np.int32), "turn_ids": np.where(lm, 0, -1).astype(np.int32),
+            "advantages": adv}
+
+
+@pytest.mark.parametrize("mode", ["decoupled"])
+def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
+    from jax_rl.learner.learner import Learner
+    from jax_rl.sharding import make_mesh
+    from tests.learner._util import init_params, make_cfg
+
+    cfg = make_cfg(mode, B=8, model={"scan_layers": False, "bitwise": True}, rollout={"dtype": "float32"})
+    # one device: a learner mesh that splits the batch is not bitwise (docs/correction.md, the bitwise mode)
+    lrn = Learner(cfg, mesh=make_mesh(1, 1, 1, 1, devices=jax.devices()[:1]), init_params=init_params(cfg))
+    try:
+        params = lrn.get_params(host=True)
+        b = _batch(_generate(lrn.model_config, params, bitwise=True))
+        lm = b["loss_mask"]
+        lp = np.asarray(lrn.logprobs(b))  # pi_prox at staleness 0: the learner's forward
+        assert np.array_equal(lp[lm].view(np.uint32), b["behav_logp"][lm].view(np.uint32))
+        fast = _batch(_generate(lrn.model_config, params, bitwise=False))
+        assert not np.array_equal(np.asarray(lrn.logprobs(fast))[lm], fast["behav_logp"][lm])
+        m = lrn.train_step(b)
+    finally:
+        lrn.close()
+    print({k: m[k] for k in ("train_infer_retained", "loss")})
+    assert m["train_infer_retained"] == 1.0
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
+def test_behav_route_takes_old_logp_from_behav_logp(devices):
+    """old_logits.route=behav under loss.correction=exact: pi_prox = log pi_v = behav_logp (no store, no scorer
+    forward); the step keeps every token. Refused without model.bitwise or under rollout.partial=continue."""
+    from jax_rl.learner.correction import check_config
+    from jax_rl.learner.learner import Learner
+    from jax_rl.sharding import make_mesh
+    from tests.learner._util import init_params, make_cfg
+
+    kw = dict(B=8, old_logits={"route": "behav"})
+    for bad in ({"model": {"bitwise": False}, "rollout": {"partial": "recompute_kv"}},
+                {"model": {"bitwise": True}, "rollout": {"partial": "continue"}}):
+        with pytest.raises(ValueError, match="old_logits.route=behav needs"):
+            check_config(make_cfg("exact", **kw, **bad))
+    cfg = make_cfg("exact", **kw, model={"scan_layers": False, "bitwise": True},
+                   rollout={"dtype": "float32", "partial": "recompute_kv"})
+    check_config(cfg)
+    lrn = Learner(cfg, mesh=make_mesh(1, 1, 1, 1, devices=jax.devices()[:1]), init_params=init_params(cfg))
+    try:
+        assert lrn.old_logits.store is None
+        b = _batch(_generate(lrn.model_config, lrn.get_params(host=True), bitwise=True))
+        m = lrn.train_step(b)
+    finally:
+        lrn.close()
+    assert m["train_infer_retained"] == 1.0 and np.isfinite(m["loss"]) and lrn.old_logit_forwards == 0

@@ -1,0 +1,202 @@
+"""The bitwise mode's gate (issue 62): engine decode log-prob == engine re-score by prefill == the learner's
+forward log-prob, bit for bit, whatever rows share the call; negative controls that must fail the same
+assertion (the fast mode; a perturbed key-chunk order on the decode side); and a check that every dot and
+reduction in the mode's programs runs on a row tile (no fallback to a non-invariant shape)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_rl.learner.logprobs import sequence_logprobs
+from jax_rl.models import bitwise as bw
+from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+from jax_rl.models.qwen3.paged import init_paged_cache, paged_decode_step, paged_extend
+
+LENS = (9, 23, 70)  # rows of different lengths; 70 > one key chunk (64)
+PROMPT = 5  # tokens prefilled before decoding starts
+PS = 8  # page size
+
+
+def _programs():
+    """The engine's and the learner's calls as the mode's programs (:func:`jax_rl.models.bitwise.jit`)."""
+    def prefill(m, t, c):
+        B = t.shape[0]
+        return paged_extend(m, t, jnp.zeros((B,), jnp.int32), jnp.full((B,), PROMPT, jnp.int32), c,
+                            return_expert_ids=True)
+
+    def rescore(m, t, c):
+        return paged_extend(m, t, jnp.zeros((1,), jnp.int32), jnp.full((1,), t.shape[1], jnp.int32), c)
+
+    return {"learn": bw.jit(lambda m, t, a, **k: sequence_logprobs(m, t, a, **k)), "prefill": bw.jit(prefill),
+            "decode": bw.jit(lambda m, t, c, num_pages=None: paged_decode_step(m, t, c, num_pages=num_pages,
+                                                                               return_expert_ids=True),
+                             static_argnames=("num_pages",)),
+            "rescore": bw.jit(rescore), "logp": bw.jit(bw.token_logprobs_rows)}
+
+
+_JIT = _programs()
+
+
+def _model(moe: bool, dtype, bitwise: bool = True) -> Qwen3ForCausalLM:
+    cfg = get_preset("tiny_moe" if moe else "tiny_dense")
+    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, attention="bitwise" if bitwise else "xla")
+
+
+def _seqs(V: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, V, n).astype(np.int32) for n in LENS]
+
+
+def _learner(model, seqs, order, T, forced=None) -> dict[int, np.ndarray]:
+    """logp per sequence from one learner batch holding the sequences ``order`` right-padded to T."""
+    tok = np.zeros((len(order), T), np.int32)
+    mask = np.zeros((len(order), T), bool)
+    for r, i in enumerate(order):
+        tok[r, :len(seqs[i])] = seqs[i]
+        mask[r, :len(seqs[i])] = True
+    kw = {}
+    if forced is not None:  # routing replay (r3): the engine's routes per MoE layer, [B,T,k]
+        kw["forced_expert_ids"] = [np.stack([np.pad(forced[i][li], ((0, T - len(forced[i][li])), (0, 0)))
+                                             for i in order]) for li in range(len(forced[order[0]]))]
+    out = _JIT["learn"](model, tok, mask, **kw).logp
+    return {i: np.asarray(out[r, 1:len(seqs[i])]) for r, i in enumerate(order)}
+
+
+def _decode_paged(model, seqs, order, bucket_extra=0):
+    """The engine's path on pages: prefill PROMPT tokens of the rows ``order`` in one call, then decode the
+    rest teacher-forced, all rows in every call (a finished row keeps decoding garbage at its end). Pages are
+    handed out in a shuffled order (any page position). Returns (logp per sequence, routes per sequence)."""
+    B = len(order)
+    M = -(-max(len(s) for s in seqs) // PS) + 1
+    cache = init_paged_cache(model, B, B * M + 3, PS, M)
+    pages = np.random.default_rng(1).permutation(B * M + 3)[:B * M].reshape(B, M)
+    cache = cache.replace(page_table=jnp.asarray(pages, jnp.int32))
+    n_pages = M if bucket_extra else None
+    tok = np.stack([seqs[i][:PROMPT] for i in order])
+    out = _JIT["prefill"](model, tok, cache)
+    cache = out.cache
+    lp = {i: [] for i in order}
+    routes = {i: [[] for _ in out.expert_ids] for i in order}
+    for r, i in enumerate(order):
+        for li, e in enumerate(out.expert_ids):
+            routes[i][li].extend(np.asarray(e[r, :PROMPT]))
+    nxt = np.stack([seqs[i][PROMPT] for i in order])
+    logits = out.logits[:, PROMPT - 1]
+    dec = functools.partial(_JIT["decode"], num_pages=n_pages)
+    for step in range(PROMPT, max(len(seqs[i]) for i in order)):
+        lpn = np.asarray(_JIT["logp"](logits, nxt))
+        for r, i in enumerate(order):
+            if step < len(seqs[i]):
+                lp[i].append(lpn[r])
+        cur = nxt
+        nxt = np.stack([seqs[i][min(step + 1, len(seqs[i]) - 1)] for i in order])
+        out = dec(model, jnp.asarray(cur), cache)
+        cache, logits = out.cache, out.logits
+        for r, i in enumerate(order):
+            if step < len(seqs[i]):
+                for li, e in enumerate(out.expert_ids):
+                    routes[i][li].append(np.asarray(e[r]))
+    return {i: np.asarray(v) for i, v in lp.items()}, {i: [np.stack(x) for x in v] for i, v in routes.items()}
+
+
+def _rescore(model, seqs, i):
+    """The engine's re-score of sequence i by one prefill (paged_extend from 0) on its own."""
+    n = len(seqs[i])
+    M = -(-n // PS)
+    cache = init_paged_cache(model, 1, M, PS, M).replace(page_table=jnp.arange(M, dtype=jnp.int32)[None])
+    out = _JIT["rescore"](model, jnp.asarray(seqs[i][None]), cache)
+    return np.asarray(_JIT["logp"](out.logits[0, :-1], jnp.asarray(seqs[i][1:])))
+
+
+def _all_equal(model, moe: bool) -> list[str]:
+    """Every comparison of the gate; returns the ones that differ (empty: bitwise)."""
+    seqs = _seqs(model.config.vocab_size)
+    bad = []
+    dec_all, routes = _decode_paged(model, seqs, [0, 1, 2])
+    dec_alone = {i: _decode_paged(model, seqs, [i], bucket_extra=1)[0][i] for i in (0, 2)}
+    dec_rev = _decode_paged(model, seqs, [2, 0])[0]
+    forced = routes if moe else None
+    learn = [_learner(model, seqs, [0, 1, 2], 72, forced), _learner(model, seqs, [2], 70, forced),
+             _learner(model, seqs, [1, 0], 128, forced)]
+    for i in range(3):
+        ref = dec_all[i]  # the decoded tokens' log-probs (positions >= PROMPT)
+        cands = {"decode alone": dec_alone.get(i), "decode other rows": dec_rev.get(i),
+                 "rescore": _rescore(model, seqs, i)[PROMPT - 1:]}
+        for j, lr in enumerate(learn):
+            if i in lr:
+                cands[f"learner batch {j}"] = lr[i][PROMPT - 1:]
+        for name, c in cands.items():
+            if c is not None and not np.array_equal(np.asarray(c).view(np.uint32), ref.view(np.uint32)):
+                bad.append(f"seq {i}: {name}")
+    return bad
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_bitwise_decode_rescore_learner_equal(moe, dtype):
+    model = _model(moe, dtype)
+    assert _all_equal(model, moe) == []
+
+
+def test_fast_mode_fails_the_gate():
+    """Negative control: the same assertion on the fast mode (bitwise off) finds differing log-probs."""
+    assert _all_equal(_model(False, jnp.float32, bitwise=False), False) != []
+
+
+def test_perturbed_chunk_order_fails_the_gate(monkeypatch):
+    """Negative control: the decode side's key chunks of 16 instead of 64 (one reduction order changed)."""
+    model = _model(False, jnp.float32)
+    seqs = _seqs(model.config.vocab_size)
+    ref = _learner(model, seqs, [0, 1, 2], 72)
+    monkeypatch.setattr(bw, "KEY_CHUNK", 16)
+    monkeypatch.setattr(sys.modules[__name__], "_JIT", _programs())  # programs traced afresh (not the cached)
+    dec = _decode_paged(model, seqs, [0, 1, 2])[0]
+    assert any(not np.array_equal(dec[i].view(np.uint32), ref[i][PROMPT - 1:].view(np.uint32))
+               for i in range(3))
+
+
+def _untiled_ops(jaxpr, tile: int) -> list[str]:
+    """dot_general / reduce ops of a jaxpr (recursively) whose rows are not a multiple of ``tile``:
+    a dot's rows are its batch dims times the lhs free dims, a reduction's its output size."""
+    bad = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            rows = int(np.prod([d for a, d in enumerate(shape) if a not in lc]))
+            if rows % tile:
+                bad.append(f"dot_general {shape} rows {rows}")
+        elif name in ("reduce_sum", "reduce_max", "argmax", "reduce_min"):
+            n = int(np.prod(eqn.outvars[0].aval.shape))
+            if n % tile and eqn.invars[0].aval.dtype != jnp.bool_:
+                bad.append(f"{name} {eqn.invars[0].aval.shape} -> {n}")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            bad += _untiled_ops(sub, tile)
+    return bad
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_no_op_falls_back_to_an_untiled_shape(moe):
+    """Every dot and float reduction of the mode's decode step and learner log-prob forward runs on a
+    multiple of the row tile; the fast mode's decode does not (the check can fail)."""
+    def decode_jaxpr(model):
+        cache = init_paged_cache(model, 3, 12, PS, 4).replace(page_table=jnp.arange(12, dtype=jnp.int32).reshape(3, 4))
+        f = lambda m, t, c: paged_decode_step(m, t, c).logits  # noqa: E731
+        return jax.make_jaxpr(f)(model, jnp.ones((3,), jnp.int32), cache).jaxpr
+
+    model = _model(moe, jnp.float32)
+    learn = jax.make_jaxpr(lambda m, t: sequence_logprobs(m, t).logp)(model, jnp.ones((2, 30), jnp.int32)).jaxpr
+    tile = math.gcd(bw.ROW_TILE, bw.QUERY_TILE)  # the attention's query tile is the smaller one
+    assert _untiled_ops(decode_jaxpr(model), tile) == []
+    assert _untiled_ops(learn, tile) == []
+    assert _untiled_ops(decode_jaxpr(_model(moe, jnp.float32, bitwise=False)), tile) != []
