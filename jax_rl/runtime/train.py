@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError, load_config
@@ -204,14 +205,24 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     cfg.run.dir = str(ckpt.parent)
     cfg.resume_step = None
     cfg.resume = False
+    # a reader writes nothing in the run dir (maybe a live run's): a disk snapshot store goes to a scratch dir
+    scratch = tempfile.TemporaryDirectory(prefix="jxrl-eval-")
+    cfg.old_logits.dir = scratch.name
+    try:
+        _eval_restored(cfg, ckpt, step)
+    finally:
+        scratch.cleanup()
+    return 0
+
+
+def _eval_restored(cfg: Config, ckpt, step) -> None:
     ctx = RunContext(cfg, create_dir=False)
     try:
-        meta = ctx.learner.checkpoints.restore(ckpt, step=step)
+        meta = ctx.learner.checkpoints.restore(ckpt, step=step, read_only=True)
         print(f"evaluating {ckpt / str(meta['checkpoint_step'])} (RL step {resume_rl_step(meta)}, "
               f"version {ctx.learner.version})", file=sys.stderr, flush=True)
         ev = ctx.evaluate(resume_rl_step(meta), label="standalone")
         print(json.dumps(json_safe(ev, default=str), indent=2))
-        return 0
     finally:
         ctx.close()
         ctx.learner.close()
