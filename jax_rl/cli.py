@@ -470,9 +470,8 @@ def _dispatch(args) -> int:
     except BackendUnavailable as e:  # JAX_PLATFORMS=cuda on a host without a GPU: the platform, one line
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 2
-    except ImportError as e:  # a broken or partial install: say which module, not "not built"
-        print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} (a broken or partial install: "
-              "pip install -e . with the extras the command needs)", file=sys.stderr)
+    except ImportError as e:  # a broken or partial install: say which module and the command that fixes it
+        print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} ({install_fix(e.name)})", file=sys.stderr)
         return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
         rd = sys.modules.get("jax_rl.runtime.run_dir")
@@ -481,7 +480,9 @@ def _dispatch(args) -> int:
             return 2
         lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
-        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
+        ck = sys.modules.get("jax_rl.checkpoint")  # a save that did not commit: the step and its dir
+        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))
+                or (ck and isinstance(e, ck.CheckpointCommitError))):
             raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 1
@@ -510,6 +511,15 @@ def _dispatch(args) -> int:
         print(f"jax-rl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return int(rc or 0)
+
+
+def install_fix(module: Optional[str]) -> str:
+    """The command that installs a missing ``module`` (the ImportError line's advice)."""
+    top = (module or "").split(".")[0]
+    if top in ("jetstream", "seqio"):  # only `jax-rl serve` imports JetStream (rollout/jetstream_compat.py)
+        return "jax-rl serve needs JetStream, installed apart: pip install --no-deps google-jetstream==0.2.2"
+    return ("a broken or partial install: pip install --force-reinstall jax-rl (in a checkout: pip install -e . "
+            "with the extras the command needs)")
 
 
 def _unwritable(e: Optional[BaseException]) -> Optional[OSError]:
