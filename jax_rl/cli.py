@@ -146,6 +146,12 @@ def cmd_train(args) -> int:
     if args.print_config:  # the resolved config (base_config chain + overrides), then exit
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from jax_rl.learner.advantages import check_group_size  # lazy: imports jax (the platform is chosen first)
+
+    try:
+        check_group_size(cfg.algo)  # a config that cannot learn: one line, exit 2 (the dry run too)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.dry_run:
         from jax_rl.runtime.dry_run import run_dry_run  # lazy: jax, flax
 

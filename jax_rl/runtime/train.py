@@ -36,6 +36,7 @@ import tempfile
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError, load_config
+from jax_rl.learner.advantages import check_group_size
 from jax_rl.model_builder import adopt_checkpoint_layer_layout
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, raise_if_disk_full,
                                     resume_rl_step)
@@ -64,6 +65,10 @@ def run_train(cfg: Config) -> int:
         naming the run dir and the bytes needed; the last good checkpoint is intact).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        check_group_size(cfg.algo)  # (the CLI refused it already: here for a run_train called directly)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with _holding_run_dir(cfg, "train"):
         return _run_train(cfg)
 
