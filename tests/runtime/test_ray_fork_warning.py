@@ -18,8 +18,6 @@ import sys, warnings
 from pathlib import Path
 import jax
 jax.devices()  # JAX started (multithreaded): its at-fork hook is live
-import os
-print("FORK_HOOK_LIVE", os.fork is not None)
 from jax_rl.runtime.ray_cluster import init_ray
 ray = init_ray(Path(sys.argv[1]))
 ray.shutdown()
