@@ -297,14 +297,15 @@ class RunContext:
         self.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, sft_eval=ev)
         return ev
 
-    def stopped_in_sft(self, stop: "StopFlag") -> int:
+    def stopped_in_sft(self, stop: "StopFlag", command: str = "train") -> int:
         """A signal stopped SFT (:meth:`sft_and_eval` returned None, or set during its eval): commit a checkpoint
         at RL step 0 with SFT's progress (``--resume`` continues SFT there), say so, return 128 + the signal."""
         self.save(0, wait=True)
         done, total = int(self.meta.get("sft_steps_done", 0)), int(self.cfg.sft.steps)
         what = "after SFT" if self.meta.get("sft_done") else f"during SFT at step {done} of {total}"
-        print(f"stopped by signal {stop.signum} {what}: checkpoint {self.ckpt_dir / '0'} committed; --resume "
-              "continues from it", flush=True)
+        how = "--resume continues from it" if command == "train" else \
+            "`jax-rl train --resume` continues from it (SFT, then RL; `jax-rl sft` starts over)"
+        print(f"stopped by signal {stop.signum} {what}: checkpoint {self.ckpt_dir / '0'} committed; {how}", flush=True)
         return signal_exit_code(stop)
 
     # ---------------------------------------------------------------- eval

@@ -194,7 +194,7 @@ def _sft_stoppable(cfg: Config, stop: StopFlag) -> int:
     try:
         ev = ctx.sft_and_eval(stop=stop.event)
         if ev is None or stop.event.is_set():
-            return ctx.stopped_in_sft(stop)
+            return ctx.stopped_in_sft(stop, command="sft")
         ctx.save(0, wait=True)
         out = json_safe({"sft_success": ev["success"], "sft_loss": ctx.meta["sft_metrics"].get("sft_loss"),
                          "checkpoints": str(ctx.ckpt_dir)}, default=str)
