@@ -167,7 +167,7 @@ class LearnerCheckpoints:
             CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
         """
         if self.procs.on_some_processes and not self._in_shared:  # the holders restore
-            return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
+            return self._restore_shared(ckpt_dir, step, read_only)  # and the others read the metadata they restored
         if read_only:
             ck = self.reader(ckpt_dir or ckpt.resolve_checkpoint_dir(self.cfg, error=ValueError)[1])
         else:
@@ -206,7 +206,7 @@ class LearnerCheckpoints:
         raise ckpt.CheckpointCorruptError(
             f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
 
-    def _restore_shared(self, ckpt_dir, step) -> dict:
+    def _restore_shared(self, ckpt_dir, step, read_only: bool = False) -> dict:
         """:meth:`restore` with the learner on some processes only (a collective every process calls): the
         holders restore, then every process gets the first holder's metadata (or its one-line error) through
         the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
@@ -215,7 +215,7 @@ class LearnerCheckpoints:
         if self.procs.holds_learner:
             self._in_shared = True  # restore as a plain holder
             try:
-                meta = self.restore(ckpt_dir, step)
+                meta = self.restore(ckpt_dir, step, read_only=read_only)
             except Exception as e:  # noqa: BLE001 - handed to every process, then raised everywhere
                 err = e
             finally:
