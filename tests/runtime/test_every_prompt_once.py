@@ -57,7 +57,12 @@ def _kill_at(args, d: Path, env: dict, rows: int, timeout=900) -> str:
     p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t0 = time.time()
-        while len(read_jsonl(d / "metrics.jsonl")) < rows:
+        def ready():  # step `rows` trained and a checkpoint committed (saves are async: it may lag a step or two)
+            ck = d / "checkpoints"
+            return len(read_jsonl(d / "metrics.jsonl")) >= rows and ck.is_dir() and \
+                any(p.name.isdigit() for p in ck.iterdir())
+
+        while not ready():
             if p.poll() is not None:
                 pytest.fail(f"train exited ({p.returncode}) before step {rows}:\n" + p.stdout.read()[-3000:])
             if time.time() - t0 > timeout:
@@ -111,10 +116,16 @@ def test_kill9_and_resume_trains_every_prompt_once(tmp_path, runtime):
 
     b = tmp_path / "killed"
     args = _train(b, *extra)
+    at_kills = []  # (in flight, buffered) groups in the checkpoint each resume starts from
     for i, at in enumerate(KILLS):
         _kill_at(args + (["--resume"] if i else []), b, env, at)
         if runtime == "ray":
             _ray_leftovers(b)
+        newest = max(int(p.name) for p in (b / "checkpoints").iterdir() if p.name.isdigit())
+        m = json.loads((b / "checkpoints" / str(newest) / "metadata" / "metadata").read_text())["runtime"]
+        at_kills.append((len(m["producer"]["reissue"]), len(m["buffer"]["pending"])))
+    # the kills fell with groups in flight (re-issued by the resume) and finished ones in the buffer (restored)
+    assert sum(f for f, _ in at_kills) > 0 and sum(q for _, q in at_kills) > 0, at_kills
     r = subprocess.run(args + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     if runtime == "ray":
@@ -130,6 +141,6 @@ def test_kill9_and_resume_trains_every_prompt_once(tmp_path, runtime):
     assert m >= STEPS * 2 - 6, m  # at most a few groups still in flight at the end
     # the trained episodes' lengths: not shifted by the kills (re-issued groups are the long, unfinished ones)
     la, lb = ra["lens"].mean(), rb["lens"].mean()
-    print(f"{runtime}: groups 0..{m - 1} trained by both; mean episode length {la:.1f} uninterrupted, {lb:.1f} killed "
-          f"{len(KILLS)}x")
+    print(f"{runtime}: groups 0..{m - 1} trained by both; (in flight, buffered) at the kills {at_kills}; mean episode "
+          f"length {la:.1f} uninterrupted, {lb:.1f} killed {len(KILLS)}x")
     assert abs(la - lb) <= 0.15 * la, (ra["lens"], rb["lens"])
