@@ -53,14 +53,26 @@ def _ray_leftovers(d: Path) -> None:
             pass
 
 
+def _newest_checkpoint(d: Path) -> tuple[int, int]:
+    """``(groups in flight, groups buffered)`` in the newest committed checkpoint of ``d`` ((0, 0) if none)."""
+    ck = d / "checkpoints"
+    steps = [int(p.name) for p in ck.iterdir() if p.name.isdigit()] if ck.is_dir() else []
+    if not steps:
+        return 0, 0
+    m = json.loads((ck / str(max(steps)) / "metadata" / "metadata").read_text())["runtime"]
+    return len(m["producer"]["reissue"]), len(m["buffer"]["pending"])
+
+
 def _kill_at(args, d: Path, env: dict, rows: int, timeout=900) -> str:
     p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t0 = time.time()
-        def ready():  # step `rows` trained and a checkpoint committed (saves are async: it may lag a step or two)
-            ck = d / "checkpoints"
-            return len(read_jsonl(d / "metrics.jsonl")) >= rows and ck.is_dir() and \
-                any(p.name.isdigit() for p in ck.iterdir())
+        def ready():  # step `rows` trained, and the newest committed checkpoint (saves are async: it may lag a step
+            # or two) holds groups in flight and finished groups in the buffer: what the resume must re-issue / restore
+            if len(read_jsonl(d / "metrics.jsonl")) < rows:
+                return False
+            fly, buf = _newest_checkpoint(d)
+            return fly > 0 and buf > 0
 
         while not ready():
             if p.poll() is not None:
@@ -121,9 +133,7 @@ def test_kill9_and_resume_trains_every_prompt_once(tmp_path, runtime):
         _kill_at(args + (["--resume"] if i else []), b, env, at)
         if runtime == "ray":
             _ray_leftovers(b)
-        newest = max(int(p.name) for p in (b / "checkpoints").iterdir() if p.name.isdigit())
-        m = json.loads((b / "checkpoints" / str(newest) / "metadata" / "metadata").read_text())["runtime"]
-        at_kills.append((len(m["producer"]["reissue"]), len(m["buffer"]["pending"])))
+        at_kills.append(_newest_checkpoint(b))
     # the kills fell with groups in flight (re-issued by the resume) and finished ones in the buffer (restored)
     assert sum(f for f, _ in at_kills) > 0 and sum(q for _, q in at_kills) > 0, at_kills
     r = subprocess.run(args + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
