@@ -146,6 +146,12 @@ def cmd_train(args) -> int:
     if args.print_config:  # the resolved config (base_config chain + overrides), then exit
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from jax_rl.learner.advantages import check_group_size  # lazy: imports jax (the platform is chosen first)
+
+    try:
+        check_group_size(cfg.algo)  # a config that cannot learn: one line, exit 2 (the dry run too)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.dry_run:
         from jax_rl.runtime.dry_run import run_dry_run  # lazy: jax, flax
 
@@ -471,9 +477,8 @@ def _dispatch(args) -> int:
     except BackendUnavailable as e:  # JAX_PLATFORMS=cuda on a host without a GPU: the platform, one line
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 2
-    except ImportError as e:  # a broken or partial install: say which module, not "not built"
-        print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} (a broken or partial install: "
-              "pip install -e . with the extras the command needs)", file=sys.stderr)
+    except ImportError as e:  # a broken or partial install: say which module and the command that fixes it
+        print(f"jax-rl: error: cannot import {e.name or 'a module'}: {e} ({install_fix(e.name)})", file=sys.stderr)
         return 1
     except RuntimeError as e:  # non-finite training (optim.max_skipped_steps in a row), Ray failing: one line, exit 1
         rd = sys.modules.get("jax_rl.runtime.run_dir")
@@ -482,7 +487,9 @@ def _dispatch(args) -> int:
             return 2
         lrn = sys.modules.get("jax_rl.learner.learner")
         rr = sys.modules.get("jax_rl.runtime.ray_runtime")
-        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))):
+        ck = sys.modules.get("jax_rl.checkpoint")  # a save that did not commit: the step and its dir
+        if not ((lrn and isinstance(e, lrn.NonFiniteTrainingError)) or (rr and isinstance(e, rr.RayFailure))
+                or (ck and isinstance(e, ck.CheckpointCommitError))):
             raise
         print(f"jax-rl: error: {e}", file=sys.stderr)
         return 1
@@ -511,6 +518,15 @@ def _dispatch(args) -> int:
         print(f"jax-rl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return int(rc or 0)
+
+
+def install_fix(module: Optional[str]) -> str:
+    """The command that installs a missing ``module`` (the ImportError line's advice)."""
+    top = (module or "").split(".")[0]
+    if top in ("jetstream", "seqio"):  # only `jax-rl serve` imports JetStream (rollout/jetstream_compat.py)
+        return "jax-rl serve needs JetStream, installed apart: pip install --no-deps google-jetstream==0.2.2"
+    return ("a broken or partial install: pip install --force-reinstall jax-rl (in a checkout: pip install -e . "
+            "with the extras the command needs)")
 
 
 def _unwritable(e: Optional[BaseException]) -> Optional[OSError]:

@@ -192,7 +192,7 @@ def print_summary(
     Args:
         summary: e.g. ``summary.json`` contents (``sft_success``, ``final_success``,
             ``final_pass_at_<k>``, ``wall_s``, ``rl_steps``, buffer counters...). Nested dicts are
-            shown inline.
+            shown inline; an empty one gets no row (summary.json keeps it).
         paths: name -> path (str/Path) or list of paths, e.g. ``{"run dir": ..., "metrics":
             ".../metrics.jsonl", "checkpoints": ..., "plots": [png, ...]}``. Lists get one row each.
         console: rich Console (default: stdout).
@@ -202,6 +202,8 @@ def print_summary(
     t.add_column("metric", style="cyan", no_wrap=True)
     t.add_column("value", justify="right")
     for k, v in summary.items():
+        if isinstance(v, Mapping) and not v:  # e.g. episode_failures_by_reason of a run that lost none: no row
+            continue
         t.add_row(Text(str(k)), Text(_fmt_value(v)))
     p = Table(title="outputs", show_header=True, header_style="bold", title_justify="left")
     p.add_column("what", style="cyan", no_wrap=True)

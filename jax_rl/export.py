@@ -117,7 +117,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _, shapes, _ = abstract_model_split(mc, **learner_model_kwargs(cfg))
         zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), shapes)
         learner = Learner(cfg, mesh=mesh, model_config=mc, init_params=zeros)
-        meta = learner.checkpoints.restore(ckpt, step=step)
+        meta = learner.checkpoints.restore(ckpt, step=step, read_only=True)  # a live run's dir: touch nothing
         model = learner.model(learner.get_params())
         hf_io.save_pretrained(model, mc, tmp, dtype=dtype)
         src_tok = run_dir / "tokenizer.json"

@@ -29,6 +29,24 @@ from types import ModuleType
 import jax
 
 _INSTALLED = False
+_ADAPTERS: dict[str, list[type]] = {"Engine": [], "Tokenizer": []}  # registered on JetStream's ABCs once loaded
+
+
+def register_adapter(abc_name: str, cls: type) -> None:
+    """Make ``cls`` a virtual subclass of JetStream's ``engine_api.Engine`` (``abc_name="Engine"``) or
+    ``tokenizer_api.Tokenizer`` (``"Tokenizer"``) without importing JetStream: registered now when that
+    module is loaded, else when :func:`engine_api` / :func:`tokenizer_api` first loads it. (The adapters
+    implement the API themselves; the ABCs only make ``isinstance`` hold for JetStream's Driver.)"""
+    _ADAPTERS[abc_name].append(cls)
+    mod = sys.modules.get("jetstream.engine.engine_api" if abc_name == "Engine" else "jetstream.engine.tokenizer_api")
+    if mod is not None:
+        getattr(mod, abc_name).register(cls)
+
+
+def _register_all(mod: ModuleType, abc_name: str) -> ModuleType:
+    for cls in _ADAPTERS[abc_name]:
+        getattr(mod, abc_name).register(cls)
+    return mod
 
 
 def install() -> None:
@@ -84,7 +102,7 @@ def engine_api() -> ModuleType:
     install()
     from jetstream.engine import engine_api as mod
 
-    return mod
+    return _register_all(mod, "Engine")
 
 
 def tokenizer_api() -> ModuleType:
@@ -92,7 +110,7 @@ def tokenizer_api() -> ModuleType:
     install()
     from jetstream.engine import tokenizer_api as mod
 
-    return mod
+    return _register_all(mod, "Tokenizer")
 
 
 def tokenizer_pb2() -> ModuleType:

@@ -89,3 +89,37 @@ def test_wheel_and_sdist_install_in_a_fresh_venv_and_run(tmp_path):
         py = _fresh_venv(tmp_path / f"venv{i}")
         _install(py, target, work)
         _check_installed(py, work)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_wheel_trains_in_an_isolated_venv(tmp_path):
+    """The wheel alone trains (issue 63 item 2): a venv that does not see this one's site-packages, ``pip install``
+    of the wheel with its declared dependencies (from the configured indexes and pip's cache: 3 min 9 s here), no
+    JetStream in it, then ``jax-rl train tiny_cpu run.steps=2 sft.steps=2`` from another directory (3 min 35 s
+    here on 2 loaded cores)."""
+    pytest.importorskip("build")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=_SKIP)
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--no-isolation", "--skip-dependency-check", "--wheel", "--outdir", str(dist),
+          str(src)], cwd=tmp_path)
+    whl, = dist.glob("jax_rl-*.whl")
+    base = getattr(sys, "_base_executable", sys.executable)
+    venv = tmp_path / "venv"
+    _run([base, "-m", "venv", str(venv)], cwd=tmp_path)  # no .pth to this venv: its own site-packages only
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_COMPILATION_CACHE_DIR", "VIRTUAL_ENV")}
+    env["JAX_PLATFORMS"] = "cpu"
+    _run([str(py), "-m", "pip", "install", "-q", str(whl)], cwd=tmp_path, env=env, timeout=1500)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    mine = sysconfig.get_paths()["purelib"]
+    probe = _run([str(py), "-c", "import sys, importlib.util as u; print(u.find_spec('jetstream') is None); "
+                  "print('\\n'.join(sys.path))"], cwd=work, env=env).stdout.splitlines()
+    assert probe[0] == "True", probe  # JetStream is not a dependency: train must not need it
+    assert mine not in probe and not any(str(ROOT) == p for p in probe), probe  # isolated from this venv and checkout
+    r = _run([str(venv / "bin" / "jax-rl"), "train", "tiny_cpu", "run.steps=2", "sft.steps=2", f"run.dir={work / 'run'}"],
+             cwd=work, env=env, timeout=1200)
+    assert (work / "run" / "summary.json").is_file() and (work / "run" / "checkpoints" / "2").is_dir(), r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]

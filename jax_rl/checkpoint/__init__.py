@@ -46,14 +46,14 @@ every name is importable from ``jax_rl.checkpoint``.
 """
 
 from jax_rl.checkpoint.compat import check_compatible, describe_model, model_name, resolve_checkpoint_dir
-from jax_rl.checkpoint.faults import (CheckpointCorruptError, CheckpointDiskFullError, CheckpointMismatchError,
+from jax_rl.checkpoint.faults import (CheckpointCommitError, CheckpointCorruptError, CheckpointDiskFullError, CheckpointMismatchError,
                                       _cancel_unstarted_writes, _install_closed_loop_hook, disk_full_error, is_no_space,
                                       one_line)
 from jax_rl.checkpoint.manager import ITEM_NAMES, Checkpointer, restore_train_state
 from jax_rl.checkpoint.trees import (STATE_KEYS, abstract_like, from_nested, saved_layer_layout, to_nested,
                                      train_state_items, tree_nbytes)
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
+__all__ = ["Checkpointer", "CheckpointCommitError", "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointDiskFullError",
            "ITEM_NAMES", "abstract_like", "tree_nbytes", "is_no_space", "disk_full_error", "to_nested",
            "from_nested", "train_state_items", "restore_train_state", "saved_layer_layout", "check_compatible",
            "resolve_checkpoint_dir", "describe_model", "model_name", "one_line", "STATE_KEYS",

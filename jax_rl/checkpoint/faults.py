@@ -26,6 +26,11 @@ class CheckpointCorruptError(ValueError):
     """
 
 
+class CheckpointCommitError(RuntimeError):
+    """A checkpoint save did not commit (Orbax's write of ``<step>.orbax-checkpoint-tmp`` failed). One line
+    naming the step and its dir; the steps committed before it are intact (the CLI: exit 1)."""
+
+
 class CheckpointDiskFullError(OSError):
     """A checkpoint could not be written for lack of disk space.
 

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from jax_rl.checkpoint.faults import (_NOSPACE_FILTER, CheckpointCorruptError, CheckpointDiskFullError,
-                                      CheckpointMismatchError, _cancel_unstarted_writes, _install_closed_loop_hook,
+from jax_rl.checkpoint.faults import (_NOSPACE_FILTER, CheckpointCommitError, CheckpointCorruptError,
+                                      CheckpointDiskFullError, CheckpointMismatchError, _cancel_unstarted_writes, _install_closed_loop_hook,
                                       _is_no_space, disk_full_error, one_line)
 from jax_rl.checkpoint.trees import (RETIRED_STATE_LEAVES, _core, _host_local_to_numpy, _layers_layout_of_tree,
                                      abstract_like, from_nested, saved_layer_layout, saved_state_keys, to_nested,
@@ -24,6 +24,16 @@ log = logging.getLogger("jax_rl.checkpoint")
 
 
 ITEM_NAMES = ("state", "ewma", "snapshots", "metadata")
+
+
+class _ReadOnlyNote(logging.Filter):
+    """Drops Orbax's warning that a read-only manager's directory is read only (what the reader asked for)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+_READ_ONLY_NOTE = _ReadOnlyNote()
 
 
 class Checkpointer:
@@ -38,24 +48,37 @@ class Checkpointer:
         active_processes: multi-process with the learner on some processes only (disaggregated): the
             processes that hold its arrays and call this Checkpointer (Orbax's
             ``MultiprocessingOptions.active_processes``, the first one primary); None = every process.
+        read_only: a reader of a dir another process may be writing (``jax-rl eval`` / ``export`` of a live
+            run): Orbax's ``read_only`` manager, which creates, cleans and deletes nothing (a live writer's
+            ``<step>.orbax-checkpoint-tmp`` save in flight is left alone; only committed steps are listed).
+            :meth:`save` / :meth:`delete` / :meth:`delete_after` raise ``PermissionError``. A writer
+            (``read_only=False``, the run-dir lock's holder) removes the uncommitted dirs a killed save left.
     """
 
     def __init__(self, directory: str | Path, *, every: int = 0, max_to_keep: int = 2, async_save: bool = True,
-                 active_processes: Optional[set] = None):
+                 active_processes: Optional[set] = None, read_only: bool = False):
         self.directory = Path(directory).absolute()
         self.every = int(every)
+        self.read_only = bool(read_only)
         mp = ocp.options.MultiprocessingOptions() if active_processes is None else \
             ocp.options.MultiprocessingOptions(primary_host=min(active_processes),
                                                active_processes=set(active_processes))
-        opts = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
-            create=active_processes is None,  # (Orbax does not create it for a subset of processes: done here)
-            cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step
-            multiprocessing_options=mp,
-        )
-        if active_processes is not None:
+        if self.read_only:
+            logging.getLogger("absl").addFilter(_READ_ONLY_NOTE)  # Orbax's "Given directory is read only" (idempotent)
+            opts = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None, save_interval_steps=0,
+                                                enable_async_checkpointing=False, cleanup_tmp_directories=False,
+                                                multiprocessing_options=mp)
+        else:
+            opts = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=async_save,
+                create=active_processes is None,  # (Orbax does not create it for a subset of processes: done here)
+                cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step
+                multiprocessing_options=mp,
+            )
+        if active_processes is not None and not self.read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
+        self._in_flight: Optional[int] = None  # the step of the save started last (for a failed commit's line)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEM_NAMES)
         self._need = 0  # bytes of the last save attempted (for the disk-full message)
         self._disk_full_reported = False
@@ -88,6 +111,7 @@ class Checkpointer:
             ewma: nested dict of jax arrays or None (item omitted).
             snapshots: ``{"v<n>": params}`` or None/empty (item omitted).
         """
+        self._writable("save")
         if step in self._mgr.all_steps():
             log.info("checkpoint for step %d already exists; skipping", step)
             return False
@@ -108,17 +132,23 @@ class Checkpointer:
         if snapshots:
             items["snapshots"] = ocp.args.StandardSave(snapshots)
         try:
-            return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+            started = bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
         except Exception as e:  # also surfaces the failure of the previous async save
             if _is_no_space(e):
                 raise self._disk_full(step, need) from None
-            raise
+            raise self._commit_failed(self._in_flight if self._in_flight is not None else step, e) from None
+        self._in_flight = step
+        return started
 
     def latest_step(self) -> Optional[int]:
         """Newest saved step (committed or in flight from this process), or None."""
         return self._mgr.latest_step()
 
-    def all_steps(self) -> list[int]:
+    def all_steps(self, reload: bool = False) -> list[int]:
+        """The committed steps, ascending (``reload``: listed again from the dir, e.g. one a live writer
+        changes)."""
+        if reload:
+            self._mgr.reload()
         return list(self._mgr.all_steps())
 
     def restore_metadata(self, step: Optional[int] = None) -> dict:
@@ -200,26 +230,44 @@ class Checkpointer:
         except Exception as e:
             if _is_no_space(e):
                 raise self._disk_full(None, self._need) from None
-            raise
+            raise self._commit_failed(self._in_flight, e) from None
+        self._in_flight = None
+
+    def _commit_failed(self, step: Optional[int], e: BaseException) -> CheckpointCommitError:
+        """The one-line error of a save that did not commit (Orbax's background write failed: e.g. its
+        ``<step>.orbax-checkpoint-tmp`` dir was removed under it)."""
+        self._in_flight = None
+        where = self.directory / str(step) if step is not None else self.directory
+        return CheckpointCommitError(f"checkpoint step {step if step is not None else '?'} did not commit in "
+                                     f"{where} ({one_line(e)}); the steps committed before it are intact")
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"checkpoint dir {self.directory} is open read-only: cannot {what}")
 
     def close(self) -> None:
         """Wait for pending saves and release Orbax's threads.
 
         Raises:
             CheckpointDiskFullError: as :meth:`wait`, unless that failure was already raised.
+            CheckpointCommitError: as :meth:`wait`.
         """
         reported = self._disk_full_reported
+        failed = False
         try:
             self.wait()
         except CheckpointDiskFullError:
             if not reported:
                 raise
+        except CheckpointCommitError:
+            failed = True
+            raise
         finally:
             try:
                 self._mgr.close()
             except Exception as e:  # a failed background save is re-raised here by Orbax
-                if not _is_no_space(e):
-                    raise
+                if not (_is_no_space(e) or failed):  # (the failure wait() raised, not a second line)
+                    raise self._commit_failed(self._in_flight, e) from None
 
     # ---------------------------------------------------------------------------------
     def check_step(self, step: int, items: tuple[str, ...] = ("state", "metadata")) -> dict:
@@ -256,6 +304,7 @@ class Checkpointer:
 
         Returns the deleted steps.
         """
+        self._writable("delete steps")
         self._mgr.wait_until_finished()
         self._mgr.reload()
         gone = [s for s in self._mgr.all_steps() if s > step]
@@ -275,8 +324,8 @@ class Checkpointer:
         return disk_full_error(self.directory, need, what, free=free)
 
     def _cleanup_tmp(self) -> None:
-        """Remove Orbax's uncommitted ``<step>.orbax-checkpoint-tmp*`` dirs (primary process)."""
-        if jax.process_index() != 0:
+        """Remove Orbax's uncommitted ``<step>.orbax-checkpoint-tmp*`` dirs (primary process; a writer only)."""
+        if jax.process_index() != 0 or self.read_only:
             return
         for p in self.directory.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(p, ignore_errors=True)
@@ -290,6 +339,7 @@ class Checkpointer:
     # ---------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step`` (after the writes in flight finish)."""
+        self._writable("delete a step")
         self._mgr.wait_until_finished()
         self._mgr.delete(int(step))
 

@@ -85,6 +85,13 @@ def _set_path(d: dict, path: list[str], value: Any) -> dict:
     return out
 
 
+def _warn_once(msg: str) -> None:
+    """Log a config warning once per process (a config is validated again each time it is copied)."""
+    if msg not in _noted:
+        _noted.add(msg)
+        _log.warning("%s", msg)
+
+
 class ConfigError(ValueError):
     """A configuration problem. The message names the dotted key, the value and the rule."""
 

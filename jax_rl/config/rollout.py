@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from jax_rl.config.base import _Section
+from jax_rl.config.base import _Section, _warn_once
 from jax_rl.config.model import _MeshAxes
 from rollout.envs import check_knobs
 from rollout.envs.base import MAX_TOOL_LATENCY_S  # noqa: F401 (re-exported: the env's cap on one tool latency)
@@ -191,6 +191,15 @@ class RolloutConfig(_Section):
             raise ValueError(f"rollout.kv_pages={self.kv_pages} and rollout.kv_pool_gib={self.kv_pool_gib} both size "
                              "the K/V pool: set one of them (the other null)")
         paged = self.kv_layout == "paged"  # the contiguous layout has no pool: its kv_pages is not read
+        if paged and self.kv_page_size > self.max_cache_len:
+            raise ValueError(f"rollout.kv_page_size={self.kv_page_size} > rollout.max_cache_len={self.max_cache_len}: "
+                             "a page longer than the cache (each sequence would hold a whole page of padding); set "
+                             f"rollout.kv_page_size <= {self.max_cache_len}, e.g. 16")
+        unread = [f"rollout.{k}={getattr(self, k)}" for k in ("kv_pages", "kv_page_size", "kv_pool_gib")
+                  if getattr(self, k) != type(self).model_fields[k].default]
+        if not paged and unread:  # kept valid (a paged config switched to contiguous), said once
+            _warn_once(f"{', '.join(unread)} set with rollout.kv_layout=contiguous: not read (the contiguous layout "
+                       "reserves max_cache_len positions per slot; the pool keys size rollout.kv_layout=paged only)")
         if paged and self.kv_pages is not None and self.kv_pages * self.kv_page_size < self.max_cache_len:
             raise ValueError(f"rollout.kv_pages={self.kv_pages} pages of rollout.kv_page_size={self.kv_page_size} hold "
                              f"{self.kv_pages * self.kv_page_size} positions < rollout.max_cache_len={self.max_cache_len}: "

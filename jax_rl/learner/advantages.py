@@ -23,7 +23,7 @@ from jax_rl.registry import registrar
 if TYPE_CHECKING:  # annotations only
     from jax_rl.config import AlgoConfig
 
-__all__ = ["REGISTRY", "register", "compute_advantages", "grpo_advantages", "rloo_advantages",
+__all__ = ["REGISTRY", "register", "check_group_size", "compute_advantages", "grpo_advantages", "rloo_advantages",
            "broadcast_advantages"]
 
 Estimator = Callable[[jax.Array, jax.Array, "AlgoConfig"], jax.Array]
@@ -33,6 +33,26 @@ REGISTRY: dict[str, Estimator] = {}
 
 register = registrar(REGISTRY)
 """Function decorator: ``@register(name)`` makes ``algo.advantage=name`` use this estimator."""
+
+
+GROUP_BASELINE = {
+    "grpo": "each reward minus its group's mean",
+    "rloo": "each reward minus the mean of the other samples of its group",
+}
+"""Estimators whose baseline is the group (what they compute): one sample a group gives an advantage of 0."""
+
+
+def check_group_size(algo: "AlgoConfig") -> None:
+    """Refuse a group the estimator cannot learn from: ``algo.group_size=1`` with a group baseline
+    (:data:`GROUP_BASELINE`) makes every advantage 0, so every step would have loss 0 and grad norm 0.
+
+    Raises:
+        ValueError: one line naming ``algo.group_size`` and ``algo.advantage``.
+    """
+    what = GROUP_BASELINE.get(algo.advantage)
+    if what is not None and int(algo.group_size) < 2:
+        raise ValueError(f"algo.group_size={algo.group_size} with algo.advantage={algo.advantage}: the advantage is "
+                         f"{what}, 0 with one sample a group, so RL would learn nothing; set algo.group_size >= 2")
 
 
 def compute_advantages(algo: "AlgoConfig", rewards, group_ids) -> jax.Array:

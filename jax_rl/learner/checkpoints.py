@@ -56,6 +56,7 @@ class LearnerCheckpoints:
         self.state_shardings, self.param_shardings = state_shardings, param_shardings
         self.model_config, self.procs = model_config, processes
         self._ckptrs: dict[str, ckpt.Checkpointer] = {}
+        self._readers: dict[str, ckpt.Checkpointer] = {}
         self._in_shared = False
 
     def checkpointer(self, ckpt_dir: Optional[str | Path] = None) -> ckpt.Checkpointer:
@@ -73,6 +74,14 @@ class LearnerCheckpoints:
             self._ckptrs[d] = ckpt.Checkpointer(d, every=c.every, max_to_keep=c.max_to_keep, async_save=c.async_save,
                                                 active_processes=active)
         return self._ckptrs[d]
+
+    def reader(self, ckpt_dir: str | Path) -> ckpt.Checkpointer:
+        """A read-only :class:`~jax_rl.checkpoint.Checkpointer` of ``ckpt_dir`` (``read_only=True``: it
+        creates, cleans and deletes nothing there; a live writer's save in flight is left alone)."""
+        d = str(Path(ckpt_dir).absolute())
+        if d not in self._readers:
+            self._readers[d] = ckpt.Checkpointer(d, read_only=True)
+        return self._readers[d]
 
     def metadata(self, extra: Optional[dict], rl_step: Optional[int] = None) -> dict:
         """The ``metadata`` item of a checkpoint (:mod:`jax_rl.checkpoint`); ``extra`` goes under ``runtime``."""
@@ -133,12 +142,17 @@ class LearnerCheckpoints:
             return self.save(ckpt_dir, extra_metadata)
         return False
 
-    def restore(self, ckpt_dir: Optional[str | Path] = None, step: Optional[int] = None) -> dict:
+    def restore(self, ckpt_dir: Optional[str | Path] = None, step: Optional[int] = None, *,
+                read_only: bool = False) -> dict:
         """Restore a checkpoint onto the learner's mesh (any shape).
 
-        With ``step=None`` the newest step is validated (item dirs present, metadata JSON
+        With ``step=None`` the newest committed step is validated (item dirs present, metadata JSON
         parses, the arrays restore); a bad one is skipped with a one-line warning and the next
         newest is tried, until one restores. With an explicit ``step`` only that one is tried.
+        ``read_only``: a reader (``jax-rl eval`` / ``export``, maybe of a live run): the dir is opened
+        through :meth:`reader` (nothing there is created or removed; a save in flight, not committed, is
+        not a step), and a step the live writer deleted meanwhile (``checkpoint.max_to_keep``) is not
+        an error: the newest committed step is taken again.
 
         Returns:
             the metadata dict (``rl_step``, ``version``, ``opt_step``, ``config_hash``,
@@ -153,8 +167,11 @@ class LearnerCheckpoints:
             CheckpointCorruptError: ``step`` given and bad, or every step is bad (one line).
         """
         if self.procs.on_some_processes and not self._in_shared:  # the holders restore
-            return self._restore_shared(ckpt_dir, step)  # and the others read the metadata they restored
-        ck = self.checkpointer(ckpt_dir)
+            return self._restore_shared(ckpt_dir, step, read_only)  # and the others read the metadata they restored
+        if read_only:
+            ck = self.reader(ckpt_dir or ckpt.resolve_checkpoint_dir(self.cfg, error=ValueError)[1])
+        else:
+            ck = self.checkpointer(ckpt_dir)
         if step is not None:
             ck.resolve(step)  # FileNotFoundError naming the steps there
             candidates = [int(step)]
@@ -162,12 +179,20 @@ class LearnerCheckpoints:
             ck.resolve(None)
             candidates = sorted(ck.all_steps(), reverse=True)
         skipped: list = []
-        for s in candidates:
+        retries = 3 if read_only and step is None else 0
+        while candidates:
+            s = candidates.pop(0)
             try:
                 meta = self._restore_step(ck, s)
             except (ckpt.CheckpointMismatchError, KeyboardInterrupt):
                 raise
             except Exception as e:
+                if retries and s not in ck.all_steps(reload=True):  # the live writer deleted it under us
+                    retries -= 1
+                    tried = {t for t, _ in skipped}
+                    candidates = sorted((t for t in ck.all_steps() if t not in tried and (t > s or t in candidates)),
+                                        reverse=True)
+                    continue
                 why = str(e) if isinstance(e, ckpt.CheckpointCorruptError) else \
                     f"checkpoint {ck.directory / str(s)} failed to restore ({ckpt.one_line(e)})"
                 if step is not None:
@@ -181,7 +206,7 @@ class LearnerCheckpoints:
         raise ckpt.CheckpointCorruptError(
             f"no restorable checkpoint in {ck.directory}: " + "; ".join(w for _, w in skipped))
 
-    def _restore_shared(self, ckpt_dir, step) -> dict:
+    def _restore_shared(self, ckpt_dir, step, read_only: bool = False) -> dict:
         """:meth:`restore` with the learner on some processes only (a collective every process calls): the
         holders restore, then every process gets the first holder's metadata (or its one-line error) through
         the ``jax.distributed`` key-value store; a process without learner devices takes the recorded
@@ -190,7 +215,7 @@ class LearnerCheckpoints:
         if self.procs.holds_learner:
             self._in_shared = True  # restore as a plain holder
             try:
-                meta = self.restore(ckpt_dir, step)
+                meta = self.restore(ckpt_dir, step, read_only=read_only)
             except Exception as e:  # noqa: BLE001 - handed to every process, then raised everywhere
                 err = e
             finally:
@@ -249,6 +274,11 @@ class LearnerCheckpoints:
 
     def close(self) -> None:
         """Finish pending writes and close every checkpointer."""
-        for c in self._ckptrs.values():
-            c.close()
-        self._ckptrs.clear()
+        try:
+            for c in self._ckptrs.values():
+                c.close()
+        finally:
+            for c in self._readers.values():
+                c.close()
+            self._ckptrs.clear()
+            self._readers.clear()

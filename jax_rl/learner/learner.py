@@ -471,14 +471,21 @@ class Learner:
         Raises:
             NonFiniteTrainingError: ``optim.max_skipped_steps`` non-finite steps in a row.
         """
+        out = self._sft_runner().step(batch)
+        if "nonfinite_updates" in out:
+            self._note_nonfinite(out, "sft_step", 1, self.version)
+        return out
+
+    def set_sft_count(self, n: int) -> None:
+        """A resumed SFT: its schedule continues at applied update ``n`` (the AdamW moments start fresh)."""
+        self._sft_runner().count = int(n)
+
+    def _sft_runner(self) -> SftRunner:
         if self._sft is None:
             self._sft = SftRunner(self.cfg, self.held, graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
                                   param_shardings=self.param_shardings, placement=self.placement,
                                   vocab_size=self.model_config.vocab_size, processes=self.processes)
-        out = self._sft.step(batch)
-        if "nonfinite_updates" in out:
-            self._note_nonfinite(out, "sft_step", 1, self.version)
-        return out
+        return self._sft
 
     def reset_proximal(self) -> None:
         """The params changed outside RL (SFT ended): re-anchor the correction strategy's state on

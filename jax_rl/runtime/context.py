@@ -240,26 +240,43 @@ class RunContext:
         return rl_step
 
     # ---------------------------------------------------------------- SFT
-    def sft(self, steps: Optional[int] = None, progress: bool = True) -> dict:
+    def sft(self, steps: Optional[int] = None, progress: bool = True, stop: Optional[threading.Event] = None,
+            until: Optional[int] = None) -> dict:
         """Cross-entropy on reference-solver demos (assistant tokens only), then the learner's
-        proximal state is reset to the SFT'd params. Returns the last metrics."""
+        proximal state is reset to the SFT'd params. Returns the last metrics.
+
+        Continues from ``self.meta["sft_steps_done"]`` (a resumed SFT: the same demo batches as an
+        uninterrupted one, the schedule at that step; the AdamW moments restart, they are not checkpointed).
+        ``stop`` (a signal's event): set, SFT ends after the current step, ``self.meta["sft_steps_done"]``
+        says where, the proximal state is not reset and the metrics get ``stopped=True``. ``until``: the same
+        stop before SFT step ``until`` (the Ray driver runs SFT in parts, to check its signals in between)."""
         cfg = self.cfg
         steps = cfg.sft.steps if steps is None else steps
         if steps <= 0:
             return {}
         t = time.perf_counter()
-        demos = sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
+        start = int(self.meta.get("sft_steps_done", 0))
+        if getattr(self, "_sft_demos", None) is None:  # (built once: an SFT in parts builds them once)
+            self._sft_demos = sft_examples(cfg, self.tokenizer, self.env_factory, cfg.sft.num_demos)
+        demos = self._sft_demos
         rng = np.random.default_rng(cfg.run.seed)
         last: dict = {}
-
+        pick = lambda: rng.choice(len(demos), size=cfg.sft.batch_size, replace=len(demos) < cfg.sft.batch_size)  # noqa: E731
+        for _ in range(min(start, steps)):  # the batches the SFT before the stop trained on
+            pick()
+        if start:
+            self.learner.set_sft_count(start)
         with TrainProgress(steps, enabled=progress and cfg.logging.progress, description="SFT") as bar:
-            for s in range(steps):
-                idx = rng.choice(len(demos), size=cfg.sft.batch_size, replace=len(demos) < cfg.sft.batch_size)
-                batch = pad_examples([demos[i] for i in idx], pad_id=self.tokenizer.pad_id)
+            for s in range(start, steps):
+                if (stop is not None and stop.is_set()) or (until is not None and s >= until):
+                    self.meta["sft_steps_done"] = s
+                    return {**last, "stopped": True, "sft_steps_done": s}
+                batch = pad_examples([demos[i] for i in pick()], pad_id=self.tokenizer.pad_id)
                 last = self.learner.sft_step(batch)
                 bar.update(s + 1, {"sft_loss": last.get("sft_loss", last.get("loss", float("nan")))})
                 if s % 10 == 0 or s == steps - 1:
                     self._sft_log(s + 1, last)
+        self.meta["sft_steps_done"] = steps
         self.learner.reset_proximal()  # SFT ends here: EWMA <- params, re-snapshot the version
         last["sft_wall_s"] = time.perf_counter() - t
         return last
@@ -268,13 +285,28 @@ class RunContext:
         with open(self.run_dir / "sft.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **sanitize(metrics)[0]}) + "\n")
 
-    def sft_and_eval(self, progress: bool = True) -> dict:
+    def sft_and_eval(self, progress: bool = True, stop: Optional[threading.Event] = None) -> Optional[dict]:
         """SFT (``sft.steps``; none when 0), then the held-out eval ``after_sft``; both recorded in
-        ``self.meta`` (``sft_done``, ``sft_success``, ``sft_metrics``, ``sft_eval``). Returns the eval."""
-        m = self.sft(progress=progress) if self.cfg.sft.steps > 0 else {}
+        ``self.meta`` (``sft_done``, ``sft_success``, ``sft_metrics``, ``sft_eval``). Returns the eval, or None
+        when ``stop`` was set before SFT and its eval were done (``self.meta`` says how far: a checkpoint of it
+        resumes there). A stop during the eval lets that eval end (it is SFT's last step)."""
+        m = self.sft(progress=progress, stop=stop) if self.cfg.sft.steps > 0 else {}
+        if m.get("stopped") or (stop is not None and stop.is_set()):
+            return None
         ev = self.evaluate(0, label="after_sft")
         self.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=m, sft_eval=ev)
         return ev
+
+    def stopped_in_sft(self, stop: "StopFlag", command: str = "train") -> int:
+        """A signal stopped SFT (:meth:`sft_and_eval` returned None, or set during its eval): commit a checkpoint
+        at RL step 0 with SFT's progress (``--resume`` continues SFT there), say so, return 128 + the signal."""
+        self.save(0, wait=True)
+        done, total = int(self.meta.get("sft_steps_done", 0)), int(self.cfg.sft.steps)
+        what = "after SFT" if self.meta.get("sft_done") else f"during SFT at step {done} of {total}"
+        how = "--resume continues from it" if command == "train" else \
+            "`jax-rl train --resume` continues from it (SFT, then RL; `jax-rl sft` starts over)"
+        print(f"stopped by signal {stop.signum} {what}: checkpoint {self.ckpt_dir / '0'} committed; {how}", flush=True)
+        return signal_exit_code(stop)
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int, label: str = "eval") -> dict:

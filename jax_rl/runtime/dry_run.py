@@ -29,7 +29,7 @@ from jax_rl.model_builder import layers_stacked, learner_model_kwargs, resolve_m
 from jax_rl.models.qwen3 import count_params
 from jax_rl.runtime.context import RunContext
 from jax_rl.runtime.envs import build_env_factory
-from jax_rl.runtime.resources import engine_memory_bytes
+from jax_rl.runtime.resources import engine_memory_bytes, kv_pool_pages
 
 __all__ = ["dry_run", "run_dry_run", "stand_ins", "weightless_report"]
 
@@ -104,7 +104,8 @@ def weightless_report(cfg: Config, skipped: list[str]) -> dict[str, Any]:
             "learner_devices": n_learner, "mesh": sizes, "learner_bytes_per_device": 12 * n // shards,
             "rollout_engines": cfg.rollout.threads, "engine_devices": eng_devices,
             "engine_bytes_per_device": (em["params"] + em["kv_cache"] + em["state"]) // eng_devices,
-            "kv_cache_bytes_per_engine": em["kv_cache"], "batch_shape": [cfg.optim.batch_size, cfg.optim.max_seq_len],
+            "kv_cache_bytes_per_engine": em["kv_cache"], "kv_pool_pages": kv_pool_pages(cfg, mc),
+            "batch_shape": [cfg.optim.batch_size, cfg.optim.max_seq_len],
             "devices_needed": need, "devices": f"{jax.device_count()} x {jax.default_backend()}",
             "skipped": skipped + [f"building the learner and engines and compiling the train step (the config places "
                                   f"{need} devices, this host has {jax.device_count()} {jax.default_backend()}): "
@@ -148,6 +149,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
             "param_bytes": int(sum(x.size * x.dtype.itemsize for x in leaves)),
             "kv_cache_bytes": int(tr.kv_cache_bytes),
             "kv_cache_bytes_per_engine": engine_memory_bytes(cfg, tr.model_config)["kv_cache"],
+            "kv_pool_pages": kv_pool_pages(cfg, tr.model_config),
             "rollout_engines": cfg.rollout.threads + 1,
             "batch_shape": [B, T],
             "batch_layout": [U, m, r, T],
@@ -202,6 +204,7 @@ def run_dry_run(cfg: Config, console: Optional[Any] = None) -> int:
         ("param bytes (fp32 master)", _human(res["param_bytes"])),
         ("KV cache, all engines", f"{_human(res['kv_cache_bytes'])} = {res['rollout_engines']} engine(s) x "
                                   f"{_human(res['kv_cache_bytes_per_engine'])}"),
+        *_pool_row(cfg, res),
         ("learner batch [B, T]", str(res["batch_shape"])),
         ("batch layout [U, m, r, T]", str(res["batch_layout"])),
         ("mesh", " ".join(f"{k}={v}" for k, v in res["mesh"].items()) + f" on {res['devices']}"),
@@ -219,6 +222,19 @@ def run_dry_run(cfg: Config, console: Optional[Any] = None) -> int:
     (console or Console()).print(t)
     _print_skipped(res["skipped"])
     return 0
+
+
+def _pool_row(cfg: Config, res: dict[str, Any]) -> list[tuple[str, str]]:
+    """The paged layout's pool (``rollout.kv_layout=paged``): pages, their size, the positions and bytes per
+    engine, beside what the contiguous layout would reserve; none for the contiguous layout."""
+    pages, r = res.get("kv_pool_pages"), cfg.rollout
+    if pages is None:
+        return []
+    by = "rollout.kv_pages" if r.kv_pages is not None else "rollout.kv_pool_gib" if r.kv_pool_gib is not None \
+        else "default: the contiguous layout's memory"
+    return [("KV pool (paged) per engine", f"{pages:,} pages x rollout.kv_page_size={r.kv_page_size} = "
+             f"{pages * r.kv_page_size:,} positions, {_human(res['kv_cache_bytes_per_engine'])} ({by}; contiguous: "
+             f"rollout.slots={r.slots} x max_cache_len={r.max_cache_len} = {r.slots * r.max_cache_len:,} positions)")]
 
 
 def _print_skipped(skipped: list[str]) -> None:
@@ -249,6 +265,7 @@ def _print_weightless(cfg: Config, res: dict[str, Any], console: Optional[Any]) 
                                              f"{res['engine_devices']} device(s) x {res['rollout_engines']} engine(s): "
                                              "params copy + KV cache + decode state"),
         ("KV cache per engine", _human(res["kv_cache_bytes_per_engine"])),
+        *_pool_row(cfg, res),
         ("learner batch [B, T]", str(res["batch_shape"])),
         ("this host", res["devices"]),
     ]

@@ -77,7 +77,8 @@ class RolloutManager:
         self.agents = agents
         self.buffer = buffer
         self.version_fn = version_fn
-        self._lock = threading.Lock()
+        # re-entrant: _put holds it across the in-flight pop and the buffer put (and may log an error under it)
+        self._lock = threading.RLock()
         # multi-process (jax.distributed): process p of n starts groups p, p + n, p + 2n, ... (its share of the
         # task stream), so no two processes ever generate the same task; _next_group counts this process's groups
         # (disaggregated: over the processes that run engines, engines.rollout_rank; a learner-only process starts none)
@@ -127,6 +128,13 @@ class RolloutManager:
                 )
             self._in_flight[gid] = seed
             return gid, seed
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """``(buffer export_state, producer state)`` taken together: a finished group is either still in
+        flight (re-issued after a resume) or in the buffer (restored), never in neither (lost) nor both
+        (trained twice): read apart, a group put between the two reads was in neither."""
+        with self._lock:
+            return self.buffer.export_state(), self.state()
 
     def state(self) -> dict:
         """JSON-safe producer state for checkpoints: next group id and the in-flight groups."""
@@ -198,20 +206,23 @@ class RolloutManager:
 
     def _put(self, gid: int, trajs: list, dropped: tuple = ()) -> None:
         """Put a finished group into the buffer (its trajectories ``dropped`` by the scorer left out)."""
-        with self._lock:
+        with self._lock:  # the pop and the put are one step for snapshot(): in flight or in the buffer, never neither
             self._in_flight.pop(gid, None)
             self.generated_tokens += int(sum(t.num_generated for t in list(trajs) + list(dropped)))
             self.groups_done += 1
-        if not trajs:  # every member dropped by the scorer (counted there): the slot goes back
-            self.buffer.cancel(1)
-            return
-        try:
-            self.buffer.put_group(trajs)
-        except Exception as e:  # a malformed group: drop it, give its slot back, go on
-            log.exception("group %d could not be put into the buffer", gid)
-            self._error(f"put group {gid}: {e!r}")
-            self.buffer.cancel(1)
-            self.guard.record_error(len(trajs), f"put group {gid}: {e!r}", kind="put_error")
+            if not trajs:  # every member dropped by the scorer (counted there): the slot goes back
+                self.buffer.cancel(1)
+                return
+            try:
+                self.buffer.put_group(trajs)
+                failed = None
+            except Exception as e:  # a malformed group: drop it, give its slot back, go on
+                failed = e
+                self.buffer.cancel(1)
+        if failed is not None:
+            log.error("group %d could not be put into the buffer", gid, exc_info=failed)
+            self._error(f"put group {gid}: {failed!r}")
+            self.guard.record_error(len(trajs), f"put group {gid}: {failed!r}", kind="put_error")
             return
         self.guard.record(trajs)
 
@@ -465,8 +476,8 @@ class EmbeddedProducer:
         re-issue groups, counters). Multi-process: every process's, in ``processes`` (process order; gathered
         through the ``jax.distributed`` key-value store, a collective), beside process 0's at the top level
         (Orbax writes the metadata from process 0)."""
-        own = {"buffer": self.buffer.export_state(), "buffer_stats": self.buffer.stats(),
-               "producer": self.manager.state()}
+        buf, prod = self.manager.snapshot()
+        own = {"buffer": buf, "buffer_stats": self.buffer.stats(), "producer": prod}
         if jax.process_count() == 1:
             return own
 

@@ -192,6 +192,8 @@ def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer,
     learner.save(rl_steps, producer.state(), wait=True)  # committed before we report or exit
     interrupted = stop.event.is_set()
     final = learner.evaluate(rl_steps, "final") if not (interrupted or rollout_failed) else {}
+    if final:  # the final eval's progress line, as the periodic ones (which skip the last step for it)
+        print(f"eval @ step {rl_steps} (final): held-out success {final['success']:.3f}", flush=True)
     k = cfg.eval.k
     summary = {
         "sft_success": sft_success,

@@ -35,7 +35,7 @@ from jax_rl.runtime.ray_producer import group_source, read_groups
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
 from rollout.agent import AgentLoop
 from rollout.buffer import TrajectoryBuffer
-from rollout.types import Trajectory
+from rollout.types import Trajectory, json_safe
 
 __all__ = ["actor_classes", "jax_tree_to_host"]
 
@@ -194,6 +194,21 @@ class LearnerActor:
     def sft_and_eval(self) -> dict:
         return self.ctx.sft_and_eval(progress=False)
 
+    def sft_part(self, until: int) -> tuple[int, bool]:
+        """SFT up to step ``until`` (the driver checks its signals between parts): ``(steps done, SFT
+        finished)``; finished, the proximal state is reset as :meth:`RunContext.sft` does."""
+        m = self.ctx.sft(progress=False, until=until) if self.ctx.cfg.sft.steps > 0 else {}
+        if not m.get("stopped"):
+            self._sft_metrics = m
+        return int(self.ctx.meta.get("sft_steps_done", 0)), not m.get("stopped")
+
+    def eval_after_sft(self) -> dict:
+        """SFT's held-out eval (after :meth:`sft_part` finished), recorded as :meth:`RunContext.sft_and_eval` does."""
+        ev = self.ctx.evaluate(0, label="after_sft")
+        self.ctx.meta.update(sft_done=True, sft_success=ev["success"], sft_metrics=getattr(self, "_sft_metrics", {}),
+                             sft_eval=ev)
+        return ev
+
     def get_params(self):
         """The params of a publish (:meth:`jax_rl.publish.Publisher.params`, numpy: one object-store copy)."""
         return self.ctx.publisher.params(host=True)
@@ -234,6 +249,11 @@ class LearnerActor:
     def save(self, rl_step: int, meta: dict) -> str:
         self.ctx.save(rl_step, meta, wait=True)
         return str(self.ctx.ckpt_dir)
+
+    def save_meta(self, rl_step: int) -> dict:
+        """:meth:`save` (committed) of the actor's own run metadata (SFT's progress); returns that metadata."""
+        self.ctx.save(rl_step, wait=True)
+        return json_safe(dict(self.ctx.meta), default=str)
 
     def close(self) -> None:
         self.ctx.close()

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -144,9 +145,13 @@ def init_ray(run_dir: Path, num_cpus: Optional[int] = None, runtime=None):
                     "who reaches this machine can submit jobs); use only on a trusted network", host)
     tmp = _ray_temp_dir(run_dir)
     try:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
-                 _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),
-                 log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
+        with warnings.catch_warnings():  # Ray starts its daemons with subprocess (fork + exec at once, a preexec_fn),
+            # which runs JAX's at-fork hook: its "os.fork() ... deadlock" warning is about a fork that keeps running
+            # Python, not one that execs; said twice at every start, it was noise
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=str(tmp),
+                     _node_ip_address="127.0.0.1" if loopback else (None if host in ("0.0.0.0", "::") else host),
+                     log_to_driver=False, ignore_reinit_error=True, runtime_env=runtime_env)
     except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node times out at startup
         _kill_ray_started_under(tmp)
         raise RayFailure(f"runtime=ray: the local Ray node did not start ({type(e).__name__}: "

@@ -29,13 +29,14 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config
 from jax_rl.metrics import MetricsWriter
 from jax_rl.model_builder import build_model_config
 from jax_rl.affinity import pin_process
-from jax_rl.runtime.context import StopFlag, raise_if_disk_full, start_of_run_lines
+from jax_rl.runtime.context import StopFlag, raise_if_disk_full, signal_exit_code, start_of_run_lines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
 from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
 from jax_rl.runtime.ray_actors import actor_classes, jax_tree_to_host
@@ -127,12 +128,37 @@ def _drive(cfg: Config, actor, worker_classes: tuple, stop: StopFlag, run_dir: P
     if meta.get("sft_done"):
         sft_eval = dict(meta.get("sft_eval") or {"success": meta.get("sft_success")})
     else:
-        sft_eval = ray_get(actor.sft_and_eval.remote())
+        sft_eval = _sft_in_parts(cfg, actor, stop, int(meta.get("sft_steps_done", 0)))
+        if sft_eval is None:  # a signal in SFT: its checkpoint (RL step 0, SFT's progress), then stop
+            return _stopped_in_sft(cfg, actor, stop, ckpt_dir)
         print(sft_line(cfg, sft_eval), flush=True)
     producer = RayProducer(cfg, actor, hf, meta, actor_classes=worker_classes)
     producer.stop_event = stop.event  # a SIGTERM while the workers compile does not wait for them
     return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
                   sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
+
+
+SFT_PART = 25  # SFT steps per learner-actor call: the driver checks its signals between two
+
+
+def _sft_in_parts(cfg: Config, actor, stop: StopFlag, done: int) -> Optional[dict]:
+    """SFT in the learner actor, ``SFT_PART`` steps a call from step ``done``, then its eval; None when a signal
+    came first (after the part in flight: at most ``SFT_PART`` steps later)."""
+    finished = cfg.sft.steps <= 0
+    while not finished and not stop.event.is_set():
+        done, finished = ray_get(actor.sft_part.remote(done + SFT_PART))
+    if stop.event.is_set():
+        return None
+    return ray_get(actor.eval_after_sft.remote())
+
+
+def _stopped_in_sft(cfg: Config, actor, stop: StopFlag, ckpt_dir: Path) -> int:
+    meta = ray_get(actor.save_meta.remote(0))
+    done = int(meta.get("sft_steps_done", 0))
+    what = "after SFT" if meta.get("sft_done") else f"during SFT at step {done} of {cfg.sft.steps}"
+    print(f"stopped by signal {stop.signum} {what}: checkpoint {Path(ckpt_dir) / '0'} committed; --resume "
+          "continues from it", flush=True)
+    return signal_exit_code(stop)
 
 
 def _actor_failure(e: Exception, actor, ckpt_dir: Path) -> RayFailure:

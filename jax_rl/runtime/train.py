@@ -32,12 +32,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 
 from jax_rl.checkpoint import resolve_checkpoint_dir
 from jax_rl.config import Config, ConfigError, load_config
+from jax_rl.learner.advantages import check_group_size
 from jax_rl.model_builder import adopt_checkpoint_layer_layout
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, raise_if_disk_full,
-                                    resume_rl_step)
+                                    resume_rl_step, signal_exit_code)
 from jax_rl.runtime.embedded import EmbeddedProducer
 from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
 from jax_rl.runtime.run_dir import lock_run_dir, multiprocess_start, resolve_run_dir, unlock_run_dir
@@ -63,6 +65,10 @@ def run_train(cfg: Config) -> int:
         naming the run dir and the bytes needed; the last good checkpoint is intact).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        check_group_size(cfg.algo)  # (the CLI refused it already: here for a run_train called directly)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with _holding_run_dir(cfg, "train"):
         return _run_train(cfg)
 
@@ -95,12 +101,19 @@ def _run_train(cfg: Config) -> int:
         return run_train_ray(cfg)
     # start-of-run lines (a config where no prompt fits ends here); the run dir is created by
     # materialize() once every check (resume included) has passed
-    ctx = RunContext(cfg, create_dir=False, preflight=True)
     stop = StopFlag()
-    stop.install()
+    stop.install()  # before the tokenizer training and the model build: a signal there stops before anything is written
+    try:
+        ctx = RunContext(cfg, create_dir=False, preflight=True)
+    except BaseException:
+        stop.restore()
+        raise
     start_step = 0
     failed = True
     try:
+        if stop.event.is_set():
+            failed = False
+            return _stopped_before_start(stop)
         if cfg.resume:
             start_step = ctx.resume()  # every check; raises before anything is written
             done = finished_run_line(cfg, resolve_run_dir(cfg, create=False), start_step)
@@ -115,7 +128,11 @@ def _run_train(cfg: Config) -> int:
             drop_newer_checkpoints(ctx.learner, ctx.ckpt_dir, ctx.resumed_step)
         ctx.open_writer(resume_step=start_step if cfg.resume else None)
         if not ctx.meta.get("sft_done"):
-            print(sft_line(cfg, ctx.sft_and_eval()))
+            ev = ctx.sft_and_eval(stop=stop.event)
+            if ev is None or stop.event.is_set():  # a signal in SFT or its eval: checkpoint and stop there
+                failed = False
+                return ctx.stopped_in_sft(stop)
+            print(sft_line(cfg, ev))
         producer = EmbeddedProducer(ctx, ctx.meta)
         rc = run_rl(cfg, ctx, producer, ctx.writer, stop, start_step=start_step, pad_id=ctx.tokenizer.pad_id,
                     sft_success=ctx.meta.get("sft_success"), run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir, t0=ctx.t0)
@@ -136,6 +153,11 @@ def _run_train(cfg: Config) -> int:
         stop.restore()
 
 
+def _stopped_before_start(stop: StopFlag) -> int:
+    print(f"stopped by signal {stop.signum} while starting (tokenizer, model): nothing was written", flush=True)
+    return signal_exit_code(stop)
+
+
 def run_sft(cfg: Config) -> int:
     """``jax-rl sft``: SFT only, then a held-out eval and a checkpoint."""
     logging.basicConfig(level=logging.WARNING)
@@ -153,12 +175,26 @@ def _run_sft(cfg: Config) -> int:
     if cfg.runtime.kind != "embedded":  # no rollout: nothing for Ray to run
         log.warning("runtime=%s: `jax-rl sft` runs SFT and its eval in this process; runtime.* applies to "
                     "`jax-rl train`", cfg.runtime.kind)
+    stop = StopFlag()
+    stop.install()
+    try:
+        return _sft_stoppable(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _sft_stoppable(cfg: Config, stop: StopFlag) -> int:
     ctx = RunContext(cfg, create_dir=False)
+    if stop.event.is_set():
+        ctx.learner.close()
+        return _stopped_before_start(stop)
     ctx.hold("sft")
     ctx.materialize()
     ctx.open_writer()
     try:
-        ev = ctx.sft_and_eval()
+        ev = ctx.sft_and_eval(stop=stop.event)
+        if ev is None or stop.event.is_set():
+            return ctx.stopped_in_sft(stop, command="sft")
         ctx.save(0, wait=True)
         out = json_safe({"sft_success": ev["success"], "sft_loss": ctx.meta["sft_metrics"].get("sft_loss"),
                          "checkpoints": str(ctx.ckpt_dir)}, default=str)
@@ -204,14 +240,24 @@ def run_eval(cfg: Config, checkpoint_dir: str) -> int:
     cfg.run.dir = str(ckpt.parent)
     cfg.resume_step = None
     cfg.resume = False
+    # a reader writes nothing in the run dir (maybe a live run's): a disk snapshot store goes to a scratch dir
+    scratch = tempfile.TemporaryDirectory(prefix="jxrl-eval-")
+    cfg.old_logits.dir = scratch.name
+    try:
+        _eval_restored(cfg, ckpt, step)
+    finally:
+        scratch.cleanup()
+    return 0
+
+
+def _eval_restored(cfg: Config, ckpt, step) -> None:
     ctx = RunContext(cfg, create_dir=False)
     try:
-        meta = ctx.learner.checkpoints.restore(ckpt, step=step)
+        meta = ctx.learner.checkpoints.restore(ckpt, step=step, read_only=True)
         print(f"evaluating {ckpt / str(meta['checkpoint_step'])} (RL step {resume_rl_step(meta)}, "
               f"version {ctx.learner.version})", file=sys.stderr, flush=True)
         ev = ctx.evaluate(resume_rl_step(meta), label="standalone")
         print(json.dumps(json_safe(ev, default=str), indent=2))
-        return 0
     finally:
         ctx.close()
         ctx.learner.close()

