@@ -234,6 +234,9 @@ def cmd_plot(args) -> int:
             print(f"jax-rl: error: {d} holds no metrics.jsonl: not a run dir (give the run.dir of a `jax-rl train`)",
                   file=sys.stderr)
             return 2
+    if not args.out:  # a reader never writes into a run dir (it may be live): the figures go under ./plots/
+        first = Path(args.run_dirs[0])
+        args.out = str(Path("plots") / (first.parent if first.is_file() else first).resolve().name)
     if args.out:  # a file there, or a dir that cannot be made: one line naming --out
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -360,7 +363,8 @@ def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
     """The ``plot`` subcommand. Training-dynamics PNGs for run dirs: the run dirs, --out, --group-by."""
     pl = sub.add_parser("plot", help="training-dynamics PNGs for one or more run dirs")
     pl.add_argument("run_dirs", nargs="+", help="run dirs holding metrics.jsonl")
-    pl.add_argument("--out", default=None, help="output dir (default: <first run>/plots)")
+    pl.add_argument("--out", default=None,
+                    help="output dir (default: ./plots/<first run's dir name>: a reader never writes into a run dir)")
     pl.add_argument("--group-by", default=None, metavar="KEYS",
                     help="comma-separated config keys, e.g. loss.correction,async.max_staleness: also "
                          "groups.png, the mean +- std band over the runs of each group (seeds), with "

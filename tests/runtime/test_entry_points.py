@@ -286,6 +286,21 @@ def test_plot_group_by_a_misspelt_key_is_refused(tmp_path, capsys):
     assert main(["plot", str(d), "--group-by", "loss.correction,env.retail.num_users", "--out", str(tmp_path / "p")]) == 0
 
 
+def test_plot_without_out_writes_nothing_into_the_run_dir(tmp_path, capsys, monkeypatch):
+    """A reader never writes into a run dir (it may be a live run's): without --out the figures go under
+    ./plots/<run dir name>, and the run dir's listing is unchanged."""
+    d = tmp_path / "runs" / "r1"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": 0.6}\n')
+    before = sorted(p.name for p in d.iterdir())
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["plot", str(d)]) == 0
+    assert sorted(p.name for p in d.iterdir()) == before
+    assert list((work / "plots" / "r1").glob("*.png"))
+
+
 def test_export_to_a_file_says_so(tmp_path):
     from jax_rl.export import ExportError, _check_out_dir
 
