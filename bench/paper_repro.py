@@ -118,13 +118,12 @@ def pending(todo: list[dict], done: dict[str, dict], extra: list[str], steps: Op
     return [c for c in todo if not same(c)]
 
 
-# Setting ids whose config chains differ only in text that changes no number, mapped to the id their records
-# were first made under. a255683aed9e: paper_small_stale --shared-sft 2 after configs/base.yaml (the generated
-# reference every config inherits) gained `loss.ewma_reset_cooldown: 0` (d77bc58), the default that leaves the
-# loss unchanged (tests/losses/test_proximal_advantages.py: cool-down 0 is the old rule); the SFT checkpoints of both ids are
-# byte-identical (checked with cmp, 2026-12-03).
-# Issue 42 added `loss.ewma_reset: current` to configs/base.yaml: the default is the rule every earlier record ran
-# (the same computation: tests/losses/test_ewma_reset_rule.py), so the drift, stale and MoE settings keep their ids.
+# Setting ids whose config chains differ only in text that changes no number, mapped to the id their records were first
+# made under. a255683aed9e: paper_small_stale --shared-sft 2 after base.yaml gained `loss.ewma_reset_cooldown: 0`
+# (d77bc58), a default that leaves the loss unchanged (tests/losses/test_proximal_advantages.py: cool-down 0 is the old
+# rule); the SFT checkpoints of both ids are byte-identical (checked with cmp, 2026-12-03). Issue 42 added
+# `loss.ewma_reset: current` to base.yaml: the default is the rule every earlier record ran (the same computation:
+# tests/losses/test_ewma_reset_rule.py), so the drift, stale and MoE settings keep their ids.
 SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44", "bf0298d94486": "160cc6e841e5",
                    "ffb9a6d0e061": "6b7ef691a83e",
                    # issue 50: base.yaml's `loss.ewma_reset` default current -> guarded; every mode pins its rule
@@ -148,7 +147,10 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    # rollout.prefill_chunk_size added (the paged layout's chunked prefill; the paper configs run
                    # the contiguous layout, which does not chunk)
                    "ccec1e16a5b5": "fe44208e4440", "6564a4119efe": "61ef306916a7", "a6093ebbdcc2": "6db4c725c5c6",
-                   "949b25961f55": "f89beb774d44", "5677f874ddc4": "160cc6e841e5", "610d182a0b6a": "6b7ef691a83e"}
+                   "949b25961f55": "f89beb774d44", "5677f874ddc4": "160cc6e841e5", "610d182a0b6a": "6b7ef691a83e",
+                   # issue 61: base.yaml's kv_layout default -> paged; paper_small.yaml pins contiguous (every record's)
+                   "ec8835d82859": "fe44208e4440", "612a988726a6": "61ef306916a7", "c482fbeb1b4c": "6db4c725c5c6",
+                   "a1e856634462": "f89beb774d44", "ae1499fc6a68": "160cc6e841e5", "cba5b54d9e54": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:
