@@ -63,7 +63,7 @@ def runner(cfg, params, a, new_tokens: int, arm: str):
     timed = TimedEngine(eng)
     gen = Generator(timed, decode_steps=a.decode_steps)
     if arm == "fixed":  # every call a whole decode_steps scan
-        gen._call_steps = lambda: gen.decode_steps
+        gen.loop.call_steps = lambda: gen.decode_steps
     prompts = grouped_prompts(a.slots, a.prompt_len, cfg.vocab_size, a.groups)
     seed = [0]
 

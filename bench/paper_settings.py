@@ -42,7 +42,12 @@ SETTING_ALIASES = {"a255683aed9e": "f89beb774d44", "e2370b68383c": "f89beb774d44
                    "4d25b0a02070": "f89beb774d44", "d8c2f74ee2e5": "160cc6e841e5", "d13e54f6b30d": "6b7ef691a83e",
                    # issue 64: calculator's knobs under env.calculator (tiny_cpu.yaml's env section; the same env)
                    "35d369d10c8d": "fe44208e4440", "7871347f46c1": "61ef306916a7", "5568da6f35c0": "6db4c725c5c6",
-                   "a7b5e17c8633": "f89beb774d44", "2bd28774dc38": "160cc6e841e5", "608ffd549027": "6b7ef691a83e"}
+                   "a7b5e17c8633": "f89beb774d44", "2bd28774dc38": "160cc6e841e5", "608ffd549027": "6b7ef691a83e",
+                   # wave 6: base.yaml gains model.bitwise (default false: the fast path every record ran) and the
+                   # `behav` route choice; rollout.kv_layout's default -> paged while paper_small.yaml pins contiguous
+                   # (the layout every record ran on)
+                   "b6af22de851c": "fe44208e4440", "ae00c7244d1b": "61ef306916a7", "b6a4ef9051e9": "6db4c725c5c6",
+                   "28bfe74b2dd9": "f89beb774d44", "a896375da68e": "160cc6e841e5", "67312e18b362": "6b7ef691a83e"}
 
 
 def canonical_setting(sid: Optional[str]) -> Optional[str]:

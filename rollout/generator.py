@@ -98,10 +98,10 @@ from typing import Any, Collection, Optional, Sequence
 import jax
 import numpy as np
 
-from rollout.admission import admission_sorted, gang_fits
-from rollout.decode_loop import DecodeLoop
+from rollout.admission import admission_sorted
+from rollout.decode_loop import Completions, DecodeLoop
+from rollout.generator_state import GeneratorOptions, HeldEpisodes, RequestQueue, SlotTable, Weights
 from rollout.kv_holds import KVHolds
-from rollout.generator_state import HeldEpisodes, RequestQueue, SlotTable
 from rollout.kv_pressure import KVPressure
 from rollout.types import Completion, DecodeEngine  # Completion: tokens, behav_logp, versions, finish_reason, info
 
@@ -125,7 +125,8 @@ class _Req:
     budget: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     # float32 / int32 [capacity]: the step outputs' columns written in place per generated token
-    # (:meth:`Generator._consume_step`); the first len(tokens) entries are real (set at admission)
+    # (:meth:`rollout.decode_loop.DecodeLoop.consume_step`); the first len(tokens) entries are real (set at
+    # admission)
     behav_logp: Optional[np.ndarray] = None
     versions: Optional[np.ndarray] = None
     routes: list = dataclasses.field(default_factory=list)  # [n_moe_layers, k] per context position
@@ -147,7 +148,7 @@ class _Req:
     preemptions: int = 0  # times its slot's K/V were taken back for pages (rollout.kv_pressure)
 
 
-class Generator(KVHolds, DecodeLoop):
+class Generator:
     """Continuous-batching generator over a JetStream-style engine.
 
     Args:
@@ -193,25 +194,24 @@ class Generator(KVHolds, DecodeLoop):
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         if prefill_budget is not None and int(prefill_budget) < 1:
             raise ValueError(f"prefill_budget must be >= 1 token, got {prefill_budget}")
-        self.decode_steps = int(decode_steps)
-        self.step_counts = tuple(sorted({1 << i for i in range(self.decode_steps.bit_length())
-                                         if 1 << i < self.decode_steps} | {self.decode_steps}))
-        """The decode-step counts an engine call may run (:meth:`_call_steps`): the powers of two
-        below ``decode_steps``, and ``decode_steps``; one compiled program each."""
-        self.keep_kv = bool(keep_kv)
-        self.prefill_budget = int(prefill_budget if prefill_budget is not None
-                                  else 4 * int(engine.max_prefill_length))
-        self._moe_drops = bool(engine.counts_moe_drops)  # engine docstring, "MoE capacity drops"
-        self._moe_cpt = int(engine.moe_copies_per_token)
-        self.prefix_cache = int(prefix_cache)
-        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # (tokens, version) -> prefix (LRU)
+        n = int(decode_steps)
+        self.opts = GeneratorOptions(
+            partial=partial, keep_kv=bool(keep_kv), decode_steps=n,
+            # the decode-step counts an engine call may run (DecodeLoop.call_steps): the powers of two below
+            # decode_steps, and decode_steps; one compiled program each
+            step_counts=tuple(sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})),
+            prefill_budget=int(prefill_budget if prefill_budget is not None else 4 * int(engine.max_prefill_length)),
+            prefix_cache=int(prefix_cache), max_cache_len=int(engine.max_cache_len),
+            moe_drops=bool(engine.counts_moe_drops),  # engine docstring, "MoE capacity drops"
+            moe_copies_per_token=int(engine.moe_copies_per_token))
+        """The generator's settings (:class:`rollout.generator_state.GeneratorOptions`)."""
+        self.decode_steps, self.step_counts, self.keep_kv = n, self.opts.step_counts, self.opts.keep_kv
+        self.prefill_budget, self.prefix_cache, self.partial = self.opts.prefill_budget, self.opts.prefix_cache, partial
         self.engine = engine
-        self.partial = partial
-        self._params = params if params is not None else engine.params
-        if self._params is None:
+        if (params if params is not None else engine.params) is None:
             raise ValueError("Generator needs params (engine.params is None)")
-        self._version = int(version)
-        self._S = int(engine.max_cache_len)
+        self.weights = Weights(params if params is not None else engine.params, int(version))
+        """The params that produce tokens now and their version (replaced at a swap, between decode steps)."""
 
         # the generator's state, declared (rollout.generator_state) and handed to its collaborators
         self.table = SlotTable(int(engine.max_concurrent_decodes), engine.init_decode_state())
@@ -227,6 +227,13 @@ class Generator(KVHolds, DecodeLoop):
         self.stats = collections.Counter()
         self.pressure = KVPressure(engine, self.table, self.requests, self.holds, self.stats, self.decode_steps)
         """What the generator does when a pooled K/V layout runs short (:mod:`rollout.kv_pressure`)."""
+        self.completions = Completions(engine, self.opts)
+        self.kv = KVHolds(engine, self.table, self.requests, self.holds, self.weights, self.opts, self.stats,
+                          self.completions)
+        """Slots, prefills, held slots and the prefix cache (:mod:`rollout.kv_holds`)."""
+        self.loop = DecodeLoop(engine, self.table, self.weights, self.opts, self.stats, self.pressure, self.kv,
+                               self.completions)
+        """Engine calls and per-token records (:mod:`rollout.decode_loop`)."""
         self._ids = itertools.count()
         self._admits = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -236,7 +243,12 @@ class Generator(KVHolds, DecodeLoop):
     @property
     def version(self) -> int:
         """Version of the params that produce tokens now (a pending update is not counted)."""
-        return self._version
+        return self.weights.version
+
+    @property
+    def _params(self) -> Any:
+        """The params that produce tokens now (``weights.params``)."""
+        return self.weights.params
 
     def kv_stats(self) -> dict[str, int]:
         """The K/V layout's counters and the generator's (:meth:`rollout.kv_pressure.KVPressure.kv_stats`);
@@ -245,7 +257,7 @@ class Generator(KVHolds, DecodeLoop):
 
     @property
     def num_active(self) -> int:
-        return sum(r is not None for r in self.table.reqs)
+        return self.loop.num_active
 
     @property
     def num_queued(self) -> int:
@@ -292,8 +304,9 @@ class Generator(KVHolds, DecodeLoop):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token")
-        if len(prompt) >= self._S:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_cache_len={self._S}")
+        if len(prompt) >= self.opts.max_cache_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in "
+                             f"max_cache_len={self.opts.max_cache_len}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -314,7 +327,7 @@ class Generator(KVHolds, DecodeLoop):
         )
         fut.request_id = req.request_id  # type: ignore[attr-defined]
         if max_new_tokens == 0:
-            self._resolve(req, "length")
+            self.completions.resolve(req, "length")
             return fut
         with self._lock:
             if getattr(self, "_closed", False):  # stopped: never leave a caller waiting forever
@@ -393,7 +406,7 @@ class Generator(KVHolds, DecodeLoop):
                 waiting = [r for r in self.requests.queue if r.tokens]
             for req in self.table.reqs + waiting:
                 if req is not None and req.request_id == request_id:
-                    return list(req.tokens), req.versions[:len(req.tokens)].tolist(), self._routes_array(req)
+                    return list(req.tokens), req.versions[:len(req.tokens)].tolist(), self.completions.routes_array(req)
         return None
 
     def step(self) -> bool:
@@ -472,6 +485,21 @@ class Generator(KVHolds, DecodeLoop):
         self.stop()
 
     # ------------------------------------------------------------------ internals
+    def _apply_pending(self) -> None:
+        """Swap in the params of a pending :meth:`update_params` (``stats["updates"]``); the sequences in slots,
+        held or preempted are then treated by ``partial`` (:meth:`rollout.kv_holds.KVHolds.after_swap`)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.weights.params, self.weights.version = pending
+        self.stats["updates"] += 1
+        self.kv.after_swap()
+
+    def _decode(self) -> None:
+        """One engine call for all slots and its tokens recorded (:meth:`rollout.decode_loop.DecodeLoop.decode`)."""
+        self.loop.decode()
+
     def _loop(self) -> None:
         while True:
             with self._lock:
@@ -511,30 +539,30 @@ class Generator(KVHolds, DecodeLoop):
         admits a request only when its pool can hold it (:mod:`rollout.kv_pressure`); a request
         preempted before re-prefills its prompt and the tokens it generated.
         """
-        self._apply_releases()
+        self.kv.apply_releases()
         decoding = self.num_active > 0
-        free = self._free_slots()
+        free = self.kv.free_slots()
         items: list = []
         copies: list = []  # (slot, req, index in items of the identical prompt it copies after the prefill)
         pre_first: dict = {}  # full prompt -> index in items of its first prefix-route request this step
         seen: dict = {}  # a fresh row's context -> its slot (a later identical row forks its pages)
         spent = 0
-        pages = self.pressure.page_budget(self._free_finished)  # None: an engine without pages
+        pages = self.pressure.page_budget(self.loop.free_finished)  # None: an engine without pages
         with self._lock:  # by order key (group, sample, turn), not by arrival (rollout.admission)
             self.requests.queue = admission_sorted(self.requests.queue)
-        while (req := self._queue_head(free)) is not None:
+        while (req := self.requests.head(len(free) + len(self.holds.by_session), self.table.size)) is not None:
             ctx = req.prompt + req.tokens  # a preempted request re-prefills what it generated too
-            slot, start, held = self._held_slot_for(req, free)
+            slot, start, held = self.kv.held_slot_for(req, free)
             key = tuple(ctx) if start == 0 else None
             pre = copy_of = None
             if start == 0 and self.prefix_cache and req.prefix_len and key not in seen:
                 if key in pre_first:  # a GRPO group's next sample: copy the first one's slot
                     copy_of = pre_first[key]
                 else:
-                    pre = (tuple(req.prompt[: req.prefix_len]), self._version)
+                    pre = (tuple(req.prompt[: req.prefix_len]), self.weights.version)
                     start = req.prefix_len
             cost = 0 if (key in seen or copy_of is not None) else len(ctx) - 1 - start
-            if pre is not None and pre not in self._prefixes:
+            if pre is not None and pre not in self.kv.prefixes:
                 cost += start
             if decoding and items and spent + cost > self.prefill_budget:
                 break
@@ -542,8 +570,8 @@ class Generator(KVHolds, DecodeLoop):
             if self.pressure.pages_wait(pages, need, shard, not (decoding or items)):
                 break
             if held is not None:
-                self._take_held(req, held, start)
-            elif (slot := self._take_slot(free)) is None:
+                self.kv.take_held(req, held, start)
+            elif (slot := self.kv.take_slot(free)) is None:
                 break
             if pages is not None:
                 pages[shard] -= need
@@ -557,42 +585,15 @@ class Generator(KVHolds, DecodeLoop):
             if req.tokens:  # re-admitted after a preemption (rollout.kv_pressure)
                 self.stats["kv_reprefill_tokens"] += len(ctx) - 1 - start
             if req.behav_logp is None:  # the most tokens it can generate: its budget, capped by the cache room
-                cap = min(req.max_new_tokens, self._S - len(req.prompt))
+                cap = min(req.max_new_tokens, self.opts.max_cache_len - len(req.prompt))
                 req.behav_logp, req.versions = np.empty(cap, np.float32), np.empty(cap, np.int32)
             if copy_of is not None:
                 copies.append((slot, req, copy_of))
                 continue
             if pre is not None:
-                if not self._use_prefix(pre, req, slot):
+                if not self.kv.use_prefix(pre, req, slot):
                     continue  # the prefix's prefill failed: the request is failed (counted)
                 pre_first[key] = len(items)
             items.append((slot, req, ctx, start))
-        self._prefill_batch(items)
-        self._copy_firsts(copies, items)
-
-    def _queue_head(self, free: list) -> Optional[_Req]:
-        """The next queued request to admit (cancelled ones dropped), or None: the queue is empty, or its
-        head's gang does not fit the slots yet (its whole gang next step: rollout.admission)."""
-        with self._lock:
-            while self.requests.queue and self.requests.queue[0].future.cancelled():
-                self.requests.queue.popleft()
-            if not self.requests.queue:
-                return None
-            req = self.requests.queue[0]
-            return req if gang_fits(self.requests.queue, req, len(free) + len(self.holds.by_session), self.table.size) else None
-
-    def _copy_firsts(self, copies: list, items: list) -> None:
-        """The prefix-cache route's GRPO samples: copy their first sample's slot (prefilled in ``items``)."""
-        for slot, req, i in copies:
-            src, first = items[i][0], items[i][1]
-            if self.table.reqs[src] is not first:  # its first sample's prefill failed: try again next step
-                with self._lock:
-                    self.requests.queue.appendleft(req)
-                continue
-            self.table.state = self.engine.copy_slot(self.table.state, src, slot, token=req.prompt[-1], seed=req.seed,
-                                                temperature=req.temperature)
-            req.routes = list(first.routes)
-            req.shared_prefill = True
-            self.stats["prefills"] += 1
-            self.stats["shared_prefills"] += 1
-            self.table.reqs[slot] = req
+        self.kv.prefill_batch(items)
+        self.kv.copy_firsts(copies, items)

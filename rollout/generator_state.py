@@ -1,5 +1,9 @@
 """The :class:`rollout.generator.Generator`'s state as declared objects, handed to its collaborators
-(:class:`rollout.kv_pressure.KVPressure`) instead of attributes a mixin reads without setting them.
+(:class:`rollout.kv_pressure.KVPressure`, :class:`rollout.kv_holds.KVHolds`, :class:`rollout.decode_loop.DecodeLoop`)
+instead of attributes a mixin reads without setting them.
+
+* :class:`GeneratorOptions`: the generator's fixed settings (``partial``, ``keep_kv``, ``decode_steps``, ...);
+* :class:`Weights`: the params that produce tokens now and their version (replaced at a weight swap);
 
 * :class:`SlotTable`: which request each engine slot serves, the slots whose request ended since the last
   decode call, and the engine's decode state for those slots;
@@ -16,9 +20,43 @@ import dataclasses
 import threading
 from typing import Any, Optional
 
-from rollout.admission import GangRoom
+from rollout.admission import GangRoom, gang_fits
 
-__all__ = ["SlotTable", "RequestQueue", "HeldEpisodes"]
+__all__ = ["GeneratorOptions", "Weights", "SlotTable", "RequestQueue", "HeldEpisodes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorOptions:
+    """The generator's settings, fixed at construction (:class:`rollout.generator.Generator`'s Args).
+
+    Attributes:
+      partial: ``continue | recompute_kv | abort``: the sequences in slots at a weight swap.
+      keep_kv: hold a finished session's slot for its next turn.
+      decode_steps: the most decode steps per engine call; ``step_counts`` the counts a call may run.
+      prefill_budget: prefill tokens per step while a slot decodes.
+      prefix_cache: shared prefixes kept (0: off).
+      max_cache_len: the engine's K/V positions per slot (``engine.max_cache_len``).
+      moe_drops: the engine counts MoE capacity drops; ``moe_copies_per_token`` its copies per token.
+    """
+
+    partial: str
+    keep_kv: bool
+    decode_steps: int
+    step_counts: tuple
+    prefill_budget: int
+    prefix_cache: int
+    max_cache_len: int
+    moe_drops: bool
+    moe_copies_per_token: int
+
+
+@dataclasses.dataclass
+class Weights:
+    """The params that produce tokens now (``params``, loaded by ``engine.load_params``) and their ``version``;
+    both replaced together at a weight swap, between decode steps."""
+
+    params: Any
+    version: int
 
 
 @dataclasses.dataclass
@@ -41,6 +79,11 @@ class SlotTable:
         if not self.reqs:
             self.reqs = [None] * self.size
 
+    def release(self, slot: int) -> None:
+        """``slot``'s request left it: free, and deactivated at the next decode call unless re-armed."""
+        self.reqs[slot] = None
+        self.finished.append(slot)
+
     def clear(self) -> None:
         """Every slot free; all of them deactivated at the next decode call unless re-armed."""
         self.reqs = [None] * self.size
@@ -61,6 +104,18 @@ class RequestQueue:
     def __post_init__(self) -> None:
         if self.wake is None:
             self.wake = threading.Condition(self.lock)
+
+    def head(self, room: int, slots: int) -> Any:
+        """The next queued request to admit (cancelled ones dropped), or None: the queue is empty, or its head's
+        gang does not fit ``room`` free or held slots of the engine's ``slots`` yet (its whole gang next step:
+        :mod:`rollout.admission`)."""
+        with self.lock:
+            while self.queue and self.queue[0].future.cancelled():
+                self.queue.popleft()
+            if not self.queue:
+                return None
+            req = self.queue[0]
+            return req if gang_fits(self.queue, req, room, slots) else None
 
     def push_front(self, req: Any) -> None:
         """``req`` back at the head of the queue (a preempted request: it goes first)."""

@@ -1,7 +1,8 @@
 """The K/V a :class:`rollout.generator.Generator` keeps and prefills: free and held slots, the batched
 prefill of a step's admissions, a weight swap's treatment of the sequences in slots (``partial``), and the
-prefix cache. A base class of the Generator, over its declared state (:mod:`rollout.generator_state`:
-``table``, ``requests``, ``holds``) and ``_params``, ``stats``, ``engine``.
+prefix cache. A collaborator of the Generator, handed the state it reads and writes
+(:mod:`rollout.generator_state`: the slot table, the request queue, the held episodes, the current weights, the
+options).
 
 Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions). A request submitted with ``session=key`` (the
 agent passes one per episode) that finishes (stop id or budget) leaves its slot *held*: the slot's
@@ -38,6 +39,7 @@ the engine's device(s).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -47,6 +49,7 @@ import numpy as np
 
 from rollout.engine import SlotPrefill
 from rollout.engine.paged.pool import PoolExhausted
+from rollout.generator_state import GeneratorOptions, HeldEpisodes, RequestQueue, SlotTable, Weights
 
 __all__ = ["KVHolds", "HeldSlot"]
 
@@ -63,13 +66,30 @@ class HeldSlot:
 
 
 class KVHolds:
-    """The slot, prefill and prefix-cache methods of :class:`rollout.generator.Generator`, over its declared state
-    (``table``, ``requests``, ``holds``: :mod:`rollout.generator_state`)."""
+    """The generator's slots, prefills, held slots and prefix cache (module doc).
 
-    def _free_slots(self) -> list[int]:
+    Args:
+      engine: the generator's engine (:class:`rollout.types.DecodeEngine`).
+      table: its :class:`rollout.generator_state.SlotTable` (a prefill arms slots and replaces the decode state).
+      requests: its :class:`rollout.generator_state.RequestQueue` (a request short of pages goes back to its head).
+      holds: its :class:`rollout.generator_state.HeldEpisodes`.
+      weights: its :class:`rollout.generator_state.Weights` (the params a prefill runs, the prefix cache's key).
+      opts: its :class:`rollout.generator_state.GeneratorOptions`.
+      stats: its counters (prefill, hold and prefix-cache ones: :mod:`rollout.generator`'s module doc).
+      completions: its :class:`rollout.decode_loop.Completions` (a request a swap ends, or whose prefill fails).
+    """
+
+    def __init__(self, engine: Any, table: SlotTable, requests: RequestQueue, holds: HeldEpisodes, weights: Weights,
+                 opts: GeneratorOptions, stats: collections.Counter, completions: Any) -> None:
+        self.engine, self.table, self.requests, self.holds = engine, table, requests, holds
+        self.weights, self.opts, self.stats, self.completions = weights, opts, stats, completions
+        self.prefixes: collections.OrderedDict = collections.OrderedDict()
+        """The prefix cache: (prefix tokens, version) -> the engine's prefix K/V (LRU, ``opts.prefix_cache``)."""
+
+    def free_slots(self) -> list[int]:
         return [s for s in range(self.table.size) if self.table.reqs[s] is None and s not in self.holds.by_slot]
 
-    def _held_slot_for(self, req: Any, free: list) -> tuple[Optional[int], int, Optional[HeldSlot]]:
+    def held_slot_for(self, req: Any, free: list) -> tuple[Optional[int], int, Optional[HeldSlot]]:
         """``(slot, start, hold)``: the held slot of ``req``'s session whose context its prompt extends
         (it runs from ``start``), else ``(None, 0, None)``; a hold it does not extend is dropped
         (``kv_mismatch``) and its slot goes to ``free``."""
@@ -77,28 +97,28 @@ class KVHolds:
         if held is None:
             return None, 0, None
         c = len(held.context)
-        if self.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
+        if self.opts.keep_kv and c < len(req.prompt) and req.prompt[:c] == held.context:
             return held.slot, c, held
-        free.append(self._drop_hold(req.session, "kv_mismatch"))  # nothing to reuse
+        free.append(self.drop_hold(req.session, "kv_mismatch"))  # nothing to reuse
         return None, 0, None
 
-    def _take_slot(self, free: list) -> Optional[int]:
+    def take_slot(self, free: list) -> Optional[int]:
         """A free slot, else the least recently held one (evicted: ``kv_evictions``); None: neither."""
         if not free:
             if not self.holds.by_session:
                 return None
             victim = min(self.holds.by_session.values(), key=lambda h: h.t)
-            free.append(self._drop_hold(self.holds.by_slot[victim.slot], "kv_evictions"))
+            free.append(self.drop_hold(self.holds.by_slot[victim.slot], "kv_evictions"))
         return free.pop(0)
 
-    def _take_held(self, req: Any, held: HeldSlot, start: int) -> None:
+    def take_held(self, req: Any, held: HeldSlot, start: int) -> None:
         """``req`` takes its session's held slot: the kept positions keep the routes their K/V came from."""
-        self._drop_hold(req.session)
+        self.drop_hold(req.session)
         req.routes = list(held.routes)
         req.kv_reused += start
         self.stats["kv_reused_tokens"] += start
 
-    def _drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
+    def drop_hold(self, session: Any, reason: str = "") -> Optional[int]:
         """Forget ``session``'s held slot (counted under ``reason``); returns the freed slot."""
         h = self.holds.by_session.pop(session, None)
         if h is None:
@@ -108,24 +128,24 @@ class KVHolds:
             self.stats[reason] += 1
         return h.slot
 
-    def _hold(self, req: Any, slot: int) -> None:
+    def hold(self, req: Any, slot: int) -> None:
         """A finished turn of a session: keep its slot, whose cache holds ``prompt + tokens[:-1]``
         (the last sampled token was never fed), for the session's next turn."""
         ctx = req.prompt + req.tokens[:-1]
-        if not req.tokens or len(ctx) >= self._S - 1:
+        if not req.tokens or len(ctx) >= self.opts.max_cache_len - 1:
             return
-        self._drop_hold(req.session)
+        self.drop_hold(req.session)
         self.holds.by_session[req.session] = HeldSlot(slot, ctx, list(req.routes[: len(ctx)]), time.monotonic())
         self.holds.by_slot[slot] = req.session
         self.stats["kv_holds"] += 1
 
-    def _apply_releases(self) -> None:
-        with self._lock:
+    def apply_releases(self) -> None:
+        with self.requests.lock:
             rel, self.holds.releases = self.holds.releases, []
         for session in rel:
-            self._drop_hold(session)
+            self.drop_hold(session)
 
-    def _prefill_batch(self, items: list) -> None:
+    def prefill_batch(self, items: list) -> None:
         """Prefill ``items`` = [(slot, req, context tokens, start)] into their slots: one
         ``engine.prefill_slots`` call (one program per length bucket; a GRPO group's identical
         prompts once).
@@ -136,29 +156,29 @@ class KVHolds:
 
         rows = [SlotPrefill(toks, slot, req.seed, req.temperature, start) for slot, req, toks, start in items]
         try:
-            self.table.state, res = self.engine.prefill_slots(self._params, self.table.state, rows)
+            self.table.state, res = self.engine.prefill_slots(self.weights.params, self.table.state, rows)
             self.stats["prefill_calls"] += 1
         except PoolExhausted:  # a paged pool short of pages (the engine took them back): wait in the queue
             for _, req, _, _ in items:
                 self.stats["kv_admission_waits"] += 1
-                with self._lock:
+                with self.requests.lock:
                     self.requests.queue.appendleft(req)
             return
         except Exception as e:  # noqa: BLE001 - find the culprit: row by row
             if len(items) == 1:
-                self._prefill_failed(items[0][0], items[0][1], e)
+                self.prefill_failed(items[0][0], items[0][1], e)
                 return
             log.warning("batched prefill of %d requests failed (%r): retrying one by one", len(items), e)
             for it in items:
-                self._prefill_batch([it])
+                self.prefill_batch([it])
             return
         for (slot, req, toks, start), r in zip(items, res):  # r: a rollout.engine.PrefillResult
             n = int(r.prefill_tokens)
             req.prefill_tokens += n
             req.shared_prefill = req.shared_prefill or bool(r.shared)
-            if self._moe_drops:
+            if self.opts.moe_drops:
                 req.moe_dropped += int(r.moe_dropped or 0)
-                req.moe_copies += n * self._moe_cpt
+                req.moe_copies += n * self.opts.moe_copies_per_token
             self.stats["prefill_tokens"] += n
             self.stats["prefills"] += 1
             self.stats["shared_prefills"] += int(bool(r.shared))
@@ -168,7 +188,7 @@ class KVHolds:
                 req.routes.extend(np.asarray(routes))
             self.table.reqs[slot] = req
 
-    def _prefill_failed(self, slot: int, req: Any, e: BaseException) -> None:
+    def prefill_failed(self, slot: int, req: Any, e: BaseException) -> None:
         log.warning("prefill of request %d (%d tokens) failed: %r", req.request_id, len(req.prompt), e)
         self.stats["prefill_errors"] += 1
         if self.table.reqs[slot] is req:
@@ -177,23 +197,19 @@ class KVHolds:
         if not req.future.done():
             req.future.set_exception(e)
 
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        self._params, self._version = pending
-        self.stats["updates"] += 1
-        self._swap_preempted()
-        if self.partial == "continue":
+    def after_swap(self) -> None:
+        """The weights were swapped (``weights`` holds the new ones): the sequences in slots, held or waiting
+        after a preemption are treated by ``partial`` (:mod:`rollout.generator`'s module doc)."""
+        self.swap_preempted()
+        if self.opts.partial == "continue":
             return  # held slots keep their K/V too: the next turn's new tokens carry the new version
         for session in list(self.holds.by_session):  # K/V of older weights: the next turn re-prefills (module doc)
-            self._drop_hold(session, "kv_dropped_swap")
+            self.drop_hold(session, "kv_dropped_swap")
         items = []
         for slot, req in enumerate(self.table.reqs):
             if req is None:
                 continue
-            if self.partial == "recompute_kv":
+            if self.opts.partial == "recompute_kv":
                 req.recomputes += 1
                 self.stats["recomputes"] += 1
                 items.append((slot, req, req.prompt + req.tokens, 0))
@@ -206,22 +222,22 @@ class KVHolds:
                 del req.routes[max(0, len(req.prompt) - 1):]  # the dropped turn's routes go with it
                 self.stats["reissues"] += 1
                 if req.budget <= 0:
-                    self._end(slot, req, "aborted")
+                    self.completions.end(self.table, slot, req, "aborted")
                 else:
                     items.append((slot, req, req.prompt, 0))
         for slot, *_ in items:
             self.table.reqs[slot] = None  # re-armed by the prefill (a failed one leaves the slot free)
             self.table.finished.append(slot)
-        self._prefill_batch(items)
+        self.prefill_batch(items)
 
-    def _swap_preempted(self) -> None:
+    def swap_preempted(self) -> None:
         """A swap reaches the preempted requests waiting with tokens (rollout.kv_pressure): their K/V will
         be recomputed by the new params (``recomputes``), or under ``abort`` their partial turn is dropped
         and re-issued with the remaining budget."""
-        with self._lock:
+        with self.requests.lock:
             waiting = [r for r in self.requests.queue if r.tokens]
         for req in waiting:
-            if self.partial != "abort":
+            if self.opts.partial != "abort":
                 req.recomputes += 1
                 self.stats["recomputes"] += 1
                 continue
@@ -230,37 +246,53 @@ class KVHolds:
             del req.routes[max(0, len(req.prompt) - 1):]
             self.stats["reissues"] += 1
             if req.budget <= 0:
-                with self._lock:
+                with self.requests.lock:
                     self.requests.queue.remove(req)
-                self._resolve(req, "aborted")
+                self.completions.resolve(req, "aborted")
 
-    def _use_prefix(self, pre: tuple, req: Any, slot: int) -> bool:
+    def use_prefix(self, pre: tuple, req: Any, slot: int) -> bool:
         """Copy the cached K/V of the shared prefix ``pre`` = (tokens, version) into ``slot`` (prefilled
         now on a miss, ``prefix_misses``; else ``prefix_hits``); the request's rows then append the
         rest of its prompt. Returns False when the prefix's prefill failed (the request is failed)."""
-        prefix = self._prefixes.get(pre)
+        prefix = self.prefixes.get(pre)
         if prefix is None:
             toks = list(pre[0]) + [req.prompt[len(pre[0])]]
             try:
-                prefix = self.engine.prefill_tokens(self._params, toks, seed=req.seed, temperature=req.temperature)
+                prefix = self.engine.prefill_tokens(self.weights.params, toks, seed=req.seed, temperature=req.temperature)
             except Exception as e:  # noqa: BLE001 - this request's fault: fail it alone
-                self._prefill_failed(slot, req, e)
+                self.prefill_failed(slot, req, e)
                 return False
-            self._prefixes[pre] = prefix
-            while len(self._prefixes) > self.prefix_cache:
-                self._prefixes.popitem(last=False)
+            self.prefixes[pre] = prefix
+            while len(self.prefixes) > self.opts.prefix_cache:
+                self.prefixes.popitem(last=False)
             n = len(pre[0])
             req.prefill_tokens += n
-            if self._moe_drops:
+            if self.opts.moe_drops:
                 req.moe_dropped += int(prefix.get("moe_dropped", 0))
-                req.moe_copies += n * self._moe_cpt
+                req.moe_copies += n * self.opts.moe_copies_per_token
             self.stats["prefill_tokens"] += n
             self.stats["prefix_misses"] += 1
         else:
-            self._prefixes.move_to_end(pre)
+            self.prefixes.move_to_end(pre)
             req.prefix_hits += 1
             self.stats["prefix_hits"] += 1
         self.table.state = self.engine.insert(prefix, self.table.state, slot)  # positions [0, len(prefix)) of the slot
         routes = prefix.get("routes")
         req.routes = [] if routes is None else list(np.asarray(routes))
         return True
+
+    def copy_firsts(self, copies: list, items: list) -> None:
+        """The prefix-cache route's GRPO samples: copy their first sample's slot (prefilled in ``items``)."""
+        for slot, req, i in copies:
+            src, first = items[i][0], items[i][1]
+            if self.table.reqs[src] is not first:  # its first sample's prefill failed: try again next step
+                with self.requests.lock:
+                    self.requests.queue.appendleft(req)
+                continue
+            self.table.state = self.engine.copy_slot(self.table.state, src, slot, token=req.prompt[-1], seed=req.seed,
+                                                temperature=req.temperature)
+            req.routes = list(first.routes)
+            req.shared_prefill = True
+            self.stats["prefills"] += 1
+            self.stats["shared_prefills"] += 1
+            self.table.reqs[slot] = req

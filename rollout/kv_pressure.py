@@ -34,7 +34,7 @@ in between (then only the prefill/decode rounding differs, below 1e-5 in fp32), 
 swap while it waits acts as ``rollout.partial=recompute_kv`` on it whatever the policy (the old
 weights' K/V are gone; ``continue`` cannot keep them): ``recompute_kv`` and ``continue`` count it in
 ``recomputes``, and ``abort`` drops its partial turn and re-issues it with the remaining budget, as it
-does to a request in a slot (:meth:`KVHolds._apply_pending`).
+does to a request in a slot (:meth:`rollout.kv_holds.KVHolds.after_swap`).
 
 Per shard: an engine whose pool is split over shards of slots (``engine.kv.shards`` > 1: a rollout mesh
 that splits the slots over ``data`` / ``expert``, :mod:`rollout.engine.paged`) has a page budget per

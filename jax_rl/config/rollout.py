@@ -80,11 +80,11 @@ class RolloutConfig(_Section):
     """Longest prompt (tokens) one prefill takes; longer contexts are an episode error."""
     max_cache_len: int = Field(512, ge=8)
     """KV-cache length per slot (tokens): prompt + all turns must fit."""
-    kv_layout: Literal["contiguous", "paged"] = "contiguous"
+    kv_layout: Literal["contiguous", "paged"] = "paged"
     """The engine's K/V layout.
 
-    The engine's K/V layout. contiguous: max_cache_len positions reserved and read per slot. paged
-    (rollout/engine/paged.py): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
+    The engine's K/V layout. contiguous: max_cache_len positions reserved and read per slot. paged (the
+    default; rollout/engine/paged/): one pool of kv_pages pages of kv_page_size positions; a slot holds the pages its
     positions need, decode reads only those, a GRPO group's prompt and any prefix pages computed by the same
     weights are shared by reference (then the engine is the prefix cache: prefix_cache is not used). A short
     pool: a request waits in the queue until its prompt fits (kv_admission_waits); a decode step that needs a

@@ -172,7 +172,9 @@ def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_
     ``tokenizer``: a path / ``'compact'`` / None (see :func:`resolve_tokenizer`) or a loaded tokenizer.
     ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy.
     ``scan_layers`` (default: ``model.scan_layers``'s default): the engine's decoder layers are
-    stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla)."""
+    stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla). The K/V layout is
+    contiguous, whatever ``rollout.kv_layout``'s default: JetStream 0.2.2's ``insert`` (a batch-1 prefix copied
+    into a slot's row) and ``generate`` have no paged form (``rollout/engine/paged/programs.py``)."""
     scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
     cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
     check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype)

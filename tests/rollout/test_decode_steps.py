@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.models import qwen3 as q
+from rollout.decode_loop import DecodeLoop
 from rollout.engine import Qwen3Engine, StepOutput
 from rollout.generator import Generator
 
@@ -118,7 +119,7 @@ def _spied(engine, monkeypatch):
 ])
 def test_a_call_runs_no_more_steps_than_the_live_slots_can_use(engine, monkeypatch, prompts, budgets, want_calls):
     # the fixed N-step path (every call a whole decode_steps scan, as before)
-    monkeypatch.setattr(Generator, "_call_steps", lambda self: self.decode_steps)
+    monkeypatch.setattr(DecodeLoop, "call_steps", lambda self: self.opts.decode_steps)
     ref, gen_ref = _run(engine, N, prompts, budgets)
     monkeypatch.undo()
     calls = _spied(engine, monkeypatch)

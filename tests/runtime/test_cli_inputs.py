@@ -75,8 +75,10 @@ BAD_INPUTS = [
     ("hf_config_garbage", lambda t: (TINY_CFG, [_hf_dir(t, "{not json")]), ["hf/config.json", "not valid JSON"]),
     ("tokenizer_not_json", lambda t: (TINY_CFG, [f"model.tokenizer={_write(t, 'tok.json', 'not json')}"]),
      ["model.tokenizer", "tok.json", "not a tokenizer.json"]),
-    # 2 engines x 1e8 slots x 128 positions x 2 layers x 1 kv head x 64 x 2 (K, V) x 2 bytes (bf16)
-    ("kv_cache_oom", lambda t: (TINY_CFG, ["rollout.slots=100000000", "rollout.max_cache_len=128", "optim.max_seq_len=128"]),
+    # 2 engines x 1e8 slots x 128 positions x 2 layers x 1 kv head x 64 x 2 (K, V) x 2 bytes (bf16): the contiguous
+    # cache's message (the paged pool's: tests/runtime/test_one_line_errors.py)
+    ("kv_cache_oom", lambda t: (TINY_CFG, ["rollout.slots=100000000", "rollout.max_cache_len=128", "optim.max_seq_len=128",
+                                           "rollout.kv_layout=contiguous"]),
      ["rollout.slots=100000000", "rollout.max_cache_len=128", "13,107,200,000,000 bytes"]),
     ("measure_error_with_ppo", lambda t: (TINY_CFG, ["loss.correction=ppo", "old_logits.measure_error=true"]),
      ["old_logits.measure_error", "'ppo'"]),

@@ -39,8 +39,9 @@ def _tiny(overrides=()):
 
 
 def test_slots_refused_when_the_decode_buffers_do_not_fit(monkeypatch):
-    """The KV cache alone fits; the decode state and the decode step's buffers do not: refused."""
-    cfg, mc = _tiny()
+    """The KV cache alone fits; the decode state and the decode step's buffers do not: refused (the contiguous
+    cache's message; the paged pool's: test_paged_pool_refused_by_its_own_keys below)."""
+    cfg, mc = _tiny(["rollout.kv_layout=contiguous"])
     engines = cfg.rollout.threads + 1
     kv_only = R.kv_cache_bytes(cfg, mc) * engines
     monkeypatch.setattr(R, "available_memory_bytes", lambda: (int(kv_only * 1.5), "test RAM"))
@@ -100,7 +101,8 @@ def test_engine_memory_estimate_bounds_what_xla_allocates():
 def test_cli_slots_100000_is_one_line(tmp_path, capsys, monkeypatch):
     """``rollout.slots=100000`` on tiny_cpu used to be OOM-killed after start-up (exit 137)."""
     monkeypatch.setattr(R, "available_memory_bytes", lambda: (16 << 30, "available host RAM"))
-    _one_line_exit_2(capsys, ["train", TINY_CFG, *FAST, "rollout.slots=100000", f"run.dir={tmp_path / 'r'}"],
+    _one_line_exit_2(capsys, ["train", TINY_CFG, *FAST, "rollout.slots=100000", "rollout.kv_layout=contiguous",
+                              f"run.dir={tmp_path / 'r'}"],
                      "rollout.slots=100000", "decode buffers", "slot(s) fit")
     assert not (tmp_path / "r").exists()
 
