@@ -193,7 +193,14 @@ def paged_attention_kernel(q: Array, kv_pages: Array, page_table: Array, starts:
     the kernel's tuned table reads the local TPU's version, so off a TPU (an AOT compile from a
     CPU host) both are needed; default here ``min(M, max(1, 128 // ps))``
     pages and ``min(B*T, 32)`` queries per block. Returns [B, T, N, H] (q.dtype; padded tokens 0).
+
+    Raises ValueError (one line naming the keys) when ``H % 128 != 0``: the kernel's lanes, otherwise an
+    opaque Pallas assertion deep in its lowering.
     """
+    if q.shape[-1] % 128:
+        raise ValueError(f"rollout.kv_layout=paged on a TPU: the ragged paged attention kernel needs head_dim a "
+                         f"multiple of 128 (this model's head_dim is {q.shape[-1]}); set rollout.kv_layout=contiguous "
+                         f"for this model")
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 

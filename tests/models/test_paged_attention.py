@@ -289,3 +289,13 @@ def test_pages_split_over_data_run_the_kernel_per_shard(devices, interpreter_rea
     valid = np.asarray(jnp.arange(8)[None] < lengths[:, None])
     np.testing.assert_allclose(np.asarray(got["tpu"][0])[valid], np.asarray(got["cpu"][0])[valid], atol=TOL, rtol=TOL)
     np.testing.assert_allclose(np.asarray(got["tpu"][1]), np.asarray(got["cpu"][1]), atol=TOL, rtol=TOL)
+
+
+def test_kernel_refuses_a_head_dim_off_its_lanes_in_one_line():
+    """The TPU kernel tiles heads by 128 lanes: a head_dim of 64 (the tiny models) is one ValueError naming
+    rollout.kv_layout, not a Pallas assertion in the lowering (paged is the default layout)."""
+    q = jnp.zeros((1, 1, 2, 64), jnp.float32)
+    pool = jnp.zeros((4, 16, 2, 64), jnp.float32)
+    table = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"rollout.kv_layout=contiguous.*|head_dim is 64"):
+        pa.paged_attention_kernel(q, pool, table, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
