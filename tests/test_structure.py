@@ -557,8 +557,6 @@ PARAM_CEILINGS: dict[str, int] = {
     "jax_rl/learner/train_step.py:make_train_step": 11,
     "jax_rl/models/expert_parallel.py:expert_parallel_moe": 12,
     "jax_rl/models/qwen3/model.py:Qwen3ForCausalLM.__init__": 14,
-    "jax_rl/runtime/loop.py:_finish_run": 13,
-    "jax_rl/runtime/loop.py:run_rl": 11,
 }
 
 
