@@ -135,8 +135,9 @@ def _run_train(cfg: Config) -> int:
             print(sft_line(cfg, ev))
         producer = EmbeddedProducer(ctx, ctx.meta)
         rc = run_rl(cfg, ctx, producer, ctx.writer, stop,
-                    RunStart(start_step=start_step, pad_id=ctx.tokenizer.pad_id, sft_success=ctx.meta.get("sft_success"),
-                             run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir, t0=ctx.t0))
+                    RunStart(start_step=start_step, pad_id=ctx.tokenizer.pad_id,
+                             sft_success=ctx.meta.get("sft_success"), run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir,
+                             t0=ctx.t0))
         failed = False
         return rc
     except Exception as e:
