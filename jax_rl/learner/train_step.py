@@ -320,7 +320,7 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         pl = prox_j if prox_j is not None else strategy.micro_prox(out.logp, x, g)
         loss, metr, tok = losses.policy_loss(
             out.logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc, turn_ids=x.turn_ids,
-            denominator=denom, entropy=out.entropy, truncated=truncated, train_infer=ti_j,
+            entropy=out.entropy, truncated=truncated, batch=losses.BatchTerms(denom, ti_j),
         )
         metr = dict(metr, **group_metrics(x, out.logp, pl, out.entropy, g, tok, truncated))
         if moe:

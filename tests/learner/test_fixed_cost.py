@@ -140,7 +140,7 @@ def test_policy_loss_with_a_precomputed_factor_is_the_same():
     args = (logp, prox, b["behav_logp"], b["advantages"], b["loss_mask"], cfg.loss)
     ti = losses.train_infer_factor(prox, b["behav_logp"], b["loss_mask"], cfg.loss, turn_ids=b["turn_ids"])
     out0 = losses.policy_loss(*args, turn_ids=b["turn_ids"])
-    out1 = losses.policy_loss(*args, turn_ids=b["turn_ids"], train_infer=ti)
+    out1 = losses.policy_loss(*args, turn_ids=b["turn_ids"], batch=losses.BatchTerms(train_infer=ti))
     chex.assert_trees_all_equal(out0, out1)
     assert losses.loss_denominator(b["loss_mask"], cfg.loss.model_copy(update={"keep_masked_in_denominator": False}),
                                    train_infer=ti) == float(ti.kept.sum())
