@@ -52,7 +52,7 @@ from jax_rl.learner.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.learner.correction import Correction
 from jax_rl.learner.trees import tree_finite, tree_where
-from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.learner.logprobs import HeadOptions, LogprobOutput, sequence_logprobs
 from jax_rl.models import bitwise
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates
@@ -215,7 +215,7 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
         # routes [r,T,n_moe_layers,k] or None: forced expert ids (moe.routing_replay)
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,
-                                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p,
+                                 head=HeadOptions(chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p),
                                  forced_expert_ids=unstack_routes(routes), return_moe_drops=return_moe_drops)
 
     return logprobs
