@@ -222,7 +222,7 @@ def _exact(monkeypatch, *extra):
     minibatch / microbatch / epoch, the LM-head chunk loop unrolled), with (target, learner)."""
     from jax_rl import compile as C
     from jax_rl.learner import logprobs
-    from jax_rl.learner.train_step import make_train_step
+    from jax_rl.learner.train_step import StepParts, make_train_step
 
     cfg = load_config(CONFIG_DIR / "tiny_cpu.yaml", [*TINY, "optim.microbatches=1", "model.scan_layers=false",
                                                      *extra])
@@ -230,7 +230,7 @@ def _exact(monkeypatch, *extra):
     lrn = C._learner(t)
     B, T = 8, 64
     b, sh = C._batch(t, lrn.strategy, 1, 1, B, T)
-    fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+    fn = make_train_step(cfg, StepParts(lrn.graphdef, lrn.rest, lrn.tx, lrn.schedule, lrn.strategy), t.mesh,
                          state_shardings=lrn.state_shardings, batch_sharding=sh)
     with monkeypatch.context() as mp:
         mp.setattr(logprobs, "_UNROLL_CHUNKS", True)
@@ -342,7 +342,7 @@ def test_paged_layout_compiles_on_a_sharded_engine(axis, pages):
 def test_scanned_layers_cost_analysis_undercounts():
     """Why the pieces exist: a scanned layer stack's loop body is counted once."""
     from jax_rl import compile as C
-    from jax_rl.learner.train_step import make_train_step
+    from jax_rl.learner.train_step import StepParts, make_train_step
 
     figs = {}
     for scan in ("false", "true"):
@@ -354,7 +354,7 @@ def test_scanned_layers_cost_analysis_undercounts():
         # though this host is a CPU (where auto writes the stack out)
         assert t.learner_kw["scan_unroll"] == 1
         b, sh = C._batch(t, lrn.strategy, 1, 1, 8, 64)
-        fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
+        fn = make_train_step(cfg, StepParts(lrn.graphdef, lrn.rest, lrn.tx, lrn.schedule, lrn.strategy), t.mesh,
                              state_shardings=lrn.state_shardings, batch_sharding=sh)
         figs[scan], _ = C._compile(fn, (lrn.state, b), t.mesh)
     assert figs["true"]["flops"] < 0.6 * figs["false"]["flops"], figs

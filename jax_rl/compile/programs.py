@@ -28,7 +28,7 @@ from jax_rl.placement import BatchPlacement
 from jax_rl.routing_replay import RoutingReplay
 from jax_rl.sharding import make_mesh, state_shardings
 from jax_rl.compile.engine import compile_rollout
-from jax_rl.learner.train_step import make_logprob_step, make_train_step
+from jax_rl.learner.train_step import StepParts, make_logprob_step, make_train_step
 from rollout.engine.spec import EngineSpec
 
 if TYPE_CHECKING:  # annotations only
@@ -136,8 +136,7 @@ def _train_step_row(t: _Target, lrn, cost: bool, log) -> dict:
     U, m = cfg.optim.minibatches, cfg.optim.microbatches
     r = _layout(B, U, m, "optim.batch_size")
     b, sh = _batch(t, lrn.strategy, U, m, r, T)
-    fn = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, t.mesh, rest=lrn.rest, schedule=lrn.schedule,
-                         state_shardings=lrn.state_shardings, batch_sharding=sh, routing=lrn.routing)
+    fn = make_train_step(cfg, StepParts.of(lrn), t.mesh, state_shardings=lrn.state_shardings, batch_sharding=sh)
     log(f"train_step: compiling [{B}, {T}] as [{U}, {m}, {r}, {T}] ({lrn.strategy.name}) ...")
     a, secs = _compile_or_oom(fn, (lrn.state, b), t.mesh)
     c, ps, mflops, reset = None, 0.0, None, None

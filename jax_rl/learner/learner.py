@@ -76,8 +76,8 @@ from jax_rl.learner.correction.old_logits.stage import OldLogitStage
 from jax_rl.learner.holder import LearnerProcesses, StateHolder, copy_params
 from jax_rl.learner.sft import SftRunner
 from jax_rl.learner.spec import learner_batch_spec, learner_spec, scorer_placement
-from jax_rl.learner.train_step import (TrainState, make_grads_fn, make_logprob_step, make_optimizer, make_schedule,
-                                       make_train_step)
+from jax_rl.learner.train_step import (StepParts, TrainState, make_grads_fn, make_logprob_step, make_optimizer,
+                                       make_schedule, make_train_step)
 from jax_rl.model_builder import resolve_mesh, resolve_model_config
 from jax_rl.placement import BatchPlacement, initialize_distributed
 
@@ -275,9 +275,8 @@ class Learner:
         key = ("train", r)
         if key not in self._steps:
             self._steps[key] = make_train_step(
-                self.cfg, self.graphdef, self.tx, self.strategy, self.mesh, rest=self.rest, schedule=self.schedule,
-                state_shardings=self.state_shardings, batch_sharding=self.placement.batch_sharding(r),
-                routing=self.routing, packed_metrics=True)
+                self.cfg, StepParts.of(self), self.mesh, state_shardings=self.state_shardings,
+                batch_sharding=self.placement.batch_sharding(r), packed_metrics=True)
         return self._steps[key]
 
     def abstract_batch(self, B: int, T: int) -> LearnerBatch:

@@ -6,7 +6,7 @@ entropy."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -19,7 +19,7 @@ from jax_rl.sampling import check_truncation, kept_set, log_kept_mass, truncates
 
 Array = jax.Array
 
-__all__ = ["LogprobOutput", "token_logprobs", "sequence_logprobs", "CHUNK_ELEMS", "chunk_len"]
+__all__ = ["LogprobOutput", "HeadOptions", "token_logprobs", "sequence_logprobs", "CHUNK_ELEMS", "chunk_len"]
 
 
 @flax.struct.dataclass
@@ -170,11 +170,22 @@ def _logprob_args(model_or_graphdef, args: tuple, temperature):
     return model, tokens, attention_mask, temperature
 
 
+class HeadOptions(NamedTuple):
+    """How :func:`sequence_logprobs` runs its chunked LM head (static Python values):
+    ``chunk_elems`` / ``chunk_tokens`` the T-chunk size (a logit budget B*C*V, default 4M; or a length
+    cap, ``model.logits_chunk_tokens``), ``top_k`` / ``top_p`` the rollout sampler's truncation
+    (``rollout.top_k`` / ``rollout.top_p``; the defaults 0 / 1.0: untruncated)."""
+
+    chunk_elems: int = CHUNK_ELEMS
+    chunk_tokens: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+
+
 def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0,
                       positions: Array | None = None, forced_expert_ids=None,
                       return_expert_ids: bool = False, return_entropy: bool = False,
-                      chunk_elems: int = CHUNK_ELEMS, chunk_tokens: int | None = None,
-                      top_k: int = 0, top_p: float = 1.0, return_moe_drops: bool = False) -> LogprobOutput:
+                      head: HeadOptions = HeadOptions(), return_moe_drops: bool = False) -> LogprobOutput:
     """Per-token log-probs of a sequence under the model (pure, jit-friendly).
 
     Call as ``sequence_logprobs(model, tokens, attention_mask=None, temperature=1.0)`` or
@@ -193,6 +204,7 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     the valid tokens (attention_mask) and every MoE layer (0, 0 for a dense model). Padding takes
     no MoE capacity.
 
+    ``head`` (:class:`HeadOptions`) holds the LM head's chunking and truncation options below.
     The LM head runs over T-chunks of C positions (a rematerialised ``lax.map``): C is the
     largest divisor of T with B*C*V <= ``chunk_elems`` (default 4M logits, ~16 MB of fp32), or
     the largest divisor of T not above ``chunk_tokens`` when given (``model.logits_chunk_tokens``:
@@ -217,6 +229,7 @@ def sequence_logprobs(model_or_graphdef, *args, temperature: float | Array = 1.0
     path, bit for bit.
     """
     model, tokens, attention_mask, temperature = _logprob_args(model_or_graphdef, args, temperature)
+    chunk_elems, chunk_tokens, top_k, top_p = head
     B, T = tokens.shape
     trunk = model.hidden_states(tokens, positions, attention_mask, forced_expert_ids=forced_expert_ids,
                                 return_moe_drops=return_moe_drops)

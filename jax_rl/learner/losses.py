@@ -130,6 +130,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = [
     "policy_loss",
+    "BatchTerms",
     "PolicyTokens",
     "loss_denominator",
     "train_infer_factor",
@@ -341,6 +342,22 @@ class PolicyTokens(NamedTuple):
     clipped: jax.Array  # the clip is active: a clipped term chosen, zero gradient (clip_frac's tokens)
 
 
+class BatchTerms(NamedTuple):
+    """What the train step computes once over the whole batch and hands each microbatch's
+    :func:`policy_loss` (default: neither; the microbatch's own).
+
+    Attributes:
+        denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
+        train_infer: :func:`train_infer_factor` of exactly the loss's ``prox_logp``, ``behav_logp``,
+            ``loss_mask`` (and ``turn_ids``), already computed: the train step computes it once per
+            step over the whole batch (none of its inputs moves during the updates) and hands each
+            microbatch its rows; None computes it in the loss. Same result either way (it is per row).
+    """
+
+    denominator: Optional[jax.Array] = None
+    train_infer: Optional[TrainInfer] = None
+
+
 def policy_loss(
     logp,
     prox_logp,
@@ -350,10 +367,9 @@ def policy_loss(
     cfg: LossConfig,
     *,
     turn_ids=None,
-    denominator=None,
     entropy=None,
     truncated: bool = False,
-    train_infer: Optional[TrainInfer] = None,
+    batch: BatchTerms = BatchTerms(),
 ) -> tuple[jax.Array, dict[str, jax.Array], PolicyTokens]:
     """Decoupled PPO loss with a separate train-infer factor (see the module docstring).
 
@@ -365,17 +381,14 @@ def policy_loss(
         loss_mask: bool [B, T], True on tokens the policy generated.
         cfg: :class:`jax_rl.config.LossConfig` (static: Python values, closed over under jit).
         turn_ids: int [B, T] assistant turn index (-1 elsewhere); needed for level ``turn``.
-        denominator: scalar Z replacing the batch's own normaliser (:func:`loss_denominator`).
         entropy: float [B, T] per-token entropy; adds ``-cfg.entropy_coef * agg(entropy)``
             (same kept tokens, weights c_bt and Z as the policy term). Its metric is
             :func:`entropy_metrics`'.
         truncated: static; the log-probs are under top-k/top-p truncated sampling: ``-inf``
             logp / prox at a valid token means outside the learner's kept set (masked; counted by
             :func:`truncation_metrics`; see the module docstring).
-        train_infer: :func:`train_infer_factor` of exactly these ``prox_logp``, ``behav_logp``,
-            ``loss_mask`` (and ``turn_ids``), already computed: the train step computes it once per
-            step over the whole batch (none of its inputs moves during the updates) and hands each
-            microbatch its rows; None computes it here. Same result either way (it is per row).
+        batch: the whole batch's normaliser Z and train-infer factor, when the train step computed
+            them (:class:`BatchTerms`; default: this call's own).
 
     Returns:
         ``(loss, metrics, tokens)``: the loss (fp32 scalar); the ``policy`` metric group (dict of
@@ -389,6 +402,7 @@ def policy_loss(
     shape = tuple(jnp.shape(loss_mask))
     for name, x in (("logp", logp), ("advantages", advantages)):
         _check_2d(name, x, shape)
+    denominator, train_infer = batch
     if train_infer is None:
         ti = train_infer_factor(prox_logp, behav_logp, loss_mask, cfg, turn_ids=turn_ids)
     else:

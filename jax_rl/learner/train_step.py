@@ -36,7 +36,7 @@ picks the same top-k set as the rollout engine did.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax
 import jax
@@ -52,14 +52,14 @@ from jax_rl.learner.batch import LearnerBatch
 from jax_rl.config import Config, OptimConfig
 from jax_rl.learner.correction import Correction
 from jax_rl.learner.trees import tree_finite, tree_where
-from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
+from jax_rl.learner.logprobs import HeadOptions, LogprobOutput, sequence_logprobs
 from jax_rl.models import bitwise
 from jax_rl.models.qwen3 import stack_routes, unstack_routes
 from jax_rl.learner.reductions import SUM, Reduction, combine_metrics, combine_updates
 from jax_rl.routing_replay import RoutingReplay, routing_agreement  # noqa: F401 (routing_agreement re-exported)
 from jax_rl.sampling import truncates
 
-__all__ = ["TrainState", "PackedStep", "train_infer_once", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
+__all__ = ["TrainState", "StepParts", "PackedStep", "train_infer_once", "make_schedule", "make_optimizer", "make_logprob_fn", "make_train_step",
            "make_grads_fn", "make_logprob_step", "group_metrics", "make_route_fn", "routing_agreement", "opt_state_shardings", "train_state_shardings", "init_train_state", "initial_state"]
 
 
@@ -215,7 +215,7 @@ def make_logprob_fn(graphdef, rest: Any, temperature: float, chunk_tokens: Optio
         # routes [r,T,n_moe_layers,k] or None: forced expert ids (moe.routing_replay)
         return sequence_logprobs(nnx.merge(graphdef, params, rest), tokens, attention_mask,
                                  temperature=temperature, return_entropy=return_entropy,
-                                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p,
+                                 head=HeadOptions(chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p),
                                  forced_expert_ids=unstack_routes(routes), return_moe_drops=return_moe_drops)
 
     return logprobs
@@ -320,7 +320,7 @@ def _minibatch_grads(cfg: Config, strategy: Correction, logprobs, params, mb: Le
         pl = prox_j if prox_j is not None else strategy.micro_prox(out.logp, x, g)
         loss, metr, tok = losses.policy_loss(
             out.logp, pl, x.behav_logp, x.advantages, x.loss_mask, lc, turn_ids=x.turn_ids,
-            denominator=denom, entropy=out.entropy, truncated=truncated, train_infer=ti_j,
+            entropy=out.entropy, truncated=truncated, batch=losses.BatchTerms(denom, ti_j),
         )
         metr = dict(metr, **group_metrics(x, out.logp, pl, out.entropy, g, tok, truncated))
         if moe:
@@ -405,23 +405,45 @@ def _mode_options(cfg: Config) -> dict:
     return {"compiler_options": bitwise.compiler_options()} if on and bitwise.compiler_options() else {}
 
 
-def make_train_step(cfg: Config, graphdef, tx, strategy: Correction, mesh, *, rest: Any, schedule,
-                    state_shardings: TrainState, batch_sharding: Optional[NamedSharding] = None,
-                    routing: RoutingReplay = RoutingReplay(), packed_metrics: bool = False):
-    """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
+class StepParts(NamedTuple):
+    """What every train-step program of one learner is built from (the learner's recipe,
+    :class:`jax_rl.learner.spec.LearnerSpec`; :meth:`of` reads them off it or off a ``Learner``).
 
-    Args:
+    Attributes:
         graphdef / rest: the model's static graph and non-param variables (``nnx.split``).
         tx / schedule: :func:`make_optimizer`'s chain and schedule (``lr`` metric).
         strategy: the correction strategy (:func:`jax_rl.learner.correction.make_correction`).
-        state_shardings: :func:`train_state_shardings`; the state is donated.
-        batch_sharding: sharding of every batch array (None: the arrays' own).
         routing: the routing-replay policy (:class:`jax_rl.routing_replay.RoutingReplay`: the
             MoE's expert count, 0 for a dense model, and ``moe.routing_replay``); an MoE step also
-            counts the gradient forward's capacity drops.
+            counts the gradient forward's capacity drops. Default: none, dense.
+    """
+
+    graphdef: Any
+    rest: Any
+    tx: Any
+    schedule: Any
+    strategy: Correction
+    routing: RoutingReplay = RoutingReplay()
+
+    @classmethod
+    def of(cls, src: Any) -> "StepParts":
+        """The parts of ``src`` (a :class:`~jax_rl.learner.spec.LearnerSpec` or a ``Learner``: any object with
+        these six attributes)."""
+        return cls(src.graphdef, src.rest, src.tx, src.schedule, src.strategy, src.routing)
+
+
+def make_train_step(cfg: Config, parts: StepParts, mesh, *, state_shardings: TrainState,
+                    batch_sharding: Optional[NamedSharding] = None, packed_metrics: bool = False):
+    """One jitted ``(TrainState, LearnerBatch [U,m,r,T]) -> (TrainState, metrics)``.
+
+    Args:
+        parts: the model split, optimizer, correction strategy and routing policy (:class:`StepParts`).
+        state_shardings: :func:`train_state_shardings`; the state is donated.
+        batch_sharding: sharding of every batch array (None: the arrays' own).
         packed_metrics: return a :class:`PackedStep` whose metrics are one float32 vector (what the
             learner fetches: one transfer per step) instead of a dict of scalars.
     """
+    graphdef, rest, tx, schedule, strategy, routing = parts
     logprobs = _rl_logprob_fn(cfg, graphdef, rest)
     chunk = chunked(_logp_only(logprobs))
     route_chunk = _route_chunk(graphdef, rest, routing)

@@ -66,7 +66,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ from jax_rl.sharding import axis_names, logical_to_pspec
 
 Array = jax.Array
 
-__all__ = ["EXPERT_AXIS", "MOE_MATMULS", "expert_parallel_size", "ep_capacity", "expert_parallel_moe",
+__all__ = ["EXPERT_AXIS", "MOE_MATMULS", "expert_parallel_size", "ep_capacity", "EPOptions", "expert_parallel_moe",
            "grouped_matmul", "resolve_moe_matmul"]
 
 MOE_MATMULS: tuple[str, ...] = ("auto", "ragged_dot", "megablox")
@@ -346,10 +347,32 @@ def _to_chunks(a: Array, lay: _EPLayout) -> Array:
     return a.reshape(lay.n_batch * lay.n_chunks * lay.chunk, *a.shape[2:])
 
 
+@dataclass(frozen=True)
+class EPOptions:
+    """The static options of :func:`expert_parallel_moe` (Python values, fixed at trace time):
+
+    Attributes:
+      capacity_factor: None = dropless (default); else slots per (device, expert shard) pair =
+        ``ceil(capacity_factor * copies / EP)`` (:func:`ep_capacity`); copies over it are dropped.
+      batch_axes: mesh axes B is sharded over (default: what ``activation_batch`` maps to for
+        this B under ``jax_rl.sharding.LOGICAL_RULES``).
+      mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
+      matmul: the local experts' grouped matmul, ``ragged_dot`` or ``megablox``
+        (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
+      per_token: fill the third output, each token's dropped copies int32 [B, T] (laid out like x's
+        tokens; the rollout engine's per-slot drop count). Default False: the program is unchanged
+        and the third output None (no flag changes the arity).
+    """
+
+    capacity_factor: float | None = None
+    batch_axes: Sequence[str] | str | None = None
+    mesh: Any = None
+    matmul: str = "ragged_dot"
+    per_token: bool = False
+
+
 def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd: Array, *,
-                        capacity_factor: float | None = None, valid: Array | None = None,
-                        batch_axes: Sequence[str] | str | None = None,
-                        mesh=None, matmul: str = "ragged_dot", per_token: bool = False
+                        valid: Array | None = None, options: EPOptions = EPOptions()
                         ) -> tuple[Array, Array, Array | None]:
     """Expert-parallel experts + combine of a MoE block (pure, jit-able; see the module doc):
     ``y[b,t] = sum_k w[b,t,k] * expert_{ids[b,t,k]}(x[b,t])``, the SwiGLU expert
@@ -360,32 +383,24 @@ def expert_parallel_moe(x: Array, w: Array, ids: Array, wg: Array, wu: Array, wd
       w: [B, T, k] combine weights (cast to x.dtype; gradient flows to them, hence to the router).
       ids: [B, T, k] int global expert ids in [0, E).
       wg, wu: [E, D, F] gate / up projections; wd: [E, F, D] down projection (x.dtype).
-      capacity_factor: None = dropless (default); else slots per (device, expert shard) pair =
-        ``ceil(capacity_factor * copies / EP)`` (:func:`ep_capacity`); copies over it are dropped.
       valid: [B, T] bool, False for a token that takes no slot (right padding: its output is 0
         and it is neither sent nor counted as dropped), so padding never pushes a real token's
         copy over the capacity. Default: every token valid.
-      batch_axes: mesh axes B is sharded over (default: what ``activation_batch`` maps to for
-        this B under ``jax_rl.sharding.LOGICAL_RULES``).
-      mesh: default the ambient ``jax.set_mesh`` mesh (must have an ``expert`` axis).
-      matmul: the local experts' grouped matmul, ``ragged_dot`` or ``megablox``
-        (:func:`grouped_matmul`; ``auto`` is resolved by :func:`resolve_moe_matmul`).
-      per_token: fill the third output, each token's dropped copies int32 [B, T] (laid out like x's
-        tokens; the rollout engine's per-slot drop count). Default False: the program is unchanged
-        and the third output None (no flag changes the arity).
+      options: the static options (:class:`EPOptions`: capacity factor, batch axes, mesh, grouped
+        matmul, per-token drops).
 
     Returns:
       (y [B, T, D] x.dtype, laid out like x; dropped int32 [] replicated: valid token copies
       dropped for capacity over the whole batch, 0 when dropless; per-token drops [B, T] int32 with
-      ``per_token``, else None).
+      ``options.per_token``, else None).
 
     Raises:
       ValueError: no mesh / no ``expert`` axis, E not divisible by EP, a bad capacity factor or
       an unknown ``matmul``.
     """
-    matmul = resolve_moe_matmul(matmul)
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    lay = _ep_layout(mesh, x.shape, ids.shape, wg.shape, batch_axes, capacity_factor)
+    matmul, per_token = resolve_moe_matmul(options.matmul), options.per_token
+    mesh = jax.sharding.get_abstract_mesh() if options.mesh is None else options.mesh
+    lay = _ep_layout(mesh, x.shape, ids.shape, wg.shape, options.batch_axes, options.capacity_factor)
     B, T, D = x.shape
     k = ids.shape[-1]
     ep, capacity, f_axes, token_axes = lay.ep, lay.capacity, lay.f_axes, lay.token_axes

@@ -32,6 +32,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
@@ -50,8 +51,8 @@ from rollout.types import json_safe
 
 log = logging.getLogger("jax_rl.runtime")
 
-__all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "run_rl", "write_outputs", "sft_line", "buffer_columns",
-           "step_row", "rollout_moe_drops", "tau2_episode_stats", "WeightSyncClock"]
+__all__ = ["Producer", "LearnerHandle", "FaultHooks", "fault_hooks", "RunStart", "run_rl", "write_outputs", "sft_line",
+           "buffer_columns", "step_row", "rollout_moe_drops", "tau2_episode_stats", "WeightSyncClock"]
 
 
 class Producer(Protocol):
@@ -182,12 +183,26 @@ def _eval_and_checkpoint(cfg: Config, learner: LearnerHandle, producer: Producer
         learner.save(step + 1, producer.state())
 
 
-def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, last: dict,
-                start_step: int, version: int, rollout_failed: Optional[str], sft_success: Optional[float],
-                run_dir: Path, ckpt_dir: Path, t0: float) -> int:
+@dataclass(frozen=True)
+class RunStart:
+    """Where :func:`run_rl` starts and writes: ``start_step`` (the first RL step to take, 0 or the resumed
+    one), ``pad_id`` (the tokenizer's pad token id, the batch's padding), ``sft_success`` (the SFT eval's
+    held-out success, None without one; the summary's ``sft_success``), ``run_dir`` (metrics, summary, plots),
+    ``ckpt_dir`` (checkpoints) and ``t0`` (the run's ``time.perf_counter()`` start: ``wall_s``)."""
+
+    start_step: int
+    pad_id: int
+    sft_success: Optional[float]
+    run_dir: Path
+    ckpt_dir: Path
+    t0: float
+
+
+def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, run: RunStart, *,
+                last: dict, version: int, rollout_failed: Optional[str]) -> int:
     """The end of RL: the final checkpoint (committed), the final held-out eval (not after a stop or a failed
     rollout), ``summary.json``, plots and console summary. Returns the exit code (see :func:`run_rl`)."""
-    rl_steps = int(last.get("step", start_step))
+    rl_steps = int(last.get("step", run.start_step))
     writer.flush()
     learner.save(rl_steps, producer.state(), wait=True)  # committed before we report or exit
     interrupted = stop.event.is_set()
@@ -196,11 +211,11 @@ def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer,
         print(f"eval @ step {rl_steps} (final): held-out success {final['success']:.3f}", flush=True)
     k = cfg.eval.k
     summary = {
-        "sft_success": sft_success,
+        "sft_success": run.sft_success,
         "final_success": final.get("success"),
         f"final_pass_at_{k}": final.get(f"pass@{k}"),
         f"final_avg_at_{k}": final.get(f"avg@{k}"),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - run.t0,
         "rl_steps": rl_steps,
         "version": version,
         "opt_step": learner.opt_step,
@@ -208,21 +223,21 @@ def _finish_run(cfg: Config, learner: LearnerHandle, producer: Producer, writer,
         "max_staleness": cfg.async_.max_staleness,
         "interrupted": interrupted,
         "runtime": cfg.runtime.kind,
-        "tokens_per_s_mean": _mean_metric(run_dir, "tokens_per_s"),
+        "tokens_per_s_mean": _mean_metric(run.run_dir, "tokens_per_s"),
         **producer.summary(),
     }
     if rollout_failed:
         summary["rollout_failed"] = rollout_failed
-    write_outputs(run_dir, ckpt_dir, summary)
+    write_outputs(run.run_dir, run.ckpt_dir, summary)
     if rollout_failed:  # checkpoint, metrics and summary are written: fix the env/config, then --resume
         print(f"jax-rl: {rollout_failed}", file=sys.stderr)
         return 1
     return signal_exit_code(stop)
 
 
-def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, *, start_step: int,
-           pad_id: int, sft_success: Optional[float], run_dir: Path, ckpt_dir: Path, t0: float) -> int:
-    """RL from ``start_step`` to ``run.steps``, the final checkpoint, eval and summary.
+def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop: StopFlag, run: RunStart) -> int:
+    """RL from ``run.start_step`` to ``cfg.run.steps``, the final checkpoint, eval and summary (``run``: where it
+    starts and writes, :class:`RunStart`).
 
     Returns:
         the exit code: 0; 1 when the rollout failed systematically (checkpoint, metrics and summary
@@ -241,7 +256,7 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
         producer.start()
         t_row = time.perf_counter()  # the previous row's time: a step's wall is the time between rows
         with TrainProgress(cfg.run.steps, enabled=cfg.logging.progress) as bar:
-            for step in range(start_step, cfg.run.steps):
+            for step in range(run.start_step, cfg.run.steps):
                 if stop.event.is_set():
                     break
                 t_wait = time.perf_counter()
@@ -252,11 +267,11 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                     groups = engines.exchange_groups(cfg, groups)
                 wait_s = time.perf_counter() - t_wait
                 row, version, n_trajs, t_pub = _train_and_publish(
-                    cfg, learner, producer, groups, step=step, version=version, pad_id=pad_id,
+                    cfg, learner, producer, groups, step=step, version=version, pad_id=run.pad_id,
                     batch_rows=batch_rows, split=split, nproc=nproc)
                 now = time.perf_counter()
                 row.update({"wait_s": wait_s, "publish_s": now - t_pub, **producer.row(),
-                            "wall_s": now - t0, "cpu_s": time.process_time() - cpu0,
+                            "wall_s": now - run.t0, "cpu_s": time.process_time() - cpu0,
                             # the step's wall (since the previous row) and the episodes it trained per second of it
                             "step_wall_s": now - t_row, "episodes_per_s": n_trajs / max(now - t_row, 1e-9)})
                 t_row = now
@@ -266,9 +281,8 @@ def run_rl(cfg: Config, learner: LearnerHandle, producer: Producer, writer, stop
                 _eval_and_checkpoint(cfg, learner, producer, writer, step)
     finally:
         producer.stop()
-    return _finish_run(cfg, learner, producer, writer, stop, last=last, start_step=start_step, version=version,
-                       rollout_failed=rollout_failed, sft_success=sft_success, run_dir=run_dir, ckpt_dir=ckpt_dir,
-                       t0=t0)
+    return _finish_run(cfg, learner, producer, writer, stop, run, last=last, version=version,
+                       rollout_failed=rollout_failed)
 
 
 def write_outputs(run_dir: Path, ckpt_dir: Path, summary: dict) -> None:

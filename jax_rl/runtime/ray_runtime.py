@@ -38,7 +38,7 @@ from jax_rl.model_builder import build_model_config
 from jax_rl.affinity import pin_process
 from jax_rl.runtime.context import StopFlag, raise_if_disk_full, signal_exit_code, start_of_run_lines
 from jax_rl.runtime.envs import build_env_factory, build_tokenizer
-from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
+from jax_rl.runtime.loop import RunStart, finished_run_line, run_rl, sft_line
 from jax_rl.runtime.ray_actors import actor_classes, jax_tree_to_host
 from jax_rl.runtime.ray_cluster import (RayDaemonWatch, RayFailure, check_ray_endpoints, init_ray, ray_get,
                                         reclaim_signals)
@@ -134,8 +134,9 @@ def _drive(cfg: Config, actor, worker_classes: tuple, stop: StopFlag, run_dir: P
         print(sft_line(cfg, sft_eval), flush=True)
     producer = RayProducer(cfg, actor, hf, meta, actor_classes=worker_classes)
     producer.stop_event = stop.event  # a SIGTERM while the workers compile does not wait for them
-    return run_rl(cfg, RemoteLearner(actor), producer, writer, stop, start_step=start_step, pad_id=pad_id,
-                  sft_success=sft_eval.get("success"), run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0)
+    return run_rl(cfg, RemoteLearner(actor), producer, writer, stop,
+                  RunStart(start_step=start_step, pad_id=pad_id, sft_success=sft_eval.get("success"),
+                           run_dir=run_dir, ckpt_dir=ckpt_dir, t0=t0))
 
 
 SFT_PART = 25  # SFT steps per learner-actor call: the driver checks its signals between two

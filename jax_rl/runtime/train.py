@@ -41,7 +41,7 @@ from jax_rl.model_builder import adopt_checkpoint_layer_layout
 from jax_rl.runtime.context import (TIMING_KEYS, RunContext, StopFlag, drop_newer_checkpoints, raise_if_disk_full,
                                     resume_rl_step, signal_exit_code)
 from jax_rl.runtime.embedded import EmbeddedProducer
-from jax_rl.runtime.loop import finished_run_line, run_rl, sft_line
+from jax_rl.runtime.loop import RunStart, finished_run_line, run_rl, sft_line
 from jax_rl.runtime.run_dir import lock_run_dir, multiprocess_start, resolve_run_dir, unlock_run_dir
 from rollout.types import json_safe
 
@@ -134,8 +134,10 @@ def _run_train(cfg: Config) -> int:
                 return ctx.stopped_in_sft(stop)
             print(sft_line(cfg, ev))
         producer = EmbeddedProducer(ctx, ctx.meta)
-        rc = run_rl(cfg, ctx, producer, ctx.writer, stop, start_step=start_step, pad_id=ctx.tokenizer.pad_id,
-                    sft_success=ctx.meta.get("sft_success"), run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir, t0=ctx.t0)
+        rc = run_rl(cfg, ctx, producer, ctx.writer, stop,
+                    RunStart(start_step=start_step, pad_id=ctx.tokenizer.pad_id,
+                             sft_success=ctx.meta.get("sft_success"), run_dir=ctx.run_dir, ckpt_dir=ctx.ckpt_dir,
+                             t0=ctx.t0))
         failed = False
         return rc
     except Exception as e:

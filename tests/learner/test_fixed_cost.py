@@ -15,7 +15,7 @@ from jax_rl.learner.batch import BatchError, LearnerBatch, bucket_len, collate, 
 from jax_rl.config import Config
 from jax_rl.learner.learner import Learner
 from jax_rl.sharding import make_mesh
-from jax_rl.learner.train_step import make_train_step, train_infer_once
+from jax_rl.learner.train_step import StepParts, make_train_step, train_infer_once
 
 from ._util import host, init_params, make_batch, make_cfg, max_abs_diff
 
@@ -140,7 +140,7 @@ def test_policy_loss_with_a_precomputed_factor_is_the_same():
     args = (logp, prox, b["behav_logp"], b["advantages"], b["loss_mask"], cfg.loss)
     ti = losses.train_infer_factor(prox, b["behav_logp"], b["loss_mask"], cfg.loss, turn_ids=b["turn_ids"])
     out0 = losses.policy_loss(*args, turn_ids=b["turn_ids"])
-    out1 = losses.policy_loss(*args, turn_ids=b["turn_ids"], train_infer=ti)
+    out1 = losses.policy_loss(*args, turn_ids=b["turn_ids"], batch=losses.BatchTerms(train_infer=ti))
     chex.assert_trees_all_equal(out0, out1)
     assert losses.loss_denominator(b["loss_mask"], cfg.loss.model_copy(update={"keep_masked_in_denominator": False}),
                                    train_infer=ti) == float(ti.kept.sum())
@@ -187,10 +187,10 @@ def test_packed_metrics_equal_the_dict():
     b = make_batch(4, B=8, T=16)
     dev, r = lrn.device_batch(b, process_local=False)
     lb = LearnerBatch.from_dict(dev)
-    kw = dict(rest=lrn.rest, schedule=lrn.schedule, state_shardings=lrn.state_shardings,
-              batch_sharding=lrn.batch_sharding(r))
-    plain = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, lrn.mesh, **kw)
-    packed = make_train_step(cfg, lrn.graphdef, lrn.tx, lrn.strategy, lrn.mesh, packed_metrics=True, **kw)
+    parts = StepParts(lrn.graphdef, lrn.rest, lrn.tx, lrn.schedule, lrn.strategy)
+    kw = dict(state_shardings=lrn.state_shardings, batch_sharding=lrn.batch_sharding(r))
+    plain = make_train_step(cfg, parts, lrn.mesh, **kw)
+    packed = make_train_step(cfg, parts, lrn.mesh, packed_metrics=True, **kw)
     copy = jax.tree.map(lambda x: x.copy(), lrn.state)
     with jax.set_mesh(lrn.mesh):
         s1, d = plain(lrn.state, lb)

@@ -16,6 +16,7 @@ from jax_rl.config import LossConfig
 from jax_rl.learner.batch import LearnerBatch
 from jax_rl.learner.loss_metrics import _union, fixed
 from jax_rl.learner.losses import (
+    BatchTerms,
     METRIC_GROUPS,
     STALENESS_MAX_BUCKET,
     PolicyTokens,
@@ -59,8 +60,8 @@ class MetricGroupsTest(chex.TestCase):
 
         def every(logp, prox, behav, adv, mask, tid, ent):
             ti = train_infer_factor(prox, behav, mask, cfg, turn_ids=tid)
-            return policy_loss(logp, prox, behav, adv, mask, cfg, turn_ids=tid, denominator=jnp.float32(3.0),
-                               entropy=ent, truncated=True, train_infer=ti)
+            return policy_loss(logp, prox, behav, adv, mask, cfg, turn_ids=tid, entropy=ent, truncated=True,
+                               batch=BatchTerms(denominator=jnp.float32(3.0), train_infer=ti))
 
         _, m0, tok0 = self.variant(bare)(lp, lp - 0.1, lp + 0.1, adv, mask)
         _, m1, tok1 = self.variant(every)(lp, lp - 0.1, lp + 0.1, adv, mask, tid, np.ones((B, T), F32))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from jax_rl.config import LossConfig
 from jax_rl.learner.losses import (
+    BatchTerms,
     METRIC_GROUPS,
     METRIC_REDUCTIONS,
     STALENESS_MAX_BUCKET,
@@ -58,7 +59,7 @@ def run(tc, cfg, logp, prox, behav, adv, mask, *, turn_ids=None, versions=None, 
         def f(logp, prox, behav, adv, mask, turn_ids, versions, g, exact, denominator, entropy):
             def lf(x):
                 loss, m, tok = policy_loss(x, prox, behav, adv, mask, cfg, turn_ids=turn_ids,
-                                           denominator=denominator, entropy=entropy)
+                                           entropy=entropy, batch=BatchTerms(denominator=denominator))
                 m = dict(m)
                 if versions is not None:
                     m.update(staleness_metrics(versions, g, mask, tok.kept, tok.clipped))

@@ -77,7 +77,7 @@ def test_model_loss_and_grads_finite_with_tokens_outside_the_kept_set():
     """Through the model: top_k=200, top_p=0.8 put a part of the random targets outside the kept set; the policy loss
     (with the entropy bonus) and its gradient w.r.t. every param are finite, the outside tokens are
     counted, and they carry no gradient (the loss equals the one with them removed)."""
-    from jax_rl.learner.logprobs import sequence_logprobs
+    from jax_rl.learner.logprobs import HeadOptions, sequence_logprobs
     from jax_rl.models import qwen3 as q
 
     cfg_m = q.get_preset("tiny_dense")
@@ -93,7 +93,8 @@ def test_model_loss_and_grads_finite_with_tokens_outside_the_kept_set():
     lc = LossConfig(entropy_coef=0.01)
 
     def logp_ent(p):
-        out = sequence_logprobs(nnx.merge(gd, p), tokens, am, temperature=0.7, top_k=200, top_p=0.8, return_entropy=True)
+        out = sequence_logprobs(nnx.merge(gd, p), tokens, am, temperature=0.7, head=HeadOptions(top_k=200, top_p=0.8),
+                                return_entropy=True)
         return out.logp, out.entropy
 
     lp0, _ = logp_ent(params)

@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 import jax_rl.models.expert_parallel as EPM
-from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe, grouped_matmul, resolve_moe_matmul
+from jax_rl.models.expert_parallel import (EPOptions, ep_capacity, expert_parallel_moe, grouped_matmul,
+                                           resolve_moe_matmul)
 from jax_rl.models.qwen3 import MoE, Qwen3ForCausalLM, get_preset
 from jax_rl.sharding import make_mesh, state_shardings
 
@@ -177,8 +178,8 @@ def _block_fns(moe, mesh_shape, capacity_factor, batch_axes, matmul="ragged_dot"
     def f(x, params, forced, valid):
         m = nnx.merge(graphdef, params)
         w, ids = m.route(x, forced)
-        y, dropped, _ = expert_parallel_moe(x, w, ids, *experts(m), capacity_factor=capacity_factor,
-                                         batch_axes=batch_axes, matmul=matmul, valid=valid)
+        y, dropped, _ = expert_parallel_moe(x, w, ids, *experts(m), valid=valid, options=EPOptions(
+            capacity_factor=capacity_factor, batch_axes=batch_axes, matmul=matmul))
         return jnp.sum(y * jnp.cos(x)), (y, dropped)
 
     def ref(x, params, forced, keep):
@@ -410,9 +411,10 @@ def test_per_token_drops_are_the_hand_references_missing_copies(devices):
     w = jnp.full((B, T, k), 0.5, x.dtype)
     wg, wu, wd = moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...]
     with jax.set_mesh(make_mesh(1, 2, 1, ep)):
-        y, dropped, tok = jax.jit(lambda *a: expert_parallel_moe(*a, capacity_factor=2.0, valid=valid, per_token=True))(
+        y, dropped, tok = jax.jit(lambda *a: expert_parallel_moe(
+            *a, valid=valid, options=EPOptions(capacity_factor=2.0, per_token=True)))(x, w, piled, wg, wu, wd)
+        y0, d0, none = jax.jit(lambda *a: expert_parallel_moe(*a, valid=valid, options=EPOptions(capacity_factor=2.0)))(
             x, w, piled, wg, wu, wd)
-        y0, d0, none = jax.jit(lambda *a: expert_parallel_moe(*a, capacity_factor=2.0, valid=valid))(x, w, piled, wg, wu, wd)
     want = np.sum(valid[..., None] & ~keep, axis=-1)
     assert tok.shape == (B, T) and want.sum() > 0 and none is None  # the flag fills the field, never the arity
     np.testing.assert_array_equal(np.asarray(tok), want)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.learner.logprobs import sequence_logprobs, token_logprobs
+from jax_rl.learner.logprobs import HeadOptions, sequence_logprobs, token_logprobs
 from jax_rl.models.qwen3 import (
     MLP,
     MoE,
@@ -352,7 +352,8 @@ def test_sequence_logprobs_alignment_masking_and_graphdef_form():
     np.testing.assert_allclose(np.asarray(out[1, 1:5]), np.asarray(ref[1, :4]), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[1, 5:]), 0.0)
     gd, st = nnx.split(m)
-    jitted = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, 1.3, chunk_elems=3 * B * cfg.vocab_size).logp)
+    jitted = jax.jit(lambda st, t, msk: sequence_logprobs(
+        gd, st, t, msk, 1.3, head=HeadOptions(chunk_elems=3 * B * cfg.vocab_size)).logp)
     np.testing.assert_allclose(np.asarray(jitted(st, toks, mask)), np.asarray(out), atol=1e-5)
     # differentiable w.r.t. params
     grads = jax.jit(jax.grad(lambda st: jnp.sum(sequence_logprobs(gd, st, toks, mask).logp)))(st)
@@ -386,7 +387,7 @@ def test_sequence_logprobs_entropy_matches_softmax_formula_chunked_and_direct():
     gd, st = nnx.split(m)
     for chunk in (1 << 22, 3 * B * cfg.vocab_size):  # direct, and 3-token chunks
         out = jax.jit(lambda st, t, msk: sequence_logprobs(gd, st, t, msk, temp, return_entropy=True,
-                                                            chunk_elems=chunk))(st, toks, mask)
+                                                            head=HeadOptions(chunk_elems=chunk)))(st, toks, mask)
         lp, ent = out.logp, out.entropy
         assert out.expert_ids is None and out.moe_drops is None  # not asked for
         assert ent.shape == (B, T) and ent.dtype == jnp.float32

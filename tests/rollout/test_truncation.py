@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_rl.learner.logprobs import sequence_logprobs
+from jax_rl.learner.logprobs import HeadOptions, sequence_logprobs
 from jax_rl.models import qwen3 as q
 from rollout.engine import Qwen3Engine
 
@@ -63,7 +63,8 @@ def test_learner_logp_equals_engine_behav_logp_under_top_k_top_p():
     out = _generate(cfg, params, PROMPTS, n_new=16)
     seq, am, lm, behav = _pad(PROMPTS, out, 32)
     gd, st = nnx.split(model)
-    f = jax.jit(lambda st, k, p: sequence_logprobs(nnx.merge(gd, st), seq, am, temperature=TEMP, top_k=k, top_p=p).logp,
+    f = jax.jit(lambda st, k, p: sequence_logprobs(nnx.merge(gd, st), seq, am, temperature=TEMP,
+                                                        head=HeadOptions(top_k=k, top_p=p)).logp,
                 static_argnums=(1, 2))
     on = np.asarray(f(st, TOP_K, TOP_P))
     off = np.asarray(f(st, 0, 1.0))  # the bug: the learner ignores the truncation

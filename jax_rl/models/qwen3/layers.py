@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_rl.models.expert_parallel import ep_capacity, expert_parallel_moe, expert_parallel_size, resolve_moe_matmul
+from jax_rl.models.expert_parallel import (EPOptions, ep_capacity, expert_parallel_moe, expert_parallel_size,
+                                           resolve_moe_matmul)
 from jax_rl.models.qwen3.config import Qwen3Config
 from jax_rl.models.xla_attention import attend, attend_cached, attend_cached_t  # noqa: F401 (re-exported)
 from jax_rl.sharding import constrain
@@ -311,9 +312,8 @@ class MoE(nnx.Module):
             a = jax.nn.silu(g) * u * combine[..., None]
             y = jnp.einsum("btef,efd->btd", a, wd)
         elif expert_parallel_size() > 1:
-            y, dropped, tok = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid,
-                                                   capacity_factor=self.capacity_factor, matmul=self.matmul,
-                                                   per_token=dropped_per_token)
+            opts = EPOptions(capacity_factor=self.capacity_factor, matmul=self.matmul, per_token=dropped_per_token)
+            y, dropped, tok = expert_parallel_moe(x, w.astype(dt), ids, wg, wu, wd, valid=valid, options=opts)
             dropped = tok if dropped_per_token else dropped
         else:
             y = self._ragged(x, w.astype(dt), ids, wg, wu, wd)
