@@ -62,9 +62,7 @@ def move_keys(data: dict, source: str = "config") -> dict:
                              f"keep only {new}")
         dst[nkey] = val
         out = _set_path(out, npath, dst)
-        if old not in _noted:
-            _noted.add(old)
-            _log.warning("%s: %s is %s now; read as %s=%r", source, old, new, new, val)
+        _warn_once(f"{source}: {old} is {new} now; read as {new}={val!r}", key=old)
     return out
 
 
@@ -85,10 +83,12 @@ def _set_path(d: dict, path: list[str], value: Any) -> dict:
     return out
 
 
-def _warn_once(msg: str) -> None:
-    """Log a config warning once per process (a config is validated again each time it is copied)."""
-    if msg not in _noted:
-        _noted.add(msg)
+def _warn_once(msg: str, key: str | None = None) -> None:
+    """Log a config warning once per process and ``key`` (default: the message itself; a config is validated
+    again each time it is copied, and a moved key is noted once whatever its value)."""
+    key = msg if key is None else key
+    if key not in _noted:
+        _noted.add(key)
         _log.warning("%s", msg)
 
 
