@@ -123,7 +123,7 @@ def from_rows(y: Array, lead_shape: tuple[int, ...]) -> Array:
     return materialize(y)[0, :n].reshape(*lead_shape, *y.shape[2:])
 
 
-def _chunk_step(carry, xs, qh, qpos, scale, q_tile):
+def _chunk_step(carry, xs, qh, qpos, scale):
     m, l, o = carry
     kc, vc, kpos = xs  # [B,K,C,H] x2, [C]
     s = jnp.einsum("bkmh,bkch->bkmc", qh, kc, preferred_element_type=jnp.float32) * scale
@@ -179,7 +179,7 @@ def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | N
             jnp.zeros((B, K, Mp, H), jnp.float32))
 
     def step(c, xs):
-        return _chunk_step(c, xs, qh, qpos, H ** -0.5, q_tile)
+        return _chunk_step(c, xs, qh, qpos, H ** -0.5)
 
     (_, l, o), _ = jax.lax.scan(step, init, (kc, vc, kpos))
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
