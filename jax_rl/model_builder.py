@@ -4,6 +4,7 @@ abstract (``eval_shape``) model from a run config (MaxText's ``model_creation_ut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -139,15 +140,16 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
     Both sides get the same ``scan_layers`` and ``moe_dispatch`` (the params tree the learner
     publishes must be the one every rollout engine was built for), ``attention`` resolved
     (``auto`` -> ``splash`` on a TPU backend, ``xla`` elsewhere, by ``jax.default_backend()``) and
-    ``moe_matmul`` resolved the same way (``auto`` -> ``megablox`` on a TPU, else ``ragged_dot``).
+    ``moe`` (:class:`jax_rl.models.qwen3.MoEOptions`) with its ``matmul`` resolved the same way
+    (``model.moe_matmul``: ``auto`` -> ``megablox`` on a TPU, else ``ragged_dot``).
 
     ``role="learner"``: learner numerics: compute dtype ``model.dtype``, fp32 params,
     ``remat_policy`` (``model.remat`` folded in). ``role="rollout"``: what
     ``rollout.engine.Qwen3Engine(model_kwargs=...)`` takes: no dtypes (the engine's ``dtype``,
     ``rollout.dtype``, sets compute and params) and no remat (the engine never differentiates);
     ``rollout.moe_router_dtype`` / ``rollout.moe_capacity_factor`` when set (the engine's MoE
-    routing then differs from the learner's: ``moe_router_dtype``, ``moe_capacity_factor`` with
-    ``moe_capacity_all_paths``).
+    routing then differs from the learner's: ``moe.router_dtype``, ``moe.capacity_factor`` with
+    ``moe.capacity_all_paths``).
 
     Raises:
         ValueError: ``role`` is not ``"learner"`` or ``"rollout"``.
@@ -156,14 +158,14 @@ def model_kwargs_for(cfg: Config, role: str = "learner") -> dict:
         raise ValueError(f"role must be one of {MODEL_ROLES}, got {role!r}")
     kw = model_kwargs(cfg.model)
     kw["attention"] = resolve_attention(kw["attention"])
-    kw["moe_matmul"] = resolve_moe_matmul(kw["moe_matmul"])
+    kw["moe"] = dataclasses.replace(kw["moe"], matmul=resolve_moe_matmul(kw["moe"].matmul))
     if role == "rollout":
         kw.pop("remat_policy")
-        r = cfg.rollout  # the engine-only MoE options, passed only when set: else the learner's
+        r = cfg.rollout  # the engine-only MoE options, applied only when set: else the learner's
         if r.moe_router_dtype != "float32":
-            kw["moe_router_dtype"] = r.moe_router_dtype
+            kw["moe"] = dataclasses.replace(kw["moe"], router_dtype=r.moe_router_dtype)
         if r.moe_capacity_factor is not None:
-            kw.update(moe_capacity_factor=r.moe_capacity_factor, moe_capacity_all_paths=True)
+            kw["moe"] = dataclasses.replace(kw["moe"], capacity_factor=r.moe_capacity_factor, capacity_all_paths=True)
         return kw
     return dict(dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32, **kw)
 

@@ -28,12 +28,11 @@ def _is_stacked(tree) -> bool:
 def test_model_kwargs_for_both_sides_from_one_config():
     cfg = make_cfg("ppo", model={"dtype": "bfloat16", "remat": True, "moe_dispatch": "ragged"})
     lk, rk = model_kwargs_for(cfg, "learner"), model_kwargs_for(cfg, "rollout")
-    assert lk == dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, moe_dispatch="ragged",
-                      moe_capacity_factor=None, moe_matmul="ragged_dot", remat_policy="full",
+    moe = q.MoEOptions(dispatch="ragged", capacity_factor=None, matmul="ragged_dot")
+    assert lk == dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, moe=moe, remat_policy="full",
                       scan_layers=True, scan_unroll="auto", attention="xla")
     # the engine sets its own dtypes (rollout.dtype) and never differentiates
-    assert rk == dict(moe_dispatch="ragged", moe_capacity_factor=None, moe_matmul="ragged_dot", scan_layers=True,
-                      scan_unroll="auto", attention="xla")
+    assert rk == dict(moe=moe, scan_layers=True, scan_unroll="auto", attention="xla")
     off = make_cfg("ppo", model={"scan_layers": False, "attention": "xla"})
     assert model_kwargs_for(off, "learner")["scan_layers"] is False
     assert model_kwargs_for(off, "rollout")["scan_layers"] is False
@@ -47,7 +46,7 @@ def test_attention_auto_resolves_by_backend(monkeypatch):
     assert model_kwargs_for(cfg)["attention"] == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert model_kwargs_for(cfg)["attention"] == "splash"
-    assert model_kwargs_for(cfg)["moe_matmul"] == "megablox"
+    assert model_kwargs_for(cfg)["moe"].matmul == "megablox"
     assert model_kwargs_for(cfg, "rollout")["attention"] == "splash"
     assert model_kwargs_for(make_cfg("ppo", model={"attention": "xla"}))["attention"] == "xla"
 

@@ -69,13 +69,12 @@ def _target(cfg: Config, topology: str) -> _Target:
     kw = model_kwargs(cfg.model)
     if kw.get("attention") == "auto":  # the target is a TPU, whatever this host is
         kw["attention"] = "splash"
-    if kw.get("moe_matmul") == "auto":
-        kw["moe_matmul"] = "megablox"
+    if kw["moe"].matmul == "auto":
+        kw["moe"] = dataclasses.replace(kw["moe"], matmul="megablox")
     if kw.get("scan_unroll") == "auto":  # one layer per loop iteration, as on a TPU
         kw["scan_unroll"] = 1
     learner_kw = dict(kw, dtype=jnp.dtype(cfg.model.dtype), param_dtype=jnp.float32)
-    engine_kw = {k: kw[k] for k in ("moe_dispatch", "scan_layers", "attention", "moe_capacity_factor", "moe_matmul")
-                 if k in kw}
+    engine_kw = {k: kw[k] for k in ("moe", "scan_layers", "attention") if k in kw}
     return _Target(cfg, topology, spec, devices, mesh, mc, learner_kw, engine_kw, notes, all_devices, roles)
 
 

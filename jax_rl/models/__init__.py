@@ -8,6 +8,7 @@ tokenizers.
 from jax_rl.models.qwen3 import (  # noqa: F401
     PRESETS,
     KVCache,
+    MoEOptions,
     Qwen3Config,
     Qwen3ForCausalLM,
     count_params,

@@ -349,7 +349,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
     ``dtype`` is the param and compute dtype (override compute with ``model_kw['dtype']``).
     With ``mesh`` each param is placed directly with its NamedSharding from the logical-axis
     rules (no full copy on one device). ``model_kw`` go to ``Qwen3ForCausalLM`` (e.g.
-    ``moe_dispatch``, ``scan_layers``: HF's per-layer tensors ``model.layers.{i}.*`` are then
+    ``moe``, ``scan_layers``: HF's per-layer tensors ``model.layers.{i}.*`` are then
     stacked on the leading ``layers`` axis). Returns ``(model, config)``.
     """
     path = Path(path)

@@ -58,7 +58,7 @@ ids of the fed (pending) token, i.e. of position ``lengths[b]`` (``StepOutput.ro
 n_moe_layers, k]; in the adapter's rows ``n_moe_layers * k`` more int32 columns). The last sampled
 token of a request is never fed, so it has no route (:data:`jax_rl.models.qwen3.ROUTE_MISSING`).
 
-MoE capacity drops (``counts_moe_drops``: an MoE model built with a ``moe_capacity_factor``, e.g.
+MoE capacity drops (``counts_moe_drops``: an MoE model built with a ``moe.capacity_factor``, e.g.
 ``rollout.moe_capacity_factor``): every program that runs tokens through the model also counts,
 per row, the token copies its MoE layers dropped for capacity (int32, summed over the row's
 tokens and the MoE layers): ``PrefillResult.moe_dropped`` per ``prefill_slots`` row,
@@ -122,7 +122,7 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
         ``data`` (and ``fsdp``) and kv heads over ``tensor`` (an axis that does not divide a
         dim is dropped, i.e. replicated: 1 kv head on ``tensor=2`` keeps a whole cache copy per
         tensor shard), the per-slot vectors over ``data``; every jitted step is traced under
-        ``jax.set_mesh(mesh)`` (the model's activation constraints apply; ``moe_dispatch=
+        ``jax.set_mesh(mesh)`` (the model's activation constraints apply; ``moe.dispatch=
         "ragged"`` with ``expert`` > 1 takes the expert-parallel path,
         :mod:`jax_rl.models.expert_parallel`) with the decode state's shardings as
         out_shardings, so the donated state aliases. ``None`` (default): everything on
@@ -210,9 +210,9 @@ class Qwen3Engine(EngineWeights, JetStreamAdapter):
         """Compact host dtype of recorded expert ids (``jax_rl.models.qwen3.route_dtype``)."""
         # a model that drops MoE token copies on its local path (rollout.moe_capacity_factor): the
         # decode step tells it which slots are active, so an idle slot takes no expert capacity
-        self._decode_valid = bool(model_config.is_moe and kw.get("moe_capacity_all_paths")
-                                  and kw.get("moe_capacity_factor") is not None)
-        self.counts_moe_drops = bool(model_config.is_moe and kw.get("moe_capacity_factor") is not None)
+        moe = kw.get("moe", _q.MoEOptions())
+        self._decode_valid = bool(model_config.is_moe and moe.capacity_all_paths and moe.capacity_factor is not None)
+        self.counts_moe_drops = bool(model_config.is_moe and moe.capacity_factor is not None)
         """The model can drop MoE token copies for capacity, and every program counts them per row
         (module doc, "MoE capacity drops")."""
         self.moe_copies_per_token = (len(model_config.moe_layers) * int(model_config.num_experts_per_tok)

@@ -29,7 +29,8 @@ class EngineSpec:
       dtype: compute + param + K/V dtype, ``"bfloat16"`` or ``"float32"`` (logits and sampling: float32).
       temperature, top_p, top_k: default sampling; a request's temperature may override it. top_p / top_k
         are engine-wide (static in the programs).
-      model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (``moe_dispatch``, ``attention``, ...).
+      model_kwargs: extra kwargs to ``Qwen3ForCausalLM`` (``scan_layers``, ``attention``, ``moe``: a
+        :class:`jax_rl.models.qwen3.MoEOptions`, ...).
       kv_per_layer: the decode cache as L per-layer buffers, layers unrolled (None: on off a TPU;
         :class:`rollout.engine.Qwen3Engine`).
       record_routes: return the expert ids every MoE layer chose (a dense model: ignored).

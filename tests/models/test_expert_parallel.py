@@ -19,7 +19,7 @@ from flax import nnx
 import jax_rl.models.expert_parallel as EPM
 from jax_rl.models.expert_parallel import (EPOptions, ep_capacity, expert_parallel_moe, grouped_matmul,
                                            resolve_moe_matmul)
-from jax_rl.models.qwen3 import MoE, Qwen3ForCausalLM, get_preset
+from jax_rl.models.qwen3 import MoE, MoEOptions, Qwen3ForCausalLM, get_preset
 from jax_rl.sharding import make_mesh, state_shardings
 
 EP_MESHES = [(1, 2, 1, 4), (1, 1, 2, 4)]  # (data, fsdp, tensor, expert); the 2nd splits F too
@@ -32,7 +32,7 @@ def _has_all_to_all(lowered) -> bool:
 
 def _model(E=4, seed=3, **kw):
     cfg = get_preset("tiny_moe", num_experts=E)
-    m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed), moe_dispatch="ragged", scan_layers=True, **kw)
+    m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed), moe=MoEOptions(dispatch="ragged"), scan_layers=True, **kw)
     rng = np.random.default_rng(seed)
     for path, v in nnx.iter_graph(m):  # perturb the norms (init = ones) so they matter
         if isinstance(v, nnx.Param) and path[-1] == "weight":

@@ -13,7 +13,7 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_rl.models.qwen3 import MoE, Qwen3ForCausalLM, get_preset
+from jax_rl.models.qwen3 import MoE, MoEOptions, Qwen3ForCausalLM, get_preset
 from jax_rl.models.qwen3.layers import capacity_keep
 
 HSET = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -117,6 +117,6 @@ def test_router_dtype():
     assert float(jnp.max(jnp.abs(w16 - w32))) > 0  # it does differ
     # the default is the fp32 program: identical to an explicit float32 router
     m_default = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    m_f32 = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), moe_router_dtype="float32")
+    m_f32 = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), moe=MoEOptions(router_dtype="float32"))
     ids = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(m_default(ids)), np.asarray(m_f32(ids)))

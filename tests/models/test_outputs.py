@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jax_rl.learner.logprobs import LogprobOutput, sequence_logprobs
-from jax_rl.models.qwen3 import (ModelOutput, MoeDrops, Qwen3ForCausalLM, StackedKVCache, count_moe_drops,
+from jax_rl.models.qwen3 import (ModelOutput, MoeDrops, MoEOptions, Qwen3ForCausalLM, StackedKVCache, count_moe_drops,
                                  get_preset)
 from jax_rl.models.qwen3.layers import capacity_keep
 
@@ -22,7 +22,7 @@ CF = 0.25  # tight: drops happen at these sizes (else the count tests could not 
 
 def _moe(**kw):
     cfg = get_preset("tiny_moe")
-    return cfg, Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), moe_capacity_factor=CF, moe_capacity_all_paths=True, **kw)
+    return cfg, Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), moe=MoEOptions(capacity_factor=CF, capacity_all_paths=True), **kw)
 
 
 def _toks(cfg, B=3, T=8, seed=0):

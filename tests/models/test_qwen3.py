@@ -10,6 +10,7 @@ from jax_rl.learner.logprobs import HeadOptions, sequence_logprobs, token_logpro
 from jax_rl.models.qwen3 import (
     MLP,
     MoE,
+    MoEOptions,
     PRESETS,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -298,7 +299,7 @@ def test_moe_block_matches_reference(norm_topk_prob, dispatch):
 
 def test_moe_dense_and_ragged_dispatch_agree_and_forced_ids():
     cfg, md = _model("tiny_moe", seed=5)
-    _, mr = _model("tiny_moe", seed=5, moe_dispatch="ragged")
+    _, mr = _model("tiny_moe", seed=5, moe=MoEOptions(dispatch="ragged"))
     ids = _ids(6, (2, 9), cfg.vocab_size)
     fwd = nnx.jit(lambda m, ids, forced=None: m.forward(ids, forced_expert_ids=forced))
     od, orr = fwd(md, ids), fwd(mr, ids)

@@ -232,14 +232,15 @@ def test_checkpoint_of_the_other_layer_layout_fails_in_one_line_naming_scan_laye
 
 def test_model_kwargs_from_the_model_config_section():
     from jax_rl.config import Config
-    from jax_rl.models import model_kwargs
+    from jax_rl.models import MoEOptions, model_kwargs
 
     m = Config().model
-    assert model_kwargs(m) == dict(moe_dispatch="dense", moe_capacity_factor=None, moe_matmul="auto",
+    assert model_kwargs(m) == dict(moe=MoEOptions(dispatch="dense", capacity_factor=None, matmul="auto"),
                                    remat_policy="none", scan_layers=True, scan_unroll="auto",
                                    attention="auto")
-    assert model_kwargs(m.model_copy(update={"moe_capacity_factor": 1.25}))[
-        "moe_capacity_factor"] == 1.25
+    assert model_kwargs(m.model_copy(update={"moe_capacity_factor": 1.25}))["moe"].capacity_factor == 1.25
+    assert model_kwargs(m.model_copy(update={"moe_dispatch": "ragged", "moe_matmul": "megablox"}))["moe"] == \
+        MoEOptions(dispatch="ragged", matmul="megablox")
     assert model_kwargs(m.model_copy(update={"remat": True}))["remat_policy"] == "full"
     assert model_kwargs(m.model_copy(update={"remat": True, "remat_policy": "minimal"}))[
         "remat_policy"] == "minimal"

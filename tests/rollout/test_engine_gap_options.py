@@ -121,12 +121,12 @@ def test_moe_engine_router_dtype_and_capacity(moe):
     cfg, params = moe
     base = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="float32", temperature=0.8,
                 record_routes=True)
-    kw = lambda **m: dict(base, model_kwargs=dict(scan_layers=True, **m))  # noqa: E731
+    kw = lambda **m: dict(base, model_kwargs=dict(scan_layers=True, moe=q.MoEOptions(**m)))  # noqa: E731
     ref = Qwen3Engine(cfg, params, **kw())  # the learner's routing (fp32 router, dropless)
     _, lp0 = _decode(ref)
-    _, lp16 = _decode(Qwen3Engine(cfg, params, **kw(moe_router_dtype="bfloat16")))
+    _, lp16 = _decode(Qwen3Engine(cfg, params, **kw(router_dtype="bfloat16")))
     assert np.max(np.abs(lp16 - lp0)) > 0
-    drop = Qwen3Engine(cfg, params, **kw(moe_capacity_factor=0.25, moe_capacity_all_paths=True))
+    drop = Qwen3Engine(cfg, params, **kw(capacity_factor=0.25, capacity_all_paths=True))
     _, lp_drop = _decode(drop)
     assert np.max(np.abs(lp_drop - lp0)) > 1e-3
     # an idle slot takes no capacity: one active one-token prompt (nothing to prefill) at factor 0.25
@@ -144,13 +144,11 @@ def test_config_keys_reach_the_engine_and_bad_combinations_name_the_key():
     from jax_rl.model_builder import build_model_config
 
     base = load_config("configs/tiny_moe_cpu.yaml")
-    assert "moe_router_dtype" not in rollout_model_kwargs(base)  # unset: the learner's routing
-    assert rollout_model_kwargs(base)["moe_capacity_factor"] is None
+    assert rollout_model_kwargs(base)["moe"] == q.MoEOptions()  # unset: the learner's routing, dropless
     cfg = load_config("configs/tiny_moe_cpu.yaml", ["rollout.moe_router_dtype=bfloat16",
                                                     "rollout.moe_capacity_factor=1.25", "rollout.quantize=int8"])
     kw = rollout_model_kwargs(cfg)
-    assert kw["moe_router_dtype"] == "bfloat16"
-    assert kw["moe_capacity_factor"] == 1.25 and kw["moe_capacity_all_paths"] is True
+    assert kw["moe"] == q.MoEOptions(router_dtype="bfloat16", capacity_factor=1.25, capacity_all_paths=True)
     build_model_config(cfg)  # an MoE model: accepted
     for key, val in (("rollout.moe_router_dtype", "bfloat16"), ("rollout.moe_capacity_factor", "2.0")):
         dense = load_config("configs/tiny_cpu.yaml", [f"{key}={val}", "model.tokenizer=compact"])

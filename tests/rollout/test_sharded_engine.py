@@ -138,9 +138,9 @@ def test_sharded_moe_engine_expert_parallel(dispatch, devices):
     """MoE on (tensor 2, expert 2): experts sharded over 'expert'; with moe_dispatch=ragged the decode
     step runs the expert-parallel all_to_all path (jax_rl.models.expert_parallel), with dense GSPMD
     partitions the one-hot dispatch. Same tokens, log-probs and recorded routes as one device."""
-    model = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0), moe_dispatch=dispatch)
+    model = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0), moe=q.MoEOptions(dispatch=dispatch))
     params = nnx.state(model, nnx.Param)
-    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs={"moe_dispatch": dispatch}, record_routes=True)
+    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs={"moe": q.MoEOptions(dispatch=dispatch)}, record_routes=True)
     mesh = _engine_mesh(devices, data=1, tensor=2, expert=2)
     ref, eng = Qwen3Engine(model.config, params, **kw), Qwen3Engine(model.config, params, mesh=mesh, **kw)
     gate = eng.params["layers"][0]["mlp"]["gate_proj"]  # [E, D, F]

@@ -34,7 +34,8 @@ layouts to HF's ``model.layers.{i}.*``.
 
 Files:
 
-    config.py   Qwen3Config (HF config.json conversion), PRESETS, get_preset
+    config.py   Qwen3Config (HF config.json conversion), PRESETS, get_preset, MoEOptions (the MoE
+                layers' execution options, Qwen3ForCausalLM(moe=...))
     layers.py   RMSNorm, RoPE, the dense projections, Attention, MLP, MoE, DecoderLayer,
                 REMAT_POLICIES / remat_policy_fn (the XLA attention cores attend / attend_cached,
                 with their custom VJPs, are jax_rl.models.xla_attention, re-exported)
@@ -50,7 +51,7 @@ Every public name above is importable from this package (``from jax_rl.models.qw
 """
 
 from jax_rl.models.qwen3.cache import KVCache, LayerKVCache, StackedKVCache
-from jax_rl.models.qwen3.config import PRESETS, Qwen3Config, get_preset
+from jax_rl.models.qwen3.config import PRESETS, MoEOptions, Qwen3Config, get_preset
 from jax_rl.models.qwen3.layers import (
     MLP,
     REMAT_POLICIES,
@@ -88,6 +89,7 @@ from jax_rl.models.qwen3.outputs import (
 
 __all__ = [
     "Qwen3Config",
+    "MoEOptions",
     "PRESETS",
     "get_preset",
     "RMSNorm",

@@ -1,5 +1,6 @@
-"""Qwen3 / Qwen3-MoE hyper-parameters (:class:`Qwen3Config`, HF ``config.json`` conversion) and
-the model presets (:data:`PRESETS`, :func:`get_preset`)."""
+"""Qwen3 / Qwen3-MoE hyper-parameters (:class:`Qwen3Config`, HF ``config.json`` conversion), the
+model presets (:data:`PRESETS`, :func:`get_preset`) and the MoE layers' execution options
+(:class:`MoEOptions`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
 
-__all__ = ["Qwen3Config", "PRESETS", "get_preset"]
+__all__ = ["Qwen3Config", "MoEOptions", "PRESETS", "get_preset"]
 
 
 # HF class defaults, used for keys missing from a config.json (transformers Qwen3Config /
@@ -187,6 +188,37 @@ class Qwen3Config:
             )
         return d
 
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEOptions:
+    """How the MoE layers run (``Qwen3ForCausalLM(moe=...)``, passed to every :class:`MoE` layer): options
+    that change no parameter, only the dispatch, the drops and the router's precision. Frozen and hashable
+    (a static attribute of the Flax module; part of the rollout engine's ``model_kwargs``). Built from the
+    config by :func:`jax_rl.models.qwen3.model_kwargs` (``model.moe_*``) and, for the engine,
+    :func:`jax_rl.model_builder.rollout_model_kwargs` (``rollout.moe_*``). A dense model ignores it;
+    the values are checked when an MoE layer is built (ValueError naming the ``moe_*`` key).
+
+    Attributes:
+      dispatch: ``model.moe_dispatch``: ``"dense"`` (every expert on every token, one-hot combine) or
+        ``"ragged"`` (sorted token copies and a grouped matmul; expert-parallel under a mesh whose
+        ``expert`` axis is > 1, see :class:`jax_rl.models.qwen3.MoE`).
+      capacity_factor: ``model.moe_capacity_factor``: the expert-parallel path's capacity factor
+        (MaxText ``capacity_factor``); None (default) = dropless.
+      matmul: ``model.moe_matmul``: the expert-parallel path's grouped matmul, ``ragged_dot``,
+        ``megablox`` or ``auto`` (megablox on a TPU backend; MaxText ``megablox``).
+      router_dtype: the router matmul's dtype (a dtype name or dtype): ``float32`` (default, the
+        learner's) or the engine's ``rollout.moe_router_dtype``.
+      capacity_all_paths: ``capacity_factor`` drops token copies on the dense and single-shard paths
+        too (the engine's ``rollout.moe_capacity_factor``;
+        :func:`jax_rl.models.qwen3.layers.capacity_keep`). Default False.
+    """
+
+    dispatch: str = "dense"
+    capacity_factor: Optional[float] = None
+    matmul: str = "ragged_dot"
+    router_dtype: Any = "float32"
+    capacity_all_paths: bool = False
 
 def _tiny_dense() -> Qwen3Config:
     return Qwen3Config(

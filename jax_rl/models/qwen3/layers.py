@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_rl.models.expert_parallel import (EPOptions, ep_capacity, expert_parallel_moe, expert_parallel_size,
                                            resolve_moe_matmul)
-from jax_rl.models.qwen3.config import Qwen3Config
+from jax_rl.models.qwen3.config import MoEOptions, Qwen3Config
 from jax_rl.models.xla_attention import attend, attend_cached, attend_cached_t  # noqa: F401 (re-exported)
 from jax_rl.sharding import constrain
 
@@ -379,12 +379,11 @@ LayerAttendFn = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``h = x + attn(norm_in(x))``; ``out = h + mlp(norm_post(h))``."""
+    """Pre-norm block: ``h = x + attn(norm_in(x))``; ``out = h + mlp(norm_post(h))``; ``moe``: an MoE
+    layer's execution options (:class:`jax_rl.models.qwen3.MoEOptions`)."""
 
     def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 moe_dispatch: str = "dense", moe_capacity_factor: float | None = None,
-                 moe_matmul: str = "ragged_dot", moe_router_dtype: Any = jnp.float32,
-                 moe_capacity_all_paths: bool = False):
+                 moe: MoEOptions = MoEOptions()):
         self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
@@ -392,8 +391,8 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if self.is_moe:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                           dispatch=moe_dispatch, capacity_factor=moe_capacity_factor, matmul=moe_matmul,
-                           router_dtype=moe_router_dtype, capacity_all_paths=moe_capacity_all_paths)
+                           dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, matmul=moe.matmul,
+                           router_dtype=moe.router_dtype, capacity_all_paths=moe.capacity_all_paths)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype)

@@ -17,7 +17,7 @@ from jax_rl.models.attention import cudnn_attend, splash_attend
 from jax_rl.models.bitwise import chunked_attend, from_rows, rows_trunk, to_rows
 from jax_rl.models.kv_storage import storage_dtype
 from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
-from jax_rl.models.qwen3.config import Qwen3Config
+from jax_rl.models.qwen3.config import MoEOptions, Qwen3Config
 from jax_rl.models.qwen3.layers import (
     REMAT_POLICIES,
     AttendFn,
@@ -138,14 +138,10 @@ class Qwen3ForCausalLM(nnx.Module):
     """Qwen3 / Qwen3-MoE causal LM (HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
 
     ``dtype`` is the compute dtype (params are cast on use), ``param_dtype`` the storage
-    dtype. Logits are always float32. ``moe_dispatch``: ``"dense"`` or ``"ragged"``
-    (expert-parallel under a mesh with ``expert`` > 1, see :class:`MoE`);
-    ``moe_capacity_factor``: that EP path's capacity factor, None = dropless; ``moe_matmul``:
-    its grouped matmul (``ragged_dot``, ``megablox`` or ``auto``, see :class:`MoE`).
-    ``moe_router_dtype``: the router matmul's dtype (``float32`` default; the rollout engine's
-    ``rollout.moe_router_dtype``); ``moe_capacity_all_paths``: ``moe_capacity_factor`` drops token
-    copies on the dense and single-shard paths too (the engine's ``rollout.moe_capacity_factor``;
-    :func:`jax_rl.models.qwen3.layers.capacity_keep`).
+    dtype. Logits are always float32. ``moe``: the MoE layers' execution options
+    (:class:`jax_rl.models.qwen3.MoEOptions`: dispatch ``dense`` / ``ragged``, the expert-parallel
+    capacity factor and grouped matmul, the router dtype, drops on every path; config ``model.moe_*``
+    and the engine's ``rollout.moe_*``; default: dense dispatch, dropless, fp32 router).
 
     ``scan_layers``: store the decoder layers' params stacked on a leading ``layers`` axis
     (``self.layers`` is then one ``DecoderLayer`` whose params are ``[L, ...]``, logical names
@@ -170,11 +166,9 @@ class Qwen3ForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, moe_dispatch: str = "dense", remat: bool = False,
+                 param_dtype=jnp.float32, moe: MoEOptions = MoEOptions(), remat: bool = False,
                  scan_layers: bool = False, remat_policy: str | None = None,
-                 attention: str = "xla", moe_capacity_factor: float | None = None,
-                 moe_matmul: str = "ragged_dot", scan_unroll: int | bool | str = 1,
-                 moe_router_dtype: Any = "float32", moe_capacity_all_paths: bool = False):
+                 attention: str = "xla", scan_unroll: int | bool | str = 1):
         cfg = config
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -194,10 +188,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                    param_dtype)
         layers = [
-            DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype,
-                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor,
-                         moe_matmul=moe_matmul, moe_router_dtype=jnp.dtype(moe_router_dtype),
-                         moe_capacity_all_paths=moe_capacity_all_paths)
+            DecoderLayer(cfg, i, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype, moe=moe)
             for i in range(cfg.num_hidden_layers)
         ]
         if self.scan_layers:
@@ -584,16 +575,16 @@ def count_params(config: Qwen3Config) -> int:
 
 def model_kwargs(model_cfg: Any) -> dict[str, Any]:
     """``Qwen3ForCausalLM`` keyword arguments from the ``model`` config section
-    (``jax_rl.config.ModelConfig``): ``moe_dispatch``, ``moe_capacity_factor``, ``moe_matmul``,
-    ``remat_policy`` (``remat`` folded in), ``scan_layers``, ``attention``. The learner and the
-    rollout engine must build their models with the same ``scan_layers`` (the params tree
-    layout differs)."""
+    (``jax_rl.config.ModelConfig``): ``moe`` (:class:`MoEOptions` of ``moe_dispatch``,
+    ``moe_capacity_factor``, ``moe_matmul``), ``remat_policy`` (``remat`` folded in), ``scan_layers``,
+    ``scan_unroll``, ``attention``. The learner and the rollout engine must build their models with the
+    same ``scan_layers`` (the params tree layout differs)."""
     policy = getattr(model_cfg, "remat_policy", None)
     if policy is None:
         policy = "full" if getattr(model_cfg, "remat", False) else "none"
-    return dict(moe_dispatch=getattr(model_cfg, "moe_dispatch", "dense"),
-                moe_capacity_factor=getattr(model_cfg, "moe_capacity_factor", None),
-                moe_matmul=getattr(model_cfg, "moe_matmul", "ragged_dot"),
+    return dict(moe=MoEOptions(dispatch=getattr(model_cfg, "moe_dispatch", "dense"),
+                               capacity_factor=getattr(model_cfg, "moe_capacity_factor", None),
+                               matmul=getattr(model_cfg, "moe_matmul", "ragged_dot")),
                 remat_policy=policy,
                 scan_layers=bool(getattr(model_cfg, "scan_layers", False)),
                 scan_unroll=getattr(model_cfg, "scan_unroll", 1),
