@@ -28,6 +28,13 @@ def engine32(model, params):
                        dtype="float32", temperature=TEMP)
 
 
+@pytest.fixture(scope="module")
+def paged32(model, params):
+    """engine32 on the paged layout (pages of 8: the prompts' prefixes end inside, on and before a page)."""
+    return Qwen3Engine(model.config, params, slots=4, max_cache_len=S, max_prefill_length=32, dtype="float32",
+                       temperature=TEMP, kv_layout="paged", kv_page_size=8)
+
+
 def _run_staggered(engine, prompts, seeds, n_steps):
     """Insert prompts one per step into slots 3, 1, 0 ..., decode; return per-prompt (tokens, logps)."""
     st = engine.init_decode_state()
@@ -84,7 +91,9 @@ def learner_logps(model):
     return fn
 
 
-def test_jetstream_api_surface(engine32):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_jetstream_api_surface(request, layout):
+    engine32 = request.getfixturevalue(layout)
     ea = jc.engine_api()
     assert isinstance(engine32, ea.Engine)
     assert engine32.max_concurrent_decodes == 4
@@ -107,7 +116,9 @@ def test_jetstream_api_surface(engine32):
         engine32.prefill_tokens(engine32.params, list(range(S + 1)))
 
 
-def test_fp32_decode_logps_equal_learner(engine32, learner_logps):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_fp32_decode_logps_equal_learner(request, layout, learner_logps):
+    engine32 = request.getfixturevalue(layout)
     seeds = [3, 4, 5]
     out = _run_staggered(engine32, PROMPTS, seeds, n_steps=12)
     refs = learner_logps([(p, out[i][0]) for i, p in enumerate(PROMPTS)], TEMP)
@@ -128,7 +139,9 @@ def test_sampling_reproducible_across_slots_and_batches(engine32):
     assert other[0] != alone[0]
 
 
-def test_greedy_temperature_zero(model, engine32, learner_logps):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_greedy_temperature_zero(model, request, layout, learner_logps):
+    engine32 = request.getfixturevalue(layout)
     st = engine32.init_decode_state()
     st = engine32.insert(engine32.prefill_tokens(engine32.params, PROMPTS[0], seed=0, temperature=0.0), st, 0)
     toks, lps = [], []
