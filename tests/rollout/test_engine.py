@@ -25,7 +25,7 @@ def params(model):
 @pytest.fixture(scope="module")
 def engine32(model, params):
     return Qwen3Engine(model.config, params, slots=4, max_cache_len=S, max_prefill_length=32,
-                       dtype="float32", temperature=TEMP)
+                       dtype="float32", temperature=TEMP, kv_layout="contiguous")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_greedy_temperature_zero(model, request, layout, learner_logps):
 
 
 def test_bf16_gap_small_and_nonzero(model, params, learner_logps):
-    eng = Qwen3Engine(model.config, params, slots=4, max_cache_len=S, dtype="bfloat16", temperature=TEMP)
+    eng = Qwen3Engine(model.config, params, slots=4, max_cache_len=S, dtype="bfloat16", temperature=TEMP, kv_layout="contiguous")
     assert jax.tree.leaves(eng.params)[0].dtype == jnp.bfloat16
     out = _run_staggered(eng, PROMPTS, [3, 4, 5], n_steps=12)
     refs = learner_logps([(p, out[i][0]) for i, p in enumerate(PROMPTS)], TEMP)  # fp32 learner
@@ -218,7 +218,7 @@ def test_scan_layers_engine_samples_the_same_tokens_and_logps(engine32, model):
     scanned = q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(0), scan_layers=True)
     eng = Qwen3Engine(model.config, nnx.state(scanned, nnx.Param), slots=4, max_cache_len=S,
                       max_prefill_length=32, dtype="float32", temperature=TEMP,
-                      model_kwargs={"scan_layers": True})
+                      model_kwargs={"scan_layers": True}, kv_layout="contiguous")
     a = _run_staggered(engine32, PROMPTS[:2], [3, 4], n_steps=6)
     b = _run_staggered(eng, PROMPTS[:2], [3, 4], n_steps=6)
     for i in range(2):

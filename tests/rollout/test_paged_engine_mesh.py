@@ -63,7 +63,7 @@ def test_paged_engine_on_a_data_tensor_mesh_equals_colocated_paged_and_sharded_c
     mesh = _mesh(devices, data=2)
     paged = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, **kw)
     sharded = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, mesh=mesh, **kw)
-    contiguous = Qwen3Engine(model.config, p, mesh=mesh, **kw)
+    contiguous = Qwen3Engine(model.config, p, mesh=mesh, kv_layout="contiguous", **kw)
     t0, l0, p0, _ = _turns(paged)
     t1, l1, p1, st = _turns(sharded)
     t2, l2, _, _ = _turns(contiguous)
