@@ -195,7 +195,8 @@ def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_
     page = int(kv_defaults["kv_page_size"].default if kv_page_size is None else kv_page_size)
     layout = kv_layout_class(kv_layout)
     cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
-    check_engine_fits(cfg, slots=slots, max_len=-(-max_len // page) * page if layout.pooled else max_len, dtype=dtype)
+    check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype,
+                      positions=-(-max_len // page) * page if layout.pooled else None)
     tok = _load_tokenizer(checkpoint, tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
@@ -346,11 +347,14 @@ def check_args(args: Any) -> None:
         raise ServeArgError(f"--host {args.host}: not an address of this machine ({why})")
 
 
-def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str) -> None:
+def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str,
+                      positions: Optional[int] = None) -> None:
     """The serving engine's allocation, from its arguments alone, against the free memory
     (:func:`jax_rl.runtime.resources.available_memory_bytes`): the weights in ``dtype``, the KV cache
-    (layers x ``slots`` x ``max_len`` x kv heads x head_dim x 2 x the dtype's bytes) and the sampling
-    buffers (float32 [slots, vocab] x 2). A lower bound of what the engine allocates.
+    (layers x ``slots`` x ``positions`` x kv heads x head_dim x 2 x the dtype's bytes; ``positions`` the K/V
+    positions a slot's share of the cache holds, None: ``max_len``; the paged pool's: ``max_len`` rounded up
+    to whole pages) and the sampling buffers (float32 [slots, vocab] x 2). A lower bound of what the engine
+    allocates.
 
     Raises:
         ServeArgError: naming ``--slots`` and ``--max-len``, the bytes needed and free, and the most
@@ -358,7 +362,7 @@ def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str
     """
     mc = model_config
     item = 2 if dtype == "bfloat16" else 4
-    per_slot = (int(mc.num_hidden_layers) * int(max_len) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
+    per_slot = (int(mc.num_hidden_layers) * int(max_len if positions is None else positions) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
                 + 2 * int(mc.vocab_size) * 4)
     params = int(count_params(mc)) * item
     need = params + per_slot * int(slots)
