@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     cfg = q.get_preset("tiny_dense", vocab_size=max(384, tok.vocab_size), **SIZES[a.size])
     params = nnx.state(q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     eng = Qwen3Engine(cfg, params, slots=a.episodes, max_cache_len=a.cache, max_prefill_length=256,
-                      dtype="float32", temperature=1.0)
+                      dtype="float32", temperature=1.0, kv_layout="contiguous")
     for name in a.arms:  # warm-up: the programs of every bucket this run meets
         t = time.perf_counter()
         run_arm(eng, episodes, seed=0, **ARMS[name])

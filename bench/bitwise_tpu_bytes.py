@@ -38,7 +38,7 @@ def compile_one(cfg, topology: str, *, slots: int, cache: int, bitwise: bool) ->
     mesh = Mesh(np.array(topo.devices)[:1], ("data",))
     spec = EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype="bfloat16",
                       model_kwargs=dict(scan_layers=False, attention="bitwise" if bitwise else "xla"),
-                      kv_per_layer=False)
+                      kv_per_layer=False, kv_layout="contiguous")
     with target_backend("tpu"):
         engine = Qwen3Engine(cfg, None, spec)
 

@@ -58,7 +58,7 @@ def build(size: str, slots: int, cache: int, prefill_len: int):
     cfg = q.get_preset("tiny_dense", **SIZES[size])
     params = nnx.state(q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     eng = Qwen3Engine(cfg, params, slots=slots, max_cache_len=cache, max_prefill_length=prefill_len,
-                      dtype="bfloat16", temperature=1.0)
+                      dtype="bfloat16", temperature=1.0, kv_layout="contiguous")
     return eng, cfg.vocab_size
 
 

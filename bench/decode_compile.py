@@ -77,7 +77,7 @@ def compile_decode(cfg, topology: str, *, slots: int, cache: int, scan: bool, sh
     engine_spec = EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
                              model_kwargs=dict(scan_layers=scan, attention="xla",
                                                scan_unroll="full" if unroll_scan else 1),
-                             kv_per_layer=False)  # a TPU program: the stacked cache
+                             kv_per_layer=False, kv_layout="contiguous")  # a TPU program: the stacked cache
     engine = Qwen3Engine(cfg, None, engine_spec)
     mesh = Mesh(np.array(topo.devices), ("data",))
 

@@ -169,7 +169,7 @@ def compile_generate(cfg, *, slots: int, cache: int, layout: str, dtype: str, ba
 
     kw = dict(scan_layers=True, attention="xla", scan_unroll=1 if layout == "scan" else "full")
     eng = Qwen3Engine(cfg, None, EngineSpec(slots=slots, max_cache_len=cache, max_prefill_length=16, dtype=dtype,
-                                            model_kwargs=kw, kv_per_layer=(layout == "per_layer")))
+                                            model_kwargs=kw, kv_per_layer=(layout == "per_layer"), kv_layout="contiguous"))
     params = eng.abstract_params
     with target_backend(backend):  # the cache that backend's engine holds (XLA:CPU: a bf16 cache's bits)
         state = jax.eval_shape(eng.programs["init_state"], params)

@@ -59,7 +59,7 @@ def runner(cfg, params, a, new_tokens: int, arm: str):
     from rollout.generator import Generator
 
     eng = Qwen3Engine(cfg, params, slots=a.slots, max_cache_len=a.prompt_len + new_tokens + 1,
-                      max_prefill_length=a.prompt_len, dtype="float32", temperature=1.0)
+                      max_prefill_length=a.prompt_len, dtype="float32", temperature=1.0, kv_layout="contiguous")
     timed = TimedEngine(eng)
     gen = Generator(timed, decode_steps=a.decode_steps)
     if arm == "fixed":  # every call a whole decode_steps scan

@@ -127,7 +127,7 @@ def part_decode() -> None:
             try:
                 eng = Qwen3Engine(cfg, params, slots=slots, max_cache_len=P + N + 1, max_prefill_length=16,
                                   dtype="bfloat16", temperature=1.0, model_kwargs=dict(scan_layers=True),
-                                  kv_per_layer=(layout == "per_layer"))
+                                  kv_per_layer=(layout == "per_layer"), kv_layout="contiguous")
 
                 def fresh():  # a new state each run: decode_steps donates (consumes) the one it is given
                     st = dict(eng.init_decode_state())
@@ -187,7 +187,7 @@ def part_profile() -> None:
     cfg = _cfg()
     model = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, scan_layers=True)
     eng = Qwen3Engine(cfg, nnx.state(model, nnx.Param), slots=64, max_cache_len=A.prompt + A.new + 1,
-                      max_prefill_length=16, dtype="bfloat16", model_kwargs=dict(scan_layers=True))
+                      max_prefill_length=16, dtype="bfloat16", model_kwargs=dict(scan_layers=True), kv_layout="contiguous")
     st = eng.init_decode_state()
     st["active"] = jnp.ones_like(st["active"])
     st["cache"] = st["cache"].replace(lengths=jnp.full_like(st["cache"].lengths, A.prompt))

@@ -126,7 +126,7 @@ def ours_runner(cfg, params, slots, prompt_len, new_tokens, dtype, scan_layers=T
 
     eng = Qwen3Engine(cfg, params, slots=slots, max_cache_len=prompt_len + new_tokens + 1,
                       max_prefill_length=prompt_len, dtype=dtype, temperature=1.0,
-                      model_kwargs=dict(scan_layers=scan_layers, attention="auto"))
+                      model_kwargs=dict(scan_layers=scan_layers, attention="auto"), kv_layout="contiguous")
     gen = Generator(eng, decode_steps=decode_steps)
     prompts = grouped_prompts(slots, prompt_len, cfg.vocab_size, groups)
     seed = [0]

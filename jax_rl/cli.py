@@ -15,13 +15,14 @@ import os
 import sys
 import tempfile
 import threading
+import typing
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from jax_rl.compile.chips import BackendUnavailable, require_backend
-from jax_rl.config import ConfigError, load_config
+from jax_rl.config import ConfigError, RolloutConfig, load_config
 from jax_rl.config.loading import _suggest, _valid_keys, resolve_config_path
 from jax_rl.plots import plot_runs
 from jax_rl.runtime.run_dir import multiprocess_start
@@ -305,7 +306,8 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """The ``serve`` subcommand. The JetStream gRPC server for a checkpoint: bind address, port, tokenizer,
-    slots, cache length, dtype, temperature."""
+    slots, cache length, dtype, temperature, K/V layout and page size (``rollout.kv_layout`` /
+    ``rollout.kv_page_size``'s defaults)."""
     v = sub.add_parser("serve", help="JetStream gRPC server for a checkpoint (127.0.0.1 by default)",
                        description="Serve a checkpoint over JetStream's gRPC Orchestrator API. A port already "
                                    "in use ends with one line naming it (exit 1).")
@@ -324,6 +326,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="compute and KV-cache dtype (default float32)")
     v.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for every request (default 0 = greedy)")
+    kv = RolloutConfig.model_fields
+    v.add_argument("--kv-layout", default=kv["kv_layout"].default, choices=list(typing.get_args(kv["kv_layout"].annotation)),
+                   help=f"the engine's K/V layout, as rollout.kv_layout (default {kv['kv_layout'].default}: a pool of "
+                        "slots x ceil(max-len / kv-page-size) pages, each slot taking the pages its positions reach; "
+                        "contiguous: max-len positions reserved per slot)")
+    v.add_argument("--kv-page-size", type=int, default=kv["kv_page_size"].default,
+                   help=f"positions per K/V page with --kv-layout paged, as rollout.kv_page_size (default "
+                        f"{kv['kv_page_size'].default})")
     v.set_defaults(func=cmd_serve)
 
 

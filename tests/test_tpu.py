@@ -60,7 +60,7 @@ def test_compile_rollout_prefill_and_decode_for_v5e_2x2():
 
     from rollout.engine import EngineSpec
 
-    r = aot.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", EngineSpec(slots=8, max_cache_len=512),
+    r = aot.compile_rollout(get_preset("tiny_dense", head_dim=128), "v5e:2x2", EngineSpec(slots=8, max_cache_len=512, kv_layout="contiguous"),
                             prefill_len=256)
     assert r["topology"] == {"name": "v5e:2x2", "chips": 4, "devices": 4, "chip": "v5e",
                              "hbm_bytes_per_chip": 16 * 10 ** 9}
@@ -86,7 +86,7 @@ def test_decode_touches_params_and_kv_cache_once_for_v5e_2x2():
     from rollout.engine import EngineSpec
 
     kw = dict(scan_layers=False, attention="xla")
-    r = {S: aot.compile_rollout(cfg, "v5e:2x2", EngineSpec(slots=8, max_cache_len=S, model_kwargs=kw),
+    r = {S: aot.compile_rollout(cfg, "v5e:2x2", EngineSpec(slots=8, max_cache_len=S, model_kwargs=kw, kv_layout="contiguous"),
                                 prefill_len=16)["decode"] for S in (1024, 2048)}
     d = r[2048]
     assert d["kv_cache_per_chip"] == 2 * 2 * 8 * 2048 * 2 * 128 * 2

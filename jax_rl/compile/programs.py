@@ -321,7 +321,7 @@ def _user_row(t: _Target, fname: str, log) -> dict:
         f"{'x'.join(str(v) for v in t.roles.user_mesh.values())} mesh over {len(devs)} device(s)) ...")
     t0 = time.perf_counter()
     try:
-        spec = EngineSpec(slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, model_kwargs=t.engine_kw)
+        spec = EngineSpec(slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, model_kwargs=t.engine_kw, kv_layout="contiguous")
         full = compile_rollout(mc, t.topology, spec, prefill_len=r.max_prefill_length, only=(key,), mesh=mesh)[key]
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over HBM
         if not _is_hbm_oom(e):

@@ -11,6 +11,11 @@ token ids, a ``text_content`` request token ids + text. Decoding is greedy by de
 sampling fields and no log-probs). A request stops at ``<|im_end|>`` / ``<|endoftext|>`` or after
 ``max_tokens``.
 
+The engine's K/V layout is ``--kv-layout`` (default ``rollout.kv_layout``'s, paged: one pool of
+``slots x ceil(max_len / kv_page_size)`` pages, JetStream's ``insert`` taking a slot's pages for its prompt and
+``generate`` the next page as a slot crosses a page boundary; ``contiguous``: ``max_len`` positions reserved per
+slot). Both give the same tokens (fp32; :func:`build_engine`).
+
 CHECKPOINT is an HF-format directory (config.json + safetensors, loaded with
 ``jax_rl.models.hf_io.load_pretrained``; ``jax-rl export`` writes one from a run) or
 ``preset:NAME`` (random init of a model preset, seed 0; for smoke tests). The tokenizer is
@@ -47,7 +52,7 @@ from typing import Any, Optional
 import numpy as np
 from flax import nnx
 
-from jax_rl.config import ModelConfig
+from jax_rl.config import ModelConfig, RolloutConfig
 from jax_rl.models import hf_io, qwen3 as q
 from jax_rl.models.qwen3 import count_params, resolve_attention
 from jax_rl.models.qwen3.config import PRESETS
@@ -55,6 +60,7 @@ from jax_rl.models.tokenizer import load_tokenizer
 from jax_rl.runtime.resources import available_memory_bytes
 from rollout import jetstream_compat as jc
 from rollout.engine import EngineSpec, Qwen3Engine
+from rollout.engine.layouts import kv_layout_class
 
 __all__ = ["JetStreamGrpcServer", "PortInUseError", "build_engine", "check_port_free", "load_checkpoint",
            "resolve_tokenizer", "serve", "main", "ServeArgError", "check_args", "check_checkpoint"]
@@ -166,24 +172,38 @@ class _ServingEngine(Qwen3Engine):
 
 def build_engine(checkpoint: str, *, tokenizer: Any = None, slots: int = 4, max_len: int = 256,
                  dtype: str = "float32", temperature: float = 0.0,
-                 scan_layers: Optional[bool] = None) -> Qwen3Engine:
-    """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + generate).
+                 scan_layers: Optional[bool] = None, kv_layout: Optional[str] = None,
+                 kv_page_size: Optional[int] = None) -> Qwen3Engine:
+    """Engine for serving: loaded params, tokenizer, compiled (one warm-up prefill + insert + generate).
 
     ``tokenizer``: a path / ``'compact'`` / None (see :func:`resolve_tokenizer`) or a loaded tokenizer.
     ``max_len``: KV-cache length in tokens (prompt + generated); ``temperature`` 0 = greedy.
     ``scan_layers`` (default: ``model.scan_layers``'s default): the engine's decoder layers are
-    stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla). The K/V layout is
-    contiguous, whatever ``rollout.kv_layout``'s default: JetStream 0.2.2's ``insert`` (a batch-1 prefix copied
-    into a slot's row) and ``generate`` have no paged form (``rollout/engine/paged/programs.py``)."""
+    stacked and scanned; prefill attention is ``auto`` (splash on a TPU backend, else xla).
+    ``kv_layout`` / ``kv_page_size`` (None: ``rollout.kv_layout`` / ``rollout.kv_page_size``'s defaults, paged
+    and 16): the engine's K/V layout (:data:`rollout.engine.layouts.KV_LAYOUTS`). Paged, the pool holds
+    ``slots x ceil(max_len / kv_page_size)`` pages (every slot's ``max_len``, as contiguous reserves: JetStream's
+    Driver never frees a slot, so a finished request's slot decodes on until its next insert), JetStream's
+    ``insert`` takes a slot's pages as its prompt needs them and ``generate`` the next one as a slot crosses a
+    page boundary (:meth:`rollout.engine.paged.PagedLayout.insert`).
+
+    Raises:
+      ValueError: an unknown ``kv_layout``; ServeArgError: the engine does not fit in memory."""
     scan = _default_scan_layers() if scan_layers is None else bool(scan_layers)
+    kv_defaults = RolloutConfig.model_fields
+    kv_layout = kv_defaults["kv_layout"].default if kv_layout is None else str(kv_layout)
+    page = int(kv_defaults["kv_page_size"].default if kv_page_size is None else kv_page_size)
+    layout = kv_layout_class(kv_layout)
     cfg, params = load_checkpoint(checkpoint, scan_layers=scan)
-    check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype)
+    check_engine_fits(cfg, slots=slots, max_len=max_len, dtype=dtype,
+                      positions=-(-max_len // page) * page if layout.pooled else None)
     tok = _load_tokenizer(checkpoint, tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     mp = 16
     while mp * 2 <= max(16, max_len - 1):
         mp *= 2
     spec = EngineSpec(slots=slots, max_cache_len=max_len, max_prefill_length=mp, dtype=dtype, temperature=temperature,
-                      model_kwargs=dict(scan_layers=scan, attention=resolve_attention("auto")))
+                      model_kwargs=dict(scan_layers=scan, attention=resolve_attention("auto")), kv_layout=kv_layout,
+                      kv_page_size=page)
     eng = _ServingEngine(cfg, params, spec, tokenizer=tok)
     st = eng.init_decode_state()
     st = eng.insert(eng.prefill_tokens(eng.params, [0, 1], seed=0), st, 0)
@@ -284,8 +304,8 @@ def check_args(args: Any) -> None:
 
     Raises:
         ServeArgError: naming the flag and its value: ``--port`` outside 0..65535, ``--slots`` < 1,
-            ``--max-len`` < 2, ``--temperature`` negative or not finite, ``--host`` empty or not an
-            address of this machine.
+            ``--max-len`` < 2, ``--temperature`` negative or not finite, an unknown ``--kv-layout``, ``--kv-page-size`` outside
+            1..``--max-len``, ``--host`` empty or not an address of this machine.
     """
     port, slots, max_len = int(args.port), int(getattr(args, "slots", 4)), int(getattr(args, "max_len", 256))
     temperature = float(getattr(args, "temperature", 0.0) or 0.0)
@@ -297,6 +317,15 @@ def check_args(args: Any) -> None:
         raise ServeArgError(f"--max-len {max_len}: must be >= 2 (KV-cache tokens per slot, prompt + generated)")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ServeArgError(f"--temperature {temperature:g}: must be a finite number >= 0 (0 = greedy)")
+    layout = getattr(args, "kv_layout", None)
+    if layout is not None:
+        try:
+            kv_layout_class(layout)
+        except ValueError as e:
+            raise ServeArgError(f"--kv-layout {layout}: {e}") from None
+    page = getattr(args, "kv_page_size", None)
+    if page is not None and not 1 <= int(page) <= max_len:
+        raise ServeArgError(f"--kv-page-size {page}: must be 1..--max-len ({max_len}) positions per K/V page")
     host = str(args.host).strip("[]")
     if not host:
         raise ServeArgError("--host '': give an address to bind, e.g. 127.0.0.1")
@@ -318,11 +347,14 @@ def check_args(args: Any) -> None:
         raise ServeArgError(f"--host {args.host}: not an address of this machine ({why})")
 
 
-def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str) -> None:
+def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str,
+                      positions: Optional[int] = None) -> None:
     """The serving engine's allocation, from its arguments alone, against the free memory
     (:func:`jax_rl.runtime.resources.available_memory_bytes`): the weights in ``dtype``, the KV cache
-    (layers x ``slots`` x ``max_len`` x kv heads x head_dim x 2 x the dtype's bytes) and the sampling
-    buffers (float32 [slots, vocab] x 2). A lower bound of what the engine allocates.
+    (layers x ``slots`` x ``positions`` x kv heads x head_dim x 2 x the dtype's bytes; ``positions`` the K/V
+    positions a slot's share of the cache holds, None: ``max_len``; the paged pool's: ``max_len`` rounded up
+    to whole pages) and the sampling buffers (float32 [slots, vocab] x 2). A lower bound of what the engine
+    allocates.
 
     Raises:
         ServeArgError: naming ``--slots`` and ``--max-len``, the bytes needed and free, and the most
@@ -330,7 +362,7 @@ def check_engine_fits(model_config: Any, *, slots: int, max_len: int, dtype: str
     """
     mc = model_config
     item = 2 if dtype == "bfloat16" else 4
-    per_slot = (int(mc.num_hidden_layers) * int(max_len) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
+    per_slot = (int(mc.num_hidden_layers) * int(max_len if positions is None else positions) * int(mc.num_key_value_heads) * int(mc.head_dim) * 2 * item
                 + 2 * int(mc.vocab_size) * 4)
     params = int(count_params(mc)) * item
     need = params + per_slot * int(slots)
@@ -374,7 +406,8 @@ def check_checkpoint(checkpoint: str) -> None:
 
 def main(args: Any) -> int:
     """Entry point of ``jax-rl serve`` (``args``: checkpoint, host, port, tokenizer, slots, max_len,
-    dtype; optional temperature, scan_layers (None: the ``model.scan_layers`` default)). Blocks until
+    dtype; optional temperature, scan_layers (None: the ``model.scan_layers`` default), kv_layout and
+    kv_page_size (None: ``rollout.kv_layout`` / ``rollout.kv_page_size``'s defaults)). Blocks until
     SIGTERM/SIGINT; returns the exit code: 0 after a clean stop, 1 when the port is in use, 2 for a
     bad argument, checkpoint or tokenizer (:func:`check_args`, :func:`check_checkpoint`); each error
     is one line on stderr naming the culprit."""
@@ -402,6 +435,8 @@ def main(args: Any) -> int:
             dtype=str(getattr(args, "dtype", "float32")),
             temperature=temperature,
             scan_layers=getattr(args, "scan_layers", None),
+            kv_layout=getattr(args, "kv_layout", None),
+            kv_page_size=getattr(args, "kv_page_size", None),
         )
     except (ValueError, FileNotFoundError) as e:  # hf_io.CheckpointError: a corrupt / mismatched checkpoint
         print(f"jax-rl serve: error: {args.checkpoint}: {' '.join(str(e).split())}", file=sys.stderr)
@@ -420,7 +455,7 @@ def main(args: Any) -> int:
         print(f"jax-rl serve: error: {e}", file=sys.stderr)
         return 1
     print(f"jax-rl serve: listening on {server.host}:{server.port} "
-          f"(slots={engine.max_concurrent_decodes}, max_len={engine.max_cache_len}, "
+          f"(slots={engine.max_concurrent_decodes}, max_len={engine.max_cache_len}, kv_layout={engine.kv.name}, "
           f"temperature={temperature:g}, "
           f"ready in {time.monotonic() - t0:.1f}s)", flush=True)
     try:
@@ -446,4 +481,6 @@ if __name__ == "__main__":  # pragma: no cover
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--kv-layout", default=None)
+    p.add_argument("--kv-page-size", type=int, default=None)
     sys.exit(main(p.parse_args()))

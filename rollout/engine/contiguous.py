@@ -119,6 +119,15 @@ class ContiguousLayout(KVLayout):
             return self._jits["copy_slot"](decode_state, jnp.int32(src), jnp.int32(dst), jnp.int32(token),
                                        jnp.uint32(int(seed) & 0xFFFFFFFF), jnp.float32(t))
 
+    def insert(self, decode_state: dict, prefix: dict, slot: int) -> dict:
+        """:meth:`KVLayout.insert`: the prefix's K/V copied into row ``slot`` (one device program), armed.
+        Raises ValueError for a slot out of range or a prefix too long."""
+        slot, n = self._check_insert(prefix, slot)
+        args = (prefix["k"], prefix["v"], jnp.int32(n), jnp.int32(prefix["token"]), jnp.uint32(prefix["seed"]),
+                jnp.float32(prefix["temperature"]), decode_state, jnp.int32(slot))
+        with self._in_mesh():
+            return self._jits["insert"](*args)
+
     def _row_bucket(self, n: int) -> int:
         b = 1
         while b < n:

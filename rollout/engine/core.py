@@ -22,9 +22,10 @@ Two interfaces over the same jitted programs:
 * **JetStream 0.2.2's** ``engine_api.Engine`` (MaxText ``MaxEngine`` style), an adapter for its
   Driver and ``jax-rl serve``: ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]``
   (bucketed, batch 1) and keeps the last token pending (0.2.2's API samples nothing there);
-  ``insert(prefix, state, slot)`` copies it into row ``slot`` and arms the slot (seed,
-  temperature, pending token); ``generate(params, state)`` is :meth:`Qwen3Engine.decode` packed
-  into JetStream's ``ResultTokens`` (bit-cast int32 columns, :func:`pack_result`).
+  ``insert(prefix, state, slot)`` puts it into slot ``slot`` (the layout's: a contiguous row, or
+  the slot's new pages) and arms the slot (seed, temperature, pending token); ``generate(params,
+  state)`` is :meth:`Qwen3Engine.decode` packed into JetStream's ``ResultTokens`` (bit-cast int32
+  columns, :func:`pack_result`).
 
 Decode state (a dict pytree, leading dim = slots B, cache capacity S = ``max_cache_len``):
 

@@ -7,10 +7,11 @@ two classes are registered as virtual subclasses of JetStream's ``Engine`` / ``T
 :mod:`rollout.jetstream_compat` first loads those (:func:`rollout.jetstream_compat.register_adapter`).
 
 ``prefill(tokens)`` writes the KV cache of ``tokens[:-1]`` (bucketed, batch 1) and keeps the last
-token pending (0.2.2's API samples nothing there); ``insert(prefix, state, slot)`` copies it into row
-``slot`` and arms the slot (seed, temperature, pending token); ``generate(params, state)`` is
+token pending (0.2.2's API samples nothing there); ``insert(prefix, state, slot)`` puts its K/V into slot
+``slot`` (the engine's K/V layout's :meth:`~rollout.engine.layout.KVLayout.insert`: a contiguous row, or the
+slot's new pages) and arms the slot (seed, temperature, pending token); ``generate(params, state)`` is
 :meth:`Qwen3Engine.decode` packed into JetStream's ``ResultTokens`` (bit-cast int32 columns,
-:func:`rollout.engine.sampler.pack_result`).
+:func:`rollout.engine.sampler.pack_result`). Both layouts serve (``jax-rl serve --kv-layout``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class JetStreamTokenizer:
 class JetStreamAdapter:
     """JetStream's ``Engine`` API over the engine's step programs (a base of
     :class:`rollout.engine.Qwen3Engine`, which holds the state these methods read: ``_jits``,
-    ``_slots``, ``_in_mesh``, the sampling defaults and the tokenizer)."""
+    ``_slots``, ``_in_mesh``, the K/V layout ``kv``, the sampling defaults and the tokenizer)."""
 
     def prefill(
         self,
@@ -142,21 +143,28 @@ class JetStreamAdapter:
         }
 
     def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
-        """Copy ``prefix`` into row ``slot`` of ``decode_state`` (donated) and arm the slot."""
-        if not 0 <= int(slot) < self._slots:
-            raise ValueError(f"slot {slot} out of range [0, {self._slots})")
-        args = (prefix["k"], prefix["v"], jnp.int32(prefix["length"]), jnp.int32(prefix["token"]),
-                jnp.uint32(prefix["seed"]), jnp.float32(prefix["temperature"]), decode_state, jnp.int32(slot))
-        with self._in_mesh():
-            return self._jits["insert"](*args)
+        """``prefix`` (from :meth:`prefill`) into slot ``slot`` of ``decode_state`` (donated), armed: the
+        layout's :meth:`rollout.engine.layout.KVLayout.insert` (contiguous: copied into the slot's row; paged:
+        the slot's pages freed, ``ceil(length / kv_page_size)`` new ones written).
+
+        Raises:
+          ValueError: ``slot`` out of range. rollout.engine.paged.pool.PoolExhausted: (paged) no pages for
+          the prefix (a pool smaller than the default; the slot then holds none).
+        """
+        return self.kv.insert(decode_state, prefix, slot)
 
     def generate(self, params: Any, decode_state: dict) -> tuple[dict, Any]:
-        """JetStream 0.2.2's ``generate``: :meth:`decode` packed into ``ResultTokens`` (the adapter
-        for JetStream's Driver and ``jax-rl serve``; ``data`` int32 [B, 4 (+ route columns)], see
-        :func:`pack_result` / :func:`unpack_result`). Donates ``decode_state``."""
+        """JetStream 0.2.2's ``generate``: one decode step of every slot (:meth:`decode`, with the layout's
+        :meth:`~rollout.engine.layout.KVLayout.before_decode`: paged, a slot crossing a page boundary takes its
+        next page) packed into ``ResultTokens`` (the adapter for JetStream's Driver and ``jax-rl serve``;
+        ``data`` int32 [B, 4 (+ route columns)], see :func:`pack_result` / :func:`unpack_result`). Donates
+        ``decode_state``. Raises rollout.engine.paged.pool.PoolExhausted (paged) where a pool smaller than the
+        default has no page for a slot's next position."""
+        state, step_kw = self.kv.before_decode(decode_state, 1)
         with self._in_mesh():
-            state, data = self._jits["decode_result"](params, decode_state)
-        return state, _jc.engine_api().ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1)
+            state, data = self._jits["decode_result"](params, state, **step_kw)
+        return self.kv.after_call(state), _jc.engine_api().ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
+                                                                        length_idx=(2, 3), samples_per_slot=1)
 
     def get_prefix_destination_sharding(self) -> Any:
         return self._sharding

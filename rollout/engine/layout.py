@@ -6,8 +6,8 @@ elsewhere (``tests/test_structure.py`` checks it). It owns:
 
 * its **step programs** (:meth:`KVLayout.step_programs`: a :class:`rollout.engine.programs.StepPrograms`
   whose decode step differs only in the model call, and :attr:`KVLayout.table`, the jit table);
-* its **host operations**, each over the decode state: admit / prefill (:meth:`prefill_slots`), copy a
-  group's slot (:meth:`copy_slot`), free (:meth:`free_slots`), what runs before a decode call
+* its **host operations**, each over the decode state: admit / prefill (:meth:`prefill_slots`), JetStream's
+  ``insert`` of a batch-1 prefix (:meth:`insert`), copy a group's slot (:meth:`copy_slot`), free (:meth:`free_slots`), what runs before a decode call
   (:meth:`before_decode`) and after any program (:meth:`after_call`), a fresh state (:meth:`reset`);
 * its **admission budget** and stats, which the generator asks before admitting and decoding
   (:mod:`rollout.kv_pressure`): :meth:`admission_budget` (None: the layout reserves every slot's
@@ -124,6 +124,23 @@ class KVLayout:
                   temperature: Optional[float] = None) -> dict:
         """``Qwen3Engine.copy_slot``."""
         raise NotImplementedError
+
+    def insert(self, decode_state: dict, prefix: dict, slot: int) -> dict:
+        """JetStream's ``insert`` (:meth:`rollout.engine.jetstream.JetStreamAdapter.insert`): ``prefix`` (from
+        ``prefill``: k/v [L,1,K,P,H], ``length``, ``token``, ``seed``, ``temperature``) into slot ``slot``,
+        armed. Donates the state."""
+        raise NotImplementedError
+
+    def _check_insert(self, prefix: dict, slot: int) -> tuple[int, int]:
+        """``(slot, length)`` of an :meth:`insert`; ValueError for a slot out of range or a prefix length
+        outside ``[0, max_cache_len)``."""
+        slot, n = int(slot), int(prefix["length"])
+        if not 0 <= slot < self._slots:
+            raise ValueError(f"slot {slot} out of range [0, {self._slots})")
+        if not 0 <= n < self.max_cache_len:
+            raise ValueError(f"insert: a prefix of {n} cached positions into slot {slot}; a prefix holds "
+                             f"0..max_cache_len - 1 = {self.max_cache_len - 1}")
+        return slot, n
 
     def free_slots(self, decode_state: dict, slots: Sequence[int]) -> dict:
         """``Qwen3Engine.free_slots``: deactivate ``slots`` (their K/V stay). Donates the state. Raises

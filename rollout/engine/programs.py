@@ -243,9 +243,10 @@ class StepPrograms:
         )
         return new_state, out
 
-    def result(self, params: Any, state: dict) -> tuple[dict, jax.Array]:
-        """JetStream's adapter (``generate``): the typed step packed into ResultTokens' int32 rows."""
-        new_state, out = self.decode(params, state)
+    def result(self, params: Any, state: dict, **step_kw: Any) -> tuple[dict, jax.Array]:
+        """JetStream's adapter (``generate``): the typed step packed into ResultTokens' int32 rows (``step_kw``:
+        the layout's static arguments of the decode step, as :meth:`decode`)."""
+        new_state, out = self.decode(params, state, **step_kw)
         return new_state, pack_result(out)
 
     def decode_steps(self, params: Any, state: dict, n: int, version: Any = 0, **step_kw: Any

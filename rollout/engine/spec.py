@@ -35,7 +35,8 @@ class EngineSpec:
         :class:`rollout.engine.Qwen3Engine`).
       record_routes: return the expert ids every MoE layer chose (a dense model: ignored).
       quantize: ``rollout.quantize`` (``"none"``, ``"int8"``, ``"fp8"``, ``"int4"``).
-      kv_layout: the K/V layout's name in :data:`rollout.engine.layouts.KV_LAYOUTS` (``rollout.kv_layout``).
+      kv_layout: the K/V layout's name in :data:`rollout.engine.layouts.KV_LAYOUTS` (``rollout.kv_layout``; default
+        paged, as the config's).
       kv_page_size, kv_pages: a paged layout's page size (positions) and pool size (None: slots x
         ceil(max_cache_len / kv_page_size)); unread by the contiguous layout.
       sampler: ``rollout.sampler`` (``"auto"``, ``"xla"``, ``"kernel"``).
@@ -58,7 +59,7 @@ class EngineSpec:
     kv_per_layer: Optional[bool] = None
     record_routes: bool = False
     quantize: str = "none"
-    kv_layout: str = "contiguous"
+    kv_layout: str = "paged"
     kv_page_size: int = 16
     kv_pages: Optional[int] = None
     sampler: str = "auto"

@@ -241,7 +241,7 @@ def test_generator_partial_pause_and_swap_now():
 
     model = q.Qwen3ForCausalLM(q.get_preset("tiny_dense"), rngs=nnx.Rngs(0))
     p1 = nnx.state(model, nnx.Param)
-    eng = Qwen3Engine(model.config, p1, slots=2, max_cache_len=64, dtype="float32", temperature=1.0)
+    eng = Qwen3Engine(model.config, p1, slots=2, max_cache_len=64, dtype="float32", temperature=1.0, kv_layout="contiguous")
     gen = Generator(eng, partial="continue", version=0)
     fa = gen.submit([5, 6, 7], max_new_tokens=10, seed=1)
     for _ in range(3):

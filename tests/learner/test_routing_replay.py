@@ -55,7 +55,7 @@ def _rollouts(learner: Learner, engine_params, *, n=8, new=12, dtype="bfloat16",
     decode steps, update_params with the same params as version 1)."""
     mc = learner.model_config
     eng = Qwen3Engine(mc, engine_params, slots=n, max_cache_len=32, dtype=dtype, record_routes=True,
-                      model_kwargs=dict(scan_layers=learner.cfg.model.scan_layers))
+                      model_kwargs=dict(scan_layers=learner.cfg.model.scan_layers), kv_layout="contiguous")
     gen = Generator(eng, partial=partial)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, mc.vocab_size, int(rng.integers(3, 8)))) for _ in range(n)]
@@ -296,7 +296,7 @@ def test_retire_forces_the_in_flight_prefix_routes():
     mc = L.model_config
     eng_params = _perturbed(L.get_params(host=True), 0.5)
     eng = Qwen3Engine(mc, eng_params, slots=4, max_cache_len=32, dtype="bfloat16", record_routes=True,
-                      model_kwargs=dict(scan_layers=True))
+                      model_kwargs=dict(scan_layers=True), kv_layout="contiguous")
     gen = Generator(eng, partial="continue", version=0)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, mc.vocab_size, int(rng.integers(3, 8)))) for _ in range(4)]
@@ -348,7 +348,7 @@ def _swap_episode(L: Learner, p0, p1, partial: str, *, prompt_len=8, new=12, ste
     Trajectory (routes as the generator records them)."""
     mc = L.model_config
     eng = Qwen3Engine(mc, p0, slots=1, max_cache_len=32, dtype=dtype, record_routes=True,
-                      model_kwargs=dict(scan_layers=L.cfg.model.scan_layers))
+                      model_kwargs=dict(scan_layers=L.cfg.model.scan_layers), kv_layout="contiguous")
     gen = Generator(eng, partial=partial)
     prompt = list(np.random.default_rng(0).integers(0, mc.vocab_size, prompt_len))
     fut = gen.submit(prompt, max_new_tokens=new, seed=0)
@@ -463,7 +463,7 @@ def test_r3_after_a_swap_between_turns_replays_the_second_prefill_routes():
     p0 = L.get_params(host=True)
     p1 = _perturbed(p0, 0.03)
     eng = Qwen3Engine(mc, p0, slots=1, max_cache_len=32, dtype="float32", record_routes=True,
-                      model_kwargs=dict(scan_layers=False))
+                      model_kwargs=dict(scan_layers=False), kv_layout="contiguous")
     gen = Generator(eng, partial="continue")
     rng = np.random.default_rng(0)
     prompt = list(rng.integers(0, mc.vocab_size, 8))

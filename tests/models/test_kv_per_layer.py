@@ -89,17 +89,17 @@ def test_engine_keeps_a_per_layer_cache_only_when_unrolled():
 
     cfg, m = _model()
     params = nnx.state(m, nnx.Param)
-    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32")
+    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32", kv_layout="contiguous")
     st = eng.init_decode_state()
     assert st["cache"].is_per_layer
     st = eng.insert(eng.prefill_tokens(eng.params, [3, 4, 5], seed=1), st, 1)
     st, res = eng.generate(eng.params, st)
     assert st["cache"].is_per_layer and int(st["cache"].lengths[1]) == 3
-    off = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32", kv_per_layer=False)
+    off = Qwen3Engine(cfg, params, slots=2, max_cache_len=32, dtype="float32", kv_per_layer=False, kv_layout="contiguous")
     assert not off.init_decode_state()["cache"].is_per_layer
     _, ms = _model(scan_layers=True)
     eng_s = Qwen3Engine(cfg, nnx.state(ms, nnx.Param), slots=2, max_cache_len=32, dtype="float32",
-                        model_kwargs=dict(scan_layers=True), kv_per_layer=False)
+                        model_kwargs=dict(scan_layers=True), kv_per_layer=False, kv_layout="contiguous")
     assert not eng_s.init_decode_state()["cache"].is_per_layer
 
 
@@ -112,7 +112,7 @@ def test_cpu_engine_unstacks_scanned_params_and_samples_the_same():
     cfg, ms = _model(scan_layers=True)
     stacked = nnx.state(ms, nnx.Param)
     engines = [Qwen3Engine(cfg, stacked, slots=2, max_cache_len=32, dtype="float32",
-                           model_kwargs=dict(scan_layers=True), kv_per_layer=per) for per in (True, False)]
+                           model_kwargs=dict(scan_layers=True), kv_per_layer=per, kv_layout="contiguous") for per in (True, False)]
     assert engines[0].init_decode_state()["cache"].is_per_layer
     assert not engines[1].init_decode_state()["cache"].is_per_layer
     outs = []
@@ -142,6 +142,6 @@ def test_engine_default_cache_form_follows_the_backend(monkeypatch, backend, per
     cfg, ms = _model(scan_layers=True)
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     eng = Qwen3Engine(cfg, None, slots=2, max_cache_len=16, dtype="float32",
-                      model_kwargs=dict(scan_layers=True))
+                      model_kwargs=dict(scan_layers=True), kv_layout="contiguous")
     assert eng._per_layer_cache is per_layer
     assert bool(eng._unstack_layers) is per_layer  # the engine's own unrolled copy of the weights

@@ -21,7 +21,7 @@ S = 64
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32")
+    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32", kv_layout="contiguous")
 
 
 class _R:

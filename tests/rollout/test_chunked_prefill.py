@@ -84,7 +84,7 @@ def test_a_chunked_paged_engine_equals_the_contiguous_one(model):
     an append of 25 positions (16 + 9) and a fresh request hitting the group's prefix pages."""
     p = nnx.state(model, nnx.Param)
     kw = dict(slots=4, max_cache_len=S, dtype="float32")
-    ref = Qwen3Engine(model.config, p, **kw)
+    ref = Qwen3Engine(model.config, p, kv_layout="contiguous", **kw)
     pag = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, prefill_chunk_size=16, **kw)
     # the largest append-prefill program (what jax-rl compile builds): the contiguous [slots, positions], the first chunk
     assert ref.kv.append_prefill_shape(40) == (4, 40) and pag.kv.append_prefill_shape(40) == (1, 16)
@@ -133,7 +133,7 @@ def test_chunked_moe_rows_record_the_routes_of_every_position():
     params = nnx.state(q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True), nnx.Param)
     kw = dict(slots=2, max_cache_len=S, dtype="float32", record_routes=True, model_kwargs=dict(scan_layers=True))
     got = []
-    for extra in ({}, dict(kv_layout="paged", kv_page_size=PS, prefill_chunk_size=16)):
+    for extra in (dict(kv_layout="contiguous"), dict(kv_layout="paged", kv_page_size=PS, prefill_chunk_size=16)):
         eng = Qwen3Engine(cfg, params, **kw, **extra)
         st, r0 = eng.prefill_slots(eng.params, eng.init_decode_state(), [SlotPrefill(list(range(3, 44)), slot=0, seed=1)])
         st = eng.free_slots(st, [0])

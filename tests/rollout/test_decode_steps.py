@@ -22,7 +22,7 @@ N = 4  # decode_steps under test
 def engine(model):
     # top_k on: the truncated, renormalised behav_logp
     return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=2, max_cache_len=S,
-                       dtype="float32", temperature=1.0, top_k=16)
+                       dtype="float32", temperature=1.0, top_k=16, kv_layout="contiguous")
 
 
 def _armed(engine, prompts):
@@ -176,7 +176,7 @@ def test_routes_recorded_per_step_are_the_same_in_chunks():
     stacked like the rest, so ``Completion.routes`` does not depend on decode_steps."""
     moe = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0))
     eng = Qwen3Engine(moe.config, nnx.state(moe, nnx.Param), slots=2, max_cache_len=S,
-                      dtype="float32", record_routes=True)
+                      dtype="float32", record_routes=True, kv_layout="contiguous")
     prompts, budgets = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], [6, 9, 5]  # 3 requests on 2 slots
     ref, _ = _run(eng, 1, prompts, budgets)
     got, _ = _run(eng, N, prompts, budgets)

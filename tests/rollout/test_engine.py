@@ -25,7 +25,14 @@ def params(model):
 @pytest.fixture(scope="module")
 def engine32(model, params):
     return Qwen3Engine(model.config, params, slots=4, max_cache_len=S, max_prefill_length=32,
-                       dtype="float32", temperature=TEMP)
+                       dtype="float32", temperature=TEMP, kv_layout="contiguous")
+
+
+@pytest.fixture(scope="module")
+def paged32(model, params):
+    """engine32 on the paged layout (pages of 8: the prompts' prefixes end inside, on and before a page)."""
+    return Qwen3Engine(model.config, params, slots=4, max_cache_len=S, max_prefill_length=32, dtype="float32",
+                       temperature=TEMP, kv_layout="paged", kv_page_size=8)
 
 
 def _run_staggered(engine, prompts, seeds, n_steps):
@@ -84,7 +91,9 @@ def learner_logps(model):
     return fn
 
 
-def test_jetstream_api_surface(engine32):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_jetstream_api_surface(request, layout):
+    engine32 = request.getfixturevalue(layout)
     ea = jc.engine_api()
     assert isinstance(engine32, ea.Engine)
     assert engine32.max_concurrent_decodes == 4
@@ -107,7 +116,9 @@ def test_jetstream_api_surface(engine32):
         engine32.prefill_tokens(engine32.params, list(range(S + 1)))
 
 
-def test_fp32_decode_logps_equal_learner(engine32, learner_logps):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_fp32_decode_logps_equal_learner(request, layout, learner_logps):
+    engine32 = request.getfixturevalue(layout)
     seeds = [3, 4, 5]
     out = _run_staggered(engine32, PROMPTS, seeds, n_steps=12)
     refs = learner_logps([(p, out[i][0]) for i, p in enumerate(PROMPTS)], TEMP)
@@ -128,7 +139,9 @@ def test_sampling_reproducible_across_slots_and_batches(engine32):
     assert other[0] != alone[0]
 
 
-def test_greedy_temperature_zero(model, engine32, learner_logps):
+@pytest.mark.parametrize("layout", ["engine32", "paged32"])
+def test_greedy_temperature_zero(model, request, layout, learner_logps):
+    engine32 = request.getfixturevalue(layout)
     st = engine32.init_decode_state()
     st = engine32.insert(engine32.prefill_tokens(engine32.params, PROMPTS[0], seed=0, temperature=0.0), st, 0)
     toks, lps = [], []
@@ -148,7 +161,7 @@ def test_greedy_temperature_zero(model, engine32, learner_logps):
 
 
 def test_bf16_gap_small_and_nonzero(model, params, learner_logps):
-    eng = Qwen3Engine(model.config, params, slots=4, max_cache_len=S, dtype="bfloat16", temperature=TEMP)
+    eng = Qwen3Engine(model.config, params, slots=4, max_cache_len=S, dtype="bfloat16", temperature=TEMP, kv_layout="contiguous")
     assert jax.tree.leaves(eng.params)[0].dtype == jnp.bfloat16
     out = _run_staggered(eng, PROMPTS, [3, 4, 5], n_steps=12)
     refs = learner_logps([(p, out[i][0]) for i, p in enumerate(PROMPTS)], TEMP)  # fp32 learner
@@ -205,7 +218,7 @@ def test_scan_layers_engine_samples_the_same_tokens_and_logps(engine32, model):
     scanned = q.Qwen3ForCausalLM(model.config, rngs=nnx.Rngs(0), scan_layers=True)
     eng = Qwen3Engine(model.config, nnx.state(scanned, nnx.Param), slots=4, max_cache_len=S,
                       max_prefill_length=32, dtype="float32", temperature=TEMP,
-                      model_kwargs={"scan_layers": True})
+                      model_kwargs={"scan_layers": True}, kv_layout="contiguous")
     a = _run_staggered(engine32, PROMPTS[:2], [3, 4], n_steps=6)
     b = _run_staggered(eng, PROMPTS[:2], [3, 4], n_steps=6)
     for i in range(2):

@@ -51,7 +51,7 @@ def test_quantized_engine_is_an_engine_holding_the_dequantized_weights(dense):
     mode = "int8"
     cfg, params = dense
     kw = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="bfloat16", temperature=0.8,
-              model_kwargs=dict(scan_layers=True))
+              model_kwargs=dict(scan_layers=True), kv_layout="contiguous")
     eng = Qwen3Engine(cfg, params, quantize=mode, **kw)
     # storage: the decoder layers' matmul weights are QArrays of 1-byte values; the rest bf16
     leaves = jax.tree.leaves(eng.params, is_leaf=is_qarray)
@@ -77,7 +77,8 @@ def test_quantized_engine_is_an_engine_holding_the_dequantized_weights(dense):
 
 def test_quantized_engine_republish_and_none(dense):
     cfg, params = dense
-    kw = dict(slots=2, max_cache_len=S, max_prefill_length=16, dtype="bfloat16", model_kwargs=dict(scan_layers=True))
+    kw = dict(slots=2, max_cache_len=S, max_prefill_length=16, dtype="bfloat16", model_kwargs=dict(scan_layers=True),
+              kv_layout="contiguous")
     eng = Qwen3Engine(cfg, params, quantize="int4", **kw)
     moved = jax.tree.map(lambda x: x * 1.01, params)
     new = eng.load_params(moved)  # a publish: quantised from the new values
@@ -99,7 +100,7 @@ def test_quantized_engine_republish_and_none(dense):
 def test_sharded_quantized_engine_equals_colocated(devices, dense):
     cfg, params = dense
     kw = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="bfloat16", temperature=0.8,
-              model_kwargs=dict(scan_layers=True), quantize="int8")
+              model_kwargs=dict(scan_layers=True), quantize="int8", kv_layout="contiguous")
     mesh = make_mesh(data=1, fsdp=1, tensor=2, expert=1, devices=devices[6:])
     sharded, single = Qwen3Engine(cfg, params, mesh=mesh, **kw), Qwen3Engine(cfg, params, **kw)
     qs = [x for x in jax.tree.leaves(sharded.params, is_leaf=is_qarray) if is_qarray(x)]
@@ -120,7 +121,7 @@ def moe():
 def test_moe_engine_router_dtype_and_capacity(moe):
     cfg, params = moe
     base = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="float32", temperature=0.8,
-                record_routes=True)
+                record_routes=True, kv_layout="contiguous")
     kw = lambda **m: dict(base, model_kwargs=dict(scan_layers=True, moe=q.MoEOptions(**m)))  # noqa: E731
     ref = Qwen3Engine(cfg, params, **kw())  # the learner's routing (fp32 router, dropless)
     _, lp0 = _decode(ref)

@@ -34,7 +34,7 @@ def _engine(moe, cf=CF, record=True, slots=4):
     if cf is not None:
         mk.update(moe=q.MoEOptions(capacity_factor=cf, capacity_all_paths=True))
     return Qwen3Engine(cfg, params, slots=slots, max_cache_len=S, max_prefill_length=16, dtype="float32",
-                       temperature=0.8, record_routes=record, model_kwargs=mk)
+                       temperature=0.8, record_routes=record, model_kwargs=mk, kv_layout="contiguous")
 
 
 def _hand_drops(routes, valid, E, cf):
@@ -169,7 +169,8 @@ def test_the_scanned_engine_counts_what_the_unrolled_one_does(moe):
     scan); the counts equal the unrolled engine's, program by program."""
     cfg, params = moe
     kw = dict(slots=4, max_cache_len=S, max_prefill_length=16, dtype="float32", temperature=0.8,
-              model_kwargs=dict(scan_layers=True, moe=q.MoEOptions(capacity_factor=CF, capacity_all_paths=True)))
+              model_kwargs=dict(scan_layers=True, moe=q.MoEOptions(capacity_factor=CF, capacity_all_paths=True)),
+              kv_layout="contiguous")
     got = []
     for per_layer in (True, False):
         eng = Qwen3Engine(cfg, params, kv_per_layer=per_layer, **kw)

@@ -18,7 +18,7 @@ S, PS = 64, 8
 def _engines(model, **paged):
     p = nnx.state(model, nnx.Param)
     kw = dict(slots=4, max_cache_len=S, dtype="float32")
-    return Qwen3Engine(model.config, p, **kw), Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, **paged, **kw)
+    return Qwen3Engine(model.config, p, kv_layout="contiguous", **kw), Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, **paged, **kw)
 
 
 def _run(eng, rows, steps=5, later=None, swap=None):
@@ -184,7 +184,7 @@ def test_a_fresh_decode_state_starts_the_host_pool_afresh(model):
     that page, reads zeros, and samples other tokens than the contiguous engine."""
     p = nnx.state(model, nnx.Param)
     kw = dict(slots=1, max_cache_len=16, dtype="float32")
-    ref = Qwen3Engine(model.config, p, **kw)
+    ref = Qwen3Engine(model.config, p, kv_layout="contiguous", **kw)
     pag = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=8, kv_pages=2, **kw)
     rows = [SlotPrefill(list(range(3, 13)), slot=0, seed=5)]  # a context of 9: one full page (published) + 1
     t0, l0 = _decode_calls(ref, rows, 3)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from jax_rl.config import load_config
+from jax_rl.config import RolloutConfig, load_config
 from jax_rl.models.qwen3 import Qwen3Config
 from jax_rl.runtime.engines import engine_spec
 from rollout.engine import EngineSpec, Qwen3Engine
@@ -43,6 +43,8 @@ def test_the_engine_holds_the_layout_object_its_spec_names(layout):
 def test_keyword_fields_are_a_spec_and_not_both():
     eng = Qwen3Engine(MC, None, slots=3, max_cache_len=32, dtype="float32")
     assert eng.spec == EngineSpec(slots=3, max_cache_len=32, dtype="float32")
+    # the spec's layout default is the config's (rollout.kv_layout), so a hand-built engine is the run's
+    assert EngineSpec().kv_layout == RolloutConfig().kv_layout == "paged" and eng.kv.pooled
     with pytest.raises(TypeError, match="not both"):
         Qwen3Engine(MC, None, EngineSpec(), slots=3)
     with pytest.raises(ValueError, match="kv_layout must be one of"):

@@ -27,7 +27,7 @@ def params1(model):
 
 @pytest.fixture(scope="module")
 def engine(model, params1):
-    return Qwen3Engine(model.config, params1, slots=2, max_cache_len=S, dtype="float32", temperature=1.0)
+    return Qwen3Engine(model.config, params1, slots=2, max_cache_len=S, dtype="float32", temperature=1.0, kv_layout="contiguous")
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +293,7 @@ def test_greedy_equals_transformers_generate(model, tmp_path):
             if "norm" in n:
                 p.add_(0.3 * torch.randn_like(p))
     params = _params_from_hf(hf, nnx.state(model, nnx.Param), tmp_path)
-    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=S, dtype="float32", temperature=0.0)
+    eng = Qwen3Engine(cfg, params, slots=2, max_cache_len=S, dtype="float32", temperature=0.0, kv_layout="contiguous")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [100, 200, 300, 12, 13, 14, 15, 16, 17]]
     ours = Generator(eng).generate(prompts, max_new_tokens=12)
     for p, c in zip(prompts, ours):

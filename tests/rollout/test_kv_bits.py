@@ -76,7 +76,7 @@ def test_engine_programs_on_bits_equal_the_bf16_cache(per_layer):
     for backend in ("cpu", "gpu"):  # an engine each: a jitted init_state keeps its first trace's storage
         eng = Qwen3Engine(m.config, nnx.state(m, nnx.Param), slots=4, max_cache_len=64, max_prefill_length=32,
                           dtype="bfloat16", temperature=0.8, kv_per_layer=per_layer,
-                          model_kwargs=dict(scan_layers=not per_layer))
+                          model_kwargs=dict(scan_layers=not per_layer), kv_layout="contiguous")
         with target_backend(backend):
             st = eng.init_decode_state()
         assert st["cache"].is_per_layer == per_layer

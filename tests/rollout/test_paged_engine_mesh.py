@@ -4,7 +4,8 @@ pool split over ``tensor`` in whole kv heads and its pages over the axes that sp
 replicated, and the same tokens and behav_logp (fp32, 1e-5) as the colocated paged engine and the
 sharded contiguous engine over a GRPO group shared by page reference (within a shard), decode, an
 append-prefill turn and a fresh request reading the group's prefix pages; the compiled programs never
-move K/V between shards; the generator's admission and preemption count pages per shard."""
+move K/V between shards; the generator's admission and preemption count pages per shard; JetStream's insert writes a
+prefix into its slot's shard only."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_paged_engine_on_a_data_tensor_mesh_equals_colocated_paged_and_sharded_c
     mesh = _mesh(devices, data=2)
     paged = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, **kw)
     sharded = Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, mesh=mesh, **kw)
-    contiguous = Qwen3Engine(model.config, p, mesh=mesh, **kw)
+    contiguous = Qwen3Engine(model.config, p, mesh=mesh, kv_layout="contiguous", **kw)
     t0, l0, p0, _ = _turns(paged)
     t1, l1, p1, st = _turns(sharded)
     t2, l2, _, _ = _turns(contiguous)
@@ -178,3 +179,29 @@ def test_generator_on_a_sharded_paged_engine_with_preemption(model, devices):
     for a, b in zip(ref, got):
         assert b.tokens == a.tokens and len(b.tokens) == 24
         np.testing.assert_allclose(b.behav_logp, a.behav_logp, atol=1e-5, rtol=0)
+
+
+def test_jetstream_insert_into_each_shard_of_a_split_pool_equals_contiguous(model, devices):
+    """JetStream's ``insert`` / ``generate`` (``jax-rl serve``) on a pool split over data 2 (slots 0-1 on shard 0,
+    2-3 on shard 1): a prefix written into slot 1's and slot 2's sub-pools (their shard-local page ids, the other
+    shard writing nothing), then over slot 2 again with a shorter prefix, decoded across page boundaries: the
+    colocated contiguous engine's tokens and behav_logp (fp32, 1e-5)."""
+    from rollout.engine import unpack_result
+
+    p = nnx.state(model, nnx.Param)
+    kw = dict(slots=4, max_cache_len=S, dtype="float32", temperature=1.0)
+    engines = (Qwen3Engine(model.config, p, kv_layout="contiguous", **kw),
+               Qwen3Engine(model.config, p, kv_layout="paged", kv_page_size=PS, mesh=_mesh(devices, data=2), **kw))
+    runs = []
+    for eng in engines:
+        st, out = eng.init_decode_state(), []
+        for prompt, slot, seed, steps in ((A, 1, 1, 0), (B, 2, 2, 6), (B[:3], 2, 3, 7)):
+            st = eng.insert(eng.prefill_tokens(eng.params, prompt, seed=seed), st, slot)
+            for _ in range(steps):
+                st, res = eng.generate(eng.params, st)
+                r = unpack_result(res)
+                out.append(np.where(r["valid"], r["tokens"], -1).tolist() + np.where(r["valid"], r["behav_logp"], 0).tolist())
+        runs.append(np.asarray(out))
+    np.testing.assert_array_equal(runs[1][:, :4], runs[0][:, :4])
+    np.testing.assert_allclose(runs[1][:, 4:], runs[0][:, 4:], atol=1e-5, rtol=0)
+    assert (runs[0][:, [1, 2]] >= 0).all()

@@ -23,7 +23,7 @@ S = 64
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32")
+    return Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32", kv_layout="contiguous")
 
 
 class PerRequest:
@@ -74,7 +74,7 @@ def test_prefill_slots_equals_per_request_prefill(model, per_layer):
     then 6 decode steps: the same tokens and log-probs (fp32, 1e-6) as one prefill + insert per
     request."""
     eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32",
-                      kv_per_layer=per_layer)
+                      kv_per_layer=per_layer, kv_layout="contiguous")
     prompts = _prompts(4, [5, 9, 9, 20])
     prompts[2] = prompts[1]  # a group of two
     st = eng.init_decode_state()
@@ -179,7 +179,7 @@ def test_kept_kv_episode_equals_reprefilled_episode(engine):
 def test_kept_kv_survives_a_concurrent_request_and_is_evicted_when_slots_run_out(engine, model):
     """slots=1: a held slot is evicted (counted) when another request needs it; the evicted
     session's next turn re-prefills and still equals the reference."""
-    eng = Qwen3Engine(model.config, engine.params, slots=1, max_cache_len=S, dtype="float32")
+    eng = Qwen3Engine(model.config, engine.params, slots=1, max_cache_len=S, dtype="float32", kv_layout="contiguous")
     gen = Generator(eng)
     prompt, other = _prompts(2, [7, 5], seed=5)
     c0 = gen.generate([prompt], max_new_tokens=4, seeds=[1])[0]  # no session: nothing held
@@ -212,7 +212,7 @@ def test_held_slot_does_not_decode_and_keeps_its_kv_while_others_decode(engine, 
     decodes 29 steps (past where the held slot's own cache would end) it emits no valid token, its
     length and its cached K/V stay bit-identical, the hold survives (nothing expires), and the
     session's next turn appends to it and equals the re-prefilled reference."""
-    eng = Qwen3Engine(model.config, engine.params, slots=2, max_cache_len=32, dtype="float32")
+    eng = Qwen3Engine(model.config, engine.params, slots=2, max_cache_len=32, dtype="float32", kv_layout="contiguous")
     gen = Generator(eng)
     prompt = _prompts(1, [6], seed=6)[0]
     f = gen.submit(prompt, max_new_tokens=3, seed=1, session="a")
@@ -346,7 +346,7 @@ def test_r3_exact_for_every_turn_with_kept_kv():
     mc = L.model_config
     p0 = L.get_params(host=True)
     eng = Qwen3Engine(mc, p0, slots=2, max_cache_len=S, dtype="float32", record_routes=True,
-                      model_kwargs=dict(scan_layers=False))
+                      model_kwargs=dict(scan_layers=False), kv_layout="contiguous")
     gen = Generator(eng)
     prompt = _prompts(1, [8], seed=10, vocab=mc.vocab_size)[0]
     _episode(gen, prompt[:5] + [1, 2, 3], 1, session="first", new=4, prefix_len=5)  # fills the prefix cache
@@ -463,7 +463,7 @@ def test_a_rows_prefill_is_bit_identical_whatever_shares_its_call(kind):
     cfg = dataclasses.replace(q.get_preset("tiny_dense"), num_attention_heads=2, num_key_value_heads=1,
                               head_dim=64, vocab_size=640)
     m = q.Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    eng = Qwen3Engine(cfg, nnx.state(m, nnx.Param), slots=4, max_cache_len=128, dtype="float32")
+    eng = Qwen3Engine(cfg, nnx.state(m, nnx.Param), slots=4, max_cache_len=128, dtype="float32", kv_layout="contiguous")
     pre = _prompts(1, [20], seed=3, vocab=600)[0]
     start = len(pre) if kind == "append" else 0
     x, *others = [pre + p for p in _prompts(4, [23, 26, 29, 24], seed=4, vocab=600)]  # one bucket
@@ -500,7 +500,7 @@ def test_windowed_append_prefill_equals_the_whole_cache_path(model, per_layer):
     one program per (T, W) pair, each row in its own W."""
     S_ = 256
     eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S_, dtype="float32",
-                      kv_per_layer=per_layer)
+                      kv_per_layer=per_layer, kv_layout="contiguous")
     held = _prompts(3, [20, 40, 70], seed=5)  # cached contexts (earlier turns) in slots 0..2
     new = _prompts(3, [6, 9, 12], seed=6)  # the next turn's tokens (the last one stays pending)
     rows = [SlotPrefill(h + n, i, 30 + i, 1.0, start=len(h)) for i, (h, n) in enumerate(zip(held, new))]

@@ -164,7 +164,7 @@ def test_rollout_sampler_reaches_the_engines_step_programs(monkeypatch):
         jax.eval_shape(eng.programs["decode"], params, jax.eval_shape(eng.programs["init_state"], params))
     assert seen and set(seen) == {"xla"}, seen
     with pytest.raises(ValueError, match="rollout.sampler"):
-        Qwen3Engine(mc, None, slots=2, max_cache_len=32, sampler="pallas")
+        Qwen3Engine(mc, None, slots=2, max_cache_len=32, sampler="pallas", kv_layout="contiguous")
     with pytest.raises(ConfigError, match="rollout.sampler"):
         load_config("configs/tiny_cpu.yaml", ["rollout.sampler=pallas"])
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.sampler=xla"])

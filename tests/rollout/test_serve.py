@@ -43,22 +43,27 @@ def _start(args, timeout=180):
     return proc, lines
 
 
-def test_serve_grpc_decode_and_clean_stop():
+@pytest.mark.parametrize("layout", [None, "contiguous"])  # None: the default, paged
+def test_serve_grpc_decode_and_clean_stop(layout):
     import grpc
 
     pb, pb_grpc = jc.jetstream_pb2(), jc.jetstream_pb2_grpc()
     proc, lines = _start(["preset:tiny_dense", "--port", "0", "--slots", "2", "--max-len", "64",
-                          "--tokenizer", "compact"])
+                          "--tokenizer", "compact", *(["--kv-layout", layout] if layout else [])])
     try:
-        m = re.search(r"listening on (\S+):(\d+)", "".join(lines))
+        m = re.search(r"listening on (\S+):(\d+) .*kv_layout=(\w+)", "".join(lines))
         assert m and m.group(1) == "127.0.0.1"
+        assert m.group(3) == (layout or "paged")
         port = int(m.group(2))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.OrchestratorStub(ch)
             req = pb.DecodeRequest(token_content=pb.DecodeRequest.TokenContent(token_ids=[72, 105, 33]),
                                    max_tokens=5)
-            ids = [t for r in stub.Decode(req, timeout=60) for s in r.stream_content.samples for t in s.token_ids]
+            runs = [[t for r in stub.Decode(req, timeout=60) for s in r.stream_content.samples for t in s.token_ids]
+                    for _ in range(2)]  # with the text request below, 3 requests on 2 slots: a slot re-used
+            ids = runs[0]
             assert 1 <= len(ids) <= 5 and all(0 <= t < 384 for t in ids)
+            assert runs[1] == ids  # greedy
             req = pb.DecodeRequest(text_content=pb.DecodeRequest.TextContent(text="Hi!"), max_tokens=3)
             texts = [s.text for r in stub.Decode(req, timeout=60) for s in r.stream_content.samples]
             assert texts  # streamed text pieces
@@ -139,3 +144,5 @@ def test_serve_help_documents_every_argument():
         if a.dest != "help":
             assert a.help, f"serve argument {a.dest} has no help"
     assert any(a.dest == "temperature" for a in sub._actions)
+    kv = next(a for a in sub._actions if a.dest == "kv_layout")
+    assert kv.default == "paged" and set(kv.choices) == {"paged", "contiguous"}

@@ -54,7 +54,7 @@ def learner(devices):
 def single(learner):
     """The colocated single-device engine at the learner's params: the reference."""
     eng = Qwen3Engine(learner.model_config, learner.get_params(), slots=4, max_cache_len=S, dtype="float32",
-                      model_kwargs=rollout_model_kwargs(learner.cfg))
+                      model_kwargs=rollout_model_kwargs(learner.cfg), kv_layout="contiguous")
     return _decode(eng)
 
 
@@ -62,7 +62,7 @@ def single(learner):
 def test_sharded_dense_engine_equals_single_device_and_learner(sizes, devices, learner, single):
     mesh = _engine_mesh(devices, **sizes)
     eng = Qwen3Engine(learner.model_config, learner.get_params(), slots=4, max_cache_len=S, dtype="float32",
-                      model_kwargs=rollout_model_kwargs(learner.cfg), mesh=mesh)
+                      model_kwargs=rollout_model_kwargs(learner.cfg), mesh=mesh, kv_layout="contiguous")
     # params: sharded by the learner's logical rules, on the engine's devices only
     attn = eng.params["layers"][0]["attn"]  # unrolled on the CPU (kv_per_layer), unstacked by load_params
     assert attn["q_proj"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)  # [D, q_heads, Dh]
@@ -100,7 +100,7 @@ def test_weight_sync_is_one_compiled_cast_reused_and_host_params_agree(devices, 
     params land in rollout.dtype on the engine's devices; host (numpy) params give the same arrays."""
     mesh = _engine_mesh(devices, data=1, tensor=2)
     eng = Qwen3Engine(learner.model_config, None, slots=4, max_cache_len=S, dtype="bfloat16",
-                      model_kwargs=rollout_model_kwargs(learner.cfg), mesh=mesh)
+                      model_kwargs=rollout_model_kwargs(learner.cfg), mesh=mesh, kv_layout="contiguous")
     p0 = learner.get_params()
     assert {d.id for x in jax.tree.leaves(p0) for d in x.sharding.device_set} == {0, 1, 2, 3}
     traces = []  # _layout runs inside the jitted cast: once per trace (a jit cache's size reads 0 when
@@ -125,7 +125,7 @@ def test_kv_heads_that_do_not_divide_tensor_are_replicated(devices):
     """1 kv head on tensor=2 (configs/tiny_cpu.yaml): the rules drop 'tensor' from the kv-head dim
     (each tensor shard keeps the whole cache), the q heads still split."""
     mc = q.get_preset("tiny_dense", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    eng = Qwen3Engine(mc, None, slots=4, max_cache_len=S, dtype="float32", mesh=_engine_mesh(devices, data=2, tensor=2))
+    eng = Qwen3Engine(mc, None, slots=4, max_cache_len=S, dtype="float32", mesh=_engine_mesh(devices, data=2, tensor=2), kv_layout="contiguous")
     for k in eng.state_shardings["cache"].k:
         assert k.spec == jax.sharding.PartitionSpec("data", None, None, None)
     assert eng.param_shardings["layers"][0]["attn"]["k_proj"].get_value().spec == jax.sharding.PartitionSpec(None, None, None)
@@ -140,7 +140,8 @@ def test_sharded_moe_engine_expert_parallel(dispatch, devices):
     partitions the one-hot dispatch. Same tokens, log-probs and recorded routes as one device."""
     model = q.Qwen3ForCausalLM(q.get_preset("tiny_moe"), rngs=nnx.Rngs(0), moe=q.MoEOptions(dispatch=dispatch))
     params = nnx.state(model, nnx.Param)
-    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs={"moe": q.MoEOptions(dispatch=dispatch)}, record_routes=True)
+    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs={"moe": q.MoEOptions(dispatch=dispatch)}, record_routes=True,
+              kv_layout="contiguous")
     mesh = _engine_mesh(devices, data=1, tensor=2, expert=2)
     ref, eng = Qwen3Engine(model.config, params, **kw), Qwen3Engine(model.config, params, mesh=mesh, **kw)
     gate = eng.params["layers"][0]["mlp"]["gate_proj"]  # [E, D, F]
@@ -163,7 +164,8 @@ def test_sharded_engine_batched_group_and_kept_kv_prefill(devices, learner):
     tokens and log-probs (fp32, 1e-5), the decode state keeping its shardings."""
     from rollout.generator import Generator
 
-    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs=rollout_model_kwargs(learner.cfg))
+    kw = dict(slots=4, max_cache_len=S, dtype="float32", model_kwargs=rollout_model_kwargs(learner.cfg),
+              kv_layout="contiguous")
     ref = Qwen3Engine(learner.model_config, learner.get_params(), **kw)
     eng = Qwen3Engine(learner.model_config, learner.get_params(), mesh=_engine_mesh(devices, data=2, tensor=2), **kw)
 

@@ -24,7 +24,7 @@ TEMP, TOP_K, TOP_P = 0.7, 20, 0.9
 def _generate(model_config, params, prompts, n_new, seed0=10):
     """fp32 engine with the issue's sampling: per prompt (generated tokens, behav logp)."""
     eng = Qwen3Engine(model_config, params, slots=len(prompts), max_cache_len=64, max_prefill_length=32,
-                      dtype="float32", temperature=TEMP, top_k=TOP_K, top_p=TOP_P)
+                      dtype="float32", temperature=TEMP, top_k=TOP_K, top_p=TOP_P, kv_layout="contiguous")
     st = eng.init_decode_state()
     for i, p in enumerate(prompts):
         st = eng.insert(eng.prefill_tokens(eng.params, p, seed=seed0 + i), st, i)

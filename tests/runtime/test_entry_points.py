@@ -90,6 +90,7 @@ def test_held_out_guard_in_the_ray_producer():
     (["preset:tiny_dense", "--slots", "0"], ["--slots 0"]),
     (["preset:tiny_dense", "--max-len", "1"], ["--max-len 1"]),
     (["preset:tiny_dense", "--temperature", "nan"], ["--temperature nan"]),
+    (["preset:tiny_dense", "--kv-page-size", "0"], ["--kv-page-size 0", "1..--max-len"]),
     (["preset:tiny_dense", "--host", "not.a.host"], ["--host not.a.host"]),
     (["preset:tiny_dense", "--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine"]),
     # --port 0 skipped the host check: the model loaded, then gRPC's raw error blamed the port, exit 1

@@ -89,7 +89,7 @@ def test_engine_memory_estimate_bounds_what_xla_allocates():
         cfg, mc = _tiny(["rollout.slots=64", *extra])
         r = cfg.rollout
         e = Qwen3Engine(mc, None, slots=r.slots, max_cache_len=r.max_cache_len, dtype=r.dtype, top_p=r.top_p,
-                        model_kwargs=rollout_model_kwargs(cfg))
+                        model_kwargs=rollout_model_kwargs(cfg), kv_layout="contiguous")
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.abstract_params)
         state = jax.eval_shape(e.programs["init_state"], params)
         ma = e.programs["decode"].lower(params, state).compile().memory_analysis()

@@ -71,7 +71,7 @@ def main() -> int:
 
     def engine(mesh):
         return Qwen3Engine(mc, None, slots=2, max_cache_len=32, max_prefill_length=16, dtype=cfg.rollout.dtype,
-                           model_kwargs=rollout_model_kwargs(cfg), mesh=mesh)
+                           model_kwargs=rollout_model_kwargs(cfg), mesh=mesh, kv_layout="contiguous")
 
     template = engine(template_mesh)
     sync = ShardedWeightSync(lmesh, targets, template._cast_jit, template, timeout_s=30)

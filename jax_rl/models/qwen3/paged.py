@@ -37,7 +37,7 @@ from jax_rl.models.qwen3.outputs import ModelOutput
 Array = jax.Array
 
 __all__ = ["PagedKVCache", "init_paged_cache", "paged_decode_step", "paged_extend", "copy_pages", "gather_window",
-           "write_window"]
+           "write_window", "write_prefix"]
 
 
 @flax.struct.dataclass
@@ -271,6 +271,48 @@ def copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     body = jax.shard_map(_copy_pages, mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, P(b), P(b)),
                          out_specs=specs, check_vma=False)
     return cache.replace(kv=body(cache.kv, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)))
+
+
+def _write_prefix_rows(kv: Any, table: Array, k: Array, v: Array, valid: Array, dtype: Any) -> Any:
+    """Every layer's prefix entries k / v [L, 1, K, P, H] at positions ``[0, P)`` where ``valid`` [1, P], through
+    ``table`` [1, M] (one row's page-table row), into ``kv`` (a stacked pool or a tuple of per-layer pools)."""
+    pos = jnp.broadcast_to(jnp.arange(k.shape[3], dtype=jnp.int32)[None], valid.shape)
+    for i in range(k.shape[0]):
+        ki, vi = k[i].swapaxes(1, 2), v[i].swapaxes(1, 2)  # [1, P, K, H]
+        if isinstance(kv, tuple):
+            kv = tuple(write_kv(p, table, pos, ki, vi, valid, dtype=dtype) if j == i else p for j, p in enumerate(kv))
+        else:
+            kv = write_kv(kv, table, pos, ki, vi, valid, layer=i, dtype=dtype)
+    return kv
+
+
+def write_prefix(cache: PagedKVCache, k: Array, v: Array, n: Array, row: Array) -> PagedKVCache:
+    """A batch-1 prefix's K/V (JetStream's ``insert``) into row ``row``'s pages: positions ``[0, n)`` of
+    k / v [L, 1, K, P, H] (the compute dtype's values; positions ``>= n`` are not written) through the row's
+    page-table row, which must name pages for them (a -1 entry drops the write); ``n`` and ``row`` int32
+    scalars. Lengths unchanged (the caller sets the row's). Split over pages (module doc): per shard in
+    ``jax.shard_map``, the shard whose rows hold ``row`` writing into its own sub-pool (its table entries are
+    its page ids), the others nothing; k / v split on their kv-head axis as the pool's head axis."""
+    n, row = jnp.asarray(n, jnp.int32), jnp.asarray(row, jnp.int32)
+    valid = jnp.arange(k.shape[3], dtype=jnp.int32)[None] < n  # [1, P]
+    if cache.page_axes is None:
+        table = jax.lax.dynamic_slice_in_dim(cache.page_table, row, 1, axis=0)
+        return cache.replace(kv=_write_prefix_rows(cache.kv, table, k, v, valid, cache.dtype))
+    stacked = not isinstance(cache.kv, tuple)
+    b, h, pspec = _pool_specs(cache, stacked)
+
+    def local(kv, table, k, v, valid, row):
+        rows = table.shape[0]
+        r = row - jax.lax.axis_index(b) * rows  # the row within this shard's rows
+        mine = (r >= 0) & (r < rows)
+        t = jax.lax.dynamic_slice_in_dim(table, jnp.clip(r, 0, rows - 1), 1, axis=0)
+        return _write_prefix_rows(kv, t, k, v, valid & mine, cache.dtype)
+
+    specs = pspec if stacked else tuple(pspec for _ in cache.kv)
+    heads = P(None, None, h, None, None)
+    body = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), check_vma=False,
+                         in_specs=(specs, P(b, None), heads, heads, P(), P()), out_specs=specs)
+    return cache.replace(kv=body(cache.kv, cache.page_table, k, v, valid, row))
 
 
 def gather_window(cache: PagedKVCache, num_pages: int) -> KVCache:

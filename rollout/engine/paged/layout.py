@@ -53,9 +53,16 @@ Then the write, the attention and the copies on write run per shard in ``shard_m
 (``jax_rl.models.qwen3.paged``); with the slots not split, XLA partitions the gather path and the TPU
 kernel runs per head shard (:func:`jax_rl.models.paged_attention.paged_attention_kernel_sharded`).
 
-Not in this layout: JetStream's ``insert`` of a batch-1 :class:`PrefixKV` (``jax-rl serve`` keeps the
-contiguous layout) and the generator's copying prefix cache (``rollout.prefix_cache`` must be 0:
-the pages are the prefix cache).
+JetStream's adapter (``jax-rl serve``) on pages: ``insert`` of a batch-1 :class:`PrefixKV` frees the slot's
+pages, takes ``ceil(length / page_size)`` and writes the prefix's K/V into them (:meth:`PagedLayout.insert`; no
+prefix page shared: those K/V come from the batch-1 prefill program), and ``generate`` is the decode step with
+its :meth:`PagedLayout.before_decode` (the next page taken as a slot crosses a page boundary). JetStream's
+Driver never frees a slot, so a finished request's slot decodes on, taking pages, until its
+``max_cache_len`` or its next insert: a pool of ``slots x ceil(max_cache_len / kv_page_size)`` pages (the
+default, what ``jax-rl serve`` builds) never runs short; a smaller one raises ``PoolExhausted`` there.
+
+Not in this layout: the generator's copying prefix cache (``rollout.prefix_cache`` must be 0: the pages are
+the prefix cache).
 """
 
 from __future__ import annotations
@@ -454,6 +461,38 @@ class PagedLayout(KVLayout):
         self._plen[dst], self._pactive[dst] = self._plen[src], True
         state = self._push(decode_state, [])
         return self._synced_state(self._copy_slots(state, [(src, dst, int(token), int(seed), temperature)]))
+
+    def insert(self, decode_state: dict, prefix: dict, slot: int) -> dict:
+        """JetStream's ``insert`` on pages (``jax-rl serve``): ``slot``'s pages freed (the slot of a finished or
+        unfinished request, active or held), ``ceil(length / page_size)`` pages taken from its shard's pool (none
+        referenced or published for prefix hits: the K/V come from the batch-1 prefill program, not the paged
+        one), the table pushed, the prefix K/V written into the pages and the slot armed (its next page is taken
+        by :meth:`before_decode` when its decode crosses a page boundary). Donates the state.
+
+        Raises:
+          ValueError: a slot out of range, a prefix of ``max_cache_len`` or more positions.
+          PoolExhausted: no pages for the prefix in the slot's shard even after preempting its held slots (a
+            pool smaller than ``slots`` sequences of ``max_cache_len``); the slot then holds no pages and the
+            state is not touched (its host row is empty: the next call pushes it, the old pages are not read).
+        """
+        slot, n = self._check_insert(prefix, slot)
+        self._forget(slot)
+        try:  # no lookup: only the context's length is read
+            self._retry(lambda: self.pool.admit(slot, [0] * n, self._kv_epoch, lookup=False), slot)
+        except PoolExhausted as e:
+            raise PoolExhausted(f"insert: a prefix of {n} positions needs {self.pool.pages_for(n)} pages in slot "
+                                f"{slot}'s shard of the paged pool, which has {self.pool.pages_available(self.shard_of(slot))} "
+                                f"free or cached and no held slot to preempt ({e}); free slots or raise "
+                                f"rollout.kv_pages") from None
+        self.pool.ensure(slot, n)  # the sequence's length (its pages are all taken by admit)
+        self._row(slot)
+        state = self._push(decode_state, [])
+        with self._in_mesh():
+            state = self._jits["insert"](prefix["k"], prefix["v"], jnp.int32(n), jnp.int32(prefix["token"]),
+                                         jnp.uint32(prefix["seed"]), jnp.float32(prefix["temperature"]), state,
+                                         jnp.int32(slot))
+        self._plen[slot], self._pactive[slot] = n, True
+        return self._synced_state(state)
 
     def _copy_slots(self, state: dict, copies: Sequence[tuple]) -> dict:
         """The ``copy_slot`` program over ``(src, dst, pending token, seed, temperature or None)`` rows, in

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax_rl.models.backend_target import current_target_backend
 from jax_rl.models.paged_attention import pages_for, pool_head_spec, pool_page_axes
 from jax_rl.models.qwen3.paged import (copy_pages, gather_window, init_paged_cache, paged_decode_step, paged_extend,
-                                       write_window)
+                                       write_prefix, write_window)
 from rollout.engine.programs import ProgramDef, StepPrograms
 from rollout.engine.sampler import StepOutput
 
@@ -61,6 +61,17 @@ class PagedStepPrograms(StepPrograms):
         cache = cache.replace(lengths=cache.lengths.at[dst].set(cache.lengths[jnp.minimum(src, B - 1)], mode="drop"))
         sel, spread = self.rows_at(dst)
         return self.arm(state, cache, sel, spread(pending, 0), spread(seed, 0), spread(temperature, 1.0))
+
+    def insert(self, k, v, n, token, seed, temperature, state, slot) -> dict:
+        """JetStream's ``insert`` on pages: a :class:`PrefixKV`'s k/v [L,1,K,P,H] (positions ``< n``) into the
+        pages slot ``slot``'s table row names (the host took them and pushed the table first:
+        :meth:`rollout.engine.paged.PagedLayout.insert`), its length ``n``, armed with ``token`` / ``seed`` /
+        ``temperature`` (scalars), as :meth:`StepPrograms.insert` arms a contiguous row."""
+        B = self.cfg.slots
+        cache = write_prefix(state["cache"], k, v, n, slot)
+        cache = cache.replace(lengths=cache.lengths.at[slot].set(n))
+        fill = lambda x: jnp.full((B,), x)  # noqa: E731
+        return self.arm(state, cache, jnp.arange(B) == slot, fill(token), fill(seed), fill(temperature))
 
     def model_step(self, model: Any, tokens: jax.Array, cache: Any, active: jax.Array,
                    num_pages: Optional[int] = None) -> Any:
@@ -110,9 +121,10 @@ class PagedStepPrograms(StepPrograms):
                 self._rows_extras(out))
 
     def unsupported(self, *a, **k):
-        """JetStream's ``insert`` / ``generate`` and the copying prefix cache have no paged form."""
-        raise ValueError("JetStream's insert/generate (jax-rl serve) and rollout.prefix_cache's insert need "
-                         "rollout.kv_layout=contiguous")
+        """The contiguous layout's batched ``prefill_slots`` program has no paged form (the paged layout's
+        :meth:`rollout.engine.paged.PagedLayout.prefill_slots` runs ``append_prefill``)."""
+        raise ValueError("the contiguous prefill_slots program has no paged form: the paged layout prefills "
+                         "through append_prefill (PagedLayout.prefill_slots)")
 
 
 PAGED_PROGRAMS: dict[str, ProgramDef] = {
@@ -125,13 +137,14 @@ PAGED_PROGRAMS: dict[str, ProgramDef] = {
     "decode_steps": ProgramDef("decode_steps", (1,), {"static_argnums": (2,), "static_argnames": ("num_pages",)}),
     "append_prefill": ProgramDef("extend_slots", (1,), {"static_argnames": ("num_pages",)}),
     "prefill": ProgramDef("prefill", (), {}, "prefix"),
-    "insert": ProgramDef("unsupported", (), {}, None),
-    "decode_result": ProgramDef("unsupported", (), {}, None),
+    "insert": ProgramDef("insert", (6,), {}, "state"),
+    "decode_result": ProgramDef("result", (1,), {"static_argnames": ("num_pages",)}),
     "prefill_slots": ProgramDef("unsupported", (), {}, None),
 }
 """The paged engine's programs for :func:`rollout.engine.programs.build_programs` (the contiguous
-``prefill_slots`` / ``insert`` / ``decode_result`` have no paged form; ``prefill`` is the batch-1
-PrefixKV prefill, layout-free)."""
+``prefill_slots`` has no paged form; ``prefill`` is the batch-1 PrefixKV prefill, layout-free; ``insert``
+writes its K/V into a slot's pages and ``decode_result`` is the decode step packed into JetStream's rows,
+taking the decode's ``num_pages``)."""
 
 
 def paged_pool_spec(slots: int, mesh: jax.sharding.Mesh, *, num_q_heads: int,
