@@ -1,7 +1,9 @@
 """The XLA attention path (HF eager numerics: scores scaled after the dot, fp32 softmax): GQA softmax
 attention over [B,T,N,H] queries and [B,S,K,H] keys/values (:func:`attend`), its decode forms over the KV
 cache's layouts (:func:`attend_cached`, :func:`attend_cached_t`) and the causal block split
-(:func:`attend_causal`), with a hand-written backward (:func:`_attn_core`). The Qwen3 model
+(:func:`attend_causal`), with a hand-written backward (:func:`_attn_core`), and the causal attention of
+rows at traced offsets that skips the key blocks above the diagonal (:func:`attend_offsets`, the paged
+append-prefill on XLA:CPU; inference only). The Qwen3 model
 (:mod:`jax_rl.models.qwen3`) and the paged attention's reference path (:mod:`jax_rl.models.paged_attention`)
 both read it; the fused kernels (splash, cuDNN) are :mod:`jax_rl.models.attention`.
 """
