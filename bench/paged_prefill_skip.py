@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import subprocess
 import time
 
 from _record import ROOT, finish  # noqa: F401  (the bench preamble: the repository first on sys.path)
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
             print(f"  {w:6s} chunk {c:5d}: before {statistics.median(b):.3f} [{min(b):.3f}-{max(b):.3f}] s, after "
                   f"{statistics.median(f):.3f} [{min(f):.3f}-{max(f):.3f}] s, speed-up "
                   f"{', '.join(f'{x:.2f}' for x in ratio)} (median {statistics.median(ratio):.2f})")
-    finish(a, load0, os.getloadavg(), summary)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    finish(a, load0, os.getloadavg(), summary, git_commit=commit.stdout.strip() or None)
     return 0
 
 
