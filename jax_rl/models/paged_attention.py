@@ -19,7 +19,8 @@ kernel expects); token t attends to positions ``<= starts[b] + t``. Decode is ``
 
 Which path runs where (``paged_attention``): TPU: the ragged paged attention kernel; CPU and GPU:
 the XLA gather path (the rollout engine's multi-step decode on CPU gathers once a call instead:
-``jax_rl.models.qwen3.paged.gather_window``). The Pallas GPU ``paged_attention``
+``jax_rl.models.qwen3.paged.gather_window``; the CPU's append-prefill skips the key blocks above the
+causal frontier: ``jax_rl.models.xla_attention.attend_offsets``). The Pallas GPU ``paged_attention``
 (``jax.experimental.pallas.ops.gpu``) is decode-only (one query per sequence) and wants separate
 ``[K, P, page_size, H]`` key and value pools; in this layout it would need a transpose of the pool per
 step, so the GPU runs the XLA path.
@@ -45,7 +46,7 @@ from jax_rl.models.backend_target import current_target_backend
 from jax_rl.models.bitwise import chunked_attend
 from jax_rl.models.kv_storage import from_storage, to_storage
 from jax_rl.models.kv_storage import storage_dtype as pool_storage_dtype
-from jax_rl.models.xla_attention import attend, attend_cached_t
+from jax_rl.models.xla_attention import attend, attend_cached_t, attend_offsets
 from jax_rl.sharding import logical_to_pspec
 
 Array = jax.Array
@@ -115,7 +116,8 @@ def gather_contiguous(kv_pages: Array, page_table: Array, num_pages: int, dtype=
 
 
 def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Array,
-                        lengths: Array, num_pages: int | None = None, *, kv_dtype=None) -> Array:
+                        lengths: Array, num_pages: int | None = None, *, kv_dtype=None,
+                        skip_masked: bool = False) -> Array:
     """GQA attention over the pages a row holds (the XLA reference; HF eager numerics, as
     ``xla_attention.attend``).
 
@@ -125,7 +127,10 @@ def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Ar
     dtype of a pool of uint16 bits (:func:`pool_storage_dtype`; default q.dtype). Returns [B, T, N, H]
     (q.dtype); rows' padded tokens (``t >= lengths``) get finite values the caller ignores. Decode
     (T == 1) runs the contiguous per-layer cache's einsums (``attend_cached_t``: the keys read with the
-    positions minor, the same values as ``attend``).
+    positions minor, the same values as ``attend``). ``skip_masked`` (XLA:CPU's prefill, T > 1):
+    :func:`jax_rl.models.xla_attention.attend_offsets`, which skips the key blocks above every valid
+    query's causal frontier (traced: the rows start at ``starts``) instead of ``attend``'s full [T, S]
+    scores; equal up to fp32 summation order, inference only.
     """
     B, T = q.shape[:2]
     n = page_table.shape[1] if num_pages is None else int(num_pages)
@@ -137,6 +142,8 @@ def paged_attention_xla(q: Array, kv_pages: Array, page_table: Array, starts: Ar
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if T == 1:
         return attend_cached_t(q, k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), mask)
+    if skip_masked:
+        return attend_offsets(q, k, v, starts, lengths)
     return attend(q, k, v, mask)
 
 
@@ -271,15 +278,18 @@ def paged_attention_local(q: Array, kv_pages: Array, page_table: Array, starts: 
     """:func:`paged_attention` on the arrays as they are, never a ``shard_map`` of its own: the body of a
     caller's ``shard_map`` (one shard of slots and its sub-pool: ``jax_rl.models.qwen3.paged``). Same
     arguments and result. ``backend="bitwise"``: the pages gathered as on the XLA path, then the bitwise
-    mode's :func:`jax_rl.models.bitwise.chunked_attend` (any page bucket, the same bits)."""
+    mode's :func:`jax_rl.models.bitwise.chunked_attend` (any page bucket, the same bits). On ``"cpu"``
+    the XLA path's append-prefill skips fully masked key blocks (``skip_masked``)."""
     if backend == "bitwise":
         n = page_table.shape[1] if num_pages is None else int(num_pages)
         dt = q.dtype if kv_dtype is None and kv_pages.dtype == jnp.uint16 else kv_dtype
         k, v = gather_contiguous(kv_pages, page_table, n, dt)
         return chunked_attend(q, k, v, starts[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None])
-    if (backend or current_target_backend()) == "tpu":
+    backend = backend or current_target_backend()
+    if backend == "tpu":
         return paged_attention_kernel(q, kv_pages, page_table, starts, lengths)
-    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype)
+    return paged_attention_xla(q, kv_pages, page_table, starts, lengths, num_pages, kv_dtype=kv_dtype,
+                               skip_masked=backend == "cpu")
 
 
 def paged_attention(q: Array, kv_pages: Array, page_table: Array, starts: Array, lengths: Array,

@@ -1,7 +1,9 @@
 """The XLA attention path (HF eager numerics: scores scaled after the dot, fp32 softmax): GQA softmax
 attention over [B,T,N,H] queries and [B,S,K,H] keys/values (:func:`attend`), its decode forms over the KV
 cache's layouts (:func:`attend_cached`, :func:`attend_cached_t`) and the causal block split
-(:func:`attend_causal`), with a hand-written backward (:func:`_attn_core`). The Qwen3 model
+(:func:`attend_causal`), with a hand-written backward (:func:`_attn_core`), and the causal attention of
+rows at traced offsets that skips the key blocks above the diagonal (:func:`attend_offsets`, the paged
+append-prefill on XLA:CPU; inference only). The Qwen3 model
 (:mod:`jax_rl.models.qwen3`) and the paged attention's reference path (:mod:`jax_rl.models.paged_attention`)
 both read it; the fused kernels (splash, cuDNN) are :mod:`jax_rl.models.attention`.
 """
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-__all__ = ["attend", "attend_cached", "attend_cached_t", "attend_causal"]
+__all__ = ["attend", "attend_cached", "attend_cached_t", "attend_causal", "attend_offsets"]
 
 _NEG_INF = -1e30  # finite "minus infinity" for masked attention scores (no NaN on empty rows)
 
@@ -136,5 +138,84 @@ def attend_causal(q: Array, k: Array, v: Array, mask: Array) -> Array:
     for a, b in zip(bounds[:-1], bounds[1:]):
         o = _attn_core(_to_heads(q[:, a:b], K), kh[:, :, :b], vh[:, :, :b], mask[:, a:b, :b],
                        N // K)
+        outs.append(_from_heads(o, b - a))
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
+
+
+Q_BLOCK = 256  # query rows per block of attend_offsets (see there; bench/paged_cpu.py --attention)
+K_BLOCK = 256  # key positions per block of attend_offsets
+
+
+def _frontier(starts: Array, lengths: Array, a: int, b: int) -> Array:
+    """Keys the query rows ``[a, b)`` need: max over rows of ``starts + min(b, lengths)`` (0 for a row
+    with no valid query there), an int32 scalar."""
+    last = jnp.minimum(lengths, b)
+    return jnp.max(jnp.where(lengths > a, starts + last, 0)).astype(jnp.int32)
+
+
+def _offset_block(qh: Array, kh: Array, vh: Array, qpos: Array, n: Array, bk: int, G: int) -> Array:
+    """Online-softmax attention of one query block over key blocks ``0 .. n-1`` (traced ``n``) of
+    ``bk`` keys: qh [B,K,G*tq,H], kh/vh [B,K,S,H], qpos [B,tq] int32 -> [B,K,G*tq,H] float32.
+    A key block fully above a query's causal frontier adds exactly nothing to its sums (scores -1e30,
+    exp 0, rescale exp(0) = 1), so the values do not depend on ``n`` past each query's own blocks.
+    The last block is clamped to end at S (its keys below ``j * bk``, already counted, masked)."""
+    B, K, M, H = qh.shape
+    S, tq = kh.shape[2], qpos.shape[1]
+
+    def body(j, carry):
+        m, l, acc = carry
+        s0 = jnp.minimum(j * bk, S - bk)
+        spos = s0 + jnp.arange(bk, dtype=jnp.int32)
+        kj = jax.lax.dynamic_slice_in_dim(kh, s0, bk, axis=2)
+        vj = jax.lax.dynamic_slice_in_dim(vh, s0, bk, axis=2)
+        ok = (spos[None, None, :] <= qpos[:, :, None]) & (spos >= j * bk)[None, None, :]  # [B, tq, bk]
+        s = jnp.einsum("bkmh,bksh->bkms", qh, kj, preferred_element_type=jnp.float32) * (H ** -0.5)
+        s = jnp.where(ok[:, None, None], s.reshape(B, K, G, tq, bk), _NEG_INF).reshape(B, K, M, bk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkms,bksh->bkmh", p.astype(vh.dtype), vj, preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[..., None] + pv
+
+    init = (jnp.full((B, K, M), -jnp.inf, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
+            jnp.zeros((B, K, M, H), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n, body, init)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def attend_offsets(q: Array, k: Array, v: Array, starts: Array, lengths: Array, *,
+                   q_block: int = Q_BLOCK, k_block: int = K_BLOCK, skip: bool = True) -> Array:
+    """Causal GQA attention of rows that start at traced offsets (the paged append-prefill on XLA:CPU),
+    skipping the key blocks above the causal frontier.
+
+    q [B,T,N,H]: row b's query t sits at position ``starts[b] + t`` and is valid for ``t < lengths[b]``;
+    k/v [B,S,K,H] keys at positions ``0 .. S-1``; query t attends to keys ``<= starts[b] + t`` (the caller
+    makes S cover ``starts + lengths``). starts, lengths [B] int32. Returns [B,T,N,H] (q.dtype).
+
+    The queries are split into static blocks of ``q_block`` rows; block ``[a, b)`` runs an online softmax
+    (fp32 max / sum / accumulator, scores scaled after the dot as ``attend``) over key blocks of
+    ``k_block`` positions, ``0 .. ceil(f / k_block) - 1`` where f = max over rows of
+    ``starts + min(b, lengths)`` (a traced trip count, :func:`jax.lax.fori_loop`): the blocks fully
+    above every valid query's frontier, and query blocks past every row's length, are not computed.
+    ``skip=False`` runs every key block of every query block (the same values bit for bit: a skipped
+    block adds exact zeros; the reference the tests compare against). Padded queries (``t >= lengths``)
+    get finite values the caller ignores (0 where their block is skipped). Not reverse-differentiable
+    with ``skip`` (a dynamic trip count): inference only. Equals ``attend`` up to fp32 summation order
+    (the blocked sum, and the probabilities normalised after the value dot, not before).
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bk = min(int(k_block), S)
+    nk = -(-S // bk)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    starts = jnp.asarray(starts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    outs = []
+    for a in range(0, T, int(q_block)):
+        b = min(T, a + int(q_block))
+        qpos = starts[:, None] + jnp.arange(a, b, dtype=jnp.int32)[None]
+        n = jnp.minimum((_frontier(starts, lengths, a, b) + bk - 1) // bk, nk) if skip else nk
+        o = _offset_block(_to_heads(q[:, a:b], K), kh, vh, qpos, n, bk, N // K)
         outs.append(_from_heads(o, b - a))
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
