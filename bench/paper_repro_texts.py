@@ -351,7 +351,7 @@ PREREG_62_CHANGES = """\
 *Changes to the plan after it started* (said plainly; none changes a mode, a K, the seed, N, a metric or a claim):
 
 - The pre-registration was committed at 23:02:04 UTC (its text says 23:01); both runners started at 23:02:06.
-- 23:21 UTC: at load 18-19 (other sessions' test runs on the 2 shared cores) the first step of each cell compiled
+- 23:20 UTC: at load 18-19 (other sessions' test runs on the 2 shared cores) the first step of each cell compiled
   for 9-12 min (the persistent cache did not spare the learner step) and the later steps took ~15 s, so a cell
   takes ~17 min and the two runners would leave K8 decoupled, K2 exact_behav and K8 exact_behav unstarted at the
   clock stop. A third runner C starts now with K8 decoupled, K2 exact_behav, K8 exact_behav, in that order (A and B
