@@ -75,7 +75,7 @@ from paper_doc import (FIG_DIR, LEGACY_CONFIG, PREREG50_NEW_SEEDS, PREREG_SEEDS,
                        rows_by_claim, settings_table, summary_table)
 from paper_settings import SETTING_ALIASES, canonical_setting  # noqa: E402,F401  (setting ids' aliases)
 from paper_repro_texts import (PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES, PREREG_62,  # noqa: E402
-                               PREREG_62_CHANGES, SETTING_NOTES, ZEROGAP_COMMANDS)
+                               PREREG_62_CHANGES, SETTING_NOTES, ZEROGAP_COMMANDS, ZEROGAP_FINDINGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIG = "configs/paper_small.yaml"  # the setting's config (--config); a global so the doc can switch settings
@@ -479,7 +479,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
     L.append(PREREG_50 + "\n")
     L.append(PREREG_50_CHANGES + "\n")
     L += prereg50_result(rows_all)
-    L += paper_zerogap.section(zg, PREREG_62 + "\n" + PREREG_62_CHANGES, ZEROGAP_COMMANDS)
+    L += paper_zerogap.section(zg, PREREG_62 + "\n" + PREREG_62_CHANGES, ZEROGAP_COMMANDS + "\n\n" + ZEROGAP_FINDINGS)
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER

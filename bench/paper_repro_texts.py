@@ -358,3 +358,23 @@ PREREG_62_CHANGES = """\
   keep their orders; a cell already started or finished by another runner is not started twice). Seen before
   this change: steps 1-3 of K0 ppo_ewma and K0 exact_behav (R = 1, KL = 0, equal rewards), nothing at K > 0.
 """
+
+
+ZEROGAP_FINDINGS = """\
+*Read after the runs (2026-12-07 00:00 UTC; figures from the records above, and two from the run dirs, which are
+not kept: `is_weight_*`).* (1) The gap is not exactly zero in this setting: at K = 0 the learner's pi_prox and
+the exact pi_v agree bit for bit (`prox_abs_err_max` 0 in all 40 approximate-mode steps), but the engine's mu
+differs from them: `kl_train_infer_k1` is 1e-9 to 7e-9 in magnitude, non-zero at every step, and pi_prox / mu
+reached 1 + 2.98e-6 (`is_weight_max`, 25 fp32 ULPs at 1), so the bitwise gate of `tests/models/test_bitwise.py`
+does not carry over to the `paper_small` engine (32 slots, GRPO groups sharing prompt pages, up to 3 turns with
+tool results prefilled between them, chunked prefill); which of these breaks it is not found here. The
+difference is far inside the mask (R = 1 exactly, nothing out of band). (2) At K = 0 `decoupled` and `ppo_ewma`
+are one computation bit for bit (every logged metric equal, as the code predicts: beta = 0); `exact_behav`
+sampled the same tokens and rewards at all 20 steps and reached the same held-out avg@4, but its loss (by up to
+1.2e-7) and gradient norm (by up to 1.9e-4) differ from step 1 on: it uses mu itself, the others the learner's
+forward, and (1) makes them differ. (3) Staleness alone does engage the correction: `decoupled` at K = 8 kept
+down to 0.919 of the tokens inside the mask (R), with mean |log pi_prox - log pi_v| up to 0.33 per step, and its
+reward fell from 0.91 to 0 at steps 14-15 (held-out avg@4 0.089 after 20 steps, from 0.860 on the 16 x 4 set at
+its start): one seed, one cell, no comparison (the `ppo_ewma` cells at K > 0 did not finish), so it says nothing
+yet about which correction does better without the gap.
+"""
