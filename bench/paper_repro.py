@@ -65,6 +65,7 @@ from typing import Any, Optional
 from _record import ROOT  # noqa: E402,F401  (the bench preamble: the repository first on sys.path)
 from async_speedup import _git_commit  # noqa: E402  (HEAD of this checkout, into each record)
 import paper_doc  # noqa: E402  (one setting's sections of the doc and the doc-wide tables)
+import paper_zerogap  # noqa: E402  (issue 62's zero-gap arm: its cells, exact claims and section)
 from paper_claims import (APPROX, CLAIM_HEADER, CLAIMS, CLIP, COLLAPSED, CONFIDENCE, EQUIV_MARGIN,  # noqa: E402,F401
                           GRID_CLAIMS, GRID_DEFAULT, MASK_HIGH, METRICS, MIN_SEEDS, MODES, N_RESAMPLES, TARGET_DIFF,
                           VERDICT_METHOD, _final, _fmt, _fmt_ci, _mean_key, _ms, _reset_events, cells, claim_rows,
@@ -73,8 +74,8 @@ from paper_doc import (FIG_DIR, LEGACY_CONFIG, PREREG50_NEW_SEEDS, PREREG_SEEDS,
                        PREREG_STALE, REGEN_SUFFIX, REGEN_SUFFIXES, SUMMARY_SETTINGS, _seeds_str, plot_claims, prereg50_result,
                        rows_by_claim, settings_table, summary_table)
 from paper_settings import SETTING_ALIASES, canonical_setting  # noqa: E402,F401  (setting ids' aliases)
-from paper_repro_texts import (PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES,  # noqa: E402
-                               SETTING_NOTES)
+from paper_repro_texts import (PREREG_42, PREREG_42_CHANGES, PREREG_50, PREREG_50_CHANGES, PREREG_62,  # noqa: E402
+                               PREREG_62_CHANGES, SETTING_NOTES, ZEROGAP_COMMANDS, ZEROGAP_FINDINGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIG = "configs/paper_small.yaml"  # the setting's config (--config); a global so the doc can switch settings
@@ -85,7 +86,8 @@ DOC = ROOT / "docs" / "paper_repro.md"
 KEEP_KEYS = ("step", "version", "reward_mean", "train_infer_retained", "clip_frac", "ratio_out_of_band_frac",
              "ewma_reset", "ewma_resets", "ewma_reset_rejected", "ewma_retained_candidate", "staleness_mean",
              "staleness_max", "prox_abs_err_mean", "prox_abs_err_max",
-             "step_time_s", "old_logits_s", "old_logits_bytes", "tokens", "tokens_per_s", "wall_s", "wait_s")
+             "step_time_s", "old_logits_s", "old_logits_bytes", "tokens", "tokens_per_s", "wall_s", "wait_s",
+             "loss", "grad_norm", "kl_train_infer_k1", "train_infer_out_of_band_frac")  # the last four: issue 62
 
 
 # ----------------------------------------------------------------------------- cells
@@ -419,13 +421,14 @@ def build_full_doc(records: Path, doc: Path) -> str:
     every claim's verdict in every setting."""
     global CONFIG, SHARED_SFT
     saved = CONFIG, SHARED_SFT
-    parts, rows_all, used, left = [], [], [], []
+    parts, rows_all, used, left, zg = [], [], [], [], []
     try:
         for st in settings_in(records):
             if st["setting"] is None:  # imported before records carried a setting id: no setting to judge in
                 left.append(st)
                 continue
             newest, count = load_records(records, setting=st["setting"])
+            newest, count = paper_zerogap.split(newest, count, st["setting"], into=zg)  # the arm: its own section
             main_ = [r for r in newest.values() if r["part"] == "main"]
             ks = sorted({r["K"] for r in main_})
             rows = (claim_rows(main_, ks) if ks else []) + grid_claim_rows(grid_records(newest))
@@ -468,7 +471,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
          "(docs/design.md §7.1 The paper). Every record stays in the JSONL; each setting (a hash of its config "
          "chain and of the shared-SFT choice) gets its own part below, and no table mixes settings.\n",
          *settings_table(used, left)]
-    L[2:2] = summary_table(rows_all)
+    L[2:2] = paper_zerogap.with_summary_rows(summary_table(rows_all), zg)
     L.append(SETTING_NOTES + "\n")
     L.append(PREREG_42 + "\n")
     L.append(PREREG_42_CHANGES + "\n")
@@ -476,6 +479,7 @@ def build_full_doc(records: Path, doc: Path) -> str:
     L.append(PREREG_50 + "\n")
     L.append(PREREG_50_CHANGES + "\n")
     L += prereg50_result(rows_all)
+    L += paper_zerogap.section(zg, PREREG_62 + "\n" + PREREG_62_CHANGES, ZEROGAP_COMMANDS + "\n\n" + ZEROGAP_FINDINGS)
     L.append("## Every claim's verdict\n")
     L.append(VERDICT_METHOD + "\n")
     L += CLAIM_HEADER
@@ -495,13 +499,15 @@ def build_full_doc(records: Path, doc: Path) -> str:
 def main() -> int:
     global CONFIG, SHARED_SFT, CACHE_DIR, SETTING_SUFFIX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=["main", "grid"], default=None)
+    ap.add_argument("--only", action="append", choices=["main", "grid", "zerogap"], default=None,
+                    help="zerogap (issue 62): only when named; its modes are paper_zerogap.ZEROGAP_MODES (--modes "
+                         "ignored), its K 0 2 8 unless --k")
     ap.add_argument("--config", default=CONFIG, help="the setting's config (its text is part of the setting id)")
     ap.add_argument("--shared-sft", type=int, default=None, metavar="SEED",
                     help="every cell starts from SEED's SFT warm start (made once); only run.seed varies in RL. "
                          "Part of the setting id")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    ap.add_argument("--k", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--k", nargs="+", type=int, default=None, help="K values (default 4 8; zerogap: 0 2 8)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None, help="RL steps per cell (default: the config's run.steps)")
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "paper_repro"))
@@ -525,7 +531,10 @@ def main() -> int:
     args = ap.parse_args()
     CONFIG, SHARED_SFT, SETTING_SUFFIX = args.config, args.shared_sft, args.setting_suffix
     records = Path(args.records)
-    todo = select(cells(args.only, args.modes, args.k, args.seeds), args.ids)
+    todo = cells(args.only, args.modes, args.k or [4, 8], args.seeds) if args.only != ["zerogap"] else []
+    if args.only and "zerogap" in args.only:
+        todo += paper_zerogap.cells(args.k or list(paper_zerogap.ZEROGAP_KS), args.seeds)
+    todo = select(todo, args.ids)
     if args.list:
         for c in todo:
             print(c["id"], " ".join(c["overrides"]))

@@ -284,3 +284,97 @@ regenerated warm start (seeds 0-23; `jax-rl plot RUN_DIRS --group-by loss.ewma_r
 threshold 0 is no reset):
 ![reset arms](paper_repro/issue50_reset/groups.png)
 """
+
+
+PREREG_62 = """\
+## Pre-registration: the paper's question with the train-infer gap removed (issue 62 item 6)
+
+Written and committed on 2026-12-06 at 23:01 UTC, before any counted run of the arm started; not edited after
+(changes, if any, go below it with their time). One timing run preceded it (3 RL steps of `exact_behav` at K = 2
+from a random init, not a warm start; it sized N and is not a record).
+
+*Question.* With `model.bitwise: true` and the engine in the learner's dtype (fp32 both), the engine's behaviour
+log-prob mu is the learner's forward bit for bit (docs/correction.md, "The bitwise mode and
+`old_logits.route=behav`"), so the train-infer factor is exactly 1 and whatever separates pi_prox from mu is
+staleness alone. What does staleness alone do to `ppo_ewma`, `decoupled` and the exact `behav` route
+(`loss.correction=exact old_logits.route=behav`: old_logp = behav_logp, no forward)?
+
+*Setting and arm.* `configs/paper_small.yaml` (`fe44208e4440`, seed 0's SFT warm start made as the setting makes
+it), with `model.bitwise=true rollout.dtype=float32 rollout.kv_layout=paged rollout.partial=recompute_kv`
+(the behav route's requirement, run by every mode so that only the correction differs) and a short eval
+(`eval.every=0 eval.num_tasks=16`: after the run only). Modes `ppo_ewma` (the paper's reset pinned,
+`old_logits.measure_error=true`), `decoupled` (`measure_error=true`) and `exact_behav`; K = 0, 2, 8; **seed 0
+only, 20 RL steps per cell** (this 2-core host is shared, load 10-17 while this was written). The timing run
+took 16 min, 15 of them compiling (XLA:CPU, the bitwise programs; JAX's persistent cache now holds the engine's and
+`exact_behav`'s), its RL steps 3-6 s each: compiles, not steps, set the cost, so the 9 cells run in two runners
+side by side, in these orders: A = K0 ppo_ewma, K2 ppo_ewma, K8 ppo_ewma, K8 exact_behav; B = K0 exact_behav,
+K0 decoupled, K2 decoupled, K8 decoupled, K2 exact_behav. A failed cell is rerun once (if time remains). Clock
+stop: no cell starts after 23:50 UTC and the runners are stopped at 00:00 UTC on 2026-12-07 (a stop set by the
+clock, not by a result); cells not finished are reported missing and a claim needing them is *incomplete*.
+
+*What the code predicts* (read before any run). At K = 0 the buffer admits no group that could be consumed a
+version late, so every consumed token has staleness 0 and is sampled from the current params; the sampling seeds
+derive from (task seed, sample, turn), so a K = 0 run is reproducible. `decoupled`'s pi_prox is the learner's
+forward at the step's params = mu bit for bit; `ppo_ewma`'s beta is K / (K + 2) = 0, so its bias-corrected update
+sets theta_bar = 0 * theta_bar + 1 * theta = theta exactly, and its pi_prox is the same forward; `exact_behav`'s is
+mu itself. So at K = 0 the three modes compute one algorithm.
+
+*Claims* (exact ones decide on one seed: a single differing value contradicts them):
+- Z1 (zero gap at staleness 0): at K = 0, every step of every mode has `staleness_max` = 0,
+  `train_infer_retained` (R) = 1 and `kl_train_infer_k1` = 0 exactly, and the approximate modes'
+  `prox_abs_err_max` (max |log pi_prox - log pi_v|, the exact pi_v from `measure_error`) = 0 exactly.
+- Z2 (the behav route's reference is mu): every step of every `exact_behav` cell (K = 0, 2, 8) has R = 1,
+  `train_infer_out_of_band_frac` = 0 and `kl_train_infer_k1` = 0 exactly (the mask cuts nothing).
+- Z3 (one algorithm at K = 0): the three K = 0 cells log the same per-step `reward_mean`, `loss`, `grad_norm`,
+  `clip_frac`, R and `tokens`, and the same final held-out avg@4, bit for bit.
+- Z4 (claim 5a without the gap): at K = 2 and K = 8, mean over the run of `prox_abs_err_mean`, `decoupled` minus
+  `ppo_ewma`, is positive (EWMA's reference closer to pi_v). Verdict by the doc's rule (`VERDICT_METHOD`: paired
+  by seed, fewer than 3 seeds is *inconclusive*): with one seed it is **inconclusive by rule**, and the figures
+  are reported as a pilot (with the number of steps where EWMA's error is below decoupled's, descriptive only).
+  `exact_behav`'s error is 0 by construction (pi_prox = mu = pi_v); `measure_error` refuses the exact mode, so
+  it is not measured there.
+Reported beside them, no claim: each cell's staleness, lowest R, clip fraction, mean reward, final avg@4 on
+16 x 4 held-out samples, learner seconds per step.
+
+*What this arm cannot decide.* Anything about learning: 20 steps of one seed say nothing about final reward,
+collapse, or which mode learns better without the gap (claims 1a-1c, 2, 3); nor whether the mask ever cuts on
+staleness alone over a long run. Z1-Z3 are statements about exact equalities on this CPU host and these shapes
+(the gate's scope in docs/correction.md), not about other hardware.
+"""
+
+ZEROGAP_COMMANDS = (
+    "Made by `.venv/bin/python bench/paper_repro.py --only zerogap --seeds 0 --steps 20 --no-doc` (the doc "
+    "then by `--doc-only`); one cell again: `... --only zerogap --seeds 0 --steps 20 --ids zerogap_K2_decoupled_s0`.")
+
+
+PREREG_62_CHANGES = """\
+*Changes to the plan after it started* (said plainly; none changes a mode, a K, the seed, N, a metric or a claim):
+
+- The pre-registration was committed at 23:02:04 UTC (its text says 23:01); both runners started at 23:02:06.
+- 23:20 UTC: at load 18-19 (other sessions' test runs on the 2 shared cores) the first step of each cell compiled
+  for 9-12 min (the persistent cache did not spare the learner step) and the later steps took ~15 s, so a cell
+  takes ~17 min and the two runners would leave K8 decoupled, K2 exact_behav and K8 exact_behav unstarted at the
+  clock stop. A third runner C starts now with K8 decoupled, K2 exact_behav, K8 exact_behav, in that order (A and B
+  keep their orders; a cell already started or finished by another runner is not started twice). Seen before
+  this change: steps 1-3 of K0 ppo_ewma and K0 exact_behav (R = 1, KL = 0, equal rewards), nothing at K > 0.
+"""
+
+
+ZEROGAP_FINDINGS = """\
+*Read after the runs (2026-12-07 00:00 UTC; figures from the records above, and two from the run dirs, which are
+not kept: `is_weight_*`).* (1) The gap is not exactly zero in this setting: at K = 0 the learner's pi_prox and
+the exact pi_v agree bit for bit (`prox_abs_err_max` 0 in all 40 approximate-mode steps), but the engine's mu
+differs from them: `kl_train_infer_k1` is 1e-9 to 7e-9 in magnitude, non-zero at every step, and pi_prox / mu
+reached 1 + 2.98e-6 (`is_weight_max`, 25 fp32 ULPs at 1), so the bitwise gate of `tests/models/test_bitwise.py`
+does not carry over to the `paper_small` engine (32 slots, GRPO groups sharing prompt pages, up to 3 turns with
+tool results prefilled between them, chunked prefill); which of these breaks it is not found here. The
+difference is far inside the mask (R = 1 exactly, nothing out of band). (2) At K = 0 `decoupled` and `ppo_ewma`
+are one computation bit for bit (every logged metric equal, as the code predicts: beta = 0); `exact_behav`
+sampled the same tokens and rewards at all 20 steps and reached the same held-out avg@4, but its loss (by up to
+1.2e-7) and gradient norm (by up to 1.9e-4) differ from step 1 on: it uses mu itself, the others the learner's
+forward, and (1) makes them differ. (3) Staleness alone does engage the correction: `decoupled` at K = 8 kept
+down to 0.919 of the tokens inside the mask (R), with mean |log pi_prox - log pi_v| up to 0.33 per step, and its
+reward fell from 0.91 to 0 at steps 14-15 (held-out avg@4 0.089 after 20 steps, from 0.860 on the 16 x 4 set at
+its start): one seed, one cell, no comparison (the `ppo_ewma` cells at K > 0 did not finish), so it says nothing
+yet about which correction does better without the gap.
+"""

@@ -433,3 +433,61 @@ def test_shipped_paper_configs_keep_their_settings(pr, config, shared_sft, setti
     got = pr.setting_id(config, shared_sft)
     assert got == setting, (f"{config} (shared_sft={shared_sft}) is setting {got}, its records' is {setting}: "
                             "alias it in bench/paper_settings.py SETTING_ALIASES or declare a new setting here")
+
+
+def _zg_rec(pr, cell, *, gap=0.0, reward=0.5, err=None, staleness=0.0, steps=4):
+    """A zero-gap arm record: R = 1 - gap, KL = gap, prox error ``err`` (default: 0 at K = 0, 0.01 * K after)."""
+    err = (0.0 if cell["K"] == 0 else 0.01 * cell["K"]) if err is None else err
+    approx = cell["mode"] != "exact_behav"
+    metrics = [dict(step=i + 1, reward_mean=reward, loss=0.1 * i, grad_norm=1.0, clip_frac=0.0, tokens=100,
+                    train_infer_retained=1.0 - gap, train_infer_out_of_band_frac=gap, kl_train_infer_k1=gap,
+                    staleness_mean=staleness, staleness_max=staleness, step_time_s=2.0,
+                    **({"prox_abs_err_mean": err, "prox_abs_err_max": 2 * err} if approx else {}))
+               for i in range(steps)]
+    return {**cell, "rc": 0, "date": "2026-12-06T23:00:00+00:00", "extra": [], "steps": steps, "load": [5.0, 6.0],
+            "setting": pr.setting_id(), "commit": "abcdef0123", "sft_success": 0.5, "metrics": metrics, "evals": [],
+            "summary": {"final_avg_at_4": 0.4}, "process_s": 100.0}
+
+
+def test_zerogap_cells_only_when_named(pr):
+    zg = pr.paper_zerogap.cells([0, 2, 8], [0])
+    assert len(zg) == 9 and {c["part"] for c in zg} == {"zerogap"}
+    behav = next(c for c in zg if c["id"] == "zerogap_K2_exact_behav_s0")
+    assert "old_logits.route=behav" in behav["overrides"] and "model.bitwise=true" in behav["overrides"]
+    assert "rollout.partial=recompute_kv" in next(c for c in zg if c["mode"] == "decoupled")["overrides"]
+    assert not any(c["part"] == "zerogap" for c in pr.cells(None, list(pr.MODES), [8], [0]))  # not by default
+
+
+def test_zerogap_claims_and_doc(pr, tmp_path):
+    """Z1-Z3 are exact: all-equal synthetic records reproduce them; one KL value at K = 0 contradicts Z1, one
+    reward at K = 0 contradicts Z3; Z4 with one seed is inconclusive by rule. The doc gets the arm's section
+    and its summary rows, and the paper_small part leaves the arm's records out."""
+    zg = pr.paper_zerogap
+    cells = zg.cells([0, 2, 8], [0])
+    recs = [_zg_rec(pr, c, staleness=0.0 if c["K"] == 0 else 1.5) for c in cells]
+    v = {r["claim"][:2]: r["verdict"] for r in zg.verdict_rows(recs)}
+    assert v == {"Z1": "reproduced", "Z2": "reproduced", "Z3": "reproduced", "Z4": "inconclusive"}
+    z4 = [r for r in zg.verdict_rows(recs) if "ci" in r]
+    assert [r["K"] for r in z4] == [2, 8] and z4[0]["mean"] == 0.0  # both modes' synthetic errors agree
+    bad = [(_zg_rec(pr, c, gap=1e-7) if c["id"] == "zerogap_K0_decoupled_s0" else r) for c, r in zip(cells, recs)]
+    assert zg.z1(bad, 0)["verdict"] == "contradicted" and zg.z1(bad, 0)["note"].startswith("8 failing")  # R, KL
+    assert zg.z3(bad, 0)["verdict"] == "contradicted"  # R differs too
+    moved = [(_zg_rec(pr, c, reward=0.6) if c["id"] == "zerogap_K0_ppo_ewma_s0" else r) for c, r in zip(cells, recs)]
+    assert zg.z1(moved, 0)["verdict"] == "reproduced" and zg.z3(moved, 0)["verdict"] == "contradicted"
+    assert zg.z3(recs[1:], 0)["verdict"] == "incomplete"
+    stale_behav = [(_zg_rec(pr, c, gap=0.01) if c["id"] == "zerogap_K8_exact_behav_s0" else r)
+                   for c, r in zip(cells, recs)]
+    assert zg.z2(stale_behav, 0)["verdict"] == "contradicted"
+    path = tmp_path / "r.jsonl"
+    good = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
+    main = list(_matrix(pr, good, {}).values())
+    for rec in [*main, *recs]:
+        pr.append_record(rec, path)
+    doc = pr.build_full_doc(path, tmp_path / "doc.md")
+    top = doc.split("## Settings")[0]
+    assert "| Z1. zero gap at staleness 0" in top and f"`{pr.setting_id()}` zero-gap arm | **reproduced** |" in top
+    assert "Z4. without the gap" in top and "**inconclusive** | +0.0000" in top
+    assert "## Pre-registration: the paper's question with the train-infer gap removed" in doc
+    assert "### Result of the zero-gap arm" in doc and "| 8 | exact_behav | 4 |" in doc
+    part = doc.split(f"## Setting `{pr.setting_id()}`")[1]
+    assert f"{len(main)} cells with a successful newest record" in part  # the arm's records are not the part's
