@@ -367,7 +367,12 @@ the exact pi_v agree bit for bit (`prox_abs_err_max` 0 in all 40 approximate-mod
 differs from them: `kl_train_infer_k1` is 1e-9 to 7e-9 in magnitude, non-zero at every step, and pi_prox / mu
 reached 1 + 2.98e-6 (`is_weight_max`, 25 fp32 ULPs at 1), so the bitwise gate of `tests/models/test_bitwise.py`
 does not carry over to the `paper_small` engine (32 slots, GRPO groups sharing prompt pages, up to 3 turns with
-tool results prefilled between them, chunked prefill); which of these breaks it is not found here. The
+tool results prefilled between them, chunked prefill); which of these breaks it is not found here. *Found
+after this section was written (2026-12-07 00:10 UTC):* XLA:CPU's YNNPACK fusions take over fused ops in calls
+of about 1,024 rows and more and gave those calls other bits (the learner's forward of two sequences at 2 x 512
+positions vs 2 x 56: 4 and 6 tokens differ); the mode now sets `xla_cpu_experimental_ynn_fusion_type=""`
+(`jax_rl/models/bitwise.py: CPU_COMPILER_OPTIONS`, `test_bitwise_row_count_above_768_equal`). The arm's cells
+ran before that fix and are to be run again. The
 difference is far inside the mask (R = 1 exactly, nothing out of band). (2) At K = 0 `decoupled` and `ppo_ewma`
 are one computation bit for bit (every logged metric equal, as the code predicts: beta = 0); `exact_behav`
 sampled the same tokens and rewards at all 20 steps and reached the same held-out avg@4, but its loss (by up to
