@@ -100,12 +100,14 @@ def materialize(x):
     return jax.lax.cond(pred, lambda t: t, poisoned, x)
 
 
-def row_tile_of(n: int, tile: int = ROW_TILE) -> int:
-    """``n`` rounded up to a multiple of ``tile`` (at least one tile)."""
+def row_tile_of(n: int, tile: int | None = None) -> int:
+    """``n`` rounded up to a multiple of ``tile`` (default :data:`ROW_TILE`, read at trace time; at least one
+    tile)."""
+    tile = ROW_TILE if tile is None else int(tile)
     return max(1, -(-int(n) // tile)) * tile
 
 
-def to_rows(x: Array, lead: int, tile: int = ROW_TILE) -> Array:
+def to_rows(x: Array, lead: int, tile: int | None = None) -> Array:
     """x [*lead_dims, ...] (``lead`` leading dims, e.g. 2 for [B, T, ...]) -> [1, R, ...]: the lead dims
     flattened and padded with zeros to R, a multiple of ``tile``; materialised (:func:`materialize`).
     (Padding each row's T instead, so a batch split over devices keeps whole tiles per device, was measured
@@ -143,7 +145,7 @@ def _chunk_step(carry, xs, qh, qpos, scale):
 
 
 def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | None = None,
-                   q_tile: int = QUERY_TILE) -> Array:
+                   q_tile: int | None = None) -> Array:
     """Causal GQA attention, batch-invariant: keys in fixed chunks of ``chunk`` absolute positions,
     an online softmax combined in position order, scores and values per query-row tile of ``q_tile``.
 
@@ -164,7 +166,7 @@ def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | N
         pad = ((0, 0), (0, nc * chunk - S), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     M = T * G
-    Mp = row_tile_of(M, q_tile)
+    Mp = row_tile_of(M, QUERY_TILE if q_tile is None else q_tile)
     qh = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # rows (t, g)
     qpos = jnp.repeat(jnp.asarray(q_pos, jnp.int32), G, axis=1)  # [B, M]
     if Mp != M:
