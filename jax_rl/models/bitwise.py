@@ -38,9 +38,11 @@ __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled"
            "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
 
 ROW_TILE = 256
-"""Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it). 64 was not
-enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16 tokens (fp32,
-tiny_dense, 4.8e-7); at 256 (Tunix's token bucket too) the gate holds."""
+"""Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
+time. 64 is not enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16
+tokens (fp32, tiny_dense, 4.8e-7), and with the loop emitters and the materialised boundaries it still fails
+the gate (fp32 tiny_dense: 8 comparisons differ, the first "seq 0: learner batch 0"; 2026-12-06); at 256
+(Tunix's token bucket too) the gate holds."""
 
 QUERY_TILE = 64
 """Query rows (a kv head's G query heads times the call's tokens) per tile of :func:`chunked_attend`: 64 gives the
