@@ -38,9 +38,11 @@ __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled"
            "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
 
 ROW_TILE = 256
-"""Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it). 64 was not
-enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16 tokens (fp32,
-tiny_dense, 4.8e-7); at 256 (Tunix's token bucket too) the gate holds."""
+"""Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
+time. 64 is not enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16
+tokens (fp32, tiny_dense, 4.8e-7), and with the loop emitters and the materialised boundaries it still fails
+the gate (fp32 tiny_dense: 8 comparisons differ, the first "seq 0: learner batch 0"; 2026-12-06); at 256
+(Tunix's token bucket too) the gate holds."""
 
 QUERY_TILE = 64
 """Query rows (a kv head's G query heads times the call's tokens) per tile of :func:`chunked_attend`: 64 gives the
@@ -100,12 +102,14 @@ def materialize(x):
     return jax.lax.cond(pred, lambda t: t, poisoned, x)
 
 
-def row_tile_of(n: int, tile: int = ROW_TILE) -> int:
-    """``n`` rounded up to a multiple of ``tile`` (at least one tile)."""
+def row_tile_of(n: int, tile: int | None = None) -> int:
+    """``n`` rounded up to a multiple of ``tile`` (default :data:`ROW_TILE`, read at trace time; at least one
+    tile)."""
+    tile = ROW_TILE if tile is None else int(tile)
     return max(1, -(-int(n) // tile)) * tile
 
 
-def to_rows(x: Array, lead: int, tile: int = ROW_TILE) -> Array:
+def to_rows(x: Array, lead: int, tile: int | None = None) -> Array:
     """x [*lead_dims, ...] (``lead`` leading dims, e.g. 2 for [B, T, ...]) -> [1, R, ...]: the lead dims
     flattened and padded with zeros to R, a multiple of ``tile``; materialised (:func:`materialize`).
     (Padding each row's T instead, so a batch split over devices keeps whole tiles per device, was measured
@@ -125,8 +129,8 @@ def from_rows(y: Array, lead_shape: tuple[int, ...]) -> Array:
 
 def _chunk_step(carry, xs, qh, qpos, scale):
     m, l, o = carry
-    kc, vc, kpos = xs  # [B,K,C,H] x2, [C]
-    s = jnp.einsum("bkmh,bkch->bkmc", qh, kc, preferred_element_type=jnp.float32) * scale
+    kc, vc, kpos = xs  # [B,C,K,H] x2, [C]
+    s = jnp.einsum("bkmh,bckh->bkmc", qh, kc, preferred_element_type=jnp.float32) * scale
     ok = kpos[None, None, :] <= qpos[:, :, None]  # [B,M,C]
     s = jnp.where(ok[:, None], s, -jnp.inf)
     any_ok = jnp.any(ok, axis=-1)[:, None]  # [B,1,M]
@@ -135,7 +139,7 @@ def _chunk_step(carry, xs, qh, qpos, scale):
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(s - m_safe[..., None])
     l_new = l * alpha + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkmc,bkch->bkmh", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkmc,bckh->bkmh", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
     o_new = o * alpha[..., None] + pv
     # a chunk with no key a row may see leaves that row as it was (bit for bit)
     return (jnp.where(any_ok, m_new, m), jnp.where(any_ok, l_new, l),
@@ -143,7 +147,7 @@ def _chunk_step(carry, xs, qh, qpos, scale):
 
 
 def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | None = None,
-                   q_tile: int = QUERY_TILE) -> Array:
+                   q_tile: int | None = None) -> Array:
     """Causal GQA attention, batch-invariant: keys in fixed chunks of ``chunk`` absolute positions,
     an online softmax combined in position order, scores and values per query-row tile of ``q_tile``.
 
@@ -164,24 +168,23 @@ def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | N
         pad = ((0, 0), (0, nc * chunk - S), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     M = T * G
-    Mp = row_tile_of(M, q_tile)
+    Mp = row_tile_of(M, QUERY_TILE if q_tile is None else q_tile)
     qh = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # rows (t, g)
     qpos = jnp.repeat(jnp.asarray(q_pos, jnp.int32), G, axis=1)  # [B, M]
     if Mp != M:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
         qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
-    kc = k.astype(q.dtype).reshape(B, nc, chunk, K, H).transpose(1, 0, 3, 2, 4)  # [nc,B,K,C,H]
-    vc = v.astype(q.dtype).reshape(B, nc, chunk, K, H).transpose(1, 0, 3, 2, 4)
-    kpos = jnp.arange(nc * chunk, dtype=jnp.int32).reshape(nc, chunk)
-    # materialised operands: what XLA fuses into the dots' operands must not depend on the caller's graph
-    qh, kc, vc = materialize((qh, kc, vc))
+    # the query rows materialised (what XLA fuses into the dots' operands must not depend on the caller's
+    # graph); each chunk's keys and values sliced from k / v in place (no transposed copy of the cache)
+    qh = materialize(qh)
     init = (jnp.full((B, K, Mp), -jnp.inf, jnp.float32), jnp.zeros((B, K, Mp), jnp.float32),
             jnp.zeros((B, K, Mp, H), jnp.float32))
 
-    def step(c, xs):
-        return _chunk_step(c, xs, qh, qpos, H ** -0.5)
+    def step(c, i):
+        kc, vc = (jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1).astype(q.dtype) for a in (k, v))
+        return _chunk_step(c, (kc, vc, i * chunk + jnp.arange(chunk, dtype=jnp.int32)), qh, qpos, H ** -0.5)
 
-    (_, l, o), _ = jax.lax.scan(step, init, (kc, vc, kpos))
+    (_, l, o), _ = jax.lax.scan(step, init, jnp.arange(nc, dtype=jnp.int32))
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     o = materialize(o)[:, :, :M].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
     return o.astype(q.dtype)
