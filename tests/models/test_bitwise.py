@@ -200,3 +200,56 @@ def test_no_op_falls_back_to_an_untiled_shape(moe):
     assert _untiled_ops(decode_jaxpr(model), tile) == []
     assert _untiled_ops(learn, tile) == []
     assert _untiled_ops(decode_jaxpr(_model(moe, jnp.float32, bitwise=False)), tile) != []
+
+
+CHUNK = 16  # rollout.prefill_chunk_size of the pressure case (its smallest)
+
+
+def _engine_under_pressure(model, prompts, max_new: int):
+    """The paged engine in ``model``'s mode under the Generator (continuous batching, 2-step windows), a pool
+    of one max_cache_len sequence (8 pages) for 3 slots and chunked prefill of CHUNK positions: the long
+    prompt runs in chunks, rows wait for pages, and decode preempts the most recently admitted row (its
+    pages freed), which is re-admitted later by a re-prefill of prompt + generated-so-far. Sampled
+    (temperature 1), fp32. Returns (completions, the generator's kv stats)."""
+    from rollout.engine import Qwen3Engine
+    from rollout.generator import Generator
+
+    eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=3, max_cache_len=64, max_prefill_length=64,
+                      dtype="float32", kv_layout="paged", kv_page_size=PS, kv_pages=64 // PS, prefill_chunk_size=CHUNK,
+                      model_kwargs={"attention": "bitwise"} if model.bitwise else None)
+    gen = Generator(eng, decode_steps=2, prefix_cache=0)
+    futs = [gen.submit(p, max_new_tokens=max_new, seed=i, temperature=1.0) for i, p in enumerate(prompts)]
+    gen.run_until_idle()
+    return [f.result() for f in futs], gen.kv_stats()
+
+
+def _pressure_gaps(model) -> tuple[list[int], dict]:
+    """Per request, the decoded tokens whose behav_logp differs (bits) from the learner's forward of prompt +
+    completion in one batch; and the generator's kv stats."""
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(1, model.config.vocab_size, n)) for n in (37, 9, 12)]  # 37: chunks 16+16+5
+    comps, kv = _engine_under_pressure(model, prompts, 20)
+    seqs = [np.asarray(p + list(c.tokens), np.int32) for p, c in zip(prompts, comps)]
+    learn = _learner(model, seqs, [0, 1, 2], 64)
+    gaps = []
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        assert len(c.tokens) == 20 and c.finish_reason == "length"
+        ref = learn[i][len(p) - 1:]  # logp of the tokens at positions len(p)..
+        gaps.append(int((np.asarray(c.behav_logp, np.float32).view(np.uint32) != ref.view(np.uint32)).sum()))
+    return gaps, kv
+
+
+def test_bitwise_chunked_prefill_preemption_readmission_equal_the_learner():
+    """Issue 62 item 1/3: chunked prefill (a 37-token prompt in chunks of 16), preemption (a row's pages
+    freed under a pool of 8 pages) and re-admission (prompt + generated-so-far re-prefilled in chunks) in the
+    mode: every sampled token's behav_logp equals the learner's forward bit for bit."""
+    gaps, kv = _pressure_gaps(_model(False, jnp.float32))
+    assert kv["kv_preempted_requests"] > 0 and kv["kv_reprefill_tokens"] > 0, kv  # the case ran
+    assert gaps == [0, 0, 0]
+
+
+def test_fast_mode_fails_the_pressure_gate():
+    """Negative control of the case above: the fast mode's engine and learner differ in some token."""
+    gaps, kv = _pressure_gaps(_model(False, jnp.float32, bitwise=False))
+    assert kv["kv_preempted_requests"] > 0
+    assert sum(gaps) > 0

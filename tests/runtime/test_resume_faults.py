@@ -358,3 +358,58 @@ def test_checkpointer_enospc_in_orbax_one_line(tmp_path):
     assert "ERR disk full" in out and "needs ~" in out, (out, r.stderr[-3000:])
     assert "Traceback" not in r.stderr and "No space left" not in r.stderr, r.stderr[-3000:]
     assert "LS ['1']" in out and "META {'version': 1}" in out, out
+
+
+# model.bitwise on pages, multi-turn: SFT long enough that the model calls the calculator tool (2 turns: the
+# call, then the answer after the tool's output) on 2-term 1-digit sums (some right answers: the loss moves the
+# params); the learner and the engine both fp32 (TINY's rollout.dtype)
+BITWISE = ["model.bitwise=true", "rollout.kv_layout=paged", "sft.steps=80", "sft.batch_size=8", "sft.num_demos=64",
+           "optim.batch_size=8", "algo.group_size=4", "rollout.slots=8", "rollout.max_new_tokens_per_turn=32",
+           "env.calculator.dataset_config={chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}",
+           "run.seed=3", "run.steps=4", "async.max_staleness=0", "loss.correction=ppo_ewma"]
+# the restart batches differently: one decode step per engine call (up to 4 before) and one request admitted per
+# generator step while slots decode (4 x max_prefill_length tokens before); neither is in the checkpoint's identity
+REBATCH = ["rollout.decode_steps=1", "rollout.prefill_tokens_per_step=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_bitwise_paged_multiturn_kill9_resume_rebatched_identical(tmp_path):
+    """Issue 62 item 5: a multi-turn paged K=0 run in the bitwise mode killed with SIGKILL after its second step
+    and resumed with other batching (:data:`REBATCH`) should log the rows of a run never stopped, bit for bit, in
+    every column but the wall-clock ones (``_strip``: seconds, rates, ``rollout_idle_frac``), the buffer's
+    ``buffer/*`` counters and the per-process K/V pool counters (``kv_*``). Asserted: every column outside
+    :data:`GAP_COLUMNS` (episode lengths and tokens, rewards, losses, grad norms, ratios, versions); a difference
+    in those (prefill work, the train-infer figures of behav_logp) is the open part of the item: xfail, naming it."""
+    from tests.runtime.test_train import _strip
+
+    a, b = tmp_path / "straight", tmp_path / "killed"
+    r = _run(_train(a, *BITWISE), timeout=1500)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    args = _train(b, *BITWISE)
+    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=1500)
+    assert rc == -signal.SIGKILL, out[-3000:]
+    r = _run(args + REBATCH + ["--resume"], timeout=1500)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [x["step"] for x in rb] == [1, 2, 3, 4]
+    # multi-turn: with K/V kept between turns a step prefills each group's prompt once and each tool turn, so
+    # G x prefill_tokens - (episode_tokens - generated) = (G - 1) x tool-turn tokens - G x prompt pages shared
+    # across groups: > 0 only if some episode took a second turn. And a loss that moves the params.
+    assert all(4 * x["prefill_tokens"] > x["episode_tokens"] - 8 * x["gen_tokens_mean"] for x in ra), ra
+    assert max(x["grad_norm"] for x in ra) > 0, ra
+    same = lambda row: {k: v for k, v in _strip(row).items() if not k.startswith("kv_")}  # noqa: E731
+    diff = {x["step"]: {k: (v, same(y).get(k)) for k, v in same(x).items() if same(y).get(k) != v}
+            for x, y in zip(ra, rb)}
+    # tokens, rewards, losses, grad norms, versions: equal (measured 2026-12-06, 4 steps, resumed at step 2)
+    assert {s: set(d) - set(GAP_COLUMNS) for s, d in diff.items()} == {s: set() for s in diff}, diff
+    if any(diff.values()):  # the open part of item 5: prefill work and behav_logp's bits under other batching
+        pytest.xfail(f"issue 62 item 5 open: {diff}")
+
+
+# What the rebatched resume does not yet give bit for bit (2026-12-06, this test): the straight run (default
+# batching) has behav_logp off the learner's by an ulp on some token (kl_train_infer_k1 1.2e-8, is_weight_max
+# 1 + 1.1e-6 at every step) where the rebatched run has 0 and 1.0 exactly; and the rebatched run prefills 30
+# more positions per step (177 vs 207, 151 vs 181, 255 vs 285).
+GAP_COLUMNS = ("prefill_tokens", "prefix_cache_hits", "kl_train_infer_k1", "kl_train_infer_k3", "is_weight_max",
+               "is_weight_mean", "is_weight_sq_mean", "ess_frac")
