@@ -255,15 +255,13 @@ def test_fast_mode_fails_the_pressure_gate():
     assert sum(gaps) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 62 item 5 open: a call of >= 1024 rows (B*T padded to the row tile) "
-                   "gives other bits than one of <= 768 (found 2026-12-06; the op is not yet located: a lone dot "
-                   "[R,64]x[64,N], log_softmax and chunked_attend alone are invariant up to 4096 rows)")
 def test_bitwise_row_count_above_768_equal():
     """The learner's forward of the same two sequences in a call of 2 x 56 positions (256 rows) and of
-    2 x 512 positions (1024 rows): bit for bit equal in the mode. Measured: 4 and 6 tokens differ (also
-    16 x 64, 8 x 128, 10 x 100 = 1000 -> 1024 rows; 12 x 56 -> 768 rows is equal). Likely (not yet shown) the
-    CLI run's one-ulp behav gap at default batching (tests/runtime/test_resume_faults.py): a batched prefill
-    (4 x max_prefill_length positions) crosses the threshold where one row per step does not."""
+    2 x 512 positions (1024 rows): bit for bit equal in the mode. Without the mode's
+    ``xla_cpu_experimental_ynn_fusion_type=""`` (XLA:CPU's YNNPACK fusions, which take over fused ops from about
+    1024 rows) 4 and 6 tokens differed (also 16 x 64, 8 x 128, 10 x 100 = 1000 -> 1024 rows; 12 x 56 -> 768 rows
+    was equal): the CLI run's one-ulp behav gap at default batching, where a batched prefill (4 x
+    max_prefill_length positions) crosses the threshold (tests/runtime/test_resume_faults.py)."""
     model = _model(False, jnp.float32)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, model.config.vocab_size, n).astype(np.int32) for n in (30, 40)]
