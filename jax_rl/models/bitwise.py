@@ -52,12 +52,16 @@ KEY_CHUNK = 64
 """Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
 
 
-CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
 """XLA:CPU options of every program of the mode. Measured (jax 0.10.2): with the default fusion emitters an
 elementwise fusion (RoPE's ``x*cos + rot*sin`` after the q/k norm) gives other bits when a consumer's slice is
 fused into it (the learner's padded rows: 65-68 of 6912 elements of one layer's keys differ); with the older
-loop emitters it does not. Set per program (``jax.jit(compiler_options=...)``), so the fast mode's programs keep
-theirs."""
+loop emitters it does not. With the default YNNPACK fusions a call of >= 1024 rows gives other bits than one of
+<= 768 (the learner's forward of two sequences at 2 x 512 vs 2 x 56 positions: 4 and 6 tokens differ; a lone
+dot, log-softmax and ``chunked_attend`` are invariant: the offload applies to fused ops at that size); with
+``xla_cpu_experimental_ynn_fusion_type=""`` (none offloaded) they are equal
+(``test_bitwise_row_count_above_768_equal``). Set per program (``jax.jit(compiler_options=...)``), so the fast
+mode's programs keep theirs."""
 
 
 BITWISE_ATTENTION = "bitwise"

@@ -253,3 +253,17 @@ def test_fast_mode_fails_the_pressure_gate():
     gaps, kv = _pressure_gaps(_model(False, jnp.float32, bitwise=False))
     assert kv["kv_preempted_requests"] > 0
     assert sum(gaps) > 0
+
+
+def test_bitwise_row_count_above_768_equal():
+    """The learner's forward of the same two sequences in a call of 2 x 56 positions (256 rows) and of
+    2 x 512 positions (1024 rows): bit for bit equal in the mode. Without the mode's
+    ``xla_cpu_experimental_ynn_fusion_type=""`` (XLA:CPU's YNNPACK fusions, which take over fused ops from about
+    1024 rows) 4 and 6 tokens differed (also 16 x 64, 8 x 128, 10 x 100 = 1000 -> 1024 rows; 12 x 56 -> 768 rows
+    was equal): the CLI run's one-ulp behav gap at default batching, where a batched prefill (4 x
+    max_prefill_length positions) crosses the threshold (tests/runtime/test_resume_faults.py)."""
+    model = _model(False, jnp.float32)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, model.config.vocab_size, n).astype(np.int32) for n in (30, 40)]
+    small, large = _learner(model, seqs, [0, 1], 56), _learner(model, seqs, [0, 1], 512)
+    assert [int((small[i].view(np.uint32) != large[i].view(np.uint32)).sum()) for i in (0, 1)] == [0, 0]
