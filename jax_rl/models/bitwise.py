@@ -8,8 +8,8 @@ reduction's (the mean of RMSNorm, a log-softmax over the vocab) below 64 rows, a
 reduction (the bucket of keys a call gathers, 1 query against T). What holds: every tested per-row piece
 gives the same bits for a row whatever its position among >= 64 rows. So the mode has two pieces:
 
-- **one row tile** (:data:`ROW_TILE` = 256): every per-token op (projections, norms, RoPE, MLP / MoE, LM
-  head, log-softmax) runs on the call's tokens flattened and padded to a multiple of 256 rows
+- **one row tile** (:data:`ROW_TILE` = 64): every per-token op (projections, norms, RoPE, MLP / MoE, LM
+  head, log-softmax) runs on the call's tokens flattened and padded to a multiple of 64 rows
   (:func:`to_rows` / :func:`from_rows`, materialised at each end (:func:`materialize`) so XLA cannot narrow the
   padded op back);
 - **attention over fixed key chunks** (:func:`chunked_attend`): keys at absolute positions in chunks of
@@ -37,12 +37,12 @@ __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled"
            "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
            "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
 
-ROW_TILE = 256
+ROW_TILE = 64
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
-time. 64 is not enough in the model: a 64-row prefill re-score differed from a 256-row learner call in 1-16
-tokens (fp32, tiny_dense, 4.8e-7), and with the loop emitters and the materialised boundaries it still fails
-the gate (fp32 tiny_dense: 8 comparisons differ, the first "seq 0: learner batch 0"; 2026-12-06); at 256
-(Tunix's token bucket too) the gate holds."""
+time. 64 failed the gate until the mode set ``xla_cpu_experimental_ynn_fusion_type=""`` (fp32 tiny_dense: 8
+comparisons differed, the first "seq 0: learner batch 0", a 1,024-row learner call; a 64-row prefill re-score
+differed from a 256-row learner call in 1-16 tokens, 4.8e-7); with that option the whole gate holds at 64,
+and a decode of up to 64 slots computes 64 rows instead of 256."""
 
 QUERY_TILE = 64
 """Query rows (a kv head's G query heads times the call's tokens) per tile of :func:`chunked_attend`: 64 gives the
