@@ -139,6 +139,20 @@ def test_sigterm_resume_kill9_resume_exact_steps(tmp_path, updates):
     assert sorted(tb["reward_mean"]) == list(range(1, steps + 1)), tb["reward_mean"]
 
 
+def _straight_killed_resumed(tmp_path, common: list[str], on_resume: list[str], *, timeout: float):
+    """A run never stopped (``straight``) and the same run killed with SIGKILL after its second metrics row and
+    resumed with ``on_resume`` added (``killed``): (straight rows, killed rows, the resume's stdout + stderr)."""
+    a, b = tmp_path / "straight", tmp_path / "killed"
+    r = _run(_train(a, *common), timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    args = _train(b, *common)
+    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=timeout)
+    assert rc == -signal.SIGKILL, out[-3000:]
+    r = _run(args + on_resume + ["--resume"], timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl"), r.stdout + r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_paged_kill9_resume_k0_identical(tmp_path):
@@ -153,16 +167,8 @@ def test_paged_kill9_resume_k0_identical(tmp_path):
 
     common = ["run.steps=4", "async.max_staleness=0", "loss.correction=ppo_ewma", "run.seed=3",
               "rollout.kv_layout=paged"]
-    a, b = tmp_path / "straight", tmp_path / "killed"
-    r = _run(_train(a, *common), timeout=1200)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    args = _train(b, *common)
-    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=1200)
-    assert rc == -signal.SIGKILL, out[-3000:]
-    r = _run(args + ["--resume"], timeout=1200)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "at RL step " in r.stdout + r.stderr
-    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    ra, rb, out = _straight_killed_resumed(tmp_path, common, [], timeout=1200)
+    assert "at RL step " in out
     assert [x["step"] for x in rb] == [1, 2, 3, 4]
     assert all("kv_pages_in_use" in x for x in ra + rb)
     same = lambda row: {k: v for k, v in _strip(row).items()  # noqa: E731
@@ -383,15 +389,7 @@ def test_bitwise_paged_multiturn_kill9_resume_rebatched_identical(tmp_path):
     in those (prefill work, the train-infer figures of behav_logp) is the open part of the item: xfail, naming it."""
     from tests.runtime.test_train import _strip
 
-    a, b = tmp_path / "straight", tmp_path / "killed"
-    r = _run(_train(a, *BITWISE), timeout=1500)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    args = _train(b, *BITWISE)
-    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=1500)
-    assert rc == -signal.SIGKILL, out[-3000:]
-    r = _run(args + REBATCH + ["--resume"], timeout=1500)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    ra, rb, _ = _straight_killed_resumed(tmp_path, BITWISE, REBATCH, timeout=1500)
     assert [x["step"] for x in rb] == [1, 2, 3, 4]
     # multi-turn: with K/V kept between turns a step prefills each group's prompt once and each tool turn, so
     # G x prefill_tokens - (episode_tokens - generated) = (G - 1) x tool-turn tokens - G x prompt pages shared
