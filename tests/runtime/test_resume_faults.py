@@ -408,6 +408,8 @@ def test_bitwise_paged_multiturn_kill9_resume_rebatched_identical(tmp_path):
 # What the rebatched resume does not yet give bit for bit (2026-12-06, this test): the straight run (default
 # batching) has behav_logp off the learner's by an ulp on some token (kl_train_infer_k1 1.2e-8, is_weight_max
 # 1 + 1.1e-6 at every step) where the rebatched run has 0 and 1.0 exactly; and the rebatched run prefills 30
-# more positions per step (177 vs 207, 151 vs 181, 255 vs 285).
+# more positions per step (177 vs 207, 151 vs 181, 255 vs 285). The behav gap was XLA:CPU's YNNPACK fusions in
+# calls of >= 1,024 rows (a batched prefill), turned off in the mode since (bitwise.CPU_COMPILER_OPTIONS); this
+# test has not been rerun after that fix, so its train-infer columns stay listed here until it has.
 GAP_COLUMNS = ("prefill_tokens", "prefix_cache_hits", "kl_train_infer_k1", "kl_train_infer_k3", "is_weight_max",
                "is_weight_mean", "is_weight_sq_mean", "ess_frac")
