@@ -142,7 +142,7 @@ def attend_causal(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
-Q_BLOCK = 256  # query rows per block of attend_offsets (see there; bench/paged_cpu.py --attention)
+Q_BLOCK = 256  # query rows per block of attend_offsets (see there; timed by bench/paged_prefill_skip.py)
 K_BLOCK = 256  # key positions per block of attend_offsets
 
 
