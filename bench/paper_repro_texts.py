@@ -357,6 +357,15 @@ PREREG_62_CHANGES = """\
   clock stop. A third runner C starts now with K8 decoupled, K2 exact_behav, K8 exact_behav, in that order (A and B
   keep their orders; a cell already started or finished by another runner is not started twice). Seen before
   this change: steps 1-3 of K0 ppo_ewma and K0 exact_behav (R = 1, KL = 0, equal rewards), nothing at K > 0.
+- 2026-12-07, the rerun. The records of 2026-12-06 ran before the mode turned XLA:CPU's YNNPACK fusions off
+  (`897120b`, 00:42 UTC), which left a 1-ULP gap in calls of >= 1,024 rows; the arm now reads only records dated
+  after that commit (`paper_zerogap.ZEROGAP_SINCE`; the older ones stay in the JSONL). All nine cells rerun at
+  `b1c818b`, same settings and claims. Runner A started 02:17 UTC in the order K0 decoupled, K0 ppo_ewma, K0
+  exact_behav, K2 (ppo_ewma, decoupled, exact_behav), K8 (same). At 03:10 UTC, load 8-12 (other jobs on the 2
+  shared cores), its first cell had taken 42 min, so runner B starts with the Z2 cells K8 exact_behav, K2
+  exact_behav (A skips a cell B has started). Clock stop: no cell starts after 04:25 UTC and the runners are
+  stopped at 04:40 UTC; a claim needing a cell not finished by then is *incomplete*. Seen before this change:
+  K0 decoupled's 20 steps, every one with `kl_train_infer_k1` = 0, R = 1 and `prox_abs_err_max` = 0.
 """
 
 

@@ -39,6 +39,10 @@ ZEROGAP_KS = (0, 2, 8)
 ZEROGAP_COMMON = ["model.bitwise=true", "rollout.dtype=float32", "rollout.kv_layout=paged",
                   "rollout.partial=recompute_kv", "eval.every=0", "eval.num_tasks=16"]
 IDENTITY_KEYS = ("reward_mean", "loss", "grad_norm", "clip_frac", "train_infer_retained", "tokens")
+ZEROGAP_SINCE = "2026-12-07T00:42:14+00:00"
+"""Records dated before this (the commit that turned XLA:CPU's YNNPACK fusions off in the mode, ``897120b``) ran
+a mode that was not yet bitwise in calls of >= 1,024 rows: they stay in the JSONL but the arm reads none of them
+(:func:`split`)."""
 
 
 def cells(ks: list[int], seeds: list[int]) -> list[dict]:
@@ -52,8 +56,9 @@ def split(newest: dict[str, dict], count: dict[str, int], setting: str,
           into: list[tuple[str, dict]]) -> tuple[dict[str, dict], dict[str, int]]:
     """One setting's ``load_records`` ``(newest, count)`` without the arm's records (``part == "zerogap"``: its own
     section; the setting's part keeps the main matrix and its grid), which are appended to ``into`` as
-    ``(setting, record)``."""
-    into += [(setting, r) for r in newest.values() if r.get("part") == "zerogap"]
+    ``(setting, record)`` when dated at or after :data:`ZEROGAP_SINCE` (older ones are superseded: dropped)."""
+    into += [(setting, r) for r in newest.values()
+             if r.get("part") == "zerogap" and str(r.get("date", "")) >= ZEROGAP_SINCE]
     return ({k: r for k, r in newest.items() if r.get("part") != "zerogap"},
             {k: n for k, n in count.items() if not k.startswith("zerogap_")})
 
@@ -248,7 +253,8 @@ def section(zg: list[tuple[str, dict]], prereg: str, commands: str) -> list[str]
     missing = [c["id"] for c in cells(list(ZEROGAP_KS), seeds) if c["id"] not in done]
     L += ["", *cell_table(recs)]
     if missing:
-        L.append(f"Cells without a record (not finished by the clock stop): {', '.join(missing)}.\n")
+        L.append(f"Cells without a record dated after the YNNPACK fix ({ZEROGAP_SINCE[:16]} UTC; not finished by the "
+                 f"clock stop): {', '.join(missing)}.\n")
     sft = _ms([r.get("sft_success") for r in recs])
     L.append(f"Held-out avg@4 of the warm start (64 x 4, after SFT): {_fmt(*sft)}. {commands}\n")
     return L

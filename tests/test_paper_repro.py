@@ -444,7 +444,7 @@ def _zg_rec(pr, cell, *, gap=0.0, reward=0.5, err=None, staleness=0.0, steps=4):
                     staleness_mean=staleness, staleness_max=staleness, step_time_s=2.0,
                     **({"prox_abs_err_mean": err, "prox_abs_err_max": 2 * err} if approx else {}))
                for i in range(steps)]
-    return {**cell, "rc": 0, "date": "2026-12-06T23:00:00+00:00", "extra": [], "steps": steps, "load": [5.0, 6.0],
+    return {**cell, "rc": 0, "date": "2026-12-07T03:00:00+00:00", "extra": [], "steps": steps, "load": [5.0, 6.0],
             "setting": pr.setting_id(), "commit": "abcdef0123", "sft_success": 0.5, "metrics": metrics, "evals": [],
             "summary": {"final_avg_at_4": 0.4}, "process_s": 100.0}
 
@@ -481,8 +481,11 @@ def test_zerogap_claims_and_doc(pr, tmp_path):
     path = tmp_path / "r.jsonl"
     good = dict(decoupled=0.3, linear_prox=0.32, ppo_ewma=0.5, ppo_ewma_noreset=0.2, exact=0.51)
     main = list(_matrix(pr, good, {}).values())
-    for rec in [*main, *recs]:
+    pre_fix = {**_zg_rec(pr, cells[-1], gap=1e-7), "date": "2026-12-06T23:59:00+00:00"}  # superseded: not read
+    for rec in [*main, pre_fix, *recs[:-1]]:
         pr.append_record(rec, path)
+    assert "Cells without a record dated after the YNNPACK fix" in pr.build_full_doc(path, tmp_path / "d0.md")
+    pr.append_record(recs[-1], path)
     doc = pr.build_full_doc(path, tmp_path / "doc.md")
     top = doc.split("## Settings")[0]
     assert "| Z1. zero gap at staleness 0" in top and f"`{pr.setting_id()}` zero-gap arm | **reproduced** |" in top
