@@ -51,14 +51,18 @@ def _run(args, timeout=600):
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_until(args, d, rows: int, sig: int, timeout=400):
-    """Start ``args``; once metrics.jsonl has ``rows`` rows send ``sig``; return (rc, output)."""
+def _run_until(args, d, rows: int, sig: int, timeout=400, committed: bool = False):
+    """Start ``args``; once metrics.jsonl has ``rows`` rows (and, ``committed``, a checkpoint is committed: a
+    step-named dir under checkpoints/, what an async save renames its temporary dir to) send ``sig``; return
+    (rc, output)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ck = Path(d) / "checkpoints"
     try:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if len(read_jsonl(Path(d) / "metrics.jsonl")) >= rows:
+            saved = not committed or (ck.is_dir() and any(x.name.isdigit() for x in ck.iterdir()))
+            if saved and len(read_jsonl(Path(d) / "metrics.jsonl")) >= rows:
                 break
             if p.poll() is not None:
                 pytest.fail("train exited early:\n" + p.stdout.read()[-3000:])
@@ -140,13 +144,16 @@ def test_sigterm_resume_kill9_resume_exact_steps(tmp_path, updates):
 
 
 def _straight_killed_resumed(tmp_path, common: list[str], on_resume: list[str], *, timeout: float):
-    """A run never stopped (``straight``) and the same run killed with SIGKILL after its second metrics row and
-    resumed with ``on_resume`` added (``killed``): (straight rows, killed rows, the resume's stdout + stderr)."""
+    """A run never stopped (``straight``) and the same run killed with SIGKILL after its second metrics row (and a
+    committed checkpoint) and resumed with ``on_resume`` added (``killed``): (straight rows, killed rows, the
+    resume's stdout + stderr)."""
     a, b = tmp_path / "straight", tmp_path / "killed"
     r = _run(_train(a, *common), timeout=timeout)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     args = _train(b, *common)
-    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=timeout)
+    # a kill before the first async save committed leaves nothing to resume (2026-12-07, load 11: two rows, no
+    # checkpoint): wait for one
+    rc, out = _run_until(args, b, 2, signal.SIGKILL, timeout=timeout, committed=True)
     assert rc == -signal.SIGKILL, out[-3000:]
     r = _run(args + on_resume + ["--resume"], timeout=timeout)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
