@@ -400,7 +400,7 @@ def test_bitwise_paged_multiturn_kill9_resume_rebatched_identical(tmp_path):
     positions per step (207 vs 177, 181 vs 151, 285 vs 255): under a 1-token prefill budget a GRPO gang's copies
     waited a step each and re-ran the prompt's partial last page (rollout.generator, a copy now comes past the
     budget; tests/rollout/test_admission.py::test_a_gang_admitted_past_the_prefill_budget_prefills_as_without_it).
-    Measured 2026-12-07 (4 steps, resumed at step 2, load ~10, 507 s): every row equal, prefill_tokens
+    Measured 2026-12-07 (4 steps, two runs, load 10-11, 507 and 594 s): every row equal, prefill_tokens
     231 / 177 / 151 / 255, kl_train_infer_k1 0.0 and is_weight_max 1.0 in both runs."""
     from tests.runtime.test_train import _strip
 
