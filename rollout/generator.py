@@ -62,9 +62,9 @@ into each sample's slot with its own seed, and continuing sessions appended (bel
 log-probs are those of one prefill per request (a token's key depends only on its seed and absolute
 position). Starvation bound: while any slot is decoding, a step admits requests FIFO only until their
 prefill tokens reach ``prefill_budget`` (``rollout.prefill_tokens_per_step``; the first request of
-a step is always admitted, a prompt identical to one already admitted in the step costs nothing),
-so a burst of new requests delays the decoding slots by at most one bounded prefill per step; with
-no slot decoding every request that finds a slot is admitted at once.
+a step is always admitted, a prompt identical to one already admitted in the step costs nothing and
+comes past the budget), so a burst of new requests delays the decoding slots by at most one bounded
+prefill per step; with no slot decoding every request that finds a slot is admitted at once.
 
 Kept K/V (``keep_kv``, ``rollout.keep_kv``; sessions: a finished turn's slot held for the session's next
 turn, which appends only its new tokens) and the prefix cache (``prefix_cache``: the K/V of the env's shared
@@ -534,8 +534,8 @@ class Generator:
         is evicted (``kv_evictions``; its session's next turn re-prefills). Starvation bound: while
         any slot is decoding, a step admits requests only until their prefill tokens reach
         ``prefill_budget`` (the first request of a step is always admitted, and a prompt identical
-        to one admitted in the same step costs nothing: its K/V are copied); with no slot decoding
-        there is nothing to starve and every request that finds a slot is admitted. A paged engine
+        to one admitted in the same step costs nothing, its K/V copied, and comes past the budget); with no
+        slot decoding there is nothing to starve and every request that finds a slot is admitted. A paged engine
         admits a request only when its pool can hold it (:mod:`rollout.kv_pressure`); a request
         preempted before re-prefills its prompt and the tokens it generated.
         """
@@ -564,7 +564,8 @@ class Generator:
             cost = 0 if (key in seen or copy_of is not None) else len(ctx) - 1 - start
             if pre is not None and pre not in self.kv.prefixes:
                 cost += start
-            if decoding and items and spent + cost > self.prefill_budget:
+            # a copy of a row of this step costs nothing and never waits (else it re-runs the prompt's tail later)
+            if decoding and items and cost and spent + cost > self.prefill_budget:
                 break
             need, shard = self.pressure.page_cost(pages, ctx, slot, start, seen.get(key), free)
             if self.pressure.pages_wait(pages, need, shard, not (decoding or items)):

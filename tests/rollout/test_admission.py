@@ -218,3 +218,34 @@ def test_two_threads_submitting_groups_at_once_do_not_starve_a_gang():
         gen.release_all()
         loop.close(wait=False)
     assert [len(x) for x in done] == [2, 2] and not any(t.info["failed"] for x in done for t in x)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_a_gang_admitted_past_the_prefill_budget_prefills_as_without_it(model, layout):
+    """Issue 62 item 5: which requests a step admits must not change the prefill work. A gang of 3 identical
+    prompts arrives while a slot decodes; under a 1-token ``prefill_budget`` the first member is admitted
+    (the first of a step always is) and its siblings cost nothing (copies of its K/V), so they must come
+    with it, as under the default budget. They used to wait a step each (the budget check counted what
+    the first one spent) and each re-ran the prompt's tail: its partial last page off the pool's published
+    pages (paged), or the part after the prefix cache's ``prefix_len`` (contiguous: one more prefix hit each)."""
+    eng = Qwen3Engine(model.config, nnx.state(model, nnx.Param), slots=4, max_cache_len=S, dtype="float32",
+                      kv_layout=layout, **({"kv_page_size": 8} if layout == "paged" else {}))
+    p, q = _prompt(20, seed=3), _prompt(6, seed=4)
+    pre = 0 if layout == "paged" else 8  # the paged engine is its own prefix cache (rollout.prefix_cache 0)
+
+    def run(budget):
+        g = Generator(eng, prefill_budget=budget, prefix_cache=0 if layout == "paged" else 4)
+        first = g.submit(q, max_new_tokens=12, seed=9)
+        g.step()  # q decodes from now on
+        futs = [g.submit(p, max_new_tokens=4, seed=s, order=(1, s, 0), gang=("g", 3), prefix_len=pre)
+                for s in range(3)]
+        g.run_until_idle()
+        comps = [f.result(timeout=5) for f in [first] + futs]
+        counts = {k: g.stats[k] for k in ("prefill_tokens", "prefills", "shared_prefills", "prefix_hits",
+                                          "prefix_misses")}
+        return counts, [c.info["prefill_tokens"] for c in comps], [c.info["prefix_hits"] for c in comps], \
+            [c.tokens for c in comps]
+
+    free, tight = run(None), run(1)
+    assert free[0]["shared_prefills"] == 2 and free[0]["prefill_tokens"] == len(q) - 1 + len(p) - 1
+    assert tight == free
