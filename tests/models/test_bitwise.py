@@ -1,5 +1,6 @@
 """The bitwise mode's gate (issue 62): engine decode log-prob == engine re-score by prefill == the learner's
-forward log-prob, bit for bit, whatever rows share the call; negative controls that must fail the same
+forward log-prob == the log-prob inside the learner's gradient program (the primal the loss differentiates), bit
+for bit, whatever rows share the call; negative controls that must fail the same
 assertion (the fast mode; a perturbed key-chunk order on the decode side); and a check that every dot and
 reduction in the mode's programs runs on a row tile (no fallback to a non-invariant shape)."""
 
@@ -117,6 +118,36 @@ def _rescore(model, seqs, i):
     return np.asarray(_JIT["logp"](out.logits[0, :-1], jnp.asarray(seqs[i][1:])))
 
 
+def _grad_program(model):
+    """The mode's gradient program of a policy-gradient-shaped loss: ``value_and_grad`` (one
+    :func:`jax_rl.models.bitwise.jit` program) of ``sum(logp * w)`` over the params, the per-token ``logp`` the
+    loss differentiates returned as its aux output (the primal of the program), and the grads."""
+    gdef, state = nnx.split(model)
+
+    def loss(st, t, a, w, forced):
+        lp = sequence_logprobs(nnx.merge(gdef, st), t, a, forced_expert_ids=forced).logp
+        return jnp.sum(lp * w), lp
+
+    vg = bw.jit(jax.value_and_grad(loss, has_aux=True))
+    return lambda t, a, w, forced=None: vg(state, t, a, w, forced)
+
+
+def _grad_primal(model, seqs, order, T, forced=None):
+    """logp per sequence as the gradient program's primal computes it (the :func:`_learner` batch layout)."""
+    tok = np.zeros((len(order), T), np.int32)
+    mask = np.zeros((len(order), T), bool)
+    for r, i in enumerate(order):
+        tok[r, :len(seqs[i])] = seqs[i]
+        mask[r, :len(seqs[i])] = True
+    f = None
+    if forced is not None:
+        f = [np.stack([np.pad(forced[i][li], ((0, T - len(forced[i][li])), (0, 0))) for i in order])
+             for li in range(len(forced[order[0]]))]
+    w = np.random.default_rng(3).normal(size=tok.shape).astype(np.float32) * mask
+    (_, lp), _ = _grad_program(model)(tok, mask, w, f)
+    return {i: np.asarray(lp[r, 1:len(seqs[i])]) for r, i in enumerate(order)}
+
+
 def _all_equal(model, moe: bool) -> list[str]:
     """Every comparison of the gate; returns the ones that differ (empty: bitwise)."""
     seqs = _seqs(model.config.vocab_size)
@@ -127,6 +158,8 @@ def _all_equal(model, moe: bool) -> list[str]:
     forced = routes if moe else None
     learn = [_learner(model, seqs, [0, 1, 2], 72, forced), _learner(model, seqs, [2], 70, forced),
              _learner(model, seqs, [1, 0], 128, forced)]
+    # the logp inside the gradient program (the primal the loss differentiates), two compositions
+    primal = [_grad_primal(model, seqs, [0, 1, 2], 72, forced), _grad_primal(model, seqs, [1, 0], 128, forced)]
     for i in range(3):
         ref = dec_all[i]  # the decoded tokens' log-probs (positions >= PROMPT)
         cands = {"decode alone": dec_alone.get(i), "decode other rows": dec_rev.get(i),
@@ -134,6 +167,9 @@ def _all_equal(model, moe: bool) -> list[str]:
         for j, lr in enumerate(learn):
             if i in lr:
                 cands[f"learner batch {j}"] = lr[i][PROMPT - 1:]
+        for j, pr in enumerate(primal):
+            if i in pr:
+                cands[f"grad primal batch {j}"] = pr[i][PROMPT - 1:]
         for name, c in cands.items():
             if c is not None and not np.array_equal(np.asarray(c).view(np.uint32), ref.view(np.uint32)):
                 bad.append(f"seq {i}: {name}")
@@ -267,3 +303,4 @@ def test_bitwise_row_count_above_768_equal():
     seqs = [rng.integers(1, model.config.vocab_size, n).astype(np.int32) for n in (30, 40)]
     small, large = _learner(model, seqs, [0, 1], 56), _learner(model, seqs, [0, 1], 512)
     assert [int((small[i].view(np.uint32) != large[i].view(np.uint32)).sum()) for i in (0, 1)] == [0, 0]
+
