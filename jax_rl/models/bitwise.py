@@ -267,9 +267,9 @@ def _attend_fwd(q, k, v, q_pos, chunk, q_tile):
 def _attend_bwd(chunk, q_tile, res, g):
     del chunk, q_tile
     q, k, v, q_pos = res
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    _, vjp = jax.vjp(lambda q_, k_, v_: _dense_attend(q_, k_, v_, q_pos), f32(q), f32(k), f32(v))
-    dq, dk, dv = vjp(f32(g))
+    _, vjp = jax.vjp(lambda q_, k_, v_: _dense_attend(q_, k_, v_, q_pos),
+                     *(a.astype(jnp.float32) for a in (q, k, v)))
+    dq, dk, dv = vjp(g.astype(jnp.float32))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
