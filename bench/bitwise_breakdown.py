@@ -4,7 +4,7 @@ its gradient, fast mode vs bitwise mode and bitwise variants with one piece chan
 Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/bitwise_breakdown.py [--rounds 3] [--reps 5]
-        [--variants fast,bitwise,emitters,nomat,tile64] [--programs decode,prefill,fwd,grad]
+        [--variants fast,bitwise,autodiff,emitters,nomat,tile64] [--programs decode,prefill,fwd,grad]
         [--json docs/results/bitwise_breakdown_<date>.json]
 
 Shape: the ``make train`` model (``configs/tiny_cpu.yaml``: tiny_dense, 2 q / 1 kv heads of 64, vocab 640, 2
@@ -15,6 +15,8 @@ Variants (each one piece changed against ``bitwise``; programs traced afresh per
 
 - ``fast``: the default mode (``attention="xla"``);
 - ``bitwise``: the mode as committed;
+- ``autodiff``: the mode with ``CUSTOM_BACKWARD = False`` (the gradient by autodiff through the chunk scan and
+  the ``materialize`` conds, the mode before its custom backward rules; forwards unchanged);
 - ``emitters``: the mode with XLA:CPU's default fusion emitters (no ``xla_cpu_use_fusion_emitters=false``);
 - ``nomat``: the mode with :func:`jax_rl.models.bitwise.materialize` the identity (no ``lax.cond`` boundaries);
 - ``tileN``: the mode with ``ROW_TILE = N``;
@@ -54,9 +56,12 @@ PS = 16
 @contextlib.contextmanager
 def variant(name: str):
     """Patches the bitwise module for one variant (restored on exit)."""
-    saved = {k: getattr(bw, k) for k in ("ROW_TILE", "QUERY_TILE", "CPU_COMPILER_OPTIONS", "materialize")}
+    saved = {k: getattr(bw, k) for k in ("ROW_TILE", "QUERY_TILE", "CPU_COMPILER_OPTIONS", "materialize",
+                                         "CUSTOM_BACKWARD")}
     try:
-        if name == "emitters":
+        if name == "autodiff":
+            bw.CUSTOM_BACKWARD = False
+        elif name == "emitters":
             bw.CPU_COMPILER_OPTIONS = {}
         elif name == "nomat":
             bw.materialize = lambda x: x

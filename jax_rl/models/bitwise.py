@@ -19,11 +19,14 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
-The engine and the learner call the same code (the model, :func:`token_logprobs_rows`).
+The engine and the learner call the same code (the model, :func:`token_logprobs_rows`). Only forwards need the
+bits: the learner's gradient uses ``custom_vjp`` backward rules (:data:`CUSTOM_BACKWARD`) that skip the transpose
+of the chunk scan and of the ``materialize`` conds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,7 +38,7 @@ Array = jax.Array
 
 __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
            "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
-           "row_tile_of", "rows_trunk", "materialize", "behav_logp"]
+           "row_tile_of", "rows_trunk", "materialize", "behav_logp", "CUSTOM_BACKWARD"]
 
 ROW_TILE = 64
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
@@ -62,6 +65,16 @@ dot, log-softmax and ``chunked_attend`` are invariant: the offload applies to fu
 ``xla_cpu_experimental_ynn_fusion_type=""`` (none offloaded) they are equal
 (``test_bitwise_row_count_above_768_equal``). Set per program (``jax.jit(compiler_options=...)``), so the fast
 mode's programs keep theirs."""
+
+
+CUSTOM_BACKWARD = True
+"""Read at trace time: the mode's pieces carry ``jax.custom_vjp`` backward rules (:func:`chunked_attend`: a dense
+softmax-attention VJP recomputed from q, k, v instead of the transpose of the key-chunk scan; :func:`materialize`:
+the identity instead of a transposed ``lax.cond``). The forward (every bit the gate compares, the primal of a
+gradient program included) is the same code either way; the gradients are the attention's ordinary gradient, equal
+to the autodiff of the chunk scan within fp32 rounding, not bit for bit
+(``test_custom_backward_grads_match_autodiff``). False: autodiff through the forward code (what
+``bench/bitwise_breakdown.py``'s ``autodiff`` variant times)."""
 
 
 BITWISE_ATTENTION = "bitwise"
@@ -93,17 +106,39 @@ def materialize(x):
     the padding rows, a transpose) into its producer's loop, whose code then depends on the consumer's shape
     (XLA:CPU removes ``optimization_barrier`` before fusion). The predicate is "the first element is not NaN";
     when it is NaN the other branch fills every floating leaf with NaN: the call's output is non-finite as a
-    whole (the engine and the learner count and mask non-finite log-probs), never a silently changed value."""
+    whole (the engine and the learner count and mask non-finite log-probs), never a silently changed value.
+    Its gradient is the identity (:data:`CUSTOM_BACKWARD`: a ``custom_vjp`` passing the cotangent through, no
+    ``lax.cond`` in the backward; the boundary only fixes the forward's bits)."""
     leaves = jax.tree.leaves(x)
-    first = next((a for a in leaves if jnp.issubdtype(a.dtype, jnp.floating)), None)
-    if first is None:
+    if not any(jnp.issubdtype(a.dtype, jnp.floating) for a in leaves):
         return x
+    return _materialize_vjp(x) if CUSTOM_BACKWARD else _materialize(x)
+
+
+def _materialize(x):
+    first = next(a for a in jax.tree.leaves(x) if jnp.issubdtype(a.dtype, jnp.floating))
     pred = ~jnp.isnan(first.reshape(-1)[0])
 
     def poisoned(t):
         return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
 
     return jax.lax.cond(pred, lambda t: t, poisoned, x)
+
+
+@jax.custom_vjp
+def _materialize_vjp(x):
+    return _materialize(x)
+
+
+def _materialize_fwd(x):
+    return _materialize(x), None
+
+
+def _materialize_bwd(_, ct):
+    return (ct,)
+
+
+_materialize_vjp.defvjp(_materialize_fwd, _materialize_bwd)
 
 
 def row_tile_of(n: int, tile: int | None = None) -> int:
@@ -159,22 +194,34 @@ def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | N
     page window, or the learner's own T keys); q_pos [B,T] int: each query's position (it sees keys
     ``s <= q_pos``; a negative position sees none and gives zeros). Returns [B,T,N,H] in q.dtype. Scores are
     ``q.k * H**-0.5`` in fp32, the softmax fp32, values accumulated in fp32. Raises ValueError for
-    N % K != 0.
+    N % K != 0. The gradient (:data:`CUSTOM_BACKWARD`) is the VJP of the same attention as one dense masked
+    softmax in fp32 (:func:`_dense_attend`), recomputed from q, k, v: the ordinary attention gradient, not the
+    transpose of the chunk scan (the forward's bits are the scan's either way).
     """
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    N, K = q.shape[2], k.shape[2]
     if N % K:
         raise ValueError(f"num heads {N} is not a multiple of kv heads {K}")
-    G = N // K
     chunk = KEY_CHUNK if chunk is None else int(chunk)  # read at trace time (the gate's perturbed control)
+    q_tile = QUERY_TILE if q_tile is None else int(q_tile)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    if CUSTOM_BACKWARD:
+        return _attend_vjp(q, k, v, q_pos, chunk, q_tile)
+    return _chunk_scan(q, k, v, q_pos, chunk, q_tile)
+
+
+def _chunk_scan(q: Array, k: Array, v: Array, q_pos: Array, chunk: int, q_tile: int) -> Array:
+    """:func:`chunked_attend`'s forward (the bits of the mode)."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
     nc = max(1, -(-S // chunk))
     if nc * chunk != S:
         pad = ((0, 0), (0, nc * chunk - S), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     M = T * G
-    Mp = row_tile_of(M, QUERY_TILE if q_tile is None else q_tile)
+    Mp = row_tile_of(M, q_tile)
     qh = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # rows (t, g)
-    qpos = jnp.repeat(jnp.asarray(q_pos, jnp.int32), G, axis=1)  # [B, M]
+    qpos = jnp.repeat(q_pos, G, axis=1)  # [B, M]
     if Mp != M:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
         qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
@@ -192,6 +239,41 @@ def chunked_attend(q: Array, k: Array, v: Array, q_pos: Array, *, chunk: int | N
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     o = materialize(o)[:, :, :M].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
     return o.astype(q.dtype)
+
+
+def _dense_attend(q: Array, k: Array, v: Array, q_pos: Array) -> Array:
+    """The attention of :func:`chunked_attend` as one masked softmax over all S keys, fp32 in and out (q
+    [B,T,N,H], k/v [B,S,K,H], q_pos [B,T]): the function whose VJP is the mode's attention gradient. A query
+    that sees no key gives zeros (and zero gradients)."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qh = q.reshape(B, T, K, N // K, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", qh, k) * H ** -0.5
+    ok = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None])[:, None, None]  # [B,1,1,T,S]
+    p = jax.nn.softmax(jnp.where(ok, s, jnp.finfo(jnp.float32).min), axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", jnp.where(ok, p, 0.0), v)
+    return o.reshape(B, T, N, H)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend_vjp(q, k, v, q_pos, chunk, q_tile):
+    return _chunk_scan(q, k, v, q_pos, chunk, q_tile)
+
+
+def _attend_fwd(q, k, v, q_pos, chunk, q_tile):
+    return _chunk_scan(q, k, v, q_pos, chunk, q_tile), (q, k, v, q_pos)
+
+
+def _attend_bwd(chunk, q_tile, res, g):
+    del chunk, q_tile
+    q, k, v, q_pos = res
+    _, vjp = jax.vjp(lambda q_, k_, v_: _dense_attend(q_, k_, v_, q_pos),
+                     *(a.astype(jnp.float32) for a in (q, k, v)))
+    dq, dk, dv = vjp(g.astype(jnp.float32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attend_vjp.defvjp(_attend_fwd, _attend_bwd)
 
 
 def token_logprobs_rows(logits: Array, targets: Array, temperature=1.0) -> Array:

@@ -1,6 +1,7 @@
 """The bitwise mode end to end (issue 62): the paged engine's behaviour log-probs, sampled with several rows of
 different lengths sharing every decode call, equal the learner's log-probs bit for bit, and a learner step on
-them at staleness 0 keeps every token (train_infer_retained 1) with |prox_logp - behav_logp| = 0; the fast
+them at staleness 0 keeps every token (train_infer_retained 1) with |prox_logp - behav_logp| = 0 and the log-prob
+inside its gradient program equal to pi_prox (every ratio exactly 1); the fast
 mode's engine, same params and tokens, does not give the learner's bits (the test can fail)."""
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
         m = lrn.train_step(b)
     finally:
         lrn.close()
-    print({k: m[k] for k in ("train_infer_retained", "loss")})
+    print({k: m[k] for k in ("train_infer_retained", "loss", "ratio_min", "ratio_max", "kl_drift_k1")})
     assert m["train_infer_retained"] == 1.0
+    # the step's one update differentiates logp at the params pi_prox was computed with: the gradient program's
+    # primal equals pi_prox (the no-grad forward, hence the engine's) bit for bit iff every ratio is exactly 1
+    assert m["updates"] == 1.0 and m["ratio_min"] == m["ratio_max"] == 1.0 and m["kl_drift_k1"] == 0.0
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
