@@ -61,7 +61,8 @@ KEY_CHUNK = 64
 """Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
 
 
-CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": "",
+                        "xla_allow_excess_precision": False}
 """XLA:CPU options of every program of the mode. Measured (jax 0.10.2): with the default fusion emitters an
 elementwise fusion (RoPE's ``x*cos + rot*sin`` after the q/k norm) gives other bits when a consumer's slice is
 fused into it (the learner's padded rows: 65-68 of 6912 elements of one layer's keys differ); with the older
@@ -69,7 +70,10 @@ loop emitters it does not. With the default YNNPACK fusions a call of >= 1024 ro
 <= 768 (the learner's forward of two sequences at 2 x 512 vs 2 x 56 positions: 4 and 6 tokens differ; a lone
 dot, log-softmax and ``chunked_attend`` are invariant: the offload applies to fused ops at that size); with
 ``xla_cpu_experimental_ynn_fusion_type=""`` (none offloaded) they are equal
-(``test_bitwise_row_count_above_768_equal``). Set per program (``jax.jit(compiler_options=...)``), so the fast
+(``test_bitwise_row_count_above_768_equal``). With excess precision allowed (XLA's default) XLA may skip a bf16
+rounding between ops where it sees fit, and the mesh-split learner's program (other fusions) did: in bf16 its
+log-probs differed from the one-device engine's in every token (257 of 257, tiny_dense and tiny_moe, fsdp=8);
+with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and none differ. Set per program (``jax.jit(compiler_options=...)``), so the fast
 mode's programs keep theirs."""
 
 
