@@ -17,12 +17,12 @@ N_NEW = 10
 T = 24
 
 
-def _generate(model_config, params, bitwise: bool):
-    """fp32 paged engine, all prompts admitted in one call (prompts 0 and 4 the same: their pages shared), one
-    decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
+def _generate(model_config, params, bitwise: bool, mesh=None):
+    """fp32 paged engine (on ``mesh`` if given), all prompts admitted in one call (prompts 0 and 4 the same: their
+    pages shared), one decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
     eng = Qwen3Engine(model_config, params, slots=len(PROMPTS), max_cache_len=32, max_prefill_length=16,
                       dtype="float32", kv_layout="paged", kv_page_size=8,
-                      model_kwargs={"attention": "bitwise"} if bitwise else None)
+                      model_kwargs={"attention": "bitwise"} if bitwise else None, mesh=mesh)
     st = eng.init_decode_state()
     st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(p, slot=i, seed=10 + i) for i, p in enumerate(PROMPTS)])
     st, o1 = eng.decode(eng.params, st)
@@ -90,6 +90,32 @@ def test_bitwise_learner_on_fsdp8_equals_the_one_device_engine(devices):
     finally:
         lrn.close()
     assert np.array_equal(lp[lm].view(np.uint32), b["behav_logp"][lm].view(np.uint32))
+
+
+def test_bitwise_engine_on_a_data_tensor_mesh_equals_one_device(monkeypatch, devices):
+    """The paged engine on a data=2 x tensor=2 rollout mesh (slots over data; heads, MLP, vocab and kv heads over
+    tensor) samples the one-device engine's tokens with its behav_logp bit for bit (tiny_dense fp32). Negative
+    control: with ``bitwise.WHOLE_ON_MESH`` off (the o_proj / down_proj / LM-head contractions and the log-softmax
+    split over tensor, programs traced afresh) 20 of the 80 behav_logp differed by 1 ULP."""
+    from flax import nnx
+
+    from jax_rl.models import bitwise
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+    from jax_rl.sharding import make_mesh
+
+    mc = get_preset("tiny_dense")
+    params = nnx.state(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)), nnx.Param)
+    mesh = make_mesh(2, 1, 2, 1, devices=jax.devices()[:4])
+    ref = _generate(mc, params, bitwise=True)
+
+    def bits(out):
+        return np.asarray([lp for _, lps in out for lp in lps], np.float32).view(np.uint32)
+
+    out = _generate(mc, params, bitwise=True, mesh=mesh)
+    assert [t for t, _ in out] == [t for t, _ in ref]
+    assert np.array_equal(bits(out), bits(ref))
+    monkeypatch.setattr(bitwise, "WHOLE_ON_MESH", False)
+    assert not np.array_equal(bits(_generate(mc, params, bitwise=True, mesh=mesh)), bits(ref))
 
 
 def test_behav_route_takes_old_logp_from_behav_logp(devices):
