@@ -34,7 +34,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_rl.models.backend_target import current_target_backend
@@ -73,8 +72,8 @@ dot, log-softmax and ``chunked_attend`` are invariant: the offload applies to fu
 (``test_bitwise_row_count_above_768_equal``). With excess precision allowed (XLA's default) XLA may skip a bf16
 rounding between ops where it sees fit, and the mesh-split learner's program (other fusions) did: in bf16 its
 log-probs differed from the one-device engine's in every token (257 of 257, tiny_dense and tiny_moe, fsdp=8);
-with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and none differ. Set per program (``jax.jit(compiler_options=...)``), so the fast
-mode's programs keep theirs."""
+with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and none differ. Set per program
+(``jax.jit(compiler_options=...)``), so the fast mode's programs keep theirs."""
 
 
 BITWISE_ATTENTION = "bitwise"
@@ -179,7 +178,9 @@ def to_rows(x: Array, lead: int, tile: int | None = None) -> Array:
     n = math.prod(x.shape[:lead]) // G
     if G == 1:  # one group: the layout (and program) of a one-device call
         flat = x.reshape(n, *x.shape[lead:])
-        return materialize(jnp.pad(flat, ((0, row_tile_of(n, tile) - n),) + ((0, 0),) * (flat.ndim - 1))[None])
+        rows = jnp.pad(flat, ((0, row_tile_of(n, tile) - n),) + ((0, 0),) * (flat.ndim - 1))[None]
+        # on a mesh that does not split this batch (tensor only; B not divisible), every device takes all the rows
+        return materialize(rows if _auto_mesh() is None else jax.lax.with_sharding_constraint(rows, P()))
     flat = x.reshape(G, n, *x.shape[lead:])
     rows = jnp.pad(flat, ((0, 0), (0, row_tile_of(n, tile) - n)) + ((0, 0),) * (flat.ndim - 2))
     return materialize(jax.lax.with_sharding_constraint(rows, P(axes, *([None] * (rows.ndim - 1)))))

@@ -92,11 +92,12 @@ def test_bitwise_learner_on_fsdp8_equals_the_one_device_engine(devices):
     assert np.array_equal(lp[lm].view(np.uint32), b["behav_logp"][lm].view(np.uint32))
 
 
-def test_bitwise_engine_on_a_data_tensor_mesh_equals_one_device(monkeypatch, devices):
-    """The paged engine on a data=2 x tensor=2 rollout mesh (slots over data; heads, MLP, vocab and kv heads over
-    tensor) samples the one-device engine's tokens with its behav_logp bit for bit (tiny_dense fp32). Negative
-    control: with ``bitwise.WHOLE_ON_MESH`` off (the o_proj / down_proj / LM-head contractions and the log-softmax
-    split over tensor, programs traced afresh) 20 of the 80 behav_logp differed by 1 ULP."""
+@pytest.mark.parametrize("data", [2, 1], ids=["data2_tensor2", "tensor2"])
+def test_bitwise_engine_on_a_data_tensor_mesh_equals_one_device(data, monkeypatch, devices):
+    """The paged engine on a data=2 x tensor=2 / a tensor=2 rollout mesh (slots over data; heads, MLP, vocab and kv
+    heads over tensor) samples the one-device engine's tokens with its behav_logp bit for bit (tiny_dense fp32).
+    Negative control: with ``bitwise.WHOLE_ON_MESH`` off (the o_proj / down_proj / LM-head contractions and the
+    log-softmax split over tensor, programs traced afresh) 20 of the 80 behav_logp differed by 1 ULP (both meshes)."""
     from flax import nnx
 
     from jax_rl.models import bitwise
@@ -105,7 +106,7 @@ def test_bitwise_engine_on_a_data_tensor_mesh_equals_one_device(monkeypatch, dev
 
     mc = get_preset("tiny_dense")
     params = nnx.state(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)), nnx.Param)
-    mesh = make_mesh(2, 1, 2, 1, devices=jax.devices()[:4])
+    mesh = make_mesh(data, 1, 2, 1, devices=jax.devices()[:2 * data])
     ref = _generate(mc, params, bitwise=True)
 
     def bits(out):
