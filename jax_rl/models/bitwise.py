@@ -19,6 +19,12 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
+On a mesh (the learner's, an engine's ``rollout.mesh``) every contraction and row reduction still runs whole
+on each device (:data:`WHOLE_ON_MESH`): each layer's weights are gathered (:func:`replicated`, at the layer's
+start; the LM head's before its dot) and the row tile's activations keep their feature axes unsplit, the rows
+split over the batch axes in whole tiles per device (:func:`row_groups`). Otherwise GSPMD may split a dot's
+contraction (the weights are split on ``embed``) into partial dots and an all-reduce: another summation order.
+
 The engine and the learner call the same code (the model, :func:`token_logprobs_rows`). Only forwards need the
 bits: the learner's gradient uses ``custom_vjp`` backward rules (:data:`CUSTOM_BACKWARD`) that skip the transpose
 of the chunk scan and of the ``materialize`` conds.
@@ -31,14 +37,17 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_rl.models.backend_target import current_target_backend
+from jax_rl.sharding import axis_names, logical_to_pspec
 
 Array = jax.Array
 
 __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
            "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
-           "row_tile_of", "rows_trunk", "materialize", "behav_logp", "CUSTOM_BACKWARD"]
+           "row_tile_of", "rows_trunk", "materialize", "behav_logp", "CUSTOM_BACKWARD", "WHOLE_ON_MESH",
+           "row_groups", "replicated"]
 
 ROW_TILE = 64
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
@@ -55,7 +64,8 @@ KEY_CHUNK = 64
 """Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
 
 
-CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": "",
+                        "xla_allow_excess_precision": False}
 """XLA:CPU options of every program of the mode. Measured (jax 0.10.2): with the default fusion emitters an
 elementwise fusion (RoPE's ``x*cos + rot*sin`` after the q/k norm) gives other bits when a consumer's slice is
 fused into it (the learner's padded rows: 65-68 of 6912 elements of one layer's keys differ); with the older
@@ -63,8 +73,11 @@ loop emitters it does not. With the default YNNPACK fusions a call of >= 1024 ro
 <= 768 (the learner's forward of two sequences at 2 x 512 vs 2 x 56 positions: 4 and 6 tokens differ; a lone
 dot, log-softmax and ``chunked_attend`` are invariant: the offload applies to fused ops at that size); with
 ``xla_cpu_experimental_ynn_fusion_type=""`` (none offloaded) they are equal
-(``test_bitwise_row_count_above_768_equal``). Set per program (``jax.jit(compiler_options=...)``), so the fast
-mode's programs keep theirs."""
+(``test_bitwise_row_count_above_768_equal``). With excess precision allowed (XLA's default) XLA may skip a bf16
+rounding between ops where it sees fit, and the mesh-split learner's program (other fusions) did: in bf16 its
+log-probs differed from the one-device engine's in every token (257 of 257, tiny_dense and tiny_moe, fsdp=8);
+with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and none differ. Set per program
+(``jax.jit(compiler_options=...)``), so the fast mode's programs keep theirs."""
 
 
 CUSTOM_BACKWARD = True
@@ -141,6 +154,48 @@ def _materialize_bwd(_, ct):
 _materialize_vjp.defvjp(_materialize_fwd, _materialize_bwd)
 
 
+WHOLE_ON_MESH = True
+"""Read at trace time. True: under a mesh the mode gathers every layer's weights (:func:`replicated`) and lays the
+row tile out per batch shard (:func:`row_groups`), so no contraction or row reduction is split over devices. False
+(the gate's negative control): GSPMD's own choice. Measured (fsdp=8 over 8 CPU devices, tiny_dense fp32, a learner
+batch of 8 x 30 positions: 240 rows padded to 256, the padding breaking the rows' batch split): the learner's
+log-probs differed from the one-device engine's in 26 of 80 tokens (1 ULP; the q/k/v, MLP and LM-head dots
+over 1/8 of ``embed`` each, all-reduced, and RMSNorm's sum of squares likewise); with it, none differ."""
+
+
+def _auto_mesh():
+    """The ambient ``jax.set_mesh`` mesh when it has an axis > 1 and only Auto axes (None otherwise, or when
+    :data:`WHOLE_ON_MESH` is off)."""
+    if not WHOLE_ON_MESH:
+        return None
+    m = jax.sharding.get_abstract_mesh()
+    if m is None or m.empty or any(t != AxisType.Auto for t in m.axis_types) or math.prod(m.axis_sizes) == 1:
+        return None
+    return m
+
+
+def row_groups(batch: int) -> tuple[int, tuple[str, ...]]:
+    """(G, axes): the mesh axes that split a batch of ``batch`` rows (the rules' ``activation_batch``: ``data``,
+    ``fsdp``, ``expert``, those that divide it) and the product G of their sizes; (1, ()) without a mesh. The row
+    tile is then laid out as G groups of ``batch / G`` rows each, every group padded to whole tiles, one group per
+    batch shard: each device's ops run on whole tiles of its own rows."""
+    m = _auto_mesh()
+    if m is None:
+        return 1, ()
+    axes = axis_names(logical_to_pspec(("activation_batch",), shape=(batch,), mesh=m)[0])
+    sizes = dict(zip(m.axis_names, m.axis_sizes))
+    return math.prod(sizes[a] for a in axes), axes
+
+
+def replicated(tree):
+    """``tree`` (an array, or a pytree of them: a layer's params) constrained to whole copies on every device of
+    the ambient mesh (``with_sharding_constraint`` to ``P()``: an all-gather per use, ZeRO-3 style); unchanged
+    without a mesh or with :data:`WHOLE_ON_MESH` off."""
+    if _auto_mesh() is None:
+        return tree
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
+
+
 def row_tile_of(n: int, tile: int | None = None) -> int:
     """``n`` rounded up to a multiple of ``tile`` (default :data:`ROW_TILE`, read at trace time; at least one
     tile)."""
@@ -149,21 +204,30 @@ def row_tile_of(n: int, tile: int | None = None) -> int:
 
 
 def to_rows(x: Array, lead: int, tile: int | None = None) -> Array:
-    """x [*lead_dims, ...] (``lead`` leading dims, e.g. 2 for [B, T, ...]) -> [1, R, ...]: the lead dims
-    flattened and padded with zeros to R, a multiple of ``tile``; materialised (:func:`materialize`).
-    (Padding each row's T instead, so a batch split over devices keeps whole tiles per device, was measured
-    worse: the engine's re-score and decode then differed from the learner in 17 of 80 tokens.)"""
-    ls = x.shape[:lead]
-    n = math.prod(ls)
-    flat = x.reshape(n, *x.shape[lead:])
-    rest = ((0, 0),) * (flat.ndim - 1)
-    return materialize(jnp.pad(flat, ((0, row_tile_of(n, tile) - n),) + rest)[None])
+    """x [*lead_dims, ...] (``lead`` leading dims, e.g. 2 for [B, T, ...]) -> [G, R, ...]: the lead dims
+    flattened and padded with zeros to R, a multiple of ``tile``; materialised (:func:`materialize`). G = 1
+    without a mesh; under one, G batch shards (:func:`row_groups` of B = ``x.shape[0]``): group g holds batch
+    rows ``[g B/G, (g+1) B/G)`` flattened and padded, split over the batch axes, every other dim whole.
+    (Padding each row's T instead, with the weights left split, was measured worse: the engine's re-score and
+    decode then differed from the learner in 17 of 80 tokens.)"""
+    G, axes = row_groups(x.shape[0])
+    n = math.prod(x.shape[:lead]) // G
+    if G == 1:  # one group: the layout (and program) of a one-device call
+        flat = x.reshape(n, *x.shape[lead:])
+        rows = jnp.pad(flat, ((0, row_tile_of(n, tile) - n),) + ((0, 0),) * (flat.ndim - 1))[None]
+        # on a mesh that does not split this batch (tensor only; B not divisible), every device takes all the rows
+        return materialize(rows if _auto_mesh() is None else jax.lax.with_sharding_constraint(rows, P()))
+    flat = x.reshape(G, n, *x.shape[lead:])
+    rows = jnp.pad(flat, ((0, 0), (0, row_tile_of(n, tile) - n)) + ((0, 0),) * (flat.ndim - 2))
+    return materialize(jax.lax.with_sharding_constraint(rows, P(axes, *([None] * (rows.ndim - 1)))))
 
 
 def from_rows(y: Array, lead_shape: tuple[int, ...]) -> Array:
-    """Inverse of :func:`to_rows`: [1, R, ...] -> [*lead_shape, ...] (the padding rows dropped)."""
-    n = math.prod(lead_shape)
-    return materialize(y)[0, :n].reshape(*lead_shape, *y.shape[2:])
+    """Inverse of :func:`to_rows`: [G, R, ...] -> [*lead_shape, ...] (the padding rows dropped)."""
+    G = y.shape[0]
+    n = math.prod(lead_shape) // G
+    y = materialize(y)
+    return (y[0, :n] if G == 1 else y[:, :n]).reshape(*lead_shape, *y.shape[2:])
 
 
 def _chunk_step(carry, xs, qh, qpos, scale):

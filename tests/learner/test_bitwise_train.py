@@ -18,12 +18,12 @@ N_NEW = 10
 T = 24
 
 
-def _generate(model_config, params, bitwise: bool):
-    """fp32 paged engine, all prompts admitted in one call (prompts 0 and 4 the same: their pages shared), one
-    decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
+def _generate(model_config, params, bitwise: bool, mesh=None):
+    """fp32 paged engine (on ``mesh`` if given), all prompts admitted in one call (prompts 0 and 4 the same: their
+    pages shared), one decode step then the rest in one multi-step call: per prompt (tokens, behav logp)."""
     eng = Qwen3Engine(model_config, params, slots=len(PROMPTS), max_cache_len=32, max_prefill_length=16,
                       dtype="float32", kv_layout="paged", kv_page_size=8,
-                      model_kwargs={"attention": "bitwise"} if bitwise else None)
+                      model_kwargs={"attention": "bitwise"} if bitwise else None, mesh=mesh)
     st = eng.init_decode_state()
     st, _ = eng.prefill_slots(eng.params, st, [SlotPrefill(p, slot=i, seed=10 + i) for i, p in enumerate(PROMPTS)])
     st, o1 = eng.decode(eng.params, st)
@@ -54,7 +54,7 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
     from tests.learner._util import init_params, make_cfg
 
     cfg = make_cfg(mode, B=8, model={"scan_layers": False, "bitwise": True}, rollout={"dtype": "float32"})
-    # one device: a learner mesh that splits the batch is not bitwise (docs/correction.md, the bitwise mode)
+    # one device here; the learner on fsdp=8: test_bitwise_learner_on_fsdp8_equals_the_one_device_engine
     lrn = Learner(cfg, mesh=make_mesh(1, 1, 1, 1, devices=jax.devices()[:1]), init_params=init_params(cfg))
     try:
         params = lrn.get_params(host=True)
@@ -73,6 +73,54 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
     # primal equals pi_prox (the no-grad forward, hence the engine's) bit for bit iff every ratio is exactly 1
     assert m["updates"] == 1.0 and m["ratio_min"] == m["ratio_max"] == 1.0 and m["kl_drift_k1"] == 0.0
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
+def test_bitwise_learner_on_fsdp8_equals_the_one_device_engine(devices):
+    """The learner on fsdp=8 (params split on ``embed``, the batch over the 8 devices; one length bucket of 30, so
+    8 x 30 rows: padded to whole tiles they no longer split by batch row) gives the one-device paged engine's
+    behav_logp bit for bit, tiny_dense fp32. Before the mode gathered each layer's weights on a mesh
+    (``bitwise.WHOLE_ON_MESH``) 26 of the 80 tokens differed by 1 ULP."""
+    from jax_rl.learner.learner import Learner
+    from tests.learner._util import init_params, make_cfg
+
+    cfg = make_cfg("decoupled", B=8, optim={"max_seq_len": 30, "seq_len_buckets": [30]},
+                   model={"scan_layers": False, "bitwise": True}, rollout={"dtype": "float32", "max_cache_len": 30})
+    lrn = Learner(cfg, init_params=init_params(cfg))  # cfg.mesh: fsdp over all 8 devices
+    try:
+        assert dict(lrn.mesh.shape)["fsdp"] == 8
+        b = _batch(_generate(lrn.model_config, lrn.get_params(host=True), bitwise=True))
+        lm = b["loss_mask"]
+        lp = np.asarray(lrn.logprobs(b))
+    finally:
+        lrn.close()
+    assert np.array_equal(lp[lm].view(np.uint32), b["behav_logp"][lm].view(np.uint32))
+
+
+@pytest.mark.parametrize("data", [2, 1], ids=["data2_tensor2", "tensor2"])
+def test_bitwise_engine_on_a_data_tensor_mesh_equals_one_device(data, monkeypatch, devices):
+    """The paged engine on a data=2 x tensor=2 / a tensor=2 rollout mesh (slots over data; heads, MLP, vocab and kv
+    heads over tensor) samples the one-device engine's tokens with its behav_logp bit for bit (tiny_dense fp32).
+    Negative control: with ``bitwise.WHOLE_ON_MESH`` off (the o_proj / down_proj / LM-head contractions and the
+    log-softmax split over tensor, programs traced afresh) 20 of the 80 behav_logp differed by 1 ULP (both meshes)."""
+    from flax import nnx
+
+    from jax_rl.models import bitwise
+    from jax_rl.models.qwen3 import Qwen3ForCausalLM, get_preset
+    from jax_rl.sharding import make_mesh
+
+    mc = get_preset("tiny_dense")
+    params = nnx.state(Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)), nnx.Param)
+    mesh = make_mesh(data, 1, 2, 1, devices=jax.devices()[:2 * data])
+    ref = _generate(mc, params, bitwise=True)
+
+    def bits(out):
+        return np.asarray([lp for _, lps in out for lp in lps], np.float32).view(np.uint32)
+
+    out = _generate(mc, params, bitwise=True, mesh=mesh)
+    assert [t for t, _ in out] == [t for t, _ in ref]
+    assert np.array_equal(bits(out), bits(ref))
+    monkeypatch.setattr(bitwise, "WHOLE_ON_MESH", False)
+    assert not np.array_equal(bits(_generate(mc, params, bitwise=True, mesh=mesh)), bits(ref))
 
 
 def test_behav_route_takes_old_logp_from_behav_logp(devices):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_rl.models.attention import cudnn_attend, splash_attend
-from jax_rl.models.bitwise import chunked_attend, from_rows, rows_trunk, to_rows
+from jax_rl.models.bitwise import chunked_attend, from_rows, replicated, rows_trunk, to_rows
 from jax_rl.models.kv_storage import storage_dtype
 from jax_rl.models.qwen3.cache import KVCache, StackedKVCache
 from jax_rl.models.qwen3.config import MoEOptions, Qwen3Config
@@ -216,10 +216,9 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _lm_logits(self, h: Array) -> Array:
         h = h.astype(self.dtype)
-        if self.lm_head is None:
-            return jnp.einsum("btd,vd->btv", h, self.embed_tokens[...].astype(self.dtype),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", h, self.lm_head[...].astype(self.dtype),
+        w = (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+        w = replicated(w) if self.bitwise else w  # the mode: the dot whole on every device of a mesh
+        return jnp.einsum("btd,vd->btv" if self.lm_head is None else "btd,dv->btv", h, w.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
     def _trunk(self, x: Array, positions: Array, attend: LayerAttendFn, layer_xs: Any = None,
@@ -252,7 +251,7 @@ class Qwen3ForCausalLM(nnx.Module):
         with_carry = carry is not None
 
         def run(graphdef, state, x, positions, xs_i, forced, c):
-            layer = nnx.merge(graphdef, state)
+            layer = nnx.merge(graphdef, replicated(state) if self.bitwise else state)  # the mode: weights whole
             box = {}
 
             def fn(q, k, v):
