@@ -19,6 +19,10 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
+On XLA:CPU the mode's projections and LM head also contract in fixed chunks of :data:`K_CHUNK` (128)
+(:func:`chunked_contract`, inside :func:`chunked_contractions`): Eigen splits a longer contraction by its thread
+pool's size and the row count, which the row tile alone does not fix.
+
 On a mesh (the learner's, an engine's ``rollout.mesh``) every contraction and row reduction still runs whole
 on each device (:data:`WHOLE_ON_MESH`): each layer's weights are gathered (:func:`replicated`, at the layer's
 start; the LM head's before its dot) and the row tile's activations keep their feature axes unsplit, the rows
