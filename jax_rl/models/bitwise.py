@@ -88,11 +88,11 @@ with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and no
 
 K_CHUNK = 128
 """Contraction length per chunk of the mode's projections on XLA:CPU (:func:`chunked_contract`), read at trace
-time. XLA:CPU runs a dot through Eigen, whose contraction splits the reduction over k by the intra-op thread pool's
-size and the row count (sharding by the inner dim, k blocks): with 8 host devices (the tests' pool of 8 threads on
-this 2-core host) a 64-row [64, 256] x [256, 128] dot gave other bits than the same rows among 192 or 1,024 (7,350
-of 8,192 elements; [64, 512] x [512, 256]: 14,679), and than the same call under one device (2 threads); at
-k <= 128 every shape tried (64-1,024 rows, n 64-3,072) was invariant to both. So a longer contraction runs as
+time. XLA:CPU runs a dot through Eigen, whose contraction splits the reduction over k by the intra-op thread
+pool's size and the row count (sharding by the inner dim, k blocks): with 8 host devices (the tests'; presumably
+a larger pool on this 2-core host) a 64-row [64, 256] x [256, 128] dot gave other bits than the same rows among
+192 or 1,024 (7,350 of 8,192 elements; [64, 512] x [512, 256]: 14,679), and than the same call under one device;
+at k <= 128 every shape tried (64-1,024 rows, n 64-3,072) was invariant to both. So a longer contraction runs as
 fixed chunks of 128 (a batched dot, fp32 partials) summed in chunk order. This was the engine-vs-learner gap at
 hidden 128 / 256 (28 / 39 of 80 tokens): the engine's 64-row decode and prefill tiles against the learner's 192."""
 

@@ -78,8 +78,8 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
 def test_bitwise_engine_equals_the_learner_at_hidden_128(devices):
     """A wider model (tiny_dense at hidden 128 / MLP 256, fp32, one device, no mesh): the paged engine's
     behav_logp (64-row decode and prefill tiles) equals the learner's log-probs (8 x 24 = 192 rows) bit for bit.
-    XLA:CPU's Eigen dot split a 256- or 512-long contraction by its thread pool (8 threads under the tests' 8 host
-    devices) and the row count; before the mode's projections contracted in 128-long chunks
+    XLA:CPU's Eigen dot split a 256- or 512-long contraction by its thread pool (which the tests' 8 host devices
+    change) and the row count; before the mode's projections contracted in 128-long chunks
     (``bitwise.K_CHUNK``) 28 of these 80 tokens differed by 1 ULP (39 at hidden 256)."""
     from jax_rl.learner.learner import Learner
     from jax_rl.sharding import make_mesh
