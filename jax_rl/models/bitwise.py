@@ -19,6 +19,10 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
+On XLA:CPU the mode's projections and LM head also contract in fixed chunks of :data:`K_CHUNK` (128)
+(:func:`chunked_contract`, inside :func:`chunked_contractions`): Eigen splits a longer contraction by its thread
+pool's size and the row count, which the row tile alone does not fix.
+
 On a mesh (the learner's, an engine's ``rollout.mesh``) every contraction and row reduction still runs whole
 on each device (:data:`WHOLE_ON_MESH`): each layer's weights are gathered (:func:`replicated`, at the layer's
 start; the LM head's before its dot) and the row tile's activations keep their feature axes unsplit, the rows
@@ -32,6 +36,8 @@ of the chunk scan and of the ``materialize`` conds.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -47,7 +53,7 @@ Array = jax.Array
 __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
            "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
            "row_tile_of", "rows_trunk", "materialize", "behav_logp", "CUSTOM_BACKWARD", "WHOLE_ON_MESH",
-           "row_groups", "replicated"]
+           "row_groups", "replicated", "K_CHUNK", "chunked_contractions", "k_chunks", "chunked_contract"]
 
 ROW_TILE = 64
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
@@ -78,6 +84,60 @@ rounding between ops where it sees fit, and the mesh-split learner's program (ot
 log-probs differed from the one-device engine's in every token (257 of 257, tiny_dense and tiny_moe, fsdp=8);
 with ``xla_allow_excess_precision=False`` every bf16 op rounds as written and none differ. Set per program
 (``jax.jit(compiler_options=...)``), so the fast mode's programs keep theirs."""
+
+
+K_CHUNK = 128
+"""Contraction length per chunk of the mode's projections on XLA:CPU (:func:`chunked_contract`), read at trace
+time. XLA:CPU runs a dot through Eigen, whose contraction splits the reduction over k by the intra-op thread
+pool's size and the row count (sharding by the inner dim, k blocks): with 8 host devices (the tests'; presumably
+a larger pool on this 2-core host) a 64-row [64, 256] x [256, 128] dot gave other bits than the same rows among
+192 or 1,024 (7,350 of 8,192 elements; [64, 512] x [512, 256]: 14,679), and than the same call under one device;
+at k <= 128 every shape tried (64-1,024 rows, n 64-3,072) was invariant to both. So a longer contraction runs as
+fixed chunks of 128 (a batched dot, fp32 partials) summed in chunk order. This was the engine-vs-learner gap at
+hidden 128 / 256 (28 / 39 of 80 tokens): the engine's 64-row decode and prefill tiles against the learner's 192."""
+
+_CHUNKED = contextvars.ContextVar("jax_rl_bitwise_chunked_contractions", default=False)
+
+
+@contextlib.contextmanager
+def chunked_contractions():
+    """Within it (at trace time) the model's projections (:func:`jax_rl.models.qwen3.layers._proj`) and LM head
+    contract in :data:`K_CHUNK` chunks on XLA:CPU (:func:`chunked_contract`): the mode's trunk
+    (:func:`rows_trunk`) and LM head enter it; elsewhere (the fast mode, a TPU target) contractions are as written."""
+    tok = _CHUNKED.set(current_target_backend() == "cpu")
+    try:
+        yield
+    finally:
+        _CHUNKED.reset(tok)
+
+
+def k_chunks(k: int) -> int:
+    """How many :data:`K_CHUNK` chunks a contraction of length ``k`` takes here: 1 (the dot as written) outside
+    :func:`chunked_contractions` or for ``k <= K_CHUNK``."""
+    return max(1, -(-int(k) // K_CHUNK)) if _CHUNKED.get() else 1
+
+
+def chunked_contract(x: Array, w: Array, n_in: int = 1, *, w_k_last: bool = False, out_dtype=None) -> Array:
+    """x's last ``n_in`` dims (K elements) against w's first ``n_in`` (``w_k_last``: its last ``n_in``, the tied
+    LM head's [V, D]), in chunks of :data:`K_CHUNK` along K (zero-padded), each a dot with fp32 partials, summed
+    in chunk order: [*lead, *out] in ``out_dtype`` (default x.dtype). Its bits do not depend on Eigen's threads."""
+    K = math.prod(x.shape[x.ndim - n_in:])
+    lead, out = x.shape[:x.ndim - n_in], (w.shape[:w.ndim - n_in] if w_k_last else w.shape[n_in:])
+    c = max(1, -(-K // K_CHUNK))
+    x2 = x.reshape(-1, K)
+    w2 = w.reshape(-1, K) if w_k_last else w.reshape(K, -1)
+    if c * K_CHUNK != K:
+        x2 = jnp.pad(x2, ((0, 0), (0, c * K_CHUNK - K)))
+        w2 = jnp.pad(w2, ((0, 0), (0, c * K_CHUNK - K)) if w_k_last else ((0, c * K_CHUNK - K), (0, 0)))
+    x3 = x2.reshape(x2.shape[0], c, K_CHUNK)
+    if w_k_last:
+        parts = jnp.einsum("mck,ock->cmo", x3, w2.reshape(w2.shape[0], c, K_CHUNK), preferred_element_type=jnp.float32)
+    else:
+        parts = jnp.einsum("mck,cko->cmo", x3, w2.reshape(c, K_CHUNK, -1), preferred_element_type=jnp.float32)
+    acc = parts[0]
+    for i in range(1, c):  # chunk order, elementwise
+        acc = acc + parts[i]
+    return acc.astype(x.dtype if out_dtype is None else out_dtype).reshape(*lead, *out)
 
 
 CUSTOM_BACKWARD = True
@@ -382,8 +442,9 @@ def rows_trunk(trunk_body, x: Array, positions: Array, attend, layer_xs, forced_
             forced = jax.vmap(lambda f: to_rows(f, 2))(jnp.asarray(forced))
     valid = kw.pop("valid", None)  # kw: the body's remat, carry, valid, row_drops
     vr = None if valid is None else to_rows(jnp.broadcast_to(jnp.asarray(valid, bool), lead), 2)
-    t = trunk_body(to_rows(x, 2), to_rows(jnp.broadcast_to(positions, lead), 2), wrapped, layer_xs, forced,
-                   output_hidden_states, valid=vr, **kw)
+    with chunked_contractions():
+        t = trunk_body(to_rows(x, 2), to_rows(jnp.broadcast_to(positions, lead), 2), wrapped, layer_xs, forced,
+                       output_hidden_states, valid=vr, **kw)
     dropped = t.dropped
     if dropped is not None and kw.get("row_drops"):
         dropped = _unrow_layers(dropped, lead)

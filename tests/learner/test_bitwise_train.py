@@ -75,6 +75,30 @@ def test_bitwise_train_step_zero_gap_at_staleness_0(mode, devices):
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
+def test_bitwise_engine_equals_the_learner_at_hidden_128(devices):
+    """A wider model (tiny_dense at hidden 128 / MLP 256, fp32, one device, no mesh): the paged engine's
+    behav_logp (64-row decode and prefill tiles) equals the learner's log-probs (8 x 24 = 192 rows) bit for bit.
+    XLA:CPU's Eigen dot split a 256- or 512-long contraction by its thread pool (which the tests' 8 host devices
+    change) and the row count; before the mode's projections contracted in 128-long chunks
+    (``bitwise.K_CHUNK``) 28 of these 80 tokens differed by 1 ULP (39 at hidden 256)."""
+    from jax_rl.learner.learner import Learner
+    from jax_rl.sharding import make_mesh
+    from tests.learner._util import init_params, make_cfg
+
+    cfg = make_cfg("decoupled", B=8, model={"scan_layers": False, "bitwise": True,
+                                             "hf_overrides": {"hidden_size": 128, "intermediate_size": 256}},
+                   rollout={"dtype": "float32"})
+    lrn = Learner(cfg, mesh=make_mesh(1, 1, 1, 1, devices=jax.devices()[:1]), init_params=init_params(cfg))
+    try:
+        assert lrn.model_config.hidden_size == 128
+        b = _batch(_generate(lrn.model_config, lrn.get_params(host=True), bitwise=True))
+        lp = np.asarray(lrn.logprobs(b))
+    finally:
+        lrn.close()
+    lm = b["loss_mask"]
+    assert np.array_equal(lp[lm].view(np.uint32), b["behav_logp"][lm].view(np.uint32))
+
+
 def test_bitwise_learner_on_fsdp8_equals_the_one_device_engine(devices):
     """The learner on fsdp=8 (params split on ``embed``, the batch over the 8 devices; one length bucket of 30, so
     8 x 30 rows: padded to whole tiles they no longer split by batch row) gives the one-device paged engine's

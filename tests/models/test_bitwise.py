@@ -356,6 +356,28 @@ def test_bitwise_row_count_above_768_equal():
     assert [int((small[i].view(np.uint32) != large[i].view(np.uint32)).sum()) for i in (0, 1)] == [0, 0]
 
 
+@pytest.mark.parametrize("k,n", [(256, 128), (512, 256), (300, 64)])
+def test_chunked_contraction_is_row_count_invariant(k, n):
+    """The mode's contraction (:func:`jax_rl.models.bitwise.chunked_contract`, 128-long chunks; the tied LM head's
+    [n, k] layout too): the first 64 rows alone and among 192 or 1,024 rows give the same bits. The plain dot did
+    not for the first two shapes under the tests' 8 host devices (XLA:CPU's Eigen splits k by its thread pool and
+    the row count: 7,350 and 14,679 elements differed at 64 vs 192 rows). Outside ``chunked_contractions`` (the fast
+    mode) a projection is one dot (``k_chunks`` 1)."""
+    assert bw.k_chunks(k) == 1
+    with bw.chunked_contractions():
+        assert bw.k_chunks(k) == -(-k // bw.K_CHUNK) and bw.k_chunks(bw.K_CHUNK) == 1
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1024, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+    for w_k_last in (False, True):
+        f = bw.jit(lambda a, b, t=w_k_last: bw.chunked_contract(a, b, w_k_last=t))
+        ww = w.T if w_k_last else w
+        ref = np.asarray(f(x[:64], ww))
+        for m in (192, 1024):
+            assert np.array_equal(np.asarray(f(x[:m], ww))[:64].view(np.uint32), ref.view(np.uint32)), (m, w_k_last)
+        np.testing.assert_allclose(ref, np.asarray(x[:64] @ w), rtol=1e-5, atol=1e-4)
+
+
 def _attend_grads(q, k, v, q_pos, w):
     """jit(grad) of ``sum(chunked_attend(q, k, v, q_pos) * w)`` w.r.t. q, k, v, traced afresh (the module's
     ``CUSTOM_BACKWARD`` as it is now)."""

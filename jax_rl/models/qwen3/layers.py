@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_rl.models import bitwise
 from jax_rl.models.expert_parallel import (EPOptions, ep_capacity, expert_parallel_moe, expert_parallel_size,
                                            resolve_moe_matmul)
 from jax_rl.models.qwen3.config import MoEOptions, Qwen3Config
@@ -109,7 +110,10 @@ def _wgrad(x: Array, dy: Array) -> Array:
 
 
 def _contract(x: Array, w: Array, n_in: int) -> Array:
-    """The last ``n_in`` dims of x against the first ``n_in`` of w, w in its stored shape."""
+    """The last ``n_in`` dims of x against the first ``n_in`` of w, w in its stored shape (the bitwise mode on
+    XLA:CPU: in fixed chunks of the contraction, :func:`jax_rl.models.bitwise.chunked_contract`)."""
+    if bitwise.k_chunks(math.prod(x.shape[x.ndim - n_in:])) > 1:
+        return bitwise.chunked_contract(x, w, n_in)
     dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
     return jax.lax.dot_general(x, w, dims)
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_rl.models import bitwise
 from jax_rl.models.attention import cudnn_attend, splash_attend
 from jax_rl.models.bitwise import chunked_attend, from_rows, replicated, rows_trunk, to_rows
 from jax_rl.models.kv_storage import storage_dtype
@@ -218,6 +219,11 @@ class Qwen3ForCausalLM(nnx.Module):
         h = h.astype(self.dtype)
         w = (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
         w = replicated(w) if self.bitwise else w  # the mode: the dot whole on every device of a mesh
+        if self.bitwise:  # the mode: in fixed chunks of D on XLA:CPU (jax_rl.models.bitwise.K_CHUNK)
+            with bitwise.chunked_contractions():
+                if bitwise.k_chunks(h.shape[-1]) > 1:
+                    return bitwise.chunked_contract(h, w.astype(self.dtype), w_k_last=self.lm_head is None,
+                                                    out_dtype=jnp.float32)
         return jnp.einsum("btd,vd->btv" if self.lm_head is None else "btd,dv->btv", h, w.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
