@@ -17,6 +17,8 @@ Variants (each one piece changed against ``bitwise``; programs traced afresh per
 - ``bitwise``: the mode as committed;
 - ``autodiff``: the mode with ``CUSTOM_BACKWARD = False`` (the gradient by autodiff through the chunk scan and
   the ``materialize`` conds, the mode before its custom backward rules; forwards unchanged);
+- ``noskip``: the mode with ``CAUSAL_SKIP = False`` (every key chunk computed, the masked ones made no-ops by
+  ``where``: the mode before the causal skip);
 - ``emitters``: the mode with XLA:CPU's default fusion emitters (no ``xla_cpu_use_fusion_emitters=false``);
 - ``nomat``: the mode with :func:`jax_rl.models.bitwise.materialize` the identity (no ``lax.cond`` boundaries);
 - ``tileN``: the mode with ``ROW_TILE = N``;
@@ -57,10 +59,12 @@ PS = 16
 def variant(name: str):
     """Patches the bitwise module for one variant (restored on exit)."""
     saved = {k: getattr(bw, k) for k in ("ROW_TILE", "QUERY_TILE", "CPU_COMPILER_OPTIONS", "materialize",
-                                         "CUSTOM_BACKWARD")}
+                                         "CUSTOM_BACKWARD", "CAUSAL_SKIP")}
     try:
         if name == "autodiff":
             bw.CUSTOM_BACKWARD = False
+        elif name == "noskip":
+            bw.CAUSAL_SKIP = False
         elif name == "emitters":
             bw.CPU_COMPILER_OPTIONS = {}
         elif name == "nomat":

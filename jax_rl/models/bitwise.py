@@ -16,7 +16,8 @@ gives the same bits for a row whatever its position among >= 64 rows. So the mod
   :data:`KEY_CHUNK`, an online softmax combined chunk after chunk in position order, each chunk's scores
   and values computed for a query-row tile of 64 (:data:`QUERY_TILE`: the G query heads of a kv head times the
   tokens, padded). A chunk past a
-  query's position changes nothing (it is skipped with ``where``), so 1 query (decode) and T queries
+  query's position changes nothing (a ``where`` leaves the row as it was; a chunk past every row of a block of
+  query tiles is not computed at all, :data:`CAUSAL_SKIP`), so 1 query (decode) and T queries
   (prefill, the learner), any key bucket, any page layout give the same bits.
 
 On XLA:CPU the mode's projections and LM head also contract in fixed chunks of :data:`K_CHUNK` (128)
@@ -53,7 +54,8 @@ Array = jax.Array
 __all__ = ["ROW_TILE", "QUERY_TILE", "KEY_CHUNK", "BITWISE_ATTENTION", "enabled", "CPU_COMPILER_OPTIONS",
            "compiler_options", "jit", "to_rows", "from_rows", "chunked_attend", "token_logprobs_rows",
            "row_tile_of", "rows_trunk", "materialize", "behav_logp", "CUSTOM_BACKWARD", "WHOLE_ON_MESH",
-           "row_groups", "replicated", "K_CHUNK", "chunked_contractions", "k_chunks", "chunked_contract"]
+           "row_groups", "replicated", "K_CHUNK", "chunked_contractions", "k_chunks", "chunked_contract",
+           "CAUSAL_SKIP", "SKIP_BLOCK"]
 
 ROW_TILE = 64
 """Rows per tile of every per-token op in the mode (a call's tokens padded to a multiple of it), read at trace
@@ -68,6 +70,21 @@ gate's bits (16 did not: a decode row alone differed from the learner in 25 of 6
 
 KEY_CHUNK = 64
 """Keys per chunk of :func:`chunked_attend` (at absolute positions 0, 64, 128, ...)."""
+
+
+CAUSAL_SKIP = True
+"""Read at trace time. True: :func:`chunked_attend` runs, per block of :data:`SKIP_BLOCK` query tiles, only the key
+chunks up to the last one a row of the block can see (a ``fori_loop`` with a traced trip count), so the learner's
+and a prefill's causal T x T attention computes about half the chunks and a decode over a long bucket only the
+chunks below its rows' positions. The chunks computed are the same :func:`_chunk_step` in the same order, and a
+chunk skipped was one the ``where`` made an exact no-op, so the bits are the unskipped loop's
+(``test_causal_skip_changes_no_bit``). False (or :data:`CUSTOM_BACKWARD` off: a traced trip count has no reverse
+autodiff): one ``scan`` over every chunk of the keys."""
+
+SKIP_BLOCK = 4
+"""Query tiles (of :data:`QUERY_TILE` rows) per block of the causal skip (:data:`CAUSAL_SKIP`), read at trace time:
+a block's trip count is set by its last row, so a smaller block skips more chunks at the cost of more, smaller
+loop steps."""
 
 
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": "",
@@ -359,10 +376,47 @@ def _chunk_scan(q: Array, k: Array, v: Array, q_pos: Array, chunk: int, q_tile: 
         kc, vc = (jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1).astype(q.dtype) for a in (k, v))
         return _chunk_step(c, (kc, vc, i * chunk + jnp.arange(chunk, dtype=jnp.int32)), qh, qpos, H ** -0.5)
 
-    (_, l, o), _ = jax.lax.scan(step, init, jnp.arange(nc, dtype=jnp.int32))
+    if CAUSAL_SKIP and CUSTOM_BACKWARD:
+        l, o = _skip_scan(qh, qpos, k, v, nc, chunk, q_tile, q.dtype)
+    else:
+        (_, l, o), _ = jax.lax.scan(step, init, jnp.arange(nc, dtype=jnp.int32))
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     o = materialize(o)[:, :, :M].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
     return o.astype(q.dtype)
+
+
+def _skip_scan(qh: Array, qpos: Array, k: Array, v: Array, nc: int, chunk: int, q_tile: int, dtype):
+    """:func:`_chunk_scan`'s chunk loop with the causal skip (:data:`CAUSAL_SKIP`): the query rows qh [B,K,Mp,H]
+    (positions qpos [B,Mp]) in blocks of :data:`SKIP_BLOCK` tiles, one after the other; each block runs the chunks
+    0 .. max(block's positions) // chunk (a ``fori_loop`` with that traced trip count, at most ``nc``), the same
+    :func:`_chunk_step` in the same order. The chunks it leaves out are past every position of the block, where
+    the unskipped loop's ``where`` left every row as it was. Returns (l [B,K,Mp], o [B,K,Mp,H]) fp32."""
+    B, K, Mp, H = qh.shape
+    blk = min(Mp, SKIP_BLOCK * q_tile)
+    nb = -(-Mp // blk)
+    if nb * blk != Mp:  # padding rows at position -1 (they see no key; dropped below)
+        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nb * blk - Mp), (0, 0)))
+        qpos = jnp.pad(qpos, ((0, 0), (0, nb * blk - Mp)), constant_values=-1)
+    qb = qh.reshape(B, K, nb, blk, H).transpose(2, 0, 1, 3, 4)  # [nb, B, K, blk, H]
+    pb = qpos.reshape(B, nb, blk).transpose(1, 0, 2)  # [nb, B, blk]
+
+    def block(xs):
+        qt, pt = xs
+        n = jnp.clip(jnp.max(pt) // chunk + 1, 0, nc)  # chunks 0..n-1: the last one a row of the block sees
+
+        def body(i, c):
+            kc, vc = (jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1).astype(dtype) for a in (k, v))
+            return _chunk_step(c, (kc, vc, i * chunk + jnp.arange(chunk, dtype=jnp.int32)), qt, pt, H ** -0.5)[0]
+
+        init = (jnp.full((B, K, blk), -jnp.inf, jnp.float32), jnp.zeros((B, K, blk), jnp.float32),
+                jnp.zeros((B, K, blk, H), jnp.float32))
+        _, l, o = jax.lax.fori_loop(0, n, body, init)
+        return l, o
+
+    l, o = jax.lax.map(block, (qb, pb))  # [nb, B, K, blk], [nb, B, K, blk, H]
+    l = l.transpose(1, 2, 0, 3).reshape(B, K, nb * blk)[:, :, :Mp]
+    o = o.transpose(1, 2, 0, 3, 4).reshape(B, K, nb * blk, H)[:, :, :Mp]
+    return l, o
 
 
 def _dense_attend(q: Array, k: Array, v: Array, q_pos: Array) -> Array:

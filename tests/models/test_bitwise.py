@@ -253,7 +253,8 @@ def test_mesh_split_contractions_fail_the_gate(monkeypatch, devices):
 
 def _untiled_ops(jaxpr, tile: int) -> list[str]:
     """dot_general / reduce ops of a jaxpr (recursively) whose rows are not a multiple of ``tile``:
-    a dot's rows are its batch dims times the lhs free dims, a reduction's its output size."""
+    a dot's rows are its batch dims times the lhs free dims, a float reduction's its output size (an integer or
+    bool reduction, e.g. the causal skip's max position, is exact in any order)."""
     bad = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -265,7 +266,7 @@ def _untiled_ops(jaxpr, tile: int) -> list[str]:
                 bad.append(f"dot_general {shape} rows {rows}")
         elif name in ("reduce_sum", "reduce_max", "argmax", "reduce_min"):
             n = int(np.prod(eqn.outvars[0].aval.shape))
-            if n % tile and eqn.invars[0].aval.dtype != jnp.bool_:
+            if n % tile and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):  # int / bool ones are exact
                 bad.append(f"{name} {eqn.invars[0].aval.shape} -> {n}")
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             bad += _untiled_ops(sub, tile)
@@ -445,3 +446,64 @@ def test_mode_grads_match_the_fast_mode():
         grads[on] = (bw.jit if on else jax.jit)(jax.grad(fn))(state)
     # measured: 1 of 2,048 elements of one v_proj gradient 1.6e-6 apart (the two forwards differ by ~5e-7 per token)
     chex.assert_trees_all_close(grads[True], grads[False], rtol=1e-4, atol=1e-5)
+
+
+def _attend_cases(dtype):
+    """chunked_attend calls whose rows have very different lengths (GQA 4 q / 2 kv heads, H = 16): the learner's
+    T x T (3 rows of 9, 23 and 200 positions, padding at -1; 400 query rows: two skip blocks), a decode of 3 rows at
+    positions 3, 70 and 130 over a 320-key bucket, a chunked prefill of 20 tokens at 100..119 over 256 keys, and
+    queries past the keys (positions 130..137 over 100 keys: past the last chunk, the trip count clipped to the
+    chunks there are)."""
+    rng = np.random.default_rng(1)
+    N, K, H = 4, 2, 16
+
+    def case(B, T, S, q_pos):
+        q = jnp.asarray(rng.normal(size=(B, T, N, H)), dtype)
+        k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), dtype) for _ in range(2))
+        return q, k, v, jnp.asarray(q_pos, jnp.int32)
+
+    learner = np.full((3, 200), -1, np.int32)
+    for b, n in enumerate((9, 23, 200)):
+        learner[b, :n] = np.arange(n)
+    return {"learner": case(3, 200, 200, learner), "decode": case(3, 1, 320, [[3], [70], [130]]),
+            "prefill": case(2, 20, 256, np.tile(np.arange(100, 120), (2, 1))),
+            "past_keys": case(2, 8, 100, np.tile(np.arange(130, 138), (2, 1)))}
+
+
+def _attend(args):
+    """``chunked_attend`` as a mode program (:func:`bw.jit`), traced afresh (the module's flags as they are now)."""
+    return np.asarray(bw.jit(lambda *a: bw.chunked_attend(*a))(*args).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_causal_skip_changes_no_bit(dtype, monkeypatch):
+    """The causal skip (``bw.CAUSAL_SKIP``: per block of query tiles, only the key chunks up to the last one the
+    block sees) gives the unskipped scan's bits on calls whose rows have very different lengths: the learner's,
+    a decode's, a chunked prefill's, queries past the keys (the trip count clipped)."""
+    cases = _attend_cases(dtype)
+    skip = {n: _attend(a) for n, a in cases.items()}
+    monkeypatch.setattr(bw, "CAUSAL_SKIP", False)
+    full = {n: _attend(a) for n, a in cases.items()}
+    assert [n for n in cases if not np.array_equal(skip[n].view(np.uint32), full[n].view(np.uint32))] == []
+    assert all(np.isfinite(full[n]).all() and np.abs(full[n]).max() > 0 for n in cases)
+
+
+def test_causal_skip_never_reads_chunks_past_every_query(monkeypatch):
+    """NaN keys and values in the chunks above every query's position stay out with the skip on: those chunks are
+    not computed at all. A probe step that turns its output NaN when its chunk holds a NaN shows it: with the skip
+    it never fires (the output is the clean call's, bit for bit); without (the unskipped scan, where only the
+    step's ``where`` kept such chunks out) it fires, so this test fails on a skip that computes them."""
+    q, k, v, q_pos = _attend_cases(jnp.float32)["decode"]  # rows at 3, 70, 130 over 320 keys: chunks 3, 4 unseen
+    clean = _attend((q, k, v, q_pos))
+    k, v = (a.at[:, 192:].set(jnp.nan) for a in (k, v))
+    step = bw._chunk_step
+
+    def probe(carry, xs, *a):
+        (m, l, o), ys = step(carry, xs, *a)
+        return (m, l, o + jnp.where(jnp.isnan(xs[0]).any(), jnp.nan, 0.0)), ys
+
+    monkeypatch.setattr(bw, "_chunk_step", probe)
+    out = _attend((q, k, v, q_pos))
+    assert np.array_equal(out.view(np.uint32), clean.view(np.uint32))
+    monkeypatch.setattr(bw, "CAUSAL_SKIP", False)
+    assert np.isnan(_attend((q, k, v, q_pos))).all()
