@@ -366,29 +366,32 @@ PREREG_62_CHANGES = """\
   exact_behav (A skips a cell B has started). Clock stop: no cell starts after 04:25 UTC and the runners are
   stopped at 04:40 UTC; a claim needing a cell not finished by then is *incomplete*. Seen before this change:
   K0 decoupled's 20 steps, every one with `kl_train_infer_k1` = 0, R = 1 and `prox_abs_err_max` = 0.
+- 03:49 UTC: runner B had finished both its cells (a warm compilation cache made a cell 2.5-7 min), so a runner C
+  starts with K8 ppo_ewma, K8 decoupled; at 04:07 runner A reached K2 exact_behav, which B had run, and was stopped
+  (its started K2 exact_behav left no record). Cells started after 03:13 ran at `9945cb5`, which adds only the
+  generator's admission fix (a GRPO copy past the prefill budget; paper_small's default budget of 4 x 256 tokens
+  is never reached by one request, so nothing changes here). Seen before this change: the K0 cells and the two
+  exact_behav cells at K = 2 and 8 (every step R = 1, KL = 0).
 """
 
 
 ZEROGAP_FINDINGS = """\
-*Read after the runs (2026-12-07 00:00 UTC; figures from the records above, and two from the run dirs, which are
-not kept: `is_weight_*`).* (1) The gap is not exactly zero in this setting: at K = 0 the learner's pi_prox and
-the exact pi_v agree bit for bit (`prox_abs_err_max` 0 in all 40 approximate-mode steps), but the engine's mu
-differs from them: `kl_train_infer_k1` is 1e-9 to 7e-9 in magnitude, non-zero at every step, and pi_prox / mu
-reached 1 + 2.98e-6 (`is_weight_max`, 25 fp32 ULPs at 1), so the bitwise gate of `tests/models/test_bitwise.py`
-does not carry over to the `paper_small` engine (32 slots, GRPO groups sharing prompt pages, up to 3 turns with
-tool results prefilled between them, chunked prefill); which of these breaks it is not found here. *Found
-after this section was written (2026-12-07 00:10 UTC):* XLA:CPU's YNNPACK fusions take over fused ops in calls
-of about 1,024 rows and more and gave those calls other bits (the learner's forward of two sequences at 2 x 512
-positions vs 2 x 56: 4 and 6 tokens differ); the mode now sets `xla_cpu_experimental_ynn_fusion_type=""`
-(`jax_rl/models/bitwise.py: CPU_COMPILER_OPTIONS`, `test_bitwise_row_count_above_768_equal`). The arm's cells
-ran before that fix and are to be run again. The
-difference is far inside the mask (R = 1 exactly, nothing out of band). (2) At K = 0 `decoupled` and `ppo_ewma`
-are one computation bit for bit (every logged metric equal, as the code predicts: beta = 0); `exact_behav`
-sampled the same tokens and rewards at all 20 steps and reached the same held-out avg@4, but its loss (by up to
-1.2e-7) and gradient norm (by up to 1.9e-4) differ from step 1 on: it uses mu itself, the others the learner's
-forward, and (1) makes them differ. (3) Staleness alone does engage the correction: `decoupled` at K = 8 kept
-down to 0.919 of the tokens inside the mask (R), with mean |log pi_prox - log pi_v| up to 0.33 per step, and its
-reward fell from 0.91 to 0 at steps 14-15 (held-out avg@4 0.089 after 20 steps, from 0.860 on the 16 x 4 set at
-its start): one seed, one cell, no comparison (the `ppo_ewma` cells at K > 0 did not finish), so it says nothing
-yet about which correction does better without the gap.
+*Read after the rerun (2026-12-07 04:30 UTC; figures from the records above).* (1) The gap is zero in this setting
+now: Z1-Z3 hold exactly. At K = 0 all 60 steps of the three modes have R = 1, `kl_train_infer_k1` = 0 and (the
+approximate modes) `prox_abs_err_max` = 0, and the three cells logged the same reward, loss, gradient norm, clip
+fraction, R and tokens at every step and the same held-out avg@4 (0.845): `exact_behav` (pi_prox = mu, the
+engine's own log-prob) and `decoupled` / `ppo_ewma` (pi_prox = the learner's forward) are one computation bit for
+bit. That is the unit gate of `tests/models/test_bitwise.py` carried to a whole run: 32 slots, GRPO groups
+sharing prompt pages, up to 3 turns with tool results prefilled between them, chunked prefill, 20 weight swaps.
+The runs of 2026-12-06 missed it by 1e-9 to 7e-9 of KL per step; the cause was XLA:CPU's YNNPACK fusions in calls
+of >= 1,024 rows (off in the mode since `897120b`). (2) `exact_behav` at K = 2 and 8 kept every token (R = 1,
+KL = 0 at all 40 steps): with the behav route the train-infer mask never cuts, by construction, and staleness is
+the only correction left. (3) Staleness alone engages the approximate modes: at K = 8 `decoupled` kept down to
+0.922 of the tokens (R), its mean |log pi_prox - log pi_v| reached 0.31 in a step, and its reward fell from 0.91
+to 0.05 at step 14 (held-out avg@4 0.323 after 20 steps), as in the run of 2026-12-06 (0.089 there): the
+collapse is not the gap's doing. `ppo_ewma` at K = 8 kept its reward (0.59-0.94 per step, avg@4 0.792) with a
+reference closer to pi_v in 19 of 20 steps (mean error 0.009 against 0.106); at K = 2 the two are close (0.0073
+against 0.0040, EWMA's lower in 14 of 20 steps; its mean is one step's doing, step 8 at 0.098, where its
+reward fell to 0.50). One seed:
+Z4 is inconclusive by its rule, and these are pilot figures, not a verdict on which correction learns better.
 """
